@@ -1,0 +1,85 @@
+"""Wall-clock time over Trio's clock.
+
+Durable instants are wall-clock UTC. The :class:`Clock` maps ``trio.current_time()`` onto
+the wall clock once, at construction, so that under ``trio.testing.MockClock`` a one-hour
+deadline passes in milliseconds of real time and every instant the coordinator records
+is consistent with Trio's sleeps.
+
+Internally instants are integer milliseconds since the Unix epoch (``*_ms``); on the wire
+they are ISO 8601 strings (:func:`to_iso` / :func:`from_iso`).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+import trio
+
+__all__ = ["Clock", "to_iso", "from_iso", "ms_to_datetime", "datetime_to_ms"]
+
+
+class Clock:
+    """Wall-clock milliseconds derived from Trio time.
+
+    ``now_ms()`` = wall time at construction + (trio time now - trio time at construction).
+    Outside a Trio run it falls back to ``time.time()``.
+    """
+
+    __slots__ = ("_wall0", "_trio0")
+
+    def __init__(self, wall_start: float | None = None) -> None:
+        self._wall0 = time.time() if wall_start is None else wall_start
+        try:
+            self._trio0 = trio.current_time()
+        except RuntimeError:
+            self._trio0 = None
+
+    def now(self) -> float:
+        """Seconds since the epoch (float)."""
+        if self._trio0 is None:
+            return time.time()
+        try:
+            return self._wall0 + (trio.current_time() - self._trio0)
+        except RuntimeError:
+            return time.time()
+
+    def now_ms(self) -> int:
+        """Milliseconds since the epoch (int)."""
+        return int(self.now() * 1000)
+
+    def trio_time_at(self, at_ms: int) -> float:
+        """The ``trio.current_time()`` value at which wall instant ``at_ms`` is reached."""
+        if self._trio0 is None:
+            return trio.current_time() + (at_ms / 1000 - time.time())
+        return self._trio0 + (at_ms / 1000 - self._wall0)
+
+
+def ms_to_datetime(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+def datetime_to_ms(dt: datetime) -> int:
+    if dt.tzinfo is None:
+        raise ValueError("datetime must be timezone-aware (UTC)")
+    return int(round(dt.timestamp() * 1000))
+
+
+def to_iso(ms: int | None) -> str | None:
+    """Milliseconds since the epoch -> ISO 8601 UTC string (``...Z``), None passes."""
+    if ms is None:
+        return None
+    return ms_to_datetime(ms).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def from_iso(s: str) -> int:
+    """ISO 8601 string -> milliseconds since the epoch. Naive strings are UTC.
+
+    Raises ValueError on a malformed string.
+    """
+    if s.endswith("Z") or s.endswith("z"):
+        s = s[:-1] + "+00:00"
+    dt = datetime.fromisoformat(s)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return int(round(dt.timestamp() * 1000))

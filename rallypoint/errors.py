@@ -1,0 +1,268 @@
+"""Error codes and the exception hierarchy (SPEC §1).
+
+Every error rallypoint raises, on the server or in the SDK, is a :class:`RallypointError`
+with a ``code`` (a string from :data:`CODES`), a human ``message`` that says what to do,
+an optional ``retry_after`` (seconds, float) and optional structured ``details``.
+
+Errors cross the wire as ``(code, message, retry_after, details)`` and are re-raised on
+the client as the same class by :func:`error_from_wire`, so ``except LeaseLostError``
+works the same embedded and over TCP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CODES",
+    "RallypointError",
+    "ValidationError",
+    "NotFoundError",
+    "ConflictError",
+    "ScopeInactiveError",
+    "ScopeCancelledError",
+    "DeadlineExceededError",
+    "LeaseLostError",
+    "BarrierError",
+    "BarrierReleasedError",
+    "BarrierCancelledError",
+    "JoinSetExhaustedError",
+    "ChildError",
+    "ContentionError",
+    "CapacityUnavailableError",
+    "AllowanceExhaustedError",
+    "InsufficientBudgetError",
+    "ClaimHeldError",
+    "LimitError",
+    "WaitTimeout",
+    "AuthError",
+    "UnauthenticatedError",
+    "ForbiddenError",
+    "UnavailableError",
+    "CursorExpiredError",
+    "InternalError",
+    "error_from_wire",
+]
+
+
+class RallypointError(Exception):
+    """Base of every rallypoint error.
+
+    Attributes:
+        code: the wire code (e.g. ``"NOT_FOUND"``).
+        message: what went wrong and what to do about it.
+        retry_after: seconds after which the same request may succeed, or None.
+        details: optional structured data (e.g. ``{"field": "lease_ms"}``).
+    """
+
+    code: str = "INTERNAL"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        retry_after: float | None = None,
+        details: dict[str, Any] | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.retry_after = retry_after
+        self.details = details
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+class ValidationError(RallypointError):
+    """VALIDATION_FAILED: a bad argument; the message names the field."""
+
+    code = "VALIDATION_FAILED"
+
+
+class NotFoundError(RallypointError):
+    """NOT_FOUND: no such entity in this space."""
+
+    code = "NOT_FOUND"
+
+
+class ConflictError(RallypointError):
+    """CONFLICT: the request contradicts the state (closed group, key reuse, ...)."""
+
+    code = "CONFLICT"
+
+
+class ScopeInactiveError(RallypointError):
+    """Base of the two ways a run refuses new work (SPEC §2)."""
+
+    code = "SCOPE_CANCELLED"
+
+
+class ScopeCancelledError(ScopeInactiveError):
+    """SCOPE_CANCELLED: the run, or an ancestor, was cancelled or completed."""
+
+    code = "SCOPE_CANCELLED"
+
+
+class DeadlineExceededError(ScopeInactiveError):
+    """DEADLINE_EXCEEDED: the run, or an ancestor, is past its deadline."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class LeaseLostError(RallypointError):
+    """STALE_CLAIM: the lease / fencing token is no longer the current one."""
+
+    code = "STALE_CLAIM"
+
+
+class BarrierError(RallypointError):
+    """Base of barrier errors."""
+
+    code = "BARRIER_RELEASED"
+
+
+class BarrierReleasedError(BarrierError):
+    """BARRIER_RELEASED: arrive after the barrier released in this epoch."""
+
+    code = "BARRIER_RELEASED"
+
+
+class BarrierCancelledError(BarrierError):
+    """BARRIER_CANCELLED: the barrier was cancelled (its run was cancelled)."""
+
+    code = "BARRIER_CANCELLED"
+
+
+class JoinSetExhaustedError(RallypointError):
+    """JOIN_SET_EXHAUSTED: awaited more results than were submitted."""
+
+    code = "JOIN_SET_EXHAUSTED"
+
+
+class ChildError(RallypointError):
+    """CHILD_FAILED: an awaited join-set child failed.
+
+    Attributes:
+        value: the child's error payload (any msgpack-able value), or None.
+        failure_kind: ``"failed"``, ``"timed_out"``, ``"cancelled"`` or ``"expired"``.
+        child_id: the id of the child that failed.
+    """
+
+    code = "CHILD_FAILED"
+
+    def __init__(self, message: str = "", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        d = self.details or {}
+        self.value = d.get("value")
+        self.failure_kind = d.get("failure_kind")
+        self.child_id = d.get("child_id")
+
+
+class ContentionError(RallypointError):
+    """Base of contention on pools, quotas, budgets and claims."""
+
+
+class CapacityUnavailableError(ContentionError):
+    code = "CAPACITY_UNAVAILABLE"
+
+
+class AllowanceExhaustedError(ContentionError):
+    code = "ALLOWANCE_EXHAUSTED"
+
+
+class InsufficientBudgetError(ContentionError):
+    code = "INSUFFICIENT_BUDGET"
+
+
+class ClaimHeldError(ContentionError):
+    code = "CLAIM_HELD"
+
+
+class LimitError(RallypointError):
+    """LIMIT_EXCEEDED: a structural limit (100 members, child limit, backlog)."""
+
+    code = "LIMIT_EXCEEDED"
+
+
+class WaitTimeout(RallypointError, TimeoutError):
+    """TIMEOUT: a client-side wait ran out; nothing changed on the server."""
+
+    code = "TIMEOUT"
+
+
+class AuthError(RallypointError):
+    """Base of UNAUTHENTICATED and FORBIDDEN."""
+
+    code = "UNAUTHENTICATED"
+
+
+class UnauthenticatedError(AuthError):
+    code = "UNAUTHENTICATED"
+
+
+class ForbiddenError(AuthError):
+    code = "FORBIDDEN"
+
+
+class UnavailableError(RallypointError):
+    """UNAVAILABLE: the server cannot be reached, or is shutting down."""
+
+    code = "UNAVAILABLE"
+
+
+class CursorExpiredError(RallypointError):
+    code = "CURSOR_EXPIRED"
+
+
+class InternalError(RallypointError):
+    """INTERNAL: a server bug. The message never carries internal exception text."""
+
+    code = "INTERNAL"
+
+
+_BY_CODE: dict[str, type[RallypointError]] = {
+    "VALIDATION_FAILED": ValidationError,
+    "NOT_FOUND": NotFoundError,
+    "CONFLICT": ConflictError,
+    "SCOPE_CANCELLED": ScopeCancelledError,
+    "DEADLINE_EXCEEDED": DeadlineExceededError,
+    "STALE_CLAIM": LeaseLostError,
+    "BARRIER_RELEASED": BarrierReleasedError,
+    "BARRIER_CANCELLED": BarrierCancelledError,
+    "JOIN_SET_EXHAUSTED": JoinSetExhaustedError,
+    "CHILD_FAILED": ChildError,
+    "CAPACITY_UNAVAILABLE": CapacityUnavailableError,
+    "ALLOWANCE_EXHAUSTED": AllowanceExhaustedError,
+    "INSUFFICIENT_BUDGET": InsufficientBudgetError,
+    "CLAIM_HELD": ClaimHeldError,
+    "LIMIT_EXCEEDED": LimitError,
+    "TIMEOUT": WaitTimeout,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "FORBIDDEN": ForbiddenError,
+    "UNAVAILABLE": UnavailableError,
+    "CURSOR_EXPIRED": CursorExpiredError,
+    "INTERNAL": InternalError,
+}
+
+#: Every wire code, in SPEC §1 order.
+CODES: tuple[str, ...] = tuple(_BY_CODE)
+
+
+def error_from_wire(
+    code: str,
+    message: str,
+    retry_after: float | None = None,
+    details: dict[str, Any] | None = None,
+) -> RallypointError:
+    """Rebuild the exception a server sent: the class for ``code`` (RallypointError
+    with that code if the code is unknown to this client version)."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return RallypointError(message, retry_after=retry_after, details=details, code=code)
+    return cls(message, retry_after=retry_after, details=details)

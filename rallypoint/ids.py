@@ -1,0 +1,80 @@
+"""Time-ordered, typed, opaque ids (SPEC §1).
+
+An id is ``<prefix>_<26 chars>``: a ULID-style body in lowercase Crockford base32, made
+of a 48-bit millisecond timestamp and an 80-bit random part. Ids made by one process are
+strictly increasing (within one millisecond the random part is incremented), so sorting
+ids sorts by creation. An id says nothing about which process made it (shard-aware
+routing maps ids, see ARCHITECTURE "Scale past one machine").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+__all__ = ["PREFIXES", "new_id", "is_id", "IdGenerator"]
+
+#: Known prefixes and what they name.
+PREFIXES = {
+    "scp": "run (scope)",
+    "mbx": "mailbox",
+    "tsk": "task",
+    "dlv": "delivery",
+    "grp": "task group",
+    "bar": "barrier",
+    "tmr": "timer",
+    "jst": "join set",
+    "clm": "claim",
+    "key": "api key",
+    "chd": "join-set child (delay)",
+}
+
+_ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
+_ID_RE = re.compile(r"^([a-z]{3})_([0-9a-hjkmnp-tv-z]{26})$")
+_RAND_MASK = (1 << 80) - 1
+
+
+def _b32(n: int) -> str:
+    out = []
+    for _ in range(26):
+        out.append(_ALPHABET[n & 31])
+        n >>= 5
+    return "".join(reversed(out))
+
+
+class IdGenerator:
+    """Monotonic id source. ``now_ms`` is a callable giving wall-clock milliseconds."""
+
+    __slots__ = ("_last_ms", "_last_rand", "_now_ms")
+
+    def __init__(self, now_ms=None) -> None:
+        self._last_ms = -1
+        self._last_rand = 0
+        self._now_ms = now_ms or (lambda: int(time.time() * 1000))
+
+    def new(self, prefix: str) -> str:
+        ms = self._now_ms()
+        if ms <= self._last_ms:
+            ms = self._last_ms
+            rand = (self._last_rand + 1) & _RAND_MASK
+        else:
+            rand = int.from_bytes(os.urandom(10), "big")
+        self._last_ms, self._last_rand = ms, rand
+        return f"{prefix}_{_b32((ms << 80) | rand)}"
+
+
+_default = IdGenerator()
+
+
+def new_id(prefix: str) -> str:
+    """A new id with ``prefix`` from the process-wide generator."""
+    return _default.new(prefix)
+
+
+def is_id(value: object, prefix: str | None = None) -> bool:
+    """True when ``value`` is a well-formed id (with ``prefix`` if given)."""
+    if not isinstance(value, str):
+        return False
+    m = _ID_RE.match(value)
+    return bool(m) and (prefix is None or m.group(1) == prefix)

@@ -1,0 +1,106 @@
+"""The frame envelope: what every frame on a rallypoint connection looks like.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack (at most
+:data:`MAX_FRAME_BYTES`). The body of a frame is one of the Structs below, tagged by the
+field ``t``. Operation bodies (``Request.body``) and reply bodies (``Ok.body``) are kept
+as :class:`msgspec.Raw` in the envelope and decoded separately against the operation
+union in :mod:`rallypoint.protocol`, so that a bad operation still has a request id to
+answer to and a message naming the bad field.
+
+Connection lifecycle::
+
+    client: Hello(version, api_key, client)      server: HelloOk(version, server_version)
+                                                  or Err(id=0, ...) and close
+    client: Request(id, body) | Batch(reqs)      server: Ok(id, body) | Err(id, ...)
+    either: Ping(nonce)                           other: Pong(nonce)
+
+Replies come in any order; ``id`` matches them to requests. Request ids are chosen by
+the client, unique per connection, and > 0 (0 is the connection itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_FRAME_BYTES",
+    "MAX_PAYLOAD_BYTES",
+    "Hello",
+    "HelloOk",
+    "Request",
+    "Batch",
+    "Ok",
+    "Err",
+    "Ping",
+    "Pong",
+    "ClientFrame",
+    "ServerFrame",
+]
+
+#: Bumped on any incompatible change of the envelope or of an operation.
+PROTOCOL_VERSION = 1
+#: Largest frame body, bytes (SPEC §13).
+MAX_FRAME_BYTES = 1 << 20
+#: Largest encoded payload (task input, outcome, error details), bytes (SPEC §13).
+MAX_PAYLOAD_BYTES = 64 * 1024
+
+
+class Hello(msgspec.Struct, tag_field="t", tag="hello", forbid_unknown_fields=False):
+    """First frame from the client."""
+
+    version: int
+    api_key: str | None = None
+    client: str = ""
+
+
+class HelloOk(msgspec.Struct, tag_field="t", tag="hello_ok"):
+    """The server accepted the handshake."""
+
+    version: int
+    server_version: str
+    space: str = "default"
+
+
+class Request(msgspec.Struct, tag_field="t", tag="req", array_like=False):
+    """One operation. ``body`` is an operation Struct from :mod:`rallypoint.protocol`."""
+
+    id: int
+    body: msgspec.Raw
+
+
+class Batch(msgspec.Struct, tag_field="t", tag="batch"):
+    """Several requests in one frame; each is answered by its own Ok/Err."""
+
+    reqs: list[Request]
+
+
+class Ok(msgspec.Struct, tag_field="t", tag="ok"):
+    """Success. ``body`` is the operation's reply Struct (or nil)."""
+
+    id: int
+    body: msgspec.Raw
+
+
+class Err(msgspec.Struct, tag_field="t", tag="err"):
+    """Failure of request ``id`` (0: of the connection / handshake)."""
+
+    id: int
+    code: str
+    message: str
+    retry_after: float | None = None
+    details: dict[str, Any] | None = None
+
+
+class Ping(msgspec.Struct, tag_field="t", tag="ping"):
+    nonce: int = 0
+
+
+class Pong(msgspec.Struct, tag_field="t", tag="pong"):
+    nonce: int = 0
+
+
+ClientFrame = Union[Hello, Request, Batch, Ping, Pong]
+ServerFrame = Union[HelloOk, Ok, Err, Ping, Pong]
