@@ -1,0 +1,48 @@
+"""The coordinator: one class made of the actor kinds.
+
+Each kind (runs, work queues, task groups, ...) is a mixin with its state Structs, its
+``op_*`` handlers (decide), its ``@applies`` functions and its activities; the base
+(:mod:`.system`) owns the tables, the commit pipeline, the timer heap and recovery.
+"""
+
+from .group import GroupKind
+from .mailbox import MailboxKind
+from .scope import ScopeKind
+from .system import CoordinatorBase, MemoryJournal
+
+
+class Coordinator(GroupKind, MailboxKind, ScopeKind, CoordinatorBase):
+    """The whole coordinator (see :class:`.system.CoordinatorBase` for arguments)."""
+
+
+__all__ = ["Coordinator", "MemoryJournal"]
+
+
+def _op_server_status(self, session, op):
+    from ..protocol import ServerStatusView
+    from ..wire import PROTOCOL_VERSION
+
+    st = self.server_status()
+    runs: dict[str, int] = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
+    for s in self.scopes.values():
+        if s.space == session.space:
+            runs[s.state] = runs.get(s.state, 0) + 1
+    tasks: dict[str, int] = {}
+    for counts in self.scope_task_counts.values():
+        for k, v in counts.items():
+            tasks[k] = tasks.get(k, 0) + v
+    return ServerStatusView(
+        version=st["version"],
+        protocol_version=PROTOCOL_VERSION,
+        uptime_s=st["uptime_s"],
+        connections=st["connections"],
+        durability=st["durability"],
+        runs=runs,
+        tasks=tasks,
+        entities=st["entities"],
+        last_lsn=st["last_lsn"],
+        durable_lsn=st["durable_lsn"],
+    )
+
+
+Coordinator.op_server_status = _op_server_status

@@ -1,0 +1,524 @@
+"""The SDK: the same handles over TCP and embedded.
+
+``rs`` (a :class:`Client`) is what :func:`rallypoint.connect` and
+:func:`rallypoint.open_embedded` yield. Handles (:class:`Run`, :class:`Mailbox`,
+:class:`Ticket`, :class:`Delivery`, :class:`Group`) are cheap objects holding an id;
+every method is one request (or, for waits longer than the server's 60 s limit, a few).
+
+Units: durations are seconds (float) named ``timeout``, ``wait``, ``lease_seconds``,
+``delay``; instants are aware ``datetime`` (or ISO 8601 strings). Errors are the
+:mod:`rallypoint.errors` classes, raised the same way in both modes.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Any, Iterable
+
+import anyio
+import msgspec
+
+from .. import protocol as p
+from ..errors import (
+    LeaseLostError,
+    ScopeInactiveError,
+    ValidationError,
+    WaitTimeout,
+)
+from . import types as t
+
+__all__ = ["Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes"]
+
+_MAX_WAIT_S = 60.0
+_payload_encoder = msgspec.msgpack.Encoder(order="sorted")
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def encode_payload(value: Any, field: str = "input") -> msgspec.Raw:
+    """Encode a payload (any msgpack-able value) for the wire. Dict keys are sorted so
+    that equal inputs encode to equal bytes (idempotency keys compare bytes)."""
+    try:
+        return msgspec.Raw(_payload_encoder.encode(value))
+    except (TypeError, msgspec.EncodeError, OverflowError) as e:
+        raise ValidationError(f"{field} is not msgpack-able: {e}", details={"field": field}) from None
+
+
+def _iso(value: datetime | str | None, field: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValidationError(f"{field} must be a timezone-aware datetime", details={"field": field})
+        return value.isoformat()
+    raise ValidationError(f"{field} must be a datetime or an ISO 8601 string", details={"field": field})
+
+
+def _ms(seconds: float | None, field: str) -> int:
+    if seconds is None:
+        return 0
+    if not isinstance(seconds, (int, float)) or seconds < 0 or math.isnan(seconds):
+        raise ValidationError(f"{field} must be a number of seconds >= 0", details={"field": field})
+    return int(round(seconds * 1000))
+
+
+def _id_of(x: Any, kind: str = "scope") -> str:
+    if isinstance(x, str):
+        return x
+    i = getattr(x, "id", None)
+    if isinstance(i, str):
+        return i
+    raise ValidationError(f"{kind} must be an id or a handle (got {x!r})", details={"field": kind})
+
+
+def _mailbox_name(x: Any) -> str:
+    if isinstance(x, str):
+        return x
+    n = getattr(x, "name", None)
+    if isinstance(n, str):
+        return n
+    raise ValidationError(f"mailbox must be a name or a Mailbox handle (got {x!r})", details={"field": "mailbox"})
+
+
+class Client:
+    """The ``rs`` object. ``transport`` has ``call(op) -> Raw`` and ``call_many``."""
+
+    def __init__(self, transport) -> None:
+        self._transport = transport
+        self.scopes = Scopes(self)
+        self.mailboxes = Mailboxes(self)
+
+    async def _call(self, op: msgspec.Struct, reply_type: type):
+        raw = await self._transport.call(op)
+        dec = _decoders.get(reply_type)
+        if dec is None:
+            dec = _decoders[reply_type] = msgspec.msgpack.Decoder(reply_type)
+        return dec.decode(raw)
+
+    async def _call_many(self, ops: list, reply_type: type) -> list:
+        """One batch frame; returns replies or RallypointError instances, in order."""
+        dec = _decoders.get(reply_type)
+        if dec is None:
+            dec = _decoders[reply_type] = msgspec.msgpack.Decoder(reply_type)
+        out = []
+        for r in await self._transport.call_many(ops):
+            out.append(r if isinstance(r, Exception) else dec.decode(r))
+        return out
+
+    def scope(self, scope_id: str) -> "Run":
+        """Re-attach to a run by id (no request is made)."""
+        return Run(self, _id_of(scope_id))
+
+    def mailbox(self, name: str) -> "Mailbox":
+        """A handle on a mailbox by name (no request is made)."""
+        return Mailbox(self, _mailbox_name(name))
+
+    def task(self, task_id: str) -> "Ticket":
+        return Ticket(self, _id_of(task_id, "task"))
+
+    def group(self, group_id: str) -> "Group":
+        return Group(self, _id_of(group_id, "group"))
+
+    async def status(self) -> t.ServerInfo:
+        """Server version, uptime (s), connections, runs and tasks by state, LSNs."""
+        return await self._call(p.ServerStatus(), t.ServerInfo)
+
+
+class Scopes:
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def create(
+        self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000
+    ) -> "Run":
+        """Create a root run. ``deadline``: aware datetime or ISO 8601, must be in the
+        future (VALIDATION_FAILED). ``child_limit`` caps direct children (LIMIT_EXCEEDED)."""
+        st = await self._rs._call(
+            p.ScopeCreate(name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit), t.RunStatus
+        )
+        return Run(self._rs, st.id, st)
+
+    async def list(
+        self, parent: "Run | str | None" = None, *, roots_only: bool = False, state: str | None = None, limit: int = 100
+    ) -> list[t.RunStatus]:
+        reply = await self._rs._call(
+            p.ScopeList(
+                parent_id=None if parent is None else _id_of(parent), roots_only=roots_only, state=state, limit=limit
+            ),
+            t._RunList,
+        )
+        return reply.scopes
+
+
+class Run:
+    """A handle on a run (scope). ``id`` is ``scp_…``."""
+
+    def __init__(self, rs: Client, scope_id: str, status: t.RunStatus | None = None) -> None:
+        self._rs = rs
+        self.id = scope_id
+        self.last_status = status
+        self.groups = Groups(rs, self)
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Run) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    async def child(
+        self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000
+    ) -> "Run":
+        """A child run. SCOPE_CANCELLED / DEADLINE_EXCEEDED if this run is inactive,
+        LIMIT_EXCEEDED past ``child_limit``."""
+        st = await self._rs._call(
+            p.ScopeCreate(parent_id=self.id, name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit),
+            t.RunStatus,
+        )
+        return Run(self._rs, st.id, st)
+
+    async def status(self) -> t.RunStatus:
+        self.last_status = await self._rs._call(p.ScopeStatus(scope_id=self.id), t.RunStatus)
+        return self.last_status
+
+    async def cancel(self, reason: str | None = None) -> t.RunStatus:
+        """Cancel this run and its subtree, in one step. Idempotent on a cancelled run;
+        CONFLICT on a completed one."""
+        self.last_status = await self._rs._call(p.ScopeCancel(scope_id=self.id, reason=reason), t.RunStatus)
+        return self.last_status
+
+    async def complete(self) -> t.RunStatus:
+        """Record that the run finished normally (final; CONFLICT if already finished)."""
+        self.last_status = await self._rs._call(p.ScopeComplete(scope_id=self.id), t.RunStatus)
+        return self.last_status
+
+    async def children(self, limit: int = 1000) -> list[t.RunStatus]:
+        return await self._rs.scopes.list(self, limit=limit)
+
+    def task(self, task_id: str) -> "Ticket":
+        """Re-attach to a task by id."""
+        return Ticket(self._rs, _id_of(task_id, "task"))
+
+
+class Mailboxes:
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def ensure(
+        self, name: str, mode: str = "WORK", max_attempts: int = 5, backlog_limit: int | None = None
+    ) -> "Mailbox":
+        """Create the mailbox, or check it exists with these settings (CONFLICT naming
+        the differing setting)."""
+        info = await self._rs._call(
+            p.MailboxEnsure(name=name, mode=mode, max_attempts=max_attempts, backlog_limit=backlog_limit),
+            t.MailboxInfo,
+        )
+        return Mailbox(self._rs, info.name, info)
+
+    async def get(self, name: str) -> "Mailbox":
+        info = await self._rs._call(p.MailboxGet(name=name), t.MailboxInfo)
+        return Mailbox(self._rs, info.name, info)
+
+    async def list(self) -> list[t.MailboxInfo]:
+        return (await self._rs._call(p.MailboxList(), t._MailboxList)).mailboxes
+
+
+class Mailbox:
+    """A handle on a mailbox (a durable work queue), by name."""
+
+    def __init__(self, rs: Client, name: str, info: t.MailboxInfo | None = None) -> None:
+        self._rs = rs
+        self.name = name
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Mailbox({self.name!r})"
+
+    async def status(self) -> t.MailboxInfo:
+        self.info = await self._rs._call(p.MailboxGet(name=self.name), t.MailboxInfo)
+        return self.info
+
+    async def submit(
+        self,
+        input: Any = None,
+        key: str | None = None,
+        *,
+        scope: "Run | str",
+        deadline: datetime | str | None = None,
+    ) -> "Ticket":
+        """Submit a task to this mailbox, bound to ``scope``. With ``key``, idempotent
+        within the run and mailbox (same input: the existing task; other input:
+        CONFLICT). Refused on an inactive run; LIMIT_EXCEEDED (with retry_after) when the
+        backlog is full."""
+        info = await self._rs._call(
+            p.TaskSubmit(
+                mailbox=self.name,
+                scope_id=_id_of(scope),
+                input=encode_payload(input),
+                key=key,
+                deadline=_iso(deadline, "deadline"),
+            ),
+            t.TaskInfo,
+        )
+        return Ticket(self._rs, info.id, info)
+
+    async def submit_many(
+        self, inputs: Iterable[Any], *, scope: "Run | str", keys: Iterable[str | None] | None = None,
+        deadline: datetime | str | None = None,
+    ) -> list["Ticket"]:
+        """Submit several tasks in one request and one commit: all or none."""
+        inputs = list(inputs)
+        keys = list(keys) if keys is not None else [None] * len(inputs)
+        if len(keys) != len(inputs):
+            raise ValidationError("keys must have one entry per input", details={"field": "keys"})
+        dl = _iso(deadline, "deadline")
+        items = [
+            p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl)
+            for i, (x, k) in enumerate(zip(inputs, keys))
+        ]
+        reply = await self._rs._call(
+            p.TaskSubmitMany(mailbox=self.name, scope_id=_id_of(scope), items=items), t._TaskList
+        )
+        return [Ticket(self._rs, i.id, i) for i in reply.tasks]
+
+    async def receive(
+        self,
+        scope: "Run | str",
+        lease_seconds: float = 30,
+        wait: float = 20,
+        max_messages: int = 1,
+    ) -> "Delivery | list[Delivery] | None":
+        """Lease the oldest eligible task(s) of ``scope`` and its descendants.
+
+        Waits on the server up to ``wait`` seconds for work (re-issuing past 60 s).
+        Returns a :class:`Delivery` or None when ``max_messages`` is 1, else a list
+        (possibly empty). ``lease_seconds`` 5-600. Refused (SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED) when the run is inactive."""
+        sid = _id_of(scope)
+        lease_ms = _ms(lease_seconds, "lease_seconds")
+        remaining = wait if wait is not None else math.inf
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            reply = await self._rs._call(
+                p.Receive(
+                    mailbox=self.name,
+                    scope_id=sid,
+                    lease_ms=lease_ms,
+                    wait_ms=_ms(chunk, "wait"),
+                    max_messages=max_messages,
+                ),
+                t._ReceiveReply,
+            )
+            remaining -= chunk
+            if reply.deliveries or remaining <= 0:
+                break
+        ds = [Delivery(self._rs, d, lease_seconds) for d in reply.deliveries]
+        if max_messages == 1:
+            return ds[0] if ds else None
+        return ds
+
+
+class Ticket:
+    """A handle on a task (``tsk_…``)."""
+
+    def __init__(self, rs: Client, task_id: str, info: t.TaskInfo | None = None) -> None:
+        self._rs = rs
+        self.id = task_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Ticket({self.id!r})"
+
+    async def status(self) -> t.TaskInfo:
+        """The task's state now (no wait)."""
+        self.info = await self._rs._call(p.TaskStatus(task_id=self.id), t.TaskInfo)
+        return self.info
+
+    async def result(self, timeout: float | None = None) -> t.TaskInfo:
+        """Wait on the server until the task is terminal and return its
+        ``{state, outcome, outcome_reason, attempt, …}``. Raises WaitTimeout (changing
+        nothing) when ``timeout`` seconds pass first; ``None`` waits forever."""
+        remaining = math.inf if timeout is None else timeout
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            info = await self._rs._call(p.TaskResult(task_id=self.id, wait_ms=_ms(chunk, "timeout")), t.TaskInfo)
+            self.info = info
+            if info.finished:
+                return info
+            remaining -= chunk
+            if remaining <= 0:
+                raise WaitTimeout(f"task {self.id} is still {info.state} after {timeout} s")
+
+    async def cancel(self) -> t.TaskInfo:
+        """Cancel the task (no-op on a finished one); its lease holder loses the lease."""
+        self.info = await self._rs._call(p.TaskCancel(task_id=self.id), t.TaskInfo)
+        return self.info
+
+
+class Delivery:
+    """A leased delivery of a task. Every method carries the fencing ``token``; a stale
+    one raises LeaseLostError (STALE_CLAIM). ``lost`` is set once the lease is known lost.
+    """
+
+    def __init__(self, rs: Client, info: t.DeliveryInfo, lease_seconds: float) -> None:
+        self._rs = rs
+        self.id = info.id
+        self.task_id = info.task_id
+        self.mailbox = info.mailbox
+        self.scope_id = info.scope_id
+        self.input = info.input
+        self.attempt = info.attempt
+        self.token = info.token
+        self.lease_expires_at = info.lease_expires_at
+        self.group_id = info.group_id
+        self.lease_seconds = lease_seconds
+        self.lost = False
+
+    def __repr__(self) -> str:
+        return f"Delivery(task_id={self.task_id!r}, token={self.token}, attempt={self.attempt})"
+
+    async def _settle(self, op, reply_type):
+        try:
+            return await self._rs._call(op, reply_type)
+        except (LeaseLostError, ScopeInactiveError):
+            self.lost = True
+            raise
+
+    async def renew(self, lease_seconds: float | None = None) -> datetime:
+        """Extend the lease by ``lease_seconds`` (default: the receive's) from now.
+        Returns the new expiry. Refused when the run is inactive or the lease is lost."""
+        ls = self.lease_seconds if lease_seconds is None else lease_seconds
+        r = await self._settle(
+            p.DeliveryRenew(task_id=self.task_id, token=self.token, lease_ms=_ms(ls, "lease_seconds")), t._LeaseReply
+        )
+        self.lease_expires_at = r.lease_expires_at
+        return r.lease_expires_at
+
+    async def complete(self, outcome: Any = None) -> t.TaskInfo:
+        """Record the outcome (exactly once: a later complete is STALE_CLAIM)."""
+        return await self._settle(
+            p.DeliveryComplete(task_id=self.task_id, token=self.token, outcome=encode_payload(outcome, "outcome")),
+            t.TaskInfo,
+        )
+
+    async def retry(self, error: Any = None, delay: float = 0) -> t.TaskInfo:
+        """Give the task back for another attempt after ``delay`` seconds (FAILED after
+        max_attempts). Answered even when the run is inactive (nothing changes then)."""
+        return await self._settle(
+            p.DeliveryRetry(
+                task_id=self.task_id, token=self.token, error=encode_payload(error, "error"), delay_ms=_ms(delay, "delay")
+            ),
+            t.TaskInfo,
+        )
+
+    async def reject(self, error: Any = None) -> t.TaskInfo:
+        """Fail the task for good (FAILED, reason ``rejected``)."""
+        return await self._settle(
+            p.DeliveryReject(task_id=self.task_id, token=self.token, error=encode_payload(error, "error")), t.TaskInfo
+        )
+
+
+class Groups:
+    """``run.groups``: create task groups (gate run under this run by default)."""
+
+    def __init__(self, rs: Client, run: Run) -> None:
+        self._rs = rs
+        self._run = run
+
+    async def create(
+        self,
+        mailbox: "Mailbox | str",
+        condition: str,
+        threshold: int | None = None,
+        expected_members: int | None = None,
+        deadline: datetime | str | None = None,
+        parent_scope_id: "Run | str | None" = None,
+    ) -> "Group":
+        """Create a group whose gate run is a child of ``parent_scope_id`` (default:
+        this run). NOT_FOUND for a missing mailbox; VALIDATION_FAILED for a bad
+        condition/threshold/expected_members."""
+        st = await self._rs._call(
+            p.GroupCreate(
+                scope_id=self._run.id,
+                mailbox=_mailbox_name(mailbox),
+                condition=condition,
+                threshold=threshold,
+                expected_members=expected_members,
+                deadline=_iso(deadline, "deadline"),
+                parent_scope_id=None if parent_scope_id is None else _id_of(parent_scope_id),
+            ),
+            t.GroupStatus,
+        )
+        return Group(self._rs, st.id, st)
+
+    def by_id(self, group_id: str) -> "Group":
+        """Re-attach to a group (e.g. after a restart)."""
+        return Group(self._rs, _id_of(group_id, "group"))
+
+
+class Group:
+    """A handle on a task group (``grp_…``). ``scope_id`` is its gate run, once known."""
+
+    def __init__(self, rs: Client, group_id: str, status: t.GroupStatus | None = None) -> None:
+        self._rs = rs
+        self.id = group_id
+        self.last_status = status
+        self.scope_id = status.scope_id if status else None
+
+    def __repr__(self) -> str:
+        return f"Group({self.id!r})"
+
+    async def submit(self, input: Any = None, key: str | None = None, *, deadline: datetime | str | None = None) -> Ticket:
+        """Add a member task (in the gate run). CONFLICT once the group is closed, unless
+        it is a resubmission of a member (same key and input), which returns it."""
+        r = await self._rs._call(
+            p.GroupSubmit(group_id=self.id, input=encode_payload(input), key=key, deadline=_iso(deadline, "deadline")),
+            t._MemberAdded,
+        )
+        return Ticket(self._rs, r.task.id, r.task)
+
+    async def join_task(self, task: "Ticket | str") -> Ticket:
+        """Add an existing task as a member while the group is open."""
+        r = await self._rs._call(p.GroupJoinTask(group_id=self.id, task_id=_id_of(task, "task")), t._MemberAdded)
+        return Ticket(self._rs, r.task.id, r.task)
+
+    async def accept(self, task: "Ticket | str") -> t.VerdictResult:
+        """Accept a SUCCEEDED member (idempotent; CONFLICT if it was rejected). After
+        finalization the verdict is recorded ``late`` and changes nothing."""
+        return await self._rs._call(
+            p.GroupVerdictOp(group_id=self.id, task_id=_id_of(task, "task"), verdict="ACCEPTED"), t.VerdictResult
+        )
+
+    async def reject(self, task: "Ticket | str") -> t.VerdictResult:
+        """Reject a finished member (idempotent; CONFLICT if it was accepted)."""
+        return await self._rs._call(
+            p.GroupVerdictOp(group_id=self.id, task_id=_id_of(task, "task"), verdict="REJECTED"), t.VerdictResult
+        )
+
+    async def close(self) -> t.GroupDecision:
+        """Seal membership and evaluate at once: ``{state, outcome, outcome_reason}``."""
+        return await self._rs._call(p.GroupClose(group_id=self.id), t.GroupDecision)
+
+    async def status(self) -> t.GroupStatus:
+        st = await self._rs._call(p.GroupStatus(group_id=self.id), t.GroupStatus)
+        self.last_status, self.scope_id = st, st.scope_id
+        return st
+
+    async def wait(self, timeout: float | None = None) -> t.GroupStatus:
+        """Wait on the server for FINALIZED; WaitTimeout after ``timeout`` seconds."""
+        remaining = math.inf if timeout is None else timeout
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            st = await self._rs._call(p.GroupWait(group_id=self.id, wait_ms=_ms(chunk, "timeout")), t.GroupStatus)
+            self.last_status, self.scope_id = st, st.scope_id
+            if st.state == "FINALIZED":
+                return st
+            remaining -= chunk
+            if remaining <= 0:
+                raise WaitTimeout(f"group {self.id} is still {st.state} after {timeout} s")
+
+
+async def sleep_forever() -> None:  # pragma: no cover - helper for examples
+    await anyio.sleep(math.inf)

@@ -1,0 +1,185 @@
+"""What the SDK returns: typed, read-only views decoded straight from reply frames.
+
+They mirror the server's views in :mod:`rallypoint.protocol`, with instants as aware
+``datetime`` (UTC) and payloads (input, outcome, error) as the Python values the sender
+encoded. Each supports attribute access and ``info["field"]``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "RunStatus",
+    "MailboxInfo",
+    "TaskInfo",
+    "DeliveryInfo",
+    "GroupStatus",
+    "GroupMember",
+    "GroupDecision",
+    "VerdictResult",
+    "ServerInfo",
+]
+
+
+class _Info(msgspec.Struct, frozen=True, kw_only=True):
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+class RunStatus(_Info):
+    """A run: ``stored_state`` (ACTIVE/CANCELLED/COMPLETED, its own) and ``effective``
+    (ACTIVE/INACTIVE, including ancestors and deadlines)."""
+
+    id: str
+    name: str | None
+    parent_id: str | None
+    stored_state: str
+    effective: str
+    inactive_reason: str | None
+    deadline: datetime | None
+    created_at: datetime
+    ended_at: datetime | None
+    child_limit: int
+    children: int
+    tasks: dict[str, int]
+    group_id: str | None = None
+
+
+class MailboxInfo(_Info):
+    id: str
+    name: str
+    mode: str
+    max_attempts: int
+    backlog_limit: int | None
+    created_at: datetime
+    queued: int
+    running: int
+
+
+class TaskInfo(_Info):
+    """A task's state; ``outcome`` is the completing worker's value, ``error`` the last
+    retry/reject error payload."""
+
+    id: str
+    mailbox: str
+    scope_id: str
+    state: str
+    attempt: int
+    key: str | None
+    input: Any
+    outcome: Any
+    outcome_reason: str | None
+    error: Any
+    created_at: datetime
+    finished_at: datetime | None
+    deadline: datetime | None
+    group_id: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED")
+
+
+class DeliveryInfo(_Info):
+    id: str
+    task_id: str
+    mailbox: str
+    scope_id: str
+    input: Any
+    attempt: int
+    token: int
+    lease_expires_at: datetime
+    group_id: str | None = None
+
+
+class _ReceiveReply(msgspec.Struct):
+    deliveries: list[DeliveryInfo]
+
+
+class _LeaseReply(msgspec.Struct):
+    task_id: str
+    token: int
+    lease_expires_at: datetime
+
+
+class GroupMember(_Info):
+    task_id: str
+    task_state: str
+    verdict: str | None
+    late: bool
+    key: str | None
+
+
+class GroupStatus(_Info):
+    """A task group: ``scope_id`` is its gate run (workers receive from it)."""
+
+    id: str
+    scope_id: str
+    parent_scope_id: str
+    mailbox: str
+    condition: str
+    threshold: int | None
+    expected_members: int | None
+    deadline: datetime | None
+    state: str
+    outcome: str | None
+    outcome_reason: str | None
+    created_at: datetime
+    finalized_at: datetime | None
+    counts: dict[str, int]
+    members: list[GroupMember]
+
+
+class GroupDecision(_Info):
+    state: str
+    outcome: str | None
+    outcome_reason: str | None
+
+
+class VerdictResult(_Info):
+    task_id: str
+    verdict: str
+    late: bool
+    group_state: str
+    outcome: str | None
+    outcome_reason: str | None
+
+
+class _MemberAdded(msgspec.Struct):
+    task: TaskInfo
+    group_state: str
+
+
+class ServerInfo(_Info):
+    version: str
+    protocol_version: int
+    uptime_s: float
+    connections: int
+    durability: str
+    runs: dict[str, int]
+    tasks: dict[str, int]
+    entities: int
+    last_lsn: int
+    durable_lsn: int
+
+
+class _RunList(msgspec.Struct):
+    scopes: list[RunStatus]
+
+
+class _MailboxList(msgspec.Struct):
+    mailboxes: list[MailboxInfo]
+
+
+class _TaskList(msgspec.Struct):
+    tasks: list[TaskInfo]

@@ -1,0 +1,406 @@
+"""The wire contract: operation requests and their replies, as msgspec Structs.
+
+A request body is one Struct of the :data:`Op` tagged union (tag field ``op``); its
+reply body is the Struct named in :data:`REPLY_TYPES`. Decoding a body against
+:data:`Op` validates it: an unknown ``op``, a missing field or a wrong type becomes
+VALIDATION_FAILED with msgspec's path to the field (``$.lease_ms``).
+
+Units on the wire: durations are integer milliseconds (``*_ms``), instants are ISO 8601
+UTC strings, payloads (task input, outcome, error) are inline msgpack values
+(:class:`msgspec.Raw`), at most 64 KiB each. The frame envelope is in
+:mod:`rallypoint.wire`.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from .wire import *  # noqa: F401,F403  (the envelope is part of the contract)
+from .wire import MAX_PAYLOAD_BYTES, PROTOCOL_VERSION  # noqa: F401
+
+NIL = msgspec.Raw(b"\xc0")
+
+
+class _Op(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class _View(msgspec.Struct, omit_defaults=False):
+    pass
+
+
+# --- system -------------------------------------------------------------------------
+
+
+class ServerStatus(_Op, tag="server.status"):
+    pass
+
+
+class ServerStatusView(_View):
+    version: str
+    protocol_version: int
+    uptime_s: float
+    connections: int
+    durability: str
+    runs: dict[str, int]
+    tasks: dict[str, int]
+    entities: int
+    last_lsn: int
+    durable_lsn: int
+
+
+# --- runs (scopes) --------------------------------------------------------------------
+
+
+class ScopeCreate(_Op, tag="scope.create"):
+    parent_id: str | None = None
+    name: str | None = None
+    deadline: str | None = None  # ISO 8601
+    child_limit: int = 1000
+
+
+class ScopeStatus(_Op, tag="scope.status"):
+    scope_id: str
+
+
+class ScopeCancel(_Op, tag="scope.cancel"):
+    scope_id: str
+    reason: str | None = None
+
+
+class ScopeComplete(_Op, tag="scope.complete"):
+    scope_id: str
+
+
+class ScopeList(_Op, tag="scope.list"):
+    parent_id: str | None = None
+    roots_only: bool = False
+    state: str | None = None
+    limit: int = 100
+    after: str | None = None
+
+
+class ScopeView(_View):
+    id: str
+    name: str | None
+    parent_id: str | None
+    stored_state: str
+    effective: str
+    inactive_reason: str | None
+    deadline: str | None
+    created_at: str
+    ended_at: str | None
+    child_limit: int
+    children: int
+    tasks: dict[str, int]
+    group_id: str | None = None
+
+
+class ScopeListView(_View):
+    scopes: list[ScopeView]
+
+
+# --- mailboxes ------------------------------------------------------------------------
+
+
+class MailboxEnsure(_Op, tag="mailbox.ensure"):
+    name: str
+    mode: str = "WORK"
+    max_attempts: int = 5
+    backlog_limit: int | None = None
+
+
+class MailboxGet(_Op, tag="mailbox.get"):
+    name: str
+
+
+class MailboxList(_Op, tag="mailbox.list"):
+    pass
+
+
+class MailboxView(_View):
+    id: str
+    name: str
+    mode: str
+    max_attempts: int
+    backlog_limit: int | None
+    created_at: str
+    queued: int
+    running: int
+
+
+class MailboxListView(_View):
+    mailboxes: list[MailboxView]
+
+
+# --- tasks and deliveries -------------------------------------------------------------
+
+
+class SubmitItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    input: msgspec.Raw = NIL
+    key: str | None = None
+    deadline: str | None = None
+
+
+class TaskSubmit(_Op, tag="task.submit"):
+    mailbox: str
+    scope_id: str
+    input: msgspec.Raw = NIL
+    key: str | None = None
+    deadline: str | None = None
+
+
+class TaskSubmitMany(_Op, tag="task.submit_many"):
+    """All-or-nothing: every item is validated first; one commit for all."""
+
+    mailbox: str
+    scope_id: str
+    items: list[SubmitItem]
+
+
+class TaskStatus(_Op, tag="task.status"):
+    task_id: str
+
+
+class TaskResult(_Op, tag="task.result"):
+    """Waits on the server (at most 60 s per request) for a terminal state."""
+
+    task_id: str
+    wait_ms: int = 0
+
+
+class TaskCancel(_Op, tag="task.cancel"):
+    task_id: str
+
+
+class TaskView(_View):
+    id: str
+    mailbox: str
+    scope_id: str
+    state: str
+    attempt: int
+    key: str | None
+    input: msgspec.Raw
+    outcome: msgspec.Raw
+    outcome_reason: str | None
+    error: msgspec.Raw
+    created_at: str
+    finished_at: str | None
+    deadline: str | None
+    group_id: str | None = None
+
+
+class TaskListView(_View):
+    tasks: list[TaskView]
+
+
+class Receive(_Op, tag="delivery.receive"):
+    mailbox: str
+    scope_id: str
+    lease_ms: int = 30_000
+    wait_ms: int = 0
+    max_messages: int = 1
+
+
+class DeliveryView(_View):
+    id: str
+    task_id: str
+    mailbox: str
+    scope_id: str
+    input: msgspec.Raw
+    attempt: int
+    token: int
+    lease_expires_at: str
+    group_id: str | None = None
+
+
+class ReceiveView(_View):
+    deliveries: list[DeliveryView]
+
+
+class DeliveryRenew(_Op, tag="delivery.renew"):
+    task_id: str
+    token: int
+    lease_ms: int = 30_000
+
+
+class LeaseView(_View):
+    task_id: str
+    token: int
+    lease_expires_at: str
+
+
+class DeliveryComplete(_Op, tag="delivery.complete"):
+    task_id: str
+    token: int
+    outcome: msgspec.Raw = NIL
+
+
+class DeliveryRetry(_Op, tag="delivery.retry"):
+    task_id: str
+    token: int
+    error: msgspec.Raw = NIL
+    delay_ms: int = 0
+
+
+class DeliveryReject(_Op, tag="delivery.reject"):
+    task_id: str
+    token: int
+    error: msgspec.Raw = NIL
+
+
+# --- task groups ----------------------------------------------------------------------
+
+
+class GroupCreate(_Op, tag="group.create"):
+    scope_id: str  # the run it was created from
+    mailbox: str
+    condition: str
+    threshold: int | None = None
+    expected_members: int | None = None
+    deadline: str | None = None
+    parent_scope_id: str | None = None
+
+
+class GroupSubmit(_Op, tag="group.submit"):
+    group_id: str
+    input: msgspec.Raw = NIL
+    key: str | None = None
+    deadline: str | None = None
+
+
+class GroupJoinTask(_Op, tag="group.join_task"):
+    group_id: str
+    task_id: str
+
+
+class GroupVerdictOp(_Op, tag="group.verdict"):
+    group_id: str
+    task_id: str
+    verdict: str  # "ACCEPTED" | "REJECTED"
+
+
+class GroupClose(_Op, tag="group.close"):
+    group_id: str
+
+
+class GroupStatus(_Op, tag="group.status"):
+    group_id: str
+
+
+class GroupWait(_Op, tag="group.wait"):
+    group_id: str
+    wait_ms: int = 0
+
+
+class GroupMemberView(_View):
+    task_id: str
+    task_state: str
+    verdict: str | None
+    late: bool
+    key: str | None
+
+
+class GroupView(_View):
+    id: str
+    scope_id: str  # the gate run
+    parent_scope_id: str
+    mailbox: str
+    condition: str
+    threshold: int | None
+    expected_members: int | None
+    deadline: str | None
+    state: str
+    outcome: str | None
+    outcome_reason: str | None
+    created_at: str
+    finalized_at: str | None
+    counts: dict[str, int]
+    members: list[GroupMemberView]
+
+
+class GroupDecisionView(_View):
+    state: str
+    outcome: str | None
+    outcome_reason: str | None
+
+
+class VerdictView(_View):
+    task_id: str
+    verdict: str
+    late: bool
+    group_state: str
+    outcome: str | None
+    outcome_reason: str | None
+
+
+class GroupMemberAddedView(_View):
+    task: TaskView
+    group_state: str
+
+
+Op = Union[
+    ServerStatus,
+    ScopeCreate,
+    ScopeStatus,
+    ScopeCancel,
+    ScopeComplete,
+    ScopeList,
+    MailboxEnsure,
+    MailboxGet,
+    MailboxList,
+    TaskSubmit,
+    TaskSubmitMany,
+    TaskStatus,
+    TaskResult,
+    TaskCancel,
+    Receive,
+    DeliveryRenew,
+    DeliveryComplete,
+    DeliveryRetry,
+    DeliveryReject,
+    GroupCreate,
+    GroupSubmit,
+    GroupJoinTask,
+    GroupVerdictOp,
+    GroupClose,
+    GroupStatus,
+    GroupWait,
+]
+
+ALL_OPS: tuple[type, ...] = Op.__args__  # type: ignore[attr-defined]
+
+#: reply Struct per op (None: the reply is nil)
+REPLY_TYPES: dict[type, type] = {
+    ServerStatus: ServerStatusView,
+    ScopeCreate: ScopeView,
+    ScopeStatus: ScopeView,
+    ScopeCancel: ScopeView,
+    ScopeComplete: ScopeView,
+    ScopeList: ScopeListView,
+    MailboxEnsure: MailboxView,
+    MailboxGet: MailboxView,
+    MailboxList: MailboxListView,
+    TaskSubmit: TaskView,
+    TaskSubmitMany: TaskListView,
+    TaskStatus: TaskView,
+    TaskResult: TaskView,
+    TaskCancel: TaskView,
+    Receive: ReceiveView,
+    DeliveryRenew: LeaseView,
+    DeliveryComplete: TaskView,
+    DeliveryRetry: TaskView,
+    DeliveryReject: TaskView,
+    GroupCreate: GroupView,
+    GroupSubmit: GroupMemberAddedView,
+    GroupJoinTask: GroupMemberAddedView,
+    GroupVerdictOp: VerdictView,
+    GroupClose: GroupDecisionView,
+    GroupStatus: GroupView,
+    GroupWait: GroupView,
+}
+
+op_decoder = msgspec.msgpack.Decoder(Op)
+encoder = msgspec.msgpack.Encoder()

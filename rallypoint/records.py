@@ -1,0 +1,238 @@
+"""Journal records: the facts the coordinator writes to its write-ahead log.
+
+A record says what happened (``TaskCompleted``), never what was asked. Every state
+change goes through one: ``decide`` produces records, ``apply`` mutates state from them,
+live and in replay, with no clock reads (every instant is in the record, in ms since the
+epoch). A commit is a list of records journaled as ONE entry with ONE LSN, so a
+decision that spans entities (a group finalizing, a run cancelled with its subtree) is
+all-or-nothing on disk as well as in memory.
+
+Records tag themselves with the field ``r``. :data:`Record` is the union, and
+:data:`ALL_RECORD_TYPES` enumerates it (a test round-trips every member).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+__all__ = ["Record", "ALL_RECORD_TYPES", "encode_commit", "decode_commit"]
+
+
+class _Rec(msgspec.Struct, tag_field="r", gc=False, omit_defaults=True):
+    pass
+
+
+# --- runs (scopes) -------------------------------------------------------------------
+
+
+class ScopeCreated(_Rec, tag="scope_created"):
+    id: str
+    space: str
+    parent_id: str | None
+    name: str | None
+    deadline_ms: int | None
+    child_limit: int
+    at_ms: int
+    group_id: str | None = None
+
+
+class ScopeEnded(_Rec, tag="scope_ended"):
+    """The run's own state becomes CANCELLED or COMPLETED; its subtree goes inactive:
+    unfinished tasks CANCELLED, open groups FAILURE, barriers and timers CANCELLED."""
+
+    id: str
+    state: str  # "CANCELLED" | "COMPLETED"
+    at_ms: int
+    reason: str | None = None
+
+
+class ScopeDeadlinePassed(_Rec, tag="scope_deadline"):
+    """The run's deadline passed: the same subtree effects as a cancel (reason deadline);
+    ``stored_state`` stays as it was."""
+
+    id: str
+    at_ms: int
+
+
+# --- mailboxes, tasks, deliveries ------------------------------------------------------
+
+
+class MailboxCreated(_Rec, tag="mailbox_created"):
+    id: str
+    space: str
+    name: str
+    mode: str
+    max_attempts: int
+    backlog_limit: int | None
+    at_ms: int
+
+
+class TaskSubmitted(_Rec, tag="task_submitted"):
+    id: str
+    space: str
+    mailbox_id: str
+    scope_id: str
+    input: bytes
+    at_ms: int
+    key: str | None = None
+    deadline_ms: int | None = None
+    group_id: str | None = None
+    joinset_id: str | None = None
+    cancellable: bool = True
+
+
+class TaskDelivered(_Rec, tag="task_delivered"):
+    """A lease on the task was granted: QUEUED -> RUNNING with a new fencing token."""
+
+    task_id: str
+    delivery_id: str
+    token: int
+    lease_expires_ms: int
+    at_ms: int
+
+
+class LeaseRenewed(_Rec, tag="lease_renewed"):
+    task_id: str
+    token: int
+    lease_expires_ms: int
+
+
+class TaskCompleted(_Rec, tag="task_completed"):
+    task_id: str
+    token: int
+    outcome: bytes
+    at_ms: int
+
+
+class TaskRetried(_Rec, tag="task_retried"):
+    """RUNNING -> QUEUED (attempt + 1, eligible at ``available_at_ms``), or FAILED with
+    reason ``max_attempts`` when ``final``."""
+
+    task_id: str
+    token: int
+    at_ms: int
+    available_at_ms: int
+    error: bytes | None = None
+    final: bool = False
+
+
+class TaskRejected(_Rec, tag="task_rejected"):
+    """RUNNING -> FAILED (reason ``rejected``), no retry."""
+
+    task_id: str
+    token: int
+    at_ms: int
+    error: bytes | None = None
+
+
+class LeaseExpired(_Rec, tag="lease_expired"):
+    """The holder of ``token`` did not renew: back to QUEUED (attempt + 1) for takeover,
+    or FAILED (reason ``lease_expired``) when ``final``."""
+
+    task_id: str
+    token: int
+    at_ms: int
+    final: bool = False
+
+
+class TaskCancelled(_Rec, tag="task_cancelled"):
+    task_id: str
+    at_ms: int
+    reason: str = "cancelled"
+
+
+class TaskExpired(_Rec, tag="task_expired"):
+    """The task's own deadline passed before it finished."""
+
+    task_id: str
+    at_ms: int
+
+
+# --- task groups ------------------------------------------------------------------------
+
+
+class GroupCreated(_Rec, tag="group_created"):
+    """Creates the group and its gate run (a child of ``parent_scope_id``) in one step."""
+
+    id: str
+    space: str
+    parent_scope_id: str
+    gate_scope_id: str
+    mailbox_id: str
+    condition: str
+    at_ms: int
+    threshold: int | None = None
+    expected_members: int | None = None
+    deadline_ms: int | None = None
+
+
+class GroupMemberJoined(_Rec, tag="group_member_joined"):
+    """An existing task joins the group (``join_task``) or a submitted one (``submit``,
+    which journals its TaskSubmitted in the same commit). ``seals`` when it is the
+    ``expected_members``-th member."""
+
+    group_id: str
+    task_id: str
+    at_ms: int
+    seals: bool = False
+
+
+class GroupSealed(_Rec, tag="group_sealed"):
+    group_id: str
+    at_ms: int
+
+
+class GroupVerdict(_Rec, tag="group_verdict"):
+    group_id: str
+    task_id: str
+    verdict: str  # "ACCEPTED" | "REJECTED"
+    at_ms: int
+    late: bool = False
+
+
+class GroupFinalized(_Rec, tag="group_finalized"):
+    """ONE step: outcome recorded, gate run cancelled, unfinished members CANCELLED."""
+
+    group_id: str
+    outcome: str  # "SUCCESS" | "FAILURE"
+    reason: str
+    at_ms: int
+
+
+Record = Union[
+    ScopeCreated,
+    ScopeEnded,
+    ScopeDeadlinePassed,
+    MailboxCreated,
+    TaskSubmitted,
+    TaskDelivered,
+    LeaseRenewed,
+    TaskCompleted,
+    TaskRetried,
+    TaskRejected,
+    LeaseExpired,
+    TaskCancelled,
+    TaskExpired,
+    GroupCreated,
+    GroupMemberJoined,
+    GroupSealed,
+    GroupVerdict,
+    GroupFinalized,
+]
+
+ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(list[Record])
+
+
+def encode_commit(records: list) -> bytes:
+    """One journal entry: the records of one commit, in order."""
+    return _enc.encode(records)
+
+
+def decode_commit(payload: bytes) -> list:
+    """Inverse of :func:`encode_commit`. Raises msgspec.DecodeError on bad bytes."""
+    return _dec.decode(payload)

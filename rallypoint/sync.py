@@ -1,0 +1,123 @@
+"""A blocking client for plain scripts and threads: ``rallypoint.sync.connect(url)``.
+
+The same methods as the async client, without ``await``::
+
+    with rallypoint.sync.connect("tcp://127.0.0.1:7411") as rs:
+        run = rs.scopes.create(name="batch")
+        rs.mailboxes.ensure("jobs").submit({"n": 1}, scope=run)
+
+One background thread runs a Trio loop holding the connection; calls from any thread
+are forwarded to it (``trio.from_thread``) and block until the reply. Handles returned
+by methods (runs, mailboxes, tickets, deliveries, groups) are wrapped the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any
+
+import trio
+
+from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run, Scopes, Ticket
+
+__all__ = ["connect", "SyncClient"]
+
+_HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes)
+
+
+class _Proxy:
+    """Blocking view of an async handle."""
+
+    __slots__ = ("_obj", "_portal")
+
+    def __init__(self, obj: Any, portal: "SyncClient") -> None:
+        object.__setattr__(self, "_obj", obj)
+        object.__setattr__(self, "_portal", portal)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._obj, name)
+        if inspect.iscoroutinefunction(value):
+            portal = self._portal
+
+            @functools.wraps(value)
+            def blocking(*args, **kwargs):
+                args = tuple(a._obj if isinstance(a, _Proxy) else a for a in args)
+                kwargs = {k: (v._obj if isinstance(v, _Proxy) else v) for k, v in kwargs.items()}
+                return portal._wrap(portal._run(value, *args, **kwargs))
+
+            return blocking
+        return self._portal._wrap(value)
+
+    def __repr__(self) -> str:
+        return f"sync.{self._obj!r}"
+
+    @property
+    def id(self):  # common attribute, kept fast
+        return self._obj.id
+
+
+class SyncClient(_Proxy):
+    """The blocking ``rs``. Close it (or use ``with``) to stop its thread."""
+
+    __slots__ = ("_thread", "_token", "_stop", "_error")
+
+    def __init__(self, url: str, api_key: str | None = None, connect_timeout: float = 10.0) -> None:
+        ready = threading.Event()
+        box: dict[str, Any] = {}
+
+        async def main() -> None:
+            from . import connect as aconnect
+
+            try:
+                async with aconnect(url, api_key=api_key, connect_timeout=connect_timeout) as rs:
+                    box["rs"] = rs
+                    box["token"] = trio.lowlevel.current_trio_token()
+                    box["stop"] = trio.Event()
+                    ready.set()
+                    await box["stop"].wait()
+            except BaseException as e:  # surfaced to the constructor
+                box["error"] = e
+                ready.set()
+
+        thread = threading.Thread(target=trio.run, args=(main,), name="rallypoint-sync", daemon=True)
+        thread.start()
+        ready.wait()
+        if "error" in box and "rs" not in box:
+            thread.join()
+            raise box["error"]
+        object.__setattr__(self, "_obj", box["rs"])
+        object.__setattr__(self, "_portal", self)
+        object.__setattr__(self, "_thread", thread)
+        object.__setattr__(self, "_token", box["token"])
+        object.__setattr__(self, "_stop", box["stop"])
+
+    def _run(self, fn, *args, **kwargs):
+        return trio.from_thread.run(functools.partial(fn, *args, **kwargs), trio_token=self._token)
+
+    def _wrap(self, value: Any) -> Any:
+        if isinstance(value, _HANDLES):
+            return _Proxy(value, self)
+        if isinstance(value, list) and value and isinstance(value[0], _HANDLES):
+            return [_Proxy(v, self) for v in value]
+        return value
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+            self._thread.join()
+
+    def __enter__(self) -> "SyncClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(url: str = "tcp://127.0.0.1:7411", *, api_key: str | None = None, connect_timeout: float = 10.0) -> SyncClient:
+    """Connect and return a blocking client (see the module docstring)."""
+    return SyncClient(url, api_key=api_key, connect_timeout=connect_timeout)
