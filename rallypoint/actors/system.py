@@ -167,6 +167,7 @@ class CoordinatorBase:
         self.durability = durability
         self.started_at = time.monotonic()
         self.connections = 0
+        self.connections_fn = None  # set by the daemon: live connection count
         self.timers = TimerHeap(self.clock, self._fire_activity)
         self.notifier = Notifier()
         self.dirty: set[str] = set()
@@ -323,7 +324,7 @@ class CoordinatorBase:
         return {
             "version": __version__,
             "uptime_s": time.monotonic() - self.started_at,
-            "connections": self.connections,
+            "connections": self.connections_fn() if self.connections_fn else self.connections,
             "durability": self.durability,
             "entities": self.entity_count(),
             "last_lsn": self.journal.last_lsn,

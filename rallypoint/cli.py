@@ -1,0 +1,269 @@
+"""The ``rallypoint`` command: ``serve | status | runs | repair``.
+
+``rallypoint serve`` runs the daemon: it logs its address, version, data dir, durability
+and what it recovered; SIGINT/SIGTERM drain it (stop accepting, finish in-flight
+requests, snapshot) and it exits 0. Exit codes: 0 ok, 1 a command failed, 2 bad usage or
+the daemon could not start (data dir locked, corrupt journal, newer format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import trio
+
+from ._version import __version__
+
+DEFAULT_LISTEN = "127.0.0.1:7411"
+DEFAULT_URL = "tcp://127.0.0.1:7411"
+DEFAULT_DATA_DIR = "./rallypoint-data"
+
+log = logging.getLogger("rallypoint")
+
+
+def _parse_listen(s: str) -> tuple[str, int]:
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"rallypoint: --listen must be HOST:PORT (got {s!r})")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+# ------------------------------------------------------------------------------ serve
+async def _serve(args) -> int:
+    from .node import open_node
+    from .transport.server import Server
+
+    host, port = _parse_listen(args.listen)
+    data_dir = None if args.durability == "memory" else args.data_dir
+    async with open_node(
+        data_dir,
+        args.durability,
+        interval_ms=args.interval_ms,
+        snapshot_every_records=args.snapshot_every_records,
+        snapshot_every_s=args.snapshot_every_s,
+    ) as node:
+        server = Server(
+            node.service,
+            max_connections=args.max_connections,
+            max_inflight_per_conn=args.max_inflight,
+            handshake_timeout=args.handshake_timeout,
+        )
+        node.coordinator.connections_fn = lambda: server.statistics()["connections"]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve, None, host, port)
+            actual = server.port
+            info = node.recovery_info
+            log.info(
+                "rallypoint %s listening on tcp://%s:%d (data dir %s, durability %s, %d entities recovered, "
+                "snapshot LSN %s, %s records replayed)",
+                __version__,
+                host,
+                actual,
+                os.path.abspath(data_dir) if data_dir else "none",
+                node.durability,
+                node.coordinator.entity_count(),
+                info.get("snapshot_lsn", 0),
+                info.get("replayed", 0),
+            )
+            log.info("open mode: no API keys are configured; serving without authentication on loopback")
+            # A line for scripts and test fixtures (stdout, flushed).
+            print(f"READY tcp://{host}:{actual}", flush=True)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("received %s: draining (no new connections, finishing in-flight requests)",
+                             signal.Signals(signum).name)
+                    break
+            with trio.move_on_after(args.drain_timeout):
+                await server.drain()
+            nursery.cancel_scope.cancel()
+        log.info("stopped accepting; closing the coordinator")
+    log.info("rallypoint stopped cleanly")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    _setup_logging(args.log_level)
+    from .errors import ValidationError
+
+    try:
+        return trio.run(_serve, args)
+    except ValidationError as e:
+        print(f"rallypoint: {e.message}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"rallypoint: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from .persistence import StartupError
+
+        if isinstance(e, StartupError):
+            print(f"rallypoint: {e}", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        return 0
+
+
+# ------------------------------------------------------------------------------ client commands
+def _client_call(url: str, fn):
+    import rallypoint
+
+    async def main():
+        async with rallypoint.connect(url) as rs:
+            return await fn(rs)
+
+    return trio.run(main)
+
+
+def _fmt_age(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + f"{h:02d}:{m:02d}:{s:02d}"
+
+
+def cmd_status(args) -> int:
+    from .errors import RallypointError
+
+    try:
+        st = _client_call(args.connect, lambda rs: rs.status())
+    except RallypointError as e:
+        print(f"rallypoint: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st.to_dict(), default=str, indent=2))
+        return 0
+    print(f"server      {args.connect}")
+    print(f"version     {st.version} (protocol {st.protocol_version})")
+    print(f"uptime      {_fmt_age(st.uptime_s)}")
+    print(f"durability  {st.durability}   LSN {st.last_lsn} (durable {st.durable_lsn})")
+    print(f"connections {st.connections}")
+    print("runs        " + "  ".join(f"{k} {v}" for k, v in sorted(st.runs.items())))
+    print("tasks       " + ("  ".join(f"{k} {v}" for k, v in sorted(st.tasks.items())) or "none"))
+    print(f"entities    {st.entities}")
+    return 0
+
+
+def cmd_runs(args) -> int:
+    from .errors import RallypointError
+
+    try:
+        if args.runs_cmd == "ls":
+            rows = _client_call(
+                args.connect,
+                lambda rs: rs.scopes.list(args.parent, roots_only=args.parent is None and not args.all,
+                                          state=args.state, limit=args.limit),
+            )
+            if args.json:
+                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
+                return 0
+            print(f"{'ID':32} {'STATE':10} {'EFFECTIVE':9} {'CHILDREN':>8}  NAME")
+            for r in rows:
+                print(f"{r.id:32} {r.stored_state:10} {r.effective:9} {r.children:>8}  {r.name or ''}")
+            return 0
+        if args.runs_cmd == "show":
+            st = _client_call(args.connect, lambda rs: rs.scope(args.id).status())
+            print(json.dumps(st.to_dict(), default=str, indent=2))
+            return 0
+        if args.runs_cmd == "cancel":
+            st = _client_call(args.connect, lambda rs: rs.scope(args.id).cancel(reason=args.reason))
+            print(f"{st.id} {st.stored_state} ({st.effective})")
+            return 0
+    except RallypointError as e:
+        print(f"rallypoint: {e}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def cmd_repair(args) -> int:
+    _setup_logging("INFO")
+    from .persistence import JournalCorruptError
+    from .persistence.journal import repair, verify_journal
+
+    try:
+        verify_journal(args.data_dir)
+        print("rallypoint: the journal is intact; nothing to repair")
+        return 0
+    except JournalCorruptError as e:
+        print(f"corruption: {e}")
+    if not args.yes:
+        answer = input("Truncate the journal at the last good record? Records after it are lost. [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("rallypoint: nothing changed")
+            return 1
+    report = repair(args.data_dir)
+    print(f"repaired: {report}")
+    return 0
+
+
+# ------------------------------------------------------------------------------ main
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rallypoint", description="A coordination server for swarms of agents and workers.")
+    ap.add_argument("--version", action="version", version=f"rallypoint {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT (default %(default)s; port 0 picks one)")
+    s.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the journal and snapshots live (default %(default)s)")
+    s.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"],
+                   help="fsync: every ack is on disk; interval: fsync every --interval-ms; memory: no files (default %(default)s)")
+    s.add_argument("--interval-ms", type=int, default=10, help="fsync period in interval mode, ms (default %(default)s)")
+    s.add_argument("--snapshot-every-records", type=int, default=100_000)
+    s.add_argument("--snapshot-every-s", type=float, default=60.0)
+    s.add_argument("--max-connections", type=int, default=1024)
+    s.add_argument("--max-inflight", type=int, default=256, help="requests in flight per connection before backpressure")
+    s.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(fn=cmd_serve)
+
+    st = sub.add_parser("status", help="server version, uptime, connections, runs by state")
+    st.add_argument("--connect", default=os.environ.get("RALLYPOINT_URL", DEFAULT_URL))
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
+
+    r = sub.add_parser("runs", help="list, show and cancel runs")
+    r.add_argument("--connect", default=os.environ.get("RALLYPOINT_URL", DEFAULT_URL))
+    rs = r.add_subparsers(dest="runs_cmd", required=True)
+    ls = rs.add_parser("ls")
+    ls.add_argument("--parent", default=None, help="list the children of this run")
+    ls.add_argument("--all", action="store_true", help="all runs, not only roots")
+    ls.add_argument("--state", choices=["ACTIVE", "CANCELLED", "COMPLETED"])
+    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--json", action="store_true")
+    sh = rs.add_parser("show")
+    sh.add_argument("id")
+    ca = rs.add_parser("cancel")
+    ca.add_argument("id")
+    ca.add_argument("--reason")
+    r.set_defaults(fn=cmd_runs)
+
+    rp = sub.add_parser("repair", help="truncate a corrupt journal at its last good record")
+    rp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    rp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    rp.set_defaults(fn=cmd_repair)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args) or 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""LMDB store of entity state at an LSN, and the data-dir format version.
+
+Layout: ``<data_dir>/snapshot/`` is an LMDB environment with two named databases:
+
+* ``entities``: key bytes -> value bytes (opaque here; the coordinator encodes them);
+* ``meta``: ``b"lsn"`` -> 8-byte big-endian LSN the entities are valid at,
+  ``b"format_version"`` -> ASCII integer.
+
+Durability: each :meth:`SnapshotStore.write` is one LMDB write transaction committed
+with LMDB's own sync (data pages fdatasync-ed, then the meta page), so a machine crash
+leaves either the previous snapshot or the new one, never a mix. (``sync=False`` plus a
+later ``env.sync()`` would be one fsync cheaper but lets a crash *during* the commit
+tear the environment; one snapshot every few seconds can afford the second fsync.)
+``writemap`` is off for the same reason.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import lmdb
+import trio
+
+from .errors import FormatVersionError
+
+__all__ = ["SnapshotStore", "FORMAT_VERSION", "check_format", "FormatVersionError"]
+
+FORMAT_VERSION = 1
+_LSN = struct.Struct(">Q")
+
+
+def check_format(data_dir: str | os.PathLike[str]) -> int:
+    """Check (or stamp) the on-disk format of ``data_dir``; returns the version found.
+
+    Creates ``data_dir`` and ``<data_dir>/FORMAT`` (containing ``FORMAT_VERSION``,
+    written atomically) when absent.
+
+    Raises:
+        FormatVersionError: the file names a newer version than this build understands,
+            or is unreadable; the message names both versions.
+    """
+    d = Path(data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "FORMAT"
+    try:
+        text = path.read_text("ascii").strip()
+    except FileNotFoundError:
+        tmp = d / "FORMAT.tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(f"{FORMAT_VERSION}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return FORMAT_VERSION
+    except UnicodeDecodeError:
+        text = "?"
+    try:
+        version = int(text)
+    except ValueError:
+        raise FormatVersionError(
+            f"{path} does not hold a format version (found {text[:40]!r}); this rallypoint "
+            f"writes format version {FORMAT_VERSION}. Is {d} a rallypoint data directory?"
+        ) from None
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"data directory {d} has on-disk format version {version}, but this rallypoint "
+            f"understands format version {FORMAT_VERSION} at most: run a newer rallypoint "
+            f"(data written by a newer version is never downgraded)"
+        )
+    return version
+
+
+class SnapshotStore:
+    """The LMDB snapshot of a data directory (``<data_dir>/snapshot/``).
+
+    Only one ``SnapshotStore`` per data dir per process (an LMDB rule); take the
+    :class:`~rallypoint.persistence.lock.DataDirLock` first.
+
+    Args:
+        data_dir: the data directory (the ``snapshot`` subdirectory is created).
+        map_size: maximum size of the store in bytes (virtual; the file grows as
+            needed). Default 64 GiB.
+
+    Raises:
+        lmdb.Error: the environment cannot be opened.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, map_size: int = 64 << 30) -> None:
+        self.path = Path(data_dir) / "snapshot"
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(
+            str(self.path), map_size=map_size, max_dbs=2, subdir=True,
+            sync=True, metasync=True, writemap=False, readahead=False, lock=True,
+        )
+        self._entities = self._env.open_db(b"entities")
+        self._meta = self._env.open_db(b"meta")
+        self._lock = trio.Lock()
+        with self._env.begin(write=True) as txn:
+            if txn.get(b"format_version", db=self._meta) is None:
+                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._meta)
+
+    def load_lsn(self) -> int:
+        """LSN the stored entities are valid at; 0 when no snapshot was ever written."""
+        with self._env.begin() as txn:
+            raw = txn.get(b"lsn", db=self._meta)
+        return 0 if raw is None else _LSN.unpack(raw)[0]
+
+    def entity_count(self) -> int:
+        """Number of stored entities."""
+        with self._env.begin() as txn:
+            return txn.stat(self._entities)["entries"]
+
+    def iter_entities(self) -> Iterator[tuple[bytes, bytes]]:
+        """Yield ``(key, value)`` of every entity in key order, from one read
+        transaction (a consistent view even while a write runs)."""
+        with self._env.begin(buffers=False) as txn:
+            cur = txn.cursor(db=self._entities)
+            yield from cur.iternext(keys=True, values=True)
+
+    def get(self, key: bytes) -> bytes | None:
+        """The stored value of one entity, or None."""
+        with self._env.begin() as txn:
+            return txn.get(key, db=self._entities)
+
+    async def write(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+        """Store ``puts``, remove ``deletes`` and set the LSN, in ONE LMDB write
+        transaction run in a worker thread; returns once it is synced to disk.
+
+        Encode the values on the event loop (consistent state) and hand them in; this
+        call only does I/O off the loop. Writes are serialized. Not cancellable once
+        the thread started (the transaction completes; then Cancelled is raised).
+
+        Args:
+            lsn: the journal LSN the state is valid at (every record <= lsn applied).
+                Must be >= the stored LSN. In ``interval`` journal mode, await
+                ``journal.wait_synced(lsn)`` first; in fsync mode ``wait_durable(lsn)``.
+            puts: (key, value) pairs to insert or overwrite.
+            deletes: keys to remove (missing keys are ignored).
+
+        Raises:
+            ValueError: ``lsn`` is below the stored LSN.
+            lmdb.Error: the write failed (e.g. map full); nothing was changed.
+        """
+        async with self._lock:
+            await trio.to_thread.run_sync(self._write_sync, lsn, puts, deletes)
+
+    def write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+        """Blocking form of :meth:`write` (for tools and tests; never on the loop)."""
+        self._write_sync(lsn, puts, deletes)
+
+    def _write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+        with self._env.begin(write=True) as txn:
+            raw = txn.get(b"lsn", db=self._meta)
+            old = 0 if raw is None else _LSN.unpack(raw)[0]
+            if lsn < old:
+                raise ValueError(f"snapshot LSN {lsn} is below the stored LSN {old}")
+            if puts:
+                cur = txn.cursor(db=self._entities)
+                cur.putmulti(puts, dupdata=False, overwrite=True)
+            for key in deletes:
+                txn.delete(key, db=self._entities)
+            txn.put(b"lsn", _LSN.pack(lsn), db=self._meta)
+
+    def close(self) -> None:
+        """Close the environment (idempotent)."""
+        env, self._env = self._env, None
+        if env is not None:
+            env.close()
+
+    def __enter__(self) -> "SnapshotStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

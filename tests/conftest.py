@@ -1,0 +1,88 @@
+"""Shared fixtures: a real daemon subprocess, and ``rs`` in both modes (embedded, TCP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import rallypoint
+
+SLOW = bool(os.environ.get("RALLYPOINT_SLOW"))
+
+
+class Daemon:
+    """A ``rallypoint serve`` subprocess on a free port."""
+
+    def __init__(self, data_dir: str | None, durability: str = "memory", extra: list[str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.durability = durability
+        self.extra = extra or []
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self.log_path = None
+
+    def start(self, timeout: float = 20.0) -> "Daemon":
+        args = [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0", "--durability", self.durability]
+        if self.data_dir is not None:
+            args += ["--data-dir", self.data_dir]
+        args += self.extra
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("READY "):
+                self.url = line.split()[1]
+                return self
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.proc.stderr.read()}")
+        raise RuntimeError("daemon did not become ready")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stderr(self) -> str:
+        return self.proc.stderr.read() if self.proc and self.proc.poll() is not None else ""
+
+
+@pytest.fixture(scope="session")
+def daemon():
+    d = Daemon(None, "memory").start()
+    yield d
+    rc = d.stop()
+    assert rc == 0, d.stderr()
+
+
+@pytest.fixture(params=["embedded", "tcp"])
+async def rs(request):
+    """The same API suite runs against an embedded coordinator and a real daemon."""
+    if request.param == "embedded":
+        async with rallypoint.open_embedded() as client:
+            yield client
+    else:
+        d = request.getfixturevalue("daemon")
+        async with rallypoint.connect(d.url) as client:
+            yield client
+
+
+@pytest.fixture
+async def ers(autojump_clock):
+    """An embedded client under trio's MockClock (autojump): hours pass in milliseconds."""
+    async with rallypoint.open_embedded(clock=None) as client:
+        yield client
