@@ -1,0 +1,920 @@
+"""The TCP server: handshake, request dispatch, out-of-order replies, backpressure.
+
+The server is generic over a :class:`Dispatcher` (the coordinator implements it)::
+
+    server = Server(dispatcher)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(server.serve, None, "127.0.0.1", 7411)
+        ...
+        await server.drain()          # graceful: stop accepting, finish in-flight, close
+
+Per connection there are at most four tasks, whatever the request rate:
+
+* the **reader** parses frames and calls ``dispatcher.dispatch`` synchronously for each
+  request (the fast path: a ``bytes`` reply is encoded straight into the outgoing
+  buffer, no task, no allocation beyond the reply frame);
+* the **writer** sends everything that is ready in ONE ``send_all`` (replies coalesce);
+* the **durability** task waits for the largest pending LSN of :class:`Deferred`
+  replies and releases every reply it covers;
+* the **pinger** (if ``idle_ping_interval``) pings idle peers and drops dead ones.
+
+Awaitable results (long server-side waits) run as tasks in the connection's nursery.
+
+Backpressure: when ``max_inflight_per_conn`` requests are in flight (awaitables and
+deferred replies not yet sent), or more than ``max_outgoing_bytes`` of replies are
+waiting for the peer to read them, the reader stops reading the socket until that
+drops again, so a client can never make the server buffer without bound.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import secrets
+import socket
+import struct
+from collections import deque
+from typing import Any, Awaitable, NamedTuple, Protocol, Sequence
+
+import msgspec
+import trio
+
+from .. import wire
+from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError
+from .framing import HEADER, HEADER_PLACEHOLDER, FrameParser, oversize_message, pack_header_into
+
+__all__ = ["Deferred", "Dispatcher", "Server"]
+
+log = logging.getLogger("rallypoint.transport")
+
+_RECEIVE_SIZE = 65536
+
+
+class Deferred(NamedTuple):
+    """A reply that is ready but must not leave before the journal is durable past ``lsn``."""
+
+    lsn: int
+    #: The encoded reply body (msgpack), sent as ``Ok(id, body=Raw(reply))``.
+    reply: bytes
+
+
+class Dispatcher(Protocol):
+    """What the server needs from the coordinator."""
+
+    def hello(self, hello: wire.Hello, peer: str) -> tuple[Any, wire.HelloOk]:
+        """Authenticate a connection. Returns ``(session, HelloOk)``; raises a
+        RallypointError (e.g. UnauthenticatedError) to refuse it. The protocol version
+        has already been checked by the transport."""
+        ...
+
+    def dispatch(self, session: Any, body: msgspec.Raw) -> bytes | Deferred | Awaitable[bytes | Deferred]:
+        """Handle one request body. Returns the encoded reply body, a :class:`Deferred`,
+        or an awaitable (long waits) whose result is either. Raise RallypointError for
+        an error reply; any other exception is logged and answered as INTERNAL."""
+        ...
+
+    async def wait_durable(self, lsn: int) -> None:
+        """Return once the journal is durable up to and including ``lsn``."""
+        ...
+
+
+_encoder = msgspec.msgpack.Encoder()
+_encode = _encoder.encode
+_encode_into = _encoder.encode_into
+_client_decoder = msgspec.msgpack.Decoder(wire.ClientFrame)
+
+
+class _IdOnly(msgspec.Struct):
+    """Salvages a request id from a frame that failed to decode as an envelope."""
+
+    id: int = 0
+
+
+class _LooseBatch(msgspec.Struct, tag_field="t", tag="batch"):
+    reqs: list[msgspec.Raw]
+
+
+_id_decoder = msgspec.msgpack.Decoder(_IdOnly)
+_loose_batch_decoder = msgspec.msgpack.Decoder(_LooseBatch)
+_request_decoder = msgspec.msgpack.Decoder(wire.Request)
+
+_Request = wire.Request
+_Batch = wire.Batch
+_Ping = wire.Ping
+_Pong = wire.Pong
+_Hello = wire.Hello
+_MAX_FRAME = wire.MAX_FRAME_BYTES
+
+
+# Hand-built Ok envelope: {"t": "ok", "id": <uint32|uint64>, "body": <reply>}, prefixed
+# by the frame length. Same bytes msgspec would produce except that the id always uses
+# the fixed-width uint32/uint64 form (valid msgpack).
+_OK_PRE32 = b"\x83\xa1t\xa2ok\xa2id\xce"
+_OK_PRE64 = b"\x83\xa1t\xa2ok\xa2id\xcf"
+_OK_BODY = b"\xa4body"
+_ok_head32 = struct.Struct(">I10sI5s").pack
+_ok_head64 = struct.Struct(">I10sQ5s").pack
+
+
+def _new_ref() -> str:
+    return secrets.token_hex(4)
+
+
+class _Conn:
+    """One server-side connection."""
+
+    def __init__(self, server: "Server", stream: trio.SocketStream, peer: str) -> None:
+        self.server = server
+        self.stream = stream
+        self.peer = peer
+        self.session: Any = None
+        self.parser = FrameParser()
+        self.out = bytearray()
+        self.sending = 0
+        # True while the reader handles a received chunk: replies accumulate and the
+        # reader sends them itself afterwards (no writer wake-up per reply).
+        self.batching = False
+        self.inflight = 0
+        self.deferred: deque[tuple[int, int, bytes]] = deque()
+        self.nursery: trio.Nursery | None = None
+        self.send_scope: trio.CancelScope | None = None
+        self.writer_event: trio.Event | None = None
+        self.reader_event: trio.Event | None = None
+        self.deferred_event: trio.Event | None = None
+        self.idle_event = trio.Event()  # set when inflight == 0 and nothing queued (drain)
+        self.closing = False
+        self.draining = False
+        self.rx_count = 0
+        # statistics
+        self.requests = 0
+        self.errors = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.max_out = 0
+        self.max_inflight = 0
+        self.pauses = 0
+        dispatcher = server.dispatcher
+        self._dispatch = dispatcher.dispatch
+        self._max_inflight = server.max_inflight_per_conn
+        self._max_out = server.max_outgoing_bytes
+
+    # ------------------------------------------------------------------ output
+
+    def _wake_writer(self) -> None:
+        ev = self.writer_event
+        if ev is not None:
+            self.writer_event = None
+            ev.set()
+
+    def _wake_reader(self) -> None:
+        ev = self.reader_event
+        if ev is not None:
+            self.reader_event = None
+            ev.set()
+
+    def queue_msg(self, msg: msgspec.Struct) -> None:
+        out = self.out
+        start = len(out)
+        out += HEADER_PLACEHOLDER
+        _encode_into(msg, out, start + HEADER)
+        pack_header_into(out, start, len(out) - start - HEADER)
+        n = len(out) + self.sending
+        if n > self.max_out:
+            self.max_out = n
+        if not self.batching:
+            self._wake_writer()
+
+    def send_ok(self, rid: int, reply: bytes) -> None:
+        """Queue ``Ok(rid, Raw(reply))``. The envelope is built by hand (one struct pack
+        and two appends, no Struct/Raw objects): ``reply`` must be ``bytes``."""
+        if 0 < rid <= 0xFFFFFFFF:
+            size = 19 + len(reply)
+            head = _ok_head32(size, _OK_PRE32, rid, _OK_BODY)
+        else:
+            size = 23 + len(reply)
+            head = _ok_head64(size, _OK_PRE64, rid, _OK_BODY)
+        if size > _MAX_FRAME:
+            self.send_error(
+                rid,
+                LimitError(
+                    f"the reply is {size} bytes, larger than the frame limit of {_MAX_FRAME} bytes; "
+                    "ask for less per request (smaller page / limit)"
+                ),
+            )
+            return
+        out = self.out
+        out += head
+        out += reply
+        n = len(out) + self.sending
+        if n > self.max_out:
+            self.max_out = n
+        if not self.batching:
+            ev = self.writer_event
+            if ev is not None:
+                self.writer_event = None
+                ev.set()
+
+    def send_error(self, rid: int, exc: RallypointError) -> None:
+        self.errors += 1
+        details = exc.details
+        if details is not None and not isinstance(details, dict):
+            details = {"value": details}
+        msg = wire.Err(rid, exc.code, exc.message, exc.retry_after, details)
+        try:
+            self.queue_msg(msg)
+        except Exception as enc_exc:  # details not encodable
+            self.send_internal(rid, enc_exc)
+
+    def send_internal(self, rid: int, exc: BaseException) -> None:
+        ref = _new_ref()
+        log.error(
+            "request %d from %s failed with an unexpected error (ref %s)", rid, self.peer, ref, exc_info=exc
+        )
+        self.server._internal_errors += 1
+        self.errors += 1
+        self.queue_msg(wire.Err(rid, "INTERNAL", f"internal error; the server logged it as ref {ref}"))
+
+    # ---------------------------------------------------------------- requests
+
+    def handle_frame(self, frame: memoryview) -> None:
+        try:
+            msg = _client_decoder.decode(frame)
+        except msgspec.MsgspecError as exc:
+            self.bad_frame(frame, exc)
+            return
+        t = type(msg)
+        if t is _Request:
+            # == handle_request(msg.id, msg.body), inlined for the common case
+            rid = msg.id
+            self.requests += 1
+            if rid <= 0:
+                self.send_error(0, ValidationError(f"request id must be > 0, got {rid}; field `$.id`"))
+                return
+            try:
+                result = self._dispatch(self.session, msg.body)
+            except RallypointError as exc:
+                self.send_error(rid, exc)
+                return
+            except Exception as exc:
+                self.send_internal(rid, exc)
+                return
+            if type(result) is bytes:
+                self.send_ok(rid, result)
+            else:
+                self.handle_slow(rid, result)
+        elif t is _Batch:
+            for req in msg.reqs:
+                self.handle_request(req.id, req.body)
+        elif t is _Ping:
+            self.queue_msg(_Pong(msg.nonce))
+        elif t is _Hello:
+            self.send_error(0, ValidationError("hello sent twice: the connection is already open; field `t`"))
+        # Pong: nothing to do (receiving it counted as traffic)
+
+    def bad_frame(self, frame: memoryview, exc: msgspec.MsgspecError) -> None:
+        """A frame with intact framing but a bad envelope: answer, keep the connection."""
+        if isinstance(exc, msgspec.ValidationError):
+            # A batch with some bad requests: answer each request on its own.
+            try:
+                loose = _loose_batch_decoder.decode(frame)
+            except msgspec.MsgspecError:
+                pass
+            else:
+                for i, raw in enumerate(loose.reqs):
+                    try:
+                        req = _request_decoder.decode(raw)
+                    except msgspec.MsgspecError as rexc:
+                        self.reject(raw, rexc, prefix=f"$.reqs[{i}]")
+                    else:
+                        self.handle_request(req.id, req.body)
+                return
+        self.reject(frame, exc)
+
+    def reject(self, data: Any, exc: msgspec.MsgspecError, prefix: str = "") -> None:
+        rid = 0
+        try:
+            rid = _id_decoder.decode(data).id
+        except msgspec.MsgspecError:
+            pass
+        if rid < 0:
+            rid = 0
+        text = str(exc)
+        if prefix:
+            if "`$" in text:
+                text = text.replace("`$", "`" + prefix)
+            else:
+                text = f"{text} - at `{prefix}`"
+        if isinstance(exc, msgspec.ValidationError):
+            message = f"invalid frame: {text}"
+        else:
+            message = f"undecodable frame (not valid msgpack): {text}"
+        self.send_error(rid, ValidationError(message))
+
+    def handle_request(self, rid: int, body: msgspec.Raw) -> None:
+        self.requests += 1
+        if rid <= 0:
+            self.send_error(0, ValidationError(f"request id must be > 0, got {rid}; field `$.id`"))
+            return
+        try:
+            result = self._dispatch(self.session, body)
+        except RallypointError as exc:
+            self.send_error(rid, exc)
+            return
+        except Exception as exc:
+            self.send_internal(rid, exc)
+            return
+        if type(result) is bytes:
+            self.send_ok(rid, result)
+        else:
+            self.handle_slow(rid, result)
+
+    def handle_slow(self, rid: int, result: Any) -> None:
+        if isinstance(result, Deferred):
+            self.inflight += 1
+            if self.inflight > self.max_inflight:
+                self.max_inflight = self.inflight
+            self.add_deferred(rid, result)
+        elif inspect.isawaitable(result):
+            if self.nursery is None or self.closing:
+                if inspect.iscoroutine(result):
+                    result.close()
+                self.send_error(rid, UnavailableError("the server is closing this connection"))
+                return
+            self.inflight += 1
+            if self.inflight > self.max_inflight:
+                self.max_inflight = self.inflight
+            self.nursery.start_soon(self.run_awaitable, rid, result)
+        elif isinstance(result, (bytearray, memoryview)):
+            self.send_ok(rid, bytes(result))
+        else:
+            self.send_internal(
+                rid, TypeError(f"dispatcher returned {type(result).__name__}, expected bytes, Deferred or awaitable")
+            )
+
+    def add_deferred(self, rid: int, d: Deferred) -> None:
+        reply = d.reply
+        if type(reply) is not bytes:
+            reply = bytes(reply)
+        self.deferred.append((d.lsn, rid, reply))
+        ev = self.deferred_event
+        if ev is not None:
+            self.deferred_event = None
+            ev.set()
+
+    def request_done(self, n: int = 1) -> None:
+        self.inflight -= n
+        self._wake_reader()
+        if self.inflight == 0 and self.draining:
+            self.idle_event.set()
+
+    async def run_awaitable(self, rid: int, aw: Awaitable[Any]) -> None:
+        deferred = False
+        try:
+            try:
+                result = await aw
+            except RallypointError as exc:
+                self.send_error(rid, exc)
+            except trio.Cancelled:
+                # Connection closing or forced drain: tell the peer if it can still hear.
+                self.send_error(rid, UnavailableError("the server is shutting down; retry on a new connection"))
+                raise
+            except Exception as exc:
+                self.send_internal(rid, exc)
+            else:
+                if type(result) is bytes:
+                    self.send_ok(rid, result)
+                elif isinstance(result, Deferred):
+                    deferred = True
+                    self.add_deferred(rid, result)
+                elif isinstance(result, (bytearray, memoryview)):
+                    self.send_ok(rid, bytes(result))
+                else:
+                    self.send_internal(
+                        rid, TypeError(f"awaitable returned {type(result).__name__}, expected bytes or Deferred")
+                    )
+        finally:
+            if not deferred:
+                self.request_done()
+
+    # ------------------------------------------------------------------- tasks
+
+    async def writer(self) -> None:
+        stream = self.stream
+        try:
+            while True:
+                if not self.out or self.sending:
+                    if self.draining and self.inflight == 0 and not self.out and not self.sending:
+                        self.idle_event.set()
+                    ev = self.writer_event = trio.Event()
+                    await ev.wait()
+                    continue
+                data = self.out
+                self.out = bytearray()
+                n = len(data)
+                self.sending = n
+                # Shielded: a send cancelled half-way would corrupt the stream, and one
+                # cancelled before it starts would lose replies. Closing sets a deadline.
+                with trio.CancelScope(shield=True) as scope:
+                    self.send_scope = scope
+                    if self.closing:
+                        scope.deadline = trio.current_time() + 1.0
+                    await stream.send_all(data)
+                self.send_scope = None
+                self.sending = 0
+                if scope.cancelled_caught:
+                    self.abort()
+                    return
+                self.bytes_out += n
+                self._wake_reader()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self.sending = 0
+            self.abort()
+
+    async def durability(self) -> None:
+        wait_durable = self.server.dispatcher.wait_durable
+        fifo = self.deferred
+        while True:
+            if not fifo:
+                ev = self.deferred_event = trio.Event()
+                await ev.wait()
+                continue
+            n = len(fifo)
+            target = max(e[0] for e in fifo)
+            try:
+                await wait_durable(target)
+            except RallypointError as exc:
+                for _ in range(n):
+                    _, rid, _ = fifo.popleft()
+                    self.send_error(rid, exc)
+            except Exception as exc:
+                first = True
+                for _ in range(n):
+                    _, rid, _ = fifo.popleft()
+                    if first:
+                        self.send_internal(rid, exc)
+                        first = False
+                    else:
+                        self.send_error(rid, InternalError("internal error; the server logged it (durability wait)"))
+            else:
+                send_ok = self.send_ok
+                popleft = fifo.popleft
+                for _ in range(n):
+                    _, rid, reply = popleft()
+                    send_ok(rid, reply)
+            self.request_done(n)
+
+    async def pinger(self, interval: float) -> None:
+        last = self.rx_count
+        idle = 0
+        nonce = 0
+        while True:
+            await trio.sleep(interval)
+            if self.rx_count != last or self.reader_event is not None:
+                # traffic, or we are the ones not reading (backpressure): not idle
+                last = self.rx_count
+                idle = 0
+                continue
+            idle += 1
+            if idle >= 3:
+                log.info("closing connection from %s: no traffic for %.0fs despite pings", self.peer, idle * interval)
+                self.abort()
+                return
+            nonce += 1
+            self.queue_msg(_Ping(nonce))
+
+    def stop_sending(self, grace: float) -> None:
+        """Let an in-progress send finish within ``grace`` seconds."""
+        scope = self.send_scope
+        if scope is not None:
+            scope.deadline = min(scope.deadline, trio.current_time() + grace)
+
+    def abort(self) -> None:
+        self.closing = True
+        self.stop_sending(0)
+        if self.nursery is not None:
+            self.nursery.cancel_scope.cancel()
+
+    def begin_drain(self) -> None:
+        self.draining = True
+        if self.nursery is not None:  # past the handshake: wake the reader's receive
+            try:
+                self.stream.socket.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        if self.inflight == 0 and not self.out and not self.sending:
+            self.idle_event.set()
+        self._wake_writer()
+
+    async def reader(self, pending: list[memoryview]) -> None:
+        """Read and dispatch until EOF, a fatal framing error, or drain."""
+        stream = self.stream
+        parser = self.parser
+        handle = self.handle_frame
+        max_inflight = self._max_inflight
+        max_out = self._max_out
+        frames = pending
+        while True:
+            self.batching = True
+            for frame in frames:
+                handle(frame)
+                if self.inflight >= max_inflight or len(self.out) > max_out:
+                    self.batching = False
+                    self._wake_writer()
+                    await self.wait_capacity()
+                    self.batching = True
+            self.batching = False
+            if self.out:
+                if self.sending or self.writer_event is None:
+                    self._wake_writer()
+                else:
+                    # The writer is idle: send this chunk's replies ourselves, saving a
+                    # task switch per round trip.
+                    data = self.out
+                    self.out = bytearray()
+                    n = len(data)
+                    self.sending = n
+                    try:
+                        await stream.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        self.sending = 0
+                        self.closing = True
+                        return
+                    self.sending = 0
+                    self.bytes_out += n
+                    if self.out:
+                        self._wake_writer()
+            if parser.oversize is not None:
+                self.send_error(0, ValidationError(oversize_message(parser.oversize)))
+                self.closing = True
+                return
+            if self.draining:
+                return
+            # No cancel scope here (it would cost more than the rest of a request):
+            # drain wakes this receive with shutdown(SHUT_RD), which makes it return b"".
+            data = await stream.receive_some(_RECEIVE_SIZE)
+            if not data:
+                return
+            self.rx_count += 1
+            self.bytes_in += len(data)
+            frames = parser.feed(data)
+
+    async def wait_capacity(self) -> None:
+        max_inflight = self._max_inflight
+        max_out = self._max_out
+        self.pauses += 1
+        while self.inflight >= max_inflight or len(self.out) > max_out:
+            ev = self.reader_event = trio.Event()
+            await ev.wait()
+
+    async def handshake(self) -> list[memoryview] | None:
+        """Read the Hello; answer it. Returns frames pipelined after the Hello, or None
+        if the connection must close."""
+        server = self.server
+        stream = self.stream
+        frames: list[memoryview] = []
+        with trio.move_on_after(server.handshake_timeout):
+            while not frames:
+                data = await stream.receive_some(_RECEIVE_SIZE)
+                if not data:
+                    return None
+                self.bytes_in += len(data)
+                frames = self.parser.feed(data)
+                if self.parser.oversize is not None and not frames:
+                    self.send_error(0, ValidationError(oversize_message(self.parser.oversize)))
+                    return None
+        if not frames:
+            self.send_error(
+                0, UnavailableError(f"no hello within {server.handshake_timeout:g}s of connecting; closing")
+            )
+            return None
+        first = frames[0]
+        try:
+            hello = _client_decoder.decode(first)
+        except msgspec.MsgspecError as exc:
+            self.send_error(0, ValidationError(f"the first frame must be a hello: {exc}"))
+            return None
+        if type(hello) is not _Hello:
+            self.send_error(
+                0,
+                ValidationError(
+                    f"the first frame must be a hello (t='hello'), got {type(hello).__name__}; field `$.t`"
+                ),
+            )
+            return None
+        if hello.version != wire.PROTOCOL_VERSION:
+            self.send_error(
+                0,
+                ValidationError(
+                    f"protocol version mismatch: the client speaks version {hello.version}, this server "
+                    f"speaks version {wire.PROTOCOL_VERSION}; upgrade the older side",
+                    details={"client_version": hello.version, "server_version": wire.PROTOCOL_VERSION},
+                ),
+            )
+            return None
+        try:
+            self.session, hello_ok = server.dispatcher.hello(hello, self.peer)
+        except RallypointError as exc:
+            self.send_error(0, exc)
+            return None
+        except Exception as exc:
+            self.send_internal(0, exc)
+            return None
+        self.queue_msg(hello_ok)
+        return frames[1:]
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Best-effort send of what is queued (used when closing)."""
+        with trio.move_on_after(timeout):
+            while self.sending:
+                await trio.sleep(0.005)
+            if self.out:
+                data = self.out
+                self.out = bytearray()
+                try:
+                    await self.stream.send_all(data)
+                    self.bytes_out += len(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+
+    async def linger(self, timeout: float = 1.0, max_bytes: int = 4 << 20) -> None:
+        """Half-close, then discard what the peer still sends (bounded in time and bytes)
+        so that closing does not reset the connection and destroy our last reply (an
+        error saying why we close) before the peer has read it."""
+        with trio.move_on_after(timeout):
+            try:
+                await self.stream.send_eof()
+                discarded = 0
+                while discarded < max_bytes:
+                    data = await self.stream.receive_some(_RECEIVE_SIZE)
+                    if not data:
+                        break
+                    discarded += len(data)
+                self.server._discarded_bytes += discarded
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, OSError):
+                pass
+
+    async def run(self) -> None:
+        server = self.server
+        try:
+            pending = await self.handshake()
+            if pending is None:
+                await self.flush(1.0)
+                await self.linger()
+                return
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                nursery.start_soon(self.writer)
+                nursery.start_soon(self.durability)
+                if server.idle_ping_interval:
+                    nursery.start_soon(self.pinger, server.idle_ping_interval)
+                await self.reader(pending)
+                if self.draining and not self.closing:
+                    # Finish in-flight requests and send their replies.
+                    self.begin_drain()
+                    with trio.move_on_after(server._drain_timeout):
+                        while self.inflight or self.out or self.sending:
+                            self.idle_event = trio.Event()
+                            if not (self.inflight or self.out or self.sending):
+                                break
+                            await self.idle_event.wait()
+                self.closing = True
+                self.stop_sending(1.0)
+                nursery.cancel_scope.cancel()
+            # Replies of requests cancelled by the close (best effort), oversize error.
+            await self.flush(1.0)
+            if self.parser.oversize is not None:
+                await self.linger()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            log.exception("connection from %s failed", self.peer)
+        finally:
+            self.closing = True
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.stream)
+
+
+class Server:
+    """A rallypoint TCP server for one :class:`Dispatcher`.
+
+    Args:
+        dispatcher: the coordinator side (see :class:`Dispatcher`).
+        max_connections: connections beyond this get ``Err(0, UNAVAILABLE)`` and are closed.
+        max_inflight_per_conn: requests in flight (awaitables, deferred replies) per
+            connection before the server stops reading that connection.
+        handshake_timeout: seconds a new connection has to send its Hello.
+        idle_ping_interval: ping a connection idle this long (seconds); drop it after
+            three silent intervals. ``None`` or 0 disables pings.
+        max_outgoing_bytes: replies waiting for a slow reader before the server stops
+            reading that connection's requests.
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        *,
+        max_connections: int = 1024,
+        max_inflight_per_conn: int = 256,
+        handshake_timeout: float = 10.0,
+        idle_ping_interval: float | None = 30.0,
+        max_outgoing_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.max_connections = max_connections
+        self.max_inflight_per_conn = max_inflight_per_conn
+        self.handshake_timeout = handshake_timeout
+        self.idle_ping_interval = idle_ping_interval
+        self.max_outgoing_bytes = max_outgoing_bytes
+        self.listeners: list[trio.SocketListener] = []
+        self._conns: set[_Conn] = set()
+        self._accept_scope: trio.CancelScope | None = None
+        self._serve_scope: trio.CancelScope | None = None
+        self._draining = False
+        self._drain_timeout = math.inf
+        self._stopped = trio.Event()
+        self._no_conns = trio.Event()
+        self._no_conns.set()
+        # statistics of closed connections + server-wide
+        self._connections_total = 0
+        self._rejected = 0
+        self._closed_requests = 0
+        self._closed_errors = 0
+        self._closed_bytes_in = 0
+        self._closed_bytes_out = 0
+        self._max_out = 0
+        self._max_inflight = 0
+        self._max_parse_buffer = 0
+        self._pauses = 0
+        self._internal_errors = 0
+        self._discarded_bytes = 0
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def port(self) -> int:
+        """The port of the first listener (handy with port 0)."""
+        return self.listeners[0].socket.getsockname()[1]
+
+    async def serve(
+        self,
+        listeners: Sequence[trio.SocketListener] | None = None,
+        host: str | None = "127.0.0.1",
+        port: int = 7411,
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept and serve connections until :meth:`drain` completes or cancelled.
+
+        Pass ``listeners`` (e.g. from ``trio.open_tcp_listeners``) or ``host``/``port``
+        (port 0 picks a free one; see :attr:`port`). ``task_status.started`` gets the
+        listeners.
+        """
+        if listeners is None:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        self.listeners = list(listeners)
+        try:
+            with trio.CancelScope() as serve_scope:
+                self._serve_scope = serve_scope
+                async with trio.open_nursery() as conn_nursery:
+                    with trio.CancelScope() as accept_scope:
+                        self._accept_scope = accept_scope
+                        if self._draining:
+                            accept_scope.cancel()
+                        async with trio.open_nursery() as accept_nursery:
+                            for listener in self.listeners:
+                                accept_nursery.start_soon(self._accept_loop, listener, conn_nursery)
+                            task_status.started(self.listeners)
+                    # Draining: no new connections; connections finish in conn_nursery.
+                    for listener in self.listeners:
+                        with trio.CancelScope(shield=True):
+                            await listener.aclose()
+        finally:
+            for listener in self.listeners:
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(listener)
+            self._stopped.set()
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Graceful stop: stop accepting, let every connection finish its in-flight
+        requests (up to ``timeout`` seconds; then they are cancelled and answered
+        UNAVAILABLE), then close the connections. Returns when :meth:`serve` ends."""
+        self._draining = True
+        self._drain_timeout = timeout
+        if self._accept_scope is not None:
+            self._accept_scope.cancel()
+        for conn in list(self._conns):
+            conn.begin_drain()
+        with trio.move_on_after(timeout + 2.0):
+            await self._no_conns.wait()
+        if self._serve_scope is not None and not self._stopped.is_set():
+            self._serve_scope.cancel()
+        if self._serve_scope is not None:
+            await self._stopped.wait()
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters: connections (open), connections_total, rejected_connections,
+        requests, errors, internal_errors, bytes_in, bytes_out, inflight (now),
+        outgoing_buffered (now), max_outgoing_buffered, max_inflight_per_conn_seen,
+        max_parse_buffer, backpressure_pauses, draining."""
+        requests = self._closed_requests
+        errors = self._closed_errors
+        bytes_in = self._closed_bytes_in
+        bytes_out = self._closed_bytes_out
+        max_out = self._max_out
+        max_inflight = self._max_inflight
+        max_parse = self._max_parse_buffer
+        pauses = self._pauses
+        inflight = 0
+        buffered = 0
+        for c in self._conns:
+            requests += c.requests
+            errors += c.errors
+            bytes_in += c.bytes_in
+            bytes_out += c.bytes_out
+            max_out = max(max_out, c.max_out)
+            max_inflight = max(max_inflight, c.max_inflight)
+            max_parse = max(max_parse, c.parser.buffered_max)
+            pauses += c.pauses
+            inflight += c.inflight
+            buffered += len(c.out) + c.sending
+        return {
+            "connections": len(self._conns),
+            "connections_total": self._connections_total,
+            "rejected_connections": self._rejected,
+            "requests": requests,
+            "errors": errors,
+            "internal_errors": self._internal_errors,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "inflight": inflight,
+            "outgoing_buffered": buffered,
+            "max_outgoing_buffered": max_out,
+            "max_inflight_per_conn_seen": max_inflight,
+            "max_parse_buffer": max_parse,
+            "backpressure_pauses": pauses,
+            "discarded_bytes": self._discarded_bytes,
+            "draining": self._draining,
+        }
+
+    # ---------------------------------------------------------------- internal
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE & co: back off rather than spin
+                log.warning("accept failed: %s; retrying in 100 ms", exc)
+                await trio.sleep(0.1)
+                continue
+            try:
+                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            if len(self._conns) >= self.max_connections:
+                self._rejected += 1
+                nursery.start_soon(self._reject, stream)
+                continue
+            nursery.start_soon(self._run_conn, stream)
+
+    async def _reject(self, stream: trio.SocketStream) -> None:
+        err = wire.Err(
+            0,
+            "UNAVAILABLE",
+            f"the server has reached its limit of {self.max_connections} connections; retry later",
+            1.0,
+        )
+        body = _encode(err)
+        with trio.move_on_after(1.0):
+            try:
+                await stream.send_all(len(body).to_bytes(4, "big") + body)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        await trio.aclose_forcefully(stream)
+
+    async def _run_conn(self, stream: trio.SocketStream) -> None:
+        try:
+            host, port = stream.socket.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "?"
+        conn = _Conn(self, stream, peer)
+        self._conns.add(conn)
+        self._connections_total += 1
+        self._no_conns = trio.Event() if self._no_conns.is_set() else self._no_conns
+        if self._draining:
+            conn.draining = True
+        try:
+            await conn.run()
+        finally:
+            self._conns.discard(conn)
+            self._closed_requests += conn.requests
+            self._closed_errors += conn.errors
+            self._closed_bytes_in += conn.bytes_in
+            self._closed_bytes_out += conn.bytes_out
+            self._max_out = max(self._max_out, conn.max_out)
+            self._max_inflight = max(self._max_inflight, conn.max_inflight)
+            self._max_parse_buffer = max(self._max_parse_buffer, conn.parser.buffered_max)
+            self._pauses += conn.pauses
+            if not self._conns:
+                self._no_conns.set()

@@ -1,0 +1,188 @@
+"""A small dispatcher for transport tests and benchmarks (no coordinator needed).
+
+Request bodies are plain msgpack maps ``{"op": ..., ...}``; a body that is not a map
+(or has no ``op``) is echoed back unchanged, which is the benchmark's fast path.
+
+ops: ``echo`` (reply = the body), ``sleep`` (``s`` seconds, as an awaitable),
+``deferred`` (reply after the fake journal is durable past ``lsn``), ``fail``
+(ConflictError), ``crash`` (ValueError: must come back as INTERNAL without its text),
+``sleep_deferred`` (awaitable whose result is Deferred).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import trio
+
+from .. import wire
+from ..errors import ConflictError, UnauthenticatedError
+from .server import Deferred
+
+_decode = msgspec.msgpack.decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class FakeJournal:
+    """``wait_durable`` blocks until :meth:`advance` (or ``auto=True``: immediate)."""
+
+    def __init__(self, auto: bool = False) -> None:
+        self.auto = auto
+        self.durable = 0
+        self.calls: list[int] = []
+        self._changed = trio.Event()
+
+    def advance(self, lsn: int) -> None:
+        self.durable = max(self.durable, lsn)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_durable(self, lsn: int) -> None:
+        self.calls.append(lsn)
+        if self.auto:
+            self.durable = max(self.durable, lsn)
+            return
+        while self.durable < lsn:
+            await self._changed.wait()
+
+
+class TestDispatcher:
+    __test__ = False  # not a pytest class
+
+    def __init__(self, journal: FakeJournal | None = None) -> None:
+        self.journal = journal or FakeJournal(auto=True)
+        self.hellos: list[tuple[wire.Hello, str]] = []
+
+    def hello(self, hello: wire.Hello, peer: str) -> tuple[Any, wire.HelloOk]:
+        if hello.api_key == "bad":
+            raise UnauthenticatedError("unknown API key; check RALLYPOINT_API_KEY")
+        self.hellos.append((hello, peer))
+        return {"client": hello.client}, wire.HelloOk(wire.PROTOCOL_VERSION, "test", "default")
+
+    def dispatch(self, session: Any, body: msgspec.Raw) -> Any:
+        raw = bytes(body)
+        if not raw or raw[0] & 0xF0 != 0x80:  # not a fixmap: echo fast path
+            return raw
+        req = _decode(raw)
+        op = req.get("op") if isinstance(req, dict) else None
+        if op is None or op == "echo":
+            return raw
+        if op == "sleep":
+            return self._sleep(req.get("s", 0.0), req.get("v"))
+        if op == "deferred":
+            return Deferred(req["lsn"], _encode(req["lsn"]))
+        if op == "sleep_deferred":
+            return self._sleep_deferred(req.get("s", 0.0), req["lsn"])
+        if op == "fail":
+            raise ConflictError("the group is closed; open a new one", retry_after=1.5, details={"group": "g1"})
+        if op == "crash":
+            raise ValueError("secret internal text: password=hunter2")
+        if op == "crash_async":
+            return self._crash_async()
+        raise ValueError(f"unknown op {op!r}")
+
+    async def _sleep(self, s: float, v: Any) -> bytes:
+        await trio.sleep(s)
+        return _encode({"slept": s, "v": v})
+
+    async def _sleep_deferred(self, s: float, lsn: int) -> Deferred:
+        await trio.sleep(s)
+        return Deferred(lsn, _encode(lsn))
+
+    async def _crash_async(self) -> bytes:
+        await trio.sleep(0)
+        raise KeyError("secret async text")
+
+    async def wait_durable(self, lsn: int) -> None:
+        await self.journal.wait_durable(lsn)
+
+
+class EchoDispatcher:
+    """The trivial dispatcher of the benchmark: every body comes back as is."""
+
+    def hello(self, hello: wire.Hello, peer: str) -> tuple[Any, wire.HelloOk]:
+        return None, wire.HelloOk(wire.PROTOCOL_VERSION, "bench", "default")
+
+    def dispatch(self, session: Any, body: msgspec.Raw) -> bytes:
+        return bytes(body)
+
+    async def wait_durable(self, lsn: int) -> None:
+        return None
+
+
+# ------------------------------------------------------------------ test helpers
+
+from contextlib import asynccontextmanager  # noqa: E402
+from typing import AsyncIterator  # noqa: E402
+
+from .framing import FrameParser, encode_frame  # noqa: E402
+from .server import Server  # noqa: E402
+
+_server_decoder = msgspec.msgpack.Decoder(wire.ServerFrame)
+
+
+@asynccontextmanager
+async def running_server(dispatcher: Any = None, **kw: Any) -> AsyncIterator[Server]:
+    """A Server on 127.0.0.1 (free port) for the duration of the block."""
+    server = Server(dispatcher if dispatcher is not None else TestDispatcher(), **kw)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve, None, "127.0.0.1", 0)
+        try:
+            yield server
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+class RawClient:
+    """A bare frame-level client for robustness tests (Trio)."""
+
+    __test__ = False
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.parser = FrameParser()
+        self.frames: list[Any] = []
+
+    @classmethod
+    async def connect(cls, port: int, hello: bool = True, **hello_kw: Any) -> "RawClient":
+        c = cls(await trio.open_tcp_stream("127.0.0.1", port))
+        if hello:
+            await c.send(wire.Hello(hello_kw.pop("version", wire.PROTOCOL_VERSION), **hello_kw))
+            ok = await c.recv()
+            assert isinstance(ok, wire.HelloOk), ok
+        return c
+
+    async def send(self, msg: Any) -> None:
+        await self.stream.send_all(encode_frame(_encode(msg)))
+
+    async def send_raw(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def request(self, rid: int, body: Any) -> None:
+        await self.send(wire.Request(rid, msgspec.Raw(_encode(body))))
+
+    async def recv(self, timeout: float = 5.0) -> Any:
+        """Next server frame (decoded); None at EOF."""
+        with trio.fail_after(timeout):
+            while not self.frames:
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    return None
+                self.frames.extend(_server_decoder.decode(f) for f in self.parser.feed(data))
+            return self.frames.pop(0)
+
+    async def expect_eof(self, timeout: float = 5.0) -> list[Any]:
+        """Read until EOF; returns the frames received on the way."""
+        got = []
+        while True:
+            try:
+                f = await self.recv(timeout)
+            except trio.BrokenResourceError:
+                return got
+            if f is None:
+                return got
+            got.append(f)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()

@@ -1,0 +1,419 @@
+"""Server-side transport tests, driven by a raw frame-level client."""
+
+import logging
+import struct
+
+import msgspec
+import trio
+
+from rallypoint import wire
+from rallypoint.transport.framing import encode_frame
+from rallypoint.transport.testing import FakeJournal, RawClient, TestDispatcher, running_server
+
+enc = msgspec.msgpack.encode
+dec = msgspec.msgpack.decode
+
+
+async def assert_alive(server) -> None:
+    """A fresh connection handshakes and gets an echo back."""
+    c = await RawClient.connect(server.port)
+    await c.request(1, {"op": "echo", "x": "alive"})
+    r = await c.recv()
+    assert isinstance(r, wire.Ok) and r.id == 1 and dec(r.body) == {"op": "echo", "x": "alive"}
+    await c.aclose()
+
+
+async def wait_no_connections(server) -> None:
+    with trio.fail_after(2):
+        while server.statistics()["connections"]:
+            await trio.sleep(0.01)
+
+
+# ------------------------------------------------------------------ handshake
+
+async def test_handshake_ok():
+    d = TestDispatcher()
+    async with running_server(d) as srv:
+        c = await RawClient.connect(srv.port, hello=False)
+        await c.send(wire.Hello(wire.PROTOCOL_VERSION, "key", "tester"))
+        ok = await c.recv()
+        assert ok == wire.HelloOk(wire.PROTOCOL_VERSION, "test", "default")
+        assert d.hellos[0][0].client == "tester"
+        assert d.hellos[0][1].startswith("127.0.0.1:")
+        await c.aclose()
+
+
+async def test_hello_and_requests_pipelined_in_one_write():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port, hello=False)
+        data = encode_frame(enc(wire.Hello(wire.PROTOCOL_VERSION)))
+        data += encode_frame(enc(wire.Request(1, msgspec.Raw(enc([1, 2])))))
+        await c.send_raw(data)
+        assert isinstance(await c.recv(), wire.HelloOk)
+        r = await c.recv()
+        assert r.id == 1 and dec(r.body) == [1, 2]
+
+
+async def test_version_mismatch_names_both_versions_and_closes():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port, hello=False)
+        await c.send(wire.Hello(99))
+        err = await c.recv()
+        assert isinstance(err, wire.Err) and err.id == 0 and err.code == "VALIDATION_FAILED"
+        assert "version 99" in err.message and f"version {wire.PROTOCOL_VERSION}" in err.message
+        assert await c.expect_eof() == []
+        await assert_alive(srv)
+
+
+async def test_no_hello_within_timeout_is_dropped():
+    async with running_server(handshake_timeout=0.2) as srv:
+        c = await RawClient.connect(srv.port, hello=False)
+        with trio.fail_after(2):
+            frames = await c.expect_eof()
+        assert all(isinstance(f, wire.Err) for f in frames)
+        await wait_no_connections(srv)
+        await assert_alive(srv)
+
+
+async def test_bad_api_key_refused():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port, hello=False)
+        await c.send(wire.Hello(wire.PROTOCOL_VERSION, "bad"))
+        err = await c.recv()
+        assert err.code == "UNAUTHENTICATED" and err.id == 0
+        assert await c.expect_eof() == []
+
+
+async def test_first_frame_not_hello_refused():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port, hello=False)
+        await c.request(1, "x")
+        err = await c.recv()
+        assert err.code == "VALIDATION_FAILED" and "hello" in err.message
+        assert await c.expect_eof() == []
+
+
+# --------------------------------------------------------------- requests
+
+async def test_ping_pong():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        await c.send(wire.Ping(42))
+        assert await c.recv() == wire.Pong(42)
+
+
+async def test_replies_in_any_order():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        await c.request(1, {"op": "sleep", "s": 1.0})
+        t0 = trio.current_time()
+        await c.request(2, {"op": "echo"})
+        r = await c.recv()
+        assert r.id == 2 and trio.current_time() - t0 < 0.5
+        r = await c.recv()
+        assert r.id == 1 and dec(r.body)["slept"] == 1.0
+
+
+async def test_batch_each_answered_in_order():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        reqs = [
+            wire.Request(1, msgspec.Raw(enc({"op": "echo", "i": 1}))),
+            wire.Request(2, msgspec.Raw(enc({"op": "fail"}))),
+            wire.Request(3, msgspec.Raw(enc({"op": "sleep", "s": 0.05}))),
+            wire.Request(4, msgspec.Raw(enc({"op": "echo", "i": 4}))),
+        ]
+        await c.send(wire.Batch(reqs))
+        got = {}
+        for _ in range(4):
+            r = await c.recv()
+            got[r.id] = r
+        assert dec(got[1].body)["i"] == 1
+        assert got[2].code == "CONFLICT" and got[2].retry_after == 1.5 and got[2].details == {"group": "g1"}
+        assert dec(got[3].body)["slept"] == 0.05
+        assert dec(got[4].body)["i"] == 4
+
+
+async def test_batch_with_one_bad_request_answers_the_others():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        frame = {
+            "t": "batch",
+            "reqs": [
+                {"t": "req", "id": 1, "body": {"op": "echo"}},
+                {"t": "req", "id": 2},  # body missing
+                {"t": "req", "id": 3, "body": {"op": "echo"}},
+            ],
+        }
+        await c.send(frame)
+        got = {}
+        for _ in range(3):
+            r = await c.recv()
+            got[r.id] = r
+        assert isinstance(got[1], wire.Ok) and isinstance(got[3], wire.Ok)
+        assert got[2].code == "VALIDATION_FAILED" and "body" in got[2].message and "reqs[1]" in got[2].message
+
+
+async def test_deferred_replies_wait_for_durability_and_are_released_together():
+    journal = FakeJournal()
+    async with running_server(TestDispatcher(journal)) as srv:
+        c = await RawClient.connect(srv.port)
+        data = b"".join(
+            encode_frame(enc(wire.Request(i, msgspec.Raw(enc({"op": "deferred", "lsn": 10 + i}))))) for i in (1, 2, 3)
+        )
+        await c.send_raw(data + encode_frame(enc(wire.Request(4, msgspec.Raw(enc({"op": "echo"}))))))
+        r = await c.recv()
+        assert r.id == 4  # a non-deferred reply is not held back
+        with trio.move_on_after(0.2):
+            await c.recv()
+            raise AssertionError("deferred reply sent before durability")
+        assert srv.statistics()["inflight"] == 3
+        # One waiter for the connection, for the largest pending lsn: 11 and 12 alone
+        # being durable releases nothing (they are released with 13, together).
+        assert journal.calls == [13]
+        journal.advance(12)
+        with trio.move_on_after(0.2):
+            await c.recv()
+            raise AssertionError("deferred reply sent before durability")
+        journal.advance(13)
+        with trio.fail_after(1):
+            await c.recv()
+        # the other two were in the same send_all, hence already parsed
+        assert len(c.frames) == 2
+        assert sorted([f.id for f in c.frames]) == [2, 3] or sorted(f.id for f in c.frames) in ([1, 2], [1, 3])
+        assert journal.calls == [13]
+        assert srv.statistics()["inflight"] == 0
+
+
+async def test_deferred_lsn_order_and_partial_release():
+    journal = FakeJournal()
+    async with running_server(TestDispatcher(journal)) as srv:
+        c = await RawClient.connect(srv.port)
+        await c.request(1, {"op": "deferred", "lsn": 5})
+        with trio.fail_after(1):
+            while journal.calls != [5]:
+                await trio.sleep(0.01)
+        await c.request(2, {"op": "deferred", "lsn": 9})
+        await trio.sleep(0.05)
+        journal.advance(5)
+        r = await c.recv()
+        assert r.id == 1
+        with trio.move_on_after(0.2):
+            await c.recv()
+            raise AssertionError("lsn 9 reply sent before durability")
+        journal.advance(9)
+        assert (await c.recv()).id == 2
+        assert journal.calls == [5, 9]
+
+
+async def test_deferred_from_awaitable():
+    journal = FakeJournal()
+    async with running_server(TestDispatcher(journal)) as srv:
+        c = await RawClient.connect(srv.port)
+        await c.request(1, {"op": "sleep_deferred", "s": 0.01, "lsn": 5})
+        with trio.move_on_after(0.2):
+            await c.recv()
+            raise AssertionError("deferred reply sent before durability")
+        journal.advance(5)
+        r = await c.recv()
+        assert r.id == 1 and dec(r.body) == 5
+
+
+async def test_internal_error_does_not_leak(caplog):
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        with caplog.at_level(logging.ERROR, logger="rallypoint.transport"):
+            await c.request(1, {"op": "crash"})
+            r = await c.recv()
+            await c.request(2, {"op": "crash_async"})
+            r2 = await c.recv()
+        for e in (r, r2):
+            assert e.code == "INTERNAL" and "ref " in e.message
+            assert "secret" not in e.message and "hunter2" not in e.message
+        ref = r.message.rsplit("ref ", 1)[1]
+        assert any(ref in rec.getMessage() and rec.exc_info for rec in caplog.records)
+        assert srv.statistics()["internal_errors"] == 2
+        await c.request(3, {"op": "echo"})
+        assert (await c.recv()).id == 3
+
+
+# ------------------------------------------------------------- robustness
+
+async def test_garbage_frame_keeps_connection_open():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        await c.send_raw(encode_frame(b"\xc1\xc1\xc1 not msgpack"))
+        err = await c.recv()
+        assert err.id == 0 and err.code == "VALIDATION_FAILED" and "msgpack" in err.message
+        await c.request(5, {"op": "echo"})
+        assert (await c.recv()).id == 5
+        await assert_alive(srv)
+
+
+async def test_ill_typed_envelopes_name_the_field_and_keep_connection():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        await c.send({"t": "req", "id": "seven", "body": 1})
+        err = await c.recv()
+        assert err.id == 0 and err.code == "VALIDATION_FAILED" and "$.id" in err.message
+        await c.send({"t": "req", "id": 7})  # body missing: id recoverable
+        err = await c.recv()
+        assert err.id == 7 and "body" in err.message
+        await c.send({"t": "nonsense", "id": 8})  # unknown tag
+        err = await c.recv()
+        assert err.id == 8 and "$.t" in err.message
+        await c.send(wire.Ok(9, msgspec.Raw(enc(1))))  # a server frame type from a client
+        err = await c.recv()
+        assert err.id == 9 and "$.t" in err.message
+        await c.send([1, 2, 3])  # not even a map
+        err = await c.recv()
+        assert err.id == 0 and err.code == "VALIDATION_FAILED"
+        await c.send({"t": "req", "id": -4, "body": 1})
+        err = await c.recv()
+        assert err.id == 0 and "id" in err.message
+        await c.send(wire.Hello(wire.PROTOCOL_VERSION))  # hello twice
+        err = await c.recv()
+        assert err.id == 0 and err.code == "VALIDATION_FAILED"
+        await c.request(10, {"op": "echo"})
+        assert (await c.recv()).id == 10
+        await assert_alive(srv)
+
+
+async def test_truncated_frame_then_close():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        frame = encode_frame(enc(wire.Request(1, msgspec.Raw(enc("x" * 1000)))))
+        await c.send_raw(frame[:500])
+        await c.aclose()
+        await wait_no_connections(srv)
+        await assert_alive(srv)
+
+
+async def test_oversize_length_header_rejected_without_reading_body():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        before = srv.statistics()["bytes_in"]
+        await c.send_raw(struct.pack(">I", 0xFFFFFFFF) + b"\x00" * 16)
+        frames = await c.expect_eof()
+        assert len(frames) == 1
+        err = frames[0]
+        assert err.id == 0 and err.code == "VALIDATION_FAILED"
+        assert "4294967295" in err.message and str(wire.MAX_FRAME_BYTES) in err.message
+        st = srv.statistics()
+        assert st["bytes_in"] - before <= 20 + 64  # nothing beyond what we sent was read
+        assert st["max_parse_buffer"] < 1024  # body never allocated
+        await assert_alive(srv)
+
+
+async def test_oversize_during_handshake():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port, hello=False)
+        await c.send_raw(struct.pack(">I", wire.MAX_FRAME_BYTES + 1))
+        frames = await c.expect_eof()
+        assert frames and frames[0].code == "VALIDATION_FAILED" and str(wire.MAX_FRAME_BYTES + 1) in frames[0].message
+
+
+async def test_idle_peer_pinged_then_dropped():
+    async with running_server(idle_ping_interval=0.1) as srv:
+        c = await RawClient.connect(srv.port)
+        with trio.fail_after(3):
+            frames = await c.expect_eof()
+        assert any(isinstance(f, wire.Ping) for f in frames)
+
+
+async def test_max_connections():
+    async with running_server(max_connections=1) as srv:
+        c1 = await RawClient.connect(srv.port)
+        c2 = await RawClient.connect(srv.port, hello=False)
+        frames = await c2.expect_eof()
+        assert frames[0].code == "UNAVAILABLE" and "1 connections" in frames[0].message
+        await c1.request(1, {"op": "echo"})
+        assert (await c1.recv()).id == 1
+        assert srv.statistics()["rejected_connections"] == 1
+
+
+# ------------------------------------------------------------ backpressure
+
+async def test_client_that_never_reads_cannot_grow_server_memory():
+    limit = 64 * 1024
+    payload = "p" * 4000
+    n = 6000  # ~24 MB of replies: far more than socket buffers + limit
+    async with running_server(max_outgoing_bytes=limit) as srv:
+        c = await RawClient.connect(srv.port)
+        one = encode_frame(enc(wire.Request(1, msgspec.Raw(enc({"op": "echo", "p": payload})))))
+        sent = 0
+        done = trio.Event()
+
+        async def sender():
+            nonlocal sent
+            for i in range(1, n + 1):
+                await c.send_raw(encode_frame(enc(wire.Request(i, msgspec.Raw(enc({"op": "echo", "p": payload}))))))
+                sent = i
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender)
+            # Wait until the sender is stuck: the server stopped reading.
+            last = -1
+            while sent != last:
+                last = sent
+                await trio.sleep(0.3)
+            assert not done.is_set(), "server kept reading from a client that never reads"
+            st = srv.statistics()
+            reply = len(one) + 16
+            assert st["outgoing_buffered"] <= 2 * (limit + reply)
+            assert st["max_outgoing_buffered"] <= 2 * (limit + reply)
+            # Now read everything: nothing was lost.
+            seen = set()
+            while len(seen) < n:
+                r = await c.recv(10)
+                assert isinstance(r, wire.Ok)
+                seen.add(r.id)
+            assert seen == set(range(1, n + 1))
+        assert srv.statistics()["max_outgoing_buffered"] <= 2 * (limit + reply)
+
+
+async def test_inflight_limit_pauses_reading():
+    async with running_server(max_inflight_per_conn=8) as srv:
+        c = await RawClient.connect(srv.port)
+        data = b"".join(
+            encode_frame(enc(wire.Request(i, msgspec.Raw(enc({"op": "sleep", "s": 0.02}))))) for i in range(1, 101)
+        )
+        await c.send_raw(data)
+        ids = {(await c.recv()).id for _ in range(100)}
+        assert ids == set(range(1, 101))
+        st = srv.statistics()
+        assert st["max_inflight_per_conn_seen"] <= 8
+        assert st["backpressure_pauses"] >= 1
+
+
+# ------------------------------------------------------------------ drain
+
+async def test_drain_finishes_inflight_then_closes():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        await c.request(1, {"op": "sleep", "s": 0.3})
+        await trio.sleep(0.05)
+        async with trio.open_nursery() as n:
+            n.start_soon(srv.drain)
+            frames = await c.expect_eof()
+        assert [f.id for f in frames if isinstance(f, wire.Ok)] == [1]
+        assert srv.statistics()["draining"] is True
+        try:
+            await RawClient.connect(srv.port)
+        except (OSError, trio.BrokenResourceError, AssertionError):
+            pass
+        else:
+            raise AssertionError("server still accepting after drain")
+
+
+async def test_drain_timeout_cancels_long_waits_with_unavailable():
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        await c.request(1, {"op": "sleep", "s": 30})
+        await trio.sleep(0.05)
+        async with trio.open_nursery() as n:
+            n.start_soon(srv.drain, 0.2)
+            with trio.fail_after(5):
+                frames = await c.expect_eof()
+        assert [(f.id, f.code) for f in frames] == [(1, "UNAVAILABLE")]
