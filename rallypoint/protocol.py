@@ -71,7 +71,10 @@ class ScopeCancel(_Op, tag="scope.cancel"):
 
 
 class ScopeComplete(_Op, tag="scope.complete"):
+    """Closes the run's open join sets first; waits up to ``wait_ms`` for their children."""
+
     scope_id: str
+    wait_ms: int = 0
 
 
 class ScopeList(_Op, tag="scope.list"):
@@ -341,6 +344,163 @@ class GroupMemberAddedView(_View):
     group_state: str
 
 
+# --- barriers -------------------------------------------------------------------------
+
+
+class BarrierCreate(_Op, tag="barrier.create"):
+    scope_id: str
+    target: int
+
+
+class BarrierArrive(_Op, tag="barrier.arrive"):
+    barrier_id: str
+    key: str
+
+
+class BarrierStatus(_Op, tag="barrier.status"):
+    barrier_id: str
+
+
+class BarrierWait(_Op, tag="barrier.wait"):
+    """Waits for RELEASED in ``epoch`` (default: the current one) or a later epoch."""
+
+    barrier_id: str
+    wait_ms: int = 0
+    epoch: int | None = None
+
+
+class BarrierNextEpochOp(_Op, tag="barrier.next_epoch"):
+    barrier_id: str
+
+
+class BarrierView(_View):
+    id: str
+    scope_id: str
+    state: str
+    target: int
+    arrivals: int
+    keys: list[str]
+    epoch: int
+    created_at: str
+    released_at: str | None
+
+
+# --- timers ---------------------------------------------------------------------------
+
+
+class TimerCreate(_Op, tag="timer.create"):
+    scope_id: str
+    at: str | None = None
+    after_ms: int | None = None
+
+
+class TimerStatus(_Op, tag="timer.status"):
+    timer_id: str
+
+
+class TimerWait(_Op, tag="timer.wait"):
+    """Waits for the timer to fire and acknowledges it in the same call."""
+
+    timer_id: str
+    wait_ms: int = 0
+
+
+class TimerCancel(_Op, tag="timer.cancel"):
+    timer_id: str
+
+
+class TimerView(_View):
+    id: str
+    scope_id: str
+    state: str
+    fire_at: str
+    fired_at: str | None
+    acked_at: str | None
+    created_at: str
+
+
+# --- join sets ------------------------------------------------------------------------
+
+
+class JoinSetCreate(_Op, tag="joinset.create"):
+    scope_id: str
+    name: str | None = None
+
+
+class JoinSetGet(_Op, tag="joinset.get"):
+    """By id, or by (scope_id, name)."""
+
+    joinset_id: str | None = None
+    scope_id: str | None = None
+    name: str | None = None
+
+
+class JoinSetSubmit(_Op, tag="joinset.submit"):
+    joinset_id: str
+    mailbox: str
+    input: msgspec.Raw = NIL
+    key: str | None = None
+    cancellable: bool = True
+    deadline: str | None = None
+
+
+class JoinSetSubmitDelay(_Op, tag="joinset.submit_delay"):
+    joinset_id: str
+    after_ms: int | None = None
+    at: str | None = None
+
+
+class JoinNext(_Op, tag="joinset.join_next"):
+    """Consume (or re-read) record ``index`` (default: the next). ``try_only`` answers at
+    once with ``pending`` instead of waiting."""
+
+    joinset_id: str
+    index: int | None = None
+    wait_ms: int = 0
+    try_only: bool = False
+
+
+class JoinSetClose(_Op, tag="joinset.close"):
+    joinset_id: str
+    wait_ms: int = 0
+
+
+class JoinSetChildView(_View):
+    child_id: str
+    kind: str  # task | delay
+    cancellable: bool
+    finished: bool
+
+
+class JoinSetView(_View):
+    id: str
+    scope_id: str
+    name: str | None
+    state: str  # OPEN | CLOSING | CLOSED
+    submitted: int
+    finished: int
+    consumed: int
+    created_at: str
+    children: list[JoinSetChildView]
+
+
+class JoinSetChildAdded(_View):
+    child_id: str
+    kind: str
+    fire_at: str | None = None
+
+
+class JoinNextView(_View):
+    status: str  # "record" | "pending"
+    index: int
+    child_id: str | None = None
+    kind: str | None = None
+    ok: bool = True
+    value: msgspec.Raw = NIL
+    failure_kind: str | None = None
+    closing: bool = False
+
+
 Op = Union[
     ServerStatus,
     ScopeCreate,
@@ -368,6 +528,21 @@ Op = Union[
     GroupClose,
     GroupStatus,
     GroupWait,
+    BarrierCreate,
+    BarrierArrive,
+    BarrierStatus,
+    BarrierWait,
+    BarrierNextEpochOp,
+    TimerCreate,
+    TimerStatus,
+    TimerWait,
+    TimerCancel,
+    JoinSetCreate,
+    JoinSetGet,
+    JoinSetSubmit,
+    JoinSetSubmitDelay,
+    JoinNext,
+    JoinSetClose,
 ]
 
 ALL_OPS: tuple[type, ...] = Op.__args__  # type: ignore[attr-defined]
@@ -400,6 +575,21 @@ REPLY_TYPES: dict[type, type] = {
     GroupClose: GroupDecisionView,
     GroupStatus: GroupView,
     GroupWait: GroupView,
+    BarrierCreate: BarrierView,
+    BarrierArrive: BarrierView,
+    BarrierStatus: BarrierView,
+    BarrierWait: BarrierView,
+    BarrierNextEpochOp: BarrierView,
+    TimerCreate: TimerView,
+    TimerStatus: TimerView,
+    TimerWait: TimerView,
+    TimerCancel: TimerView,
+    JoinSetCreate: JoinSetView,
+    JoinSetGet: JoinSetView,
+    JoinSetSubmit: JoinSetChildAdded,
+    JoinSetSubmitDelay: JoinSetChildAdded,
+    JoinNext: JoinNextView,
+    JoinSetClose: JoinSetView,
 }
 
 op_decoder = msgspec.msgpack.Decoder(Op)

@@ -201,6 +201,103 @@ class GroupFinalized(_Rec, tag="group_finalized"):
     at_ms: int
 
 
+# --- barriers ---------------------------------------------------------------------------
+
+
+class BarrierCreated(_Rec, tag="barrier_created"):
+    id: str
+    space: str
+    scope_id: str
+    target: int
+    at_ms: int
+
+
+class BarrierArrived(_Rec, tag="barrier_arrived"):
+    """A distinct key arrived in ``epoch``; ``releases`` when it is the target-th."""
+
+    id: str
+    key: str
+    epoch: int
+    at_ms: int
+    releases: bool = False
+
+
+class BarrierNextEpoch(_Rec, tag="barrier_next_epoch"):
+    id: str
+    epoch: int
+    at_ms: int
+
+
+# --- timers -----------------------------------------------------------------------------
+
+
+class TimerCreated(_Rec, tag="timer_created"):
+    id: str
+    space: str
+    scope_id: str
+    fire_at_ms: int
+    at_ms: int
+
+
+class TimerFired(_Rec, tag="timer_fired"):
+    id: str
+    at_ms: int
+
+
+class TimerAcked(_Rec, tag="timer_acked"):
+    id: str
+    at_ms: int
+
+
+class TimerCancelled(_Rec, tag="timer_cancelled"):
+    id: str
+    at_ms: int
+
+
+# --- join sets ----------------------------------------------------------------------------
+
+
+class JoinSetCreated(_Rec, tag="joinset_created"):
+    id: str
+    space: str
+    scope_id: str
+    at_ms: int
+    name: str | None = None
+
+
+class JoinSetDelaySubmitted(_Rec, tag="joinset_delay"):
+    """A durable delay child; its completion record is written when it fires."""
+
+    joinset_id: str
+    child_id: str
+    fire_at_ms: int
+    at_ms: int
+
+
+class JoinSetDelayFired(_Rec, tag="joinset_delay_fired"):
+    joinset_id: str
+    child_id: str
+    at_ms: int
+
+
+class JoinSetConsumed(_Rec, tag="joinset_consumed"):
+    """The ``index``-th consume of the set (positional matching: it took record
+    ``index``)."""
+
+    joinset_id: str
+    index: int
+    at_ms: int
+
+
+class JoinSetClosed(_Rec, tag="joinset_closed"):
+    """Close: no more submissions; unconsumed delays and cancellable task children are
+    cancelled in reverse submission order; every unconsumed record is consumed as a
+    closing consume as it arrives."""
+
+    joinset_id: str
+    at_ms: int
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -220,6 +317,18 @@ Record = Union[
     GroupSealed,
     GroupVerdict,
     GroupFinalized,
+    BarrierCreated,
+    BarrierArrived,
+    BarrierNextEpoch,
+    TimerCreated,
+    TimerFired,
+    TimerAcked,
+    TimerCancelled,
+    JoinSetCreated,
+    JoinSetDelaySubmitted,
+    JoinSetDelayFired,
+    JoinSetConsumed,
+    JoinSetClosed,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

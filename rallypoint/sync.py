@@ -24,7 +24,9 @@ from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run
 
 __all__ = ["connect", "SyncClient"]
 
-_HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes)
+from .client.api import Barrier, Barriers, JoinSet, JoinSets, Timer, Timers
+
+_HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes, JoinSet, JoinSets, Barrier, Barriers, Timer, Timers)
 
 
 class _Proxy:

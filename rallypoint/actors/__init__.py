@@ -5,13 +5,16 @@ Each kind (runs, work queues, task groups, ...) is a mixin with its state Struct
 (:mod:`.system`) owns the tables, the commit pipeline, the timer heap and recovery.
 """
 
+from .barrier import BarrierKind
 from .group import GroupKind
+from .joinset import JoinSetKind
 from .mailbox import MailboxKind
 from .scope import ScopeKind
 from .system import CoordinatorBase, MemoryJournal
+from .timer import TimerKind
 
 
-class Coordinator(GroupKind, MailboxKind, ScopeKind, CoordinatorBase):
+class Coordinator(JoinSetKind, TimerKind, BarrierKind, GroupKind, MailboxKind, ScopeKind, CoordinatorBase):
     """The whole coordinator (see :class:`.system.CoordinatorBase` for arguments)."""
 
 

@@ -320,8 +320,8 @@ class MailboxKind:
                 session.space, mbx, scope.id, item.input, item.key, item.deadline,
                 field_prefix=f"items[{i}].", pending=pending, extra_backlog=len(recs),
             )
-            if isinstance(r, TaskSubmitted):
-                recs.append(r)
+            if isinstance(r, TaskSubmitted) and not (r.key is not None and pending.get((scope.id, mbx.id, r.key)) is r):
+                recs.append(r)  # (a duplicate key within the batch returns the pending record: add it once)
                 if r.key is not None:
                     pending[(scope.id, mbx.id, r.key)] = r
             ids.append(r.id)
@@ -347,6 +347,7 @@ class MailboxKind:
         self.tasks[t.id] = t
         self._index_task(t)
         self.touch(t.id)
+        self._on_task_created(t)
         self._make_ready(t)
         if t.deadline_ms is not None:
             self.arm(t.deadline_ms, "task_deadline", t.id, t.deadline_ms)
@@ -392,8 +393,11 @@ class MailboxKind:
         if t.group_id is not None and not self._replaying:
             self._touched_groups.add(t.group_id)
 
+    def _on_task_created(self, t: TaskState) -> None:
+        """Hook for kinds that follow tasks (join sets). Runs in apply (also in replay)."""
+
     def _on_task_terminal(self, t: TaskState) -> None:
-        """Hook for kinds that follow tasks (join sets)."""
+        """Hook for kinds that follow tasks (join sets). Runs in apply (also in replay)."""
 
     def _finish(self, t: TaskState, state: str, at_ms: int, reason: str | None) -> None:
         t.finished_at_ms = at_ms

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import msgspec
+import trio
 
 from ..clock import to_iso
 from ..errors import ConflictError, DeadlineExceededError, LimitError, ValidationError
@@ -27,7 +28,7 @@ from ..protocol import (
     ScopeView,
 )
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
-from .system import applies, check_name, check_range, parse_instant
+from .system import applies, check_name, check_range, clamp_wait, parse_instant
 
 __all__ = ["ScopeState", "ScopeKind"]
 
@@ -114,11 +115,29 @@ class ScopeKind:
         self.commit([ScopeEnded(id=s.id, state="CANCELLED", at_ms=self.now_ms(), reason=op.reason)])
         return self.scope_view(s)
 
-    def op_scope_complete(self, session, op: ScopeComplete) -> ScopeView:
+    def op_scope_complete(self, session, op: ScopeComplete):
+        """Complete the run: first close its open join sets (newest first); the run is
+        COMPLETED only once every child of those sets finished. Until then the reply is
+        the run still ACTIVE (the SDK re-issues the request)."""
         s = self.get_scope(session.space, op.scope_id)
         if s.state != "ACTIVE":
             raise ConflictError(f"run {s.id} is already {s.state}; a finished run cannot be completed")
-        self.commit([ScopeEnded(id=s.id, state="COMPLETED", at_ms=self.now_ms())])
+        wait_ms = clamp_wait(op.wait_ms)
+        closes = self.close_records_for_complete(s.id, self.now_ms())
+        if closes:
+            self.commit(closes)
+        if self.complete_blockers(s.id) == 0:
+            self.commit([ScopeEnded(id=s.id, state="COMPLETED", at_ms=self.now_ms())])
+            return self.scope_view(s)
+        if wait_ms == 0:
+            return self.scope_view(s)
+        return self._complete_later(s, wait_ms)
+
+    async def _complete_later(self, s: ScopeState, wait_ms: int) -> ScopeView:
+        with trio.move_on_after(wait_ms / 1000):
+            await self.wait_complete_blockers(s.id)
+        if s.state == "ACTIVE" and self.complete_blockers(s.id) == 0:
+            self.commit([ScopeEnded(id=s.id, state="COMPLETED", at_ms=self.now_ms())])
         return self.scope_view(s)
 
     def op_scope_list(self, session, op: ScopeList) -> ScopeListView:

@@ -259,6 +259,19 @@ class CoordinatorBase:
                 await nursery.start(snap.run)
             task_status.started()
 
+    # hooks for run completion (join sets close first; SPEC §5 "structured end")
+    def close_records_for_complete(self, scope_id: str, at_ms: int) -> list:
+        """Records that must be committed before ``scope_id`` can complete."""
+        return []
+
+    def complete_blockers(self, scope_id: str) -> int:
+        """How many things still keep ``scope_id`` from completing (0: it can)."""
+        return 0
+
+    async def wait_complete_blockers(self, scope_id: str) -> None:
+        """Return once :meth:`complete_blockers` is 0."""
+        return None
+
     def rebuild_indexes(self) -> None:
         """After loading a snapshot: rebuild derived indexes from entity state. Kinds
         extend this."""

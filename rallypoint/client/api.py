@@ -158,6 +158,9 @@ class Run:
         self.id = scope_id
         self.last_status = status
         self.groups = Groups(rs, self)
+        self.join_sets = JoinSets(rs, self)
+        self.barriers = Barriers(rs, self)
+        self.timers = Timers(rs, self)
 
     def __repr__(self) -> str:
         return f"Run({self.id!r})"
@@ -189,10 +192,24 @@ class Run:
         self.last_status = await self._rs._call(p.ScopeCancel(scope_id=self.id, reason=reason), t.RunStatus)
         return self.last_status
 
-    async def complete(self) -> t.RunStatus:
-        """Record that the run finished normally (final; CONFLICT if already finished)."""
-        self.last_status = await self._rs._call(p.ScopeComplete(scope_id=self.id), t.RunStatus)
-        return self.last_status
+    async def complete(self, timeout: float | None = None) -> t.RunStatus:
+        """Record that the run finished normally (final; CONFLICT if already finished).
+
+        Open join sets are closed first, newest first, and the run completes only after
+        their last child finished; this waits for that (WaitTimeout after ``timeout``
+        seconds, the sets then stay closing and a later ``complete()`` finishes)."""
+        remaining = math.inf if timeout is None else timeout
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            st = await self._rs._call(
+                p.ScopeComplete(scope_id=self.id, wait_ms=_ms(chunk, "timeout")), t.RunStatus
+            )
+            self.last_status = st
+            if st.stored_state == "COMPLETED":
+                return st
+            remaining -= chunk
+            if remaining <= 0:
+                raise WaitTimeout(f"run {self.id} is still waiting for join-set children after {timeout} s")
 
     async def children(self, limit: int = 1000) -> list[t.RunStatus]:
         return await self._rs.scopes.list(self, limit=limit)
@@ -520,5 +537,234 @@ class Group:
                 raise WaitTimeout(f"group {self.id} is still {st.state} after {timeout} s")
 
 
-async def sleep_forever() -> None:  # pragma: no cover - helper for examples
-    await anyio.sleep(math.inf)
+class JoinSets:
+    """``run.join_sets``: create and re-attach join sets of this run."""
+
+    def __init__(self, rs: Client, run: Run) -> None:
+        self._rs = rs
+        self._run = run
+
+    async def create(self, name: str | None = None) -> "JoinSet":
+        """A generated (``name=None``) or named set. Names: letters, digits, ``-`` and
+        ``/``; used once per run, even after close (CONFLICT)."""
+        st = await self._rs._call(p.JoinSetCreate(scope_id=self._run.id, name=name), t.JoinSetStatus)
+        return JoinSet(self._rs, st.id, st)
+
+    async def by_name(self, name: str) -> "JoinSet":
+        st = await self._rs._call(p.JoinSetGet(scope_id=self._run.id, name=name), t.JoinSetStatus)
+        return JoinSet(self._rs, st.id, st)
+
+    def by_id(self, joinset_id: str) -> "JoinSet":
+        return JoinSet(self._rs, _id_of(joinset_id, "join set"))
+
+
+class JoinSet:
+    """A handle on a join set (``jst_…``): children finish in any order; ``join_next``
+    returns their results in completion order, positionally (the k-th consume is the
+    k-th record, forever)."""
+
+    def __init__(self, rs: Client, joinset_id: str, status: t.JoinSetStatus | None = None) -> None:
+        self._rs = rs
+        self.id = joinset_id
+        self.last_status = status
+        self.last_id: str | None = None
+
+    def __repr__(self) -> str:
+        return f"JoinSet({self.id!r})"
+
+    async def submit(
+        self, mailbox: "Mailbox | str", input: Any = None, key: str | None = None, *, cancellable: bool = True,
+        deadline: datetime | str | None = None,
+    ) -> str:
+        """Add a child task to ``mailbox`` in this set's run; returns its id (a task id).
+        A refused submission (inactive run, bad input) adds nothing."""
+        r = await self._rs._call(
+            p.JoinSetSubmit(
+                joinset_id=self.id, mailbox=_mailbox_name(mailbox), input=encode_payload(input), key=key,
+                cancellable=cancellable, deadline=_iso(deadline, "deadline"),
+            ),
+            t._ChildAdded,
+        )
+        return r.child_id
+
+    async def submit_delay(self, seconds: float | None = None, *, at: datetime | str | None = None) -> str:
+        """Add a durable delay child (result ``None`` when it fires); returns its id."""
+        r = await self._rs._call(
+            p.JoinSetSubmitDelay(
+                joinset_id=self.id,
+                after_ms=None if seconds is None else _ms(seconds, "seconds"),
+                at=_iso(at, "at"),
+            ),
+            t._ChildAdded,
+        )
+        return r.child_id
+
+    def _result(self, r) -> tuple[str, Any]:
+        self.last_id = r.child_id
+        if not r.ok:
+            from ..errors import ChildError
+
+            raise ChildError(
+                f"child {r.child_id} of join set {self.id} ended {r.failure_kind}",
+                details={"value": r.value, "failure_kind": r.failure_kind, "child_id": r.child_id, "index": r.index},
+            )
+        return r.child_id, r.value
+
+    async def join_next(self, timeout: float | None = None, *, index: int | None = None) -> tuple[str, Any]:
+        """Consume the next completion record (or re-read record ``index``): returns
+        ``(child_id, result)``; a delay's result is None. A failed child raises
+        ChildError (``value``, ``failure_kind``) and still counts as consumed.
+        JoinSetExhaustedError past the last child; WaitTimeout after ``timeout`` s."""
+        remaining = math.inf if timeout is None else timeout
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            r = await self._rs._call(
+                p.JoinNext(joinset_id=self.id, index=index, wait_ms=_ms(chunk, "timeout")), t._JoinNextReply
+            )
+            if r.status == "record":
+                return self._result(r)
+            remaining -= chunk
+            if remaining <= 0:
+                raise WaitTimeout(f"join set {self.id}: no child finished within {timeout} s")
+
+    async def join_next_try(self) -> tuple[str, Any] | None:
+        """The next record at once, or None while children are pending."""
+        r = await self._rs._call(p.JoinNext(joinset_id=self.id, try_only=True), t._JoinNextReply)
+        return self._result(r) if r.status == "record" else None
+
+    async def close(self, timeout: float | None = None) -> t.JoinSetStatus:
+        """Cancel unconsumed delays and cancellable children (reverse submission order),
+        wait for the others, consume what is left. Never raises for a child's failure."""
+        remaining = math.inf if timeout is None else timeout
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            st = await self._rs._call(p.JoinSetClose(joinset_id=self.id, wait_ms=_ms(chunk, "timeout")), t.JoinSetStatus)
+            self.last_status = st
+            if st.state == "CLOSED":
+                return st
+            remaining -= chunk
+            if remaining <= 0:
+                raise WaitTimeout(f"join set {self.id} is still closing after {timeout} s")
+
+    async def status(self) -> t.JoinSetStatus:
+        self.last_status = await self._rs._call(p.JoinSetGet(joinset_id=self.id), t.JoinSetStatus)
+        return self.last_status
+
+
+class Barriers:
+    """``run.barriers``."""
+
+    def __init__(self, rs: Client, run: Run) -> None:
+        self._rs = rs
+        self._run = run
+
+    async def create(self, target: int) -> "Barrier":
+        """A barrier that releases once ``target`` distinct keys arrived."""
+        st = await self._rs._call(p.BarrierCreate(scope_id=self._run.id, target=target), t.BarrierStatus)
+        return Barrier(self._rs, st.id, st)
+
+    def get(self, barrier_id: str) -> "Barrier":
+        """A handle by id (no request)."""
+        return Barrier(self._rs, _id_of(barrier_id, "barrier"))
+
+
+class Barrier:
+    def __init__(self, rs: Client, barrier_id: str, status: t.BarrierStatus | None = None) -> None:
+        self._rs = rs
+        self.id = barrier_id
+        self.last_status = status
+
+    def __repr__(self) -> str:
+        return f"Barrier({self.id!r})"
+
+    async def arrive(self, key: str) -> t.BarrierStatus:
+        """Arrive as ``key`` (idempotent per key within an epoch). BarrierReleasedError
+        after the release; BarrierCancelledError once cancelled."""
+        self.last_status = await self._rs._call(p.BarrierArrive(barrier_id=self.id, key=key), t.BarrierStatus)
+        return self.last_status
+
+    async def wait(self, timeout: float | None = 60) -> t.BarrierStatus:
+        """Wait on the server for RELEASED (in the epoch current at the call, or a later
+        one). BarrierCancelledError if cancelled; WaitTimeout after ``timeout`` s."""
+        remaining = math.inf if timeout is None else timeout
+        epoch = None
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            st = await self._rs._call(
+                p.BarrierWait(barrier_id=self.id, wait_ms=_ms(chunk, "timeout"), epoch=epoch), t.BarrierStatus
+            )
+            self.last_status = st
+            epoch = st.epoch if epoch is None else epoch
+            if st.epoch > epoch or st.state == "RELEASED":
+                return st
+            remaining -= chunk
+            if remaining <= 0:
+                raise WaitTimeout(f"barrier {self.id} has {st.arrivals}/{st.target} arrivals after {timeout} s")
+
+    async def next_epoch(self) -> t.BarrierStatus:
+        """Start a new epoch with no arrivals (the barrier must be RELEASED)."""
+        self.last_status = await self._rs._call(p.BarrierNextEpochOp(barrier_id=self.id), t.BarrierStatus)
+        return self.last_status
+
+    async def status(self) -> t.BarrierStatus:
+        self.last_status = await self._rs._call(p.BarrierStatus(barrier_id=self.id), t.BarrierStatus)
+        return self.last_status
+
+
+class Timers:
+    """``run.timers``."""
+
+    def __init__(self, rs: Client, run: Run) -> None:
+        self._rs = rs
+        self._run = run
+
+    async def create(self, at: datetime | str | None = None, after_seconds: float | None = None) -> "Timer":
+        """A durable timer firing at ``at`` or after ``after_seconds`` (exactly one)."""
+        st = await self._rs._call(
+            p.TimerCreate(
+                scope_id=self._run.id, at=_iso(at, "at"),
+                after_ms=None if after_seconds is None else _ms(after_seconds, "after_seconds"),
+            ),
+            t.TimerStatus,
+        )
+        return Timer(self._rs, st.id, st)
+
+    def get(self, timer_id: str) -> "Timer":
+        return Timer(self._rs, _id_of(timer_id, "timer"))
+
+
+class Timer:
+    def __init__(self, rs: Client, timer_id: str, status: t.TimerStatus | None = None) -> None:
+        self._rs = rs
+        self.id = timer_id
+        self.last_status = status
+
+    def __repr__(self) -> str:
+        return f"Timer({self.id!r})"
+
+    @property
+    def fire_at(self) -> datetime | None:
+        return self.last_status.fire_at if self.last_status else None
+
+    async def wait(self, timeout: float | None = None) -> datetime:
+        """Wait for the timer to fire and acknowledge it; returns ``fired_at``.
+        ConflictError if it was cancelled; WaitTimeout after ``timeout`` s."""
+        remaining = math.inf if timeout is None else timeout
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            st = await self._rs._call(p.TimerWait(timer_id=self.id, wait_ms=_ms(chunk, "timeout")), t.TimerStatus)
+            self.last_status = st
+            if st.fired_at is not None:
+                return st.fired_at
+            remaining -= chunk
+            if remaining <= 0:
+                raise WaitTimeout(f"timer {self.id} has not fired after {timeout} s")
+
+    async def cancel(self) -> t.TimerStatus:
+        """Disarm an armed timer (no-op if cancelled; CONFLICT if it already fired)."""
+        self.last_status = await self._rs._call(p.TimerCancel(timer_id=self.id), t.TimerStatus)
+        return self.last_status
+
+    async def status(self) -> t.TimerStatus:
+        self.last_status = await self._rs._call(p.TimerStatus(timer_id=self.id), t.TimerStatus)
+        return self.last_status

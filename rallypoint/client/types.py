@@ -183,3 +183,68 @@ class _MailboxList(msgspec.Struct):
 
 class _TaskList(msgspec.Struct):
     tasks: list[TaskInfo]
+
+
+class BarrierStatus(_Info):
+    """A barrier: WAITING, RELEASED or CANCELLED; ``arrivals`` of ``target`` in ``epoch``."""
+
+    id: str
+    scope_id: str
+    state: str
+    target: int
+    arrivals: int
+    keys: list[str]
+    epoch: int
+    created_at: datetime
+    released_at: datetime | None
+
+
+class TimerStatus(_Info):
+    """A timer: ARMED, FIRED, ACKED or CANCELLED."""
+
+    id: str
+    scope_id: str
+    state: str
+    fire_at: datetime
+    fired_at: datetime | None
+    acked_at: datetime | None
+    created_at: datetime
+
+
+class JoinSetChild(_Info):
+    child_id: str
+    kind: str
+    cancellable: bool
+    finished: bool
+
+
+class JoinSetStatus(_Info):
+    """A join set: OPEN, CLOSING or CLOSED; counts of children submitted, finished
+    (completion records) and consumed."""
+
+    id: str
+    scope_id: str
+    name: str | None
+    state: str
+    submitted: int
+    finished: int
+    consumed: int
+    created_at: datetime
+    children: list[JoinSetChild]
+
+
+class _ChildAdded(msgspec.Struct):
+    child_id: str
+    kind: str
+    fire_at: datetime | None = None
+
+
+class _JoinNextReply(msgspec.Struct):
+    status: str
+    index: int
+    child_id: str | None = None
+    kind: str | None = None
+    ok: bool = True
+    value: Any = None
+    failure_kind: str | None = None
+    closing: bool = False
