@@ -43,6 +43,19 @@ class Node:
 
 
 @asynccontextmanager
+async def _unwrapped() -> AsyncIterator[None]:
+    """Let an exception from the caller's block leave a background nursery as itself,
+    not wrapped in an ExceptionGroup of one (Trio's strict exception groups)."""
+    try:
+        yield
+    except BaseExceptionGroup as eg:
+        if len(eg.exceptions) == 1:
+            exc = eg.exceptions[0]
+            raise exc from exc.__cause__
+        raise
+
+
+@asynccontextmanager
 async def open_node(
     data_dir: str | None = None,
     durability: str | None = None,
@@ -76,7 +89,7 @@ async def open_node(
         return
     coord = Coordinator(clock=clock or Clock(), durability="memory")
     node = Node(coord, data_dir, "memory")
-    async with trio.open_nursery() as nursery:
+    async with _unwrapped(), trio.open_nursery() as nursery:
         await nursery.start(coord.run)
         try:
             yield node
@@ -254,7 +267,7 @@ async def open_persistent_node(
         node.snapshotter = snap
         clean = False
         try:
-            async with trio.open_nursery() as nursery:
+            async with _unwrapped(), trio.open_nursery() as nursery:
                 await nursery.start(coord.run)
                 try:
                     yield node

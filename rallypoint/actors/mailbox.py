@@ -438,45 +438,50 @@ class MailboxKind:
         if t is not None and t.state == "QUEUED" and t.available_at_ms == available_at:
             self._make_ready(t, due=True)
 
-    def _candidate_heaps(self, mbx_id: str, scope_id: str) -> list[list[str]]:
+    def _candidate_heaps(self, mbx_id: str, scope_id: str) -> list[tuple[str, list[str]]]:
+        """(run id, ready heap) of ``scope_id`` and its descendants in this mailbox."""
         per_scope = self.ready.get(mbx_id)
         if not per_scope:
             return []
         if not self.scope_children.get(scope_id):
             h = per_scope.get(scope_id)
-            return [h] if h else []
+            return [(scope_id, h)] if h is not None else []
         if len(per_scope) <= 64:
-            return [h for sid, h in per_scope.items() if h and self.is_descendant_or_self(sid, scope_id)]
+            return [(sid, h) for sid, h in per_scope.items() if self.is_descendant_or_self(sid, scope_id)]
         out, stack = [], [scope_id]
         while stack:
             sid = stack.pop()
             h = per_scope.get(sid)
-            if h:
-                out.append(h)
+            if h is not None:
+                out.append((sid, h))
             stack.extend(self.scope_children.get(sid, ()))
         return out
 
     def _pop_ready(self, mbx_id: str, scope_id: str, n: int) -> list[TaskState]:
-        heaps = self._candidate_heaps(mbx_id, scope_id)
+        """Pop up to ``n`` oldest ready tasks of the run and its descendants. Stale heap
+        entries (tasks no longer ready) are dropped on the way; heaps left empty are
+        removed so a mailbox's index only holds runs with ready work."""
+        cands = self._candidate_heaps(mbx_id, scope_id)
         out: list[TaskState] = []
         tasks, ready_set = self.tasks, self.ready_set
-        while heaps and len(out) < n:
+        heappop = heapq.heappop
+        while len(out) < n:
             best = None
-            for h in heaps:
+            for _sid, h in cands:
                 while h and (h[0] not in ready_set):
-                    heapq.heappop(h)
+                    heappop(h)
                 if h and (best is None or h[0] < best[0]):
                     best = h
             if best is None:
                 break
-            tid = heapq.heappop(best)
+            tid = heappop(best)
             ready_set.discard(tid)
             out.append(tasks[tid])
-            heaps = [h for h in heaps if h]
         per_scope = self.ready.get(mbx_id)
-        if per_scope:
-            for sid in [sid for sid, h in per_scope.items() if not h]:
-                del per_scope[sid]
+        if per_scope is not None:
+            for sid, h in cands:
+                if not h:
+                    per_scope.pop(sid, None)
         return out
 
     # ================================================================ receive

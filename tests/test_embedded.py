@@ -1,0 +1,39 @@
+"""Embedded mode: the coordinator inside the caller's Trio program (SPEC §12)."""
+
+import pytest
+
+import rallypoint
+from rallypoint.errors import NotFoundError, ValidationError
+
+
+async def test_caller_exception_leaves_unwrapped():
+    # Given an embedded coordinator, when the caller's block raises, then the caller
+    # catches its own exception, not an ExceptionGroup from the background nursery.
+    with pytest.raises(KeyError):
+        async with rallypoint.open_embedded():
+            raise KeyError("mine")
+    with pytest.raises(NotFoundError):
+        async with rallypoint.open_embedded() as rs:
+            await rs.scope("scp_00000000000000000000000000").status()
+
+
+async def test_state_survives_reopen_of_a_data_dir(tmp_path):
+    async with rallypoint.open_embedded(str(tmp_path)) as rs:
+        run = await rs.scopes.create(name="kept")
+        mbx = await rs.mailboxes.ensure("jobs", max_attempts=3)
+        ticket = await mbx.submit({"n": 1}, scope=run, key="k")
+    async with rallypoint.open_embedded(str(tmp_path)) as rs:
+        assert (await rs.scope(run.id).status()).name == "kept"
+        assert (await rs.mailboxes.get("jobs")).info.max_attempts == 3
+        info = await rs.task(ticket.id).status()
+        assert (info.state, info.input, info.key) == ("QUEUED", {"n": 1}, "k")
+        assert rs.node.recovery_info["replayed"] == 0  # the clean exit wrote a snapshot
+
+
+async def test_unknown_durability_is_refused(tmp_path):
+    with pytest.raises(ValidationError):
+        async with rallypoint.open_embedded(str(tmp_path), durability="sometimes"):
+            pass
+    with pytest.raises(ValidationError):
+        async with rallypoint.open_embedded(None, durability="fsync"):
+            pass
