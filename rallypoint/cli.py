@@ -87,8 +87,10 @@ async def _serve(args) -> int:
                     log.info("received %s: draining (no new connections, finishing in-flight requests)",
                              signal.Signals(signum).name)
                     break
-            with trio.move_on_after(args.drain_timeout):
-                await server.drain()
+            # drain() answers what is still in flight after the timeout UNAVAILABLE;
+            # the outer bound is a safety net only.
+            with trio.move_on_after(args.drain_timeout + 5.0):
+                await server.drain(timeout=args.drain_timeout)
             nursery.cancel_scope.cancel()
         log.info("stopped accepting; closing the coordinator")
     log.info("rallypoint stopped cleanly")
@@ -257,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     rp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     rp.set_defaults(fn=cmd_repair)
+
+    from .loadtest.runner import add_arguments as _bench_arguments, cmd_bench
+
+    b = sub.add_parser("bench", help="load-test a daemon: throughput, latency percentiles, JSON report")
+    _bench_arguments(b)
+    b.set_defaults(fn=cmd_bench)
     return ap
 
 

@@ -103,16 +103,21 @@ class Snapshotter:
     journal below the snapshot's LSN.
 
     The cut is consistent without stalling the event loop: the dirty set is encoded in
-    chunks (yielding between them); entities touched meanwhile are dirty again and are
-    re-encoded, and the last round, small, runs without a yield at LSN ``S`` =
-    ``journal.last_lsn``. Every entity written then reflects the state at ``S``. The
-    LMDB transaction runs in a worker thread, after the journal is synced past ``S``.
+    slices of at most ``SLICE_S`` seconds (yielding between them); entities touched
+    meanwhile are dirty again and are re-encoded, and the last round, small, runs without
+    a yield at LSN ``S`` = ``journal.last_lsn``. Every entity written then reflects the
+    state at ``S``. The LMDB transaction runs in a worker thread, after the journal is
+    synced past ``S``; it is handed the encoded pairs lazily, so nothing proportional to
+    the snapshot's size runs on the event loop in one go (no list copy of the dirty set,
+    no list of 1M pairs: both were 10-50 ms stalls at 1M entities).
 
     Triggers: ``every_records`` journal entries or ``every_s`` seconds since the last
     snapshot (if anything changed), and :meth:`snapshot` at graceful shutdown.
     """
 
-    CHUNK = 2000
+    CHUNK = 2000  # a round with more dirty entities than this yields between slices
+    SLICE = 256  # entities encoded between two clock reads
+    SLICE_S = 0.002  # longest stretch of encoding without a yield, seconds
 
     def __init__(self, coordinator, store, *, every_records: int, every_s: float) -> None:
         self.coordinator = coordinator
@@ -126,12 +131,14 @@ class Snapshotter:
         self._lock = trio.Lock()
         self._encoder = msgspec.msgpack.Encoder()
 
-    def _encode(self, ids, puts: dict) -> None:
-        coord, enc = self.coordinator, self._encoder.encode
+    def _encode(self, ids, keys: list, values: list, tables: dict) -> None:
+        enc = self._encoder.encode
         for eid in ids:
-            ent = coord.entity(eid)
+            t = tables.get(eid[:3])
+            ent = None if t is None else t[0].get(eid)
             if ent is not None:
-                puts[eid.encode()] = enc(ent)
+                keys.append(eid.encode())
+                values.append(enc(ent))
 
     async def snapshot(self) -> int | None:
         """Take a snapshot now; returns its LSN (None when nothing changed)."""
@@ -141,41 +148,68 @@ class Snapshotter:
             if not coord.dirty and journal.last_lsn == self.last_lsn:
                 return None
             t0 = time.perf_counter()
-            puts: dict[bytes, bytes] = {}
-            # Chunked rounds while much is dirty, then the final round with no yield.
+            tables = coord.entity_tables()
+            # Encoded pairs in order; an entity re-encoded in a later round appears again
+            # later and its last value wins in the store (one put after the other).
+            keys: list[bytes] = []
+            values: list[bytes] = []
+            # Time-sliced rounds while much is dirty, then the final round with no yield.
+            clock = time.perf_counter
             while len(coord.dirty) > self.CHUNK:
                 batch, coord.dirty = coord.dirty, set()
-                batch = list(batch)
-                for i in range(0, len(batch), self.CHUNK):
-                    self._encode(batch[i : i + self.CHUNK], puts)
-                    await trio.sleep(0)
+                # Popped, not iterated: the set is detached from coord.dirty, and freeing
+                # it once empty costs nothing (a full 1M-entry set is a ~20 ms free).
+                pop = batch.pop
+                slice_end = clock() + self.SLICE_S
+                while batch:
+                    ids = [pop() for _ in range(min(self.SLICE, len(batch)))]
+                    self._encode(ids, keys, values, tables)
+                    if clock() >= slice_end:
+                        await trio.sleep(0)
+                        slice_end = clock() + self.SLICE_S
+                del batch, pop
+                await trio.sleep(0)
             batch, coord.dirty = coord.dirty, set()
-            self._encode(batch, puts)
-            lsn = journal.last_lsn  # the cut: every entity in puts is at this LSN
+            self._encode(batch, keys, values, tables)
+            lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
             encoded_s = time.perf_counter() - t0
             try:
                 sync = getattr(journal, "wait_synced", None)
                 await (sync(lsn) if sync is not None else journal.wait_durable(lsn))
-                await self.store.write(lsn, list(puts.items()), [])
+                # zip: the pairs are made in the worker thread, not on the loop
+                await self.store.write(lsn, zip(keys, values), [])
             except BaseException:
-                coord.dirty.update(k.decode() for k in puts)  # try again next time
+                coord.dirty.update(k.decode() for k in keys)  # try again next time
                 raise
-            removed = journal.truncate_below(lsn + 1)
+            removed = journal.truncate_below(lsn + 1, unlink=False) or []
+            if removed:
+                await trio.to_thread.run_sync(_unlink_all, removed)
             self.last_lsn = lsn
             self.last_at = trio.current_time()
             self.snapshots += 1
             self.last_stats = {
                 "lsn": lsn,
-                "entities": len(puts),
+                "entities": len(keys),
                 "encode_s": encoded_s,
                 "total_s": time.perf_counter() - t0,
                 "segments_removed": len(removed or ()),
             }
             log.info(
                 "snapshot at LSN %d: %d entities written in %.3f s, %d journal segments removed",
-                lsn, len(puts), self.last_stats["total_s"], self.last_stats["segments_removed"],
+                lsn, len(keys), self.last_stats["total_s"], self.last_stats["segments_removed"],
             )
+            await self._release(values, keys)
             return lsn
+
+    RELEASE = 16384  # objects freed between two yields
+
+    async def _release(self, *lists: list) -> None:
+        """Free the encoded pairs a slice at a time: dropping 1M bytes objects in one
+        go is a ~50 ms stall of the event loop."""
+        for lst in lists:
+            while lst:
+                del lst[-self.RELEASE :]
+                await trio.sleep(0)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -188,6 +222,14 @@ class Snapshotter:
             )
             if due:
                 await self.snapshot()
+
+
+def _unlink_all(paths) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 def load_entities(coordinator, entities) -> int:

@@ -501,6 +501,37 @@ class JoinNextView(_View):
     closing: bool = False
 
 
+# --- access (admin) ---------------------------------------------------------------------
+
+
+class KeyCreate(_Op, tag="key.create"):
+    space: str
+    permissions: list[str]
+    name: str | None = None
+
+
+class KeyList(_Op, tag="key.list"):
+    space: str | None = None
+
+
+class KeyRevoke(_Op, tag="key.revoke"):
+    key_id: str
+
+
+class KeyView(_View):
+    id: str
+    space: str
+    name: str | None
+    permissions: list[str]
+    created_at: str
+    revoked_at: str | None
+    secret: str | None = None  # only in the reply to key.create
+
+
+class KeyListView(_View):
+    keys: list[KeyView]
+
+
 Op = Union[
     ServerStatus,
     ScopeCreate,
@@ -543,6 +574,9 @@ Op = Union[
     JoinSetSubmitDelay,
     JoinNext,
     JoinSetClose,
+    KeyCreate,
+    KeyList,
+    KeyRevoke,
 ]
 
 ALL_OPS: tuple[type, ...] = Op.__args__  # type: ignore[attr-defined]
@@ -590,6 +624,9 @@ REPLY_TYPES: dict[type, type] = {
     JoinSetSubmitDelay: JoinSetChildAdded,
     JoinNext: JoinNextView,
     JoinSetClose: JoinSetView,
+    KeyCreate: KeyView,
+    KeyList: KeyListView,
+    KeyRevoke: KeyView,
 }
 
 op_decoder = msgspec.msgpack.Decoder(Op)

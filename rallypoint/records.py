@@ -298,6 +298,25 @@ class JoinSetClosed(_Rec, tag="joinset_closed"):
     at_ms: int
 
 
+# --- access --------------------------------------------------------------------------------
+
+
+class KeyCreated(_Rec, tag="key_created"):
+    """An API key: only the SHA-256 of its secret is kept."""
+
+    id: str
+    space: str
+    permissions: list[str]
+    secret_sha256: str
+    at_ms: int
+    name: str | None = None
+
+
+class KeyRevoked(_Rec, tag="key_revoked"):
+    id: str
+    at_ms: int
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -329,6 +348,8 @@ Record = Union[
     JoinSetDelayFired,
     JoinSetConsumed,
     JoinSetClosed,
+    KeyCreated,
+    KeyRevoked,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

@@ -50,6 +50,16 @@ class _Proxy:
                 return portal._wrap(portal._run(value, *args, **kwargs))
 
             return blocking
+        if inspect.ismethod(value):  # plain methods that make handles (rs.scope(id), rs.mailbox(name), run.task(id))
+            portal = self._portal
+
+            @functools.wraps(value)
+            def plain(*args, **kwargs):
+                args = tuple(a._obj if isinstance(a, _Proxy) else a for a in args)
+                kwargs = {k: (v._obj if isinstance(v, _Proxy) else v) for k, v in kwargs.items()}
+                return portal._wrap(value(*args, **kwargs))
+
+            return plain
         return self._portal._wrap(value)
 
     def __repr__(self) -> str:

@@ -83,6 +83,9 @@ async def rs(request):
 
 @pytest.fixture
 async def ers(autojump_clock):
-    """An embedded client under trio's MockClock (autojump): hours pass in milliseconds."""
+    """An embedded client under trio's MockClock (autojump): hours pass in milliseconds.
+
+    The test must request ``autojump_clock`` in its own signature too (pytest-trio only
+    takes the clock from the test's arguments)."""
     async with rallypoint.open_embedded(clock=None) as client:
         yield client

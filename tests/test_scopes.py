@@ -113,7 +113,7 @@ async def test_list_roots_and_children(rs):
 # --- deadlines under the mock clock (embedded) ---------------------------------------
 
 
-async def test_hour_long_deadline_passes_in_virtual_time(ers):
+async def test_hour_long_deadline_passes_in_virtual_time(autojump_clock, ers):
     run = await ers.scopes.create(deadline=in_(3600))
     child = await run.child()
     grandchild = await child.child()
@@ -129,7 +129,7 @@ async def test_hour_long_deadline_passes_in_virtual_time(ers):
             await r.child()
 
 
-async def test_deadline_refuses_at_the_instant_even_before_the_timer_fires(ers):
+async def test_deadline_refuses_at_the_instant_even_before_the_timer_fires(autojump_clock, ers):
     # The refusal is computed from the tree, not from a fired timer.
     node = ers.node
     run = await ers.scopes.create(deadline=in_(10))
@@ -139,7 +139,7 @@ async def test_deadline_refuses_at_the_instant_even_before_the_timer_fires(ers):
         await run.child()
 
 
-async def test_cancel_is_one_atomic_step(ers):
+async def test_cancel_is_one_atomic_step(autojump_clock, ers):
     # Given a 40-run tree with queued tasks everywhere, a concurrent observer that looks
     # at the whole state at every scheduling point never sees a mix: either every run
     # is active with its tasks queued, or every run is inactive with its tasks cancelled.
@@ -155,19 +155,23 @@ async def test_cancel_is_one_atomic_step(ers):
         await mbx.submit({"run": r.id}, scope=r)
     seen = set()
     stop = trio.Event()
+    looked = trio.Event()
 
     async def observer():
         while not stop.is_set():
             active = {coord.scope_inactive_error(r.id) is None for r in all_runs}
             queued = {t.state for t in coord.tasks.values()}
             seen.add((frozenset(active), frozenset(queued)))
+            looked.set()
             await trio.sleep(0)
 
     async with trio.open_nursery() as n:
         n.start_soon(observer)
-        await trio.sleep(0)
-        await run.cancel()
-        await trio.sleep(0)
+        await looked.wait()
+        async with trio.open_nursery() as n2:  # the cancel races the observer
+            n2.start_soon(run.cancel)
+            for _ in range(20):
+                await trio.sleep(0)
         stop.set()
     assert seen == {
         (frozenset({True}), frozenset({"QUEUED"})),

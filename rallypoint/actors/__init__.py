@@ -8,13 +8,14 @@ Each kind (runs, work queues, task groups, ...) is a mixin with its state Struct
 from .barrier import BarrierKind
 from .group import GroupKind
 from .joinset import JoinSetKind
+from .keys import KeyKind
 from .mailbox import MailboxKind
 from .scope import ScopeKind
 from .system import CoordinatorBase, MemoryJournal
 from .timer import TimerKind
 
 
-class Coordinator(JoinSetKind, TimerKind, BarrierKind, GroupKind, MailboxKind, ScopeKind, CoordinatorBase):
+class Coordinator(KeyKind, JoinSetKind, TimerKind, BarrierKind, GroupKind, MailboxKind, ScopeKind, CoordinatorBase):
     """The whole coordinator (see :class:`.system.CoordinatorBase` for arguments)."""
 
 

@@ -69,4 +69,7 @@ OPS: dict[type, OpSpec] = {
     p.JoinSetSubmitDelay: OpSpec("op_joinset_submit_delay", W),
     p.JoinNext: OpSpec("op_joinset_join_next", W),
     p.JoinSetClose: OpSpec("op_joinset_close", W),
+    p.KeyCreate: OpSpec("op_key_create", A),
+    p.KeyList: OpSpec("op_key_list", A),
+    p.KeyRevoke: OpSpec("op_key_revoke", A),
 }

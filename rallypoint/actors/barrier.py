@@ -87,6 +87,7 @@ class BarrierKind:
         if not isinstance(op.key, str) or not 1 <= len(op.key) <= MAX_KEY_LEN:
             raise ValidationError(f"key must be 1 to {MAX_KEY_LEN} characters", details={"field": "key"})
         if b.state == "CANCELLED":
+            self.require_active(b.scope_id)  # SPEC §2: arrivals on an inactive run are SCOPE_CANCELLED/DEADLINE_EXCEEDED
             raise BarrierCancelledError(f"barrier {b.id} was cancelled (its run was cancelled)")
         if op.key in b.keys:
             return self.barrier_view(b)  # idempotent per key within the epoch

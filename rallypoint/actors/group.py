@@ -29,7 +29,10 @@ judged; a member is *finished* for the group when it can no longer be accepted o
 rejected by a pending verdict, i.e. its task is terminal and, if it SUCCEEDED, it has a
 verdict. (So ALL_TERMINAL waits for verdicts on the members that succeeded: without
 that, the last member to finish would decide the group before anyone could accept it.)
-The group's deadline is its gate run's deadline.
+The group's deadline is its gate run's deadline. Once a deadline of the gate or an
+ancestor has passed (its timer may not have fired yet: refusals start at the instant,
+SPEC §2), the only outcome left is FAILURE ``deadline``: the next commit that touches
+the group records it, a verdict is ``late``, and a cancel keeps the reason ``deadline``.
 """
 
 from __future__ import annotations
@@ -244,6 +247,7 @@ class GroupKind:
         if t.group_id is not None:
             raise ConflictError(f"task {t.id} is already a member of group {t.group_id}")
         self._require_open(g)
+        self.require_active(g.gate_scope_id)  # like submit: no new members past the deadline
         seals = g.expected_members is not None and len(g.members) + 1 >= g.expected_members
         self.commit([GroupMemberJoined(group_id=g.id, task_id=t.id, at_ms=self.now_ms(), seals=seals)])
         return self._member_view_for(g, t)
@@ -293,7 +297,10 @@ class GroupKind:
                 details={"task_id": t.id, "task_state": t.state},
             )
         self.commit([
-            GroupVerdict(group_id=g.id, task_id=t.id, verdict=verdict, at_ms=self.now_ms(), late=g.state == "FINALIZED")
+            GroupVerdict(
+                group_id=g.id, task_id=t.id, verdict=verdict, at_ms=self.now_ms(),
+                late=g.state == "FINALIZED" or self._deadline_passed(g),
+            )
         ])
         return self._verdict_view(g, m)
 
@@ -391,12 +398,27 @@ class GroupKind:
                 g = self.groups.get(gid)
                 if g is None or g.state == "FINALIZED":
                     continue
-                decision = self.evaluate_group(g)
+                # past the deadline (its timer may not have fired yet) only the deadline decides
+                decision = ("FAILURE", "deadline") if self._deadline_passed(g) else self.evaluate_group(g)
                 if decision is not None:
                     if now is None:
                         now = self.now_ms()
                     more.append(GroupFinalized(group_id=gid, outcome=decision[0], reason=decision[1], at_ms=now))
         return more
+
+    def _deadline_passed(self, g: GroupState, at_ms: int | None = None) -> bool:
+        """The gate (or an ancestor) is past its deadline at ``at_ms`` (default: now),
+        whether or not the deadline's timer has fired: the group's outcome can only be
+        FAILURE ``deadline`` from then on. Deterministic given ``at_ms`` (used in apply)."""
+        if at_ms is None:
+            at_ms = self.now_ms()
+        scopes = self.scopes
+        s = scopes.get(g.gate_scope_id)
+        while s is not None:
+            if s.deadline_ms is not None and (s.deadline_fired or s.deadline_ms <= at_ms):
+                return True
+            s = scopes.get(s.parent_id) if s.parent_id else None
+        return False
 
     def evaluate_group(self, g: GroupState) -> tuple[str, str] | None:
         """The decision table (pure). None while undecided."""
@@ -461,7 +483,10 @@ class GroupKind:
             return
         g = self.groups.get(s.group_id)
         if g is not None and g.state != "FINALIZED":
-            self._finalize(g, "FAILURE", "deadline" if reason == "deadline" else "cancelled", at_ms)
+            # a cancel that lands after the deadline passed (before its timer fired) does
+            # not rewrite the reason: the deadline decided first
+            past = reason == "deadline" or self._deadline_passed(g, at_ms)
+            self._finalize(g, "FAILURE", "deadline" if past else "cancelled", at_ms)
 
     # ================================================================ recovery
     def rebuild_indexes(self) -> None:

@@ -20,7 +20,24 @@ import heapq
 import msgspec
 import trio
 
-from ..clock import to_iso
+from ..clock import to_iso as _to_iso
+
+_ISO_HEADS: dict[int, str] = {}
+
+
+def to_iso(ms: int | None) -> str | None:
+    """:func:`rallypoint.clock.to_iso`, memoizing the per-second head (views of tasks
+    format three instants each; datetime.isoformat dominated the reply cost)."""
+    if ms is None:
+        return None
+    sec, milli = divmod(ms, 1000)
+    head = _ISO_HEADS.get(sec)
+    if head is None:
+        if len(_ISO_HEADS) >= 4096:
+            _ISO_HEADS.clear()
+        head = _ISO_HEADS[sec] = _to_iso(sec * 1000)[:-5]  # drop ".000Z"
+    return f"{head}.{milli:03d}Z"
+
 from ..errors import (
     ConflictError,
     LeaseLostError,
@@ -500,13 +517,15 @@ class MailboxKind:
     async def _receive_wait(self, mbx, scope_id, lease_ms, max_messages, wait_ms) -> ReceiveView:
         deadline = trio.current_time() + wait_ms / 1000
         while True:
-            ev = self.notifier.event(("recv", scope_id))
-            with trio.move_on_at(deadline):
-                await ev.wait()
+            # Check before parking: this coroutine may start after other requests of the
+            # same frame were dispatched (a submit or cancel whose wake-up found no waiter).
             self.require_active(scope_id)
             got = self._deliver(mbx, scope_id, lease_ms, max_messages)
             if got or trio.current_time() >= deadline:
                 return ReceiveView(deliveries=got)
+            ev = self.notifier.event(("recv", scope_id))
+            with trio.move_on_at(deadline):
+                await ev.wait()
 
     def _deliver(self, mbx: MailboxState, scope_id: str, lease_ms: int, n: int) -> list[DeliveryView]:
         picked = self._pop_ready(mbx.id, scope_id, n)

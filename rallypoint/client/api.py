@@ -679,7 +679,7 @@ class Barrier:
 
     async def arrive(self, key: str) -> t.BarrierStatus:
         """Arrive as ``key`` (idempotent per key within an epoch). BarrierReleasedError
-        after the release; BarrierCancelledError once cancelled."""
+        after the release; SCOPE_CANCELLED / DEADLINE_EXCEEDED once its run is inactive."""
         self.last_status = await self._rs._call(p.BarrierArrive(barrier_id=self.id, key=key), t.BarrierStatus)
         return self.last_status
 
@@ -687,14 +687,15 @@ class Barrier:
         """Wait on the server for RELEASED (in the epoch current at the call, or a later
         one). BarrierCancelledError if cancelled; WaitTimeout after ``timeout`` s."""
         remaining = math.inf if timeout is None else timeout
-        epoch = None
+        # Pin the epoch current at the call: a reply cannot tell it (the server returns
+        # the status of the epoch it woke in, which is later if the barrier was reused).
+        epoch = (await self.status()).epoch
         while True:
             chunk = min(remaining, _MAX_WAIT_S)
             st = await self._rs._call(
                 p.BarrierWait(barrier_id=self.id, wait_ms=_ms(chunk, "timeout"), epoch=epoch), t.BarrierStatus
             )
             self.last_status = st
-            epoch = st.epoch if epoch is None else epoch
             if st.epoch > epoch or st.state == "RELEASED":
                 return st
             remaining -= chunk

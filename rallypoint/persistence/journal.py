@@ -672,7 +672,7 @@ class Journal:
 
     # ----------------------------------------------------------------- maintenance
 
-    def truncate_below(self, lsn: int) -> list[Path]:
+    def truncate_below(self, lsn: int, *, unlink: bool = True) -> list[Path]:
         """Delete segment files all of whose records have LSN < ``lsn`` (sync).
 
         Call it after a snapshot valid at LSN ``S`` was written and synced, with
@@ -681,6 +681,10 @@ class Journal:
         yet. Returns the deleted paths. The directory is not fsynced: a deletion undone
         by a crash only leaves garbage that the next scan skips and the next call
         removes. No-op in memory mode.
+
+        With ``unlink=False`` the segments are only dropped from the journal's list and
+        returned: the caller deletes the files off the event loop (unlinking a 64 MiB
+        segment takes tens of ms). Files left behind are garbage, as above.
         """
         if self._memory or self._jdir is None:
             return []
@@ -690,10 +694,11 @@ class Journal:
         i = 0
         while i + 1 < len(firsts) and firsts[i + 1] <= limit:
             path = self._jdir / segment_name(firsts[i])
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+            if unlink:
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
             deleted.append(path)
             i += 1
         if i:

@@ -142,7 +142,10 @@ class SnapshotStore:
             lsn: the journal LSN the state is valid at (every record <= lsn applied).
                 Must be >= the stored LSN. In ``interval`` journal mode, await
                 ``journal.wait_synced(lsn)`` first; in fsync mode ``wait_durable(lsn)``.
-            puts: (key, value) pairs to insert or overwrite.
+            puts: (key, value) pairs to insert or overwrite: any iterable (e.g. a
+                ``zip`` of two lists, so the pairs are made in the worker thread, not on
+                the event loop); consumed once, in order, so when a key appears twice
+                the later value wins.
             deletes: keys to remove (missing keys are ignored).
 
         Raises:

@@ -143,6 +143,7 @@ class _Conn:
         self.reader_event: trio.Event | None = None
         self.deferred_event: trio.Event | None = None
         self.idle_event = trio.Event()  # set when inflight == 0 and nothing queued (drain)
+        self.waits: set[trio.CancelScope] = set()  # one per running awaitable (long waits)
         self.closing = False
         self.draining = False
         self.rx_count = 0
@@ -369,6 +370,17 @@ class _Conn:
             self.idle_event.set()
 
     async def run_awaitable(self, rid: int, aw: Awaitable[Any]) -> None:
+        # Own cancel scope: a drain ends long waits after a grace (see Server
+        # drain_wait_grace) without touching the connection's other tasks.
+        wait_scope = trio.CancelScope()
+        self.waits.add(wait_scope)
+        try:
+            with wait_scope:
+                await self._run_awaitable(rid, aw)
+        finally:
+            self.waits.discard(wait_scope)
+
+    async def _run_awaitable(self, rid: int, aw: Awaitable[Any]) -> None:
         deferred = False
         try:
             try:
@@ -377,7 +389,9 @@ class _Conn:
                 self.send_error(rid, exc)
             except trio.Cancelled:
                 # Connection closing or forced drain: tell the peer if it can still hear.
-                self.send_error(rid, UnavailableError("the server is shutting down; retry on a new connection"))
+                self.send_error(
+                    rid, UnavailableError("the server is shutting down; retry on a new connection", retry_after=1.0)
+                )
                 raise
             except Exception as exc:
                 self.send_internal(rid, exc)
@@ -671,13 +685,25 @@ class _Conn:
                 await self.reader(pending)
                 if self.draining and not self.closing:
                     # Finish in-flight requests and send their replies.
+                    # Long server-side waits get drain_wait_grace to end on their own,
+                    # then are answered UNAVAILABLE (the peer retries elsewhere), so a
+                    # long poll does not hold the shutdown for up to a minute.
                     self.begin_drain()
+                    grace_at: float | None = trio.current_time() + server.drain_wait_grace
                     with trio.move_on_after(server._drain_timeout):
                         while self.inflight or self.out or self.sending:
                             self.idle_event = trio.Event()
                             if not (self.inflight or self.out or self.sending):
                                 break
-                            await self.idle_event.wait()
+                            if grace_at is not None and self.waits:
+                                with trio.move_on_at(grace_at):
+                                    await self.idle_event.wait()
+                                if trio.current_time() >= grace_at:
+                                    grace_at = None
+                                    for scope in list(self.waits):
+                                        scope.cancel()
+                            else:
+                                await self.idle_event.wait()
                 self.closing = True
                 self.stop_sending(1.0)
                 nursery.cancel_scope.cancel()
@@ -708,6 +734,9 @@ class Server:
             three silent intervals. ``None`` or 0 disables pings.
         max_outgoing_bytes: replies waiting for a slow reader before the server stops
             reading that connection's requests.
+        drain_wait_grace: on :meth:`drain`, seconds that running awaitables (long
+            server-side waits) get to finish before they are answered UNAVAILABLE;
+            quick requests and durable (deferred) replies still get the full timeout.
     """
 
     def __init__(
@@ -719,6 +748,7 @@ class Server:
         handshake_timeout: float = 10.0,
         idle_ping_interval: float | None = 30.0,
         max_outgoing_bytes: int = 4 * 1024 * 1024,
+        drain_wait_grace: float = 1.0,
     ) -> None:
         self.dispatcher = dispatcher
         self.max_connections = max_connections
@@ -726,6 +756,7 @@ class Server:
         self.handshake_timeout = handshake_timeout
         self.idle_ping_interval = idle_ping_interval
         self.max_outgoing_bytes = max_outgoing_bytes
+        self.drain_wait_grace = drain_wait_grace
         self.listeners: list[trio.SocketListener] = []
         self._conns: set[_Conn] = set()
         self._accept_scope: trio.CancelScope | None = None

@@ -1,0 +1,317 @@
+"""``rallypoint bench``: start processes, show progress, merge, report.
+
+The parent process: (optionally) spawns a daemon with a fresh temporary data dir,
+creates the bench run and mailbox, starts producer and worker processes
+(multiprocessing, ``spawn``), waits until every one is connected, sets a common start
+instant, shows a live progress line, collects each process's encoded histograms, and
+writes the report. Exit status: 0 when the run had no error, 1 otherwise, 2 when it
+could not start.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import trio
+
+from .report import build_report, format_table
+
+SCENARIOS = ("lifecycle", "groups", "barriers", "joinsets", "mixed")
+MAILBOX = "rallypoint-bench"
+
+
+class SpawnedDaemon:
+    """``rallypoint serve`` on a free loopback port with a fresh temp data dir."""
+
+    def __init__(self, durability: str, extra: list[str] | None = None) -> None:
+        self.durability = durability
+        self.extra = extra or []
+        self.dir = tempfile.mkdtemp(prefix="rallypoint-bench-")
+        self.data_dir = os.path.join(self.dir, "data")
+        self.log_path = os.path.join(self.dir, "daemon.log")
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self, timeout: float = 30.0) -> str:
+        args = [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0",
+                "--durability", self.durability, "--data-dir", self.data_dir, *self.extra]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("READY "):
+                self.url = line.split()[1]
+                return self.url
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        with open(self.log_path) as f:
+            raise RuntimeError(f"the daemon did not start: {f.read()[-2000:]}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        rc = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            rc = self.proc.returncode
+            self.proc.stdout.close()
+            self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return rc
+
+
+async def _setup(url: str) -> tuple[str, str]:
+    import rallypoint
+
+    async with rallypoint.connect(url, client_name="bench") as rs:
+        info = await rs.status()
+        run = await rs.scopes.create(name="bench", child_limit=1_000_000)
+        await rs.mailboxes.ensure(MAILBOX, max_attempts=5)
+        return run.id, info.durability
+
+
+async def _teardown(url: str, run_id: str) -> None:
+    import rallypoint
+
+    async with rallypoint.connect(url, client_name="bench") as rs:
+        await rs.scope(run_id).cancel(reason="bench finished")
+
+
+class Progress:
+    """One updating line on a TTY, a line every ``every`` seconds otherwise."""
+
+    def __init__(self, stream=sys.stderr, every: float = 5.0) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.every = every
+        self.last_print = 0.0
+        self.prev: tuple[float, int, int] | None = None
+        self.rate = self.lrate = 0.0
+
+    def update(self, now: float, elapsed: float, phase: str, totals: dict) -> None:
+        if self.prev is not None and now - self.prev[0] >= 1.0:
+            dt = now - self.prev[0]
+            self.rate = (totals["ops"] - self.prev[1]) / dt
+            self.lrate = (totals["lifecycles"] + totals["rounds"] - self.prev[2]) / dt
+            self.prev = (now, totals["ops"], totals["lifecycles"] + totals["rounds"])
+        elif self.prev is None:
+            self.prev = (now, totals["ops"], totals["lifecycles"] + totals["rounds"])
+        line = (f"[{elapsed:6.1f}s {phase:<8}] {self.rate:9,.0f} req/s  {self.lrate:8,.0f} lifecycles+rounds/s  "
+                f"total {totals['lifecycles']:,} lifecycles {totals['rounds']:,} rounds  errors {totals['errors']}")
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K")
+            self.stream.flush()
+        elif now - self.last_print >= self.every:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self.last_print = now
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run_bench(args, argv: list[str] | None = None) -> int:
+    command = shlex.join(["rallypoint", *(argv if argv is not None else sys.argv[1:])])
+    err = sys.stderr
+    daemon = None
+    if args.spawn:
+        daemon = SpawnedDaemon(args.durability or "fsync")
+        try:
+            url = daemon.start()
+        except RuntimeError as e:
+            print(f"rallypoint bench: {e}", file=err)
+            return 2
+        print(f"rallypoint bench: spawned daemon pid {daemon.proc.pid} at {url} "
+              f"(durability {daemon.durability}, data dir {daemon.data_dir})", file=err, flush=True)
+    else:
+        url = args.connect
+    procs: list[mp.Process] = []
+    try:
+        from ..errors import RallypointError
+
+        try:
+            run_id, durability = trio.run(_setup, url)
+        except RallypointError as e:
+            print(f"rallypoint bench: cannot set up on {url}: {e}", file=err)
+            return 2
+        if args.durability and not args.spawn and durability != args.durability:
+            print(f"rallypoint bench: note: the daemon runs durability {durability}, not {args.durability}", file=err)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        go, stop = ctx.Event(), ctx.Event()
+        start_value = ctx.Value("d", 0.0)
+        base = {
+            "url": url, "run_id": run_id, "mailbox": MAILBOX, "scenario": args.scenario,
+            "warmup": args.warmup, "duration": args.duration, "rate": args.rate, "producers": args.producers,
+            "workers": args.workers, "batch": args.batch, "pipeline": args.pipeline,
+            "max_messages": args.max_messages, "worker_concurrency": args.worker_concurrency,
+            "group_size": args.group_size, "accept_n": args.accept_n, "barrier_n": args.barrier_n,
+            "joinset_size": args.joinset_size,
+        }
+        from .scenarios import child_main
+
+        roles = [("worker", i) for i in range(args.workers)] + [("producer", i) for i in range(args.producers)]
+        for role, i in roles:
+            p = ctx.Process(target=child_main, args=({**base, "role": role, "index": i}, q, go, start_value, stop),
+                            name=f"bench-{role}{i}", daemon=True)
+            p.start()
+            procs.append(p)
+        by_key = {r: p for r, p in zip(roles, procs)}
+
+        progress: dict = {}
+        finals: dict = {}
+        crashed: list[str] = []
+        ready: set = set()
+
+        def pump(timeout: float) -> None:
+            try:
+                kind, key, payload = q.get(timeout=timeout)
+            except queue_mod.Empty:
+                return
+            key = tuple(key)
+            if kind == "ready":
+                ready.add(key)
+            elif kind == "progress":
+                progress[key] = payload
+            elif kind == "final":
+                finals[key] = payload
+            elif kind == "crash":
+                crashed.append(f"{key[0]}{key[1]}: {payload.strip().splitlines()[-1]}")
+                print(f"rallypoint bench: {key[0]} {key[1]} crashed:\n{payload}", file=err)
+
+        t_wait = time.monotonic() + 120
+        while len(ready) < len(roles) and time.monotonic() < t_wait and len(crashed) == 0:
+            pump(0.2)
+            if any(not p.is_alive() and k not in ready for k, p in by_key.items()):
+                pump(0.5)
+                break
+        if len(ready) < len(roles):
+            print(f"rallypoint bench: only {len(ready)} of {len(roles)} processes connected", file=err)
+            return 2
+        t0 = time.time() + 0.3
+        start_value.value = t0
+        go.set()
+        disp = Progress(err, every=args.progress_every)
+        end_at = t0 + args.warmup + args.duration
+        producers = [k for k in roles if k[0] == "producer"]
+        workers = [k for k in roles if k[0] == "worker"]
+        stop_sent = False
+        hard_deadline = end_at + 60
+        while True:
+            pump(0.25)
+            now = time.time()
+            done_p = all(k in finals or not by_key[k].is_alive() for k in producers)
+            if done_p and not stop_sent:
+                stop.set()
+                stop_sent = True
+            if done_p and all(k in finals or not by_key[k].is_alive() for k in workers):
+                # Collect what is still in the queue (finals racing process exit).
+                while len(finals) + len(crashed) < len(roles):
+                    before = len(finals) + len(crashed)
+                    pump(1.0)
+                    if len(finals) + len(crashed) == before:
+                        break
+                break
+            if now > hard_deadline:
+                print("rallypoint bench: processes did not finish in time; stopping them", file=err)
+                stop.set()
+                break
+            totals = {k: sum(v.get(k, 0) for v in progress.values()) for k in ("ops", "lifecycles", "rounds", "errors")}
+            el = now - t0
+            phase = "warm-up" if el < args.warmup else ("measure" if now < end_at else "draining")
+            disp.update(time.monotonic(), max(el, 0.0), phase, totals)
+        disp.done()
+        for k, p in by_key.items():
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if k not in finals and not any(c.startswith(f"{k[0]}{k[1]}:") for c in crashed):
+                crashed.append(f"{k[0]}{k[1]}: exited {p.exitcode} without a report")
+        config = {
+            "scenario": args.scenario, "mode": "open" if args.rate else "closed", "rate": args.rate,
+            "producers": args.producers, "workers": args.workers, "durability": durability,
+            "warmup_s": args.warmup, "url": url, "spawned": bool(args.spawn),
+            "batch": args.batch, "pipeline": args.pipeline, "max_messages": args.max_messages,
+            "worker_concurrency": args.worker_concurrency, "group_size": args.group_size,
+            "accept_n": args.accept_n, "barrier_n": args.barrier_n, "joinset_size": args.joinset_size,
+            "daemon_pid": daemon.proc.pid if daemon else None,
+        }
+        report = build_report(command=command, config=config, finals=list(finals.values()),
+                              duration=float(args.duration), crashed=crashed)
+        try:
+            trio.run(_teardown, url, run_id)
+        except Exception as e:  # noqa: BLE001 - the report matters more
+            print(f"rallypoint bench: could not cancel the bench run: {e}", file=err)
+        print(format_table(report))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+            print(f"report written to {args.json}")
+        return 0 if report["ok"] else 1
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        if daemon is not None:
+            rc = daemon.stop()
+            if rc not in (0, None):
+                print(f"rallypoint bench: the spawned daemon exited {rc}", file=err)
+
+
+def add_arguments(b) -> None:
+    """The ``bench`` subcommand's options (used by rallypoint.cli)."""
+    b.add_argument("--scenario", choices=SCENARIOS, default="lifecycle")
+    b.add_argument("--duration", type=float, default=30.0, help="measured seconds (default %(default)s)")
+    b.add_argument("--warmup", type=float, default=2.0, help="seconds before measuring (default %(default)s)")
+    b.add_argument("--producers", type=int, default=4)
+    b.add_argument("--workers", type=int, default=8)
+    g = b.add_mutually_exclusive_group()
+    g.add_argument("--connect", default=os.environ.get("RALLYPOINT_URL", "tcp://127.0.0.1:7411"),
+                   help="daemon URL (default %(default)s)")
+    g.add_argument("--spawn", action="store_true", help="start a daemon with a fresh temp data dir, stop it after")
+    b.add_argument("--durability", choices=["fsync", "interval", "memory"], default=None,
+                   help="with --spawn: the daemon's durability (default fsync)")
+    b.add_argument("--rate", type=float, default=0.0,
+                   help="open loop: lifecycles per second across producers, latency from the intended send time")
+    b.add_argument("--batch", type=int, default=64, help="tasks per submit_many (default %(default)s)")
+    b.add_argument("--pipeline", type=int, default=2,
+                   help="concurrent batches (lifecycle) or rounds (others) per producer (default %(default)s)")
+    b.add_argument("--max-messages", type=int, default=32, help="deliveries per receive (default %(default)s)")
+    b.add_argument("--worker-concurrency", type=int, default=2, help="receive loops per worker process")
+    b.add_argument("--group-size", type=int, default=12)
+    b.add_argument("--accept-n", type=int, default=5)
+    b.add_argument("--barrier-n", type=int, default=8)
+    b.add_argument("--joinset-size", type=int, default=8)
+    b.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines off a TTY")
+    b.add_argument("--json", metavar="PATH", help="write the JSON report here")
+
+
+def cmd_bench(args) -> int:
+    if args.producers < 1 or args.workers < 1 or args.duration <= 0 or args.warmup < 0:
+        print("rallypoint bench: --producers and --workers must be >= 1, --duration > 0", file=sys.stderr)
+        return 2
+    if args.durability and not args.spawn:
+        pass  # checked against the daemon's status in run_bench
+    try:
+        return run_bench(args)
+    except KeyboardInterrupt:
+        return 130

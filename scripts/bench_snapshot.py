@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Snapshot and recovery at scale: event-loop stall during a snapshot, snapshot time,
+recovery time, RSS.
+
+1. Opens a node (``interval`` durability, automatic snapshots off) on a temp data dir and
+   creates N runs (default 1,000,000) through ``Coordinator.commit``: N journal records,
+   N dirty entities.
+2. Copies the data dir (journal only, no snapshot) for step 4.
+3. Takes a snapshot of all N entities while a Trio task sleeps 1 ms in a loop and
+   records how late it wakes: the longest stall is what any request would have waited.
+4. In a fresh process: recovers the copy (N journal records replayed through the
+   coordinator's apply, ``recover_coordinator``), and the snapshotted dir (N entities
+   loaded from LMDB); reports time and RSS.
+
+Targets: stall <= 10 ms, recovery of 1M records <= 5 s. The box is shared and has two
+cores: the baseline line (the same 1 ms sleeper with nothing else running) and the CPU
+seconds of recovery say how much of a figure is the machine rather than the code.
+
+Usage::
+
+    python scripts/bench_snapshot.py               # 1M
+    python scripts/bench_snapshot.py --n 200000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class StallMeter:
+    """A task that sleeps ``period`` in a loop and records how late each wake-up is."""
+
+    def __init__(self, period: float = 0.001) -> None:
+        self.period = period
+        self.late: list[float] = []
+
+    async def run(self, task_status=None) -> None:
+        import trio
+
+        if task_status is not None:
+            task_status.started()
+        while True:
+            t = time.perf_counter()
+            await trio.sleep(self.period)
+            self.late.append(time.perf_counter() - t - self.period)
+
+    def summary(self) -> dict:
+        xs = sorted(self.late) or [0.0]
+        return {
+            "wakeups": len(self.late),
+            "max_ms": round(xs[-1] * 1000, 2),
+            "p99_ms": round(xs[int(len(xs) * 0.99) - 1 if len(xs) > 1 else 0] * 1000, 2),
+            "p50_ms": round(xs[len(xs) // 2] * 1000, 2),
+            "over_10ms": sum(1 for x in xs if x > 0.010),
+        }
+
+
+async def build_and_snapshot(n: int, data_dir: Path, copy_dir: Path) -> dict:
+    import trio
+
+    from rallypoint.node import open_node
+    from rallypoint.records import ScopeCreated
+
+    out: dict = {"n": n}
+    async with open_node(str(data_dir), "interval", snapshot_every_records=1 << 62, snapshot_every_s=1e12) as node:
+        coord = node.coordinator
+        journal = coord.journal
+        now = coord.now_ms()
+        t0 = time.perf_counter()
+        commit, new_id = coord.commit, coord.ids.new
+        for i in range(n):
+            commit([ScopeCreated(id=new_id("scp"), space="default", parent_id=None, name=None,
+                                 deadline_ms=None, child_limit=1000, at_ms=now)])
+            if i % 5000 == 4999:
+                await trio.sleep(0)  # let the flusher keep up
+        await journal.wait_durable(journal.last_lsn)
+        out["create_s"] = round(time.perf_counter() - t0, 2)
+        out["journal_records"] = journal.last_lsn
+        out["dirty"] = len(coord.dirty)
+        out["rss_after_create_mb"] = round(rss_mb())
+        shutil.copytree(data_dir, copy_dir)  # journal-only state for the recovery step
+
+        # Baseline wake-up lateness with nothing else running.
+        base = StallMeter()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(base.run)
+            await trio.sleep(0.5)
+            nursery.cancel_scope.cancel()
+        out["baseline_stall"] = base.summary()
+
+        meter = StallMeter()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(meter.run)
+            await trio.sleep(0.05)
+            t0 = time.perf_counter()
+            lsn = await node.snapshotter.snapshot()
+            out["snapshot_wall_s"] = round(time.perf_counter() - t0, 3)
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        st = node.snapshotter.last_stats
+        out["snapshot"] = {"lsn": lsn, "entities": st["entities"], "encode_s": round(st["encode_s"], 3),
+                           "total_s": round(st["total_s"], 3)}
+        out["snapshot_stall"] = meter.summary()
+        out["rss_after_snapshot_mb"] = round(rss_mb())
+    out["peak_rss_mb"] = round(peak_rss_mb())
+    return out
+
+
+def recover_only(data_dir: str) -> dict:
+    """In this (fresh) process: recover ``data_dir`` into a Coordinator; time and RSS."""
+    import gc
+
+    from rallypoint.actors import Coordinator
+    from rallypoint.node import recover_coordinator
+
+    rss0 = rss_mb()
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    coord = Coordinator()
+    rec, info = recover_coordinator(data_dir, coord)
+    t1, c1 = time.perf_counter(), time.process_time()
+    coord.rearm_all()
+    t2 = time.perf_counter()
+    rec.store.close()
+    return {
+        "entities": coord.entity_count(),
+        "snapshot_entities": info["snapshot_entities"],
+        "replayed": info["replayed"],
+        "recover_s": round(t1 - t0, 3),
+        "recover_cpu_s": round(c1 - c0, 3),
+        "rearm_s": round(t2 - t1, 3),
+        "storage_timing_s": {k: round(v, 3) for k, v in rec.timing.items()},
+        "rss_mb": round(rss_mb()),
+        "rss_delta_mb": round(rss_mb() - rss0),
+        "peak_rss_mb": round(peak_rss_mb()),
+    }
+
+
+def _recover_in_subprocess(d: Path) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--recover-only", str(d)], capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="snapshot stall / recovery benchmark")
+    ap.add_argument("--n", type=int, default=1_000_000, help="entities / journal records (default 1M)")
+    ap.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed)")
+    ap.add_argument("--json", default=None, help="also write the report here")
+    ap.add_argument("--recover-only", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.recover_only:
+        print(json.dumps(recover_only(args.recover_only)))
+        return 0
+    import trio
+
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="rallypoint-bench-snap-"))
+    work.mkdir(parents=True, exist_ok=True)
+    data, copy = work / "data", work / "journal-only"
+    try:
+        print(f"building {args.n:,} runs in {work} ...", flush=True)
+        report = trio.run(build_and_snapshot, args.n, data, copy)
+        print(f"  created in {report['create_s']} s, {report['journal_records']:,} journal records, "
+              f"RSS {report['rss_after_create_mb']} MB", flush=True)
+        print(f"snapshot of {report['snapshot']['entities']:,} entities: total {report['snapshot']['total_s']} s "
+              f"(encode {report['snapshot']['encode_s']} s); event-loop stall max "
+              f"{report['snapshot_stall']['max_ms']} ms, p99 {report['snapshot_stall']['p99_ms']} ms, "
+              f"{report['snapshot_stall']['over_10ms']} wake-ups over 10 ms "
+              f"(baseline max {report['baseline_stall']['max_ms']} ms)", flush=True)
+        r1 = _recover_in_subprocess(copy)
+        report["recovery_journal"] = r1
+        print(f"recovery from the journal: {r1['replayed']:,} records replayed in {r1['recover_s']} s "
+              f"(CPU {r1['recover_cpu_s']} s; journal scan {r1['storage_timing_s']['scan_s']} s) "
+              f"(+ re-arm {r1['rearm_s']} s), RSS {r1['rss_mb']} MB", flush=True)
+        r2 = _recover_in_subprocess(data)
+        report["recovery_snapshot"] = r2
+        print(f"recovery from the snapshot: {r2['snapshot_entities']:,} entities loaded, {r2['replayed']} replayed, "
+              f"in {r2['recover_s']} s (CPU {r2['recover_cpu_s']} s), RSS {r2['rss_mb']} MB", flush=True)
+        ok_stall = report["snapshot_stall"]["max_ms"] <= 10
+        ok_rec = r1["recover_s"] <= 5 * max(1, args.n / 1_000_000)
+        report["targets"] = {"stall_le_10ms": ok_stall, "recovery_le_5s_per_1M": ok_rec}
+        print(f"targets: stall <= 10 ms: {'OK' if ok_stall else 'MISSED'}; "
+              f"recovery <= 5 s per 1M records: {'OK' if ok_rec else 'MISSED'}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return 0 if ok_stall and ok_rec else 1
+    finally:
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
