@@ -86,6 +86,10 @@ async def open_embedded(
     from .node import open_node
 
     async with open_node(data_dir, durability, clock=clock) as node:
-        rs = Client(EmbeddedTransport(node.service))
+        transport = EmbeddedTransport(node.service)
+        rs = Client(transport)
         rs.node = node  # for tests and introspection
-        yield rs
+        try:
+            yield rs
+        finally:
+            await transport.aclose()

@@ -65,11 +65,28 @@ def datetime_to_ms(dt: datetime) -> int:
     return int(round(dt.timestamp() * 1000))
 
 
+_iso_cache: dict[int, str] = {}
+
+
 def to_iso(ms: int | None) -> str | None:
-    """Milliseconds since the epoch -> ISO 8601 UTC string (``...Z``), None passes."""
+    """Milliseconds since the epoch -> ISO 8601 UTC string (``...Z``), None passes.
+
+    Hot path (every reply carries instants): the ``YYYY-MM-DDTHH:MM:SS.`` prefix is
+    computed with ``time.gmtime`` once per second and cached."""
     if ms is None:
         return None
-    return ms_to_datetime(ms).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    sec, milli = divmod(ms, 1000)
+    prefix = _iso_cache.get(sec)
+    if prefix is None:
+        if len(_iso_cache) > 4096:
+            _iso_cache.clear()
+        if sec < 0 or sec >= 253402300800:  # outside years 1970-9999: the slow path
+            return ms_to_datetime(ms).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        t = time.gmtime(sec)
+        prefix = _iso_cache[sec] = (
+            f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}."
+        )
+    return f"{prefix}{milli:03d}Z"
 
 
 def from_iso(s: str) -> int:

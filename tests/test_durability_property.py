@@ -297,10 +297,12 @@ def test_a_snapshot_taken_under_concurrent_writes_is_a_consistent_cut(monkeypatc
                     await mbx.submit_many(list(range(200)), scope=r)  # 4000 tasks, all dirty
                 assert len(node.coordinator.dirty) > Snapshotter.CHUNK
                 done = trio.Event()
+                writes = []
 
                 async def writer():
                     i = 0
                     while not done.is_set():
+                        writes.append(i)
                         r = roots[i % len(roots)]
                         if i % 7 == 3:
                             await r.cancel()  # touches 200 tasks in one commit
@@ -316,6 +318,7 @@ def test_a_snapshot_taken_under_concurrent_writes_is_a_consistent_cut(monkeypatc
                     lsn = await node.snapshotter.snapshot()
                     done.set()
                 assert lsn is not None and node.snapshotter.last_stats["entities"] >= 4000
+                assert len(writes) >= 2, "the writer never ran during the snapshot"
                 coord, info = await recover_copy(node, scratch, clock)
                 assert info["snapshot_lsn"] == lsn
                 assert_same(node.coordinator, coord, "snapshot under concurrent writes")

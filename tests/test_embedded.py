@@ -37,3 +37,14 @@ async def test_unknown_durability_is_refused(tmp_path):
     with pytest.raises(ValidationError):
         async with rallypoint.open_embedded(None, durability="fsync"):
             pass
+
+
+async def test_handles_after_close_raise_unavailable(tmp_path):
+    from rallypoint.errors import UnavailableError
+
+    async with rallypoint.open_embedded(str(tmp_path)) as rs:
+        run = await rs.scopes.create()
+    with pytest.raises(UnavailableError):
+        await run.status()
+    with pytest.raises(UnavailableError):
+        await run.child()

@@ -32,13 +32,6 @@ from rallypoint.service import Service
 from conftest import Daemon
 
 
-def attach(rs, handle):
-    """The blocking client's view of a handle returned by a plain (non-async) method
-    (``rs.scope(id)``, ``timers.get(id)``...): rallypoint.sync does not wrap those."""
-    from rallypoint.sync import _Proxy
-
-    return handle if isinstance(handle, _Proxy) else rs._wrap(handle)
-
 MBX = "js-work"
 
 
@@ -780,7 +773,7 @@ def test_sigkill_between_submit_and_consume_and_between_consumes(tmp_path):
         time.sleep(0.7)
         d = Daemon(data, "fsync").start()
         with rallypoint.sync.connect(d.url) as rs:
-            js = attach(rs, rs.scope(run_id)).join_sets.by_name("restart-me")
+            js = rs.scope(run_id).join_sets.by_name("restart-me")
             assert js.id == js_id
             st = js.status()
             assert (st.submitted, st.consumed) == (4, 0)
@@ -795,13 +788,13 @@ def test_sigkill_between_submit_and_consume_and_between_consumes(tmp_path):
         d.kill()  # SIGKILL between two consumes
         d = Daemon(data, "fsync").start()
         with rallypoint.sync.connect(d.url) as rs:
-            js = attach(rs, attach(rs, rs.scope(run_id)).join_sets.by_id(js_id))
+            js = rs.scope(run_id).join_sets.by_id(js_id)
             assert js.status().consumed == 2
             assert _answers(js, 2) == first  # identical answers by index
             assert js.join_next(timeout=5) == (dly, None)
             with pytest.raises(WaitTimeout):
                 js.join_next(timeout=0.1)
-            d3 = attach(rs, rs.mailbox(MBX)).receive(run_id, wait=5)
+            d3 = rs.mailbox(MBX).receive(run_id, wait=5)
             assert d3.task_id == t3
             d3.complete("T3")
             assert js.join_next(index=3, timeout=5) == (t3, "T3")
@@ -811,7 +804,7 @@ def test_sigkill_between_submit_and_consume_and_between_consumes(tmp_path):
         d.stop()  # graceful: snapshot
         d = Daemon(data, "fsync").start()
         with rallypoint.sync.connect(d.url) as rs:
-            js = attach(rs, rs.scope(run_id)).join_sets.by_name("restart-me")
+            js = rs.scope(run_id).join_sets.by_name("restart-me")
             assert _answers(js, 4) == every
             assert js.status().consumed == 4
     finally:

@@ -113,8 +113,13 @@ async def test_list_roots_and_children(rs):
 # --- deadlines under the mock clock (embedded) ---------------------------------------
 
 
+def vin(rs, seconds: float) -> datetime:
+    """An instant ``seconds`` after now on the coordinator's (virtual) clock."""
+    return datetime.fromtimestamp(rs.node.coordinator.clock.now() + seconds, tz=timezone.utc)
+
+
 async def test_hour_long_deadline_passes_in_virtual_time(autojump_clock, ers):
-    run = await ers.scopes.create(deadline=in_(3600))
+    run = await ers.scopes.create(deadline=vin(ers, 3600))
     child = await run.child()
     grandchild = await child.child()
     await trio.sleep(3599)
@@ -132,7 +137,7 @@ async def test_hour_long_deadline_passes_in_virtual_time(autojump_clock, ers):
 async def test_deadline_refuses_at_the_instant_even_before_the_timer_fires(autojump_clock, ers):
     # The refusal is computed from the tree, not from a fired timer.
     node = ers.node
-    run = await ers.scopes.create(deadline=in_(10))
+    run = await ers.scopes.create(deadline=vin(ers, 10))
     node.coordinator.timers.clear()  # no activity will ever fire
     await trio.sleep(10.001)
     with pytest.raises(DeadlineExceededError):

@@ -16,13 +16,6 @@ from rallypoint.errors import ConflictError, ScopeCancelledError, ValidationErro
 from conftest import Daemon
 
 
-def attach(rs, handle):
-    """The blocking client's view of a handle returned by a plain (non-async) method
-    (``rs.scope(id)``, ``timers.get(id)``...): rallypoint.sync does not wrap those."""
-    from rallypoint.sync import _Proxy
-
-    return handle if isinstance(handle, _Proxy) else rs._wrap(handle)
-
 
 def in_(seconds: float) -> datetime:
     return datetime.now(timezone.utc) + timedelta(seconds=seconds)
@@ -166,14 +159,14 @@ def test_timer_due_while_the_daemon_was_down_fires_at_start_up(tmp_path):
         restarted = datetime.now(timezone.utc)
         d = Daemon(data, "fsync").start()
         with rallypoint.sync.connect(d.url) as rs:
-            tm = attach(rs, attach(rs, rs.scope(run_id)).timers.get(due_id))
+            tm = rs.scope(run_id).timers.get(due_id)
             deadline = time.monotonic() + 5
             while (st := tm.status()).state != "FIRED":
                 assert time.monotonic() < deadline, st
                 time.sleep(0.02)
             assert st.fired_at > st.fire_at and st.fired_at >= restarted - timedelta(milliseconds=50)
             assert tm.wait(timeout=1) == st.fired_at
-            lt = attach(rs, attach(rs, rs.scope(run_id)).timers.get(later_id))
+            lt = rs.scope(run_id).timers.get(later_id)
             assert lt.status().state == "ARMED"  # re-armed, not fired early
             fired_at = lt.wait(timeout=10)
             st = lt.status()

@@ -27,14 +27,9 @@ def _op_server_status(self, session, op):
     from ..wire import PROTOCOL_VERSION
 
     st = self.server_status()
-    runs: dict[str, int] = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
-    for s in self.scopes.values():
-        if s.space == session.space:
-            runs[s.state] = runs.get(s.state, 0) + 1
-    tasks: dict[str, int] = {}
-    for counts in self.scope_task_counts.values():
-        for k, v in counts.items():
-            tasks[k] = tasks.get(k, 0) + v
+    runs = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
+    runs.update(self.run_counts.get(session.space, {}))
+    tasks = {k: v for k, v in self.space_task_counts.get(session.space, {}).items() if v}
     return ServerStatusView(
         version=st["version"],
         protocol_version=PROTOCOL_VERSION,

@@ -466,6 +466,7 @@ class GroupKind:
         self.touch(g.id)
         gate = self.scopes[g.gate_scope_id]
         if gate.state == "ACTIVE":
+            self.count_run(gate.space, "ACTIVE", "CANCELLED")
             gate.state = "CANCELLED"
             gate.ended_at_ms = at_ms
             gate.end_reason = "group_finalized"

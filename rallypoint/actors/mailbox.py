@@ -152,6 +152,7 @@ class MailboxKind:
         self.mailbox_counts: dict[str, list[int]] = {}  # [queued, running]
         self.scope_task_counts: dict[str, dict[str, int]] = {}
         self.scope_unfinished: dict[str, set[str]] = {}
+        self.space_task_counts: dict[str, dict[str, int]] = {}
 
     def entity_tables(self):
         t = super().entity_tables()
@@ -376,6 +377,10 @@ class MailboxKind:
         if counts is None:
             counts = self.scope_task_counts[t.scope_id] = {}
         counts[t.state] = counts.get(t.state, 0) + 1
+        sc = self.space_task_counts.get(t.space)
+        if sc is None:
+            sc = self.space_task_counts[t.space] = {}
+        sc[t.state] = sc.get(t.state, 0) + 1
         if t.state not in TERMINAL:
             self.scope_unfinished.setdefault(t.scope_id, set()).add(t.id)
             mc = self.mailbox_counts.get(t.mailbox_id)
@@ -393,6 +398,9 @@ class MailboxKind:
         if not counts[old]:
             del counts[old]
         counts[new] = counts.get(new, 0) + 1
+        sc = self.space_task_counts[t.space]
+        sc[old] -= 1
+        sc[new] = sc.get(new, 0) + 1
         mc = self.mailbox_counts[t.mailbox_id]
         if old not in TERMINAL:
             mc[0 if old == "QUEUED" else 1] -= 1

@@ -60,6 +60,7 @@ class ScopeKind:
         super()._init_tables()
         self.scopes = {}
         self.scope_children: dict[str, list[str]] = {}
+        self.run_counts: dict[str, dict[str, int]] = {}  # space -> stored_state -> runs
         # hooks(scope_id, at_ms, reason) run for every run of an inactivated subtree
         self.inactive_hooks: list[Callable[[str, int, str], None]] = []
 
@@ -210,7 +211,17 @@ class ScopeKind:
             self.touch(r.parent_id)
         self.touch(r.id)
 
+    def count_run(self, space: str, old: str | None, new: str) -> None:
+        """Keep the per-space runs-by-state counters (server status) in O(1)."""
+        c = self.run_counts.get(space)
+        if c is None:
+            c = self.run_counts[space] = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
+        if old is not None:
+            c[old] -= 1
+        c[new] = c.get(new, 0) + 1
+
     def _index_scope(self, s: ScopeState) -> None:
+        self.count_run(s.space, None, s.state)
         self.scopes[s.id] = s
         if s.parent_id is not None:
             self.scope_children.setdefault(s.parent_id, []).append(s.id)
@@ -220,6 +231,7 @@ class ScopeKind:
     @applies(ScopeEnded)
     def _apply_scope_ended(self, r: ScopeEnded) -> None:
         s = self.scopes[r.id]
+        self.count_run(s.space, s.state, r.state)
         s.state = r.state
         s.ended_at_ms = r.at_ms
         s.end_reason = r.reason
@@ -261,6 +273,8 @@ class ScopeKind:
     def rebuild_indexes(self) -> None:
         super().rebuild_indexes()
         self.scope_children.clear()
+        self.run_counts = {}
         for s in self.scopes.values():
+            self.count_run(s.space, None, s.state)
             if s.parent_id is not None:
                 self.scope_children.setdefault(s.parent_id, []).append(s.id)

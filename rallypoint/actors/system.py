@@ -171,6 +171,7 @@ class CoordinatorBase:
         self.timers = TimerHeap(self.clock, self._fire_activity)
         self.notifier = Notifier()
         self.dirty: set[str] = set()
+        self.track_dirty = durability != "memory"
         self._replaying = False
         self._reactions: list[Callable[[], list]] | None = None
         self._touched_groups: set[str] = set()
@@ -193,8 +194,10 @@ class CoordinatorBase:
         return sum(len(t) for t, _ in self.entity_tables().values())
 
     def touch(self, entity_id: str) -> None:
-        """Mark an entity changed since the last snapshot."""
-        self.dirty.add(entity_id)
+        """Mark an entity changed since the last snapshot (only when snapshots are
+        taken: ``track_dirty`` is off in memory mode)."""
+        if self.track_dirty:
+            self.dirty.add(entity_id)
 
     # ------------------------------------------------------------------ commit
     def commit(self, records: list) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 import trio
 
-from ..errors import RallypointError
+from ..errors import RallypointError, UnavailableError
 from ..protocol import encoder
 from ..service import Service, Session
 from ..transport.server import Deferred
@@ -24,8 +24,11 @@ class EmbeddedTransport:
     def __init__(self, service: Service, session: Session | None = None) -> None:
         self.service = service
         self.session = session or Session(peer="embedded")
+        self.closed = False
 
     async def call(self, op: msgspec.Struct):
+        if self.closed:
+            raise UnavailableError("this embedded coordinator was closed (its open_embedded block ended)")
         res = self.service.dispatch(self.session, encoder.encode(op))
         if isinstance(res, bytes):
             await trio.lowlevel.checkpoint()
@@ -49,4 +52,4 @@ class EmbeddedTransport:
         return out
 
     async def aclose(self) -> None:
-        return None
+        self.closed = True

@@ -164,7 +164,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
             "workers": args.workers, "batch": args.batch, "pipeline": args.pipeline,
             "max_messages": args.max_messages, "worker_concurrency": args.worker_concurrency,
             "group_size": args.group_size, "accept_n": args.accept_n, "barrier_n": args.barrier_n,
-            "joinset_size": args.joinset_size,
+            "joinset_size": args.joinset_size, "coalesce_ms": args.coalesce_ms,
         }
         from .scenarios import child_main
 
@@ -253,7 +253,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
             "batch": args.batch, "pipeline": args.pipeline, "max_messages": args.max_messages,
             "worker_concurrency": args.worker_concurrency, "group_size": args.group_size,
             "accept_n": args.accept_n, "barrier_n": args.barrier_n, "joinset_size": args.joinset_size,
-            "daemon_pid": daemon.proc.pid if daemon else None,
+            "coalesce_ms": args.coalesce_ms, "daemon_pid": daemon.proc.pid if daemon else None,
         }
         report = build_report(command=command, config=config, finals=list(finals.values()),
                               duration=float(args.duration), crashed=crashed)
@@ -292,6 +292,8 @@ def add_arguments(b) -> None:
                    help="with --spawn: the daemon's durability (default fsync)")
     b.add_argument("--rate", type=float, default=0.0,
                    help="open loop: lifecycles per second across producers, latency from the intended send time")
+    b.add_argument("--coalesce-ms", type=float, default=2.0,
+                   help="open loop: arrivals due within this many ms share one submit_many (default %(default)s)")
     b.add_argument("--batch", type=int, default=64, help="tasks per submit_many (default %(default)s)")
     b.add_argument("--pipeline", type=int, default=2,
                    help="concurrent batches (lifecycle) or rounds (others) per producer (default %(default)s)")

@@ -1,0 +1,266 @@
+#!/usr/bin/env python
+"""The lifecycle workload against rallypoint, Redis Streams and Dask distributed (not in CI).
+
+One invocation runs the same workload shape on each system, on this machine, over
+loopback, and prints a table with ratios to rallypoint:
+
+* producers (separate processes) submit tasks in batches of ``--batch`` with
+  ``--pipeline`` batches in flight and wait for each task's result;
+* workers (separate processes) take tasks in batches of up to 32, complete them
+  (acknowledge) and the producer observes the result;
+* a lifecycle is submit → receive → complete → result observed; its latency is from
+  the submit call to the moment the producer sees the result.
+
+Systems:
+
+* ``rallypoint``: ``rallypoint bench --scenario lifecycle --spawn`` (a daemon with a
+  fresh data dir; ``--durability``, default fsync).
+* ``redis``: a ``redis-server`` started on loopback with ``--appendonly yes
+  --appendfsync always`` (durable like fsync mode); tasks are XADD to a stream, workers
+  XREADGROUP (COUNT 32) and XACK, and post the result with XADD to the producer's result
+  stream, which the producer reads with XREAD BLOCK. Skipped when there is no
+  ``redis-server`` (``apt-get install -y redis-server``).
+* ``dask``: a ``distributed.LocalCluster`` with one single-threaded worker process per
+  worker; producers are separate processes with their own ``Client`` doing
+  ``client.map`` of a no-op over a batch and ``gather``. In memory only: Dask keeps no
+  durable record of tasks, so this is a latency/throughput reference, not a like-for-like.
+
+The Python extras (``redis``, ``distributed``) are installed on demand with
+``pip install '.[compare]'``.
+
+    python scripts/compare_baselines.py [--duration 10] [--producers 1] [--workers 1] [--only redis,dask]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from rallypoint.loadtest.hist import Recorder, merge_encoded, summarize  # noqa: E402
+
+
+def ensure_extras() -> None:
+    try:
+        import distributed  # noqa: F401
+        import redis  # noqa: F401
+    except ImportError:
+        print("installing the compare extras: pip install '.[compare]'", flush=True)
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", f"{ROOT}[compare]"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ rallypoint
+def run_rallypoint(a) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        cmd = [sys.executable, "-m", "rallypoint", "bench", "--scenario", "lifecycle", "--spawn",
+               "--durability", a.durability, "--duration", str(a.duration), "--warmup", str(a.warmup),
+               "--producers", str(a.producers), "--workers", str(a.workers), "--batch", str(a.batch),
+               "--pipeline", str(a.pipeline), "--json", out]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode not in (0, 1) or not os.path.exists(out):
+            raise RuntimeError(f"rallypoint bench failed: {p.stderr[-2000:]}")
+        r = json.load(open(out))
+    return {"lifecycles_per_s": r["throughput"]["lifecycles_per_s"], "latency": r["latency_ms"]["lifecycle"],
+            "errors": r["errors"]["total"], "durability": f"{a.durability} (journal)"}
+
+
+# ------------------------------------------------------------------------------ redis streams
+def _redis_producer(i, port, a, t0, q):
+    import redis
+
+    r = redis.Redis(port=port)
+    rec, n = Recorder(), 0
+    m_start, m_end = t0 + a.warmup, t0 + a.warmup + a.duration
+    res_stream, last = f"results:{i}", "0-0"
+    seq = 0
+    pending: dict[str, float] = {}
+    while time.time() < t0:
+        time.sleep(0.001)
+    while True:
+        now = time.time()
+        if now < m_end and len(pending) < a.batch * a.pipeline:
+            pipe = r.pipeline(transaction=False)
+            for _ in range(a.batch):
+                tid = f"{i}-{seq}"
+                seq += 1
+                pending[tid] = now
+                pipe.xadd("tasks", {"id": tid, "p": i})
+            pipe.execute()
+            continue
+        if now >= m_end + 10 or (now >= m_end and not pending):
+            break
+        resp = r.xread({res_stream: last}, count=1000, block=100)
+        for _stream, entries in resp or []:
+            for eid, fields in entries:
+                last = eid
+                tid = fields[b"id"].decode()
+                ts = pending.pop(tid, None)
+                if ts is None:
+                    continue
+                t1 = time.time()
+                if m_start <= t1 < m_end:
+                    n += 1
+                if m_start <= ts < m_end:
+                    rec.record("lifecycle", t1 - ts)
+    q.put({"n": n, "hist": rec.encode()})
+
+
+def _redis_worker(i, port, a, t0, stop):
+    import redis
+
+    r = redis.Redis(port=port)
+    while not stop.is_set():
+        resp = r.xreadgroup("workers", f"w{i}", {"tasks": ">"}, count=32, block=250)
+        for _stream, entries in resp or []:
+            pipe = r.pipeline(transaction=False)
+            for eid, fields in entries:
+                pipe.xack("tasks", "workers", eid)
+                pipe.xadd(f"results:{fields[b'p'].decode()}", {"id": fields[b"id"], "ok": 1})
+            pipe.execute()
+
+
+def run_redis(a) -> dict:
+    exe = shutil.which("redis-server")
+    if not exe:
+        raise RuntimeError("no redis-server (apt-get install -y redis-server)")
+    import redis
+
+    port = free_port()
+    d = tempfile.mkdtemp(prefix="bench-redis-")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", d, "--appendonly", "yes",
+                             "--appendfsync", "always", "--save", ""], stdout=subprocess.DEVNULL)
+    try:
+        r = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        r.xgroup_create("tasks", "workers", id="0", mkstream=True)
+        return _run_procs(a, _redis_producer, _redis_worker, port, "appendfsync always (AOF)")
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ dask
+def _noop(x):
+    return x
+
+
+def _dask_producer(i, address, a, t0, q):
+    from distributed import Client
+
+    rec, n = Recorder(), 0
+    m_start, m_end = t0 + a.warmup, t0 + a.warmup + a.duration
+    seq = 0
+    with Client(address) as c:
+        while time.time() < t0:
+            time.sleep(0.001)
+        inflight = []
+        while time.time() < m_end or inflight:
+            while time.time() < m_end and len(inflight) < a.pipeline:
+                ts = time.time()
+                futs = c.map(_noop, [(i, seq + k) for k in range(a.batch)], pure=False)
+                seq += a.batch
+                inflight.append((ts, futs))
+            ts, futs = inflight.pop(0)
+            c.gather(futs)
+            t1 = time.time()
+            if m_start <= t1 < m_end:
+                n += len(futs)
+            if m_start <= ts < m_end:
+                for _ in futs:
+                    rec.record("lifecycle", t1 - ts)
+    q.put({"n": n, "hist": rec.encode()})
+
+
+def _dask_worker(i, address, a, t0, stop):  # the LocalCluster owns the workers
+    stop.wait()
+
+
+def run_dask(a) -> dict:
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=a.workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                      host="127.0.0.1") as cluster:
+        return _run_procs(a, _dask_producer, None, cluster.scheduler_address, "none (in memory)")
+
+
+# ------------------------------------------------------------------------------ common
+def _run_procs(a, producer, worker, target, durability) -> dict:
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    t0 = time.time() + 3.0
+    ws = [ctx.Process(target=worker, args=(i, target, a, t0, stop)) for i in range(a.workers)] if worker else []
+    ps = [ctx.Process(target=producer, args=(i, target, a, t0, q)) for i in range(a.producers)]
+    for p in ws + ps:
+        p.start()
+    finals = [q.get(timeout=a.warmup + a.duration + 120) for _ in ps]
+    stop.set()
+    for p in ws + ps:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+    h = merge_encoded(f["hist"] for f in finals)["lifecycle"]
+    return {"lifecycles_per_s": round(sum(f["n"] for f in finals) / a.duration, 1), "latency": summarize(h),
+            "errors": 0, "durability": durability}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--producers", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--pipeline", type=int, default=2)
+    ap.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"])
+    ap.add_argument("--only", default="rallypoint,redis,dask")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    ensure_extras()
+    systems = {"rallypoint": run_rallypoint, "redis": run_redis, "dask": run_dask}
+    results = {}
+    for name in a.only.split(","):
+        print(f"running {name} ({a.producers} producers, {a.workers} workers, {a.duration:g} s)...", flush=True)
+        try:
+            results[name] = systems[name](a)
+        except Exception as e:  # noqa: BLE001 - report and go on with the others
+            print(f"  {name}: skipped: {e}", flush=True)
+    base = results.get("rallypoint", {}).get("lifecycles_per_s")
+    print(f"\n{'system':<12}{'durability':<26}{'lifecycles/s':>13}{'vs rallypoint':>14}"
+          f"{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
+    for name, r in results.items():
+        ratio = f"{r['lifecycles_per_s'] / base:.2f}x" if base else "-"
+        lat = r["latency"]
+        print(f"{name:<12}{r['durability']:<26}{r['lifecycles_per_s']:>13,.0f}{ratio:>14}"
+              f"{lat['p50_ms']:>9.1f}{lat['p99_ms']:>9.1f}{lat['max_ms']:>9.1f}")
+    print(f"\n(nproc {os.cpu_count()}; the same shape: batches of {a.batch}, {a.pipeline} in flight per producer)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
