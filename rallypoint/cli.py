@@ -42,8 +42,20 @@ def _setup_logging(level: str) -> None:
     )
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 # ------------------------------------------------------------------------------ serve
 async def _serve(args) -> int:
+    from .errors import ValidationError
     from .node import open_node
     from .transport.server import Server
 
@@ -56,6 +68,13 @@ async def _serve(args) -> int:
         snapshot_every_records=args.snapshot_every_records,
         snapshot_every_s=args.snapshot_every_s,
     ) as node:
+        coord = node.coordinator
+        if coord.open_mode and not _is_loopback(host) and not args.insecure:
+            raise ValidationError(
+                f"refusing to listen on {host} without API keys: create one with "
+                "`rallypoint keys create --space default --permission admin` (daemon stopped), "
+                "or pass --insecure to serve this address without authentication"
+            )
         server = Server(
             node.service,
             max_connections=args.max_connections,
@@ -79,7 +98,11 @@ async def _serve(args) -> int:
                 info.get("snapshot_lsn", 0),
                 info.get("replayed", 0),
             )
-            log.info("open mode: no API keys are configured; serving without authentication on loopback")
+            if coord.open_mode:
+                log.warning("open mode: no API keys are configured; serving WITHOUT authentication on %s", host)
+            else:
+                live = sum(1 for k in coord.keys.values() if k.revoked_at_ms is None)
+                log.info("API keys required (%d live keys)", live)
             # A line for scripts and test fixtures (stdout, flushed).
             print(f"READY tcp://{host}:{actual}", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -192,6 +215,86 @@ def cmd_runs(args) -> int:
     return 2
 
 
+def cmd_keys(args) -> int:
+    """``keys create|list|revoke``: over a connection (``--connect``, needs ``admin`` once
+    keys exist) or, by default, directly on a stopped daemon's ``--data-dir``."""
+    from .errors import RallypointError
+
+    async def offline(fn):
+        from .node import open_node
+
+        async with open_node(args.data_dir, "fsync") as node:
+            return fn(node.coordinator)
+
+    def show(view: dict, secret: str | None = None) -> None:
+        if args.json:
+            print(json.dumps({**view, **({"secret": secret} if secret else {})}, indent=2))
+            return
+        perms = ",".join(view["permissions"])
+        state = "revoked " + view["revoked_at"] if view.get("revoked_at") else "live"
+        print(f"{view['id']}  space={view['space']}  permissions={perms}  name={view.get('name') or ''}  {state}")
+        if secret:
+            print(f"secret: {secret}")
+            print("(shown once: only its SHA-256 is stored)", file=sys.stderr)
+
+    try:
+        if args.connect:
+            import rallypoint
+            from . import protocol as p
+
+            async def online():
+                async with rallypoint.connect(args.connect, api_key=args.api_key) as rs:
+                    t = rs._transport
+                    dec = msgspec.msgpack.decode
+                    if args.keys_cmd == "create":
+                        return dec(await t.call(p.KeyCreate(space=args.space, permissions=args.permission, name=args.name)))
+                    if args.keys_cmd == "list":
+                        return dec(await t.call(p.KeyList(space=args.space)))
+                    return dec(await t.call(p.KeyRevoke(key_id=args.id)))
+
+            import msgspec
+
+            out = trio.run(online)
+            if args.keys_cmd == "list":
+                for v in out["keys"]:
+                    show(v)
+            else:
+                show({k: v for k, v in out.items() if k != "secret"}, out.get("secret"))
+            return 0
+        if args.keys_cmd == "create":
+            def create(c):
+                k, secret = c.create_key(args.space, args.permission, args.name)
+                return msgspec.structs.asdict(c.key_view(k)), secret
+
+            import msgspec
+
+            view, secret = trio.run(offline, create)
+            show(view, secret)
+        elif args.keys_cmd == "list":
+            import msgspec
+
+            views = trio.run(offline, lambda c: [msgspec.structs.asdict(c.key_view(k)) for k in c.keys.values()
+                                                 if args.space in (None, k.space)])
+            for v in views:
+                show(v)
+        else:
+            import msgspec
+
+            show(trio.run(offline, lambda c: msgspec.structs.asdict(c.key_view(c.revoke_key(args.id)))))
+        return 0
+    except RallypointError as e:
+        print(f"rallypoint: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from .persistence import StartupError
+
+        if isinstance(e, StartupError):
+            print(f"rallypoint: {e} (is the daemon running? then use --connect URL --api-key ADMIN_KEY)",
+                  file=sys.stderr)
+            return 2
+        raise
+
+
 def cmd_repair(args) -> int:
     _setup_logging("INFO")
     from .persistence import JournalCorruptError
@@ -231,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-inflight", type=int, default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow serving a non-loopback address without API keys")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(fn=cmd_serve)
 
@@ -254,6 +359,23 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("id")
     ca.add_argument("--reason")
     r.set_defaults(fn=cmd_runs)
+
+    k = sub.add_parser("keys", help="create, list and revoke API keys")
+    k.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="a stopped daemon's data dir (default %(default)s)")
+    k.add_argument("--connect", default=None, help="manage keys on a running daemon instead (needs admin)")
+    k.add_argument("--api-key", default=os.environ.get("RALLYPOINT_API_KEY"))
+    k.add_argument("--json", action="store_true")
+    ks = k.add_subparsers(dest="keys_cmd", required=True)
+    kc = ks.add_parser("create")
+    kc.add_argument("--space", required=True)
+    kc.add_argument("--permission", action="append", required=True,
+                    choices=["resource_config", "coordination_write", "coordination_read", "admin"])
+    kc.add_argument("--name")
+    kl = ks.add_parser("list")
+    kl.add_argument("--space")
+    kr = ks.add_parser("revoke")
+    kr.add_argument("id")
+    k.set_defaults(fn=cmd_keys)
 
     rp = sub.add_parser("repair", help="truncate a corrupt journal at its last good record")
     rp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)

@@ -14,7 +14,7 @@ import msgspec
 
 from ._version import __version__
 from .actors.api import OPS
-from .errors import RallypointError, UnauthenticatedError, ValidationError
+from .errors import ForbiddenError, RallypointError, UnauthenticatedError, ValidationError
 from .protocol import encoder, op_decoder
 from .transport.server import Deferred
 from .wire import PROTOCOL_VERSION, Hello, HelloOk
@@ -59,10 +59,12 @@ class Service:
                 "upgrade the older side",
                 details={"field": "version", "client": hello.version, "server": PROTOCOL_VERSION},
             )
-        if hello.api_key is not None and hello.api_key != "":
-            # Keys arrive with access control; until then only open mode exists.
-            raise UnauthenticatedError("this server runs without API keys (open mode); connect without api_key")
-        return Session(peer=peer), HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space="default")
+        key = self.coordinator.authenticate(hello.api_key)  # UNAUTHENTICATED: closes
+        if key is None:  # open mode: the default space, every permission
+            session = Session(peer=peer)
+        else:
+            session = Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id)
+        return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space)
 
     def connection_opened(self) -> None:
         self.coordinator.connections += 1
@@ -82,10 +84,15 @@ class Service:
     def dispatch(self, session: Session, body: msgspec.Raw | bytes) -> bytes | Deferred | Awaitable:
         op = self.decode(body)
         handler, permission = self._handlers[type(op)]
-        if session.permissions is not None and permission not in session.permissions:
-            from .errors import ForbiddenError
-
-            raise ForbiddenError(f"this key lacks the permission {permission!r} needed for {op.__struct_config__.tag}")
+        perms = session.permissions
+        if perms is not None:
+            if self.coordinator.keys[session.key_id].revoked_at_ms is not None:
+                raise UnauthenticatedError("this connection's API key was revoked")
+            if permission not in perms and "admin" not in perms:
+                raise ForbiddenError(
+                    f"this key lacks the permission {permission!r} needed for {op.__struct_config__.tag}",
+                    details={"permission": permission},
+                )
         result = handler(session, op)
         if isinstance(result, msgspec.Struct):
             return self._finish(result)
