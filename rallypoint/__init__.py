@@ -58,17 +58,27 @@ DEFAULT_URL = "tcp://127.0.0.1:7411"
 
 @asynccontextmanager
 async def connect(
-    url: str = DEFAULT_URL, *, api_key: str | None = None, client_name: str = "", connect_timeout: float = 10.0
+    url: str = DEFAULT_URL,
+    *,
+    api_key: str | None = None,
+    client_name: str = "",
+    connect_timeout: float = 10.0,
+    tls_ca: str | None = None,
+    ssl_context=None,
 ) -> AsyncIterator[Client]:
-    """Connect to a rallypoint daemon (``tcp://host:port``); yields the ``rs`` client.
+    """Connect to a rallypoint daemon (``tcp://host:port``, or ``tls://host:port``
+    verified against ``ssl_context``, the CA file ``tls_ca``, or the system CAs);
+    yields the ``rs`` client.
 
     Works under Trio and asyncio (anyio). Raises UnavailableError when the server cannot
     be reached; a dropped connection fails pending and later calls with UnavailableError.
+    UnauthenticatedError for a missing, unknown or revoked ``api_key``.
     """
     from .transport.connection import connect_transport
 
     async with connect_transport(
-        url, api_key=api_key, client_name=client_name, connect_timeout=connect_timeout
+        url, api_key=api_key, client_name=client_name, connect_timeout=connect_timeout,
+        tls_ca=tls_ca, ssl_context=ssl_context,
     ) as conn:
         yield Client(conn)
 

@@ -75,8 +75,17 @@ async def _serve(args) -> int:
                 "`rallypoint keys create --space default --permission admin` (daemon stopped), "
                 "or pass --insecure to serve this address without authentication"
             )
+        ssl_context = None
+        if args.tls_cert or args.tls_key:
+            import ssl
+
+            if not (args.tls_cert and args.tls_key):
+                raise ValidationError("give both --tls-cert and --tls-key")
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(args.tls_cert, args.tls_key)
         server = Server(
             node.service,
+            ssl_context=ssl_context,
             max_connections=args.max_connections,
             max_inflight_per_conn=args.max_inflight,
             handshake_timeout=args.handshake_timeout,
@@ -87,9 +96,10 @@ async def _serve(args) -> int:
             actual = server.port
             info = node.recovery_info
             log.info(
-                "rallypoint %s listening on tcp://%s:%d (data dir %s, durability %s, %d entities recovered, "
+                "rallypoint %s listening on %s://%s:%d (data dir %s, durability %s, %d entities recovered, "
                 "snapshot LSN %s, %s records replayed)",
                 __version__,
+                "tls" if ssl_context is not None else "tcp",
                 host,
                 actual,
                 os.path.abspath(data_dir) if data_dir else "none",
@@ -104,7 +114,8 @@ async def _serve(args) -> int:
                 live = sum(1 for k in coord.keys.values() if k.revoked_at_ms is None)
                 log.info("API keys required (%d live keys)", live)
             # A line for scripts and test fixtures (stdout, flushed).
-            print(f"READY tcp://{host}:{actual}", flush=True)
+            scheme = "tls" if ssl_context is not None else "tcp"
+            print(f"READY {scheme}://{host}:{actual}", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
                     log.info("received %s: draining (no new connections, finishing in-flight requests)",
@@ -334,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-inflight", type=int, default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (clients use tls:// URLs)")
+    s.add_argument("--tls-key", help="PEM private key for --tls-cert")
     s.add_argument("--insecure", action="store_true",
                    help="allow serving a non-loopback address without API keys")
     s.add_argument("--log-level", default="INFO")

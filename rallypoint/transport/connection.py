@@ -64,11 +64,19 @@ _Err = wire.Err
 
 
 def parse_url(url: str) -> tuple[str, int]:
-    """``tcp://host:port`` -> (host, port)."""
+    """``tcp://host:port`` or ``tls://host:port`` -> (host, port)."""
     parts = urlsplit(url)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
-        raise ValidationError(f"bad server url {url!r}: expected tcp://host:port; field `url`")
+    if parts.scheme not in ("tcp", "tls") or not parts.hostname or parts.port is None:
+        raise ValidationError(f"bad server url {url!r}: expected tcp://host:port or tls://host:port; field `url`")
     return parts.hostname, parts.port
+
+
+def client_ssl_context(tls_ca: str | None = None):
+    """A verifying client context: the system's CAs, or only ``tls_ca`` (a PEM file)."""
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=tls_ca) if tls_ca else ssl.create_default_context()
+    return ctx
 
 
 def _array_header(n: int) -> bytes:
@@ -139,16 +147,29 @@ class Connection:
         api_key: str | None = None,
         client_name: str = "",
         connect_timeout: float = 10.0,
+        tls_ca: str | None = None,
+        ssl_context: Any = None,
     ) -> "Connection":
         """Connect and handshake. Use the result as ``async with conn:`` (that runs its
         reader and writer tasks). Raises UnavailableError if the server cannot be
-        reached in ``connect_timeout`` seconds, or the server's error (e.g.
-        UnauthenticatedError, ValidationError on a version mismatch) if it refuses."""
+        reached in ``connect_timeout`` seconds (or a TLS handshake fails), or the
+        server's error (e.g. UnauthenticatedError, ValidationError on a version
+        mismatch) if it refuses. ``tls://`` URLs verify the server against
+        ``ssl_context``, else the CA file ``tls_ca``, else the system's CAs."""
         host, port = parse_url(url)
+        use_tls = url.startswith("tls://")
+        if use_tls and ssl_context is None:
+            ssl_context = client_ssl_context(tls_ca)
         stream: anyio.abc.SocketStream | None = None
         try:
             with anyio.fail_after(connect_timeout):
-                stream = await anyio.connect_tcp(host, port)
+                if use_tls:
+                    stream = await anyio.connect_tcp(
+                        host, port, tls=True, ssl_context=ssl_context, tls_hostname=host,
+                        tls_standard_compatible=False,
+                    )
+                else:
+                    stream = await anyio.connect_tcp(host, port)
                 try:
                     import socket
 
@@ -179,10 +200,16 @@ class Connection:
                 retry_after=1.0,
             ) from None
         except (OSError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
+            connected = stream is not None
             if stream is not None:
                 await anyio.aclose_forcefully(stream)
+            if connected:  # TCP worked, the handshake did not
+                hint = ("the server closed the connection during the handshake "
+                        + ("(a TLS certificate problem?)" if use_tls else "(is it a TLS server? then use tls://)"))
+            else:
+                hint = f"{exc or type(exc).__name__}; is the server running?"
             raise UnavailableError(
-                f"cannot connect to {url}: {exc or type(exc).__name__}; is the server running?", retry_after=1.0
+                f"cannot connect to {url}: {hint}", retry_after=1.0
             ) from None
         except msgspec.MsgspecError as exc:
             await anyio.aclose_forcefully(stream)  # type: ignore[arg-type]
@@ -475,8 +502,11 @@ async def connect_transport(
     api_key: str | None = None,
     client_name: str = "",
     connect_timeout: float = 10.0,
+    tls_ca: str | None = None,
+    ssl_context: Any = None,
 ) -> AsyncIterator[Connection]:
     """Open a :class:`Connection` and run it for the duration of the block."""
-    conn = await Connection.open(url, api_key=api_key, client_name=client_name, connect_timeout=connect_timeout)
+    conn = await Connection.open(url, api_key=api_key, client_name=client_name, connect_timeout=connect_timeout,
+                                 tls_ca=tls_ca, ssl_context=ssl_context)
     async with conn:
         yield conn

@@ -513,7 +513,7 @@ class _Conn:
         self.draining = True
         if self.nursery is not None:  # past the handshake: wake the reader's receive
             try:
-                self.stream.socket.shutdown(socket.SHUT_RD)
+                getattr(self, "raw", self.stream).socket.shutdown(socket.SHUT_RD)
             except OSError:
                 pass
         if self.inflight == 0 and not self.out and not self.sending:
@@ -749,8 +749,10 @@ class Server:
         idle_ping_interval: float | None = 30.0,
         max_outgoing_bytes: int = 4 * 1024 * 1024,
         drain_wait_grace: float = 1.0,
+        ssl_context: Any = None,
     ) -> None:
         self.dispatcher = dispatcher
+        self.ssl_context = ssl_context  # an ssl.SSLContext: serve TLS
         self.max_connections = max_connections
         self.max_inflight_per_conn = max_inflight_per_conn
         self.handshake_timeout = handshake_timeout
@@ -929,7 +931,12 @@ class Server:
             peer = f"{host}:{port}"
         except OSError:
             peer = "?"
+        raw = stream
+        if self.ssl_context is not None:
+            # The TLS handshake happens on the first receive, inside the Hello timeout.
+            stream = trio.SSLStream(raw, self.ssl_context, server_side=True, https_compatible=False)
         conn = _Conn(self, stream, peer)
+        conn.raw = raw
         self._conns.add(conn)
         self._connections_total += 1
         self._no_conns = trio.Event() if self._no_conns.is_set() else self._no_conns
