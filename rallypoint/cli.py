@@ -89,6 +89,8 @@ async def _serve(args) -> int:
             max_connections=args.max_connections,
             max_inflight_per_conn=args.max_inflight,
             handshake_timeout=args.handshake_timeout,
+            idle_ping_interval=args.idle_ping or None,
+            max_outgoing_bytes=args.max_outgoing_bytes,
         )
         node.coordinator.connections_fn = lambda: server.statistics()["connections"]
         async with trio.open_nursery() as nursery:
@@ -343,7 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--snapshot-every-s", type=float, default=60.0)
     s.add_argument("--max-connections", type=int, default=1024)
     s.add_argument("--max-inflight", type=int, default=256, help="requests in flight per connection before backpressure")
-    s.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds")
+    s.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds a new connection has to send its hello before it is dropped (default %(default)s)")
+    s.add_argument("--idle-ping", type=float, default=30.0,
+                   help="ping a connection idle this many seconds, drop it after 3 silent intervals; 0 disables "
+                        "(default %(default)s)")
+    s.add_argument("--max-outgoing-bytes", type=int, default=4 * 1024 * 1024,
+                   help="replies buffered for a slow reader before the server stops reading its requests "
+                        "(default %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (clients use tls:// URLs)")
     s.add_argument("--tls-key", help="PEM private key for --tls-cert")

@@ -25,8 +25,8 @@ Systems:
   ``client.map`` of a no-op over a batch and ``gather``. In memory only: Dask keeps no
   durable record of tasks, so this is a latency/throughput reference, not a like-for-like.
 
-The Python extras (``redis``, ``distributed``) are installed on demand with
-``pip install '.[compare]'``.
+The Python extras (``redis``, ``distributed``: the ``compare`` extra in pyproject.toml)
+are installed on demand (their requirements only, so an editable install stays).
 
     python scripts/compare_baselines.py [--duration 10] [--producers 1] [--workers 1] [--only redis,dask]
 """
@@ -50,13 +50,25 @@ sys.path.insert(0, ROOT)
 from rallypoint.loadtest.hist import Recorder, merge_encoded, summarize  # noqa: E402
 
 
+def compare_requirements() -> list[str]:
+    """The ``compare`` extra of pyproject.toml (redis, distributed)."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"]["compare"]
+
+
 def ensure_extras() -> None:
+    """Install the ``compare`` extra on demand. Only its requirements are installed (the
+    same set as ``pip install '.[compare]'``), so an editable install of rallypoint
+    is left as it is."""
     try:
         import distributed  # noqa: F401
         import redis  # noqa: F401
     except ImportError:
-        print("installing the compare extras: pip install '.[compare]'", flush=True)
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", f"{ROOT}[compare]"])
+        reqs = compare_requirements()
+        print(f"installing the compare extras: pip install {' '.join(reqs)}", flush=True)
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", *reqs])
 
 
 def free_port() -> int:

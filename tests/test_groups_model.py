@@ -145,8 +145,10 @@ class GroupMachine(RuleBasedStateMachine):
         threshold=st.integers(1, 4),
         expected=st.none() | st.integers(1, 6),
         with_deadline=st.booleans(),
+        cancel_after=st.integers(0, 60),
+        deadline_after=st.integers(0, 40),
     )
-    def create(self, condition, threshold, expected, with_deadline):
+    def create(self, condition, threshold, expected, with_deadline, cancel_after, deadline_after):
         from rallypoint.actors.api import OPS
 
         self.handlers = {t: spec.handler for t, spec in OPS.items()}
@@ -188,6 +190,10 @@ class GroupMachine(RuleBasedStateMachine):
         self.deadline_fired = False
         self.cancelled = False
         self.n = 0
+        # run cancels and the deadline are enabled only after some steps, so that most
+        # histories have a long stretch of ordinary work before them
+        self.steps = 0
+        self.cancel_after, self.deadline_after = cancel_after, deadline_after
 
     def pick(self, data, pred=lambda m: True) -> M | None:
         cands = [m for m in self.members if pred(m)]
@@ -337,7 +343,9 @@ class GroupMachine(RuleBasedStateMachine):
         assert (r.state, r.outcome, r.outcome_reason) == (self.state, self.outcome, self.reason)
 
     # ------------------------------------------------------------------ time, cancel
-    @precondition(lambda self: self.deadline_ms is not None and not self.deadline_passed)
+    @precondition(
+        lambda self: self.deadline_ms is not None and not self.deadline_passed and self.steps >= self.deadline_after
+    )
     @rule()
     def deadline_passes(self):
         """The clock passes the deadline; its timer fires only in a later step, so other
@@ -353,6 +361,7 @@ class GroupMachine(RuleBasedStateMachine):
         if self.state != "FINALIZED":
             self.finalize("FAILURE", "deadline")
 
+    @precondition(lambda self: self.steps >= self.cancel_after)
     @rule(which=st.sampled_from(["gate", "parent"]))
     def cancel_run(self, which):
         self.call(p.ScopeCancel(scope_id=self.gate if which == "gate" else self.parent))
@@ -361,6 +370,10 @@ class GroupMachine(RuleBasedStateMachine):
             self.finalize("FAILURE", "deadline" if self.deadline_passed else "cancelled")
 
     # ------------------------------------------------------------------ invariants
+    @invariant()
+    def count_steps(self):
+        self.steps += 1
+
     @invariant()
     def agrees_with_the_model(self):
         g = self.call(p.GroupStatus(group_id=self.gid))

@@ -332,11 +332,11 @@ class JoinSetKind:
 
     async def _join_wait(self, js: JoinSetState, index: int | None, wait_ms: int) -> JoinNextView:
         with trio.move_on_after(wait_ms / 1000):
-            while True:
-                await self.notifier.event(js.id).wait()
+            while True:  # check, then park (a record may have arrived since op_* looked)
                 res = self._try_consume(js, index)
                 if res is not None:
                     return res
+                await self.notifier.event(js.id).wait()
         return JoinNextView(status="pending", index=js.consumed)
 
     @applies(JoinSetConsumed)

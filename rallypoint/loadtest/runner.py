@@ -76,20 +76,20 @@ class SpawnedDaemon:
         return rc
 
 
-async def _setup(url: str) -> tuple[str, str]:
+async def _setup(url: str, api_key: str | None = None) -> tuple[str, str]:
     import rallypoint
 
-    async with rallypoint.connect(url, client_name="bench") as rs:
+    async with rallypoint.connect(url, api_key=api_key, client_name="bench") as rs:
         info = await rs.status()
         run = await rs.scopes.create(name="bench", child_limit=1_000_000)
         await rs.mailboxes.ensure(MAILBOX, max_attempts=5)
         return run.id, info.durability
 
 
-async def _teardown(url: str, run_id: str) -> None:
+async def _teardown(url: str, run_id: str, api_key: str | None = None) -> None:
     import rallypoint
 
-    async with rallypoint.connect(url, client_name="bench") as rs:
+    async with rallypoint.connect(url, api_key=api_key, client_name="bench") as rs:
         await rs.scope(run_id).cancel(reason="bench finished")
 
 
@@ -148,7 +148,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         from ..errors import RallypointError
 
         try:
-            run_id, durability = trio.run(_setup, url)
+            run_id, durability = trio.run(_setup, url, args.api_key)
         except RallypointError as e:
             print(f"rallypoint bench: cannot set up on {url}: {e}", file=err)
             return 2
@@ -159,7 +159,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         go, stop = ctx.Event(), ctx.Event()
         start_value = ctx.Value("d", 0.0)
         base = {
-            "url": url, "run_id": run_id, "mailbox": MAILBOX, "scenario": args.scenario,
+            "url": url, "api_key": args.api_key, "run_id": run_id, "mailbox": MAILBOX, "scenario": args.scenario,
             "warmup": args.warmup, "duration": args.duration, "rate": args.rate, "producers": args.producers,
             "workers": args.workers, "batch": args.batch, "pipeline": args.pipeline,
             "max_messages": args.max_messages, "worker_concurrency": args.worker_concurrency,
@@ -258,7 +258,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         report = build_report(command=command, config=config, finals=list(finals.values()),
                               duration=float(args.duration), crashed=crashed)
         try:
-            trio.run(_teardown, url, run_id)
+            trio.run(_teardown, url, run_id, args.api_key)
         except Exception as e:  # noqa: BLE001 - the report matters more
             print(f"rallypoint bench: could not cancel the bench run: {e}", file=err)
         print(format_table(report))
@@ -288,6 +288,8 @@ def add_arguments(b) -> None:
     g.add_argument("--connect", default=os.environ.get("RALLYPOINT_URL", "tcp://127.0.0.1:7411"),
                    help="daemon URL (default %(default)s)")
     g.add_argument("--spawn", action="store_true", help="start a daemon with a fresh temp data dir, stop it after")
+    b.add_argument("--api-key", default=os.environ.get("RALLYPOINT_API_KEY"),
+                   help="API key for a daemon with keys (default $RALLYPOINT_API_KEY)")
     b.add_argument("--durability", choices=["fsync", "interval", "memory"], default=None,
                    help="with --spawn: the daemon's durability (default fsync)")
     b.add_argument("--rate", type=float, default=0.0,

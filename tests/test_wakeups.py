@@ -1,0 +1,42 @@
+"""No lost wake-ups: a server-side wait dispatched just before the event it waits for
+(in the same batch frame) must see it, not sleep for its whole wait."""
+
+import trio
+
+from rallypoint import protocol as p
+
+
+async def test_join_next_sees_a_record_written_right_after_it_was_dispatched(daemon):
+    import rallypoint
+
+    async with rallypoint.connect(daemon.url) as rs:
+        run = await rs.scopes.create()
+        mbx = await rs.mailboxes.ensure("wakeup-js")
+        js = await run.join_sets.create()
+        await js.submit(mbx, {"n": 1})
+        d = await mbx.receive(run, wait=0)
+        with trio.fail_after(5):  # the wait below is 20 s: a lost wake-up would time out
+            join, done = await rs._transport.call_many([
+                p.JoinNext(joinset_id=js.id, wait_ms=20_000),
+                p.DeliveryComplete(task_id=d.task_id, token=d.token, outcome=p.NIL),
+            ])
+        assert not isinstance(join, Exception) and not isinstance(done, Exception)
+        import msgspec
+
+        assert msgspec.msgpack.decode(join)["status"] == "record"
+
+
+async def test_receive_sees_a_task_submitted_right_after_it_was_dispatched(daemon):
+    import rallypoint
+
+    async with rallypoint.connect(daemon.url) as rs:
+        run = await rs.scopes.create()
+        await rs.mailboxes.ensure("wakeup-q")
+        with trio.fail_after(5):
+            got, _ = await rs._transport.call_many([
+                p.Receive(mailbox="wakeup-q", scope_id=run.id, wait_ms=20_000),
+                p.TaskSubmit(mailbox="wakeup-q", scope_id=run.id),
+            ])
+        import msgspec
+
+        assert len(msgspec.msgpack.decode(got)["deliveries"]) == 1
