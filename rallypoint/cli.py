@@ -115,10 +115,11 @@ async def _serve(args) -> int:
             else:
                 live = sum(1 for k in coord.keys.values() if k.revoked_at_ms is None)
                 log.info("API keys required (%d live keys)", live)
-            # A line for scripts and test fixtures (stdout, flushed).
             scheme = "tls" if ssl_context is not None else "tcp"
-            print(f"READY {scheme}://{host}:{actual}", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                # A line for scripts and test fixtures (stdout, flushed), printed only once
+                # SIGTERM/SIGINT drain the server rather than kill it.
+                print(f"READY {scheme}://{host}:{actual}", flush=True)
                 async for signum in signals:
                     log.info("received %s: draining (no new connections, finishing in-flight requests)",
                              signal.Signals(signum).name)
