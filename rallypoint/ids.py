@@ -35,12 +35,19 @@ _ID_RE = re.compile(r"^([a-z]{3})_([0-9a-hjkmnp-tv-z]{26})$")
 _RAND_MASK = (1 << 80) - 1
 
 
+_PAIRS = [a + b for a in _ALPHABET for b in _ALPHABET]  # 10 bits -> 2 chars
+
+
 def _b32(n: int) -> str:
-    out = []
-    for _ in range(26):
-        out.append(_ALPHABET[n & 31])
-        n >>= 5
-    return "".join(reversed(out))
+    """128-bit int -> 26 chars of lowercase Crockford base32 (2 zero bits + 128 bits),
+    two characters per table lookup."""
+    p = _PAIRS
+    return (
+        p[(n >> 120) & 1023] + p[(n >> 110) & 1023] + p[(n >> 100) & 1023] + p[(n >> 90) & 1023]
+        + p[(n >> 80) & 1023] + p[(n >> 70) & 1023] + p[(n >> 60) & 1023] + p[(n >> 50) & 1023]
+        + p[(n >> 40) & 1023] + p[(n >> 30) & 1023] + p[(n >> 20) & 1023] + p[(n >> 10) & 1023]
+        + p[n & 1023]
+    )
 
 
 class IdGenerator:

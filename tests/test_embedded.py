@@ -48,3 +48,24 @@ async def test_handles_after_close_raise_unavailable(tmp_path):
         await run.status()
     with pytest.raises(UnavailableError):
         await run.child()
+
+
+async def test_embedded_batch_waits_for_durability_once(tmp_path):
+    # Given 50 leased deliveries on an fsync node, completing them in one batch makes the
+    # journal sync a handful of times (group commit), not once per complete.
+    from rallypoint import protocol as p
+
+    async with rallypoint.open_embedded(str(tmp_path), durability="fsync") as rs:
+        run = await rs.scopes.create()
+        mbx = await rs.mailboxes.ensure("batch")
+        await mbx.submit_many(range(50), scope=run)
+        ds = await mbx.receive(run, wait=0, max_messages=50)
+        journal = rs.node.coordinator.journal
+        before = journal.stats()["fsyncs"]
+        out = await rs._transport.call_many(
+            [p.DeliveryComplete(task_id=d.task_id, token=d.token, outcome=p.NIL) for d in ds]
+        )
+        assert not any(isinstance(o, Exception) for o in out)
+        assert journal.stats()["fsyncs"] - before <= 5
+        states = [(await rs.task(d.task_id).status()).state for d in ds]
+        assert states == ["SUCCEEDED"] * 50

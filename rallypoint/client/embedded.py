@@ -43,12 +43,37 @@ class EmbeddedTransport:
         return res
 
     async def call_many(self, ops: list) -> list:
-        out: list = []
-        for op in ops:
+        """Like a batch frame: every op is dispatched in order, then the replies wait
+        together (one durability wait for all, not one per op); server-side waits run
+        concurrently."""
+        if self.closed:
+            raise UnavailableError("this embedded coordinator was closed (its open_embedded block ended)")
+        out: list = [None] * len(ops)
+        waits: list = []
+        for i, op in enumerate(ops):
             try:
-                out.append(await self.call(op))
+                res = self.service.dispatch(self.session, encoder.encode(op))
             except RallypointError as e:
-                out.append(e)
+                out[i] = e
+                continue
+            if isinstance(res, bytes):
+                out[i] = res
+            elif isinstance(res, Deferred):
+                out[i] = res.reply
+            else:
+                waits.append((i, res))
+        if waits:
+            async def run(i, aw):
+                try:
+                    r = await aw
+                    out[i] = r.reply if isinstance(r, Deferred) else r
+                except RallypointError as e:
+                    out[i] = e
+
+            async with trio.open_nursery() as n:
+                for i, aw in waits:
+                    n.start_soon(run, i, aw)
+        await self.service.wait_durable(self.service.coordinator.journal.last_lsn)
         return out
 
     async def aclose(self) -> None:
