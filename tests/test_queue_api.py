@@ -437,3 +437,32 @@ async def test_long_receive_sees_changes_made_before_its_wait_began(rs):
     with trio.fail_after(5):
         got = await pipelined(recv, p.ScopeCancel(scope_id=run.id))
     assert isinstance(got, ScopeCancelledError)
+
+
+async def test_batch_forms_complete_many_and_results(rs):
+    # complete_many settles several deliveries in one frame (a stale one is reported,
+    # not raised), and results() waits for many tasks in one frame.
+    from rallypoint.errors import LeaseLostError
+
+    run = await rs.scopes.create()
+    mbx = await rs.mailboxes.ensure("batch-forms")
+    tickets = await mbx.submit_many([{"i": i} for i in range(5)], scope=run)
+    ds = await mbx.receive(run, wait=0, max_messages=5)
+    stale = ds[0]
+    await stale.complete("first")  # now its token is spent
+    out = await mbx.complete_many([(d, d.input["i"] * 10) for d in ds])
+    assert isinstance(out[0], LeaseLostError) and stale.lost
+    assert [o.state for o in out[1:]] == ["SUCCEEDED"] * 4
+    infos = await rs.results(tickets, timeout=5)
+    assert [i.outcome for i in infos] == ["first", 10, 20, 30, 40]
+
+
+async def test_results_times_out_without_changing_anything(rs):
+    from rallypoint.errors import WaitTimeout
+
+    run = await rs.scopes.create()
+    mbx = await rs.mailboxes.ensure("batch-wait")
+    tickets = await mbx.submit_many([1, 2], scope=run)
+    with pytest.raises(WaitTimeout):
+        await rs.results(tickets, timeout=0.2)
+    assert [(await t.status()).state for t in tickets] == ["QUEUED", "QUEUED"]

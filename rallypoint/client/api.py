@@ -105,6 +105,45 @@ class Client:
             out.append(r if isinstance(r, Exception) else dec.decode(r))
         return out
 
+    async def _wait(self, make_op, reply_type: type, done, timeout: float | None, still) -> Any:
+        """A server-side wait of any length: re-issue ``make_op(wait_ms)`` in chunks of
+        at most 60 s (the server's limit) until ``done(reply)``; WaitTimeout with
+        ``still(reply)`` as its message once ``timeout`` seconds passed (None: forever).
+        Every reply goes through ``done`` (callers may keep it as their last status)."""
+        remaining = math.inf if timeout is None else timeout
+        while True:
+            chunk = min(remaining, _MAX_WAIT_S)
+            reply = await self._call(make_op(_ms(chunk, "timeout")), reply_type)
+            if done(reply):
+                return reply
+            remaining -= chunk
+            if remaining <= 0:
+                raise WaitTimeout(still(reply))
+
+    async def results(self, tickets: "Iterable[Ticket | str]", timeout: float | None = None) -> list[t.TaskInfo]:
+        """Wait until every task is terminal; their infos in the given order.
+
+        One batch frame per round (a server-side wait per task, answered as each
+        finishes), so waiting for N tasks costs one round trip, not N. WaitTimeout
+        (changing nothing) if some are still unfinished after ``timeout`` seconds."""
+        ids = [_id_of(x, "task") for x in tickets]
+        out: list[t.TaskInfo | None] = [None] * len(ids)
+        remaining = math.inf if timeout is None else timeout
+        while True:
+            todo = [i for i, info in enumerate(out) if info is None or not info.finished]
+            if not todo:
+                return out  # type: ignore[return-value]
+            chunk = min(remaining, _MAX_WAIT_S)
+            ms = _ms(chunk, "timeout")
+            replies = await self._call_many([p.TaskResult(task_id=ids[i], wait_ms=ms) for i in todo], t.TaskInfo)
+            for i, r in zip(todo, replies):
+                if isinstance(r, Exception):
+                    raise r
+                out[i] = r
+            remaining -= chunk
+            if remaining <= 0 and any(not out[i].finished for i in todo):
+                raise WaitTimeout(f"{sum(not out[i].finished for i in todo)} of {len(ids)} tasks unfinished after {timeout} s")
+
     def scope(self, scope_id: str) -> "Run":
         """Re-attach to a run by id (no request is made)."""
         return Run(self, _id_of(scope_id))
@@ -198,18 +237,14 @@ class Run:
         Open join sets are closed first, newest first, and the run completes only after
         their last child finished; this waits for that (WaitTimeout after ``timeout``
         seconds, the sets then stay closing and a later ``complete()`` finishes)."""
-        remaining = math.inf if timeout is None else timeout
-        while True:
-            chunk = min(remaining, _MAX_WAIT_S)
-            st = await self._rs._call(
-                p.ScopeComplete(scope_id=self.id, wait_ms=_ms(chunk, "timeout")), t.RunStatus
-            )
+        def done(st: t.RunStatus) -> bool:
             self.last_status = st
-            if st.stored_state == "COMPLETED":
-                return st
-            remaining -= chunk
-            if remaining <= 0:
-                raise WaitTimeout(f"run {self.id} is still waiting for join-set children after {timeout} s")
+            return st.stored_state == "COMPLETED"
+
+        return await self._rs._wait(
+            lambda ms: p.ScopeComplete(scope_id=self.id, wait_ms=ms), t.RunStatus, done, timeout,
+            lambda st: f"run {self.id} is still waiting for join-set children after {timeout} s",
+        )
 
     async def children(self, limit: int = 1000) -> list[t.RunStatus]:
         return await self._rs.scopes.list(self, limit=limit)
@@ -300,6 +335,11 @@ class Mailbox:
         )
         return [Ticket(self._rs, i.id, i) for i in reply.tasks]
 
+    async def complete_many(self, items: "Iterable[tuple[Delivery, Any]]") -> list:
+        """Complete ``[(delivery, outcome), ...]`` in one batch frame; a TaskInfo or
+        the error for each, in order (see :func:`complete_many`)."""
+        return await complete_many(self._rs, items)
+
     async def receive(
         self,
         scope: "Run | str",
@@ -337,6 +377,22 @@ class Mailbox:
         return ds
 
 
+async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]") -> list:
+    """Complete several deliveries in ONE batch frame: ``[(delivery, outcome), ...]`` ->
+    a TaskInfo or the RallypointError (e.g. LeaseLostError) for each, in order. Marks
+    the deliveries whose lease was lost."""
+    items = list(items)
+    ops = [
+        p.DeliveryComplete(task_id=d.task_id, token=d.token, outcome=encode_payload(o, "outcome"))
+        for d, o in items
+    ]
+    replies = await rs._call_many(ops, t.TaskInfo)
+    for (d, _), r in zip(items, replies):
+        if isinstance(r, (LeaseLostError, ScopeInactiveError)):
+            d.lost = True
+    return replies
+
+
 class Ticket:
     """A handle on a task (``tsk_…``)."""
 
@@ -357,16 +413,14 @@ class Ticket:
         """Wait on the server until the task is terminal and return its
         ``{state, outcome, outcome_reason, attempt, …}``. Raises WaitTimeout (changing
         nothing) when ``timeout`` seconds pass first; ``None`` waits forever."""
-        remaining = math.inf if timeout is None else timeout
-        while True:
-            chunk = min(remaining, _MAX_WAIT_S)
-            info = await self._rs._call(p.TaskResult(task_id=self.id, wait_ms=_ms(chunk, "timeout")), t.TaskInfo)
+        def done(info: t.TaskInfo) -> bool:
             self.info = info
-            if info.finished:
-                return info
-            remaining -= chunk
-            if remaining <= 0:
-                raise WaitTimeout(f"task {self.id} is still {info.state} after {timeout} s")
+            return info.finished
+
+        return await self._rs._wait(
+            lambda ms: p.TaskResult(task_id=self.id, wait_ms=ms), t.TaskInfo, done, timeout,
+            lambda info: f"task {self.id} is still {info.state} after {timeout} s",
+        )
 
     async def cancel(self) -> t.TaskInfo:
         """Cancel the task (no-op on a finished one); its lease holder loses the lease."""
@@ -525,16 +579,14 @@ class Group:
 
     async def wait(self, timeout: float | None = None) -> t.GroupStatus:
         """Wait on the server for FINALIZED; WaitTimeout after ``timeout`` seconds."""
-        remaining = math.inf if timeout is None else timeout
-        while True:
-            chunk = min(remaining, _MAX_WAIT_S)
-            st = await self._rs._call(p.GroupWait(group_id=self.id, wait_ms=_ms(chunk, "timeout")), t.GroupStatus)
+        def done(st: t.GroupStatus) -> bool:
             self.last_status, self.scope_id = st, st.scope_id
-            if st.state == "FINALIZED":
-                return st
-            remaining -= chunk
-            if remaining <= 0:
-                raise WaitTimeout(f"group {self.id} is still {st.state} after {timeout} s")
+            return st.state == "FINALIZED"
+
+        return await self._rs._wait(
+            lambda ms: p.GroupWait(group_id=self.id, wait_ms=ms), t.GroupStatus, done, timeout,
+            lambda st: f"group {self.id} is still {st.state} after {timeout} s",
+        )
 
 
 class JoinSets:
@@ -615,17 +667,12 @@ class JoinSet:
         ``(child_id, result)``; a delay's result is None. A failed child raises
         ChildError (``value``, ``failure_kind``) and still counts as consumed.
         JoinSetExhaustedError past the last child; WaitTimeout after ``timeout`` s."""
-        remaining = math.inf if timeout is None else timeout
-        while True:
-            chunk = min(remaining, _MAX_WAIT_S)
-            r = await self._rs._call(
-                p.JoinNext(joinset_id=self.id, index=index, wait_ms=_ms(chunk, "timeout")), t._JoinNextReply
-            )
-            if r.status == "record":
-                return self._result(r)
-            remaining -= chunk
-            if remaining <= 0:
-                raise WaitTimeout(f"join set {self.id}: no child finished within {timeout} s")
+        r = await self._rs._wait(
+            lambda ms: p.JoinNext(joinset_id=self.id, index=index, wait_ms=ms), t._JoinNextReply,
+            lambda r: r.status == "record", timeout,
+            lambda r: f"join set {self.id}: no child finished within {timeout} s",
+        )
+        return self._result(r)
 
     async def join_next_try(self) -> tuple[str, Any] | None:
         """The next record at once, or None while children are pending."""
@@ -635,16 +682,14 @@ class JoinSet:
     async def close(self, timeout: float | None = None) -> t.JoinSetStatus:
         """Cancel unconsumed delays and cancellable children (reverse submission order),
         wait for the others, consume what is left. Never raises for a child's failure."""
-        remaining = math.inf if timeout is None else timeout
-        while True:
-            chunk = min(remaining, _MAX_WAIT_S)
-            st = await self._rs._call(p.JoinSetClose(joinset_id=self.id, wait_ms=_ms(chunk, "timeout")), t.JoinSetStatus)
+        def done(st: t.JoinSetStatus) -> bool:
             self.last_status = st
-            if st.state == "CLOSED":
-                return st
-            remaining -= chunk
-            if remaining <= 0:
-                raise WaitTimeout(f"join set {self.id} is still closing after {timeout} s")
+            return st.state == "CLOSED"
+
+        return await self._rs._wait(
+            lambda ms: p.JoinSetClose(joinset_id=self.id, wait_ms=ms), t.JoinSetStatus, done, timeout,
+            lambda st: f"join set {self.id} is still closing after {timeout} s",
+        )
 
     async def status(self) -> t.JoinSetStatus:
         self.last_status = await self._rs._call(p.JoinSetGet(joinset_id=self.id), t.JoinSetStatus)
@@ -686,21 +731,18 @@ class Barrier:
     async def wait(self, timeout: float | None = 60) -> t.BarrierStatus:
         """Wait on the server for RELEASED (in the epoch current at the call, or a later
         one). BarrierCancelledError if cancelled; WaitTimeout after ``timeout`` s."""
-        remaining = math.inf if timeout is None else timeout
         # Pin the epoch current at the call: a reply cannot tell it (the server returns
         # the status of the epoch it woke in, which is later if the barrier was reused).
         epoch = (await self.status()).epoch
-        while True:
-            chunk = min(remaining, _MAX_WAIT_S)
-            st = await self._rs._call(
-                p.BarrierWait(barrier_id=self.id, wait_ms=_ms(chunk, "timeout"), epoch=epoch), t.BarrierStatus
-            )
+
+        def done(st: t.BarrierStatus) -> bool:
             self.last_status = st
-            if st.epoch > epoch or st.state == "RELEASED":
-                return st
-            remaining -= chunk
-            if remaining <= 0:
-                raise WaitTimeout(f"barrier {self.id} has {st.arrivals}/{st.target} arrivals after {timeout} s")
+            return st.epoch > epoch or st.state == "RELEASED"
+
+        return await self._rs._wait(
+            lambda ms: p.BarrierWait(barrier_id=self.id, wait_ms=ms, epoch=epoch), t.BarrierStatus, done, timeout,
+            lambda st: f"barrier {self.id} has {st.arrivals}/{st.target} arrivals after {timeout} s",
+        )
 
     async def next_epoch(self) -> t.BarrierStatus:
         """Start a new epoch with no arrivals (the barrier must be RELEASED)."""
@@ -750,16 +792,15 @@ class Timer:
     async def wait(self, timeout: float | None = None) -> datetime:
         """Wait for the timer to fire and acknowledge it; returns ``fired_at``.
         ConflictError if it was cancelled; WaitTimeout after ``timeout`` s."""
-        remaining = math.inf if timeout is None else timeout
-        while True:
-            chunk = min(remaining, _MAX_WAIT_S)
-            st = await self._rs._call(p.TimerWait(timer_id=self.id, wait_ms=_ms(chunk, "timeout")), t.TimerStatus)
+        def done(st: t.TimerStatus) -> bool:
             self.last_status = st
-            if st.fired_at is not None:
-                return st.fired_at
-            remaining -= chunk
-            if remaining <= 0:
-                raise WaitTimeout(f"timer {self.id} has not fired after {timeout} s")
+            return st.fired_at is not None
+
+        st = await self._rs._wait(
+            lambda ms: p.TimerWait(timer_id=self.id, wait_ms=ms), t.TimerStatus, done, timeout,
+            lambda st: f"timer {self.id} has not fired after {timeout} s",
+        )
+        return st.fired_at
 
     async def cancel(self) -> t.TimerStatus:
         """Disarm an armed timer (no-op if cancelled; CONFLICT if it already fired)."""
