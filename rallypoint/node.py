@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -98,6 +99,10 @@ async def open_node(
 
 
 # ------------------------------------------------------------------------ persistence
+#: GIL switch interval while a snapshot's LMDB write runs in its thread (seconds).
+SNAPSHOT_SWITCH_INTERVAL_S = 0.0005
+
+
 class Snapshotter:
     """Writes the entities changed since the last snapshot to LMDB, then truncates the
     journal below the snapshot's LSN.
@@ -176,8 +181,15 @@ class Snapshotter:
             try:
                 sync = getattr(journal, "wait_synced", None)
                 await (sync(lsn) if sync is not None else journal.wait_durable(lsn))
-                # zip: the pairs are made in the worker thread, not on the loop
-                await self.store.write(lsn, zip(keys, values), [])
+                # zip: the pairs are made in the worker thread, not on the loop. While
+                # the writer thread runs, a shorter GIL switch interval (0.5 ms instead
+                # of 5 ms) keeps it from holding the loop off for long stretches.
+                previous = sys.getswitchinterval()
+                sys.setswitchinterval(min(previous, SNAPSHOT_SWITCH_INTERVAL_S))
+                try:
+                    await self.store.write(lsn, zip(keys, values), [])
+                finally:
+                    sys.setswitchinterval(previous)
             except BaseException:
                 coord.dirty.update(k.decode() for k in keys)  # try again next time
                 raise
