@@ -185,11 +185,19 @@ async def test_oversize_request_rejected_client_side():
 
 
 async def test_large_pipelined_payloads():
+    # 40 requests of 60 KB in flight at once: every reply comes back whole, to its caller.
     async with running_server() as srv, connect_transport(url(srv)) as conn:
         blob = "b" * 60000
+        got: dict[int, dict] = {}
+
+        async def one(i):
+            got[i] = dec(await conn.call(enc({"op": "echo", "blob": blob, "i": i})))
+
         async with trio.open_nursery() as n:
             for i in range(40):
-                n.start_soon(conn.call, enc({"op": "echo", "blob": blob, "i": i}))
+                n.start_soon(one, i)
+        assert sorted(got) == list(range(40))
+        assert all(r["i"] == i and r["blob"] == blob for i, r in got.items())
 
 
 # ---------------------------------------------------------------- asyncio client
