@@ -27,6 +27,20 @@ DEFAULT_DATA_DIR = "./rallypoint-data"
 log = logging.getLogger("rallypoint")
 
 
+def _bounded(cast, minimum, inclusive: bool = True):
+    """An argparse type: ``cast`` (int/float) no smaller than ``minimum`` (or greater
+    than it when not ``inclusive``) - a negative limit would break every connection."""
+
+    def parse(text: str):
+        value = cast(text)
+        if value < minimum or (not inclusive and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {minimum} (got {text})")
+        return value
+
+    parse.__name__ = cast.__name__  # "invalid int value" in argparse's messages
+    return parse
+
+
 def _parse_listen(s: str) -> tuple[str, int]:
     host, sep, port = s.rpartition(":")
     if not sep or not port.isdigit():
@@ -344,14 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interval-ms", type=int, default=10, help="fsync period in interval mode, ms (default %(default)s)")
     s.add_argument("--snapshot-every-records", type=int, default=100_000)
     s.add_argument("--snapshot-every-s", type=float, default=60.0)
-    s.add_argument("--max-connections", type=int, default=1024)
-    s.add_argument("--max-inflight", type=int, default=256, help="requests in flight per connection before backpressure")
-    s.add_argument("--handshake-timeout", type=float, default=10.0,
+    s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
+    s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
+    s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,
                    help="seconds a new connection has to send its hello before it is dropped (default %(default)s)")
-    s.add_argument("--idle-ping", type=float, default=30.0,
+    s.add_argument("--idle-ping", type=_bounded(float, 0), default=30.0,
                    help="ping a connection idle this many seconds, drop it after 3 silent intervals; 0 disables "
                         "(default %(default)s)")
-    s.add_argument("--max-outgoing-bytes", type=int, default=4 * 1024 * 1024,
+    s.add_argument("--max-outgoing-bytes", type=_bounded(int, 1), default=4 * 1024 * 1024,
                    help="replies buffered for a slow reader before the server stops reading its requests "
                         "(default %(default)s)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")

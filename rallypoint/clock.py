@@ -99,4 +99,14 @@ def from_iso(s: str) -> int:
     dt = datetime.fromisoformat(s)
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
-    return int(round(dt.timestamp() * 1000))
+    ms = int(round(dt.timestamp() * 1000))
+    # In UTC and to the millisecond the instant must still be representable (years
+    # 1-9999): "9999-12-31T23:59:59.9999Z" rounds up, and an offset can push an edge
+    # date out of range; such an instant cannot be rendered back (to_iso).
+    if not _MIN_MS <= ms <= _MAX_MS:
+        raise ValueError(f"instant {s!r} is outside years 1 to 9999 UTC")
+    return ms
+
+
+_MIN_MS = -62135596800000  # 0001-01-01T00:00:00.000Z
+_MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z

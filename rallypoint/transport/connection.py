@@ -241,9 +241,13 @@ class Connection:
         tg.cancel_scope.cancel()
         # The body's own exception (if any) propagates unchanged: the task group only
         # has to reap the reader and writer, which never raise.
-        await tg.__aexit__(None, None, None)
-        with anyio.CancelScope(shield=True):
-            await anyio.aclose_forcefully(self._stream)
+        try:
+            await tg.__aexit__(None, None, None)
+        finally:
+            # Also when the caller is being cancelled (tg.__aexit__ then raises
+            # Cancelled): else the socket stays open until garbage collection.
+            with anyio.CancelScope(shield=True):
+                await anyio.aclose_forcefully(self._stream)
         return False
 
     async def aclose(self) -> None:

@@ -781,6 +781,9 @@ class Server:
         self._pauses = 0
         self._internal_errors = 0
         self._discarded_bytes = 0
+        # Accepted connections whose task has not registered in _conns yet: a burst of
+        # accepts must count them, else max_connections is overshot.
+        self._starting = 0
 
     # ------------------------------------------------------------------ public
 
@@ -904,10 +907,11 @@ class Server:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            if len(self._conns) >= self.max_connections:
+            if len(self._conns) + self._starting >= self.max_connections:
                 self._rejected += 1
                 nursery.start_soon(self._reject, stream)
                 continue
+            self._starting += 1
             nursery.start_soon(self._run_conn, stream)
 
     async def _reject(self, stream: trio.SocketStream) -> None:
@@ -926,6 +930,8 @@ class Server:
         await trio.aclose_forcefully(stream)
 
     async def _run_conn(self, stream: trio.SocketStream) -> None:
+        # No checkpoint from here to _conns.add(conn): the connection stays counted.
+        self._starting -= 1
         try:
             host, port = stream.socket.getpeername()[:2]
             peer = f"{host}:{port}"
