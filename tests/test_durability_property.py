@@ -299,19 +299,30 @@ def test_a_snapshot_taken_under_concurrent_writes_is_a_consistent_cut(monkeypatc
                 done = trio.Event()
                 writes = []
 
+                from rallypoint import protocol as p
+                from rallypoint.service import Session
+
+                coord, session = node.coordinator, Session()
+
                 async def writer():
+                    # Commits straight on the coordinator (no durability wait per step)
+                    # and a yield after each: the writer interleaves with every slice.
                     i = 0
                     while not done.is_set():
                         writes.append(i)
                         r = roots[i % len(roots)]
-                        if i % 7 == 3:
-                            await r.cancel()  # touches 200 tasks in one commit
-                        else:
-                            await r.child()
-                            d = await mbx.receive(r, wait=0)
-                            if d is not None:
-                                await d.complete(i)
+                        if coord.scope_inactive_error(r.id) is None:
+                            if i % 7 == 3:  # touches 200 tasks in one commit
+                                coord.op_scope_cancel(session, p.ScopeCancel(scope_id=r.id))
+                            else:
+                                coord.op_scope_create(session, p.ScopeCreate(parent_id=r.id))
+                                got = coord.op_receive(session, p.Receive(mailbox="m", scope_id=r.id))
+                                for d in got.deliveries:
+                                    coord.op_delivery_complete(
+                                        session, p.DeliveryComplete(task_id=d.task_id, token=d.token)
+                                    )
                         i += 1
+                        await trio.sleep(0)
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(writer)
