@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 import rallypoint  # noqa: E402
+from bench_transport_echo import raw_conn  # noqa: E402  (same folder: the raw pipelined client)
 from rallypoint import protocol as p  # noqa: E402
 from rallypoint import wire  # noqa: E402
 from rallypoint.transport.framing import FrameParser, encode_frame, pack_uint  # noqa: E402
@@ -125,53 +126,6 @@ async def sdk_clients(url: str, scope_id: str, conns: int, window: int, seconds:
     return count, elapsed, lat
 
 
-async def _raw_conn(port: int, body: bytes, window: int, stop_at: float, lat: list[float], counter: list[int]):
-    clock = time.perf_counter
-    s = await trio.open_tcp_stream("127.0.0.1", port)
-    await s.send_all(encode_frame(msgspec.msgpack.encode(wire.Hello(wire.PROTOCOL_VERSION))))
-    parser = FrameParser()
-    dec = msgspec.msgpack.Decoder(wire.ServerFrame)
-    got: list = []
-    while not got:
-        got = parser.feed(await s.receive_some(65536))
-    sent_at: dict[int, float] = {}
-    next_id = 1
-
-    def frame(rid: int) -> bytes:
-        env = b"\x83\xa1t\xa3req\xa2id" + pack_uint(rid) + b"\xa4body" + body
-        return HDR.pack(len(env)) + env
-
-    out = bytearray()
-    now = clock()
-    for _ in range(window):
-        out += frame(next_id)
-        sent_at[next_id] = now
-        next_id += 1
-    await s.send_all(out)
-    outstanding = window
-    while outstanding:
-        data = await s.receive_some(65536)
-        if not data:
-            break
-        now = clock()
-        out = bytearray()
-        for f in parser.feed(data):
-            msg = dec.decode(f)
-            if type(msg) is wire.Err:
-                raise SystemExit(f"server error: {msg.code} {msg.message}")
-            lat.append(now - sent_at.pop(msg.id))
-            counter[0] += 1
-            outstanding -= 1
-            if now < stop_at:
-                out += frame(next_id)
-                sent_at[next_id] = now
-                next_id += 1
-                outstanding += 1
-        if out:
-            await s.send_all(out)
-    await s.aclose()
-
-
 async def raw_clients(port: int, scope_id: str, conns: int, window: int, seconds: float):
     body = _status_body(scope_id)
     lat: list[float] = []
@@ -179,7 +133,7 @@ async def raw_clients(port: int, scope_id: str, conns: int, window: int, seconds
     start = time.perf_counter()
     async with trio.open_nursery() as n:
         for _ in range(conns):
-            n.start_soon(_raw_conn, port, body, window, start + seconds, lat, counter)
+            n.start_soon(raw_conn, port, window, start + seconds, lat, counter, body)
     return counter[0], time.perf_counter() - start, lat
 
 

@@ -145,8 +145,14 @@ async def sdk_workers(url: str, conns: int, per_conn: int, seconds: float) -> tu
     return count, elapsed, lat
 
 
-async def raw_conn(port: int, window: int, stop_at: float, lat: list[float], counter: list[int]) -> None:
-    """Keep ``window`` requests outstanding on one raw connection until stop_at."""
+async def raw_conn(
+    port: int, window: int, stop_at: float, lat: list[float], counter: list[int], body: bytes | None = None
+) -> None:
+    """Keep ``window`` requests outstanding on one raw connection until stop_at.
+
+    ``body`` is the encoded request body (default: the echo op). An error reply stops
+    the run (a benchmark must not count failures as throughput)."""
+    req_body = BODY if body is None else body
     clock = time.perf_counter
     s = await trio.open_tcp_stream("127.0.0.1", port)
     await s.send_all(encode_frame(msgspec.msgpack.encode(wire.Hello(wire.PROTOCOL_VERSION))))
@@ -159,8 +165,8 @@ async def raw_conn(port: int, window: int, stop_at: float, lat: list[float], cou
     next_id = 1
 
     def frame(rid: int) -> bytes:
-        body = b"\x83\xa1t\xa3req\xa2id" + pack_uint(rid) + b"\xa4body" + BODY
-        return HDR.pack(len(body)) + body
+        env = b"\x83\xa1t\xa3req\xa2id" + pack_uint(rid) + b"\xa4body" + req_body
+        return HDR.pack(len(env)) + env
 
     out = bytearray()
     now = clock()
@@ -178,6 +184,8 @@ async def raw_conn(port: int, window: int, stop_at: float, lat: list[float], cou
         out = bytearray()
         for f in parser.feed(data):
             msg = dec.decode(f)
+            if type(msg) is wire.Err:
+                raise SystemExit(f"server error: {msg.code} {msg.message}")
             lat.append(now - sent_at.pop(msg.id))
             counter[0] += 1
             outstanding -= 1
