@@ -31,12 +31,14 @@ from .client.types import (
 )
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
+from . import sync  # noqa: E402  (rallypoint.sync.connect(url): the blocking client)
 
 __all__ = [
     "__version__",
     "connect",
     "open_embedded",
     "consume",
+    "sync",
     "Client",
     "Run",
     "Mailbox",

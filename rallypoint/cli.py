@@ -42,9 +42,12 @@ def _bounded(cast, minimum, inclusive: bool = True):
 
 
 def _parse_listen(s: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port). Raises VALIDATION_FAILED on anything else."""
+    from .errors import ValidationError
+
     host, sep, port = s.rpartition(":")
-    if not sep or not port.isdigit():
-        raise SystemExit(f"rallypoint: --listen must be HOST:PORT (got {s!r})")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValidationError(f"--listen must be HOST:PORT with a port 0-65535 (got {s!r})")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -152,34 +155,89 @@ def cmd_serve(args) -> int:
     _setup_logging(args.log_level)
     from .errors import ValidationError
 
+    from .errors import ValidationError
+
     try:
-        return trio.run(_serve, args)
+        _parse_listen(args.listen)
+        for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+            if path is not None and not os.path.isfile(path):
+                raise ValidationError(f"{flag}: no such file {path}")
     except ValidationError as e:
         print(f"rallypoint: {e.message}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"rallypoint: cannot listen on {args.listen}: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        from .persistence import StartupError
-
-        if isinstance(e, StartupError):
-            print(f"rallypoint: {e}", file=sys.stderr)
-            return 2
-        raise
+    try:
+        return trio.run(_serve, args)
     except KeyboardInterrupt:
         return 0
+    except BaseException as e:  # start-up failures: one clear line, exit 2
+        leaf = e
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        message = _startup_error_message(leaf, args)
+        if message is None:
+            raise
+        print(f"rallypoint: {message}", file=sys.stderr)
+        return 2
+
+
+def _startup_error_message(e: BaseException, args) -> str | None:
+    """The operator's message for a start-up failure, or None (a bug: re-raise)."""
+    import errno
+    import ssl
+
+    from .errors import ValidationError
+    from .persistence import StartupError
+
+    if isinstance(e, ValidationError):
+        return e.message
+    if isinstance(e, StartupError):
+        return str(e)
+    if isinstance(e, ssl.SSLError):
+        return f"cannot load the TLS certificate/key ({args.tls_cert}, {args.tls_key}): {e}"
+    if isinstance(e, OSError):
+        if e.errno == errno.EADDRINUSE:
+            return f"cannot listen on {args.listen}: the address is already in use (another daemon?)"
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"cannot listen on {args.listen}: no such local address"
+        if e.filename is not None:
+            return f"{e.strerror}: {e.filename}"
+        return f"cannot start: {e}"
+    return None
 
 
 # ------------------------------------------------------------------------------ client commands
-def _client_call(url: str, fn):
+def _client_call(args, fn):
+    """Run ``fn(rs)`` on a connection to ``args.connect`` with ``args.api_key``."""
     import rallypoint
 
     async def main():
-        async with rallypoint.connect(url) as rs:
+        async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=getattr(args, "tls_ca", None)) as rs:
             return await fn(rs)
 
     return trio.run(main)
+
+
+def _client_options(*, suppress: bool = False, connect_default: str | None = "env",
+                    data_dir: bool = False, json_flag: bool = False) -> argparse.ArgumentParser:
+    """--connect / --api-key / --tls-ca (and optionally --data-dir, --json) as a parent
+    parser. Used on a command group with real defaults and on its subcommands with
+    ``suppress=True``, so each option works before or after the subcommand."""
+    def d(value):
+        return argparse.SUPPRESS if suppress else value
+
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--connect", default=d(os.environ.get("RALLYPOINT_URL", DEFAULT_URL)
+                                                 if connect_default == "env" else connect_default),
+                        help="server URL, tcp:// or tls:// (default $RALLYPOINT_URL or tcp://127.0.0.1:7411)")
+    parent.add_argument("--api-key", default=d(os.environ.get("RALLYPOINT_API_KEY")),
+                        help="API key (default $RALLYPOINT_API_KEY); not needed in open mode")
+    parent.add_argument("--tls-ca", default=d(None), help="CA file to verify a tls:// server")
+    if data_dir:
+        parent.add_argument("--data-dir", default=d(DEFAULT_DATA_DIR),
+                            help="a stopped daemon's data dir (default ./rallypoint-data)")
+    if json_flag:
+        parent.add_argument("--json", action="store_true", default=d(False), help="machine-readable output")
+    return parent
 
 
 def _fmt_age(seconds: float) -> str:
@@ -194,7 +252,7 @@ def cmd_status(args) -> int:
     from .errors import RallypointError
 
     try:
-        st = _client_call(args.connect, lambda rs: rs.status())
+        st = _client_call(args, lambda rs: rs.status())
     except RallypointError as e:
         print(f"rallypoint: {e}", file=sys.stderr)
         return 1
@@ -216,9 +274,9 @@ def cmd_runs(args) -> int:
     from .errors import RallypointError
 
     try:
-        if args.runs_cmd == "ls":
+        if args.runs_cmd in ("ls", "list"):
             rows = _client_call(
-                args.connect,
+                args,
                 lambda rs: rs.scopes.list(args.parent, roots_only=args.parent is None and not args.all,
                                           state=args.state, limit=args.limit),
             )
@@ -228,13 +286,15 @@ def cmd_runs(args) -> int:
             print(f"{'ID':32} {'STATE':10} {'EFFECTIVE':9} {'CHILDREN':>8}  NAME")
             for r in rows:
                 print(f"{r.id:32} {r.stored_state:10} {r.effective:9} {r.children:>8}  {r.name or ''}")
+            if len(rows) >= args.limit:
+                print(f"({len(rows)} shown, the --limit; there may be more)", file=sys.stderr)
             return 0
         if args.runs_cmd == "show":
-            st = _client_call(args.connect, lambda rs: rs.scope(args.id).status())
+            st = _client_call(args, lambda rs: rs.scope(args.id).status())
             print(json.dumps(st.to_dict(), default=str, indent=2))
             return 0
         if args.runs_cmd == "cancel":
-            st = _client_call(args.connect, lambda rs: rs.scope(args.id).cancel(reason=args.reason))
+            st = _client_call(args, lambda rs: rs.scope(args.id).cancel(reason=args.reason))
             print(f"{st.id} {st.stored_state} ({st.effective})")
             return 0
     except RallypointError as e:
@@ -246,70 +306,46 @@ def cmd_runs(args) -> int:
 def cmd_keys(args) -> int:
     """``keys create|list|revoke``: over a connection (``--connect``, needs ``admin`` once
     keys exist) or, by default, directly on a stopped daemon's ``--data-dir``."""
+    import msgspec
+
+    from . import protocol as p
     from .errors import RallypointError
 
-    async def offline(fn):
+    cmd = {"ls": "list"}.get(args.keys_cmd, args.keys_cmd)
+
+    def op():
+        if cmd == "create":
+            return p.KeyCreate(space=args.space, permissions=args.permission, name=args.name)
+        if cmd == "list":
+            return p.KeyList(space=args.space)
+        return p.KeyRevoke(key_id=args.id)
+
+    async def online():
+        import rallypoint
+
+        async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=args.tls_ca) as rs:
+            return msgspec.msgpack.decode(await rs._transport.call(op()))
+
+    async def offline():
         from .node import open_node
+        from .service import Service, Session
 
         async with open_node(args.data_dir, "fsync") as node:
-            return fn(node.coordinator)
+            # The same operation path as over TCP, as an admin of the data dir.
+            res = Service(node.coordinator).dispatch(Session(), p.encoder.encode(op()))
+            return msgspec.msgpack.decode(res.reply if hasattr(res, "reply") else res)
 
-    def show(view: dict, secret: str | None = None) -> None:
-        if args.json:
-            print(json.dumps({**view, **({"secret": secret} if secret else {})}, indent=2))
-            return
-        perms = ",".join(view["permissions"])
+    def line(view: dict) -> str:
         state = "revoked " + view["revoked_at"] if view.get("revoked_at") else "live"
-        print(f"{view['id']}  space={view['space']}  permissions={perms}  name={view.get('name') or ''}  {state}")
-        if secret:
-            print(f"secret: {secret}")
-            print("(shown once: only its SHA-256 is stored)", file=sys.stderr)
+        perms = ",".join(view["permissions"])
+        return f"{view['id']}  space={view['space']}  permissions={perms}  name={view.get('name') or ''}  {state}"
 
     try:
-        if args.connect:
-            import rallypoint
-            from . import protocol as p
-
-            async def online():
-                async with rallypoint.connect(args.connect, api_key=args.api_key) as rs:
-                    t = rs._transport
-                    dec = msgspec.msgpack.decode
-                    if args.keys_cmd == "create":
-                        return dec(await t.call(p.KeyCreate(space=args.space, permissions=args.permission, name=args.name)))
-                    if args.keys_cmd == "list":
-                        return dec(await t.call(p.KeyList(space=args.space)))
-                    return dec(await t.call(p.KeyRevoke(key_id=args.id)))
-
-            import msgspec
-
-            out = trio.run(online)
-            if args.keys_cmd == "list":
-                for v in out["keys"]:
-                    show(v)
-            else:
-                show({k: v for k, v in out.items() if k != "secret"}, out.get("secret"))
-            return 0
-        if args.keys_cmd == "create":
-            def create(c):
-                k, secret = c.create_key(args.space, args.permission, args.name)
-                return msgspec.structs.asdict(c.key_view(k)), secret
-
-            import msgspec
-
-            view, secret = trio.run(offline, create)
-            show(view, secret)
-        elif args.keys_cmd == "list":
-            import msgspec
-
-            views = trio.run(offline, lambda c: [msgspec.structs.asdict(c.key_view(k)) for k in c.keys.values()
-                                                 if args.space in (None, k.space)])
-            for v in views:
-                show(v)
-        else:
-            import msgspec
-
-            show(trio.run(offline, lambda c: msgspec.structs.asdict(c.key_view(c.revoke_key(args.id)))))
-        return 0
+        if not args.connect and cmd != "create" and not os.path.exists(os.path.join(args.data_dir, "FORMAT")):
+            print(f"rallypoint: {args.data_dir} is not a rallypoint data dir (give --data-dir, or --connect URL)",
+                  file=sys.stderr)
+            return 2
+        out = trio.run(online if args.connect else offline)
     except RallypointError as e:
         print(f"rallypoint: {e}", file=sys.stderr)
         return 1
@@ -317,30 +353,59 @@ def cmd_keys(args) -> int:
         from .persistence import StartupError
 
         if isinstance(e, StartupError):
-            print(f"rallypoint: {e} (is the daemon running? then use --connect URL --api-key ADMIN_KEY)",
+            print(f"rallypoint: {e}\n(is the daemon running? then use --connect URL --api-key ADMIN_KEY)",
                   file=sys.stderr)
             return 2
         raise
+    views = out["keys"] if cmd == "list" else [out]
+    if args.json:
+        print(json.dumps(views if cmd == "list" else out, indent=2))
+        return 0
+    for v in views:
+        print(line(v))
+    if cmd == "create":
+        print(f"secret: {out['secret']}")
+        print("(shown once: only its SHA-256 is stored)", file=sys.stderr)
+    return 0
 
 
 def cmd_repair(args) -> int:
+    """Check the journal of a stopped daemon; truncate it at the last good record after
+    asking (or with ``--yes``). Exit 0 intact or repaired, 1 declined, 2 unusable."""
     _setup_logging("INFO")
-    from .persistence import JournalCorruptError
+    from .persistence import DataDirLocked, JournalCorruptError
     from .persistence.journal import repair, verify_journal
 
+    if not os.path.exists(os.path.join(args.data_dir, "FORMAT")):
+        print(f"rallypoint: {args.data_dir} is not a rallypoint data dir", file=sys.stderr)
+        return 2
     try:
-        verify_journal(args.data_dir)
-        print("rallypoint: the journal is intact; nothing to repair")
-        return 0
-    except JournalCorruptError as e:
-        print(f"corruption: {e}")
-    if not args.yes:
-        answer = input("Truncate the journal at the last good record? Records after it are lost. [y/N] ")
-        if answer.strip().lower() not in ("y", "yes"):
-            print("rallypoint: nothing changed")
-            return 1
-    report = repair(args.data_dir)
-    print(f"repaired: {report}")
+        from .persistence import DataDirLock
+
+        with DataDirLock(args.data_dir):  # never repair under a running daemon
+            try:
+                verify_journal(args.data_dir)
+                print("rallypoint: the journal is intact; nothing to repair")
+                return 0
+            except JournalCorruptError as e:
+                print(f"journal damage: {e.reason} in {e.path} at byte {e.offset}")
+            if not args.yes:
+                try:
+                    answer = input("Truncate the journal at the last good record? Records after it are lost. [y/N] ")
+                except EOFError:
+                    answer = ""
+                if answer.strip().lower() not in ("y", "yes"):
+                    print("rallypoint: nothing changed")
+                    return 1
+            report = repair(args.data_dir, lock=False)
+    except DataDirLocked as e:
+        print(f"rallypoint: {e}", file=sys.stderr)
+        return 2
+    where = f"{report.file} at byte {report.offset}" if report.file else "whole segments"
+    print(
+        f"repaired: cut {where}; {report.bytes_dropped} bytes (about {report.records_dropped_estimate} records) "
+        f"dropped, {len(report.deleted_segments)} later segment(s) deleted; the journal now ends at LSN {report.last_lsn}"
+    )
     return 0
 
 
@@ -355,9 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the journal and snapshots live (default %(default)s)")
     s.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"],
                    help="fsync: every ack is on disk; interval: fsync every --interval-ms; memory: no files (default %(default)s)")
-    s.add_argument("--interval-ms", type=int, default=10, help="fsync period in interval mode, ms (default %(default)s)")
-    s.add_argument("--snapshot-every-records", type=int, default=100_000)
-    s.add_argument("--snapshot-every-s", type=float, default=60.0)
+    s.add_argument("--interval-ms", type=_bounded(int, 1), default=10, help="fsync period in interval mode, ms (default %(default)s)")
+    s.add_argument("--snapshot-every-records", type=_bounded(int, 1), default=100_000,
+                   help="snapshot after this many journal entries (default %(default)s)")
+    s.add_argument("--snapshot-every-s", type=_bounded(float, 0, inclusive=False), default=60.0,
+                   help="snapshot after this many seconds if anything changed (default %(default)s)")
     s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
     s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,
@@ -368,49 +435,47 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-outgoing-bytes", type=_bounded(int, 1), default=4 * 1024 * 1024,
                    help="replies buffered for a slow reader before the server stops reading its requests "
                         "(default %(default)s)")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--drain-timeout", type=_bounded(float, 0), default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (clients use tls:// URLs)")
     s.add_argument("--tls-key", help="PEM private key for --tls-cert")
     s.add_argument("--insecure", action="store_true",
                    help="allow serving a non-loopback address without API keys")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     s.set_defaults(fn=cmd_serve)
 
-    st = sub.add_parser("status", help="server version, uptime, connections, runs by state")
-    st.add_argument("--connect", default=os.environ.get("RALLYPOINT_URL", DEFAULT_URL))
-    st.add_argument("--json", action="store_true")
+    st = sub.add_parser("status", help="server version, uptime, connections, runs by state",
+                        parents=[_client_options(json_flag=True)])
     st.set_defaults(fn=cmd_status)
 
-    r = sub.add_parser("runs", help="list, show and cancel runs")
-    r.add_argument("--connect", default=os.environ.get("RALLYPOINT_URL", DEFAULT_URL))
+    r = sub.add_parser("runs", help="list, show and cancel runs", parents=[_client_options()])
     rs = r.add_subparsers(dest="runs_cmd", required=True)
-    ls = rs.add_parser("ls")
+    client = _client_options(suppress=True)
+    ls = rs.add_parser("ls", aliases=["list"], parents=[client])
     ls.add_argument("--parent", default=None, help="list the children of this run")
     ls.add_argument("--all", action="store_true", help="all runs, not only roots")
     ls.add_argument("--state", choices=["ACTIVE", "CANCELLED", "COMPLETED"])
     ls.add_argument("--limit", type=int, default=100)
     ls.add_argument("--json", action="store_true")
-    sh = rs.add_parser("show")
+    sh = rs.add_parser("show", parents=[client])
     sh.add_argument("id")
-    ca = rs.add_parser("cancel")
+    ca = rs.add_parser("cancel", parents=[client])
     ca.add_argument("id")
     ca.add_argument("--reason")
     r.set_defaults(fn=cmd_runs)
 
-    k = sub.add_parser("keys", help="create, list and revoke API keys")
-    k.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="a stopped daemon's data dir (default %(default)s)")
-    k.add_argument("--connect", default=None, help="manage keys on a running daemon instead (needs admin)")
-    k.add_argument("--api-key", default=os.environ.get("RALLYPOINT_API_KEY"))
-    k.add_argument("--json", action="store_true")
+    k = sub.add_parser("keys", help="create, list and revoke API keys (offline on --data-dir, or --connect)",
+                       parents=[_client_options(connect_default=None, data_dir=True, json_flag=True)])
     ks = k.add_subparsers(dest="keys_cmd", required=True)
-    kc = ks.add_parser("create")
+    kopts = _client_options(suppress=True, connect_default=None, data_dir=True, json_flag=True)
+    kc = ks.add_parser("create", parents=[kopts])
     kc.add_argument("--space", required=True)
     kc.add_argument("--permission", action="append", required=True,
                     choices=["resource_config", "coordination_write", "coordination_read", "admin"])
     kc.add_argument("--name")
-    kl = ks.add_parser("list")
+    kl = ks.add_parser("list", aliases=["ls"], parents=[kopts])
     kl.add_argument("--space")
-    kr = ks.add_parser("revoke")
+    kr = ks.add_parser("revoke", parents=[kopts])
     kr.add_argument("id")
     k.set_defaults(fn=cmd_keys)
 

@@ -518,7 +518,7 @@ class KeyRevoke(_Op, tag="key.revoke"):
     key_id: str
 
 
-class KeyView(_View):
+class KeyView(_View, omit_defaults=True):
     id: str
     space: str
     name: str | None

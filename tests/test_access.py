@@ -111,6 +111,10 @@ async def test_open_mode_until_a_key_exists_then_keys_required():
     coord.revoke_key(key.id)
     with pytest.raises(UnauthenticatedError):  # an open connection loses it at once
         service.dispatch(s, p.encoder.encode(p.ServerStatus()))
+    # revoking the last key does not turn authentication off
+    assert not coord.open_mode
+    with pytest.raises(UnauthenticatedError):
+        service.hello(Hello(PROTOCOL_VERSION, None), "t")
 
 
 def _keys(data_dir, *args) -> str:

@@ -16,7 +16,7 @@ from ..clock import to_iso
 from ..errors import BarrierCancelledError, BarrierReleasedError, ConflictError, NotFoundError, ValidationError
 from ..protocol import BarrierArrive, BarrierCreate, BarrierNextEpochOp, BarrierStatus, BarrierView, BarrierWait
 from ..records import BarrierArrived, BarrierCreated, BarrierNextEpoch
-from .system import applies, check_range, clamp_wait
+from .system import short, applies, check_range, clamp_wait
 
 __all__ = ["BarrierState", "BarrierKind"]
 
@@ -50,7 +50,7 @@ class BarrierKind:
     def get_barrier(self, space: str, barrier_id: str) -> BarrierState:
         b = self.barriers.get(barrier_id) if isinstance(barrier_id, str) else None
         if b is None or b.space != space:
-            raise NotFoundError(f"no barrier {barrier_id!r} in this space", details={"barrier_id": barrier_id})
+            raise NotFoundError(f"no barrier {short(barrier_id)} in this space", details={"barrier_id": barrier_id})
         return b
 
     def barrier_view(self, b: BarrierState) -> BarrierView:

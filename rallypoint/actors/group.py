@@ -66,7 +66,7 @@ from ..records import (
 )
 from .mailbox import TERMINAL, TaskState
 from .scope import ScopeState
-from .system import applies, check_payload, check_range, clamp_wait, parse_instant
+from .system import short, applies, check_payload, check_range, clamp_wait, parse_instant
 
 __all__ = ["GroupState", "Member", "GroupKind", "MAX_MEMBERS", "CONDITIONS"]
 
@@ -115,7 +115,7 @@ class GroupKind:
     def get_group(self, space: str, group_id: str) -> GroupState:
         g = self.groups.get(group_id) if isinstance(group_id, str) else None
         if g is None or g.space != space:
-            raise NotFoundError(f"no task group {group_id!r} in this space", details={"group_id": group_id})
+            raise NotFoundError(f"no task group {short(group_id)} in this space", details={"group_id": group_id})
         return g
 
     # ================================================================ create
@@ -126,7 +126,7 @@ class GroupKind:
         mbx = self.get_mailbox(space, op.mailbox)
         if op.condition not in CONDITIONS:
             raise ValidationError(
-                f"condition must be one of {', '.join(CONDITIONS)} (got {op.condition!r})",
+                f"condition must be one of {', '.join(CONDITIONS)} (got {short(op.condition)})",
                 details={"field": "condition"},
             )
         if op.condition == "N_ACCEPTED":
@@ -274,10 +274,10 @@ class GroupKind:
             op.verdict
         )
         if verdict is None:
-            raise ValidationError(f"verdict must be ACCEPTED or REJECTED (got {op.verdict!r})", details={"field": "verdict"})
+            raise ValidationError(f"verdict must be ACCEPTED or REJECTED (got {short(op.verdict)})", details={"field": "verdict"})
         m = self.group_member_index[g.id].get(op.task_id)
         if m is None:
-            raise NotFoundError(f"task {op.task_id!r} is not a member of group {g.id}", details={"task_id": op.task_id})
+            raise NotFoundError(f"task {short(op.task_id)} is not a member of group {g.id}", details={"task_id": op.task_id})
         if m.verdict == verdict:
             return self._verdict_view(g, m)  # idempotent
         if m.verdict is not None:

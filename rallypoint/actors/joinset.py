@@ -50,7 +50,7 @@ from ..records import (
     JoinSetDelaySubmitted,
     TaskSubmitted,
 )
-from .system import applies, check_range, clamp_wait, parse_instant
+from .system import short, applies, check_range, clamp_wait, parse_instant
 
 __all__ = ["JoinSetState", "JoinSetKind"]
 
@@ -119,7 +119,7 @@ class JoinSetKind:
     def get_joinset(self, space: str, js_id: str) -> JoinSetState:
         js = self.joinsets.get(js_id) if isinstance(js_id, str) else None
         if js is None or js.space != space:
-            raise NotFoundError(f"no join set {js_id!r} in this space", details={"joinset_id": js_id})
+            raise NotFoundError(f"no join set {short(js_id)} in this space", details={"joinset_id": js_id})
         return js
 
     def joinset_view(self, js: JoinSetState) -> JoinSetView:
@@ -142,13 +142,13 @@ class JoinSetKind:
         if op.name is not None:
             if not isinstance(op.name, str) or not _NAME_RE.match(op.name):
                 raise ValidationError(
-                    f"join set name must be 1 to 128 letters, digits, - and / (got {op.name!r})",
+                    f"join set name must be 1 to 128 letters, digits, - and / (got {short(op.name)})",
                     details={"field": "name"},
                 )
             existing = self.joinset_names.get((scope.id, op.name))
             if existing is not None:
                 raise ConflictError(
-                    f"run {scope.id} already used the join set name {op.name!r} (a name is used once per run)",
+                    f"run {scope.id} already used the join set name {short(op.name)} (a name is used once per run)",
                     details={"field": "name", "joinset_id": existing},
                 )
         self.require_active(scope.id)
@@ -179,7 +179,7 @@ class JoinSetKind:
         scope = self.get_scope(session.space, op.scope_id)
         jid = self.joinset_names.get((scope.id, op.name))
         if jid is None:
-            raise NotFoundError(f"run {scope.id} has no join set named {op.name!r}", details={"name": op.name})
+            raise NotFoundError(f"run {scope.id} has no join set named {short(op.name)}", details={"name": op.name})
         return self.joinset_view(self.joinsets[jid])
 
     # ================================================================ submissions

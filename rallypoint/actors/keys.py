@@ -6,9 +6,10 @@ creation and only its SHA-256 is stored (the secret is 32 random bytes, so a pla
 is enough: there is nothing to brute-force). Keys are entities like any other: journaled,
 snapshotted, recovered.
 
-With no live key the server runs in *open mode*: every connection gets the ``default``
-space and every permission (the daemon allows that on loopback only, unless
-``--insecure``). Once a key exists, every connection must present a valid one.
+Until the first key is created the server runs in *open mode*: every connection gets
+the ``default`` space and every permission (the daemon allows that on loopback only,
+unless ``--insecure``). Once a key has been created, every connection must present a
+valid one, even after every key was revoked.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..errors import NotFoundError, UnauthenticatedError, ValidationError
 from ..protocol import KeyCreate, KeyList, KeyListView, KeyRevoke, KeyView
 from ..records import KeyCreated, KeyRevoked
 from .api import PERMISSIONS
-from .system import applies, check_name
+from .system import short, applies, check_name
 
 __all__ = ["KeyState", "KeyKind", "hash_secret", "SECRET_PREFIX"]
 
@@ -58,8 +59,11 @@ class KeyKind:
 
     @property
     def open_mode(self) -> bool:
-        """True while no live (unrevoked) key exists."""
-        return not self.key_by_hash
+        """True only while no key was ever created. Revoking every key does NOT reopen
+        the server: it then refuses everyone until a new key is created (offline with
+        ``rallypoint keys create --data-dir``), so a revoke can never turn
+        authentication off."""
+        return not self.keys
 
     def create_key(self, space: str, permissions: list[str], name: str | None = None) -> tuple[KeyState, str]:
         """Create a key; returns (state, secret). The secret is not stored.
@@ -86,7 +90,7 @@ class KeyKind:
     def revoke_key(self, key_id: str) -> KeyState:
         k = self.keys.get(key_id)
         if k is None:
-            raise NotFoundError(f"no API key {key_id!r}")
+            raise NotFoundError(f"no API key {short(key_id)}")
         if k.revoked_at_ms is None:
             self.commit([KeyRevoked(id=k.id, at_ms=self.now_ms())])
         return k

@@ -81,7 +81,7 @@ from ..records import (
     TaskRetried,
     TaskSubmitted,
 )
-from .system import applies, check_name, check_payload, check_range, clamp_wait, parse_instant
+from .system import short, applies, check_name, check_payload, check_range, clamp_wait, parse_instant
 
 __all__ = ["MailboxState", "TaskState", "MailboxKind", "TERMINAL", "MIN_LEASE_MS", "MAX_LEASE_MS"]
 
@@ -164,7 +164,7 @@ class MailboxKind:
     def op_mailbox_ensure(self, session, op: MailboxEnsure) -> MailboxView:
         check_name("name", op.name)
         if op.mode != "WORK":
-            raise ValidationError(f"mode must be WORK (got {op.mode!r})", details={"field": "mode"})
+            raise ValidationError(f"mode must be WORK (got {short(op.mode)})", details={"field": "mode"})
         check_range("max_attempts", op.max_attempts, 1, 1000)
         if op.backlog_limit is not None:
             check_range("backlog_limit", op.backlog_limit, 1, 100_000_000)
@@ -175,7 +175,7 @@ class MailboxKind:
                 have, want = getattr(m, field), getattr(op, field)
                 if have != want:
                     raise ConflictError(
-                        f"mailbox {op.name!r} exists with {field}={have!r}, not {want!r}",
+                        f"mailbox {short(op.name)} exists with {field}={have!r}, not {want!r}",
                         details={"field": field, "existing": have},
                     )
             return self.mailbox_view(m)
@@ -206,7 +206,7 @@ class MailboxKind:
         m = self.mailboxes.get(mid) if mid else None
         if m is None or m.space != space:
             raise NotFoundError(
-                f"no mailbox {name_or_id!r}; create it with mailboxes.ensure()",
+                f"no mailbox {short(name_or_id)}; create it with mailboxes.ensure()",
                 details={"mailbox": name_or_id},
             )
         return m
@@ -243,7 +243,7 @@ class MailboxKind:
     def get_task(self, space: str, task_id: str) -> TaskState:
         t = self.tasks.get(task_id) if isinstance(task_id, str) else None
         if t is None or t.space != space:
-            raise NotFoundError(f"no task {task_id!r} in this space", details={"task_id": task_id})
+            raise NotFoundError(f"no task {short(task_id)} in this space", details={"task_id": task_id})
         return t
 
     def _check_key(self, key: str | None, field: str = "key") -> None:

@@ -52,13 +52,19 @@ MAX_WAIT_MS = 60_000
 _NAME_RE = re.compile(r"^[A-Za-z0-9\-_./:]{1,128}$")
 
 
+def short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that quote input."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 15] + f"...({len(r)} chars)"
+
+
 def check_name(field: str, value: Any) -> str:
     """A name (mailboxes, pools, named runs...): 1-128 chars of letters, digits, ``-_./:``.
 
     Raises VALIDATION_FAILED naming ``field``."""
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ValidationError(
-            f"{field} must be 1 to 128 characters of letters, digits and -_./: (got {value!r})",
+            f"{field} must be 1 to 128 characters of letters, digits and -_./: (got {short(value)})",
             details={"field": field},
         )
     return value
@@ -324,7 +330,7 @@ class CoordinatorBase:
     def get_scope(self, session_space: str, scope_id: str):
         s = self.scopes.get(scope_id) if isinstance(scope_id, str) else None
         if s is None or s.space != session_space:
-            raise NotFoundError(f"no run {scope_id!r} in this space", details={"scope_id": scope_id})
+            raise NotFoundError(f"no run {short(scope_id)} in this space", details={"scope_id": short(scope_id)})
         return s
 
     def is_descendant_or_self(self, scope_id: str, ancestor_id: str) -> bool:

@@ -16,7 +16,7 @@ from ..clock import to_iso
 from ..errors import ConflictError, NotFoundError, ValidationError
 from ..protocol import TimerCancel, TimerCreate, TimerStatus, TimerView, TimerWait
 from ..records import TimerAcked, TimerCancelled, TimerCreated, TimerFired
-from .system import applies, check_range, clamp_wait, parse_instant
+from .system import short, applies, check_range, clamp_wait, parse_instant
 
 __all__ = ["TimerState", "TimerKind"]
 
@@ -49,7 +49,7 @@ class TimerKind:
     def get_timer(self, space: str, timer_id: str) -> TimerState:
         t = self.timers_by_id.get(timer_id) if isinstance(timer_id, str) else None
         if t is None or t.space != space:
-            raise NotFoundError(f"no timer {timer_id!r} in this space", details={"timer_id": timer_id})
+            raise NotFoundError(f"no timer {short(timer_id)} in this space", details={"timer_id": timer_id})
         return t
 
     def timer_view(self, t: TimerState) -> TimerView:

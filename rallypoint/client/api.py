@@ -54,11 +54,19 @@ def _iso(value: datetime | str | None, field: str) -> str | None:
     raise ValidationError(f"{field} must be a datetime or an ISO 8601 string", details={"field": field})
 
 
+_MAX_SECONDS = 10 * 365 * 24 * 3600  # ten years: anything longer is a mistake
+
+
 def _ms(seconds: float | None, field: str) -> int:
+    """Seconds (the API's unit) -> integer milliseconds (the wire's), or
+    VALIDATION_FAILED naming ``field`` for a negative, NaN, infinite or absurd value."""
     if seconds is None:
         return 0
-    if not isinstance(seconds, (int, float)) or seconds < 0 or math.isnan(seconds):
-        raise ValidationError(f"{field} must be a number of seconds >= 0", details={"field": field})
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= _MAX_SECONDS:
+        raise ValidationError(
+            f"{field} must be a number of seconds between 0 and {_MAX_SECONDS} (got {seconds!r})",
+            details={"field": field},
+        )
     return int(round(seconds * 1000))
 
 

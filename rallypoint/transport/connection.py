@@ -66,9 +66,16 @@ _Err = wire.Err
 def parse_url(url: str) -> tuple[str, int]:
     """``tcp://host:port`` or ``tls://host:port`` -> (host, port)."""
     parts = urlsplit(url)
-    if parts.scheme not in ("tcp", "tls") or not parts.hostname or parts.port is None:
-        raise ValidationError(f"bad server url {url!r}: expected tcp://host:port or tls://host:port; field `url`")
-    return parts.hostname, parts.port
+    try:
+        port = parts.port
+    except ValueError:  # out of range or not a number
+        port = None
+    if parts.scheme not in ("tcp", "tls") or not parts.hostname or port is None:
+        raise ValidationError(
+            f"bad server url {url!r}: expected tcp://host:port or tls://host:port with a port 0-65535",
+            details={"field": "url"},
+        )
+    return parts.hostname, port
 
 
 def client_ssl_context(tls_ca: str | None = None):
@@ -453,7 +460,7 @@ class Connection:
         except anyio.EndOfStream:
             reason = "the server closed the connection"
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            reason = f"the connection was lost ({exc or type(exc).__name__})"
+            reason = f"the connection was lost ({str(exc) or type(exc).__name__})"
         except msgspec.MsgspecError as exc:
             reason = f"protocol error: the server sent an invalid frame ({exc})"
         except anyio.get_cancelled_exc_class():
@@ -487,7 +494,7 @@ class Connection:
                     self._drained_event = None
                     ev.set()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            self._shutdown(f"the connection was lost while sending ({exc or type(exc).__name__})")
+            self._shutdown(f"the connection was lost while sending ({str(exc) or type(exc).__name__})")
             with anyio.CancelScope(shield=True):
                 await anyio.aclose_forcefully(stream)
         except anyio.get_cancelled_exc_class():
