@@ -70,7 +70,7 @@ def target():
     assert not errors, "the daemon logged errors (INTERNAL replies?):\n" + "".join(lines)
 
 
-def _after_each(target) -> None:
+def _check_daemon_alive(target) -> None:
     assert target.proc.poll() is None, "the daemon died:\n" + "".join(target.log)
 
 
@@ -82,7 +82,7 @@ def test_random_bytes(target, example):
         target.run_raw(data, target.stats)
     else:
         target.run_framed(data, {}, target.stats)
-    _after_each(target)
+    _check_daemon_alive(target)
 
 
 @settings(FUZZ, max_examples=300)
@@ -90,7 +90,7 @@ def test_random_bytes(target, example):
 def test_envelopes_with_random_op_fields(target, example):
     frames, ops_by_id = example
     target.run_framed(frames, ops_by_id, target.stats)
-    _after_each(target)
+    _check_daemon_alive(target)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def valid_ops_strategy(target):
 def test_valid_ops_random_values(target, valid_ops_strategy, data):
     frames, ops_by_id = data.draw(valid_ops_strategy)
     target.run_framed(frames, ops_by_id, target.stats)
-    _after_each(target)
+    _check_daemon_alive(target)
 
 
 def test_every_op_is_reachable_by_the_fuzzer(target):
