@@ -12,6 +12,7 @@ Connection lifecycle::
     client: Hello(version, api_key, client)      server: HelloOk(version, server_version)
                                                   or Err(id=0, ...) and close
     client: Request(id, body) | Batch(reqs)      server: Ok(id, body) | Err(id, ...)
+    client: Cancel(id)                            (the server ends that request's wait)
     either: Ping(nonce)                           other: Pong(nonce)
 
 Replies come in any order; ``id`` matches them to requests. Request ids are chosen by
@@ -34,6 +35,7 @@ __all__ = [
     "Batch",
     "Ok",
     "Err",
+    "Cancel",
     "Ping",
     "Pong",
     "ClientFrame",
@@ -94,6 +96,14 @@ class Err(msgspec.Struct, tag_field="t", tag="err"):
     details: dict[str, Any] | None = None
 
 
+class Cancel(msgspec.Struct, tag_field="t", tag="cancel"):
+    """The client gave up on request ``id``: end its server-side wait, if it is still
+    waiting (a receive that has not leased anything yet leases nothing). No reply; a
+    request that already finished is unaffected."""
+
+    id: int
+
+
 class Ping(msgspec.Struct, tag_field="t", tag="ping"):
     nonce: int = 0
 
@@ -102,5 +112,5 @@ class Pong(msgspec.Struct, tag_field="t", tag="pong"):
     nonce: int = 0
 
 
-ClientFrame = Union[Hello, Request, Batch, Ping, Pong]
+ClientFrame = Union[Hello, Request, Batch, Cancel, Ping, Pong]
 ServerFrame = Union[HelloOk, Ok, Err, Ping, Pong]

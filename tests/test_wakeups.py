@@ -40,3 +40,21 @@ async def test_receive_sees_a_task_submitted_right_after_it_was_dispatched(daemo
         import msgspec
 
         assert len(msgspec.msgpack.decode(got)["deliveries"]) == 1
+
+
+async def test_an_abandoned_receive_leases_nothing(daemon):
+    # Given a receive with a long server-side wait that the client abandons, when a task
+    # arrives afterwards, then the next receive gets it: the Cancel frame ended the old
+    # wait, so the task was not leased to a request nobody listens to.
+    import rallypoint
+
+    async with rallypoint.connect(daemon.url) as rs:
+        run = await rs.scopes.create()
+        mbx = await rs.mailboxes.ensure("abandoned")
+        with trio.move_on_after(0.3):
+            await mbx.receive(run, wait=20)
+            raise AssertionError("the receive should still be waiting")
+        await trio.sleep(0.2)  # the Cancel frame reaches the server
+        ticket = await mbx.submit({"n": 1}, scope=run)
+        d = await mbx.receive(run, wait=2)
+        assert d is not None and d.task_id == ticket.id and d.token == 1

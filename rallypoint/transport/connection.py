@@ -337,12 +337,23 @@ class Connection:
             ev.set()
         try:
             await slot.event.wait()
+        except BaseException:
+            # The caller gave up (cancelled): tell the server to end a wait it may be
+            # running for this request, so e.g. a receive leases nothing to nobody.
+            if slot.value is None and self._closed is None:
+                self._send_cancel(rid)
+            raise
         finally:
             self._pending.pop(rid, None)
         value = slot.value
         if type(value) is msgspec.Raw:
             return value
         raise value
+
+    def _send_cancel(self, rid: int) -> None:
+        """Queue a Cancel(rid) frame (no await; the writer sends it)."""
+        self._out += encode_frame(_encode(wire.Cancel(rid)))
+        self._wake_writer()
 
     async def call_many(self, bodies: list[Any]) -> list[msgspec.Raw | RallypointError]:
         """Send several requests in one Batch frame; the server dispatches them in order.

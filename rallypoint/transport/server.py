@@ -102,6 +102,7 @@ _request_decoder = msgspec.msgpack.Decoder(wire.Request)
 _Request = wire.Request
 _Batch = wire.Batch
 _Ping = wire.Ping
+_Cancel = wire.Cancel
 _Pong = wire.Pong
 _Hello = wire.Hello
 _MAX_FRAME = wire.MAX_FRAME_BYTES
@@ -144,6 +145,8 @@ class _Conn:
         self.deferred_event: trio.Event | None = None
         self.idle_event = trio.Event()  # set when inflight == 0 and nothing queued (drain)
         self.waits: set[trio.CancelScope] = set()  # one per running awaitable (long waits)
+        self.waits_by_id: dict[int, trio.CancelScope] = {}  # request id -> its wait's scope
+        self.client_cancelled: set[int] = set()  # waits ended by the client's Cancel frame
         self.closing = False
         self.draining = False
         self.rx_count = 0
@@ -267,6 +270,8 @@ class _Conn:
         elif t is _Batch:
             for req in msg.reqs:
                 self.handle_request(req.id, req.body)
+        elif t is _Cancel:
+            self.cancel_wait(msg.id)
         elif t is _Ping:
             self.queue_msg(_Pong(msg.nonce))
         elif t is _Hello:
@@ -345,7 +350,12 @@ class _Conn:
             self.inflight += 1
             if self.inflight > self.max_inflight:
                 self.max_inflight = self.inflight
-            self.nursery.start_soon(self.run_awaitable, rid, result)
+            # The scope exists from dispatch on, so a Cancel(rid) read in the same chunk,
+            # before the task starts, still ends the wait.
+            wait_scope = trio.CancelScope()
+            self.waits.add(wait_scope)
+            self.waits_by_id[rid] = wait_scope
+            self.nursery.start_soon(self.run_awaitable, rid, result, wait_scope)
         elif isinstance(result, (bytearray, memoryview)):
             self.send_ok(rid, bytes(result))
         else:
@@ -369,16 +379,29 @@ class _Conn:
         if self.inflight == 0 and self.draining:
             self.idle_event.set()
 
-    async def run_awaitable(self, rid: int, aw: Awaitable[Any]) -> None:
+    async def run_awaitable(self, rid: int, aw: Awaitable[Any], wait_scope: trio.CancelScope | None = None) -> None:
         # Own cancel scope: a drain ends long waits after a grace (see Server
-        # drain_wait_grace) without touching the connection's other tasks.
-        wait_scope = trio.CancelScope()
-        self.waits.add(wait_scope)
+        # drain_wait_grace), and a Cancel frame ends this one, without touching the
+        # connection's other tasks.
+        if wait_scope is None:
+            wait_scope = trio.CancelScope()
+            self.waits.add(wait_scope)
+            self.waits_by_id[rid] = wait_scope
         try:
             with wait_scope:
                 await self._run_awaitable(rid, aw)
         finally:
             self.waits.discard(wait_scope)
+            if self.waits_by_id.get(rid) is wait_scope:
+                del self.waits_by_id[rid]
+            self.client_cancelled.discard(rid)
+
+    def cancel_wait(self, rid: int) -> None:
+        """A Cancel frame: end request ``rid``'s server-side wait (no reply is sent)."""
+        scope = self.waits_by_id.get(rid)
+        if scope is not None:
+            self.client_cancelled.add(rid)
+            scope.cancel()
 
     async def _run_awaitable(self, rid: int, aw: Awaitable[Any]) -> None:
         deferred = False
@@ -389,9 +412,11 @@ class _Conn:
                 self.send_error(rid, exc)
             except trio.Cancelled:
                 # Connection closing or forced drain: tell the peer if it can still hear.
-                self.send_error(
-                    rid, UnavailableError("the server is shutting down; retry on a new connection", retry_after=1.0)
-                )
+                # (A wait the client cancelled itself gets no reply: it stopped listening.)
+                if rid not in self.client_cancelled:
+                    self.send_error(
+                        rid, UnavailableError("the server is shutting down; retry on a new connection", retry_after=1.0)
+                    )
                 raise
             except Exception as exc:
                 self.send_internal(rid, exc)
