@@ -26,28 +26,26 @@ class EmbeddedTransport:
         self.session = session or Session(peer="embedded")
         self.closed = False
 
-    async def call(self, op: msgspec.Struct):
+    def _check_open(self) -> None:
         if self.closed:
             raise UnavailableError("this embedded coordinator was closed (its open_embedded block ended)")
+
+    async def call(self, op: msgspec.Struct):
+        self._check_open()
         res = self.service.dispatch(self.session, encoder.encode(op))
-        if isinstance(res, bytes):
-            await trio.lowlevel.checkpoint()
-            return res
+        if not isinstance(res, (bytes, Deferred)):
+            res = await res  # a server-side wait
         if isinstance(res, Deferred):
             await self.service.wait_durable(res.lsn)
             return res.reply
-        res = await res
-        if isinstance(res, Deferred):
-            await self.service.wait_durable(res.lsn)
-            return res.reply
+        await trio.lowlevel.checkpoint()
         return res
 
     async def call_many(self, ops: list) -> list:
         """Like a batch frame: every op is dispatched in order, then the replies wait
         together (one durability wait for all, not one per op); server-side waits run
         concurrently."""
-        if self.closed:
-            raise UnavailableError("this embedded coordinator was closed (its open_embedded block ended)")
+        self._check_open()
         out: list = [None] * len(ops)
         waits: list = []
         for i, op in enumerate(ops):

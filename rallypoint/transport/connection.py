@@ -113,6 +113,31 @@ def _native_event_class() -> Any:
         return anyio.Event
 
 
+def _put_request(out: bytearray, rid: int, body: Any) -> None:
+    """Append one Request envelope ``{"t": "req", "id": rid, "body": body}`` to ``out``;
+    ``body`` is a Struct (encoded in place) or already-encoded msgpack bytes."""
+    out += _REQ_HEAD
+    out += pack_uint(rid)
+    out += _REQ_BODY
+    if isinstance(body, _BYTES_LIKE):
+        out += body
+    else:
+        _encode_into(body, out, len(out))
+
+
+def _end_frame(out: bytearray, start: int, what: str, field: str) -> None:
+    """Patch the length prefix of the frame begun at ``start``, or drop the frame and
+    raise VALIDATION_FAILED when it is over the frame limit."""
+    size = len(out) - start - HEADER
+    if size > _MAX_FRAME:
+        del out[start:]
+        raise ValidationError(
+            f"{what} is {size} bytes encoded, larger than the frame limit of {_MAX_FRAME} bytes; field `{field}`",
+            details={"field": field, "size": size, "limit": _MAX_FRAME},
+        )
+    pack_header_into(out, start, size)
+
+
 class _Slot:
     __slots__ = ("event", "value")
 
@@ -288,25 +313,12 @@ class Connection:
         out = self._out
         start = len(out)
         out += HEADER_PLACEHOLDER
-        out += _REQ_HEAD
-        out += pack_uint(rid)
-        out += _REQ_BODY
         try:
-            if isinstance(body, _BYTES_LIKE):
-                out += body
-            else:
-                _encode_into(body, out, len(out))
+            _put_request(out, rid, body)
         except BaseException:
             del out[start:]
             raise
-        size = len(out) - start - HEADER
-        if size > _MAX_FRAME:
-            del out[start:]
-            raise ValidationError(
-                f"the request is {size} bytes encoded, larger than the frame limit of {_MAX_FRAME} bytes; "
-                "field `body`"
-            )
-        pack_header_into(out, start, size)
+        _end_frame(out, start, "the request", "body")
 
     def _wake_writer(self) -> None:
         ev = self._writer_event
@@ -379,24 +391,11 @@ class Connection:
         out += _array_header(n)
         try:
             for i, body in enumerate(bodies):
-                out += _REQ_HEAD
-                out += pack_uint(first + i)
-                out += _REQ_BODY
-                if isinstance(body, _BYTES_LIKE):
-                    out += body
-                else:
-                    _encode_into(body, out, len(out))
+                _put_request(out, first + i, body)
         except BaseException:
             del out[start:]
             raise
-        size = len(out) - start - HEADER
-        if size > _MAX_FRAME:
-            del out[start:]
-            raise ValidationError(
-                f"the batch is {size} bytes encoded, larger than the frame limit of {_MAX_FRAME} bytes; "
-                "split it; field `bodies`"
-            )
-        pack_header_into(out, start, size)
+        _end_frame(out, start, "the batch", "bodies")
         event_cls = self._event_cls
         slots = [_Slot(event_cls) for _ in range(n)]
         pending = self._pending

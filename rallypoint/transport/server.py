@@ -249,24 +249,7 @@ class _Conn:
             return
         t = type(msg)
         if t is _Request:
-            # == handle_request(msg.id, msg.body), inlined for the common case
-            rid = msg.id
-            self.requests += 1
-            if rid <= 0:
-                self.send_error(0, ValidationError(f"request id must be > 0, got {rid}; field `$.id`"))
-                return
-            try:
-                result = self._dispatch(self.session, msg.body)
-            except RallypointError as exc:
-                self.send_error(rid, exc)
-                return
-            except Exception as exc:
-                self.send_internal(rid, exc)
-                return
-            if type(result) is bytes:
-                self.send_ok(rid, result)
-            else:
-                self.handle_slow(rid, result)
+            self.handle_request(msg.id, msg.body)
         elif t is _Batch:
             for req in msg.reqs:
                 self.handle_request(req.id, req.body)
@@ -379,14 +362,10 @@ class _Conn:
         if self.inflight == 0 and self.draining:
             self.idle_event.set()
 
-    async def run_awaitable(self, rid: int, aw: Awaitable[Any], wait_scope: trio.CancelScope | None = None) -> None:
-        # Own cancel scope: a drain ends long waits after a grace (see Server
-        # drain_wait_grace), and a Cancel frame ends this one, without touching the
-        # connection's other tasks.
-        if wait_scope is None:
-            wait_scope = trio.CancelScope()
-            self.waits.add(wait_scope)
-            self.waits_by_id[rid] = wait_scope
+    async def run_awaitable(self, rid: int, aw: Awaitable[Any], wait_scope: trio.CancelScope) -> None:
+        # Own cancel scope (made and registered by handle_slow): a drain ends long waits
+        # after a grace (see Server drain_wait_grace), and a Cancel frame ends this one,
+        # without touching the connection's other tasks.
         try:
             with wait_scope:
                 await self._run_awaitable(rid, aw)
