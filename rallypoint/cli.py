@@ -86,7 +86,7 @@ async def _serve(args) -> int:
         snapshot_every_s=args.snapshot_every_s,
     ) as node:
         coord = node.coordinator
-        if coord.open_mode and not _is_loopback(host) and not args.insecure:
+        if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
             raise ValidationError(
                 f"refusing to listen on {host} without API keys: create one with "
                 "`rallypoint keys create --space default --permission admin` (daemon stopped), "
@@ -127,10 +127,10 @@ async def _serve(args) -> int:
                 info.get("snapshot_lsn", 0),
                 info.get("replayed", 0),
             )
-            if coord.open_mode:
+            if coord.keys.open_mode:
                 log.warning("open mode: no API keys are configured; serving WITHOUT authentication on %s", host)
             else:
-                live = sum(1 for k in coord.keys.values() if k.revoked_at_ms is None)
+                live = coord.keys.live_count()
                 log.info("API keys required (%d live keys)", live)
             scheme = "tls" if ssl_context is not None else "tcp"
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -331,9 +331,9 @@ def cmd_keys(args) -> int:
         from .service import Service, Session
 
         async with open_node(args.data_dir, "fsync") as node:
-            # The same operation path as over TCP, as an admin of the data dir.
-            res = Service(node.coordinator).dispatch(Session(), p.encoder.encode(op()))
-            return msgspec.msgpack.decode(res.reply if hasattr(res, "reply") else res)
+            # The same operation path as over TCP, as the local operator of the data dir.
+            res = await Service(node.coordinator).call(Session(local=True), op())
+            return msgspec.msgpack.decode(res)
 
     def line(view: dict) -> str:
         state = "revoked " + view["revoked_at"] if view.get("revoked_at") else "live"

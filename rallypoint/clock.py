@@ -20,39 +20,86 @@ __all__ = ["Clock", "to_iso", "from_iso", "ms_to_datetime", "datetime_to_ms"]
 
 
 class Clock:
-    """Wall-clock milliseconds derived from Trio time.
+    """Wall-clock and server-time milliseconds derived from Trio time.
 
-    ``now_ms()`` = wall time at construction + (trio time now - trio time at construction).
-    Outside a Trio run it falls back to ``time.time()``.
+    Two time bases, both in milliseconds:
+
+    - **wall** (``now_ms``): UTC milliseconds since the epoch, for the instants clients
+      give and read (deadlines, ``at=``, ``created_at``). It is mapped onto
+      ``trio.current_time()`` once, at construction, so within a process it advances
+      exactly with Trio time (and under ``trio.testing.MockClock`` a one-hour deadline
+      passes in milliseconds of real time).
+    - **server time** (``mono_ms``): what durations are measured on (leases, retry
+      delays, timers and delays given in seconds). It advances with Trio time while the
+      process runs and never goes backward across restarts: :meth:`resume` continues it
+      from the last persisted ``(mono, wall)`` pair plus the wall time that passed, or
+      plus nothing when the wall clock was set back. On a first start it equals wall time.
+
+    Outside a Trio run both fall back to ``time.time()``.
     """
 
-    __slots__ = ("_wall0", "_trio0")
+    __slots__ = ("_wall0", "_trio0", "_mono0")
 
     def __init__(self, wall_start: float | None = None) -> None:
         self._wall0 = time.time() if wall_start is None else wall_start
+        self._mono0 = self._wall0
         try:
             self._trio0 = trio.current_time()
         except RuntimeError:
             self._trio0 = None
 
-    def now(self) -> float:
-        """Seconds since the epoch (float)."""
+    def _elapsed(self) -> float | None:
         if self._trio0 is None:
-            return time.time()
+            return None
         try:
-            return self._wall0 + (trio.current_time() - self._trio0)
+            return trio.current_time() - self._trio0
         except RuntimeError:
-            return time.time()
+            return None
+
+    def now(self) -> float:
+        """Wall seconds since the epoch (float)."""
+        e = self._elapsed()
+        return time.time() if e is None else self._wall0 + e
 
     def now_ms(self) -> int:
-        """Milliseconds since the epoch (int)."""
+        """Wall milliseconds since the epoch (int)."""
         return int(self.now() * 1000)
+
+    def mono_ms(self) -> int:
+        """Server-time milliseconds (int): never backward, not even across restarts."""
+        e = self._elapsed()
+        if e is None:
+            return int((self._mono0 + (time.time() - self._wall0)) * 1000)
+        return int((self._mono0 + e) * 1000)
+
+    def resume(self, last_mono_ms: int, last_wall_ms: int) -> None:
+        """Continue server time from a persisted pair: ``mono_ms()`` becomes
+        ``last_mono_ms + max(0, now_ms() - last_wall_ms)`` (a wall clock set back while
+        the server was down does not take server time back)."""
+        now_wall = self.now_ms()
+        mono_now = last_mono_ms + max(0, now_wall - last_wall_ms)
+        e = self._elapsed() or 0.0
+        self._mono0 = mono_now / 1000 - e
 
     def trio_time_at(self, at_ms: int) -> float:
         """The ``trio.current_time()`` value at which wall instant ``at_ms`` is reached."""
         if self._trio0 is None:
             return trio.current_time() + (at_ms / 1000 - time.time())
         return self._trio0 + (at_ms / 1000 - self._wall0)
+
+    def trio_time_at_mono(self, mono_ms: int) -> float:
+        """The ``trio.current_time()`` value at which server time ``mono_ms`` is reached."""
+        if self._trio0 is None:
+            return trio.current_time() + (mono_ms - self.mono_ms()) / 1000
+        return self._trio0 + (mono_ms / 1000 - self._mono0)
+
+    def mono_to_wall(self, mono_ms: int) -> int:
+        """The wall instant (ms) at which server time ``mono_ms`` is (or was) reached."""
+        return int(round((self._wall0 - self._mono0) * 1000)) + mono_ms
+
+    def wall_to_mono(self, wall_ms: int) -> int:
+        """The server time (ms) at which wall instant ``wall_ms`` is (or was) reached."""
+        return int(round((self._mono0 - self._wall0) * 1000)) + wall_ms
 
 
 def ms_to_datetime(ms: int) -> datetime:

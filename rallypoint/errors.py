@@ -26,6 +26,7 @@ __all__ = [
     "BarrierError",
     "BarrierReleasedError",
     "BarrierCancelledError",
+    "TimerCancelledError",
     "JoinSetExhaustedError",
     "ChildError",
     "ContentionError",
@@ -139,6 +140,15 @@ class BarrierCancelledError(BarrierError):
     code = "BARRIER_CANCELLED"
 
 
+class TimerCancelledError(RallypointError):
+    """TIMER_CANCELLED: waited on a timer that will never fire: it was cancelled by
+    ``timer.cancel()``, or its run was cancelled, completed or passed its deadline
+    (``details["reason"]``: ``cancelled``, ``run_cancelled``, ``run_completed``,
+    ``deadline``)."""
+
+    code = "TIMER_CANCELLED"
+
+
 class JoinSetExhaustedError(RallypointError):
     """JOIN_SET_EXHAUSTED: awaited more results than were submitted."""
 
@@ -235,6 +245,7 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "STALE_CLAIM": LeaseLostError,
     "BARRIER_RELEASED": BarrierReleasedError,
     "BARRIER_CANCELLED": BarrierCancelledError,
+    "TIMER_CANCELLED": TimerCancelledError,
     "JOIN_SET_EXHAUSTED": JoinSetExhaustedError,
     "CHILD_FAILED": ChildError,
     "CAPACITY_UNAVAILABLE": CapacityUnavailableError,

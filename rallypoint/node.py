@@ -150,6 +150,8 @@ class Snapshotter:
         async with self._lock:
             coord = self.coordinator
             journal = coord.journal
+            if coord.failed is not None:
+                return None  # fail-stop: memory may be ahead of the journal; never persist it
             if not coord.dirty and journal.last_lsn == self.last_lsn:
                 return None
             t0 = time.perf_counter()
@@ -299,15 +301,29 @@ async def open_persistent_node(
     """Lock the data dir, recover, run journal + snapshots; snapshot at a clean exit."""
     from .persistence import DataDirLock
 
+    from .persistence.clockfile import ClockFile
+
     os.makedirs(data_dir, exist_ok=True)
     lock = DataDirLock(data_dir)
     lock.acquire()
+    clock_file = ClockFile(data_dir)
     try:
-        coord = Coordinator(clock=clock or Clock(), durability=durability)
+        clock = clock or Clock()
+        last = clock_file.read()
+        gap_ms = 0
+        if last is not None:
+            clock.resume(*last)  # server time continues, never backward
+            gap_ms = clock.mono_ms() - last[0]
+        coord = Coordinator(clock=clock, durability=durability)
         rec, info = recover_coordinator(data_dir, coord)
         coord.journal = rec.open_journal(mode=durability, interval_ms=interval_ms)
         coord.rearm_all()
+        # the server could not hear renewals while it was down: leases get that time back
+        info["leases_extended_ms"] = coord.extend_leases_after_restart(gap_ms)
+        coord.heartbeat = clock_file.write
+        clock_file.write(clock.mono_ms(), clock.now_ms())
         info["entities"] = coord.entity_count()
+        info["downtime_s"] = gap_ms / 1000
         if info["torn_tail"] is not None:
             log.warning("cut a torn journal tail: %s", info["torn_tail"])
         log.info(
@@ -317,7 +333,7 @@ async def open_persistent_node(
         node = Node(coord, data_dir, durability)
         node.recovery_info = info
         snap = Snapshotter(coord, rec.store, every_records=snapshot_every_records, every_s=snapshot_every_s)
-        coord.snapshotter = snap
+        coord.background.append(snap.run)
         node.snapshotter = snap
         clean = False
         try:
@@ -327,13 +343,15 @@ async def open_persistent_node(
                     yield node
                     clean = True
                 finally:
-                    if clean:
+                    if clean and coord.failed is None:
                         with trio.CancelScope(shield=True):
                             await snap.snapshot()
+                            clock_file.write(clock.mono_ms(), clock.now_ms())
                     nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 await coord.journal.aclose()
             rec.store.close()
     finally:
+        clock_file.close()
         lock.release()

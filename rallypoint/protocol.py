@@ -49,6 +49,10 @@ class ServerStatusView(_View):
     entities: int
     last_lsn: int
     durable_lsn: int
+    #: per kind: actors ``active`` (with a task) and ``passive``, ``inbox`` depth, parked ``waiters``
+    actors: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    #: depth of the nursery tree (0: no actor active)
+    tree_depth: int = 0
 
 
 # --- runs (scopes) --------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 A record says what happened (``TaskCompleted``), never what was asked. Every state
 change goes through one: ``decide`` produces records, ``apply`` mutates state from them,
-live and in replay, with no clock reads (every instant is in the record, in ms since the
-epoch). A commit is a list of records journaled as ONE entry with ONE LSN, so a
+live and in replay, with no clock reads (every instant is in the record, in ms).
+Instants named ``at_ms``, ``deadline_ms`` and ``fire_at_ms`` are wall-clock (UTC ms since
+the epoch); lease expiries, retry availability and ``*_mono_ms`` fields are *server
+time* (:meth:`rallypoint.clock.Clock.mono_ms`), which durations are measured on. A commit is a list of records journaled as ONE entry with ONE LSN, so a
 decision that spans entities (a group finalizing, a run cancelled with its subtree) is
 all-or-nothing on disk as well as in memory.
 
@@ -81,10 +83,12 @@ class TaskSubmitted(_Rec, tag="task_submitted"):
     group_id: str | None = None
     joinset_id: str | None = None
     cancellable: bool = True
+    seq: int = 0  # FIFO position: submission order, whatever the wall clock says
 
 
 class TaskDelivered(_Rec, tag="task_delivered"):
-    """A lease on the task was granted: QUEUED -> RUNNING with a new fencing token."""
+    """A lease on the task was granted: QUEUED -> RUNNING with a new fencing token.
+    ``lease_expires_ms`` is server time."""
 
     task_id: str
     delivery_id: str
@@ -107,8 +111,8 @@ class TaskCompleted(_Rec, tag="task_completed"):
 
 
 class TaskRetried(_Rec, tag="task_retried"):
-    """RUNNING -> QUEUED (attempt + 1, eligible at ``available_at_ms``), or FAILED with
-    reason ``max_attempts`` when ``final``."""
+    """RUNNING -> QUEUED (attempt + 1, eligible at server time ``available_at_ms``), or
+    FAILED with reason ``max_attempts`` when ``final``."""
 
     task_id: str
     token: int
@@ -135,6 +139,16 @@ class LeaseExpired(_Rec, tag="lease_expired"):
     token: int
     at_ms: int
     final: bool = False
+
+
+class LeasesExtended(_Rec, tag="leases_extended"):
+    """Time the server could not hear (it was down, or its event loop stalled) does not
+    count against lease holders: every outstanding lease expires ``by_ms`` later.
+    ``reason``: ``restart`` or ``stall``."""
+
+    by_ms: int
+    at_ms: int
+    reason: str = "restart"
 
 
 class TaskCancelled(_Rec, tag="task_cancelled"):
@@ -232,11 +246,15 @@ class BarrierNextEpoch(_Rec, tag="barrier_next_epoch"):
 
 
 class TimerCreated(_Rec, tag="timer_created"):
+    """``fire_at_ms`` is wall time; a timer made with ``after`` also has
+    ``fire_mono_ms`` (server time), which is what it fires on."""
+
     id: str
     space: str
     scope_id: str
     fire_at_ms: int
     at_ms: int
+    fire_mono_ms: int | None = None
 
 
 class TimerFired(_Rec, tag="timer_fired"):
@@ -272,6 +290,7 @@ class JoinSetDelaySubmitted(_Rec, tag="joinset_delay"):
     child_id: str
     fire_at_ms: int
     at_ms: int
+    fire_mono_ms: int | None = None  # a delay given in seconds fires on server time
 
 
 class JoinSetDelayFired(_Rec, tag="joinset_delay_fired"):
@@ -331,6 +350,7 @@ Record = Union[
     LeaseExpired,
     TaskCancelled,
     TaskExpired,
+    LeasesExtended,
     GroupCreated,
     GroupMemberJoined,
     GroupSealed,

@@ -1,57 +1,109 @@
-"""The coordinator behind a connection: decode, authorize, dispatch, encode, and hold
-the reply until the journal is durable past what the request observed.
+"""The coordinator behind a connection: decode, authorize, route to an actor's inbox.
 
-Used by the TCP server (as its dispatcher) and by the embedded client (in-process), so
-both see exactly the same validation, errors and durability rules.
+Used by the TCP server and by the embedded client alike, so both see exactly the same
+validation, errors and durability rules:
+
+1. :meth:`Service.submit` decodes the request body against :data:`protocol.Op` (a bad
+   op, field or type is VALIDATION_FAILED with msgspec's path), checks the session's
+   permission and key from the op table (``actors/api.py``), routes the op to the actor
+   it runs on (NOT_FOUND for an unknown id or another space's), and appends the command
+   to that actor's inbox. It never waits.
+2. The actor handles it on its own task and answers through the
+   :class:`~rallypoint.actors.runtime.ReplySink` (a connection, or an embedded call)
+   with the LSN the answer depends on; the sink holds the answer -- success or error --
+   until the journal is durable past that LSN.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable
+from typing import Any
 
 import msgspec
+import trio
 
 from ._version import __version__
 from .actors.api import OPS
-from .errors import ForbiddenError, RallypointError, UnauthenticatedError, ValidationError
+from .actors.runtime import ReplySink
+from .errors import ForbiddenError, RallypointError, UnauthenticatedError, UnavailableError, ValidationError
 from .protocol import encoder, op_decoder
-from .transport.server import Deferred
 from .wire import PROTOCOL_VERSION, Hello, HelloOk
 
 log = logging.getLogger("rallypoint.service")
 
-__all__ = ["Session", "Service"]
+__all__ = ["Session", "Service", "CallSink"]
 
 
 class Session:
-    """Who is on the other end: the space it sees and the permissions it holds."""
+    """Who is on the other end: the space it sees and the permissions it holds.
 
-    __slots__ = ("space", "permissions", "peer", "key_id")
+    ``permissions`` None means every permission (open mode, or a local session);
+    ``local`` marks an offline session on the data dir (``rallypoint keys --data-dir``),
+    the only one that may grant the ``operator`` permission."""
 
-    def __init__(self, space: str = "default", permissions: frozenset[str] | None = None, peer: str = "", key_id=None):
+    __slots__ = ("space", "permissions", "peer", "key_id", "local")
+
+    def __init__(self, space: str = "default", permissions: frozenset[str] | None = None, peer: str = "",
+                 key_id=None, local: bool = False):
         self.space = space
-        self.permissions = permissions  # None: open mode, everything allowed
+        self.permissions = permissions
         self.peer = peer
         self.key_id = key_id
+        self.local = local
+
+
+class CallSink(ReplySink):
+    """A one-shot sink for an in-process call: :meth:`wait` returns the encoded reply
+    once it is durable, or raises the error."""
+
+    __slots__ = ("_event", "reply", "lsn", "waiter", "closed", "n", "replies")
+
+    def __init__(self, n: int = 1) -> None:
+        self._event = trio.Event()
+        self.reply: Any = None
+        self.lsn = 0
+        self.waiter = None
+        self.closed = False
+        self.n = n
+        self.replies: dict[int, Any] = {}
+
+    def deliver(self, rid: int, reply, lsn: int) -> None:
+        if lsn > self.lsn:
+            self.lsn = lsn
+        self.replies[rid] = reply
+        self.waiter = None
+        if len(self.replies) >= self.n:
+            self._event.set()
+
+    def track(self, rid: int, waiter) -> None:
+        self.waiter = waiter
+
+    def untrack(self, rid: int) -> None:
+        self.waiter = None
+
+    def abandon(self) -> None:
+        """The caller went away: end a parked wait, drop whatever comes later."""
+        self.closed = True
+        w, self.waiter = self.waiter, None
+        if w is not None:
+            w.cancel()
 
 
 class Service:
-    """The dispatcher for :class:`rallypoint.transport.server.Server`.
-
-    ``dispatch`` returns the encoded reply (bytes) when it can be sent at once, a
-    :class:`Deferred` when it must wait for the journal to be durable past an LSN, or an
-    awaitable for server-side waits (which resolves to one of the two).
-    """
+    """The dispatcher of :class:`rallypoint.transport.server.Server` and the embedded
+    client's backend."""
 
     def __init__(self, coordinator) -> None:
         self.coordinator = coordinator
-        self._handlers: dict[type, tuple[Any, str]] = {
-            t: (getattr(coordinator, spec.handler), spec.permission) for t, spec in OPS.items()
+        self._ops: dict[type, tuple[Any, Any, str]] = {
+            t: (getattr(getattr(coordinator, spec.kind), spec.handler), spec.route, spec.permission)
+            for t, spec in OPS.items()
         }
 
     # -------------------------------------------------------------- handshake
     def hello(self, hello: Hello, peer: str = "") -> tuple[Session, HelloOk]:
+        """Authenticate a connection: ``(session, HelloOk)``. VALIDATION_FAILED for another
+        protocol version, UNAUTHENTICATED for a missing, unknown or revoked key."""
         if hello.version != PROTOCOL_VERSION:
             raise ValidationError(
                 f"protocol version mismatch: the client speaks version {hello.version}, "
@@ -59,18 +111,12 @@ class Service:
                 "upgrade the older side",
                 details={"field": "version", "client": hello.version, "server": PROTOCOL_VERSION},
             )
-        key = self.coordinator.authenticate(hello.api_key)  # UNAUTHENTICATED: closes
+        key = self.coordinator.keys.authenticate(hello.api_key)
         if key is None:  # open mode: the default space, every permission
             session = Session(peer=peer)
         else:
             session = Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id)
         return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space)
-
-    def connection_opened(self) -> None:
-        self.coordinator.connections += 1
-
-    def connection_closed(self) -> None:
-        self.coordinator.connections -= 1
 
     # -------------------------------------------------------------- requests
     def decode(self, body: msgspec.Raw | bytes):
@@ -80,40 +126,66 @@ class Service:
             raise ValidationError(f"invalid request: {e}", details={"path": _path_of(str(e))}) from None
         except msgspec.DecodeError as e:
             raise ValidationError(f"undecodable request body: {e}") from None
+        except RecursionError:
+            raise ValidationError("invalid request: nested too deeply") from None
 
-    def dispatch(self, session: Session, body: msgspec.Raw | bytes) -> bytes | Deferred | Awaitable:
-        op = self.decode(body)
-        handler, permission = self._handlers[type(op)]
-        perms = session.permissions
-        if perms is not None:
-            if self.coordinator.keys[session.key_id].revoked_at_ms is not None:
-                raise UnauthenticatedError("this connection's API key was revoked")
-            if permission not in perms and "admin" not in perms:
-                raise ForbiddenError(
-                    f"this key lacks the permission {permission!r} needed for {op.__struct_config__.tag}",
-                    details={"permission": permission},
-                )
-        result = handler(session, op)
-        if isinstance(result, msgspec.Struct):
-            return self._finish(result)
-        return self._finish_later(result)
+    def submit(self, session: Session, body: msgspec.Raw | bytes, sink: ReplySink, rid: int) -> None:
+        """Queue one request for its actor; the answer reaches ``sink.deliver(rid, ...)``."""
+        coord = self.coordinator
+        try:
+            op = self.decode(body)
+        except ValidationError as exc:
+            sink.deliver(rid, exc, 0)
+            return
+        handler, route, permission = self._ops[type(op)]
+        try:
+            if coord.failed is not None:
+                raise UnavailableError("the server stopped after an internal failure; retry once it restarted",
+                                       retry_after=1.0)
+            perms = session.permissions
+            if perms is not None:
+                if coord.keys.is_revoked(session.key_id):
+                    raise UnauthenticatedError("this connection's API key was revoked")
+                if permission not in perms and "admin" not in perms and "operator" not in perms:
+                    raise ForbiddenError(
+                        f"this key lacks the permission {permission!r} needed for {op.__struct_config__.tag}",
+                        details={"permission": permission},
+                    )
+            actor_id = route(coord, session, op)
+        except RallypointError as exc:
+            sink.deliver(rid, exc, coord.journal.last_lsn)
+            return
+        except Exception as exc:  # a bug in a route: answer INTERNAL, keep serving
+            coord.internal_error(exc)
+            coord.reply(sink, rid, exc)
+            return
+        coord.runtime.actor(actor_id).send((handler, session, op, sink, rid))
 
-    def _finish(self, reply: msgspec.Struct) -> bytes | Deferred:
-        data = encoder.encode(reply)
-        journal = self.coordinator.journal
-        lsn = journal.last_lsn
-        if lsn <= journal.durable_lsn:
-            return data
-        return Deferred(lsn, data)
+    async def call(self, session: Session, op: msgspec.Struct) -> bytes:
+        """One request in-process (the embedded client, the offline CLI): the encoded
+        reply once durable, or the RallypointError it answered."""
+        sink = CallSink()
+        self.submit(session, encoder.encode(op), sink, 1)
+        try:
+            await sink._event.wait()
+        except BaseException:
+            sink.abandon()
+            raise
+        await self.coordinator.journal.wait_durable(sink.lsn)
+        reply = sink.replies[1]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
 
-    async def _finish_later(self, aw) -> bytes:
-        reply = await aw
-        data = encoder.encode(reply)
-        await self.coordinator.journal.wait_durable(self.coordinator.journal.last_lsn)
-        return data
+    def durable_lsn(self) -> int:
+        return self.coordinator.journal.durable_lsn
 
     async def wait_durable(self, lsn: int) -> None:
         await self.coordinator.journal.wait_durable(lsn)
+
+    def connection_count(self, fn) -> None:
+        """Let the server status report live connections (``fn() -> int``)."""
+        self.coordinator.connections_fn = fn
 
 
 def _path_of(msg: str) -> str | None:

@@ -302,7 +302,7 @@ async def rss_part(n: int) -> None:
         s = Session()
         t0 = time.perf_counter()
         for _ in range(n // 1000):
-            coord.op_task_submit_many(s, p.TaskSubmitMany(mailbox="rss", scope_id=run.id, items=items))
+            coord.decide(s, p.TaskSubmitMany(mailbox="rss", scope_id=run.id, items=items))
         dt = time.perf_counter() - t0
         gc.collect()
         after = rss_bytes()

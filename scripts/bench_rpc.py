@@ -250,20 +250,20 @@ def rss_main(n: int) -> None:
     coord = Coordinator()
     session = Session()
     op = p.ScopeCreate(name="idle-run")
-    coord.op_scope_create(session, op)  # warm-up: tables, caches
+    coord.decide(session, op)  # warm-up: tables, caches
     gc.collect()
     base = _rss()
     t0 = time.perf_counter()
     for _ in range(n):
-        coord.op_scope_create(session, op)
+        coord.decide(session, op)
     took = time.perf_counter() - t0
     gc.collect()
     delta = _rss() - base
-    s = next(iter(coord.scopes.values()))
+    s = next(iter(coord.runs.table.values()))
     parts = {
         "ScopeState object": sys.getsizeof(s),
         "id string (scp_...)": sys.getsizeof(s.id),
-        "scopes dict entry (amortized)": sys.getsizeof(coord.scopes) / max(len(coord.scopes), 1),
+        "scopes dict entry (amortized)": sys.getsizeof(coord.runs.table) / max(len(coord.runs.table), 1),
         "dirty set entry (amortized)": sys.getsizeof(coord.dirty) / max(len(coord.dirty), 1),
     }
     print(f"\n== memory: {n:,} idle runs via an embedded coordinator (created in {took:.2f} s, "

@@ -53,7 +53,7 @@ async def main(args) -> None:
     async with open_node(data_dir, args.durability, snapshot_every_records=10**12, snapshot_every_s=10**9) as node:
         coord = node.coordinator
         session = Session()
-        run = coord.op_scope_create(session, p.ScopeCreate(name="bench-timers"))
+        run = coord.decide(session, p.ScopeCreate(name="bench-timers"))
         rng = random.Random(42)
 
         # Calibrate: arm 20k timers far in the future to learn the arming rate, so the
@@ -61,7 +61,7 @@ async def main(args) -> None:
         calib = min(20_000, args.n)
         t0 = time.perf_counter()
         for _ in range(calib):
-            coord.op_timer_create(session, p.TimerCreate(scope_id=run.id, after_ms=10 * 86_400_000))
+            coord.decide(session, p.TimerCreate(scope_id=run.id, after_ms=10 * 86_400_000))
         calib_rate = calib / (time.perf_counter() - t0)
         await trio.sleep(0)
 
@@ -86,7 +86,7 @@ async def main(args) -> None:
         yield_every = 5_000
         for i in range(args.n):
             due = base_ms + rng.randrange(spread_ms)
-            coord.op_timer_create(session, p.TimerCreate(scope_id=run.id, after_ms=due - coord.now_ms()))
+            coord.decide(session, p.TimerCreate(scope_id=run.id, after_ms=due - coord.now_ms()))
             if i % yield_every == yield_every - 1:
                 await trio.sleep(0)  # let the journal/heap tasks breathe, as a server would
         arm_s = time.perf_counter() - t0

@@ -213,48 +213,48 @@ def _decode(raw):
 def check_acked(coord, log: list[dict]) -> list[str]:
     """Every acknowledged op against the recovered state; returns the failures."""
     bad = []
-    mailbox_ids = {m.name: m.id for m in coord.mailboxes.values()}
+    mailbox_ids = {m.name: m.id for m in coord.queues.table.values()}
     for rec in log:
         op = rec["op"]
         if op == "mailbox":
             if rec["name"] not in mailbox_ids:
                 bad.append(f"mailbox {rec['name']} lost")
         elif op == "run":
-            s = coord.scopes.get(rec["id"])
+            s = coord.runs.table.get(rec["id"])
             if s is None or s.parent_id != rec["parent"]:
                 bad.append(f"run {rec['id']} lost or wrong parent")
         elif op == "cancel":
-            s = coord.scopes.get(rec["run"])
+            s = coord.runs.table.get(rec["run"])
             if s is None or s.state != "CANCELLED":
                 bad.append(f"cancel of run {rec['run']} lost ({s and s.state})")
         elif op == "complete_run":
-            s = coord.scopes.get(rec["run"])
+            s = coord.runs.table.get(rec["run"])
             if s is None or s.state != "COMPLETED":
                 bad.append(f"complete of run {rec['run']} lost ({s and s.state})")
         elif op == "submit":
-            t = coord.tasks.get(rec["task"])
+            t = coord.queues.tasks.get(rec["task"])
             if t is None:
                 bad.append(f"submitted task {rec['task']} lost")
             elif (t.scope_id != rec["run"] or t.key != rec["key"] or _decode(t.input) != rec["input"]
                   or t.mailbox_id != mailbox_ids.get(rec["mailbox"])):
                 bad.append(f"task {rec['task']} differs from its acknowledged submit")
         elif op == "resubmit":
-            if rec["task"] != rec["same_as"] or rec["task"] not in coord.tasks:
+            if rec["task"] != rec["same_as"] or rec["task"] not in coord.queues.tasks:
                 bad.append(f"idempotent resubmit {rec} broken")
         elif op == "submit_many":
             for tid in rec["tasks"]:
-                if tid not in coord.tasks:
+                if tid not in coord.queues.tasks:
                     bad.append(f"batch task {tid} lost")
         elif op == "receive":
-            t = coord.tasks.get(rec["task"])
+            t = coord.queues.tasks.get(rec["task"])
             if t is None or t.token < rec["token"]:
                 bad.append(f"delivery of {rec['task']} (token {rec['token']}) lost ({t and t.token})")
         elif op == "complete":
-            t = coord.tasks.get(rec["task"])
+            t = coord.queues.tasks.get(rec["task"])
             if t is None or t.state != "SUCCEEDED" or _decode(t.outcome) != rec["outcome"]:
                 bad.append(f"completion of {rec['task']} lost ({t and t.state})")
         elif op == "cancel_task":
-            t = coord.tasks.get(rec["task"])
+            t = coord.queues.tasks.get(rec["task"])
             if t is None or t.state != rec["state"]:
                 bad.append(f"cancel of task {rec['task']} lost ({t and t.state}, acknowledged {rec['state']})")
         else:
@@ -265,7 +265,7 @@ def check_acked(coord, log: list[dict]) -> list[str]:
 def check_invariants(coord) -> list[str]:
     """What a half-applied commit would break."""
     bad = []
-    scopes, tasks = coord.scopes, coord.tasks
+    scopes, tasks = coord.runs.table, coord.queues.tasks
     children: dict[str, int] = {}
     for s in scopes.values():
         if s.parent_id is not None:
@@ -285,7 +285,7 @@ def check_invariants(coord) -> list[str]:
         return None
 
     batches: dict[int, int] = {}
-    mbx_ids = set(coord.mailboxes)
+    mbx_ids = set(coord.queues.table)
     for t in tasks.values():
         if t.scope_id not in scopes:
             bad.append(f"task {t.id}: run {t.scope_id} missing")

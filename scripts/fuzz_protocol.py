@@ -131,7 +131,7 @@ def check_frame(frame: Any, sent: bytes, ops_by_id: dict[int, type], stats: Stat
             else:
                 _any_decoder.decode(frame.body)
         except msgspec.MsgspecError as exc:
-            raise ProtocolViolation(f"Ok body to {op} does not decode: {exc}") from None
+            raise ProtocolViolation(f"Ok body to {op} does not decode: {exc}: {bytes(frame.body)[:300]!r}") from None
     elif isinstance(frame, (wire.Pong, wire.Ping)):
         if stats is not None:
             stats.replies[type(frame).__name__.upper()] += 1
@@ -148,6 +148,9 @@ class SyncClient:
         self.parser = FrameParser()
         self.pending: collections.deque[Any] = collections.deque()
         self.next_sentinel = SENTINEL_BASE
+        # request id -> op types of requests sent on this connection and not answered
+        # yet (replies come back in any order, and a wait's may come after later probes)
+        self.outstanding: dict[int, list[type | None]] = {}
         self.eof = False
         if hello:
             self.send_frame(_enc(wire.Hello(wire.PROTOCOL_VERSION, api_key, "fuzz")))
@@ -186,23 +189,40 @@ class SyncClient:
 
     def sync(self, sent: bytes, ops_by_id: dict[int, type], stats: Stats | None) -> bool:
         """Send a status probe and check every frame up to its reply. False if the
-        server closed the connection (after answering everything properly)."""
+        server closed the connection (after answering everything properly).
+
+        Replies come back in any order (each request is answered by its own actor), so
+        a reply is checked against the op of the request it answers when that is
+        unambiguous: the request ids still outstanding on this connection are kept
+        across examples."""
         rid = self.next_sentinel
         self.next_sentinel += 1
         try:
             self.send_frame(_enc(wire.Request(rid, msgspec.Raw(_enc({"op": "server.status"})))))
         except (BrokenPipeError, ConnectionResetError):
             pass
-        ops_by_id = dict(ops_by_id)
-        ops_by_id[rid] = protocol.ServerStatus
+        for r in _request_ids(sent):
+            self.outstanding.setdefault(r, []).append(ops_by_id.get(r))
+        self.outstanding.setdefault(rid, []).append(protocol.ServerStatus)
         while True:
             f = self.recv()
             if f is None:
                 return False
-            check_frame(f, sent, ops_by_id, stats)
-            if isinstance(f, wire.Ok) and f.id == rid:
+            fid = getattr(f, "id", None)
+            cands = self.outstanding.get(fid) if fid is not None else None
+            known = {fid: cands[0]} if cands and len(cands) == 1 and cands[0] is not None else {}
+            check_frame(f, sent, known, stats)
+            if cands:
+                # Requests that share an id are answered in the order they were sent,
+                # except that one sent while another with its id is in flight is refused
+                # at once (VALIDATION_FAILED "already in flight").
+                refused_dup = isinstance(f, wire.Err) and "already in flight" in (f.message or "")
+                cands.pop() if refused_dup else cands.pop(0)
+                if not cands:
+                    del self.outstanding[fid]
+            if isinstance(f, wire.Ok) and fid == rid:
                 return True
-            if isinstance(f, wire.Err) and f.id == rid:
+            if isinstance(f, wire.Err) and fid == rid:
                 raise ProtocolViolation(f"the status probe failed: {f!r}")
 
     def drain_to_eof(self, sent: bytes, ops_by_id: dict[int, type], stats: Stats | None) -> None:
@@ -214,6 +234,26 @@ class SyncClient:
             self.sock.close()
         except OSError:
             pass
+
+
+def _request_ids(sent: bytes) -> list[int]:
+    """The request ids in a stream of frames (requests and batches), best effort."""
+    ids: list[int] = []
+    parser = FrameParser()
+    for body in parser.feed(sent):
+        try:
+            msg = _client_any.decode(body)
+        except (msgspec.MsgspecError, RecursionError):
+            continue
+        if isinstance(msg, dict):
+            if msg.get("t") == "req" and isinstance(msg.get("id"), int):
+                ids.append(msg["id"])
+            elif msg.get("t") == "batch" and isinstance(msg.get("reqs"), list):
+                ids.extend(r["id"] for r in msg["reqs"] if isinstance(r, dict) and isinstance(r.get("id"), int))
+    return ids
+
+
+_client_any = msgspec.msgpack.Decoder()
 
 
 def call(c: SyncClient, body: dict, rid: int = 1) -> Any:

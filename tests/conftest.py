@@ -89,3 +89,9 @@ async def ers(autojump_clock):
     takes the clock from the test's arguments)."""
     async with rallypoint.open_embedded(clock=None) as client:
         yield client
+
+
+
+def direct(coord, session, op):
+    """``coord.decide(session, op)``: decide synchronously, bypassing the inboxes."""
+    return coord.decide(session, op)

@@ -145,8 +145,6 @@ async def test_waiter_pinned_to_an_epoch_returns_when_the_epoch_advances(autojum
     run = await ers.scopes.create()
     b = await run.barriers.create(2)
     await b.arrive("a")
-    coord = ers.node.coordinator
-    session = ers._transport.session
     got = []
     async with trio.open_nursery() as n:
 
@@ -155,9 +153,11 @@ async def test_waiter_pinned_to_an_epoch_returns_when_the_epoch_advances(autojum
 
         n.start_soon(waiter)
         await trio.sleep(1)
-        # release and reuse in one step: the waiter only runs once epoch 2 is WAITING
-        coord.op_barrier_arrive(session, p.BarrierArrive(barrier_id=b.id, key="b"))
-        coord.op_barrier_next_epoch(session, p.BarrierNextEpochOp(barrier_id=b.id))
+        # release and reuse in one batch of the barrier's inbox: the waiter is only
+        # re-checked after the batch, once epoch 2 is WAITING
+        replies = await ers._transport.call_many([
+            p.BarrierArrive(barrier_id=b.id, key="b"), p.BarrierNextEpochOp(barrier_id=b.id)])
+        assert all(isinstance(r, bytes) for r in replies), replies
         assert (await b.status()).state == "WAITING"
     assert (got[0].epoch, got[0].state) == (2, "WAITING")  # not fooled by the reuse
     # on the wire: a wait pinned to a past epoch returns at once

@@ -45,13 +45,13 @@ def test_the_checks_catch_a_lost_ack_and_a_half_applied_cancel(tmp_path):
     """The verifier is not vacuous: a log claiming more than the state holds fails, and
     an unfinished task under a cancelled run is a violation."""
     from rallypoint.actors import Coordinator
-    from rallypoint.actors.mailbox import TaskState
-    from rallypoint.actors.scope import ScopeState
+    from rallypoint.actors.queue import TaskState
+    from rallypoint.actors.run import ScopeState
 
     coord = Coordinator()
-    coord.scopes["scp_a"] = ScopeState(id="scp_a", space="default", parent_id=None, name=None, deadline_ms=None,
+    coord.runs.table["scp_a"] = ScopeState(id="scp_a", space="default", parent_id=None, name=None, deadline_ms=None,
                                        child_limit=10, created_at_ms=1, state="CANCELLED")
-    coord.tasks["tsk_a"] = TaskState(id="tsk_a", space="default", mailbox_id="mbx_a", scope_id="scp_a",
+    coord.queues.tasks["tsk_a"] = TaskState(id="tsk_a", space="default", mailbox_id="mbx_a", scope_id="scp_a",
                                      input=b"\x80", created_at_ms=1)
     assert any("under inactive run" in p for p in crash_test.check_invariants(coord))
     lost = crash_test.check_acked(coord, [{"op": "run", "id": "scp_b", "parent": None},

@@ -2,10 +2,9 @@
 whose gate run is still ACTIVE, nor a member still deliverable after finalization.
 
 Many receivers (tasks in one process, and over TCP several connections) race the accept
-that reaches the threshold; every observation is checked. Over TCP an observation is a
-batch [group status, gate status] that the server dispatches in one go, so it is a
-consistent snapshot; embedded, an in-process observer checks the coordinator's state at
-every scheduling point.
+that reaches the threshold; every observation is checked. An observation reads the
+group, its gate and the group again, in order (each answered by its own actor); embedded,
+an in-process observer also checks the coordinator's state at every scheduling point.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import trio
 import rallypoint
 from rallypoint import protocol as p
 from rallypoint.client import types as t
-from rallypoint.client.embedded import EmbeddedTransport
-from rallypoint.protocol import encoder
 from rallypoint.errors import LeaseLostError, ScopeCancelledError, ScopeInactiveError
 
 from _groups_util import UNFINISHED, uniq
@@ -28,48 +25,47 @@ MEMBERS = 40
 THRESHOLD = 5
 
 
-def check_snapshot(g: t.GroupStatus, gate: t.RunStatus, violations: list) -> bool:
-    """One observation of a group and its gate. Returns True when FINALIZED."""
-    if g.state == "FINALIZED":
-        if gate.stored_state == "ACTIVE" or gate.effective != "INACTIVE":
-            violations.append(f"FINALIZED group {g.id} with gate {gate.stored_state}/{gate.effective}")
-        live = [m.task_id for m in g.members if m.task_state in UNFINISHED]
-        if live:
-            violations.append(f"FINALIZED group {g.id} with deliverable members {live}")
-        return True
-    if gate.effective != "ACTIVE":
-        violations.append(f"gate {gate.id} inactive while group is {g.state}")
-    return False
+def check_observation(g1: t.GroupStatus, gate: t.RunStatus, g2: t.GroupStatus, violations: list) -> bool:
+    """Three reads in order: the group, its gate, the group again (each is answered by
+    its own actor, one after the other). Finalizing is one step that also ends the
+    gate, and neither ever goes back, so: the group FINALIZED at the first read means
+    the gate is inactive at the second; the gate inactive at the second means the group
+    is FINALIZED at the third; a FINALIZED group never has a deliverable member (one
+    view). Returns True when the group was seen FINALIZED."""
+    if g1.state == "FINALIZED" and (gate.stored_state == "ACTIVE" or gate.effective != "INACTIVE"):
+        violations.append(f"FINALIZED group {g1.id} with gate {gate.stored_state}/{gate.effective} after it")
+    if gate.effective != "ACTIVE" and g2.state != "FINALIZED":
+        violations.append(f"gate {gate.id} inactive while group is {g2.state} after it")
+    for g in (g1, g2):
+        if g.state == "FINALIZED":
+            live = [m.task_id for m in g.members if m.task_state in UNFINISHED]
+            if live:
+                violations.append(f"FINALIZED group {g.id} with deliverable members {live}")
+    return g2.state == "FINALIZED"
 
 
 def check_coordinator(coord, gid: str, violations: list) -> None:
-    g = coord.groups[gid]
-    gate = coord.scopes[g.gate_scope_id]
+    g = coord.groups.table[gid]
+    gate = coord.runs.table[g.gate_scope_id]
     if g.state == "FINALIZED":
         if gate.state == "ACTIVE":
             violations.append("coordinator: FINALIZED group, ACTIVE gate")
         for m in g.members:
-            task = coord.tasks[m.task_id]
-            if task.state in UNFINISHED or task.id in coord.ready_set:
+            task = coord.queues.tasks[m.task_id]
+            if task.state in UNFINISHED or task.id in coord.queues.ready_set:
                 violations.append(f"coordinator: member {task.id} {task.state} after finalization")
     elif gate.state != "ACTIVE":
         violations.append("coordinator: gate cancelled, group not FINALIZED")
 
 
 async def observe(rs, gid: str, gate_id: str, violations: list) -> bool:
-    """A consistent snapshot of the group and its gate: over TCP one batch (dispatched
-    by the server in one go); embedded, both requests dispatched with no checkpoint
-    between them."""
-    ops = [p.GroupStatus(group_id=gid), p.ScopeStatus(scope_id=gate_id)]
+    """The group, its gate, the group again, read one after the other (see
+    :func:`check_observation`)."""
     tr = rs._transport
-    if isinstance(tr, EmbeddedTransport):
-        g_raw, s_raw = [tr.service.dispatch(tr.session, encoder.encode(op)) for op in ops]
-        await trio.sleep(0)
-    else:
-        g_raw, s_raw = await tr.call_many(ops)
-    g = msgspec.msgpack.decode(g_raw, type=t.GroupStatus)
-    s = msgspec.msgpack.decode(s_raw, type=t.RunStatus)
-    return check_snapshot(g, s, violations)
+    g1 = msgspec.msgpack.decode(await tr.call(p.GroupStatus(group_id=gid)), type=t.GroupStatus)
+    s = msgspec.msgpack.decode(await tr.call(p.ScopeStatus(scope_id=gate_id)), type=t.RunStatus)
+    g2 = msgspec.msgpack.decode(await tr.call(p.GroupStatus(group_id=gid)), type=t.GroupStatus)
+    return check_observation(g1, s, g2, violations)
 
 
 async def race_round(clients: list, seed: int, violations: list, coord=None) -> dict:

@@ -59,12 +59,22 @@ class HandClock:
     def trio_time_at(self, at_ms: int) -> float:
         return at_ms / 1000
 
+    # server time is wall time here
+    def mono_ms(self) -> int:
+        return self.ms
+
+    def trio_time_at_mono(self, mono_ms: int) -> float:
+        return mono_ms / 1000
+
+    def mono_to_wall(self, mono_ms: int) -> int:
+        return mono_ms
+
 
 def fire_due(coord: Coordinator) -> None:
-    heap = coord.timers._heap
-    while heap and heap[0][0] <= coord.clock.ms:
-        due, _, kind, entity_id, arg = heapq.heappop(heap)
-        coord._fire_activity(kind, entity_id, arg, due)
+    heap = coord.heap._heap
+    while heap and heap[0][0] <= coord.clock.ms / 1000:
+        _, _, _, fn, arg = heapq.heappop(heap)
+        fn(arg)
 
 
 def raw(x) -> msgspec.Raw:
@@ -125,7 +135,7 @@ class GroupMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ plumbing
     def call(self, op):
-        res = getattr(self.coord, self.handlers[type(op)])(self.session, op)
+        res = self.coord.decide(self.session, op)
         assert isinstance(res, msgspec.Struct), f"{type(op).__name__} did not answer at once"
         return res
 
@@ -149,20 +159,17 @@ class GroupMachine(RuleBasedStateMachine):
         deadline_after=st.integers(0, 40),
     )
     def create(self, condition, threshold, expected, with_deadline, cancel_after, deadline_after):
-        from rallypoint.actors.api import OPS
-
-        self.handlers = {t: spec.handler for t, spec in OPS.items()}
         self.clock = HandClock()
         self.coord = Coordinator(clock=self.clock)
         self.session = Session()
         self.finalize_calls = 0
-        real_finalize = self.coord._finalize
+        real_finalize = self.coord.groups.finalize
 
         def counting_finalize(g, *a):
             self.finalize_calls += 1
             return real_finalize(g, *a)
 
-        self.coord._finalize = counting_finalize
+        self.coord.groups.finalize = counting_finalize
         self.call(p.MailboxEnsure(name="work"))
         self.parent = self.call(p.ScopeCreate()).id
         self.condition = condition
@@ -211,6 +218,10 @@ class GroupMachine(RuleBasedStateMachine):
         self.n += 1
         key = f"k{self.n}"
         op = p.GroupSubmit(group_id=self.gid, input=raw(self.n), key=key)
+        if self.deadline_passed and (self.state == "OPEN" or self.reason == "deadline"):
+            # past its deadline a group refuses members with DEADLINE_EXCEEDED, whether
+            # or not the deadline's activity already finalized it
+            return self.expect_error(DeadlineExceededError, op)
         if self.state != "OPEN":
             return self.expect_error(ConflictError, op)
         if len(self.members) >= 100:
@@ -245,6 +256,8 @@ class GroupMachine(RuleBasedStateMachine):
             else:
                 self.call(p.DeliveryReject(task_id=t.id, token=d.token))
         op = p.GroupJoinTask(group_id=self.gid, task_id=t.id)
+        if self.deadline_passed and (self.state == "OPEN" or self.reason == "deadline"):
+            return self.expect_error(DeadlineExceededError, op)
         if self.state != "OPEN":
             return self.expect_error(ConflictError, op)
         if len(self.members) >= 100:
@@ -396,12 +409,12 @@ class GroupMachine(RuleBasedStateMachine):
     def finalized_means_gate_inactive_and_no_member_deliverable(self):
         if self.state != "FINALIZED":
             return
-        gate = self.coord.scopes[self.gate]
-        assert gate.state != "ACTIVE" and self.coord.scope_inactive_error(self.gate) is not None
+        gate = self.coord.runs.table[self.gate]
+        assert gate.state != "ACTIVE" and self.coord.runs.inactive_error(self.gate) is not None
         for m in self.members:
-            t = self.coord.tasks[m.tid]
+            t = self.coord.queues.tasks[m.tid]
             assert t.state not in ("QUEUED", "RUNNING")
-            assert t.id not in self.coord.ready_set
+            assert t.id not in self.coord.queues.ready_set
 
 
 GroupMachine.TestCase.settings = settings(

@@ -29,7 +29,7 @@ from rallypoint.errors import (
 from rallypoint.node import recover_coordinator
 from rallypoint.service import Service
 
-from conftest import Daemon
+from conftest import Daemon, direct
 
 
 MBX = "js-work"
@@ -526,13 +526,15 @@ async def test_run_complete_closes_sets_newest_first_and_waits_for_the_last_chil
     coord = getattr(getattr(rs, "node", None), "coordinator", None)
     close_order = []
     if coord is not None:  # embedded: watch the order the closes are applied in
-        orig = coord._apply_js_closed
+        from rallypoint.records import JoinSetClosed
+
+        orig = coord._apply[JoinSetClosed]
 
         def spy(r):
             close_order.append(r.joinset_id)
             orig(r)
 
-        coord._apply_js_closed = spy
+        coord._apply[JoinSetClosed] = spy
 
     with pytest.raises(WaitTimeout):
         await run.complete(timeout=0.2)  # blocked by the two non-cancellable children
@@ -584,14 +586,16 @@ async def test_cancelling_the_run_cancels_every_child_of_every_set_at_once(rs):
     await run.cancel()
     for js in (a, b, c):
         st = await js.status()  # no waiting: everything finished in the cancel itself
-        assert st.finished == st.submitted == len(kids[js.id])
+        # the cancel closed the set like a close: every child cancelled, in reverse
+        # submission order (non-cancellable ones too), each record a closing consume
+        assert st.state == "CLOSED" and st.consumed == st.finished == st.submitted == len(kids[js.id])
         assert all(ch.finished for ch in st.children)
-        seen = set()
-        for _ in kids[js.id]:
-            e = await child_error(js.join_next_try())
+        order = []
+        for k in range(len(kids[js.id])):
+            e = await child_error(js.join_next(index=k))  # positional re-reads
             assert e.failure_kind == "cancelled"
-            seen.add(e.child_id)
-        assert seen == set(kids[js.id])
+            order.append(e.child_id)
+        assert order == list(reversed(kids[js.id]))
         with pytest.raises(JoinSetExhaustedError):
             await js.join_next()
     with pytest.raises(ScopeCancelledError):  # SPEC §2.4: completing is refused
@@ -649,10 +653,11 @@ async def test_refused_submission_on_an_inactive_run_adds_nothing(rs):
         await js.submit_delay(1)
     with pytest.raises(ScopeCancelledError):
         await run.join_sets.create()
-    assert (await js.status()).submitted == 1
+    st = await js.status()
+    assert st.submitted == 1 and st.state == "CLOSED"  # the cancel closed it
     with trio.fail_after(5):
-        e = await child_error(js.join_next())
-        assert e.child_id == a
+        e = await child_error(js.join_next(index=0))  # the closing consume, re-read
+        assert e.child_id == a and e.failure_kind == "cancelled"
         with pytest.raises(JoinSetExhaustedError):
             await js.join_next()
 
@@ -731,7 +736,7 @@ async def test_two_concurrent_waiters_get_distinct_records(rs):
 
 
 def live_coord_state(node, jid: str) -> str:
-    return node.coordinator.joinsets[jid].state
+    return node.coordinator.joinsets.table[jid].state
 
 
 def _answers(js_sync, n: int) -> list:
@@ -848,8 +853,8 @@ async def test_replaying_the_journal_gives_the_same_completion_order(tmp_path):
         await run.cancel()  # ... until the run's cancel finishes them
         live_coord = node.coordinator
         expected = {
-            js.id: (list(live_coord.joinsets[js.id].completions), live_coord.joinsets[js.id].consumed,
-                    live_coord.joinsets[js.id].state, live_coord.joinsets[js.id].closing_from)
+            js.id: (list(live_coord.joinsets.table[js.id].completions), live_coord.joinsets.table[js.id].consumed,
+                    live_coord.joinsets.table[js.id].state, live_coord.joinsets.table[js.id].closing_from)
             for js in sets
         }
         assert all(len(v[0]) == 6 for v in expected.values())
@@ -863,11 +868,14 @@ async def test_replaying_the_journal_gives_the_same_completion_order(tmp_path):
     rec.store.close()
     assert info["replayed"] > 0 and info["snapshot_lsn"] > 0
     for jid, (completions, consumed, state, closing_from) in expected.items():
-        js = coord.joinsets[jid]
+        js = coord.joinsets.table[jid]
         assert js.completions == completions
         assert (js.consumed, js.state, js.closing_from) == (consumed, state, closing_from)
     rs2 = Client(EmbeddedTransport(Service(coord)))
-    for jid, recs in answers.items():
-        js = rs2.scope(run.id).join_sets.by_id(jid)
-        again = [await raw_record(rs2, js, k) for k in range(len(recs))]
-        assert again == recs
+    async with trio.open_nursery() as n:
+        await n.start(coord.run)  # the recovered coordinator's actors answer the re-reads
+        for jid, recs in answers.items():
+            js = rs2.scope(run.id).join_sets.by_id(jid)
+            again = [await raw_record(rs2, js, k) for k in range(len(recs))]
+            assert again == recs
+        n.cancel_scope.cancel()

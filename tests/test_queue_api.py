@@ -407,26 +407,11 @@ async def test_long_receive_sees_changes_made_before_its_wait_began(rs):
     from rallypoint import protocol as p
     from rallypoint.client import types as t
     from rallypoint.client.api import encode_payload
-    from rallypoint.errors import RallypointError
 
     async def pipelined(first, second):
-        if not hasattr(rs, "node"):  # TCP: one batch frame
-            r = (await rs._transport.call_many([first, second]))[0]
-            return r if isinstance(r, Exception) else msgspec.msgpack.decode(r, type=t._ReceiveReply)
-        # embedded: dispatch both through the service before awaiting the first
-        from rallypoint.service import Session
-
-        svc, session = rs.node.service, Session()
-        aw = svc.dispatch(session, p.encoder.encode(first))
-        try:
-            svc.dispatch(session, p.encoder.encode(second))
-        except RallypointError:
-            pass
-        try:
-            raw = await aw
-        except RallypointError as e:
-            return e
-        return msgspec.msgpack.decode(raw, type=t._ReceiveReply)
+        # TCP: one batch frame; embedded: both queued before the first is awaited
+        r = (await rs._transport.call_many([first, second]))[0]
+        return r if isinstance(r, Exception) else msgspec.msgpack.decode(r, type=t._ReceiveReply)
 
     m = await rs.mailboxes.ensure(uniq())
     run = await rs.scopes.create()

@@ -29,7 +29,7 @@ async def test_cancel_reaches_queued_leased_delayed_and_completed(autojump_clock
     for t in (delayed, leased, queued):
         res = await t.status()
         assert (res.state, res.outcome_reason, res.attempt) == ("CANCELLED", "scope_cancelled", before[t.id].attempt)
-        assert t.id not in coord.ready_set
+        assert t.id not in coord.queues.ready_set
     res = await completed.result(timeout=0)  # recorded results stay readable
     assert (res.state, res.outcome) == ("SUCCEEDED", {"kept": True})
     mi = await m.status()
@@ -53,10 +53,10 @@ async def test_cancel_reaches_queued_leased_delayed_and_completed(autojump_clock
     for t in (delayed, leased, queued):
         res = await t.status()
         assert (res.state, res.attempt) == ("CANCELLED", before[t.id].attempt)
-    assert not any(tid in coord.ready_set for tid in (delayed.id, leased.id, queued.id))
-    for heaps in coord.ready.values():
+    assert not any(tid in coord.queues.ready_set for tid in (delayed.id, leased.id, queued.id))
+    for heaps in coord.queues.ready.values():
         for h in heaps.values():
-            assert not (set(h) & coord.ready_set & {delayed.id, leased.id, queued.id})
+            assert not (set(h) & coord.queues.ready_set & {delayed.id, leased.id, queued.id})
     with pytest.raises(ScopeCancelledError):
         await m.receive(child, wait=0)
     # another run on the same mailbox sees none of them

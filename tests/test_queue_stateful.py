@@ -3,7 +3,7 @@ small reference model: random interleavings of submit, receive, renew, complete,
 reject, lease expiry (time moves), task cancel and run cancel.
 
 Deterministic: the coordinator's clock runs on trio's MockClock (jumped by whole seconds,
-timers fired with ``coordinator.timers.fire_due()``), and Hypothesis is derandomized.
+activities fired with ``coordinator.heap.fire_due()``), and Hypothesis is derandomized.
 
 Invariants after every step: the coordinator agrees with the model (state, attempt,
 token, eligibility order); no task has two outcomes; no task is both in the ready index
@@ -23,6 +23,7 @@ from rallypoint.actors import Coordinator
 from rallypoint.clock import Clock
 from rallypoint.errors import LeaseLostError, ScopeCancelledError, ScopeInactiveError
 from rallypoint.service import Session
+from conftest import direct
 
 MAX_ATTEMPTS = 3
 LEASES_MS = (5_000, 7_500, 10_000)
@@ -37,10 +38,13 @@ class RecordingCoordinator(Coordinator):
     def __init__(self, **kw) -> None:
         self.finishes: list[tuple[str, str]] = []
         super().__init__(**kw)
+        real_finish = self.queues.finish
 
-    def _finish(self, t, state, at_ms, reason):
-        self.finishes.append((t.id, state))
-        super()._finish(t, state, at_ms, reason)
+        def finish(t, state, at_ms, reason):
+            self.finishes.append((t.id, state))
+            real_finish(t, state, at_ms, reason)
+
+        self.queues.finish = finish
 
 
 class MTask:
@@ -62,9 +66,9 @@ class QueueMachine(RuleBasedStateMachine):
         self.s = Session()
         self.now = 0  # ms since start, the model's clock
         self.fired_at = 0  # model time of the last timers.fire_due()
-        self.c.op_mailbox_ensure(self.s, p.MailboxEnsure(name="jobs", max_attempts=MAX_ATTEMPTS))
-        root = self.c.op_scope_create(self.s, p.ScopeCreate()).id
-        child = self.c.op_scope_create(self.s, p.ScopeCreate(parent_id=root)).id
+        direct(self.c, self.s, p.MailboxEnsure(name="jobs", max_attempts=MAX_ATTEMPTS))
+        root = direct(self.c, self.s, p.ScopeCreate()).id
+        child = direct(self.c, self.s, p.ScopeCreate(parent_id=root)).id
         self.sid = {"root": root, "child": child}
         self.active = {"root": True, "child": True}
         self.tasks: dict[str, MTask] = {}
@@ -86,9 +90,9 @@ class QueueMachine(RuleBasedStateMachine):
             key=lambda m: m.id,
         )
 
-    def expect_error(self, exc_type, fn, *args):
+    def expect_error(self, exc_type, op):
         with pytest.raises(exc_type):
-            fn(self.s, *args)
+            direct(self.c, self.s, op)
 
     def pick(self, i: int) -> tuple[str, int]:
         return self.deliveries[i % len(self.deliveries)]
@@ -102,9 +106,9 @@ class QueueMachine(RuleBasedStateMachine):
             items.append(p.SubmitItem(input=msgspec.Raw(enc(self.n))))
         op = p.TaskSubmitMany(mailbox="jobs", scope_id=self.sid[scope], items=items)
         if not self.active[scope]:
-            self.expect_error(ScopeCancelledError, self.c.op_task_submit_many, op)
+            self.expect_error(ScopeCancelledError, op)
             return
-        view = self.c.op_task_submit_many(self.s, op)
+        view = direct(self.c, self.s, op)
         for tv in view.tasks:
             assert tv.id not in self.tasks and tv.state == "QUEUED"
             self.tasks[tv.id] = MTask(tv.id, scope)
@@ -113,10 +117,10 @@ class QueueMachine(RuleBasedStateMachine):
     def receive(self, scope, k, lease):
         op = p.Receive(mailbox="jobs", scope_id=self.sid[scope], lease_ms=lease, wait_ms=0, max_messages=k)
         if not self.active[scope]:
-            self.expect_error(ScopeCancelledError, self.c.op_receive, op)
+            self.expect_error(ScopeCancelledError, op)
             return
         want = self.eligible(scope)[:k]
-        got = self.c.op_receive(self.s, op).deliveries
+        got = direct(self.c, self.s, op).deliveries
         assert [d.task_id for d in got] == [m.id for m in want], "oldest eligible first, in the run's subtree"
         for d, m in zip(got, want):
             assert d.token == m.token + 1 and d.attempt == m.attempt
@@ -130,13 +134,13 @@ class QueueMachine(RuleBasedStateMachine):
         m = self.tasks[tid]
         op = p.DeliveryRenew(task_id=tid, token=token, lease_ms=lease)
         if token != m.token:
-            self.expect_error(LeaseLostError, self.c.op_delivery_renew, op)
+            self.expect_error(LeaseLostError, op)
         elif not self.active[m.scope]:
-            self.expect_error(ScopeInactiveError, self.c.op_delivery_renew, op)
+            self.expect_error(ScopeInactiveError, op)
         elif not self.live(m):
-            self.expect_error(LeaseLostError, self.c.op_delivery_renew, op)
+            self.expect_error(LeaseLostError, op)
         else:
-            self.c.op_delivery_renew(self.s, op)
+            direct(self.c, self.s, op)
             m.lease_exp = self.now + lease
 
     @precondition(lambda self: self.deliveries)
@@ -148,13 +152,13 @@ class QueueMachine(RuleBasedStateMachine):
         outcome = enc({"by": token, "n": self.n})
         op = p.DeliveryComplete(task_id=tid, token=token, outcome=msgspec.Raw(outcome))
         if token != m.token:
-            self.expect_error(LeaseLostError, self.c.op_delivery_complete, op)
+            self.expect_error(LeaseLostError, op)
         elif not self.active[m.scope]:
-            self.expect_error(ScopeInactiveError, self.c.op_delivery_complete, op)
+            self.expect_error(ScopeInactiveError, op)
         elif not self.live(m):
-            self.expect_error(LeaseLostError, self.c.op_delivery_complete, op)
+            self.expect_error(LeaseLostError, op)
         else:
-            view = self.c.op_delivery_complete(self.s, op)
+            view = direct(self.c, self.s, op)
             assert view.state == "SUCCEEDED"
             m.state, m.outcome = "SUCCEEDED", outcome
             assert tid not in self.acked
@@ -167,13 +171,13 @@ class QueueMachine(RuleBasedStateMachine):
         m = self.tasks[tid]
         op = p.DeliveryRetry(task_id=tid, token=token, delay_ms=delay)
         if token != m.token:
-            self.expect_error(LeaseLostError, self.c.op_delivery_retry, op)
+            self.expect_error(LeaseLostError, op)
         elif m.state in TERMINAL or not self.active[m.scope]:
-            assert self.c.op_delivery_retry(self.s, op).state == m.state  # answered, no change
+            assert direct(self.c, self.s, op).state == m.state  # answered, no change
         elif not self.live(m):
-            self.expect_error(LeaseLostError, self.c.op_delivery_retry, op)
+            self.expect_error(LeaseLostError, op)
         else:
-            self.c.op_delivery_retry(self.s, op)
+            direct(self.c, self.s, op)
             if m.attempt >= MAX_ATTEMPTS:
                 m.state = "FAILED"
             else:
@@ -186,13 +190,13 @@ class QueueMachine(RuleBasedStateMachine):
         m = self.tasks[tid]
         op = p.DeliveryReject(task_id=tid, token=token)
         if token != m.token:
-            self.expect_error(LeaseLostError, self.c.op_delivery_reject, op)
+            self.expect_error(LeaseLostError, op)
         elif m.state in TERMINAL or not self.active[m.scope]:
-            assert self.c.op_delivery_reject(self.s, op).state == m.state
+            assert direct(self.c, self.s, op).state == m.state
         elif not self.live(m):
-            self.expect_error(LeaseLostError, self.c.op_delivery_reject, op)
+            self.expect_error(LeaseLostError, op)
         else:
-            assert self.c.op_delivery_reject(self.s, op).state == "FAILED"
+            assert direct(self.c, self.s, op).state == "FAILED"
             m.state = "FAILED"
 
     @rule(seconds=st.integers(1, 12), fire=st.booleans())
@@ -204,7 +208,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.now += seconds * 1000
         if not fire:
             return
-        self.c.timers.fire_due()
+        self.c.heap.fire_due()
         self.fired_at = self.now
         for m in self.tasks.values():
             if m.state == "RUNNING" and m.lease_exp <= self.now:
@@ -217,7 +221,7 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 10_000))
     def cancel_task(self, i):
         m = self.tasks[sorted(self.tasks)[i % len(self.tasks)]]
-        view = self.c.op_task_cancel(self.s, p.TaskCancel(task_id=m.id))
+        view = direct(self.c, self.s, p.TaskCancel(task_id=m.id))
         if m.state not in TERMINAL:
             m.state = "CANCELLED"
         assert view.state == m.state
@@ -226,7 +230,7 @@ class QueueMachine(RuleBasedStateMachine):
     def cancel_run(self, scope, roll):
         if roll:  # cancel rarely, so that runs live long enough to be interesting
             return
-        self.c.op_scope_cancel(self.s, p.ScopeCancel(scope_id=self.sid[scope]))
+        direct(self.c, self.s, p.ScopeCancel(scope_id=self.sid[scope]))
         gone = ["root", "child"] if scope == "root" else ["child"]
         for name in gone:
             self.active[name] = False
@@ -238,7 +242,7 @@ class QueueMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_model(self):
         for tid, m in self.tasks.items():
-            t = self.c.tasks[tid]
+            t = self.c.queues.tasks[tid]
             assert (t.state, t.attempt, t.token) == (m.state, m.attempt, m.token), tid
 
     @invariant()
@@ -246,38 +250,38 @@ class QueueMachine(RuleBasedStateMachine):
         counts = Counter(tid for tid, _ in self.c.finishes)
         assert not [tid for tid, n in counts.items() if n > 1]
         for tid, state in self.c.finishes:
-            assert self.c.tasks[tid].state == state
+            assert self.c.queues.tasks[tid].state == state
 
     @invariant()
     def never_both_ready_and_leased(self):
-        ready = self.c.ready_set
-        for t in self.c.tasks.values():
+        ready = self.c.queues.ready_set
+        for t in self.c.queues.tasks.values():
             if t.id in ready:
                 assert t.state == "QUEUED"
             m = self.tasks[t.id]
             if m.state == "QUEUED" and m.avail <= self.fired_at:
                 assert t.id in ready  # eligible work is findable
-        for heaps in self.c.ready.values():
+        for heaps in self.c.queues.ready.values():
             for h in heaps.values():
                 assert len(set(h)) == len(h)
 
     @invariant()
     def tokens_only_grow(self):
-        for tid, t in self.c.tasks.items():
+        for tid, t in self.c.queues.tasks.items():
             assert t.token >= self.last_token.get(tid, 0)
             self.last_token[tid] = t.token
 
     @invariant()
     def acknowledged_completes_are_the_outcome(self):
         for tid, outcome in self.acked.items():
-            t = self.c.tasks[tid]
+            t = self.c.queues.tasks[tid]
             assert t.state == "SUCCEEDED" and t.outcome == outcome
 
     @invariant()
     def counts_match(self):
-        q = sum(1 for t in self.c.tasks.values() if t.state == "QUEUED")
-        r = sum(1 for t in self.c.tasks.values() if t.state == "RUNNING")
-        assert list(self.c.mailbox_counts.get(next(iter(self.c.mailboxes)), [0, 0])) == [q, r]
+        q = sum(1 for t in self.c.queues.tasks.values() if t.state == "QUEUED")
+        r = sum(1 for t in self.c.queues.tasks.values() if t.state == "RUNNING")
+        assert list(self.c.queues.queue_counts.get(next(iter(self.c.queues.table)), [0, 0])) == [q, r]
 
 
 async def test_queue_state_machine(mock_clock):

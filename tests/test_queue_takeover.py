@@ -46,7 +46,7 @@ async def test_takeover_race_stale_holder_is_fenced_off(autojump_clock, ers):
         await b.complete("B twice")
     res = await ticket.result(timeout=0)
     assert (res.state, res.outcome, res.attempt) == ("SUCCEEDED", "B", 2)
-    assert coord.tasks[ticket.id].token == b.token
+    assert coord.queues.tasks[ticket.id].token == b.token
     await trio.sleep(60)  # B's old lease timer fires and must change nothing
     assert (await ticket.result(timeout=0)).outcome == "B"
 

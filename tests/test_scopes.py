@@ -138,7 +138,7 @@ async def test_deadline_refuses_at_the_instant_even_before_the_timer_fires(autoj
     # The refusal is computed from the tree, not from a fired timer.
     node = ers.node
     run = await ers.scopes.create(deadline=vin(ers, 10))
-    node.coordinator.timers.clear()  # no activity will ever fire
+    node.coordinator.heap.clear()  # no activity will ever fire
     await trio.sleep(10.001)
     with pytest.raises(DeadlineExceededError):
         await run.child()
@@ -164,8 +164,8 @@ async def test_cancel_is_one_atomic_step(autojump_clock, ers):
 
     async def observer():
         while not stop.is_set():
-            active = {coord.scope_inactive_error(r.id) is None for r in all_runs}
-            queued = {t.state for t in coord.tasks.values()}
+            active = {coord.runs.inactive_error(r.id) is None for r in all_runs}
+            queued = {t.state for t in coord.queues.tasks.values()}
             seen.add((frozenset(active), frozenset(queued)))
             looked.set()
             await trio.sleep(0)

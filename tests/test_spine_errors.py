@@ -85,9 +85,12 @@ class _RaiseByCode:
     def hello(self, hello, peer):
         return None, wire.HelloOk(wire.PROTOCOL_VERSION, "test", "default")
 
-    def dispatch(self, session, body):
+    def submit(self, session, body, sink, rid):
         code = msgspec.msgpack.decode(bytes(body))
-        raise error_from_wire(code, f"message of {code}", 0.25, {"code": code, "n": [1, 2]})
+        sink.deliver(rid, error_from_wire(code, f"message of {code}", 0.25, {"code": code, "n": [1, 2]}), 0)
+
+    def durable_lsn(self):
+        return 0
 
     async def wait_durable(self, lsn):
         return None
@@ -148,7 +151,7 @@ async def test_scope_cancelled_arrives_as_scope_cancelled(rs):
     with pytest.raises(ScopeCancelledError) as ei:
         await run.child()
     assert type(ei.value) is ScopeCancelledError
-    assert ei.value.details == {"scope_id": run.id}
+    assert ei.value.details == {"scope_id": run.id, "reason": "cancelled"}
     mbx = await rs.mailboxes.ensure("spine-err-cancelled")
     with pytest.raises(ScopeCancelledError):
         await mbx.submit(1, scope=run)

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 import rallypoint
-from rallypoint.errors import ConflictError, ScopeCancelledError, ValidationError, WaitTimeout
+from rallypoint.errors import ConflictError, ScopeCancelledError, TimerCancelledError, ValidationError, WaitTimeout
 
 from conftest import Daemon
 
@@ -63,20 +63,21 @@ async def test_cancel_before_fire(autojump_clock, ers):
     st = await tm.cancel()
     assert st.state == "CANCELLED"
     assert (await tm.cancel()).state == "CANCELLED"  # again: no-op
-    with pytest.raises(ConflictError):
+    with pytest.raises(TimerCancelledError) as ei:
         await tm.wait(timeout=5)
+    assert ei.value.details["reason"] == "cancelled" and "timer.cancel()" in ei.value.message
     await trio.sleep(120)
     st = await tm.status()
     assert (st.state, st.fired_at) == ("CANCELLED", None)  # never fires
 
 
-async def test_cancel_wakes_a_waiter_with_conflict(autojump_clock, ers):
+async def test_cancel_wakes_a_waiter_with_timer_cancelled(autojump_clock, ers):
     run = await ers.scopes.create()
     tm = await run.timers.create(after_seconds=60)
     async with trio.open_nursery() as n:
 
         async def waiter():
-            with pytest.raises(ConflictError):
+            with pytest.raises(TimerCancelledError):
                 await tm.wait()
 
         n.start_soon(waiter)
@@ -108,8 +109,10 @@ async def test_run_cancel_cancels_armed_timers(autojump_clock, ers):
     async with trio.open_nursery() as n:
 
         async def waiter():
-            with pytest.raises(ConflictError):
+            # the run's end answers the wait with the timer's cancellation code
+            with pytest.raises(TimerCancelledError) as ei:
                 await armed.wait()
+            assert ei.value.details["reason"] == "run_cancelled", ei.value.details
 
         n.start_soon(waiter)
         await trio.sleep(1)

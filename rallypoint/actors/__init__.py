@@ -1,47 +1,15 @@
-"""The coordinator: one class made of the actor kinds.
+"""The coordinator: one class per kind of entity, each entity an actor of the runtime.
 
-Each kind (runs, work queues, task groups, ...) is a mixin with its state Structs, its
-``op_*`` handlers (decide), its ``@applies`` functions and its activities; the base
-(:mod:`.system`) owns the tables, the commit pipeline, the timer heap and recovery.
+- :mod:`.runtime`: actors (inbox, task, nursery, parked waiters), passivation, the
+  nursery tree, the activity heap;
+- :mod:`.coordinator`: the kinds composed, the commit pipeline, time;
+- one module per kind: :mod:`.run`, :mod:`.queue` (work queues and tasks),
+  :mod:`.group`, :mod:`.barrier`, :mod:`.timer`, :mod:`.joinset`, :mod:`.keys`,
+  :mod:`.space`;
+- :mod:`.api`: the operation table (route, handler, permission).
 """
 
-from .barrier import BarrierKind
-from .group import GroupKind
-from .joinset import JoinSetKind
-from .keys import KeyKind
-from .mailbox import MailboxKind
-from .scope import ScopeKind
-from .system import CoordinatorBase, MemoryJournal
-from .timer import TimerKind
+from .common import MemoryJournal
+from .coordinator import Coordinator, FatalError
 
-
-class Coordinator(KeyKind, JoinSetKind, TimerKind, BarrierKind, GroupKind, MailboxKind, ScopeKind, CoordinatorBase):
-    """The whole coordinator (see :class:`.system.CoordinatorBase` for arguments)."""
-
-
-__all__ = ["Coordinator", "MemoryJournal"]
-
-
-def _op_server_status(self, session, op):
-    from ..protocol import ServerStatusView
-    from ..wire import PROTOCOL_VERSION
-
-    st = self.server_status()
-    runs = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
-    runs.update(self.run_counts.get(session.space, {}))
-    tasks = {k: v for k, v in self.space_task_counts.get(session.space, {}).items() if v}
-    return ServerStatusView(
-        version=st["version"],
-        protocol_version=PROTOCOL_VERSION,
-        uptime_s=st["uptime_s"],
-        connections=st["connections"],
-        durability=st["durability"],
-        runs=runs,
-        tasks=tasks,
-        entities=st["entities"],
-        last_lsn=st["last_lsn"],
-        durable_lsn=st["durable_lsn"],
-    )
-
-
-Coordinator.op_server_status = _op_server_status
+__all__ = ["Coordinator", "FatalError", "MemoryJournal"]

@@ -1,26 +1,28 @@
 """Barriers: release everyone once ``target`` distinct keys have arrived (SPEC §6).
 
 WAITING -> RELEASED (the target-th distinct key) -> (``next_epoch``) WAITING again with
-no arrivals; WAITING -> CANCELLED when its run goes inactive (waiters wake at once with
-BARRIER_CANCELLED). Arrivals are idempotent per key within an epoch; arriving after the
-release is BARRIER_RELEASED. ``wait`` resolves on RELEASED in the epoch it pinned, or
-when the epoch has moved past it (a waiter is not fooled by reuse).
+no arrivals; WAITING -> CANCELLED when its run goes inactive. Arrivals are idempotent per
+key within an epoch; arriving after the release is BARRIER_RELEASED. ``wait`` resolves
+on RELEASED in the epoch it pinned, or when the epoch has moved past it (a waiter is not
+fooled by reuse); on a cancelled barrier it raises BARRIER_CANCELLED.
+
+The barrier's actor lives in its run's nursery; waits park there, so the run's end
+answers them (BARRIER_CANCELLED) through the nursery's cancellation.
 """
 
 from __future__ import annotations
 
 import msgspec
-import trio
 
 from ..clock import to_iso
-from ..errors import BarrierCancelledError, BarrierReleasedError, ConflictError, NotFoundError, ValidationError
+from ..errors import BarrierCancelledError, BarrierReleasedError, ConflictError, NotFoundError
 from ..protocol import BarrierArrive, BarrierCreate, BarrierNextEpochOp, BarrierStatus, BarrierView, BarrierWait
 from ..records import BarrierArrived, BarrierCreated, BarrierNextEpoch
-from .system import short, applies, check_range, clamp_wait
+from .common import applies, check_key, check_range, clamp_wait, short
+from .kind import Kind
+from .runtime import Park
 
-__all__ = ["BarrierState", "BarrierKind"]
-
-MAX_KEY_LEN = 256
+__all__ = ["BarrierState", "Barriers"]
 
 
 class BarrierState(msgspec.Struct, gc=False, omit_defaults=True):
@@ -33,27 +35,35 @@ class BarrierState(msgspec.Struct, gc=False, omit_defaults=True):
     epoch: int = 1
     keys: list[str] = msgspec.field(default_factory=list)
     released_at_ms: int | None = None
+    cancel_reason: str | None = None  # cancelled | completed | deadline
 
 
-class BarrierKind:
-    def _init_tables(self) -> None:
-        super()._init_tables()
-        self.barriers: dict[str, BarrierState] = {}
-        self.scope_barriers: dict[str, list[str]] = {}
-        self.inactive_hooks.append(self._barriers_on_scope_inactive)
+class Barriers(Kind):
+    """Barriers: create, arrive, wait, next epoch; cancelled with their run."""
+
+    prefix = "bar"
+    name = "barriers"
+
+    def __init__(self, coord) -> None:
+        super().__init__(coord)
+        self.table: dict[str, BarrierState] = {}
 
     def entity_tables(self):
-        t = super().entity_tables()
-        t["bar"] = (self.barriers, BarrierState)
-        return t
+        return {"bar": (self.table, BarrierState)}
 
-    def get_barrier(self, space: str, barrier_id: str) -> BarrierState:
-        b = self.barriers.get(barrier_id) if isinstance(barrier_id, str) else None
+    def parent_actor_id(self, barrier_id: str) -> str | None:
+        return self.table[barrier_id].scope_id
+
+    def get(self, space: str, barrier_id) -> BarrierState:
+        b = self.table.get(barrier_id) if isinstance(barrier_id, str) else None
         if b is None or b.space != space:
             raise NotFoundError(f"no barrier {short(barrier_id)} in this space", details={"barrier_id": barrier_id})
         return b
 
-    def barrier_view(self, b: BarrierState) -> BarrierView:
+    def route(self, session, barrier_id) -> str:
+        return self.get(session.space, barrier_id).id
+
+    def view(self, b: BarrierState) -> BarrierView:
         return BarrierView(
             id=b.id,
             scope_id=b.scope_id,
@@ -66,106 +76,116 @@ class BarrierKind:
             released_at=to_iso(b.released_at_ms),
         )
 
-    def op_barrier_create(self, session, op: BarrierCreate) -> BarrierView:
-        scope = self.get_scope(session.space, op.scope_id)
+    def _cancelled(self, b: BarrierState) -> BarrierCancelledError:
+        why = {"deadline": "its run passed its deadline", "completed": "its run completed"}.get(
+            b.cancel_reason or "", "its run was cancelled"
+        )
+        return BarrierCancelledError(
+            f"barrier {b.id} was cancelled ({why})",
+            details={"barrier_id": b.id, "scope_id": b.scope_id, "reason": b.cancel_reason or "cancelled"},
+        )
+
+    def op_barrier_create(self, actor, session, op: BarrierCreate) -> BarrierView:
+        coord = self.coord
+        run = coord.runs.get(session.space, op.scope_id)
         check_range("target", op.target, 1, 1_000_000)
-        self.require_active(scope.id)
-        rec = BarrierCreated(id=self.ids.new("bar"), space=session.space, scope_id=scope.id, target=op.target,
-                             at_ms=self.now_ms())
-        self.commit([rec])
-        return self.barrier_view(self.barriers[rec.id])
+        coord.runs.require_active(run.id)
+        rec = BarrierCreated(id=coord.ids.new("bar"), space=session.space, scope_id=run.id, target=op.target,
+                             at_ms=coord.now_ms())
+        coord.commit([rec])
+        return self.view(self.table[rec.id])
 
     @applies(BarrierCreated)
-    def _apply_barrier_created(self, r: BarrierCreated) -> None:
+    def _apply_created(self, r: BarrierCreated) -> None:
         b = BarrierState(id=r.id, space=r.space, scope_id=r.scope_id, target=r.target, created_at_ms=r.at_ms)
-        self.barriers[b.id] = b
-        self.scope_barriers.setdefault(b.scope_id, []).append(b.id)
-        self.touch(b.id)
+        self.table[b.id] = b
+        self.coord.runs.own(b.scope_id, b.id)
+        self.coord.touch(b.id)
 
-    def op_barrier_arrive(self, session, op: BarrierArrive) -> BarrierView:
-        b = self.get_barrier(session.space, op.barrier_id)
-        if not isinstance(op.key, str) or not 1 <= len(op.key) <= MAX_KEY_LEN:
-            raise ValidationError(f"key must be 1 to {MAX_KEY_LEN} characters", details={"field": "key"})
+    def op_barrier_arrive(self, actor, session, op: BarrierArrive) -> BarrierView:
+        """Arrive with ``key`` (idempotent per key within the epoch). BARRIER_RELEASED
+        after the release; SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run."""
+        coord = self.coord
+        b = self.get(session.space, op.barrier_id)
+        check_key("key", op.key)
         if b.state == "CANCELLED":
-            self.require_active(b.scope_id)  # SPEC §2: arrivals on an inactive run are SCOPE_CANCELLED/DEADLINE_EXCEEDED
-            raise BarrierCancelledError(f"barrier {b.id} was cancelled (its run was cancelled)")
+            coord.runs.require_active(b.scope_id)  # SPEC §2: arrivals on an inactive run
+            raise self._cancelled(b)
         if op.key in b.keys:
-            return self.barrier_view(b)  # idempotent per key within the epoch
+            return self.view(b)
         if b.state == "RELEASED":
             raise BarrierReleasedError(
                 f"barrier {b.id} already released in epoch {b.epoch}; call next_epoch() to reuse it",
                 details={"epoch": b.epoch},
             )
-        self.require_active(b.scope_id)
+        coord.runs.require_active(b.scope_id)
         releases = len(b.keys) + 1 >= b.target
-        self.commit([BarrierArrived(id=b.id, key=op.key, epoch=b.epoch, at_ms=self.now_ms(), releases=releases)])
-        return self.barrier_view(b)
+        coord.commit([BarrierArrived(id=b.id, key=op.key, epoch=b.epoch, at_ms=coord.now_ms(), releases=releases)])
+        return self.view(b)
 
     @applies(BarrierArrived)
-    def _apply_barrier_arrived(self, r: BarrierArrived) -> None:
-        b = self.barriers[r.id]
+    def _apply_arrived(self, r: BarrierArrived) -> None:
+        b = self.table[r.id]
         b.keys.append(r.key)
         if r.releases:
             b.state = "RELEASED"
             b.released_at_ms = r.at_ms
-            self.notifier.notify(b.id)
-        self.touch(b.id)
+            self.coord.notify(b.id, "b")
+        self.coord.touch(b.id)
 
-    def op_barrier_status(self, session, op: BarrierStatus) -> BarrierView:
-        return self.barrier_view(self.get_barrier(session.space, op.barrier_id))
+    def op_barrier_status(self, actor, session, op: BarrierStatus) -> BarrierView:
+        return self.view(self.get(session.space, op.barrier_id))
 
-    def op_barrier_wait(self, session, op: BarrierWait):
-        b = self.get_barrier(session.space, op.barrier_id)
+    def op_barrier_wait(self, actor, session, op: BarrierWait):
+        """The barrier once released in ``epoch`` (default: the current one) or a later
+        epoch began; parks on the barrier's actor. BARRIER_CANCELLED once cancelled."""
+        b = self.get(session.space, op.barrier_id)
         wait_ms = clamp_wait(op.wait_ms)
         epoch = b.epoch if op.epoch is None else op.epoch
-        done = self._barrier_done(b, epoch)
-        if done or wait_ms == 0:
-            return self.barrier_view(b)
-        return self._barrier_wait(b, epoch, wait_ms)
+        if self._done(b, epoch) or wait_ms == 0:
+            return self.view(b)
+        view = self.view
+        return Park("b", lambda: view(b) if self._done(b, epoch) else None, wait_ms, lambda: view(b))
 
-    def _barrier_done(self, b: BarrierState, epoch: int) -> bool:
+    def _done(self, b: BarrierState, epoch: int) -> bool:
         if b.state == "CANCELLED":
-            raise BarrierCancelledError(f"barrier {b.id} was cancelled (its run was cancelled)")
+            raise self._cancelled(b)
         return b.epoch > epoch or (b.epoch == epoch and b.state == "RELEASED")
 
-    async def _barrier_wait(self, b: BarrierState, epoch: int, wait_ms: int) -> BarrierView:
-        with trio.move_on_after(wait_ms / 1000):
-            while not self._barrier_done(b, epoch):
-                await self.notifier.event(b.id).wait()
-        return self.barrier_view(b)
-
-    def op_barrier_next_epoch(self, session, op: BarrierNextEpochOp) -> BarrierView:
-        b = self.get_barrier(session.space, op.barrier_id)
+    def op_barrier_next_epoch(self, actor, session, op: BarrierNextEpochOp) -> BarrierView:
+        """Start a new epoch with no arrivals; only from RELEASED (CONFLICT otherwise)."""
+        coord = self.coord
+        b = self.get(session.space, op.barrier_id)
         if b.state == "CANCELLED":
-            raise BarrierCancelledError(f"barrier {b.id} was cancelled (its run was cancelled)")
+            raise self._cancelled(b)
         if b.state != "RELEASED":
             raise ConflictError(
                 f"barrier {b.id} is {b.state} in epoch {b.epoch}; only a released barrier starts a new epoch"
             )
-        self.require_active(b.scope_id)
-        self.commit([BarrierNextEpoch(id=b.id, epoch=b.epoch + 1, at_ms=self.now_ms())])
-        return self.barrier_view(b)
+        coord.runs.require_active(b.scope_id)
+        coord.commit([BarrierNextEpoch(id=b.id, epoch=b.epoch + 1, at_ms=coord.now_ms())])
+        return self.view(b)
 
     @applies(BarrierNextEpoch)
-    def _apply_barrier_next_epoch(self, r: BarrierNextEpoch) -> None:
-        b = self.barriers[r.id]
+    def _apply_next_epoch(self, r: BarrierNextEpoch) -> None:
+        b = self.table[r.id]
         b.epoch = r.epoch
         b.state = "WAITING"
         b.keys = []
         b.released_at_ms = None
-        self.touch(b.id)
-        self.notifier.notify(b.id)
+        self.coord.touch(b.id)
+        self.coord.notify(b.id, "b")
 
-    def _barriers_on_scope_inactive(self, scope_id: str, at_ms: int, reason: str) -> None:
-        for bid in self.scope_barriers.get(scope_id, ()):
-            b = self.barriers[bid]
-            if b.state == "WAITING":
-                b.state = "CANCELLED"
-                self.touch(b.id)
-                self.notifier.notify(b.id)
+    def on_run_inactive(self, barrier_id: str, at_ms: int, reason: str) -> None:
+        b = self.table[barrier_id]
+        if b.state == "WAITING":
+            b.state = "CANCELLED"
+            b.cancel_reason = reason
+            self.coord.touch(b.id)
+            self.coord.notify(b.id, "b")
 
     def rebuild_indexes(self) -> None:
-        super().rebuild_indexes()
-        self.scope_barriers = {}
-        for b in self.barriers.values():
-            self.scope_barriers.setdefault(b.scope_id, []).append(b.id)
+        runs = self.coord.runs
+        for b in self.table.values():
+            runs.own(b.scope_id, b.id)
+

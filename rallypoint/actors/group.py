@@ -33,15 +33,18 @@ The group's deadline is its gate run's deadline. Once a deadline of the gate or 
 ancestor has passed (its timer may not have fired yet: refusals start at the instant,
 SPEC §2), the only outcome left is FAILURE ``deadline``: the next commit that touches
 the group records it, a verdict is ``late``, and a cancel keeps the reason ``deadline``.
+
+The group's actor lives in its parent run's nursery (beside its gate run's actor);
+``wait`` parks there. The gate run is created and ended by the runs kind's own functions
+(``Runs.add``, ``Runs.end``), inside the group's records.
 """
 
 from __future__ import annotations
 
 import msgspec
-import trio
 
 from ..clock import to_iso
-from ..errors import ConflictError, LimitError, NotFoundError, ValidationError
+from ..errors import ConflictError, DeadlineExceededError, LimitError, NotFoundError, ValidationError
 from ..protocol import (
     GroupClose,
     GroupCreate,
@@ -64,11 +67,13 @@ from ..records import (
     GroupVerdict,
     TaskSubmitted,
 )
-from .mailbox import TERMINAL, TaskState
-from .scope import ScopeState
-from .system import short, applies, check_payload, check_range, clamp_wait, parse_instant
+from .common import applies, check_key, check_payload, check_range, clamp_wait, parse_instant, short
+from .kind import Kind
+from .queue import TERMINAL, TaskState
+from .run import ScopeState
+from .runtime import Park
 
-__all__ = ["GroupState", "Member", "GroupKind", "MAX_MEMBERS", "CONDITIONS"]
+__all__ = ["GroupState", "Member", "Groups", "MAX_MEMBERS", "CONDITIONS"]
 
 MAX_MEMBERS = 100
 CONDITIONS = ("FIRST_ACCEPTED", "N_ACCEPTED", "ALL_TERMINAL")
@@ -98,32 +103,44 @@ class GroupState(msgspec.Struct, gc=False, omit_defaults=True):
     members: list[Member] = msgspec.field(default_factory=list)
 
 
-class GroupKind:
+class Groups(Kind):
     """Task groups: op handlers, apply functions, the decision reaction."""
 
-    def _init_tables(self) -> None:
-        super()._init_tables()
-        self.groups: dict[str, GroupState] = {}
-        self.group_member_index: dict[str, dict[str, Member]] = {}
-        self.inactive_hooks.append(self._groups_on_scope_inactive)
+    prefix = "grp"
+    name = "groups"
+
+    def __init__(self, coord) -> None:
+        super().__init__(coord)
+        self.table: dict[str, GroupState] = {}
+        self.member_index: dict[str, dict[str, Member]] = {}
+        self.touched: set[str] = set()
 
     def entity_tables(self):
-        t = super().entity_tables()
-        t["grp"] = (self.groups, GroupState)
-        return t
+        return {"grp": (self.table, GroupState)}
 
-    def get_group(self, space: str, group_id: str) -> GroupState:
-        g = self.groups.get(group_id) if isinstance(group_id, str) else None
+    def parent_actor_id(self, group_id: str) -> str | None:
+        return self.table[group_id].parent_scope_id
+
+    def get(self, space: str, group_id) -> GroupState:
+        g = self.table.get(group_id) if isinstance(group_id, str) else None
         if g is None or g.space != space:
             raise NotFoundError(f"no task group {short(group_id)} in this space", details={"group_id": group_id})
         return g
 
+    def route(self, session, group_id) -> str:
+        return self.get(session.space, group_id).id
+
     # ================================================================ create
-    def op_group_create(self, session, op: GroupCreate) -> GroupView:
+    def op_group_create(self, actor, session, op: GroupCreate) -> GroupView:
+        """A group and its gate run (a child of ``parent_scope_id``, default the run the
+        call is made on), in one record. Runs on the calling run's actor. Both the calling
+        run and the parent must be active (SCOPE_CANCELLED / DEADLINE_EXCEEDED)."""
+        coord = self.coord
+        runs = coord.runs
         space = session.space
-        origin = self.get_scope(space, op.scope_id)
-        parent = self.get_scope(space, op.parent_scope_id) if op.parent_scope_id else origin
-        mbx = self.get_mailbox(space, op.mailbox)
+        origin = runs.get(space, op.scope_id)
+        parent = runs.get(space, op.parent_scope_id) if op.parent_scope_id else origin
+        q = coord.queues.get_queue(space, op.mailbox)
         if op.condition not in CONDITIONS:
             raise ValidationError(
                 f"condition must be one of {', '.join(CONDITIONS)} (got {short(op.condition)})",
@@ -144,35 +161,31 @@ class GroupKind:
                     f"expected_members ({op.expected_members}) is lower than threshold ({op.threshold})",
                     details={"field": "expected_members"},
                 )
-        now = self.now_ms()
+        now = coord.now_ms()
         deadline_ms = parse_instant("deadline", op.deadline)
         if deadline_ms is not None and deadline_ms <= now:
             raise ValidationError(f"deadline {op.deadline} is in the past", details={"field": "deadline"})
-        self.require_active(parent.id)
-        if parent.children >= parent.child_limit:
-            raise LimitError(
-                f"run {parent.id} already has {parent.children} children, its child_limit; "
-                "the group's gate run would exceed it",
-                details={"field": "child_limit", "limit": parent.child_limit},
-            )
-        gid = self.ids.new("grp")
+        runs.require_active(origin.id)
+        if parent.id != origin.id:
+            runs.require_active(parent.id)
+        runs.check_child_limit(parent, "; the group's gate run would exceed it")
         rec = GroupCreated(
-            id=gid,
+            id=coord.ids.new("grp"),
             space=space,
             parent_scope_id=parent.id,
-            gate_scope_id=self.ids.new("scp"),
-            mailbox_id=mbx.id,
+            gate_scope_id=coord.ids.new("scp"),
+            mailbox_id=q.id,
             condition=op.condition,
             at_ms=now,
             threshold=op.threshold,
             expected_members=op.expected_members,
             deadline_ms=deadline_ms,
         )
-        self.commit([rec])
-        return self.group_view(self.groups[gid])
+        coord.commit([rec])
+        return self.view(self.table[rec.id])
 
     @applies(GroupCreated)
-    def _apply_group_created(self, r: GroupCreated) -> None:
+    def _apply_created(self, r: GroupCreated) -> None:
         g = GroupState(
             id=r.id,
             space=r.space,
@@ -185,107 +198,131 @@ class GroupKind:
             expected_members=r.expected_members,
             deadline_ms=r.deadline_ms,
         )
-        self.groups[g.id] = g
-        self.group_member_index[g.id] = {}
-        gate = ScopeState(
-            id=r.gate_scope_id,
-            space=r.space,
-            parent_id=r.parent_scope_id,
-            name=f"group:{r.id}",
-            deadline_ms=r.deadline_ms,
-            child_limit=1000,
-            created_at_ms=r.at_ms,
-            group_id=r.id,
+        self.table[g.id] = g
+        self.member_index[g.id] = {}
+        runs = self.coord.runs
+        runs.add(
+            ScopeState(
+                id=r.gate_scope_id,
+                space=r.space,
+                parent_id=r.parent_scope_id,
+                name=f"group:{r.id}",
+                deadline_ms=r.deadline_ms,
+                child_limit=1000,
+                created_at_ms=r.at_ms,
+                group_id=r.id,
+            )
         )
-        self._index_scope(gate)
-        self.scopes[r.parent_scope_id].children += 1
-        self.touch(r.parent_scope_id)
-        self.touch(gate.id)
-        self.touch(g.id)
+        runs.own(r.gate_scope_id, g.id)
+        self.coord.touch(g.id)
 
     # ================================================================ members
-    def _member_view_for(self, g: GroupState, t: TaskState) -> GroupMemberAddedView:
-        return GroupMemberAddedView(task=self.task_view(t), group_state=g.state)
+    def _member_added(self, g: GroupState, t: TaskState) -> GroupMemberAddedView:
+        return GroupMemberAddedView(task=self.coord.queues.task_view(t), group_state=g.state)
 
-    def op_group_submit(self, session, op: GroupSubmit) -> GroupMemberAddedView:
-        g = self.get_group(session.space, op.group_id)
-        mbx = self.mailboxes[g.mailbox_id]
-        self._check_key(op.key)
+    def op_group_submit(self, actor, session, op: GroupSubmit) -> GroupMemberAddedView:
+        """A new member task in the gate run. Idempotent by ``key`` (the same key and
+        input return that member, open or not); CONFLICT when the group is no longer
+        OPEN, when the key was used with another input, or when it names a task of the
+        gate run that is not a member."""
+        coord = self.coord
+        queues = coord.queues
+        g = self.get(session.space, op.group_id)
+        q = queues.table[g.mailbox_id]
+        check_key("key", op.key)
         if op.key is not None:
-            tid = self.task_keys.get((g.gate_scope_id, mbx.id, op.key))
-            if tid is not None:
-                t = self.tasks[tid]
+            t = queues.task_by_key(g.gate_scope_id, q.id, op.key)
+            if t is not None:
+                if t.group_id != g.id:
+                    raise ConflictError(
+                        f"key {op.key!r} names task {t.id} of the gate run, which is not a member of group {g.id}",
+                        details={"field": "key", "task_id": t.id},
+                    )
                 if t.input != check_payload("input", op.input):
                     raise ConflictError(
                         f"key {op.key!r} is already a member of group {g.id} with a different input",
                         details={"field": "key", "task_id": t.id},
                     )
-                return self._member_view_for(g, t)
+                return self._member_added(g, t)
         self._require_open(g)
-        rec = self.prepare_submit(
-            session.space, mbx, g.gate_scope_id, op.input, op.key, op.deadline, group_id=g.id
-        )
+        rec = queues.prepare_submit(session.space, q, g.gate_scope_id, op.input, op.key, op.deadline, group_id=g.id)
         assert isinstance(rec, TaskSubmitted)
         seals = g.expected_members is not None and len(g.members) + 1 >= g.expected_members
-        self.commit([rec, GroupMemberJoined(group_id=g.id, task_id=rec.id, at_ms=rec.at_ms, seals=seals)])
-        return self._member_view_for(g, self.tasks[rec.id])
+        coord.commit([rec, GroupMemberJoined(group_id=g.id, task_id=rec.id, at_ms=rec.at_ms, seals=seals)])
+        return self._member_added(g, queues.tasks[rec.id])
 
     def _require_open(self, g: GroupState) -> None:
+        if g.state == "FINALIZED" and g.outcome_reason == "deadline":
+            # the same answer whether or not the deadline's activity ran before this
+            raise DeadlineExceededError(
+                f"group {g.id} passed its deadline {to_iso(g.deadline_ms)}; it takes no new members",
+                details={"scope_id": g.gate_scope_id, "reason": "deadline"},
+            )
         if g.state != "OPEN":
             raise ConflictError(
-                f"group {g.id} is {g.state}; it takes no new members",
-                details={"group_id": g.id, "state": g.state},
+                f"group {g.id} is {g.state}; it takes no new members", details={"group_id": g.id, "state": g.state}
             )
         if len(g.members) >= MAX_MEMBERS:
             raise LimitError(f"group {g.id} already has {MAX_MEMBERS} members, the limit")
 
-    def op_group_join_task(self, session, op: GroupJoinTask) -> GroupMemberAddedView:
-        g = self.get_group(session.space, op.group_id)
-        t = self.get_task(session.space, op.task_id)
+    def op_group_join_task(self, actor, session, op: GroupJoinTask) -> GroupMemberAddedView:
+        """An existing task joins while the group is OPEN (idempotent); CONFLICT when it
+        is another group's member."""
+        coord = self.coord
+        g = self.get(session.space, op.group_id)
+        t = coord.queues.get_task(session.space, op.task_id)
         if t.group_id == g.id:
-            return self._member_view_for(g, t)
+            return self._member_added(g, t)
         if t.group_id is not None:
             raise ConflictError(f"task {t.id} is already a member of group {t.group_id}")
         self._require_open(g)
-        self.require_active(g.gate_scope_id)  # like submit: no new members past the deadline
+        coord.runs.require_active(g.gate_scope_id)  # like submit: no new members past the deadline
         seals = g.expected_members is not None and len(g.members) + 1 >= g.expected_members
-        self.commit([GroupMemberJoined(group_id=g.id, task_id=t.id, at_ms=self.now_ms(), seals=seals)])
-        return self._member_view_for(g, t)
+        coord.commit([GroupMemberJoined(group_id=g.id, task_id=t.id, at_ms=coord.now_ms(), seals=seals)])
+        return self._member_added(g, t)
 
     @applies(GroupMemberJoined)
     def _apply_member_joined(self, r: GroupMemberJoined) -> None:
-        g = self.groups[r.group_id]
+        g = self.table[r.group_id]
         m = Member(task_id=r.task_id)
         g.members.append(m)
-        self.group_member_index[g.id][r.task_id] = m
-        t = self.tasks[r.task_id]
+        self.member_index[g.id][r.task_id] = m
+        t = self.coord.queues.tasks[r.task_id]
         if t.group_id != g.id:
             t.group_id = g.id
-            self.touch(t.id)
+            self.coord.touch(t.id)
         if r.seals and g.state == "OPEN":
             g.state = "SEALED"
-        self.touch(g.id)
-        self._touch_group(g.id)
+        self.coord.touch(g.id)
+        self.member_changed(g.id)
 
     # ================================================================ verdicts
-    def op_group_verdict(self, session, op: GroupVerdictOp) -> VerdictView:
-        g = self.get_group(session.space, op.group_id)
+    def op_group_verdict(self, actor, session, op: GroupVerdictOp) -> VerdictView:
+        """ACCEPTED (the member SUCCEEDED) or REJECTED (it finished). Idempotent; CONFLICT
+        for the opposite verdict or a member not in that state; ``late`` after the group
+        was decided (or past its deadline): it never changes the outcome."""
+        coord = self.coord
+        g = self.get(session.space, op.group_id)
         verdict = {"ACCEPTED": "ACCEPTED", "ACCEPT": "ACCEPTED", "REJECTED": "REJECTED", "REJECT": "REJECTED"}.get(
             op.verdict
         )
         if verdict is None:
-            raise ValidationError(f"verdict must be ACCEPTED or REJECTED (got {short(op.verdict)})", details={"field": "verdict"})
-        m = self.group_member_index[g.id].get(op.task_id)
+            raise ValidationError(
+                f"verdict must be ACCEPTED or REJECTED (got {short(op.verdict)})", details={"field": "verdict"}
+            )
+        m = self.member_index[g.id].get(op.task_id)
         if m is None:
-            raise NotFoundError(f"task {short(op.task_id)} is not a member of group {g.id}", details={"task_id": op.task_id})
+            raise NotFoundError(
+                f"task {short(op.task_id)} is not a member of group {g.id}", details={"task_id": op.task_id}
+            )
         if m.verdict == verdict:
-            return self._verdict_view(g, m)  # idempotent
+            return self._verdict_view(g, m)
         if m.verdict is not None:
             raise ConflictError(
                 f"member {m.task_id} was already {m.verdict}; a verdict cannot change",
                 details={"task_id": m.task_id, "verdict": m.verdict},
             )
-        t = self.tasks[m.task_id]
+        t = coord.queues.tasks[m.task_id]
         if verdict == "ACCEPTED" and t.state != "SUCCEEDED":
             raise ConflictError(
                 f"member {t.id} is {t.state}; only a SUCCEEDED member can be accepted",
@@ -296,71 +333,63 @@ class GroupKind:
                 f"member {t.id} is {t.state}; only a finished member can be rejected",
                 details={"task_id": t.id, "task_state": t.state},
             )
-        self.commit([
+        coord.commit([
             GroupVerdict(
-                group_id=g.id, task_id=t.id, verdict=verdict, at_ms=self.now_ms(),
-                late=g.state == "FINALIZED" or self._deadline_passed(g),
+                group_id=g.id, task_id=t.id, verdict=verdict, at_ms=coord.now_ms(),
+                late=g.state == "FINALIZED" or coord.runs.deadline_passed(g.gate_scope_id),
             )
         ])
         return self._verdict_view(g, m)
 
     def _verdict_view(self, g: GroupState, m: Member) -> VerdictView:
         return VerdictView(
-            task_id=m.task_id,
-            verdict=m.verdict or "",
-            late=m.late,
-            group_state=g.state,
-            outcome=g.outcome,
-            outcome_reason=g.outcome_reason,
+            task_id=m.task_id, verdict=m.verdict or "", late=m.late, group_state=g.state,
+            outcome=g.outcome, outcome_reason=g.outcome_reason,
         )
 
     @applies(GroupVerdict)
     def _apply_verdict(self, r: GroupVerdict) -> None:
-        m = self.group_member_index[r.group_id][r.task_id]
+        m = self.member_index[r.group_id][r.task_id]
         m.verdict = r.verdict
         m.late = r.late
-        self.touch(r.group_id)
-        self._touch_group(r.group_id)
+        self.coord.touch(r.group_id)
+        self.member_changed(r.group_id)
 
     # ================================================================ close, status, wait
-    def op_group_close(self, session, op: GroupClose) -> GroupDecisionView:
-        g = self.get_group(session.space, op.group_id)
+    def op_group_close(self, actor, session, op: GroupClose) -> GroupDecisionView:
+        """Seal (no new members) and evaluate at once; repeatable."""
+        g = self.get(session.space, op.group_id)
         if g.state == "OPEN":
-            self.commit([GroupSealed(group_id=g.id, at_ms=self.now_ms())])
+            self.coord.commit([GroupSealed(group_id=g.id, at_ms=self.coord.now_ms())])
         return GroupDecisionView(state=g.state, outcome=g.outcome, outcome_reason=g.outcome_reason)
 
     @applies(GroupSealed)
     def _apply_sealed(self, r: GroupSealed) -> None:
-        g = self.groups[r.group_id]
+        g = self.table[r.group_id]
         if g.state == "OPEN":
             g.state = "SEALED"
-        self.touch(g.id)
-        self._touch_group(g.id)
+        self.coord.touch(g.id)
+        self.member_changed(g.id)
 
-    def op_group_status(self, session, op: GroupStatus) -> GroupView:
-        return self.group_view(self.get_group(session.space, op.group_id))
+    def op_group_status(self, actor, session, op: GroupStatus) -> GroupView:
+        return self.view(self.get(session.space, op.group_id))
 
-    def op_group_wait(self, session, op: GroupWait):
-        g = self.get_group(session.space, op.group_id)
+    def op_group_wait(self, actor, session, op: GroupWait):
+        """The group once FINALIZED; parks on the group's actor up to ``wait_ms``."""
+        g = self.get(session.space, op.group_id)
         wait_ms = clamp_wait(op.wait_ms)
         if g.state == "FINALIZED" or wait_ms == 0:
-            return self.group_view(g)
-        return self._group_wait(g, wait_ms)
+            return self.view(g)
+        view = self.view
+        return Park("final", lambda: view(g) if g.state == "FINALIZED" else None, wait_ms, lambda: view(g))
 
-    async def _group_wait(self, g: GroupState, wait_ms: int) -> GroupView:
-        with trio.move_on_after(wait_ms / 1000):
-            while g.state != "FINALIZED":
-                await self.notifier.event(g.id).wait()
-        return self.group_view(g)
-
-    def group_view(self, g: GroupState) -> GroupView:
+    def view(self, g: GroupState) -> GroupView:
+        tasks = self.coord.queues.tasks
         members = []
         counts: dict[str, int] = {"members": len(g.members), "accepted": 0, "rejected": 0}
         for m in g.members:
-            t = self.tasks[m.task_id]
-            members.append(
-                GroupMemberView(task_id=t.id, task_state=t.state, verdict=m.verdict, late=m.late, key=t.key)
-            )
+            t = tasks[m.task_id]
+            members.append(GroupMemberView(task_id=t.id, task_state=t.state, verdict=m.verdict, late=m.late, key=t.key))
             counts[t.state] = counts.get(t.state, 0) + 1
             if m.verdict == "ACCEPTED":
                 counts["accepted"] += 1
@@ -370,7 +399,7 @@ class GroupKind:
             id=g.id,
             scope_id=g.gate_scope_id,
             parent_scope_id=g.parent_scope_id,
-            mailbox=self.mailboxes[g.mailbox_id].name,
+            mailbox=self.coord.queues.table[g.mailbox_id].name,
             condition=g.condition,
             threshold=g.threshold,
             expected_members=g.expected_members,
@@ -385,46 +414,38 @@ class GroupKind:
         )
 
     # ================================================================ the decision
-    def _touch_group(self, gid: str) -> None:
-        if not self._replaying:
-            self._touched_groups.add(gid)
+    def member_changed(self, group_id: str) -> None:
+        """A member's state or verdict changed, or the group sealed: evaluate the group
+        as a reaction of the current commit (not in replay: the outcome is journaled)."""
+        if not self.coord.replaying:
+            self.touched.add(group_id)
 
-    def _react(self) -> list:
-        more = super()._react()
-        if self._touched_groups:
-            touched, self._touched_groups = self._touched_groups, set()
-            now = None
-            for gid in sorted(touched):
-                g = self.groups.get(gid)
-                if g is None or g.state == "FINALIZED":
-                    continue
-                # past the deadline (its timer may not have fired yet) only the deadline decides
-                decision = ("FAILURE", "deadline") if self._deadline_passed(g) else self.evaluate_group(g)
-                if decision is not None:
-                    if now is None:
-                        now = self.now_ms()
-                    more.append(GroupFinalized(group_id=gid, outcome=decision[0], reason=decision[1], at_ms=now))
+    def react(self) -> list:
+        """Follow-up records for the current commit: a ``GroupFinalized`` for every
+        touched group whose decision table now decides."""
+        if not self.touched:
+            return []
+        touched, self.touched = self.touched, set()
+        more = []
+        now = None
+        runs = self.coord.runs
+        for gid in sorted(touched):
+            g = self.table.get(gid)
+            if g is None or g.state == "FINALIZED":
+                continue
+            # past the deadline (its activity may not have fired yet) only the deadline decides
+            decision = ("FAILURE", "deadline") if runs.deadline_passed(g.gate_scope_id) else self.evaluate(g)
+            if decision is not None:
+                if now is None:
+                    now = self.coord.now_ms()
+                more.append(GroupFinalized(group_id=gid, outcome=decision[0], reason=decision[1], at_ms=now))
         return more
 
-    def _deadline_passed(self, g: GroupState, at_ms: int | None = None) -> bool:
-        """The gate (or an ancestor) is past its deadline at ``at_ms`` (default: now),
-        whether or not the deadline's timer has fired: the group's outcome can only be
-        FAILURE ``deadline`` from then on. Deterministic given ``at_ms`` (used in apply)."""
-        if at_ms is None:
-            at_ms = self.now_ms()
-        scopes = self.scopes
-        s = scopes.get(g.gate_scope_id)
-        while s is not None:
-            if s.deadline_ms is not None and (s.deadline_fired or s.deadline_ms <= at_ms):
-                return True
-            s = scopes.get(s.parent_id) if s.parent_id else None
-        return False
-
-    def evaluate_group(self, g: GroupState) -> tuple[str, str] | None:
+    def evaluate(self, g: GroupState) -> tuple[str, str] | None:
         """The decision table (pure). None while undecided."""
         accepted = rejected = still = 0
         all_finished = True
-        tasks = self.tasks
+        tasks = self.coord.queues.tasks
         for m in g.members:
             if m.late:
                 continue
@@ -453,43 +474,41 @@ class GroupKind:
         return None
 
     @applies(GroupFinalized)
-    def _apply_group_finalized(self, r: GroupFinalized) -> None:
-        self._finalize(self.groups[r.group_id], r.outcome, r.reason, r.at_ms)
+    def _apply_finalized(self, r: GroupFinalized) -> None:
+        self.finalize(self.table[r.group_id], r.outcome, r.reason, r.at_ms)
 
-    def _finalize(self, g: GroupState, outcome: str, reason: str, at_ms: int) -> None:
-        """The one atomic step: outcome, gate cancelled (subtree inactive), unfinished
-        members CANCELLED, waiters woken."""
+    def finalize(self, g: GroupState, outcome: str, reason: str, at_ms: int) -> None:
+        """The one atomic step: outcome recorded, gate run cancelled (its subtree goes
+        inactive and its nursery is cancelled), unfinished members CANCELLED, waiters
+        answered."""
+        coord = self.coord
         g.state = "FINALIZED"
         g.outcome = outcome
         g.outcome_reason = reason
         g.finalized_at_ms = at_ms
-        self.touch(g.id)
-        gate = self.scopes[g.gate_scope_id]
+        coord.touch(g.id)
+        runs = coord.runs
+        gate = runs.table[g.gate_scope_id]
         if gate.state == "ACTIVE":
-            self.count_run(gate.space, "ACTIVE", "CANCELLED")
-            gate.state = "CANCELLED"
-            gate.ended_at_ms = at_ms
-            gate.end_reason = "group_finalized"
-            self.touch(gate.id)
-            self._inactivate_subtree(gate.id, at_ms, "cancelled")
+            runs.end(gate, "CANCELLED", at_ms, "group_finalized")
+        queues = coord.queues
         for m in g.members:
-            t = self.tasks[m.task_id]
+            t = queues.tasks[m.task_id]
             if t.state not in TERMINAL:
-                self._finish(t, "CANCELLED", at_ms, "group_finalized")
-        self.notifier.notify(g.id)
+                queues.finish(t, "CANCELLED", at_ms, "group_finalized")
+        coord.notify(g.id, "final")
 
-    def _groups_on_scope_inactive(self, scope_id: str, at_ms: int, reason: str) -> None:
-        s = self.scopes[scope_id]
-        if s.group_id is None:
-            return
-        g = self.groups.get(s.group_id)
+    def on_run_inactive(self, group_id: str, at_ms: int, reason: str) -> None:
+        """The gate run (or an ancestor) ended: FAILURE ``cancelled`` (``deadline`` when a
+        deadline passed first: a later cancel does not rewrite the reason)."""
+        g = self.table.get(group_id)
         if g is not None and g.state != "FINALIZED":
-            # a cancel that lands after the deadline passed (before its timer fired) does
-            # not rewrite the reason: the deadline decided first
-            past = reason == "deadline" or self._deadline_passed(g, at_ms)
-            self._finalize(g, "FAILURE", "deadline" if past else "cancelled", at_ms)
+            past = reason == "deadline" or self.coord.runs.deadline_passed(g.gate_scope_id, at_ms)
+            self.finalize(g, "FAILURE", "deadline" if past else "cancelled", at_ms)
 
     # ================================================================ recovery
     def rebuild_indexes(self) -> None:
-        super().rebuild_indexes()
-        self.group_member_index = {g.id: {m.task_id: m for m in g.members} for g in self.groups.values()}
+        self.member_index = {g.id: {m.task_id: m for m in g.members} for g in self.table.values()}
+        runs = self.coord.runs
+        for g in self.table.values():
+            runs.own(g.gate_scope_id, g.id)

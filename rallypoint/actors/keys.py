@@ -1,15 +1,24 @@
 """API keys and spaces (SPEC §1, §10).
 
 A key belongs to one space and carries permissions (``resource_config``,
-``coordination_write``, ``coordination_read``, ``admin``). The secret is shown once at
-creation and only its SHA-256 is stored (the secret is 32 random bytes, so a plain hash
-is enough: there is nothing to brute-force). Keys are entities like any other: journaled,
-snapshotted, recovered.
+``coordination_write``, ``coordination_read``, ``admin``, ``operator``). The secret is
+shown once at creation and only its SHA-256 is stored (the secret is 32 random bytes, so
+a plain hash is enough: there is nothing to brute-force). Keys are entities like any
+other: journaled, snapshotted, recovered.
+
+**A key acts only in its own space.** An ``admin`` key creates, lists and revokes the
+keys of its own space; another space's keys answer NOT_FOUND and creating a key for
+another space is FORBIDDEN. Managing keys across spaces needs the ``operator``
+permission, which can only be granted offline (``rallypoint keys create --data-dir``
+on a stopped daemon), never over the wire, so no key can mint its way into another
+space.
 
 Until the first key is created the server runs in *open mode*: every connection gets
 the ``default`` space and every permission (the daemon allows that on loopback only,
 unless ``--insecure``). Once a key has been created, every connection must present a
 valid one, even after every key was revoked.
+
+Key operations run on the space's actor.
 """
 
 from __future__ import annotations
@@ -21,13 +30,14 @@ import secrets
 import msgspec
 
 from ..clock import to_iso
-from ..errors import NotFoundError, UnauthenticatedError, ValidationError
+from ..errors import ForbiddenError, NotFoundError, UnauthenticatedError, ValidationError
 from ..protocol import KeyCreate, KeyList, KeyListView, KeyRevoke, KeyView
 from ..records import KeyCreated, KeyRevoked
 from .api import PERMISSIONS
-from .system import short, applies, check_name
+from .common import applies, check_name, short
+from .kind import Kind
 
-__all__ = ["KeyState", "KeyKind", "hash_secret", "SECRET_PREFIX"]
+__all__ = ["KeyState", "Keys", "hash_secret", "SECRET_PREFIX"]
 
 SECRET_PREFIX = "rpk_"
 
@@ -46,16 +56,26 @@ class KeyState(msgspec.Struct, gc=False, omit_defaults=True):
     revoked_at_ms: int | None = None
 
 
-class KeyKind:
-    def _init_tables(self) -> None:
-        super()._init_tables()
-        self.keys: dict[str, KeyState] = {}
-        self.key_by_hash: dict[str, str] = {}
+def _cross_space(session) -> bool:
+    """May this session manage keys of every space? Open mode, an offline (local)
+    session, or a key with ``operator``."""
+    perms = session.permissions
+    return perms is None or "operator" in perms
+
+
+class Keys(Kind):
+    """API keys: create, list, revoke; authentication of connections."""
+
+    prefix = "key"
+    name = "keys"
+
+    def __init__(self, coord) -> None:
+        super().__init__(coord)
+        self.table: dict[str, KeyState] = {}
+        self.by_hash: dict[str, str] = {}
 
     def entity_tables(self):
-        t = super().entity_tables()
-        t["key"] = (self.keys, KeyState)
-        return t
+        return {"key": (self.table, KeyState)}
 
     @property
     def open_mode(self) -> bool:
@@ -63,12 +83,21 @@ class KeyKind:
         the server: it then refuses everyone until a new key is created (offline with
         ``rallypoint keys create --data-dir``), so a revoke can never turn
         authentication off."""
-        return not self.keys
+        return not self.table
 
-    def create_key(self, space: str, permissions: list[str], name: str | None = None) -> tuple[KeyState, str]:
+    def live_count(self) -> int:
+        return sum(1 for k in self.table.values() if k.revoked_at_ms is None)
+
+    def is_revoked(self, key_id: str) -> bool:
+        k = self.table.get(key_id)
+        return k is None or k.revoked_at_ms is not None
+
+    def create_key(self, space: str, permissions: list[str], name: str | None = None,
+                   *, allow_operator: bool = True) -> tuple[KeyState, str]:
         """Create a key; returns (state, secret). The secret is not stored.
 
-        Raises VALIDATION_FAILED for an unknown permission or a bad space/name."""
+        Raises VALIDATION_FAILED for an unknown permission or a bad space/name,
+        FORBIDDEN for ``operator`` when ``allow_operator`` is False."""
         check_name("space", space)
         if name is not None:
             check_name("name", name)
@@ -81,18 +110,25 @@ class KeyKind:
                     f"unknown permission {perm!r}; use one of {', '.join(PERMISSIONS)}",
                     details={"field": "permissions"},
                 )
+        if "operator" in perms and not allow_operator:
+            raise ForbiddenError(
+                "the operator permission (keys of every space) can only be granted offline: "
+                "rallypoint keys create --data-dir DIR --permission operator (daemon stopped)",
+                details={"permission": "operator"},
+            )
+        coord = self.coord
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-        rec = KeyCreated(id=self.ids.new("key"), space=space, permissions=perms,
-                         secret_sha256=hash_secret(secret), at_ms=self.now_ms(), name=name)
-        self.commit([rec])
-        return self.keys[rec.id], secret
+        rec = KeyCreated(id=coord.ids.new("key"), space=space, permissions=perms,
+                         secret_sha256=hash_secret(secret), at_ms=coord.now_ms(), name=name)
+        coord.commit([rec])
+        return self.table[rec.id], secret
 
     def revoke_key(self, key_id: str) -> KeyState:
-        k = self.keys.get(key_id)
+        k = self.table.get(key_id)
         if k is None:
             raise NotFoundError(f"no API key {short(key_id)}")
         if k.revoked_at_ms is None:
-            self.commit([KeyRevoked(id=k.id, at_ms=self.now_ms())])
+            self.coord.commit([KeyRevoked(id=k.id, at_ms=self.coord.now_ms())])
         return k
 
     def authenticate(self, secret: str | None) -> KeyState | None:
@@ -103,13 +139,13 @@ class KeyKind:
             if self.open_mode:
                 return None
             raise UnauthenticatedError("this server requires an API key; pass api_key=...")
-        kid = self.key_by_hash.get(hash_secret(secret))
-        k = self.keys.get(kid) if kid else None
+        kid = self.by_hash.get(hash_secret(secret))
+        k = self.table.get(kid) if kid else None
         if k is None or not hmac.compare_digest(k.secret_sha256, hash_secret(secret)):
             raise UnauthenticatedError("unknown or revoked API key")
         return k
 
-    def key_view(self, k: KeyState, secret: str | None = None) -> KeyView:
+    def view(self, k: KeyState, secret: str | None = None) -> KeyView:
         return KeyView(
             id=k.id,
             space=k.space,
@@ -120,32 +156,53 @@ class KeyKind:
             secret=secret,
         )
 
-    # admin operations (permission ``admin``; in open mode every session has it)
-    def op_key_create(self, session, op: KeyCreate) -> KeyView:
-        k, secret = self.create_key(op.space, op.permissions, op.name)
-        return self.key_view(k, secret)
+    # ------------------------------------------------------------------ ops (admin)
+    def op_key_create(self, actor, session, op: KeyCreate) -> KeyView:
+        """A key in the session's own space (any space for an operator). FORBIDDEN for
+        another space, or for ``operator`` over the wire."""
+        if op.space != session.space and not _cross_space(session):
+            raise ForbiddenError(
+                f"this key acts in space {session.space!r} only; it cannot create keys for space {short(op.space)}",
+                details={"space": op.space},
+            )
+        k, secret = self.create_key(op.space, op.permissions, op.name, allow_operator=getattr(session, "local", False))
+        return self.view(k, secret)
 
-    def op_key_list(self, session, op: KeyList) -> KeyListView:
-        return KeyListView(keys=[self.key_view(k) for k in self.keys.values() if op.space in (None, k.space)])
+    def op_key_list(self, actor, session, op: KeyList) -> KeyListView:
+        """Keys of the session's space (``space`` may name another one only for an
+        operator; otherwise it is FORBIDDEN)."""
+        if _cross_space(session):
+            wanted = op.space
+        else:
+            if op.space is not None and op.space != session.space:
+                raise ForbiddenError(
+                    f"this key acts in space {session.space!r} only; it cannot list the keys of {short(op.space)}",
+                    details={"space": op.space},
+                )
+            wanted = session.space
+        return KeyListView(keys=[self.view(k) for k in self.table.values() if wanted in (None, k.space)])
 
-    def op_key_revoke(self, session, op: KeyRevoke) -> KeyView:
-        return self.key_view(self.revoke_key(op.key_id))
+    def op_key_revoke(self, actor, session, op: KeyRevoke) -> KeyView:
+        """Revoke a key of the session's space (NOT_FOUND for another space's)."""
+        k = self.table.get(op.key_id) if isinstance(op.key_id, str) else None
+        if k is None or (k.space != session.space and not _cross_space(session)):
+            raise NotFoundError(f"no API key {short(op.key_id)} in this space", details={"key_id": short(op.key_id)})
+        return self.view(self.revoke_key(k.id))
 
     @applies(KeyCreated)
-    def _apply_key_created(self, r: KeyCreated) -> None:
+    def _apply_created(self, r: KeyCreated) -> None:
         k = KeyState(id=r.id, space=r.space, permissions=list(r.permissions), secret_sha256=r.secret_sha256,
                      created_at_ms=r.at_ms, name=r.name)
-        self.keys[k.id] = k
-        self.key_by_hash[k.secret_sha256] = k.id
-        self.touch(k.id)
+        self.table[k.id] = k
+        self.by_hash[k.secret_sha256] = k.id
+        self.coord.touch(k.id)
 
     @applies(KeyRevoked)
-    def _apply_key_revoked(self, r: KeyRevoked) -> None:
-        k = self.keys[r.id]
+    def _apply_revoked(self, r: KeyRevoked) -> None:
+        k = self.table[r.id]
         k.revoked_at_ms = r.at_ms
-        self.key_by_hash.pop(k.secret_sha256, None)
-        self.touch(k.id)
+        self.by_hash.pop(k.secret_sha256, None)
+        self.coord.touch(k.id)
 
     def rebuild_indexes(self) -> None:
-        super().rebuild_indexes()
-        self.key_by_hash = {k.secret_sha256: k.id for k in self.keys.values() if k.revoked_at_ms is None}
+        self.by_hash = {k.secret_sha256: k.id for k in self.table.values() if k.revoked_at_ms is None}

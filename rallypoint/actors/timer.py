@@ -1,29 +1,41 @@
 """Durable timers (SPEC §7): ARMED -> FIRED -> ACKED; ARMED -> CANCELLED.
 
 A timer fires on the server whether or not anyone waits (a ``TimerFired`` record at its
-``fire_at``), and survives restarts: one due while the server was down fires at
-start-up. Every timer of the process sits in the coordinator's one heap (no task per
-timer). ``wait`` waits for the fire and acknowledges it in the same call; a second ack
-is a no-op. Cancelling the run cancels its armed timers.
+due time) and survives restarts: one due while the server was down fires at start-up,
+in due order with everything else that fell due (a run's deadline that came first
+cancels it instead). A timer made with ``after`` is due after that much *server time*
+(a wall clock set back does not delay it); one made with ``at`` is due at that wall
+instant. Every timer is an entry of the coordinator's one activity heap (no task per
+timer).
+
+``wait`` waits for the fire and acknowledges it in the same call (a second ack is a
+no-op); on a timer that will never fire -- cancelled by ``cancel()``, or with its run --
+it raises TIMER_CANCELLED. The timer's actor lives in its run's nursery, so the run's end
+answers its waiters through the nursery's cancellation.
 """
 
 from __future__ import annotations
 
 import msgspec
-import trio
 
 from ..clock import to_iso
-from ..errors import ConflictError, NotFoundError, ValidationError
+from ..errors import ConflictError, NotFoundError, TimerCancelledError, ValidationError
 from ..protocol import TimerCancel, TimerCreate, TimerStatus, TimerView, TimerWait
 from ..records import TimerAcked, TimerCancelled, TimerCreated, TimerFired
-from .system import short, applies, check_range, clamp_wait, parse_instant
+from .common import applies, check_range, clamp_wait, parse_instant, short
+from .kind import Kind
+from .runtime import Park
 
-__all__ = ["TimerState", "TimerKind"]
+__all__ = ["TimerState", "Timers"]
 
 MAX_AFTER_MS = 10 * 365 * 24 * 3600 * 1000
+_RUN_REASON = {"cancelled": "run_cancelled", "completed": "run_completed", "deadline": "deadline"}
 
 
 class TimerState(msgspec.Struct, gc=False, omit_defaults=True):
+    """``fire_at_ms`` is wall time; ``fire_mono_ms`` (server time) is set for a timer
+    made with ``after`` and is what it fires on."""
+
     id: str
     space: str
     scope_id: str
@@ -32,145 +44,164 @@ class TimerState(msgspec.Struct, gc=False, omit_defaults=True):
     state: str = "ARMED"  # ARMED | FIRED | ACKED | CANCELLED
     fired_at_ms: int | None = None
     acked_at_ms: int | None = None
+    fire_mono_ms: int | None = None
+    cancel_reason: str | None = None
 
 
-class TimerKind:
-    def _init_tables(self) -> None:
-        super()._init_tables()
-        self.timers_by_id: dict[str, TimerState] = {}
-        self.scope_armed_timers: dict[str, set[str]] = {}
-        self.inactive_hooks.append(self._timers_on_scope_inactive)
+class Timers(Kind):
+    """Timers: create, wait (and ack), cancel; fired by the activity heap."""
+
+    prefix = "tmr"
+    name = "timers"
+
+    def __init__(self, coord) -> None:
+        super().__init__(coord)
+        self.table: dict[str, TimerState] = {}
 
     def entity_tables(self):
-        t = super().entity_tables()
-        t["tmr"] = (self.timers_by_id, TimerState)
-        return t
+        return {"tmr": (self.table, TimerState)}
 
-    def get_timer(self, space: str, timer_id: str) -> TimerState:
-        t = self.timers_by_id.get(timer_id) if isinstance(timer_id, str) else None
+    def parent_actor_id(self, timer_id: str) -> str | None:
+        return self.table[timer_id].scope_id
+
+    def get(self, space: str, timer_id) -> TimerState:
+        t = self.table.get(timer_id) if isinstance(timer_id, str) else None
         if t is None or t.space != space:
             raise NotFoundError(f"no timer {short(timer_id)} in this space", details={"timer_id": timer_id})
         return t
 
-    def timer_view(self, t: TimerState) -> TimerView:
+    def route(self, session, timer_id) -> str:
+        return self.get(session.space, timer_id).id
+
+    def view(self, t: TimerState) -> TimerView:
+        fire_at = t.fire_at_ms if t.fire_mono_ms is None else self.coord.clock.mono_to_wall(t.fire_mono_ms)
         return TimerView(
             id=t.id,
             scope_id=t.scope_id,
             state=t.state,
-            fire_at=to_iso(t.fire_at_ms),
+            fire_at=to_iso(fire_at),
             fired_at=to_iso(t.fired_at_ms),
             acked_at=to_iso(t.acked_at_ms),
             created_at=to_iso(t.created_at_ms),
         )
 
-    def op_timer_create(self, session, op: TimerCreate) -> TimerView:
-        scope = self.get_scope(session.space, op.scope_id)
+    def op_timer_create(self, actor, session, op: TimerCreate) -> TimerView:
+        """Exactly one of ``at`` (wall instant) or ``after_ms`` (server-time duration).
+        SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run."""
+        coord = self.coord
+        run = coord.runs.get(session.space, op.scope_id)
         if (op.at is None) == (op.after_ms is None):
             raise ValidationError("give exactly one of at and after_seconds", details={"field": "at"})
-        now = self.now_ms()
+        now = coord.now_ms()
+        fire_mono = None
         if op.after_ms is not None:
             check_range("after_ms", op.after_ms, 0, MAX_AFTER_MS, " ms")
             fire_at = now + op.after_ms
+            fire_mono = coord.mono_ms() + op.after_ms
         else:
             fire_at = parse_instant("at", op.at)
-        self.require_active(scope.id)
-        rec = TimerCreated(id=self.ids.new("tmr"), space=session.space, scope_id=scope.id, fire_at_ms=fire_at, at_ms=now)
-        self.commit([rec])
-        return self.timer_view(self.timers_by_id[rec.id])
+        coord.runs.require_active(run.id)
+        rec = TimerCreated(id=coord.ids.new("tmr"), space=session.space, scope_id=run.id, fire_at_ms=fire_at,
+                           at_ms=now, fire_mono_ms=fire_mono)
+        coord.commit([rec])
+        return self.view(self.table[rec.id])
 
     @applies(TimerCreated)
-    def _apply_timer_created(self, r: TimerCreated) -> None:
-        t = TimerState(id=r.id, space=r.space, scope_id=r.scope_id, fire_at_ms=r.fire_at_ms, created_at_ms=r.at_ms)
-        self.timers_by_id[t.id] = t
-        self.scope_armed_timers.setdefault(t.scope_id, set()).add(t.id)
-        self.touch(t.id)
-        self.arm(t.fire_at_ms, "timer", t.id, t.fire_at_ms)
+    def _apply_created(self, r: TimerCreated) -> None:
+        t = TimerState(id=r.id, space=r.space, scope_id=r.scope_id, fire_at_ms=r.fire_at_ms, created_at_ms=r.at_ms,
+                       fire_mono_ms=r.fire_mono_ms)
+        self.table[t.id] = t
+        self.coord.runs.own(t.scope_id, t.id)
+        self.coord.touch(t.id)
+        self._arm(t)
 
-    def _on_timer(self, timer_id: str, fire_at: int, _due: int) -> None:
-        t = self.timers_by_id.get(timer_id)
-        if t is None or t.state != "ARMED" or t.fire_at_ms != fire_at:
+    def _arm(self, t: TimerState) -> None:
+        if t.fire_mono_ms is not None:
+            self.coord.arm_mono(t.fire_mono_ms, self._on_fire, t.id)
+        else:
+            self.coord.arm_wall(t.fire_at_ms, self._on_fire, t.id)
+
+    def _on_fire(self, timer_id: str) -> None:
+        t = self.table.get(timer_id)
+        if t is None or t.state != "ARMED":
             return
-        self.commit([TimerFired(id=timer_id, at_ms=max(fire_at, self.now_ms()))])
-
-    def _disarm(self, t: TimerState) -> None:
-        s = self.scope_armed_timers.get(t.scope_id)
-        if s is not None:
-            s.discard(t.id)
-            if not s:
-                del self.scope_armed_timers[t.scope_id]
+        coord = self.coord
+        due = t.fire_at_ms if t.fire_mono_ms is None else coord.clock.mono_to_wall(t.fire_mono_ms)
+        coord.commit([TimerFired(id=timer_id, at_ms=max(due, coord.now_ms()))])
 
     @applies(TimerFired)
-    def _apply_timer_fired(self, r: TimerFired) -> None:
-        t = self.timers_by_id[r.id]
+    def _apply_fired(self, r: TimerFired) -> None:
+        t = self.table[r.id]
         t.state = "FIRED"
         t.fired_at_ms = r.at_ms
-        self._disarm(t)
-        self.touch(t.id)
-        self.notifier.notify(t.id)
+        self.coord.touch(t.id)
+        self.coord.notify(t.id, "t")
 
-    def op_timer_status(self, session, op: TimerStatus) -> TimerView:
-        return self.timer_view(self.get_timer(session.space, op.timer_id))
+    def op_timer_status(self, actor, session, op: TimerStatus) -> TimerView:
+        return self.view(self.get(session.space, op.timer_id))
 
-    def op_timer_wait(self, session, op: TimerWait):
-        t = self.get_timer(session.space, op.timer_id)
+    def op_timer_wait(self, actor, session, op: TimerWait):
+        """Wait for the fire and acknowledge it; parks on the timer's actor.
+        TIMER_CANCELLED when the timer will never fire."""
+        t = self.get(session.space, op.timer_id)
         wait_ms = clamp_wait(op.wait_ms)
         if t.state != "ARMED" or wait_ms == 0:
             return self._ack(t)
-        return self._timer_wait(t, wait_ms)
+        ack = self._ack
+        return Park("t", lambda: None if t.state == "ARMED" else ack(t), wait_ms, lambda: ack(t))
 
     def _ack(self, t: TimerState) -> TimerView:
         if t.state == "CANCELLED":
-            raise ConflictError(f"timer {t.id} was cancelled; it will never fire")
+            reason = t.cancel_reason or "cancelled"
+            why = "by timer.cancel()" if reason == "cancelled" else {
+                "run_cancelled": "with its run", "run_completed": "when its run completed",
+                "deadline": "when its run passed its deadline",
+            }.get(reason, "")
+            raise TimerCancelledError(
+                f"timer {t.id} was cancelled {why}; it will never fire".replace("  ", " "),
+                details={"timer_id": t.id, "scope_id": t.scope_id, "reason": reason},
+            )
         if t.state == "FIRED":
-            self.commit([TimerAcked(id=t.id, at_ms=self.now_ms())])
-        return self.timer_view(t)  # ACKED: a second ack is a no-op; ARMED: not yet
-
-    async def _timer_wait(self, t: TimerState, wait_ms: int) -> TimerView:
-        with trio.move_on_after(wait_ms / 1000):
-            while t.state == "ARMED":
-                await self.notifier.event(t.id).wait()
-        return self._ack(t)
+            self.coord.commit([TimerAcked(id=t.id, at_ms=self.coord.now_ms())])
+        return self.view(t)  # ACKED: a second ack is a no-op; ARMED: not yet
 
     @applies(TimerAcked)
-    def _apply_timer_acked(self, r: TimerAcked) -> None:
-        t = self.timers_by_id[r.id]
+    def _apply_acked(self, r: TimerAcked) -> None:
+        t = self.table[r.id]
         t.state = "ACKED"
         t.acked_at_ms = r.at_ms
-        self.touch(t.id)
+        self.coord.touch(t.id)
 
-    def op_timer_cancel(self, session, op: TimerCancel) -> TimerView:
-        t = self.get_timer(session.space, op.timer_id)
+    def op_timer_cancel(self, actor, session, op: TimerCancel) -> TimerView:
+        """Disarm an armed timer (idempotent); CONFLICT once it fired."""
+        t = self.get(session.space, op.timer_id)
         if t.state in ("FIRED", "ACKED"):
             raise ConflictError(f"timer {t.id} already fired at {to_iso(t.fired_at_ms)}; it cannot be cancelled")
         if t.state == "ARMED":
-            self.commit([TimerCancelled(id=t.id, at_ms=self.now_ms())])
-        return self.timer_view(t)
+            self.coord.commit([TimerCancelled(id=t.id, at_ms=self.coord.now_ms())])
+        return self.view(t)
 
     @applies(TimerCancelled)
-    def _apply_timer_cancelled(self, r: TimerCancelled) -> None:
-        self._cancel_timer(self.timers_by_id[r.id])
+    def _apply_cancelled(self, r: TimerCancelled) -> None:
+        self._cancel(self.table[r.id], "cancelled")
 
-    def _cancel_timer(self, t: TimerState) -> None:
+    def _cancel(self, t: TimerState, reason: str) -> None:
         t.state = "CANCELLED"
-        self._disarm(t)
-        self.touch(t.id)
-        self.notifier.notify(t.id)
+        t.cancel_reason = reason
+        self.coord.touch(t.id)
+        self.coord.notify(t.id, "t")
 
-    def _timers_on_scope_inactive(self, scope_id: str, at_ms: int, reason: str) -> None:
-        ids = self.scope_armed_timers.get(scope_id)
-        if ids:
-            for tid in sorted(ids):
-                self._cancel_timer(self.timers_by_id[tid])
+    def on_run_inactive(self, timer_id: str, at_ms: int, reason: str) -> None:
+        t = self.table[timer_id]
+        if t.state == "ARMED":
+            self._cancel(t, _RUN_REASON.get(reason, reason))
 
     def rebuild_indexes(self) -> None:
-        super().rebuild_indexes()
-        self.scope_armed_timers = {}
-        for t in self.timers_by_id.values():
-            if t.state == "ARMED":
-                self.scope_armed_timers.setdefault(t.scope_id, set()).add(t.id)
+        runs = self.coord.runs
+        for t in self.table.values():
+            runs.own(t.scope_id, t.id)
 
-    def rearm_all(self) -> None:
-        super().rearm_all()
-        for t in self.timers_by_id.values():
+    def rearm(self) -> None:
+        for t in self.table.values():
             if t.state == "ARMED":
-                self.timers.arm(t.fire_at_ms, "timer", t.id, t.fire_at_ms)
+                self._arm(t)

@@ -171,6 +171,11 @@ class ServerInfo(_Info):
     entities: int
     last_lsn: int
     durable_lsn: int
+    #: per kind (runs, queues, groups, barriers, timers, joinsets, ...): actors ``active``
+    #: (holding a task) and ``passive``, ``inbox`` depth and parked ``waiters``
+    actors: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    #: depth of the nursery tree of active actors (0: none active)
+    tree_depth: int = 0
 
 
 class _RunList(msgspec.Struct):

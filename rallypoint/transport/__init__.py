@@ -8,6 +8,6 @@
 
 from .connection import Connection, connect_transport
 from .framing import FrameParser, encode_frame
-from .server import Deferred, Dispatcher, Server
+from .server import Dispatcher, Server
 
-__all__ = ["Connection", "connect_transport", "FrameParser", "encode_frame", "Deferred", "Dispatcher", "Server"]
+__all__ = ["Connection", "connect_transport", "FrameParser", "encode_frame", "Dispatcher", "Server"]

@@ -10,32 +10,33 @@ The server is generic over a :class:`Dispatcher` (the coordinator implements it)
 
 Per connection there are at most four tasks, whatever the request rate:
 
-* the **reader** parses frames and calls ``dispatcher.dispatch`` synchronously for each
-  request (the fast path: a ``bytes`` reply is encoded straight into the outgoing
-  buffer, no task, no allocation beyond the reply frame);
+* the **reader** parses frames and hands each request to ``dispatcher.submit`` (which
+  queues it in the inbox of the actor it runs on; it never waits);
 * the **writer** sends everything that is ready in ONE ``send_all`` (replies coalesce);
-* the **durability** task waits for the largest pending LSN of :class:`Deferred`
-  replies and releases every reply it covers;
+* the **durability** task waits for the largest pending LSN of the replies that must
+  not leave before the journal is durable past it, and releases every reply it covers;
 * the **pinger** (if ``idle_ping_interval``) pings idle peers and drops dead ones.
 
-Awaitable results (long server-side waits) run as tasks in the connection's nursery.
+The connection is the :class:`~rallypoint.actors.runtime.ReplySink` of its requests:
+actors call :meth:`_Conn.deliver` with the answer (success or error) and the LSN it
+depends on. A server-side wait is parked in its actor, not in this connection: a Cancel
+frame, or the connection closing, ends it (and its answer is dropped).
 
-Backpressure: when ``max_inflight_per_conn`` requests are in flight (awaitables and
-deferred replies not yet sent), or more than ``max_outgoing_bytes`` of replies are
+Backpressure: when ``max_inflight_per_conn`` requests are in flight (submitted, not yet
+answered; every request of a batch frame counts), or more than ``max_outgoing_bytes`` of replies are
 waiting for the peer to read them, the reader stops reading the socket until that
 drops again, so a client can never make the server buffer without bound.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import secrets
 import socket
 import struct
 from collections import deque
-from typing import Any, Awaitable, NamedTuple, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import msgspec
 import trio
@@ -44,23 +45,15 @@ from .. import wire
 from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError
 from .framing import HEADER, HEADER_PLACEHOLDER, FrameParser, oversize_message, pack_header_into
 
-__all__ = ["Deferred", "Dispatcher", "Server"]
+__all__ = ["Dispatcher", "Server"]
 
 log = logging.getLogger("rallypoint.transport")
 
 _RECEIVE_SIZE = 65536
 
 
-class Deferred(NamedTuple):
-    """A reply that is ready but must not leave before the journal is durable past ``lsn``."""
-
-    lsn: int
-    #: The encoded reply body (msgpack), sent as ``Ok(id, body=Raw(reply))``.
-    reply: bytes
-
-
 class Dispatcher(Protocol):
-    """What the server needs from the coordinator."""
+    """What the server needs from the coordinator (:class:`rallypoint.service.Service`)."""
 
     def hello(self, hello: wire.Hello, peer: str) -> tuple[Any, wire.HelloOk]:
         """Authenticate a connection. Returns ``(session, HelloOk)``; raises a
@@ -68,10 +61,13 @@ class Dispatcher(Protocol):
         has already been checked by the transport."""
         ...
 
-    def dispatch(self, session: Any, body: msgspec.Raw) -> bytes | Deferred | Awaitable[bytes | Deferred]:
-        """Handle one request body. Returns the encoded reply body, a :class:`Deferred`,
-        or an awaitable (long waits) whose result is either. Raise RallypointError for
-        an error reply; any other exception is logged and answered as INTERNAL."""
+    def submit(self, session: Any, body: msgspec.Raw, sink: Any, rid: int) -> None:
+        """Queue one request; its answer reaches ``sink.deliver(rid, reply, lsn)`` with
+        ``reply`` the encoded reply body (bytes) or a RallypointError."""
+        ...
+
+    def durable_lsn(self) -> int:
+        """The journal's durable LSN now."""
         ...
 
     async def wait_durable(self, lsn: int) -> None:
@@ -118,6 +114,10 @@ _ok_head32 = struct.Struct(">I10sI5s").pack
 _ok_head64 = struct.Struct(">I10sQ5s").pack
 
 
+_GONE = object()  # not in flight
+_CANCELLED = object()  # the client sent Cancel before the request parked
+
+
 def _new_ref() -> str:
     return secrets.token_hex(4)
 
@@ -137,16 +137,18 @@ class _Conn:
         # reader sends them itself afterwards (no writer wake-up per reply).
         self.batching = False
         self.inflight = 0
-        self.deferred: deque[tuple[int, int, bytes]] = deque()
+        self.reply_size = 4096  # moving average of this connection's reply sizes, bytes (a cautious start)
+        self.closed = False  # no more answers wanted (ReplySink)
+        self.deferred: deque[tuple[int, int, Any]] = deque()
         self.nursery: trio.Nursery | None = None
         self.send_scope: trio.CancelScope | None = None
         self.writer_event: trio.Event | None = None
         self.reader_event: trio.Event | None = None
         self.deferred_event: trio.Event | None = None
         self.idle_event = trio.Event()  # set when inflight == 0 and nothing queued (drain)
-        self.waits: set[trio.CancelScope] = set()  # one per running awaitable (long waits)
-        self.waits_by_id: dict[int, trio.CancelScope] = {}  # request id -> its wait's scope
-        self.client_cancelled: set[int] = set()  # waits ended by the client's Cancel frame
+        # request id -> None (queued or being handled), its parked Waiter, or _CANCELLED
+        # (the client sent Cancel before it parked): every request not yet answered
+        self.live: dict[int, Any] = {}
         self.closing = False
         self.draining = False
         self.rx_count = 0
@@ -159,7 +161,8 @@ class _Conn:
         self.max_inflight = 0
         self.pauses = 0
         dispatcher = server.dispatcher
-        self._dispatch = dispatcher.dispatch
+        self._submit = dispatcher.submit
+        self._durable_lsn = dispatcher.durable_lsn
         self._max_inflight = server.max_inflight_per_conn
         self._max_out = server.max_outgoing_bytes
 
@@ -210,6 +213,7 @@ class _Conn:
         out = self.out
         out += head
         out += reply
+        self.reply_size = (self.reply_size * 7 + size) >> 3  # moving average, bytes
         n = len(out) + self.sending
         if n > self.max_out:
             self.max_out = n
@@ -305,56 +309,59 @@ class _Conn:
         if rid <= 0:
             self.send_error(0, ValidationError(f"request id must be > 0, got {rid}; field `$.id`"))
             return
+        if rid in self.live:
+            self.send_error(rid, ValidationError(f"request id {rid} is already in flight on this connection; "
+                                                 "use a new id per request; field `$.id`"))
+            return
+        self.live[rid] = None
+        self.inflight += 1
+        if self.inflight > self.max_inflight:
+            self.max_inflight = self.inflight
         try:
-            result = self._dispatch(self.session, body)
-        except RallypointError as exc:
-            self.send_error(rid, exc)
-            return
-        except Exception as exc:
-            self.send_internal(rid, exc)
-            return
-        if type(result) is bytes:
-            self.send_ok(rid, result)
-        else:
-            self.handle_slow(rid, result)
+            self._submit(self.session, body, self, rid)
+        except Exception as exc:  # the dispatcher answers its own errors; this is a bug
+            if self.live.pop(rid, _GONE) is not _GONE:
+                self.send_internal(rid, exc)
+                self.request_done()
 
-    def handle_slow(self, rid: int, result: Any) -> None:
-        if isinstance(result, Deferred):
-            self.inflight += 1
-            if self.inflight > self.max_inflight:
-                self.max_inflight = self.inflight
-            self.add_deferred(rid, result)
-        elif inspect.isawaitable(result):
-            if self.nursery is None or self.closing:
-                if inspect.iscoroutine(result):
-                    result.close()
-                self.send_error(rid, UnavailableError("the server is closing this connection"))
-                return
-            self.inflight += 1
-            if self.inflight > self.max_inflight:
-                self.max_inflight = self.inflight
-            # The scope exists from dispatch on, so a Cancel(rid) read in the same chunk,
-            # before the task starts, still ends the wait.
-            wait_scope = trio.CancelScope()
-            self.waits.add(wait_scope)
-            self.waits_by_id[rid] = wait_scope
-            self.nursery.start_soon(self.run_awaitable, rid, result, wait_scope)
-        elif isinstance(result, (bytearray, memoryview)):
-            self.send_ok(rid, bytes(result))
-        else:
-            self.send_internal(
-                rid, TypeError(f"dispatcher returned {type(result).__name__}, expected bytes, Deferred or awaitable")
-            )
-
-    def add_deferred(self, rid: int, d: Deferred) -> None:
-        reply = d.reply
-        if type(reply) is not bytes:
-            reply = bytes(reply)
-        self.deferred.append((d.lsn, rid, reply))
+    # ReplySink -------------------------------------------------------------------
+    def deliver(self, rid: int, reply: Any, lsn: int) -> None:
+        """An actor's answer to request ``rid``: sent at once when the journal is durable
+        past ``lsn``, else queued for the durability task."""
+        state = self.live.pop(rid, _GONE)
+        if state is _GONE:
+            return  # already answered (e.g. a wait answered UNAVAILABLE at drain)
+        if state is _CANCELLED or self.closing:
+            self.request_done()
+            return
+        if lsn <= self._durable_lsn():
+            if type(reply) is bytes:
+                self.send_ok(rid, reply)
+            elif isinstance(reply, RallypointError):
+                self.send_error(rid, reply)
+            else:
+                self.send_internal(rid, reply)
+            self.request_done()
+            return
+        self.deferred.append((lsn, rid, reply))
         ev = self.deferred_event
         if ev is not None:
             self.deferred_event = None
             ev.set()
+
+    def track(self, rid: int, waiter: Any) -> None:
+        """Request ``rid`` parked a waiter: a Cancel frame or the close can end it."""
+        if self.live.get(rid, _GONE) is _CANCELLED or self.closing:
+            waiter.cancel()
+            if self.live.pop(rid, _GONE) is not _GONE:
+                self.request_done()
+            return
+        if rid in self.live:
+            self.live[rid] = waiter
+
+    def untrack(self, rid: int) -> None:
+        if self.live.get(rid) is not None and self.live.get(rid) is not _CANCELLED:
+            self.live[rid] = None
 
     def request_done(self, n: int = 1) -> None:
         self.inflight -= n
@@ -362,58 +369,29 @@ class _Conn:
         if self.inflight == 0 and self.draining:
             self.idle_event.set()
 
-    async def run_awaitable(self, rid: int, aw: Awaitable[Any], wait_scope: trio.CancelScope) -> None:
-        # Own cancel scope (made and registered by handle_slow): a drain ends long waits
-        # after a grace (see Server drain_wait_grace), and a Cancel frame ends this one,
-        # without touching the connection's other tasks.
-        try:
-            with wait_scope:
-                await self._run_awaitable(rid, aw)
-        finally:
-            self.waits.discard(wait_scope)
-            if self.waits_by_id.get(rid) is wait_scope:
-                del self.waits_by_id[rid]
-            self.client_cancelled.discard(rid)
-
     def cancel_wait(self, rid: int) -> None:
-        """A Cancel frame: end request ``rid``'s server-side wait (no reply is sent)."""
-        scope = self.waits_by_id.get(rid)
-        if scope is not None:
-            self.client_cancelled.add(rid)
-            scope.cancel()
+        """A Cancel frame: end request ``rid``'s server-side wait; no answer is sent."""
+        state = self.live.get(rid, _GONE)
+        if state is _GONE or state is _CANCELLED:
+            return
+        if state is None:  # not parked (yet): ends when it parks; its answer is dropped
+            self.live[rid] = _CANCELLED
+            return
+        del self.live[rid]
+        state.cancel()
+        self.request_done()
 
-    async def _run_awaitable(self, rid: int, aw: Awaitable[Any]) -> None:
-        deferred = False
-        try:
-            try:
-                result = await aw
-            except RallypointError as exc:
-                self.send_error(rid, exc)
-            except trio.Cancelled:
-                # Connection closing or forced drain: tell the peer if it can still hear.
-                # (A wait the client cancelled itself gets no reply: it stopped listening.)
-                if rid not in self.client_cancelled:
-                    self.send_error(
-                        rid, UnavailableError("the server is shutting down; retry on a new connection", retry_after=1.0)
-                    )
-                raise
-            except Exception as exc:
-                self.send_internal(rid, exc)
-            else:
-                if type(result) is bytes:
-                    self.send_ok(rid, result)
-                elif isinstance(result, Deferred):
-                    deferred = True
-                    self.add_deferred(rid, result)
-                elif isinstance(result, (bytearray, memoryview)):
-                    self.send_ok(rid, bytes(result))
-                else:
-                    self.send_internal(
-                        rid, TypeError(f"awaitable returned {type(result).__name__}, expected bytes or Deferred")
-                    )
-        finally:
-            if not deferred:
-                self.request_done()
+    def end_waits(self, answer: RallypointError | None) -> None:
+        """End every parked wait of this connection (closing, or a drain's grace ran
+        out); ``answer`` it when the peer can still hear (None: no answer)."""
+        for rid, state in list(self.live.items()):
+            if state is None or state is _CANCELLED:
+                continue
+            del self.live[rid]
+            state.cancel()
+            if answer is not None:
+                self.send_error(rid, answer)
+            self.request_done()
 
     # ------------------------------------------------------------------- tasks
 
@@ -479,7 +457,12 @@ class _Conn:
                 popleft = fifo.popleft
                 for _ in range(n):
                     _, rid, reply = popleft()
-                    send_ok(rid, reply)
+                    if type(reply) is bytes:
+                        send_ok(rid, reply)
+                    elif isinstance(reply, RallypointError):
+                        self.send_error(rid, reply)
+                    else:
+                        self.send_internal(rid, reply)
             self.request_done(n)
 
     async def pinger(self, interval: float) -> None:
@@ -506,6 +489,9 @@ class _Conn:
         scope = self.send_scope
         if scope is not None:
             scope.deadline = min(scope.deadline, trio.current_time() + grace)
+
+    def has_waits(self) -> bool:
+        return any(state is not None and state is not _CANCELLED for state in self.live.values())
 
     def abort(self) -> None:
         self.closing = True
@@ -536,7 +522,7 @@ class _Conn:
             self.batching = True
             for frame in frames:
                 handle(frame)
-                if self.inflight >= max_inflight or len(self.out) > max_out:
+                if self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
                     self.batching = False
                     self._wake_writer()
                     await self.wait_capacity()
@@ -581,7 +567,9 @@ class _Conn:
         max_inflight = self._max_inflight
         max_out = self._max_out
         self.pauses += 1
-        while self.inflight >= max_inflight or len(self.out) > max_out:
+        # Replies are made later, by the actors: the requests in flight will add about
+        # inflight x (the connection's average reply size) to what waits to be sent.
+        while self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
             ev = self.reader_event = trio.Event()
             await ev.wait()
 
@@ -699,15 +687,18 @@ class _Conn:
                             self.idle_event = trio.Event()
                             if not (self.inflight or self.out or self.sending):
                                 break
-                            if grace_at is not None and self.waits:
+                            if grace_at is not None and self.has_waits():
                                 with trio.move_on_at(grace_at):
                                     await self.idle_event.wait()
                                 if trio.current_time() >= grace_at:
                                     grace_at = None
-                                    for scope in list(self.waits):
-                                        scope.cancel()
+                                    self.end_waits(UnavailableError(
+                                        "the server is shutting down; retry on a new connection", retry_after=1.0))
                             else:
                                 await self.idle_event.wait()
+                # Waits still parked are ended; a peer that can still hear is told so.
+                self.end_waits(UnavailableError(
+                    "the server is shutting down; retry on a new connection", retry_after=1.0))
                 self.closing = True
                 self.stop_sending(1.0)
                 nursery.cancel_scope.cancel()
@@ -721,6 +712,8 @@ class _Conn:
             log.exception("connection from %s failed", self.peer)
         finally:
             self.closing = True
+            self.closed = True
+            self.end_waits(None)  # a client's waits end when it goes away
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self.stream)
 
@@ -731,16 +724,17 @@ class Server:
     Args:
         dispatcher: the coordinator side (see :class:`Dispatcher`).
         max_connections: connections beyond this get ``Err(0, UNAVAILABLE)`` and are closed.
-        max_inflight_per_conn: requests in flight (awaitables, deferred replies) per
-            connection before the server stops reading that connection.
+        max_inflight_per_conn: requests in flight (submitted, not yet answered; each
+            request of a batch frame counts) per connection before the server stops
+            reading that connection.
         handshake_timeout: seconds a new connection has to send its Hello.
         idle_ping_interval: ping a connection idle this long (seconds); drop it after
             three silent intervals. ``None`` or 0 disables pings.
         max_outgoing_bytes: replies waiting for a slow reader before the server stops
             reading that connection's requests.
-        drain_wait_grace: on :meth:`drain`, seconds that running awaitables (long
-            server-side waits) get to finish before they are answered UNAVAILABLE;
-            quick requests and durable (deferred) replies still get the full timeout.
+        drain_wait_grace: on :meth:`drain`, seconds that parked server-side waits get
+            to finish before they are answered UNAVAILABLE; other requests and replies
+            waiting for durability still get the full timeout.
     """
 
     def __init__(

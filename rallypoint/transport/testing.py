@@ -3,10 +3,14 @@
 Request bodies are plain msgpack maps ``{"op": ..., ...}``; a body that is not a map
 (or has no ``op``) is echoed back unchanged, which is the benchmark's fast path.
 
-ops: ``echo`` (reply = the body), ``sleep`` (``s`` seconds, as an awaitable),
-``deferred`` (reply after the fake journal is durable past ``lsn``), ``fail``
-(ConflictError), ``crash`` (ValueError: must come back as INTERNAL without its text),
-``sleep_deferred`` (awaitable whose result is Deferred).
+ops: ``echo`` (reply = the body), ``sleep`` (``s`` seconds: a parked wait, which a
+Cancel frame ends), ``deferred`` (reply after the fake journal is durable past ``lsn``),
+``fail`` (ConflictError), ``crash`` (ValueError: must come back as INTERNAL without its
+text), ``sleep_deferred`` (a wait whose answer then waits for durability).
+
+It follows the :class:`~rallypoint.transport.server.Dispatcher` protocol like the real
+service: ``submit`` answers through ``sink.deliver(rid, reply, lsn)``, and a wait is
+registered with ``sink.track`` so that the connection can cancel it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import trio
 
 from .. import wire
 from ..errors import ConflictError, UnauthenticatedError
-from .server import Deferred
 
 _decode = msgspec.msgpack.decode
 _encode = msgspec.msgpack.Encoder().encode
@@ -60,42 +63,58 @@ class TestDispatcher:
         self.hellos.append((hello, peer))
         return {"client": hello.client}, wire.HelloOk(wire.PROTOCOL_VERSION, "test", "default")
 
-    def dispatch(self, session: Any, body: msgspec.Raw) -> Any:
+    def submit(self, session: Any, body: msgspec.Raw, sink: Any, rid: int) -> None:
         raw = bytes(body)
         if not raw or raw[0] & 0xF0 != 0x80:  # not a fixmap: echo fast path
-            return raw
+            sink.deliver(rid, raw, 0)
+            return
         req = _decode(raw)
         op = req.get("op") if isinstance(req, dict) else None
         if op is None or op == "echo":
-            return raw
-        if op == "sleep":
-            return self._sleep(req.get("s", 0.0), req.get("v"))
-        if op == "deferred":
-            return Deferred(req["lsn"], _encode(req["lsn"]))
-        if op == "sleep_deferred":
-            return self._sleep_deferred(req.get("s", 0.0), req["lsn"])
-        if op == "fail":
-            raise ConflictError("the group is closed; open a new one", retry_after=1.5, details={"group": "g1"})
-        if op == "crash":
+            sink.deliver(rid, raw, 0)
+        elif op == "sleep":
+            self._spawn(sink, rid, req.get("s", 0.0), _encode({"slept": req.get("s", 0.0), "v": req.get("v")}), 0)
+        elif op == "deferred":
+            sink.deliver(rid, _encode(req["lsn"]), req["lsn"])
+        elif op == "sleep_deferred":
+            self._spawn(sink, rid, req.get("s", 0.0), _encode(req["lsn"]), req["lsn"])
+        elif op == "fail":
+            sink.deliver(rid, ConflictError("the group is closed; open a new one", retry_after=1.5,
+                                            details={"group": "g1"}), 0)
+        elif op == "crash":
             raise ValueError("secret internal text: password=hunter2")
-        if op == "crash_async":
-            return self._crash_async()
-        raise ValueError(f"unknown op {op!r}")
+        elif op == "crash_async":
+            self._spawn(sink, rid, 0.0, KeyError("secret async text"), 0)
+        else:
+            raise ValueError(f"unknown op {op!r}")
 
-    async def _sleep(self, s: float, v: Any) -> bytes:
-        await trio.sleep(s)
-        return _encode({"slept": s, "v": v})
+    def _spawn(self, sink: Any, rid: int, s: float, reply: Any, lsn: int) -> None:
+        waiter = _SleepWaiter()
+        sink.track(rid, waiter)
+        trio.lowlevel.spawn_system_task(waiter.run, sink, rid, s, reply, lsn)
 
-    async def _sleep_deferred(self, s: float, lsn: int) -> Deferred:
-        await trio.sleep(s)
-        return Deferred(lsn, _encode(lsn))
-
-    async def _crash_async(self) -> bytes:
-        await trio.sleep(0)
-        raise KeyError("secret async text")
+    def durable_lsn(self) -> int:
+        return self.journal.durable
 
     async def wait_durable(self, lsn: int) -> None:
         await self.journal.wait_durable(lsn)
+
+
+class _SleepWaiter:
+    """A wait of the test dispatcher: sleeps, then answers; ``cancel()`` ends it with no
+    answer (like a parked waiter of the real runtime)."""
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+    async def run(self, sink: Any, rid: int, s: float, reply: Any, lsn: int) -> None:
+        with self.scope:
+            await trio.sleep(s)
+            sink.untrack(rid)
+            sink.deliver(rid, reply, lsn)
 
 
 class EchoDispatcher:
@@ -104,8 +123,11 @@ class EchoDispatcher:
     def hello(self, hello: wire.Hello, peer: str) -> tuple[Any, wire.HelloOk]:
         return None, wire.HelloOk(wire.PROTOCOL_VERSION, "bench", "default")
 
-    def dispatch(self, session: Any, body: msgspec.Raw) -> bytes:
-        return bytes(body)
+    def submit(self, session: Any, body: msgspec.Raw, sink: Any, rid: int) -> None:
+        sink.deliver(rid, bytes(body), 0)
+
+    def durable_lsn(self) -> int:
+        return 0
 
     async def wait_durable(self, lsn: int) -> None:
         return None

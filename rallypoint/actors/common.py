@@ -1,0 +1,141 @@
+"""What every kind shares: input validation, the ``@applies`` mark, the memory journal.
+
+``check_*`` raise VALIDATION_FAILED naming the field; ``short`` quotes input in error
+messages (at most 80 characters). Every kind module imports from here, never from
+another kind's module, for these.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import msgspec
+import trio
+
+from ..clock import from_iso
+from ..errors import ValidationError
+from ..wire import MAX_PAYLOAD_BYTES
+
+__all__ = [
+    "MemoryJournal", "applies", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
+    "parse_instant", "short", "MAX_WAIT_MS", "MAX_KEY_LEN",
+]
+
+#: Longest server-side wait in one request, ms (SPEC §13); the SDK re-issues longer ones.
+MAX_WAIT_MS = 60_000
+
+#: Longest idempotency key, arrival key or claim key, characters.
+MAX_KEY_LEN = 256
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9\-_./:]{1,128}$")
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that quote input."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 15] + f"...({len(r)} chars)"
+
+
+def check_name(field: str, value: Any) -> str:
+    """A name (mailboxes, pools, named runs...): 1-128 chars of letters, digits, ``-_./:``.
+
+    Raises VALIDATION_FAILED naming ``field``."""
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ValidationError(
+            f"{field} must be 1 to 128 characters of letters, digits and -_./: (got {short(value)})",
+            details={"field": field},
+        )
+    return value
+
+
+def check_payload(field: str, raw: msgspec.Raw | bytes) -> bytes:
+    """An encoded payload, at most 64 KiB. Raises VALIDATION_FAILED naming size and limit."""
+    b = bytes(raw)
+    if len(b) > MAX_PAYLOAD_BYTES:
+        raise ValidationError(
+            f"{field} is {len(b)} bytes encoded; the limit is {MAX_PAYLOAD_BYTES} bytes (64 KiB)",
+            details={"field": field, "size": len(b), "limit": MAX_PAYLOAD_BYTES},
+        )
+    return b
+
+
+def parse_instant(field: str, value: str | None) -> int | None:
+    """ISO 8601 -> ms since the epoch, or VALIDATION_FAILED naming ``field``."""
+    if value is None:
+        return None
+    try:
+        return from_iso(value)
+    except (ValueError, TypeError):
+        raise ValidationError(
+            f"{field} must be an ISO 8601 instant such as 2026-01-31T12:00:00Z (got {value!r})",
+            details={"field": field},
+        ) from None
+
+
+def check_key(field: str, key: Any) -> None:
+    """An optional key (idempotency key, arrival key): 1 to 256 characters or None.
+    Raises VALIDATION_FAILED naming ``field``."""
+    if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_LEN):
+        raise ValidationError(f"{field} must be 1 to {MAX_KEY_LEN} characters", details={"field": field})
+
+
+def check_range(field: str, value: int, lo: int, hi: int, unit: str = "") -> int:
+    if not (lo <= value <= hi):
+        raise ValidationError(
+            f"{field} must be between {lo} and {hi}{unit} (got {value})", details={"field": field}
+        )
+    return value
+
+
+def clamp_wait(wait_ms: int) -> int:
+    if wait_ms < 0:
+        raise ValidationError("wait_ms must be >= 0", details={"field": "wait_ms"})
+    return min(wait_ms, MAX_WAIT_MS)
+
+
+def applies(rec_type: type) -> Callable:
+    """Mark a kind's method as the ``apply`` of a journal record type (one per type;
+    :class:`~rallypoint.actors.coordinator.Coordinator` builds its dispatch table from
+    the marks and refuses two functions for one type)."""
+
+    def deco(fn):
+        fn._applies = rec_type
+        return fn
+
+    return deco
+
+
+class MemoryJournal:
+    """The journal of ``memory`` durability: LSNs and nothing else (durable at once)."""
+
+    mode = "memory"
+
+    def __init__(self, next_lsn: int = 1) -> None:
+        self.last_lsn = next_lsn - 1
+
+    @property
+    def durable_lsn(self) -> int:
+        return self.last_lsn
+
+    def append(self, payload: bytes) -> int:
+        self.last_lsn += 1
+        return self.last_lsn
+
+    async def wait_durable(self, lsn: int) -> None:
+        return None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+    def truncate_below(self, lsn: int) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    def statistics(self) -> dict:
+        return {"mode": "memory", "last_lsn": self.last_lsn}
+
+

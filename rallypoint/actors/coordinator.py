@@ -1,0 +1,420 @@
+"""The coordinator: the kinds, the actor runtime, the commit pipeline and time.
+
+Everything that changes state goes through :meth:`Coordinator.commit`:
+
+1. a kind's decide (an ``op_*`` handler running on its actor's task, or an activity
+   firing) validates and builds journal records;
+2. ``commit`` applies them, synchronously and with no ``await``, to every entity they
+   touch (a record may span actors: a group finalizing cancels its gate run and its
+   members in one apply), lets *reactions* add follow-up records to the same commit (a
+   member finishing can finalize its group), then appends the whole list to the journal
+   as ONE entry with one LSN;
+3. the actor replies; the transport sends the reply -- success or error -- only once the
+   journal is durable past ``journal.last_lsn`` as it was when the reply was made (so
+   nothing a client is told can be taken back by a crash).
+
+**Fail-stop.** If an apply raises, or the records cannot be encoded, the state in memory
+may be ahead of the journal: the coordinator marks itself failed (every later batch,
+reply and snapshot is refused) and raises :class:`FatalError`, which ends the actor tree
+and the node; a restart replays the journal, which never held the failed commit.
+
+**Time.** Before every command batch of every actor, :meth:`before_batch` (1) notices an
+event-loop stall -- a gap of more than :data:`STALL_S` between two looks at the clock,
+which a 0.5 s tick guarantees otherwise -- and extends every outstanding lease by the gap
+(one ``LeasesExtended`` record), then (2) fires every activity due by the clock, earliest
+first, runs' deadlines first at equal times. So every time-based state is judged against
+the clock at request time, and what fell due while the loop was busy fires in due order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import msgspec
+import trio
+
+from .._version import __version__
+from ..clock import Clock
+from ..errors import InternalError, RallypointError, UnavailableError
+from ..ids import IdGenerator
+from ..protocol import encoder
+from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
+from .barrier import Barriers
+from .common import MemoryJournal
+from .group import Groups
+from .joinset import JoinSets
+from .keys import Keys
+from .queue import WorkQueues
+from .run import Runs
+from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, shutdown_error
+from .space import Spaces
+from .timer import Timers
+
+log = logging.getLogger("rallypoint.coordinator")
+
+__all__ = ["Coordinator", "FatalError", "STALL_S", "TICK_S"]
+
+#: A gap longer than this (seconds) between two looks at the clock is an event-loop
+#: stall: outstanding leases are extended by it.
+STALL_S = 2.0
+#: The coordinator looks at the clock (and writes its heartbeat) at least this often.
+TICK_S = 0.5
+
+
+class FatalError(RuntimeError):
+    """An apply failed: the node must stop (fail-stop) and recover from its journal."""
+
+
+class Coordinator:
+    """The whole coordinator: one object per kind, the runtime, commit and time.
+
+    Args:
+        journal: ``append(bytes) -> lsn``, ``wait_durable(lsn)``, ``last_lsn``,
+            ``durable_lsn``, ``run()`` (default: :class:`MemoryJournal`).
+        clock: a :class:`~rallypoint.clock.Clock` (default: one made now).
+        durability: ``memory``, ``interval`` or ``fsync`` (reported; ``memory`` also
+            turns off snapshot bookkeeping).
+        idle_s: seconds an idle actor stays active before it passivates.
+    """
+
+    def __init__(
+        self,
+        *,
+        journal=None,
+        clock: Clock | None = None,
+        durability: str = "memory",
+        idle_s: float = 2.0,
+    ) -> None:
+        self.clock = clock or Clock()
+        self.ids = IdGenerator(self.clock.mono_ms)
+        self.journal = journal if journal is not None else MemoryJournal()
+        self.durability = durability
+        self.started_at = time.monotonic()
+        self.connections_fn: Callable[[], int] = lambda: 0
+        self.heartbeat: Callable[[int, int], None] | None = None
+        self.background: list[Callable] = []
+        self.dirty: set[str] = set()
+        self.track_dirty = durability != "memory"
+        self.replaying = False
+        self.failed: BaseException | None = None
+        self.commits = 0
+        self.stalls = 0
+        self.last_seen = 0.0
+        self.runtime = Runtime(self, idle_s=idle_s)
+        self.heap = self.runtime.heap
+        # the kinds (one class each)
+        self.runs = Runs(self)
+        self.queues = WorkQueues(self)
+        self.groups = Groups(self)
+        self.barriers = Barriers(self)
+        self.timers = Timers(self)
+        self.joinsets = JoinSets(self)
+        self.keys = Keys(self)
+        self.spaces = Spaces(self)
+        self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys, self.spaces)
+        self._tables: dict[str, tuple[dict, type]] = {}
+        self._kind_by_prefix: dict[str, Any] = {}
+        self._apply: dict[type, Callable[[Any], None]] = {}
+        for k in self.kinds:
+            for prefix, entry in k.entity_tables().items():
+                self._tables[prefix] = entry
+                self._kind_by_prefix[prefix] = k
+            for rec_type, fn in k.appliers().items():
+                if rec_type in self._apply:
+                    raise RuntimeError(f"two apply functions for {rec_type.__name__}")
+                self._apply[rec_type] = fn
+        self._kind_by_prefix["spc"] = self.spaces
+        missing = [t.__name__ for t in ALL_RECORD_TYPES if t not in self._apply]
+        if missing:
+            raise RuntimeError(f"record types without an apply function: {', '.join(missing)}")
+
+    # ------------------------------------------------------------------ entities
+    def entity_tables(self) -> dict[str, tuple[dict, type]]:
+        """id prefix -> (table, state Struct type): what snapshots store."""
+        return self._tables
+
+    def entity(self, entity_id: str):
+        t = self._tables.get(entity_id[:3])
+        return None if t is None else t[0].get(entity_id)
+
+    def entity_count(self) -> int:
+        return sum(len(t) for t, _ in self._tables.values())
+
+    def touch(self, entity_id: str) -> None:
+        """Mark an entity changed since the last snapshot (only when snapshots are
+        taken: ``track_dirty`` is off in memory mode)."""
+        if self.track_dirty:
+            self.dirty.add(entity_id)
+
+    def rebuild_indexes(self) -> None:
+        """After loading a snapshot: every kind recomputes its derived indexes."""
+        for k in self.kinds:
+            k.rebuild_indexes()
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, records: list) -> int:
+        """Apply ``records`` (and the follow-ups reactions add) and journal them as one
+        entry; returns its LSN. Synchronous: the caller validated everything, so an
+        apply that raises is a bug and stops the node (:class:`FatalError`)."""
+        if self.failed is not None:
+            raise FatalError("the coordinator stopped after a failed apply") from self.failed
+        try:
+            apply = self._apply
+            i = 0
+            while True:
+                while i < len(records):
+                    rec = records[i]
+                    apply[type(rec)](rec)
+                    i += 1
+                more = self.groups.react()
+                if not more:
+                    break
+                records.extend(more)
+            payload = encode_commit(records)
+        except BaseException as exc:
+            self._fail(exc, records)
+            raise FatalError(f"apply of {type(records[min(i, len(records) - 1)]).__name__} failed: {exc!r}") from exc
+        lsn = self.journal.append(payload)
+        self.commits += 1
+        return lsn
+
+    def _fail(self, exc: BaseException, records: list) -> None:
+        self.failed = exc
+        log.critical(
+            "FATAL: applying a commit of %d record(s) failed; the state in memory is ahead of "
+            "the journal, so the node stops now (restart it: recovery replays the journal). "
+            "Records: %s", len(records), ", ".join(type(r).__name__ for r in records[:10]),
+            exc_info=exc,
+        )
+        self.runtime.stopping = True
+
+    def apply(self, rec) -> None:
+        self._apply[type(rec)](rec)
+
+    def replay(self, payload: bytes) -> None:
+        """Apply one journal entry during recovery (no reactions, no activities, no
+        actors: the follow-ups are already in the journal)."""
+        self.replaying = True
+        try:
+            for rec in decode_commit(payload):
+                self._apply[type(rec)](rec)
+        finally:
+            self.replaying = False
+            self.groups.touched.clear()
+
+    # ------------------------------------------------------------------ actors
+    def parent_of(self, actor_id: str) -> tuple[Any, str | None]:
+        """(kind, parent actor id) of an actor id: runs under their parent run, groups,
+        barriers, timers and join sets under their run, the rest under the root."""
+        kind = self._kind_by_prefix[actor_id[:3]]
+        return kind, kind.parent_actor_id(actor_id)
+
+    def notify(self, actor_id: str, key: Any) -> None:
+        """Re-check the waiters on ``key`` of ``actor_id`` (if it has an activation)."""
+        a = self.runtime.actors.get(actor_id)
+        if a is not None and a.n_waiters:
+            a.notify(key)
+
+    def cancel_actor(self, actor_id: str) -> None:
+        """Cancel the nursery of ``actor_id``: its task and every actor task below it end
+        through Trio cancellation and answer what they hold. Not in replay."""
+        if not self.replaying:
+            self.runtime.cancel(actor_id)
+
+    def handle_command(self, actor, item: tuple, cancelled: bool = False) -> None:
+        """Run one command on ``actor``'s task: decide, reply or park."""
+        handler, session, op, sink, rid = item
+        try:
+            result = handler(actor, session, op)
+        except RallypointError as exc:
+            self.reply(sink, rid, exc)
+            return
+        except FatalError:
+            raise
+        except Exception as exc:
+            self.internal_error(exc)
+            self.reply(sink, rid, exc)
+            return
+        if type(result) is Park:
+            if sink.closed:
+                return
+            if cancelled:
+                self.reply(sink, rid, self.cancelled_answer(result))
+            else:
+                actor.park(result, sink, rid)
+        else:
+            self.reply(sink, rid, result)
+
+    def decide(self, session, op):
+        """Decide ``op`` synchronously on the calling task, outside the actors' inboxes:
+        the op table's handler, with no actor. For model tests, benchmarks and the
+        simulator that drive the decide/apply core step by step. Returns the reply
+        Struct, or a :class:`Park` for a wait; raises the RallypointError it answers.
+        (Routing checks -- NOT_FOUND across spaces -- are the handler's own too.)"""
+        from .api import OPS
+
+        spec = OPS[type(op)]
+        return getattr(getattr(self, spec.kind), spec.handler)(None, session, op)
+
+    def reply(self, sink: ReplySink, rid: int, reply: Any) -> None:
+        """Hand ``reply`` (a Struct, bytes or an exception) to ``sink`` with the LSN it
+        depends on (the journal's last, as of now)."""
+        if sink.closed:
+            return
+        if self.failed is not None:
+            reply = UnavailableError("the server stopped after an internal failure; retry once it restarted",
+                                     retry_after=1.0)
+        elif isinstance(reply, msgspec.Struct):
+            try:
+                reply = encoder.encode(reply)
+            except Exception as exc:
+                self.internal_error(exc)
+                reply = exc
+        elif isinstance(reply, Exception) and not isinstance(reply, RallypointError):
+            reply = InternalError(f"internal error ({type(reply).__name__}); the server log has details")
+        sink.deliver(rid, reply, self.journal.last_lsn)
+
+    def cancelled_answer(self, park: Park):
+        """The answer of a waiter whose actor was cancelled: what its check says now (the
+        state the cancel applied: a cancellation code or the outcome it decided), or, when
+        the server is stopping, UNAVAILABLE."""
+        if self.runtime.stopping:
+            return shutdown_error()
+        try:
+            reply = park.check()
+        except RallypointError as exc:
+            return exc
+        return reply if reply is not None else park.expire()
+
+    def internal_error(self, exc: BaseException) -> None:
+        log.error("internal error while handling a command", exc_info=exc)
+
+    # ------------------------------------------------------------------ time
+    def now_ms(self) -> int:
+        """Wall clock, ms since the epoch."""
+        return self.clock.now_ms()
+
+    def mono_ms(self) -> int:
+        """Server time, ms (durations are measured on it)."""
+        return self.clock.mono_ms()
+
+    def arm_wall(self, at_ms: int, fn: Callable[[Any], None], arg: Any, prio: int = PRIO_DEFAULT) -> None:
+        """Call ``fn(arg)`` at wall instant ``at_ms`` (not in replay)."""
+        if not self.replaying:
+            self.heap.arm(self.clock.trio_time_at(at_ms), fn, arg, prio)
+
+    def arm_mono(self, mono_ms: int, fn: Callable[[Any], None], arg: Any, prio: int = PRIO_DEFAULT) -> None:
+        """Call ``fn(arg)`` at server time ``mono_ms`` (not in replay)."""
+        if not self.replaying:
+            self.heap.arm(self.clock.trio_time_at_mono(mono_ms), fn, arg, prio)
+
+    def before_batch(self) -> None:
+        """Before any command is decided: notice a stall, fire what is due."""
+        if self.failed is not None:
+            raise FatalError("the coordinator stopped after a failed apply") from self.failed
+        now = trio.current_time()
+        gap = now - self.last_seen
+        self.last_seen = now
+        if gap > STALL_S and self.last_seen_valid:
+            self._on_stall(gap)
+        heap = self.heap._heap
+        if heap and heap[0][0] <= now:
+            self.heap.fire_due()
+
+    last_seen_valid = False
+
+    def _on_stall(self, gap_s: float) -> None:
+        self.stalls += 1
+        if self.queues.leases_outstanding():
+            by_ms = int(gap_s * 1000)
+            log.warning("event loop stalled for %.1f s: outstanding leases extended by that", gap_s)
+            self.commit([LeasesExtended(by_ms=by_ms, at_ms=self.now_ms(), reason="stall")])
+
+    def extend_leases_after_restart(self, gap_ms: int) -> int:
+        """Recovery: the server could not hear renewals for ``gap_ms`` (it was down):
+        outstanding leases are extended by it (one record). Returns the extension, ms
+        (0 when there was no gap or no lease)."""
+        if gap_ms > 0 and self.queues.leases_outstanding():
+            log.info("extending %d outstanding lease(s) by the %.3f s the server was down",
+                     self.queues.leases_outstanding(), gap_ms / 1000)
+            self.commit([LeasesExtended(by_ms=gap_ms, at_ms=self.now_ms(), reason="restart")])
+            return gap_ms
+        return 0
+
+    def _tick(self, _arg=None) -> None:
+        hb = self.heartbeat
+        if hb is not None:
+            hb(self.clock.mono_ms(), self.clock.now_ms())
+        self.heap.arm(trio.current_time() + TICK_S, self._tick, None)
+
+    def rearm_all(self) -> None:
+        """After recovery: every kind re-arms its activities at their original due times
+        (what is already due fires at once, in due order, runs' deadlines first)."""
+        for k in self.kinds:
+            k.rearm()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run the journal, the actor runtime (root nursery, activity heap) and the
+        background tasks (snapshots) until cancelled."""
+        self.last_seen = trio.current_time()
+        self.last_seen_valid = True
+        self._tick()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.journal.run)
+                await nursery.start(self.runtime.run)
+                for fn in self.background:
+                    await nursery.start(fn)
+                task_status.started()
+        finally:
+            self.runtime.stopping = True
+
+    # ------------------------------------------------------------------ status
+    def server_status(self) -> dict:
+        rt = self.runtime.statistics()
+        return {
+            "version": __version__,
+            "uptime_s": time.monotonic() - self.started_at,
+            "connections": self.connections_fn(),
+            "durability": self.durability,
+            "entities": self.entity_count(),
+            "last_lsn": self.journal.last_lsn,
+            "durable_lsn": self.journal.durable_lsn,
+            "actors": self.actor_statistics(),
+            "tree_depth": rt["tree_depth"],
+        }
+
+    def actor_statistics(self) -> dict[str, dict[str, int]]:
+        """Per kind: entities, actors active (a task) and passive, inbox depth, parked
+        waiters."""
+        out: dict[str, dict[str, int]] = {}
+        for k in self.kinds:
+            if k.prefix:
+                out[k.name] = {"active": 0, "passive": 0, "inbox": 0, "waiters": 0}
+        for a in self.runtime.actors.values():
+            s = out.get(a.kind.name)
+            if s is None:
+                s = out[a.kind.name] = {"active": 0, "passive": 0, "inbox": 0, "waiters": 0}
+            if a.status:
+                s["active"] += 1
+            s["inbox"] += len(a.inbox)
+            s["waiters"] += a.n_waiters
+        for k in self.kinds:
+            if k.prefix and k.name in out:
+                table = self._tables[k.prefix][0]
+                out[k.name]["passive"] = max(0, len(table) - out[k.name]["active"])
+        return out
+
+    def statistics(self) -> dict:
+        return {
+            "commits": self.commits,
+            "stalls": self.stalls,
+            "heap": len(self.heap),
+            "heap_fired": self.heap.fired,
+            "dirty": len(self.dirty),
+            "runtime": self.runtime.statistics(),
+            **self.server_status(),
+        }

@@ -1,0 +1,72 @@
+"""The base of every kind: a table of state Structs and the logic that changes it.
+
+A *kind* (runs, work queues, task groups, barriers, timers, join sets, keys) is one
+class. It owns:
+
+- its **table(s)**: entity id -> state Struct (what snapshots store), plus derived
+  indexes that :meth:`rebuild_indexes` recomputes after a snapshot is loaded;
+- its **decide handlers** ``op_*(actor, session, op)``: validate against state (reading
+  other kinds' state through their public methods is allowed), build journal records,
+  ``coord.commit`` them, and return a reply Struct, raise a RallypointError, or return a
+  :class:`~rallypoint.actors.runtime.Park` to wait on the server. They run on the task
+  of the actor the op table (``api.py``) routes the op to, one command at a time;
+- its **apply functions** (``@applies(Record)``): pure, synchronous, no clock reads,
+  the same live and in replay; they may change the state of the entities their record
+  names, and ``coord.notify`` the actors whose waiters may now be answered;
+- its **activities** (deadlines, leases, timers): entries of the coordinator's activity
+  heap, armed by apply (never in replay) and by :meth:`rearm` after recovery; firing
+  one is a decide like any other (it re-checks, then commits).
+
+``parent_actor_id`` places an entity's actor in the nursery tree, and
+``on_run_inactive`` is what an entity owned by a run does, inside the run's ONE
+cancellation step, when that run (or an ancestor) is cancelled, completed or passes
+its deadline.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["Kind"]
+
+
+class Kind:
+    """Base class of a kind. ``prefix`` is the id prefix of its (main) entities."""
+
+    prefix: str = ""
+    name: str = ""
+
+    def __init__(self, coord) -> None:
+        self.coord = coord
+
+    def entity_tables(self) -> dict[str, tuple[dict, type]]:
+        """id prefix -> (table, state Struct type): what snapshots store."""
+        return {}
+
+    def parent_actor_id(self, entity_id: str) -> str | None:
+        """The actor in whose nursery this entity's actor runs (None: the root)."""
+        return None
+
+    def rebuild_indexes(self) -> None:
+        """After a snapshot was loaded: recompute derived indexes from state."""
+
+    def rearm(self) -> None:
+        """After recovery: arm this kind's activities at their original due times."""
+
+    def on_run_inactive(self, entity_id: str, at_ms: int, reason: str) -> None:
+        """The run that owns ``entity_id`` went inactive (``reason``: cancelled,
+        completed, deadline) in the apply of one record. Synchronous."""
+
+    def appliers(self) -> dict[type, Callable[[Any], None]]:
+        """Record type -> bound apply function, from the ``@applies`` marks."""
+        out: dict[type, Callable[[Any], None]] = {}
+        for name in dir(type(self)):
+            fn = getattr(type(self), name, None)
+            rec_type = getattr(fn, "_applies", None)
+            if rec_type is not None:
+                out[rec_type] = getattr(self, name)
+        return out
+
+    def statistics(self) -> dict:
+        """Entity counts (Trio-style introspection); kinds add their own figures."""
+        return {name: len(table) for name, (table, _) in self.entity_tables().items()}

@@ -1,0 +1,794 @@
+"""Work queues (runstate's "mailboxes"), durable tasks, fenced and leased deliveries (SPEC §3).
+
+A task is QUEUED -> RUNNING (a delivery holds a lease) -> SUCCEEDED | FAILED |
+CANCELLED | EXPIRED. Every delivery increments the task's fencing ``token``; renew,
+complete, retry and reject carry it, and a token that is not the current one is
+STALE_CLAIM and changes nothing. A lease that runs out puts the task back in the queue
+(takeover) with ``attempt + 1``; so does a retry; after ``max_attempts`` attempts the
+task is FAILED. Delivery is at-least-once; the outcome is recorded exactly once (the
+first valid complete).
+
+Where things run: a work queue's actor (space level, in the root nursery) answers for
+the queue itself; a **task belongs to its run**: every command about a task -- submit,
+receive for a run, renew/complete/retry/reject, result, cancel -- is handled here but
+runs on the task's run's actor, and a wait for a task (its result, a receive) is parked
+there, so the run's end answers it.
+
+Time: a task's deadline is a wall instant (judged before every command batch, so a
+complete that arrives after it is refused even if its activity has not fired yet);
+leases and retry delays are server time (:meth:`rallypoint.clock.Clock.mono_ms`), so a
+wall clock set back does not stretch them, and time the server could not hear (down,
+stalled) is given back to lease holders (``LeasesExtended``). FIFO order is a sequence
+number given at submission, never the wall clock.
+
+Indexes (rebuilt after recovery, never snapshotted): a ready heap per (queue, run) of
+``(seq, task id)``, the idempotency-key index, unfinished tasks per run, leased tasks,
+and counts.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import msgspec
+
+from ..clock import to_iso
+from ..errors import ConflictError, LeaseLostError, LimitError, NotFoundError, ValidationError
+from ..ids import is_id
+from ..protocol import (
+    NIL,
+    DeliveryComplete,
+    DeliveryReject,
+    DeliveryRenew,
+    DeliveryRetry,
+    DeliveryView,
+    LeaseView,
+    MailboxEnsure,
+    MailboxGet,
+    MailboxList,
+    MailboxListView,
+    MailboxView,
+    Receive,
+    ReceiveView,
+    TaskCancel,
+    TaskListView,
+    TaskResult,
+    TaskStatus,
+    TaskSubmit,
+    TaskSubmitMany,
+    TaskView,
+)
+from ..records import (
+    LeaseExpired,
+    LeaseRenewed,
+    LeasesExtended,
+    MailboxCreated,
+    TaskCancelled,
+    TaskCompleted,
+    TaskDelivered,
+    TaskExpired,
+    TaskRejected,
+    TaskRetried,
+    TaskSubmitted,
+)
+from .common import applies, check_key, check_name, check_payload, check_range, clamp_wait, parse_instant, short
+from .kind import Kind
+from .runtime import Park
+
+__all__ = ["MailboxState", "TaskState", "WorkQueues", "TERMINAL", "MIN_LEASE_MS", "MAX_LEASE_MS"]
+
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
+MIN_LEASE_MS = 5_000
+MAX_LEASE_MS = 600_000
+MAX_BATCH = 1000
+#: A receive for a run looks at the ready heaps of its subtree: by walking the subtree,
+#: or by testing each run with ready work for ancestry, whichever touches fewer runs.
+_NIL_BYTES = b"\xc0"
+_RUN_REASON = {"cancelled": "scope_cancelled", "completed": "scope_completed", "deadline": "deadline"}
+
+
+class MailboxState(msgspec.Struct, gc=False, omit_defaults=True):
+    """A work queue's configuration (what a snapshot stores)."""
+
+    id: str
+    space: str
+    name: str
+    mode: str
+    max_attempts: int
+    backlog_limit: int | None
+    created_at_ms: int
+
+
+class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
+    """What a snapshot stores of a task. ``token`` is the fencing token of the latest
+    delivery (0: never delivered); ``attempt`` starts at 1 and grows on each retry or
+    lease expiry. ``lease_expires_ms`` and ``available_at_ms`` are server time; the other
+    instants are wall time. ``seq`` is its FIFO position."""
+
+    id: str
+    space: str
+    mailbox_id: str
+    scope_id: str
+    input: bytes
+    created_at_ms: int
+    key: str | None = None
+    deadline_ms: int | None = None
+    state: str = "QUEUED"
+    attempt: int = 1
+    token: int = 0
+    delivery_id: str | None = None
+    lease_expires_ms: int = 0
+    available_at_ms: int = 0
+    outcome: bytes | None = None
+    outcome_reason: str | None = None
+    error: bytes | None = None
+    finished_at_ms: int | None = None
+    group_id: str | None = None
+    joinset_id: str | None = None
+    cancellable: bool = True
+    seq: int = 0
+
+
+class WorkQueues(Kind):
+    """Work queues and their tasks: ops, apply functions, indexes, lease/retry/deadline
+    activities."""
+
+    prefix = "mbx"
+    name = "queues"
+
+    def __init__(self, coord) -> None:
+        super().__init__(coord)
+        self.table: dict[str, MailboxState] = {}
+        self.tasks: dict[str, TaskState] = {}
+        self.next_seq = 1
+        self._init_indexes()
+
+    def _init_indexes(self) -> None:
+        self.by_name: dict[tuple[str, str], str] = {}
+        self.task_keys: dict[tuple[str, str, str], str] = {}
+        self.ready: dict[str, dict[str, list[tuple[int, str]]]] = {}  # queue -> run -> heap of (seq, id)
+        self.ready_set: set[str] = set()
+        self.leased: set[str] = set()  # RUNNING tasks
+        self.queue_counts: dict[str, list[int]] = {}  # queue -> [queued, running]
+        self.run_counts: dict[str, dict[str, int]] = {}  # run -> state -> tasks
+        self.run_unfinished: dict[str, set[str]] = {}
+        self.space_counts: dict[str, dict[str, int]] = {}
+
+    def entity_tables(self):
+        return {"mbx": (self.table, MailboxState), "tsk": (self.tasks, TaskState)}
+
+    def statistics(self) -> dict:
+        return {"queues": len(self.table), "tasks": len(self.tasks), "leased": len(self.leased),
+                "ready": len(self.ready_set)}
+
+    def leases_outstanding(self) -> int:
+        """How many tasks are RUNNING (hold a lease)."""
+        return len(self.leased)
+
+    def run_task_counts(self, run_id: str) -> dict[str, int]:
+        return dict(self.run_counts.get(run_id, {}))
+
+    # ================================================================ queues
+    def get_queue(self, space: str, name_or_id) -> MailboxState:
+        """A queue by name or id; NOT_FOUND (saying how to create it) otherwise."""
+        if not isinstance(name_or_id, str):
+            raise ValidationError("mailbox must be a name or an id", details={"field": "mailbox"})
+        qid = name_or_id if is_id(name_or_id, "mbx") else self.by_name.get((space, name_or_id))
+        q = self.table.get(qid) if qid else None
+        if q is None or q.space != space:
+            raise NotFoundError(
+                f"no mailbox {short(name_or_id)}; create it with mailboxes.ensure()", details={"mailbox": name_or_id}
+            )
+        return q
+
+    def route_queue(self, session, name_or_id) -> str:
+        return self.get_queue(session.space, name_or_id).id
+
+    def op_mailbox_ensure(self, actor, session, op: MailboxEnsure) -> MailboxView:
+        """Create the queue, or check it exists with these settings (CONFLICT naming the
+        first setting that differs). Runs on the space's actor (names are per space)."""
+        check_name("name", op.name)
+        if op.mode != "WORK":
+            raise ValidationError(f"mode must be WORK (got {short(op.mode)})", details={"field": "mode"})
+        check_range("max_attempts", op.max_attempts, 1, 1000)
+        if op.backlog_limit is not None:
+            check_range("backlog_limit", op.backlog_limit, 1, 100_000_000)
+        qid = self.by_name.get((session.space, op.name))
+        if qid is not None:
+            q = self.table[qid]
+            for field in ("mode", "max_attempts", "backlog_limit"):
+                have, want = getattr(q, field), getattr(op, field)
+                if have != want:
+                    raise ConflictError(
+                        f"mailbox {short(op.name)} exists with {field}={have!r}, not {want!r}",
+                        details={"field": field, "existing": have},
+                    )
+            return self.queue_view(q)
+        rec = MailboxCreated(
+            id=self.coord.ids.new("mbx"), space=session.space, name=op.name, mode=op.mode,
+            max_attempts=op.max_attempts, backlog_limit=op.backlog_limit, at_ms=self.coord.now_ms(),
+        )
+        self.coord.commit([rec])
+        return self.queue_view(self.table[rec.id])
+
+    def op_mailbox_get(self, actor, session, op: MailboxGet) -> MailboxView:
+        return self.queue_view(self.get_queue(session.space, op.name))
+
+    def op_mailbox_list(self, actor, session, op: MailboxList) -> MailboxListView:
+        return MailboxListView(mailboxes=[self.queue_view(q) for q in self.table.values() if q.space == session.space])
+
+    def queue_view(self, q: MailboxState) -> MailboxView:
+        queued, running = self.queue_counts.get(q.id, (0, 0))
+        return MailboxView(
+            id=q.id, name=q.name, mode=q.mode, max_attempts=q.max_attempts, backlog_limit=q.backlog_limit,
+            created_at=to_iso(q.created_at_ms), queued=queued, running=running,
+        )
+
+    @applies(MailboxCreated)
+    def _apply_queue_created(self, r: MailboxCreated) -> None:
+        q = MailboxState(id=r.id, space=r.space, name=r.name, mode=r.mode, max_attempts=r.max_attempts,
+                         backlog_limit=r.backlog_limit, created_at_ms=r.at_ms)
+        self.table[q.id] = q
+        self.by_name[(q.space, q.name)] = q.id
+        self.coord.touch(q.id)
+
+    # ================================================================ tasks: lookups
+    def get_task(self, space: str, task_id) -> TaskState:
+        t = self.tasks.get(task_id) if isinstance(task_id, str) else None
+        if t is None or t.space != space:
+            raise NotFoundError(f"no task {short(task_id)} in this space", details={"task_id": task_id})
+        return t
+
+    def route_task(self, session, task_id) -> str:
+        """The actor of a command about a task: its run's."""
+        return self.get_task(session.space, task_id).scope_id
+
+    def task_by_key(self, run_id: str, queue_id: str, key: str) -> TaskState | None:
+        tid = self.task_keys.get((run_id, queue_id, key))
+        return self.tasks[tid] if tid is not None else None
+
+    # ================================================================ submit
+    def prepare_submit(
+        self,
+        space: str,
+        q: MailboxState,
+        run_id: str,
+        input_raw,
+        key: str | None,
+        deadline: str | None,
+        *,
+        field_prefix: str = "",
+        pending: dict | None = None,
+        extra_backlog: int = 0,
+        **extra,
+    ) -> TaskSubmitted | TaskState:
+        """Validate one submission. Returns the existing task for an idempotent
+        resubmission (same key, same input), else the record to commit.
+
+        Raises VALIDATION_FAILED (bad key, payload, deadline), CONFLICT (key reused with
+        other input), SCOPE_CANCELLED / DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog)."""
+        check_key(field_prefix + "key", key)
+        data = check_payload(field_prefix + "input", input_raw)
+        if key is not None:
+            k = (run_id, q.id, key)
+            existing = pending.get(k) if pending is not None else None
+            if existing is None:
+                tid = self.task_keys.get(k)
+                existing = self.tasks[tid] if tid is not None else None
+            if existing is not None:
+                if existing.input != data:
+                    raise ConflictError(
+                        f"{field_prefix}key {key!r} was already used in this run and mailbox with a different input",
+                        details={"field": field_prefix + "key", "task_id": existing.id},
+                    )
+                return existing
+        coord = self.coord
+        coord.runs.require_active(run_id)
+        now = coord.now_ms()
+        deadline_ms = parse_instant(field_prefix + "deadline", deadline)
+        if deadline_ms is not None and deadline_ms <= now:
+            raise ValidationError(
+                f"{field_prefix}deadline {deadline} is in the past", details={"field": field_prefix + "deadline"}
+            )
+        if q.backlog_limit is not None:
+            queued, running = self.queue_counts.get(q.id, (0, 0))
+            if queued + running + extra_backlog >= q.backlog_limit:
+                raise LimitError(
+                    f"mailbox {q.name!r} is full ({queued + running} unfinished tasks, backlog_limit "
+                    f"{q.backlog_limit}); retry later",
+                    retry_after=1.0,
+                    details={"limit": q.backlog_limit},
+                )
+        seq = self.next_seq + extra_backlog
+        return TaskSubmitted(
+            id=coord.ids.new("tsk"), space=space, mailbox_id=q.id, scope_id=run_id, input=data, at_ms=now,
+            key=key, deadline_ms=deadline_ms, seq=seq, **extra,
+        )
+
+    def op_task_submit(self, actor, session, op: TaskSubmit) -> TaskView:
+        q = self.get_queue(session.space, op.mailbox)
+        run = self.coord.runs.get(session.space, op.scope_id)
+        rec = self.prepare_submit(session.space, q, run.id, op.input, op.key, op.deadline)
+        if isinstance(rec, TaskState):
+            return self.task_view(rec)
+        self.coord.commit([rec])
+        return self.task_view(self.tasks[rec.id])
+
+    def op_task_submit_many(self, actor, session, op: TaskSubmitMany) -> TaskListView:
+        """All or nothing: every item is validated first, then one commit for all."""
+        q = self.get_queue(session.space, op.mailbox)
+        run = self.coord.runs.get(session.space, op.scope_id)
+        if not 1 <= len(op.items) <= MAX_BATCH:
+            raise ValidationError(f"items must hold 1 to {MAX_BATCH} submissions", details={"field": "items"})
+        recs: list = []
+        ids: list[str] = []
+        pending: dict = {}
+        for i, item in enumerate(op.items):
+            r = self.prepare_submit(
+                session.space, q, run.id, item.input, item.key, item.deadline,
+                field_prefix=f"items[{i}].", pending=pending, extra_backlog=len(recs),
+            )
+            if isinstance(r, TaskSubmitted) and not (r.key is not None and pending.get((run.id, q.id, r.key)) is r):
+                recs.append(r)  # (a key repeated within the batch returns the pending record: add it once)
+                if r.key is not None:
+                    pending[(run.id, q.id, r.key)] = r
+            ids.append(r.id)
+        if recs:
+            self.coord.commit(recs)
+        return TaskListView(tasks=[self.task_view(self.tasks[i]) for i in ids])
+
+    @applies(TaskSubmitted)
+    def _apply_submitted(self, r: TaskSubmitted) -> None:
+        t = TaskState(
+            id=r.id, space=r.space, mailbox_id=r.mailbox_id, scope_id=r.scope_id, input=r.input,
+            created_at_ms=r.at_ms, key=r.key, deadline_ms=r.deadline_ms, group_id=r.group_id,
+            joinset_id=r.joinset_id, cancellable=r.cancellable, seq=r.seq,
+        )
+        if r.seq >= self.next_seq:
+            self.next_seq = r.seq + 1
+        self.tasks[t.id] = t
+        self._index_task(t)
+        self.coord.touch(t.id)
+        if t.joinset_id is not None:
+            self.coord.joinsets.on_task_created(t)
+        self._make_ready(t)
+        if t.deadline_ms is not None:
+            self.coord.arm_wall(t.deadline_ms, self._on_deadline, (t.id, t.deadline_ms))
+
+    def _index_task(self, t: TaskState) -> None:
+        if t.key is not None:
+            self.task_keys[(t.scope_id, t.mailbox_id, t.key)] = t.id
+        counts = self.run_counts.get(t.scope_id)
+        if counts is None:
+            counts = self.run_counts[t.scope_id] = {}
+        counts[t.state] = counts.get(t.state, 0) + 1
+        sc = self.space_counts.get(t.space)
+        if sc is None:
+            sc = self.space_counts[t.space] = {}
+        sc[t.state] = sc.get(t.state, 0) + 1
+        if t.state not in TERMINAL:
+            self.run_unfinished.setdefault(t.scope_id, set()).add(t.id)
+            qc = self.queue_counts.get(t.mailbox_id)
+            if qc is None:
+                qc = self.queue_counts[t.mailbox_id] = [0, 0]
+            qc[0 if t.state == "QUEUED" else 1] += 1
+            if t.state == "RUNNING":
+                self.leased.add(t.id)
+
+    def _set_state(self, t: TaskState, new: str) -> None:
+        old = t.state
+        if old == new:
+            return
+        t.state = new
+        counts = self.run_counts[t.scope_id]
+        counts[old] -= 1
+        if not counts[old]:
+            del counts[old]
+        counts[new] = counts.get(new, 0) + 1
+        sc = self.space_counts[t.space]
+        sc[old] -= 1
+        sc[new] = sc.get(new, 0) + 1
+        qc = self.queue_counts[t.mailbox_id]
+        if old not in TERMINAL:
+            qc[0 if old == "QUEUED" else 1] -= 1
+        if old == "RUNNING":
+            self.leased.discard(t.id)
+        elif new == "RUNNING":
+            self.leased.add(t.id)
+        coord = self.coord
+        if new in TERMINAL:
+            s = self.run_unfinished.get(t.scope_id)
+            if s is not None:
+                s.discard(t.id)
+                if not s:
+                    del self.run_unfinished[t.scope_id]
+            self.ready_set.discard(t.id)
+            coord.notify(t.scope_id, t.id)  # result waiters (on the task's run)
+            if t.joinset_id is not None:
+                coord.joinsets.on_task_terminal(t)
+        else:
+            qc[0 if new == "QUEUED" else 1] += 1
+        if t.group_id is not None:
+            coord.groups.member_changed(t.group_id)
+
+    def finish(self, t: TaskState, state: str, at_ms: int, reason: str | None) -> None:
+        """Make ``t`` terminal (``state``) with ``reason``; used by every kind that ends
+        tasks (run cancellation, group finalization, join-set close)."""
+        t.finished_at_ms = at_ms
+        t.outcome_reason = reason
+        self._set_state(t, state)
+        self.coord.touch(t.id)
+
+    # ================================================================ the ready queue
+    def _make_ready(self, t: TaskState, *, due: bool = False) -> None:
+        """Put a QUEUED task where receivers find it (or arm its retry delay)."""
+        coord = self.coord
+        if coord.replaying:
+            return  # rearm() rebuilds the ready heaps after recovery
+        if not due and t.available_at_ms > coord.mono_ms():
+            coord.arm_mono(t.available_at_ms, self._on_ready, (t.id, t.available_at_ms))
+            return
+        if t.id in self.ready_set:
+            return
+        self.ready_set.add(t.id)
+        per_run = self.ready.get(t.mailbox_id)
+        if per_run is None:
+            per_run = self.ready[t.mailbox_id] = {}
+        heap = per_run.get(t.scope_id)
+        if heap is None:
+            per_run[t.scope_id] = [(t.seq, t.id)]
+        else:
+            heapq.heappush(heap, (t.seq, t.id))
+        # wake receivers waiting on this run or an ancestor (each on its run's actor)
+        key = ("recv", t.mailbox_id)
+        table = coord.runs.table
+        notify = coord.notify
+        s = table.get(t.scope_id)
+        while s is not None:
+            notify(s.id, key)
+            s = table.get(s.parent_id) if s.parent_id else None
+
+    def _on_ready(self, arg) -> None:
+        task_id, available_at = arg
+        t = self.tasks.get(task_id)
+        if t is not None and t.state == "QUEUED" and t.available_at_ms == available_at:
+            self._make_ready(t, due=True)
+
+    def _candidate_heaps(self, queue_id: str, run_id: str) -> list[tuple[str, list]]:
+        """(run id, ready heap) of ``run_id`` and its descendants in this queue: found
+        by testing each run with ready work for ancestry when there are few such runs,
+        else by walking the subtree."""
+        per_run = self.ready.get(queue_id)
+        if not per_run:
+            return []
+        runs = self.coord.runs
+        if not runs.children.get(run_id):
+            h = per_run.get(run_id)
+            return [(run_id, h)] if h is not None else []
+        if len(per_run) <= 64:
+            return [(rid, h) for rid, h in per_run.items() if runs.is_descendant_or_self(rid, run_id)]
+        out = []
+        for rid in runs.subtree(run_id):
+            h = per_run.get(rid)
+            if h is not None:
+                out.append((rid, h))
+        return out
+
+    def _pop_ready(self, queue_id: str, run_id: str, n: int) -> list[TaskState]:
+        """Pop up to ``n`` oldest ready tasks of the run and its descendants. Stale heap
+        entries (tasks no longer ready) are dropped on the way; heaps left empty are
+        removed so a queue's index only holds runs with ready work."""
+        cands = self._candidate_heaps(queue_id, run_id)
+        out: list[TaskState] = []
+        tasks, ready_set = self.tasks, self.ready_set
+        heappop = heapq.heappop
+        while len(out) < n:
+            best = None
+            for _rid, h in cands:
+                while h and (h[0][1] not in ready_set):
+                    heappop(h)
+                if h and (best is None or h[0] < best[0]):
+                    best = h
+            if best is None:
+                break
+            _, tid = heappop(best)
+            ready_set.discard(tid)
+            out.append(tasks[tid])
+        per_run = self.ready.get(queue_id)
+        if per_run is not None:
+            for rid, h in cands:
+                if not h:
+                    per_run.pop(rid, None)
+        return out
+
+    # ================================================================ receive
+    def op_receive(self, actor, session, op: Receive):
+        """Lease up to ``max_messages`` of the oldest ready tasks of the run's subtree;
+        parks on the run's actor for up to ``wait_ms`` when there are none."""
+        q = self.get_queue(session.space, op.mailbox)
+        run = self.coord.runs.get(session.space, op.scope_id)
+        check_range("lease_ms", op.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS, " ms")
+        check_range("max_messages", op.max_messages, 1, 100)
+        wait_ms = clamp_wait(op.wait_ms)
+        runs = self.coord.runs
+        runs.require_active(run.id)
+        got = self._deliver(q, run.id, op.lease_ms, op.max_messages)
+        if got or wait_ms == 0:
+            return ReceiveView(deliveries=got)
+
+        def check():
+            runs.require_active(run.id)
+            got = self._deliver(q, run.id, op.lease_ms, op.max_messages)
+            return ReceiveView(deliveries=got) if got else None
+
+        return Park(("recv", q.id), check, wait_ms, lambda: ReceiveView(deliveries=[]))
+
+    def _deliver(self, q: MailboxState, run_id: str, lease_ms: int, n: int) -> list[DeliveryView]:
+        picked = self._pop_ready(q.id, run_id, n)
+        if not picked:
+            return []
+        coord = self.coord
+        now = coord.now_ms()
+        expires = coord.mono_ms() + lease_ms
+        new_id = coord.ids.new
+        recs = [
+            TaskDelivered(task_id=t.id, delivery_id=new_id("dlv"), token=t.token + 1, lease_expires_ms=expires, at_ms=now)
+            for t in picked
+        ]
+        coord.commit(recs)
+        return [self.delivery_view(t, q) for t in picked]
+
+    def delivery_view(self, t: TaskState, q: MailboxState | None = None) -> DeliveryView:
+        q = q or self.table[t.mailbox_id]
+        return DeliveryView(
+            id=t.delivery_id or "",
+            task_id=t.id,
+            mailbox=q.name,
+            scope_id=t.scope_id,
+            input=msgspec.Raw(t.input),
+            attempt=t.attempt,
+            token=t.token,
+            lease_expires_at=to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
+            group_id=t.group_id,
+        )
+
+    @applies(TaskDelivered)
+    def _apply_delivered(self, r: TaskDelivered) -> None:
+        t = self.tasks[r.task_id]
+        t.token = r.token
+        t.delivery_id = r.delivery_id
+        t.lease_expires_ms = r.lease_expires_ms
+        t.available_at_ms = 0
+        self.ready_set.discard(t.id)
+        self._set_state(t, "RUNNING")
+        self.coord.touch(t.id)
+        self.coord.arm_mono(r.lease_expires_ms, self._on_lease, (t.id, r.token, r.lease_expires_ms))
+
+    # ================================================================ settle
+    def _holder(self, session, task_id, token: int) -> TaskState:
+        t = self.get_task(session.space, task_id)
+        if t.token != token or token <= 0:
+            raise LeaseLostError(
+                f"token {token} is not the current lease on task {t.id} (current {t.token}); "
+                "another worker has taken it over, or it was never yours",
+                details={"task_id": t.id, "token": t.token},
+            )
+        return t
+
+    def _lease_live(self, t: TaskState) -> bool:
+        return t.state == "RUNNING" and t.lease_expires_ms > self.coord.mono_ms()
+
+    def _lost(self, t: TaskState) -> LeaseLostError:
+        why = "its lease expired" if t.state in ("RUNNING", "QUEUED") else f"the task is {t.state}"
+        return LeaseLostError(f"the lease on task {t.id} is lost: {why}", details={"task_id": t.id, "state": t.state})
+
+    def op_delivery_renew(self, actor, session, op: DeliveryRenew) -> LeaseView:
+        """Extend the lease by ``lease_ms`` from now. STALE_CLAIM when the token is not
+        current or the lease ran out; SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run
+        stopped (the holder must stop)."""
+        t = self._holder(session, op.task_id, op.token)
+        check_range("lease_ms", op.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS, " ms")
+        self.coord.runs.require_active(t.scope_id)
+        if not self._lease_live(t):
+            raise self._lost(t)
+        expires = self.coord.mono_ms() + op.lease_ms
+        self.coord.commit([LeaseRenewed(task_id=t.id, token=t.token, lease_expires_ms=expires)])
+        return LeaseView(task_id=t.id, token=t.token,
+                         lease_expires_at=to_iso(self.coord.clock.mono_to_wall(expires)))
+
+    @applies(LeaseRenewed)
+    def _apply_renewed(self, r: LeaseRenewed) -> None:
+        t = self.tasks[r.task_id]
+        t.lease_expires_ms = r.lease_expires_ms
+        self.coord.touch(t.id)
+        self.coord.arm_mono(r.lease_expires_ms, self._on_lease, (t.id, r.token, r.lease_expires_ms))
+
+    @applies(LeasesExtended)
+    def _apply_leases_extended(self, r: LeasesExtended) -> None:
+        for tid in sorted(self.leased):
+            t = self.tasks[tid]
+            t.lease_expires_ms += r.by_ms
+            self.coord.touch(t.id)
+            self.coord.arm_mono(t.lease_expires_ms, self._on_lease, (t.id, t.token, t.lease_expires_ms))
+
+    def op_delivery_complete(self, actor, session, op: DeliveryComplete) -> TaskView:
+        """Record the outcome (exactly once). STALE_CLAIM for a stale token, a lost lease
+        or a task past its deadline; SCOPE_CANCELLED / DEADLINE_EXCEEDED on a stopped run."""
+        t = self._holder(session, op.task_id, op.token)
+        outcome = check_payload("outcome", op.outcome)
+        self.coord.runs.require_active(t.scope_id)
+        if not self._lease_live(t):
+            raise self._lost(t)
+        self.coord.commit([TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskCompleted)
+    def _apply_completed(self, r: TaskCompleted) -> None:
+        t = self.tasks[r.task_id]
+        t.outcome = r.outcome
+        self.finish(t, "SUCCEEDED", r.at_ms, "completed")
+
+    def _settle_inactive(self, t: TaskState) -> bool:
+        """Retry/reject on an inactive run are answered without a change (SPEC §2.4)."""
+        return t.state in TERMINAL or self.coord.runs.inactive_error(t.scope_id) is not None
+
+    def op_delivery_retry(self, actor, session, op: DeliveryRetry) -> TaskView:
+        """Back to the queue after ``delay_ms`` (server time), or FAILED once
+        ``max_attempts`` attempts were made. Allowed (a no-op) on a stopped run."""
+        t = self._holder(session, op.task_id, op.token)
+        error = check_payload("error", op.error)
+        check_range("delay_ms", op.delay_ms, 0, 7 * 24 * 3600 * 1000, " ms")
+        if self._settle_inactive(t):
+            return self.task_view(t)
+        if not self._lease_live(t):
+            raise self._lost(t)
+        coord = self.coord
+        final = t.attempt >= self.table[t.mailbox_id].max_attempts
+        mono = coord.mono_ms()
+        coord.commit([
+            TaskRetried(
+                task_id=t.id, token=t.token, at_ms=coord.now_ms(),
+                available_at_ms=mono + op.delay_ms if op.delay_ms > 0 else 0,
+                error=None if error == _NIL_BYTES else error, final=final,
+            )
+        ])
+        return self.task_view(t)
+
+    @applies(TaskRetried)
+    def _apply_retried(self, r: TaskRetried) -> None:
+        t = self.tasks[r.task_id]
+        t.error = r.error
+        if r.final:
+            self.finish(t, "FAILED", r.at_ms, "max_attempts")
+            return
+        t.attempt += 1
+        t.available_at_ms = r.available_at_ms
+        self._set_state(t, "QUEUED")
+        self.coord.touch(t.id)
+        self._make_ready(t)
+
+    def op_delivery_reject(self, actor, session, op: DeliveryReject) -> TaskView:
+        """FAILED, no retry. Allowed (a no-op) on a stopped run."""
+        t = self._holder(session, op.task_id, op.token)
+        error = check_payload("error", op.error)
+        if self._settle_inactive(t):
+            return self.task_view(t)
+        if not self._lease_live(t):
+            raise self._lost(t)
+        self.coord.commit([
+            TaskRejected(task_id=t.id, token=t.token, at_ms=self.coord.now_ms(),
+                         error=None if error == _NIL_BYTES else error)
+        ])
+        return self.task_view(t)
+
+    @applies(TaskRejected)
+    def _apply_rejected(self, r: TaskRejected) -> None:
+        t = self.tasks[r.task_id]
+        t.error = r.error
+        self.finish(t, "FAILED", r.at_ms, "rejected")
+
+    # ================================================================ status, result, cancel
+    def op_task_status(self, actor, session, op: TaskStatus) -> TaskView:
+        return self.task_view(self.get_task(session.space, op.task_id))
+
+    def op_task_result(self, actor, session, op: TaskResult):
+        """The task, once terminal; parks on its run's actor up to ``wait_ms``."""
+        t = self.get_task(session.space, op.task_id)
+        wait_ms = clamp_wait(op.wait_ms)
+        if t.state in TERMINAL or wait_ms == 0:
+            return self.task_view(t)
+        view = self.task_view
+        return Park(t.id, lambda: view(t) if t.state in TERMINAL else None, wait_ms, lambda: view(t))
+
+    def op_task_cancel(self, actor, session, op: TaskCancel) -> TaskView:
+        t = self.get_task(session.space, op.task_id)
+        if t.state not in TERMINAL:
+            self.coord.commit([TaskCancelled(task_id=t.id, at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskCancelled)
+    def _apply_cancelled(self, r: TaskCancelled) -> None:
+        self.finish(self.tasks[r.task_id], "CANCELLED", r.at_ms, r.reason)
+
+    @applies(TaskExpired)
+    def _apply_expired(self, r: TaskExpired) -> None:
+        self.finish(self.tasks[r.task_id], "EXPIRED", r.at_ms, "deadline")
+
+    @applies(LeaseExpired)
+    def _apply_lease_expired(self, r: LeaseExpired) -> None:
+        t = self.tasks[r.task_id]
+        if r.final:
+            self.finish(t, "FAILED", r.at_ms, "lease_expired")
+            return
+        t.attempt += 1
+        t.available_at_ms = 0
+        self._set_state(t, "QUEUED")
+        self.coord.touch(t.id)
+        self._make_ready(t)
+
+    def task_view(self, t: TaskState) -> TaskView:
+        return TaskView(
+            id=t.id,
+            mailbox=self.table[t.mailbox_id].name,
+            scope_id=t.scope_id,
+            state=t.state,
+            attempt=t.attempt,
+            key=t.key,
+            input=msgspec.Raw(t.input),
+            outcome=msgspec.Raw(t.outcome) if t.outcome is not None else NIL,
+            outcome_reason=t.outcome_reason,
+            error=msgspec.Raw(t.error) if t.error is not None else NIL,
+            created_at=to_iso(t.created_at_ms),
+            finished_at=to_iso(t.finished_at_ms),
+            deadline=to_iso(t.deadline_ms),
+            group_id=t.group_id,
+        )
+
+    # ================================================================ activities
+    def _on_lease(self, arg) -> None:
+        task_id, token, expires = arg
+        t = self.tasks.get(task_id)
+        if t is None or t.state != "RUNNING" or t.token != token or t.lease_expires_ms != expires:
+            return
+        coord = self.coord
+        final = t.attempt >= self.table[t.mailbox_id].max_attempts
+        coord.commit([LeaseExpired(task_id=task_id, token=token, at_ms=coord.clock.mono_to_wall(expires), final=final)])
+
+    def _on_deadline(self, arg) -> None:
+        task_id, deadline_ms = arg
+        t = self.tasks.get(task_id)
+        if t is None or t.state in TERMINAL or t.deadline_ms != deadline_ms:
+            return
+        self.coord.commit([TaskExpired(task_id=task_id, at_ms=deadline_ms)])
+
+    def on_run_inactive(self, run_id: str, at_ms: int, reason: str) -> None:
+        """The run's unfinished tasks become CANCELLED (in id order)."""
+        ids = self.run_unfinished.get(run_id)
+        if ids:
+            r = _RUN_REASON.get(reason, reason)
+            for tid in sorted(ids):
+                t = self.tasks[tid]
+                if t.state not in TERMINAL:
+                    self.finish(t, "CANCELLED", at_ms, r)
+
+    # ================================================================ recovery
+    def rebuild_indexes(self) -> None:
+        self._init_indexes()
+        for q in self.table.values():
+            self.by_name[(q.space, q.name)] = q.id
+        for t in self.tasks.values():
+            self._index_task(t)
+            if t.seq >= self.next_seq:
+                self.next_seq = t.seq + 1
+
+    def rearm(self) -> None:
+        coord = self.coord
+        for t in self.tasks.values():
+            if t.state in TERMINAL:
+                continue
+            if t.deadline_ms is not None:
+                coord.arm_wall(t.deadline_ms, self._on_deadline, (t.id, t.deadline_ms))
+            if t.state == "RUNNING":
+                coord.arm_mono(t.lease_expires_ms, self._on_lease, (t.id, t.token, t.lease_expires_ms))
+            elif t.state == "QUEUED":
+                self._make_ready(t)

@@ -1,0 +1,402 @@
+"""Runs (scopes): a tree with deadlines whose end stops a whole subtree at once (SPEC §2).
+
+A run's ``stored_state`` is its own (ACTIVE, CANCELLED, COMPLETED); it is *effectively*
+INACTIVE when it or any ancestor is not ACTIVE or is past its deadline. Refusals are
+computed from the tree at request time (:meth:`Runs.inactive_error`), so a deadline
+refuses work at the instant it passes, before its activity fires.
+
+A run's end is ONE record (``ScopeEnded``, ``ScopeDeadlinePassed``, or the
+``GroupFinalized`` that cancels a gate run) whose apply, with no ``await`` in between:
+
+1. records the run's new state;
+2. walks the subtree, and for every run in it lets what the run owns react, newest
+   first (join sets close, groups gated there finalize, barriers and timers are
+   cancelled: :meth:`Kind.on_run_inactive`), then cancels its unfinished tasks;
+3. cancels the run's nursery: the actor tasks of the run, of everything below it, and
+   every waiter they hold end through Trio cancellation and answer from the state of
+   step 2.
+
+No request can see a half-ended subtree, and no waiter below an ended run is left.
+
+The actor of a run lives in its parent run's nursery (a root run in the root nursery);
+groups, barriers, timers and join sets live in their run's nursery.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..clock import to_iso
+from ..errors import (
+    ConflictError,
+    DeadlineExceededError,
+    LimitError,
+    NotFoundError,
+    RallypointError,
+    ScopeCancelledError,
+    ValidationError,
+)
+from ..protocol import ScopeCancel, ScopeComplete, ScopeCreate, ScopeList, ScopeListView, ScopeStatus, ScopeView
+from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
+from .common import applies, check_name, check_range, clamp_wait, parse_instant, short
+from .kind import Kind
+from .runtime import PRIO_RUN_DEADLINE, Park
+
+__all__ = ["ScopeState", "Runs"]
+
+
+class ScopeState(msgspec.Struct, gc=False, omit_defaults=True):
+    """What a snapshot stores of a run. Instants are wall ms."""
+
+    id: str
+    space: str
+    parent_id: str | None
+    name: str | None
+    deadline_ms: int | None
+    child_limit: int
+    created_at_ms: int
+    state: str = "ACTIVE"  # ACTIVE | CANCELLED | COMPLETED
+    ended_at_ms: int | None = None
+    end_reason: str | None = None
+    deadline_fired: bool = False
+    children: int = 0
+    group_id: str | None = None
+
+
+_REASON_OF_STATE = {"CANCELLED": "cancelled", "COMPLETED": "completed"}
+
+
+class Runs(Kind):
+    """Runs: create, status, cancel, complete, list; deadlines; the subtree step."""
+
+    prefix = "scp"
+    name = "runs"
+
+    def __init__(self, coord) -> None:
+        super().__init__(coord)
+        self.table: dict[str, ScopeState] = {}
+        self._init_indexes()
+
+    def _init_indexes(self) -> None:
+        self.children: dict[str, list[str]] = {}
+        self.owned: dict[str, list[str]] = {}  # run id -> ids of the groups/barriers/timers/join sets it owns
+        self.counts: dict[str, dict[str, int]] = {}  # space -> stored_state -> runs
+
+    def entity_tables(self):
+        return {"scp": (self.table, ScopeState)}
+
+    def parent_actor_id(self, run_id: str) -> str | None:
+        return self.table[run_id].parent_id
+
+    # ================================================================ lookups
+    def get(self, space: str, run_id) -> ScopeState:
+        """The run ``run_id`` of ``space``; NOT_FOUND otherwise (another space's too)."""
+        s = self.table.get(run_id) if isinstance(run_id, str) else None
+        if s is None or s.space != space:
+            raise NotFoundError(f"no run {short(run_id)} in this space", details={"scope_id": short(run_id)})
+        return s
+
+    def route(self, session, run_id) -> str:
+        """The actor id for a command on run ``run_id`` (NOT_FOUND across spaces)."""
+        return self.get(session.space, run_id).id
+
+    def inactive_error(self, run_id: str, at_ms: int | None = None) -> RallypointError | None:
+        """Why the run (or an ancestor) refuses new work at ``at_ms`` (default: now), or
+        None when it is active. SCOPE_CANCELLED when it or an ancestor was cancelled or
+        completed, DEADLINE_EXCEEDED when it or an ancestor is past its deadline (the
+        first found walking up from the run)."""
+        table = self.table
+        s = table.get(run_id)
+        now = at_ms
+        while s is not None:
+            if s.state != "ACTIVE":
+                what = "cancelled" if s.state == "CANCELLED" else "completed"
+                if s.id == run_id:
+                    msg = f"run {s.id} was {what}; it accepts no new work (start a new run)"
+                else:
+                    msg = f"run {run_id} is inactive: its ancestor {s.id} was {what}"
+                return ScopeCancelledError(msg, details={"scope_id": s.id, "reason": what})
+            if s.deadline_ms is not None:
+                if now is None:
+                    now = self.coord.now_ms()
+                if s.deadline_fired or now >= s.deadline_ms:
+                    who = "run " + s.id if s.id == run_id else f"run {run_id}'s ancestor {s.id}"
+                    return DeadlineExceededError(
+                        f"{who} passed its deadline {to_iso(s.deadline_ms)}; it accepts no new work",
+                        details={"scope_id": s.id, "reason": "deadline"},
+                    )
+            s = table.get(s.parent_id) if s.parent_id else None
+        return None
+
+    def require_active(self, run_id: str) -> None:
+        """Raise SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run refuses new work."""
+        err = self.inactive_error(run_id)
+        if err is not None:
+            raise err
+
+    def deadline_passed(self, run_id: str, at_ms: int | None = None) -> bool:
+        """The run or an ancestor is past its deadline at ``at_ms`` (default: now),
+        whether or not the deadline's activity has fired. Deterministic given ``at_ms``."""
+        if at_ms is None:
+            at_ms = self.coord.now_ms()
+        table = self.table
+        s = table.get(run_id)
+        while s is not None:
+            if s.deadline_ms is not None and (s.deadline_fired or s.deadline_ms <= at_ms):
+                return True
+            s = table.get(s.parent_id) if s.parent_id else None
+        return False
+
+    def is_descendant_or_self(self, run_id: str, ancestor_id: str) -> bool:
+        table = self.table
+        s = table.get(run_id)
+        while s is not None:
+            if s.id == ancestor_id:
+                return True
+            s = table.get(s.parent_id) if s.parent_id else None
+        return False
+
+    def subtree(self, root_id: str):
+        """Ids of the run and every run below it (parent before children)."""
+        stack = [root_id]
+        children = self.children
+        while stack:
+            rid = stack.pop()
+            yield rid
+            kids = children.get(rid)
+            if kids:
+                stack.extend(kids)
+
+    def own(self, run_id: str, entity_id: str) -> None:
+        """Register ``entity_id`` (a group gated here, a barrier, timer, join set) as owned
+        by ``run_id``: it reacts (``on_run_inactive``) when the run ends."""
+        self.owned.setdefault(run_id, []).append(entity_id)
+
+    # ================================================================ decide (ops)
+    def op_scope_create(self, actor, session, op: ScopeCreate) -> ScopeView:
+        """A root run (on the space's actor) or a child run (on the parent's actor).
+        VALIDATION_FAILED (name, deadline in the past, child_limit), NOT_FOUND (parent),
+        SCOPE_CANCELLED / DEADLINE_EXCEEDED (parent inactive), LIMIT_EXCEEDED (child_limit)."""
+        space = session.space
+        if op.parent_id is not None:
+            parent = self.get(space, op.parent_id)
+            self.require_active(parent.id)
+            self.check_child_limit(parent)
+        if op.name is not None:
+            check_name("name", op.name)
+        check_range("child_limit", op.child_limit, 0, 1_000_000)
+        now = self.coord.now_ms()
+        deadline_ms = parse_instant("deadline", op.deadline)
+        if deadline_ms is not None and deadline_ms <= now:
+            raise ValidationError(
+                f"deadline {op.deadline} is in the past (now {to_iso(now)})", details={"field": "deadline"}
+            )
+        rec = ScopeCreated(
+            id=self.coord.ids.new("scp"),
+            space=space,
+            parent_id=op.parent_id,
+            name=op.name,
+            deadline_ms=deadline_ms,
+            child_limit=op.child_limit,
+            at_ms=now,
+        )
+        self.coord.commit([rec])
+        return self.view(self.table[rec.id])
+
+    def check_child_limit(self, parent: ScopeState, what: str = "") -> None:
+        if parent.children >= parent.child_limit:
+            raise LimitError(
+                f"run {parent.id} already has {parent.children} children, its child_limit{what}",
+                details={"field": "child_limit", "limit": parent.child_limit},
+            )
+
+    def op_scope_status(self, actor, session, op: ScopeStatus) -> ScopeView:
+        return self.view(self.get(session.space, op.scope_id))
+
+    def op_scope_cancel(self, actor, session, op: ScopeCancel) -> ScopeView:
+        """Cancel the run and its subtree (one record). Idempotent on a CANCELLED run;
+        CONFLICT on a COMPLETED one."""
+        s = self.get(session.space, op.scope_id)
+        if s.state == "CANCELLED":
+            return self.view(s)
+        if s.state == "COMPLETED":
+            raise ConflictError(f"run {s.id} is already COMPLETED; a finished run cannot be cancelled")
+        if op.reason is not None and len(op.reason) > 1024:
+            raise ValidationError("reason is longer than 1024 characters", details={"field": "reason"})
+        self.coord.commit([ScopeEnded(id=s.id, state="CANCELLED", at_ms=self.coord.now_ms(), reason=op.reason)])
+        return self.view(s)
+
+    def op_scope_complete(self, actor, session, op: ScopeComplete):
+        """Complete the run: first close its open join sets (newest first); the run is
+        COMPLETED only once every child of those sets finished (SPEC §5 structured end).
+        Until then the reply is the run still ACTIVE (the SDK re-issues the request); a
+        join set created while this waits is closed too. CONFLICT on a finished run."""
+        s = self.get(session.space, op.scope_id)
+        if s.state != "ACTIVE":
+            raise ConflictError(f"run {s.id} is already {s.state}; a finished run cannot be completed")
+        wait_ms = clamp_wait(op.wait_ms)
+        done = self._try_complete(s)
+        if done is not None or wait_ms == 0:
+            return self.view(s)
+
+        def check():
+            if s.state != "ACTIVE":
+                return self.view(s)
+            return self._try_complete(s)
+
+        return Park("complete", check, wait_ms, lambda: self.view(s))
+
+    def _try_complete(self, s: ScopeState) -> ScopeView | None:
+        joinsets = self.coord.joinsets
+        closes = joinsets.close_records_for_complete(s.id, self.coord.now_ms())
+        if closes:
+            self.coord.commit(closes)
+        if joinsets.open_count(s.id) == 0 and s.state == "ACTIVE":
+            self.coord.commit([ScopeEnded(id=s.id, state="COMPLETED", at_ms=self.coord.now_ms())])
+            return self.view(s)
+        return None
+
+    def op_scope_list(self, actor, session, op: ScopeList) -> ScopeListView:
+        """Runs of the space (or the children of ``parent_id``), oldest first, paged by
+        ``after`` (an id), filtered by ``state`` and ``roots_only``."""
+        check_range("limit", op.limit, 1, 10_000)
+        if op.parent_id is not None:
+            parent = self.get(session.space, op.parent_id)
+            source = (self.table[i] for i in self.children.get(parent.id, []))
+        else:
+            source = iter(self.table.values())
+        out = []
+        for s in source:
+            if s.space != session.space:
+                continue
+            if op.roots_only and s.parent_id is not None:
+                continue
+            if op.after is not None and s.id <= op.after:
+                continue
+            if op.state is not None and s.state != op.state:
+                continue
+            out.append(self.view(s))
+            if len(out) >= op.limit:
+                break
+        return ScopeListView(scopes=out)
+
+    # ================================================================ views
+    def view(self, s: ScopeState) -> ScopeView:
+        err = self.inactive_error(s.id)
+        reason = None
+        if err is not None:
+            owner = (err.details or {}).get("scope_id")
+            reason = (err.details or {}).get("reason", "cancelled")
+            if owner != s.id:
+                reason = "ancestor_" + reason
+        return ScopeView(
+            id=s.id,
+            name=s.name,
+            parent_id=s.parent_id,
+            stored_state=s.state,
+            effective="ACTIVE" if err is None else "INACTIVE",
+            inactive_reason=reason,
+            deadline=to_iso(s.deadline_ms),
+            created_at=to_iso(s.created_at_ms),
+            ended_at=to_iso(s.ended_at_ms),
+            child_limit=s.child_limit,
+            children=s.children,
+            tasks=self.coord.queues.run_task_counts(s.id),
+            group_id=s.group_id,
+        )
+
+    # ================================================================ apply
+    @applies(ScopeCreated)
+    def _apply_created(self, r: ScopeCreated) -> None:
+        self.add(
+            ScopeState(
+                id=r.id,
+                space=r.space,
+                parent_id=r.parent_id,
+                name=r.name,
+                deadline_ms=r.deadline_ms,
+                child_limit=r.child_limit,
+                created_at_ms=r.at_ms,
+                group_id=r.group_id,
+            )
+        )
+
+    def add(self, s: ScopeState) -> None:
+        """Install a new run (its own record, or a group's gate run in GroupCreated)."""
+        self._index(s)
+        if s.parent_id is not None:
+            self.table[s.parent_id].children += 1
+            self.coord.touch(s.parent_id)
+        self.coord.touch(s.id)
+        if s.deadline_ms is not None:
+            self.coord.arm_wall(s.deadline_ms, self._on_deadline, (s.id, s.deadline_ms), PRIO_RUN_DEADLINE)
+
+    def _count(self, space: str, old: str | None, new: str) -> None:
+        c = self.counts.get(space)
+        if c is None:
+            c = self.counts[space] = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
+        if old is not None:
+            c[old] -= 1
+        c[new] = c.get(new, 0) + 1
+
+    def _index(self, s: ScopeState) -> None:
+        self._count(s.space, None, s.state)
+        self.table[s.id] = s
+        if s.parent_id is not None:
+            self.children.setdefault(s.parent_id, []).append(s.id)
+
+    @applies(ScopeEnded)
+    def _apply_ended(self, r: ScopeEnded) -> None:
+        self.end(self.table[r.id], r.state, r.at_ms, r.reason)
+
+    def end(self, s: ScopeState, state: str, at_ms: int, reason: str | None) -> None:
+        """The run's own state becomes ``state`` (CANCELLED or COMPLETED) and its subtree
+        goes inactive, in this one synchronous step."""
+        self._count(s.space, s.state, state)
+        s.state = state
+        s.ended_at_ms = at_ms
+        s.end_reason = reason
+        self.coord.touch(s.id)
+        self._inactivate_subtree(s.id, at_ms, _REASON_OF_STATE[state])
+
+    @applies(ScopeDeadlinePassed)
+    def _apply_deadline(self, r: ScopeDeadlinePassed) -> None:
+        s = self.table[r.id]
+        s.deadline_fired = True
+        self.coord.touch(s.id)
+        self._inactivate_subtree(s.id, r.at_ms, "deadline")
+
+    def _inactivate_subtree(self, root_id: str, at_ms: int, reason: str) -> None:
+        coord = self.coord
+        queues = coord.queues
+        kind_of = coord._kind_by_prefix
+        for rid in self.subtree(root_id):
+            owned = self.owned.get(rid)
+            if owned:
+                for eid in reversed(owned):  # newest first: join sets close newest first
+                    kind_of[eid[:3]].on_run_inactive(eid, at_ms, reason)
+            queues.on_run_inactive(rid, at_ms, reason)
+        coord.cancel_actor(root_id)
+
+    # ================================================================ activities
+    def _on_deadline(self, arg) -> None:
+        run_id, deadline_ms = arg
+        s = self.table.get(run_id)
+        if s is None or s.deadline_fired or s.deadline_ms != deadline_ms:
+            return
+        self.coord.commit([ScopeDeadlinePassed(id=run_id, at_ms=deadline_ms)])
+
+    def rearm(self) -> None:
+        for s in self.table.values():
+            if s.deadline_ms is not None and not s.deadline_fired:
+                self.coord.arm_wall(s.deadline_ms, self._on_deadline, (s.id, s.deadline_ms), PRIO_RUN_DEADLINE)
+
+    def rebuild_indexes(self) -> None:
+        self._init_indexes()
+        for s in self.table.values():
+            self._count(s.space, None, s.state)
+            if s.parent_id is not None:
+                self.children.setdefault(s.parent_id, []).append(s.id)
+
+    def statistics(self) -> dict:
+        return {"runs": len(self.table)}

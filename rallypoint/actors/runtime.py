@@ -1,0 +1,617 @@
+"""The actor runtime: activations with a private inbox, one task and a nursery each, on
+a nursery tree that mirrors the run tree; passivation; parked waiters; one activity heap.
+
+Vocabulary (kept apart on purpose):
+
+- an **inbox** is an actor's private queue of commands (the design card's "private
+  mailbox"); a **work queue** is runstate's durable "mailbox" of tasks (``queue.py``);
+- an **actor** is the *activation* of one entity (a run, a group, a barrier...): its
+  inbox, its task, its nursery and its parked waiters. The entity's *state* (a msgspec
+  Struct) and the logic that decides and applies changes to it belong to its *kind*
+  (``run.py``, ``group.py``...); the state outlives every activation.
+
+Life of an actor::
+
+    PASSIVE --send()--> STARTING --task runs--> ACTIVE --idle for IDLE_S--> PASSIVE
+                                                  |--its nursery cancelled--> PASSIVE
+
+- ``send(command)`` appends to the inbox (a ``collections.deque``) and wakes the actor's
+  task (one ``reschedule``); a passive actor is activated first: its task is started in
+  its *parent's* nursery (a run's parent run, the run of a group/barrier/timer/join set;
+  root runs and space-level actors in the runtime's root nursery), activating passive
+  ancestors on the way. So the tasks form a nursery tree that mirrors the run tree.
+- The task drains the inbox in batches: every command of a batch is handled to the end
+  (decide, commit, apply, reply) before the next starts: an actor handles one command
+  at a time. Before each batch the coordinator fires every activity due by the clock
+  (:meth:`Runtime.before_batch`), so time-based state is judged at request time.
+- A handler may *park* a waiter (:class:`Park`): a server-side wait (task result,
+  receive, group/barrier/timer wait, join_next, run completion) is a parked entry of the
+  actor it waits on, not a task. Apply functions ``notify(actor_id, key)``; the actor
+  re-checks the waiters on that key after its batch. Timeouts are activity-heap entries.
+- Cancelling an actor's nursery (a run cancelled, completed or past its deadline) ends
+  its task and every actor task below it through Trio cancellation; on the way out each
+  actor answers the commands still in its inbox and every parked waiter (the waiter's
+  ``check`` computes the answer from the already-applied state: a cancellation code or
+  the outcome the cancel decided), then passivates.
+- An actor with an empty inbox, no waiters and no child tasks passivates after
+  ``idle_s`` (default 2 s) without a command: its task exits, its state stays. So idle
+  runs cost bytes (their state Struct), not tasks.
+
+Activities (deadlines, leases, retry delays, timers, join-set delays, wait timeouts,
+passivation) are entries of ONE :class:`ActivityHeap` per runtime with one sleeping task:
+never a task per timer, lease or waiter.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from collections import deque
+from typing import Any, Callable
+
+import trio
+
+from ..errors import RallypointError, UnavailableError
+
+log = logging.getLogger("rallypoint.runtime")
+
+__all__ = ["Actor", "Runtime", "Park", "Waiter", "ActivityHeap", "ReplySink", "PASSIVE", "STARTING", "ACTIVE"]
+
+PASSIVE, STARTING, ACTIVE = 0, 1, 2
+_STATUS_NAMES = {PASSIVE: "passive", STARTING: "starting", ACTIVE: "active"}
+
+#: Priority of a heap entry at equal due time: runs' deadlines first (an enclosing
+#: run's end decides before what it encloses), then everything else.
+PRIO_RUN_DEADLINE = 0
+PRIO_DEFAULT = 1
+
+
+# ---------------------------------------------------------------------------- replies
+class ReplySink:
+    """Where an actor sends the answer to a command: a connection, or an embedded call.
+
+    ``deliver(rid, reply, lsn)``: ``reply`` is the encoded reply body (bytes) or a
+    RallypointError; it must not reach the client before the journal is durable past
+    ``lsn`` (0: depends on no state). ``track(rid, waiter)`` / ``untrack(rid)`` let the
+    sink cancel a parked waiter (a Cancel frame, a closed connection)."""
+
+    closed: bool = False
+
+    def deliver(self, rid: int, reply: "bytes | RallypointError", lsn: int) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def track(self, rid: int, waiter: "Waiter") -> None:
+        return None
+
+    def untrack(self, rid: int) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------- waiters
+class Park:
+    """What a handler returns to wait on the server instead of answering now.
+
+    Args:
+        key: what the waiter waits on in its actor (``notify(actor_id, key)`` re-checks
+            the waiters on that key, in the order they parked).
+        check: ``() -> reply | None``: the answer once the wait is over, else None. It may
+            commit (a receive leases, a join_next consumes) and may raise a
+            RallypointError (the error is the answer: e.g. BARRIER_CANCELLED).
+        wait_ms: the longest wait, milliseconds (the caller clamped it to 60 s).
+        expire: ``() -> reply``: the answer when ``wait_ms`` passed first.
+    """
+
+    __slots__ = ("key", "check", "wait_ms", "expire")
+
+    def __init__(self, key: Any, check: Callable[[], Any], wait_ms: int, expire: Callable[[], Any]) -> None:
+        self.key = key
+        self.check = check
+        self.wait_ms = wait_ms
+        self.expire = expire
+
+
+class Waiter:
+    """A parked server-side wait: its actor, its key, its sink and request id."""
+
+    __slots__ = ("actor", "park", "sink", "rid", "done")
+
+    def __init__(self, actor: "Actor", park: Park, sink: ReplySink, rid: int) -> None:
+        self.actor = actor
+        self.park = park
+        self.sink = sink
+        self.rid = rid
+        self.done = False
+
+    def cancel(self) -> None:
+        """The client abandoned the wait (Cancel frame, connection closed): no answer."""
+        if not self.done:
+            self.done = True
+            self.actor._unlist(self)
+            self.actor._waiter_gone()
+
+
+# ---------------------------------------------------------------------------- activities
+class ActivityHeap:
+    """One heap of due activities: ``(due, prio, seq, fn, arg)``, ``due`` in Trio time.
+
+    ``fn(arg)`` is called once the entry is due, in (due, prio, arm order) order. Entries
+    are never removed when they become irrelevant (a lease renewed, a task finished): the
+    callback re-checks and ignores a stale entry, so arming is O(log n) and cancelling
+    is free. One task sleeps until the earliest entry (:meth:`run`); the coordinator
+    also calls :meth:`fire_due` before every command batch.
+    """
+
+    __slots__ = ("_heap", "_seq", "_task", "fired", "_firing")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
+        self._task = None  # the sleeping task while it sleeps
+        self.fired = 0
+        self._firing = False
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def arm(self, due: float, fn: Callable[[Any], None], arg: Any = None, prio: int = PRIO_DEFAULT) -> None:
+        """Call ``fn(arg)`` at Trio time ``due`` (seconds)."""
+        self._seq += 1
+        entry = (due, prio, self._seq, fn, arg)
+        heap = self._heap
+        heapq.heappush(heap, entry)
+        if heap[0] is entry and self._task is not None:
+            task, self._task = self._task, None
+            trio.lowlevel.reschedule(task)
+
+    def clear(self) -> None:
+        self._heap.clear()
+
+    def next_due(self) -> float:
+        return self._heap[0][0] if self._heap else math.inf
+
+    def due_now(self) -> bool:
+        heap = self._heap
+        return bool(heap) and heap[0][0] <= trio.current_time()
+
+    def fire_due(self) -> int:
+        """Fire every entry due now, earliest first; returns how many fired. Re-entrant
+        calls (an activity whose commit reaches another batch start) do nothing."""
+        if self._firing:
+            return 0
+        heap = self._heap
+        now = trio.current_time()
+        n = 0
+        self._firing = True
+        try:
+            while heap and heap[0][0] <= now:
+                _, _, _, fn, arg = heapq.heappop(heap)
+                fn(arg)
+                n += 1
+        finally:
+            self._firing = False
+        self.fired += n
+        return n
+
+    async def run(self, before: Callable[[], None], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The one sleeping task: wakes at the earliest due time (or when an earlier entry
+        is armed), calls ``before()`` (the coordinator's catch-up, which fires what is due),
+        sleeps again."""
+        task_status.started()
+        while True:
+            before()
+            deadline = self.next_due()
+            with trio.move_on_at(deadline):
+                self._task = trio.lowlevel.current_task()
+
+                def abort(_raise_cancel):
+                    self._task = None
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                await trio.lowlevel.wait_task_rescheduled(abort)
+            self._task = None
+
+
+# ---------------------------------------------------------------------------- actors
+class Actor:
+    """One activation: an inbox, a task (while active), a nursery, parked waiters.
+
+    Not made directly: :meth:`Runtime.actor` returns the activation for an id (a passive
+    one if none is running). ``kind`` is the kind object whose handlers run here;
+    ``parent_id`` the actor whose nursery this one's task runs in (None: the root)."""
+
+    __slots__ = (
+        "id", "kind", "parent_id", "runtime", "inbox", "status", "nursery", "_parked", "waiters",
+        "n_waiters", "_dirty", "_pending_children", "_idle_since", "_passivate_armed", "_passivate",
+        "commands", "depth", "_handling",
+    )
+
+    def __init__(self, runtime: "Runtime", actor_id: str, kind: Any, parent_id: str | None) -> None:
+        self.id = actor_id
+        self.kind = kind
+        self.parent_id = parent_id
+        self.runtime = runtime
+        self.inbox: deque = deque()
+        self.status = PASSIVE
+        self.nursery: trio.Nursery | None = None
+        self._parked = None
+        self.waiters: dict[Any, list[Waiter]] = {}
+        self.n_waiters = 0
+        self._dirty: set | None = None
+        self._pending_children: list[Actor] = []
+        self._idle_since = 0.0
+        self._passivate_armed = False
+        self._passivate = False
+        self.commands = 0
+        self.depth = 0
+        self._handling = False
+
+    def __repr__(self) -> str:
+        return f"<Actor {self.id} {_STATUS_NAMES[self.status]} inbox={len(self.inbox)} waiters={self.n_waiters}>"
+
+    # -------------------------------------------------------------- inbox
+    def send(self, item: tuple) -> None:
+        """Append a command ``(handler, session, op, sink, rid)`` and wake the task
+        (activating the actor, and passive ancestors, if needed)."""
+        self.inbox.append(item)
+        if self.status == ACTIVE:
+            task = self._parked
+            if task is not None:
+                self._parked = None
+                trio.lowlevel.reschedule(task)
+        elif self.status == PASSIVE:
+            self.runtime._activate(self)
+
+    def notify(self, key: Any) -> None:
+        """State that waiters on ``key`` may be waiting for changed: re-check them."""
+        if self.n_waiters and key in self.waiters:
+            if self._dirty is None:
+                self._dirty = {key}
+            else:
+                self._dirty.add(key)
+            task = self._parked
+            if task is not None:
+                self._parked = None
+                trio.lowlevel.reschedule(task)
+
+    def _wake(self) -> None:
+        task = self._parked
+        if task is not None:
+            self._parked = None
+            trio.lowlevel.reschedule(task)
+
+    # -------------------------------------------------------------- the task
+    async def _main(self) -> None:
+        rt = self.runtime
+        self.status = ACTIVE
+        self._idle_since = trio.current_time()
+        rt.n_active += 1
+        rt.activations += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                pending, self._pending_children = self._pending_children, []
+                for child in pending:
+                    nursery.start_soon(child._main)
+                try:
+                    await self._loop()
+                except trio.Cancelled:
+                    self._answer_all()
+                    raise
+                finally:
+                    # From here the nursery only waits for its children: no new
+                    # arrivals (a child activated now waits in _pending_children and is
+                    # started by this actor's next activation).
+                    self.nursery = None
+        finally:
+            self.nursery = None
+            self._parked = None
+            self.status = PASSIVE
+            rt.n_active -= 1
+            rt._deactivated(self)
+
+    async def _loop(self) -> None:
+        rt = self.runtime
+        inbox = self.inbox
+        handle = rt.handle
+        while True:
+            if inbox or self._dirty:
+                rt.before_batch()
+                self._handling = True
+                try:
+                    while inbox:
+                        item = inbox.popleft()
+                        self.commands += 1
+                        handle(self, item)
+                    if self._dirty:
+                        self._recheck()
+                finally:
+                    self._handling = False
+                self._idle_since = trio.current_time()
+                continue
+            if self._passivate:
+                self._passivate = False
+                if self._can_passivate():
+                    return
+            if not self._passivate_armed and self._can_passivate():
+                self._passivate_armed = True
+                rt.heap.arm(self._idle_since + rt.idle_s, rt._passivate_check, self)
+            await self._park()
+
+    async def _park(self) -> None:
+        self._parked = trio.lowlevel.current_task()
+
+        def abort(_raise_cancel):
+            self._parked = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _can_passivate(self) -> bool:
+        return (
+            not self.inbox
+            and not self.n_waiters
+            and not self._pending_children
+            and (self.nursery is None or not self.nursery.child_tasks)
+        )
+
+    # -------------------------------------------------------------- waiters
+    def park(self, park: Park, sink: ReplySink, rid: int) -> None:
+        """Register a waiter (called by the runtime for a handler's :class:`Park`)."""
+        w = Waiter(self, park, sink, rid)
+        lst = self.waiters.get(park.key)
+        if lst is None:
+            self.waiters[park.key] = [w]
+        else:
+            lst.append(w)
+        self.n_waiters += 1
+        self.runtime.n_waiters += 1
+        sink.track(rid, w)
+        rt = self.runtime
+        rt.heap.arm(trio.current_time() + park.wait_ms / 1000, rt._wait_timeout, w)
+
+    def _unlist(self, w: Waiter) -> None:
+        lst = self.waiters.get(w.park.key)
+        if lst is not None:
+            try:
+                lst.remove(w)
+            except ValueError:
+                pass
+            if not lst:
+                del self.waiters[w.park.key]
+
+    def _waiter_gone(self) -> None:
+        self.n_waiters -= 1
+        self.runtime.n_waiters -= 1
+        if not self.n_waiters:
+            self._wake()  # may passivate
+
+    def _finish_waiter(self, w: Waiter, reply) -> None:
+        w.done = True
+        self.n_waiters -= 1
+        self.runtime.n_waiters -= 1
+        w.sink.untrack(w.rid)
+        self.runtime.reply(w.sink, w.rid, reply)
+
+    def _recheck(self) -> None:
+        dirty, self._dirty = self._dirty, None
+        rt = self.runtime
+        for key in dirty:
+            lst = self.waiters.get(key)
+            if not lst:
+                continue
+            keep = []
+            for w in lst:
+                if w.done:
+                    continue
+                try:
+                    reply = w.park.check()
+                except RallypointError as exc:
+                    reply = exc
+                except Exception as exc:  # a bug: answer INTERNAL, keep serving
+                    rt.internal_error(exc)
+                    reply = exc
+                if reply is None:
+                    keep.append(w)
+                else:
+                    self._finish_waiter(w, reply)
+            if keep:
+                self.waiters[key] = keep
+            else:
+                del self.waiters[key]
+
+    def _answer_all(self) -> None:
+        """Cancelled (the nursery of this actor or an ancestor): answer every command
+        still in the inbox and every parked waiter from the state as it is now."""
+        rt = self.runtime
+        rt.before_batch()
+        inbox = self.inbox
+        while inbox:
+            item = inbox.popleft()
+            self.commands += 1
+            rt.handle(self, item, cancelled=True)
+        for key, lst in list(self.waiters.items()):
+            for w in lst:
+                if not w.done:
+                    self._finish_waiter(w, rt.cancelled_answer(w.park))
+        self.waiters.clear()
+
+    # -------------------------------------------------------------- introspection
+    def statistics(self) -> dict:
+        """Trio-style introspection: status, inbox depth, parked waiters, commands handled."""
+        return {
+            "id": self.id,
+            "status": _STATUS_NAMES[self.status],
+            "inbox": len(self.inbox),
+            "waiters": self.n_waiters,
+            "child_tasks": len(self.nursery.child_tasks) if self.nursery is not None else 0,
+            "commands": self.commands,
+        }
+
+
+class Runtime:
+    """The activations of one coordinator, its root nursery and its activity heap.
+
+    Args:
+        system: the coordinator: ``handle_command(actor, item, cancelled)``,
+            ``before_batch()``, ``parent_of(actor_id) -> (kind, parent_id)``, ``reply``.
+        idle_s: seconds an idle actor stays active before it passivates.
+    """
+
+    def __init__(self, system, *, idle_s: float = 2.0) -> None:
+        self.system = system
+        self.idle_s = idle_s
+        self.actors: dict[str, Actor] = {}
+        self.heap = ActivityHeap()
+        self.root_nursery: trio.Nursery | None = None
+        self._root_pending: list[Actor] = []
+        self.n_active = 0
+        self.n_waiters = 0
+        self.activations = 0
+        self.passivations = 0
+        self.stopping = False
+        self.handle = system.handle_command
+        self.before_batch = system.before_batch
+        self.reply = system.reply
+        self.internal_error = system.internal_error
+        self.cancelled_answer = system.cancelled_answer
+
+    # -------------------------------------------------------------- activations
+    def actor(self, actor_id: str) -> Actor:
+        """The activation of ``actor_id`` (a passive one when none runs)."""
+        a = self.actors.get(actor_id)
+        if a is None:
+            kind, parent_id = self.system.parent_of(actor_id)
+            a = self.actors[actor_id] = Actor(self, actor_id, kind, parent_id)
+        return a
+
+    def get(self, actor_id: str) -> Actor | None:
+        """The activation of ``actor_id`` if it has one, else None (no activation made)."""
+        return self.actors.get(actor_id)
+
+    def _activate(self, a: Actor) -> None:
+        a.status = STARTING
+        pid = a.parent_id
+        if pid is None:
+            if self.root_nursery is None:
+                self._root_pending.append(a)
+            else:
+                self.root_nursery.start_soon(a._main)
+            a.depth = 0
+            return
+        parent = self.actor(pid)
+        a.depth = parent.depth + 1
+        if parent.status == ACTIVE and parent.nursery is not None:
+            parent.nursery.start_soon(a._main)
+            return
+        parent._pending_children.append(a)
+        if parent.status == PASSIVE:
+            self._activate(parent)
+
+    def _deactivated(self, a: Actor) -> None:
+        self.passivations += 1
+        if a.inbox or a._pending_children:
+            # commands arrived after the last batch of a cancelled task: a new activation
+            self._activate(a)
+            return
+        if self.actors.get(a.id) is a and not a.n_waiters:
+            del self.actors[a.id]
+        a._passivate_armed = False
+        parent = self.actors.get(a.parent_id) if a.parent_id is not None else None
+        if parent is not None and parent.status == ACTIVE:
+            parent._wake()  # it may be able to passivate now
+
+    def _passivate_check(self, a: Actor) -> None:
+        a._passivate_armed = False
+        if a.status != ACTIVE or a._handling:
+            return
+        idle_until = a._idle_since + self.idle_s
+        if not a._can_passivate():
+            return
+        if trio.current_time() < idle_until:
+            a._passivate_armed = True
+            self.heap.arm(idle_until, self._passivate_check, a)
+            return
+        a._passivate = True
+        a._wake()
+
+    def _wait_timeout(self, w: Waiter) -> None:
+        if w.done:
+            return
+        a = w.actor
+        try:
+            reply = w.park.expire()
+        except RallypointError as exc:
+            reply = exc
+        a._unlist(w)
+        a._finish_waiter(w, reply)
+        if not a.n_waiters:
+            a._wake()  # may passivate
+
+    def cancel(self, actor_id: str) -> bool:
+        """Cancel the nursery of ``actor_id`` (its task and every actor task below it).
+        Returns True when it was active."""
+        a = self.actors.get(actor_id)
+        if a is None:
+            return False
+        if a.nursery is not None:
+            a.nursery.cancel_scope.cancel()
+            return True
+        if a.status == STARTING:
+            # not started yet: its task will see the cancelled state in its first batch
+            return False
+        return False
+
+    # -------------------------------------------------------------- lifecycle
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Open the root nursery and run the activity heap until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self.root_nursery = nursery
+                pending, self._root_pending = self._root_pending, []
+                for a in pending:
+                    nursery.start_soon(a._main)
+                await nursery.start(self.heap.run, self.before_batch)
+                task_status.started()
+        finally:
+            self.root_nursery = None
+
+    # -------------------------------------------------------------- introspection
+    def tasks_below(self, actor_id: str) -> int:
+        """How many Trio tasks run in ``actor_id``'s nursery and every nursery below it
+        (0 when it is passive)."""
+        a = self.actors.get(actor_id)
+        if a is None or a.nursery is None:
+            return 0
+        n = 0
+        stack = [a.nursery]
+        while stack:
+            nursery = stack.pop()
+            for t in nursery.child_tasks:
+                n += 1
+                stack.extend(t.child_nurseries)
+        return n
+
+    def statistics(self) -> dict:
+        """Actors active (with a task) and their inbox depth, parked waiters, the depth
+        of the nursery tree, activations and passivations since start."""
+        depth = 0
+        inbox = 0
+        for a in self.actors.values():
+            if a.status != PASSIVE:
+                if a.depth + 1 > depth:
+                    depth = a.depth + 1
+                inbox += len(a.inbox)
+        return {
+            "active": self.n_active,
+            "waiters": self.n_waiters,
+            "inbox": inbox,
+            "tree_depth": depth,
+            "activations": self.activations,
+            "passivations": self.passivations,
+            "heap": len(self.heap),
+        }
+
+
+def shutdown_error() -> UnavailableError:
+    return UnavailableError("the server is shutting down; retry on a new connection", retry_after=1.0)

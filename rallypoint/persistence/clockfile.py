@@ -1,0 +1,60 @@
+"""The data dir's clock heartbeat: the last ``(server time, wall time)`` pair seen.
+
+Server time (:meth:`rallypoint.clock.Clock.mono_ms`) must continue across restarts and
+never go backward, even when the wall clock was set back while the daemon was down; and
+after a restart, leases are extended by the time the server could not hear renewals.
+Both need to know when the server was last alive. The coordinator writes that pair here
+every tick (0.5 s) with one ``pwrite`` of 24 bytes, without fsync: a process crash
+keeps the page cache, so the pair is at most one tick old; after a machine crash it may
+be older, which only makes the lease extension larger (never shorter) and server time
+continue from an older point plus the wall time that passed.
+
+Layout: ``b"RPCK"``, mono ms (int64 BE), wall ms (int64 BE), CRC-32 of the first 20
+bytes (uint32 BE). A missing or damaged file reads as None (a first start).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+
+__all__ = ["ClockFile", "CLOCK_FILE"]
+
+CLOCK_FILE = "CLOCK"
+_FMT = struct.Struct(">4sqqI")
+_MAGIC = b"RPCK"
+
+
+class ClockFile:
+    """Read at start-up, written by the coordinator's tick."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.path = os.path.join(data_dir, CLOCK_FILE)
+        self._fd: int | None = None
+
+    def read(self) -> tuple[int, int] | None:
+        """``(mono_ms, wall_ms)`` last written, or None (missing or damaged)."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read(_FMT.size)
+        except FileNotFoundError:
+            return None
+        if len(data) != _FMT.size:
+            return None
+        magic, mono, wall, crc = _FMT.unpack(data)
+        if magic != _MAGIC or zlib.crc32(data[:20]) != crc:
+            return None
+        return mono, wall
+
+    def write(self, mono_ms: int, wall_ms: int) -> None:
+        """Overwrite the pair (one pwrite, no fsync)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        head = struct.pack(">4sqq", _MAGIC, mono_ms, wall_ms)
+        os.pwrite(self._fd, head + struct.pack(">I", zlib.crc32(head)), 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,229 @@
+"""The actor runtime (issue "The design card's shape"): actors with private inboxes on a
+nursery tree that mirrors the run tree; cancelling a run cancels its nursery; idle actors
+passivate; one command at a time per actor."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from datetime import datetime, timezone
+
+import pytest
+import trio
+import trio.testing
+
+import rallypoint
+from rallypoint import protocol as p
+from rallypoint.errors import (
+    BarrierCancelledError,
+    ChildError,
+    ScopeCancelledError,
+    TimerCancelledError,
+)
+
+SLOW = bool(os.environ.get("RALLYPOINT_SLOW"))
+
+
+async def _parked(coord, n: int) -> None:
+    """Until ``n`` server-side waits are parked in actors (no sleeps: the runtime's own
+    count), with every task blocked."""
+    with trio.fail_after(60):
+        while coord.runtime.n_waiters < n:
+            await trio.testing.wait_all_tasks_blocked()
+            if coord.runtime.n_waiters < n:
+                await trio.sleep(0.001)
+
+
+async def test_cancelling_a_run_answers_every_waiter_three_levels_down_and_leaves_no_task(autojump_clock, ers):
+    coord = ers.node.coordinator
+    rt = coord.runtime
+    top = await ers.scopes.create(name="top")
+    mid = await top.child()
+    low = await mid.child()  # three levels: the waits all live under `low`
+    mbx = await ers.mailboxes.ensure("deep")
+    group = await low.groups.create(mbx, "FIRST_ACCEPTED")
+    await group.submit({"m": 1})
+    barrier = await low.barriers.create(3)
+    await barrier.arrive("a")
+    js = await low.join_sets.create()
+    await js.submit(mbx, {"child": 1})
+    timer = await low.timers.create(after_seconds=3600)
+    ticket = await mbx.submit({"plain": 1}, scope=low)
+    held = await mbx.receive(top, wait=0, max_messages=10)  # a worker holds every task
+    assert len(held) == 3
+    answers: dict[str, object] = {}
+
+    async def grab(name, fn):
+        try:
+            answers[name] = await fn()
+        except Exception as e:  # noqa: BLE001 - the answer is what we check
+            answers[name] = e
+
+    async with trio.open_nursery() as n:
+        n.start_soon(grab, "group", lambda: group.wait(timeout=600))
+        n.start_soon(grab, "barrier", lambda: barrier.wait(timeout=600))
+        n.start_soon(grab, "join_next", lambda: js.join_next(timeout=600))
+        n.start_soon(grab, "receive", lambda: mbx.receive(low, wait=600))
+        n.start_soon(grab, "timer", lambda: timer.wait(timeout=600))
+        n.start_soon(grab, "result", lambda: ticket.result(timeout=600))
+        await _parked(coord, 6)
+        assert rt.tasks_below(top.id) > 0  # the actors of the runs, group, barrier, timer, set
+        t_cancel = trio.current_time()
+        await top.cancel()
+    assert trio.current_time() == t_cancel  # every answer came at once, not at a timeout
+    assert answers["group"].state == "FINALIZED" and answers["group"].outcome_reason == "cancelled"
+    assert isinstance(answers["barrier"], BarrierCancelledError)
+    assert isinstance(answers["join_next"], ChildError) and answers["join_next"].failure_kind == "cancelled"
+    assert isinstance(answers["timer"], TimerCancelledError) and answers["timer"].details["reason"] == "run_cancelled"
+    assert answers["result"].state == "CANCELLED"
+    assert isinstance(answers["receive"], ScopeCancelledError)
+    assert rt.n_waiters == 0
+    await trio.testing.wait_all_tasks_blocked()
+    for run in (top, mid, low):  # the nursery tree under the cancelled run is empty
+        assert rt.tasks_below(run.id) == 0
+    for eid in (group.id, barrier.id, timer.id, js.id, low.id, mid.id, top.id):
+        a = rt.get(eid)
+        assert a is None or a.status == 0, (eid, a)
+
+
+async def test_cancelling_a_run_answers_waiters_over_tcp(daemon):
+    async with rallypoint.connect(daemon.url) as rs:
+        top = await rs.scopes.create()
+        low = await (await top.child()).child()
+        mbx = await rs.mailboxes.ensure("deep-tcp")
+        barrier = await low.barriers.create(2)
+        timer = await low.timers.create(after_seconds=3600)
+        answers = {}
+
+        async def grab(name, fn):
+            try:
+                answers[name] = await fn()
+            except Exception as e:  # noqa: BLE001
+                answers[name] = e
+
+        async with trio.open_nursery() as n:
+            n.start_soon(grab, "barrier", lambda: barrier.wait(timeout=60))
+            n.start_soon(grab, "timer", lambda: timer.wait(timeout=60))
+            n.start_soon(grab, "receive", lambda: mbx.receive(low, wait=60))
+            with trio.fail_after(10):
+                while (await rs.status()).actors.get("barriers", {}).get("waiters", 0) < 1 or \
+                        (await rs.status()).actors.get("timers", {}).get("waiters", 0) < 1:
+                    await trio.sleep(0.01)
+            with trio.fail_after(10):
+                await top.cancel()
+        assert isinstance(answers["barrier"], BarrierCancelledError)
+        assert isinstance(answers["timer"], TimerCancelledError)
+        assert isinstance(answers["receive"], ScopeCancelledError)
+
+
+async def test_an_actor_handles_one_command_at_a_time_on_its_own_task(autojump_clock, ers):
+    coord = ers.node.coordinator
+    run = await ers.scopes.create()
+    mbx = await ers.mailboxes.ensure("one-at-a-time")
+    real = coord.queues.op_task_submit
+    inside: dict[str, object] = {}
+    tasks: dict[str, set] = {}
+    overlaps = []
+
+    def guarded(actor, session, op):
+        if actor.id in inside:
+            overlaps.append(actor.id)
+        inside[actor.id] = True
+        tasks.setdefault(actor.id, set()).add(trio.lowlevel.current_task())
+        try:
+            return real(actor, session, op)
+        finally:
+            del inside[actor.id]
+
+    ops = ers.node.service._ops  # route TaskSubmit to the guarded handler
+    _, route, permission = ops[p.TaskSubmit]
+    ops[p.TaskSubmit] = (guarded, route, permission)
+    async with trio.open_nursery() as n:
+        for i in range(50):
+            n.start_soon(lambda i=i: mbx.submit({"i": i}, scope=run))
+    assert not overlaps
+    assert len(tasks[run.id]) == 1  # every command ran on the run actor's task
+    assert (await run.status()).tasks == {"QUEUED": 50}
+
+
+async def test_idle_actors_passivate_and_a_command_reactivates_them(autojump_clock, ers):
+    coord = ers.node.coordinator
+    rt = coord.runtime
+    root = await ers.scopes.create()
+    kids = [await root.child() for _ in range(20)]
+    for k in kids:
+        await k.status()  # activates each child's actor (and the root's)
+    assert rt.get(kids[0].id) is not None and rt.get(kids[0].id).status == 2
+    await trio.sleep(rt.idle_s + 1)  # idle past the grace: every actor passivates
+    await trio.testing.wait_all_tasks_blocked()
+    assert rt.n_active == 0 and rt.get(kids[0].id) is None and rt.get(root.id) is None
+    before = rt.activations
+    st = await kids[7].status()  # a command to a passive run re-activates it and its parent
+    assert st.id == kids[7].id
+    assert rt.activations == before + 2 and rt.get(kids[7].id).status == 2
+    assert rt.get(root.id).status == 2 and rt.get(kids[7].id).depth == 1
+    info = await ers.status()
+    assert info.actors["runs"]["active"] == 2 and info.actors["runs"]["passive"] == 19
+    assert info.tree_depth == 2
+
+
+def test_idle_runs_hold_no_task_and_cost_at_most_2_kib_each(tmp_path):
+    """In a fresh process: N runs created through their parents' actors, then idle; RSS
+    per run after they passivated, and no actor task left."""
+    n = 100_000 if SLOW else 20_000
+    script = textwrap.dedent(f"""
+        import json, resource, trio, trio.testing, rallypoint, gc
+
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+
+        async def main():
+            async with rallypoint.open_embedded() as rs:
+                coord = rs.node.coordinator
+                parents = [await rs.scopes.create() for _ in range(100)]
+                await trio.sleep(coord.runtime.idle_s + 1)
+                gc.collect()
+                base = rss()
+                for i in range({n}):
+                    await parents[i % 100].child()
+                await trio.sleep(coord.runtime.idle_s + 1)
+                await trio.testing.wait_all_tasks_blocked()
+                gc.collect()
+                print(json.dumps({{"per_run": (rss() - base) / {n}, "active": coord.runtime.n_active,
+                                   "runs": len(coord.runs.table)}}))
+
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"[idle runs] {n} runs: {res['per_run']:.0f} B of RSS each, {res['active']} actors active")
+    assert res["runs"] == n + 100
+    assert res["active"] == 0
+    assert res["per_run"] <= 2048
+
+
+async def test_receive_finds_work_in_a_subtree_with_more_than_64_runs_holding_work(autojump_clock, ers):
+    # The receive's candidate search has two strategies (few runs with ready work: test
+    # each for ancestry; many: walk the subtree); both must find everything, oldest first.
+    mbx = await ers.mailboxes.ensure("wide")
+    root = await ers.scopes.create()
+    other = await ers.scopes.create()
+    kids = [await root.child() for _ in range(70)]
+    grandkids = [await k.child() for k in kids[:10]]
+    expected = []
+    for i, r in enumerate(kids + grandkids):
+        expected.append((await mbx.submit({"i": i}, scope=r)).id)
+    await mbx.submit({"not": "mine"}, scope=other)
+    got = []
+    while True:
+        ds = await mbx.receive(root, wait=0, max_messages=100)
+        if not ds:
+            break
+        got += [d.task_id for d in ds]
+    assert got == expected  # every one, in submission order
+    assert len((await mbx.receive(other, wait=0, max_messages=5))) == 1
