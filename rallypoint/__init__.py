@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from ._version import __version__
 from .client.api import Client, Delivery, Group, Mailbox, Run, Ticket
-from .client.consume import consume
+from .client.consume import ConsumeStats, consume
 from .client.types import (
     GroupDecision,
     GroupStatus,
@@ -38,6 +38,7 @@ __all__ = [
     "connect",
     "open_embedded",
     "consume",
+    "ConsumeStats",
     "sync",
     "Client",
     "Run",
