@@ -28,11 +28,13 @@ async def test_consume_finishes_every_task_across_a_daemon_restart(sig, tmp_path
     daemons = [Daemon(*args).start()]
     n_tasks = 12
     try:
-        # The lease (30 s) outlasts the restart: the held deliveries keep theirs.
+        # The lease (30 s) outlasts the restart: the held deliveries keep theirs. Tasks
+        # 0-5 before the restart (4 and 5 held across it), 6-11 after it.
         async with rallypoint.connect(daemons[0].url, reconnect=rallypoint.Reconnect(timeout=30)) as rs:
             mbx = await rs.mailboxes.ensure("restart-jobs")
             run = await rs.scopes.create(name="restart")
-            tickets = await mbx.submit_many(range(n_tasks), scope=run, keys=[f"k{i}" for i in range(n_tasks)])
+            keys = [f"k{i}" for i in range(n_tasks)]
+            tickets = await mbx.submit_many(range(6), scope=run, keys=keys[:6])
             both_held, restarted = trio.Event(), trio.Event()
             held, handled, renewed = [], [], {}
 
@@ -50,17 +52,20 @@ async def test_consume_finishes_every_task_across_a_daemon_restart(sig, tmp_path
             result = {}
 
             async def worker():
-                result["stats"] = await rallypoint.consume(rs, mbx, run, handler, concurrency=2, lease_seconds=30)
+                result["stats"] = await rallypoint.consume(rs, mbx, run, handler, concurrency=3, lease_seconds=30)
 
             async with trio.open_nursery() as n:
                 n.start_soon(worker)
                 with trio.fail_after(20):
                     await both_held.wait()
-                    assert len(handled) == 6  # 0-3 done, 4 and 5 held, 6-11 still queued
+                    # 0-3 done, 4 and 5 held, the third worker's receive in flight
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert len(handled) == 6
                     rc = await trio.to_thread.run_sync(daemons[0].stop, sig)
                     assert rc == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
                     daemons.append(await trio.to_thread.run_sync(Daemon(*args).start))
                 restarted.set()
+                tickets += await mbx.submit_many(range(6, n_tasks), scope=run, keys=keys[6:])
                 with trio.fail_after(60):
                     infos = await rs.results(tickets)
                 await run.cancel()
