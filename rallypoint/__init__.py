@@ -145,6 +145,23 @@ async def connect(
         yield Client(transport)
 
 
+def _require_trio(what: str) -> None:
+    """RuntimeError with a clear message unless the caller runs under Trio."""
+    try:
+        import sniffio
+
+        library = sniffio.current_async_library()
+    except Exception:  # no event loop at all (or sniffio cannot tell)
+        library = None
+    if library != "trio":
+        where = f"under {library}" if library else "outside an event loop"
+        raise RuntimeError(
+            f"{what} needs Trio: it runs the coordinator inside a Trio program (trio.run), but it was "
+            f"called {where}. Under asyncio, run a daemon (`rallypoint serve`) and use rallypoint.connect(url), "
+            "which works under asyncio and Trio."
+        )
+
+
 @asynccontextmanager
 async def open_embedded(
     data_dir: str | None = None, *, durability: str | None = None, clock=None
@@ -153,7 +170,14 @@ async def open_embedded(
 
     ``data_dir=None`` keeps everything in memory (durability ``memory``); with a data dir
     the default durability is ``fsync`` and state is recovered from it.
+
+    Embedded mode needs Trio (``trio.run``): the coordinator's background tasks are Trio
+    tasks. Under asyncio (or outside any event loop) it raises RuntimeError saying so;
+    from asyncio, run a daemon (``rallypoint serve``) and use :func:`connect`, which
+    works under both. Also raises ValidationError (VALIDATION_FAILED) for an unknown
+    ``durability`` and the data dir's errors (e.g. another process holds its lock).
     """
+    _require_trio("rallypoint.open_embedded()")
     from .client.embedded import EmbeddedTransport
     from .node import open_node
 
