@@ -279,6 +279,43 @@ async def test_parked_receive_is_reissued_and_a_lease_survives_the_drop(node):
         n.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("handle", ["created", "by_id"])
+async def test_join_next_consumed_but_reply_lost(node, handle):
+    # Given join_next consumed a record on the server and the reply was lost: a handle
+    # that knows which index it expected re-reads that record (nothing is skipped);
+    # one that does not (by_id, never read) raises UNAVAILABLE, maybe applied.
+    async with trio.open_nursery() as n:
+        srv, sw = await serve(n, node, p.JoinNext)
+        async with rallypoint.connect(srv.url, reconnect=FAST) as rs:
+            mbx = await rs.mailboxes.ensure("rc-js")
+            run = await rs.scopes.create()
+            js = await run.join_sets.create()
+            child = await js.submit(mbx, "a")
+            js2 = await js.submit(mbx, "b")
+            if handle == "by_id":
+                js = run.join_sets.by_id(js.id)
+            later = Later(n, js.join_next)
+            await trio.testing.wait_all_tasks_blocked()
+            d = await mbx.receive(run, wait=0)
+            assert d.task_id == child
+            await d.complete("A")
+            await sw.applied.wait()
+            await srv.kill()
+            await srv.start()
+            with trio.fail_after(5):
+                await later.done.wait()
+            assert (await js.status()).consumed == 1
+            if handle == "created":
+                assert later.value == (child, "A")
+                d2 = await mbx.receive(run, wait=0)
+                await d2.complete("B")
+                assert await js.join_next(timeout=5) == (js2, "B")  # and the next one is next
+            else:
+                assert later.error.details == {"op": "joinset.join_next", "maybe_applied": True}
+                assert await js.join_next(index=0) == (child, "A")  # re-read it
+        n.cancel_scope.cancel()
+
+
 async def test_consume_keeps_going_across_repeated_drops(node):
     # Three times: two handlers running and one receive parked on the server when the
     # server is killed; the work is finished on the restarted one, every task once.

@@ -81,3 +81,55 @@ async def test_consume_finishes_every_task_across_a_daemon_restart(sig, tmp_path
     finally:
         for d in daemons:
             d.kill()
+
+
+def test_reconnecting_consume_under_asyncio(tmp_path):
+    # The same client under asyncio (anyio): a worker holding a delivery across a
+    # SIGKILL restart completes it, and serves work submitted after the restart.
+    import anyio
+
+    data, port = str(tmp_path / "data"), free_port()
+    args = (data, "fsync", ["--listen", f"127.0.0.1:{port}"])
+    daemons = [Daemon(*args).start()]
+
+    async def main():
+        import asyncio
+
+        asyncio.get_running_loop()  # really asyncio
+        async with rallypoint.connect(daemons[0].url, reconnect=rallypoint.Reconnect(timeout=30)) as rs:
+            mbx = await rs.mailboxes.ensure("asyncio-jobs")
+            run = await rs.scopes.create()
+            first = await mbx.submit("held", scope=run, key="held")
+            held, restarted = anyio.Event(), anyio.Event()
+
+            async def handler(d):
+                if d.input == "held":
+                    held.set()
+                    await restarted.wait()
+                return d.input.upper()
+
+            stats = {}
+
+            async def worker():
+                stats["s"] = await rallypoint.consume(rs, mbx, run, handler, concurrency=2)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(worker)
+                with anyio.fail_after(20):
+                    await held.wait()
+                    await anyio.to_thread.run_sync(daemons[0].stop, signal.SIGKILL)
+                    daemons.append(await anyio.to_thread.run_sync(Daemon(*args).start))
+                restarted.set()
+                later = await mbx.submit("later", scope=run, key="later")
+                with anyio.fail_after(30):
+                    infos = await rs.results([first, later])
+                await run.cancel()
+            assert [(i.state, i.outcome, i.attempt) for i in infos] == [("SUCCEEDED", "HELD", 1), ("SUCCEEDED", "LATER", 1)]
+            assert (stats["s"].completed, stats["s"].lost) == (2, 0)
+            assert rs._transport.reconnects == 1
+
+    try:
+        anyio.run(main, backend="asyncio")
+    finally:
+        for d in daemons:
+            d.kill()

@@ -23,6 +23,7 @@ from .. import protocol as p
 from ..errors import (
     LeaseLostError,
     ScopeInactiveError,
+    UnavailableError,
     ValidationError,
     WaitTimeout,
 )
@@ -628,6 +629,9 @@ class JoinSet:
         self.id = joinset_id
         self.last_status = status
         self.last_id: str | None = None
+        # The index of the next record to consume, when known (from a status or the
+        # last reply): lets a join_next cut off by a dropped connection be re-sent.
+        self._next_index: int | None = status.consumed if status is not None else None
 
     def __repr__(self) -> str:
         return f"JoinSet({self.id!r})"
@@ -661,6 +665,8 @@ class JoinSet:
 
     def _result(self, r) -> tuple[str, Any]:
         self.last_id = r.child_id
+        if self._next_index is None or r.index + 1 > self._next_index:
+            self._next_index = r.index + 1
         if not r.ok:
             from ..errors import ChildError
 
@@ -674,18 +680,44 @@ class JoinSet:
         """Consume the next completion record (or re-read record ``index``): returns
         ``(child_id, result)``; a delay's result is None. A failed child raises
         ChildError (``value``, ``failure_kind``) and still counts as consumed.
-        JoinSetExhaustedError past the last child; WaitTimeout after ``timeout`` s."""
-        r = await self._rs._wait(
-            lambda ms: p.JoinNext(joinset_id=self.id, index=index, wait_ms=ms), t._JoinNextReply,
-            lambda r: r.status == "record", timeout,
-            lambda r: f"join set {self.id}: no child finished within {timeout} s",
-        )
+        JoinSetExhaustedError past the last child; WaitTimeout after ``timeout`` s.
+
+        Over a reconnecting client, a consume cut off by a dropped connection is sent
+        again at the index this handle expected (a re-read if the first one was
+        applied) when the handle knows it (it was created, looked up by name, or has
+        consumed or read its status before); else it raises UnavailableError
+        (UNAVAILABLE, ``details["maybe_applied"]``): call ``status()`` and
+        ``join_next(index=consumed - 1)`` to re-read what may have been consumed."""
+        def wait_for(idx):
+            return self._rs._wait(
+                lambda ms: p.JoinNext(joinset_id=self.id, index=idx, wait_ms=ms), t._JoinNextReply,
+                lambda r: r.status == "record", timeout,
+                lambda r: f"join set {self.id}: no child finished within {timeout} s",
+            )
+
+        expected = self._next_index
+        try:
+            r = await wait_for(index)
+        except UnavailableError as e:
+            if index is not None or expected is None or not (e.details or {}).get("maybe_applied"):
+                raise
+            r = await wait_for(expected)
         return self._result(r)
 
     async def join_next_try(self) -> tuple[str, Any] | None:
-        """The next record at once, or None while children are pending."""
-        r = await self._rs._call(p.JoinNext(joinset_id=self.id, try_only=True), t._JoinNextReply)
-        return self._result(r) if r.status == "record" else None
+        """The next record at once, or None while children are pending (re-sent after a
+        dropped connection like :meth:`join_next`)."""
+        expected = self._next_index
+        try:
+            r = await self._rs._call(p.JoinNext(joinset_id=self.id, try_only=True), t._JoinNextReply)
+        except UnavailableError as e:
+            if expected is None or not (e.details or {}).get("maybe_applied"):
+                raise
+            r = await self._rs._call(p.JoinNext(joinset_id=self.id, index=expected, try_only=True), t._JoinNextReply)
+        if r.status != "record":
+            self._next_index = r.index
+            return None
+        return self._result(r)
 
     async def close(self, timeout: float | None = None) -> t.JoinSetStatus:
         """Cancel unconsumed delays and cancellable children (reverse submission order),
@@ -701,6 +733,7 @@ class JoinSet:
 
     async def status(self) -> t.JoinSetStatus:
         self.last_status = await self._rs._call(p.JoinSetGet(joinset_id=self.id), t.JoinSetStatus)
+        self._next_index = self.last_status.consumed
         return self.last_status
 
 
