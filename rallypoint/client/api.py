@@ -8,6 +8,12 @@ every method is one request (or, for waits longer than the server's 60 s limit, 
 Units: durations are seconds (float) named ``timeout``, ``wait``, ``lease_seconds``,
 ``delay``; instants are aware ``datetime`` (or ISO 8601 strings). Errors are the
 :mod:`rallypoint.errors` classes, raised the same way in both modes.
+
+Over TCP the client reconnects after a dropped connection (see
+:mod:`rallypoint.client.reconnect`): a call in flight at the drop is sent again when that
+cannot apply it twice (reads, waits, receive, a delivery's settle calls, idempotent
+writes, submissions with a ``key``), and otherwise raises UnavailableError (UNAVAILABLE)
+with ``details["maybe_applied"] = True``. The methods below say which they are.
 """
 
 from __future__ import annotations
@@ -180,7 +186,9 @@ class Scopes:
         self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000
     ) -> "Run":
         """Create a root run. ``deadline``: aware datetime or ISO 8601, must be in the
-        future (VALIDATION_FAILED). ``child_limit`` caps direct children (LIMIT_EXCEEDED)."""
+        future (VALIDATION_FAILED). ``child_limit`` caps direct children (LIMIT_EXCEEDED).
+        Not re-sent after a dropped connection (two creates make two runs):
+        UnavailableError with ``details["maybe_applied"]``."""
         st = await self._rs._call(
             p.ScopeCreate(name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit), t.RunStatus
         )
@@ -223,7 +231,8 @@ class Run:
         self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000
     ) -> "Run":
         """A child run. SCOPE_CANCELLED / DEADLINE_EXCEEDED if this run is inactive,
-        LIMIT_EXCEEDED past ``child_limit``."""
+        LIMIT_EXCEEDED past ``child_limit``. Not re-sent after a dropped connection
+        (UnavailableError, ``details["maybe_applied"]``)."""
         st = await self._rs._call(
             p.ScopeCreate(parent_id=self.id, name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit),
             t.RunStatus,
@@ -241,7 +250,9 @@ class Run:
         return self.last_status
 
     async def complete(self, timeout: float | None = None) -> t.RunStatus:
-        """Record that the run finished normally (final; CONFLICT if already finished).
+        """Record that the run finished normally (final; CONFLICT if already finished;
+        after a dropped connection, a re-sent complete that finds the run COMPLETED
+        returns its status).
 
         Open join sets are closed first, newest first, and the run completes only after
         their last child finished; this waits for that (WaitTimeout after ``timeout``
@@ -312,7 +323,11 @@ class Mailbox:
         """Submit a task to this mailbox, bound to ``scope``. With ``key``, idempotent
         within the run and mailbox (same input: the existing task; other input:
         CONFLICT). Refused on an inactive run; LIMIT_EXCEEDED (with retry_after) when the
-        backlog is full."""
+        backlog is full.
+
+        After a dropped connection a submit **with** a ``key`` is sent again (it returns
+        the task the first one made, if it was applied); one **without** a key is not
+        (it may have been applied): UnavailableError with ``details["maybe_applied"]``."""
         info = await self._rs._call(
             p.TaskSubmit(
                 mailbox=self.name,
@@ -329,7 +344,9 @@ class Mailbox:
         self, inputs: Iterable[Any], *, scope: "Run | str", keys: Iterable[str | None] | None = None,
         deadline: datetime | str | None = None,
     ) -> list["Ticket"]:
-        """Submit several tasks in one request and one commit: all or none."""
+        """Submit several tasks in one request and one commit: all or none. ``keys``:
+        one idempotency key (or None) per input. Re-sent after a dropped connection
+        only if every input has a key (else UnavailableError, ``maybe_applied``)."""
         inputs = list(inputs)
         keys = list(keys) if keys is not None else [None] * len(inputs)
         if len(keys) != len(inputs):
@@ -361,7 +378,9 @@ class Mailbox:
         Waits on the server up to ``wait`` seconds for work (re-issuing past 60 s).
         Returns a :class:`Delivery` or None when ``max_messages`` is 1, else a list
         (possibly empty). ``lease_seconds`` 5-600. Refused (SCOPE_CANCELLED /
-        DEADLINE_EXCEEDED) when the run is inactive."""
+        DEADLINE_EXCEEDED) when the run is inactive; NOT_FOUND for an unknown mailbox or
+        run. Re-sent after a dropped connection (if the lost reply carried a lease, that
+        task is delivered again once the lease runs out)."""
         sid = _id_of(scope)
         lease_ms = _ms(lease_seconds, "lease_seconds")
         remaining = wait if wait is not None else math.inf
@@ -440,6 +459,11 @@ class Ticket:
 class Delivery:
     """A leased delivery of a task. Every method carries the fencing ``token``; a stale
     one raises LeaseLostError (STALE_CLAIM). ``lost`` is set once the lease is known lost.
+
+    ``renew``, ``complete``, ``retry`` and ``reject`` are re-sent after a dropped
+    connection (the token makes a second one harmless); the lease survives a daemon
+    restart shorter than it. A re-sent ``complete`` that finds its first one applied
+    (the task SUCCEEDED with this outcome) returns the task, not STALE_CLAIM.
     """
 
     def __init__(self, rs: Client, info: t.DeliveryInfo, lease_seconds: float) -> None:
@@ -467,8 +491,10 @@ class Delivery:
             raise
 
     async def renew(self, lease_seconds: float | None = None) -> datetime:
-        """Extend the lease by ``lease_seconds`` (default: the receive's) from now.
-        Returns the new expiry. Refused when the run is inactive or the lease is lost."""
+        """Extend the lease by ``lease_seconds`` (default: the receive's; 5-600) from now.
+        Returns the new expiry (aware datetime). Raises LeaseLostError (STALE_CLAIM) when
+        the lease is lost, ScopeInactiveError (SCOPE_CANCELLED / DEADLINE_EXCEEDED) when
+        the run is inactive; both set ``lost``."""
         ls = self.lease_seconds if lease_seconds is None else lease_seconds
         r = await self._settle(
             p.DeliveryRenew(task_id=self.task_id, token=self.token, lease_ms=_ms(ls, "lease_seconds")), t._LeaseReply
@@ -477,15 +503,23 @@ class Delivery:
         return r.lease_expires_at
 
     async def complete(self, outcome: Any = None) -> t.TaskInfo:
-        """Record the outcome (exactly once: a later complete is STALE_CLAIM)."""
+        """Record the outcome (any msgpack-able value, at most 64 KiB encoded) and return
+        the task (SUCCEEDED). Exactly once: a later complete is LeaseLostError
+        (STALE_CLAIM), as is one after the lease ran out; ScopeInactiveError
+        (SCOPE_CANCELLED / DEADLINE_EXCEEDED) on an inactive run (both set ``lost``);
+        ValidationError (VALIDATION_FAILED) for an outcome that cannot be encoded or is
+        too large."""
         return await self._settle(
             p.DeliveryComplete(task_id=self.task_id, token=self.token, outcome=encode_payload(outcome, "outcome")),
             t.TaskInfo,
         )
 
     async def retry(self, error: Any = None, delay: float = 0) -> t.TaskInfo:
-        """Give the task back for another attempt after ``delay`` seconds (FAILED after
-        max_attempts). Answered even when the run is inactive (nothing changes then)."""
+        """Give the task back for another attempt after ``delay`` seconds, with ``error``
+        (a msgpack-able value) recorded; the task is QUEUED again, or FAILED after
+        max_attempts. Returns the task. Answered even when the run is inactive or the
+        task already finished (nothing changes then: the returned state says so).
+        LeaseLostError (STALE_CLAIM) when the lease is lost."""
         return await self._settle(
             p.DeliveryRetry(
                 task_id=self.task_id, token=self.token, error=encode_payload(error, "error"), delay_ms=_ms(delay, "delay")
@@ -552,7 +586,9 @@ class Group:
 
     async def submit(self, input: Any = None, key: str | None = None, *, deadline: datetime | str | None = None) -> Ticket:
         """Add a member task (in the gate run). CONFLICT once the group is closed, unless
-        it is a resubmission of a member (same key and input), which returns it."""
+        it is a resubmission of a member (same key and input), which returns it. Re-sent
+        after a dropped connection only with a ``key`` (else UnavailableError,
+        ``details["maybe_applied"]``)."""
         r = await self._rs._call(
             p.GroupSubmit(group_id=self.id, input=encode_payload(input), key=key, deadline=_iso(deadline, "deadline")),
             t._MemberAdded,
@@ -641,7 +677,9 @@ class JoinSet:
         deadline: datetime | str | None = None,
     ) -> str:
         """Add a child task to ``mailbox`` in this set's run; returns its id (a task id).
-        A refused submission (inactive run, bad input) adds nothing."""
+        A refused submission (inactive run, bad input) adds nothing. Re-sent after a
+        dropped connection only with a ``key`` (else UnavailableError,
+        ``details["maybe_applied"]``)."""
         r = await self._rs._call(
             p.JoinSetSubmit(
                 joinset_id=self.id, mailbox=_mailbox_name(mailbox), input=encode_payload(input), key=key,
