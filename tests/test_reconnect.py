@@ -22,7 +22,7 @@ from rallypoint.actors.api import OPS
 from rallypoint.client.reconnect import Reconnect, ReconnectingTransport, reissue_safe
 from rallypoint.errors import NotFoundError, UnauthenticatedError, UnavailableError, ValidationError
 from rallypoint.protocol import op_decoder
-from rallypoint.transport.server import Server
+from rallypoint.transport.server import Deferred, Server
 
 
 class Swallow:
@@ -34,12 +34,20 @@ class Swallow:
         self.op_types = op_types
         self.applied = trio.Event()
         self.armed = bool(op_types)
+        self.durable_gate: trio.Event | None = None  # set: replies wait until it is set
+
+    async def wait_durable(self, lsn):
+        if self.durable_gate is not None:
+            await self.durable_gate.wait()
+        return await self.service.wait_durable(lsn)
 
     def __getattr__(self, name):
         return getattr(self.service, name)
 
     def dispatch(self, session, body):
         res = self.service.dispatch(session, body)
+        if self.durable_gate is not None and isinstance(res, bytes):
+            res = Deferred(0, res)  # held until the gate opens (see wait_durable)
         if not self.armed or not isinstance(op_decoder.decode(body), self.op_types):
             return res
         self.armed = False
@@ -69,7 +77,7 @@ class Restartable:
         return f"tcp://127.0.0.1:{self.port}"
 
     async def start(self) -> "Restartable":
-        server = Server(self.dispatcher, idle_ping_interval=None)
+        server = self.server = Server(self.dispatcher, idle_ping_interval=None, drain_wait_grace=0.05)
         scope, stopped = trio.CancelScope(), trio.Event()
 
         async def run(task_status=trio.TASK_STATUS_IGNORED):
@@ -276,6 +284,39 @@ async def test_parked_receive_is_reissued_and_a_lease_survives_the_drop(node):
             got = await later.get()
             assert got.task_id == nxt.id and got.attempt == 1
             assert (await held.complete("done")).state == "SUCCEEDED"
+        n.cancel_scope.cancel()
+
+
+async def test_a_draining_server_still_answers_what_it_finishes(node):
+    # Given a receive parked and a run create waiting for its durable reply when the
+    # server drains (SIGTERM): the receive is answered UNAVAILABLE and re-sent later,
+    # and the client does not cut the connection on that answer, so the create's reply
+    # still arrives (a create is never re-sent: cutting early would turn its success
+    # into "maybe applied").
+    async with trio.open_nursery() as n:
+        srv, sw = await serve(n, node)
+        async with rallypoint.connect(srv.url, reconnect=FAST) as rs:
+            mbx = await rs.mailboxes.ensure("rc-drain")
+            run = await rs.scopes.create()
+            receive = Later(n, lambda: mbx.receive(run, wait=30))
+            await trio.testing.wait_all_tasks_blocked()
+            sw.durable_gate = trio.Event()
+            create = Later(n, lambda: rs.scopes.create(name="during-drain"))
+            await trio.testing.wait_all_tasks_blocked()
+            assert srv.server.statistics()["inflight"] == 2
+            n.start_soon(srv.server.drain)
+            with trio.fail_after(5):  # the drain's grace for long waits (0.05 s) ends the receive
+                while srv.server.statistics()["inflight"] != 1:
+                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()  # the client has read that answer
+            assert not create.done.is_set() and not receive.done.is_set()
+            sw.durable_gate.set()
+            created = await create.get()  # answered, not "maybe applied"
+            await srv.stopped.wait()
+            await srv.start()
+            assert (await created.status()).name == "during-drain"
+            ticket = await mbx.submit("after", scope=run)
+            assert (await receive.get()).task_id == ticket.id
         n.cancel_scope.cancel()
 
 

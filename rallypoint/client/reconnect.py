@@ -279,8 +279,15 @@ class ReconnectingTransport:
             await self._changed.wait()
 
     async def _drop(self, conn: Any) -> None:
-        """After an UNAVAILABLE on ``conn``: make sure it is replaced (a draining server
-        answers UNAVAILABLE before it closes; we need not wait for that)."""
+        """After an UNAVAILABLE on ``conn``: return once it is closed. A draining server
+        answers long waits UNAVAILABLE, then still sends the replies of the requests it
+        is finishing, then closes: so wait for that (other calls' replies may be on the
+        way), closing it ourselves only if the server has not within the reconnect
+        timeout."""
+        if conn.closed:
+            return
+        with anyio.move_on_after(self.policy.timeout):
+            await conn.wait_closed()
         if not conn.closed:
             await conn.aclose()
 
