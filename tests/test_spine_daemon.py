@@ -242,7 +242,7 @@ async def test_transport_drain_ends_long_waits_after_the_grace_only():
 async def test_drain_refuses_new_connections(tmp_path):
     d = Daemon(None, "memory").start()
     try:
-        async with rallypoint.connect(d.url) as rs:
+        async with rallypoint.connect(d.url, reconnect=False) as rs:  # else it would retry for 60 s
             await rs.status()
             d.proc.send_signal(signal.SIGTERM)
             rc = await trio.to_thread.run_sync(lambda: d.proc.wait(15))
