@@ -83,6 +83,7 @@ def test_example_runs_against_a_daemon_with_keys(tmp_path):
     try:
         script = [sys.executable, os.path.join("examples", "crawl_joinset.py"), "--connect", d.url, "--quick"]
         env = {k: v for k, v in os.environ.items() if k != "RALLYPOINT_API_KEY"}
+        env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")  # this checkout's SDK
         refused = subprocess.run(script, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
         assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
         ok = subprocess.run(script + ["--api-key", secret], cwd=ROOT, capture_output=True, text=True, timeout=60,
