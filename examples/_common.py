@@ -1,4 +1,5 @@
-"""Shared bits of the examples: ``--connect URL`` or ``--spawn``, and worker processes."""
+"""Shared bits of the examples: ``--connect URL [--api-key KEY] [--tls-ca CA]`` or
+``--spawn``, and worker processes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from typing import Iterator
 
 DEFAULT_URL = os.environ.get("RALLYPOINT_URL", "tcp://127.0.0.1:7411")
+DEFAULT_KEY = os.environ.get("RALLYPOINT_API_KEY")
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -17,14 +19,19 @@ def parser(description: str) -> argparse.ArgumentParser:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--connect", default=DEFAULT_URL, help="daemon URL (default %(default)s)")
     g.add_argument("--spawn", action="store_true", help="start an in-memory daemon for this run, stop it after")
+    ap.add_argument("--api-key", default=DEFAULT_KEY,
+                    help="API key, for a daemon with keys (default $RALLYPOINT_API_KEY)")
+    ap.add_argument("--tls-ca", default=None, help="CA file to verify a tls:// daemon")
     ap.add_argument("--quick", action="store_true", help="small sizes (for tests)")
     return ap
 
 
 @contextlib.contextmanager
-def daemon_url(args) -> Iterator[str]:
+def daemon(args) -> Iterator[dict]:
+    """How to reach the daemon: the keyword arguments of ``rallypoint.connect``
+    (``url``, ``api_key``, ``tls_ca``), passed as they are to the worker processes."""
     if not args.spawn:
-        yield args.connect
+        yield {"url": args.connect, "api_key": args.api_key, "tls_ca": args.tls_ca}
         return
     from rallypoint.loadtest.runner import SpawnedDaemon
 
@@ -32,7 +39,7 @@ def daemon_url(args) -> Iterator[str]:
     url = d.start()
     print(f"(spawned an in-memory daemon at {url})", flush=True)
     try:
-        yield url
+        yield {"url": url, "api_key": None, "tls_ca": None}
     finally:
         d.stop()
 

@@ -8,7 +8,7 @@ real network). ``join_next`` returns children in the order they finished on the 
 pages are printed as they arrive, until the delay's record comes first; then the set
 is closed, which cancels the pages still in flight (in reverse submission order).
 
-    python examples/crawl_joinset.py --connect tcp://127.0.0.1:7411
+    python examples/crawl_joinset.py --connect tcp://127.0.0.1:7411 [--api-key KEY]
     python examples/crawl_joinset.py --spawn --quick
 """
 
@@ -21,13 +21,13 @@ import time
 import trio
 
 import rallypoint
-from _common import daemon_url, join_processes, parser, start_processes
+from _common import daemon, join_processes, parser, start_processes
 
 PAGES = ["/", "/docs", "/docs/queues", "/docs/groups", "/docs/join-sets", "/docs/barriers", "/blog",
          "/blog/launch", "/pricing", "/about", "/careers", "/status"]
 
 
-def fetcher_process(index: int, url: str, run_id: str, ready_id: str) -> None:
+def fetcher_process(index: int, server: dict, run_id: str, ready_id: str) -> None:
     async def fetch(delivery):
         page, latency = delivery.input["page"], delivery.input["latency"]
         await trio.sleep(latency)  # the simulated network
@@ -36,20 +36,20 @@ def fetcher_process(index: int, url: str, run_id: str, ready_id: str) -> None:
                 "latency": latency, "fetcher": index}
 
     async def main():
-        async with rallypoint.connect(url, client_name=f"fetcher-{index}") as rs:
+        async with rallypoint.connect(**server, client_name=f"fetcher-{index}") as rs:
             await rs.scope(run_id).barriers.get(ready_id).arrive(f"fetcher-{index}")  # "I'm up"
             await rallypoint.consume(rs, "crawl", run_id, fetch, concurrency=8, lease_seconds=10)
 
     trio.run(main)
 
 
-async def crawl(url: str, fetchers: int, budget: float, scale: float, seed: int) -> int:
+async def crawl(server: dict, fetchers: int, budget: float, scale: float, seed: int) -> int:
     rng = random.Random(seed)
-    async with rallypoint.connect(url, client_name="crawler") as rs:
+    async with rallypoint.connect(**server, client_name="crawler") as rs:
         run = await rs.scopes.create(name="crawl")
         mbx = await rs.mailboxes.ensure("crawl")
         ready = await run.barriers.create(fetchers)
-        procs = start_processes(fetcher_process, fetchers, url, run.id, ready.id)
+        procs = start_processes(fetcher_process, fetchers, server, run.id, ready.id)
         await ready.wait(timeout=60)  # every fetcher is connected: start the clock
         js = await run.join_sets.create("crawl")
         t0 = time.monotonic()
@@ -96,8 +96,8 @@ def main() -> int:
     args = ap.parse_args()
     scale = 0.5 if args.quick else 1.0
     budget = args.budget or (0.2 if args.quick else 0.5)
-    with daemon_url(args) as url:
-        return trio.run(crawl, url, args.fetchers, budget, scale, args.seed)
+    with daemon(args) as server:
+        return trio.run(crawl, server, args.fetchers, budget, scale, args.seed)
 
 
 if __name__ == "__main__":

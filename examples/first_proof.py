@@ -8,7 +8,7 @@ accepts the first proof it verifies: the group finalizes FIRST_ACCEPTED, its gat
 is cancelled, and every other worker learns at its next lease renewal that it lost,
 so its search is cancelled. Prints how long each loser took to stop.
 
-    python examples/first_proof.py --connect tcp://127.0.0.1:7411 [--bits 22]
+    python examples/first_proof.py --connect tcp://127.0.0.1:7411 [--api-key KEY] [--bits 22]
     python examples/first_proof.py --spawn --quick
 """
 
@@ -21,7 +21,7 @@ import time
 import trio
 
 import rallypoint
-from _common import daemon_url, join_processes, mp_context, parser, start_processes
+from _common import daemon, join_processes, mp_context, parser, start_processes
 
 LEASE_S = 6.0
 CHUNK = 5_000  # hashes between checkpoints (where a cancellation can land)
@@ -32,7 +32,7 @@ def leading_zero_bits(digest: bytes) -> int:
     return 256 - n.bit_length()
 
 
-def worker_process(index: int, url: str, gate_id: str, q) -> None:
+def worker_process(index: int, server: dict, gate_id: str, q) -> None:
     async def handler(delivery):
         job = delivery.input
         prefix, bits, lo, hi = job["prefix"].encode(), job["bits"], job["lo"], job["hi"]
@@ -56,23 +56,23 @@ def worker_process(index: int, url: str, gate_id: str, q) -> None:
             raise
 
     async def main():
-        async with rallypoint.connect(url, client_name=f"miner-{index}") as rs:
+        async with rallypoint.connect(**server, client_name=f"miner-{index}") as rs:
             q.put(("ready", index, None, 0, time.time()))
             await rallypoint.consume(rs, "proofs", gate_id, handler, concurrency=1, lease_seconds=LEASE_S)
 
     trio.run(main)
 
 
-async def coordinate(url: str, bits: int, workers: int, ranges: int, q) -> int:
+async def coordinate(server: dict, bits: int, workers: int, ranges: int, q) -> int:
     prefix = f"rallypoint-{os.getpid()}-{time.time_ns()}:"
     span = 1 << (bits + 4)  # ~16x the expected number of hashes per hit
-    async with rallypoint.connect(url, client_name="proof-coordinator") as rs:
+    async with rallypoint.connect(**server, client_name="proof-coordinator") as rs:
         run = await rs.scopes.create(name="first-proof")
         mbx = await rs.mailboxes.ensure("proofs")
         group = await run.groups.create(mbx, "FIRST_ACCEPTED", expected_members=ranges)
         print(f"searching for {bits} leading zero bits over {ranges} ranges of {span:,} nonces, "
               f"{workers} worker processes, lease {LEASE_S:g} s")
-        procs = start_processes(worker_process, workers, url, group.scope_id, q)
+        procs = start_processes(worker_process, workers, server, group.scope_id, q)
         stops: list = []
         ready = 0
         while ready < workers:  # every miner connected: a fair start
@@ -156,8 +156,8 @@ def main() -> int:
     args = ap.parse_args()
     bits = args.bits or (18 if args.quick else 21)
     q = mp_context().Queue()
-    with daemon_url(args) as url:
-        return trio.run(coordinate, url, bits, args.workers, args.ranges or args.workers, q)
+    with daemon(args) as server:
+        return trio.run(coordinate, server, bits, args.workers, args.ranges or args.workers, q)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ others. When 5 are accepted the group finalizes, the gate run is cancelled, and 
 drafts still being scored are cancelled: their workers' handlers are stopped at the
 next lease renewal. Prints the decision and which members were cancelled.
 
-    python examples/review_drafts.py --connect tcp://127.0.0.1:7411
+    python examples/review_drafts.py --connect tcp://127.0.0.1:7411 [--api-key KEY]
     python examples/review_drafts.py --spawn [--quick]
 """
 
@@ -20,7 +20,7 @@ import time
 import trio
 
 import rallypoint
-from _common import daemon_url, join_processes, parser, start_processes
+from _common import daemon, join_processes, parser, start_processes
 
 N_DRAFTS = 12
 N_ACCEPTED = 5
@@ -38,7 +38,7 @@ def score(text: str) -> float:
     return round(0.25 + 0.75 * h[0] / 256, 3)
 
 
-def worker_process(index: int, url: str, gate_id: str, quick: bool) -> None:
+def worker_process(index: int, server: dict, gate_id: str, quick: bool) -> None:
     async def handler(delivery):
         text = delivery.input["text"]
         # "Thinking": the later drafts take longer, so some are still running at the end.
@@ -51,7 +51,7 @@ def worker_process(index: int, url: str, gate_id: str, quick: bool) -> None:
         return {"score": score(text), "by": f"worker-{index}"}
 
     async def main():
-        async with rallypoint.connect(url, client_name=f"scorer-{index}") as rs:
+        async with rallypoint.connect(**server, client_name=f"scorer-{index}") as rs:
             stats = await rallypoint.consume(rs, "drafts", gate_id, handler, concurrency=2, lease_seconds=6)
             print(f"  worker {index}: stopped ({stats.stop_reason}): {stats.completed} scored, "
                   f"{stats.lost} cancelled", flush=True)
@@ -59,13 +59,13 @@ def worker_process(index: int, url: str, gate_id: str, quick: bool) -> None:
     trio.run(main)
 
 
-async def review(url: str, workers: int, quick: bool) -> int:
-    async with rallypoint.connect(url, client_name="reviewer") as rs:
+async def review(server: dict, workers: int, quick: bool) -> int:
+    async with rallypoint.connect(**server, client_name="reviewer") as rs:
         run = await rs.scopes.create(name="review-drafts")
         mbx = await rs.mailboxes.ensure("drafts")
         group = await run.groups.create(mbx, "N_ACCEPTED", threshold=N_ACCEPTED, expected_members=N_DRAFTS)
         print(f"group {group.id}: N_ACCEPTED {N_ACCEPTED} of {N_DRAFTS}, gate run {group.scope_id}")
-        procs = start_processes(worker_process, workers, url, group.scope_id, quick)
+        procs = start_processes(worker_process, workers, server, group.scope_id, quick)
         tickets = [await group.submit({"i": i, "text": draft_text(i)}, key=f"draft-{i}") for i in range(N_DRAFTS)]
         names = {t.id: f"draft-{i}" for i, t in enumerate(tickets)}
         t0 = time.monotonic()
@@ -116,8 +116,8 @@ def main() -> int:
     ap = parser(__doc__.splitlines()[1])
     ap.add_argument("--workers", type=int, default=3, help="scoring processes (default %(default)s)")
     args = ap.parse_args()
-    with daemon_url(args) as url:
-        return trio.run(review, url, args.workers, args.quick)
+    with daemon(args) as server:
+        return trio.run(review, server, args.workers, args.quick)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ gate run closes, so the mappers' ``consume`` returns); each mapper then arrives 
 barrier, and once all have arrived the coordinator merges the partial counts and
 prints the top words.
 
-    python examples/wordcount.py --connect tcp://127.0.0.1:7411
+    python examples/wordcount.py --connect tcp://127.0.0.1:7411 [--api-key KEY]
     python examples/wordcount.py --spawn --quick
 """
 
@@ -24,7 +24,7 @@ import time
 import trio
 
 import rallypoint
-from _common import daemon_url, join_processes, parser, start_processes
+from _common import daemon, join_processes, parser, start_processes
 
 WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]{2,}")
 TOP_PER_CHUNK = 400  # partial results stay far below the 64 KiB payload limit
@@ -53,12 +53,12 @@ def count_words(paths: list[str]) -> dict:
     return {"files": len(paths), "lines": lines, "words": sum(c.values()), "top": dict(c.most_common(TOP_PER_CHUNK))}
 
 
-def mapper_process(index: int, url: str, run_id: str, gate_id: str, barrier_id: str) -> None:
+def mapper_process(index: int, server: dict, run_id: str, gate_id: str, barrier_id: str) -> None:
     def handler(delivery):  # a plain function: consume runs it in a worker thread
         return count_words(delivery.input["paths"])
 
     async def main():
-        async with rallypoint.connect(url, client_name=f"mapper-{index}") as rs:
+        async with rallypoint.connect(**server, client_name=f"mapper-{index}") as rs:
             stats = await rallypoint.consume(rs, "wordcount", gate_id, handler, concurrency=1, lease_seconds=30)
             await rs.scope(run_id).barriers.get(barrier_id).arrive(f"mapper-{index}")
             print(f"  mapper {index}: {stats.completed} chunks, then arrived at the barrier", flush=True)
@@ -66,19 +66,19 @@ def mapper_process(index: int, url: str, run_id: str, gate_id: str, barrier_id: 
     trio.run(main)
 
 
-async def coordinate(url: str, mappers: int, chunks: int, limit: int | None) -> int:
+async def coordinate(server: dict, mappers: int, chunks: int, limit: int | None) -> int:
     files = stdlib_files(limit)
     parts = [files[i::chunks] for i in range(chunks)]
     parts = [p for p in parts if p]
     root = sysconfig.get_paths()["stdlib"]
     print(f"{len(files)} files under {root}, {len(parts)} chunks, {mappers} mapper processes")
     t0 = time.monotonic()
-    async with rallypoint.connect(url, client_name="wordcount") as rs:
+    async with rallypoint.connect(**server, client_name="wordcount") as rs:
         run = await rs.scopes.create(name="wordcount")
         mbx = await rs.mailboxes.ensure("wordcount")
         group = await run.groups.create(mbx, "ALL_TERMINAL", expected_members=len(parts))
         barrier = await run.barriers.create(mappers)
-        procs = start_processes(mapper_process, mappers, url, run.id, group.scope_id, barrier.id)
+        procs = start_processes(mapper_process, mappers, server, run.id, group.scope_id, barrier.id)
         tickets = [await group.submit({"paths": p}, key=f"chunk-{i}") for i, p in enumerate(parts)]
         results = []
 
@@ -121,8 +121,8 @@ def main() -> int:
     args = ap.parse_args()
     chunks = args.chunks or (4 if args.quick else 24)
     limit = args.limit or (60 if args.quick else None)
-    with daemon_url(args) as url:
-        return trio.run(coordinate, url, args.mappers, min(chunks, 100), limit)
+    with daemon(args) as server:
+        return trio.run(coordinate, server, args.mappers, min(chunks, 100), limit)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,14 @@ See README.md and docs/ for the model (runs, mailboxes, tasks, groups).
 
 from __future__ import annotations
 
+import os
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from ._version import __version__
 from .client.api import Client, Delivery, Group, Mailbox, Run, Ticket
-from .client.consume import consume
+from .client.consume import ConsumeStats, consume
+from .client.reconnect import Reconnect
 from .client.types import (
     GroupDecision,
     GroupStatus,
@@ -31,6 +33,7 @@ from .client.types import (
 )
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
+from .errors import ValidationError
 from . import sync  # noqa: E402  (rallypoint.sync.connect(url): the blocking client)
 
 __all__ = [
@@ -38,6 +41,8 @@ __all__ = [
     "connect",
     "open_embedded",
     "consume",
+    "ConsumeStats",
+    "Reconnect",
     "sync",
     "Client",
     "Run",
@@ -58,31 +63,103 @@ __all__ = [
 DEFAULT_URL = "tcp://127.0.0.1:7411"
 
 
+def _resolve(url: str | None, api_key: str | None) -> tuple[str, str | None]:
+    """``url`` or ``$RALLYPOINT_URL`` or the default; ``api_key`` or ``$RALLYPOINT_API_KEY``."""
+    if url is None:
+        url = os.environ.get("RALLYPOINT_URL") or DEFAULT_URL
+    if api_key is None:
+        api_key = os.environ.get("RALLYPOINT_API_KEY") or None
+    return url, api_key
+
+
+def _policy(reconnect: "Reconnect | bool | None") -> "Reconnect | None":
+    if reconnect is True:
+        return Reconnect()
+    if reconnect is None or reconnect is False:
+        return None
+    if isinstance(reconnect, Reconnect):
+        return reconnect
+    raise ValidationError(f"reconnect must be True, False or a rallypoint.Reconnect (got {reconnect!r})",
+                          details={"field": "reconnect"})
+
+
 @asynccontextmanager
 async def connect(
-    url: str = DEFAULT_URL,
+    url: str | None = None,
     *,
     api_key: str | None = None,
     client_name: str = "",
     connect_timeout: float = 10.0,
     tls_ca: str | None = None,
     ssl_context=None,
+    reconnect: "Reconnect | bool" = True,
 ) -> AsyncIterator[Client]:
-    """Connect to a rallypoint daemon (``tcp://host:port``, or ``tls://host:port``
-    verified against ``ssl_context``, the CA file ``tls_ca``, or the system CAs);
-    yields the ``rs`` client.
+    """Connect to a rallypoint daemon; yields the ``rs`` client.
 
-    Works under Trio and asyncio (anyio). Raises UnavailableError when the server cannot
-    be reached; a dropped connection fails pending and later calls with UnavailableError.
-    UnauthenticatedError for a missing, unknown or revoked ``api_key``.
+    Args:
+        url: ``tcp://host:port`` or ``tls://host:port``. Default: ``$RALLYPOINT_URL``,
+            else ``tcp://127.0.0.1:7411``.
+        api_key: the key's secret. Default: ``$RALLYPOINT_API_KEY`` (none in open mode).
+        client_name: shown in the server's logs.
+        connect_timeout: seconds for one connection attempt (TCP, TLS and handshake).
+        tls_ca: a PEM CA file to verify a ``tls://`` server (default: the system CAs);
+            ``ssl_context`` overrides it.
+        reconnect: ``True`` (default: :class:`Reconnect` defaults, giving up after
+            60 s), a :class:`Reconnect` (timeout, backoff), or ``False`` (a dropped
+            connection fails pending and later calls with UnavailableError).
+
+    With reconnection, a dropped connection (e.g. a daemon restart) is re-opened with
+    exponential backoff (logged on the ``rallypoint.client`` logger); calls made
+    meanwhile wait for it; calls in flight are sent again when that cannot apply them
+    twice (reads, waits, receive, a delivery's renew/complete/retry/reject, idempotent
+    writes, submissions with a ``key``) and otherwise raise UnavailableError with
+    ``details["maybe_applied"] = True`` (e.g. a submit without a key, creating a run).
+    Deliveries keep their leases: renewals resume on the new connection. The full
+    list is in :mod:`rallypoint.client.reconnect`.
+
+    Works under Trio and asyncio (anyio). The first connection is not retried.
+
+    Raises:
+        UnavailableError (UNAVAILABLE): the server cannot be reached (at the start; or,
+            from a call, the client gave up reconnecting).
+        UnauthenticatedError (UNAUTHENTICATED): a missing, unknown or revoked key.
+        ValidationError (VALIDATION_FAILED): a bad URL, or a protocol version mismatch.
+    An exception raised inside the ``async with`` block leaves it unchanged.
     """
-    from .transport.connection import connect_transport
+    from .client.reconnect import ReconnectingTransport
+    from .transport.connection import Connection
 
-    async with connect_transport(
-        url, api_key=api_key, client_name=client_name, connect_timeout=connect_timeout,
-        tls_ca=tls_ca, ssl_context=ssl_context,
-    ) as conn:
-        yield Client(conn)
+    url, api_key = _resolve(url, api_key)
+    policy = _policy(reconnect)
+
+    async def open_connection(timeout: float) -> Connection:
+        return await Connection.open(url, api_key=api_key, client_name=client_name, connect_timeout=timeout,
+                                     tls_ca=tls_ca, ssl_context=ssl_context)
+
+    conn = await open_connection(connect_timeout)
+    if policy is None:
+        async with conn:
+            yield Client(conn)
+        return
+    async with ReconnectingTransport(url, conn, open_connection, policy, connect_timeout) as transport:
+        yield Client(transport)
+
+
+def _require_trio(what: str) -> None:
+    """RuntimeError with a clear message unless the caller runs under Trio."""
+    try:
+        import sniffio
+
+        library = sniffio.current_async_library()
+    except Exception:  # no event loop at all (or sniffio cannot tell)
+        library = None
+    if library != "trio":
+        where = f"under {library}" if library else "outside an event loop"
+        raise RuntimeError(
+            f"{what} needs Trio: it runs the coordinator inside a Trio program (trio.run), but it was "
+            f"called {where}. Under asyncio, run a daemon (`rallypoint serve`) and use rallypoint.connect(url), "
+            "which works under asyncio and Trio."
+        )
 
 
 @asynccontextmanager
@@ -93,7 +170,14 @@ async def open_embedded(
 
     ``data_dir=None`` keeps everything in memory (durability ``memory``); with a data dir
     the default durability is ``fsync`` and state is recovered from it.
+
+    Embedded mode needs Trio (``trio.run``): the coordinator's background tasks are Trio
+    tasks. Under asyncio (or outside any event loop) it raises RuntimeError saying so;
+    from asyncio, run a daemon (``rallypoint serve``) and use :func:`connect`, which
+    works under both. Also raises ValidationError (VALIDATION_FAILED) for an unknown
+    ``durability`` and the data dir's errors (e.g. another process holds its lock).
     """
+    _require_trio("rallypoint.open_embedded()")
     from .client.embedded import EmbeddedTransport
     from .node import open_node
 

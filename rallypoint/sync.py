@@ -75,7 +75,9 @@ class SyncClient(_Proxy):
 
     __slots__ = ("_thread", "_token", "_stop", "_error")
 
-    def __init__(self, url: str, api_key: str | None = None, connect_timeout: float = 10.0) -> None:
+    def __init__(self, url: str | None = None, api_key: str | None = None, connect_timeout: float = 10.0,
+                 *, client_name: str = "", tls_ca: str | None = None, ssl_context: Any = None,
+                 reconnect: Any = True) -> None:
         ready = threading.Event()
         box: dict[str, Any] = {}
 
@@ -83,7 +85,8 @@ class SyncClient(_Proxy):
             from . import connect as aconnect
 
             try:
-                async with aconnect(url, api_key=api_key, connect_timeout=connect_timeout) as rs:
+                async with aconnect(url, api_key=api_key, client_name=client_name, connect_timeout=connect_timeout,
+                                    tls_ca=tls_ca, ssl_context=ssl_context, reconnect=reconnect) as rs:
                     box["rs"] = rs
                     box["token"] = trio.lowlevel.current_trio_token()
                     box["stop"] = trio.Event()
@@ -130,6 +133,26 @@ class SyncClient(_Proxy):
         self.close()
 
 
-def connect(url: str = "tcp://127.0.0.1:7411", *, api_key: str | None = None, connect_timeout: float = 10.0) -> SyncClient:
-    """Connect and return a blocking client (see the module docstring)."""
-    return SyncClient(url, api_key=api_key, connect_timeout=connect_timeout)
+def connect(
+    url: str | None = None,
+    *,
+    api_key: str | None = None,
+    client_name: str = "",
+    connect_timeout: float = 10.0,
+    tls_ca: str | None = None,
+    ssl_context: Any = None,
+    reconnect: Any = True,
+) -> SyncClient:
+    """Connect and return a blocking client (see the module docstring).
+
+    The arguments are those of :func:`rallypoint.connect`: ``url`` defaults to
+    ``$RALLYPOINT_URL`` (else ``tcp://127.0.0.1:7411``), ``api_key`` to
+    ``$RALLYPOINT_API_KEY``; ``tls_ca`` is a PEM CA file for ``tls://`` URLs;
+    ``reconnect`` is True (default), False or a :class:`rallypoint.Reconnect`.
+
+    Raises UnavailableError (UNAVAILABLE) if the server cannot be reached,
+    UnauthenticatedError (UNAUTHENTICATED) for a bad key, ValidationError
+    (VALIDATION_FAILED) for a bad URL. Close the client with ``close()`` or ``with``.
+    """
+    return SyncClient(url, api_key=api_key, connect_timeout=connect_timeout, client_name=client_name,
+                      tls_ca=tls_ca, ssl_context=ssl_context, reconnect=reconnect)

@@ -100,7 +100,8 @@ async def client_main(url: str, log_path: Path, seed: int) -> int:
     weights = [30, 15, 14, 4, 10, 3, 2, 5, 5]
     deliveries = []
     try:
-        async with rallypoint.connect(url, client_name="crash-client") as rs:
+        # reconnect=False: the harness kills the daemon and expects this client to end.
+        async with rallypoint.connect(url, client_name="crash-client", reconnect=False) as rs:
             mbxs = {}
             for name in MAILBOXES:
                 mbxs[name] = await rs.mailboxes.ensure(name, max_attempts=100)

@@ -165,7 +165,9 @@ async def test_signal_drains_answers_inflight_and_exits_0(sig, tmp_path):
     d = Daemon(str(tmp_path / "data") if durability == "fsync" else None, durability).start()
     outcomes = {}
     try:
-        async with rallypoint.connect(d.url) as rs:
+        # reconnect=False: this is about the server's drain, seen by a client that does
+        # not reconnect (tests/test_reconnect_daemon.py covers the reconnecting client).
+        async with rallypoint.connect(d.url, reconnect=False) as rs:
             run = await rs.scopes.create(name="drained")
             mbx = await rs.mailboxes.ensure("spine-drain")
             ticket = await mbx.submit({"n": 1}, scope=run)
@@ -240,7 +242,7 @@ async def test_transport_drain_ends_long_waits_after_the_grace_only():
 async def test_drain_refuses_new_connections(tmp_path):
     d = Daemon(None, "memory").start()
     try:
-        async with rallypoint.connect(d.url) as rs:
+        async with rallypoint.connect(d.url, reconnect=False) as rs:  # else it would retry for 60 s
             await rs.status()
             d.proc.send_signal(signal.SIGTERM)
             rc = await trio.to_thread.run_sync(lambda: d.proc.wait(15))
@@ -257,10 +259,12 @@ async def test_drain_refuses_new_connections(tmp_path):
 # --- a daemon that dies under a pending call ------------------------------------------
 
 
-async def test_killed_daemon_fails_pending_long_wait_with_unavailable():
+@pytest.mark.parametrize("reconnect", [False, rallypoint.Reconnect(timeout=0.5)], ids=["no-reconnect", "gives-up"])
+async def test_killed_daemon_fails_pending_long_wait_with_unavailable(reconnect):
+    # Without reconnection at once; with it, once the reconnect timeout ran out.
     d = Daemon(None, "memory").start()
     try:
-        async with rallypoint.connect(d.url) as rs:
+        async with rallypoint.connect(d.url, reconnect=reconnect) as rs:
             run = await rs.scopes.create()
             mbx = await rs.mailboxes.ensure("spine-kill")
             ticket = await mbx.submit(1, scope=run)

@@ -71,3 +71,11 @@ async def test_tls_client_against_plaintext_daemon_fails_cleanly(daemon):
                 await rs.status()
     async with rallypoint.connect(daemon.url) as rs:
         await rs.status()
+
+
+def test_sync_client_verifies_against_a_tls_ca(tls_daemon):
+    # rallypoint.sync.connect takes the CA file like rallypoint.connect does.
+    url, ca = tls_daemon
+    with rallypoint.sync.connect(url, tls_ca=ca) as rs:
+        run = rs.scopes.create(name="sync-over-tls")
+        assert run.status().name == "sync-over-tls"

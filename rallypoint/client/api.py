@@ -8,6 +8,12 @@ every method is one request (or, for waits longer than the server's 60 s limit, 
 Units: durations are seconds (float) named ``timeout``, ``wait``, ``lease_seconds``,
 ``delay``; instants are aware ``datetime`` (or ISO 8601 strings). Errors are the
 :mod:`rallypoint.errors` classes, raised the same way in both modes.
+
+Over TCP the client reconnects after a dropped connection (see
+:mod:`rallypoint.client.reconnect`): a call in flight at the drop is sent again when that
+cannot apply it twice (reads, waits, receive, a delivery's settle calls, idempotent
+writes, submissions with a ``key``), and otherwise raises UnavailableError (UNAVAILABLE)
+with ``details["maybe_applied"] = True``. The methods below say which they are.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from .. import protocol as p
 from ..errors import (
     LeaseLostError,
     ScopeInactiveError,
+    UnavailableError,
     ValidationError,
     WaitTimeout,
 )
@@ -179,7 +186,9 @@ class Scopes:
         self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000
     ) -> "Run":
         """Create a root run. ``deadline``: aware datetime or ISO 8601, must be in the
-        future (VALIDATION_FAILED). ``child_limit`` caps direct children (LIMIT_EXCEEDED)."""
+        future (VALIDATION_FAILED). ``child_limit`` caps direct children (LIMIT_EXCEEDED).
+        Not re-sent after a dropped connection (two creates make two runs):
+        UnavailableError with ``details["maybe_applied"]``."""
         st = await self._rs._call(
             p.ScopeCreate(name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit), t.RunStatus
         )
@@ -222,7 +231,8 @@ class Run:
         self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000
     ) -> "Run":
         """A child run. SCOPE_CANCELLED / DEADLINE_EXCEEDED if this run is inactive,
-        LIMIT_EXCEEDED past ``child_limit``."""
+        LIMIT_EXCEEDED past ``child_limit``. Not re-sent after a dropped connection
+        (UnavailableError, ``details["maybe_applied"]``)."""
         st = await self._rs._call(
             p.ScopeCreate(parent_id=self.id, name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit),
             t.RunStatus,
@@ -240,7 +250,9 @@ class Run:
         return self.last_status
 
     async def complete(self, timeout: float | None = None) -> t.RunStatus:
-        """Record that the run finished normally (final; CONFLICT if already finished).
+        """Record that the run finished normally (final; CONFLICT if already finished;
+        after a dropped connection, a re-sent complete that finds the run COMPLETED
+        returns its status).
 
         Open join sets are closed first, newest first, and the run completes only after
         their last child finished; this waits for that (WaitTimeout after ``timeout``
@@ -311,7 +323,11 @@ class Mailbox:
         """Submit a task to this mailbox, bound to ``scope``. With ``key``, idempotent
         within the run and mailbox (same input: the existing task; other input:
         CONFLICT). Refused on an inactive run; LIMIT_EXCEEDED (with retry_after) when the
-        backlog is full."""
+        backlog is full.
+
+        After a dropped connection a submit **with** a ``key`` is sent again (it returns
+        the task the first one made, if it was applied); one **without** a key is not
+        (it may have been applied): UnavailableError with ``details["maybe_applied"]``."""
         info = await self._rs._call(
             p.TaskSubmit(
                 mailbox=self.name,
@@ -328,7 +344,9 @@ class Mailbox:
         self, inputs: Iterable[Any], *, scope: "Run | str", keys: Iterable[str | None] | None = None,
         deadline: datetime | str | None = None,
     ) -> list["Ticket"]:
-        """Submit several tasks in one request and one commit: all or none."""
+        """Submit several tasks in one request and one commit: all or none. ``keys``:
+        one idempotency key (or None) per input. Re-sent after a dropped connection
+        only if every input has a key (else UnavailableError, ``maybe_applied``)."""
         inputs = list(inputs)
         keys = list(keys) if keys is not None else [None] * len(inputs)
         if len(keys) != len(inputs):
@@ -360,7 +378,9 @@ class Mailbox:
         Waits on the server up to ``wait`` seconds for work (re-issuing past 60 s).
         Returns a :class:`Delivery` or None when ``max_messages`` is 1, else a list
         (possibly empty). ``lease_seconds`` 5-600. Refused (SCOPE_CANCELLED /
-        DEADLINE_EXCEEDED) when the run is inactive."""
+        DEADLINE_EXCEEDED) when the run is inactive; NOT_FOUND for an unknown mailbox or
+        run. Re-sent after a dropped connection (if the lost reply carried a lease, that
+        task is delivered again once the lease runs out)."""
         sid = _id_of(scope)
         lease_ms = _ms(lease_seconds, "lease_seconds")
         remaining = wait if wait is not None else math.inf
@@ -439,6 +459,11 @@ class Ticket:
 class Delivery:
     """A leased delivery of a task. Every method carries the fencing ``token``; a stale
     one raises LeaseLostError (STALE_CLAIM). ``lost`` is set once the lease is known lost.
+
+    ``renew``, ``complete``, ``retry`` and ``reject`` are re-sent after a dropped
+    connection (the token makes a second one harmless); the lease survives a daemon
+    restart shorter than it. A re-sent ``complete`` that finds its first one applied
+    (the task SUCCEEDED with this outcome) returns the task, not STALE_CLAIM.
     """
 
     def __init__(self, rs: Client, info: t.DeliveryInfo, lease_seconds: float) -> None:
@@ -466,8 +491,10 @@ class Delivery:
             raise
 
     async def renew(self, lease_seconds: float | None = None) -> datetime:
-        """Extend the lease by ``lease_seconds`` (default: the receive's) from now.
-        Returns the new expiry. Refused when the run is inactive or the lease is lost."""
+        """Extend the lease by ``lease_seconds`` (default: the receive's; 5-600) from now.
+        Returns the new expiry (aware datetime). Raises LeaseLostError (STALE_CLAIM) when
+        the lease is lost, ScopeInactiveError (SCOPE_CANCELLED / DEADLINE_EXCEEDED) when
+        the run is inactive; both set ``lost``."""
         ls = self.lease_seconds if lease_seconds is None else lease_seconds
         r = await self._settle(
             p.DeliveryRenew(task_id=self.task_id, token=self.token, lease_ms=_ms(ls, "lease_seconds")), t._LeaseReply
@@ -476,15 +503,23 @@ class Delivery:
         return r.lease_expires_at
 
     async def complete(self, outcome: Any = None) -> t.TaskInfo:
-        """Record the outcome (exactly once: a later complete is STALE_CLAIM)."""
+        """Record the outcome (any msgpack-able value, at most 64 KiB encoded) and return
+        the task (SUCCEEDED). Exactly once: a later complete is LeaseLostError
+        (STALE_CLAIM), as is one after the lease ran out; ScopeInactiveError
+        (SCOPE_CANCELLED / DEADLINE_EXCEEDED) on an inactive run (both set ``lost``);
+        ValidationError (VALIDATION_FAILED) for an outcome that cannot be encoded or is
+        too large."""
         return await self._settle(
             p.DeliveryComplete(task_id=self.task_id, token=self.token, outcome=encode_payload(outcome, "outcome")),
             t.TaskInfo,
         )
 
     async def retry(self, error: Any = None, delay: float = 0) -> t.TaskInfo:
-        """Give the task back for another attempt after ``delay`` seconds (FAILED after
-        max_attempts). Answered even when the run is inactive (nothing changes then)."""
+        """Give the task back for another attempt after ``delay`` seconds, with ``error``
+        (a msgpack-able value) recorded; the task is QUEUED again, or FAILED after
+        max_attempts. Returns the task. Answered even when the run is inactive or the
+        task already finished (nothing changes then: the returned state says so).
+        LeaseLostError (STALE_CLAIM) when the lease is lost."""
         return await self._settle(
             p.DeliveryRetry(
                 task_id=self.task_id, token=self.token, error=encode_payload(error, "error"), delay_ms=_ms(delay, "delay")
@@ -551,7 +586,9 @@ class Group:
 
     async def submit(self, input: Any = None, key: str | None = None, *, deadline: datetime | str | None = None) -> Ticket:
         """Add a member task (in the gate run). CONFLICT once the group is closed, unless
-        it is a resubmission of a member (same key and input), which returns it."""
+        it is a resubmission of a member (same key and input), which returns it. Re-sent
+        after a dropped connection only with a ``key`` (else UnavailableError,
+        ``details["maybe_applied"]``)."""
         r = await self._rs._call(
             p.GroupSubmit(group_id=self.id, input=encode_payload(input), key=key, deadline=_iso(deadline, "deadline")),
             t._MemberAdded,
@@ -628,6 +665,9 @@ class JoinSet:
         self.id = joinset_id
         self.last_status = status
         self.last_id: str | None = None
+        # The index of the next record to consume, when known (from a status or the
+        # last reply): lets a join_next cut off by a dropped connection be re-sent.
+        self._next_index: int | None = status.consumed if status is not None else None
 
     def __repr__(self) -> str:
         return f"JoinSet({self.id!r})"
@@ -637,7 +677,9 @@ class JoinSet:
         deadline: datetime | str | None = None,
     ) -> str:
         """Add a child task to ``mailbox`` in this set's run; returns its id (a task id).
-        A refused submission (inactive run, bad input) adds nothing."""
+        A refused submission (inactive run, bad input) adds nothing. Re-sent after a
+        dropped connection only with a ``key`` (else UnavailableError,
+        ``details["maybe_applied"]``)."""
         r = await self._rs._call(
             p.JoinSetSubmit(
                 joinset_id=self.id, mailbox=_mailbox_name(mailbox), input=encode_payload(input), key=key,
@@ -661,6 +703,8 @@ class JoinSet:
 
     def _result(self, r) -> tuple[str, Any]:
         self.last_id = r.child_id
+        if self._next_index is None or r.index + 1 > self._next_index:
+            self._next_index = r.index + 1
         if not r.ok:
             from ..errors import ChildError
 
@@ -674,18 +718,44 @@ class JoinSet:
         """Consume the next completion record (or re-read record ``index``): returns
         ``(child_id, result)``; a delay's result is None. A failed child raises
         ChildError (``value``, ``failure_kind``) and still counts as consumed.
-        JoinSetExhaustedError past the last child; WaitTimeout after ``timeout`` s."""
-        r = await self._rs._wait(
-            lambda ms: p.JoinNext(joinset_id=self.id, index=index, wait_ms=ms), t._JoinNextReply,
-            lambda r: r.status == "record", timeout,
-            lambda r: f"join set {self.id}: no child finished within {timeout} s",
-        )
+        JoinSetExhaustedError past the last child; WaitTimeout after ``timeout`` s.
+
+        Over a reconnecting client, a consume cut off by a dropped connection is sent
+        again at the index this handle expected (a re-read if the first one was
+        applied) when the handle knows it (it was created, looked up by name, or has
+        consumed or read its status before); else it raises UnavailableError
+        (UNAVAILABLE, ``details["maybe_applied"]``): call ``status()`` and
+        ``join_next(index=consumed - 1)`` to re-read what may have been consumed."""
+        def wait_for(idx):
+            return self._rs._wait(
+                lambda ms: p.JoinNext(joinset_id=self.id, index=idx, wait_ms=ms), t._JoinNextReply,
+                lambda r: r.status == "record", timeout,
+                lambda r: f"join set {self.id}: no child finished within {timeout} s",
+            )
+
+        expected = self._next_index
+        try:
+            r = await wait_for(index)
+        except UnavailableError as e:
+            if index is not None or expected is None or not (e.details or {}).get("maybe_applied"):
+                raise
+            r = await wait_for(expected)
         return self._result(r)
 
     async def join_next_try(self) -> tuple[str, Any] | None:
-        """The next record at once, or None while children are pending."""
-        r = await self._rs._call(p.JoinNext(joinset_id=self.id, try_only=True), t._JoinNextReply)
-        return self._result(r) if r.status == "record" else None
+        """The next record at once, or None while children are pending (re-sent after a
+        dropped connection like :meth:`join_next`)."""
+        expected = self._next_index
+        try:
+            r = await self._rs._call(p.JoinNext(joinset_id=self.id, try_only=True), t._JoinNextReply)
+        except UnavailableError as e:
+            if expected is None or not (e.details or {}).get("maybe_applied"):
+                raise
+            r = await self._rs._call(p.JoinNext(joinset_id=self.id, index=expected, try_only=True), t._JoinNextReply)
+        if r.status != "record":
+            self._next_index = r.index
+            return None
+        return self._result(r)
 
     async def close(self, timeout: float | None = None) -> t.JoinSetStatus:
         """Cancel unconsumed delays and cancellable children (reverse submission order),
@@ -701,6 +771,7 @@ class JoinSet:
 
     async def status(self) -> t.JoinSetStatus:
         self.last_status = await self._rs._call(p.JoinSetGet(joinset_id=self.id), t.JoinSetStatus)
+        self._next_index = self.last_status.consumed
         return self.last_status
 
 

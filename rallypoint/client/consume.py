@@ -2,9 +2,16 @@
 
 Receives deliveries from a mailbox for a run (and its descendants), runs the handler on
 each inside its own cancel scope, renews the lease every ``lease_seconds / 3``,
-completes with the handler's return value, retries on an exception (its message as the
-error), and cancels the handler as soon as a renewal is refused (the lease was lost or
-the run stopped). Returns when the run becomes inactive. Works under Trio and asyncio.
+completes with the handler's return value, retries on an exception (its type and
+message as the error), and cancels the handler as soon as a renewal is refused (the
+lease was lost or the run stopped). Returns when the run becomes inactive. Works under
+Trio and asyncio (over TCP; the embedded mode needs Trio).
+
+Every delivery it receives ends exactly one way, and :class:`ConsumeStats` counts it
+there: ``completed`` (the outcome was recorded), ``retried`` (the server took the task
+back for another attempt, or failed it for good after its last attempt: ``failed``) or
+``lost`` (the outcome could not be recorded: the lease ran out, the task was cancelled,
+or the run stopped while the handler ran; the delivery's ``lost`` is then True).
 """
 
 from __future__ import annotations
@@ -15,29 +22,63 @@ from typing import Any, Awaitable, Callable
 
 import anyio
 
-from ..errors import LeaseLostError, ScopeInactiveError
-from .api import Client, Delivery, Mailbox, _id_of, _mailbox_name
+from ..errors import LeaseLostError, ScopeInactiveError, ValidationError
+from .api import Client, Delivery, Mailbox, _id_of, _mailbox_name, _ms, encode_payload
 
 log = logging.getLogger("rallypoint.consume")
 
 __all__ = ["consume", "ConsumeStats"]
 
+#: Longest error text sent with a retry (characters; at most 4 bytes each in UTF-8,
+#: so the payload stays under the 64 KiB limit).
+MAX_ERROR_CHARS = 16_000
+
 
 class ConsumeStats:
-    """What a ``consume`` call did: counts of deliveries by how they ended."""
+    """What a ``consume`` call did. Once it returns, ``received == completed + retried +
+    lost``.
+
+    Attributes:
+        received: deliveries leased.
+        completed: outcomes recorded (the task is SUCCEEDED).
+        retried: deliveries handed back with an error (the handler raised, or its result
+            could not be encoded) and taken back by the server: the task is QUEUED for
+            another attempt, or FAILED after its last one.
+        failed: of ``retried``, those that were the task's last attempt (FAILED).
+        lost: deliveries whose outcome could not be recorded: the lease was lost or the
+            task cancelled (a renewal, complete or retry was refused or changed
+            nothing), or the handler was cancelled because the run stopped.
+        stop_reason: SCOPE_CANCELLED or DEADLINE_EXCEEDED once the run stopped.
+    """
 
     def __init__(self) -> None:
         self.received = 0
         self.completed = 0
         self.retried = 0
+        self.failed = 0
         self.lost = 0
         self.stop_reason: str | None = None
 
     def __repr__(self) -> str:
         return (
             f"ConsumeStats(received={self.received}, completed={self.completed}, retried={self.retried}, "
-            f"lost={self.lost}, stop_reason={self.stop_reason!r})"
+            f"failed={self.failed}, lost={self.lost}, stop_reason={self.stop_reason!r})"
         )
+
+
+def _describe(exc: BaseException) -> str:
+    """``"Type: message"`` of an exception, even one whose ``__str__`` fails."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<unprintable>"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _clip(text: str) -> str:
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    return text[: MAX_ERROR_CHARS - 20] + " …[truncated]"
 
 
 async def consume(
@@ -50,80 +91,172 @@ async def consume(
     lease_seconds: float = 30,
     wait: float = 20,
 ) -> ConsumeStats:
-    """Serve ``mailbox`` for ``scope`` until the run becomes inactive.
+    """Serve ``mailbox`` for ``scope`` (a run or its id) until the run becomes inactive.
 
     Args:
         handler: ``async def handler(delivery) -> outcome`` or a plain function (run in
-            a worker thread). ``delivery.input`` is the task input.
-        concurrency: deliveries handled at once (one receive loop each).
-        lease_seconds: lease per delivery (5-600 s); renewed every third of it.
+            a worker thread). ``delivery.input`` is the task input; the return value is
+            the outcome (any msgpack-able value up to 64 KiB encoded).
+        concurrency: deliveries handled at once (one receive loop each), >= 1.
+        lease_seconds: lease per delivery, seconds (5-600); renewed every third of it.
         wait: long-poll per receive request, seconds.
 
-    Returns :class:`ConsumeStats` once a receive is refused with SCOPE_CANCELLED or
-    DEADLINE_EXCEEDED. Other errors (e.g. UnavailableError) propagate.
+    What happens to each delivery:
+
+    - the handler returns: the outcome is completed. A result that cannot be encoded
+      (not msgpack-able, or over the payload/frame limit) is handled like an
+      exception: a retry whose error says why.
+    - the handler raises an ``Exception``: a retry with ``"Type: message"`` as the error
+      (the task is FAILED once ``max_attempts`` is reached).
+    - a renewal is refused (STALE_CLAIM, SCOPE_CANCELLED, DEADLINE_EXCEEDED): the
+      handler is cancelled and the delivery counted lost.
+    - the run stops (a receive is refused, e.g. the task group finalized and cancelled
+      its gate run): running handlers are cancelled and counted lost, and consume
+      returns.
+
+    Over a reconnecting client (``rallypoint.connect``, the default) a daemon restart
+    is invisible here: receives are re-issued, renewals and settles wait for the new
+    connection and go on (see :func:`rallypoint.connect`).
+
+    Returns:
+        :class:`ConsumeStats`, once a receive is refused with SCOPE_CANCELLED or
+        DEADLINE_EXCEEDED.
+
+    Raises (the error itself, never wrapped in an ExceptionGroup): NotFoundError
+    (NOT_FOUND: no such mailbox or run), ValidationError (VALIDATION_FAILED: bad
+    ``concurrency``, ``lease_seconds`` or ``wait``), UnavailableError (UNAVAILABLE: the
+    server could not be reached again within the client's reconnect timeout), AuthError
+    (UNAUTHENTICATED / FORBIDDEN). Running handlers are cancelled first.
     """
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValidationError(f"concurrency must be an integer >= 1 (got {concurrency!r})",
+                              details={"field": "concurrency"})
+    _ms(lease_seconds, "lease_seconds")
+    _ms(wait, "wait")
     mbx = rs.mailbox(_mailbox_name(mailbox))
     scope_id = _id_of(scope)
     is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
         getattr(handler, "__call__", None)
     )
     stats = ConsumeStats()
+    # Cancel scopes of running handlers and pending receives: cancelled when the run stops.
+    active: set[anyio.CancelScope] = set()
+    stopping = False
+
+    def stop_serving(reason: str) -> None:
+        nonlocal stopping
+        if stats.stop_reason is None:
+            stats.stop_reason = reason
+        stopping = True
+        for s in list(active):
+            s.cancel()
+
+    def lost(d: Delivery) -> None:
+        d.lost = True
+        stats.lost += 1
+
+    async def give_back(d: Delivery, error: str) -> None:
+        try:
+            info = await d.retry(error=_clip(error))
+        except (LeaseLostError, ScopeInactiveError):
+            lost(d)
+            return
+        if info.state == "QUEUED":
+            stats.retried += 1
+        elif info.state == "FAILED" and info.outcome_reason == "max_attempts" and info.attempt == d.attempt:
+            stats.retried += 1
+            stats.failed += 1
+        else:  # the task was already finished or cancelled: the server changed nothing
+            lost(d)
 
     async def run_one(d: Delivery) -> None:
-        outcome: dict[str, Any] = {}
+        box: dict[str, Any] = {}
+        handler_scope = anyio.CancelScope()
+        if stopping:
+            handler_scope.cancel()
+        active.add(handler_scope)
 
-        async def renewer(cancel_handler: anyio.CancelScope) -> None:
+        async def renewer() -> None:
             while True:
                 await anyio.sleep(lease_seconds / 3)
                 try:
                     await d.renew()
-                except (LeaseLostError, ScopeInactiveError) as e:
-                    outcome["lost"] = e
-                    cancel_handler.cancel()
+                except (LeaseLostError, ScopeInactiveError):
+                    handler_scope.cancel()
+                    return
+                except Exception as e:  # e.g. UNAVAILABLE: the client gave up reconnecting
+                    box["fatal"] = e
+                    handler_scope.cancel()
                     return
 
-        async with anyio.create_task_group() as tg:
-            handler_scope = anyio.CancelScope()
-            tg.start_soon(renewer, handler_scope)
-            with handler_scope:
-                try:
-                    if is_async:
-                        outcome["value"] = await handler(d)
-                    else:
-                        outcome["value"] = await anyio.to_thread.run_sync(handler, d, abandon_on_cancel=True)
-                except Exception as e:  # the handler failed: retry
-                    outcome["error"] = e
-            tg.cancel_scope.cancel()
-        if "lost" in outcome:
-            stats.lost += 1
-            return
         try:
-            if "error" in outcome:
-                err = outcome["error"]
-                await d.retry(error=f"{type(err).__name__}: {err}")
-                stats.retried += 1
-            elif "value" in outcome:
-                await d.complete(outcome["value"])
-                stats.completed += 1
-        except (LeaseLostError, ScopeInactiveError):
-            stats.lost += 1
-
-    async def worker(tg: anyio.abc.TaskGroup) -> None:
-        while True:
-            try:
-                d = await mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait)
-            except ScopeInactiveError as e:
-                stats.stop_reason = e.code
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(renewer)
+                with handler_scope:
+                    try:
+                        if is_async:
+                            box["value"] = await handler(d)
+                        else:
+                            box["value"] = await anyio.to_thread.run_sync(handler, d, abandon_on_cancel=True)
+                    except Exception as e:  # the handler failed: retry
+                        box["error"] = e
                 tg.cancel_scope.cancel()
+        finally:
+            active.discard(handler_scope)
+        if "fatal" in box:
+            raise box["fatal"]
+        if "value" in box:
+            try:
+                outcome = encode_payload(box["value"], "outcome")
+            except ValidationError as e:
+                await give_back(d, f"the handler's result could not be encoded: {e}")
                 return
+            try:
+                await d.complete(outcome)
+            except (LeaseLostError, ScopeInactiveError):
+                lost(d)
+                return
+            except ValidationError as e:  # over the payload limit (server) or frame limit
+                await give_back(d, f"the handler's result could not be encoded: {e}")
+                return
+            stats.completed += 1
+        elif "error" in box:
+            await give_back(d, _describe(box["error"]))
+        else:  # cancelled: a renewal was refused, or the run stopped
+            lost(d)
+
+    async def worker() -> None:
+        while not stopping:
+            recv_scope = anyio.CancelScope()
+            active.add(recv_scope)
+            d = None
+            try:
+                with recv_scope:
+                    try:
+                        d = await mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait)
+                    except ScopeInactiveError as e:
+                        stop_serving(e.code)
+                        return
+            finally:
+                active.discard(recv_scope)
             if d is None:
                 continue
             stats.received += 1
             await run_one(d)
 
-    if concurrency < 1:
-        raise ValueError("concurrency must be >= 1")
+    fatal: list[Exception] = []
+
+    async def guarded(tg: anyio.abc.TaskGroup) -> None:
+        try:
+            await worker()
+        except Exception as e:
+            if not fatal:
+                fatal.append(e)
+            tg.cancel_scope.cancel()
+
     async with anyio.create_task_group() as tg:
         for _ in range(concurrency):
-            tg.start_soon(worker, tg)
+            tg.start_soon(guarded, tg)
+    if fatal:
+        raise fatal[0]
     return stats

@@ -168,6 +168,7 @@ class Connection:
         self._tg: anyio.abc.TaskGroup | None = None
         self._started = False
         self._event_cls: Any = anyio.Event
+        self._closed_event: anyio.Event | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -259,6 +260,9 @@ class Connection:
             raise RuntimeError("a Connection can be entered only once")
         self._started = True
         self._event_cls = _native_event_class()
+        self._closed_event = anyio.Event()
+        if self._closed is not None:
+            self._closed_event.set()
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -293,6 +297,20 @@ class Connection:
     @property
     def closed(self) -> bool:
         return self._closed is not None
+
+    @property
+    def close_reason(self) -> str | None:
+        """Why the connection closed (e.g. "the server closed the connection"), or None."""
+        return self._closed
+
+    async def wait_closed(self) -> None:
+        """Return once the connection is closed (by either side, or lost). Use inside
+        ``async with conn``."""
+        if self._closed is not None:
+            return
+        if self._closed_event is None:
+            raise RuntimeError("use the Connection inside `async with` (see connect_transport)")
+        await self._closed_event.wait()
 
     # -------------------------------------------------------------------- calls
 
@@ -421,6 +439,8 @@ class Connection:
         if self._closed is not None:
             return
         self._closed = reason
+        if self._closed_event is not None:
+            self._closed_event.set()
         pending = self._pending
         self._pending = {}
         for slot in pending.values():

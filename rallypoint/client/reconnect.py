@@ -1,0 +1,392 @@
+"""Reconnection: a client transport that survives a daemon restart.
+
+:class:`ReconnectingTransport` has the transport interface the SDK uses (``call`` and
+``call_many``) over a :class:`~rallypoint.transport.connection.Connection` that it
+replaces when it drops, with bounded exponential backoff (:class:`Reconnect`).
+
+What happens to a request when the connection drops:
+
+- **Not sent yet** (the connection was already down when the call was made): it waits
+  for the new connection and is sent there. Always safe.
+- **In flight** (sent, no reply): the server may or may not have applied it. It is sent
+  again on the new connection only if doing so cannot apply it twice
+  (:func:`reissue_safe`):
+
+  * reads and server-side waits (status, result, group/barrier/timer waits, run
+    completion, join-set close, ``join_next`` at an explicit index);
+  * idempotent writes: ``mailboxes.ensure``, run and task cancel, group close,
+    join_task and verdicts, timer cancel and acknowledgement;
+  * a delivery's ``renew``, ``complete``, ``retry`` and ``reject`` (the fencing token
+    makes a second one a no-op or STALE_CLAIM; when the first one was applied, the
+    STALE_CLAIM / CONFLICT the second gets is recognised and the first one's result
+    returned instead);
+  * ``receive`` (if the lost reply carried a lease, that task stays leased to nobody
+    until its lease runs out, then it is delivered again; no work is duplicated);
+  * a submission *with an idempotency* ``key`` (task, batch where every item has a
+    key, group member, join-set child): the server returns the existing task.
+
+  Everything else raises :class:`~rallypoint.errors.UnavailableError` with
+  ``details={"op": ..., "maybe_applied": True}``: a submission *without* a key, creating
+  runs, groups, barriers, timers and join sets, barrier arrivals and ``next_epoch``,
+  ``join_next`` without a known index, key administration. Check the state, then retry
+  yourself; or give submissions a ``key``, which makes them safe.
+
+- **Answered UNAVAILABLE by a draining server** (SIGTERM: long waits are ended after a
+  grace): treated like "in flight".
+
+If no connection can be made within :attr:`Reconnect.timeout` seconds of the drop, the
+client gives up: waiting and later calls raise UnavailableError (the client stays
+unusable; open a new one). A refusal at the handshake (e.g. UNAUTHENTICATED: the key
+was revoked meanwhile) ends the client at once with that error.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import anyio
+import anyio.abc
+import msgspec
+
+from .. import protocol as p
+from ..errors import (
+    ConflictError,
+    LeaseLostError,
+    RallypointError,
+    ScopeInactiveError,
+    UnavailableError,
+)
+
+__all__ = ["Reconnect", "ReconnectingTransport", "reissue_safe"]
+
+log = logging.getLogger("rallypoint.client")
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """How a client reconnects after its connection to the daemon drops.
+
+    Attributes:
+        timeout: seconds to keep trying after a drop before giving up (calls then raise
+            UnavailableError). Default 60.
+        initial_delay: seconds before the second attempt (the first is immediate);
+            doubled after every failed attempt. Default 0.1.
+        max_delay: cap on the delay between attempts, seconds. Default 5.
+        jitter: each delay is drawn from ``[delay * (1 - jitter), delay]``, so that
+            many workers do not reconnect in lockstep. Default 0.5.
+    """
+
+    timeout: float = 60.0
+    initial_delay: float = 0.1
+    max_delay: float = 5.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        from ..errors import ValidationError
+
+        for name in ("timeout", "initial_delay", "max_delay"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValidationError(f"Reconnect.{name} must be a number of seconds >= 0 (got {v!r})",
+                                      details={"field": name})
+        if not 0 <= self.jitter <= 1:
+            raise ValidationError(f"Reconnect.jitter must be between 0 and 1 (got {self.jitter!r})",
+                                  details={"field": "jitter"})
+
+
+# ---------------------------------------------------------------- what may be re-sent
+
+_REISSUE_ALWAYS: frozenset[type] = frozenset({
+    p.ServerStatus, p.ScopeStatus, p.ScopeList, p.ScopeCancel, p.ScopeComplete,
+    p.MailboxEnsure, p.MailboxGet, p.MailboxList,
+    p.TaskStatus, p.TaskResult, p.TaskCancel,
+    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryRetry, p.DeliveryReject,
+    p.GroupJoinTask, p.GroupVerdictOp, p.GroupClose, p.GroupStatus, p.GroupWait,
+    p.BarrierStatus, p.BarrierWait,
+    p.TimerStatus, p.TimerWait, p.TimerCancel,
+    p.JoinSetGet, p.JoinSetClose,
+    p.KeyList,
+})
+
+
+def reissue_safe(op: Any) -> bool:
+    """Whether ``op`` may be sent again after a connection dropped with it in flight
+    (applying it twice has the effect of applying it once). See the module docstring."""
+    t = type(op)
+    if t in _REISSUE_ALWAYS:
+        return True
+    if t is p.TaskSubmit or t is p.GroupSubmit or t is p.JoinSetSubmit:
+        return op.key is not None
+    if t is p.TaskSubmitMany:
+        return all(item.key is not None for item in op.items)
+    if t is p.JoinNext:
+        return op.index is not None
+    return False
+
+
+def _op_name(op: Any) -> str:
+    cfg = getattr(type(op), "__struct_config__", None)
+    tag = getattr(cfg, "tag", None)
+    return tag if isinstance(tag, str) else type(op).__name__
+
+
+_ADVICE = {
+    p.TaskSubmit: "give the submission a `key` to make it safe to retry",
+    p.TaskSubmitMany: "give every item a `key` to make the batch safe to retry",
+    p.GroupSubmit: "give the member a `key` to make it safe to retry",
+    p.JoinSetSubmit: "give the child a `key` to make it safe to retry",
+}
+
+_task_view = msgspec.msgpack.Decoder(p.TaskView)
+_scope_view = msgspec.msgpack.Decoder(p.ScopeView)
+
+
+def _fresh(e: RallypointError) -> RallypointError:
+    """A new instance of ``e`` (one exception object must not be raised in many tasks)."""
+    return type(e)(e.message, retry_after=e.retry_after, details=e.details, code=e.code)
+
+
+class ReconnectingTransport:
+    """``call`` / ``call_many`` over a connection that is re-opened when it drops.
+
+    ``open_connection(timeout)`` opens (connects and handshakes) a new, not yet entered
+    :class:`~rallypoint.transport.connection.Connection`, raising UnavailableError when
+    the server cannot be reached. Use as ``async with transport:``; the first connection
+    is passed in already open, so a server that is down at the start fails at once.
+    """
+
+    def __init__(self, url: str, first: Any, open_connection: Callable[[float], Awaitable[Any]],
+                 policy: Reconnect, connect_timeout: float = 10.0) -> None:
+        self.url = url
+        self.policy = policy
+        self.connect_timeout = connect_timeout
+        self.reconnects = 0  # successful reconnections so far
+        self._open = open_connection
+        self._first = first
+        self.server_info = first.server_info
+        self._conn: Any = None
+        self._changed = anyio.Event()
+        self._error: RallypointError | None = None  # set once the client is unusable
+        self._closing = False
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> "ReconnectingTransport":
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        tg.start_soon(self._supervise, self._first)
+        self._first = None
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self._closing = True
+        self._fail(UnavailableError(f"{self.url}: the connection was closed by the client"))
+        tg = self._tg
+        assert tg is not None
+        tg.cancel_scope.cancel()
+        # The body's own exception propagates unchanged (never an ExceptionGroup): the
+        # task group only has to reap the supervisor, which never raises.
+        await tg.__aexit__(None, None, None)
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None
+
+    def _fail(self, error: RallypointError) -> None:
+        if self._error is None:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        ev, self._changed = self._changed, anyio.Event()
+        ev.set()
+
+    async def _supervise(self, conn: Any) -> None:
+        try:
+            while True:
+                async with conn:
+                    self._conn = conn
+                    self.server_info = conn.server_info
+                    self._wake()
+                    await conn.wait_closed()
+                self._conn = None
+                if self._closing:
+                    return
+                reason = conn.close_reason or "the connection was closed"
+                log.warning("%s: connection lost (%s); reconnecting (giving up after %g s)",
+                            self.url, reason, self.policy.timeout)
+                conn = await self._reopen(reason)
+                if conn is None:
+                    return
+        except Exception as e:  # never let the task group die with the caller's block
+            log.exception("%s: the reconnect supervisor failed", self.url)
+            self._fail(UnavailableError(f"{self.url}: the client failed ({type(e).__name__}: {e})"))
+        finally:
+            self._conn = None
+
+    async def _reopen(self, reason: str) -> Any:
+        """A new connection, trying with backoff for ``policy.timeout`` seconds; None
+        (and the client failed) if none could be made or the server refused us."""
+        pol = self.policy
+        start = anyio.current_time()
+        deadline = start + pol.timeout
+        delay = pol.initial_delay
+        attempts = 0
+        last = reason
+        while True:
+            attempts += 1
+            remaining = deadline - anyio.current_time()
+            try:
+                conn = await self._open(max(0.5, min(self.connect_timeout, remaining)))
+            except UnavailableError as e:
+                last = e.message
+                log.info("%s: reconnect attempt %d failed: %s", self.url, attempts, e.message)
+            except RallypointError as e:  # refused at the handshake: trying again cannot help
+                log.error("%s: the server refused the reconnection: %s; giving up", self.url, e)
+                self._fail(e)
+                return None
+            else:
+                self.reconnects += 1
+                log.warning("%s: reconnected after %.1f s (%d attempt%s)", self.url,
+                            anyio.current_time() - start, attempts, "" if attempts == 1 else "s")
+                return conn
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0:
+                break
+            pause = delay * (1 - pol.jitter * random.random())
+            await anyio.sleep(min(pause, remaining))
+            delay = min(delay * 2, pol.max_delay)
+        msg = (f"{self.url}: the connection was lost and could not be re-established within "
+               f"{pol.timeout:g} s ({attempts} attempt{'' if attempts == 1 else 's'}; last: {last})")
+        log.error("%s; giving up", msg)
+        self._fail(UnavailableError(msg, retry_after=1.0))
+        return None
+
+    async def _connection(self) -> Any:
+        """The current open connection, waiting (boundedly: see _reopen) for one."""
+        while True:
+            if self._error is not None:
+                raise _fresh(self._error)
+            conn = self._conn
+            if conn is not None and not conn.closed:
+                return conn
+            await self._changed.wait()
+
+    async def _drop(self, conn: Any) -> None:
+        """After an UNAVAILABLE on ``conn``: return once it is closed. A draining server
+        answers long waits UNAVAILABLE, then still sends the replies of the requests it
+        is finishing, then closes: so wait for that (other calls' replies may be on the
+        way), closing it ourselves only if the server has not within the reconnect
+        timeout."""
+        if conn.closed:
+            return
+        with anyio.move_on_after(self.policy.timeout):
+            await conn.wait_closed()
+        if not conn.closed:
+            await conn.aclose()
+
+    def _maybe_applied(self, op: Any, e: UnavailableError) -> UnavailableError:
+        name = _op_name(op)
+        advice = _ADVICE.get(type(op), "check the state before retrying it")
+        return UnavailableError(
+            f"{self.url}: the connection was lost with `{name}` in flight ({e.message}); the server may or "
+            f"may not have applied it, so it was not sent again; {advice}",
+            retry_after=1.0, details={"op": name, "maybe_applied": True},
+        )
+
+    # ---------------------------------------------------------------------- calls
+
+    async def call(self, op: Any) -> Any:
+        """Send ``op`` and return its reply body (see the module docstring for what a
+        dropped connection does). Raises the server's error, UnavailableError when the
+        client gave up reconnecting or ``op`` was in flight and cannot be re-sent."""
+        reissued = False
+        while True:
+            conn = self._conn
+            if conn is None or conn._closed is not None or self._error is not None:
+                conn = await self._connection()
+            try:
+                raw = await conn.call(op)
+            except UnavailableError as e:
+                if self._closing:
+                    raise
+                await self._drop(conn)
+                if not reissue_safe(op):
+                    raise self._maybe_applied(op, e) from None
+                log.info("%s: re-sending `%s` after the connection was lost", self.url, _op_name(op))
+                reissued = True
+                continue
+            except RallypointError as e:
+                if reissued:
+                    fixed = await self._reconcile(conn, op, e)
+                    if fixed is not None:
+                        return fixed
+                raise
+            return raw
+
+    async def call_many(self, ops: list) -> list:
+        """Like :meth:`call` for a batch (one frame): a reply body or the error, per op.
+        The batch is re-sent after a drop only if every op in it may be."""
+        out: list = [None] * len(ops)
+        todo = list(range(len(ops)))
+        reissued = False
+        while todo:
+            conn = await self._connection()
+            batch = [ops[i] for i in todo]
+            try:
+                results = await conn.call_many(batch)
+            except UnavailableError as e:
+                if self._closing:
+                    raise
+                await self._drop(conn)
+                unsafe = [op for op in batch if not reissue_safe(op)]
+                if unsafe:
+                    raise self._maybe_applied(unsafe[0], e) from None
+                reissued = True
+                continue
+            again = []
+            for i, r in zip(todo, results):
+                if isinstance(r, UnavailableError) and not self._closing and reissue_safe(ops[i]):
+                    again.append(i)  # ended by a draining server: send it again
+                    continue
+                if reissued and isinstance(r, RallypointError):
+                    fixed = await self._reconcile(conn, ops[i], r)
+                    if fixed is not None:
+                        r = fixed
+                out[i] = r
+            if again:
+                await self._drop(conn)
+                reissued = True
+            todo = again
+        return out
+
+    async def _reconcile(self, conn: Any, op: Any, e: RallypointError) -> Any:
+        """``op`` was re-sent and refused: if the refusal shows that the first sending
+        was applied, the reply it would have had; else None (the refusal stands)."""
+        t = type(op)
+        try:
+            if t is p.DeliveryComplete and (
+                isinstance(e, ScopeInactiveError)
+                or (isinstance(e, LeaseLostError) and (e.details or {}).get("state") == "SUCCEEDED")
+            ):
+                raw = await conn.call(p.TaskStatus(task_id=op.task_id))
+                v = _task_view.decode(raw)
+                if v.state == "SUCCEEDED" and bytes(v.outcome) == bytes(op.outcome):
+                    return raw
+            elif t is p.DeliveryRetry and isinstance(e, LeaseLostError) and (e.details or {}).get("state") == "QUEUED":
+                # Our token is still the task's, and it is queued again: our retry was
+                # applied (or, indistinguishably, the lease ran out meanwhile).
+                return await conn.call(p.TaskStatus(task_id=op.task_id))
+            elif t is p.ScopeComplete and isinstance(e, ConflictError):
+                raw = await conn.call(p.ScopeStatus(scope_id=op.scope_id))
+                if _scope_view.decode(raw).stored_state == "COMPLETED":
+                    return raw
+        except RallypointError:
+            return None
+        return None
