@@ -80,6 +80,11 @@ class Service:
             raise ValidationError(f"invalid request: {e}", details={"path": _path_of(str(e))}) from None
         except msgspec.DecodeError as e:
             raise ValidationError(f"undecodable request body: {e}") from None
+        except RecursionError:  # msgspec decodes recursively; the envelope passed just above the limit
+            raise ValidationError(
+                "invalid request: arrays/maps nested too deeply to decode (the limit is about 900 levels); "
+                "send flatter data"
+            ) from None
 
     def dispatch(self, session: Session, body: msgspec.Raw | bytes) -> bytes | Deferred | Awaitable:
         op = self.decode(body)
