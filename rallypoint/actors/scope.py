@@ -143,12 +143,15 @@ class ScopeKind:
 
     def op_scope_list(self, session, op: ScopeList) -> ScopeListView:
         check_range("limit", op.limit, 1, 10_000)
+        if op.order not in ("asc", "desc"):
+            raise ValidationError("order must be 'asc' or 'desc'", details={"field": "order"})
+        desc = op.order == "desc"
         if op.parent_id is not None:
             parent = self.get_scope(session.space, op.parent_id)
             ids = self.scope_children.get(parent.id, [])
-            source = (self.scopes[i] for i in ids)
+            source = (self.scopes[i] for i in (reversed(ids) if desc else ids))
         else:
-            source = iter(self.scopes.values())
+            source = reversed(self.scopes.values()) if desc else iter(self.scopes.values())
         out = []
         for s in source:
             if s.space != session.space:
@@ -156,6 +159,8 @@ class ScopeKind:
             if op.roots_only and s.parent_id is not None:
                 continue
             if op.after is not None and s.id <= op.after:
+                continue
+            if op.before is not None and s.id >= op.before:
                 continue
             if op.state is not None and s.state != op.state:
                 continue
