@@ -281,15 +281,18 @@ def _fmt_age(seconds: float) -> str:
 
 
 def _fmt_time(dt) -> str:
-    """An aware datetime as ``YYYY-MM-DD HH:MM:SS UTC``; ``-`` for None."""
+    """An aware datetime as ``YYYY-MM-DDTHH:MM:SSZ`` (UTC, one word: columns stay
+    ``awk``-able); ``-`` for None."""
     import datetime as _dt
 
     if dt is None:
         return "-"
-    return dt.astimezone(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return dt.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def cmd_status(args) -> int:
+    """``status``: version, uptime, durability and LSNs, connections, runs and tasks by
+    state (``--json``: the server's view as JSON)."""
     from .errors import RallypointError
 
     try:
@@ -378,10 +381,10 @@ def cmd_runs(args) -> int:
             if args.json:
                 print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
             else:
-                print(f"{'ID':32} {'CREATED':23} {'STATE':10} {'EFFECTIVE':9} {'CHILDREN':>8}  NAME")
+                print(f"{'ID':32} {'STATE':10} {'EFFECTIVE':9} {'CHILDREN':>8}  {'CREATED':20}  NAME")
                 for r in rows:
-                    print(f"{r.id:32} {_fmt_time(r.created_at):23} {r.stored_state:10} {r.effective:9} "
-                          f"{r.children:>8}  {r.name or ''}")
+                    print(f"{r.id:32} {r.stored_state:10} {r.effective:9} {r.children:>8}  "
+                          f"{_fmt_time(r.created_at):20}  {r.name or ''}")
             if more and rows:
                 print(f"{len(rows)} runs shown, newest first; the next page: "
                       f"{_next_page_command(args, rows[-1].id)}", file=sys.stderr)
