@@ -16,6 +16,7 @@ from ._version import __version__
 from .actors.api import OPS
 from .errors import ForbiddenError, RallypointError, UnauthenticatedError, ValidationError
 from .protocol import encoder, op_decoder
+from .transport.framing import NESTING_MESSAGE
 from .transport.server import Deferred
 from .wire import PROTOCOL_VERSION, Hello, HelloOk
 
@@ -80,11 +81,8 @@ class Service:
             raise ValidationError(f"invalid request: {e}", details={"path": _path_of(str(e))}) from None
         except msgspec.DecodeError as e:
             raise ValidationError(f"undecodable request body: {e}") from None
-        except RecursionError:  # msgspec decodes recursively; the envelope passed just above the limit
-            raise ValidationError(
-                "invalid request: arrays/maps nested too deeply to decode (the limit is about 900 levels); "
-                "send flatter data"
-            ) from None
+        except RecursionError:  # msgspec recurses; the envelope decoded a few frames up the stack
+            raise ValidationError(f"invalid request: {NESTING_MESSAGE}") from None
 
     def dispatch(self, session: Session, body: msgspec.Raw | bytes) -> bytes | Deferred | Awaitable:
         op = self.decode(body)

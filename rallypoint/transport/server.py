@@ -48,8 +48,8 @@ import msgspec
 import trio
 
 from .. import wire
-from ..logutil import RateLimitedLogger
 from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError
+from ..logutil import RateLimitedLogger
 from .framing import (
     HEADER,
     HEADER_PLACEHOLDER,
