@@ -1,9 +1,13 @@
-"""The ``rallypoint`` command: ``serve | status | runs | repair``.
+"""The ``rallypoint`` command: ``serve | status | runs | keys | repair | bench``.
 
 ``rallypoint serve`` runs the daemon: it logs its address, version, data dir, durability
 and what it recovered; SIGINT/SIGTERM drain it (stop accepting, finish in-flight
 requests, snapshot) and it exits 0. Exit codes: 0 ok, 1 a command failed, 2 bad usage or
-the daemon could not start (data dir locked, corrupt journal, newer format).
+the daemon could not start (data dir locked, corrupt journal, newer format) or a
+refused dangerous step (``keys create`` on an open-mode daemon without ``--force``), 141
+the reader of stdout went away (``rallypoint ... | head``; nothing is printed).
+
+Client commands print errors as one line, ``rallypoint: CODE: what happened; what to do``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import argparse
 import json
 import logging
 import os
+import select
+import shlex
 import signal
 import sys
 import time
@@ -27,14 +33,17 @@ DEFAULT_DATA_DIR = "./rallypoint-data"
 log = logging.getLogger("rallypoint")
 
 
-def _bounded(cast, minimum, inclusive: bool = True):
+def _bounded(cast, minimum, inclusive: bool = True, maximum=None):
     """An argparse type: ``cast`` (int/float) no smaller than ``minimum`` (or greater
-    than it when not ``inclusive``) - a negative limit would break every connection."""
+    than it when not ``inclusive``), and at most ``maximum`` if given - a negative limit
+    would break every connection."""
 
     def parse(text: str):
         value = cast(text)
         if value < minimum or (not inclusive and value == minimum):
             raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {minimum} (got {text})")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum} (got {text})")
         return value
 
     parse.__name__ = cast.__name__  # "invalid int value" in argparse's messages
@@ -217,6 +226,29 @@ def _client_call(args, fn):
     return trio.run(main)
 
 
+def _error_line(e, args) -> str:
+    """The one line a client command prints for RallypointError ``e``:
+    ``CODE: what happened; what to do``, in terms of this command's options (the SDK's
+    messages speak Python: ``api_key=...``, ``tls_ca=...``)."""
+    from .errors import UnauthenticatedError, UnavailableError
+
+    if isinstance(e, UnauthenticatedError):
+        if getattr(args, "api_key", None):
+            return (f"{e.code}: the server refused this API key (unknown or revoked); check --api-key / "
+                    "$RALLYPOINT_API_KEY, or ask an admin for a live key")
+        return f"{e.code}: this server requires an API key; pass --api-key KEY or set RALLYPOINT_API_KEY"
+    tls = (e.details or {}).get("tls") if isinstance(e, UnavailableError) else None
+    if tls == "certificate_verify_failed":
+        return (f"{e.code}: cannot connect to {args.connect}: the server's TLS certificate failed verification "
+                f"({e.details.get('reason')}); pass --tls-ca FILE, the CA certificate that signed it")
+    return str(e)
+
+
+def _fail(e, args) -> int:
+    print(f"rallypoint: {_error_line(e, args)}", file=sys.stderr)
+    return 1
+
+
 def _client_options(*, suppress: bool = False, connect_default: str | None = "env",
                     data_dir: bool = False, json_flag: bool = False) -> argparse.ArgumentParser:
     """--connect / --api-key / --tls-ca (and optionally --data-dir, --json) as a parent
@@ -248,14 +280,25 @@ def _fmt_age(seconds: float) -> str:
     return (f"{d}d " if d else "") + f"{h:02d}:{m:02d}:{s:02d}"
 
 
+def _fmt_time(dt) -> str:
+    """An aware datetime as ``YYYY-MM-DDTHH:MM:SSZ`` (UTC, one word: columns stay
+    ``awk``-able); ``-`` for None."""
+    import datetime as _dt
+
+    if dt is None:
+        return "-"
+    return dt.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def cmd_status(args) -> int:
+    """``status``: version, uptime, durability and LSNs, connections, runs and tasks by
+    state (``--json``: the server's view as JSON)."""
     from .errors import RallypointError
 
     try:
         st = _client_call(args, lambda rs: rs.status())
     except RallypointError as e:
-        print(f"rallypoint: {e}", file=sys.stderr)
-        return 1
+        return _fail(e, args)
     if args.json:
         print(json.dumps(st.to_dict(), default=str, indent=2))
         return 0
@@ -270,42 +313,108 @@ def cmd_status(args) -> int:
     return 0
 
 
+#: The server's largest page for scope.list.
+_MAX_PAGE = 10_000
+
+
+def _list_runs(args):
+    """One page of runs, newest first: (rows, more). ``more``: older runs exist."""
+    from . import protocol as p
+    from .client import types as t
+
+    fetch = min(args.limit + 1, _MAX_PAGE)
+    op = p.ScopeList(parent_id=args.parent, roots_only=args.parent is None and not args.all, state=args.state,
+                     limit=fetch, before=args.before, order="desc")
+
+    async def page(rs):
+        return (await rs._call(op, t._RunList)).scopes
+
+    rows = _client_call(args, page)
+    more = len(rows) > args.limit or len(rows) == _MAX_PAGE
+    return rows[: args.limit], more
+
+
+def _next_page_command(args, last_id: str) -> str:
+    """The ``rallypoint runs ls ...`` line that lists the page after ``last_id``."""
+    words = ["rallypoint", "runs", "ls"]
+    if args.connect != os.environ.get("RALLYPOINT_URL", DEFAULT_URL):
+        words += ["--connect", args.connect]
+    if args.parent:
+        words += ["--parent", args.parent]
+    if args.all:
+        words.append("--all")
+    if args.state:
+        words += ["--state", args.state]
+    if args.json:
+        words.append("--json")
+    words += ["--limit", str(args.limit), "--before", last_id]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _print_run(st) -> None:
+    """``runs show``: one ``label  value`` line per field."""
+    effective = st.effective + (f": {st.inactive_reason}" if st.inactive_reason else "")
+    tasks = "  ".join(f"{k} {v}" for k, v in sorted(st.tasks.items())) or "none"
+    for label, value in (
+        ("run", st.id),
+        ("name", st.name or "-"),
+        ("state", f"{st.stored_state} (effective {effective})"),
+        ("parent", st.parent_id or "-"),
+        ("group", st.group_id or "-"),
+        ("created", _fmt_time(st.created_at)),
+        ("deadline", _fmt_time(st.deadline)),
+        ("ended", _fmt_time(st.ended_at)),
+        ("children", f"{st.children} (limit {st.child_limit})"),
+        ("tasks", tasks),
+    ):
+        print(f"{label:<10}  {value}")
+
+
 def cmd_runs(args) -> int:
+    """``runs ls`` (newest first, paged with ``--before``), ``runs show ID`` (readable, or
+    ``--json``), ``runs cancel ID``."""
     from .errors import RallypointError
 
     try:
         if args.runs_cmd in ("ls", "list"):
-            rows = _client_call(
-                args,
-                lambda rs: rs.scopes.list(args.parent, roots_only=args.parent is None and not args.all,
-                                          state=args.state, limit=args.limit),
-            )
+            rows, more = _list_runs(args)
             if args.json:
                 print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
-                return 0
-            print(f"{'ID':32} {'STATE':10} {'EFFECTIVE':9} {'CHILDREN':>8}  NAME")
-            for r in rows:
-                print(f"{r.id:32} {r.stored_state:10} {r.effective:9} {r.children:>8}  {r.name or ''}")
-            if len(rows) >= args.limit:
-                print(f"({len(rows)} shown, the --limit; there may be more)", file=sys.stderr)
+            else:
+                print(f"{'ID':32} {'STATE':10} {'EFFECTIVE':9} {'CHILDREN':>8}  {'CREATED':20}  NAME")
+                for r in rows:
+                    print(f"{r.id:32} {r.stored_state:10} {r.effective:9} {r.children:>8}  "
+                          f"{_fmt_time(r.created_at):20}  {r.name or ''}")
+            if more and rows:
+                print(f"{len(rows)} runs shown, newest first; the next page: "
+                      f"{_next_page_command(args, rows[-1].id)}", file=sys.stderr)
             return 0
         if args.runs_cmd == "show":
             st = _client_call(args, lambda rs: rs.scope(args.id).status())
-            print(json.dumps(st.to_dict(), default=str, indent=2))
+            if args.json:
+                print(json.dumps(st.to_dict(), default=str, indent=2))
+            else:
+                _print_run(st)
             return 0
         if args.runs_cmd == "cancel":
             st = _client_call(args, lambda rs: rs.scope(args.id).cancel(reason=args.reason))
             print(f"{st.id} {st.stored_state} ({st.effective})")
             return 0
     except RallypointError as e:
-        print(f"rallypoint: {e}", file=sys.stderr)
-        return 1
+        return _fail(e, args)
     return 2
+
+
+class _OpenModeRefused(Exception):
+    """``keys create`` on a running open-mode daemon without ``--force``."""
 
 
 def cmd_keys(args) -> int:
     """``keys create|list|revoke``: over a connection (``--connect``, needs ``admin`` once
-    keys exist) or, by default, directly on a stopped daemon's ``--data-dir``."""
+    keys exist) or, by default, directly on a stopped daemon's ``--data-dir``.
+
+    Creating the first key on a running daemon ends its open mode (every client without
+    a key is refused from then on): refused with exit 2 unless ``--force``."""
     import msgspec
 
     from . import protocol as p
@@ -324,6 +433,9 @@ def cmd_keys(args) -> int:
         import rallypoint
 
         async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=args.tls_ca) as rs:
+            # Connected without a key: the server has none, it is in open mode.
+            if cmd == "create" and not args.api_key and not args.force:
+                raise _OpenModeRefused
             return msgspec.msgpack.decode(await rs._transport.call(op()))
 
     async def offline():
@@ -346,9 +458,13 @@ def cmd_keys(args) -> int:
                   file=sys.stderr)
             return 2
         out = trio.run(online if args.connect else offline)
+    except _OpenModeRefused:
+        print(f"rallypoint: {args.connect} is in open mode (no API keys): a first key turns authentication on "
+              "and every client without a key is refused from then on; make it an admin key and rerun with "
+              "--force", file=sys.stderr)
+        return 2
     except RallypointError as e:
-        print(f"rallypoint: {e}", file=sys.stderr)
-        return 1
+        return _fail(e, args)
     except Exception as e:
         from .persistence import StartupError
 
@@ -357,6 +473,9 @@ def cmd_keys(args) -> int:
                   file=sys.stderr)
             return 2
         raise
+    if cmd == "create" and args.secret_only:
+        print(out["secret"])
+        return 0
     views = out["keys"] if cmd == "list" else [out]
     if args.json:
         print(json.dumps(views if cmd == "list" else out, indent=2))
@@ -455,10 +574,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--parent", default=None, help="list the children of this run")
     ls.add_argument("--all", action="store_true", help="all runs, not only roots")
     ls.add_argument("--state", choices=["ACTIVE", "CANCELLED", "COMPLETED"])
-    ls.add_argument("--limit", type=int, default=100)
-    ls.add_argument("--json", action="store_true")
-    sh = rs.add_parser("show", parents=[client])
+    ls.add_argument("--limit", type=_bounded(int, 1, maximum=_MAX_PAGE), default=100,
+                    help="runs per page, newest first (default %(default)s)")
+    ls.add_argument("--before", metavar="RUN_ID",
+                    help="the next page: runs created before this one (the hint after a full page gives it)")
+    ls.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
+    sh = rs.add_parser("show", parents=[client], help="one run, readable (or --json)")
     sh.add_argument("id")
+    sh.add_argument("--json", action="store_true", help="machine-readable output")
     ca = rs.add_parser("cancel", parents=[client])
     ca.add_argument("id")
     ca.add_argument("--reason")
@@ -471,8 +594,14 @@ def build_parser() -> argparse.ArgumentParser:
     kc = ks.add_parser("create", parents=[kopts])
     kc.add_argument("--space", required=True)
     kc.add_argument("--permission", action="append", required=True,
-                    choices=["resource_config", "coordination_write", "coordination_read", "admin"])
+                    choices=["resource_config", "coordination_write", "coordination_read", "admin", "operator"],
+                    help="repeatable; admin: the keys of its own space; operator: the keys of every "
+                         "space (offline only, on --data-dir)")
     kc.add_argument("--name")
+    kc.add_argument("--force", action="store_true",
+                    help="create the first key on a running open-mode daemon (turns authentication on)")
+    kc.add_argument("--secret-only", action="store_true",
+                    help="print only the secret (for $(...) in scripts)")
     kl = ks.add_parser("list", aliases=["ls"], parents=[kopts])
     kl.add_argument("--space")
     kr = ks.add_parser("revoke", parents=[kopts])
@@ -492,9 +621,30 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _stdout_gone() -> bool:
+    """True if stdout is a pipe whose reader has gone (``| head`` exited)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``rallypoint`` command line; returns the exit code (see the module doc)."""
     args = build_parser().parse_args(argv)
-    return args.fn(args) or 0
+    try:
+        rc = args.fn(args) or 0
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return rc
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        # `rallypoint ... | head`: the reader is gone; say nothing, exit as SIGPIPE would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -82,11 +82,16 @@ class ScopeComplete(_Op, tag="scope.complete"):
 
 
 class ScopeList(_Op, tag="scope.list"):
+    """Runs in creation (id) order: ``order="asc"`` oldest first, ``"desc"`` newest
+    first; ``after``/``before`` (ids, exclusive) bound the page, with either order."""
+
     parent_id: str | None = None
     roots_only: bool = False
     state: str | None = None
     limit: int = 100
     after: str | None = None
+    before: str | None = None
+    order: str = "asc"
 
 
 class ScopeView(_View):

@@ -27,6 +27,7 @@ from .actors.api import OPS
 from .actors.runtime import ReplySink
 from .errors import ForbiddenError, RallypointError, UnauthenticatedError, UnavailableError, ValidationError
 from .protocol import encoder, op_decoder
+from .wire import NESTING_MESSAGE
 from .wire import PROTOCOL_VERSION, Hello, HelloOk
 
 log = logging.getLogger("rallypoint.service")
@@ -126,8 +127,8 @@ class Service:
             raise ValidationError(f"invalid request: {e}", details={"path": _path_of(str(e))}) from None
         except msgspec.DecodeError as e:
             raise ValidationError(f"undecodable request body: {e}") from None
-        except RecursionError:
-            raise ValidationError("invalid request: nested too deeply") from None
+        except RecursionError:  # msgspec recurses; the envelope decoded a few frames up the stack
+            raise ValidationError(f"invalid request: {NESTING_MESSAGE}") from None
 
     def submit(self, session: Session, body: msgspec.Raw | bytes, sink: ReplySink, rid: int) -> None:
         """Queue one request for its actor; the answer reaches ``sink.deliver(rid, ...)``."""

@@ -49,6 +49,12 @@ MAX_FRAME_BYTES = 1 << 20
 #: Largest encoded payload (task input, outcome, error details), bytes (SPEC §13).
 MAX_PAYLOAD_BYTES = 64 * 1024
 
+#: The error text for a value nested deeper than msgspec's recursive decoder can go
+#: (a little under Python's recursion limit, about 980 levels in the daemon).
+NESTING_MESSAGE = (
+    "arrays/maps nested too deeply to decode (the limit is about 900 levels); send flatter data"
+)
+
 
 class Hello(msgspec.Struct, tag_field="t", tag="hello", forbid_unknown_fields=False):
     """First frame from the client."""

@@ -137,9 +137,20 @@ async def eof_within(c: RawClient, timeout: float) -> tuple[list, float]:
 
 
 async def alive(d: Daemon) -> None:
+    """The daemon still serves a new client (retrying for a moment while it is full:
+    closed connections free their slot once the server saw them close)."""
+    from rallypoint.errors import UnavailableError
+
     assert d.proc.poll() is None, "the daemon died"
-    async with rallypoint.connect(d.url) as rs:
-        await rs.status()
+    with trio.fail_after(10):
+        while True:
+            try:
+                async with rallypoint.connect(d.url, reconnect=False) as rs:
+                    await rs.status()
+                return
+            except UnavailableError as e:
+                assert "connections" in e.message, e
+                await trio.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------ flags

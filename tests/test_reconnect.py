@@ -9,7 +9,6 @@ rallypoint/client/reconnect.py; each rule has a test here.
 
 from __future__ import annotations
 
-import inspect
 
 import msgspec
 import pytest
@@ -22,7 +21,29 @@ from rallypoint.actors.api import OPS
 from rallypoint.client.reconnect import Reconnect, ReconnectingTransport, reissue_safe
 from rallypoint.errors import NotFoundError, UnauthenticatedError, UnavailableError, ValidationError
 from rallypoint.protocol import op_decoder
-from rallypoint.transport.server import Deferred, Server
+from rallypoint.transport.server import Server
+
+
+class _SwallowSink:
+    """The sink of a swallowed request: the actor's answer is dropped (a reply lost in
+    a crash), and ``applied`` is set when it comes."""
+
+    def __init__(self, inner, applied: trio.Event) -> None:
+        self.inner = inner
+        self.applied = applied
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+    def deliver(self, rid, reply, lsn) -> None:
+        self.applied.set()
+
+    def track(self, rid, waiter) -> None:
+        self.inner.track(rid, waiter)
+
+    def untrack(self, rid) -> None:
+        self.inner.untrack(rid)
 
 
 class Swallow:
@@ -41,24 +62,19 @@ class Swallow:
             await self.durable_gate.wait()
         return await self.service.wait_durable(lsn)
 
+    def durable_lsn(self) -> int:
+        if self.durable_gate is not None and not self.durable_gate.is_set():
+            return -1  # every reply waits for the gate (see wait_durable)
+        return self.service.durable_lsn()
+
     def __getattr__(self, name):
         return getattr(self.service, name)
 
-    def dispatch(self, session, body):
-        res = self.service.dispatch(session, body)
-        if self.durable_gate is not None and isinstance(res, bytes):
-            res = Deferred(0, res)  # held until the gate opens (see wait_durable)
-        if not self.armed or not isinstance(op_decoder.decode(body), self.op_types):
-            return res
-        self.armed = False
-
-        async def hold():
-            if inspect.isawaitable(res):
-                await res
-            self.applied.set()
-            await trio.sleep_forever()
-
-        return hold()
+    def submit(self, session, body, sink, rid):
+        if self.armed and isinstance(op_decoder.decode(body), self.op_types):
+            self.armed = False
+            sink = _SwallowSink(sink, self.applied)
+        self.service.submit(session, body, sink, rid)
 
 
 class Restartable:

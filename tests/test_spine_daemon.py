@@ -108,7 +108,7 @@ async def test_cli_runs_ls_show_cancel(fresh):
         r = await trio.to_thread.run_sync(lambda: cli("runs", "--connect", fresh.url, "ls", "--parent", run.id, "--json"))
         assert [x["id"] for x in json.loads(r.stdout)] == [child.id]
 
-        r = await trio.to_thread.run_sync(lambda: cli("runs", "--connect", fresh.url, "show", run.id))
+        r = await trio.to_thread.run_sync(lambda: cli("runs", "--connect", fresh.url, "show", run.id, "--json"))
         assert r.returncode == 0, r.stderr
         shown = json.loads(r.stdout)
         assert (shown["id"], shown["name"], shown["children"]) == (run.id, "cli-run", 1)

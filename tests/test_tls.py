@@ -79,3 +79,21 @@ def test_sync_client_verifies_against_a_tls_ca(tls_daemon):
     with rallypoint.sync.connect(url, tls_ca=ca) as rs:
         run = rs.scopes.create(name="sync-over-tls")
         assert run.status().name == "sync-over-tls"
+
+
+async def test_certificate_verification_failure_says_so_not_is_the_server_running(tls_daemon):
+    url, ca = tls_daemon
+    with pytest.raises(UnavailableError) as ei:
+        async with rallypoint.connect(url, connect_timeout=5):
+            pass
+    assert "certificate failed verification" in ei.value.message and "running" not in ei.value.message
+    assert ei.value.details["tls"] == "certificate_verify_failed"
+    r = subprocess.run([sys.executable, "-m", "rallypoint", "status", "--connect", url],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "certificate failed verification" in lines[0] and "--tls-ca" in lines[0], lines[0]
+    assert "running" not in lines[0] and "tls_ca=" not in lines[0], lines[0]
+    ok = subprocess.run([sys.executable, "-m", "rallypoint", "status", "--connect", url, "--tls-ca", ca],
+                        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert ok.returncode == 0, ok.stderr

@@ -237,6 +237,27 @@ async def test_internal_error_does_not_leak(caplog):
         assert (await c.recv()).id == 3
 
 
+async def test_repeated_internal_errors_are_rate_limited_in_the_log(caplog):
+    """Every request still gets its INTERNAL reply with a ref; the log gets the first
+    five tracebacks, and the rest are counted in one line when the server stops."""
+    with caplog.at_level(logging.ERROR, logger="rallypoint.transport"):
+        async with running_server() as srv:
+            c = await RawClient.connect(srv.port)
+            for i in range(1, 21):
+                await c.request(i, {"op": "crash"})
+            replies = [await c.recv() for _ in range(20)]
+            assert [(r.id, r.code) for r in replies] == [(i, "INTERNAL") for i in range(1, 21)]
+            assert all("ref " in r.message for r in replies)
+            logged = [rec for rec in caplog.records if rec.exc_info]
+            assert len(logged) == 5
+            stats = srv.statistics()
+            assert stats["internal_errors"] == 20 and stats["log_lines_suppressed"] == 15
+            await c.aclose()
+            srv.log_limiter.flush()
+    summary = [rec.getMessage() for rec in caplog.records if "similar events suppressed" in rec.getMessage()]
+    assert len(summary) == 1 and summary[0].startswith("internal:ValueError: 15 similar events"), summary
+
+
 # ------------------------------------------------------------- robustness
 
 async def test_garbage_frame_keeps_connection_open():

@@ -257,14 +257,20 @@ class Runs(Kind):
         return None
 
     def op_scope_list(self, actor, session, op: ScopeList) -> ScopeListView:
-        """Runs of the space (or the children of ``parent_id``), oldest first, paged by
-        ``after`` (an id), filtered by ``state`` and ``roots_only``."""
+        """Runs of the space (or the children of ``parent_id``) in creation order:
+        ``order="asc"`` oldest first, ``"desc"`` newest first; ``after`` / ``before``
+        (ids, exclusive) bound the page; filtered by ``state`` and ``roots_only``.
+        VALIDATION_FAILED for a bad ``limit`` (1-10000) or ``order``."""
         check_range("limit", op.limit, 1, 10_000)
+        if op.order not in ("asc", "desc"):
+            raise ValidationError("order must be 'asc' or 'desc'", details={"field": "order"})
+        desc = op.order == "desc"
         if op.parent_id is not None:
             parent = self.get(session.space, op.parent_id)
-            source = (self.table[i] for i in self.children.get(parent.id, []))
+            ids = self.children.get(parent.id, [])
+            source = (self.table[i] for i in (reversed(ids) if desc else ids))
         else:
-            source = iter(self.table.values())
+            source = reversed(self.table.values()) if desc else iter(self.table.values())
         out = []
         for s in source:
             if s.space != session.space:
@@ -272,6 +278,8 @@ class Runs(Kind):
             if op.roots_only and s.parent_id is not None:
                 continue
             if op.after is not None and s.id <= op.after:
+                continue
+            if op.before is not None and s.id >= op.before:
                 continue
             if op.state is not None and s.state != op.state:
                 continue

@@ -26,6 +26,7 @@ returns are re-raised as their RallypointError subclass (:func:`error_from_wire`
 from __future__ import annotations
 
 import logging
+import ssl
 from typing import Any, AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
@@ -231,6 +232,20 @@ class Connection:
             raise UnavailableError(
                 f"cannot connect to {url}: no answer within {connect_timeout:g}s; is the server running?",
                 retry_after=1.0,
+            ) from None
+        except ssl.SSLError as exc:  # an OSError too, but the server is running: say what failed
+            if stream is not None:
+                await anyio.aclose_forcefully(stream)
+            if isinstance(exc, ssl.SSLCertVerificationError):
+                raise UnavailableError(
+                    f"cannot connect to {url}: the server's TLS certificate failed verification "
+                    f"({exc.verify_message or exc.reason}); give the CA file that signed it (tls_ca=...)",
+                    details={"tls": "certificate_verify_failed", "reason": exc.verify_message or exc.reason},
+                ) from None
+            raise UnavailableError(
+                f"cannot connect to {url}: the TLS handshake failed ({exc.reason or exc}); "
+                "is the server serving TLS? (tcp:// for a plain server)",
+                details={"tls": "handshake_failed", "reason": exc.reason},
             ) from None
         except (OSError, anyio.EndOfStream, anyio.BrokenResourceError) as exc:
             connected = stream is not None

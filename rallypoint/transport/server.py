@@ -26,6 +26,13 @@ Backpressure: when ``max_inflight_per_conn`` requests are in flight (submitted, 
 answered; every request of a batch frame counts), or more than ``max_outgoing_bytes`` of replies are
 waiting for the peer to read them, the reader stops reading the socket until that
 drops again, so a client can never make the server buffer without bound.
+
+Logging: a peer that resets or drops its connection is routine (one DEBUG line); a
+frame the server cannot decode is answered VALIDATION_FAILED and logs nothing; only
+the server's own faults log at ERROR, with a traceback. Every repeated event goes
+through :attr:`Server.log_limiter` (at most 5 lines per kind of event per 10 s, then
+"N similar events suppressed in the last T s"), so no peer can grow the log without
+bound.
 """
 
 from __future__ import annotations
@@ -43,7 +50,17 @@ import trio
 
 from .. import wire
 from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError
-from .framing import HEADER, HEADER_PLACEHOLDER, FrameParser, oversize_message, pack_header_into
+from ..logutil import RateLimitedLogger
+from .framing import (
+    HEADER,
+    HEADER_PLACEHOLDER,
+    NESTING_MESSAGE,
+    FrameParser,
+    oversize_message,
+    pack_header_into,
+    salvage_request_id,
+    split_batch,
+)
 
 __all__ = ["Dispatcher", "Server"]
 
@@ -81,18 +98,6 @@ _encode_into = _encoder.encode_into
 _client_decoder = msgspec.msgpack.Decoder(wire.ClientFrame)
 
 
-class _IdOnly(msgspec.Struct):
-    """Salvages a request id from a frame that failed to decode as an envelope."""
-
-    id: int = 0
-
-
-class _LooseBatch(msgspec.Struct, tag_field="t", tag="batch"):
-    reqs: list[msgspec.Raw]
-
-
-_id_decoder = msgspec.msgpack.Decoder(_IdOnly)
-_loose_batch_decoder = msgspec.msgpack.Decoder(_LooseBatch)
 _request_decoder = msgspec.msgpack.Decoder(wire.Request)
 
 _Request = wire.Request
@@ -120,6 +125,25 @@ _CANCELLED = object()  # the client sent Cancel before the request parked
 
 def _new_ref() -> str:
     return secrets.token_hex(4)
+
+
+#: What a peer going away looks like from inside a connection's tasks.
+_DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
+
+
+def _disconnect_reason(exc: BaseException) -> str | None:
+    """If ``exc`` (or every exception inside it, for a group) is the peer resetting or
+    dropping the connection, a short reason such as ``"[Errno 104] Connection reset by
+    peer"``; else None (a fault of ours)."""
+    if isinstance(exc, BaseExceptionGroup):
+        reasons = [_disconnect_reason(e) for e in exc.exceptions]
+        if not reasons or None in reasons:
+            return None
+        return reasons[0]
+    if not isinstance(exc, _DISCONNECTS):
+        return None
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+    return str(cause) or type(cause).__name__
 
 
 class _Conn:
@@ -236,8 +260,14 @@ class _Conn:
 
     def send_internal(self, rid: int, exc: BaseException) -> None:
         ref = _new_ref()
-        log.error(
-            "request %d from %s failed with an unexpected error (ref %s)", rid, self.peer, ref, exc_info=exc
+        self.server.log_limiter.log(
+            logging.ERROR,
+            f"internal:{type(exc).__name__}",
+            "request %d from %s failed with an unexpected error (ref %s)",
+            rid,
+            self.peer,
+            ref,
+            exc_info=exc,
         )
         self.server._internal_errors += 1
         self.errors += 1
@@ -248,7 +278,7 @@ class _Conn:
     def handle_frame(self, frame: memoryview) -> None:
         try:
             msg = _client_decoder.decode(frame)
-        except msgspec.MsgspecError as exc:
+        except (msgspec.MsgspecError, RecursionError) as exc:
             self.bad_frame(frame, exc)
             return
         t = type(msg)
@@ -265,33 +295,31 @@ class _Conn:
             self.send_error(0, ValidationError("hello sent twice: the connection is already open; field `t`"))
         # Pong: nothing to do (receiving it counted as traffic)
 
-    def bad_frame(self, frame: memoryview, exc: msgspec.MsgspecError) -> None:
-        """A frame with intact framing but a bad envelope: answer, keep the connection."""
-        if isinstance(exc, msgspec.ValidationError):
-            # A batch with some bad requests: answer each request on its own.
-            try:
-                loose = _loose_batch_decoder.decode(frame)
-            except msgspec.MsgspecError:
-                pass
-            else:
-                for i, raw in enumerate(loose.reqs):
+    def bad_frame(self, frame: memoryview, exc: msgspec.MsgspecError | RecursionError) -> None:
+        """A frame with intact framing but a bad envelope (ill-typed, not msgpack, or
+        nested too deeply for the decoder): answer VALIDATION_FAILED, keep the
+        connection. A batch's requests are answered each on its own."""
+        if isinstance(exc, (msgspec.ValidationError, RecursionError)):
+            reqs = split_batch(frame)  # iterative: no recursion however deep the data
+            if reqs is not None:
+                for i, raw in enumerate(reqs):
                     try:
                         req = _request_decoder.decode(raw)
-                    except msgspec.MsgspecError as rexc:
+                    except (msgspec.MsgspecError, RecursionError) as rexc:
                         self.reject(raw, rexc, prefix=f"$.reqs[{i}]")
                     else:
                         self.handle_request(req.id, req.body)
                 return
         self.reject(frame, exc)
 
-    def reject(self, data: Any, exc: msgspec.MsgspecError, prefix: str = "") -> None:
-        rid = 0
-        try:
-            rid = _id_decoder.decode(data).id
-        except msgspec.MsgspecError:
-            pass
-        if rid < 0:
-            rid = 0
+    def reject(self, data: Any, exc: msgspec.MsgspecError | RecursionError, prefix: str = "") -> None:
+        """Answer a frame (or a batch's request at ``prefix``) that failed to decode with
+        ``Err(id, VALIDATION_FAILED)``, the id salvaged from it when it has one (else 0)."""
+        rid = salvage_request_id(data)
+        if isinstance(exc, RecursionError):
+            where = f" at `{prefix}`" if prefix else ""
+            self.send_error(rid, ValidationError(f"invalid frame{where}: {NESTING_MESSAGE}"))
+            return
         text = str(exc)
         if prefix:
             if "`$" in text:
@@ -478,7 +506,13 @@ class _Conn:
                 continue
             idle += 1
             if idle >= 3:
-                log.info("closing connection from %s: no traffic for %.0fs despite pings", self.peer, idle * interval)
+                self.server.log_limiter.log(
+                    logging.INFO,
+                    "idle-peer",
+                    "closing connection from %s: no traffic for %.0fs despite pings",
+                    self.peer,
+                    idle * interval,
+                )
                 self.abort()
                 return
             nonce += 1
@@ -600,6 +634,9 @@ class _Conn:
         except msgspec.MsgspecError as exc:
             self.send_error(0, ValidationError(f"the first frame must be a hello: {exc}"))
             return None
+        except RecursionError:
+            self.send_error(0, ValidationError(f"the first frame must be a hello: {NESTING_MESSAGE}"))
+            return None
         if type(hello) is not _Hello:
             self.send_error(
                 0,
@@ -706,10 +743,21 @@ class _Conn:
             await self.flush(1.0)
             if self.parser.oversize is not None:
                 await self.linger()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        except Exception:
-            log.exception("connection from %s failed", self.peer)
+        except Exception as exc:
+            reason = _disconnect_reason(exc)
+            if reason is not None:  # the peer reset or dropped the connection: routine
+                server._peer_resets += 1
+                server.log_limiter.log(
+                    logging.DEBUG, "peer-reset", "connection from %s closed by the peer: %s", self.peer, reason
+                )
+            else:
+                server.log_limiter.log(
+                    logging.ERROR,
+                    f"connection:{type(exc).__name__}",
+                    "connection from %s failed",
+                    self.peer,
+                    exc_info=exc,
+                )
         finally:
             self.closing = True
             self.closed = True
@@ -735,6 +783,9 @@ class Server:
         drain_wait_grace: on :meth:`drain`, seconds that parked server-side waits get
             to finish before they are answered UNAVAILABLE; other requests and replies
             waiting for durability still get the full timeout.
+        log_window_s, log_burst: the rate limit of repeated log events
+            (:attr:`log_limiter`): at most ``log_burst`` lines per kind of event per
+            ``log_window_s`` seconds, the rest counted and reported in one line.
     """
 
     def __init__(
@@ -748,6 +799,8 @@ class Server:
         max_outgoing_bytes: int = 4 * 1024 * 1024,
         drain_wait_grace: float = 1.0,
         ssl_context: Any = None,
+        log_window_s: float = 10.0,
+        log_burst: int = 5,
     ) -> None:
         self.dispatcher = dispatcher
         self.ssl_context = ssl_context  # an ssl.SSLContext: serve TLS
@@ -757,6 +810,8 @@ class Server:
         self.idle_ping_interval = idle_ping_interval
         self.max_outgoing_bytes = max_outgoing_bytes
         self.drain_wait_grace = drain_wait_grace
+        #: Every repeated log event of the server goes through this (see the module doc).
+        self.log_limiter = RateLimitedLogger(log, window_s=log_window_s, burst=log_burst)
         self.listeners: list[trio.SocketListener] = []
         self._conns: set[_Conn] = set()
         self._accept_scope: trio.CancelScope | None = None
@@ -779,6 +834,7 @@ class Server:
         self._pauses = 0
         self._internal_errors = 0
         self._discarded_bytes = 0
+        self._peer_resets = 0
         # Accepted connections whose task has not registered in _conns yet: a burst of
         # accepts must count them, else max_connections is overshot.
         self._starting = 0
@@ -827,6 +883,7 @@ class Server:
             for listener in self.listeners:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(listener)
+            self.log_limiter.flush()  # report what was suppressed: no count is lost
             self._stopped.set()
 
     async def drain(self, timeout: float = 30.0) -> None:
@@ -850,7 +907,8 @@ class Server:
         """Counters: connections (open), connections_total, rejected_connections,
         requests, errors, internal_errors, bytes_in, bytes_out, inflight (now),
         outgoing_buffered (now), max_outgoing_buffered, max_inflight_per_conn_seen,
-        max_parse_buffer, backpressure_pauses, draining."""
+        max_parse_buffer, backpressure_pauses, discarded_bytes, peer_resets (connections
+        the peer reset or dropped), log_lines_suppressed, draining."""
         requests = self._closed_requests
         errors = self._closed_errors
         bytes_in = self._closed_bytes_in
@@ -888,6 +946,8 @@ class Server:
             "max_parse_buffer": max_parse,
             "backpressure_pauses": pauses,
             "discarded_bytes": self._discarded_bytes,
+            "peer_resets": self._peer_resets,
+            "log_lines_suppressed": self.log_limiter.suppressed,
             "draining": self._draining,
         }
 
@@ -898,7 +958,7 @@ class Server:
             try:
                 stream = await listener.accept()
             except OSError as exc:  # EMFILE & co: back off rather than spin
-                log.warning("accept failed: %s; retrying in 100 ms", exc)
+                self.log_limiter.log(logging.WARNING, "accept", "accept failed: %s; retrying in 100 ms", exc)
                 await trio.sleep(0.1)
                 continue
             try:
