@@ -163,6 +163,7 @@ class _Conn:
         self.inflight = 0
         self.reply_size = 4096  # moving average of this connection's reply sizes, bytes (a cautious start)
         self.closed = False  # no more answers wanted (ReplySink)
+        self.refuse_waits = False  # draining past the grace: no new wait is held
         self.deferred: deque[tuple[int, int, Any]] = deque()
         self.nursery: trio.Nursery | None = None
         self.send_scope: trio.CancelScope | None = None
@@ -379,9 +380,12 @@ class _Conn:
 
     def track(self, rid: int, waiter: Any) -> None:
         """Request ``rid`` parked a waiter: a Cancel frame or the close can end it."""
-        if self.live.get(rid, _GONE) is _CANCELLED or self.closing:
+        if self.live.get(rid, _GONE) is _CANCELLED or self.closing or self.refuse_waits:
             waiter.cancel()
             if self.live.pop(rid, _GONE) is not _GONE:
+                if self.refuse_waits and not self.closing:
+                    self.send_error(rid, UnavailableError(
+                        "the server is shutting down; retry on a new connection", retry_after=1.0))
                 self.request_done()
             return
         if rid in self.live:
@@ -523,9 +527,6 @@ class _Conn:
         scope = self.send_scope
         if scope is not None:
             scope.deadline = min(scope.deadline, trio.current_time() + grace)
-
-    def has_waits(self) -> bool:
-        return any(state is not None and state is not _CANCELLED for state in self.live.values())
 
     def abort(self) -> None:
         self.closing = True
@@ -724,15 +725,15 @@ class _Conn:
                             self.idle_event = trio.Event()
                             if not (self.inflight or self.out or self.sending):
                                 break
-                            if grace_at is not None and self.has_waits():
-                                with trio.move_on_at(grace_at):
-                                    await self.idle_event.wait()
-                                if trio.current_time() >= grace_at:
-                                    grace_at = None
-                                    self.end_waits(UnavailableError(
-                                        "the server is shutting down; retry on a new connection", retry_after=1.0))
-                            else:
+                            # (a request queued now may park later: the grace is kept
+                            # whether or not a wait is parked at this moment)
+                            with trio.move_on_at(grace_at if grace_at is not None else math.inf):
                                 await self.idle_event.wait()
+                            if grace_at is not None and trio.current_time() >= grace_at:
+                                grace_at = None
+                                self.refuse_waits = True  # a wait parked from now on is answered at once
+                                self.end_waits(UnavailableError(
+                                    "the server is shutting down; retry on a new connection", retry_after=1.0))
                 # Waits still parked are ended; a peer that can still hear is told so.
                 self.end_waits(UnavailableError(
                     "the server is shutting down; retry on a new connection", retry_after=1.0))
