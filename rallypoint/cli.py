@@ -292,7 +292,8 @@ def _fmt_time(dt) -> str:
 
 def cmd_status(args) -> int:
     """``status``: version, uptime, durability and LSNs, connections, runs and tasks by
-    state (``--json``: the server's view as JSON)."""
+    state, actors active/passive per kind and the depth of the nursery tree (``--json``:
+    the server's view as JSON)."""
     from .errors import RallypointError
 
     try:
@@ -310,6 +311,14 @@ def cmd_status(args) -> int:
     print("runs        " + "  ".join(f"{k} {v}" for k, v in sorted(st.runs.items())))
     print("tasks       " + ("  ".join(f"{k} {v}" for k, v in sorted(st.tasks.items())) or "none"))
     print(f"entities    {st.entities}")
+    active = sum(a.get("active", 0) for a in st.actors.values())
+    passive = sum(a.get("passive", 0) for a in st.actors.values())
+    waiters = sum(a.get("waiters", 0) for a in st.actors.values())
+    print(f"actors      {active} active, {passive} passive, {waiters} waiters parked; nursery tree depth {st.tree_depth}")
+    for kind, a in sorted(st.actors.items()):
+        if a.get("active") or a.get("passive") or a.get("waiters"):
+            print(f"  {kind:<10}{a.get('active', 0)} active  {a.get('passive', 0)} passive  "
+                  f"{a.get('inbox', 0)} queued  {a.get('waiters', 0)} waiters")
     return 0
 
 

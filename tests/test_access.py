@@ -180,3 +180,60 @@ def test_non_loopback_without_keys_is_refused_unless_insecure(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert "WITHOUT authentication" in proc.stderr.read()
+
+
+# ------------------------------------------------------------------ keys act in their own space (issue 12.1)
+
+
+async def _answer(service, session, op):
+    """``op`` through the service and the actors, the answer decoded (or the error)."""
+    try:
+        raw = await service.call(session, op)
+    except RallypointError as e:
+        return e
+    return msgspec.msgpack.decode(raw)
+
+
+async def test_an_admin_key_manages_the_keys_of_its_own_space_only():
+    async with rallypoint.open_embedded() as rs:
+        coord, service = rs.node.coordinator, rs.node.service
+        _, admin_a = coord.keys.create_key("space-a", ["admin"])
+        a_reader, _ = coord.keys.create_key("space-a", ["coordination_read"])
+        _, admin_b = coord.keys.create_key("space-b", ["admin"])
+        sb, _ = service.hello(Hello(PROTOCOL_VERSION, admin_b), "t")
+        # B's admin sees B's keys only, and cannot name another space
+        listed = await _answer(service, sb, p.KeyList())
+        assert {k["space"] for k in listed["keys"]} == {"space-b"}
+        assert isinstance(await _answer(service, sb, p.KeyList(space="space-a")), ForbiddenError)
+        # it cannot mint itself a key for A (read A's data) ...
+        refused = await _answer(service, sb, p.KeyCreate(space="space-a", permissions=["admin"]))
+        assert isinstance(refused, ForbiddenError) and "space-b" in refused.message
+        # ... nor lock A out: A's keys answer NOT_FOUND, and stay live
+        assert isinstance(await _answer(service, sb, p.KeyRevoke(key_id=a_reader.id)), NotFoundError)
+        assert not coord.keys.is_revoked(a_reader.id)
+        # in its own space it works
+        made = await _answer(service, sb, p.KeyCreate(space="space-b", permissions=["coordination_read"]))
+        assert made["space"] == "space-b" and made["secret"].startswith("rpk_")
+        # and A's admin is unaffected
+        sa, _ = service.hello(Hello(PROTOCOL_VERSION, admin_a), "t")
+        assert {k["space"] for k in (await _answer(service, sa, p.KeyList()))["keys"]} == {"space-a"}
+
+
+async def test_the_operator_permission_is_granted_offline_only_and_spans_spaces(tmp_path):
+    d = str(tmp_path / "data")
+    async with rallypoint.open_embedded(d, durability="fsync") as rs:
+        coord, service = rs.node.coordinator, rs.node.service
+        _, admin = coord.keys.create_key("space-a", ["admin"])
+        sa, _ = service.hello(Hello(PROTOCOL_VERSION, admin), "t")
+        over_the_wire = await _answer(service, sa, p.KeyCreate(space="space-a", permissions=["operator"]))
+        assert isinstance(over_the_wire, ForbiddenError) and "offline" in over_the_wire.message
+    # offline, on the stopped daemon's data dir (the CLI's path), it is granted
+    secret = _keys(d, "create", "--space", "ops", "--permission", "operator", "--secret-only").strip()
+    async with rallypoint.open_embedded(d, durability="fsync") as rs:
+        service = rs.node.service
+        so, ok = service.hello(Hello(PROTOCOL_VERSION, secret), "t")
+        assert ok.space == "ops"
+        made = await _answer(service, so, p.KeyCreate(space="space-z", permissions=["coordination_read"]))
+        assert made["space"] == "space-z"
+        spaces = {k["space"] for k in (await _answer(service, so, p.KeyList()))["keys"]}
+        assert {"space-a", "ops", "space-z"} <= spaces

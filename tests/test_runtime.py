@@ -227,3 +227,35 @@ async def test_receive_finds_work_in_a_subtree_with_more_than_64_runs_holding_wo
         got += [d.task_id for d in ds]
     assert got == expected  # every one, in submission order
     assert len((await mbx.receive(other, wait=0, max_messages=5))) == 1
+
+
+async def test_a_failed_apply_stops_the_node_before_anything_exposes_it(tmp_path):
+    """Fail-stop: an exception while applying a commit leaves memory ahead of the
+    journal; the node stops (FatalError out of open_embedded), answers nothing more,
+    writes no snapshot, and a restart recovers without the failed commit."""
+    from rallypoint.actors import FatalError
+    from rallypoint.records import ScopeCreated
+
+    d = str(tmp_path / "data")
+    answers = []
+    with pytest.raises(FatalError):
+        async with rallypoint.open_embedded(d, durability="fsync") as rs:
+            await rs.scopes.create(name="kept")
+            coord = rs.node.coordinator
+            real = coord._apply[ScopeCreated]
+
+            def half_applies_then_raises(r):
+                real(r)  # the run is in memory ...
+                raise RuntimeError("a bug in an apply function")  # ... the journal never gets it
+
+            coord._apply[ScopeCreated] = half_applies_then_raises
+            try:
+                await rs.scopes.create(name="lost")
+            except BaseException as e:  # noqa: BLE001 - whatever reaches the caller
+                answers.append(e)
+                raise
+    assert coord.failed is not None
+    async with rallypoint.open_embedded(d, durability="fsync") as rs:
+        names = {s.name for s in await rs.scopes.list()}
+        assert names == {"kept"}  # the failed commit is not there
+        assert rs.node.recovery_info["snapshot_lsn"] == 0  # and no snapshot was taken at the failed close

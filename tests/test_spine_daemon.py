@@ -88,10 +88,16 @@ async def test_cli_status(fresh):
     assert m and int(m.group(1)) >= 1, out  # at least the CLI's own
     assert re.search(r"^runs\s+ACTIVE 2  CANCELLED 1  COMPLETED 1$", out, re.M), out
     assert "durability  memory" in out
+    # the actor runtime: actors active/passive (per kind) and the nursery tree's depth
+    m = re.search(r"^actors\s+(\d+) active, (\d+) passive, \d+ waiters parked; nursery tree depth (\d+)$", out, re.M)
+    assert m, out
+    assert int(m.group(1)) >= 1 and int(m.group(1)) + int(m.group(2)) >= 4 and int(m.group(3)) >= 1, out
+    assert re.search(r"^  runs\s+\d+ active  \d+ passive", out, re.M), out
     r = await trio.to_thread.run_sync(lambda: cli("status", "--connect", fresh.url, "--json"))
     st = json.loads(r.stdout)
     assert st["runs"] == {"ACTIVE": 2, "CANCELLED": 1, "COMPLETED": 1}
     assert st["version"] == __version__ and st["uptime_s"] >= 0
+    assert st["actors"]["runs"]["active"] + st["actors"]["runs"]["passive"] == 4 and st["tree_depth"] >= 1
 
 
 async def test_cli_runs_ls_show_cancel(fresh):

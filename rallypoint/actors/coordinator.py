@@ -48,7 +48,7 @@ from .joinset import JoinSets
 from .keys import Keys
 from .queue import WorkQueues
 from .run import Runs
-from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, shutdown_error
+from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, _FatalMarker, fatal_unwrapped, shutdown_error
 from .space import Spaces
 from .timer import Timers
 
@@ -65,6 +65,9 @@ TICK_S = 0.5
 
 class FatalError(RuntimeError):
     """An apply failed: the node must stop (fail-stop) and recover from its journal."""
+
+
+_FatalMarker.fatal_type = FatalError
 
 
 class Coordinator:
@@ -363,7 +366,7 @@ class Coordinator:
         self.last_seen_valid = True
         self._tick()
         try:
-            async with trio.open_nursery() as nursery:
+            async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 await nursery.start(self.journal.run)
                 await nursery.start(self.runtime.run)
                 for fn in self.background:

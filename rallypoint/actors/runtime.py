@@ -48,6 +48,7 @@ import heapq
 import logging
 import math
 from collections import deque
+from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 import trio
@@ -288,7 +289,7 @@ class Actor:
         rt.n_active += 1
         rt.activations += 1
         try:
-            async with trio.open_nursery() as nursery:
+            async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 self.nursery = nursery
                 pending, self._pending_children = self._pending_children, []
                 for child in pending:
@@ -566,7 +567,7 @@ class Runtime:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Open the root nursery and run the activity heap until cancelled."""
         try:
-            async with trio.open_nursery() as nursery:
+            async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 self.root_nursery = nursery
                 pending, self._root_pending = self._root_pending, []
                 for a in pending:
@@ -611,6 +612,28 @@ class Runtime:
             "passivations": self.passivations,
             "heap": len(self.heap),
         }
+
+
+class _FatalMarker:
+    """Set by the coordinator: the exception type that must travel up the actor tree
+    as itself (not wrapped in one ExceptionGroup per nursery level)."""
+
+    fatal_type: type[BaseException] = RuntimeError
+
+
+@asynccontextmanager
+async def fatal_unwrapped():
+    """Let the coordinator's fail-stop error leave a nursery as itself: a nursery wraps
+    a child's exception in an ExceptionGroup, and the actor tree nests nurseries."""
+    try:
+        yield
+    except BaseExceptionGroup as eg:
+        fatal, _rest = eg.split(_FatalMarker.fatal_type)
+        if fatal is None:
+            raise
+        while isinstance(fatal, BaseExceptionGroup):
+            fatal = fatal.exceptions[0]
+        raise fatal from None
 
 
 def shutdown_error() -> UnavailableError:
