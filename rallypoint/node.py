@@ -27,7 +27,7 @@ from .service import Service
 
 log = logging.getLogger("rallypoint.node")
 
-__all__ = ["Node", "open_node", "DURABILITY_MODES"]
+__all__ = ["Node", "Storage", "open_node", "DURABILITY_MODES"]
 
 DURABILITY_MODES = ("memory", "interval", "fsync")
 
@@ -56,6 +56,27 @@ async def _unwrapped() -> AsyncIterator[None]:
         raise
 
 
+class Storage:
+    """How a persistent node opens its journal and its snapshot store, and a hook on its
+    coordinator. The default is the production one; the deterministic simulator
+    (:mod:`rallypoint.testing.sim`) passes a subclass whose journal runs on a seeded,
+    fault-injecting disk instead of the flusher thread, so that one seed decides every
+    write, fsync and crash while recovery, replay and snapshots stay the real code."""
+
+    def open_journal(self, recovered, mode: str, interval_ms: int):
+        """The journal to append to after recovery (``recovered``: the
+        :class:`~rallypoint.persistence.recovery.Recovered` of the data dir)."""
+        return recovered.open_journal(mode=mode, interval_ms=interval_ms)
+
+    def snapshot_store(self, store):
+        """The snapshot store the :class:`Snapshotter` writes to (``store``: the
+        recovered :class:`~rallypoint.persistence.snapshot.SnapshotStore`)."""
+        return store
+
+    def on_coordinator(self, coordinator) -> None:
+        """Called once the coordinator is made, before recovery replays into it."""
+
+
 @asynccontextmanager
 async def open_node(
     data_dir: str | None = None,
@@ -65,11 +86,14 @@ async def open_node(
     interval_ms: int = 10,
     snapshot_every_records: int = 100_000,
     snapshot_every_s: float = 60.0,
+    storage: Storage | None = None,
 ) -> AsyncIterator[Node]:
     """Open (recover) a coordinator and run its background tasks until the block ends.
 
     ``durability`` defaults to ``memory`` without a data dir and ``fsync`` with one.
-    Raises VALIDATION_FAILED for an unknown mode or a file mode without a data dir.
+    ``storage`` (file modes only) replaces how the journal and snapshot store are opened
+    (default :class:`Storage`: the production files). Raises VALIDATION_FAILED for an
+    unknown mode or a file mode without a data dir.
     """
     if durability is None:
         durability = "memory" if data_dir is None else "fsync"
@@ -85,6 +109,7 @@ async def open_node(
             interval_ms=interval_ms,
             snapshot_every_records=snapshot_every_records,
             snapshot_every_s=snapshot_every_s,
+            storage=storage,
         ) as node:
             yield node
         return
@@ -297,12 +322,14 @@ async def open_persistent_node(
     interval_ms: int,
     snapshot_every_records: int,
     snapshot_every_s: float,
+    storage: Storage | None = None,
 ) -> AsyncIterator[Node]:
     """Lock the data dir, recover, run journal + snapshots; snapshot at a clean exit."""
     from .persistence import DataDirLock
 
     from .persistence.clockfile import ClockFile
 
+    storage = storage or Storage()
     os.makedirs(data_dir, exist_ok=True)
     lock = DataDirLock(data_dir)
     lock.acquire()
@@ -315,8 +342,9 @@ async def open_persistent_node(
             clock.resume(*last)  # server time continues, never backward
             gap_ms = clock.mono_ms() - last[0]
         coord = Coordinator(clock=clock, durability=durability)
+        storage.on_coordinator(coord)
         rec, info = recover_coordinator(data_dir, coord)
-        coord.journal = rec.open_journal(mode=durability, interval_ms=interval_ms)
+        coord.journal = storage.open_journal(rec, durability, interval_ms)
         coord.rearm_all()
         # the server could not hear renewals while it was down: leases get that time back
         info["leases_extended_ms"] = coord.extend_leases_after_restart(gap_ms)
@@ -332,7 +360,7 @@ async def open_persistent_node(
         )
         node = Node(coord, data_dir, durability)
         node.recovery_info = info
-        snap = Snapshotter(coord, rec.store, every_records=snapshot_every_records, every_s=snapshot_every_s)
+        snap = Snapshotter(coord, storage.snapshot_store(rec.store), every_records=snapshot_every_records, every_s=snapshot_every_s)
         coord.background.append(snap.run)
         node.snapshotter = snap
         clean = False
@@ -349,9 +377,13 @@ async def open_persistent_node(
                             clock_file.write(clock.mono_ms(), clock.now_ms())
                     nursery.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True):
-                await coord.journal.aclose()
-            rec.store.close()
+            try:
+                with trio.CancelScope(shield=True):
+                    await coord.journal.aclose()
+            finally:
+                # even when the journal failed (aclose re-raises its error): an LMDB
+                # environment left open cannot be opened again in this process
+                rec.store.close()
     finally:
         clock_file.close()
         lock.release()

@@ -172,7 +172,7 @@ class Service:
         except BaseException:
             sink.abandon()
             raise
-        await self.coordinator.journal.wait_durable(sink.lsn)
+        await self.wait_durable(sink.lsn)
         reply = sink.replies[1]
         if isinstance(reply, BaseException):
             raise reply
@@ -182,7 +182,22 @@ class Service:
         return self.coordinator.journal.durable_lsn
 
     async def wait_durable(self, lsn: int) -> None:
-        await self.coordinator.journal.wait_durable(lsn)
+        """Return once the journal is durable past ``lsn``. Raises UNAVAILABLE (with
+        ``details["maybe_applied"] = True``) when the journal failed or closed first: the
+        node is stopping (fail-stop), and a change the answer depends on may or may not
+        survive the restart -- never the journal's own error, which is not a
+        RallypointError (found by the simulator, seed 2: a failed journal write reached
+        the embedded client as ``JournalWriteError``)."""
+        try:
+            await self.coordinator.journal.wait_durable(lsn)
+        except (RallypointError, ValueError):
+            raise
+        except Exception as exc:
+            raise UnavailableError(
+                "the server's journal stopped before this answer was durable (the server is stopping); "
+                "the change may or may not have been applied: check once the server restarted",
+                retry_after=1.0, details={"maybe_applied": True},
+            ) from exc
 
     def connection_count(self, fn) -> None:
         """Let the server status report live connections (``fn() -> int``)."""

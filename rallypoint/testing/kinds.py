@@ -1,0 +1,1155 @@
+"""What the simulator knows about each kind: its random operations, what a reply lets a
+client rely on, and the invariants of its state. One class per kind, listed in
+:data:`KINDS`: a new kind (claims, pools, quotas, budgets...) adds one class here and
+nothing else in the simulator changes.
+
+A :class:`SimKind` has (every method optional):
+
+- ``ops``: ``{name: (weight, generator)}``; ``generator(gen)`` returns a protocol op
+  (or a list of ops sent back to back, or a :class:`Script`), or None when the world
+  has nothing to aim it at. ``gen`` (:class:`Gen`) gives the shared :class:`World`, a
+  random source for this op only, and the server's wall time.
+- ``observe(obs, op, reply, err)``: a reply (a decoded view, or the RallypointError)
+  was released to a client: learn ids (``obs.world``) and record *facts* -- what the
+  client may rely on from now on, forever (``obs.fact(...)``). Facts are checked at
+  once against the durable state (what a crash would recover), after every step
+  against the live state, and after every restart against the recovered state.
+- ``check_fact(coord, fact)``: None when ``fact`` holds in ``coord``, else why not.
+- ``made(chk, coord, op, reply, err)``: the reply was just made (the state it was made
+  from is the live state, unchanged): is it consistent with it?
+- ``quiescent(chk, coord)``: every task is blocked, time stands still: nothing due is
+  pending (timeliness), nothing is pending under an ended run, models agree.
+- ``waiter_due(coord, actor_id, key)``: a waiter parked on ``key`` in that actor has
+  an answer now (True), has none yet (False), or the key is another kind's (None).
+  At quiescence a parked waiter with an answer is a lost wake-up.
+- ``monotone(coord)``: ``{entity id: value}`` of what may only move forward; and
+  ``regressed(eid, old, new)`` says why a change is a regression (None: fine).
+- ``audits()``: ``{record type: fn(chk, mirror, rec, now_ms, mono_ms)}`` run on every
+  journal append against the state *before* the record (a reference check of
+  preconditions: fencing, decide-once, timing).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+
+from .. import protocol as p
+from .. import records as r
+from ..clock import to_iso
+from ..errors import RallypointError
+
+__all__ = ["KINDS", "SimKind", "World", "Gen", "Script", "ended", "SLACK_MS"]
+
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
+#: timing tolerance of the checks, ms (ms rounding between Trio time and wall/server ms)
+SLACK_MS = 2
+
+
+def _raw(value) -> msgspec.Raw:
+    return msgspec.Raw(msgspec.msgpack.encode(value))
+
+
+def ended(coord, run_id: str | None) -> str | None:
+    """Why ``run_id`` (or an ancestor) ended by a record -- cancelled, completed or its
+    deadline fired -- or None while it and its ancestors stand."""
+    table = coord.runs.table
+    s = table.get(run_id) if run_id else None
+    while s is not None:
+        if s.state != "ACTIVE":
+            return f"run {s.id} {s.state}"
+        if s.deadline_fired:
+            return f"run {s.id} past its deadline"
+        s = table.get(s.parent_id) if s.parent_id else None
+    return None
+
+
+# ============================================================================ the world
+class World:
+    """What the simulated clients know, learned from replies (shared by all clients).
+
+    ``ids[prefix]`` lists every id seen, in order; ``info[id]`` holds what the kinds
+    noted about it; kinds keep anything else as attributes they set in ``init_world``."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, list[str]] = {}
+        self.known: set[str] = set()
+        self.info: dict[str, dict] = {}
+
+    def add(self, eid: str | None, **info) -> None:
+        if not eid:
+            return
+        if eid not in self.known:
+            self.known.add(eid)
+            self.ids.setdefault(eid[:3], []).append(eid)
+            self.info[eid] = dict(info)
+        elif info:
+            self.info[eid].update(info)
+
+    def pick(self, rng: random.Random, prefix: str, recent: float = 0.6) -> str | None:
+        """A known id of that prefix, biased to the most recent ones."""
+        lst = self.ids.get(prefix)
+        if not lst:
+            return None
+        if rng.random() < recent:
+            return lst[-1 - min(len(lst) - 1, int(rng.expovariate(0.7)))]
+        return rng.choice(lst)
+
+
+@dataclass
+class Gen:
+    """What an op generator sees: the world, its own random source, the server's wall
+    time (ms)."""
+
+    world: World
+    rng: random.Random
+    now_ms: int
+
+    def iso_in(self, lo_s: float, hi_s: float) -> str:
+        return to_iso(self.now_ms + int(self.rng.uniform(lo_s, hi_s) * 1000))
+
+    def wait_ms(self) -> int:
+        return self.rng.choice((0, 0, 0, 500, 2000, 5000, 15000))
+
+
+@dataclass
+class Script:
+    """A sequence of requests whose later ops depend on earlier replies:
+    ``await fn(call)`` with ``call(op) -> reply view or RallypointError``."""
+
+    fn: Callable
+    label: str = "script"
+
+
+class SimKind:
+    """Base class (see the module docstring)."""
+
+    name = ""
+    #: the fact names this kind checks (``check_fact``)
+    facts: tuple[str, ...] = ()
+
+    def init_world(self, world: World) -> None:
+        pass
+
+    def ops(self) -> dict[str, tuple[float, Callable[[Gen], Any]]]:
+        return {}
+
+    def observe(self, obs, op, reply, err) -> None:
+        pass
+
+    def check_fact(self, coord, fact: tuple) -> str | None:  # pragma: no cover - per kind
+        return None
+
+    def made(self, chk, coord, op, reply, err) -> None:
+        pass
+
+    def quiescent(self, chk, coord) -> None:
+        pass
+
+    def waiter_due(self, coord, actor_id: str, key) -> bool | None:
+        return None
+
+    def monotone(self, coord) -> dict[str, Any]:
+        return {}
+
+    def regressed(self, eid: str, old, new) -> str | None:
+        return None
+
+    def audits(self) -> dict[type, Callable]:
+        return {}
+
+
+def _err_detail(err, name: str):
+    return (err.details or {}).get(name) if isinstance(err, RallypointError) else None
+
+
+# ============================================================================ runs
+class SimRuns(SimKind):
+    name = "runs"
+    facts = ("run_ended",)
+
+    def ops(self):
+        def create_root(g: Gen):
+            return p.ScopeCreate(
+                name=g.rng.choice((None, "job", "crawl")),
+                deadline=g.iso_in(2, 90) if g.rng.random() < 0.25 else None,
+                child_limit=g.rng.choice((1000, 1000, 2)),
+            )
+
+        def create_child(g: Gen):
+            parent = g.world.pick(g.rng, "scp")
+            if parent is None:
+                return create_root(g)
+            return p.ScopeCreate(parent_id=parent, deadline=g.iso_in(1, 60) if g.rng.random() < 0.2 else None)
+
+        def cancel(g: Gen):
+            rid = g.world.pick(g.rng, "scp", recent=0.3)
+            return rid and p.ScopeCancel(scope_id=rid)
+
+        def complete(g: Gen):
+            rid = g.world.pick(g.rng, "scp", recent=0.3)
+            return rid and p.ScopeComplete(scope_id=rid, wait_ms=g.rng.choice((0, 0, 3000, 20000)))
+
+        def status(g: Gen):
+            rid = g.world.pick(g.rng, "scp")
+            return rid and p.ScopeStatus(scope_id=rid)
+
+        return {
+            "scope.create": (2.0, create_root),
+            "scope.child": (3.0, create_child),
+            "scope.cancel": (0.8, cancel),
+            "scope.complete": (0.8, complete),
+            "scope.status": (0.6, status),
+        }
+
+    def observe(self, obs, op, reply, err):
+        if isinstance(reply, p.ScopeView):
+            obs.world.add(reply.id, parent=reply.parent_id)
+            obs.fact("exists", reply.id)
+            if reply.stored_state in ("CANCELLED", "COMPLETED"):
+                obs.fact("run_ended", reply.id, reply.stored_state)
+        elif err is not None and err.code == "SCOPE_CANCELLED":
+            sid, why = _err_detail(err, "scope_id"), _err_detail(err, "reason")
+            if sid and why in ("cancelled", "completed"):
+                obs.fact("run_ended", sid, "CANCELLED" if why == "cancelled" else "COMPLETED")
+
+    def check_fact(self, coord, fact):
+        if fact[0] == "run_ended":
+            s = coord.runs.table.get(fact[1])
+            if s is None or s.state != fact[2]:
+                return f"run {fact[1]} was seen {fact[2]}, is {s.state if s else 'missing'}"
+        return None
+
+    def quiescent(self, chk, coord):
+        now = coord.now_ms()
+        for s in coord.runs.table.values():
+            if s.deadline_ms is not None and not s.deadline_fired and s.deadline_ms + SLACK_MS < now:
+                chk.fail("timeliness", f"run {s.id}'s deadline passed {now - s.deadline_ms} ms ago and did not fire")
+
+    def waiter_due(self, coord, actor_id, key):
+        if key != "complete":
+            return None
+        s = coord.runs.table[actor_id]
+        if s.state != "ACTIVE":
+            return True
+        sets = [coord.joinsets.table[j] for j in coord.joinsets.by_run.get(actor_id, ())]
+        return any(js.state == "OPEN" for js in sets) or all(js.state == "CLOSED" for js in sets)
+
+    def monotone(self, coord):
+        return {s.id: (s.state, s.deadline_fired) for s in coord.runs.table.values()}
+
+    def regressed(self, eid, old, new):
+        if old[0] != "ACTIVE" and new[0] != old[0]:
+            return f"run {eid} went from {old[0]} to {new[0]}"
+        if old[1] and not new[1]:
+            return f"run {eid}'s fired deadline came back"
+        return None
+
+    def audits(self):
+        def ended_rec(chk, m, rec: r.ScopeEnded, now, mono):
+            s = m.runs.table.get(rec.id)
+            if s is None or s.state != "ACTIVE":
+                chk.fail("audit", f"ScopeEnded({rec.state}) for run {rec.id} that is {s.state if s else 'missing'}")
+
+        def deadline(chk, m, rec: r.ScopeDeadlinePassed, now, mono):
+            s = m.runs.table.get(rec.id)
+            if s is None or s.deadline_fired:
+                chk.fail("audit", f"ScopeDeadlinePassed twice for run {rec.id}")
+            elif s.deadline_ms is None or now + SLACK_MS < s.deadline_ms:
+                chk.fail("timeliness", f"run {rec.id}'s deadline fired {s.deadline_ms - now} ms early")
+
+        return {r.ScopeEnded: ended_rec, r.ScopeDeadlinePassed: deadline}
+
+
+# ============================================================================ queues
+MAILBOXES = ("q0", "q1")
+
+
+class SimQueues(SimKind):
+    """Work queues, tasks and deliveries; the lease model (``sim.leases``)."""
+
+    name = "queues"
+    facts = ("task_terminal", "task_token_ge", "task_attempt_ge", "task_completed_with")
+
+    def init_world(self, world):
+        world.deliveries = []  # (task id, token), every delivery ever seen (held or stale)
+        world.mailbox_attempts = {}
+
+    def ops(self):
+        def mailbox(g: Gen):
+            return g.rng.choice(MAILBOXES) if g.world.ids.get("mbx") or g.rng.random() < 0.8 else "nosuch"
+
+        def ensure(g: Gen):
+            name = g.rng.choice(MAILBOXES)
+            attempts = g.world.mailbox_attempts.get(name) or g.rng.choice((1, 2, 3, 5))
+            if g.rng.random() < 0.1:
+                attempts = g.rng.choice((1, 2, 3, 5))  # maybe a CONFLICT
+            return p.MailboxEnsure(name=name, max_attempts=attempts)
+
+        def submit(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            if run is None:
+                return None
+            key = g.rng.choice((None, None, "k0", "k1", "k2"))
+            return p.TaskSubmit(
+                mailbox=mailbox(g), scope_id=run, input=_raw({"n": g.rng.randrange(3) if key else g.rng.randrange(10**6)}),
+                key=key, deadline=g.iso_in(1, 60) if g.rng.random() < 0.15 else None,
+            )
+
+        def submit_many(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            if run is None:
+                return None
+            items = [p.SubmitItem(input=_raw({"m": g.rng.randrange(10**6)}),
+                                  key=g.rng.choice((None, None, "k0", "k3"))) for _ in range(g.rng.randint(1, 4))]
+            return p.TaskSubmitMany(mailbox=mailbox(g), scope_id=run, items=items)
+
+        def receive(g: Gen):
+            run = g.world.pick(g.rng, "scp", recent=0.4)
+            if run is None:
+                return None
+            return p.Receive(mailbox=mailbox(g), scope_id=run, lease_ms=g.rng.choice((5000, 8000, 30000)),
+                             wait_ms=g.wait_ms(), max_messages=g.rng.choice((1, 1, 2, 5)))
+
+        def delivery(g: Gen):
+            ds = g.world.deliveries
+            if not ds:
+                return None
+            if g.rng.random() < 0.7:
+                return ds[-1 - min(len(ds) - 1, int(g.rng.expovariate(0.5)))]
+            return g.rng.choice(ds)
+
+        def renew(g: Gen):
+            d = delivery(g)
+            return d and p.DeliveryRenew(task_id=d[0], token=d[1], lease_ms=g.rng.choice((5000, 10000, 30000)))
+
+        def complete(g: Gen):
+            d = delivery(g)
+            return d and p.DeliveryComplete(task_id=d[0], token=d[1], outcome=_raw({"ok": g.rng.randrange(100)}))
+
+        def retry(g: Gen):
+            d = delivery(g)
+            return d and p.DeliveryRetry(task_id=d[0], token=d[1], delay_ms=g.rng.choice((0, 0, 1000, 4000)),
+                                         error=_raw("try again"))
+
+        def reject(g: Gen):
+            d = delivery(g)
+            return d and p.DeliveryReject(task_id=d[0], token=d[1], error=_raw("no"))
+
+        def task(g: Gen):
+            return g.world.pick(g.rng, "tsk")
+
+        def status(g: Gen):
+            t = task(g)
+            return t and p.TaskStatus(task_id=t)
+
+        def result(g: Gen):
+            t = task(g)
+            return t and p.TaskResult(task_id=t, wait_ms=g.wait_ms())
+
+        def cancel(g: Gen):
+            t = task(g)
+            return t and p.TaskCancel(task_id=t)
+
+        return {
+            "mailbox.ensure": (1.0, ensure),
+            "task.submit": (6.0, submit),
+            "task.submit_many": (1.0, submit_many),
+            "receive": (5.0, receive),
+            "delivery.renew": (1.5, renew),
+            "delivery.complete": (4.0, complete),
+            "delivery.retry": (1.2, retry),
+            "delivery.reject": (0.7, reject),
+            "task.status": (0.5, status),
+            "task.result": (1.5, result),
+            "task.cancel": (0.7, cancel),
+        }
+
+    def observe(self, obs, op, reply, err):
+        w = obs.world
+        if isinstance(reply, p.MailboxView):
+            w.add(reply.id)
+            w.mailbox_attempts[reply.name] = reply.max_attempts
+            obs.fact("exists", reply.id)
+        elif isinstance(reply, p.TaskView):
+            self._task(obs, reply)
+            if isinstance(op, p.DeliveryComplete):
+                obs.fact("task_completed_with", op.task_id, op.token)
+        elif isinstance(reply, p.TaskListView):
+            for t in reply.tasks:
+                self._task(obs, t)
+        elif isinstance(reply, p.ReceiveView):
+            for d in reply.deliveries:
+                w.add(d.task_id)
+                w.deliveries.append((d.task_id, d.token))
+                obs.fact("exists", d.task_id)
+                obs.fact("task_token_ge", d.task_id, d.token)
+        elif isinstance(reply, p.LeaseView):
+            obs.fact("task_token_ge", reply.task_id, reply.token)
+
+    @staticmethod
+    def _task(obs, t: p.TaskView) -> None:
+        obs.world.add(t.id, run=t.scope_id)
+        obs.world.add(t.scope_id)
+        obs.fact("exists", t.id)
+        obs.fact("task_attempt_ge", t.id, t.attempt)
+        if t.state in TERMINAL:
+            obs.fact("task_terminal", t.id, t.state, bytes(t.outcome) if t.state == "SUCCEEDED" else None)
+
+    def check_fact(self, coord, fact):
+        what = fact[0]
+        t = coord.queues.tasks.get(fact[1])
+        if t is None:
+            return f"task {fact[1]} is missing"
+        if what == "task_terminal":
+            out = t.outcome if t.outcome is not None else b"\xc0"
+            if t.state != fact[2] or (fact[3] is not None and out != fact[3]):
+                return f"task {t.id} was seen {fact[2]}, is {t.state}"
+        elif what == "task_token_ge":
+            if t.token < fact[2]:
+                return f"task {t.id} handed out token {fact[2]}, holds token {t.token}: a token could be honoured twice"
+        elif what == "task_attempt_ge":
+            if t.attempt < fact[2]:
+                return f"task {t.id} was seen at attempt {fact[2]}, is at {t.attempt}"
+        elif what == "task_completed_with":
+            if t.state != "SUCCEEDED" or t.token != fact[2]:
+                return (f"a complete with token {fact[2]} of task {t.id} succeeded, but the task is "
+                        f"{t.state} with token {t.token} (a stale token was honoured)")
+        return None
+
+    # ------------------------------------------------------------------ made-time checks
+    def made(self, chk, coord, op, reply, err):
+        if isinstance(op, p.Receive):
+            q = coord.queues.by_name.get(("default", op.mailbox))
+            if q is None or err is not None or reply is None:
+                return
+            eligible = self._eligible(coord, q, op.scope_id)
+            if not reply.deliveries:
+                if eligible and coord.runs.inactive_error(op.scope_id) is None:
+                    chk.fail("receive", f"receive({op.mailbox}, {op.scope_id}) answered nothing while "
+                                        f"{len(eligible)} task(s) were ready in its subtree: {eligible[:3]}")
+            else:
+                seqs = []
+                for d in reply.deliveries:
+                    t = coord.queues.tasks[d.task_id]
+                    seqs.append(t.seq)
+                    if not coord.runs.is_descendant_or_self(t.scope_id, op.scope_id):
+                        chk.fail("receive", f"receive for run {op.scope_id} got task {t.id} of run {t.scope_id}")
+                    if t.state != "RUNNING" or t.token != d.token:
+                        chk.fail("receive", f"delivered task {t.id} is {t.state} with token {t.token}, not {d.token}")
+                if eligible and max(seqs) > min(coord.queues.tasks[e].seq for e in eligible):
+                    chk.fail("fifo", f"receive delivered seq {max(seqs)} while seq "
+                                     f"{min(coord.queues.tasks[e].seq for e in eligible)} was ready (not oldest first)")
+        elif isinstance(op, p.DeliveryComplete) and err is None and reply is not None:
+            t = coord.queues.tasks.get(op.task_id)
+            if t is not None and (t.token != op.token or t.state != "SUCCEEDED"):
+                chk.fail("fencing", f"complete with token {op.token} of task {t.id} succeeded; the task holds "
+                                    f"token {t.token} and is {t.state}")
+
+    @staticmethod
+    def _eligible(coord, q_id: str, run_id: str) -> list[str]:
+        mono = coord.mono_ms()
+        runs = coord.runs
+        return [t.id for t in coord.queues.tasks.values()
+                if t.mailbox_id == q_id and t.state == "QUEUED" and t.available_at_ms <= mono
+                and runs.is_descendant_or_self(t.scope_id, run_id)]
+
+    # ------------------------------------------------------------------ quiescence
+    def quiescent(self, chk, coord):
+        now, mono = coord.now_ms(), coord.mono_ms()
+        qs = coord.queues
+        for t in qs.tasks.values():
+            if t.state in TERMINAL:
+                continue
+            if t.deadline_ms is not None and t.deadline_ms + SLACK_MS < now:
+                chk.fail("timeliness", f"task {t.id} is {t.state} {now - t.deadline_ms} ms past its deadline")
+            if t.state == "RUNNING" and t.lease_expires_ms + SLACK_MS < mono:
+                chk.fail("timeliness", f"task {t.id}'s lease ran out {mono - t.lease_expires_ms} ms ago; still RUNNING")
+            if t.state == "QUEUED" and t.available_at_ms + SLACK_MS < mono and t.id not in qs.ready_set:
+                chk.fail("index", f"QUEUED task {t.id} is due but not in the ready index")
+            why = ended(coord, t.scope_id)
+            if why:
+                chk.fail("ended-run", f"task {t.id} is {t.state} under an ended run ({why})")
+
+    def waiter_due(self, coord, actor_id, key):
+        if isinstance(key, tuple) and key and key[0] == "recv":
+            if coord.runs.inactive_error(actor_id) is not None:
+                return True
+            return bool(self._eligible(coord, key[1], actor_id))
+        if isinstance(key, str) and key.startswith("tsk_"):
+            return coord.queues.tasks[key].state in TERMINAL
+        return None
+
+    def monotone(self, coord):
+        return {t.id: (t.state, t.outcome, t.token, t.attempt) for t in coord.queues.tasks.values()}
+
+    def regressed(self, eid, old, new):
+        if old[0] in TERMINAL and (new[0], new[1]) != (old[0], old[1]):
+            return f"task {eid} went from {old[0]} to {new[0]} (a terminal state changed)"
+        if new[2] < old[2]:
+            return f"task {eid}'s token went back from {old[2]} to {new[2]}"
+        if new[3] < old[3]:
+            return f"task {eid}'s attempt went back from {old[3]} to {new[3]}"
+        return None
+
+    # ------------------------------------------------------------------ audits
+    def audits(self):
+        def task_of(chk, m, rec, what):
+            t = m.queues.tasks.get(rec.task_id)
+            if t is None:
+                chk.fail("audit", f"{what} for unknown task {rec.task_id}")
+            return t
+
+        def holder(chk, m, rec, what, mono):
+            t = task_of(chk, m, rec, what)
+            if t is None:
+                return None
+            if t.state != "RUNNING" or t.token != rec.token:
+                chk.fail("fencing", f"{what} of task {t.id} with token {rec.token}, but it is {t.state} with token {t.token}")
+            elif t.lease_expires_ms + SLACK_MS <= mono:
+                chk.fail("fencing", f"{what} of task {t.id} {mono - t.lease_expires_ms} ms after its lease ran out")
+            return t
+
+        def delivered(chk, m, rec: r.TaskDelivered, now, mono):
+            t = task_of(chk, m, rec, "TaskDelivered")
+            if t is None:
+                return
+            if t.state != "QUEUED":
+                chk.fail("audit", f"task {t.id} delivered while {t.state}")
+            if rec.token != t.token + 1:
+                chk.fail("fencing", f"task {t.id} delivered with token {rec.token} after token {t.token}")
+            if t.available_at_ms > mono + SLACK_MS:
+                chk.fail("timeliness", f"task {t.id} delivered {t.available_at_ms - mono} ms before its retry delay ran out")
+            if m.runs.inactive_error(t.scope_id, now) is not None:
+                chk.fail("ended-run", f"task {t.id} delivered while its run refuses work")
+            chk.sim.lease_granted(t.id, rec.token, rec.lease_expires_ms)
+
+        def completed(chk, m, rec: r.TaskCompleted, now, mono):
+            t = holder(chk, m, rec, "TaskCompleted", mono)
+            if t is not None and m.runs.inactive_error(t.scope_id, now) is not None:
+                chk.fail("ended-run", f"task {t.id} completed while its run refuses work")
+
+        def retried(chk, m, rec, now, mono):
+            holder(chk, m, rec, type(rec).__name__, mono)
+
+        def renewed(chk, m, rec: r.LeaseRenewed, now, mono):
+            t = holder(chk, m, rec, "LeaseRenewed", mono)
+            if t is not None:
+                chk.sim.lease_granted(t.id, rec.token, rec.lease_expires_ms)
+
+        def lease_expired(chk, m, rec: r.LeaseExpired, now, mono):
+            t = task_of(chk, m, rec, "LeaseExpired")
+            if t is None:
+                return
+            if t.state != "RUNNING" or t.token != rec.token:
+                chk.fail("audit", f"LeaseExpired for task {t.id} token {rec.token}, but it is {t.state}/{t.token}")
+            due = chk.sim.lease_due(t.id, rec.token)
+            if due is not None and mono + SLACK_MS < due:
+                chk.fail("lease", f"task {t.id}'s lease (token {rec.token}) expired {due - mono} ms early: the holder "
+                                  "was owed that time (downtime and stalls extend leases)")
+
+        def not_terminal(chk, m, rec, now, mono):
+            t = task_of(chk, m, rec, type(rec).__name__)
+            if t is not None and t.state in TERMINAL:
+                chk.fail("audit", f"{type(rec).__name__} for task {t.id} that is already {t.state}")
+            if isinstance(rec, r.TaskExpired) and t is not None and (t.deadline_ms is None or now + SLACK_MS < t.deadline_ms):
+                chk.fail("timeliness", f"task {t.id} expired before its deadline")
+
+        return {
+            r.TaskDelivered: delivered,
+            r.TaskCompleted: completed,
+            r.TaskRetried: retried,
+            r.TaskRejected: retried,
+            r.LeaseRenewed: renewed,
+            r.LeaseExpired: lease_expired,
+            r.TaskCancelled: not_terminal,
+            r.TaskExpired: not_terminal,
+        }
+
+
+# ============================================================================ groups
+def reference_decision(coord, g) -> tuple[str, str] | None:
+    """SPEC §4's decision table, written from the SPEC (not from ``Groups.evaluate``):
+    the decision the group must have reached given its members now (None: undecided)."""
+    tasks = coord.queues.tasks
+    accepted = sum(1 for m in g.members if m.verdict == "ACCEPTED" and not m.late)
+    rejected = sum(1 for m in g.members if m.verdict == "REJECTED" and not m.late)
+
+    def could_still_be_accepted(m) -> bool:
+        st = tasks[m.task_id].state
+        return m.verdict is None and (st not in TERMINAL or st == "SUCCEEDED")
+
+    still = sum(1 for m in g.members if not m.late and could_still_be_accepted(m))
+    sealed = g.state == "SEALED"
+    if g.condition == "FIRST_ACCEPTED":
+        return ("SUCCESS", "first_accepted") if accepted else None
+    if g.condition == "N_ACCEPTED":
+        if accepted >= g.threshold:
+            return ("SUCCESS", "threshold_reached")
+        if sealed and accepted + still < g.threshold:
+            return ("FAILURE", "threshold_unreachable")
+        return None
+    if sealed and still == 0:
+        return ("SUCCESS" if accepted >= 1 and rejected == 0 else "FAILURE", "all_terminal")
+    return None
+
+
+class SimGroups(SimKind):
+    name = "groups"
+    facts = ("group_final", "member", "verdict")
+
+    def init_world(self, world):
+        world.members = {}  # group id -> member task ids seen
+
+    def ops(self):
+        def group(g: Gen):
+            return g.world.pick(g.rng, "grp")
+
+        def create(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            if run is None:
+                return None
+            cond = g.rng.choice(("FIRST_ACCEPTED", "N_ACCEPTED", "ALL_TERMINAL"))
+            threshold = g.rng.randint(1, 3) if cond == "N_ACCEPTED" else None
+            expected = g.rng.choice((None, None, 2, 3, 4))
+            if threshold is not None and expected is not None and expected < threshold:
+                expected = threshold
+            other = g.world.pick(g.rng, "scp") if g.rng.random() < 0.2 else None
+            return p.GroupCreate(scope_id=run, mailbox=g.rng.choice(MAILBOXES), condition=cond, threshold=threshold,
+                                 expected_members=expected, deadline=g.iso_in(3, 90) if g.rng.random() < 0.3 else None,
+                                 parent_scope_id=other)
+
+        def submit(g: Gen):
+            gid = group(g)
+            key = g.rng.choice((None, "m0", "m1", "m2", "m3"))
+            return gid and p.GroupSubmit(group_id=gid, key=key, input=_raw({"draft": g.rng.randrange(3 if key else 10**6)}))
+
+        def join(g: Gen):
+            gid, tid = group(g), g.world.pick(g.rng, "tsk")
+            return gid and tid and p.GroupJoinTask(group_id=gid, task_id=tid)
+
+        def verdict(g: Gen):
+            gid = group(g)
+            if gid is None:
+                return None
+            members = g.world.members.get(gid) or g.world.ids.get("tsk") or []
+            if not members:
+                return None
+            return p.GroupVerdictOp(group_id=gid, task_id=g.rng.choice(members),
+                                    verdict=g.rng.choice(("ACCEPTED", "ACCEPTED", "REJECTED")))
+
+        def close(g: Gen):
+            gid = group(g)
+            return gid and p.GroupClose(group_id=gid)
+
+        def wait(g: Gen):
+            gid = group(g)
+            return gid and p.GroupWait(group_id=gid, wait_ms=g.wait_ms())
+
+        def status(g: Gen):
+            gid = group(g)
+            return gid and p.GroupStatus(group_id=gid)
+
+        return {
+            "group.create": (1.2, create),
+            "group.submit": (2.5, submit),
+            "group.join_task": (0.4, join),
+            "group.verdict": (2.5, verdict),
+            "group.close": (0.8, close),
+            "group.wait": (0.8, wait),
+            "group.status": (0.4, status),
+        }
+
+    def observe(self, obs, op, reply, err):
+        w = obs.world
+        if isinstance(reply, p.GroupView):
+            w.add(reply.id)
+            w.add(reply.scope_id, gate_of=reply.id)
+            obs.fact("exists", reply.id)
+            obs.fact("exists", reply.scope_id)
+            mem = w.members.setdefault(reply.id, [])
+            for m in reply.members:
+                if m.task_id not in mem:
+                    mem.append(m.task_id)
+                w.add(m.task_id)
+                obs.fact("member", reply.id, m.task_id)
+                if m.verdict is not None and not m.late:
+                    obs.fact("verdict", reply.id, m.task_id, m.verdict)
+            if reply.state == "FINALIZED":
+                obs.fact("group_final", reply.id, reply.outcome, reply.outcome_reason)
+        elif isinstance(reply, p.GroupMemberAddedView):
+            gid = op.group_id
+            w.add(reply.task.id, run=reply.task.scope_id)
+            mem = w.members.setdefault(gid, [])
+            if reply.task.id not in mem:
+                mem.append(reply.task.id)
+            obs.fact("member", gid, reply.task.id)
+            SimQueues._task(obs, reply.task)
+        elif isinstance(reply, p.VerdictView):
+            if not reply.late:
+                obs.fact("verdict", op.group_id, reply.task_id, reply.verdict)
+            if reply.group_state == "FINALIZED":
+                obs.fact("group_final", op.group_id, reply.outcome, reply.outcome_reason)
+        elif isinstance(reply, p.GroupDecisionView) and reply.state == "FINALIZED":
+            obs.fact("group_final", op.group_id, reply.outcome, reply.outcome_reason)
+
+    def check_fact(self, coord, fact):
+        g = coord.groups.table.get(fact[1])
+        if g is None:
+            return f"group {fact[1]} is missing"
+        if fact[0] == "group_final":
+            if (g.state, g.outcome, g.outcome_reason) != ("FINALIZED", fact[2], fact[3]):
+                return f"group {g.id} was seen FINALIZED {fact[2]} {fact[3]}, is {g.state} {g.outcome} {g.outcome_reason}"
+        elif fact[0] == "member":
+            if fact[2] not in coord.groups.member_index.get(g.id, {}):
+                return f"task {fact[2]} was seen a member of group {g.id}, is not"
+        elif fact[0] == "verdict":
+            m = coord.groups.member_index.get(g.id, {}).get(fact[2])
+            if m is None or m.verdict != fact[3]:
+                return f"member {fact[2]} of group {g.id} was seen {fact[3]}, is {m.verdict if m else 'missing'}"
+        return None
+
+    def quiescent(self, chk, coord):
+        tasks = coord.queues.tasks
+        for g in coord.groups.table.values():
+            if g.state == "FINALIZED":
+                gate = coord.runs.table[g.gate_scope_id]
+                if gate.state == "ACTIVE":
+                    chk.fail("group", f"group {g.id} is FINALIZED but its gate run is ACTIVE")
+                for m in g.members:
+                    if tasks[m.task_id].state not in TERMINAL and tasks[m.task_id].scope_id == g.gate_scope_id:
+                        chk.fail("group", f"group {g.id} is FINALIZED but member {m.task_id} is {tasks[m.task_id].state}")
+                continue
+            why = ended(coord, g.gate_scope_id)
+            if why:
+                chk.fail("ended-run", f"group {g.id} is {g.state} under an ended run ({why})")
+                continue
+            if coord.runs.deadline_passed(g.gate_scope_id):
+                chk.fail("timeliness", f"group {g.id} is past its deadline and not FINALIZED")
+                continue
+            want = reference_decision(coord, g)
+            if want is not None:
+                chk.fail("group-model", f"group {g.id} ({g.condition}) should have decided {want}, is {g.state}")
+
+    def waiter_due(self, coord, actor_id, key):
+        if key == "final" and actor_id.startswith("grp_"):
+            return coord.groups.table[actor_id].state == "FINALIZED"
+        return None
+
+    def monotone(self, coord):
+        return {g.id: (g.state == "FINALIZED", g.outcome, g.outcome_reason,
+                       tuple((m.task_id, m.verdict) for m in g.members))
+                for g in coord.groups.table.values()}
+
+    def regressed(self, eid, old, new):
+        if old[0] and new[:3] != old[:3]:
+            return f"group {eid} decided {old[1:3]} and changed to {new[1:3]} (a group decides once)"
+        olds = dict(old[3])
+        for tid, v in new[3]:
+            if olds.get(tid) is not None and olds[tid] != v:
+                return f"member {tid} of group {eid} changed verdict {olds[tid]} -> {v}"
+        if len(new[3]) < len(old[3]):
+            return f"group {eid} lost members"
+        return None
+
+    def audits(self):
+        def finalized(chk, m, rec: r.GroupFinalized, now, mono):
+            g = m.groups.table.get(rec.group_id)
+            if g is None or g.state == "FINALIZED":
+                chk.fail("decide-once", f"group {rec.group_id} finalized twice ({g.outcome if g else '?'} then {rec.outcome})")
+
+        def verdict(chk, m, rec: r.GroupVerdict, now, mono):
+            mem = m.groups.member_index.get(rec.group_id, {}).get(rec.task_id)
+            if mem is None:
+                chk.fail("audit", f"verdict for non-member {rec.task_id} of group {rec.group_id}")
+            elif mem.verdict is not None:
+                chk.fail("audit", f"second verdict {rec.verdict} for member {rec.task_id} (was {mem.verdict})")
+            elif rec.verdict == "ACCEPTED" and m.queues.tasks[rec.task_id].state != "SUCCEEDED":
+                chk.fail("audit", f"member {rec.task_id} accepted while {m.queues.tasks[rec.task_id].state}")
+
+        def joined(chk, m, rec: r.GroupMemberJoined, now, mono):
+            if rec.task_id in m.groups.member_index.get(rec.group_id, {}):
+                chk.fail("audit", f"task {rec.task_id} joined group {rec.group_id} twice")
+
+        return {r.GroupFinalized: finalized, r.GroupVerdict: verdict, r.GroupMemberJoined: joined}
+
+
+# ============================================================================ barriers
+class SimBarriers(SimKind):
+    name = "barriers"
+    facts = ("bar_epoch_ge", "bar_released", "bar_arrived", "bar_cancelled")
+
+    def ops(self):
+        def bar(g: Gen):
+            return g.world.pick(g.rng, "bar")
+
+        def create(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            return run and p.BarrierCreate(scope_id=run, target=g.rng.randint(1, 3))
+
+        def arrive(g: Gen):
+            b = bar(g)
+            return b and p.BarrierArrive(barrier_id=b, key=g.rng.choice(("a", "b", "c", "d")))
+
+        def wait(g: Gen):
+            b = bar(g)
+            if b is None:
+                return None
+            epoch = None
+            if g.rng.random() < 0.3:
+                epoch = g.world.info[b].get("epoch", 1) + g.rng.choice((0, 1))
+            return p.BarrierWait(barrier_id=b, wait_ms=g.wait_ms(), epoch=epoch)
+
+        def next_epoch(g: Gen):
+            b = bar(g)
+            return b and p.BarrierNextEpochOp(barrier_id=b)
+
+        return {
+            "barrier.create": (0.8, create),
+            "barrier.arrive": (2.0, arrive),
+            "barrier.wait": (1.0, wait),
+            "barrier.next_epoch": (0.5, next_epoch),
+        }
+
+    def observe(self, obs, op, reply, err):
+        if isinstance(reply, p.BarrierView):
+            obs.world.add(reply.id, epoch=reply.epoch)
+            obs.world.info[reply.id]["epoch"] = reply.epoch
+            obs.fact("exists", reply.id)
+            obs.fact("bar_epoch_ge", reply.id, reply.epoch)
+            if reply.state == "RELEASED":
+                obs.fact("bar_released", reply.id, reply.epoch)
+            if reply.state == "CANCELLED":
+                obs.fact("bar_cancelled", reply.id)
+            for k in reply.keys:
+                obs.fact("bar_arrived", reply.id, reply.epoch, k)
+        elif err is not None and err.code == "BARRIER_CANCELLED" and _err_detail(err, "barrier_id"):
+            obs.fact("bar_cancelled", _err_detail(err, "barrier_id"))
+
+    def check_fact(self, coord, fact):
+        b = coord.barriers.table.get(fact[1])
+        if b is None:
+            return f"barrier {fact[1]} is missing"
+        what = fact[0]
+        if what == "bar_epoch_ge" and b.epoch < fact[2]:
+            return f"barrier {b.id} was seen in epoch {fact[2]}, is in {b.epoch}"
+        if what == "bar_released" and not (b.epoch > fact[2] or (b.epoch == fact[2] and b.state == "RELEASED")):
+            return f"barrier {b.id} was seen RELEASED in epoch {fact[2]}, is {b.state} in epoch {b.epoch}"
+        if what == "bar_arrived" and not (b.epoch > fact[2] or fact[3] in b.keys):
+            return f"barrier {b.id} was seen with arrival {fact[3]!r} in epoch {fact[2]}, has {b.keys} in {b.epoch}"
+        if what == "bar_cancelled" and b.state != "CANCELLED":
+            return f"barrier {b.id} was seen CANCELLED, is {b.state}"
+        return None
+
+    def quiescent(self, chk, coord):
+        for b in coord.barriers.table.values():
+            if b.state == "WAITING":
+                if len(b.keys) >= b.target:
+                    chk.fail("barrier", f"barrier {b.id} has {len(b.keys)} arrivals of {b.target} and is WAITING")
+                why = ended(coord, b.scope_id)
+                if why:
+                    chk.fail("ended-run", f"barrier {b.id} is WAITING under an ended run ({why})")
+
+    def waiter_due(self, coord, actor_id, key):
+        if key == "b" and actor_id.startswith("bar_"):
+            b = coord.barriers.table[actor_id]
+            # a waiter pinned to a later epoch may still wait on a RELEASED barrier; only
+            # CANCELLED answers every waiter
+            return b.state == "CANCELLED"
+        return None
+
+    def monotone(self, coord):
+        return {b.id: (b.epoch, b.state) for b in coord.barriers.table.values()}
+
+    def regressed(self, eid, old, new):
+        if new[0] < old[0]:
+            return f"barrier {eid}'s epoch went back from {old[0]} to {new[0]}"
+        if old[1] == "CANCELLED" and new[1] != "CANCELLED":
+            return f"barrier {eid} came back from CANCELLED"
+        if new[0] == old[0] and old[1] == "RELEASED" and new[1] == "WAITING":
+            return f"barrier {eid} went from RELEASED back to WAITING in epoch {old[0]}"
+        return None
+
+    def audits(self):
+        def arrived(chk, m, rec: r.BarrierArrived, now, mono):
+            b = m.barriers.table.get(rec.id)
+            if b is None or b.state != "WAITING" or rec.key in b.keys or rec.epoch != b.epoch:
+                chk.fail("audit", f"arrival {rec.key!r} on barrier {rec.id} in state "
+                                  f"{b.state if b else '?'} epoch {b.epoch if b else '?'} with {b.keys if b else []}")
+            elif rec.releases != (len(b.keys) + 1 >= b.target):
+                chk.fail("audit", f"arrival on barrier {rec.id} releases={rec.releases} with {len(b.keys)}+1 of {b.target}")
+
+        def next_epoch(chk, m, rec: r.BarrierNextEpoch, now, mono):
+            b = m.barriers.table.get(rec.id)
+            if b is None or b.state != "RELEASED" or rec.epoch != b.epoch + 1:
+                chk.fail("audit", f"next epoch of barrier {rec.id} from {b.state if b else '?'}")
+
+        return {r.BarrierArrived: arrived, r.BarrierNextEpoch: next_epoch}
+
+
+# ============================================================================ timers
+class SimTimers(SimKind):
+    name = "timers"
+    facts = ("timer_state",)
+
+    def ops(self):
+        def tmr(g: Gen):
+            return g.world.pick(g.rng, "tmr")
+
+        def create(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            if run is None:
+                return None
+            if g.rng.random() < 0.3:
+                return p.TimerCreate(scope_id=run, at=g.iso_in(-1, 30))
+            return p.TimerCreate(scope_id=run, after_ms=g.rng.choice((0, 500, 3000, 10000, 30000)))
+
+        def wait(g: Gen):
+            t = tmr(g)
+            return t and p.TimerWait(timer_id=t, wait_ms=g.wait_ms())
+
+        def cancel(g: Gen):
+            t = tmr(g)
+            return t and p.TimerCancel(timer_id=t)
+
+        return {"timer.create": (1.0, create), "timer.wait": (1.0, wait), "timer.cancel": (0.4, cancel)}
+
+    def observe(self, obs, op, reply, err):
+        if isinstance(reply, p.TimerView):
+            obs.world.add(reply.id)
+            obs.fact("exists", reply.id)
+            if reply.state in ("FIRED", "ACKED", "CANCELLED"):
+                obs.fact("timer_state", reply.id, reply.state)
+        elif err is not None and err.code == "TIMER_CANCELLED" and _err_detail(err, "timer_id"):
+            obs.fact("timer_state", _err_detail(err, "timer_id"), "CANCELLED")
+
+    def check_fact(self, coord, fact):
+        t = coord.timers.table.get(fact[1])
+        if t is None:
+            return f"timer {fact[1]} is missing"
+        ok = {"FIRED": ("FIRED", "ACKED"), "ACKED": ("ACKED",), "CANCELLED": ("CANCELLED",)}[fact[2]]
+        if t.state not in ok:
+            return f"timer {t.id} was seen {fact[2]}, is {t.state}"
+        return None
+
+    @staticmethod
+    def due(coord, t) -> tuple[bool, int]:
+        """(is the due time server time?, due ms)"""
+        return (True, t.fire_mono_ms) if t.fire_mono_ms is not None else (False, t.fire_at_ms)
+
+    def quiescent(self, chk, coord):
+        now, mono = coord.now_ms(), coord.mono_ms()
+        for t in coord.timers.table.values():
+            if t.state != "ARMED":
+                continue
+            is_mono, due = self.due(coord, t)
+            late = (mono if is_mono else now) - due
+            if late > SLACK_MS:
+                chk.fail("timeliness", f"timer {t.id} is ARMED {late} ms past its due time")
+            why = ended(coord, t.scope_id)
+            if why:
+                chk.fail("ended-run", f"timer {t.id} is ARMED under an ended run ({why})")
+
+    def waiter_due(self, coord, actor_id, key):
+        if key == "t" and actor_id.startswith("tmr_"):
+            return coord.timers.table[actor_id].state != "ARMED"
+        return None
+
+    def monotone(self, coord):
+        return {t.id: t.state for t in coord.timers.table.values()}
+
+    def regressed(self, eid, old, new):
+        order = {"ARMED": 0, "FIRED": 1, "ACKED": 2, "CANCELLED": 3}
+        if old != new and (old in ("ACKED", "CANCELLED") or order[new] < order[old]):
+            return f"timer {eid} went from {old} to {new}"
+        return None
+
+    def audits(self):
+        def fired(chk, m, rec: r.TimerFired, now, mono):
+            t = m.timers.table.get(rec.id)
+            if t is None or t.state != "ARMED":
+                chk.fail("audit", f"timer {rec.id} fired while {t.state if t else 'missing'}")
+                return
+            is_mono, due = self.due(m, t)
+            early = due - (mono if is_mono else now)
+            if early > SLACK_MS:
+                chk.fail("timeliness", f"timer {t.id} fired {early} ms before its due time")
+
+        def acked(chk, m, rec: r.TimerAcked, now, mono):
+            t = m.timers.table.get(rec.id)
+            if t is None or t.state != "FIRED":
+                chk.fail("audit", f"timer {rec.id} acked while {t.state if t else 'missing'}")
+
+        def cancelled(chk, m, rec: r.TimerCancelled, now, mono):
+            t = m.timers.table.get(rec.id)
+            if t is None or t.state != "ARMED":
+                chk.fail("audit", f"timer {rec.id} cancelled while {t.state if t else 'missing'}")
+
+        return {r.TimerFired: fired, r.TimerAcked: acked, r.TimerCancelled: cancelled}
+
+
+# ============================================================================ join sets
+class SimJoinSets(SimKind):
+    name = "joinsets"
+    facts = ("js_child", "js_has_child", "js_closed", "js_record")
+
+    def ops(self):
+        def js(g: Gen):
+            return g.world.pick(g.rng, "jst")
+
+        def create(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            return run and p.JoinSetCreate(scope_id=run, name=g.rng.choice((None, None, "fetch", "poll")))
+
+        def submit(g: Gen):
+            j = js(g)
+            return j and p.JoinSetSubmit(joinset_id=j, mailbox=g.rng.choice(MAILBOXES),
+                                         input=_raw({"c": g.rng.randrange(10**6)}), cancellable=g.rng.random() < 0.8,
+                                         key=g.rng.choice((None, None, None, "c0")))
+
+        def delay(g: Gen):
+            j = js(g)
+            if j is None:
+                return None
+            if g.rng.random() < 0.2:
+                return p.JoinSetSubmitDelay(joinset_id=j, at=g.iso_in(0, 20))
+            return p.JoinSetSubmitDelay(joinset_id=j, after_ms=g.rng.choice((0, 1000, 5000, 20000)))
+
+        def join_next(g: Gen):
+            j = js(g)
+            if j is None:
+                return None
+            consumed = g.world.info[j].get("consumed", 0)
+            if consumed and g.rng.random() < 0.25:
+                return p.JoinNext(joinset_id=j, index=g.rng.randrange(consumed))  # a positional re-read
+            return p.JoinNext(joinset_id=j, wait_ms=g.wait_ms(), try_only=g.rng.random() < 0.2)
+
+        def close(g: Gen):
+            j = js(g)
+            return j and p.JoinSetClose(joinset_id=j, wait_ms=g.rng.choice((0, 5000)))
+
+        def get(g: Gen):
+            j = js(g)
+            return j and p.JoinSetGet(joinset_id=j)
+
+        return {
+            "joinset.create": (0.8, create),
+            "joinset.submit": (1.5, submit),
+            "joinset.delay": (1.0, delay),
+            "joinset.join_next": (1.8, join_next),
+            "joinset.close": (0.5, close),
+            "joinset.get": (0.3, get),
+        }
+
+    def observe(self, obs, op, reply, err):
+        w = obs.world
+        if isinstance(reply, p.JoinSetView):
+            w.add(reply.id)
+            info = w.info[reply.id]
+            info["consumed"] = max(info.get("consumed", 0), reply.consumed)
+            obs.fact("exists", reply.id)
+            for i, c in enumerate(reply.children):
+                obs.fact("js_child", reply.id, i, c.child_id)
+                if c.kind == "task":
+                    w.add(c.child_id)
+            if reply.state == "CLOSED":
+                obs.fact("js_closed", reply.id)
+        elif isinstance(reply, p.JoinSetChildAdded):
+            obs.fact("js_has_child", op.joinset_id, reply.child_id)
+            if reply.kind == "task":
+                w.add(reply.child_id)
+        elif isinstance(reply, p.JoinNextView) and reply.status == "record":
+            info = w.info.setdefault(op.joinset_id, {})
+            info["consumed"] = max(info.get("consumed", 0), reply.index + 1)
+            obs.fact("js_record", op.joinset_id, reply.index, reply.child_id, reply.ok, reply.failure_kind,
+                     bytes(reply.value))
+
+    def check_fact(self, coord, fact):
+        js = coord.joinsets.table.get(fact[1])
+        if js is None:
+            return f"join set {fact[1]} is missing"
+        what = fact[0]
+        if what == "js_child":
+            if fact[2] >= len(js.children) or js.children[fact[2]].child_id != fact[3]:
+                return f"join set {js.id}'s child #{fact[2]} was seen as {fact[3]}"
+        elif what == "js_has_child":
+            if fact[2] not in {c.child_id for c in js.children}:
+                return f"child {fact[2]} of join set {js.id} is missing"
+        elif what == "js_closed":
+            if js.state != "CLOSED":
+                return f"join set {js.id} was seen CLOSED, is {js.state}"
+        elif what == "js_record":
+            _, _, k, child, ok, fk, value = fact
+            if k >= len(js.completions) or js.consumed <= k:
+                return f"record #{k} of join set {js.id} was consumed, but it has {len(js.completions)} records, {js.consumed} consumed"
+            c = js.completions[k]
+            have = (c.child_id, c.ok, c.failure_kind, c.value if c.value is not None else b"\xc0")
+            if have != (child, ok, fk, value):
+                return f"record #{k} of join set {js.id} was {(child, ok, fk)}, replays as {have[:3]}"
+        return None
+
+    def quiescent(self, chk, coord):
+        now, mono = coord.now_ms(), coord.mono_ms()
+        for js in coord.joinsets.table.values():
+            if not js.consumed <= len(js.completions) <= len(js.children):
+                chk.fail("joinset", f"join set {js.id}: {js.consumed} consumed, {len(js.completions)} records, "
+                                    f"{len(js.children)} children")
+            for c in js.children:
+                if c.kind == "delay" and not c.done:
+                    late = (mono - c.fire_mono_ms) if c.fire_mono_ms is not None else (now - c.fire_at_ms)
+                    if late > SLACK_MS:
+                        chk.fail("timeliness", f"delay {c.child_id} of join set {js.id} is {late} ms overdue")
+            if js.state == "CLOSING" and all(c.done for c in js.children):
+                chk.fail("joinset", f"join set {js.id} is CLOSING with every child finished")
+            if js.state != "CLOSED":
+                why = ended(coord, js.scope_id)
+                if why:
+                    chk.fail("ended-run", f"join set {js.id} is {js.state} under an ended run ({why})")
+
+    def waiter_due(self, coord, actor_id, key):
+        if key == "j" and actor_id.startswith("jst_"):
+            js = coord.joinsets.table[actor_id]
+            return js.state == "CLOSED" or (js.state == "OPEN" and len(js.completions) > js.consumed)
+        return None
+
+    def monotone(self, coord):
+        return {js.id: (js.state, js.consumed, tuple(c.child_id for c in js.completions))
+                for js in coord.joinsets.table.values()}
+
+    def regressed(self, eid, old, new):
+        if new[1] < old[1]:
+            return f"join set {eid}'s consumed count went back from {old[1]} to {new[1]}"
+        if new[2][: len(old[2])] != old[2]:
+            return f"join set {eid}'s completion records changed: {old[2]} -> {new[2]}"
+        if old[0] == "CLOSED" and new[0] != "CLOSED":
+            return f"join set {eid} reopened"
+        return None
+
+    def audits(self):
+        def consumed(chk, m, rec: r.JoinSetConsumed, now, mono):
+            js = m.joinsets.table.get(rec.joinset_id)
+            if js is None or rec.index != js.consumed or rec.index >= len(js.completions):
+                chk.fail("audit", f"consume #{rec.index} of join set {rec.joinset_id} with "
+                                  f"{js.consumed if js else '?'} consumed, {len(js.completions) if js else '?'} records")
+
+        def delay_fired(chk, m, rec: r.JoinSetDelayFired, now, mono):
+            js = m.joinsets.table.get(rec.joinset_id)
+            pos = m.joinsets.child_pos.get(rec.child_id)
+            if js is None or pos is None:
+                chk.fail("audit", f"delay {rec.child_id} fired in an unknown join set")
+                return
+            c = js.children[pos[1]]
+            if c.done:
+                chk.fail("audit", f"delay {rec.child_id} fired twice")
+            early = (c.fire_mono_ms - mono) if c.fire_mono_ms is not None else (c.fire_at_ms - now)
+            if early > SLACK_MS:
+                chk.fail("timeliness", f"delay {rec.child_id} fired {early} ms early")
+
+        return {r.JoinSetConsumed: consumed, r.JoinSetDelayFired: delay_fired}
+
+
+#: Every kind the simulator drives, in the order their checks run.
+KINDS: list[SimKind] = [SimRuns(), SimQueues(), SimGroups(), SimBarriers(), SimTimers(), SimJoinSets()]

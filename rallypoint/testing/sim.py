@@ -1,0 +1,1247 @@
+"""Deterministic simulation: one integer seed drives the clients, the clock, the disk,
+crashes and restarts of a real rallypoint node, and every step is checked.
+
+Run one seed (replays exactly; ``--trace`` prints what happened)::
+
+    python -m rallypoint.testing.sim --seed 1234 --trace
+    python -m rallypoint.testing.sim --seed 1234 --keep 3,7,12-15 --trace   # a shrunk schedule
+    python -m rallypoint.testing.sim --seeds 0:10000 --processes 2            # many seeds
+
+What runs is the production stack: :func:`rallypoint.node.open_node` on a data dir (on
+tmpfs), its :class:`~rallypoint.service.Service`, the actor runtime, the kinds, the
+real journal code and LMDB snapshots, recovery. The seed decides, through one
+:class:`random.Random` per concern:
+
+- the *schedule* (:func:`generate`): a list of steps -- a client issues an operation
+  (any kind's, see :mod:`rallypoint.testing.kinds`), time advances (to each due
+  activity in turn, as the real loop would see it), the event loop stalls, the node
+  crashes (process kill, machine crash, clean stop) and restarts after a downtime,
+  possibly with its wall clock set back or forward;
+- Trio's scheduler (its batch-order random source is seeded), the node's ids, each
+  client's network delay (requests of one client stay in order; clients overtake each
+  other), and the disk (:mod:`rallypoint.testing.disk`: write/fsync latencies, short
+  writes, a failing fsync or write, what a crash keeps);
+- fault injection: an apply function that raises (fail-stop must stop the node before
+  anything exposes the half-applied state).
+
+Time is Trio's :class:`~trio.testing.MockClock`, moved only by the simulator: a whole
+schedule (minutes of virtual time, restarts included) takes milliseconds.
+
+The invariants (a failing one names itself; see ``docs/testing.md``):
+
+- **durability**: a reply leaves only when the journal is durable past the journal's
+  last LSN when it was made (checked when it is made and when it is released); every
+  fact a reply shows holds in the *durable* state at once (a replay of the durable
+  journal prefix: what a crash now would recover) -- so no acknowledged change is lost
+  and nothing a client saw can be taken back; facts are re-checked after every step
+  and after every restart;
+- **replay**: the live state always equals a replay of its journal; after a restart the
+  recovered state (snapshot + tail) equals a replay of exactly the records the crash
+  left intact (computed from the disk model, independently of the recovery code);
+- **audit**: every journal record is checked against the state before it: fencing
+  (the token, a live lease), decide-once (a group finalizes once, a timer fires once),
+  timing (nothing fires early; a lease never expires before the time owed to it after
+  downtime and stalls), join-set consumes in order;
+- **monotone**: terminal states, group decisions, verdicts, tokens, epochs, join-set
+  records never move back (in the live state within a run, in the durable state
+  across crashes);
+- **quiescence**: when every task is blocked -- no actor has commands in its inbox,
+  no parked waiter has an answer (lost wake-up), nothing due is pending (deadlines,
+  leases, timers, delays), nothing is pending under an ended run, no waiter is parked
+  under an ended run, groups agree with a reference decision table;
+- **replies**: a receive answered empty had nothing ready in its subtree, deliveries
+  are oldest first, a successful complete used the current token;
+- **fail-stop**: an injected raising apply stops the node with FatalError, no snapshot
+  is written after it, recovery is clean;
+- **liveness**: every request is answered (or its connection dropped by a crash)
+  within the drain at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+import trio.testing
+
+from .. import protocol as p
+from ..actors import Coordinator, FatalError
+from ..clock import Clock
+from ..errors import RallypointError
+from ..ids import IdGenerator, _b32
+from ..node import open_node
+from ..persistence.errors import PersistenceError
+from ..records import decode_commit
+from ..service import CallSink, Session
+from .disk import DiskFaults, SimDisk, SimStorage
+from .kinds import KINDS, Gen, Script, World, ended
+
+__all__ = ["Profile", "Result", "Violation", "generate", "run_seed", "run_seeds", "shrink", "main"]
+
+log = logging.getLogger("rallypoint.sim")
+
+#: wall clock of the first start (2026-01-01T00:00:00Z), seconds
+WALL0 = 1_767_225_600.0
+DEFAULT_STEPS = 48
+#: after the last step: every wait (<= 15 s here), delay and fsync ends within this, seconds
+DRAIN_S = 25.0
+
+
+# ============================================================================ schedule
+@dataclass
+class Profile:
+    """Everything about a schedule that is not a step, drawn from the seed alone (so a
+    shrunk step list keeps it)."""
+
+    mode: str
+    clients: list[str]  # per client: "call" (Service.call) or "observed" (its own sink)
+    delays: list[tuple[float, ...]]  # per client: network delays to draw from, seconds
+    weights: dict[str, float]
+    faults: DiskFaults
+    apply_fault_at: int | None
+    snapshot_every_records: int
+    snapshot_every_s: float
+    wide: bool
+    final: str  # how the schedule's last restart happens: clean, process, machine
+    quantum: float  # time advances by at least this much at once, seconds
+
+    def describe(self) -> str:
+        f = self.faults
+        bits = [f"mode={self.mode}", f"clients={','.join(self.clients)}",
+                f"snapshot_every={self.snapshot_every_records}rec/{self.snapshot_every_s}s"]
+        if f.fail_fsync_at is not None:
+            bits.append(f"fsync#{f.fail_fsync_at} fails")
+        if f.fail_write_at is not None:
+            bits.append(f"write#{f.fail_write_at} fails")
+        if self.apply_fault_at is not None:
+            bits.append(f"apply#{self.apply_fault_at} raises")
+        if self.wide:
+            bits.append("wide")
+        return " ".join(bits)
+
+
+def _all_ops() -> dict[str, tuple[str, float, Any]]:
+    out = {}
+    for k in KINDS:
+        for name, (w, fn) in k.ops().items():
+            out[name] = (k.name, w, fn)
+    return out
+
+
+OPS = _all_ops()
+
+
+def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tuple]]:
+    """The profile and the steps of ``seed``. Steps are tuples:
+
+    - ``("op", client, op_name, rnd)``: the client issues op ``op_name``, its arguments
+      drawn from ``random.Random(rnd)`` against what the clients know then;
+    - ``("tick", seconds)``: virtual time passes (every due activity fires in turn);
+    - ``("stall", seconds)``: the event loop stalls (time jumps at once);
+    - ``("crash", how, downtime_s, wall_skew_s)``: ``how`` is ``process`` (kill -9),
+      ``machine`` (power loss) or ``clean`` (SIGTERM); the node restarts after
+      ``downtime_s``, its wall clock moved by ``wall_skew_s``.
+    """
+    rng = random.Random(seed)
+    mode = "interval" if rng.random() < 0.2 else "fsync"
+    n_clients = rng.randint(2, 4)
+    clients = [rng.choice(("call", "observed", "observed")) for _ in range(n_clients)]
+    delays = [rng.choice(((0.0,), (0.0, 0.001, 0.01), (0.0005, 0.05, 0.3), (0.0, 0.002, 1.5))) for _ in range(n_clients)]
+    emphasis = {k.name: rng.choice((0.3, 1.0, 1.0, 2.5)) for k in KINDS}
+    weights = {name: w * emphasis[kind] for name, (kind, w, _) in OPS.items()}
+    faults = DiskFaults.draw(rng, allow_fsync_failure=mode == "fsync")
+    apply_fault_at = rng.randrange(5, 120) if rng.random() < 0.05 else None
+    wide = rng.random() < 0.03
+    prof = Profile(
+        mode=mode, clients=clients, delays=delays, weights=weights, faults=faults, apply_fault_at=apply_fault_at,
+        snapshot_every_records=rng.choice((4, 10, 40, 100_000)), snapshot_every_s=rng.choice((1.0, 5.0, 60.0)),
+        wide=wide, final=rng.choice(("clean", "process", "machine") if mode == "fsync" else ("clean", "process")),
+        quantum=rng.choice((0.0, 0.05, 0.3, 0.3, 1.0)),
+    )
+    names = list(weights)
+    cum = []
+    acc = 0.0
+    for n in names:
+        acc += weights[n]
+        cum.append(acc)
+    steps: list[tuple] = []
+    crash_kinds = ("process", "machine", "clean") if mode == "fsync" else ("process", "clean")
+    n_crashes = rng.choice((0, 1, 1, 2, 3))
+    crash_at = set(rng.sample(range(4, n_steps), min(n_crashes, n_steps - 4))) if n_steps > 4 else set()
+    boot = [("op", 0, "mailbox.ensure", rng.getrandbits(32)), ("op", 0, "scope.create", rng.getrandbits(32))]
+    steps.extend(boot)
+    if wide:
+        steps.append(("op", 0, "fanout", rng.getrandbits(32)))
+    while len(steps) < n_steps:
+        i = len(steps)
+        if i in crash_at:
+            skew = 0.0
+            if rng.random() < 0.3:
+                skew = rng.choice((-40.0, -5.0, 30.0, 600.0))
+            steps.append(("crash", rng.choice(crash_kinds), rng.choice((0.05, 0.5, 3.0, 20.0, 60.0)), skew))
+            continue
+        x = rng.random()
+        if x < 0.68:
+            name = names[_bisect(cum, rng.random() * acc)]
+            steps.append(("op", rng.randrange(n_clients), name, rng.getrandbits(32)))
+        elif x < 0.985:
+            steps.append(("tick", rng.choice((0.0, 0.001, 0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 12.0))))
+        else:
+            steps.append(("stall", rng.choice((2.5, 6.0, 15.0))))
+    return prof, steps
+
+
+def _bisect(cum: list[float], x: float) -> int:
+    lo, hi = 0, len(cum) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cum[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+# ============================================================================ results
+class Violation(Exception):
+    """An invariant failed: ``invariant`` names it, ``message`` says what was seen."""
+
+    def __init__(self, invariant: str, message: str, step: int | None = None) -> None:
+        super().__init__(f"[{invariant}] {message}")
+        self.invariant = invariant
+        self.message = message
+        self.step = step
+
+
+@dataclass
+class Result:
+    """The outcome of one schedule."""
+
+    seed: int
+    ok: bool
+    violation: Violation | None = None
+    trace: list[str] = field(default_factory=list)
+    digest: str = ""
+    steps: int = 0
+    stats: dict = field(default_factory=dict)
+
+    def headline(self) -> str:
+        if self.ok:
+            return f"seed {self.seed}: ok ({self.steps} steps)"
+        v = self.violation
+        return f"seed {self.seed}: VIOLATION [{v.invariant}] at step {v.step}: {v.message}"
+
+
+class Check:
+    """Where checks report. Inside server code (a sink, a journal append) a failure is
+    only recorded; the driver raises it at its next check point."""
+
+    def __init__(self, sim: "Sim") -> None:
+        self.sim = sim
+        self.failures: list[Violation] = []
+
+    def fail(self, invariant: str, message: str) -> None:
+        self.failures.append(Violation(invariant, message, self.sim.step_no))
+
+    def raise_first(self) -> None:
+        if self.failures:
+            raise self.failures[0]
+
+
+class SimulatedBug(RuntimeError):
+    """The fault injected into an apply function (fail-stop check)."""
+
+
+class _SeededIds(IdGenerator):
+    """The production id generator with the seed's random source instead of urandom."""
+
+    __slots__ = ("_rng",)
+
+    def __init__(self, now_ms, rng: random.Random) -> None:
+        super().__init__(now_ms)
+        self._rng = rng
+
+    def new(self, prefix: str) -> str:
+        ms = self._now_ms()
+        if ms <= self._last_ms:
+            ms = self._last_ms
+            rand = (self._last_rand + 1) & ((1 << 80) - 1)
+        else:
+            rand = self._rng.getrandbits(80)
+        self._last_ms, self._last_rand = ms, rand
+        return f"{prefix}_{_b32((ms << 80) | rand)}"
+
+
+def _short(v) -> str:
+    if isinstance(v, str) and len(v) == 30 and v[3] == "_":
+        return v[:4] + v[-5:]
+    return repr(v) if not isinstance(v, str) else v
+
+
+def _op_text(op) -> str:
+    tag = op.__struct_config__.tag
+    parts = []
+    for f in op.__struct_fields__:
+        v = getattr(op, f)
+        if v is None or isinstance(v, msgspec.Raw) or f == "items":
+            continue
+        parts.append(f"{f}={_short(v)}")
+    if isinstance(op, p.TaskSubmitMany):
+        parts.append(f"items={len(op.items)}")
+    return f"{tag}({', '.join(parts)})"
+
+
+def _reply_text(reply, err) -> str:
+    if err is not None:
+        return f"{getattr(err, 'code', type(err).__name__)}"
+    if reply is None:
+        return "nil"
+    name = type(reply).__name__.replace("View", "")
+    for f in ("state", "stored_state", "status", "group_state"):
+        if hasattr(reply, f):
+            extra = ""
+            if hasattr(reply, "id"):
+                extra = f" {_short(reply.id)}"
+            if isinstance(reply, p.JoinNextView):
+                extra = f" #{reply.index} {_short(reply.child_id)}"
+            return f"{name}{extra} {getattr(reply, f)}"
+    if isinstance(reply, p.ReceiveView):
+        return "Receive[" + ", ".join(f"{_short(d.task_id)}#{d.token}" for d in reply.deliveries) + "]"
+    if isinstance(reply, p.TaskListView):
+        return f"Tasks[{len(reply.tasks)}]"
+    if isinstance(reply, p.LeaseView):
+        return f"Lease {_short(reply.task_id)}#{reply.token}"
+    if isinstance(reply, p.JoinSetChildAdded):
+        return f"Child {_short(reply.child_id)}"
+    return name
+
+
+# ============================================================================ the simulator
+class _Obs:
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.facts: list[tuple] = []
+
+    def fact(self, *f) -> None:
+        self.facts.append(f)
+
+
+@dataclass
+class _Client:
+    idx: int
+    path: str
+    delays: tuple[float, ...]
+    rng: random.Random
+    session: Session
+    last_deliver: float = 0.0
+
+
+@dataclass
+class _Req:
+    rid: int
+    client: int
+    op: Any
+    sent: float
+    label: str = ""
+
+
+class _Incarnation:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.node = None
+        self.coord: Coordinator | None = None
+        self.journal = None
+        self.storage: SimStorage | None = None
+        self.ready = trio.Event()
+        self.done = trio.Event()
+        self.scope = trio.CancelScope()
+        self.stop_clean = trio.Event()
+        self.calls: set[trio.CancelScope] = set()
+        self.outcome: tuple[str, Any] = ("running", None)
+        self.expected_last: int | None = None
+
+
+class _Sink(CallSink):
+    """The sink of an "observed" client: checks every reply at the instant it is made."""
+
+    def __init__(self, sim: "Sim", op) -> None:
+        super().__init__(1)
+        self.sim = sim
+        self.op = op
+
+    def deliver(self, rid: int, reply, lsn: int) -> None:
+        self.sim.on_reply_made(self.op, reply, lsn)
+        super().deliver(rid, reply, lsn)
+
+
+class Sim:
+    """One schedule against one node (and its restarts). :meth:`run` returns a
+    :class:`Result`; construct through :func:`run_seed`."""
+
+    def __init__(self, seed: int, profile: Profile, steps: list[tuple], *, trace: bool, data_dir: str,
+                 check_every: int = 1) -> None:
+        self.seed = seed
+        self.profile = profile
+        self.steps = steps
+        self.tracing = trace
+        self.data_dir = data_dir
+        self.check_every = check_every
+        master = random.Random(seed * 7919 + 17)
+        self.trio_seed = master.getrandbits(64)
+        self.id_rng = random.Random(master.getrandbits(64))
+        self.disk = SimDisk(data_dir, random.Random(master.getrandbits(64)), profile.faults)
+        self.disk.on_append = self.on_append
+        self.disk.on_durable = self.on_durable
+        self.disk.on_snapshot = self.on_snapshot
+        self.clients = [
+            _Client(i, path, profile.delays[i], random.Random(master.getrandbits(64)), Session(peer=f"sim-c{i}"))
+            for i, path in enumerate(profile.clients)
+        ]
+        self.world = World()
+        for k in KINDS:
+            k.init_world(self.world)
+        self.check = Check(self)
+        self.trace_lines: list[str] = []
+        self.step_no = -1
+        self.payloads: list[bytes] = []
+        self.mirror: Coordinator | None = None
+        self.shadow: Coordinator | None = None
+        self.shadow_lsn = 0
+        self.facts: dict[tuple, int] = {}
+        self.fact_owner: dict[str, Any] = {name: k for k in KINDS for name in k.facts}
+        self.audit_fns: dict[type, Any] = {}
+        for k in KINDS:
+            self.audit_fns.update(k.audits())
+        self.expected_last: int | None = None
+        self.mono_live: dict[str, dict] = {}
+        self.mono_durable: dict[str, dict] = {}
+        self.leases: dict[tuple[str, int], int] = {}
+        self.pending: dict[int, _Req] = {}
+        self.next_rid = 1
+        self.inc: _Incarnation | None = None
+        self.incarnations = 0
+        self.wall_skew = 0.0
+        self.live_applies = 0
+        self.apply_fault_done = False
+        self.apply_fault_armed = False
+        self.stats = {"requests": 0, "replies": 0, "restarts": 0, "facts": 0, "commits": 0}
+        self.clock: trio.testing.MockClock | None = None
+        self.quantum = profile.quantum
+        self.mono_stop: int | None = None
+
+    # ----------------------------------------------------------------- tracing
+    def trace(self, text: str) -> None:
+        if self.tracing:
+            self.trace_lines.append(f"[{trio.current_time():10.4f}] #{self.step_no:<3} {text}")
+
+    # ----------------------------------------------------------------- the node
+    def live(self) -> Coordinator | None:
+        inc = self.inc
+        return inc.coord if inc is not None and inc.ready.is_set() and not inc.done.is_set() else None
+
+    def _on_coordinator(self, coord: Coordinator) -> None:
+        coord.ids = _SeededIds(coord.clock.mono_ms, self.id_rng)
+        self.inc.coord = coord
+        if self.profile.apply_fault_at is not None and not self.apply_fault_done:
+            for t, fn in list(coord._apply.items()):
+                coord._apply[t] = self._faulty(coord, fn)
+
+    def _faulty(self, coord, fn):
+        def apply(rec):
+            fn(rec)
+            if self.apply_fault_armed and not coord.replaying and not self.apply_fault_done:
+                self.live_applies += 1
+                if self.live_applies >= self.profile.apply_fault_at:
+                    self.apply_fault_done = True
+                    self.trace(f"FAULT: the apply of {type(rec).__name__} raises (after changing memory)")
+                    raise SimulatedBug(f"injected: applying {type(rec).__name__} raised")
+        return apply
+
+    def _on_journal_opened(self, storage: SimStorage) -> None:
+        """Recovery replayed the data dir; nothing new is appended yet: rebuild the
+        mirror and the shadow from exactly the records that survived."""
+        last = storage.recovered_next_lsn - 1
+        inc = self.inc
+        if inc is None:
+            return
+        if self.expected_last is not None and last != self.expected_last:
+            self.check.fail("recovery", f"recovery kept records up to LSN {last}; the disk held every record "
+                                        f"up to LSN {self.expected_last} intact and nothing after it")
+        self.disk.start_incarnation()
+        self.disk.forget_after(last)
+        del self.payloads[last:]
+        coord = inc.coord
+        self.mirror = self._replayed(coord.clock, last)
+        self.shadow = self._replayed(coord.clock, last)
+        self.shadow_lsn = last
+        self.mono_live = {}
+        # the lease model: what each outstanding lease is owed across the downtime
+        gap = coord.mono_ms() - self.mono_stop if self.mono_stop is not None else 0
+        self.leases = {}
+        for t in self.mirror.queues.tasks.values():
+            if t.state == "RUNNING":
+                self.leases[(t.id, t.token)] = t.lease_expires_ms + max(gap, 0)
+
+    def _replayed(self, clock, upto: int) -> Coordinator:
+        c = Coordinator(clock=clock, durability="memory")
+        for payload in self.payloads[:upto]:
+            c.replay(payload)
+        return c
+
+    async def _server(self, inc: _Incarnation, storage: SimStorage, clock: Clock) -> None:
+        prof = self.profile
+        try:
+            with inc.scope:
+                async with open_node(self.data_dir, prof.mode, clock=clock, interval_ms=10,
+                                     snapshot_every_records=prof.snapshot_every_records,
+                                     snapshot_every_s=prof.snapshot_every_s, storage=storage) as node:
+                    inc.node = node
+                    inc.journal = node.coordinator.journal
+                    inc.ready.set()
+                    await inc.stop_clean.wait()
+            inc.outcome = ("clean", None) if inc.stop_clean.is_set() else ("killed", None)
+        except FatalError as exc:
+            inc.outcome = ("fatal", exc)
+        except BaseException as exc:  # noqa: BLE001 - classified by the driver
+            inner = exc
+            while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+                inner = inner.exceptions[0]
+            if isinstance(inner, trio.Cancelled):
+                inc.outcome = ("killed", None)
+            elif isinstance(inner, FatalError):
+                inc.outcome = ("fatal", inner)
+            else:
+                inc.outcome = ("error", inner)
+                if not isinstance(inner, Exception):
+                    raise
+        finally:
+            inc.done.set()
+
+    async def start_node(self) -> None:
+        self.incarnations += 1
+        inc = self.inc = _Incarnation(self.incarnations)
+        storage = SimStorage(self.disk, hook=self._on_coordinator)
+        opened = storage.open_journal
+
+        def open_journal(recovered, mode, interval_ms):
+            j = opened(recovered, mode, interval_ms)
+            self._on_journal_opened(storage)
+            return j
+
+        storage.open_journal = open_journal
+        inc.storage = storage
+        wall = WALL0 + trio.current_time() + self.wall_skew
+        clock = Clock(wall_start=wall)
+        self.apply_fault_armed = False
+        self.nursery.start_soon(self._server, inc, storage, clock)
+        while not (inc.ready.is_set() or inc.done.is_set()):
+            await self.settle()
+            if not (inc.ready.is_set() or inc.done.is_set()):
+                await self._advance_once(1.0)
+        if inc.done.is_set():
+            what, exc = inc.outcome
+            raise Violation("recovery", f"the node did not start after a crash: {what} {exc!r}", self.step_no)
+        self.apply_fault_armed = True
+        self.expected_last = None
+        self.mono_stop = None
+        self.trace(f"node #{inc.n} up: recovered {inc.node.recovery_info.get('entities')} entities, "
+                   f"snapshot LSN {inc.node.recovery_info.get('snapshot_lsn')}, next LSN {storage.recovered_next_lsn}")
+
+    async def stop_node(self, how: str) -> None:
+        """Stop the node: ``clean`` (graceful), ``process`` (kill -9), ``machine``
+        (power loss), or account for a node that already stopped by itself."""
+        inc = self.inc
+        coord = inc.coord
+        if not inc.done.is_set():
+            self.mono_stop = coord.mono_ms()
+            if how == "clean":
+                inc.stop_clean.set()
+                while not inc.done.is_set():
+                    await self._advance_once(5.0)
+                self.mono_stop = coord.mono_ms()  # it heard renewals until it stopped
+            else:
+                coord.heartbeat = None  # a dead process writes nothing more
+                self.expected_last = self.disk.crash(machine=how == "machine")
+                for cs in list(inc.calls):
+                    cs.cancel()
+                inc.scope.cancel()
+                await inc.done.wait()
+        else:
+            self.mono_stop = coord.mono_ms() if coord is not None else None
+        what, exc = inc.outcome
+        if what == "fatal":
+            if not self.apply_fault_done:
+                raise Violation("fail-stop", f"the node stopped with FatalError without an injected fault: {exc!r}",
+                                self.step_no)
+            if coord is not None and coord.failed is None:
+                raise Violation("fail-stop", "FatalError left the coordinator without its failed mark", self.step_no)
+        elif what == "error":
+            from ..persistence.errors import JournalWriteError
+
+            if not (isinstance(exc, JournalWriteError) and (self.profile.faults.fail_fsync_at is not None
+                                                             or self.profile.faults.fail_write_at is not None)):
+                raise Violation("crash", f"the node stopped with an unexpected error: {exc!r}", self.step_no)
+        for cs in list(inc.calls):
+            cs.cancel()
+        if self.expected_last is None:
+            # stopped by itself or cleanly: the journal closed, flushing what it had; after
+            # a failed write or fsync the unsynced part is suspect (a machine crash's cut)
+            failed_io = what == "error"
+            self.expected_last = self.disk.crash(machine=failed_io)
+        self.trace(f"node #{inc.n} stopped ({how}: {what}); the disk keeps LSN <= {self.expected_last}")
+        self.stats["restarts"] += 1
+        await self.settle()
+
+    # ----------------------------------------------------------------- journal hooks
+    def on_append(self, lsn: int, payload: bytes) -> None:
+        if self.disk.crashed:
+            return
+        if lsn != len(self.payloads) + 1:
+            self.check.fail("journal", f"append got LSN {lsn}, expected {len(self.payloads) + 1}")
+            return
+        self.payloads.append(payload)
+        self.stats["commits"] += 1
+        m = self.mirror
+        if m is None:
+            return
+        coord = self.inc.coord
+        now, mono = coord.now_ms(), coord.mono_ms()
+        m.replaying = True
+        try:
+            for rec in decode_commit(payload):
+                fn = self.audit_fns.get(type(rec))
+                if fn is not None:
+                    fn(self.check, m, rec, now, mono)
+                m._apply[type(rec)](rec)
+        finally:
+            m.replaying = False
+            m.groups.touched.clear()
+
+    def on_durable(self, lsn: int) -> None:
+        sh = self.shadow
+        if sh is None:
+            return
+        while self.shadow_lsn < lsn and self.shadow_lsn < len(self.payloads):
+            sh.replay(self.payloads[self.shadow_lsn])
+            self.shadow_lsn += 1
+
+    def on_snapshot(self, lsn: int) -> None:
+        coord = self.inc.coord if self.inc else None
+        if coord is not None and coord.failed is not None:
+            self.check.fail("fail-stop", "a snapshot was written after a failed apply (it would persist memory "
+                                         "the journal does not hold)")
+        j = self.inc.journal if self.inc else None
+        if j is not None and lsn > j.synced_lsn:
+            self.check.fail("snapshot", f"a snapshot at LSN {lsn} is written while the journal is synced only to "
+                                        f"{j.synced_lsn}")
+
+    # ----------------------------------------------------------------- leases
+    def lease_granted(self, task_id: str, token: int, expires_mono: int) -> None:
+        self.leases[(task_id, token)] = expires_mono
+
+    def lease_due(self, task_id: str, token: int) -> int | None:
+        return self.leases.get((task_id, token))
+
+    def _stall_leases(self, by_ms: int) -> None:
+        coord = self.live()
+        if coord is None:
+            return
+        for t in coord.queues.tasks.values():
+            k = (t.id, t.token)
+            if t.state == "RUNNING" and k in self.leases:
+                self.leases[k] += by_ms
+
+    # ----------------------------------------------------------------- replies
+    def on_reply_made(self, op, reply, lsn: int) -> None:
+        coord = self.live()
+        if coord is None:
+            return
+        last = coord.journal.last_lsn
+        if lsn < last:
+            self.check.fail("durability", f"the reply to {_op_text(op)} was made with LSN {lsn} while the journal's "
+                                          f"last LSN was {last}: it could leave before what it shows is durable")
+        err = reply if isinstance(reply, BaseException) else None
+        view = None
+        if isinstance(reply, (bytes, bytearray)):
+            view = msgspec.msgpack.decode(reply, type=p.REPLY_TYPES[type(op)])
+        for k in KINDS:
+            k.made(self.check, coord, op, view, err)
+
+    def observe(self, op, reply, err) -> None:
+        obs = _Obs(self.world)
+        for k in KINDS:
+            k.observe(obs, op, reply, err)
+        sh = self.shadow
+        for f in obs.facts:
+            if f not in self.facts:
+                self.facts[f] = self.step_no
+                self.stats["facts"] += 1
+            if sh is not None:
+                msg = self.check_fact(sh, f)
+                if msg:
+                    self.check.fail("durability", f"a reply to {_op_text(op)} showed what the durable state does not "
+                                                  f"hold (a crash now would take it back): {msg}")
+
+    def check_fact(self, coord, f: tuple) -> str | None:
+        """None when fact ``f`` holds in ``coord``, else why not."""
+        if f[0] == "exists":
+            eid = f[1]
+            if eid.startswith("chd_"):
+                return None if eid in coord.joinsets.child_pos else f"{eid} is missing"
+            return None if coord.entity(eid) is not None else f"{eid} is missing"
+        return self.fact_owner[f[0]].check_fact(coord, f)
+
+    # ----------------------------------------------------------------- requests
+    async def request(self, client: _Client, op, label: str = ""):
+        """Send ``op`` from ``client`` (after its network delay, in its order); returns
+        (view, error) once the reply is released, or (None, None) if it was lost."""
+        rid = self.next_rid
+        self.next_rid += 1
+        now = trio.current_time()
+        at = max(client.last_deliver, now + client.rng.choice(client.delays))
+        client.last_deliver = at
+        req = _Req(rid, client.idx, op, now, label)
+        self.pending[rid] = req
+        self.stats["requests"] += 1
+        try:
+            await trio.sleep_until(at)
+            inc = self.inc
+            coord = self.live()
+            if coord is None or coord.failed is not None:
+                self.trace(f"c{client.idx} -> {_op_text(op)} : node down, UNAVAILABLE")
+                return None, None
+            self.trace(f"c{client.idx} -> r{rid} {_op_text(op)}")
+            journal = coord.journal
+            before = journal.last_lsn
+            with trio.CancelScope() as cs:
+                inc.calls.add(cs)
+                try:
+                    raw, err = await self._call(inc, client, op)
+                finally:
+                    inc.calls.discard(cs)
+            if cs.cancelled_caught:
+                self.trace(f"c{client.idx} <- r{rid} lost: the connection closed (node stopped)")
+                return None, None
+            if isinstance(err, PersistenceError) or (err is not None and not isinstance(err, RallypointError)):
+                self.check.fail("client-error", f"{_op_text(op)} raised {err!r} in the client: not a RallypointError")
+                return None, None
+            if err is not None and err.code == "UNAVAILABLE":
+                self.trace(f"c{client.idx} <- r{rid} UNAVAILABLE")
+                return None, err
+            if journal.durable_lsn < before:
+                self.check.fail("durability", f"the reply to {_op_text(op)} was released with the journal durable to "
+                                              f"{journal.durable_lsn}, below LSN {before} of before the request")
+            view = None
+            if err is None:
+                view = msgspec.msgpack.decode(raw, type=p.REPLY_TYPES[type(op)])
+            self.stats["replies"] += 1
+            self.trace(f"c{client.idx} <- r{rid} {_reply_text(view, err)}")
+            self.observe(op, view, err)
+            return view, err
+        finally:
+            self.pending.pop(rid, None)
+
+    async def _call(self, inc: _Incarnation, client: _Client, op):
+        service = inc.node.service
+        try:
+            if client.path == "call":
+                return await service.call(client.session, op), None
+            sink = _Sink(self, op)
+            service.submit(client.session, p.encoder.encode(op), sink, 1)
+            if not sink.replies:
+                try:
+                    await sink._event.wait()
+                except BaseException:
+                    sink.abandon()
+                    raise
+            await service.wait_durable(sink.lsn)
+            reply = sink.replies[1]
+            if isinstance(reply, BaseException):
+                raise reply
+            return reply, None
+        except RallypointError as exc:
+            return None, exc
+        except trio.Cancelled:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the invariant: only RallypointError reaches a client
+            return None, exc
+
+    async def _run_op(self, client: _Client, made) -> None:
+        if isinstance(made, Script):
+            async def call(op):
+                view, err = await self.request(client, op, made.label)
+                return err if err is not None else view
+
+            await made.fn(call)
+            return
+        await self.request(client, made)
+
+    # ----------------------------------------------------------------- time
+    async def settle(self) -> None:
+        """Until every task is blocked (time stands still), then raise a recorded
+        violation, if any."""
+        await trio.testing.wait_all_tasks_blocked()
+        self.check.raise_first()
+
+    async def restart_if_stopped(self) -> None:
+        """A node that stopped by itself (fail-stop, a failed journal write) is accounted
+        for and restarted after a short downtime."""
+        inc = self.inc
+        if inc is not None and inc.done.is_set():
+            self.trace(f"node #{inc.n} stopped by itself: {inc.outcome[0]} {inc.outcome[1]!r}")
+            await self.stop_node("self")
+            await self.advance(0.2)
+            await self.start_node()
+
+    async def _advance_once(self, limit: float) -> float:
+        """Advance to the next due deadline, or ``quantum`` seconds if that is later (at
+        most ``limit``): everything due meanwhile wakes together, as on a busy loop;
+        returns the time advanced."""
+        nd = trio.lowlevel.current_statistics().seconds_to_next_deadline
+        dt = min(max(nd, self.quantum, 1e-6), limit)
+        self.clock.jump(dt)
+        await self.settle()
+        return dt
+
+    async def advance(self, seconds: float) -> None:
+        """Let ``seconds`` of virtual time pass, stopping at due deadlines (every
+        activity fires at its time, give or take the schedule's ``quantum``)."""
+        await self.settle()
+        left = seconds
+        while left > 1e-9:
+            left -= await self._advance_once(left)
+
+    # ----------------------------------------------------------------- checks
+    def check_quiescent(self, full: bool) -> None:
+        chk = self.check
+        coord = self.live()
+        if coord is None:
+            chk.raise_first()
+            return
+        rt = coord.runtime
+        for a in list(rt.actors.values()):
+            if a.inbox:
+                chk.fail("wakeup", f"actor {a.id} has {len(a.inbox)} command(s) in its inbox at quiescence "
+                                   f"(its task was not woken)")
+            if a.n_waiters:
+                if not a.status:
+                    chk.fail("wakeup", f"actor {a.id} holds {a.n_waiters} waiter(s) with no task")
+                owner = self._owner_run(coord, a.id)
+                why = ended(coord, owner) if owner else None
+                for key, lst in a.waiters.items():
+                    live_w = [w for w in lst if not w.done]
+                    if not live_w:
+                        continue
+                    if why and not (key == "b" and coord.barriers.table[a.id].state == "RELEASED"):
+                        chk.fail("ended-run", f"{len(live_w)} waiter(s) on {key!r} still parked in {a.id} under an "
+                                              f"ended run ({why})")
+                    for k in KINDS:
+                        due = k.waiter_due(coord, a.id, key)
+                        if due is not None:
+                            if due:
+                                chk.fail("wakeup", f"lost wake-up: {len(live_w)} waiter(s) on {key!r} in {a.id} "
+                                                   f"have an answer but are still parked")
+                            break
+        for k in KINDS:
+            k.quiescent(chk, coord)
+        chk.raise_first()
+        if not full:
+            return
+        # the live state is a replay of its journal
+        m = self.mirror
+        for prefix, (table, _) in coord.entity_tables().items():
+            mt = m.entity_tables()[prefix][0]
+            if table != mt:
+                diff = sorted(set(table) ^ set(mt)) or sorted(i for i in table if table[i] != mt.get(i))
+                eid = diff[0]
+                chk.fail("replay", f"the live state differs from a replay of its journal at {eid}: "
+                                   f"live {table.get(eid)!r} / replay {mt.get(eid)!r}")
+                break
+        chk.raise_first()
+        for f in self.facts:
+            msg = self.check_fact(coord, f)
+            if msg:
+                chk.fail("facts", f"a fact a client saw no longer holds: {msg}")
+                break
+        self._monotone(coord, self.mono_live, "monotone")
+        if self.shadow is not None:
+            self._monotone(self.shadow, self.mono_durable, "monotone-durable")
+        chk.raise_first()
+
+    @staticmethod
+    def _owner_run(coord, actor_id: str) -> str | None:
+        pre = actor_id[:3]
+        if pre == "scp":
+            return actor_id
+        if pre == "grp":
+            return coord.groups.table[actor_id].gate_scope_id
+        table = {"bar": coord.barriers.table, "tmr": coord.timers.table, "jst": coord.joinsets.table}.get(pre)
+        if table is not None:
+            return table[actor_id].scope_id
+        return None
+
+    def _monotone(self, coord, ledger: dict, name: str) -> None:
+        for k in KINDS:
+            now = k.monotone(coord)
+            old = ledger.get(k.name)
+            if old:
+                for eid, was in old.items():
+                    new = now.get(eid)
+                    if new is None:
+                        self.check.fail(name, f"{eid} disappeared")
+                        return
+                    if new != was:
+                        msg = k.regressed(eid, was, new)
+                        if msg:
+                            self.check.fail(name, msg)
+                            return
+            ledger[k.name] = now
+
+    # ----------------------------------------------------------------- steps
+    async def do(self, step: tuple) -> None:
+        kind = step[0]
+        if kind == "op":
+            _, c, name, rnd = step
+            client = self.clients[c % len(self.clients)]
+            coord = self.live()
+            now_ms = coord.now_ms() if coord is not None else int((WALL0 + trio.current_time() + self.wall_skew) * 1000)
+            gen = Gen(self.world, random.Random(rnd), now_ms)
+            if name == "fanout":
+                made = _fanout(gen)
+            else:
+                made = OPS[name][2](gen)
+            if not made:
+                self.trace(f"c{c} {name}: nothing to aim at")
+                return
+            for one in (made if isinstance(made, list) else [made]):
+                self.nursery.start_soon(self._run_op, client, one)
+        elif kind == "tick":
+            self.trace(f"time passes: {step[1]} s")
+            await self.advance(step[1])
+        elif kind == "stall":
+            self.trace(f"event loop stalls for {step[1]} s")
+            self._stall_leases(int(step[1] * 1000))
+            self.clock.jump(step[1])
+        elif kind == "crash":
+            _, how, downtime, skew = step
+            self.trace(f"CRASH ({how}); down {downtime} s; wall clock moves {skew:+} s")
+            if self.inc is not None and not self.inc.done.is_set():
+                await self.stop_node(how)
+            await self.advance(downtime)
+            self.wall_skew += skew
+            await self.start_node()
+        else:  # pragma: no cover
+            raise ValueError(f"unknown step {step!r}")
+
+    async def run_schedule(self) -> None:
+        trio._core._run._r.seed(self.trio_seed)
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            self.step_no = -1
+            await self.start_node()
+            for i, step in enumerate(self.steps):
+                self.step_no = i
+                await self.do(step)
+                await self.settle()
+                await self.restart_if_stopped()
+                self.check_quiescent(full=(i % self.check_every == 0))
+            # drain: every wait ends, every fsync completes, every request is answered
+            self.step_no = len(self.steps)
+            self.trace(f"drain: {DRAIN_S} s with no new request")
+            await self.advance(DRAIN_S)
+            await self.restart_if_stopped()
+            await self.advance(DRAIN_S)
+            self.check_quiescent(full=True)
+            if self.pending:
+                r0 = next(iter(self.pending.values()))
+                raise Violation("liveness", f"{len(self.pending)} request(s) never answered, e.g. c{r0.client} "
+                                            f"{_op_text(r0.op)} sent at {r0.sent:.3f}", self.step_no)
+            # a last restart: the recovered state must equal the journal's replay
+            self.step_no += 1
+            self.trace(f"final restart ({self.profile.final})")
+            await self.stop_node(self.profile.final)
+            await self.advance(1.0)
+            await self.start_node()
+            await self.settle()
+            self.check_quiescent(full=True)
+            self.inc.stop_clean.set()
+            while not self.inc.done.is_set():
+                await self._advance_once(5.0)
+            nursery.cancel_scope.cancel()
+
+    def digest(self) -> str:
+        import hashlib
+
+        h = hashlib.sha256()
+        for line in self.trace_lines:
+            h.update(line.encode())
+        for payload in self.payloads:
+            h.update(payload)
+        return h.hexdigest()[:16]
+
+
+async def _fanout_script(call, q: str, parent: str, n: int) -> None:
+    kids = []
+    for _ in range(n):
+        v = await call(p.ScopeCreate(parent_id=parent))
+        if isinstance(v, p.ScopeView):
+            kids.append(v.id)
+    for k in kids:
+        await call(p.TaskSubmit(mailbox=q, scope_id=k, input=msgspec.Raw(b"\x01")))
+    await call(p.Receive(mailbox=q, scope_id=parent, max_messages=100, lease_ms=30000))
+
+
+def _fanout(g: Gen):
+    """More than 64 runs with ready work under one run, then a receive on it (the
+    receive's second strategy: walking the subtree)."""
+    parent = g.world.pick(g.rng, "scp")
+    if parent is None:
+        return None
+    n = g.rng.randint(65, 80)
+    return Script(lambda call: _fanout_script(call, "q0", parent, n), label=f"fanout({n})")
+
+
+# ============================================================================ running
+def _data_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_steps: int = DEFAULT_STEPS,
+             check_every: int = 1) -> Result:
+    """Run the schedule of ``seed`` (only the steps in ``keep``, if given) and return
+    its :class:`Result` (``ok``, the violation, the trace when ``trace``)."""
+    profile, steps = generate(seed, n_steps)
+    if keep is not None:
+        steps = [s for i, s in enumerate(steps) if i in keep]
+    root = tempfile.mkdtemp(prefix=f"rpsim-{seed}-", dir=_data_root())
+    sim = Sim(seed, profile, steps, trace=trace, data_dir=os.path.join(root, "data"), check_every=check_every)
+    quiet = _quiet()
+    try:
+        clock = trio.testing.MockClock()
+        sim.clock = clock
+        trio._core._run._r.seed(sim.trio_seed)
+        try:
+            trio.run(sim.run_schedule, clock=clock)
+            res = Result(seed, True, steps=len(steps))
+        except Violation as v:
+            res = Result(seed, False, v, steps=len(steps))
+        except BaseException as exc:  # noqa: BLE001 - a crash of the simulated system is a finding too
+            inner = exc
+            while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) >= 1:
+                vs = [e for e in inner.exceptions if isinstance(e, Violation)]
+                inner = vs[0] if vs else inner.exceptions[0]
+            if isinstance(inner, Violation):
+                res = Result(seed, False, inner, steps=len(steps))
+            elif isinstance(inner, KeyboardInterrupt):
+                raise
+            else:
+                import traceback
+
+                tb = "".join(traceback.format_exception(inner))
+                res = Result(seed, False, Violation("crash", f"the simulation raised {inner!r}\n{tb}", sim.step_no),
+                             steps=len(steps))
+    finally:
+        quiet()
+        shutil.rmtree(root, ignore_errors=True)
+    res.trace = sim.trace_lines
+    res.digest = sim.digest()
+    res.stats = dict(sim.stats)
+    res.stats["profile"] = profile.describe()
+    return res
+
+
+def _quiet():
+    """Silence rallypoint's loggers while a schedule runs (crashes log by design)."""
+    lg = logging.getLogger("rallypoint")
+    old = lg.level, lg.propagate
+    lg.setLevel(logging.CRITICAL + 10)
+
+    def restore():
+        lg.setLevel(old[0])
+
+    return restore
+
+
+def shrink(seed: int, result: Result, *, n_steps: int = DEFAULT_STEPS, budget_s: float = 60.0) -> tuple[set[int], Result]:
+    """Delta debugging over the steps of ``seed``'s failing schedule: the smallest set
+    of step indices (greedy, within ``budget_s``) that still fails the same invariant.
+    Returns the kept indices and the failing result of that schedule."""
+    _, steps = generate(seed, n_steps)
+    keep = list(range(len(steps)))
+    want = result.violation.invariant
+    best = result
+    t0 = time.monotonic()
+
+    def fails(idx: list[int]) -> Result | None:
+        r = run_seed(seed, keep=set(idx), n_steps=n_steps)
+        return r if (not r.ok and r.violation.invariant == want) else None
+
+    n = 2
+    while len(keep) >= 2 and time.monotonic() - t0 < budget_s:
+        chunk = max(1, len(keep) // n)
+        reduced = False
+        for i in range(0, len(keep), chunk):
+            cand = keep[:i] + keep[i + chunk:]
+            if not cand:
+                continue
+            r = fails(cand)
+            if r is not None:
+                keep, best = cand, r
+                n = max(n - 1, 2)
+                reduced = True
+                break
+            if time.monotonic() - t0 > budget_s:
+                break
+        if not reduced:
+            if chunk == 1:
+                break
+            n = min(len(keep), n * 2)
+    final = run_seed(seed, keep=set(keep), trace=True, n_steps=n_steps)
+    return set(keep), final if not final.ok else best
+
+
+def _run_chunk(args) -> tuple[int, list[tuple[int, str, str, int]], float]:
+    seeds, n_steps = args
+    fails = []
+    t0 = time.perf_counter()
+    for s in seeds:
+        r = run_seed(s, n_steps=n_steps)
+        if not r.ok:
+            fails.append((s, r.violation.invariant, r.violation.message, r.violation.step))
+    return len(seeds), fails, time.perf_counter() - t0
+
+
+def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, chunk: int = 50,
+              stop_after: int = 1, progress: bool = False) -> dict:
+    """Run many seeds on ``processes`` worker processes (``PYTHONHASHSEED=0``, so a
+    failing seed replays identically in ``python -m rallypoint.testing.sim``). Stops
+    after ``stop_after`` failures. Returns ``{"run", "failures": [(seed, invariant,
+    message, step)], "wall_s", "cpu_s"}``."""
+    import multiprocessing as mp
+
+    seeds = list(seeds)
+    chunks = [(seeds[i:i + chunk], n_steps) for i in range(0, len(seeds), chunk)]
+    t0 = time.perf_counter()
+    out = {"run": 0, "failures": [], "cpu_s": 0.0}
+    old = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = "0"
+    try:
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(processes) as pool:
+            for n, fails, cpu in pool.imap_unordered(_run_chunk, chunks):
+                out["run"] += n
+                out["cpu_s"] += cpu
+                out["failures"].extend(fails)
+                if progress:
+                    print(f"\r{out['run']}/{len(seeds)} seeds, {len(out['failures'])} failing, "
+                          f"{time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+                if len(out["failures"]) >= stop_after:
+                    pool.terminate()
+                    break
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = old
+    if progress:
+        print(file=sys.stderr)
+    out["failures"].sort()
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _parse_keep(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-")
+            out.update(range(int(a), int(b) + 1))
+        else:
+            out.add(int(part))
+    return out
+
+
+def format_keep(keep: set[int]) -> str:
+    """Indices as ``1,3,5-9``."""
+    out, run = [], []
+    for i in sorted(keep):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run)))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run)))
+    return ",".join(out)
+
+
+def report(seed: int, result: Result, *, n_steps: int = DEFAULT_STEPS, do_shrink: bool = True) -> str:
+    """A failing seed's report: the violation, the shrunk trace, how to replay."""
+    lines = [result.headline(), f"profile: {result.stats.get('profile', '')}"]
+    if do_shrink:
+        keep, small = shrink(seed, result, n_steps=n_steps)
+        lines.append(f"shrunk to {len(keep)} steps: {small.headline()}")
+        lines += small.trace
+        lines.append(f"replay: python -m rallypoint.testing.sim --seed {seed} --keep {format_keep(keep)} --trace")
+    lines.append(f"replay the whole schedule: python -m rallypoint.testing.sim --seed {seed} --trace")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rallypoint.testing.sim``: run one seed (``--seed``) or many
+    (``--seeds A:B``). Exit status 1 when a seed fails."""
+    ap = argparse.ArgumentParser(prog="python -m rallypoint.testing.sim", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, help="run this seed")
+    ap.add_argument("--keep", help="only these step indices (a shrunk schedule), e.g. 1,3,5-9")
+    ap.add_argument("--trace", action="store_true", help="print the trace")
+    ap.add_argument("--seeds", help="run seeds A:B (or N: 0:N)")
+    ap.add_argument("--processes", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps per schedule")
+    ap.add_argument("--no-shrink", action="store_true")
+    args = ap.parse_args(argv)
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        # set iteration order must be the same as in the worker processes
+        os.environ["PYTHONHASHSEED"] = "0"
+        os.execv(sys.executable, [sys.executable, "-m", "rallypoint.testing.sim", *(argv if argv is not None else sys.argv[1:])])
+    if args.seed is not None:
+        keep = _parse_keep(args.keep) if args.keep else None
+        res = run_seed(args.seed, keep=keep, trace=args.trace, n_steps=args.steps)
+        if args.trace:
+            print(f"profile: {res.stats.get('profile')}")
+            print("\n".join(res.trace))
+        print(res.headline(), f"digest {res.digest}")
+        if not res.ok and not args.no_shrink and keep is None:
+            print(report(args.seed, res, n_steps=args.steps))
+        return 0 if res.ok else 1
+    if args.seeds:
+        a, _, b = args.seeds.partition(":")
+        lo, hi = (0, int(a)) if not b else (int(a), int(b))
+        out = run_seeds(range(lo, hi), processes=args.processes, n_steps=args.steps, progress=True)
+        print(f"{out['run']} seeds in {out['wall_s']:.1f} s wall ({out['cpu_s']:.1f} s CPU), "
+              f"{len(out['failures'])} failing")
+        for seed, inv, msg, step in out["failures"][:5]:
+            print(f"seed {seed}: [{inv}] at step {step}: {msg}")
+        if out["failures"] and not args.no_shrink:
+            seed = out["failures"][0][0]
+            print(report(seed, run_seed(seed, n_steps=args.steps), n_steps=args.steps))
+        return 0 if not out["failures"] else 1
+    ap.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
