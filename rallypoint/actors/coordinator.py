@@ -361,17 +361,37 @@ class Coordinator:
     # ------------------------------------------------------------------ lifecycle
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the journal, the actor runtime (root nursery, activity heap) and the
-        background tasks (snapshots) until cancelled."""
+        background tasks (snapshots) until cancelled.
+
+        Stopping order: the runtime and the background tasks stop first, the journal
+        last. Cancelled actors still answer what they hold, and an answer may commit (a
+        command left in an inbox, an activity that fell due meanwhile); the journal,
+        shielded until then, flushes what they appended and closes. (Cancelled together,
+        an actor could commit after the journal closed: memory ahead of the journal and
+        ``JournalClosedError`` out of a clean shutdown -- found by the simulator, seed
+        2294.)"""
         self.last_seen = trio.current_time()
         self.last_seen_valid = True
         self._tick()
+        journal_scope = trio.CancelScope(shield=True)
+
+        async def journal_task(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with journal_scope:
+                await self.journal.run(task_status=task_status)
+
         try:
             async with fatal_unwrapped(), trio.open_nursery() as nursery:
-                await nursery.start(self.journal.run)
-                await nursery.start(self.runtime.run)
-                for fn in self.background:
-                    await nursery.start(fn)
-                task_status.started()
+                await nursery.start(journal_task)
+                try:
+                    async with trio.open_nursery() as actors:
+                        await actors.start(self.runtime.run)
+                        for fn in self.background:
+                            await actors.start(fn)
+                        task_status.started()
+                finally:
+                    self.runtime.stopping = True
+                    journal_scope.shield = False
+                    journal_scope.cancel()
         finally:
             self.runtime.stopping = True
 

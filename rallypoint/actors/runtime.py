@@ -511,7 +511,15 @@ class Runtime:
 
     def _deactivated(self, a: Actor) -> None:
         self.passivations += 1
-        if a.inbox or a._pending_children:
+        if self.stopping and a.inbox:
+            # after a fail-stop nothing is decided any more: a new activation would die at
+            # once on the failed coordinator and be re-activated, forever (found by the
+            # simulator, seed 1261: the node never stopped and its memory grew without
+            # bound). The commands left are answered UNAVAILABLE.
+            while a.inbox:
+                _handler, _session, _op, sink, rid = a.inbox.popleft()
+                self.reply(sink, rid, shutdown_error())
+        if (a.inbox or a._pending_children) and not self.stopping:
             # commands arrived after the last batch of a cancelled task: a new activation
             self._activate(a)
             return

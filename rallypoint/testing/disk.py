@@ -34,7 +34,6 @@ import errno
 import os
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import trio
@@ -103,6 +102,8 @@ class SimDisk:
     crashed: bool = False
     synced: dict[str, int] = field(default_factory=dict)
     layout: dict[int, _Loc] = field(default_factory=dict)
+    #: first LSNs of the segments a snapshot's truncation deleted
+    truncated: set[int] = field(default_factory=set)
     n_writes: int = 0
     n_fsyncs: int = 0
     #: called with (lsn, payload) for every record appended (the simulator's mirror)
@@ -174,7 +175,6 @@ class SimDisk:
         self.crashed = True
         rng = self.rng
         damage: dict[int, int] = {}  # segment first LSN -> first damaged byte offset
-        jdir = Path(self.data_dir) / "journal"
         for first, path in list_segments(self.data_dir):
             size = path.stat().st_size
             synced = self.synced.get(str(path), size)
@@ -198,22 +198,19 @@ class SimDisk:
                 self.log.append(f"machine crash: {path.name} cut from {size} to {keep} bytes (synced {synced})")
             damage[first] = bad
         # which LSNs survive: contiguous from the start; a segment deleted by a snapshot's
-        # truncation held only records below the snapshot (they count as surviving)
-        present = {first for first, _ in list_segments(self.data_dir)}
+        # truncation held only records below the snapshot (they count as surviving); a
+        # segment never created holds nothing
         last = 0
         for lsn in sorted(self.layout):
             loc = self.layout[lsn]
-            if loc.seg_first not in present:
-                if (jdir / segment_name(loc.seg_first)).exists():  # pragma: no cover - listed above
+            if lsn != last + 1 and last != 0:
+                break
+            if loc.seg_first in damage:
+                if loc.end > damage[loc.seg_first]:
                     break
-                if lsn == last + 1 or last == 0:
-                    last = lsn
-                    continue
+            elif loc.seg_first not in self.truncated:
                 break
-            if loc.end <= damage.get(loc.seg_first, 0) and (last == 0 or lsn == last + 1):
-                last = lsn
-            else:
-                break
+            last = lsn
         return last
 
 
@@ -254,7 +251,8 @@ class SimJournal(Journal):
         await super().wait_synced(lsn)
 
     def truncate_below(self, lsn: int, *, unlink: bool = True) -> list:
-        super().truncate_below(lsn, unlink=True)  # tmpfs: unlinked here, no thread
+        for path in super().truncate_below(lsn, unlink=True):  # tmpfs: unlinked here, no thread
+            self._disk.truncated.add(int(path.name.split(".")[0]))
         return []
 
     # ----------------------------------------------------------------- the flusher
