@@ -238,7 +238,9 @@ class Actor:
         self._parked = None
         self.waiters: dict[Any, list[Waiter]] = {}
         self.n_waiters = 0
-        self._dirty: set | None = None
+        # keys notified since the last re-check, in notify order (a dict: re-checks run
+        # in the same order in every process, whatever the string hash seed)
+        self._dirty: dict | None = None
         self._pending_children: list[Actor] = []
         self._idle_since = 0.0
         self._passivate_armed = False
@@ -267,9 +269,9 @@ class Actor:
         """State that waiters on ``key`` may be waiting for changed: re-check them."""
         if self.n_waiters and key in self.waiters:
             if self._dirty is None:
-                self._dirty = {key}
+                self._dirty = {key: None}
             else:
-                self._dirty.add(key)
+                self._dirty[key] = None
             task = self._parked
             if task is not None:
                 self._parked = None
@@ -549,8 +551,17 @@ class Runtime:
             return
         a = w.actor
         try:
-            reply = w.park.expire()
+            # what became true by the deadline answers first: an activity due at or before
+            # it (a lease running out re-queues a task) fired earlier in this same round,
+            # and its wake-up re-check has not run yet (found by the simulator, seed 3609:
+            # a receive timed out empty while the task it waited for was ready)
+            reply = w.park.check()
+            if reply is None:
+                reply = w.park.expire()
         except RallypointError as exc:
+            reply = exc
+        except Exception as exc:  # a bug: answer INTERNAL, keep serving (as _recheck does)
+            self.internal_error(exc)
             reply = exc
         a._unlist(w)
         a._finish_waiter(w, reply)

@@ -454,7 +454,7 @@ class SimQueues(SimKind):
         mono = coord.mono_ms()
         runs = coord.runs
         return [t.id for t in coord.queues.tasks.values()
-                if t.mailbox_id == q_id and t.state == "QUEUED" and t.available_at_ms <= mono
+                if t.mailbox_id == q_id and t.state == "QUEUED" and t.available_at_ms + SLACK_MS <= mono
                 and runs.is_descendant_or_self(t.scope_id, run_id)]
 
     # ------------------------------------------------------------------ quiescence

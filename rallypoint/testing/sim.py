@@ -92,9 +92,11 @@ log = logging.getLogger("rallypoint.sim")
 
 #: wall clock of the first start (2026-01-01T00:00:00Z), seconds
 WALL0 = 1_767_225_600.0
-DEFAULT_STEPS = 48
+DEFAULT_STEPS = 40
 #: after the last step: every wait (<= 15 s here), delay and fsync ends within this, seconds
 DRAIN_S = 25.0
+#: a schedule that needs more time steps than this is stuck (a guard, not a limit in use)
+MAX_MICRO_STEPS = 200_000
 
 
 # ============================================================================ schedule
@@ -166,7 +168,7 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tup
         mode=mode, clients=clients, delays=delays, weights=weights, faults=faults, apply_fault_at=apply_fault_at,
         snapshot_every_records=rng.choice((4, 10, 40, 100_000)), snapshot_every_s=rng.choice((1.0, 5.0, 60.0)),
         wide=wide, final=rng.choice(("clean", "process", "machine") if mode == "fsync" else ("clean", "process")),
-        quantum=rng.choice((0.0, 0.05, 0.3, 0.3, 1.0)),
+        quantum=rng.choice((0.0, 0.25, 0.5, 0.5, 1.0)),
     )
     names = list(weights)
     cum = []
@@ -195,7 +197,7 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tup
             name = names[_bisect(cum, rng.random() * acc)]
             steps.append(("op", rng.randrange(n_clients), name, rng.getrandbits(32)))
         elif x < 0.985:
-            steps.append(("tick", rng.choice((0.0, 0.001, 0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 12.0))))
+            steps.append(("tick", rng.choice((0.0, 0.001, 0.01, 0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 12.0))))
         else:
             steps.append(("stall", rng.choice((2.5, 6.0, 15.0))))
     return prof, steps
@@ -210,6 +212,16 @@ def _bisect(cum: list[float], x: float) -> int:
         else:
             hi = mid
     return lo
+
+
+def _apply_payload(c: Coordinator, payload: bytes) -> None:
+    c.replaying = True
+    try:
+        for rec in decode_commit(payload):
+            c._apply[type(rec)](rec)
+    finally:
+        c.replaying = False
+        c.groups.touched.clear()
 
 
 # ============================================================================ results
@@ -366,7 +378,7 @@ class _Incarnation:
         self.done = trio.Event()
         self.scope = trio.CancelScope()
         self.stop_clean = trio.Event()
-        self.calls: set[trio.CancelScope] = set()
+        self.calls: dict[trio.CancelScope, None] = {}
         self.outcome: tuple[str, Any] = ("running", None)
         self.expected_last: int | None = None
 
@@ -437,6 +449,7 @@ class Sim:
         self.stats = {"requests": 0, "replies": 0, "restarts": 0, "facts": 0, "commits": 0}
         self.clock: trio.testing.MockClock | None = None
         self.quantum = profile.quantum
+        self.micro_steps = 0
         self.mono_stop: int | None = None
 
     # ----------------------------------------------------------------- tracing
@@ -482,7 +495,15 @@ class Sim:
         del self.payloads[last:]
         coord = inc.coord
         self.mirror = self._replayed(coord.clock, last)
-        self.shadow = self._replayed(coord.clock, last)
+        if self.shadow is None or self.shadow_lsn > last:
+            if self.shadow is not None:
+                self.check.fail("durability", f"the crash lost LSN {last + 1}..{self.shadow_lsn}, which were durable")
+            self.shadow = self._replayed(coord.clock, last)
+        else:  # every durable record survives a crash: the shadow only moves forward
+            while self.shadow_lsn < last:
+                _apply_payload(self.shadow, self.payloads[self.shadow_lsn])
+                self.shadow_lsn += 1
+        self.shadow.clock = coord.clock
         self.shadow_lsn = last
         self.mono_live = {}
         # the lease model: what each outstanding lease is owed across the downtime
@@ -493,9 +514,12 @@ class Sim:
                 self.leases[(t.id, t.token)] = t.lease_expires_ms + max(gap, 0)
 
     def _replayed(self, clock, upto: int) -> Coordinator:
+        """A fresh coordinator with the first ``upto`` journal entries applied, record by
+        record through the apply functions (not through ``Coordinator.replay`` or
+        recovery, which are under test)."""
         c = Coordinator(clock=clock, durability="memory")
         for payload in self.payloads[:upto]:
-            c.replay(payload)
+            _apply_payload(c, payload)
         return c
 
     async def _server(self, inc: _Incarnation, storage: SimStorage, clock: Clock) -> None:
@@ -634,7 +658,7 @@ class Sim:
         if sh is None:
             return
         while self.shadow_lsn < lsn and self.shadow_lsn < len(self.payloads):
-            sh.replay(self.payloads[self.shadow_lsn])
+            _apply_payload(sh, self.payloads[self.shadow_lsn])
             self.shadow_lsn += 1
 
     def on_snapshot(self, lsn: int) -> None:
@@ -726,11 +750,11 @@ class Sim:
             journal = coord.journal
             before = journal.last_lsn
             with trio.CancelScope() as cs:
-                inc.calls.add(cs)
+                inc.calls[cs] = None
                 try:
                     raw, err = await self._call(inc, client, op)
                 finally:
-                    inc.calls.discard(cs)
+                    inc.calls.pop(cs, None)
             if cs.cancelled_caught:
                 self.trace(f"c{client.idx} <- r{rid} lost: the connection closed (node stopped)")
                 return None, None
@@ -809,6 +833,9 @@ class Sim:
         """Advance to the next due deadline, or ``quantum`` seconds if that is later (at
         most ``limit``): everything due meanwhile wakes together, as on a busy loop;
         returns the time advanced."""
+        self.micro_steps += 1
+        if self.micro_steps > MAX_MICRO_STEPS:
+            raise Violation("liveness", f"the simulation did not settle in {MAX_MICRO_STEPS} time steps", self.step_no)
         nd = trio.lowlevel.current_statistics().seconds_to_next_deadline
         dt = min(max(nd, self.quantum, 1e-6), limit)
         self.clock.jump(dt)
@@ -959,10 +986,8 @@ class Sim:
                 self.check_quiescent(full=(i % self.check_every == 0))
             # drain: every wait ends, every fsync completes, every request is answered
             self.step_no = len(self.steps)
-            self.trace(f"drain: {DRAIN_S} s with no new request")
-            await self.advance(DRAIN_S)
-            await self.restart_if_stopped()
-            await self.advance(DRAIN_S)
+            self.trace(f"drain: up to {DRAIN_S} s with no new request")
+            await self.drain()
             self.check_quiescent(full=True)
             if self.pending:
                 r0 = next(iter(self.pending.values()))
@@ -980,6 +1005,19 @@ class Sim:
             while not self.inc.done.is_set():
                 await self._advance_once(5.0)
             nursery.cancel_scope.cancel()
+
+    async def drain(self) -> None:
+        """Let time pass (up to :data:`DRAIN_S`) until every request was answered, no
+        waiter is parked and the journal is durable."""
+        spent = 0.0
+        while spent < DRAIN_S:
+            await self.restart_if_stopped()
+            coord = self.live()
+            if (not self.pending and coord is not None and not coord.runtime.n_waiters
+                    and coord.journal.durable_lsn == coord.journal.last_lsn):
+                return
+            await self.advance(1.0)
+            spent += 1.0
 
     def digest(self) -> str:
         import hashlib
@@ -1028,6 +1066,11 @@ def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_
     root = tempfile.mkdtemp(prefix=f"rpsim-{seed}-", dir=_data_root())
     sim = Sim(seed, profile, steps, trace=trace, data_dir=os.path.join(root, "data"), check_every=check_every)
     quiet = _quiet()
+    # Trio's own switch for reproducible runs: each batch of runnable tasks is sorted by
+    # creation order, then shuffled by the seeded source (not left in an order that
+    # depends on object addresses)
+    det = trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING
+    trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = True
     try:
         clock = trio.testing.MockClock()
         sim.clock = clock
@@ -1053,6 +1096,7 @@ def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_
                 res = Result(seed, False, Violation("crash", f"the simulation raised {inner!r}\n{tb}", sim.step_no),
                              steps=len(steps))
     finally:
+        trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = det
         quiet()
         shutil.rmtree(root, ignore_errors=True)
     res.trace = sim.trace_lines
@@ -1065,11 +1109,11 @@ def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_
 def _quiet():
     """Silence rallypoint's loggers while a schedule runs (crashes log by design)."""
     lg = logging.getLogger("rallypoint")
-    old = lg.level, lg.propagate
+    old = lg.level
     lg.setLevel(logging.CRITICAL + 10)
 
     def restore():
-        lg.setLevel(old[0])
+        lg.setLevel(old)
 
     return restore
 
@@ -1112,6 +1156,15 @@ def shrink(seed: int, result: Result, *, n_steps: int = DEFAULT_STEPS, budget_s:
     return set(keep), final if not final.ok else best
 
 
+def _worker_init() -> None:
+    try:  # a runaway schedule must not take the machine's memory
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - not on every platform
+        pass
+
+
 def _run_chunk(args) -> tuple[int, list[tuple[int, str, str, int]], float]:
     seeds, n_steps = args
     fails = []
@@ -1139,7 +1192,7 @@ def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, chunk:
     os.environ["PYTHONHASHSEED"] = "0"
     try:
         ctx = mp.get_context("spawn")
-        with ctx.Pool(processes) as pool:
+        with ctx.Pool(processes, initializer=_worker_init) as pool:
             for n, fails, cpu in pool.imap_unordered(_run_chunk, chunks):
                 out["run"] += n
                 out["cpu_s"] += cpu
