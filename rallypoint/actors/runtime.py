@@ -493,13 +493,24 @@ class Runtime:
         return self.actors.get(actor_id)
 
     def _activate(self, a: Actor) -> None:
+        if self.stopping:  # the runtime stopped (or a fail-stop): nothing starts any more
+            self._refuse(a)
+            return
         a.status = STARTING
         pid = a.parent_id
         if pid is None:
             if self.root_nursery is None:
                 self._root_pending.append(a)
             else:
-                self.root_nursery.start_soon(a._main)
+                try:
+                    self.root_nursery.start_soon(a._main)
+                except RuntimeError:
+                    # the root nursery closed (its last task ended; the node is stopping)
+                    # but run() has not returned yet: a command arriving now is answered
+                    # UNAVAILABLE, not with Trio's RuntimeError (found by the simulator,
+                    # seed 122: "Nursery is closed to new arrivals" reached a client)
+                    self._refuse(a)
+                    return
             a.depth = 0
             return
         parent = self.actor(pid)
@@ -511,20 +522,28 @@ class Runtime:
         if parent.status == PASSIVE:
             self._activate(parent)
 
+    def _refuse(self, a: Actor) -> None:
+        """The node is stopping: ``a`` (and the children waiting for it to start) will
+        not run; their commands are answered UNAVAILABLE."""
+        a.status = PASSIVE
+        pending, a._pending_children = a._pending_children, []
+        while a.inbox:
+            _handler, _session, _op, sink, rid = a.inbox.popleft()
+            self.reply(sink, rid, shutdown_error())
+        for child in pending:
+            self._refuse(child)
+
     def _deactivated(self, a: Actor) -> None:
         self.passivations += 1
-        if self.stopping and a.inbox:
-            # after a fail-stop nothing is decided any more: a new activation would die at
-            # once on the failed coordinator and be re-activated, forever (found by the
-            # simulator, seed 1261: the node never stopped and its memory grew without
-            # bound). The commands left are answered UNAVAILABLE.
-            while a.inbox:
-                _handler, _session, _op, sink, rid = a.inbox.popleft()
-                self.reply(sink, rid, shutdown_error())
-        if (a.inbox or a._pending_children) and not self.stopping:
+        if a.inbox or a._pending_children:
             # commands arrived after the last batch of a cancelled task: a new activation
+            # -- unless the runtime is stopping (a fail-stop: a new activation would die
+            # at once on the failed coordinator and be re-activated, forever; found by the
+            # simulator, seed 1261: the node never stopped and its memory grew without
+            # bound), then they are answered UNAVAILABLE
             self._activate(a)
-            return
+            if a.status != PASSIVE:
+                return
         if self.actors.get(a.id) is a and not a.n_waiters:
             del self.actors[a.id]
         a._passivate_armed = False

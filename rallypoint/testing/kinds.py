@@ -118,7 +118,8 @@ class Gen:
 @dataclass
 class Script:
     """A sequence of requests whose later ops depend on earlier replies:
-    ``await fn(call)`` with ``call(op) -> reply view or RallypointError``."""
+    ``await fn(call, call_all)`` with ``call(op) -> reply view or RallypointError`` and
+    ``call_all(ops) -> [reply, ...]`` (sent in order, answered concurrently)."""
 
     fn: Callable
     label: str = "script"

@@ -154,22 +154,28 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tup
       ``machine`` (power loss) or ``clean`` (SIGTERM); the node restarts after
       ``downtime_s``, its wall clock moved by ``wall_skew_s``.
     """
-    rng = random.Random(seed)
+    # Separate sources (seeded by strings: the same in every process), so that adding a
+    # kind or an op changes the steps of a seed but not its profile.
+    rng = random.Random(f"rallypoint-sim:profile:{seed}")
     mode = "interval" if rng.random() < 0.2 else "fsync"
     n_clients = rng.randint(2, 4)
     clients = [rng.choice(("call", "observed", "observed")) for _ in range(n_clients)]
     delays = [rng.choice(((0.0,), (0.0, 0.001, 0.01), (0.0005, 0.05, 0.3), (0.0, 0.002, 1.5))) for _ in range(n_clients)]
-    emphasis = {k.name: rng.choice((0.3, 1.0, 1.0, 2.5)) for k in KINDS}
-    weights = {name: w * emphasis[kind] for name, (kind, w, _) in OPS.items()}
     faults = DiskFaults.draw(rng, allow_fsync_failure=mode == "fsync")
-    apply_fault_at = rng.randrange(5, 120) if rng.random() < 0.05 else None
+    apply_fault_at = rng.randrange(3, 60) if rng.random() < 0.05 else None
     wide = rng.random() < 0.03
+    snap_records = rng.choice((4, 10, 40, 100_000))
+    snap_s = rng.choice((1.0, 5.0, 60.0))
+    final = rng.choice(("clean", "process", "machine") if mode == "fsync" else ("clean", "process"))
+    quantum = rng.choice((0.0, 0.25, 0.5, 0.5, 1.0))
+    wrng = random.Random(f"rallypoint-sim:weights:{seed}")
+    emphasis = {k.name: wrng.choice((0.3, 1.0, 1.0, 2.5)) for k in KINDS}
+    weights = {name: w * emphasis[kind] for name, (kind, w, _) in OPS.items()}
     prof = Profile(
         mode=mode, clients=clients, delays=delays, weights=weights, faults=faults, apply_fault_at=apply_fault_at,
-        snapshot_every_records=rng.choice((4, 10, 40, 100_000)), snapshot_every_s=rng.choice((1.0, 5.0, 60.0)),
-        wide=wide, final=rng.choice(("clean", "process", "machine") if mode == "fsync" else ("clean", "process")),
-        quantum=rng.choice((0.0, 0.25, 0.5, 0.5, 1.0)),
+        snapshot_every_records=snap_records, snapshot_every_s=snap_s, wide=wide, final=final, quantum=quantum,
     )
+    rng = random.Random(f"rallypoint-sim:steps:{seed}")
     names = list(weights)
     cum = []
     acc = 0.0
@@ -179,9 +185,9 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tup
     steps: list[tuple] = []
     crash_kinds = ("process", "machine", "clean") if mode == "fsync" else ("process", "clean")
     n_crashes = rng.choice((0, 1, 1, 2, 3))
-    crash_at = set(rng.sample(range(4, n_steps), min(n_crashes, n_steps - 4))) if n_steps > 4 else set()
-    boot = [("op", 0, "mailbox.ensure", rng.getrandbits(32)), ("op", 0, "scope.create", rng.getrandbits(32))]
-    steps.extend(boot)
+    crash_at = set(rng.sample(range(6, n_steps), min(n_crashes, n_steps - 6))) if n_steps > 6 else set()
+    steps += [("op", 0, "mailbox.ensure", rng.getrandbits(32)), ("op", 1, "mailbox.ensure", rng.getrandbits(32)),
+              ("op", 0, "scope.create", rng.getrandbits(32)), ("tick", 0.5)]
     if wide:
         steps.append(("op", 0, "fanout", rng.getrandbits(32)))
     while len(steps) < n_steps:
@@ -380,6 +386,7 @@ class _Incarnation:
         self.stop_clean = trio.Event()
         self.calls: dict[trio.CancelScope, None] = {}
         self.outcome: tuple[str, Any] = ("running", None)
+        self.dead = False  # killed: it hears nothing more, even while it unwinds
         self.expected_last: int | None = None
 
 
@@ -460,7 +467,9 @@ class Sim:
     # ----------------------------------------------------------------- the node
     def live(self) -> Coordinator | None:
         inc = self.inc
-        return inc.coord if inc is not None and inc.ready.is_set() and not inc.done.is_set() else None
+        if inc is None or inc.dead or not inc.ready.is_set() or inc.done.is_set():
+            return None
+        return inc.coord
 
     def _on_coordinator(self, coord: Coordinator) -> None:
         coord.ids = _SeededIds(coord.clock.mono_ms, self.id_rng)
@@ -594,6 +603,7 @@ class Sim:
                     await self._advance_once(5.0)
                 self.mono_stop = coord.mono_ms()  # it heard renewals until it stopped
             else:
+                inc.dead = True
                 coord.heartbeat = None  # a dead process writes nothing more
                 self.expected_last = self.disk.crash(machine=how == "machine")
                 for cs in list(inc.calls):
@@ -808,7 +818,19 @@ class Sim:
                 view, err = await self.request(client, op, made.label)
                 return err if err is not None else view
 
-            await made.fn(call)
+            async def call_all(ops):
+                out = [None] * len(ops)
+
+                async def one(i, op):
+                    out[i] = await call(op)
+
+                async with trio.open_nursery() as n:
+                    for i, op in enumerate(ops):
+                        n.start_soon(one, i, op)
+                        await trio.lowlevel.checkpoint()  # sent in order
+                return out
+
+            await made.fn(call, call_all)
             return
         await self.request(client, made)
 
@@ -1030,25 +1052,23 @@ class Sim:
         return h.hexdigest()[:16]
 
 
-async def _fanout_script(call, q: str, parent: str, n: int) -> None:
-    kids = []
-    for _ in range(n):
-        v = await call(p.ScopeCreate(parent_id=parent))
-        if isinstance(v, p.ScopeView):
-            kids.append(v.id)
-    for k in kids:
-        await call(p.TaskSubmit(mailbox=q, scope_id=k, input=msgspec.Raw(b"\x01")))
-    await call(p.Receive(mailbox=q, scope_id=parent, max_messages=100, lease_ms=30000))
+async def _fanout_script(call, call_all, n: int) -> None:
+    await call(p.MailboxEnsure(name="wide"))
+    root = await call(p.ScopeCreate(name="wide"))
+    if not isinstance(root, p.ScopeView):
+        return
+    made = await call_all([p.ScopeCreate(parent_id=root.id) for _ in range(n)])
+    kids = [v.id for v in made if isinstance(v, p.ScopeView)]
+    await call_all([p.TaskSubmit(mailbox="wide", scope_id=k, input=msgspec.Raw(b"\x01")) for k in kids])
+    for _ in range(3):
+        await call(p.Receive(mailbox="wide", scope_id=root.id, max_messages=30, lease_ms=30000))
 
 
 def _fanout(g: Gen):
-    """More than 64 runs with ready work under one run, then a receive on it (the
-    receive's second strategy: walking the subtree)."""
-    parent = g.world.pick(g.rng, "scp")
-    if parent is None:
-        return None
+    """A run with more than 64 children holding ready work in one work queue, then
+    receives on it: the receive's second strategy (walking the subtree)."""
     n = g.rng.randint(65, 80)
-    return Script(lambda call: _fanout_script(call, "q0", parent, n), label=f"fanout({n})")
+    return Script(lambda call, call_all: _fanout_script(call, call_all, n), label=f"fanout({n})")
 
 
 # ============================================================================ running
@@ -1057,12 +1077,15 @@ def _data_root() -> str:
 
 
 def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_steps: int = DEFAULT_STEPS,
-             check_every: int = 1) -> Result:
-    """Run the schedule of ``seed`` (only the steps in ``keep``, if given) and return
-    its :class:`Result` (``ok``, the violation, the trace when ``trace``)."""
-    profile, steps = generate(seed, n_steps)
-    if keep is not None:
-        steps = [s for i, s in enumerate(steps) if i in keep]
+             check_every: int = 1, steps: list[tuple] | None = None) -> Result:
+    """Run the schedule of ``seed`` (only the steps in ``keep``, if given; or exactly
+    ``steps`` with the seed's profile) and return its :class:`Result` (``ok``, the
+    violation, the trace when ``trace``)."""
+    profile, generated = generate(seed, n_steps)
+    if steps is None:
+        steps = generated
+        if keep is not None:
+            steps = [s for i, s in enumerate(steps) if i in keep]
     root = tempfile.mkdtemp(prefix=f"rpsim-{seed}-", dir=_data_root())
     sim = Sim(seed, profile, steps, trace=trace, data_dir=os.path.join(root, "data"), check_every=check_every)
     quiet = _quiet()
@@ -1244,11 +1267,13 @@ def format_keep(keep: set[int]) -> str:
     return ",".join(out)
 
 
-def report(seed: int, result: Result, *, n_steps: int = DEFAULT_STEPS, do_shrink: bool = True) -> str:
-    """A failing seed's report: the violation, the shrunk trace, how to replay."""
+def report(seed: int, result: Result, *, n_steps: int = DEFAULT_STEPS, do_shrink: bool = True,
+           budget_s: float = 60.0) -> str:
+    """A failing seed's report: the violation, the shrunk trace (shrinking for at most
+    ``budget_s`` seconds), how to replay."""
     lines = [result.headline(), f"profile: {result.stats.get('profile', '')}"]
     if do_shrink:
-        keep, small = shrink(seed, result, n_steps=n_steps)
+        keep, small = shrink(seed, result, n_steps=n_steps, budget_s=budget_s)
         lines.append(f"shrunk to {len(keep)} steps: {small.headline()}")
         lines += small.trace
         lines.append(f"replay: python -m rallypoint.testing.sim --seed {seed} --keep {format_keep(keep)} --trace")

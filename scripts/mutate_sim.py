@@ -1,0 +1,254 @@
+"""Mutation check of the simulator: re-introduce deliberate bugs, one at a time, and show
+that the simulator's CI run (10,000 seeds) catches each.
+
+For every mutant in :data:`MUTANTS` this copies the ``rallypoint`` package to a
+temporary directory, replaces one exact snippet of one file (the snippet must occur
+exactly once: a mutant that no longer applies fails loudly instead of passing
+silently), and runs seeds 0, 1, 2, ... of the simulator against the copy on two
+processes until the first violation (at most ``--seeds``, default the CI budget of
+10,000). It prints one row per mutant -- the invariant that caught it, the first
+failing seed, how many seeds ran, the wall time -- and a Markdown table for
+``docs/testing.md`` with ``--markdown``.
+
+    python3 scripts/mutate_sim.py                    # every mutant, CI budget
+    python3 scripts/mutate_sim.py --only skip-fencing --seeds 2000
+    python3 scripts/mutate_sim.py --markdown         # the table for docs/testing.md
+
+Exit status 1 when a mutant survives the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str
+    new: str
+    what: str
+
+
+MUTANTS = [
+    Mutant(
+        "reply-before-durable", "rallypoint/actors/coordinator.py",
+        "sink.deliver(rid, reply, self.journal.last_lsn)",
+        "sink.deliver(rid, reply, self.journal.durable_lsn)",
+        "a reply depends only on what is already durable: it may leave before the change it shows",
+    ),
+    Mutant(
+        "skip-wakeup-result", "rallypoint/actors/queue.py",
+        "coord.notify(t.scope_id, t.id)  # result waiters (on the task's run)",
+        "pass  # mutant: result waiters are not woken",
+        "a task becoming terminal does not wake the waits for its result",
+    ),
+    Mutant(
+        "skip-wakeup-receive", "rallypoint/actors/queue.py",
+        "            notify(s.id, key)\n",
+        "            pass  # mutant: receivers are not woken\n",
+        "a task becoming ready does not wake the receives parked on its run and ancestors",
+    ),
+    Mutant(
+        "skip-wakeup-barrier", "rallypoint/actors/barrier.py",
+        '            b.released_at_ms = r.at_ms\n            self.coord.notify(b.id, "b")',
+        "            b.released_at_ms = r.at_ms",
+        "a barrier's release does not wake its waiters",
+    ),
+    Mutant(
+        "skip-fencing", "rallypoint/actors/queue.py",
+        "if t.token != token or token <= 0:",
+        "if token <= 0:",
+        "settle calls do not check the fencing token",
+    ),
+    Mutant(
+        "drop-64-branch", "rallypoint/actors/queue.py",
+        "for rid in runs.subtree(run_id):",
+        "for rid in ():  # mutant",
+        "a receive over more than 64 runs with ready work finds nothing (the subtree walk)",
+    ),
+    Mutant(
+        "apply-twice", "rallypoint/actors/coordinator.py",
+        "                records.extend(more)\n",
+        "                records.extend(more)\n                i = 0  # mutant: the commit is applied again\n",
+        "when a group reacts, every record of the commit is applied a second time",
+    ),
+    Mutant(
+        "replay-from-snapshot-lsn", "rallypoint/persistence/recovery.py",
+        "scan = scan_journal(d, after_lsn=snapshot_lsn)",
+        "scan = scan_journal(d, after_lsn=max(0, snapshot_lsn - 1))",
+        "recovery replays the record at the snapshot's LSN on top of the snapshot (applied twice)",
+    ),
+    Mutant(
+        "rearm-timer-wall", "rallypoint/actors/timer.py",
+        '            if t.state == "ARMED":\n                self._arm(t)',
+        '            if t.state == "ARMED":\n                self.coord.arm_wall(t.fire_at_ms, self._on_fire, t.id)',
+        "after a restart timers are re-armed on the wall clock, not at their server-time due time",
+    ),
+    Mutant(
+        "skip-leases-extended", "rallypoint/actors/coordinator.py",
+        "if gap_ms > 0 and self.queues.leases_outstanding():",
+        "if False:  # mutant",
+        "a restart does not give outstanding leases the downtime back (no LeasesExtended)",
+    ),
+    Mutant(
+        "skip-stall-extension", "rallypoint/actors/coordinator.py",
+        "        if self.queues.leases_outstanding():\n            by_ms = int(gap_s * 1000)",
+        "        if False:  # mutant\n            by_ms = int(gap_s * 1000)",
+        "an event-loop stall does not extend outstanding leases",
+    ),
+    Mutant(
+        "skip-nursery-cancel", "rallypoint/actors/run.py",
+        "        coord.cancel_actor(root_id)\n",
+        "        pass  # mutant: the run's nursery is not cancelled\n",
+        "a run's end does not cancel its nursery (its waiters are not answered)",
+    ),
+    Mutant(
+        "decide-twice", "rallypoint/actors/group.py",
+        'if g is None or g.state == "FINALIZED":',
+        "if g is None:  # mutant",
+        "a FINALIZED group is evaluated again and may finalize a second time",
+    ),
+    Mutant(
+        "snapshot-before-sync", "rallypoint/node.py",
+        "await (sync(lsn) if sync is not None else journal.wait_durable(lsn))",
+        "await trio.lowlevel.checkpoint()  # mutant: the journal is not synced first",
+        "a snapshot is written before the journal is synced past its LSN",
+    ),
+    Mutant(
+        "no-fail-stop", "rallypoint/actors/coordinator.py",
+        '            self._fail(exc, records)\n            raise FatalError(f"apply of {type(records[min(i, len(records) - 1)]).__name__} failed: {exc!r}") from exc',
+        "            log.error('apply failed: %r', exc)\n            return self.journal.last_lsn  # mutant: goes on",
+        "a failed apply is logged and the node goes on (memory ahead of the journal)",
+    ),
+    Mutant(
+        "consume-skips", "rallypoint/actors/joinset.py",
+        "JoinSetConsumed(joinset_id=js.id, index=idx, at_ms=self.coord.now_ms())",
+        "JoinSetConsumed(joinset_id=js.id, index=idx + 1, at_ms=self.coord.now_ms())",
+        "a join-set consume is journaled with the wrong index (replay skips a record)",
+    ),
+    # The bugs the simulator found, re-introduced (their fixes reverted)
+    Mutant(
+        "found-journal-error-to-client", "rallypoint/service.py",
+        "        try:\n            await self.coordinator.journal.wait_durable(lsn)\n        except (RallypointError, ValueError):",
+        "        await self.coordinator.journal.wait_durable(lsn)\n        try:\n            pass\n        except (RallypointError, ValueError):",
+        "found bug: a failed journal write reached the embedded client as JournalWriteError",
+    ),
+    Mutant(
+        "found-store-left-open", "rallypoint/node.py",
+        "            try:\n                with trio.CancelScope(shield=True):\n                    await coord.journal.aclose()\n            finally:",
+        "            if True:\n                with trio.CancelScope(shield=True):\n                    await coord.journal.aclose()\n            if True:",
+        "found bug: a failed journal left the LMDB store open (the node could not be reopened in-process)",
+    ),
+    Mutant(
+        "found-fail-stop-loop", "rallypoint/actors/runtime.py",
+        "        if self.stopping:  # the runtime stopped (or a fail-stop): nothing starts any more\n            self._refuse(a)\n            return\n",
+        "",
+        "found bug: after a fail-stop an actor with queued commands was re-activated forever",
+    ),
+    Mutant(
+        "found-closed-root-nursery", "rallypoint/actors/runtime.py",
+        "                try:\n                    self.root_nursery.start_soon(a._main)\n                except RuntimeError:",
+        "                self.root_nursery.start_soon(a._main)\n                if False:",
+        "found bug: a command arriving as the root nursery closed got Trio's RuntimeError, not UNAVAILABLE",
+    ),
+    Mutant(
+        "found-journal-closed-first", "rallypoint/actors/coordinator.py",
+        "            with journal_scope:\n                await self.journal.run(task_status=task_status)",
+        "            await self.journal.run(task_status=task_status)",
+        "found bug: on shutdown the journal closed while cancelled actors still committed",
+    ),
+    Mutant(
+        "found-timeout-before-recheck", "rallypoint/actors/runtime.py",
+        "            reply = w.park.check()\n            if reply is None:\n                reply = w.park.expire()",
+        "            reply = w.park.expire()",
+        "found bug: a wait's deadline answered before what fell due in the same round",
+    ),
+]
+
+
+def apply(mutant: Mutant, dest: str) -> None:
+    shutil.copytree(os.path.join(ROOT, "rallypoint"), os.path.join(dest, "rallypoint"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    path = os.path.join(dest, mutant.path)
+    with open(path) as f:
+        text = f.read()
+    n = text.count(mutant.old)
+    if n != 1:
+        raise SystemExit(f"mutant {mutant.name}: the snippet occurs {n} times in {mutant.path} (must be once)")
+    with open(path, "w") as f:
+        f.write(text.replace(mutant.old, mutant.new))
+
+
+RUNNER = """
+import json, sys
+from rallypoint.testing.sim import run_seeds
+out = run_seeds(range(int(sys.argv[1])), processes=int(sys.argv[2]), chunk=int(sys.argv[3]), stop_after=1)
+print(json.dumps(out))
+"""
+
+
+def run(mutant: Mutant, seeds: int, processes: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as d:
+        apply(mutant, d)
+        env = dict(os.environ, PYTHONPATH=d, PYTHONHASHSEED="0")
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", RUNNER, str(seeds), str(processes), "10"],
+                             capture_output=True, text=True, env=env, cwd=d, timeout=3600)
+        wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"mutant {mutant.name}: the runner failed:\n{out.stderr[-3000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    row = {"mutant": mutant.name, "what": mutant.what, "seeds_run": res["run"], "wall_s": round(wall, 1)}
+    if res["failures"]:
+        seed, inv, msg, step = res["failures"][0]
+        row.update(caught=True, seed=seed, invariant=inv, message=msg.splitlines()[0][:160], step=step)
+    else:
+        row.update(caught=False)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=10_000, help="budget per mutant (the CI run's)")
+    ap.add_argument("--processes", type=int, default=2)
+    ap.add_argument("--only", action="append", help="run only this mutant (repeatable)")
+    ap.add_argument("--markdown", action="store_true", help="print the table for docs/testing.md")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args()
+    rows = []
+    for m in MUTANTS:
+        if args.only and m.name not in args.only:
+            continue
+        row = run(m, args.seeds, args.processes)
+        rows.append(row)
+        if row["caught"]:
+            print(f"{m.name:32} caught by [{row['invariant']}] at seed {row['seed']} "
+                  f"({row['seeds_run']} seeds run, {row['wall_s']} s): {row['message']}", flush=True)
+        else:
+            print(f"{m.name:32} SURVIVED {row['seeds_run']} seeds ({row['wall_s']} s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.markdown:
+        print("\n| mutant | the deliberate bug | caught by | first failing seed | seeds run | wall s |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            caught = f"`{r['invariant']}`" if r["caught"] else "**survived**"
+            print(f"| `{r['mutant']}` | {r['what']} | {caught} | {r.get('seed', '-')} | {r['seeds_run']} | {r['wall_s']} |")
+    return 0 if all(r["caught"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The deterministic simulator (issue 14): CI runs 10,000 seeded schedules; a seed
+replays exactly (same trace, any process); a failing schedule shrinks; the seeds of the
+bugs it found stay as regression tests; its checks can fail (a mutant is caught).
+
+``RALLYPOINT_SIM_SEEDS=1000000 python3 -m pytest -q tests/test_sim.py -k ci`` runs a long
+campaign (``RALLYPOINT_SIM_FIRST`` picks the first seed). ``docs/testing.md`` lists the
+invariants, the fault model and the mutation table (``scripts/mutate_sim.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rallypoint.actors import Coordinator
+from rallypoint.testing import sim
+from rallypoint.testing.sim import format_keep, report, run_seed, run_seeds, shrink
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Seeds that found bugs in the server, with what they found (each passes since its fix;
+#: scripts/mutate_sim.py re-introduces every one of these bugs and shows it caught).
+REGRESSION_SEEDS = {
+    2: "a journal write failed: the embedded client got JournalWriteError, not UNAVAILABLE (Service.wait_durable)",
+    1261: "fail-stop with commands left in the failing actor's inbox: re-activated forever, memory without bound",
+    2294: "clean shutdown: an actor committed after the journal closed (JournalClosedError out of a SIGTERM)",
+    3609: "a receive's deadline expired in the same round as the lease that re-queued its task: answered empty",
+}
+
+
+def test_ci_seeds():
+    """10,000 schedules (``RALLYPOINT_SIM_SEEDS`` overrides) on two processes. A failure
+    prints its seed, the shrunk trace and the command that replays it."""
+    n = int(os.environ.get("RALLYPOINT_SIM_SEEDS", "10000"))
+    first = int(os.environ.get("RALLYPOINT_SIM_FIRST", "0"))
+    out = run_seeds(range(first, first + n), processes=2, stop_after=1)
+    print(f"[sim] {out['run']} seeds in {out['wall_s']:.1f} s wall, {out['cpu_s']:.1f} s in the workers")
+    if out["failures"]:
+        seed = out["failures"][0][0]
+        pytest.fail("the simulator found a violation:\n" + report(seed, run_seed(seed), budget_s=60), pytrace=False)
+    assert out["run"] == n
+
+
+@pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
+def test_regression_seed(seed):
+    res = run_seed(seed)
+    assert res.ok, f"{REGRESSION_SEEDS[seed]}\n{res.headline()}"
+
+
+def test_the_same_seed_gives_the_same_trace_twice():
+    for seed in (3, 1261, 2294):
+        a, b = run_seed(seed, trace=True), run_seed(seed, trace=True)
+        assert a.trace == b.trace and a.digest == b.digest
+        assert len(a.trace) > 20
+
+
+def test_a_seed_replays_identically_in_another_process():
+    """Whatever the process's string hash seed: the CLI and this process agree."""
+    seed = 2294
+    here = run_seed(seed, trace=True)
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONHASHSEED="123")
+    code = ("from rallypoint.testing.sim import run_seed\n"
+            f"r = run_seed({seed}, trace=True)\nprint(r.digest, len(r.trace))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [here.digest, str(len(here.trace))]
+
+
+def test_the_cli_replays_a_seed_with_its_trace():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "rallypoint.testing.sim", "--seed", "3609", "--trace"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "node #1 up" in out.stdout
+    assert f"seed 3609: ok (40 steps) digest {run_seed(3609, trace=True).digest}" in out.stdout
+
+
+def test_every_kind_and_fault_is_exercised():
+    """Over a few hundred seeds the schedules reach every kind's operations, every
+    crash kind, disk faults and the fail-stop injection."""
+    ops, crashes, faults = set(), set(), set()
+    for seed in range(300):
+        prof, steps = sim.generate(seed)
+        ops.update(s[2] for s in steps if s[0] == "op")
+        crashes.update(s[1] for s in steps if s[0] == "crash")
+        if prof.faults.fail_fsync_at is not None:
+            faults.add("fsync")
+        if prof.faults.fail_write_at is not None:
+            faults.add("write")
+        if prof.apply_fault_at is not None:
+            faults.add("apply")
+        if prof.wide:
+            faults.add("wide")
+    assert set(sim.OPS) <= ops
+    assert crashes == {"process", "machine", "clean"}
+    assert faults == {"fsync", "write", "apply", "wide"}
+
+
+def test_fail_stop_is_checked(monkeypatch):
+    """Seed 1261 injects a raising apply: the node stops with FatalError and recovers.
+    Without fail-stop (the error swallowed, the node going on with memory ahead of the
+    journal) the simulator says so."""
+    seed = 1261
+    res = run_seed(seed, trace=True)
+    assert res.ok and any("FatalError" in line for line in res.trace)
+
+    class Swallowed(Exception):
+        pass
+
+    def no_fail_stop(self, exc, records):
+        raise Swallowed()
+
+    commit = Coordinator.commit
+
+    def commit_going_on(self, records):
+        try:
+            return commit(self, records)
+        except Swallowed:
+            return self.journal.last_lsn
+
+    monkeypatch.setattr(Coordinator, "_fail", no_fail_stop)
+    monkeypatch.setattr(Coordinator, "commit", commit_going_on)
+    res = run_seed(seed)
+    assert not res.ok and res.violation.invariant in ("replay", "fail-stop", "facts", "durability"), res.headline()
+
+
+def test_a_failing_schedule_shrinks_and_its_shrunk_form_replays(monkeypatch):
+    """A mutant (replies made with the durable LSN instead of the last one: a reply may
+    leave before what it shows is durable) is caught; the schedule shrinks to a few
+    steps that fail the same way, and replaying the kept steps fails identically."""
+
+    real_reply = Coordinator.reply
+
+    def early(self, sink, rid, reply):  # the mutant
+        if sink.closed:
+            return
+        from rallypoint.protocol import encoder
+
+        if hasattr(reply, "__struct_fields__"):
+            reply = encoder.encode(reply)
+        sink.deliver(rid, reply, self.journal.durable_lsn)
+
+    monkeypatch.setattr(Coordinator, "reply", early)
+    failing = next(r for r in (run_seed(s) for s in range(40)) if not r.ok)
+    assert failing.violation.invariant == "durability", failing.headline()
+    t0 = time.monotonic()
+    keep, small = shrink(failing.seed, failing, budget_s=60)
+    assert time.monotonic() - t0 < 120
+    _, steps = sim.generate(failing.seed)
+    assert len(keep) < len(steps) and not small.ok and small.violation.invariant == "durability"
+    again = run_seed(failing.seed, keep=keep, trace=True)
+    assert again.violation.message == small.violation.message and again.trace == small.trace
+    assert format_keep({1, 2, 3, 5, 7, 8}) == "1-3,5,7,8"
+    monkeypatch.setattr(Coordinator, "reply", real_reply)
