@@ -170,6 +170,12 @@ MUTANTS = [
         "found bug: on shutdown the journal closed while cancelled actors still committed",
     ),
     Mutant(
+        "found-fatal-swallowed", "rallypoint/actors/runtime.py",
+        "                    if isinstance(exc, _FatalMarker.fatal_type):\n                        # a check",
+        "                    if False:\n                        # a check",
+        "found bug: a fail-stop inside a parked waiter's re-check was answered INTERNAL and the node went on",
+    ),
+    Mutant(
         "found-timeout-before-recheck", "rallypoint/actors/runtime.py",
         "            reply = w.park.check()\n            if reply is None:\n                reply = w.park.expire()",
         "            reply = w.park.expire()",

@@ -412,6 +412,10 @@ class Actor:
                 except RallypointError as exc:
                     reply = exc
                 except Exception as exc:  # a bug: answer INTERNAL, keep serving
+                    if isinstance(exc, _FatalMarker.fatal_type):
+                        # a check that commits can fail-stop: the node must stop, not answer
+                        # INTERNAL and go on (found by the simulator, seed 3974)
+                        raise
                     rt.internal_error(exc)
                     reply = exc
                 if reply is None:
@@ -580,6 +584,8 @@ class Runtime:
         except RallypointError as exc:
             reply = exc
         except Exception as exc:  # a bug: answer INTERNAL, keep serving (as _recheck does)
+            if isinstance(exc, _FatalMarker.fatal_type):
+                raise  # fail-stop (a check that commits failed): the node stops
             self.internal_error(exc)
             reply = exc
         a._unlist(w)
