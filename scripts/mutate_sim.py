@@ -80,9 +80,10 @@ MUTANTS = [
     ),
     Mutant(
         "apply-twice", "rallypoint/actors/coordinator.py",
-        "                records.extend(more)\n",
-        "                records.extend(more)\n                i = 0  # mutant: the commit is applied again\n",
-        "when a group reacts, every record of the commit is applied a second time",
+        "                    apply[type(rec)](rec)\n                    i += 1\n",
+        "                    apply[type(rec)](rec)\n                    if type(rec).__name__ in ('TaskRetried', 'LeaseExpired'):\n"
+        "                        apply[type(rec)](rec)  # mutant: applied twice\n                    i += 1\n",
+        "a retry or a lease expiry is applied twice in memory (journaled once)",
     ),
     Mutant(
         "replay-from-snapshot-lsn", "rallypoint/persistence/recovery.py",

@@ -19,9 +19,11 @@ A :class:`SimKind` has (every method optional):
   from is the live state, unchanged): is it consistent with it?
 - ``quiescent(chk, coord)``: every task is blocked, time stands still: nothing due is
   pending (timeliness), nothing is pending under an ended run, models agree.
-- ``waiter_due(coord, actor_id, key)``: a waiter parked on ``key`` in that actor has
-  an answer now (True), has none yet (False), or the key is another kind's (None).
-  At quiescence a parked waiter with an answer is a lost wake-up.
+- ``waiter_due(coord, actor_id, key, waiters)``: a waiter parked on ``key`` in that
+  actor has an answer now (True), has none yet (False), or the key is another kind's
+  (None); ``waiters`` are the parked :class:`~rallypoint.actors.runtime.Waiter`s (a
+  kind whose check is pure may call ``w.park.check()``). At quiescence a parked waiter
+  with an answer is a lost wake-up.
 - ``monotone(coord)``: ``{entity id: value}`` of what may only move forward; and
   ``regressed(eid, old, new)`` says why a change is a regression (None: fine).
 - ``audits()``: ``{record type: fn(chk, mirror, rec, now_ms, mono_ms)}`` run on every
@@ -150,7 +152,7 @@ class SimKind:
     def quiescent(self, chk, coord) -> None:
         pass
 
-    def waiter_due(self, coord, actor_id: str, key) -> bool | None:
+    def waiter_due(self, coord, actor_id: str, key, waiters=()) -> bool | None:
         return None
 
     def monotone(self, coord) -> dict[str, Any]:
@@ -230,7 +232,7 @@ class SimRuns(SimKind):
             if s.deadline_ms is not None and not s.deadline_fired and s.deadline_ms + SLACK_MS < now:
                 chk.fail("timeliness", f"run {s.id}'s deadline passed {now - s.deadline_ms} ms ago and did not fire")
 
-    def waiter_due(self, coord, actor_id, key):
+    def waiter_due(self, coord, actor_id, key, waiters=()):
         if key != "complete":
             return None
         s = coord.runs.table[actor_id]
@@ -475,7 +477,7 @@ class SimQueues(SimKind):
             if why:
                 chk.fail("ended-run", f"task {t.id} is {t.state} under an ended run ({why})")
 
-    def waiter_due(self, coord, actor_id, key):
+    def waiter_due(self, coord, actor_id, key, waiters=()):
         if isinstance(key, tuple) and key and key[0] == "recv":
             if coord.runs.inactive_error(actor_id) is not None:
                 return True
@@ -735,7 +737,7 @@ class SimGroups(SimKind):
             if want is not None:
                 chk.fail("group-model", f"group {g.id} ({g.condition}) should have decided {want}, is {g.state}")
 
-    def waiter_due(self, coord, actor_id, key):
+    def waiter_due(self, coord, actor_id, key, waiters=()):
         if key == "final" and actor_id.startswith("grp_"):
             return coord.groups.table[actor_id].state == "FINALIZED"
         return None
@@ -854,12 +856,17 @@ class SimBarriers(SimKind):
                 if why:
                     chk.fail("ended-run", f"barrier {b.id} is WAITING under an ended run ({why})")
 
-    def waiter_due(self, coord, actor_id, key):
+    def waiter_due(self, coord, actor_id, key, waiters=()):
         if key == "b" and actor_id.startswith("bar_"):
-            b = coord.barriers.table[actor_id]
-            # a waiter pinned to a later epoch may still wait on a RELEASED barrier; only
-            # CANCELLED answers every waiter
-            return b.state == "CANCELLED"
+            # a barrier wait's check is pure (it commits nothing): ask it (a waiter pinned
+            # to a later epoch may still wait on a RELEASED barrier)
+            for w in waiters:
+                try:
+                    if w.park.check() is not None:
+                        return True
+                except RallypointError:
+                    return True  # BARRIER_CANCELLED is its answer
+            return False
         return None
 
     def monotone(self, coord):
@@ -954,7 +961,7 @@ class SimTimers(SimKind):
             if why:
                 chk.fail("ended-run", f"timer {t.id} is ARMED under an ended run ({why})")
 
-    def waiter_due(self, coord, actor_id, key):
+    def waiter_due(self, coord, actor_id, key, waiters=()):
         if key == "t" and actor_id.startswith("tmr_"):
             return coord.timers.table[actor_id].state != "ARMED"
         return None
@@ -1110,7 +1117,7 @@ class SimJoinSets(SimKind):
                 if why:
                     chk.fail("ended-run", f"join set {js.id} is {js.state} under an ended run ({why})")
 
-    def waiter_due(self, coord, actor_id, key):
+    def waiter_due(self, coord, actor_id, key, waiters=()):
         if key == "j" and actor_id.startswith("jst_"):
             js = coord.joinsets.table[actor_id]
             return js.state == "CLOSED" or (js.state == "OPEN" and len(js.completions) > js.consumed)

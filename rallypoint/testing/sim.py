@@ -107,7 +107,7 @@ class Profile:
     shrunk step list keeps it)."""
 
     mode: str
-    clients: list[str]  # per client: "call" (Service.call) or "observed" (its own sink)
+    clients: list[str]  # per client: "call" (Service.call), "observed" (its own sink), "wire" (TCP frames)
     delays: list[tuple[float, ...]]  # per client: network delays to draw from, seconds
     weights: dict[str, float]
     faults: DiskFaults
@@ -160,7 +160,7 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tup
     rng = random.Random(f"rallypoint-sim:profile:{seed}")
     mode = "interval" if rng.random() < 0.2 else "fsync"
     n_clients = rng.randint(2, 4)
-    clients = [rng.choice(("call", "observed", "observed")) for _ in range(n_clients)]
+    clients = [rng.choice(("call", "observed", "observed", "wire")) for _ in range(n_clients)]
     delays = [rng.choice(((0.0,), (0.0, 0.001, 0.01), (0.0005, 0.05, 0.3), (0.0, 0.002, 1.5))) for _ in range(n_clients)]
     faults = DiskFaults.draw(rng, allow_fsync_failure=mode == "fsync")
     apply_fault_at = rng.randrange(3, 60) if rng.random() < 0.05 else None
@@ -388,6 +388,9 @@ class _Incarnation:
         self.calls: dict[trio.CancelScope, None] = {}
         self.outcome: tuple[str, Any] = ("running", None)
         self.dead = False  # killed: it hears nothing more, even while it unwinds
+        self.server = None  # the transport Server of "wire" clients (made on first use)
+        self.wire: dict[int, _WireConn] = {}
+        self.wire_scopes: list[trio.CancelScope] = []
         self.expected_last: int | None = None
 
 
@@ -402,6 +405,121 @@ class _Sink(CallSink):
     def deliver(self, rid: int, reply, lsn: int) -> None:
         self.sim.on_reply_made(self.op, reply, lsn)
         super().deliver(rid, reply, lsn)
+
+
+class _Lost(Exception):
+    """The connection closed before the reply arrived."""
+
+
+class _WireConn:
+    """A client's TCP connection to the node over in-memory streams: the server side is
+    the real transport connection (:class:`rallypoint.transport.server._Conn`:
+    handshake, framing, pipelining, answers held until durable); the client side speaks
+    frames (Hello, Request; Ok/Err by request id)."""
+
+    def __init__(self, sim: "Sim", inc: "_Incarnation", client: "_Client") -> None:
+        self.sim = sim
+        self.inc = inc
+        self.client = client
+        self.stream = None
+        self.waiting: dict[int, list] = {}
+        self.next_rid = 1
+        self.closed = False
+        self.ready = trio.Event()
+        self.send_lock = trio.Lock()
+        self.opening = False
+
+    async def open(self) -> None:
+        from ..transport.framing import FrameParser, encode_frame
+        from ..transport.server import Server, _Conn
+        from ..wire import PROTOCOL_VERSION, Hello, ServerFrame
+
+        inc = self.inc
+        if inc.server is None:
+            inc.server = Server(inc.node.service, idle_ping_interval=None, drain_wait_grace=1.0)
+        cs, ss = trio.testing.memory_stream_pair()
+        self.stream = cs
+        conn = _Conn(inc.server, ss, f"sim-c{self.client.idx}")
+        scope = trio.CancelScope()
+        inc.wire_scopes.append(scope)
+
+        async def serve():
+            with scope:
+                await conn.run()
+
+        self.sim.nursery.start_soon(serve)
+        self._encode_frame = encode_frame
+        decoder = msgspec.msgpack.Decoder(ServerFrame)
+        parser = FrameParser()
+        await cs.send_all(encode_frame(p.encoder.encode(Hello(PROTOCOL_VERSION, client="sim"))))
+
+        async def reader():
+            from ..errors import error_from_wire
+            from ..wire import Err, HelloOk, Ok
+
+            try:
+                while True:
+                    data = await cs.receive_some(65536)
+                    if not data:
+                        break
+                    for frame in parser.feed(data):
+                        msg = decoder.decode(frame)
+                        if isinstance(msg, HelloOk):
+                            self.ready.set()
+                        elif isinstance(msg, (Ok, Err)):
+                            slot = self.waiting.pop(msg.id, None)
+                            if slot is None:
+                                continue
+                            if isinstance(msg, Ok):
+                                slot[1] = (bytes(msg.body), None)
+                            else:
+                                slot[1] = (None, error_from_wire(msg.code, msg.message, msg.retry_after, msg.details))
+                            slot[0].set()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            finally:
+                self.closed = True
+                self.ready.set()
+                for slot in self.waiting.values():
+                    slot[0].set()
+                self.waiting.clear()
+
+        rscope = trio.CancelScope()
+        inc.wire_scopes.append(rscope)
+
+        async def read():
+            with rscope:
+                await reader()
+
+        self.sim.nursery.start_soon(read)
+        await self.ready.wait()
+
+    async def call(self, op):
+        """One request: ``(reply bytes, None)`` or ``(None, RallypointError)``; raises
+        :class:`_Lost` if the connection closed first."""
+        from ..wire import Request
+
+        if self.stream is None and not self.opening:
+            self.opening = True
+            async with self.send_lock:
+                await self.open()
+        await self.ready.wait()
+        if self.closed:
+            raise _Lost()
+        rid = self.next_rid
+        self.next_rid += 1
+        slot = [trio.Event(), None]
+        self.waiting[rid] = slot
+        frame = self._encode_frame(p.encoder.encode(Request(rid, msgspec.Raw(p.encoder.encode(op)))))
+        try:
+            async with self.send_lock:
+                await self.stream.send_all(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise _Lost() from None
+        await slot[0].wait()
+        if slot[1] is None:
+            raise _Lost()
+        return slot[1]
 
 
 class Sim:
@@ -607,6 +725,8 @@ class Sim:
             else:
                 inc.dead = True
                 coord.heartbeat = None  # a dead process writes nothing more
+                for scope in inc.wire_scopes:
+                    scope.cancel()
                 self.expected_last = self.disk.crash(machine=how == "machine")
                 for cs in list(inc.calls):
                     cs.cancel()
@@ -629,6 +749,8 @@ class Sim:
                 raise Violation("crash", f"the node stopped with an unexpected error: {exc!r}", self.step_no)
         for cs in list(inc.calls):
             cs.cancel()
+        for scope in inc.wire_scopes:  # connections to a stopped node close
+            scope.cancel()
         if self.expected_last is None:
             # stopped by itself or cleanly: the journal closed, flushing what it had; after
             # a failed write or fsync the unsynced part is suspect (a machine crash's cut)
@@ -766,7 +888,7 @@ class Sim:
                     raw, err = await self._call(inc, client, op)
                 finally:
                     inc.calls.pop(cs, None)
-            if cs.cancelled_caught:
+            if cs.cancelled_caught or isinstance(err, _Lost):
                 self.trace(f"c{client.idx} <- r{rid} lost: the connection closed (node stopped)")
                 return None, None
             if isinstance(err, PersistenceError) or (err is not None and not isinstance(err, RallypointError)):
@@ -791,6 +913,14 @@ class Sim:
     async def _call(self, inc: _Incarnation, client: _Client, op):
         service = inc.node.service
         try:
+            if client.path == "wire":
+                conn = inc.wire.get(client.idx)
+                if conn is None:
+                    conn = inc.wire[client.idx] = _WireConn(self, inc, client)
+                try:
+                    return await conn.call(op)
+                except _Lost:
+                    return None, _Lost()
             if client.path == "call":
                 return await service.call(client.session, op), None
             sink = _Sink(self, op)
@@ -902,7 +1032,7 @@ class Sim:
                         chk.fail("ended-run", f"{len(live_w)} waiter(s) on {key!r} still parked in {a.id} under an "
                                               f"ended run ({why})")
                     for k in KINDS:
-                        due = k.waiter_due(coord, a.id, key)
+                        due = k.waiter_due(coord, a.id, key, live_w)
                         if due is not None:
                             if due:
                                 chk.fail("wakeup", f"lost wake-up: {len(live_w)} waiter(s) on {key!r} in {a.id} "
@@ -1087,7 +1217,9 @@ def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_
              check_every: int = 1, steps: list[tuple] | None = None) -> Result:
     """Run the schedule of ``seed`` (only the steps in ``keep``, if given; or exactly
     ``steps`` with the seed's profile) and return its :class:`Result` (``ok``, the
-    violation, the trace when ``trace``)."""
+    violation, the trace when ``trace``). (A schedule that never ends -- an endless
+    loop that never lets time move -- is caught by :func:`run_seeds`, which kills its
+    worker.)"""
     profile, generated = generate(seed, n_steps)
     if steps is None:
         steps = generated
@@ -1107,7 +1239,8 @@ def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_
         trio._core._run._r.seed(sim.trio_seed)
         try:
             trio.run(sim.run_schedule, clock=clock)
-            res = Result(seed, True, steps=len(steps))
+            res = Result(seed, False if sim.check.failures else True, sim.check.failures[0] if sim.check.failures
+                         else None, steps=len(steps))
         except Violation as v:
             res = Result(seed, False, v, steps=len(steps))
         except BaseException as exc:  # noqa: BLE001 - a crash of the simulated system is a finding too
@@ -1186,7 +1319,16 @@ def shrink(seed: int, result: Result, *, n_steps: int = DEFAULT_STEPS, budget_s:
     return set(keep), final if not final.ok else best
 
 
-def _worker_init() -> None:
+_SLOT = 0
+_SLOTS = None
+
+
+def _worker_init(seeds, started, counter) -> None:
+    global _SLOT, _SLOTS
+    with counter.get_lock():
+        _SLOT = counter.value
+        counter.value += 1
+    _SLOTS = (seeds, started)
     try:  # a runaway schedule must not take the machine's memory
         import resource
 
@@ -1200,18 +1342,29 @@ def _run_chunk(args) -> tuple[int, list[tuple[int, str, str, int]], float]:
     fails = []
     t0 = time.perf_counter()
     for s in seeds:
+        if _SLOTS is not None:
+            _SLOTS[0][_SLOT] = s
+            _SLOTS[1][_SLOT] = time.time()
         r = run_seed(s, n_steps=n_steps)
         if not r.ok:
             fails.append((s, r.violation.invariant, r.violation.message, r.violation.step))
+    if _SLOTS is not None:
+        _SLOTS[1][_SLOT] = 0.0
     return len(seeds), fails, time.perf_counter() - t0
 
 
+#: a schedule takes milliseconds; one still running after this (real seconds) loops
+#: without letting time move: its worker is killed and the seed reported
+HANG_S = 60.0
+
+
 def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, chunk: int = 50,
-              stop_after: int = 1, progress: bool = False) -> dict:
-    """Run many seeds on ``processes`` worker processes (``PYTHONHASHSEED=0``, so a
-    failing seed replays identically in ``python -m rallypoint.testing.sim``). Stops
-    after ``stop_after`` failures. Returns ``{"run", "failures": [(seed, invariant,
-    message, step)], "wall_s", "cpu_s"}``."""
+              stop_after: int = 1, progress: bool = False, hang_s: float = HANG_S) -> dict:
+    """Run many seeds on ``processes`` worker processes (``PYTHONHASHSEED=0``). Stops
+    after ``stop_after`` failures. A seed still running after ``hang_s`` real seconds
+    is a ``liveness`` failure (its worker is killed). Returns ``{"run", "failures":
+    [(seed, invariant, message, step)], "wall_s", "cpu_s"}`` (``cpu_s``: the workers'
+    time in their chunks)."""
     import multiprocessing as mp
 
     seeds = list(seeds)
@@ -1222,8 +1375,25 @@ def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, chunk:
     os.environ["PYTHONHASHSEED"] = "0"
     try:
         ctx = mp.get_context("spawn")
-        with ctx.Pool(processes, initializer=_worker_init) as pool:
-            for n, fails, cpu in pool.imap_unordered(_run_chunk, chunks):
+        current = ctx.Array("q", processes, lock=False)
+        started = ctx.Array("d", processes, lock=False)
+        counter = ctx.Value("i", 0)
+        pool = ctx.Pool(processes, initializer=_worker_init, initargs=(current, started, counter))
+        try:
+            it = pool.imap_unordered(_run_chunk, chunks)
+            while True:
+                try:
+                    n, fails, cpu = it.next(timeout=2.0)
+                except StopIteration:
+                    break
+                except mp.TimeoutError:
+                    now = time.time()
+                    hung = [current[i] for i in range(processes) if started[i] and now - started[i] > hang_s]
+                    if hung:
+                        out["failures"].append((hung[0], "liveness", f"the schedule did not end within {hang_s:.0f} s "
+                                                "of real time: something loops without letting time move", -1))
+                        break
+                    continue
                 out["run"] += n
                 out["cpu_s"] += cpu
                 out["failures"].extend(fails)
@@ -1231,8 +1401,10 @@ def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, chunk:
                     print(f"\r{out['run']}/{len(seeds)} seeds, {len(out['failures'])} failing, "
                           f"{time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
                 if len(out["failures"]) >= stop_after:
-                    pool.terminate()
                     break
+        finally:
+            pool.terminate()
+            pool.join()
     finally:
         if old is None:
             os.environ.pop("PYTHONHASHSEED", None)
