@@ -681,6 +681,17 @@ class Sim:
             inc.done.set()
 
     async def start_node(self) -> None:
+        """Open the node on the data dir (recovery) and wait until it serves. A node
+        stopped during its start by the injected disk fault is started again."""
+        for _attempt in range(3):
+            if await self._start_once():
+                return
+            self.trace(f"node #{self.inc.n} stopped while starting: {self.inc.outcome[0]} {self.inc.outcome[1]!r}")
+            await self.stop_node("self")
+            await self.advance(0.2)
+        raise Violation("recovery", "the node did not start three times in a row", self.step_no)
+
+    async def _start_once(self) -> bool:
         self.incarnations += 1
         inc = self.inc = _Incarnation(self.incarnations)
         storage = SimStorage(self.disk, hook=self._on_coordinator)
@@ -703,12 +714,21 @@ class Sim:
                 await self._advance_once(1.0)
         if inc.done.is_set():
             what, exc = inc.outcome
+            if what == "error" and self._injected_disk_error(exc):
+                return False
             raise Violation("recovery", f"the node did not start after a crash: {what} {exc!r}", self.step_no)
         self.apply_fault_armed = True
         self.expected_last = None
         self.mono_stop = None
         self.trace(f"node #{inc.n} up: recovered {inc.node.recovery_info.get('entities')} entities, "
                    f"snapshot LSN {inc.node.recovery_info.get('snapshot_lsn')}, next LSN {storage.recovered_next_lsn}")
+        return True
+
+    def _injected_disk_error(self, exc) -> bool:
+        from ..persistence.errors import JournalWriteError
+
+        f = self.profile.faults
+        return isinstance(exc, JournalWriteError) and (f.fail_fsync_at is not None or f.fail_write_at is not None)
 
     async def stop_node(self, how: str) -> None:
         """Stop the node: ``clean`` (graceful), ``process`` (kill -9), ``machine``
@@ -742,10 +762,7 @@ class Sim:
             if coord is not None and coord.failed is None:
                 raise Violation("fail-stop", "FatalError left the coordinator without its failed mark", self.step_no)
         elif what == "error":
-            from ..persistence.errors import JournalWriteError
-
-            if not (isinstance(exc, JournalWriteError) and (self.profile.faults.fail_fsync_at is not None
-                                                             or self.profile.faults.fail_write_at is not None)):
+            if not self._injected_disk_error(exc):
                 raise Violation("crash", f"the node stopped with an unexpected error: {exc!r}", self.step_no)
         for cs in list(inc.calls):
             cs.cancel()
