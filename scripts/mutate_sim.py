@@ -13,6 +13,7 @@ failing seed, how many seeds ran, the wall time -- and a Markdown table for
     python3 scripts/mutate_sim.py                    # every mutant, CI budget
     python3 scripts/mutate_sim.py --only skip-fencing --seeds 2000
     python3 scripts/mutate_sim.py --markdown         # the table for docs/testing.md
+    python3 scripts/mutate_sim.py --only skip-fencing --shrink 1065   # its shrunk schedule
 
 Exit status 1 when a mutant survives the budget.
 """
@@ -226,6 +227,34 @@ def run(mutant: Mutant, seeds: int, processes: int) -> dict:
     return row
 
 
+SHRINKER = """
+import json, sys
+from rallypoint.testing.sim import generate, run_seed, shrink
+seed = int(sys.argv[1])
+res = run_seed(seed)
+if res.ok:
+    print(json.dumps(None))
+else:
+    keep, small = shrink(seed, res, budget_s=float(sys.argv[2]))
+    steps = [s for i, s in enumerate(generate(seed)[1]) if i in keep]
+    print(json.dumps({"seed": seed, "invariant": small.violation.invariant, "steps": steps,
+                      "trace": small.trace}))
+"""
+
+
+def shrunk(mutant: Mutant, seed: int, budget_s: float = 120.0) -> dict | None:
+    """The failing schedule of ``seed`` under ``mutant``, shrunk: ``{"seed", "invariant",
+    "steps", "trace"}`` (the literal steps replay with ``run_seed(seed, steps=...)``)."""
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as d:
+        apply(mutant, d)
+        env = dict(os.environ, PYTHONPATH=d, PYTHONHASHSEED="0")
+        out = subprocess.run([sys.executable, "-c", SHRINKER, str(seed), str(budget_s)],
+                             capture_output=True, text=True, env=env, cwd=d, timeout=3600)
+    if out.returncode != 0:
+        raise SystemExit(f"mutant {mutant.name}: the shrinker failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=10_000, help="budget per mutant (the CI run's)")
@@ -233,7 +262,20 @@ def main() -> int:
     ap.add_argument("--only", action="append", help="run only this mutant (repeatable)")
     ap.add_argument("--markdown", action="store_true", help="print the table for docs/testing.md")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--shrink", type=int, metavar="SEED",
+                    help="with one --only: shrink this failing seed under the mutant and print its steps")
     args = ap.parse_args()
+    if args.shrink is not None:
+        (name,) = args.only or [None]
+        mutant = next(m for m in MUTANTS if m.name == name)
+        got = shrunk(mutant, args.shrink)
+        if got is None:
+            print(f"seed {args.shrink} does not fail under {name}")
+            return 1
+        print("\n".join(got["trace"]))
+        print(f"[{got['invariant']}] seed {got['seed']}, {len(got['steps'])} steps:")
+        print(repr([tuple(x) for x in got["steps"]]))
+        return 0
     rows = []
     for m in MUTANTS:
         if args.only and m.name not in args.only:

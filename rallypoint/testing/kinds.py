@@ -140,6 +140,11 @@ class SimKind:
     def ops(self) -> dict[str, tuple[float, Callable[[Gen], Any]]]:
         return {}
 
+    def fallbacks(self, world: World) -> list[str]:
+        """Ops to issue instead when one of this kind's ops has nothing to aim at (so a
+        schedule's steps are not wasted: they create what later ops need)."""
+        return []
+
     def observe(self, obs, op, reply, err) -> None:
         pass
 
@@ -173,6 +178,9 @@ def _err_detail(err, name: str):
 class SimRuns(SimKind):
     name = "runs"
     facts = ("run_ended",)
+
+    def fallbacks(self, world):
+        return ["scope.create"]
 
     def ops(self):
         def create_root(g: Gen):
@@ -280,6 +288,11 @@ class SimQueues(SimKind):
     def init_world(self, world):
         world.deliveries = []  # (task id, token), every delivery ever seen (held or stale)
         world.mailbox_attempts = {}
+
+    def fallbacks(self, world):
+        if world.ids.get("tsk") and not world.deliveries:
+            return ["receive", "task.submit"]
+        return ["task.submit", "mailbox.ensure"]
 
     def ops(self):
         def mailbox(g: Gen):
@@ -607,6 +620,9 @@ class SimGroups(SimKind):
     def init_world(self, world):
         world.members = {}  # group id -> member task ids seen
 
+    def fallbacks(self, world):
+        return ["group.submit", "group.create"] if world.ids.get("grp") else ["group.create"]
+
     def ops(self):
         def group(g: Gen):
             return g.world.pick(g.rng, "grp")
@@ -785,6 +801,9 @@ class SimBarriers(SimKind):
     name = "barriers"
     facts = ("bar_epoch_ge", "bar_released", "bar_arrived", "bar_cancelled")
 
+    def fallbacks(self, world):
+        return ["barrier.create"]
+
     def ops(self):
         def bar(g: Gen):
             return g.world.pick(g.rng, "bar")
@@ -903,6 +922,9 @@ class SimTimers(SimKind):
     name = "timers"
     facts = ("timer_state",)
 
+    def fallbacks(self, world):
+        return ["timer.create"]
+
     def ops(self):
         def tmr(g: Gen):
             return g.world.pick(g.rng, "tmr")
@@ -1003,6 +1025,9 @@ class SimTimers(SimKind):
 class SimJoinSets(SimKind):
     name = "joinsets"
     facts = ("js_child", "js_has_child", "js_closed", "js_record")
+
+    def fallbacks(self, world):
+        return ["joinset.submit", "joinset.create"] if world.ids.get("jst") else ["joinset.create"]
 
     def ops(self):
         def js(g: Gen):

@@ -111,7 +111,8 @@ class Profile:
     delays: list[tuple[float, ...]]  # per client: network delays to draw from, seconds
     weights: dict[str, float]
     faults: DiskFaults
-    apply_fault_at: int | None
+    apply_fault_at: int | None  # the n-th live apply (of apply_fault_type, if set) raises
+    apply_fault_type: str | None
     snapshot_every_records: int
     snapshot_every_s: float
     wide: bool
@@ -127,7 +128,7 @@ class Profile:
         if f.fail_write_at is not None:
             bits.append(f"write#{f.fail_write_at} fails")
         if self.apply_fault_at is not None:
-            bits.append(f"apply#{self.apply_fault_at} raises")
+            bits.append(f"apply#{self.apply_fault_at}{' of ' + self.apply_fault_type if self.apply_fault_type else ''} raises")
         if self.wide:
             bits.append("wide")
         return " ".join(bits)
@@ -163,7 +164,13 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tup
     clients = [rng.choice(("call", "observed", "observed", "wire")) for _ in range(n_clients)]
     delays = [rng.choice(((0.0,), (0.0, 0.001, 0.01), (0.0005, 0.05, 0.3), (0.0, 0.002, 1.5))) for _ in range(n_clients)]
     faults = DiskFaults.draw(rng, allow_fsync_failure=mode == "fsync")
-    apply_fault_at = rng.randrange(3, 60) if rng.random() < 0.05 else None
+    frng = random.Random(f"rallypoint-sim:fail-stop:{seed}")
+    apply_fault_at = apply_fault_type = None
+    if frng.random() < 0.08:
+        # any apply, or one made by a parked waiter's re-check (a receive leasing, a
+        # join_next consuming, a timer wait acknowledging) or by a complete() waiting
+        apply_fault_type = frng.choice((None, None, "TaskDelivered", "JoinSetConsumed", "TimerAcked", "ScopeEnded"))
+        apply_fault_at = frng.randrange(2, 25) if apply_fault_type is None else frng.randrange(1, 3)
     wide = rng.random() < 0.03
     snap_records = rng.choice((4, 10, 40, 100_000))
     snap_s = rng.choice((1.0, 5.0, 60.0))
@@ -174,6 +181,7 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tup
     weights = {name: w * emphasis[kind] for name, (kind, w, _) in OPS.items()}
     prof = Profile(
         mode=mode, clients=clients, delays=delays, weights=weights, faults=faults, apply_fault_at=apply_fault_at,
+        apply_fault_type=apply_fault_type,
         snapshot_every_records=snap_records, snapshot_every_s=snap_s, wide=wide, final=final, quantum=quantum,
     )
     rng = random.Random(f"rallypoint-sim:steps:{seed}")
@@ -599,9 +607,12 @@ class Sim:
                 coord._apply[t] = self._faulty(coord, fn)
 
     def _faulty(self, coord, fn):
+        want = self.profile.apply_fault_type
+
         def apply(rec):
             fn(rec)
-            if self.apply_fault_armed and not coord.replaying and not self.apply_fault_done:
+            if (self.apply_fault_armed and not coord.replaying and not self.apply_fault_done
+                    and (want is None or type(rec).__name__ == want)):
                 self.live_applies += 1
                 if self.live_applies >= self.profile.apply_fault_at:
                     self.apply_fault_done = True
@@ -1123,6 +1134,12 @@ class Sim:
                 made = _fanout(gen)
             else:
                 made = OPS[name][2](gen)
+                if not made:  # nothing to aim at yet: create what it needs instead
+                    kind = next(k for k in KINDS if k.name == OPS[name][0])
+                    for alt in kind.fallbacks(self.world) + ["scope.create"]:
+                        made = OPS[alt][2](Gen(self.world, random.Random(rnd + 1), now_ms))
+                        if made:
+                            break
             if not made:
                 self.trace(f"c{c} {name}: nothing to aim at")
                 return
@@ -1149,37 +1166,47 @@ class Sim:
     async def run_schedule(self) -> None:
         trio._core._run._r.seed(self.trio_seed)
         async with trio.open_nursery() as nursery:
-            self.nursery = nursery
-            self.step_no = -1
-            await self.start_node()
-            for i, step in enumerate(self.steps):
-                self.step_no = i
-                await self.do(step)
-                await self.settle()
-                await self.restart_if_stopped()
-                self.check_quiescent(full=(i % self.check_every == 0))
-            # drain: every wait ends, every fsync completes, every request is answered
-            self.step_no = len(self.steps)
-            self.trace(f"drain: up to {DRAIN_S} s with no new request")
-            self.drain_from = trio.current_time()
-            await self.drain()
-            self.check_quiescent(full=True)
-            if self.pending:
-                r0 = next(iter(self.pending.values()))
-                raise Violation("liveness", f"{len(self.pending)} request(s) never answered, e.g. c{r0.client} "
-                                            f"{_op_text(r0.op)} sent at {r0.sent:.3f}", self.step_no)
-            # a last restart: the recovered state must equal the journal's replay
-            self.step_no += 1
-            self.trace(f"final restart ({self.profile.final})")
-            await self.stop_node(self.profile.final)
-            await self.advance(1.0)
-            await self.start_node()
+            try:
+                await self._run_schedule(nursery)
+            except BaseException:
+                # a violation ends the schedule: the node's shielded shutdown (a journal
+                # flushing, a snapshot being written) may sleep, and nobody moves the
+                # virtual clock any more -- let it jump by itself so the teardown ends
+                self.clock.autojump_threshold = 0
+                raise
+
+    async def _run_schedule(self, nursery) -> None:
+        self.nursery = nursery
+        self.step_no = -1
+        await self.start_node()
+        for i, step in enumerate(self.steps):
+            self.step_no = i
+            await self.do(step)
             await self.settle()
-            self.check_quiescent(full=True)
-            self.inc.stop_clean.set()
-            while not self.inc.done.is_set():
-                await self._advance_once(5.0)
-            nursery.cancel_scope.cancel()
+            await self.restart_if_stopped()
+            self.check_quiescent(full=(i % self.check_every == 0))
+        # drain: every wait ends, every fsync completes, every request is answered
+        self.step_no = len(self.steps)
+        self.trace(f"drain: up to {DRAIN_S} s with no new request")
+        self.drain_from = trio.current_time()
+        await self.drain()
+        self.check_quiescent(full=True)
+        if self.pending:
+            r0 = next(iter(self.pending.values()))
+            raise Violation("liveness", f"{len(self.pending)} request(s) never answered, e.g. c{r0.client} "
+                                        f"{_op_text(r0.op)} sent at {r0.sent:.3f}", self.step_no)
+        # a last restart: the recovered state must equal the journal's replay
+        self.step_no += 1
+        self.trace(f"final restart ({self.profile.final})")
+        await self.stop_node(self.profile.final)
+        await self.advance(1.0)
+        await self.start_node()
+        await self.settle()
+        self.check_quiescent(full=True)
+        self.inc.stop_clean.set()
+        while not self.inc.done.is_set():
+            await self._advance_once(5.0)
+        nursery.cancel_scope.cancel()
 
     async def drain(self) -> None:
         """Let time pass (up to :data:`DRAIN_S`) until every request was answered, no
