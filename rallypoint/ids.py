@@ -26,6 +26,9 @@ PREFIXES = {
     "tmr": "timer",
     "jst": "join set",
     "clm": "claim",
+    "pol": "pool (permits)",
+    "grt": "pool grant",
+    "wlm": "work limit",
     "key": "api key",
     "chd": "join-set child (delay)",
 }

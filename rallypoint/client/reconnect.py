@@ -23,7 +23,11 @@ What happens to a request when the connection drops:
   * ``receive`` (if the lost reply carried a lease, that task stays leased to nobody
     until its lease runs out, then it is delivered again; no work is duplicated);
   * a submission *with an idempotency* ``key`` (task, batch where every item has a
-    key, group member, join-set child): the server returns the existing task.
+    key, group member, join-set child): the server returns the existing task;
+  * claim and pool acquires with a ``request_id`` (the SDK always sends one): the server
+    returns the lease or grant the first one got, or re-parks its queued waiter (which
+    keeps its place); the holder's renew/release/complete (fenced by the token; a
+    second release or complete returns the first one's result) and withdrawals.
 
   Everything else raises :class:`~rallypoint.errors.UnavailableError` with
   ``details={"op": ..., "maybe_applied": True}``: a submission *without* a key, creating
@@ -109,6 +113,11 @@ _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.TimerStatus, p.TimerWait, p.TimerCancel,
     p.JoinSetGet, p.JoinSetClose,
     p.KeyList,
+    # claims and pool grants: fenced by their token (a second release/complete of the
+    # same lease returns the first one's result), reads, idempotent withdrawals
+    p.ClaimRenew, p.ClaimRelease, p.ClaimComplete, p.ClaimCancelWait, p.ClaimStatus, p.ClaimList,
+    p.PoolEnsure, p.PoolGet, p.PoolList, p.PoolCancelWait, p.GrantRenew, p.GrantRelease, p.GrantStatus,
+    p.WorkLimitEnsure, p.WorkLimitList,
 })
 
 
@@ -124,6 +133,8 @@ def reissue_safe(op: Any) -> bool:
         return all(item.key is not None for item in op.items)
     if t is p.JoinNext:
         return op.index is not None
+    if t is p.ClaimAcquire or t is p.PoolAcquire:
+        return op.request_id is not None  # the same id finds its lease, grant or waiter
     return False
 
 
