@@ -19,17 +19,21 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from ._version import __version__
-from .client.api import Client, Delivery, Group, Mailbox, Run, Ticket
+from .client.api import ClaimLease, Client, Delivery, Grant, Group, Mailbox, Pool, Run, Ticket
 from .client.consume import ConsumeStats, consume
 from .client.reconnect import Reconnect
 from .client.types import (
+    ClaimInfo,
+    GrantInfo,
     GroupDecision,
     GroupStatus,
     MailboxInfo,
+    PoolInfo,
     RunStatus,
     ServerInfo,
     TaskInfo,
     VerdictResult,
+    WorkLimitInfo,
 )
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
@@ -50,6 +54,13 @@ __all__ = [
     "Ticket",
     "Delivery",
     "Group",
+    "ClaimLease",
+    "Pool",
+    "Grant",
+    "ClaimInfo",
+    "PoolInfo",
+    "GrantInfo",
+    "WorkLimitInfo",
     "RunStatus",
     "TaskInfo",
     "MailboxInfo",

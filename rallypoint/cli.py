@@ -414,6 +414,13 @@ def cmd_runs(args) -> int:
     return 2
 
 
+def _json_text(value) -> str:
+    """Views (nested ones too) as indented JSON: instants ISO 8601, payloads as values."""
+    import msgspec
+
+    return json.dumps(msgspec.to_builtins(value), default=str, indent=2)
+
+
 def _payload_text(value) -> str:
     """A payload (observation, result) on one line: JSON, ``-`` for none."""
     if value is None:
@@ -453,7 +460,7 @@ def cmd_claims(args) -> int:
         if args.claims_cmd in ("ls", "list"):
             rows = _client_call(args, lambda rs: rs.claims.list(state=args.state, limit=args.limit, after=args.after))
             if args.json:
-                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
+                print(_json_text(rows))
             else:
                 print(f"{'KEY':40} {'STATE':9} {'GEN':>5} {'WAITERS':>7}  {'EXPIRES':20}  HOLDER")
                 for c in rows:
@@ -466,7 +473,7 @@ def cmd_claims(args) -> int:
         if args.claims_cmd == "show":
             c = _client_call(args, lambda rs: rs.claims.status(args.key))
             if args.json:
-                print(json.dumps(c.to_dict(), default=str, indent=2))
+                print(_json_text(c))
             else:
                 _print_claim(c)
             return 0
@@ -506,7 +513,7 @@ def cmd_pools(args) -> int:
         if args.pools_cmd in ("ls", "list"):
             rows = _client_call(args, lambda rs: rs.pools.list())
             if args.json:
-                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
+                print(_json_text(rows))
             else:
                 print(f"{'NAME':32} {'TOTAL':>8} {'USED':>8} {'FREE':>8} {'WAITING':>8} {'GRANTS':>7}")
                 for pl in rows:
@@ -519,7 +526,7 @@ def cmd_pools(args) -> int:
 
             pl = _client_call(args, show)
             if args.json:
-                print(json.dumps(pl.to_dict(), default=str, indent=2))
+                print(_json_text(pl))
             else:
                 _print_pool(pl)
             return 0
