@@ -356,3 +356,34 @@ async def test_leases_and_waiters_survive_a_restart_and_get_the_downtime_back(tm
             again = await _acquire_raw(rs, rs.scope(run.id), "k", wait_ms=3_600_000, request_id="w-1")
             assert again.status == "ACQUIRED" and again.claim.generation == 2  # the waiter kept its place
             assert expiring.generation == 1
+
+
+async def test_a_renewal_sent_in_time_survives_an_event_loop_stall(autojump_clock, ers):
+    run = await ers.scopes.create()
+    lease = await run.claims.acquire("k", lease_seconds=5)
+    await trio.sleep(1)
+    autojump_clock.jump(9)  # a 9 s stall: the holder could not be heard
+    await lease.renew()  # still its lease: the stall was given back
+    assert ers.node.coordinator.stalls == 1 and (await ers.claims.status("k")).generation == 1
+
+
+async def test_keys_are_unique_per_space_and_invisible_across_spaces():
+    from rallypoint.actors import Coordinator
+    from rallypoint.service import Session
+
+    async def go():
+        coord = Coordinator()
+        a, b = Session(space="a"), Session(space="b")
+        ra = coord.decide(a, p.ScopeCreate()).id
+        rb = coord.decide(b, p.ScopeCreate()).id
+        la = coord.decide(a, p.ClaimAcquire(scope_id=ra, key="same"))
+        lb = coord.decide(b, p.ClaimAcquire(scope_id=rb, key="same"))  # another space: its own claim
+        assert la.status == lb.status == "ACQUIRED" and la.claim.id != lb.claim.id
+        with pytest.raises(NotFoundError):
+            coord.decide(b, p.ClaimAcquire(scope_id=ra, key="x"))  # a's run is not b's
+        with pytest.raises(LeaseLostError):  # b cannot touch a's lease with its own token
+            coord.decide(b, p.ClaimRelease(key="same", token=la.token))
+        assert coord.decide(a, p.ClaimStatus(key="same")).state == "HELD"
+        assert [c.key for c in coord.decide(b, p.ClaimList()).claims] == ["same"]
+
+    await go()

@@ -354,3 +354,32 @@ async def test_grants_and_the_queue_survive_a_restart(tmp_path, autojump_clock, 
             big = await rs._call(p.PoolAcquire(pool="gpu", scope_id=run.id, units=3, wait_ms=3_600_000,
                                                request_id="big"), t._PoolAcquireReply)
             assert big.status == "ACQUIRED" and big.grant.units == 3
+
+
+async def test_a_renewal_sent_in_time_survives_an_event_loop_stall(autojump_clock, ers):
+    await ers.pools.ensure("stall", 1)
+    run = await ers.scopes.create()
+    g = await run.pools.acquire("stall", 1, lease_seconds=5)
+    await trio.sleep(1)
+    autojump_clock.jump(9)  # a 9 s stall
+    await g.renew()
+    assert (await g.status()).state == "ACTIVE" and ers.node.coordinator.stalls == 1
+
+
+async def test_pools_and_grants_are_invisible_across_spaces():
+    from rallypoint.actors import Coordinator
+    from rallypoint.service import Session
+
+    coord = Coordinator()
+    a, b = Session(space="a"), Session(space="b")
+    ra = coord.decide(a, p.ScopeCreate()).id
+    rb = coord.decide(b, p.ScopeCreate()).id
+    coord.decide(a, p.PoolEnsure(name="gpu", units_total=1))
+    coord.decide(b, p.PoolEnsure(name="gpu", units_total=5))  # names are per space
+    ga = coord.decide(a, p.PoolAcquire(pool="gpu", scope_id=ra)).grant
+    assert coord.decide(b, p.PoolAcquire(pool="gpu", scope_id=rb, units=5)).status == "ACQUIRED"
+    with pytest.raises(NotFoundError):
+        coord.decide(b, p.GrantStatus(grant_id=ga.id))
+    with pytest.raises(NotFoundError):
+        coord.decide(b, p.GrantRelease(grant_id=ga.id, token=ga.token))
+    assert [x.units_total for x in coord.decide(b, p.PoolList()).pools] == [5]
