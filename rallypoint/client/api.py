@@ -710,7 +710,8 @@ class JoinSet:
 
             raise ChildError(
                 f"child {r.child_id} of join set {self.id} ended {r.failure_kind}",
-                details={"value": r.value, "failure_kind": r.failure_kind, "child_id": r.child_id, "index": r.index},
+                details={"value": r.value, "failure_kind": r.failure_kind, "child_id": r.child_id, "index": r.index,
+                         "closing": r.closing},
             )
         return r.child_id, r.value
 
