@@ -301,11 +301,30 @@ class JoinSetDelayFired(_Rec, tag="joinset_delay_fired"):
 
 class JoinSetConsumed(_Rec, tag="joinset_consumed"):
     """The ``index``-th consume of the set (positional matching: it took record
-    ``index``)."""
+    ``index``), answered as step ``step`` of the set's log by ``op`` (``next``: an
+    await, ``try``: a probe), typed for work queue ``mailbox`` (an id) or not."""
 
     joinset_id: str
     index: int
     at_ms: int
+    step: int | None = None
+    op: str = "next"
+    mailbox: str | None = None
+
+
+class JoinSetAnswered(_Rec, tag="joinset_answered"):
+    """An answer that consumed nothing, journaled as step ``step`` of the set's log so a
+    replay gets it again: ``outcome`` ``pending`` (a probe found no record), ``exhausted``
+    (nothing left to consume), or ``record`` (record ``index``, already taken by a
+    closing consume, handed to an await that was waiting for it)."""
+
+    joinset_id: str
+    step: int
+    op: str
+    outcome: str
+    at_ms: int
+    index: int = -1
+    mailbox: str | None = None
 
 
 class JoinSetClosed(_Rec, tag="joinset_closed"):
@@ -367,6 +386,7 @@ Record = Union[
     JoinSetDelaySubmitted,
     JoinSetDelayFired,
     JoinSetConsumed,
+    JoinSetAnswered,
     JoinSetClosed,
     KeyCreated,
     KeyRevoked,

@@ -13,7 +13,8 @@ What happens to a request when the connection drops:
   (:func:`reissue_safe`):
 
   * reads and server-side waits (status, result, group/barrier/timer waits, run
-    completion, join-set close, ``join_next`` at an explicit index);
+    completion, join-set close, ``join_next`` / ``join_next_try`` at an explicit
+    index or step);
   * idempotent writes: ``mailboxes.ensure``, run and task cancel, group close,
     join_task and verdicts, timer cancel and acknowledgement;
   * a delivery's ``renew``, ``complete``, ``retry`` and ``reject`` (the fencing token
@@ -28,7 +29,7 @@ What happens to a request when the connection drops:
   Everything else raises :class:`~rallypoint.errors.UnavailableError` with
   ``details={"op": ..., "maybe_applied": True}``: a submission *without* a key, creating
   runs, groups, barriers, timers and join sets, barrier arrivals and ``next_epoch``,
-  ``join_next`` without a known index, key administration. Check the state, then retry
+  ``join_next`` / ``join_next_try`` without a known index or step, key administration. Check the state, then retry
   yourself; or give submissions a ``key``, which makes them safe.
 
 - **Answered UNAVAILABLE by a draining server** (SIGTERM: long waits are ended after a
@@ -123,7 +124,7 @@ def reissue_safe(op: Any) -> bool:
     if t is p.TaskSubmitMany:
         return all(item.key is not None for item in op.items)
     if t is p.JoinNext:
-        return op.index is not None
+        return op.index is not None or op.step is not None
     return False
 
 

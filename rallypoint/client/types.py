@@ -236,6 +236,7 @@ class JoinSetStatus(_Info):
     consumed: int
     created_at: datetime
     children: list[JoinSetChild]
+    steps: int = 0  # answers of join_next / join_next_try journaled so far
 
 
 class _ChildAdded(msgspec.Struct):
@@ -253,3 +254,5 @@ class _JoinNextReply(msgspec.Struct):
     value: Any = None
     failure_kind: str | None = None
     closing: bool = False
+    step: int | None = None
+    replayed: bool = False
