@@ -108,6 +108,7 @@ class ScopeView(_View):
     children: int
     tasks: dict[str, int]
     group_id: str | None = None
+    task_id: str | None = None  # a task's own run: that task (it ends with the task)
 
 
 class ScopeListView(_View):
@@ -202,6 +203,8 @@ class TaskView(_View):
     finished_at: str | None
     deadline: str | None
     group_id: str | None = None
+    run_id: str | None = None  # the task's own run (``delivery.run``), once made
+    completing: bool = False  # its worker completed it; its run's join sets are closing
 
 
 class TaskListView(_View):
@@ -226,6 +229,7 @@ class DeliveryView(_View):
     token: int
     lease_expires_at: str
     group_id: str | None = None
+    run_id: str | None = None  # the task's own run, if an earlier attempt made it
 
 
 class ReceiveView(_View):
@@ -261,6 +265,14 @@ class DeliveryReject(_Op, tag="delivery.reject"):
     task_id: str
     token: int
     error: msgspec.Raw = NIL
+
+
+class DeliveryRun(_Op, tag="delivery.run"):
+    """The task's own run (a child of the task's run), made on first use; the same run
+    for every later call and attempt. Reply: the run (ScopeView)."""
+
+    task_id: str
+    token: int
 
 
 # --- task groups ----------------------------------------------------------------------
@@ -580,6 +592,7 @@ Op = Union[
     DeliveryComplete,
     DeliveryRetry,
     DeliveryReject,
+    DeliveryRun,
     GroupCreate,
     GroupSubmit,
     GroupJoinTask,
@@ -630,6 +643,7 @@ REPLY_TYPES: dict[type, type] = {
     DeliveryComplete: TaskView,
     DeliveryRetry: TaskView,
     DeliveryReject: TaskView,
+    DeliveryRun: ScopeView,
     GroupCreate: GroupView,
     GroupSubmit: GroupMemberAddedView,
     GroupJoinTask: GroupMemberAddedView,

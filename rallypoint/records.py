@@ -164,6 +164,36 @@ class TaskExpired(_Rec, tag="task_expired"):
     at_ms: int
 
 
+class TaskRunCreated(_Rec, tag="task_run_created"):
+    """The task's own run ``run_id``, a child of the task's run (``delivery.run()``).
+    Any end of the task but success cancels it in the apply of that end."""
+
+    task_id: str
+    run_id: str
+    at_ms: int
+
+
+class TaskCompleting(_Rec, tag="task_completing"):
+    """The holder of ``token`` completed a task that owns a run: the outcome is held,
+    the lease no longer counts, and the run's open join sets are closed (their
+    JoinSetClosed records follow in the same commit). The task stays RUNNING until
+    ``TaskRunCompleted``."""
+
+    task_id: str
+    token: int
+    outcome: bytes
+    at_ms: int
+
+
+class TaskRunCompleted(_Rec, tag="task_run_completed"):
+    """ONE step: the completing task's run has no open join set left: the run is
+    COMPLETED (its subtree step cancels what else is left in it) and the task SUCCEEDED
+    with its held outcome."""
+
+    task_id: str
+    at_ms: int
+
+
 # --- task groups ------------------------------------------------------------------------
 
 
@@ -369,6 +399,9 @@ Record = Union[
     LeaseExpired,
     TaskCancelled,
     TaskExpired,
+    TaskRunCreated,
+    TaskCompleting,
+    TaskRunCompleted,
     LeasesExtended,
     GroupCreated,
     GroupMemberJoined,

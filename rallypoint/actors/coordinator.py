@@ -172,6 +172,7 @@ class Coordinator:
                     apply[type(rec)](rec)
                     i += 1
                 more = self.groups.react()
+                more += self.queues.react()
                 if not more:
                     break
                 records.extend(more)
@@ -206,6 +207,7 @@ class Coordinator:
         finally:
             self.replaying = False
             self.groups.touched.clear()
+            self.queues.to_check.clear()
 
     # ------------------------------------------------------------------ actors
     def parent_of(self, actor_id: str) -> tuple[Any, str | None]:

@@ -206,7 +206,12 @@ class JoinSets(Kind):
         coord.runs.require_active(run.id)
         rec = JoinSetCreated(id=coord.ids.new("jst"), space=session.space, scope_id=run.id,
                              at_ms=coord.now_ms(), name=op.name)
-        coord.commit([rec])
+        if coord.runs.completing_task(run.id) is not None:
+            # the run's task was completed: its run is closing, like a run whose
+            # complete() waits; a set made now is closed at once
+            coord.commit([rec, JoinSetClosed(joinset_id=rec.id, at_ms=rec.at_ms)])
+        else:
+            coord.commit([rec])
         return self.view(self.table[rec.id])
 
     @applies(JoinSetCreated)
@@ -364,6 +369,9 @@ class JoinSets(Kind):
             js.state = "CLOSED"
             self.coord.notify(js.id, "j")
             self.coord.notify(js.scope_id, "complete")
+            task = self.coord.runs.completing_task(js.scope_id)
+            if task is not None:  # a completing task's run: it may be done now
+                self.coord.queues.check_completion(task.id)
 
     # ================================================================ consume: steps
     def _step_at(self, js: JoinSetState, step: int) -> "Step":

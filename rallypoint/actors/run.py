@@ -19,7 +19,11 @@ A run's end is ONE record (``ScopeEnded``, ``ScopeDeadlinePassed``, or the
 No request can see a half-ended subtree, and no waiter below an ended run is left.
 
 The actor of a run lives in its parent run's nursery (a root run in the root nursery);
-groups, barriers, timers and join sets live in their run's nursery.
+groups, barriers, timers and join sets live in their run's nursery. A task's own run
+(``delivery.run()``, ``ScopeState.task_id``) is a child of the task's run, so it sits in
+that run's nursery and in its subtree: whatever ends the task's run ends the task and,
+in the same step, the task's own run. It ends only with its task (cancel/complete on it
+directly is CONFLICT): see :mod:`rallypoint.actors.queue`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class ScopeState(msgspec.Struct, gc=False, omit_defaults=True):
     deadline_fired: bool = False
     children: int = 0
     group_id: str | None = None
+    task_id: str | None = None  # a task's own run: it ends with that task
 
 
 _REASON_OF_STATE = {"CANCELLED": "cancelled", "COMPLETED": "completed"}
@@ -221,6 +226,7 @@ class Runs(Kind):
             return self.view(s)
         if s.state == "COMPLETED":
             raise ConflictError(f"run {s.id} is already COMPLETED; a finished run cannot be cancelled")
+        self._refuse_task_run(s, "cancelled")
         if op.reason is not None and len(op.reason) > 1024:
             raise ValidationError("reason is longer than 1024 characters", details={"field": "reason"})
         self.coord.commit([ScopeEnded(id=s.id, state="CANCELLED", at_ms=self.coord.now_ms(), reason=op.reason)])
@@ -234,6 +240,7 @@ class Runs(Kind):
         s = self.get(session.space, op.scope_id)
         if s.state != "ACTIVE":
             raise ConflictError(f"run {s.id} is already {s.state}; a finished run cannot be completed")
+        self._refuse_task_run(s, "completed")
         wait_ms = clamp_wait(op.wait_ms)
         done = self._try_complete(s)
         if done is not None or wait_ms == 0:
@@ -245,6 +252,16 @@ class Runs(Kind):
             return self._try_complete(s)
 
         return Park("complete", check, wait_ms, lambda: self.view(s))
+
+    def _refuse_task_run(self, s: ScopeState, what: str) -> None:
+        """A task's own run ends with its task, never by itself (CONFLICT)."""
+        if s.task_id is not None and s.state == "ACTIVE":
+            raise ConflictError(
+                f"run {s.id} belongs to task {s.task_id} and ends with it: it is completed when the task is "
+                f"completed and cancelled by any other end of the task (reject it, or cancel the task); it "
+                f"cannot be {what} by itself",
+                details={"scope_id": s.id, "task_id": s.task_id},
+            )
 
     def _try_complete(self, s: ScopeState) -> ScopeView | None:
         joinsets = self.coord.joinsets
@@ -311,6 +328,7 @@ class Runs(Kind):
             children=s.children,
             tasks=self.coord.queues.run_task_counts(s.id),
             group_id=s.group_id,
+            task_id=s.task_id,
         )
 
     # ================================================================ apply
@@ -328,6 +346,15 @@ class Runs(Kind):
                 group_id=r.group_id,
             )
         )
+
+    def completing_task(self, run_id: str):
+        """The task that owns ``run_id`` if its worker completed it and it waits for the
+        run's join sets to close (``TaskState``), else None."""
+        s = self.table.get(run_id)
+        if s is None or s.task_id is None:
+            return None
+        t = self.coord.queues.tasks.get(s.task_id)
+        return t if t is not None and t.completing else None
 
     def add(self, s: ScopeState) -> None:
         """Install a new run (its own record, or a group's gate run in GroupCreated)."""

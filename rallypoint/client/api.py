@@ -477,6 +477,8 @@ class Delivery:
         self.token = info.token
         self.lease_expires_at = info.lease_expires_at
         self.group_id = info.group_id
+        #: the task's own run, if one was made (by an earlier attempt, or ``run()``)
+        self.run_id = info.run_id
         self.lease_seconds = lease_seconds
         self.lost = False
 
@@ -489,6 +491,28 @@ class Delivery:
         except (LeaseLostError, ScopeInactiveError):
             self.lost = True
             raise
+
+    async def run(self) -> "Run":
+        """The task's own run: a child of the task's run, made on first use and the
+        same for every later call and attempt (``run_id``). Put the worker's own work in
+        it -- join sets, tasks, timers, child runs -- and it ends with the task:
+
+        - ``complete()`` closes its join sets (cancellable children cancelled in reverse
+          submission order, non-cancellable ones awaited) and the task is SUCCEEDED only
+          once they finished (meanwhile it is RUNNING with ``completing``), in one step
+          with the run's completion (what else the run holds is cancelled then);
+        - any other end of the task (reject, last retry, last lease expired, deadline,
+          cancel, its run or group ending) cancels the run and everything in it in the
+          same step.
+
+        So whoever waits for the task never sees it finished while work it started is
+        pending. The run cannot be cancelled or completed by itself (CONFLICT). Raises
+        LeaseLostError (STALE_CLAIM) when this delivery's lease is not current,
+        ScopeInactiveError when the task's run is inactive, LimitError when that run has
+        ``child_limit`` children. Re-sent after a dropped connection (idempotent)."""
+        st = await self._settle(p.DeliveryRun(task_id=self.task_id, token=self.token), t.RunStatus)
+        self.run_id = st.id
+        return Run(self._rs, st.id, st)
 
     async def renew(self, lease_seconds: float | None = None) -> datetime:
         """Extend the lease by ``lease_seconds`` (default: the receive's; 5-600) from now.
@@ -504,7 +528,9 @@ class Delivery:
 
     async def complete(self, outcome: Any = None) -> t.TaskInfo:
         """Record the outcome (any msgpack-able value, at most 64 KiB encoded) and return
-        the task (SUCCEEDED). Exactly once: a later complete is LeaseLostError
+        the task (SUCCEEDED; for a task with its own run that still has awaited
+        children, RUNNING with ``completing`` -- see :meth:`run`: the outcome is recorded
+        once they finished, with no further call). Exactly once: a later complete is LeaseLostError
         (STALE_CLAIM), as is one after the lease ran out; ScopeInactiveError
         (SCOPE_CANCELLED / DEADLINE_EXCEEDED) on an inactive run (both set ``lost``);
         ValidationError (VALIDATION_FAILED) for an outcome that cannot be encoded or is

@@ -17,8 +17,9 @@ What happens to a request when the connection drops:
     index or step);
   * idempotent writes: ``mailboxes.ensure``, run and task cancel, group close,
     join_task and verdicts, timer cancel and acknowledgement;
-  * a delivery's ``renew``, ``complete``, ``retry`` and ``reject`` (the fencing token
-    makes a second one a no-op or STALE_CLAIM; when the first one was applied, the
+  * a delivery's ``run()`` (made once, the same run after), ``renew``, ``complete``,
+    ``retry`` and ``reject`` (the fencing token makes a second one a no-op or
+    STALE_CLAIM; when the first one was applied, the
     STALE_CLAIM / CONFLICT the second gets is recognised and the first one's result
     returned instead);
   * ``receive`` (if the lost reply carried a lease, that task stays leased to nobody
@@ -104,7 +105,7 @@ _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.ServerStatus, p.ScopeStatus, p.ScopeList, p.ScopeCancel, p.ScopeComplete,
     p.MailboxEnsure, p.MailboxGet, p.MailboxList,
     p.TaskStatus, p.TaskResult, p.TaskCancel,
-    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryRetry, p.DeliveryReject,
+    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryRetry, p.DeliveryReject, p.DeliveryRun,
     p.GroupJoinTask, p.GroupVerdictOp, p.GroupClose, p.GroupStatus, p.GroupWait,
     p.BarrierStatus, p.BarrierWait,
     p.TimerStatus, p.TimerWait, p.TimerCancel,

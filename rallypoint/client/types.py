@@ -53,6 +53,8 @@ class RunStatus(_Info):
     children: int
     tasks: dict[str, int]
     group_id: str | None = None
+    #: a task's own run (``delivery.run()``): that task; the run ends with it
+    task_id: str | None = None
 
 
 class MailboxInfo(_Info):
@@ -84,6 +86,11 @@ class TaskInfo(_Info):
     finished_at: datetime | None
     deadline: datetime | None
     group_id: str | None = None
+    #: the task's own run (made by its worker with ``delivery.run()``), or None
+    run_id: str | None = None
+    #: its worker completed it and its run's join sets are closing: the task is
+    #: SUCCEEDED (with that outcome) once the last awaited child finished
+    completing: bool = False
 
     @property
     def finished(self) -> bool:
@@ -100,6 +107,7 @@ class DeliveryInfo(_Info):
     token: int
     lease_expires_at: datetime
     group_id: str | None = None
+    run_id: str | None = None
 
 
 class _ReceiveReply(msgspec.Struct):
