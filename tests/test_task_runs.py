@@ -407,3 +407,23 @@ def test_sigkill_while_a_task_is_completing(tmp_path):
             assert rs.scope(ids[0]).join_sets.by_name("outer").join_next(timeout=5) == (t, "T")
     finally:
         d.kill()
+
+
+# ---------------------------------------------------------------- the example
+
+
+def test_the_nested_crawl_example_cancels_halfway_and_leaves_nothing_pending():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = [sys.executable, os.path.join("examples", "crawl_nested.py"), "--spawn", "--quick"]
+    ok = subprocess.run(script, cwd=root, capture_output=True, text=True, timeout=120, env=env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "cancelled the top run after" in ok.stdout and "nothing pending:" in ok.stdout, ok.stdout
+    # the check is real: left running, the same tree is reported pending (exit 1)
+    bad = subprocess.run(script + ["--no-cancel"], cwd=root, capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "PENDING after the cancel:" in bad.stdout and "is still ACTIVE" in bad.stdout, bad.stdout
