@@ -56,6 +56,8 @@ def test_readme_block_runs_as_written(index, readme_daemon, monkeypatch, capsys)
     out = capsys.readouterr().out
     if "group.wait" in code:
         assert out.strip() == "SUCCESS threshold_reached"
+    elif "delivery.run()" in code:
+        assert out.strip() == "nested: SUCCEEDED ['/', '/GROUPS', '/QUEUES']"
     elif embedded:
         assert out.startswith("the delay won: True - timer fired at ")
     else:

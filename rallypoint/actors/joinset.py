@@ -4,9 +4,16 @@ A join set holds child *tasks* (submitted to a work queue) and durable *delays*.
 child that finishes appends one completion record to the set, in the order children
 finish on the server (the order of apply, which is the journal order, so replay
 reproduces it). Consuming is positional: the k-th consume of a set returns the set's
-k-th record; each consume is journaled with its index (``JoinSetConsumed``), and asking
-again for index k < consumed re-reads the same record, so a client that restarts and
-re-attaches gets identical answers.
+k-th record; asking for index k < consumed re-reads the same record.
+
+Steps: every answer of ``join_next`` / ``join_next_try`` is the next step of the set's
+log and journaled before it is sent -- a record consumed (``JoinSetConsumed`` with its
+step), a probe's ``pending``, JOIN_SET_EXHAUSTED, the record a close hands to a waiting
+await (``JoinSetAnswered``), a typed op's FUNCTION_MISMATCH (a consume). A request with
+``step < steps`` is a replay: it gets the logged answer if it is the same operation
+(await or probe, same ``mailbox``), else NONDETERMINISM_DETECTED naming the step and
+both answers. So a client that restarts and re-runs its calls gets identical answers,
+"pending" included. A wait that runs out is no step.
 
 Close (``JoinSetClosed``, one record): no more submissions; unconsumed delays and
 cancellable tasks are cancelled in reverse submission order; non-cancellable tasks are
@@ -30,6 +37,12 @@ close that waits park there.
 
 Failure kinds: ``failed`` (retries exhausted or rejected), ``timed_out`` (its last lease
 expired with no attempts left), ``cancelled``, ``expired`` (task deadline).
+
+A task child may own a run (``delivery.run()``): its completion record is written only
+when it is terminal, which for a completed task is after its own run's sets closed
+(:mod:`rallypoint.actors.queue`), so a record never arrives while anything under that
+child is pending. A set of a completing task's run that becomes CLOSED asks the work
+queues kind to re-check that task (its ``TaskRunCompleted`` reaction).
 """
 
 from __future__ import annotations

@@ -8,6 +8,14 @@ STALE_CLAIM and changes nothing. A lease that runs out puts the task back in the
 task is FAILED. Delivery is at-least-once; the outcome is recorded exactly once (the
 first valid complete).
 
+A task's own run (``delivery.run``, ``TaskRunCreated``): a child run of the task's run,
+made on first use by the lease holder and kept across attempts. The task's end and the
+run's end are one structure: a completed task is ``completing`` (outcome held, still
+RUNNING, no lease) while its run's join sets close, and ``TaskRunCompleted`` -- a
+reaction in the commit where the last set closes -- completes the run and records the
+outcome in one apply; any other end of the task cancels its run in the apply of that
+end (:meth:`WorkQueues.finish`), before the task's terminal state is visible.
+
 Where things run: a work queue's actor (space level, in the root nursery) answers for
 the queue itself; a **task belongs to its run**: every command about a task -- submit,
 receive for a run, renew/complete/retry/reject, result, cancel -- is handled here but
