@@ -17,7 +17,6 @@ from rallypoint import protocol as p
 from rallypoint.client import types as t
 from rallypoint.client.reconnect import reissue_safe
 from rallypoint.errors import (
-    ChildError,
     FunctionMismatchError,
     JoinSetExhaustedError,
     NondeterminismError,
@@ -25,7 +24,7 @@ from rallypoint.errors import (
     ValidationError,
 )
 
-from _joinset_util import child_error, raw_record, take, uniq, until
+from _joinset_util import child_error, take, uniq, until
 from conftest import Daemon
 
 

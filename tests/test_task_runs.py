@@ -24,12 +24,11 @@ from rallypoint import protocol as p
 from rallypoint.client.types import TaskInfo
 from rallypoint.errors import (
     ConflictError,
-    JoinSetExhaustedError,
     LeaseLostError,
     ScopeCancelledError,
 )
 
-from _joinset_util import child_error, in_, records, take, uniq
+from _joinset_util import child_error, in_, records, uniq
 from conftest import Daemon
 
 UNFINISHED = {"QUEUED", "RUNNING"}
