@@ -45,6 +45,9 @@ class CountingSink:
     def untrack(self, rid) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
 
 async def main(n_waiters: int, n_children: int) -> None:
     async with rallypoint.open_embedded() as rs:
