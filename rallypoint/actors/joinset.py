@@ -156,6 +156,8 @@ class JoinSets(Kind):
 
     prefix = "jst"
     name = "joinsets"
+    noun = "join set"
+    id_field = "joinset_id"
 
     def __init__(self, coord) -> None:
         super().__init__(coord)
@@ -174,14 +176,6 @@ class JoinSets(Kind):
     def parent_actor_id(self, js_id: str) -> str | None:
         return self.table[js_id].scope_id
 
-    def get(self, space: str, js_id) -> JoinSetState:
-        js = self.table.get(js_id) if isinstance(js_id, str) else None
-        if js is None or js.space != space:
-            raise NotFoundError(f"no join set {short(js_id)} in this space", details={"joinset_id": js_id})
-        return js
-
-    def route(self, session, js_id) -> str:
-        return self.get(session.space, js_id).id
 
     def view(self, js: JoinSetState) -> JoinSetView:
         return JoinSetView(

@@ -35,14 +35,13 @@ from ..errors import (
     ConflictError,
     DeadlineExceededError,
     LimitError,
-    NotFoundError,
     RallypointError,
     ScopeCancelledError,
     ValidationError,
 )
 from ..protocol import ScopeCancel, ScopeComplete, ScopeCreate, ScopeList, ScopeListView, ScopeStatus, ScopeView
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
-from .common import applies, check_name, check_range, clamp_wait, parse_instant, short
+from .common import applies, check_name, check_range, clamp_wait, parse_instant
 from .kind import Kind
 from .runtime import PRIO_RUN_DEADLINE, Park
 
@@ -76,6 +75,8 @@ class Runs(Kind):
 
     prefix = "scp"
     name = "runs"
+    noun = "run"
+    id_field = "scope_id"
 
     def __init__(self, coord) -> None:
         super().__init__(coord)
@@ -94,17 +95,6 @@ class Runs(Kind):
         return self.table[run_id].parent_id
 
     # ================================================================ lookups
-    def get(self, space: str, run_id) -> ScopeState:
-        """The run ``run_id`` of ``space``; NOT_FOUND otherwise (another space's too)."""
-        s = self.table.get(run_id) if isinstance(run_id, str) else None
-        if s is None or s.space != space:
-            raise NotFoundError(f"no run {short(run_id)} in this space", details={"scope_id": short(run_id)})
-        return s
-
-    def route(self, session, run_id) -> str:
-        """The actor id for a command on run ``run_id`` (NOT_FOUND across spaces)."""
-        return self.get(session.space, run_id).id
-
     def inactive_error(self, run_id: str, at_ms: int | None = None) -> RallypointError | None:
         """Why the run (or an ancestor) refuses new work at ``at_ms`` (default: now), or
         None when it is active. SCOPE_CANCELLED when it or an ancestor was cancelled or
