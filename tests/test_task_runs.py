@@ -80,6 +80,37 @@ async def test_a_task_gets_its_own_run_on_first_use_and_keeps_it_across_attempts
         await d.run()  # the old attempt's token is stale
 
 
+async def test_a_later_attempt_replays_the_first_attempts_join_set(rs):
+    """Attempt 1 fans out (keyed submissions), probes, consumes one record, then fails
+    (retry). Attempt 2 finds the same run, re-runs the same code against a replaying
+    handle and gets attempt 1's answers -- "pending" included -- then goes on live."""
+    mbx, parent, ticket, d, run = await task_with_run(rs)
+
+    async def body(delivery, js):
+        kids = [await js.submit(mbx, {"page": p}, key=p) for p in ("a", "b")]
+        first = await js.join_next_try()
+        return kids, first
+
+    js = await run.join_sets.create("fanout")
+    kids, first = await body(d, js)
+    assert first is None
+    da = await mbx.receive(run, wait=5)
+    db = await mbx.receive(run, wait=5)
+    await da.complete("A")
+    assert await js.join_next(timeout=5) == (kids[0], "A")
+    await d.retry("worker crashed")
+    d2 = await mbx.receive(parent, wait=5)
+    assert (d2.task_id, d2.run_id) == (ticket.id, run.id)
+    js2 = await (await d2.run()).join_sets.by_name("fanout", replay=True)
+    kids2, first2 = await body(d2, js2)
+    assert kids2 == kids and first2 is None  # the same children, the same "pending"
+    assert await js2.join_next(timeout=5) == (kids[0], "A")  # replayed
+    await db.complete("B")
+    assert await js2.join_next(timeout=5) == (kids[1], "B")  # live
+    info = await d2.complete("T")
+    assert (info.state, info.outcome) == ("SUCCEEDED", "T")
+
+
 async def test_no_run_for_a_task_of_an_inactive_run(rs):
     mbx = await rs.mailboxes.ensure(uniq("tr"))
     parent = await rs.scopes.create()
