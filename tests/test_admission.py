@@ -438,3 +438,26 @@ def test_model_admission_and_pools_never_over_grant(steps):
     holds task grants, no waiter that fits is left waiting, no waiter of an inactive run
     is left; the journal replays to the same state."""
     trio.run(_model, steps, clock=trio.testing.MockClock())
+
+
+async def test_a_completing_task_gives_its_grants_back_when_its_worker_completes(rs):
+    """A task with its own run (``delivery.run()``) stays RUNNING, completing, while its
+    run's join sets close: its worker is done, so its grants go back at once."""
+    pool = await rs.pools.ensure("completing", 1)
+    mbx = await rs.mailboxes.ensure("completing")
+    run = await rs.scopes.create()
+    task = await mbx.submit("parent", scope=run, requirements={"pools": {"completing": 1}})
+    d = await mbx.admit(run)
+    own = await d.run()
+    js = await own.join_sets.create()
+    await js.submit(mbx, "child", cancellable=False)
+    await d.complete("parent done")
+    info = await task.status()
+    assert info.state == "RUNNING" and info.completing
+    st = await pool.status()
+    assert st.units_used == 0 and st.active_grants == 0  # given back with the delivery
+    child = await mbx.receive(run, wait=0)
+    assert child.input == "child" and child.grants == []
+    await child.complete("ok")
+    assert (await task.result(timeout=10)).state == "SUCCEEDED"
+    assert (await pool.status()).units_used == 0

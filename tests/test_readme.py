@@ -58,6 +58,8 @@ def test_readme_block_runs_as_written(index, readme_daemon, monkeypatch, capsys)
         assert out.strip() == "SUCCESS threshold_reached"
     elif "claims.acquire" in code:
         assert out.splitlines() == ["report: {'rows': 1200}", "holding 1 of 4", "free browsers: 4"]
+    elif "delivery.run()" in code:
+        assert out.strip() == "nested: SUCCEEDED ['/', '/GROUPS', '/QUEUES']"
     elif embedded:
         assert out.startswith("the delay won: True - timer fired at ")
     else:

@@ -23,8 +23,13 @@ to the coordinator attribute of the kind implementing it, which provides::
                                                           #   of what this step already took?
     requirement_hold(stored, pending: dict) -> None       # count it in ``pending`` (same step)
     requirement_records(task, stored, at_ms) -> [Record]  # the take, committed with TaskDelivered
-    requirement_release(task, stored, at_ms, new_state)   # apply: the delivery ended (RUNNING ->
-                                                          #   new_state): give back / settle
+    requirement_release(task, stored, at_ms, new_state)   # apply: the delivery ended: give back /
+                                                          #   settle what it still holds. new_state:
+                                                          #   the task's next state, or COMPLETING
+                                                          #   (its worker completed it; it succeeds
+                                                          #   once its own run's join sets closed).
+                                                          #   Called again when such a task then
+                                                          #   leaves RUNNING: must be idempotent
     requirement_track(task, stored) / requirement_untrack(task, stored)
                                                           # apply: the task is unfinished / finished
     requirement_views(task) -> dict                       # extra DeliveryView fields (e.g. grants)
