@@ -387,3 +387,19 @@ async def test_keys_are_unique_per_space_and_invisible_across_spaces():
         assert [c.key for c in coord.decide(b, p.ClaimList()).claims] == ["same"]
 
     await go()
+
+
+async def test_a_claims_actor_runs_in_its_owning_runs_nursery_and_a_pools_under_the_root(autojump_clock, ers):
+    rt = ers.node.coordinator.runtime
+    run = await ers.scopes.create()
+    child = await run.child()
+    lease = await child.claims.acquire("k", lease_seconds=60)
+    pool = await ers.pools.ensure("tree", 1)
+    await lease.renew()  # a command on the claim's actor: active now (idle ones passivate after 2 s)
+    a = rt.get(lease.claim_id)
+    assert a is not None and a.parent_id == child.id and a.depth == rt.get(child.id).depth + 1
+    info = await pool.status()
+    assert rt.get(info.id).parent_id is None
+    await run.cancel()  # its nursery and everything below it: the claim's actor too
+    await trio.sleep(0)
+    assert rt.tasks_below(run.id) == 0
