@@ -26,7 +26,6 @@ from rallypoint.errors import (
     ScopeCancelledError,
     ValidationError,
 )
-from rallypoint.records import decode_commit
 from rallypoint.service import Session
 
 
