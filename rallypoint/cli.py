@@ -370,11 +370,13 @@ def cmd_keys(args) -> int:
 
 
 def cmd_repair(args) -> int:
-    """Check the journal of a stopped daemon; truncate it at the last good record after
-    asking (or with ``--yes``). Exit 0 intact or repaired, 1 declined, 2 unusable."""
-    _setup_logging("INFO")
-    from .persistence import DataDirLocked, JournalCorruptError
-    from .persistence.journal import repair, verify_journal
+    """Check the journal of a stopped daemon; print exactly what a repair would cut (LSN
+    range, files, record count) and do it after asking (or with ``--yes``). Exit 0 intact
+    or repaired, 1 declined, 2 unusable (not a data dir, daemon running, snapshot store
+    unreadable)."""
+    _setup_logging("WARNING")
+    from .persistence import DataDirLocked, SnapshotCorruptError
+    from .persistence.repair import apply_repair, plan_repair
 
     if not os.path.exists(os.path.join(args.data_dir, "FORMAT")):
         print(f"rallypoint: {args.data_dir} is not a rallypoint data dir", file=sys.stderr)
@@ -384,29 +386,51 @@ def cmd_repair(args) -> int:
 
         with DataDirLock(args.data_dir):  # never repair under a running daemon
             try:
-                verify_journal(args.data_dir)
-                print("rallypoint: the journal is intact; nothing to repair")
+                plan = plan_repair(args.data_dir)
+            except SnapshotCorruptError as e:
+                print(f"rallypoint: {e}{_journal_from_lsn_1(args.data_dir)}", file=sys.stderr)
+                return 2
+            print(plan.describe())
+            if not plan.needed:
                 return 0
-            except JournalCorruptError as e:
-                print(f"journal damage: {e.reason} in {e.path} at byte {e.offset}")
             if not args.yes:
                 try:
-                    answer = input("Truncate the journal at the last good record? Records after it are lost. [y/N] ")
+                    answer = input("Apply this repair? [y/N] ")
                 except EOFError:
                     answer = ""
                 if answer.strip().lower() not in ("y", "yes"):
                     print("rallypoint: nothing changed")
                     return 1
-            report = repair(args.data_dir, lock=False)
+            report = apply_repair(plan)
     except DataDirLocked as e:
         print(f"rallypoint: {e}", file=sys.stderr)
         return 2
-    where = f"{report.file} at byte {report.offset}" if report.file else "whole segments"
-    print(
-        f"repaired: cut {where}; {report.bytes_dropped} bytes (about {report.records_dropped_estimate} records) "
-        f"dropped, {len(report.deleted_segments)} later segment(s) deleted; the journal now ends at LSN {report.last_lsn}"
-    )
+    except OSError as e:
+        print(f"rallypoint: repair failed: {e}; the journal may be half repaired: run `rallypoint repair` "
+              f"again once the cause is fixed", file=sys.stderr)
+        return 2
+    print(f"repaired: the journal now ends at LSN {report.last_lsn}; {len(report.deleted_segments)} "
+          f"segment file(s) deleted, {report.bytes_dropped} bytes dropped")
     return 0
+
+
+def _journal_from_lsn_1(data_dir: str) -> str:
+    """For a corrupt snapshot store: can the state be rebuilt from the journal alone?"""
+    from .persistence import JournalCorruptError
+    from .persistence.journal import list_segments, scan_journal
+
+    segs = list_segments(data_dir)
+    if not segs or segs[0][0] != 1:
+        first = segs[0][0] if segs else None
+        return (f" The journal starts at LSN {first}, not 1: the records before it exist only in the snapshot; "
+                f"restore the snapshot from a backup." if first else
+                " The journal is empty: restore the snapshot from a backup.")
+    try:
+        res = scan_journal(data_dir, 0, cut_torn_tail=False)
+    except JournalCorruptError as e:
+        return f" The journal starts at LSN 1 but is damaged too ({e.reason})."
+    return (f" The journal holds every record from LSN 1 to {res.last_lsn}: moving the snapshot directory "
+            f"aside loses nothing.")
 
 
 # ------------------------------------------------------------------------------ main
@@ -479,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("id")
     k.set_defaults(fn=cmd_keys)
 
-    rp = sub.add_parser("repair", help="truncate a corrupt journal at its last good record")
+    rp = sub.add_parser("repair", help="cut a damaged journal after its last intact record (says what first)")
     rp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     rp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     rp.set_defaults(fn=cmd_repair)
