@@ -84,6 +84,8 @@ async def _serve(args) -> int:
         interval_ms=args.interval_ms,
         snapshot_every_records=args.snapshot_every_records,
         snapshot_every_s=args.snapshot_every_s,
+        min_free_bytes=int(args.min_free_mb * (1 << 20)),
+        ballast_bytes=int(args.ballast_mb * (1 << 20)),
     ) as node:
         coord = node.coordinator
         if coord.open_mode and not _is_loopback(host) and not args.insecure:
@@ -169,15 +171,23 @@ def cmd_serve(args) -> int:
         return trio.run(_serve, args)
     except KeyboardInterrupt:
         return 0
-    except BaseException as e:  # start-up failures: one clear line, exit 2
+    except BaseException as e:  # start-up failures: one clear line, exit 2 (a fail-stop journal: 1)
+        from .persistence import JournalWriteError
+
         leaf = e
+        if isinstance(leaf, BaseExceptionGroup):
+            failed = leaf.subgroup(lambda x: isinstance(x, JournalWriteError))
+            while isinstance(failed, BaseExceptionGroup):  # the first copy (every task saw the same one)
+                failed = failed.exceptions[0]
+            if failed is not None:
+                leaf = failed
         while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
             leaf = leaf.exceptions[0]
         message = _startup_error_message(leaf, args)
         if message is None:
             raise
         print(f"rallypoint: {message}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(leaf, JournalWriteError) else 2
 
 
 def _startup_error_message(e: BaseException, args) -> str | None:
@@ -186,12 +196,14 @@ def _startup_error_message(e: BaseException, args) -> str | None:
     import ssl
 
     from .errors import ValidationError
-    from .persistence import StartupError
+    from .persistence import JournalWriteError, StartupError
 
     if isinstance(e, ValidationError):
         return e.message
     if isinstance(e, StartupError):
         return str(e)
+    if isinstance(e, JournalWriteError):  # fail-stop at run time
+        return f"stopped: {e.message}"
     if isinstance(e, ssl.SSLError):
         return f"cannot load the TLS certificate/key ({args.tls_cert}, {args.tls_key}): {e}"
     if isinstance(e, OSError):
@@ -449,6 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="snapshot after this many journal entries (default %(default)s)")
     s.add_argument("--snapshot-every-s", type=_bounded(float, 0, inclusive=False), default=60.0,
                    help="snapshot after this many seconds if anything changed (default %(default)s)")
+    s.add_argument("--min-free-mb", type=_bounded(float, 0), default=64.0,
+                   help="refuse writes (UNAVAILABLE, reads go on) while the data dir's filesystem has less free "
+                        "space than this many MiB; they resume by themselves (default %(default)s; 0: only when "
+                        "a write fails)")
+    s.add_argument("--ballast-mb", type=_bounded(float, 0), default=4.0,
+                   help="MiB reserved in DATA_DIR/BALLAST and given back when the disk fills up, so the writes "
+                        "already in flight still reach the journal (default %(default)s)")
     s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
     s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,

@@ -536,6 +536,7 @@ class MailboxKind:
                 await ev.wait()
 
     def _deliver(self, mbx: MailboxState, scope_id: str, lease_ms: int, n: int) -> list[DeliveryView]:
+        self.journal.check_writable()  # before the pop: a refused commit must not lose them
         picked = self._pop_ready(mbx.id, scope_id, n)
         if not picked:
             return []

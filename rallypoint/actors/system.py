@@ -35,6 +35,7 @@ from ..errors import (
     NotFoundError,
     RallypointError,
     ScopeCancelledError,
+    UnavailableError,
     ValidationError,
 )
 from ..ids import IdGenerator
@@ -135,6 +136,11 @@ class MemoryJournal:
     def durable_lsn(self) -> int:
         return self.last_lsn
 
+    writable = True
+
+    def check_writable(self) -> None:
+        """Never refuses: no disk."""
+
     def append(self, payload: bytes) -> int:
         self.last_lsn += 1
         return self.last_lsn
@@ -209,7 +215,12 @@ class CoordinatorBase:
     def commit(self, records: list) -> int:
         """Apply ``records`` (and the follow-ups reactions add) and journal them as one
         entry. Synchronous: the caller must have validated everything (``apply`` cannot
-        fail). Returns the entry's LSN."""
+        fail). Returns the entry's LSN.
+
+        Raises UNAVAILABLE (``DiskFullError``, with ``retry_after``) before applying
+        anything while the journal refuses writes (disk full), so memory never runs
+        ahead of what the journal can hold."""
+        self.journal.check_writable()
         i = 0
         while True:
             while i < len(records):
@@ -249,6 +260,8 @@ class CoordinatorBase:
             return
         try:
             handler(entity_id, arg, due_ms)
+        except UnavailableError as exc:  # disk full: refused before applying; try again later
+            self.timers.arm(self.clock.now_ms() + int((exc.retry_after or 1.0) * 1000), kind, entity_id, arg)
         except Exception:  # an activity must never kill the timer loop
             log.exception("activity %s on %s failed", kind, entity_id)
 
