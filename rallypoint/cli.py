@@ -84,6 +84,7 @@ async def _serve(args) -> int:
         interval_ms=args.interval_ms,
         snapshot_every_records=args.snapshot_every_records,
         snapshot_every_s=args.snapshot_every_s,
+        snapshot_retry_s=args.snapshot_retry_s,
         min_free_bytes=int(args.min_free_mb * (1 << 20)),
         ballast_bytes=int(args.ballast_mb * (1 << 20)),
     ) as node:
@@ -461,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="snapshot after this many journal entries (default %(default)s)")
     s.add_argument("--snapshot-every-s", type=_bounded(float, 0, inclusive=False), default=60.0,
                    help="snapshot after this many seconds if anything changed (default %(default)s)")
+    s.add_argument("--snapshot-retry-s", type=_bounded(float, 0, inclusive=False), default=5.0,
+                   help="retry a snapshot that failed (e.g. no room in LMDB) after this many seconds "
+                        "(default %(default)s)")
     s.add_argument("--min-free-mb", type=_bounded(float, 0), default=64.0,
                    help="refuse writes (UNAVAILABLE, reads go on) while the data dir's filesystem has less free "
                         "space than this many MiB; they resume by themselves (default %(default)s; 0: only when "

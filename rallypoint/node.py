@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -142,10 +143,12 @@ class Snapshotter:
     snapshot (if anything changed), and :meth:`snapshot` at graceful shutdown.
 
     Disk full: while the journal refuses writes no snapshot is attempted (it would take
-    the space the journal needs; ``skipped`` counts these); a snapshot whose LMDB write
-    fails (ENOSPC, EIO) changes nothing -- the journal still holds every change and no
-    segment is deleted -- and is retried after ``retry_s`` seconds (``failures``,
-    ``last_error``). Neither stops the node.
+    the space the journal needs; ``skipped`` counts these); nor is one whose LMDB write
+    would leave less than the journal's reserve free (estimated; it fails with ENOSPC
+    before writing). A snapshot that fails (that, or LMDB's own ENOSPC/EIO) changes
+    nothing -- the journal still holds every change and no segment is deleted -- and is
+    retried after ``retry_s`` seconds (``failures``, ``last_error``). Neither stops the
+    node.
     """
 
     CHUNK = 2000  # a round with more dirty entities than this yields between slices
@@ -171,6 +174,7 @@ class Snapshotter:
         self._tick: trio.Event | None = None
         self._lock = trio.Lock()
         self._encoder = msgspec.msgpack.Encoder()
+        self._encoded_bytes = 0
 
     async def wait_attempts(self, n: int) -> None:
         """Return once ``attempts >= n`` (for tests and monitoring)."""
@@ -187,12 +191,31 @@ class Snapshotter:
 
     def _encode(self, ids, keys: list, values: list, tables: dict) -> None:
         enc = self._encoder.encode
+        n = 0
         for eid in ids:
             t = tables.get(eid[:3])
             ent = None if t is None else t[0].get(eid)
             if ent is not None:
                 keys.append(eid.encode())
-                values.append(enc(ent))
+                v = enc(ent)
+                n += len(v)
+                values.append(v)
+        self._encoded_bytes += n
+
+    def _space_for(self, journal, nbytes: int) -> None:
+        """Refuse (OSError ENOSPC) a snapshot whose LMDB write would eat into the
+        journal's free-space reserve: the journal needs that space more (the snapshot is
+        only a shortcut for recovery). Estimate: twice the encoded bytes (copy-on-write
+        pages, overflow pages) plus 1 MiB."""
+        free_fn = getattr(journal, "free_bytes", None)
+        free = free_fn() if free_fn is not None else None
+        if free is None:
+            return
+        need = 2 * nbytes + (1 << 20)
+        reserve = getattr(journal, "min_free_bytes", 0)
+        if free - need < reserve:
+            raise OSError(errno.ENOSPC, f"no room for a snapshot of about {need} bytes: {free} bytes free and "
+                                        f"the journal keeps {reserve}")
 
     async def snapshot(self) -> int | None:
         """Take a snapshot now; returns its LSN, or None when nothing changed or the
@@ -217,6 +240,7 @@ class Snapshotter:
             # later and its last value wins in the store (one put after the other).
             keys: list[bytes] = []
             values: list[bytes] = []
+            self._encoded_bytes = 0
             # Time-sliced rounds while much is dirty, then the final round with no yield.
             clock = time.perf_counter
             while len(coord.dirty) > self.CHUNK:
@@ -238,6 +262,7 @@ class Snapshotter:
             lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
             encoded_s = time.perf_counter() - t0
             try:
+                self._space_for(journal, self._encoded_bytes)
                 if not await _synced_unless_refused(journal, lsn):
                     # The disk filled up meanwhile: the journal may never reach lsn.
                     coord.dirty.update(k.decode() for k in keys)
@@ -313,7 +338,7 @@ class Snapshotter:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 self._retry_at = trio.current_time() + self.retry_s
                 log.warning("snapshot to %s failed (%s); nothing is lost (the journal keeps every change and "
-                            "no segment was deleted); retrying in %.0f s", self.store.path, self.last_error,
+                            "no segment was deleted); retrying in %g s", self.store.path, self.last_error,
                             self.retry_s)
             finally:
                 self._ticked()

@@ -203,6 +203,10 @@ class Disk:
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
 
+    def remove(self, path: Path) -> None:
+        """Delete ``path`` (the ballast). Raises FileNotFoundError when it is gone."""
+        os.unlink(path)
+
     def allocate(self, path: Path, size: int) -> None:
         """Create ``path`` holding ``size`` really allocated bytes (the ballast).
         Raises OSError (ENOSPC) when the space is not there."""
@@ -508,6 +512,16 @@ class Journal:
         """Why writes are refused: None (they are not), ``"low"`` (free space below
         ``min_free_bytes``) or ``"stalled"`` (a write failed with ENOSPC and waits)."""
         return self._refusal
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the journal's filesystem now (one statvfs, about 1 us; None in
+        memory mode or when it cannot be read)."""
+        if self._jdir is None:
+            return None
+        try:
+            return self._disk.free_bytes(self._jdir)
+        except OSError:
+            return None
 
     def check_writable(self) -> None:
         """Raise unless a new record may be applied and appended now (O(1), no I/O).
@@ -891,6 +905,10 @@ class Journal:
                                         "through (LSN up to %d)", self._jdir, written)
                     else:
                         lsns = (written + 1, taken)
+                        try:
+                            self._free_bytes = self._disk.free_bytes(self._jdir)  # type: ignore[arg-type]
+                        except OSError:
+                            pass
                         if retry_at is None:
                             self._stalls += 1
                         retry_at = now + self.space_poll_s
@@ -913,15 +931,17 @@ class Journal:
                         self._n_fsyncs += 1
                         synced = written
                         next_sync_at = None
+                # The space check goes first: a refusal it finds is in force on the loop
+                # before any reply that this progress releases can leave.
+                if (watch and wrote) or (poll_at is not None and now >= poll_at) or \
+                        (self._reported is not None and wrote):
+                    kind = self._space_check()
+                    poll_at = None if kind is None else time.monotonic() + self.space_poll_s
                 if chunks or wrote or force or synced == written:
                     try:
                         token.run_sync_soon(self._on_progress, written, synced)
                     except trio.RunFinishedError:
                         return
-                if (watch and wrote) or (poll_at is not None and now >= poll_at) or \
-                        (self._reported is not None and wrote):
-                    kind = self._space_check()
-                    poll_at = None if kind is None else time.monotonic() + self.space_poll_s
                 if stop:
                     break
         except BaseException as exc:  # noqa: BLE001 - reported to the loop, fail-stop
@@ -992,7 +1012,7 @@ class Journal:
         self._ballast_ok = False
         path = self._ballast_path()
         try:
-            path.unlink()
+            self._disk.remove(path)
         except FileNotFoundError:
             return False
         except OSError as exc:
