@@ -134,6 +134,10 @@ BALLAST_NAME = "BALLAST"
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
+class _FsyncFailed(Exception):
+    """An fdatasync failed inside a write step: fail-stop even for ENOSPC."""
+
+
 def segment_name(first_lsn: int) -> str:
     """File name of the segment whose first record has LSN ``first_lsn``."""
     return f"{first_lsn:020d}.wal"
@@ -1061,7 +1065,10 @@ class Journal:
         called again after an ENOSPC from the open (the old file is then closed)."""
         assert self._jdir is not None
         if self._fd is not None:
-            self._disk.fdatasync(self._fd)  # the old segment must be complete before a newer exists
+            try:  # the old segment must be complete before a newer exists
+                self._disk.fdatasync(self._fd)
+            except OSError as exc:  # any errno, ENOSPC too: fail-stop, never retried
+                raise _FsyncFailed(f"fdatasync of the segment before LSN {first_lsn} failed: {exc}") from exc
             self._n_fsyncs += 1
             os.close(self._fd)
             self._fd = None
