@@ -461,3 +461,54 @@ async def test_shutdown_on_a_full_disk_is_clean_and_the_journal_replays(tmp_path
     async with rallypoint.open_embedded(str(tmp_path)) as rs:
         assert (await rs.scope(run.id).status()).name == "before"
         assert rs.node.recovery_info["replayed"] >= 2
+
+
+# ------------------------------------------------------------------ fail-stop daemon
+_EIO_DAEMON = """
+import errno, os, sys
+real = os.fdatasync
+def fdatasync(fd):
+    if os.path.exists(sys.argv[1]):
+        raise OSError(errno.EIO, "Input/output error")
+    return real(fd)
+os.fdatasync = fdatasync
+from rallypoint.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_failed_fsync_stops_the_daemon_with_one_line_and_clients_get_unavailable(tmp_path):
+    import subprocess
+    import sys
+
+    from rallypoint.sync import connect
+
+    marker = tmp_path / "break-the-disk"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _EIO_DAEMON, str(marker), "serve", "--listen", "127.0.0.1:0",
+         "--data-dir", str(tmp_path / "d"), "--min-free-mb", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stdout:
+            if line.startswith("READY "):
+                url = line.split()[1]
+                break
+        assert url, proc.stderr.read()
+        with connect(url) as rs:
+            run = rs.scopes.create(name="before")
+            marker.touch()
+            with pytest.raises(UnavailableError, match="fail-stop"):
+                rs.scopes.create(name="lost")
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    assert code == 1, err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rallypoint: stopped: journal write/fsync failed at "), err
+    assert "Check the disk, then restart" in last
+    del run
