@@ -66,6 +66,12 @@ class FaultyDisk(Disk):
         self.free -= n
         return n
 
+    def open_segment(self, path) -> int:
+        if self.free <= 0:  # a new file needs a block for its directory entry here
+            self.enospc += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().open_segment(path)
+
     def free_bytes(self, path) -> int:
         return max(self.free, 0)
 
@@ -155,6 +161,28 @@ async def test_enospc_stalls_the_write_acknowledges_nothing_and_completes_when_s
         await j.aclose()
     # The short write was continued exactly where it stopped: every record is intact.
     assert list(read_journal(tmp_path)) == [(1, payload(1)), (2, payload(2)), (3, payload(3))]
+
+
+async def test_a_segment_roll_that_hits_enospc_is_retried_where_it_stopped(tmp_path):
+    disk = FaultyDisk()
+    rec = len(payload(1)) + 16  # 80 bytes: 51 records per 4096-byte segment
+    per = 4096 // rec
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, segment_bytes=4096, space_poll_s=0.01, disk=disk)
+    async with trio.open_nursery() as nursery:
+        await started(j, nursery)
+        for n in range(1, 2 * per + 1):  # two full segments
+            await j.wait_durable(j.append(payload(n)))
+        assert [f for f, _ in list_segments(tmp_path)] == [1, per + 1]
+        disk.free = 0
+        lsn = j.append(payload(2 * per + 1))  # needs a new segment: its creation fails
+        assert await j.wait_refusing() == "stalled"
+        assert disk.enospc >= 1 and [f for f, _ in list_segments(tmp_path)] == [1, per + 1]
+        disk.free = BIG
+        await j.wait_durable(lsn)
+        await j.wait_writable()
+        await j.aclose()
+    assert [f for f, _ in list_segments(tmp_path)] == [1, per + 1, 2 * per + 1]
+    assert [lsn for lsn, _ in read_journal(tmp_path)] == list(range(1, 2 * per + 2))
 
 
 async def test_the_ballast_is_given_back_so_the_write_in_flight_lands(tmp_path):

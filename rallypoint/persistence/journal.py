@@ -1072,9 +1072,12 @@ class Journal:
             self._n_fsyncs += 1
             os.close(self._fd)
             self._fd = None
-        self._fd = self._disk.open_segment(self._jdir / segment_name(first_lsn))
+        self._fd = self._disk.open_segment(self._jdir / segment_name(first_lsn))  # ENOSPC: retried
         self._file_first = first_lsn
-        _fsync_dir(self._jdir)
+        try:
+            _fsync_dir(self._jdir)
+        except OSError as exc:  # an fsync: fail-stop, whatever the errno
+            raise _FsyncFailed(f"fsync of {self._jdir} after creating {segment_name(first_lsn)} failed: {exc}") from exc
         assert self.data_dir is not None
         try_write_manifest(self.data_dir, Manifest(active_segment=first_lsn))
 
