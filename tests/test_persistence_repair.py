@@ -195,6 +195,18 @@ def test_a_deleted_last_segment_is_detected_after_a_crash(tmp_path):
     assert scan_journal(tmp_path, 0).next_lsn == 71
 
 
+def test_the_last_two_segments_deleted_lose_everything_after_the_first(tmp_path):
+    segs = crashed_journal(tmp_path, 100, segment_bytes=4096)  # [1..35] [36..70] [71..100]
+    segs[1][1].unlink()
+    segs[2][1].unlink()
+    with pytest.raises(JournalCorruptError, match="records from LSN 36 on are lost"):
+        scan_journal(tmp_path, 0)
+    plan = plan_repair(tmp_path)
+    assert plan.lost_first == 36 and plan.lost_count is None and plan.keep_last_lsn == 35
+    repair(tmp_path)
+    assert lsns(tmp_path) == list(range(1, 36))
+
+
 def test_the_only_segment_deleted_is_detected(tmp_path):
     crashed_journal(tmp_path, 5)
     for _, p in list_segments(tmp_path):
@@ -322,3 +334,22 @@ async def test_a_corrupt_snapshot_store_is_a_one_line_error(tmp_path, how):
     r = rp("repair", "--data-dir", str(d), "--yes")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "snapshot store" in r.stderr and "backup" in r.stderr, r.stderr
+    # The journal still starts at LSN 1 here, and repair says so: following its advice
+    # (move the store aside) loses nothing.
+    assert "holds every record from LSN 1" in r.stderr and "loses nothing" in r.stderr, r.stderr
+    (d / "snapshot").rename(d / "snapshot.corrupt")
+    async with rallypoint.open_embedded(str(d)) as rs:
+        names = {r.name for r in await rs.scopes.list(None, limit=1000)}
+    assert names == {f"r{i}" for i in range(300)}
+
+
+def test_a_corrupt_snapshot_store_whose_journal_was_truncated_says_restore_from_backup(tmp_path):
+    from rallypoint.persistence import check_format
+
+    check_format(tmp_path)
+    snapshot_at(tmp_path, 50)
+    make_journal(tmp_path, 5, start=51)  # segments below the snapshot were deleted
+    _corrupt(tmp_path / "snapshot" / "data.mdb", "garbage")
+    r = rp("repair", "--data-dir", str(tmp_path), "--yes")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "starts at LSN 51, not 1" in r.stderr and "restore the snapshot from a backup" in r.stderr, r.stderr

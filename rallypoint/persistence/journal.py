@@ -1433,7 +1433,7 @@ def _validate_segment(data: bytes, first: int, path: Path, after_lsn: int):
         covered = CoveredDamage(path, good_end, problem, h)
         g2, n2, s2, p2, d2 = _validate(data, target, after_lsn, h)
         return SegmentInfo(path, first, n2 - 1, g2, s2), n2, p2, d2, n2, covered
-    if _find_valid(data, good_end, (target + 1, target + 2)) is None:
+    if _find_valid(data, good_end, range(target + 1, target + 8)) is None:
         covered = CoveredDamage(path, good_end, problem, None)
         return SegmentInfo(path, first, after_lsn, good_end, good_end), target, None, False, target, covered
     # Records past the snapshot follow, but not LSN after_lsn + 1: real damage from there.
@@ -1511,12 +1511,15 @@ def _analyse(data_dir: str | os.PathLike[str], after_lsn: int) -> _Analysis:
         active = manifest.active_segment
         if active is not None and not any(f >= active for f, _ in segs):
             if clean is None or clean > present_end:
-                lost_from = max(active, present_end + 1)
+                # Segment `active` was created for record `active`: every record from
+                # the journal's present end up to it existed too.
+                lost_from = present_end + 1
                 upto = f"{lost_from}..{clean}" if clean is not None else f"from LSN {lost_from} on"
                 return result(_Problem(
                     "missing_tail", -1, jdir / segment_name(active), 0,
                     f"segment {segment_name(active)}, the journal's newest segment (JOURNAL_MANIFEST), "
-                    f"is missing: records {upto} are lost", lost_from, (lost_from, clean)), expected)
+                    f"is missing and the journal ends at LSN {present_end}: records {upto} are lost",
+                    lost_from, (lost_from, clean)), expected)
         elif clean is not None and clean > present_end:
             last = infos[-1] if infos else None
             return result(_Problem(
