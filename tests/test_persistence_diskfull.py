@@ -419,18 +419,21 @@ async def test_a_refused_activity_is_retried_once_space_frees(tmp_path):
 
 # ------------------------------------------------------------------ snapshots
 class FlakyStore:
-    """Wraps a SnapshotStore: the next ``fail`` writes raise like LMDB on a full disk."""
+    """Wraps a SnapshotStore: the next ``fail`` writes raise like LMDB on a full disk;
+    with ``break_env`` the failure also leaves the environment unusable (as LMDB's
+    MDB_PANIC does after a failed meta-page write), so only a reopen helps."""
 
-    def __init__(self, store, fail: int) -> None:
+    def __init__(self, store, fail: int, *, break_env: bool = False) -> None:
         self._store = store
         self.fail = fail
-        real = store._write_txn
 
         def write_txn(lsn, puts, deletes):
             if self.fail > 0:
                 self.fail -= 1
+                if break_env:
+                    store._env.close()
                 raise lmdb.DiskError("mdb_txn_commit: No space left on device")
-            return real(lsn, puts, deletes)
+            return type(store)._write_txn(store, lsn, puts, deletes)
 
         store._write_txn = write_txn
 
@@ -442,12 +445,12 @@ async def test_a_failed_snapshot_changes_nothing_and_the_next_one_succeeds(tmp_p
         snap = rs.node.snapshotter
         for i in range(5):
             await rs.scopes.create(name=f"r{i}")
-        FlakyStore(snap.store, fail=1)
+        FlakyStore(snap.store, fail=1, break_env=True)
         dirty = set(coord.dirty)
         segments = list_segments(tmp_path)
         with pytest.raises(lmdb.Error):
             await snap.snapshot()
-        assert coord.dirty >= dirty and snap.store.load_lsn() == 0
+        assert coord.dirty >= dirty
         assert list_segments(tmp_path) == segments  # no segment deleted
         lsn = await snap.snapshot()  # the store was reopened; this one goes through
         assert lsn == coord.journal.last_lsn and snap.store.load_lsn() == lsn
@@ -540,3 +543,41 @@ def test_a_failed_fsync_stops_the_daemon_with_one_line_and_clients_get_unavailab
     assert last.startswith("rallypoint: stopped: journal write/fsync failed at "), err
     assert "Check the disk, then restart" in last
     del run
+
+
+async def test_a_snapshot_that_fails_at_shutdown_is_one_line_and_the_journal_replays(tmp_path, caplog):
+    disk = FaultyDisk()
+    async with faulty_node(tmp_path, disk) as rs:
+        run = await rs.scopes.create(name="kept")
+        FlakyStore(rs.node.snapshotter.store, fail=1)
+    assert "snapshot at shutdown failed (DiskError: mdb_txn_commit: No space left on device)" in caplog.text
+    async with rallypoint.open_embedded(str(tmp_path)) as rs:
+        assert (await rs.scope(run.id).status()).name == "kept"
+        assert rs.node.recovery_info["replayed"] >= 1
+
+
+async def test_a_snapshot_stops_waiting_for_the_journal_when_it_starts_refusing():
+    from rallypoint.node import _synced_unless_refused
+
+    class Stuck:
+        async def wait_synced(self, lsn):
+            await trio.sleep_forever()  # a stalled write: lsn never becomes durable
+
+        async def wait_refusing(self):
+            await trio.lowlevel.checkpoint()
+            return "stalled"
+
+    assert await _synced_unless_refused(Stuck(), 7) is False
+
+
+async def test_an_entity_that_does_not_decode_is_a_corrupt_snapshot(tmp_path):
+    from rallypoint.persistence import SnapshotCorruptError, SnapshotStore
+
+    async with rallypoint.open_embedded(str(tmp_path)) as rs:
+        run = await rs.scopes.create(name="x")
+    store = SnapshotStore(tmp_path)
+    store.write_sync(store.load_lsn(), [(run.id.encode(), b"\xc1 not msgpack")], [])
+    store.close()
+    with pytest.raises(SnapshotCorruptError, match="does not decode"):
+        async with rallypoint.open_embedded(str(tmp_path)):
+            pass

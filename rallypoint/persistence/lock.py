@@ -62,11 +62,8 @@ class DataDirLock:
         except BaseException:
             os.close(fd)
             raise
-        try:  # the pid is only for the error message: a full disk must not stop a start
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-        except OSError:
-            pass
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         self._fd = fd
 
     def release(self) -> None:
