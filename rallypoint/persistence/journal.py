@@ -80,7 +80,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 from zlib import crc32
 
 import trio
@@ -93,6 +93,9 @@ from .errors import (
 )
 from .manifest import Manifest, read_manifest, try_write_manifest
 
+if TYPE_CHECKING:  # repair.py imports this module
+    from .repair import RepairPlan, RepairReport
+
 __all__ = [
     "Journal",
     "Disk",
@@ -104,8 +107,6 @@ __all__ = [
     "ScanResult",
     "SegmentInfo",
     "TornTail",
-    "RepairPlan",
-    "RepairReport",
     "read_journal",
     "scan_journal",
     "plan_repair",
@@ -1673,7 +1674,7 @@ def repair(data_dir: str | os.PathLike[str], *, snapshot_lsn: int | None = None,
 
 def __getattr__(name: str):  # RepairPlan / RepairReport live in repair.py
     if name in ("RepairPlan", "RepairReport"):
-        from . import repair as _r
+        import importlib
 
-        return getattr(_r, name)
-    raise AttributeError(name)
+        return getattr(importlib.import_module(".repair", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
