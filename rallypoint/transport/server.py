@@ -50,7 +50,7 @@ import msgspec
 import trio
 
 from .. import wire
-from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError
+from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError, shutting_down_error
 from ..logutil import RateLimitedLogger
 from .framing import (
     HEADER,
@@ -420,8 +420,7 @@ class _Conn:
             waiter.cancel()
             if self.live.pop(rid, _GONE) is not _GONE:
                 if self.refuse_waits and not self.closing:
-                    self.send_error(rid, UnavailableError(
-                        "the server is shutting down; retry on a new connection", retry_after=1.0))
+                    self.send_error(rid, shutting_down_error())
                 self.request_done()
             return
         if rid in self.live:
@@ -769,11 +768,9 @@ class _Conn:
                             if grace_at is not None and trio.current_time() >= grace_at:
                                 grace_at = None
                                 self.refuse_waits = True  # a wait parked from now on is answered at once
-                                self.end_waits(UnavailableError(
-                                    "the server is shutting down; retry on a new connection", retry_after=1.0))
+                                self.end_waits(shutting_down_error())
                 # Waits still parked are ended; a peer that can still hear is told so.
-                self.end_waits(UnavailableError(
-                    "the server is shutting down; retry on a new connection", retry_after=1.0))
+                self.end_waits(shutting_down_error())
                 self.closing = True
                 self.stop_sending(1.0)
                 nursery.cancel_scope.cancel()
