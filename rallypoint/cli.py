@@ -93,6 +93,9 @@ async def _serve(args) -> int:
         interval_ms=args.interval_ms,
         snapshot_every_records=args.snapshot_every_records,
         snapshot_every_s=args.snapshot_every_s,
+        snapshot_retry_s=args.snapshot_retry_s,
+        min_free_bytes=int(args.min_free_mb * (1 << 20)),
+        ballast_bytes=int(args.ballast_mb * (1 << 20)),
     ) as node:
         coord = node.coordinator
         if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
@@ -178,15 +181,23 @@ def cmd_serve(args) -> int:
         return trio.run(_serve, args)
     except KeyboardInterrupt:
         return 0
-    except BaseException as e:  # start-up failures: one clear line, exit 2
+    except BaseException as e:  # start-up failures: one clear line, exit 2 (a fail-stop journal: 1)
+        from .persistence import JournalWriteError
+
         leaf = e
+        if isinstance(leaf, BaseExceptionGroup):
+            failed = leaf.subgroup(lambda x: isinstance(x, JournalWriteError))
+            while isinstance(failed, BaseExceptionGroup):  # the first copy (every task saw the same one)
+                failed = failed.exceptions[0]
+            if failed is not None:
+                leaf = failed
         while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
             leaf = leaf.exceptions[0]
         message = _startup_error_message(leaf, args)
         if message is None:
             raise
         print(f"rallypoint: {message}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(leaf, JournalWriteError) else 2
 
 
 def _startup_error_message(e: BaseException, args) -> str | None:
@@ -195,12 +206,14 @@ def _startup_error_message(e: BaseException, args) -> str | None:
     import ssl
 
     from .errors import ValidationError
-    from .persistence import StartupError
+    from .persistence import JournalWriteError, StartupError
 
     if isinstance(e, ValidationError):
         return e.message
     if isinstance(e, StartupError):
         return str(e)
+    if isinstance(e, JournalWriteError):  # fail-stop at run time
+        return f"stopped: {e.message}"
     if isinstance(e, ssl.SSLError):
         return f"cannot load the TLS certificate/key ({args.tls_cert}, {args.tls_key}): {e}"
     if isinstance(e, OSError):
@@ -619,11 +632,13 @@ def cmd_keys(args) -> int:
 
 
 def cmd_repair(args) -> int:
-    """Check the journal of a stopped daemon; truncate it at the last good record after
-    asking (or with ``--yes``). Exit 0 intact or repaired, 1 declined, 2 unusable."""
-    _setup_logging("INFO")
-    from .persistence import DataDirLocked, JournalCorruptError
-    from .persistence.journal import repair, verify_journal
+    """Check the journal of a stopped daemon; print exactly what a repair would cut (LSN
+    range, files, record count) and do it after asking (or with ``--yes``). Exit 0 intact
+    or repaired, 1 declined, 2 unusable (not a data dir, daemon running, snapshot store
+    unreadable)."""
+    _setup_logging("WARNING")
+    from .persistence import DataDirLocked, SnapshotCorruptError
+    from .persistence.repair import apply_repair, plan_repair
 
     if not os.path.exists(os.path.join(args.data_dir, "FORMAT")):
         print(f"rallypoint: {args.data_dir} is not a rallypoint data dir", file=sys.stderr)
@@ -633,29 +648,51 @@ def cmd_repair(args) -> int:
 
         with DataDirLock(args.data_dir):  # never repair under a running daemon
             try:
-                verify_journal(args.data_dir)
-                print("rallypoint: the journal is intact; nothing to repair")
+                plan = plan_repair(args.data_dir)
+            except SnapshotCorruptError as e:
+                print(f"rallypoint: {e}{_journal_from_lsn_1(args.data_dir)}", file=sys.stderr)
+                return 2
+            print(plan.describe())
+            if not plan.needed:
                 return 0
-            except JournalCorruptError as e:
-                print(f"journal damage: {e.reason} in {e.path} at byte {e.offset}")
             if not args.yes:
                 try:
-                    answer = input("Truncate the journal at the last good record? Records after it are lost. [y/N] ")
+                    answer = input("Apply this repair? [y/N] ")
                 except EOFError:
                     answer = ""
                 if answer.strip().lower() not in ("y", "yes"):
                     print("rallypoint: nothing changed")
                     return 1
-            report = repair(args.data_dir, lock=False)
+            report = apply_repair(plan)
     except DataDirLocked as e:
         print(f"rallypoint: {e}", file=sys.stderr)
         return 2
-    where = f"{report.file} at byte {report.offset}" if report.file else "whole segments"
-    print(
-        f"repaired: cut {where}; {report.bytes_dropped} bytes (about {report.records_dropped_estimate} records) "
-        f"dropped, {len(report.deleted_segments)} later segment(s) deleted; the journal now ends at LSN {report.last_lsn}"
-    )
+    except OSError as e:
+        print(f"rallypoint: repair failed: {e}; the journal may be half repaired: run `rallypoint repair` "
+              f"again once the cause is fixed", file=sys.stderr)
+        return 2
+    print(f"repaired: the journal now ends at LSN {report.last_lsn}; {len(report.deleted_segments)} "
+          f"segment file(s) deleted, {report.bytes_dropped} bytes dropped")
     return 0
+
+
+def _journal_from_lsn_1(data_dir: str) -> str:
+    """For a corrupt snapshot store: can the state be rebuilt from the journal alone?"""
+    from .persistence import JournalCorruptError
+    from .persistence.journal import list_segments, scan_journal
+
+    segs = list_segments(data_dir)
+    if not segs or segs[0][0] != 1:
+        first = segs[0][0] if segs else None
+        return (f" The journal starts at LSN {first}, not 1: the records before it exist only in the snapshot; "
+                f"restore the snapshot from a backup." if first else
+                " The journal is empty: restore the snapshot from a backup.")
+    try:
+        res = scan_journal(data_dir, 0, cut_torn_tail=False)
+    except JournalCorruptError as e:
+        return f" The journal starts at LSN 1 but is damaged too ({e.reason})."
+    return (f" The journal holds every record from LSN 1 to {res.last_lsn}: moving the snapshot directory "
+            f"aside loses nothing.")
 
 
 # ------------------------------------------------------------------------------ main
@@ -674,6 +711,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="snapshot after this many journal entries (default %(default)s)")
     s.add_argument("--snapshot-every-s", type=_bounded(float, 0, inclusive=False), default=60.0,
                    help="snapshot after this many seconds if anything changed (default %(default)s)")
+    s.add_argument("--snapshot-retry-s", type=_bounded(float, 0, inclusive=False), default=5.0,
+                   help="retry a snapshot that failed (e.g. no room in LMDB) after this many seconds "
+                        "(default %(default)s)")
+    s.add_argument("--min-free-mb", type=_bounded(float, 0), default=64.0,
+                   help="refuse writes (UNAVAILABLE, reads go on) while the data dir's filesystem has less free "
+                        "space than this many MiB; they resume by themselves (default %(default)s; 0: only when "
+                        "a write fails)")
+    s.add_argument("--ballast-mb", type=_bounded(float, 0), default=4.0,
+                   help="MiB reserved in DATA_DIR/BALLAST and given back when the disk fills up, so the writes "
+                        "already in flight still reach the journal (default %(default)s)")
     s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
     s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,
@@ -760,7 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("id")
     k.set_defaults(fn=cmd_keys)
 
-    rp = sub.add_parser("repair", help="truncate a corrupt journal at its last good record")
+    rp = sub.add_parser("repair", help="cut a damaged journal after its last intact record (says what first)")
     rp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     rp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     rp.set_defaults(fn=cmd_repair)

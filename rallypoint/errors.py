@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "CODES",
+    "shutting_down_error",
     "RallypointError",
     "ValidationError",
     "NotFoundError",
@@ -266,6 +267,13 @@ class UnavailableError(RallypointError):
     """UNAVAILABLE: the server cannot be reached, or is shutting down."""
 
     code = "UNAVAILABLE"
+
+
+def shutting_down_error(message: str = "the server is shutting down; retry on a new connection") -> UnavailableError:
+    """The UNAVAILABLE a draining or stopping server answers: ``details["reason"]`` is
+    ``"shutting_down"``, which tells a reconnecting client to move to a new connection
+    (any other UNAVAILABLE -- disk full, say -- is the server's answer to that request)."""
+    return UnavailableError(message, retry_after=1.0, details={"reason": "shutting_down"})
 
 
 class CursorExpiredError(RallypointError):

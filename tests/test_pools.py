@@ -23,9 +23,11 @@ from rallypoint.errors import (
     LeaseLostError,
     NotFoundError,
     ScopeCancelledError,
+    UnavailableError,
     ValidationError,
     WaitTimeout,
 )
+from rallypoint.actors.common import MemoryJournal
 
 from test_durability_restart import controlled_time
 
@@ -383,3 +385,44 @@ async def test_pools_and_grants_are_invisible_across_spaces():
     with pytest.raises(NotFoundError):
         coord.decide(b, p.GrantRelease(grant_id=ga.id, token=ga.token))
     assert [x.units_total for x in coord.decide(b, p.PoolList()).pools] == [5]
+
+
+class _RefusingJournal(MemoryJournal):
+    """Memory durability whose disk 'fills up' on demand: ``check_writable`` refuses
+    (UNAVAILABLE, before anything is applied) once ``refuse_from`` commits were taken."""
+
+    refuse_from: int | None = None
+
+    def check_writable(self) -> None:
+        if self.refuse_from is not None and self.last_lsn >= self.refuse_from:
+            raise UnavailableError("disk full", retry_after=0.05)
+
+
+async def test_a_handoff_refused_by_a_full_disk_happens_once_the_journal_takes_it():
+    """A release is journaled; the grant (or lease) for the waiter that follows it, in
+    the next commit, is refused (disk full): it is made by an activity as soon as the
+    journal takes commits again -- the waiter is not left behind free units."""
+    from rallypoint.actors import Coordinator
+    from rallypoint.service import Session
+
+    journal = _RefusingJournal()
+    coord = Coordinator(journal=journal)
+    s = Session()
+    run = coord.decide(s, p.ScopeCreate()).id
+    coord.decide(s, p.PoolEnsure(name="full", units_total=1))
+    g = coord.decide(s, p.PoolAcquire(pool="full", scope_id=run, lease_ms=60_000)).grant
+    coord.decide(s, p.PoolAcquire(pool="full", scope_id=run, wait_ms=60_000, request_id="w"))  # parks
+    c1 = coord.decide(s, p.ClaimAcquire(scope_id=run, key="k", lease_ms=60_000))
+    coord.decide(s, p.ClaimAcquire(scope_id=run, key="k", wait_ms=60_000, request_id="cw"))  # parks
+    journal.refuse_from = journal.last_lsn + 1  # the release goes in, the next commit is refused
+    assert coord.decide(s, p.GrantRelease(grant_id=g.id, token=g.token)).state == "RELEASED"
+    assert coord.pools.table[coord.pools.by_name[("default", "full")]].waiters  # not served yet
+    journal.refuse_from = journal.last_lsn + 1
+    assert coord.decide(s, p.ClaimRelease(key="k", token=c1.token)).state == "FREE"
+    journal.refuse_from = None  # space again
+    await trio.sleep(0.1)
+    coord.before_batch()
+    pool = coord.decide(s, p.PoolGet(name="full"))
+    assert (pool.units_used, pool.waiting) == (1, 0) and pool.grants[0].id == coord.pools.by_request[(pool.id, "w")]
+    claim = coord.decide(s, p.ClaimStatus(key="k"))
+    assert (claim.state, claim.generation, claim.waiters) == ("HELD", 2, [])

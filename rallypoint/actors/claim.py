@@ -47,7 +47,15 @@ import msgspec
 import trio
 
 from ..clock import to_iso
-from ..errors import ClaimHeldError, ConflictError, LeaseLostError, NotFoundError, ValidationError, WaitTimeout
+from ..errors import (
+    ClaimHeldError,
+    ConflictError,
+    LeaseLostError,
+    NotFoundError,
+    UnavailableError,
+    ValidationError,
+    WaitTimeout,
+)
 from ..protocol import (
     NIL,
     CancelWaitView,
@@ -423,7 +431,7 @@ class Claims(Kind):
         coord = self.coord
         coord.commit([ClaimReleased(claim_id=c.id, token=c.token, at_ms=coord.now_ms(), observation=observation,
                                     reason=reason)])
-        self._handoff(c)
+        self._handoff_or_later(c)
 
     @applies(ClaimReleased)
     def _apply_released(self, r: ClaimReleased) -> None:
@@ -509,7 +517,7 @@ class Claims(Kind):
             return
         coord = self.coord
         coord.commit([ClaimLeaseExpired(claim_id=claim_id, token=token, at_ms=coord.clock.mono_to_wall(expires))])
-        self._handoff(c)
+        self._handoff_or_later(c)
 
     @applies(ClaimLeaseExpired)
     def _apply_lease_expired(self, r: ClaimLeaseExpired) -> None:
@@ -522,6 +530,16 @@ class Claims(Kind):
         if w is None or w.expires_mono_ms != expires:
             return
         self.coord.commit([ClaimWaiterEnded(claim_id=claim_id, request_id=rid, reason="expired")])
+
+    def _handoff_or_later(self, c: ClaimState) -> None:
+        """The handoff right after the commit that freed the claim; if the journal
+        refuses it (disk full: UNAVAILABLE before anything is applied), an activity due
+        at once does it, retried by the heap until the journal takes it."""
+        try:
+            self._handoff(c)
+        except UnavailableError:
+            if not self.coord.replaying:
+                self.coord.heap.arm(trio.current_time(), self._on_handoff, c.id)
 
     def _handoff(self, c: ClaimState) -> None:
         """A FREE claim with waiters: the first waiter still in time and in an active run

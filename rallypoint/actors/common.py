@@ -110,9 +110,13 @@ class MemoryJournal:
     """The journal of ``memory`` durability: LSNs and nothing else (durable at once)."""
 
     mode = "memory"
+    writable = True
 
     def __init__(self, next_lsn: int = 1) -> None:
         self.last_lsn = next_lsn - 1
+
+    def check_writable(self) -> None:
+        """Never refuses: no disk."""
 
     @property
     def durable_lsn(self) -> int:

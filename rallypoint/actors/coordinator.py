@@ -171,6 +171,9 @@ class Coordinator:
         apply that raises is a bug and stops the node (:class:`FatalError`)."""
         if self.failed is not None:
             raise FatalError("the coordinator stopped after a failed apply") from self.failed
+        # Disk full: refused (UNAVAILABLE, retry_after) BEFORE anything is applied -- an
+        # answer, not a failed apply.
+        self.journal.check_writable()
         try:
             apply = self._apply
             i = 0
@@ -288,6 +291,10 @@ class Coordinator:
                 reply = exc
         elif isinstance(reply, Exception) and not isinstance(reply, RallypointError):
             reply = InternalError(f"internal error ({type(reply).__name__}); the server log has details")
+        elif isinstance(reply, UnavailableError):
+            # "could not do it now" (disk full, shutting down) reveals no state: at once
+            sink.deliver(rid, reply, 0)
+            return
         sink.deliver(rid, reply, self.journal.last_lsn)
 
     def after_batch(self) -> None:

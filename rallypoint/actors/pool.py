@@ -45,7 +45,15 @@ import msgspec
 import trio
 
 from ..clock import to_iso
-from ..errors import CapacityUnavailableError, ConflictError, LeaseLostError, NotFoundError, ValidationError, WaitTimeout
+from ..errors import (
+    CapacityUnavailableError,
+    ConflictError,
+    LeaseLostError,
+    NotFoundError,
+    UnavailableError,
+    ValidationError,
+    WaitTimeout,
+)
 from ..ids import is_id
 from ..protocol import (
     CancelWaitView,
@@ -479,7 +487,7 @@ class Pools(Kind):
     def _release(self, g: GrantState, observation: bytes | None, reason: str) -> None:
         self.coord.commit([GrantReleased(grant_id=g.id, token=g.token, at_ms=self.coord.now_ms(),
                                          observation=observation, reason=reason)])
-        self._serve(self.table[g.pool_id])
+        self._serve_or_later(self.table[g.pool_id])
 
     @applies(GrantReleased)
     def _apply_released(self, r: GrantReleased) -> None:
@@ -498,7 +506,7 @@ class Pools(Kind):
         check_request_id(op.request_id)
         if _find(pool.waiters, op.request_id) is not None:
             self.coord.commit([PoolWaiterEnded(pool_id=pool.id, request_id=op.request_id, reason="withdrawn")])
-            self._serve(pool)
+            self._serve_or_later(pool)
             return CancelWaitView(outcome="withdrawn")
         gid = self.by_request.get((pool.id, op.request_id))
         if gid is not None and self.grants[gid].state == "ACTIVE":
@@ -537,6 +545,15 @@ class Pools(Kind):
         if not pool.waiters and self.free(pool) > 0 and self.needs.get(pool.id):
             self._wake_admission(pool.id)
 
+    def _serve_or_later(self, pool: PoolState) -> None:
+        """:meth:`_serve` right after the commit that freed units; if the journal
+        refuses it (disk full: UNAVAILABLE before anything is applied), an activity due
+        at once serves the pool, retried by the heap until the journal takes it."""
+        try:
+            self._serve(pool)
+        except UnavailableError:
+            self._kick(pool.id)
+
     def _wake_admission(self, pool_id: str) -> None:
         queues = self.coord.queues
         ready = queues.ready_set
@@ -571,7 +588,7 @@ class Pools(Kind):
             return
         coord = self.coord
         coord.commit([GrantExpired(grant_id=grant_id, token=token, at_ms=coord.clock.mono_to_wall(expires))])
-        self._serve(self.table[g.pool_id])
+        self._serve_or_later(self.table[g.pool_id])
 
     @applies(GrantExpired)
     def _apply_expired(self, r: GrantExpired) -> None:
@@ -584,7 +601,7 @@ class Pools(Kind):
         if w is None or w.expires_mono_ms != expires:
             return
         self.coord.commit([PoolWaiterEnded(pool_id=pool_id, request_id=rid, reason="expired")])
-        self._serve(pool)
+        self._serve_or_later(pool)
 
     # ================================================================ runs
     def on_run_inactive(self, pool_id: str, at_ms: int, reason: str) -> None:

@@ -603,6 +603,7 @@ class WorkQueues(Kind):
         return Park(("recv", q.id), check, wait_ms, lambda: ReceiveView(deliveries=[]))
 
     def _deliver(self, q: MailboxState, run_id: str, lease_ms: int, n: int) -> list[DeliveryView]:
+        self.coord.journal.check_writable()  # before the pop: a refused commit must not drop tasks
         picked = self._pop_ready(q.id, run_id, n)
         if not picked:
             return []

@@ -157,6 +157,13 @@ _task_view = msgspec.msgpack.Decoder(p.TaskView)
 _scope_view = msgspec.msgpack.Decoder(p.ScopeView)
 
 
+def _refused(e: UnavailableError, conn: Any) -> bool:
+    """True when ``e`` is the server's own answer to the request -- the connection is
+    still open and the server is not shutting down (e.g. disk full): raise it as is
+    rather than moving to a new connection."""
+    return not conn.closed and (e.details or {}).get("reason") != "shutting_down"
+
+
 def _fresh(e: RallypointError) -> RallypointError:
     """A new instance of ``e`` (one exception object must not be raised in many tasks)."""
     return type(e)(e.message, retry_after=e.retry_after, details=e.details, code=e.code)
@@ -314,6 +321,7 @@ class ReconnectingTransport:
         )
 
     # ---------------------------------------------------------------------- calls
+    # (see _refused: only a lost connection or a draining server moves to a new one)
 
     async def call(self, op: Any) -> Any:
         """Send ``op`` and return its reply body (see the module docstring for what a
@@ -327,7 +335,7 @@ class ReconnectingTransport:
             try:
                 raw = await conn.call(op)
             except UnavailableError as e:
-                if self._closing:
+                if self._closing or _refused(e, conn):
                     raise
                 await self._drop(conn)
                 if not reissue_safe(op):
@@ -355,7 +363,7 @@ class ReconnectingTransport:
             try:
                 results = await conn.call_many(batch)
             except UnavailableError as e:
-                if self._closing:
+                if self._closing or _refused(e, conn):
                     raise
                 await self._drop(conn)
                 unsafe = [op for op in batch if not reissue_safe(op)]
@@ -365,7 +373,8 @@ class ReconnectingTransport:
                 continue
             again = []
             for i, r in zip(todo, results):
-                if isinstance(r, UnavailableError) and not self._closing and reissue_safe(ops[i]):
+                if (isinstance(r, UnavailableError) and not self._closing and not _refused(r, conn)
+                        and reissue_safe(ops[i])):
                     again.append(i)  # ended by a draining server: send it again
                     continue
                 if reissued and isinstance(r, RallypointError):
