@@ -1068,16 +1068,15 @@ class Quota:
                     )
                 left = deadline - anyio.current_time()
                 if reply.state == "EXPIRED":
-                    if left <= 0:
+                    if left < 0.001:
                         break
                     reply = await self._register(units, sid, left, holder, left)  # TTL shorter than the wait
                     continue
-                if left <= 0:
+                wait_ms = _ms(min(left, _MAX_WAIT_S), "wait") if left > 0 else 0
+                if wait_ms <= 0:
                     break
-                reply = await self._rs._call(
-                    p.QuotaWaiterWait(waiter_id=reply.waiter_id, wait_ms=_ms(min(left, _MAX_WAIT_S), "wait")),
-                    t.QuotaTakeInfo,
-                )
+                reply = await self._rs._call(p.QuotaWaiterWait(waiter_id=reply.waiter_id, wait_ms=wait_ms),
+                                             t.QuotaTakeInfo)
         except BaseException:
             if reply.state == "WAITING":
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
