@@ -147,9 +147,9 @@ async def test_send_is_refused_in_an_inactive_run_below_it_and_past_a_deadline(a
 async def test_a_runs_end_drops_its_queued_messages_and_refuses_renewals(autojump_clock, ers):
     run = await ers.scopes.create()
     inbox = await ers.mailboxes.ensure("end", mode="INBOX")
-    queued = await inbox.send("q", scope=run)
-    held = await inbox.send("h", scope=run)
     done = await inbox.send("d", scope=run)
+    held = await inbox.send("h", scope=run)
+    queued = await inbox.send("q", scope=run)
     d_done = await inbox.receive(run, wait=0)
     await d_done.complete("ok")
     d = await inbox.receive(run, wait=0)
