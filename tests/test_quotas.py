@@ -277,8 +277,11 @@ async def test_cooldown_refuses_every_run_and_waiters_are_served_when_it_ends(au
             await q.take(scope=r)
         assert ei.value.code == "ALLOWANCE_COOLDOWN" and ei.value.retry_after == pytest.approx(30, abs=0.01)
         assert isinstance(ei.value, AllowanceExhaustedError)
-    w = await q.enqueue(4, scope=run, ttl=600)  # registering is allowed: it waits
-    assert w.info.state == "WAITING"
+    first = await q.enqueue(1, scope=other, ttl=600)  # registering is allowed: it waits
+    w = await q.enqueue(4, scope=run, ttl=600)
+    assert first.info.state == w.info.state == "WAITING"
+    await first.cancel()  # the line moves up, but nothing is granted during the cooldown
+    assert (await w.status()).state == "WAITING"
     await q.cooldown(5)  # shorter: does not shorten the running one
     await trio.sleep(29.9)
     assert (await w.status()).state == "WAITING"
