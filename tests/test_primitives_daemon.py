@@ -5,6 +5,7 @@ nothing is granted or charged twice; waiters keep being served after the restart
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 
 import pytest
 import trio
@@ -144,3 +145,46 @@ def test_message_leases_and_queue_survive_a_sigkill(tmp_path):
         d.kill()
 
 
+
+
+async def test_a_waiting_take_survives_a_sigkill_and_is_granted_once(tmp_path):
+    """A ``take(wait=...)`` parked on the server when the daemon is SIGKILLed: the
+    reconnecting client sends its keyed request again, finds the same durable waiter,
+    and returns its grant once the window rolls -- one grant, one consumption id."""
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    data = str(tmp_path / "data")
+    args = (data, "fsync", ["--listen", f"127.0.0.1:{port}"])
+    daemons = [Daemon(*args).start()]
+    try:
+        async with rallypoint.connect(daemons[0].url, reconnect=rallypoint.Reconnect(timeout=30)) as rs:
+            run = await rs.scopes.create()
+            q = await rs.quotas.ensure("restart", units_limit=1, window_seconds=4)
+            st = await q.status()  # start in a fresh window, so the wait below is ~4 s
+            await trio.sleep((st.window_end - datetime.now(timezone.utc)).total_seconds() + 0.05)
+            await q.take(scope=run)  # the window's one unit: the next take waits for the next window
+            got = {}
+
+            async def taker():
+                got["grant"] = await q.take(scope=run, wait=60)
+
+            async with trio.open_nursery() as n:
+                n.start_soon(taker)
+                with trio.fail_after(10):
+                    while (await q.status()).waiting != 1:
+                        await trio.sleep(0.02)
+                daemons[0].kill()  # the keyed take is parked on the server, in flight
+                daemons.append(Daemon(*args).start())
+            g = got["grant"]
+            assert g.state == "GRANTED"
+            w = await q.waiter(g.waiter_id).status()
+            assert w.consumption_id == g.consumption_id
+            st = await q.status()
+            assert (st.consumed_total, st.waiting) == (2, 0)  # one grant for the waiting take, not two
+            assert rs._transport.reconnects >= 1
+    finally:
+        for d in daemons:
+            d.kill()
