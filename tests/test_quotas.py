@@ -429,3 +429,19 @@ def test_quota_with_the_blocking_client(daemon):
         w = q.enqueue(1, scope=run, ttl=10)
         assert w.status().state in ("GRANTED", "WAITING")
         assert q.status().used >= 2
+
+
+async def test_a_take_at_the_boundary_is_judged_after_the_waiters_are_served(autojump_clock, ers):
+    """Judged at request time: a take that arrives after the window rolled finds the
+    waiters already served (the due serve fires before its batch), whichever ran
+    first."""
+    run = await ers.scopes.create()
+    q = await ers.quotas.ensure("boundary", units_limit=1, window_seconds=10)
+    await sleep_to_window_start(ers, q, 1)
+    await q.take(scope=run)
+    w = await q.enqueue(scope=run, ttl=60)
+    st = await q.status()
+    autojump_clock.jump((st.window_end - now(ers)).total_seconds())  # no task has run since
+    with pytest.raises(AllowanceExhaustedError):
+        await q.take(scope=run)  # the unit of the new window went to the waiter, in line
+    assert (await w.status()).state == "GRANTED"
