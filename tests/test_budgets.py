@@ -362,3 +362,52 @@ def test_budget_with_the_blocking_client(daemon):
         assert r.settle(20).charged_minor == 20
         assert b.status().available_minor == 80
         assert rs.budget("sync-budget").reservation(r.id).status().state == "SETTLED"
+
+
+async def test_budget_requirements_implement_the_admission_protocol(ers):
+    """The requirement protocol the admission kind calls (``REQUIREMENT_KINDS``):
+    prepare at submit, fits/hold all or nothing within one step, records committed with
+    the delivery, views for the worker, release when the delivery ends, and receivers
+    woken when money comes back."""
+    c = coord(ers)
+    budgets = c.budgets
+    run = await ers.scopes.create()
+    spend = await ers.budgets.ensure("spend", limit=500)
+    await ers.budgets.ensure("other", limit=100)
+    m = await ers.mailboxes.ensure("needs-budget")
+    t1 = c.queues.tasks[(await m.submit(1, scope=run)).id]
+    t2 = c.queues.tasks[(await m.submit(2, scope=run)).id]
+    for bad, err in (({"spend": 1, "other": 1, "x": 1}, ValidationError), ({"nope": 1}, NotFoundError),
+                     ({"spend": 501}, ValidationError), ({"spend": 0}, ValidationError), ({"spend": 1.5}, ValidationError)):
+        with pytest.raises(err):
+            budgets.requirement_prepare("default", bad)
+    req = budgets.requirement_prepare("default", {"spend": 300, spend.info.id: 100})
+    assert req == {spend.info.id: 400}  # by id, summed
+    budgets.requirement_track(t1, req)
+    budgets.requirement_track(t2, req)
+    pending: dict = {}
+    assert budgets.requirement_fits(req, pending)
+    budgets.requirement_hold(req, pending)
+    assert not budgets.requirement_fits(req, pending)  # a second 400 does not fit on top, in the same step
+    recs = budgets.requirement_records(t1, req, c.now_ms())
+    c.commit([TaskDelivered(task_id=t1.id, delivery_id=c.ids.new("dlv"), token=t1.token + 1,
+                            lease_expires_ms=c.mono_ms() + 30_000, at_ms=c.now_ms()), *recs])
+    (rid,) = budgets.requirement_views(t1)["reservations"]
+    assert (await spend.status()).available_minor == 100
+    assert not budgets.requirement_fits(req, {})  # t2 must wait for the money
+    woken = []
+    real_notify = c.notify
+    c.notify = lambda actor_id, key: (woken.append((actor_id, key)), real_notify(actor_id, key))
+    try:
+        c.decide(Session(), p.DeliveryReject(task_id=t1.id, token=t1.token))  # t1's delivery ends: voided
+    finally:
+        c.notify = real_notify
+    r = await spend.reservation(rid).status()
+    assert (r.state, r.close_reason, r.holder) == ("VOIDED", "delivery_failed", "admission")
+    assert (run.id, ("recv", t2.mailbox_id)) in woken  # t2's receivers re-check: its budget came back
+    assert budgets.requirement_fits(req, {})
+    budgets.requirement_release(t1, req, c.now_ms(), "FAILED")  # a second release changes nothing
+    assert (await spend.status()).available_minor == 500
+    budgets.requirement_untrack(t1, req)
+    budgets.requirement_untrack(t2, req)
+    assert budgets.needs == {}

@@ -38,12 +38,22 @@ the task SUCCEEDED (or the message was ACKED) -- the reservation was the most it
 cost -- and voided otherwise (failed, retried, lease expired, cancelled, expired).
 A worker that knows the real cost settles it (``final``) before completing.
 
-**The admission hook.** :meth:`Budgets.prepare_reservations` validates a task's budget
-requirements all or nothing and returns the ``BudgetReserved`` records (with the
-delivery's task id and new token) for the admitting decide to commit in ONE commit with
-its ``TaskDelivered`` and pool grants; the delivery's end then settles or voids them as
-above. The budget's actor need not run: the admit reads budget state synchronously and
-the records' apply changes it inside that one commit (a step across actors by design).
+**The admission hook.** Budget requirements of tasks (``submit(...,
+requirements={"budgets": {"model-spend": 40}})``) plug into the admission kind's
+requirement protocol (``REQUIREMENT_KINDS["budgets"] = "budgets"``), implemented here:
+``requirement_prepare`` (at submit: names to ids, at most 2 budgets, each amount 1 to
+the budget's limit), ``requirement_fits`` / ``requirement_hold`` (read-only, all or
+nothing with the pool units of the same step), ``requirement_records`` (the
+``BudgetReserved`` records, held for the delivery the step makes -- token
+``task.token + 1`` -- committed in ONE commit with its ``TaskDelivered`` and pool
+grants), ``requirement_release`` (the delivery ended: settle or void, as above),
+``requirement_track`` / ``requirement_untrack`` (tasks waiting on a budget; when money
+comes back -- a void, a release -- the receivers parked for them are woken) and
+``requirement_views`` (the delivery's ``reservations``: ids, for the worker to settle).
+:meth:`Budgets.prepare_reservations` is the same check for a list of (budget, amount)
+in one call. The budget's actor need not run: the admit reads budget state
+synchronously and the records' apply changes it inside that one commit (a step across
+actors by design).
 """
 
 from __future__ import annotations
@@ -78,6 +88,8 @@ __all__ = ["BudgetState", "ReservationState", "Budgets", "MAX_MINOR", "OPEN"]
 #: Largest amount (minor units) anywhere: 10^18 (fits msgpack's int64 with room).
 MAX_MINOR = 10**18
 MAX_SETTLE_WITHIN_MS = 30 * 86_400_000
+#: Budgets a task may require (runstate: 2).
+MAX_BUDGETS_PER_TASK = 2
 OPEN = frozenset({"ACTIVE", "STALE"})
 #: How many open reservations ``budget.get(reservations=True)`` lists.
 LIST_RESERVATIONS = 1000
@@ -156,6 +168,7 @@ class Budgets(Kind):
         self.usage: dict[tuple[str, str], str] = {}  # (budget id, usage key) -> reservation id
         self.open: dict[str, dict[str, None]] = {}  # budget id -> open reservation ids, oldest first
         self.by_delivery: dict[str, list[str]] = {}  # task id -> open reservations held for a delivery
+        self.needs: dict[str, set[str]] = {}  # budget id -> unfinished tasks that require it
 
     def entity_tables(self):
         return {"bdg": (self.table, BudgetState), "rsv": (self.reservations, ReservationState)}
@@ -340,6 +353,85 @@ class Budgets(Kind):
             for name_or_id, amount in items
         ]
 
+    # ================================================================ admission requirements
+    def requirement_prepare(self, space: str, value) -> dict[str, int]:
+        """At submission: ``{budget name or id: amount_minor}`` -> ``{budget id:
+        amount_minor}``. VALIDATION_FAILED: more than 2 budgets, an amount not an integer
+        from 1 to the budget's limit (it could never be reserved); NOT_FOUND: a budget."""
+        if not isinstance(value, dict) or len(value) > MAX_BUDGETS_PER_TASK:
+            raise ValidationError(f"requirements.budgets must map at most {MAX_BUDGETS_PER_TASK} budget names to "
+                                  "amounts in minor units", details={"field": "requirements.budgets"})
+        out: dict[str, int] = {}
+        for name, amount in value.items():
+            b = self.get(space, name)
+            field = f"requirements.budgets[{name}]"
+            check_amount(field, amount, 1)
+            out[b.id] = out.get(b.id, 0) + amount
+            if out[b.id] > b.limit_minor:
+                raise ValidationError(f"{field} asks {out[b.id]}, more than budget {b.name!r} could ever hold "
+                                      f"(limit {b.limit_minor})", details={"field": field})
+        return out
+
+    def requirement_fits(self, value: dict[str, int], pending: dict) -> bool:
+        """Read-only: can every amount be reserved now, on top of what this step already
+        took (``pending``: budget id -> minor units)?"""
+        table = self.table
+        return all(self.available(table[bid]) - pending.get(bid, 0) >= amount for bid, amount in value.items())
+
+    def requirement_hold(self, value: dict[str, int], pending: dict) -> None:
+        for bid, amount in value.items():
+            pending[bid] = pending.get(bid, 0) + amount
+
+    def requirement_records(self, task, value: dict[str, int], at_ms: int) -> list[BudgetReserved]:
+        """The reservations, held for the delivery this step makes (its token is the
+        task's next one), to commit with its ``TaskDelivered``."""
+        new_id = self.coord.ids.new
+        return [
+            BudgetReserved(id=new_id("rsv"), budget_id=bid, space=task.space, scope_id=task.scope_id,
+                           amount_minor=amount, at_ms=at_ms, holder="admission", task_id=task.id,
+                           token=task.token + 1)
+            for bid, amount in value.items()
+        ]
+
+    def requirement_release(self, task, value: dict[str, int], at_ms: int | None, new_state: str) -> None:
+        """Apply: the delivery ended (RUNNING -> ``new_state``): settle or void."""
+        self.on_delivery_ended(task.id, task.token, new_state, at_ms)
+
+    def requirement_track(self, task, value: dict[str, int]) -> None:
+        for bid in value:
+            self.needs.setdefault(bid, set()).add(task.id)
+
+    def requirement_untrack(self, task, value: dict[str, int]) -> None:
+        for bid in value:
+            s = self.needs.get(bid)
+            if s is not None:
+                s.discard(task.id)
+                if not s:
+                    del self.needs[bid]
+
+    def requirement_views(self, task) -> dict:
+        """The delivery's ``reservations``: the ids of what it holds, to settle."""
+        return {"reservations": [rid for rid in self.by_delivery.get(task.id, ())
+                                 if self.reservations[rid].token == task.token]}
+
+    def _money_back(self, b: BudgetState) -> None:
+        """Apply: money came back to ``b``: wake the receivers parked for ready tasks
+        that require it (each on its run's actor and its ancestors'). Not in replay."""
+        tids = self.needs.get(b.id)
+        if not tids or self.coord.replaying:
+            return
+        coord = self.coord
+        tasks, runs = coord.queues.tasks, coord.runs.table
+        for tid in tids:
+            t = tasks.get(tid)
+            if t is None or t.state != "QUEUED":
+                continue
+            key = ("recv", t.mailbox_id)
+            s = runs.get(t.scope_id)
+            while s is not None:
+                coord.notify(s.id, key)
+                s = runs.get(s.parent_id) if s.parent_id else None
+
     def insufficient(self, b: BudgetState, requested: int) -> InsufficientBudgetError:
         avail = self.available(b)
         return InsufficientBudgetError(
@@ -472,6 +564,8 @@ class Budgets(Kind):
             self._close(r, "SETTLED", rec.at_ms, "settled")
         self.coord.touch(r.id)
         self.coord.touch(b.id)
+        if rec.released_minor:
+            self._money_back(b)
 
     @applies(BudgetVoided)
     def _apply_voided(self, rec: BudgetVoided) -> None:
@@ -482,6 +576,8 @@ class Budgets(Kind):
         self._close(r, "VOIDED", rec.at_ms, "voided")
         self.coord.touch(r.id)
         self.coord.touch(b.id)
+        if rec.released_minor:
+            self._money_back(b)
 
     @applies(ReservationStale)
     def _apply_stale(self, rec: ReservationStale) -> None:
@@ -511,6 +607,8 @@ class Budgets(Kind):
                 r.remaining_minor = 0
                 b.reserved_minor -= held
                 self._close(r, "VOIDED", at_ms, "delivery_" + new_state.lower())
+                if held:
+                    self._money_back(b)
             self.coord.touch(r.id)
             self.coord.touch(b.id)
 
