@@ -9,8 +9,9 @@ A ``rallypoint serve`` daemon (fresh temp data dir, ``--durability``) and ``--cl
 client PROCESSES, each with one TCP connection and ``--loops`` concurrent request loops
 (so ``clients * loops`` requests in flight: group commit puts many in one fsync). Every
 kind runs for ``--seconds`` after a 1 s warm-up, on the same run, in rounds
-(submit, take, reserve+settle, send, submit, ...) so that a change in the machine's
-load hits every kind alike; the median round is reported. The kinds:
+(submit, take, reserve+settle, send, submit, ...) each round led by the next kind, so that a change in the machine's load hits every kind
+alike; the median round is reported. The clients start together (at a wall instant
+the parent gives), warm up for 1 s, then count. The kinds:
 
 * ``submit``: ``mailbox.submit(payload, scope=run)`` -- one task per request (the
   reference: the goal is each primitive within 20 % of it);
@@ -55,9 +56,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def client_main(url: str, run_id: str, kind: str, loops: int, seconds: float, warmup: float, out) -> None:
+def client_main(url: str, run_id: str, kind: str, loops: int, seconds: float, warmup: float, start_wall: float,
+                out) -> None:
     async def main():
         async with rallypoint.connect(url, reconnect=False) as rs:
+            await trio.sleep(max(0.0, start_wall - time.time()))  # every client measures the same window
             run = rs.scope(run_id)
             mbx, inbox = rs.mailbox("bench-tasks"), rs.mailbox("bench-inbox")
             quota, budget = rs.quota("bench-quota"), rs.budget("bench-budget")
@@ -110,7 +113,8 @@ async def setup(url: str) -> str:
 def measure(url: str, run_id: str, kind: str, args) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=client_main, args=(url, run_id, kind, args.loops, args.seconds, 1.0, q))
+    start_wall = time.time() + 2.0 + 0.5 * args.clients  # after every client started and connected
+    procs = [ctx.Process(target=client_main, args=(url, run_id, kind, args.loops, args.seconds, 1.0, start_wall, q))
              for _ in range(args.clients)]
     for p in procs:
         p.start()
@@ -145,7 +149,7 @@ def main() -> None:
     try:
         run_id = trio.run(setup, url)
         for r in range(args.rounds):
-            for kind in KINDS:
+            for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:  # each kind leads a round in turn
                 row = measure(url, run_id, kind, args)
                 rows[kind].append(row)
                 extra = f" ({row['requests_per_s']:,.0f} requests/s)" if "requests_per_s" in row else ""

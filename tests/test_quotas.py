@@ -282,7 +282,8 @@ async def test_cooldown_refuses_every_run_and_waiters_are_served_when_it_ends(au
     assert first.info.state == w.info.state == "WAITING"
     await first.cancel()  # the line moves up, but nothing is granted during the cooldown
     assert (await w.status()).state == "WAITING"
-    await q.cooldown(5)  # shorter: does not shorten the running one
+    st5 = await q.cooldown(5, reason="shorter")  # does not shorten the running one, nor change its reason
+    assert (st5.cooldown_until, st5.cooldown_reason) == (st.cooldown_until, "429 from provider")
     await trio.sleep(29.9)
     assert (await w.status()).state == "WAITING"
     await trio.sleep(0.2)
@@ -445,3 +446,29 @@ async def test_a_take_at_the_boundary_is_judged_after_the_waiters_are_served(aut
     with pytest.raises(AllowanceExhaustedError):
         await q.take(scope=run)  # the unit of the new window went to the waiter, in line
     assert (await w.status()).state == "GRANTED"
+
+
+async def test_quotas_budgets_and_messages_are_per_space():
+    """Another space's quota, waiter, budget, reservation or message answers NOT_FOUND,
+    by name and by id; the same names are separate entities."""
+    from rallypoint.actors import Coordinator
+
+    c = Coordinator()
+    a, b = Session(space="a"), Session(space="b")
+    run_a = c.decide(a, p.ScopeCreate())
+    run_b = c.decide(b, p.ScopeCreate())
+    qa = c.decide(a, p.QuotaEnsure(name="shared", units_limit=1, window_ms=3_600_000))
+    ba = c.decide(a, p.BudgetEnsure(name="shared", limit_minor=10))
+    c.decide(a, p.MailboxEnsure(name="in", mode="INBOX"))
+    w = c.decide(a, p.QuotaTake(quota="shared", scope_id=run_a.id, ttl_ms=60_000))
+    r = c.decide(a, p.BudgetReserve(budget="shared", scope_id=run_a.id, amount_minor=5))
+    m = c.decide(a, p.MessageSend(mailbox="in", scope_id=run_a.id))
+    for op in (p.QuotaGet(quota="shared"), p.QuotaGet(quota=qa.id), p.QuotaWaiterWait(waiter_id=w.waiter_id),
+               p.QuotaWaiterCancel(waiter_id=w.waiter_id), p.BudgetGet(budget="shared"), p.BudgetGet(budget=ba.id),
+               p.ReservationGet(reservation_id=r.id), p.BudgetVoid(reservation_id=r.id),
+               p.MessageStatus(message_id=m.id), p.QuotaTake(quota=qa.id, scope_id=run_b.id)):
+        with pytest.raises(NotFoundError):
+            c.decide(b, op)
+    qb = c.decide(b, p.QuotaEnsure(name="shared", units_limit=5, window_ms=60_000))
+    assert qb.id != qa.id and [x.name for x in c.decide(b, p.QuotaList()).quotas] == ["shared"]
+    assert c.decide(a, p.QuotaGet(quota="shared")).units_limit == 1

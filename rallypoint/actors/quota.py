@@ -386,8 +386,10 @@ class Quotas(Kind):
         check_range("cooldown_ms", op.cooldown_ms, 1, MAX_COOLDOWN_MS, " ms")
         if op.reason is not None and len(op.reason) > 1024:
             raise ValidationError("reason is longer than 1024 characters", details={"field": "reason"})
-        until = max(q.cooldown_until_mono_ms, coord.mono_ms() + op.cooldown_ms)
-        coord.commit([QuotaCooldownSet(quota_id=q.id, until_mono_ms=until, at_ms=coord.now_ms(), reason=op.reason)])
+        until = coord.mono_ms() + op.cooldown_ms
+        if until > q.cooldown_until_mono_ms:  # a shorter one changes nothing (reason included)
+            coord.commit([QuotaCooldownSet(quota_id=q.id, until_mono_ms=until, at_ms=coord.now_ms(),
+                                           reason=op.reason)])
         return self.view(q)
 
     # ================================================================ serving the queue
@@ -568,8 +570,9 @@ class Quotas(Kind):
     @applies(QuotaCooldownSet)
     def _apply_cooldown(self, r: QuotaCooldownSet) -> None:
         q = self.table[r.quota_id]
-        q.cooldown_until_mono_ms = max(q.cooldown_until_mono_ms, r.until_mono_ms)
-        q.cooldown_reason = r.reason
+        if r.until_mono_ms > q.cooldown_until_mono_ms:  # only ever extended
+            q.cooldown_until_mono_ms = r.until_mono_ms
+            q.cooldown_reason = r.reason
         self.coord.touch(q.id)
         if self.n_waiting.get(q.id):
             self._arm_serve(q.id, q.cooldown_until_mono_ms)
@@ -602,7 +605,7 @@ class Quotas(Kind):
             window_start=self._wall(w.window_start_mono_ms) if granted else None,
             window_end=self._wall(w.window_start_mono_ms + q.window_ms) if granted else None,
             remaining=self.remaining(q),
-            expires_at=self._wall(w.expires_mono_ms) if w.expires_mono_ms > w.at_mono_ms else None,
+            expires_at=self._wall(w.expires_mono_ms) if w.state in ("WAITING", "EXPIRED") else None,
             created_at=to_iso(w.created_at_ms), ended_at=to_iso(w.ended_at_ms), end_reason=w.end_reason,
             holder=w.holder,
         )
