@@ -170,7 +170,7 @@ async def test_replaying_the_journal_rebuilds_the_same_state(tmp_path, autojump_
         async with rallypoint.open_embedded(str(live), durability="fsync", clock=clock) as rs:
             runs = [await rs.scopes.create() for _ in range(3)]
             q = await rs.quotas.ensure("q", units_limit=4, window_seconds=3)
-            b = await rs.budgets.ensure("b", limit=2_000)
+            b = await rs.budgets.ensure("b", limit=8_000)
             inbox = await rs.mailboxes.ensure("in", mode="INBOX", max_attempts=3)
             waiters, holds, deliveries = [], [], []
             for step in range(300):
@@ -187,7 +187,7 @@ async def test_replaying_the_journal_rebuilds_the_same_state(tmp_path, autojump_
                         await q.cooldown(rng.choice([0.5, 2]))
                     elif x < 0.5:
                         holds.append(await b.reserve(rng.randint(1, 200), scope=run,
-                                                     settle_within_seconds=rng.choice([None, 2, 60])))
+                                                     settle_within_seconds=rng.choice([None, 1, 60])))
                     elif x < 0.6 and holds:
                         await rng.choice(holds).settle(rng.randint(0, 300), f"u{rng.randint(0, 40)}",
                                                        final=rng.random() < 0.5)
@@ -231,3 +231,7 @@ async def test_replaying_the_journal_rebuilds_the_same_state(tmp_path, autojump_
 
         assert not diff, (pf, [delta(k) for k in diff[:3]])
     assert len(want["qwt"]) > 10 and len(want["rsv"]) > 10 and len(want["msg"]) > 10
+    states = {pf: {msgspec.msgpack.decode(v)["state"] if "state" in msgspec.msgpack.decode(v) else "-"
+                   for v in want[pf].values()} for pf in ("qwt", "rsv", "msg")}
+    assert states["qwt"] >= {"GRANTED", "EXPIRED", "CANCELLED"}, states
+    assert states["rsv"] >= {"STALE", "SETTLED", "VOIDED"} and states["msg"] >= {"ACKED", "FAILED", "CANCELLED"}, states
