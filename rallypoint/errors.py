@@ -29,6 +29,8 @@ __all__ = [
     "TimerCancelledError",
     "JoinSetExhaustedError",
     "ChildError",
+    "NondeterminismError",
+    "FunctionMismatchError",
     "ContentionError",
     "CapacityUnavailableError",
     "AllowanceExhaustedError",
@@ -175,6 +177,39 @@ class ChildError(RallypointError):
         self.child_id = d.get("child_id")
 
 
+class NondeterminismError(RallypointError):
+    """NONDETERMINISM_DETECTED: a replaying client asked, at a step of a join set's log,
+    for another operation than the one its first execution made there (a ``join_next``
+    where a ``join_next_try`` was answered, another mailbox for a typed await...).
+
+    ``details``: ``joinset_id``, ``step``, ``logged`` (the answer the journal holds:
+    ``op``, ``outcome`` -- ``record``, ``pending``, ``exhausted`` --, ``index``, and
+    ``mailbox`` for a typed await) and ``asked`` (the operation asked: ``op``,
+    ``mailbox``, and ``now``: what it would be answered if it were not a replay).
+    Nothing changed on the server."""
+
+    code = "NONDETERMINISM_DETECTED"
+
+
+class FunctionMismatchError(RallypointError):
+    """FUNCTION_MISMATCH: a typed ``join_next(mailbox=...)`` took a record of another
+    kind of child -- a task of another mailbox, or a delay. The record IS consumed (as
+    in Obelisk's typed await-next); re-read it with ``join_next(index=...)``.
+
+    ``details``: ``joinset_id``, ``index`` (the record), ``step``, ``child_id``,
+    ``expected`` (the mailbox asked for), ``actual`` (the child's mailbox; None for a
+    delay) and ``actual_kind`` (``task`` or ``delay``)."""
+
+    code = "FUNCTION_MISMATCH"
+
+    def __init__(self, message: str = "", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        d = self.details or {}
+        self.child_id = d.get("child_id")
+        self.expected = d.get("expected")
+        self.actual = d.get("actual")
+
+
 class ContentionError(RallypointError):
     """Base of contention on pools, quotas, budgets and claims."""
 
@@ -270,6 +305,8 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "TIMER_CANCELLED": TimerCancelledError,
     "JOIN_SET_EXHAUSTED": JoinSetExhaustedError,
     "CHILD_FAILED": ChildError,
+    "NONDETERMINISM_DETECTED": NondeterminismError,
+    "FUNCTION_MISMATCH": FunctionMismatchError,
     "CAPACITY_UNAVAILABLE": CapacityUnavailableError,
     "ALLOWANCE_EXHAUSTED": AllowanceExhaustedError,
     "ALLOWANCE_COOLDOWN": AllowanceCooldownError,

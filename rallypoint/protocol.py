@@ -108,6 +108,7 @@ class ScopeView(_View):
     children: int
     tasks: dict[str, int]
     group_id: str | None = None
+    task_id: str | None = None  # a task's own run: that task (it ends with the task)
 
 
 class ScopeListView(_View):
@@ -205,6 +206,8 @@ class TaskView(_View):
     finished_at: str | None
     deadline: str | None
     group_id: str | None = None
+    run_id: str | None = None  # the task's own run (``delivery.run``), once made
+    completing: bool = False  # its worker completed it; its run's join sets are closing
 
 
 class TaskListView(_View):
@@ -229,6 +232,7 @@ class DeliveryView(_View):
     token: int
     lease_expires_at: str
     group_id: str | None = None
+    run_id: str | None = None  # the task's own run, if an earlier attempt made it
 
 
 class ReceiveView(_View):
@@ -264,6 +268,14 @@ class DeliveryReject(_Op, tag="delivery.reject"):
     task_id: str
     token: int
     error: msgspec.Raw = NIL
+
+
+class DeliveryRun(_Op, tag="delivery.run"):
+    """The task's own run (a child of the task's run), made on first use; the same run
+    for every later call and attempt. Reply: the run (ScopeView)."""
+
+    task_id: str
+    token: int
 
 
 # --- task groups ----------------------------------------------------------------------
@@ -463,13 +475,29 @@ class JoinSetSubmitDelay(_Op, tag="joinset.submit_delay"):
 
 
 class JoinNext(_Op, tag="joinset.join_next"):
-    """Consume (or re-read) record ``index`` (default: the next). ``try_only`` answers at
-    once with ``pending`` instead of waiting."""
+    """``join_next`` (an *await*: waits up to ``wait_ms`` for the next record) or, with
+    ``try_only``, ``join_next_try`` (a *probe*: answers at once).
+
+    Every answer given -- a record consumed, a probe's ``pending``, JOIN_SET_EXHAUSTED,
+    FUNCTION_MISMATCH, a record a close handed to a waiting await -- is the next *step*
+    of the set's journaled log (``JoinNextView.step``); a wait that runs out is no step.
+
+    - ``step``: a replaying client's position: ``step < steps`` answers what the log holds
+      at that step (the same operation, else NONDETERMINISM_DETECTED), ``step == steps``
+      is a live answer that must land there, ``step > steps`` is VALIDATION_FAILED.
+    - ``index``: a record by position: ``index < consumed`` re-reads record ``index``
+      (no step), ``index == consumed`` consumes it, more is VALIDATION_FAILED.
+      ``index`` and ``step`` exclude each other.
+    - ``mailbox`` (a name or id): a typed await/probe for a homogeneous set; a record
+      of another mailbox or a delay is still consumed and answered FUNCTION_MISMATCH.
+    """
 
     joinset_id: str
     index: int | None = None
     wait_ms: int = 0
     try_only: bool = False
+    step: int | None = None
+    mailbox: str | None = None
 
 
 class JoinSetClose(_Op, tag="joinset.close"):
@@ -494,6 +522,7 @@ class JoinSetView(_View):
     consumed: int
     created_at: str
     children: list[JoinSetChildView]
+    steps: int = 0  # answers journaled so far (the next live answer's step)
 
 
 class JoinSetChildAdded(_View):
@@ -504,13 +533,15 @@ class JoinSetChildAdded(_View):
 
 class JoinNextView(_View):
     status: str  # "record" | "pending"
-    index: int
+    index: int  # the record; for "pending" the next unconsumed one
     child_id: str | None = None
     kind: str | None = None
     ok: bool = True
     value: msgspec.Raw = NIL
     failure_kind: str | None = None
     closing: bool = False
+    step: int | None = None  # the step this answer is (None: a re-read, or a wait that ran out)
+    replayed: bool = False  # answered from the log (a step below ``steps``)
 
 
 # --- messages (INBOX mailboxes) ----------------------------------------------------------
@@ -833,6 +864,7 @@ Op = Union[
     DeliveryComplete,
     DeliveryRetry,
     DeliveryReject,
+    DeliveryRun,
     GroupCreate,
     GroupSubmit,
     GroupJoinTask,
@@ -899,6 +931,7 @@ REPLY_TYPES: dict[type, type] = {
     DeliveryComplete: TaskView,
     DeliveryRetry: TaskView,
     DeliveryReject: TaskView,
+    DeliveryRun: ScopeView,
     GroupCreate: GroupView,
     GroupSubmit: GroupMemberAddedView,
     GroupJoinTask: GroupMemberAddedView,

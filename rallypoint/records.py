@@ -164,6 +164,36 @@ class TaskExpired(_Rec, tag="task_expired"):
     at_ms: int
 
 
+class TaskRunCreated(_Rec, tag="task_run_created"):
+    """The task's own run ``run_id``, a child of the task's run (``delivery.run()``).
+    Any end of the task but success cancels it in the apply of that end."""
+
+    task_id: str
+    run_id: str
+    at_ms: int
+
+
+class TaskCompleting(_Rec, tag="task_completing"):
+    """The holder of ``token`` completed a task that owns a run: the outcome is held,
+    the lease no longer counts, and the run's open join sets are closed (their
+    JoinSetClosed records follow in the same commit). The task stays RUNNING until
+    ``TaskRunCompleted``."""
+
+    task_id: str
+    token: int
+    outcome: bytes
+    at_ms: int
+
+
+class TaskRunCompleted(_Rec, tag="task_run_completed"):
+    """ONE step: the completing task's run has no open join set left: the run is
+    COMPLETED (its subtree step cancels what else is left in it) and the task SUCCEEDED
+    with its held outcome."""
+
+    task_id: str
+    at_ms: int
+
+
 # --- task groups ------------------------------------------------------------------------
 
 
@@ -301,11 +331,30 @@ class JoinSetDelayFired(_Rec, tag="joinset_delay_fired"):
 
 class JoinSetConsumed(_Rec, tag="joinset_consumed"):
     """The ``index``-th consume of the set (positional matching: it took record
-    ``index``)."""
+    ``index``), answered as step ``step`` of the set's log by ``op`` (``next``: an
+    await, ``try``: a probe), typed for work queue ``mailbox`` (an id) or not."""
 
     joinset_id: str
     index: int
     at_ms: int
+    step: int | None = None
+    op: str = "next"
+    mailbox: str | None = None
+
+
+class JoinSetAnswered(_Rec, tag="joinset_answered"):
+    """An answer that consumed nothing, journaled as step ``step`` of the set's log so a
+    replay gets it again: ``outcome`` ``pending`` (a probe found no record), ``exhausted``
+    (nothing left to consume), or ``record`` (record ``index``, already taken by a
+    closing consume, handed to an await that was waiting for it)."""
+
+    joinset_id: str
+    step: int
+    op: str
+    outcome: str
+    at_ms: int
+    index: int = -1
+    mailbox: str | None = None
 
 
 class JoinSetClosed(_Rec, tag="joinset_closed"):
@@ -502,6 +551,9 @@ Record = Union[
     LeaseExpired,
     TaskCancelled,
     TaskExpired,
+    TaskRunCreated,
+    TaskCompleting,
+    TaskRunCompleted,
     LeasesExtended,
     GroupCreated,
     GroupMemberJoined,
@@ -519,6 +571,7 @@ Record = Union[
     JoinSetDelaySubmitted,
     JoinSetDelayFired,
     JoinSetConsumed,
+    JoinSetAnswered,
     JoinSetClosed,
     KeyCreated,
     KeyRevoked,

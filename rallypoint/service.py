@@ -82,6 +82,9 @@ class CallSink(ReplySink):
     def untrack(self, rid: int) -> None:
         self.waiter = None
 
+    def flush(self) -> None:
+        return None
+
     def abandon(self) -> None:
         """The caller went away: end a parked wait, drop whatever comes later."""
         self.closed = True

@@ -103,6 +103,8 @@ async def test_nack_retry_and_reject_with_fencing(autojump_clock, ers):
     d3 = await inbox.receive(run, lease_seconds=5, wait=0)
     assert (d3.attempt, d3.token) == (3, 3)
     await d3.renew(10)
+    with pytest.raises(ConflictError):
+        await d3.run()  # only tasks have runs of their own
     await d3.nack(retry=False, error="poison")
     st = await m.status()
     assert (st.state, st.error, st.outcome_reason) == ("FAILED", "poison", "rejected")

@@ -62,6 +62,8 @@ def test_readme_block_runs_as_written(index, readme_daemon, monkeypatch, capsys)
         assert out.strip() == "4.77 USD left"
     elif 'mode="INBOX"' in code:
         assert out.strip() == "start with the docs"
+    elif "delivery.run()" in code:
+        assert out.strip() == "nested: SUCCEEDED ['/', '/GROUPS', '/QUEUES']"
     elif embedded:
         assert out.startswith("the delay won: True - timer fired at ")
     else:

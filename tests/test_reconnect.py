@@ -45,6 +45,9 @@ class _SwallowSink:
     def untrack(self, rid) -> None:
         self.inner.untrack(rid)
 
+    def flush(self) -> None:
+        self.inner.flush()
+
 
 class Swallow:
     """Wraps a Service: the first request of one of ``op_types`` is applied, then its

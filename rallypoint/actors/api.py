@@ -126,6 +126,7 @@ OPS: dict[type, OpSpec] = {
     p.DeliveryComplete: OpSpec("queues", "op_delivery_complete", _task, W),
     p.DeliveryRetry: OpSpec("queues", "op_delivery_retry", _task, W),
     p.DeliveryReject: OpSpec("queues", "op_delivery_reject", _task, W),
+    p.DeliveryRun: OpSpec("queues", "op_delivery_run", _task, W),
     p.GroupCreate: OpSpec("groups", "op_group_create", _run("scope_id"), C),
     p.GroupSubmit: OpSpec("groups", "op_group_submit", _group, W),
     p.GroupJoinTask: OpSpec("groups", "op_group_join_task", _group, W),

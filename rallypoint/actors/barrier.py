@@ -15,10 +15,10 @@ from __future__ import annotations
 import msgspec
 
 from ..clock import to_iso
-from ..errors import BarrierCancelledError, BarrierReleasedError, ConflictError, NotFoundError
+from ..errors import BarrierCancelledError, BarrierReleasedError, ConflictError
 from ..protocol import BarrierArrive, BarrierCreate, BarrierNextEpochOp, BarrierStatus, BarrierView, BarrierWait
 from ..records import BarrierArrived, BarrierCreated, BarrierNextEpoch
-from .common import applies, check_key, check_range, clamp_wait, short
+from .common import applies, check_key, check_range, clamp_wait
 from .kind import Kind
 from .runtime import Park
 
@@ -43,6 +43,8 @@ class Barriers(Kind):
 
     prefix = "bar"
     name = "barriers"
+    noun = "barrier"
+    id_field = "barrier_id"
 
     def __init__(self, coord) -> None:
         super().__init__(coord)
@@ -54,14 +56,6 @@ class Barriers(Kind):
     def parent_actor_id(self, barrier_id: str) -> str | None:
         return self.table[barrier_id].scope_id
 
-    def get(self, space: str, barrier_id) -> BarrierState:
-        b = self.table.get(barrier_id) if isinstance(barrier_id, str) else None
-        if b is None or b.space != space:
-            raise NotFoundError(f"no barrier {short(barrier_id)} in this space", details={"barrier_id": barrier_id})
-        return b
-
-    def route(self, session, barrier_id) -> str:
-        return self.get(session.space, barrier_id).id
 
     def view(self, b: BarrierState) -> BarrierView:
         return BarrierView(

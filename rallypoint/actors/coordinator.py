@@ -107,6 +107,7 @@ class Coordinator:
         self.failed: BaseException | None = None
         self.commits = 0
         self.stalls = 0
+        self._to_flush: set = set()
         self.last_seen = 0.0
         self.runtime = Runtime(self, idle_s=idle_s)
         self.heap = self.runtime.heap
@@ -180,6 +181,7 @@ class Coordinator:
                     apply[type(rec)](rec)
                     i += 1
                 more = self.groups.react()
+                more += self.queues.react()
                 if not more:
                     break
                 records.extend(more)
@@ -214,6 +216,7 @@ class Coordinator:
         finally:
             self.replaying = False
             self.groups.touched.clear()
+            self.queues.to_check.clear()
 
     # ------------------------------------------------------------------ actors
     def parent_of(self, actor_id: str) -> tuple[Any, str | None]:
@@ -274,6 +277,7 @@ class Coordinator:
         depends on (the journal's last, as of now)."""
         if sink.closed:
             return
+        self._to_flush.add(sink)
         if self.failed is not None:
             reply = UnavailableError("the server stopped after an internal failure; retry once it restarted",
                                      retry_after=1.0)
@@ -286,6 +290,15 @@ class Coordinator:
         elif isinstance(reply, Exception) and not isinstance(reply, RallypointError):
             reply = InternalError(f"internal error ({type(reply).__name__}); the server log has details")
         sink.deliver(rid, reply, self.journal.last_lsn)
+
+    def after_batch(self) -> None:
+        """After an actor's batch (or the heap's): every sink that got answers sends them
+        (a connection, in one write)."""
+        to_flush = self._to_flush
+        if to_flush:
+            for sink in to_flush:
+                sink.flush()
+            to_flush.clear()
 
     def cancelled_answer(self, park: Park):
         """The answer of a waiter whose actor was cancelled: what its check says now (the

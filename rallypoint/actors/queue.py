@@ -8,6 +8,14 @@ STALE_CLAIM and changes nothing. A lease that runs out puts the task back in the
 task is FAILED. Delivery is at-least-once; the outcome is recorded exactly once (the
 first valid complete).
 
+A task's own run (``delivery.run``, ``TaskRunCreated``): a child run of the task's run,
+made on first use by the lease holder and kept across attempts. The task's end and the
+run's end are one structure: a completed task is ``completing`` (outcome held, still
+RUNNING, no lease) while its run's join sets close, and ``TaskRunCompleted`` -- a
+reaction in the commit where the last set closes -- completes the run and records the
+outcome in one apply; any other end of the task cancels its run in the apply of that
+end (:meth:`WorkQueues.finish`), before the task's terminal state is visible.
+
 Where things run: a work queue's actor (space level, in the root nursery) answers for
 the queue itself; a **task belongs to its run**: every command about a task -- submit,
 receive for a run, renew/complete/retry/reject, result, cancel -- is handled here but
@@ -53,6 +61,7 @@ from ..protocol import (
     DeliveryReject,
     DeliveryRenew,
     DeliveryRetry,
+    DeliveryRun,
     DeliveryView,
     LeaseView,
     MailboxEnsure,
@@ -81,6 +90,9 @@ from ..records import (
     TaskExpired,
     TaskRejected,
     TaskRetried,
+    TaskRunCompleted,
+    TaskRunCreated,
+    TaskCompleting,
     TaskSubmitted,
 )
 from .common import applies, check_key, check_name, check_payload, check_range, clamp_wait, parse_instant, short
@@ -140,6 +152,9 @@ class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
     joinset_id: str | None = None
     cancellable: bool = True
     seq: int = 0
+    run_id: str | None = None  # the task's own run (``delivery.run``)
+    completing: bool = False  # completed by its worker; its run's join sets are closing
+    held_outcome: bytes | None = None  # the outcome, recorded once the run is done
 
 
 class WorkQueues(Kind):
@@ -154,6 +169,7 @@ class WorkQueues(Kind):
         self.table: dict[str, MailboxState] = {}
         self.tasks: dict[str, TaskState] = {}
         self.next_seq = 1
+        self.to_check: set[str] = set()  # completing tasks whose run may be done: see react()
         self._init_indexes()
 
     def _init_indexes(self) -> None:
@@ -395,7 +411,7 @@ class WorkQueues(Kind):
             if qc is None:
                 qc = self.queue_counts[t.mailbox_id] = [0, 0]
             qc[0 if t.state == "QUEUED" else 1] += 1
-            if t.state == "RUNNING":
+            if t.state == "RUNNING" and not t.completing:
                 self.leased.add(t.id)
 
     def _set_state(self, t: TaskState, new: str) -> None:
@@ -438,7 +454,18 @@ class WorkQueues(Kind):
 
     def finish(self, t: TaskState, state: str, at_ms: int, reason: str | None) -> None:
         """Make ``t`` terminal (``state``) with ``reason``; used by every kind that ends
-        tasks (run cancellation, group finalization, join-set close)."""
+        tasks (run cancellation, group finalization, join-set close).
+
+        A task that owns a run and ends any other way than SUCCEEDED (reject, last retry,
+        last lease expired, deadline, cancel -- also while completing) cancels that run
+        first, in this same apply: everything under it is cancelled before the task's end
+        is visible to anyone (its join set's record, its group, a result wait)."""
+        if t.run_id is not None and state != "SUCCEEDED":
+            t.completing = False
+            t.held_outcome = None
+            run = self.coord.runs.table[t.run_id]
+            if run.state == "ACTIVE":
+                self.coord.runs.end(run, "CANCELLED", at_ms, f"task {t.id} {state}")
         t.finished_at_ms = at_ms
         t.outcome_reason = reason
         self._set_state(t, state)
@@ -575,6 +602,7 @@ class WorkQueues(Kind):
             token=t.token,
             lease_expires_at=to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
             group_id=t.group_id,
+            run_id=t.run_id,
         )
 
     @applies(TaskDelivered)
@@ -601,11 +629,17 @@ class WorkQueues(Kind):
         return t
 
     def _lease_live(self, t: TaskState) -> bool:
-        return t.state == "RUNNING" and t.lease_expires_ms > self.coord.mono_ms()
+        return t.state == "RUNNING" and not t.completing and t.lease_expires_ms > self.coord.mono_ms()
 
     def _lost(self, t: TaskState) -> LeaseLostError:
-        why = "its lease expired" if t.state in ("RUNNING", "QUEUED") else f"the task is {t.state}"
-        return LeaseLostError(f"the lease on task {t.id} is lost: {why}", details={"task_id": t.id, "state": t.state})
+        if t.completing:
+            why = "its worker completed it (the outcome is held until the task's run is done)"
+        elif t.state in ("RUNNING", "QUEUED"):
+            why = "its lease expired"
+        else:
+            why = f"the task is {t.state}"
+        return LeaseLostError(f"the lease on task {t.id} is lost: {why}",
+                              details={"task_id": t.id, "state": t.state, "completing": t.completing})
 
     def op_delivery_renew(self, actor, session, op: DeliveryRenew) -> LeaseView:
         """Extend the lease by ``lease_ms`` from now. STALE_CLAIM when the token is not
@@ -638,14 +672,106 @@ class WorkQueues(Kind):
 
     def op_delivery_complete(self, actor, session, op: DeliveryComplete) -> TaskView:
         """Record the outcome (exactly once). STALE_CLAIM for a stale token, a lost lease
-        or a task past its deadline; SCOPE_CANCELLED / DEADLINE_EXCEEDED on a stopped run."""
+        or a task past its deadline; SCOPE_CANCELLED / DEADLINE_EXCEEDED on a stopped run.
+
+        A task that owns a run (``delivery.run``) is completed in two steps, like
+        ``run.complete()``: ``TaskCompleting`` holds the outcome and closes the run's
+        open join sets (newest first: cancellable children cancelled in reverse
+        submission order, non-cancellable ones awaited); once none is open -- in this
+        same commit or when the last awaited child finishes -- ``TaskRunCompleted``
+        completes the run and records the outcome (SUCCEEDED). Until then the reply and
+        the task say RUNNING with ``completing``; the same complete again is answered
+        the same way (another outcome is STALE_CLAIM)."""
         t = self._holder(session, op.task_id, op.token)
         outcome = check_payload("outcome", op.outcome)
+        if t.completing and t.held_outcome == outcome:
+            return self.task_view(t)  # a re-sent complete
         self.coord.runs.require_active(t.scope_id)
         if not self._lease_live(t):
             raise self._lost(t)
-        self.coord.commit([TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=self.coord.now_ms())])
+        coord = self.coord
+        now = coord.now_ms()
+        if t.run_id is None:
+            coord.commit([TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=now)])
+        else:
+            coord.commit([
+                TaskCompleting(task_id=t.id, token=t.token, outcome=outcome, at_ms=now),
+                *coord.joinsets.close_records_for_complete(t.run_id, now),
+            ])
         return self.task_view(t)
+
+    @applies(TaskCompleting)
+    def _apply_completing(self, r: TaskCompleting) -> None:
+        t = self.tasks[r.task_id]
+        t.completing = True
+        t.held_outcome = r.outcome
+        self.leased.discard(t.id)  # no lease counts any more: nothing to take over
+        self.coord.touch(t.id)
+        self.check_completion(t.id)
+
+    def check_completion(self, task_id: str) -> None:
+        """A completing task's run may have no open join set left: decide it as a
+        reaction of the current commit (not in replay: the follow-up is journaled)."""
+        if not self.coord.replaying:
+            self.to_check.add(task_id)
+
+    def react(self) -> list:
+        """Follow-up records for the current commit: ``TaskRunCompleted`` for every
+        completing task whose run has no open join set left."""
+        if not self.to_check:
+            return []
+        todo, self.to_check = self.to_check, set()
+        more = []
+        joinsets = self.coord.joinsets
+        for tid in sorted(todo):
+            t = self.tasks[tid]
+            if t.completing and t.state == "RUNNING" and joinsets.open_count(t.run_id) == 0:
+                more.append(TaskRunCompleted(task_id=tid, at_ms=self.coord.now_ms()))
+        return more
+
+    @applies(TaskRunCompleted)
+    def _apply_run_completed(self, r: TaskRunCompleted) -> None:
+        t = self.tasks[r.task_id]
+        run = self.coord.runs.table[t.run_id]
+        if run.state == "ACTIVE":
+            # whatever the run holds beyond its (closed) join sets is cancelled here
+            self.coord.runs.end(run, "COMPLETED", r.at_ms, f"task {t.id} completed")
+        t.outcome, t.held_outcome, t.completing = t.held_outcome, None, False
+        self.finish(t, "SUCCEEDED", r.at_ms, "completed")
+
+    # ================================================================ the task's own run
+    def op_delivery_run(self, actor, session, op: DeliveryRun):
+        """The task's own run, made on first use (a child of the task's run, named
+        ``task:<id>``); the same run for every later call and attempt. The holder of the
+        current lease only: STALE_CLAIM otherwise (or once completing); SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED when the task's run is inactive; LIMIT_EXCEEDED past its
+        child_limit."""
+        t = self._holder(session, op.task_id, op.token)
+        if self.table[t.mailbox_id].mode == "INBOX":
+            raise ConflictError(f"{t.id} is a message: only tasks have runs of their own",
+                                details={"task_id": t.id})
+        runs = self.coord.runs
+        if t.run_id is not None and t.state == "RUNNING":
+            return runs.view(runs.table[t.run_id])
+        runs.require_active(t.scope_id)
+        if not self._lease_live(t):
+            raise self._lost(t)
+        runs.check_child_limit(runs.table[t.scope_id], "; the task's own run would exceed it")
+        rec = TaskRunCreated(task_id=t.id, run_id=self.coord.ids.new("scp"), at_ms=self.coord.now_ms())
+        self.coord.commit([rec])
+        return runs.view(runs.table[rec.run_id])
+
+    @applies(TaskRunCreated)
+    def _apply_run_created(self, r: TaskRunCreated) -> None:
+        from .run import ScopeState
+
+        t = self.tasks[r.task_id]
+        t.run_id = r.run_id
+        self.coord.runs.add(ScopeState(
+            id=r.run_id, space=t.space, parent_id=t.scope_id, name=f"task:{t.id}", deadline_ms=None,
+            child_limit=1000, created_at_ms=r.at_ms, task_id=t.id,
+        ))
+        self.coord.touch(t.id)
 
     @applies(TaskCompleted)
     def _apply_completed(self, r: TaskCompleted) -> None:
@@ -767,13 +893,15 @@ class WorkQueues(Kind):
             finished_at=to_iso(t.finished_at_ms),
             deadline=to_iso(t.deadline_ms),
             group_id=t.group_id,
+            run_id=t.run_id,
+            completing=t.completing,
         )
 
     # ================================================================ activities
     def _on_lease(self, arg) -> None:
         task_id, token, expires = arg
         t = self.tasks.get(task_id)
-        if t is None or t.state != "RUNNING" or t.token != token or t.lease_expires_ms != expires:
+        if t is None or t.state != "RUNNING" or t.token != token or t.lease_expires_ms != expires or t.completing:
             return
         coord = self.coord
         final = t.attempt >= self.table[t.mailbox_id].max_attempts
@@ -813,7 +941,7 @@ class WorkQueues(Kind):
                 continue
             if t.deadline_ms is not None:
                 coord.arm_wall(t.deadline_ms, self._on_deadline, (t.id, t.deadline_ms))
-            if t.state == "RUNNING":
+            if t.state == "RUNNING" and not t.completing:
                 coord.arm_mono(t.lease_expires_ms, self._on_lease, (t.id, t.token, t.lease_expires_ms))
             elif t.state == "QUEUED":
                 self._make_ready(t)

@@ -60,6 +60,8 @@ log = logging.getLogger("rallypoint.runtime")
 __all__ = ["Actor", "Runtime", "Park", "Waiter", "ActivityHeap", "ReplySink", "PASSIVE", "STARTING", "ACTIVE"]
 
 PASSIVE, STARTING, ACTIVE = 0, 1, 2
+_wait_rescheduled = trio.lowlevel.wait_task_rescheduled
+_ABORT_SUCCEEDED = trio.lowlevel.Abort.SUCCEEDED
 _STATUS_NAMES = {PASSIVE: "passive", STARTING: "starting", ACTIVE: "active"}
 
 #: Priority of a heap entry at equal due time: runs' deadlines first (an enclosing
@@ -86,6 +88,12 @@ class ReplySink:
         return None
 
     def untrack(self, rid: int) -> None:
+        return None
+
+    def flush(self) -> None:
+        """The dispatcher delivered a batch: send what is queued (a connection writes
+        its replies together here). Optional; a sink that sends in ``deliver`` needs
+        nothing."""
         return None
 
 
@@ -194,13 +202,15 @@ class ActivityHeap:
         self.fired += n
         return n
 
-    async def run(self, before: Callable[[], None], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, before: Callable[[], None], after: Callable[[], None], *,
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The one sleeping task: wakes at the earliest due time (or when an earlier entry
-        is armed), calls ``before()`` (the coordinator's catch-up, which fires what is due),
-        sleeps again."""
+        is armed), calls ``before()`` (the coordinator's catch-up, which fires what is due)
+        and ``after()`` (sends the answers that produced), sleeps again."""
         task_status.started()
         while True:
             before()
+            after()
             deadline = self.next_due()
             with trio.move_on_at(deadline):
                 self._task = trio.lowlevel.current_task()
@@ -224,7 +234,7 @@ class Actor:
     __slots__ = (
         "id", "kind", "parent_id", "runtime", "inbox", "status", "nursery", "_parked", "waiters",
         "n_waiters", "_dirty", "_pending_children", "_idle_since", "_passivate_armed", "_passivate",
-        "commands", "depth", "_handling",
+        "commands", "depth", "_handling", "__weakref__",
     )
 
     def __init__(self, runtime: "Runtime", actor_id: str, kind: Any, parent_id: str | None) -> None:
@@ -328,7 +338,8 @@ class Actor:
                         self._recheck()
                 finally:
                     self._handling = False
-                self._idle_since = trio.current_time()
+                    rt.after_batch()
+                self._idle_since = rt.system.last_seen  # the batch's start: idle from about now
                 continue
             if self._passivate:
                 self._passivate = False
@@ -341,12 +352,11 @@ class Actor:
 
     async def _park(self) -> None:
         self._parked = trio.lowlevel.current_task()
+        await _wait_rescheduled(self._abort_park)
 
-        def abort(_raise_cancel):
-            self._parked = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+    def _abort_park(self, _raise_cancel) -> Any:
+        self._parked = None
+        return _ABORT_SUCCEEDED
 
     def _can_passivate(self) -> bool:
         return (
@@ -436,6 +446,7 @@ class Actor:
                 if not w.done:
                     self._finish_waiter(w, rt.cancelled_answer(w.park))
         self.waiters.clear()
+        rt.after_batch()
 
     # -------------------------------------------------------------- introspection
     def statistics(self) -> dict:
@@ -473,6 +484,7 @@ class Runtime:
         self.stopping = False
         self.handle = system.handle_command
         self.before_batch = system.before_batch
+        self.after_batch = system.after_batch
         self.reply = system.reply
         self.internal_error = system.internal_error
         self.cancelled_answer = system.cancelled_answer
@@ -572,7 +584,7 @@ class Runtime:
                 pending, self._root_pending = self._root_pending, []
                 for a in pending:
                     nursery.start_soon(a._main)
-                await nursery.start(self.heap.run, self.before_batch)
+                await nursery.start(self.heap.run, self.before_batch, self.after_batch)
                 task_status.started()
         finally:
             self.root_nursery = None

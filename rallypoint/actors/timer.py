@@ -19,10 +19,10 @@ from __future__ import annotations
 import msgspec
 
 from ..clock import to_iso
-from ..errors import ConflictError, NotFoundError, TimerCancelledError, ValidationError
+from ..errors import ConflictError, TimerCancelledError, ValidationError
 from ..protocol import TimerCancel, TimerCreate, TimerStatus, TimerView, TimerWait
 from ..records import TimerAcked, TimerCancelled, TimerCreated, TimerFired
-from .common import applies, check_range, clamp_wait, parse_instant, short
+from .common import applies, check_range, clamp_wait, parse_instant
 from .kind import Kind
 from .runtime import Park
 
@@ -53,6 +53,8 @@ class Timers(Kind):
 
     prefix = "tmr"
     name = "timers"
+    noun = "timer"
+    id_field = "timer_id"
 
     def __init__(self, coord) -> None:
         super().__init__(coord)
@@ -64,14 +66,6 @@ class Timers(Kind):
     def parent_actor_id(self, timer_id: str) -> str | None:
         return self.table[timer_id].scope_id
 
-    def get(self, space: str, timer_id) -> TimerState:
-        t = self.table.get(timer_id) if isinstance(timer_id, str) else None
-        if t is None or t.space != space:
-            raise NotFoundError(f"no timer {short(timer_id)} in this space", details={"timer_id": timer_id})
-        return t
-
-    def route(self, session, timer_id) -> str:
-        return self.get(session.space, timer_id).id
 
     def view(self, t: TimerState) -> TimerView:
         fire_at = t.fire_at_ms if t.fire_mono_ms is None else self.coord.clock.mono_to_wall(t.fire_mono_ms)

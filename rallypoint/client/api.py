@@ -530,6 +530,8 @@ class Delivery:
         self.token = info.token
         self.lease_expires_at = info.lease_expires_at
         self.group_id = info.group_id
+        #: the task's own run, if one was made (by an earlier attempt, or ``run()``)
+        self.run_id = info.run_id
         self.lease_seconds = lease_seconds
         self.lost = False
 
@@ -560,6 +562,28 @@ class Delivery:
             self.lost = True
             raise
 
+    async def run(self) -> "Run":
+        """The task's own run: a child of the task's run, made on first use and the
+        same for every later call and attempt (``run_id``). Put the worker's own work in
+        it -- join sets, tasks, timers, child runs -- and it ends with the task:
+
+        - ``complete()`` closes its join sets (cancellable children cancelled in reverse
+          submission order, non-cancellable ones awaited) and the task is SUCCEEDED only
+          once they finished (meanwhile it is RUNNING with ``completing``), in one step
+          with the run's completion (what else the run holds is cancelled then);
+        - any other end of the task (reject, last retry, last lease expired, deadline,
+          cancel, its run or group ending) cancels the run and everything in it in the
+          same step.
+
+        So whoever waits for the task never sees it finished while work it started is
+        pending. The run cannot be cancelled or completed by itself (CONFLICT). Raises
+        LeaseLostError (STALE_CLAIM) when this delivery's lease is not current,
+        ScopeInactiveError when the task's run is inactive, LimitError when that run has
+        ``child_limit`` children. Re-sent after a dropped connection (idempotent)."""
+        st = await self._settle(p.DeliveryRun(task_id=self.task_id, token=self.token), t.RunStatus)
+        self.run_id = st.id
+        return Run(self._rs, st.id, st)
+
     async def renew(self, lease_seconds: float | None = None) -> datetime:
         """Extend the lease by ``lease_seconds`` (default: the receive's; 5-600) from now.
         Returns the new expiry (aware datetime). Raises LeaseLostError (STALE_CLAIM) when
@@ -574,7 +598,9 @@ class Delivery:
 
     async def complete(self, outcome: Any = None) -> t.TaskInfo:
         """Record the outcome (any msgpack-able value, at most 64 KiB encoded) and return
-        the task (SUCCEEDED). Exactly once: a later complete is LeaseLostError
+        the task (SUCCEEDED; for a task with its own run that still has awaited
+        children, RUNNING with ``completing`` -- see :meth:`run`: the outcome is recorded
+        once they finished, with no further call). Exactly once: a later complete is LeaseLostError
         (STALE_CLAIM), as is one after the lease ran out; ScopeInactiveError
         (SCOPE_CANCELLED / DEADLINE_EXCEEDED) on an inactive run (both set ``lost``);
         ValidationError (VALIDATION_FAILED) for an outcome that cannot be encoded or is
@@ -717,30 +743,55 @@ class JoinSets:
         st = await self._rs._call(p.JoinSetCreate(scope_id=self._run.id, name=name), t.JoinSetStatus)
         return JoinSet(self._rs, st.id, st)
 
-    async def by_name(self, name: str) -> "JoinSet":
-        st = await self._rs._call(p.JoinSetGet(scope_id=self._run.id, name=name), t.JoinSetStatus)
-        return JoinSet(self._rs, st.id, st)
+    async def by_name(self, name: str, *, replay: bool = False) -> "JoinSet":
+        """Re-attach to the set named ``name`` (NOT_FOUND if this run has none).
 
-    def by_id(self, joinset_id: str) -> "JoinSet":
-        return JoinSet(self._rs, _id_of(joinset_id, "join set"))
+        ``replay=True``: the handle replays the set's log from step 0 -- each
+        ``join_next`` / ``join_next_try`` is sent with the next step and answered what
+        the first execution was answered there (NONDETERMINISM_DETECTED if it is another
+        operation), then, past the log, live. For a client (or a task's next attempt)
+        re-running the code that made those calls."""
+        st = await self._rs._call(p.JoinSetGet(scope_id=self._run.id, name=name), t.JoinSetStatus)
+        return JoinSet(self._rs, st.id, st, replay=replay)
+
+    def by_id(self, joinset_id: str, *, replay: bool = False) -> "JoinSet":
+        """A handle by id (no request); ``replay`` as for :meth:`by_name`."""
+        return JoinSet(self._rs, _id_of(joinset_id, "join set"), replay=replay)
 
 
 class JoinSet:
     """A handle on a join set (``jst_…``): children finish in any order; ``join_next``
     returns their results in completion order, positionally (the k-th consume is the
-    k-th record, forever)."""
+    k-th record, forever).
 
-    def __init__(self, rs: Client, joinset_id: str, status: t.JoinSetStatus | None = None) -> None:
+    Every answer of ``join_next`` / ``join_next_try`` -- a record, a probe's "nothing
+    yet", JOIN_SET_EXHAUSTED, FUNCTION_MISMATCH -- is the next *step* of the set's
+    journaled log; :attr:`next_step` is the step this handle's next answer will be
+    (when known). A handle made with ``replay=True`` sends its calls at explicit steps
+    from 0, so a re-run of the same code gets the same answers. A wait that times out
+    (WaitTimeout) is not a step: code that must replay uses a delay child, not a
+    ``timeout``, to race the clock."""
+
+    def __init__(self, rs: Client, joinset_id: str, status: t.JoinSetStatus | None = None, *,
+                 replay: bool = False) -> None:
         self._rs = rs
         self.id = joinset_id
         self.last_status = status
         self.last_id: str | None = None
-        # The index of the next record to consume, when known (from a status or the
-        # last reply): lets a join_next cut off by a dropped connection be re-sent.
-        self._next_index: int | None = status.consumed if status is not None else None
+        self._replay = replay
+        # The index of the next record to consume and the step of the next answer, when
+        # known (from a status or the last reply): lets a call cut off by a dropped
+        # connection be re-sent at its position.
+        self._next_index: int | None = status.consumed if status is not None and not replay else None
+        self._next_step: int | None = 0 if replay else (status.steps if status is not None else None)
 
     def __repr__(self) -> str:
         return f"JoinSet({self.id!r})"
+
+    @property
+    def next_step(self) -> int | None:
+        """The step of this handle's next answer, when known (None: call ``status()``)."""
+        return self._next_step
 
     async def submit(
         self, mailbox: "Mailbox | str", input: Any = None, key: str | None = None, *, cancellable: bool = True,
@@ -771,61 +822,118 @@ class JoinSet:
         )
         return r.child_id
 
-    def _result(self, r) -> tuple[str, Any]:
+    def _track(self, step: int | None, index: int | None = None) -> None:
+        if step is not None and (self._next_step is None or step + 1 > self._next_step):
+            self._next_step = step + 1
+        if index is not None and (self._next_index is None or index + 1 > self._next_index):
+            self._next_index = index + 1
+
+    def _result(self, r, type: Any = None) -> tuple[str, Any]:
         self.last_id = r.child_id
-        if self._next_index is None or r.index + 1 > self._next_index:
-            self._next_index = r.index + 1
+        self._track(r.step, r.index)
         if not r.ok:
             from ..errors import ChildError
 
             raise ChildError(
                 f"child {r.child_id} of join set {self.id} ended {r.failure_kind}",
-                details={"value": r.value, "failure_kind": r.failure_kind, "child_id": r.child_id, "index": r.index},
+                details={"value": r.value, "failure_kind": r.failure_kind, "child_id": r.child_id, "index": r.index,
+                         "closing": r.closing, "step": r.step},
             )
-        return r.child_id, r.value
+        value = r.value
+        if type is not None:
+            try:
+                value = msgspec.convert(value, type)
+            except msgspec.ValidationError as e:
+                name = getattr(type, "__name__", repr(type))
+                raise ValidationError(
+                    f"record {r.index} of join set {self.id} (child {r.child_id}) does not decode as {name}: {e}; "
+                    f"it was consumed: re-read it with join_next(index={r.index})",
+                    details={"field": "type", "index": r.index, "child_id": r.child_id, "step": r.step},
+                ) from None
+        return r.child_id, value
 
-    async def join_next(self, timeout: float | None = None, *, index: int | None = None) -> tuple[str, Any]:
-        """Consume the next completion record (or re-read record ``index``): returns
-        ``(child_id, result)``; a delay's result is None. A failed child raises
-        ChildError (``value``, ``failure_kind``) and still counts as consumed.
-        JoinSetExhaustedError past the last child; WaitTimeout after ``timeout`` s.
+    async def _ask(self, send, index: int | None, step: int | None):
+        """``send(index, step)``; after a dropped connection, re-sent at the step (else
+        the record index) this handle expected, when it knows it. Errors that are answers
+        (JOIN_SET_EXHAUSTED, FUNCTION_MISMATCH) advance the handle's position too."""
+        from ..errors import FunctionMismatchError, JoinSetExhaustedError
+
+        if step is None and index is None and self._replay:
+            step = self._next_step
+        expected_step, expected_index = self._next_step, self._next_index
+        try:
+            try:
+                return await send(index, step)
+            except UnavailableError as e:
+                if index is not None or step is not None or not (e.details or {}).get("maybe_applied"):
+                    raise
+                if expected_step is not None:
+                    return await send(None, expected_step)
+                if expected_index is not None:
+                    return await send(expected_index, None)
+                raise
+        except (JoinSetExhaustedError, FunctionMismatchError) as e:
+            d = e.details or {}
+            self._track(d.get("step"), d.get("index") if isinstance(e, FunctionMismatchError) else None)
+            raise
+
+    async def join_next(
+        self, timeout: float | None = None, *, index: int | None = None, step: int | None = None,
+        mailbox: "Mailbox | str | None" = None, type: Any = None,
+    ) -> tuple[str, Any]:
+        """Consume the next completion record: returns ``(child_id, result)``; a delay's
+        result is None. A failed child raises ChildError (``value``, ``failure_kind``) and
+        still counts as consumed. JoinSetExhaustedError past the last child; WaitTimeout
+        after ``timeout`` s (not a step: nothing changed).
+
+        - ``index=k``: re-read record ``k`` (no step), or consume it if it is the next.
+        - ``step=s``: replay: the answer the set's log holds at step ``s`` (the same
+          call only: else NondeterminismError, NONDETERMINISM_DETECTED), or, at the end
+          of the log, a live answer at that step. VALIDATION_FAILED past the end.
+        - ``mailbox`` (typed await-next for a homogeneous set): the record must be a
+          child task of that mailbox; a delay or another mailbox's task is consumed all
+          the same and raises FunctionMismatchError (FUNCTION_MISMATCH, naming both).
+          ``type``: decode the result into it (a msgspec type: Struct, dataclass, ...);
+          a result that does not decode raises ValidationError (the record is consumed).
 
         Over a reconnecting client, a consume cut off by a dropped connection is sent
-        again at the index this handle expected (a re-read if the first one was
-        applied) when the handle knows it (it was created, looked up by name, or has
-        consumed or read its status before); else it raises UnavailableError
-        (UNAVAILABLE, ``details["maybe_applied"]``): call ``status()`` and
+        again at the step (or record index) this handle expected, when it knows it (it
+        was created, looked up by name, replays, or has answered or read its status
+        before); else it raises UnavailableError (UNAVAILABLE,
+        ``details["maybe_applied"]``): call ``status()`` and
         ``join_next(index=consumed - 1)`` to re-read what may have been consumed."""
-        def wait_for(idx):
+        mbx = None if mailbox is None else _mailbox_name(mailbox)
+
+        def send(idx, stp):
             return self._rs._wait(
-                lambda ms: p.JoinNext(joinset_id=self.id, index=idx, wait_ms=ms), t._JoinNextReply,
-                lambda r: r.status == "record", timeout,
+                lambda ms: p.JoinNext(joinset_id=self.id, index=idx, step=stp, wait_ms=ms, mailbox=mbx),
+                t._JoinNextReply, lambda r: r.status == "record", timeout,
                 lambda r: f"join set {self.id}: no child finished within {timeout} s",
             )
 
-        expected = self._next_index
-        try:
-            r = await wait_for(index)
-        except UnavailableError as e:
-            if index is not None or expected is None or not (e.details or {}).get("maybe_applied"):
-                raise
-            r = await wait_for(expected)
-        return self._result(r)
+        return self._result(await self._ask(send, index, step), type)
 
-    async def join_next_try(self) -> tuple[str, Any] | None:
-        """The next record at once, or None while children are pending (re-sent after a
-        dropped connection like :meth:`join_next`)."""
-        expected = self._next_index
-        try:
-            r = await self._rs._call(p.JoinNext(joinset_id=self.id, try_only=True), t._JoinNextReply)
-        except UnavailableError as e:
-            if expected is None or not (e.details or {}).get("maybe_applied"):
-                raise
-            r = await self._rs._call(p.JoinNext(joinset_id=self.id, index=expected, try_only=True), t._JoinNextReply)
+    async def join_next_try(
+        self, *, step: int | None = None, mailbox: "Mailbox | str | None" = None, type: Any = None,
+    ) -> tuple[str, Any] | None:
+        """The next record at once, or None while children are pending. Every answer --
+        None too -- is a journaled step (``step`` replays it, as for :meth:`join_next`);
+        JoinSetExhaustedError when nothing is left; ``mailbox`` / ``type`` as for
+        :meth:`join_next`. Re-sent after a dropped connection like :meth:`join_next`."""
+        mbx = None if mailbox is None else _mailbox_name(mailbox)
+
+        def send(idx, stp):
+            return self._rs._call(
+                p.JoinNext(joinset_id=self.id, index=idx, step=stp, try_only=True, mailbox=mbx), t._JoinNextReply
+            )
+
+        r = await self._ask(send, None, step)
         if r.status != "record":
-            self._next_index = r.index
+            self._track(r.step)
+            if self._next_index is None or r.index > self._next_index:
+                self._next_index = r.index
             return None
-        return self._result(r)
+        return self._result(r, type)
 
     async def close(self, timeout: float | None = None) -> t.JoinSetStatus:
         """Cancel unconsumed delays and cancellable children (reverse submission order),
@@ -840,8 +948,12 @@ class JoinSet:
         )
 
     async def status(self) -> t.JoinSetStatus:
+        """The set: state, counts (submitted, finished, consumed, ``steps``), children.
+        (A replaying handle keeps its own position.)"""
         self.last_status = await self._rs._call(p.JoinSetGet(joinset_id=self.id), t.JoinSetStatus)
-        self._next_index = self.last_status.consumed
+        if not self._replay:
+            self._next_index = self.last_status.consumed
+            self._next_step = self.last_status.steps
         return self.last_status
 
 

@@ -13,11 +13,13 @@ What happens to a request when the connection drops:
   (:func:`reissue_safe`):
 
   * reads and server-side waits (status, result, group/barrier/timer waits, run
-    completion, join-set close, ``join_next`` at an explicit index);
+    completion, join-set close, ``join_next`` / ``join_next_try`` at an explicit
+    index or step);
   * idempotent writes: ``mailboxes.ensure``, run and task cancel, group close,
     join_task and verdicts, timer cancel and acknowledgement;
-  * a delivery's ``renew``, ``complete``, ``retry`` and ``reject`` (the fencing token
-    makes a second one a no-op or STALE_CLAIM; when the first one was applied, the
+  * a delivery's ``run()`` (made once, the same run after), ``renew``, ``complete``,
+    ``retry`` and ``reject`` (the fencing token makes a second one a no-op or
+    STALE_CLAIM; when the first one was applied, the
     STALE_CLAIM / CONFLICT the second gets is recognised and the first one's result
     returned instead);
   * ``receive`` (if the lost reply carried a lease, that task stays leased to nobody
@@ -33,8 +35,9 @@ What happens to a request when the connection drops:
   Everything else raises :class:`~rallypoint.errors.UnavailableError` with
   ``details={"op": ..., "maybe_applied": True}``: a submission *without* a key, creating
   runs, groups, barriers, timers and join sets, barrier arrivals and ``next_epoch``,
-  ``join_next`` without a known index, key administration, a quota take without a
-  key (``take(wait=0)``), a budget reservation without a key. Check the state, then retry
+  ``join_next`` / ``join_next_try`` without a known index or step, key administration,
+  a quota take without a key (``take(wait=0)``), a budget reservation without a key.
+  Check the state, then retry
   yourself; or give submissions a ``key``, which makes them safe.
 
 - **Answered UNAVAILABLE by a draining server** (SIGTERM: long waits are ended after a
@@ -109,7 +112,7 @@ _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.ServerStatus, p.ScopeStatus, p.ScopeList, p.ScopeCancel, p.ScopeComplete,
     p.MailboxEnsure, p.MailboxGet, p.MailboxList,
     p.TaskStatus, p.TaskResult, p.TaskCancel,
-    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryRetry, p.DeliveryReject,
+    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryRetry, p.DeliveryReject, p.DeliveryRun,
     p.GroupJoinTask, p.GroupVerdictOp, p.GroupClose, p.GroupStatus, p.GroupWait,
     p.BarrierStatus, p.BarrierWait,
     p.TimerStatus, p.TimerWait, p.TimerCancel,
@@ -140,7 +143,7 @@ def reissue_safe(op: Any) -> bool:
     if t is p.TaskSubmitMany:
         return all(item.key is not None for item in op.items)
     if t is p.JoinNext:
-        return op.index is not None
+        return op.index is not None or op.step is not None
     return False
 
 

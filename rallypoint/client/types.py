@@ -59,6 +59,8 @@ class RunStatus(_Info):
     children: int
     tasks: dict[str, int]
     group_id: str | None = None
+    #: a task's own run (``delivery.run()``): that task; the run ends with it
+    task_id: str | None = None
 
 
 class MailboxInfo(_Info):
@@ -90,6 +92,11 @@ class TaskInfo(_Info):
     finished_at: datetime | None
     deadline: datetime | None
     group_id: str | None = None
+    #: the task's own run (made by its worker with ``delivery.run()``), or None
+    run_id: str | None = None
+    #: its worker completed it and its run's join sets are closing: the task is
+    #: SUCCEEDED (with that outcome) once the last awaited child finished
+    completing: bool = False
 
     @property
     def finished(self) -> bool:
@@ -106,6 +113,7 @@ class DeliveryInfo(_Info):
     token: int
     lease_expires_at: datetime
     group_id: str | None = None
+    run_id: str | None = None
 
 
 class _ReceiveReply(msgspec.Struct):
@@ -242,6 +250,7 @@ class JoinSetStatus(_Info):
     consumed: int
     created_at: datetime
     children: list[JoinSetChild]
+    steps: int = 0  # answers of join_next / join_next_try journaled so far
 
 
 class _ChildAdded(msgspec.Struct):
@@ -259,6 +268,8 @@ class _JoinNextReply(msgspec.Struct):
     value: Any = None
     failure_kind: str | None = None
     closing: bool = False
+    step: int | None = None
+    replayed: bool = False
 
 
 class MessageInfo(_Info):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 import socket
 import struct
@@ -152,6 +153,8 @@ class _Conn:
     def __init__(self, server: "Server", stream: trio.SocketStream, peer: str) -> None:
         self.server = server
         self.stream = stream
+        # a plain TCP stream can be written with a non-blocking os.write from flush()
+        self._fd: int | None = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
         self.peer = peer
         self.session: Any = None
         self.parser = FrameParser()
@@ -205,7 +208,7 @@ class _Conn:
             self.reader_event = None
             ev.set()
 
-    def queue_msg(self, msg: msgspec.Struct) -> None:
+    def queue_msg(self, msg: msgspec.Struct, wake: bool = True) -> None:
         out = self.out
         start = len(out)
         out += HEADER_PLACEHOLDER
@@ -214,10 +217,10 @@ class _Conn:
         n = len(out) + self.sending
         if n > self.max_out:
             self.max_out = n
-        if not self.batching:
+        if wake and not self.batching:
             self._wake_writer()
 
-    def send_ok(self, rid: int, reply: bytes) -> None:
+    def send_ok(self, rid: int, reply: bytes, wake: bool = True) -> None:
         """Queue ``Ok(rid, Raw(reply))``. The envelope is built by hand (one struct pack
         and two appends, no Struct/Raw objects): ``reply`` must be ``bytes``."""
         if 0 < rid <= 0xFFFFFFFF:
@@ -242,20 +245,20 @@ class _Conn:
         n = len(out) + self.sending
         if n > self.max_out:
             self.max_out = n
-        if not self.batching:
+        if wake and not self.batching:
             ev = self.writer_event
             if ev is not None:
                 self.writer_event = None
                 ev.set()
 
-    def send_error(self, rid: int, exc: RallypointError) -> None:
+    def send_error(self, rid: int, exc: RallypointError, wake: bool = True) -> None:
         self.errors += 1
         details = exc.details
         if details is not None and not isinstance(details, dict):
             details = {"value": details}
         msg = wire.Err(rid, exc.code, exc.message, exc.retry_after, details)
         try:
-            self.queue_msg(msg)
+            self.queue_msg(msg, wake)
         except Exception as enc_exc:  # details not encodable
             self.send_internal(rid, enc_exc)
 
@@ -355,8 +358,9 @@ class _Conn:
 
     # ReplySink -------------------------------------------------------------------
     def deliver(self, rid: int, reply: Any, lsn: int) -> None:
-        """An actor's answer to request ``rid``: sent at once when the journal is durable
-        past ``lsn``, else queued for the durability task."""
+        """An actor's answer to request ``rid``: queued at once when the journal is
+        durable past ``lsn`` (and written by :meth:`flush`, which the dispatcher calls
+        at the end of its batch), else held for the durability task."""
         state = self.live.pop(rid, _GONE)
         if state is _GONE:
             return  # already answered (e.g. a wait answered UNAVAILABLE at drain)
@@ -365,9 +369,9 @@ class _Conn:
             return
         if lsn <= self._durable_lsn():
             if type(reply) is bytes:
-                self.send_ok(rid, reply)
+                self.send_ok(rid, reply, False)
             elif isinstance(reply, RallypointError):
-                self.send_error(rid, reply)
+                self.send_error(rid, reply, False)
             else:
                 self.send_internal(rid, reply)
             self.request_done()
@@ -377,6 +381,38 @@ class _Conn:
         if ev is not None:
             self.deferred_event = None
             ev.set()
+
+    def flush(self) -> None:
+        """Write the queued replies now, with ONE non-blocking send: replies delivered
+        during an actor's batch leave together, without waking the writer task (the
+        actor runtime calls this at the end of every batch). What does not fit in the
+        socket buffer, a TLS stream, or a send already in progress is left to the
+        writer."""
+        out = self.out
+        if not out or self.sending or self.batching:
+            return
+        fd = self._fd
+        if fd is None:
+            self._wake_writer()
+            return
+        try:
+            n = os.write(fd, out)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self._wake_writer()  # the writer meets the error and closes the connection
+            return
+        if n:
+            self.bytes_out += n
+            if n == len(out):
+                self.out = bytearray()
+            else:
+                del out[:n]
+            self._wake_reader()
+        if self.out:
+            self._wake_writer()
+        elif self.draining and self.inflight == 0:
+            self.idle_event.set()
 
     def track(self, rid: int, waiter: Any) -> None:
         """Request ``rid`` parked a waiter: a Cancel frame or the close can end it."""
@@ -490,12 +526,13 @@ class _Conn:
                 for _ in range(n):
                     _, rid, reply = popleft()
                     if type(reply) is bytes:
-                        send_ok(rid, reply)
+                        send_ok(rid, reply, False)
                     elif isinstance(reply, RallypointError):
-                        self.send_error(rid, reply)
+                        self.send_error(rid, reply, False)
                     else:
                         self.send_internal(rid, reply)
             self.request_done(n)
+            self.flush()
 
     async def pinger(self, interval: float) -> None:
         last = self.rx_count
@@ -667,7 +704,7 @@ class _Conn:
         self.queue_msg(hello_ok)
         return frames[1:]
 
-    async def flush(self, timeout: float = 5.0) -> None:
+    async def send_rest(self, timeout: float = 5.0) -> None:
         """Best-effort send of what is queued (used when closing)."""
         with trio.move_on_after(timeout):
             while self.sending:
@@ -703,7 +740,7 @@ class _Conn:
         try:
             pending = await self.handshake()
             if pending is None:
-                await self.flush(1.0)
+                await self.send_rest(1.0)
                 await self.linger()
                 return
             async with trio.open_nursery() as nursery:
@@ -741,7 +778,7 @@ class _Conn:
                 self.stop_sending(1.0)
                 nursery.cancel_scope.cancel()
             # Replies of requests cancelled by the close (best effort), oversize error.
-            await self.flush(1.0)
+            await self.send_rest(1.0)
             if self.parser.oversize is not None:
                 await self.linger()
         except Exception as exc:
