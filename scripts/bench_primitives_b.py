@@ -2,26 +2,27 @@
 """Benchmark quota takes, budget reserve+settle pairs and message sends against task
 submits, over TCP, on one run (prints figures, asserts nothing).
 
-    python scripts/bench_primitives_b.py [--durability fsync] [--seconds 5] [--rounds 3]
+    python scripts/bench_primitives_b.py [--durability fsync] [--seconds 10] [--slot 1]
                                          [--clients 2] [--loops 16] [--json out.json]
 
 A ``rallypoint serve`` daemon (fresh temp data dir, ``--durability``) and ``--clients``
 client PROCESSES, each with one TCP connection and ``--loops`` concurrent request loops
-(so ``clients * loops`` requests in flight: group commit puts many in one fsync). Every
-kind runs for ``--seconds`` after a 1 s warm-up, on the same run, in rounds
-(submit, take, reserve+settle, send, submit, ...) each round led by the next kind, so that a change in the machine's load hits every kind
-alike; the median round is reported. The clients start together (at a wall instant
-the parent gives), warm up for 1 s, then count. The kinds:
+(``clients * loops`` requests in flight: group commit puts many in one fsync).
+
+The kinds take turns in slots of ``--slot`` seconds (every client switches at the same
+wall instants; each cycle of four slots in a new order), for ``--seconds`` per kind in
+all, after one warm-up cycle. So a shared machine whose load swings by a factor of
+three within a minute (it does) slows every kind alike, and the figures compare. A
+request counts for the slot it started in. The kinds:
 
 * ``submit``: ``mailbox.submit(payload, scope=run)`` -- one task per request (the
   reference: the goal is each primitive within 20 % of it);
 * ``take``: ``quota.take(1, scope=run)`` (no wait) on a quota with room for all;
 * ``reserve+settle``: ``budget.reserve(1, scope=run)`` then ``reservation.settle(1)``
-  -- a pair is two requests, one after the other; reported as pairs/s and as
-  requests/s;
+  -- a pair is two requests, one after the other; reported as pairs/s and requests/s;
 * ``send``: ``inbox.send(payload, scope=run)`` (a message into an INBOX mailbox).
 
-Latency p50/p99 per request (per pair for reserve+settle) comes from the client side.
+Latency p50/p99 per request (per pair for reserve+settle) is measured by the clients.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import statistics
+import random
 import sys
 import time
 from pathlib import Path
@@ -56,20 +57,28 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def client_main(url: str, run_id: str, kind: str, loops: int, seconds: float, warmup: float, start_wall: float,
-                out) -> None:
+def schedule(n_cycles: int) -> list[str]:
+    """The kind of each slot: cycles of the four kinds, each cycle in a new order."""
+    rng = random.Random(7)
+    out: list[str] = []
+    for _ in range(n_cycles):
+        cycle = list(KINDS)
+        rng.shuffle(cycle)
+        out += cycle
+    return out
+
+
+def client_main(url: str, run_id: str, loops: int, t0_wall: float, slot_s: float, slots: list[str], out) -> None:
     async def main():
         async with rallypoint.connect(url, reconnect=False) as rs:
-            await trio.sleep(max(0.0, start_wall - time.time()))  # every client measures the same window
             run = rs.scope(run_id)
             mbx, inbox = rs.mailbox("bench-tasks"), rs.mailbox("bench-inbox")
             quota, budget = rs.quota("bench-quota"), rs.budget("bench-budget")
-            lat: list[float] = []
-            count = 0
-            t_start = trio.current_time() + warmup
-            t_end = t_start + seconds
+            counts = {k: 0 for k in KINDS}
+            lat: dict[str, list[float]] = {k: [] for k in KINDS}
+            warm = len(KINDS)  # the first cycle is a warm-up
 
-            async def one():
+            async def one(kind: str):
                 if kind == "submit":
                     await mbx.submit(PAYLOAD, scope=run)
                 elif kind == "take":
@@ -81,21 +90,25 @@ def client_main(url: str, run_id: str, kind: str, loops: int, seconds: float, wa
                     await inbox.send(PAYLOAD, scope=run)
 
             async def loop():
-                nonlocal count
                 while True:
-                    t0 = trio.current_time()
-                    if t0 >= t_end:
+                    now = time.time()
+                    slot = int((now - t0_wall) // slot_s)
+                    if slot >= len(slots):
                         return
-                    await one()
-                    t1 = trio.current_time()
-                    if t0 >= t_start:
-                        count += 1
-                        lat.append((t1 - t0) * 1000)
+                    if slot < 0:
+                        await trio.sleep(t0_wall - now)
+                        continue
+                    kind = slots[slot]
+                    t = time.perf_counter()
+                    await one(kind)
+                    if slot >= warm:
+                        counts[kind] += 1
+                        lat[kind].append((time.perf_counter() - t) * 1000)
 
             async with trio.open_nursery() as n:
                 for _ in range(loops):
                     n.start_soon(loop)
-            out.put({"count": count, "lat": lat})
+            out.put({"counts": counts, "lat": lat})
 
     trio.run(main)
 
@@ -110,70 +123,62 @@ async def setup(url: str) -> str:
         return run.id
 
 
-def measure(url: str, run_id: str, kind: str, args) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    start_wall = time.time() + 2.0 + 0.5 * args.clients  # after every client started and connected
-    procs = [ctx.Process(target=client_main, args=(url, run_id, kind, args.loops, args.seconds, 1.0, start_wall, q))
-             for _ in range(args.clients)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=args.seconds + 120) for _ in procs]
-    for p in procs:
-        p.join(30)
-    count = sum(r["count"] for r in results)
-    lat = [x for r in results for x in r["lat"]]
-    per_s = count / args.seconds
-    row = {"kind": kind, "per_s": per_s, "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99)}
-    if kind == "reserve+settle":
-        row["requests_per_s"] = 2 * per_s
-    return row
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"])
-    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per kind and round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds per kind, in all")
+    ap.add_argument("--slot", type=float, default=1.0, help="seconds of one slot")
     ap.add_argument("--clients", type=int, default=2, help="client processes (one connection each)")
     ap.add_argument("--loops", type=int, default=16, help="concurrent request loops per client")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
 
+    cycles = 1 + max(1, round(args.seconds / args.slot))
+    slots = schedule(cycles)
     d = SpawnedDaemon(args.durability)
     url = d.start()
     load = os.getloadavg()
     print(f"daemon {url} ({args.durability}), {args.clients} clients x {args.loops} loops, "
-          f"{args.seconds:g} s per kind, {args.rounds} rounds; load average {load[0]:.1f}", flush=True)
-    rows: dict[str, list[dict]] = {k: [] for k in KINDS}
+          f"{cycles - 1} slots of {args.slot:g} s per kind (+1 warm-up cycle); load average {load[0]:.1f}",
+          flush=True)
     try:
         run_id = trio.run(setup, url)
-        for r in range(args.rounds):
-            for kind in KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]:  # each kind leads a round in turn
-                row = measure(url, run_id, kind, args)
-                rows[kind].append(row)
-                extra = f" ({row['requests_per_s']:,.0f} requests/s)" if "requests_per_s" in row else ""
-                print(f"  round {r + 1} {kind:15} {row['per_s']:9,.0f}/s{extra}  p50 {row['p50_ms']:.2f} ms  "
-                      f"p99 {row['p99_ms']:.2f} ms", flush=True)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        t0 = time.time() + 2.0 + 0.5 * args.clients  # every client started and connected by then
+        procs = [ctx.Process(target=client_main, args=(url, run_id, args.loops, t0, args.slot, slots, q))
+                 for _ in range(args.clients)]
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=len(slots) * args.slot + 120) for _ in procs]
+        for p in procs:
+            p.join(30)
     finally:
         d.stop()
-    med = {k: sorted(v, key=lambda x: x["per_s"])[len(v) // 2] for k, v in rows.items()}
-    base = med["submit"]["per_s"]
-    print(f"\nmedian of {args.rounds} rounds ({args.durability}, TCP):")
+    load_after = os.getloadavg()
+    measured_s = (cycles - 1) * args.slot
+    rows = {}
+    for kind in KINDS:
+        count = sum(r["counts"][kind] for r in results)
+        lat = [x for r in results for x in r["lat"][kind]]
+        rows[kind] = {"per_s": count / measured_s, "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
+                      "count": count}
+    rows["reserve+settle"]["requests_per_s"] = 2 * rows["reserve+settle"]["per_s"]
+    base = rows["submit"]["per_s"]
+    print(f"\n{measured_s:g} s per kind ({args.durability}, TCP), load average {load[0]:.1f} before, "
+          f"{load_after[0]:.1f} after:")
     print(f"  {'kind':15} {'per s':>9}  {'vs submit':>9}  {'p50 ms':>7}  {'p99 ms':>7}")
     for kind in KINDS:
-        m = med[kind]
+        m = rows[kind]
         print(f"  {kind:15} {m['per_s']:9,.0f}  {m['per_s'] / base:9.0%}  {m['p50_ms']:7.2f}  {m['p99_ms']:7.2f}")
-    rs_ = med["reserve+settle"]
+    rs_ = rows["reserve+settle"]
     print(f"  (reserve+settle: {rs_['requests_per_s']:,.0f} requests/s = "
-          f"{rs_['requests_per_s'] / base:.0%} of the submit rate per request)")
+          f"{rs_['requests_per_s'] / base:.0%} of the submit rate, per request)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "machine": {"nproc": os.cpu_count(),
-                       "python": platform.python_version(), "load_before": load},
-                       "config": vars(args), "median": med, "rounds": rows,
-                       "statistics": {k: statistics.median(x["per_s"] for x in v) for k, v in rows.items()}},
-                      f, indent=2)
+                       "python": platform.python_version(), "load_before": load, "load_after": load_after},
+                       "config": vars(args), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
