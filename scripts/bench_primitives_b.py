@@ -23,6 +23,9 @@ request counts for the slot it started in. The kinds:
 * ``send``: ``inbox.send(payload, scope=run)`` (a message into an INBOX mailbox).
 
 Latency p50/p99 per request (per pair for reserve+settle) is measured by the clients.
+
+``--decide N``: instead, the server-side CPU cost of each op, decided in this process N
+times each (``coord.decide``, memory journal, reply encoded; no transport, no SDK).
 """
 
 from __future__ import annotations
@@ -123,6 +126,44 @@ async def setup(url: str) -> str:
         return run.id
 
 
+def decide_costs(n: int) -> None:
+    from rallypoint import protocol as p
+    from rallypoint.client.api import encode_payload
+    from rallypoint.node import open_node
+    from rallypoint.service import Session
+
+    async def run_it():
+        async with open_node(None, "memory") as node:
+            c, s, enc = node.coordinator, Session(), p.encoder.encode
+            run = c.decide(s, p.ScopeCreate())
+            c.decide(s, p.MailboxEnsure(name="m"))
+            c.decide(s, p.MailboxEnsure(name="in", mode="INBOX"))
+            c.decide(s, p.QuotaEnsure(name="q", units_limit=10**12, window_ms=86_400_000))
+            c.decide(s, p.BudgetEnsure(name="b", limit_minor=10**18))
+            pay = encode_payload(PAYLOAD)
+            held: list = []
+            ops = {
+                "submit": lambda i: p.TaskSubmit(mailbox="m", scope_id=run.id, input=pay),
+                "take": lambda i: p.QuotaTake(quota="q", scope_id=run.id),
+                "reserve": lambda i: p.BudgetReserve(budget="b", scope_id=run.id, amount_minor=1),
+                "settle": lambda i: p.BudgetSettle(reservation_id=held[i].id, amount_minor=1,
+                                                   usage_key=f"settle:{held[i].id}"),
+                "send": lambda i: p.MessageSend(mailbox="in", scope_id=run.id, payload=pay),
+            }
+            for name, make in ops.items():
+                t0 = time.perf_counter()
+                for i in range(n):
+                    reply = c.decide(s, make(i))
+                    enc(reply)
+                    if name == "reserve":
+                        held.append(reply)
+                print(f"  {name:8} {(time.perf_counter() - t0) / n * 1e6:6.1f} us/op")
+                await trio.sleep(0)
+
+    print(f"server-side cost per op, decided in process {n:,} times each (memory journal):")
+    trio.run(run_it)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"])
@@ -131,7 +172,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=2, help="client processes (one connection each)")
     ap.add_argument("--loops", type=int, default=16, help="concurrent request loops per client")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--decide", type=int, default=0, metavar="N",
+                    help="only measure the in-process decide cost of each op, N times each")
     args = ap.parse_args()
+    if args.decide:
+        decide_costs(args.decide)
+        return
 
     cycles = 1 + max(1, round(args.seconds / args.slot))
     slots = schedule(cycles)
