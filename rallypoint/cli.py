@@ -457,6 +457,8 @@ def _money(amount: int, b) -> str:
 
 def _print_budget(b) -> None:
     """``budgets show``: the budget's figures, then its open reservations."""
+    from .money import format_minor
+
     for label, value in (
         ("budget", b.id),
         ("name", b.name),
@@ -471,61 +473,58 @@ def _print_budget(b) -> None:
     if b.reservations:
         print()
         _print_rows(["RESERVATION", "STATE", "HELD", "SETTLED", "RUN", "SETTLE_BY"],
-                    [[r.id, r.state, _money(r.remaining_minor, b).split()[0], _money(r.settled_minor, b).split()[0],
+                    [[r.id, r.state, format_minor(r.remaining_minor, b.scale), format_minor(r.settled_minor, b.scale),
                       r.scope_id, _fmt_time(r.settle_by)] for r in b.reservations])
+
+
+def _ls_show(args, list_fn, header: list[str], row, show_fn, print_one) -> int:
+    """``ls``: ``list_fn(rs)`` as columns (``row(x)`` -> words) or ``--json``; ``show
+    NAME``: ``show_fn(rs)`` printed by ``print_one`` or as ``--json``. Errors: one line."""
+    from .errors import RallypointError
+
+    try:
+        if args.sub_cmd in ("ls", "list"):
+            rows = _client_call(args, list_fn)
+            if args.json:
+                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
+            else:
+                _print_rows(header, [row(x) for x in rows])
+            return 0
+        one = _client_call(args, show_fn)
+        if args.json:
+            print(json.dumps(one.to_dict(), default=str, indent=2))
+        else:
+            print_one(one)
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
 
 
 def cmd_quotas(args) -> int:
     """``quotas ls`` (every quota of the space: used/remaining in the current window,
     waiters, cooldown) and ``quotas show NAME`` (readable, with the waiters in line;
     ``--json`` for scripts)."""
-    from .errors import RallypointError
-
-    try:
-        if args.sub_cmd in ("ls", "list"):
-            rows = _client_call(args, lambda rs: rs.quotas.list())
-            if args.json:
-                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
-                return 0
-            _print_rows(["NAME", "LIMIT", "WINDOW", "USED", "REMAINING", "WAITING", "COOLDOWN_UNTIL"],
-                        [[q.name, str(q.units_limit), _fmt_window(q.window_ms), str(q.used), str(q.remaining),
-                          str(q.waiting), _fmt_time(q.cooldown_until)] for q in rows])
-            return 0
-        q = _client_call(args, lambda rs: rs.quota(args.name).status(waiters=True))
-        if args.json:
-            print(json.dumps(q.to_dict(), default=str, indent=2))
-        else:
-            _print_quota(q)
-        return 0
-    except RallypointError as e:
-        return _fail(e, args)
+    return _ls_show(
+        args, lambda rs: rs.quotas.list(),
+        ["NAME", "LIMIT", "WINDOW", "USED", "REMAINING", "WAITING", "COOLDOWN_UNTIL"],
+        lambda q: [q.name, str(q.units_limit), _fmt_window(q.window_ms), str(q.used), str(q.remaining),
+                   str(q.waiting), _fmt_time(q.cooldown_until)],
+        lambda rs: rs.quota(args.name).status(waiters=True), _print_quota,
+    )
 
 
 def cmd_budgets(args) -> int:
     """``budgets ls`` (every budget of the space: limit, settled, reserved, available)
     and ``budgets show NAME`` (readable, with the open reservations; ``--json``)."""
-    from .errors import RallypointError
+    from .money import format_minor
 
-    try:
-        if args.sub_cmd in ("ls", "list"):
-            rows = _client_call(args, lambda rs: rs.budgets.list())
-            if args.json:
-                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
-                return 0
-            _print_rows(["NAME", "CURRENCY", "LIMIT", "SETTLED", "RESERVED", "AVAILABLE", "OPEN"],
-                        [[b.name, b.currency] + [_money(v, b).split()[0] for v in
-                                                 (b.limit_minor, b.settled_minor, b.reserved_minor,
-                                                  b.available_minor)] + [str(b.open_reservations)]
-                         for b in rows])
-            return 0
-        b = _client_call(args, lambda rs: rs.budget(args.name).status(reservations=True))
-        if args.json:
-            print(json.dumps(b.to_dict(), default=str, indent=2))
-        else:
-            _print_budget(b)
-        return 0
-    except RallypointError as e:
-        return _fail(e, args)
+    return _ls_show(
+        args, lambda rs: rs.budgets.list(),
+        ["NAME", "CURRENCY", "LIMIT", "SETTLED", "RESERVED", "AVAILABLE", "OPEN"],
+        lambda b: [b.name, b.currency, *(format_minor(v, b.scale) for v in (
+            b.limit_minor, b.settled_minor, b.reserved_minor, b.available_minor)), str(b.open_reservations)],
+        lambda rs: rs.budget(args.name).status(reservations=True), _print_budget,
+    )
 
 
 class _OpenModeRefused(Exception):
