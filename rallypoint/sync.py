@@ -8,7 +8,8 @@ The same methods as the async client, without ``await``::
 
 One background thread runs a Trio loop holding the connection; calls from any thread
 are forwarded to it (``trio.from_thread``) and block until the reply. Handles returned
-by methods (runs, mailboxes, tickets, deliveries, groups) are wrapped the same way.
+by methods (runs, mailboxes, tickets, deliveries, groups, messages, quotas and their
+waiters, budgets and their reservations) are wrapped the same way.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run
 __all__ = ["connect", "SyncClient"]
 
 from .client.api import Barrier, Barriers, JoinSet, JoinSets, Timer, Timers
+from .client.api import Budget, Budgets, Message, Quota, Quotas, QuotaWaiter, Reservation
 
-_HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes, JoinSet, JoinSets, Barrier, Barriers, Timer, Timers)
+_HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes, JoinSet, JoinSets, Barrier, Barriers,
+            Timer, Timers, Message, Quotas, Quota, QuotaWaiter, Budgets, Budget, Reservation)
 
 
 class _Proxy:

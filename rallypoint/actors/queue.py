@@ -29,6 +29,18 @@ wall clock set back does not stretch them, and time the server could not hear (d
 stalled) is given back to lease holders (``LeasesExtended``). FIFO order is a sequence
 number given at submission, never the wall clock.
 
+**Messages.** A queue is WORK (tasks, ``task.submit``) or INBOX (plain messages,
+``message.send``: :mod:`rallypoint.actors.inbox`). A message is stored and handled
+exactly like a task -- the same state, ready heaps, receive, fencing tokens, leases,
+retries, deadlines, lease extensions and run cancellation -- with an ``msg_`` id and
+ACKED instead of SUCCEEDED once completed. Submitting to an INBOX or sending to a WORK
+queue is CONFLICT.
+
+**Reservations held for a delivery.** When a delivery ends (its task leaves RUNNING:
+completed, retried, rejected, lease expired, cancelled, expired) the budget
+reservations held for it close in the same apply
+(:meth:`rallypoint.actors.budget.Budgets.on_delivery_ended`).
+
 Indexes (rebuilt after recovery, never snapshotted): a ready heap per (queue, run) of
 ``(seq, task id)``, the idempotency-key index, unfinished tasks per run, leased tasks,
 and counts.
@@ -89,7 +101,8 @@ from .runtime import Park
 
 __all__ = ["MailboxState", "TaskState", "WorkQueues", "TERMINAL", "MIN_LEASE_MS", "MAX_LEASE_MS"]
 
-TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
+TERMINAL = frozenset({"SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED"})
+MODES = ("WORK", "INBOX")
 MIN_LEASE_MS = 5_000
 MAX_LEASE_MS = 600_000
 MAX_BATCH = 1000
@@ -171,7 +184,8 @@ class WorkQueues(Kind):
         self.space_counts: dict[str, dict[str, int]] = {}
 
     def entity_tables(self):
-        return {"mbx": (self.table, MailboxState), "tsk": (self.tasks, TaskState)}
+        # messages (``msg_`` ids) live in the task table: they are tasks of INBOX queues
+        return {"mbx": (self.table, MailboxState), "tsk": (self.tasks, TaskState), "msg": (self.tasks, TaskState)}
 
     def statistics(self) -> dict:
         return {"queues": len(self.table), "tasks": len(self.tasks), "leased": len(self.leased),
@@ -204,8 +218,9 @@ class WorkQueues(Kind):
         """Create the queue, or check it exists with these settings (CONFLICT naming the
         first setting that differs). Runs on the space's actor (names are per space)."""
         check_name("name", op.name)
-        if op.mode != "WORK":
-            raise ValidationError(f"mode must be WORK (got {short(op.mode)})", details={"field": "mode"})
+        if op.mode not in MODES:
+            raise ValidationError(f"mode must be WORK (tasks) or INBOX (messages) (got {short(op.mode)})",
+                                  details={"field": "mode"})
         check_range("max_attempts", op.max_attempts, 1, 1000)
         if op.backlog_limit is not None:
             check_range("backlog_limit", op.backlog_limit, 1, 100_000_000)
@@ -276,15 +291,23 @@ class WorkQueues(Kind):
         field_prefix: str = "",
         pending: dict | None = None,
         extra_backlog: int = 0,
+        mode: str = "WORK",
         **extra,
     ) -> TaskSubmitted | TaskState:
         """Validate one submission. Returns the existing task for an idempotent
-        resubmission (same key, same input), else the record to commit.
+        resubmission (same key, same input), else the record to commit. ``mode``:
+        WORK for a task, INBOX for a message (``msg_`` id, its payload named
+        ``payload``).
 
         Raises VALIDATION_FAILED (bad key, payload, deadline), CONFLICT (key reused with
-        other input), SCOPE_CANCELLED / DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog)."""
+        other input; a task to an INBOX queue or a message to a WORK queue),
+        SCOPE_CANCELLED / DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog)."""
+        if q.mode != mode:
+            how = "send messages with mailbox.send()" if q.mode == "INBOX" else "submit tasks with mailbox.submit()"
+            raise ConflictError(f"mailbox {q.name!r} is a {q.mode} mailbox: {how}",
+                                details={"field": "mailbox", "mode": q.mode})
         check_key(field_prefix + "key", key)
-        data = check_payload(field_prefix + "input", input_raw)
+        data = check_payload(field_prefix + ("payload" if mode == "INBOX" else "input"), input_raw)
         if key is not None:
             k = (run_id, q.id, key)
             existing = pending.get(k) if pending is not None else None
@@ -317,7 +340,7 @@ class WorkQueues(Kind):
                 )
         seq = self.next_seq + extra_backlog
         return TaskSubmitted(
-            id=coord.ids.new("tsk"), space=space, mailbox_id=q.id, scope_id=run_id, input=data, at_ms=now,
+            id=coord.ids.new("msg" if mode == "INBOX" else "tsk"), space=space, mailbox_id=q.id, scope_id=run_id, input=data, at_ms=now,
             key=key, deadline_ms=deadline_ms, seq=seq, **extra,
         )
 
@@ -407,11 +430,13 @@ class WorkQueues(Kind):
         qc = self.queue_counts[t.mailbox_id]
         if old not in TERMINAL:
             qc[0 if old == "QUEUED" else 1] -= 1
+        coord = self.coord
         if old == "RUNNING":
             self.leased.discard(t.id)
+            # the delivery ended: reservations held for it close (settled or voided)
+            coord.budgets.on_delivery_ended(t.id, t.token, new, t.finished_at_ms if new in TERMINAL else None)
         elif new == "RUNNING":
             self.leased.add(t.id)
-        coord = self.coord
         if new in TERMINAL:
             s = self.run_unfinished.get(t.scope_id)
             if s is not None:
@@ -723,6 +748,9 @@ class WorkQueues(Kind):
         DEADLINE_EXCEEDED when the task's run is inactive; LIMIT_EXCEEDED past its
         child_limit."""
         t = self._holder(session, op.task_id, op.token)
+        if self.table[t.mailbox_id].mode == "INBOX":
+            raise ConflictError(f"{t.id} is a message: only tasks have runs of their own",
+                                details={"task_id": t.id})
         runs = self.coord.runs
         if t.run_id is not None and t.state == "RUNNING":
             return runs.view(runs.table[t.run_id])
@@ -750,7 +778,7 @@ class WorkQueues(Kind):
     def _apply_completed(self, r: TaskCompleted) -> None:
         t = self.tasks[r.task_id]
         t.outcome = r.outcome
-        self.finish(t, "SUCCEEDED", r.at_ms, "completed")
+        self.finish(t, "ACKED" if self.table[t.mailbox_id].mode == "INBOX" else "SUCCEEDED", r.at_ms, "completed")
 
     def _settle_inactive(self, t: TaskState) -> bool:
         """Retry/reject on an inactive run are answered without a change (SPEC §2.4)."""
