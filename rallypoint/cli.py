@@ -1,4 +1,5 @@
-"""The ``rallypoint`` command: ``serve | status | runs | claims | pools | keys | repair | bench``.
+"""The ``rallypoint`` command: ``serve | status | runs | claims | pools | quotas | budgets | keys | repair |
+bench``.
 
 ``rallypoint serve`` runs the daemon: it logs its address, version, data dir, durability
 and what it recovered; SIGINT/SIGTERM drain it (stop accepting, finish in-flight
@@ -427,6 +428,119 @@ def cmd_runs(args) -> int:
     return 2
 
 
+def _print_rows(header: list[str], rows: list[list[str]]) -> None:
+    """Aligned columns (every value one word, so the output stays ``awk``-able)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    for r in [header, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+def _fmt_window(ms: int) -> str:
+    s = ms / 1000
+    return f"{s:g}s" if s < 60 or s % 60 else (f"{s / 60:g}m" if s < 3600 or s % 3600 else f"{s / 3600:g}h")
+
+
+def _print_quota(q) -> None:
+    """``quotas show``: one ``label  value`` line per field, then the waiters in line."""
+    cooldown = "-" if q.cooldown_until is None else f"until {_fmt_time(q.cooldown_until)}" + (
+        f" ({q.cooldown_reason})" if q.cooldown_reason else "")
+    for label, value in (
+        ("quota", q.id),
+        ("name", q.name),
+        ("limit", f"{q.units_limit} units per {_fmt_window(q.window_ms)} (fixed windows)"),
+        ("window", f"{_fmt_time(q.window_start)} .. {_fmt_time(q.window_end)}"),
+        ("used", f"{q.used} ({q.remaining} left)"),
+        ("waiting", str(q.waiting)),
+        ("cooldown", cooldown),
+        ("consumed", f"{q.consumed_total} units in total"),
+        ("created", _fmt_time(q.created_at)),
+    ):
+        print(f"{label:<10}  {value}")
+    if q.waiters:
+        print()
+        _print_rows(["WAITER", "UNITS", "RUN", "EXPIRES", "HOLDER"],
+                    [[w.waiter_id or "-", str(w.units), w.scope_id, _fmt_time(w.expires_at), w.holder or "-"]
+                     for w in q.waiters])
+
+
+def _money(amount: int, b) -> str:
+    from .money import format_minor
+
+    return f"{format_minor(amount, b.scale)} {b.currency}"
+
+
+def _print_budget(b) -> None:
+    """``budgets show``: the budget's figures, then its open reservations."""
+    from .money import format_minor
+
+    for label, value in (
+        ("budget", b.id),
+        ("name", b.name),
+        ("limit", f"{_money(b.limit_minor, b)} ({b.limit_minor} minor units, scale {b.scale})"),
+        ("settled", _money(b.settled_minor, b)),
+        ("reserved", f"{_money(b.reserved_minor, b)} in {b.open_reservations} open reservation(s)"),
+        ("available", _money(b.available_minor, b)),
+        ("overrun", _money(b.overrun_minor, b) + " (asked beyond what was left; not charged)"),
+        ("created", _fmt_time(b.created_at)),
+    ):
+        print(f"{label:<10}  {value}")
+    if b.reservations:
+        print()
+        _print_rows(["RESERVATION", "STATE", "HELD", "SETTLED", "RUN", "SETTLE_BY"],
+                    [[r.id, r.state, format_minor(r.remaining_minor, b.scale), format_minor(r.settled_minor, b.scale),
+                      r.scope_id, _fmt_time(r.settle_by)] for r in b.reservations])
+
+
+def _ls_show(args, list_fn, header: list[str], row, show_fn, print_one) -> int:
+    """``ls``: ``list_fn(rs)`` as columns (``row(x)`` -> words) or ``--json``; ``show
+    NAME``: ``show_fn(rs)`` printed by ``print_one`` or as ``--json``. Errors: one line."""
+    from .errors import RallypointError
+
+    try:
+        if args.sub_cmd in ("ls", "list"):
+            rows = _client_call(args, list_fn)
+            if args.json:
+                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
+            else:
+                _print_rows(header, [row(x) for x in rows])
+            return 0
+        one = _client_call(args, show_fn)
+        if args.json:
+            print(json.dumps(one.to_dict(), default=str, indent=2))
+        else:
+            print_one(one)
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
+
+
+def cmd_quotas(args) -> int:
+    """``quotas ls`` (every quota of the space: used/remaining in the current window,
+    waiters, cooldown) and ``quotas show NAME`` (readable, with the waiters in line;
+    ``--json`` for scripts)."""
+    return _ls_show(
+        args, lambda rs: rs.quotas.list(),
+        ["NAME", "LIMIT", "WINDOW", "USED", "REMAINING", "WAITING", "COOLDOWN_UNTIL"],
+        lambda q: [q.name, str(q.units_limit), _fmt_window(q.window_ms), str(q.used), str(q.remaining),
+                   str(q.waiting), _fmt_time(q.cooldown_until)],
+        lambda rs: rs.quota(args.name).status(waiters=True), _print_quota,
+    )
+
+
+def cmd_budgets(args) -> int:
+    """``budgets ls`` (every budget of the space: limit, settled, reserved, available)
+    and ``budgets show NAME`` (readable, with the open reservations; ``--json``)."""
+    from .money import format_minor
+
+    return _ls_show(
+        args, lambda rs: rs.budgets.list(),
+        ["NAME", "CURRENCY", "LIMIT", "SETTLED", "RESERVED", "AVAILABLE", "OPEN"],
+        lambda b: [b.name, b.currency, *(format_minor(v, b.scale) for v in (
+            b.limit_minor, b.settled_minor, b.reserved_minor, b.available_minor)), str(b.open_reservations)],
+        lambda rs: rs.budget(args.name).status(reservations=True), _print_budget,
+    )
+
+
 def _json_text(value) -> str:
     """Views (nested ones too) as indented JSON: instants ISO 8601, payloads as values."""
     import msgspec
@@ -785,6 +899,16 @@ def build_parser() -> argparse.ArgumentParser:
     psh.add_argument("name")
     psh.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(fn=cmd_pools)
+
+    for what, fn, noun in (("quotas", cmd_quotas, "quota"), ("budgets", cmd_budgets, "budget")):
+        g = sub.add_parser(what, help=f"list and show {what}", parents=[_client_options()])
+        gs = g.add_subparsers(dest="sub_cmd", required=True)
+        gl = gs.add_parser("ls", aliases=["list"], parents=[client], help=f"every {noun} of the space")
+        gl.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
+        gsh = gs.add_parser("show", parents=[client], help=f"one {noun}, readable (or --json)")
+        gsh.add_argument("name", help=f"the {noun}'s name or id")
+        gsh.add_argument("--json", action="store_true", help="machine-readable output")
+        g.set_defaults(fn=fn)
 
     k = sub.add_parser("keys", help="create, list and revoke API keys (offline on --data-dir, or --connect)",
                        parents=[_client_options(connect_default=None, data_dir=True, json_flag=True)])

@@ -35,6 +35,7 @@ __all__ = [
     "ContentionError",
     "CapacityUnavailableError",
     "AllowanceExhaustedError",
+    "AllowanceCooldownError",
     "InsufficientBudgetError",
     "ClaimHeldError",
     "LimitError",
@@ -222,10 +223,31 @@ class CapacityUnavailableError(ContentionError):
 
 
 class AllowanceExhaustedError(ContentionError):
+    """ALLOWANCE_EXHAUSTED: a quota take that may not wait found too few units left in
+    the current window (or waiters queued ahead of it: waiters are served first-come
+    first-served). ``retry_after``: seconds until the window rolls; ``details``:
+    ``quota``, ``units``, ``remaining``, ``waiting``, ``window_start``, ``window_end``."""
+
     code = "ALLOWANCE_EXHAUSTED"
 
 
+class AllowanceCooldownError(AllowanceExhaustedError):
+    """ALLOWANCE_COOLDOWN: the quota is cooling down (``quota.cooldown(seconds)``, a
+    backoff the provider asked for); nothing is granted from it, to any run of the
+    space, until it ends. ``retry_after``: seconds left; ``details``: ``quota``,
+    ``cooldown_until``, ``reason``. A subclass of AllowanceExhaustedError, so one
+    ``except`` handles both."""
+
+    code = "ALLOWANCE_COOLDOWN"
+
+
 class InsufficientBudgetError(ContentionError):
+    """INSUFFICIENT_BUDGET: a reservation larger than what the budget has left (its
+    limit minus what is settled and what open reservations hold). ``details``:
+    ``budget``, ``requested_minor``, ``available_minor``, ``limit_minor``,
+    ``settled_minor``, ``reserved_minor``, ``currency``, ``scale`` (amounts in integer
+    minor units)."""
+
     code = "INSUFFICIENT_BUDGET"
 
 
@@ -302,6 +324,7 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "FUNCTION_MISMATCH": FunctionMismatchError,
     "CAPACITY_UNAVAILABLE": CapacityUnavailableError,
     "ALLOWANCE_EXHAUSTED": AllowanceExhaustedError,
+    "ALLOWANCE_COOLDOWN": AllowanceCooldownError,
     "INSUFFICIENT_BUDGET": InsufficientBudgetError,
     "CLAIM_HELD": ClaimHeldError,
     "LIMIT_EXCEEDED": LimitError,

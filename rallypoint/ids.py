@@ -31,6 +31,12 @@ PREFIXES = {
     "wlm": "work limit",
     "key": "api key",
     "chd": "join-set child (delay)",
+    "quo": "quota (allowance)",
+    "qwt": "quota waiter",
+    "qcn": "quota consumption",
+    "bdg": "budget",
+    "rsv": "budget reservation",
+    "msg": "message (in an INBOX mailbox)",
 }
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"

@@ -119,6 +119,9 @@ class ScopeListView(_View):
 
 
 class MailboxEnsure(_Op, tag="mailbox.ensure"):
+    """``mode``: WORK (tasks: ``task.submit``) or INBOX (plain messages:
+    ``message.send``); both are received, renewed and settled the same way."""
+
     name: str
     mode: str = "WORK"
     max_attempts: int = 5
@@ -154,9 +157,13 @@ class MailboxListView(_View):
 class Requirements(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """What a task needs before it is handed out (admission, all or nothing in one
     step). One field per requirement type: ``pools`` maps a pool *name* to the units
-    held (as grants) while a delivery of the task runs; at most 4 pools."""
+    held (as grants) while a delivery of the task runs (at most 4 pools); ``budgets``
+    maps a budget *name* to the amount (minor units) reserved for the delivery, settled
+    in full if the task succeeds and voided otherwise unless its worker settles it
+    first (at most 2 budgets)."""
 
     pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
 
 
 class SubmitItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -268,6 +275,8 @@ class DeliveryView(_View):
     run_id: str | None = None  # the task's own run, if an earlier attempt made it
     #: pool grants taken with this delivery (the task's requirements), held while it runs
     grants: list[GrantView] = []
+    #: ids of the budget reservations made for this delivery (the task's requirements)
+    reservations: list[str] = []
 
 
 class ReceiveView(_View):
@@ -579,6 +588,275 @@ class JoinNextView(_View):
     replayed: bool = False  # answered from the log (a step below ``steps``)
 
 
+# --- messages (INBOX mailboxes) ----------------------------------------------------------
+
+
+class MessageSend(_Op, tag="message.send"):
+    """A plain message into an INBOX-mode mailbox, bound to ``scope_id``; receive,
+    renew, complete, retry and reject it like a task delivery. ``key``: idempotent per
+    (run, mailbox, key)."""
+
+    mailbox: str
+    scope_id: str
+    payload: msgspec.Raw = NIL
+    key: str | None = None
+    deadline: str | None = None
+
+
+class MessageStatus(_Op, tag="message.status"):
+    message_id: str
+
+
+class MessageView(_View):
+    """``state``: QUEUED, RUNNING (leased), ACKED (completed), FAILED, CANCELLED,
+    EXPIRED; ``result`` is what the receiver completed it with."""
+
+    id: str
+    mailbox: str
+    scope_id: str
+    state: str
+    attempt: int
+    key: str | None
+    payload: msgspec.Raw
+    result: msgspec.Raw
+    error: msgspec.Raw
+    outcome_reason: str | None
+    created_at: str
+    finished_at: str | None
+    deadline: str | None
+
+
+# --- quotas (allowances) ------------------------------------------------------------------
+
+
+class QuotaEnsure(_Op, tag="quota.ensure"):
+    """Create the quota, or check it exists with these settings (CONFLICT otherwise).
+    ``window_ms``: 1 s to 1 day."""
+
+    name: str
+    units_limit: int
+    window_ms: int
+
+
+class QuotaGet(_Op, tag="quota.get"):
+    """By name or id; ``waiters``: also list the WAITING waiters (first 1000, FIFO)."""
+
+    quota: str
+    waiters: bool = False
+
+
+class QuotaList(_Op, tag="quota.list"):
+    pass
+
+
+class QuotaTake(_Op, tag="quota.take"):
+    """Take ``units`` for ``scope_id``. ``ttl_ms`` 0: now or ALLOWANCE_EXHAUSTED /
+    ALLOWANCE_COOLDOWN. ``ttl_ms`` > 0: a durable FIFO waiter, GRANTED at once or
+    WAITING until served or ``ttl_ms`` passes (EXPIRED); the request waits up to
+    ``wait_ms`` for it. ``key``: idempotent per (quota, key) (the take is recorded as a
+    waiter, even when granted at once)."""
+
+    quota: str
+    scope_id: str
+    units: int = 1
+    ttl_ms: int = 0
+    wait_ms: int = 0
+    key: str | None = None
+    holder: str | None = None
+
+
+class QuotaCooldown(_Op, tag="quota.cooldown"):
+    """Grant nothing from the quota, to any run, for ``cooldown_ms`` from now (a running
+    cooldown is only ever extended)."""
+
+    quota: str
+    cooldown_ms: int
+    reason: str | None = None
+
+
+class QuotaWaiterWait(_Op, tag="quota.waiter_wait"):
+    """The waiter's state; with ``wait_ms``, waits until it is no longer WAITING."""
+
+    waiter_id: str
+    wait_ms: int = 0
+
+
+class QuotaWaiterCancel(_Op, tag="quota.waiter_cancel"):
+    """Cancel a WAITING waiter; a waiter already GRANTED (or ended) is returned as is."""
+
+    waiter_id: str
+
+
+class QuotaTakeView(_View):
+    """A take: ``state`` GRANTED (``consumption_id`` set: the units are taken, once),
+    WAITING, EXPIRED or CANCELLED (``end_reason``: cancelled, run_cancelled,
+    run_completed, deadline). ``remaining``: units left in the current window now;
+    ``window_start``/``window_end``: the window the grant was counted in."""
+
+    quota_id: str
+    quota: str
+    scope_id: str
+    state: str
+    units: int
+    consumption_id: str | None
+    waiter_id: str | None
+    window_start: str | None
+    window_end: str | None
+    remaining: int
+    expires_at: str | None
+    created_at: str
+    ended_at: str | None
+    end_reason: str | None
+    holder: str | None
+
+
+class QuotaView(_View):
+    """A quota now: ``used``/``remaining`` in the current window
+    [``window_start``, ``window_end``), ``waiting`` waiters, a running cooldown."""
+
+    id: str
+    name: str
+    units_limit: int
+    window_ms: int
+    window_start: str
+    window_end: str
+    used: int
+    remaining: int
+    waiting: int
+    cooldown_until: str | None
+    cooldown_reason: str | None
+    consumed_total: int
+    created_at: str
+    waiters: list[QuotaTakeView] = msgspec.field(default_factory=list)
+
+
+class QuotaListView(_View):
+    quotas: list[QuotaView]
+
+
+# --- budgets -------------------------------------------------------------------------------
+# Amounts are integer minor units (``*_minor``): at ``scale`` 2, 250 means 2.50.
+
+
+class BudgetEnsure(_Op, tag="budget.ensure"):
+    """Create the budget, or check it exists with these settings (CONFLICT otherwise).
+    ``currency``: 3 capital letters; ``scale``: 0-9 decimal places."""
+
+    name: str
+    limit_minor: int
+    currency: str = "USD"
+    scale: int = 2
+
+
+class BudgetGet(_Op, tag="budget.get"):
+    """By name or id; ``reservations``: also list the open (ACTIVE, STALE) ones (first
+    1000)."""
+
+    budget: str
+    reservations: bool = False
+
+
+class BudgetList(_Op, tag="budget.list"):
+    pass
+
+
+class BudgetReserve(_Op, tag="budget.reserve"):
+    """Hold ``amount_minor`` for ``scope_id``. ``settle_by`` (instant) or
+    ``settle_within_ms`` (server time): STALE if still open then. ``key``: idempotent
+    per (budget, key). ``task_id``+``token``: held for that delivery (the current lease)
+    and closed when it ends."""
+
+    budget: str
+    scope_id: str
+    amount_minor: int
+    settle_by: str | None = None
+    settle_within_ms: int | None = None
+    key: str | None = None
+    holder: str | None = None
+    task_id: str | None = None
+    token: int = 0
+
+
+class BudgetSettle(_Op, tag="budget.settle"):
+    """Charge ``amount_minor`` (the actual cost) under ``usage_key`` (idempotent: the
+    same key again changes nothing). Capped at the reservation's remainder plus what the
+    budget has unreserved. ``final``: close the reservation, releasing the rest."""
+
+    reservation_id: str
+    amount_minor: int
+    usage_key: str
+    final: bool = True
+
+
+class BudgetVoid(_Op, tag="budget.void"):
+    """Close the reservation, releasing its remainder (idempotent)."""
+
+    reservation_id: str
+
+
+class ReservationGet(_Op, tag="budget.reservation"):
+    reservation_id: str
+
+
+class ReservationView(_View):
+    """``state``: ACTIVE, STALE (past settle-by, still holding), SETTLED, VOIDED.
+    ``remaining_minor``: still held; ``overrun_minor``: asked beyond what could be
+    charged."""
+
+    id: str
+    budget_id: str
+    budget: str
+    scope_id: str
+    state: str
+    amount_minor: int
+    remaining_minor: int
+    settled_minor: int
+    overrun_minor: int
+    currency: str
+    scale: int
+    settle_by: str | None
+    created_at: str
+    closed_at: str | None
+    close_reason: str | None
+    holder: str | None
+    key: str | None
+    task_id: str | None
+
+
+class BudgetView(_View):
+    """``available_minor`` = ``limit_minor`` - ``settled_minor`` - ``reserved_minor``."""
+
+    id: str
+    name: str
+    currency: str
+    scale: int
+    limit_minor: int
+    settled_minor: int
+    reserved_minor: int
+    available_minor: int
+    overrun_minor: int
+    open_reservations: int
+    created_at: str
+    reservations: list[ReservationView] = msgspec.field(default_factory=list)
+
+
+class BudgetListView(_View):
+    budgets: list[BudgetView]
+
+
+class SettleView(_View):
+    """One settlement: ``charged_minor`` of ``requested_minor`` (capped);
+    ``available_minor``: what the budget has left now; ``replayed``: this usage key was
+    settled before and nothing changed."""
+
+    reservation: ReservationView
+    usage_key: str
+    requested_minor: int
+    charged_minor: int
+    available_minor: int
+    replayed: bool
+
+
 # --- access (admin) ---------------------------------------------------------------------
 
 
@@ -881,6 +1159,22 @@ Op = Union[
     KeyCreate,
     KeyList,
     KeyRevoke,
+    MessageSend,
+    MessageStatus,
+    QuotaEnsure,
+    QuotaGet,
+    QuotaList,
+    QuotaTake,
+    QuotaCooldown,
+    QuotaWaiterWait,
+    QuotaWaiterCancel,
+    BudgetEnsure,
+    BudgetGet,
+    BudgetList,
+    BudgetReserve,
+    BudgetSettle,
+    BudgetVoid,
+    ReservationGet,
     ClaimAcquire,
     ClaimRenew,
     ClaimRelease,
@@ -949,6 +1243,22 @@ REPLY_TYPES: dict[type, type] = {
     KeyCreate: KeyView,
     KeyList: KeyListView,
     KeyRevoke: KeyView,
+    MessageSend: MessageView,
+    MessageStatus: MessageView,
+    QuotaEnsure: QuotaView,
+    QuotaGet: QuotaView,
+    QuotaList: QuotaListView,
+    QuotaTake: QuotaTakeView,
+    QuotaCooldown: QuotaView,
+    QuotaWaiterWait: QuotaTakeView,
+    QuotaWaiterCancel: QuotaTakeView,
+    BudgetEnsure: BudgetView,
+    BudgetGet: BudgetView,
+    BudgetList: BudgetListView,
+    BudgetReserve: ReservationView,
+    BudgetSettle: SettleView,
+    BudgetVoid: ReservationView,
+    ReservationGet: ReservationView,
     ClaimAcquire: ClaimLeaseView,
     ClaimRenew: ClaimLeaseView,
     ClaimRelease: ClaimView,

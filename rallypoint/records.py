@@ -74,9 +74,11 @@ class MailboxCreated(_Rec, tag="mailbox_created"):
 class TaskRequirements(msgspec.Struct, gc=False, omit_defaults=True):
     """What a task needs to be handed out (admission), resolved at submission: one field
     per requirement type (``actors/admission.py``, ``REQUIREMENT_KINDS``). ``pools``:
-    pool id -> units, held as grants while a delivery of the task runs."""
+    pool id -> units, held as grants while a delivery of the task runs; ``budgets``:
+    budget id -> minor units, reserved for each delivery."""
 
     pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
 
 
 class TaskSubmitted(_Rec, tag="task_submitted"):
@@ -376,6 +378,158 @@ class JoinSetClosed(_Rec, tag="joinset_closed"):
     at_ms: int
 
 
+# --- quotas (allowances) ------------------------------------------------------------------
+# Windows, waiter TTLs and cooldowns are server time (``*_mono_ms``); ``at_ms`` is wall.
+
+
+class QuotaCreated(_Rec, tag="quota_created"):
+    """A quota: at most ``units_limit`` units per fixed window of ``window_ms``, windows
+    aligned to multiples of ``window_ms`` on server time."""
+
+    id: str
+    space: str
+    name: str
+    units_limit: int
+    window_ms: int
+    at_ms: int
+
+
+class QuotaConsumed(_Rec, tag="quota_consumed"):
+    """``units`` taken at once (no waiter) in the window starting at
+    ``window_start_mono_ms``."""
+
+    quota_id: str
+    consumption_id: str
+    scope_id: str
+    units: int
+    window_start_mono_ms: int
+    at_ms: int
+    holder: str | None = None
+
+
+class QuotaWaiterAdded(_Rec, tag="quota_waiter_added"):
+    """A durable waiter (FIFO position ``seq``, registered at server time
+    ``at_mono_ms``) for ``units``, WAITING until ``expires_mono_ms`` -- or, when ``consumption_id`` is set, GRANTED at once in the
+    window starting at ``window_start_mono_ms``."""
+
+    id: str
+    quota_id: str
+    space: str
+    scope_id: str
+    units: int
+    seq: int
+    expires_mono_ms: int
+    at_ms: int
+    at_mono_ms: int = 0
+    key: str | None = None
+    holder: str | None = None
+    consumption_id: str | None = None
+    window_start_mono_ms: int = 0
+
+
+class QuotaGrant(msgspec.Struct, gc=False, array_like=True):
+    """One waiter granted by :class:`QuotaWaitersGranted`, with its consumption id."""
+
+    waiter_id: str
+    consumption_id: str
+
+
+class QuotaWaitersGranted(_Rec, tag="quota_waiters_granted"):
+    """The quota's actor served its queue (the window rolled, a cooldown ended, a waiter
+    ahead left): the waiters in ``grants``, in FIFO order, are GRANTED in the window
+    starting at ``window_start_mono_ms``."""
+
+    quota_id: str
+    window_start_mono_ms: int
+    grants: list[QuotaGrant]
+    at_ms: int
+
+
+class QuotaWaiterEnded(_Rec, tag="quota_waiter_ended"):
+    """A WAITING waiter left without a grant: ``state`` EXPIRED (its TTL passed) or
+    CANCELLED (``waiter.cancel()``). (A run's end cancels its waiters inside the run's
+    own record.)"""
+
+    waiter_id: str
+    state: str
+    at_ms: int
+
+
+class QuotaCooldownSet(_Rec, tag="quota_cooldown"):
+    """Nothing is granted from the quota until server time ``until_mono_ms``."""
+
+    quota_id: str
+    until_mono_ms: int
+    at_ms: int
+    reason: str | None = None
+
+
+# --- budgets --------------------------------------------------------------------------------
+# Amounts are integer minor units (at scale 2, 250 = 2.50); never floats.
+
+
+class BudgetCreated(_Rec, tag="budget_created"):
+    id: str
+    space: str
+    name: str
+    currency: str
+    scale: int
+    limit_minor: int
+    at_ms: int
+
+
+class BudgetReserved(_Rec, tag="budget_reserved"):
+    """``amount_minor`` held for ``scope_id`` (ACTIVE). ``settle_by_mono_ms``: marked
+    STALE if still open then (never refunded by that). ``task_id``/``token``: held for
+    that delivery of a task, closed when the delivery ends (admission, or
+    ``budget.reserve(delivery=...)``)."""
+
+    id: str
+    budget_id: str
+    space: str
+    scope_id: str
+    amount_minor: int
+    at_ms: int
+    settle_by_mono_ms: int | None = None
+    key: str | None = None
+    holder: str | None = None
+    task_id: str | None = None
+    token: int = 0
+
+
+class BudgetSettled(_Rec, tag="budget_settled"):
+    """A settlement under ``usage_key``: ``requested_minor`` asked, ``charged_minor``
+    charged (capped at the reservation's remainder plus the budget's unreserved amount),
+    ``from_reserved_minor`` of it out of the reservation; ``released_minor`` of the
+    reservation's remainder released; ``closes``: the reservation is SETTLED."""
+
+    reservation_id: str
+    usage_key: str
+    requested_minor: int
+    charged_minor: int
+    from_reserved_minor: int
+    released_minor: int
+    at_ms: int
+    closes: bool = True
+
+
+class BudgetVoided(_Rec, tag="budget_voided"):
+    """The reservation is VOIDED: its remainder (``released_minor``) goes back to the
+    budget; what was settled stays spent."""
+
+    reservation_id: str
+    released_minor: int
+    at_ms: int
+
+
+class ReservationStale(_Rec, tag="reservation_stale"):
+    """The reservation passed its settle-by while still ACTIVE: it is STALE, and still
+    holds its remainder until settled or voided."""
+
+    reservation_id: str
+    at_ms: int
+
+
 # --- access --------------------------------------------------------------------------------
 
 
@@ -598,6 +752,17 @@ Record = Union[
     JoinSetClosed,
     KeyCreated,
     KeyRevoked,
+    QuotaCreated,
+    QuotaConsumed,
+    QuotaWaiterAdded,
+    QuotaWaitersGranted,
+    QuotaWaiterEnded,
+    QuotaCooldownSet,
+    BudgetCreated,
+    BudgetReserved,
+    BudgetSettled,
+    BudgetVoided,
+    ReservationStale,
     ClaimAcquired,
     ClaimWaiterQueued,
     ClaimWaiterEnded,

@@ -8,8 +8,9 @@ The same methods as the async client, without ``await``::
 
 One background thread runs a Trio loop holding the connection; calls from any thread
 are forwarded to it (``trio.from_thread``) and block until the reply. Handles returned
-by methods (runs, mailboxes, tickets, deliveries, groups, claim leases, pools, grants)
-are wrapped the same way.
+by methods (runs, mailboxes, tickets, deliveries, groups, messages, quotas and their
+waiters, budgets and their reservations, claim leases, pools, grants) are wrapped the
+same way.
 
 The SDK's async context managers become blocking ``with`` blocks: ``run.claims.hold(key)``,
 ``lease.keep_alive()``, ``pool.hold(units, scope=run)``. The lease is renewed by a task on
@@ -32,10 +33,12 @@ from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run
 __all__ = ["connect", "SyncClient"]
 
 from .client.api import Barrier, Barriers, JoinSet, JoinSets, Timer, Timers
+from .client.api import Budget, Budgets, Message, Quota, Quotas, QuotaWaiter, Reservation
 from .client.api import ClaimLease, Claims, Grant, Pool, Pools, RunPools, SpaceClaims, WorkLimits
 
-_HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes, JoinSet, JoinSets, Barrier,
-            Barriers, Timer, Timers, Claims, SpaceClaims, ClaimLease, Pools, Pool, RunPools, Grant, WorkLimits)
+_HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes, JoinSet, JoinSets, Barrier, Barriers,
+            Timer, Timers, Message, Quotas, Quota, QuotaWaiter, Budgets, Budget, Reservation, Claims, SpaceClaims,
+            ClaimLease, Pools, Pool, RunPools, Grant, WorkLimits)
 
 
 class _Proxy:

@@ -358,11 +358,23 @@ def build_pool(port: int, api_key: str | None) -> dict[str, list[Any]]:
         js = call(c, {"op": "joinset.create", "scope_id": run["id"], "name": "fuzz-js"}, next(rid))
         jc = call(c, {"op": "joinset.submit", "joinset_id": js["id"], "mailbox": "fuzz-mbx"}, next(rid))
         key = call(c, {"op": "key.create", "space": "default", "permissions": ["coordination_read"]}, next(rid))
+        inbox = call(c, {"op": "mailbox.ensure", "name": "fuzz-inbox", "mode": "INBOX"}, next(rid))
+        msg = call(c, {"op": "message.send", "mailbox": "fuzz-inbox", "scope_id": run["id"], "payload": 1}, next(rid))
+        quota = call(c, {"op": "quota.ensure", "name": "fuzz-quota", "units_limit": 3, "window_ms": 60_000}, next(rid))
+        take = call(c, {"op": "quota.take", "quota": "fuzz-quota", "scope_id": run["id"], "units": 3,
+                        "ttl_ms": 60_000}, next(rid))
+        waiter = call(c, {"op": "quota.take", "quota": "fuzz-quota", "scope_id": run["id"], "units": 2,
+                          "ttl_ms": 3_600_000}, next(rid))
+        budget = call(c, {"op": "budget.ensure", "name": "fuzz-budget", "limit_minor": 10_000}, next(rid))
+        rsv = call(c, {"op": "budget.reserve", "budget": "fuzz-budget", "scope_id": run["id"], "amount_minor": 100},
+                   next(rid))
         ids = [run["id"], child["id"], mbx["id"], t1["id"], grp["id"], grp["scope_id"], gm["task"]["id"],
-               bar["id"], tmr["id"], tmr2["id"], js["id"], jc["child_id"], key["id"]]
+               bar["id"], tmr["id"], tmr2["id"], js["id"], jc["child_id"], key["id"], inbox["id"], msg["id"],
+               quota["id"], take["waiter_id"], waiter["waiter_id"], budget["id"], rsv["id"]]
         ids += [d["id"] for d in dl["deliveries"]] + [d["task_id"] for d in dl["deliveries"]]
         tokens = [d["token"] for d in dl["deliveries"]]
-        return {"ids": ids, "names": ["fuzz-run", "fuzz-mbx", "fuzz-js", "default"], "tokens": tokens}
+        return {"ids": ids, "names": ["fuzz-run", "fuzz-mbx", "fuzz-js", "default", "fuzz-inbox", "fuzz-quota",
+                                      "fuzz-budget"], "tokens": tokens}
     finally:
         c.close()
 
@@ -409,7 +421,8 @@ _name_chars = string.ascii_letters + string.digits + "-_./:"
 _names = st.one_of(st.text(_name_chars, min_size=1, max_size=10), st.text(_name_chars, min_size=127, max_size=130),
                    _text)
 _ENUMS = {
-    "mode": ["WORK", "BROADCAST", "work"],
+    "mode": ["WORK", "INBOX", "BROADCAST", "work"],
+    "currency": ["USD", "EUR", "usd", "DOLLARS"],
     "condition": ["FIRST_ACCEPTED", "N_ACCEPTED", "ALL_TERMINAL", "ANY"],
     "verdict": ["ACCEPTED", "REJECTED", "MAYBE"],
     "state": ["ACTIVE", "CANCELLED", "COMPLETED", "DONE"],
@@ -419,7 +432,8 @@ _ENUMS = {
 
 
 def _id_strategy(pool: dict[str, list[Any]]) -> st.SearchStrategy[str]:
-    prefixes = ["scp_", "mbx_", "tsk_", "dlv_", "grp_", "bar_", "tmr_", "jst_", "clm_", "key_"]
+    prefixes = ["scp_", "mbx_", "tsk_", "dlv_", "grp_", "bar_", "tmr_", "jst_", "clm_", "key_", "quo_", "qwt_", "bdg_",
+                "rsv_", "msg_"]
     return st.one_of(
         st.sampled_from(pool["ids"]),
         st.builds(lambda p, s: p + s, st.sampled_from(prefixes), st.text(_name_chars, max_size=30)),
@@ -437,11 +451,11 @@ def _field_strategy(name: str, typ: Any, pool: dict[str, list[Any]]) -> st.Searc
         rest = [a for a in args if a is not type(None)]
         typ = rest[0] if len(rest) == 1 else typ
     if typ is str:
-        if name.endswith("_id") or name == "mailbox":
+        if name.endswith("_id") or name in ("mailbox", "quota", "budget"):
             s = st.one_of(_id_strategy(pool), st.sampled_from(pool["names"]), _names)
         elif name in _ENUMS:
             s = st.one_of(st.sampled_from(_ENUMS[name]), _text)
-        elif name in ("deadline", "at"):
+        elif name in ("deadline", "at", "settle_by"):
             s = _iso
         elif name in ("name", "key", "space"):
             s = st.one_of(st.sampled_from(pool["names"]), _names)

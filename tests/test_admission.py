@@ -460,3 +460,30 @@ async def test_a_completing_task_gives_its_grants_back_when_its_worker_completes
     await child.complete("ok")
     assert (await task.result(timeout=10)).state == "SUCCEEDED"
     assert (await pool.status()).units_used == 0
+
+
+async def test_pool_and_budget_requirements_are_taken_together_or_not_at_all(rs):
+    """The two requirement kinds in one step: a task needing a GPU and 400 of a 500
+    budget is not admitted while only the GPU is free -- and the GPU is not taken -- then
+    is, once a rejected delivery's reservation is voided; a success settles in full what
+    the worker did not settle itself."""
+    gpu = await rs.pools.ensure("both-gpu", 2)
+    spend = await rs.budgets.ensure("both-spend", limit=500)
+    mbx = await rs.mailboxes.ensure("both")
+    run = await rs.scopes.create()
+    req = {"pools": {"both-gpu": 1}, "budgets": {"both-spend": 400}}
+    t1 = await mbx.submit(1, scope=run, requirements=req)
+    t2 = await mbx.submit(2, scope=run, requirements=req)
+    d1 = await mbx.admit(run)
+    assert d1.task_id == t1.id and len(d1.grants) == 1 and len(d1.reservations) == 1
+    assert (await gpu.status()).units_used == 1 and (await spend.status()).available_minor == 100
+    assert await mbx.admit(run) is None  # the GPU is free, the money is not: neither is taken
+    assert (await gpu.status()).units_used == 1
+    await d1.reject("no")  # the reservation is voided, the GPU released
+    d2 = await mbx.admit(run)
+    assert d2.task_id == t2.id and (await spend.status()).available_minor == 100
+    await d2.reservations[0].settle(150, final=False)  # the worker knows part of the real cost
+    await d2.complete("ok")  # what is left is settled in full: the reservation was the most it may cost
+    st = await spend.status()
+    assert (st.settled_minor, st.available_minor) == (400, 100)
+    assert (await gpu.status()).units_used == 0

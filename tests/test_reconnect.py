@@ -159,8 +159,8 @@ def test_every_operation_is_classified():
     # A new operation must be placed on purpose: the ones never re-sent are listed here.
     never = {p.ScopeCreate, p.GroupCreate, p.BarrierCreate, p.BarrierArrive, p.BarrierNextEpochOp, p.TimerCreate,
              p.JoinSetCreate, p.JoinSetSubmitDelay, p.KeyCreate, p.KeyRevoke}
-    keyed = {p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.TaskSubmitMany, p.JoinNext, p.ClaimAcquire,
-             p.PoolAcquire}
+    keyed = {p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.TaskSubmitMany, p.JoinNext, p.MessageSend, p.QuotaTake,
+             p.BudgetReserve, p.ClaimAcquire, p.PoolAcquire}
     for t in OPS:
         if t in never:
             assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
@@ -172,6 +172,9 @@ def test_every_operation_is_classified():
     assert not reissue_safe(p.TaskSubmitMany(mailbox="m", scope_id="s", items=items))
     assert reissue_safe(p.TaskSubmitMany(mailbox="m", scope_id="s", items=items[:1]))
     assert not reissue_safe(p.JoinNext(joinset_id="j")) and reissue_safe(p.JoinNext(joinset_id="j", index=3))
+    for t in (p.MessageSend, p.QuotaTake, p.BudgetReserve):
+        assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
+        assert reissue_safe(msgspec.convert({**_minimal(t), "key": "k"}, t)), t
     assert not reissue_safe(p.ClaimAcquire(scope_id="s", key="k"))
     assert reissue_safe(p.ClaimAcquire(scope_id="s", key="k", request_id="r1"))
     assert not reissue_safe(p.PoolAcquire(pool="p", scope_id="s"))

@@ -25,20 +25,22 @@ to the coordinator attribute of the kind implementing it, which provides::
     requirement_records(task, stored, at_ms) -> [Record]  # the take, committed with TaskDelivered
     requirement_release(task, stored, at_ms, new_state)   # apply: the delivery ended: give back /
                                                           #   settle what it still holds. new_state:
-                                                          #   the task's next state, or COMPLETING
-                                                          #   (its worker completed it; it succeeds
-                                                          #   once its own run's join sets closed).
-                                                          #   Called again when such a task then
-                                                          #   leaves RUNNING: must be idempotent
+                                                          #   the task's next state; SUCCEEDED also
+                                                          #   when its worker completed a task whose
+                                                          #   own run's join sets are still closing
+                                                          #   (it stays RUNNING, completing, and this
+                                                          #   is called again when it leaves
+                                                          #   RUNNING): must be idempotent
     requirement_track(task, stored) / requirement_untrack(task, stored)
                                                           # apply: the task is unfinished / finished
     requirement_views(task) -> dict                       # extra DeliveryView fields (e.g. grants)
 
-The pools kind is the first (``"pools"``: pool id -> units, held as grants). A budget
-requirement is added by (1) a ``budgets`` field in both Requirements Structs, (2)
-``"budgets": "budgets"`` here, (3) those methods on the budgets kind
-(``requirement_release`` settles or voids by ``new_state``), and (4) a ``reservations``
-field on ``DeliveryView`` filled by its ``requirement_views``.
+Two kinds implement it: pools (``"pools"``: pool id -> units, held as grants) and
+budgets (``"budgets"``: budget id -> minor units, a reservation per delivery, settled or
+voided by ``new_state``; :mod:`rallypoint.actors.budget`). A new type needs (1) a field in
+both Requirements Structs, (2) a line here, (3) those methods on its kind, and (4) what
+its ``requirement_views`` returns as a field of ``DeliveryView`` (pools: ``grants``,
+budgets: ``reservations``).
 
 **Work limits.** ``run.work_limits.ensure(name, max_outstanding)`` caps the unfinished
 tasks that name the limit (``submit(..., work_limit=name)``), in the run and below: the
@@ -64,7 +66,7 @@ __all__ = ["Admission", "WorkLimitState", "REQUIREMENT_KINDS"]
 
 #: Requirement type (a field of Requirements / TaskRequirements) -> the Coordinator
 #: attribute of the kind that implements it (see the module docstring).
-REQUIREMENT_KINDS: dict[str, str] = {"pools": "pools"}
+REQUIREMENT_KINDS: dict[str, str] = {"pools": "pools", "budgets": "budgets"}
 
 _TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
 

@@ -82,6 +82,24 @@ def _joinset_get(c, s, op) -> str:
     return c.joinsets.route_get(s, op)
 
 
+def _quota(c, s, op) -> str:
+    return c.quotas.route(s, op.quota)
+
+
+def _quota_waiter(c, s, op) -> str:
+    return c.quotas.route_waiter(s, op.waiter_id)
+
+
+def _budget(c, s, op) -> str:
+    return c.budgets.route(s, op.budget)
+
+
+def _reservation(c, s, op) -> str:
+    return c.budgets.route_reservation(s, op.reservation_id)
+
+
+def _message(c, s, op) -> str:
+    return c.inboxes.route_message(s, op.message_id)
 def _claim(c, s, op) -> str:
     return c.claims.route(s, op.key)
 
@@ -151,6 +169,25 @@ OPS: dict[type, OpSpec] = {
     p.KeyCreate: OpSpec("keys", "op_key_create", _space, A),
     p.KeyList: OpSpec("keys", "op_key_list", _space, A),
     p.KeyRevoke: OpSpec("keys", "op_key_revoke", _space, A),
+    # messages: on the message's run (like tasks)
+    p.MessageSend: OpSpec("inboxes", "op_message_send", _run("scope_id"), W),
+    p.MessageStatus: OpSpec("inboxes", "op_message_status", _message, R),
+    # quotas: on the quota's actor (space level); ensure/list on the space's
+    p.QuotaEnsure: OpSpec("quotas", "op_quota_ensure", _space, C),
+    p.QuotaGet: OpSpec("quotas", "op_quota_get", _quota, R),
+    p.QuotaList: OpSpec("quotas", "op_quota_list", _space, R),
+    p.QuotaTake: OpSpec("quotas", "op_quota_take", _quota, W),
+    p.QuotaCooldown: OpSpec("quotas", "op_quota_cooldown", _quota, W),
+    p.QuotaWaiterWait: OpSpec("quotas", "op_quota_waiter_wait", _quota_waiter, R),
+    p.QuotaWaiterCancel: OpSpec("quotas", "op_quota_waiter_cancel", _quota_waiter, W),
+    # budgets: on the budget's actor (space level); ensure/list on the space's
+    p.BudgetEnsure: OpSpec("budgets", "op_budget_ensure", _space, C),
+    p.BudgetGet: OpSpec("budgets", "op_budget_get", _budget, R),
+    p.BudgetList: OpSpec("budgets", "op_budget_list", _space, R),
+    p.BudgetReserve: OpSpec("budgets", "op_budget_reserve", _budget, W),
+    p.BudgetSettle: OpSpec("budgets", "op_budget_settle", _reservation, W),
+    p.BudgetVoid: OpSpec("budgets", "op_budget_void", _reservation, W),
+    p.ReservationGet: OpSpec("budgets", "op_reservation_get", _reservation, R),
     # claims: an acquire runs (and waits) on the acquiring run's actor; the holder's
     # calls on the claim's actor (in its owning run's nursery)
     p.ClaimAcquire: OpSpec("claims", "op_claim_acquire", _run("scope_id"), W),

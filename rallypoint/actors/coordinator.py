@@ -43,13 +43,16 @@ from ..protocol import encoder
 from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
 from .admission import Admission
 from .barrier import Barriers
+from .budget import Budgets
 from .claim import Claims
 from .common import MemoryJournal
 from .group import Groups
+from .inbox import Inboxes
 from .joinset import JoinSets
 from .keys import Keys
 from .pool import Pools
 from .queue import WorkQueues
+from .quota import Quotas
 from .run import Runs
 from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, _FatalMarker, fatal_unwrapped, shutdown_error
 from .space import Spaces
@@ -120,11 +123,14 @@ class Coordinator:
         self.joinsets = JoinSets(self)
         self.keys = Keys(self)
         self.spaces = Spaces(self)
+        self.quotas = Quotas(self)
+        self.budgets = Budgets(self)
+        self.inboxes = Inboxes(self)
         self.claims = Claims(self)
         self.pools = Pools(self)
         self.admission = Admission(self)  # after the requirement kinds (its rebuild uses them)
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
-                      self.spaces, self.claims, self.pools, self.admission)
+                      self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission)
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}
@@ -151,7 +157,8 @@ class Coordinator:
         return None if t is None else t[0].get(entity_id)
 
     def entity_count(self) -> int:
-        return sum(len(t) for t, _ in self._tables.values())
+        # a table may be listed under two prefixes (tasks and messages): count it once
+        return sum(len(t) for t in {id(t): t for t, _ in self._tables.values()}.values())
 
     def touch(self, entity_id: str) -> None:
         """Mark an entity changed since the last snapshot (only when snapshots are

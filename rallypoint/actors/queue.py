@@ -29,6 +29,18 @@ wall clock set back does not stretch them, and time the server could not hear (d
 stalled) is given back to lease holders (``LeasesExtended``). FIFO order is a sequence
 number given at submission, never the wall clock.
 
+**Messages.** A queue is WORK (tasks, ``task.submit``) or INBOX (plain messages,
+``message.send``: :mod:`rallypoint.actors.inbox`). A message is stored and handled
+exactly like a task -- the same state, ready heaps, receive, fencing tokens, leases,
+retries, deadlines, lease extensions and run cancellation -- with an ``msg_`` id and
+ACKED instead of SUCCEEDED once completed. Submitting to an INBOX or sending to a WORK
+queue is CONFLICT.
+
+**Reservations held for a delivery.** When a delivery ends (its task leaves RUNNING:
+completed, retried, rejected, lease expired, cancelled, expired) the budget
+reservations held for it close in the same apply
+(:meth:`rallypoint.actors.budget.Budgets.on_delivery_ended`).
+
 Indexes (rebuilt after recovery, never snapshotted): a ready heap per (queue, run) of
 ``(seq, task id)``, the idempotency-key index, unfinished tasks per run, leased tasks,
 and counts.
@@ -90,7 +102,8 @@ from .runtime import Park
 
 __all__ = ["MailboxState", "TaskState", "WorkQueues", "TERMINAL", "MIN_LEASE_MS", "MAX_LEASE_MS"]
 
-TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
+TERMINAL = frozenset({"SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED"})
+MODES = ("WORK", "INBOX")
 MIN_LEASE_MS = 5_000
 MAX_LEASE_MS = 600_000
 MAX_BATCH = 1000
@@ -177,7 +190,8 @@ class WorkQueues(Kind):
         self.space_counts: dict[str, dict[str, int]] = {}
 
     def entity_tables(self):
-        return {"mbx": (self.table, MailboxState), "tsk": (self.tasks, TaskState)}
+        # messages (``msg_`` ids) live in the task table: they are tasks of INBOX queues
+        return {"mbx": (self.table, MailboxState), "tsk": (self.tasks, TaskState), "msg": (self.tasks, TaskState)}
 
     def statistics(self) -> dict:
         return {"queues": len(self.table), "tasks": len(self.tasks), "leased": len(self.leased),
@@ -210,8 +224,9 @@ class WorkQueues(Kind):
         """Create the queue, or check it exists with these settings (CONFLICT naming the
         first setting that differs). Runs on the space's actor (names are per space)."""
         check_name("name", op.name)
-        if op.mode != "WORK":
-            raise ValidationError(f"mode must be WORK (got {short(op.mode)})", details={"field": "mode"})
+        if op.mode not in MODES:
+            raise ValidationError(f"mode must be WORK (tasks) or INBOX (messages) (got {short(op.mode)})",
+                                  details={"field": "mode"})
         check_range("max_attempts", op.max_attempts, 1, 1000)
         if op.backlog_limit is not None:
             check_range("backlog_limit", op.backlog_limit, 1, 100_000_000)
@@ -284,19 +299,26 @@ class WorkQueues(Kind):
         extra_backlog: int = 0,
         requirements=None,
         work_limit=None,
+        mode: str = "WORK",
         **extra,
     ) -> TaskSubmitted | TaskState:
         """Validate one submission. Returns the existing task for an idempotent
-        resubmission (same key, same input), else the record to commit.
-        ``requirements``: the wire :class:`~rallypoint.protocol.Requirements` (resolved
-        here); ``work_limit``: a resolved work limit, checked for ``extra_backlog + 1``
-        more unfinished tasks.
+        resubmission (same key, same input), else the record to commit. ``mode``:
+        WORK for a task, INBOX for a message (``msg_`` id, its payload named
+        ``payload``). ``requirements``: the wire :class:`~rallypoint.protocol.Requirements`
+        (resolved here); ``work_limit``: a resolved work limit, checked for
+        ``extra_backlog + 1`` more unfinished tasks.
 
-        Raises VALIDATION_FAILED (bad key, payload, deadline, requirements), CONFLICT
-        (key reused with other input), NOT_FOUND (a pool of the requirements),
-        SCOPE_CANCELLED / DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog, work limit)."""
+        Raises VALIDATION_FAILED (bad key, payload, deadline, requirements), CONFLICT (key
+        reused with other input; a task to an INBOX queue or a message to a WORK queue),
+        NOT_FOUND (a pool or budget of the requirements), SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog, work limit)."""
+        if q.mode != mode:
+            how = "send messages with mailbox.send()" if q.mode == "INBOX" else "submit tasks with mailbox.submit()"
+            raise ConflictError(f"mailbox {q.name!r} is a {q.mode} mailbox: {how}",
+                                details={"field": "mailbox", "mode": q.mode})
         check_key(field_prefix + "key", key)
-        data = check_payload(field_prefix + "input", input_raw)
+        data = check_payload(field_prefix + ("payload" if mode == "INBOX" else "input"), input_raw)
         if key is not None:
             k = (run_id, q.id, key)
             existing = pending.get(k) if pending is not None else None
@@ -332,8 +354,8 @@ class WorkQueues(Kind):
             coord.admission.check_work_limit(work_limit, extra_backlog + 1)
         seq = self.next_seq + extra_backlog
         return TaskSubmitted(
-            id=coord.ids.new("tsk"), space=space, mailbox_id=q.id, scope_id=run_id, input=data, at_ms=now,
-            key=key, deadline_ms=deadline_ms, seq=seq, requirements=reqs,
+            id=coord.ids.new("msg" if mode == "INBOX" else "tsk"), space=space, mailbox_id=q.id, scope_id=run_id,
+            input=data, at_ms=now, key=key, deadline_ms=deadline_ms, seq=seq, requirements=reqs,
             work_limit_id=work_limit.id if work_limit is not None else None, **extra,
         )
 
@@ -435,11 +457,13 @@ class WorkQueues(Kind):
         qc = self.queue_counts[t.mailbox_id]
         if old not in TERMINAL:
             qc[0 if old == "QUEUED" else 1] -= 1
+        coord = self.coord
         if old == "RUNNING":
             self.leased.discard(t.id)
+            # the delivery ended: reservations held for it close (settled or voided)
+            coord.budgets.on_delivery_ended(t.id, t.token, new, t.finished_at_ms if new in TERMINAL else None)
         elif new == "RUNNING":
             self.leased.add(t.id)
-        coord = self.coord
         if old == "RUNNING" and t.requirements is not None:
             coord.admission.on_delivery_ended(t, new, at_ms)
         if new in TERMINAL:
@@ -744,8 +768,9 @@ class WorkQueues(Kind):
         t.completing = True
         t.held_outcome = r.outcome
         self.leased.discard(t.id)  # no lease counts any more: nothing to take over
-        if t.requirements is not None:  # its worker is done: the delivery's grants go back now
-            self.coord.admission.on_delivery_ended(t, "COMPLETING", r.at_ms)
+        if t.requirements is not None:  # its worker is done: what its delivery took goes back now
+            # (for its requirements it succeeded: pool units return, budget reservations settle)
+            self.coord.admission.on_delivery_ended(t, "SUCCEEDED", r.at_ms)
         self.coord.touch(t.id)
         self.check_completion(t.id)
 
@@ -787,6 +812,9 @@ class WorkQueues(Kind):
         DEADLINE_EXCEEDED when the task's run is inactive; LIMIT_EXCEEDED past its
         child_limit."""
         t = self._holder(session, op.task_id, op.token)
+        if self.table[t.mailbox_id].mode == "INBOX":
+            raise ConflictError(f"{t.id} is a message: only tasks have runs of their own",
+                                details={"task_id": t.id})
         runs = self.coord.runs
         if t.run_id is not None and t.state == "RUNNING":
             return runs.view(runs.table[t.run_id])
@@ -814,7 +842,7 @@ class WorkQueues(Kind):
     def _apply_completed(self, r: TaskCompleted) -> None:
         t = self.tasks[r.task_id]
         t.outcome = r.outcome
-        self.finish(t, "SUCCEEDED", r.at_ms, "completed")
+        self.finish(t, "ACKED" if self.table[t.mailbox_id].mode == "INBOX" else "SUCCEEDED", r.at_ms, "completed")
 
     def _settle_inactive(self, t: TaskState) -> bool:
         """Retry/reject on an inactive run are answered without a change (SPEC §2.4)."""

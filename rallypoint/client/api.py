@@ -31,6 +31,7 @@ from .. import protocol as p
 from ..errors import (
     ClaimHeldError,
     CapacityUnavailableError,
+    ConflictError,
     LeaseLostError,
     ScopeInactiveError,
     UnavailableError,
@@ -40,7 +41,8 @@ from ..errors import (
 from . import types as t
 
 __all__ = [
-    "Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes", "Claims", "ClaimLease",
+    "Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes", "Message",
+    "Quotas", "Quota", "QuotaWaiter", "Budgets", "Budget", "Reservation", "Claims", "ClaimLease",
     "SpaceClaims", "Pools", "Pool", "RunPools", "Grant", "WorkLimits",
 ]
 
@@ -102,6 +104,15 @@ def _mailbox_name(x: Any) -> str:
     raise ValidationError(f"mailbox must be a name or a Mailbox handle (got {x!r})", details={"field": "mailbox"})
 
 
+def _name_of(x: Any, kind: str) -> str:
+    if isinstance(x, str):
+        return x
+    n = getattr(x, "name", None)
+    if isinstance(n, str):
+        return n
+    raise ValidationError(f"{kind} must be a name or a handle (got {x!r})", details={"field": kind})
+
+
 class Client:
     """The ``rs`` object. ``transport`` has ``call(op) -> Raw`` and ``call_many``."""
 
@@ -109,6 +120,8 @@ class Client:
         self._transport = transport
         self.scopes = Scopes(self)
         self.mailboxes = Mailboxes(self)
+        self.quotas = Quotas(self)
+        self.budgets = Budgets(self)
         self.claims = SpaceClaims(self)
         self.pools = Pools(self)
 
@@ -181,6 +194,18 @@ class Client:
 
     def group(self, group_id: str) -> "Group":
         return Group(self, _id_of(group_id, "group"))
+
+    def message(self, message_id: str) -> "Message":
+        """Re-attach to a message (``msg_…``) by id (no request is made)."""
+        return Message(self, _id_of(message_id, "message"))
+
+    def quota(self, name: str) -> "Quota":
+        """A handle on a quota by name or id (no request is made)."""
+        return Quota(self, _name_of(name, "quota"))
+
+    def budget(self, name: str) -> "Budget":
+        """A handle on a budget by name or id (no request is made)."""
+        return Budget(self, _name_of(name, "budget"))
 
     def pool(self, name: str) -> "Pool":
         """A handle on a pool by name (no request is made)."""
@@ -343,11 +368,14 @@ class Mailbox:
         CONFLICT). Refused on an inactive run; LIMIT_EXCEEDED (with retry_after) when the
         backlog is full.
 
-        ``requirements`` (admission): ``{"pools": {"gpu": 2, ...}}`` -- pool name ->
-        units (at most 4 pools; each 1..units_total, else VALIDATION_FAILED; NOT_FOUND for
-        a pool that does not exist). The task is handed out only when all of them can be
-        taken in the same step; its delivery holds them as grants
-        (``delivery.grants``) and gives them back when it ends. ``work_limit``: the name
+        ``requirements`` (admission): ``{"pools": {"gpu": 2, ...}, "budgets":
+        {"model-spend": 40}}`` -- pool name -> units (at most 4 pools; each
+        1..units_total) and budget name -> minor units (at most 2 budgets; each 1..limit);
+        VALIDATION_FAILED otherwise, NOT_FOUND for a pool or budget that does not exist.
+        The task is handed out only when all of them can be taken in the same step; its
+        delivery holds them (``delivery.grants``, ``delivery.reservations``) and gives
+        them back when it ends (a reservation is settled in full if the task succeeded,
+        voided otherwise, unless settled before). ``work_limit``: the name
         of a work limit of the run or an ancestor (``run.work_limits.ensure``);
         LIMIT_EXCEEDED while it has ``max_outstanding`` unfinished tasks.
 
@@ -391,6 +419,31 @@ class Mailbox:
             t._TaskList,
         )
         return [Ticket(self._rs, i.id, i) for i in reply.tasks]
+
+    async def send(
+        self,
+        payload: Any = None,
+        *,
+        scope: "Run | str",
+        key: str | None = None,
+        deadline: datetime | str | None = None,
+    ) -> "Message":
+        """Send a plain message into this INBOX mailbox (``ensure(name, mode="INBOX")``),
+        bound to ``scope``. Receivers take it with :meth:`receive` (or ``consume``) and
+        renew, complete (ACKED), retry or reject it like a task delivery, with the same
+        fencing tokens and leases. ``payload``: any msgpack-able value, at most 64 KiB.
+
+        With ``key``, idempotent within the run and mailbox (same payload: the existing
+        message; another payload: CONFLICT); sent again after a dropped connection only
+        with a ``key`` (else UnavailableError, ``details["maybe_applied"]``).
+        Errors: CONFLICT (a WORK mailbox), SCOPE_CANCELLED / DEADLINE_EXCEEDED (the run
+        is inactive), LIMIT_EXCEEDED (backlog full), NOT_FOUND, VALIDATION_FAILED."""
+        info = await self._rs._call(
+            p.MessageSend(mailbox=self.name, scope_id=_id_of(scope), payload=encode_payload(payload, "payload"),
+                          key=key, deadline=_iso(deadline, "deadline")),
+            t.MessageInfo,
+        )
+        return Message(self._rs, info.id, info)
 
     async def complete_many(self, items: "Iterable[tuple[Delivery, Any]]") -> list:
         """Complete ``[(delivery, outcome), ...]`` in one batch frame; a TaskInfo or
@@ -525,9 +578,29 @@ class Delivery:
         self.lost = False
         #: pool grants this delivery holds (its task's requirements), given back when it ends
         self.grants = [Grant(rs, g, lease_seconds) for g in info.grants]
+        #: budget reservations made for this delivery (its task's requirements): settle the
+        #: real cost on them; what is left is settled in full if the task succeeds, else voided
+        self.reservations = [Reservation(rs, rid) for rid in info.reservations]
 
     def __repr__(self) -> str:
         return f"Delivery(task_id={self.task_id!r}, token={self.token}, attempt={self.attempt})"
+
+    @property
+    def payload(self) -> Any:
+        """The message's payload (the same as ``input``; for INBOX mailboxes)."""
+        return self.input
+
+    @property
+    def message_id(self) -> str | None:
+        """The message id (``msg_…``) when this delivers a message, else None."""
+        return self.task_id if self.task_id.startswith("msg_") else None
+
+    async def nack(self, retry: bool = True, error: Any = None, delay: float = 0) -> t.TaskInfo:
+        """Give it back: ``retry=True`` is :meth:`retry` (delivered again after
+        ``delay`` s, attempt + 1), ``retry=False`` is :meth:`reject` (FAILED)."""
+        if retry:
+            return await self.retry(error, delay=delay)
+        return await self.reject(error)
 
     async def _settle(self, op, reply_type):
         try:
@@ -1045,6 +1118,350 @@ class Timer:
     async def status(self) -> t.TimerStatus:
         self.last_status = await self._rs._call(p.TimerStatus(timer_id=self.id), t.TimerStatus)
         return self.last_status
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+class Message:
+    """A handle on a message of an INBOX mailbox (``msg_…``)."""
+
+    def __init__(self, rs: Client, message_id: str, info: t.MessageInfo | None = None) -> None:
+        self._rs = rs
+        self.id = message_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Message({self.id!r})"
+
+    async def status(self) -> t.MessageInfo:
+        """The message now (readable forever, whatever its run's state)."""
+        self.info = await self._rs._call(p.MessageStatus(message_id=self.id), t.MessageInfo)
+        return self.info
+
+
+# ---------------------------------------------------------------------------- quotas
+
+_MAX_TTL_S = 86_400.0
+
+
+class Quotas:
+    """``rs.quotas``: create, look up and list quotas (rate limits)."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def ensure(self, name: str, units_limit: int, window_seconds: float) -> "Quota":
+        """Create the quota -- at most ``units_limit`` units per fixed window of
+        ``window_seconds`` (1 s to 1 day), windows aligned to their length -- or check it
+        exists with these settings (CONFLICT naming the one that differs). Needs the
+        ``resource_config`` permission."""
+        info = await self._rs._call(
+            p.QuotaEnsure(name=name, units_limit=units_limit, window_ms=_ms(window_seconds, "window_seconds")),
+            t.QuotaInfo,
+        )
+        return Quota(self._rs, info.name, info)
+
+    async def get(self, name: str) -> "Quota":
+        """The quota ``name`` (or id); NOT_FOUND if there is none."""
+        info = await self._rs._call(p.QuotaGet(quota=_name_of(name, "quota")), t.QuotaInfo)
+        return Quota(self._rs, info.name, info)
+
+    async def list(self) -> list[t.QuotaInfo]:
+        return (await self._rs._call(p.QuotaList(), t._QuotaList)).quotas
+
+
+class Quota:
+    """A handle on a quota: ``units_limit`` units per fixed window, durable FIFO
+    waiters, cooldowns (see :mod:`rallypoint.actors.quota`)."""
+
+    def __init__(self, rs: Client, name: str, info: t.QuotaInfo | None = None) -> None:
+        self._rs = rs
+        self.name = name
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Quota({self.name!r})"
+
+    async def status(self, waiters: bool = False) -> t.QuotaInfo:
+        """Used and remaining units in the current window, waiters, cooldown;
+        ``waiters=True`` also lists the WAITING waiters in line order."""
+        self.info = await self._rs._call(p.QuotaGet(quota=self.name, waiters=waiters), t.QuotaInfo)
+        return self.info
+
+    async def take(
+        self, units: int = 1, *, scope: "Run | str", wait: float = 0, holder: str | None = None
+    ) -> t.QuotaTakeInfo:
+        """Take ``units`` (1 to ``units_limit``) for run ``scope``; returns the grant
+        (``consumption_id``: the units are taken, once).
+
+        ``wait=0``: now or never: AllowanceExhaustedError (ALLOWANCE_EXHAUSTED: too few
+        units left in this window, or waiters queued ahead -- first come, first served)
+        or AllowanceCooldownError (ALLOWANCE_COOLDOWN), each with ``retry_after``. Not
+        sent again after a dropped connection (UnavailableError, ``maybe_applied``).
+
+        ``wait`` > 0 seconds: queues a durable waiter on the server (TTL ``wait``) and
+        waits for its grant, which the quota's actor gives in line order as windows
+        roll; WaitTimeout after ``wait`` seconds (the waiter is cancelled; a grant that
+        raced the timeout is returned, not lost). The request carries a key, so it is
+        safe to send again after a dropped connection, and a waiter that the server
+        already GRANTED is never taken twice.
+
+        Errors: SCOPE_CANCELLED / DEADLINE_EXCEEDED (the run is inactive, or ended while
+        this waited), VALIDATION_FAILED (units), NOT_FOUND."""
+        sid = _id_of(scope)
+        if wait is None or wait <= 0:
+            return await self._rs._call(
+                p.QuotaTake(quota=self.name, scope_id=sid, units=units, holder=holder), t.QuotaTakeInfo
+            )
+        deadline = anyio.current_time() + wait
+        reply = await self._register(units, sid, wait, holder, wait)
+        try:
+            while True:
+                if reply.state == "GRANTED":
+                    return reply
+                if reply.state == "CANCELLED":
+                    raise ConflictError(
+                        f"quota waiter {reply.waiter_id} was cancelled ({reply.end_reason}) while this take waited",
+                        details={"waiter_id": reply.waiter_id, "reason": reply.end_reason},
+                    )
+                left = deadline - anyio.current_time()
+                if reply.state == "EXPIRED":
+                    if left < 0.001:
+                        break
+                    reply = await self._register(units, sid, left, holder, left)  # TTL shorter than the wait
+                    continue
+                wait_ms = _ms(min(left, _MAX_WAIT_S), "wait") if left > 0 else 0
+                if wait_ms <= 0:
+                    break
+                reply = await self._rs._call(p.QuotaWaiterWait(waiter_id=reply.waiter_id, wait_ms=wait_ms),
+                                             t.QuotaTakeInfo)
+        except BaseException:
+            if reply.state == "WAITING":
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    try:
+                        await self._rs._call(p.QuotaWaiterCancel(waiter_id=reply.waiter_id), t.QuotaTakeInfo)
+                    except Exception:
+                        pass
+            raise
+        if reply.state == "WAITING":
+            reply = await self._rs._call(p.QuotaWaiterCancel(waiter_id=reply.waiter_id), t.QuotaTakeInfo)
+            if reply.state == "GRANTED":  # granted while the cancel was on its way: it stands
+                return reply
+        raise WaitTimeout(
+            f"quota {self.name!r}: {units} unit(s) not granted within {wait} s (waiter {reply.waiter_id} "
+            "cancelled); nothing was taken"
+        )
+
+    async def _register(self, units: int, sid: str, ttl: float, holder: str | None, wait: float) -> t.QuotaTakeInfo:
+        ttl_ms = min(max(_ms(math.ceil(ttl), "wait"), 1000), int(_MAX_TTL_S * 1000))
+        return await self._rs._call(
+            p.QuotaTake(quota=self.name, scope_id=sid, units=units, ttl_ms=ttl_ms,
+                        wait_ms=_ms(min(wait, _MAX_WAIT_S), "wait"), key=secrets.token_hex(12), holder=holder),
+            t.QuotaTakeInfo,
+        )
+
+    async def enqueue(
+        self, units: int = 1, *, scope: "Run | str", ttl: float, key: str | None = None, holder: str | None = None
+    ) -> "QuotaWaiter":
+        """Register a durable waiter for ``units`` with a TTL of ``ttl`` seconds (1 s to
+        1 day) without waiting for it: GRANTED at once if the units could be taken now
+        (and nobody waits ahead), else WAITING until the quota's actor grants it in line
+        order, or EXPIRED. ``key`` makes it idempotent per (quota, key). Refused on an
+        inactive run."""
+        info = await self._rs._call(
+            p.QuotaTake(quota=self.name, scope_id=_id_of(scope), units=units, ttl_ms=_ms(ttl, "ttl"), key=key,
+                        holder=holder),
+            t.QuotaTakeInfo,
+        )
+        return QuotaWaiter(self._rs, info.waiter_id, info)
+
+    def waiter(self, waiter_id: str) -> "QuotaWaiter":
+        """Re-attach to a waiter by id (no request)."""
+        return QuotaWaiter(self._rs, _id_of(waiter_id, "waiter"))
+
+    async def cooldown(self, seconds: float, reason: str | None = None) -> t.QuotaInfo:
+        """Grant nothing from this quota, to any run of the space, for ``seconds`` (a
+        backoff the provider asked for; at most one day). Only ever extends a running
+        cooldown; waiters stay queued and are served when it ends. Takes meanwhile
+        raise AllowanceCooldownError (ALLOWANCE_COOLDOWN)."""
+        self.info = await self._rs._call(
+            p.QuotaCooldown(quota=self.name, cooldown_ms=max(1, _ms(seconds, "seconds")), reason=reason), t.QuotaInfo
+        )
+        return self.info
+
+
+class QuotaWaiter:
+    """A durable quota waiter (``qwt_…``): WAITING -> GRANTED | EXPIRED | CANCELLED."""
+
+    def __init__(self, rs: Client, waiter_id: str, info: t.QuotaTakeInfo | None = None) -> None:
+        self._rs = rs
+        self.id = waiter_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"QuotaWaiter({self.id!r})"
+
+    async def status(self) -> t.QuotaTakeInfo:
+        self.info = await self._rs._call(p.QuotaWaiterWait(waiter_id=self.id), t.QuotaTakeInfo)
+        return self.info
+
+    async def wait(self, timeout: float | None = None) -> t.QuotaTakeInfo:
+        """Wait on the server until it is no longer WAITING; WaitTimeout after
+        ``timeout`` seconds (the waiter stays queued). SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED if its run's end cancelled it."""
+        def done(info: t.QuotaTakeInfo) -> bool:
+            self.info = info
+            return info.state != "WAITING"
+
+        return await self._rs._wait(
+            lambda ms: p.QuotaWaiterWait(waiter_id=self.id, wait_ms=ms), t.QuotaTakeInfo, done, timeout,
+            lambda info: f"quota waiter {self.id} is still WAITING after {timeout} s",
+        )
+
+    async def cancel(self) -> t.QuotaTakeInfo:
+        """Leave the line (CANCELLED). A waiter already GRANTED is returned as it is:
+        its units are taken."""
+        self.info = await self._rs._call(p.QuotaWaiterCancel(waiter_id=self.id), t.QuotaTakeInfo)
+        return self.info
+
+
+# ---------------------------------------------------------------------------- budgets
+
+
+def _minor(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(
+            f"{field} must be an integer number of minor units (at scale 2, 250 = 2.50), never a float "
+            f"(got {value!r}); convert a decimal string with rallypoint.minor_units('2.50', scale=2)",
+            details={"field": field},
+        )
+    return value
+
+
+class Budgets:
+    """``rs.budgets``: create, look up and list budgets."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def ensure(self, name: str, *, limit: int, currency: str = "USD", scale: int = 2) -> "Budget":
+        """Create the budget -- ``limit`` integer minor units of ``currency`` (3 capital
+        letters) at ``scale`` decimal places -- or check it exists with these settings
+        (CONFLICT naming the one that differs). ``limit=500, scale=2`` is 5.00."""
+        info = await self._rs._call(
+            p.BudgetEnsure(name=name, limit_minor=_minor(limit, "limit"), currency=currency, scale=scale),
+            t.BudgetInfo,
+        )
+        return Budget(self._rs, info.name, info)
+
+    async def get(self, name: str) -> "Budget":
+        info = await self._rs._call(p.BudgetGet(budget=_name_of(name, "budget")), t.BudgetInfo)
+        return Budget(self._rs, info.name, info)
+
+    async def list(self) -> list[t.BudgetInfo]:
+        return (await self._rs._call(p.BudgetList(), t._BudgetList)).budgets
+
+
+class Budget:
+    """A handle on a budget (amounts in integer minor units; see
+    :mod:`rallypoint.actors.budget`)."""
+
+    def __init__(self, rs: Client, name: str, info: t.BudgetInfo | None = None) -> None:
+        self._rs = rs
+        self.name = name
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Budget({self.name!r})"
+
+    async def status(self, reservations: bool = False) -> t.BudgetInfo:
+        """Limit, settled, reserved and available (minor units); ``reservations=True``
+        also lists the open reservations."""
+        self.info = await self._rs._call(p.BudgetGet(budget=self.name, reservations=reservations), t.BudgetInfo)
+        return self.info
+
+    async def reserve(
+        self,
+        amount: int,
+        *,
+        scope: "Run | str",
+        settle_by: datetime | str | None = None,
+        settle_within_seconds: float | None = None,
+        key: str | None = None,
+        holder: str | None = None,
+        delivery: "Delivery | None" = None,
+    ) -> "Reservation":
+        """Hold ``amount`` minor units for run ``scope`` until settled or voided.
+
+        ``settle_by`` (instant) or ``settle_within_seconds``: if still open then, the
+        reservation is marked STALE -- never refunded by that; it holds its amount until
+        settled or voided. ``key``: idempotent per (budget, key), and then safe to send
+        again after a dropped connection (without one: UnavailableError,
+        ``maybe_applied``). ``delivery``: hold it for that delivery (its current lease):
+        when the delivery ends, what is not settled is settled in full if the task
+        succeeded, voided otherwise.
+
+        Errors: InsufficientBudgetError (INSUFFICIENT_BUDGET: ``details
+        ["available_minor"]`` says what is left), SCOPE_CANCELLED / DEADLINE_EXCEEDED
+        (the run is inactive), LeaseLostError (``delivery`` no longer holds its lease),
+        VALIDATION_FAILED, NOT_FOUND, CONFLICT (``key`` reused otherwise)."""
+        info = await self._rs._call(
+            p.BudgetReserve(
+                budget=self.name, scope_id=_id_of(scope), amount_minor=_minor(amount, "amount"),
+                settle_by=_iso(settle_by, "settle_by"),
+                settle_within_ms=None if settle_within_seconds is None else _ms(settle_within_seconds,
+                                                                                "settle_within_seconds"),
+                key=key, holder=holder,
+                task_id=delivery.task_id if delivery is not None else None,
+                token=delivery.token if delivery is not None else 0,
+            ),
+            t.ReservationInfo,
+        )
+        return Reservation(self._rs, info.id, info)
+
+    def reservation(self, reservation_id: str) -> "Reservation":
+        """Re-attach to a reservation by id (no request)."""
+        return Reservation(self._rs, _id_of(reservation_id, "reservation"))
+
+
+class Reservation:
+    """A budget reservation (``rsv_…``): ACTIVE (or STALE) until settled or voided."""
+
+    def __init__(self, rs: Client, reservation_id: str, info: t.ReservationInfo | None = None) -> None:
+        self._rs = rs
+        self.id = reservation_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Reservation({self.id!r})"
+
+    async def settle(self, amount: int, usage_key: str | None = None, *, final: bool = True) -> t.SettleResult:
+        """Charge ``amount`` minor units (the actual cost) under ``usage_key`` (default
+        ``settle:<reservation id>``): idempotent per usage key -- the same key again
+        returns the first settlement (``replayed``), so it is safe to send again after
+        a dropped connection. The charge is capped at what is left (the reservation's
+        remainder plus what the budget has unreserved; the rest is ``overrun``).
+        ``final`` (default) closes the reservation and releases the remainder;
+        ``final=False`` keeps holding it (give each partial settlement its own key).
+        Allowed whatever the run's state. CONFLICT: the usage key was used otherwise."""
+        r = await self._rs._call(
+            p.BudgetSettle(reservation_id=self.id, amount_minor=_minor(amount, "amount"),
+                           usage_key=usage_key if usage_key is not None else f"settle:{self.id}", final=final),
+            t.SettleResult,
+        )
+        self.info = r.reservation
+        return r
+
+    async def void(self) -> t.ReservationInfo:
+        """Close the reservation and release its remainder (VOIDED; what was settled
+        stays spent). Idempotent; allowed whatever the run's state."""
+        self.info = await self._rs._call(p.BudgetVoid(reservation_id=self.id), t.ReservationInfo)
+        return self.info
+
+    async def status(self) -> t.ReservationInfo:
+        self.info = await self._rs._call(p.ReservationGet(reservation_id=self.id), t.ReservationInfo)
+        return self.info
 
 
 # ================================================================ requirements helpers

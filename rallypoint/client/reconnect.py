@@ -25,7 +25,12 @@ What happens to a request when the connection drops:
   * ``receive`` (if the lost reply carried a lease, that task stays leased to nobody
     until its lease runs out, then it is delivered again; no work is duplicated);
   * a submission *with an idempotency* ``key`` (task, batch where every item has a
-    key, group member, join-set child): the server returns the existing task;
+    key, group member, join-set child, message): the server returns the existing one;
+    likewise a quota take or a budget reservation with a ``key`` (``quota.take`` with
+    ``wait`` always sends one);
+  * quota reads, waiter waits and cancels, cooldowns (a second one only extends the
+    cooldown to now plus its length); budget reads, settlements (idempotent per usage
+    key) and voids;
   * claim and pool acquires with a ``request_id`` (the SDK always sends one): the server
     returns the lease or grant the first one got, or re-parks its queued waiter (which
     keeps its place); the holder's renew/release/complete (fenced by the token; a
@@ -34,7 +39,9 @@ What happens to a request when the connection drops:
   Everything else raises :class:`~rallypoint.errors.UnavailableError` with
   ``details={"op": ..., "maybe_applied": True}``: a submission *without* a key, creating
   runs, groups, barriers, timers and join sets, barrier arrivals and ``next_epoch``,
-  ``join_next`` / ``join_next_try`` without a known index or step, key administration. Check the state, then retry
+  ``join_next`` / ``join_next_try`` without a known index or step, key administration,
+  a quota take without a key (``take(wait=0)``), a budget reservation without a key.
+  Check the state, then retry
   yourself; or give submissions a ``key``, which makes them safe.
 
 - **Answered UNAVAILABLE by a draining server** (SIGTERM: long waits are ended after a
@@ -115,11 +122,22 @@ _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.TimerStatus, p.TimerWait, p.TimerCancel,
     p.JoinSetGet, p.JoinSetClose,
     p.KeyList,
+    p.MessageStatus,
+    # quotas: reads, waits, cancel (idempotent), cooldown (a second one only extends it to
+    # now + its length)
+    p.QuotaEnsure, p.QuotaGet, p.QuotaList, p.QuotaWaiterWait, p.QuotaWaiterCancel, p.QuotaCooldown,
+    # budgets: settle is idempotent per usage key, void per reservation
+    p.BudgetEnsure, p.BudgetGet, p.BudgetList, p.BudgetSettle, p.BudgetVoid, p.ReservationGet,
     # claims and pool grants: fenced by their token (a second release/complete of the
     # same lease returns the first one's result), reads, idempotent withdrawals
     p.ClaimRenew, p.ClaimRelease, p.ClaimComplete, p.ClaimCancelWait, p.ClaimStatus, p.ClaimList,
     p.PoolEnsure, p.PoolGet, p.PoolList, p.PoolCancelWait, p.GrantRenew, p.GrantRelease, p.GrantStatus,
     p.WorkLimitEnsure, p.WorkLimitList,
+})
+
+#: Safe to re-send only with their idempotency ``key``.
+_KEYED: frozenset[type] = frozenset({
+    p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.MessageSend, p.QuotaTake, p.BudgetReserve,
 })
 
 
@@ -129,7 +147,7 @@ def reissue_safe(op: Any) -> bool:
     t = type(op)
     if t in _REISSUE_ALWAYS:
         return True
-    if t is p.TaskSubmit or t is p.GroupSubmit or t is p.JoinSetSubmit:
+    if t in _KEYED:
         return op.key is not None
     if t is p.TaskSubmitMany:
         return all(item.key is not None for item in op.items)
@@ -151,6 +169,9 @@ _ADVICE = {
     p.TaskSubmitMany: "give every item a `key` to make the batch safe to retry",
     p.GroupSubmit: "give the member a `key` to make it safe to retry",
     p.JoinSetSubmit: "give the child a `key` to make it safe to retry",
+    p.MessageSend: "give the message a `key` to make it safe to retry",
+    p.QuotaTake: "check the quota's status before taking again (a take with wait carries a key and is re-sent)",
+    p.BudgetReserve: "give the reservation a `key` to make it safe to retry",
 }
 
 _task_view = msgspec.msgpack.Decoder(p.TaskView)
@@ -395,11 +416,11 @@ class ReconnectingTransport:
         try:
             if t is p.DeliveryComplete and (
                 isinstance(e, ScopeInactiveError)
-                or (isinstance(e, LeaseLostError) and (e.details or {}).get("state") == "SUCCEEDED")
+                or (isinstance(e, LeaseLostError) and (e.details or {}).get("state") in ("SUCCEEDED", "ACKED"))
             ):
                 raw = await conn.call(p.TaskStatus(task_id=op.task_id))
                 v = _task_view.decode(raw)
-                if v.state == "SUCCEEDED" and bytes(v.outcome) == bytes(op.outcome):
+                if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(op.outcome):
                     return raw
             elif t is p.DeliveryRetry and isinstance(e, LeaseLostError) and (e.details or {}).get("state") == "QUEUED":
                 # Our token is still the task's, and it is queued again: our retry was

@@ -22,6 +22,12 @@ __all__ = [
     "GroupDecision",
     "VerdictResult",
     "ServerInfo",
+    "MessageInfo",
+    "QuotaInfo",
+    "QuotaTakeInfo",
+    "BudgetInfo",
+    "ReservationInfo",
+    "SettleResult",
     "ClaimInfo",
     "PoolInfo",
     "GrantInfo",
@@ -98,7 +104,7 @@ class TaskInfo(_Info):
 
     @property
     def finished(self) -> bool:
-        return self.state in ("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED")
+        return self.state in ("SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED")
 
 
 class GrantInfo(_Info):
@@ -133,6 +139,7 @@ class DeliveryInfo(_Info):
     group_id: str | None = None
     run_id: str | None = None
     grants: list[GrantInfo] = msgspec.field(default_factory=list)
+    reservations: list[str] = msgspec.field(default_factory=list)
 
 
 class _ReceiveReply(msgspec.Struct):
@@ -291,6 +298,142 @@ class _JoinNextReply(msgspec.Struct):
     replayed: bool = False
 
 
+class MessageInfo(_Info):
+    """A message of an INBOX mailbox: ``state`` QUEUED, RUNNING (leased), ACKED
+    (completed), FAILED, CANCELLED or EXPIRED; ``result`` is what its receiver completed
+    it with."""
+
+    id: str
+    mailbox: str
+    scope_id: str
+    state: str
+    attempt: int
+    key: str | None
+    payload: Any
+    result: Any
+    error: Any
+    outcome_reason: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    deadline: datetime | None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("ACKED", "FAILED", "CANCELLED", "EXPIRED")
+
+
+class QuotaTakeInfo(_Info):
+    """A quota take: ``state`` GRANTED (``consumption_id``: the units are taken, once),
+    WAITING (a durable waiter, ``waiter_id``), EXPIRED or CANCELLED (``end_reason``).
+    ``remaining``: units left in the current window now; ``window_start`` /
+    ``window_end``: the window the grant counted in."""
+
+    quota_id: str
+    quota: str
+    scope_id: str
+    state: str
+    units: int
+    consumption_id: str | None
+    waiter_id: str | None
+    window_start: datetime | None
+    window_end: datetime | None
+    remaining: int
+    expires_at: datetime | None
+    created_at: datetime
+    ended_at: datetime | None
+    end_reason: str | None
+    holder: str | None
+
+    @property
+    def granted(self) -> bool:
+        return self.state == "GRANTED"
+
+
+class QuotaInfo(_Info):
+    """A quota now: ``used`` / ``remaining`` of ``units_limit`` in the current window
+    [``window_start``, ``window_end``), ``waiting`` waiters, a running cooldown."""
+
+    id: str
+    name: str
+    units_limit: int
+    window_ms: int
+    window_start: datetime
+    window_end: datetime
+    used: int
+    remaining: int
+    waiting: int
+    cooldown_until: datetime | None
+    cooldown_reason: str | None
+    consumed_total: int
+    created_at: datetime
+    waiters: list[QuotaTakeInfo] = msgspec.field(default_factory=list)
+
+    @property
+    def window_seconds(self) -> float:
+        return self.window_ms / 1000
+
+
+class _QuotaList(msgspec.Struct):
+    quotas: list[QuotaInfo]
+
+
+class ReservationInfo(_Info):
+    """A budget reservation (amounts in integer minor units): ``state`` ACTIVE, STALE
+    (past settle-by, still holding), SETTLED or VOIDED."""
+
+    id: str
+    budget_id: str
+    budget: str
+    scope_id: str
+    state: str
+    amount_minor: int
+    remaining_minor: int
+    settled_minor: int
+    overrun_minor: int
+    currency: str
+    scale: int
+    settle_by: datetime | None
+    created_at: datetime
+    closed_at: datetime | None
+    close_reason: str | None
+    holder: str | None
+    key: str | None
+    task_id: str | None
+
+
+class BudgetInfo(_Info):
+    """A budget (amounts in integer minor units at ``scale``):
+    ``available_minor`` = ``limit_minor`` - ``settled_minor`` - ``reserved_minor``."""
+
+    id: str
+    name: str
+    currency: str
+    scale: int
+    limit_minor: int
+    settled_minor: int
+    reserved_minor: int
+    available_minor: int
+    overrun_minor: int
+    open_reservations: int
+    created_at: datetime
+    reservations: list[ReservationInfo] = msgspec.field(default_factory=list)
+
+
+class _BudgetList(msgspec.Struct):
+    budgets: list[BudgetInfo]
+
+
+class SettleResult(_Info):
+    """One settlement: ``charged_minor`` of ``requested_minor`` (capped at what was
+    left), the budget's ``available_minor`` after it; ``replayed``: this usage key had
+    been settled before and nothing changed."""
+
+    reservation: ReservationInfo
+    usage_key: str
+    requested_minor: int
+    charged_minor: int
+    available_minor: int
+    replayed: bool
 class ClaimWaiterInfo(_Info):
     scope_id: str
     holder: str | None
