@@ -207,6 +207,15 @@ class TaskResult(_Op, tag="task.result"):
     wait_ms: int = 0
 
 
+class TaskResults(_Op, tag="task.results"):
+    """Waits on the server (at most 60 s per request) until EVERY task is terminal; the
+    reply lists them in the given order (as they are when the wait ends). One request
+    and one parked wait for many tasks (1 to 1000 ids)."""
+
+    task_ids: list[str]
+    wait_ms: int = 0
+
+
 class TaskCancel(_Op, tag="task.cancel"):
     task_id: str
 
@@ -1127,6 +1136,7 @@ Op = Union[
     TaskSubmitMany,
     TaskStatus,
     TaskResult,
+    TaskResults,
     TaskCancel,
     Receive,
     DeliveryRenew,
@@ -1211,6 +1221,7 @@ REPLY_TYPES: dict[type, type] = {
     TaskSubmitMany: TaskListView,
     TaskStatus: TaskView,
     TaskResult: TaskView,
+    TaskResults: TaskListView,
     TaskCancel: TaskView,
     Receive: ReceiveView,
     DeliveryRenew: LeaseView,

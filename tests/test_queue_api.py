@@ -451,3 +451,32 @@ async def test_results_times_out_without_changing_anything(rs):
     with pytest.raises(WaitTimeout):
         await rs.results(tickets, timeout=0.2)
     assert [(await t.status()).state for t in tickets] == ["QUEUED", "QUEUED"]
+
+
+async def test_results_waits_for_many_tasks_with_one_request_and_one_parked_wait(autojump_clock, ers):
+    # tasks in two runs; rs.results sends ONE task.results request, parked ONCE (on the
+    # first task's run), woken as each finishes -- also by a task of the other run
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure(uniq())
+    a, b = await ers.scopes.create(), await ers.scopes.create()
+    tickets = await m.submit_many([1, 2, 3], scope=a) + await m.submit_many([4, 5], scope=b)
+    got: list = []
+    async with trio.open_nursery() as n:
+        async def wait_all():
+            got.extend(await ers.results(tickets, timeout=600))
+
+        n.start_soon(wait_all)
+        await trio.testing.wait_all_tasks_blocked()
+        assert coord.runtime.n_waiters == 1  # one parked wait for five tasks
+        for run in (b, a):  # the other run's tasks first
+            for d in await m.receive(run, wait=0, max_messages=10):
+                await trio.sleep(1)
+                await d.complete(d.input * 10)
+        await trio.testing.wait_all_tasks_blocked()
+    assert [(i.state, i.outcome) for i in got] == [("SUCCEEDED", k * 10) for k in (1, 2, 3, 4, 5)]
+    assert coord.runtime.n_waiters == 0 and not coord.queues.result_watch
+    # a wait that times out answers the tasks as they are, and changes nothing
+    t = await m.submit("late", scope=a)
+    with pytest.raises(WaitTimeout):
+        await ers.results([t], timeout=5)
+    assert not coord.queues.result_watch

@@ -58,6 +58,10 @@ def _task(c, s, op) -> str:
     return c.queues.route_task(s, op.task_id)
 
 
+def _tasks(c, s, op) -> str:
+    return c.queues.route_tasks(s, op.task_ids)
+
+
 def _queue(c, s, op) -> str:
     return c.queues.route_queue(s, op.name)
 
@@ -137,6 +141,7 @@ OPS: dict[type, OpSpec] = {
     p.TaskSubmitMany: OpSpec("queues", "op_task_submit_many", _run("scope_id"), W),
     p.TaskStatus: OpSpec("queues", "op_task_status", _task, R),
     p.TaskResult: OpSpec("queues", "op_task_result", _task, R),
+    p.TaskResults: OpSpec("queues", "op_task_results", _tasks, R),
     p.TaskCancel: OpSpec("queues", "op_task_cancel", _task, W),
     p.Receive: OpSpec("queues", "op_receive", _run("scope_id"), W),
     p.DeliveryRenew: OpSpec("queues", "op_delivery_renew", _task, W),

@@ -49,6 +49,7 @@ and counts.
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import msgspec
 
@@ -74,6 +75,7 @@ from ..protocol import (
     TaskCancel,
     TaskListView,
     TaskResult,
+    TaskResults,
     TaskStatus,
     TaskSubmit,
     TaskSubmitMany,
@@ -175,6 +177,8 @@ class WorkQueues(Kind):
         self.table: dict[str, MailboxState] = {}
         self.tasks: dict[str, TaskState] = {}
         self.next_seq = 1
+        # task id -> [(actor id, key)] of waits for many tasks (task.results) to wake
+        self.result_watch: dict[str, list[tuple[str, Any]]] = {}
         self.to_check: set[str] = set()  # completing tasks whose run may be done: see react()
         self._init_indexes()
 
@@ -476,6 +480,11 @@ class WorkQueues(Kind):
                     del self.run_unfinished[t.scope_id]
             self.ready_set.discard(t.id)
             coord.notify(t.scope_id, t.id)  # result waiters (on the task's run)
+            if self.result_watch:
+                watchers = self.result_watch.pop(t.id, None)
+                if watchers:
+                    for actor_id, key in watchers:  # waits for many tasks, maybe on another run
+                        coord.notify(actor_id, key)
             if t.joinset_id is not None:
                 coord.joinsets.on_task_terminal(t)
         else:
@@ -643,9 +652,10 @@ class WorkQueues(Kind):
             if t.requirements is not None:  # the take, in the same commit as the delivery
                 recs.extend(coord.admission.take_records(t, now))
         coord.commit(recs)
-        return [self.delivery_view(t, q) for t in picked]
+        expires_at = to_iso(coord.clock.mono_to_wall(expires))  # the same for the whole batch
+        return [self.delivery_view(t, q, expires_at) for t in picked]
 
-    def delivery_view(self, t: TaskState, q: MailboxState | None = None) -> DeliveryView:
+    def delivery_view(self, t: TaskState, q: MailboxState | None = None, expires_at: str | None = None) -> DeliveryView:
         q = q or self.table[t.mailbox_id]
         return DeliveryView(
             id=t.delivery_id or "",
@@ -655,7 +665,7 @@ class WorkQueues(Kind):
             input=msgspec.Raw(t.input),
             attempt=t.attempt,
             token=t.token,
-            lease_expires_at=to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
+            lease_expires_at=expires_at or to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
             group_id=t.group_id,
             run_id=t.run_id,
             **(self.coord.admission.views(t) if t.requirements is not None else {}),
@@ -915,6 +925,60 @@ class WorkQueues(Kind):
             return self.task_view(t)
         view = self.task_view
         return Park(t.id, lambda: view(t) if t.state in TERMINAL else None, wait_ms, lambda: view(t))
+
+    def route_tasks(self, session, task_ids) -> str:
+        """The actor of a wait for many tasks: the first task's run (the others'
+        changes reach it through ``result_watch``). VALIDATION_FAILED for 0 or more than
+        1000 ids; NOT_FOUND for an unknown one."""
+        if not isinstance(task_ids, list) or not 1 <= len(task_ids) <= MAX_BATCH:
+            raise ValidationError(f"task_ids must hold 1 to {MAX_BATCH} ids", details={"field": "task_ids"})
+        first = None
+        for tid in task_ids:
+            t = self.get_task(session.space, tid)
+            if first is None:
+                first = t
+        return first.scope_id
+
+    def op_task_results(self, actor, session, op: TaskResults):
+        """Every task, once all are terminal (in the given order); ONE parked wait on the
+        first task's run for up to ``wait_ms``, woken as each of them finishes (the
+        tasks may be in several runs)."""
+        tasks = [self.get_task(session.space, tid) for tid in op.task_ids]
+        wait_ms = clamp_wait(op.wait_ms)
+        view = self.task_view
+        pending = [t for t in tasks if t.state not in TERMINAL]
+        if not pending or wait_ms == 0:
+            return TaskListView(tasks=[view(t) for t in tasks])
+        key = ("results", id(pending))
+        watch = self.result_watch
+        entry = (actor.id if actor is not None else tasks[0].scope_id, key)
+        for t in pending:
+            watch.setdefault(t.id, []).append(entry)
+
+        def unwatch() -> None:
+            for t in pending:
+                lst = watch.get(t.id)
+                if lst is not None:
+                    try:
+                        lst.remove(entry)
+                    except ValueError:
+                        pass
+                    if not lst:
+                        del watch[t.id]
+
+        def check():
+            while pending and pending[-1].state in TERMINAL:
+                pending.pop()
+            if any(t.state not in TERMINAL for t in pending):
+                return None
+            unwatch()
+            return TaskListView(tasks=[view(t) for t in tasks])
+
+        def expire():
+            unwatch()
+            return TaskListView(tasks=[view(t) for t in tasks])
+
+        return Park(key, check, wait_ms, expire)
 
     def op_task_cancel(self, actor, session, op: TaskCancel) -> TaskView:
         t = self.get_task(session.space, op.task_id)

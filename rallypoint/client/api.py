@@ -160,9 +160,10 @@ class Client:
     async def results(self, tickets: "Iterable[Ticket | str]", timeout: float | None = None) -> list[t.TaskInfo]:
         """Wait until every task is terminal; their infos in the given order.
 
-        One batch frame per round (a server-side wait per task, answered as each
-        finishes), so waiting for N tasks costs one round trip, not N. WaitTimeout
-        (changing nothing) if some are still unfinished after ``timeout`` seconds."""
+        ONE request per round (``task.results``: one wait on the server for all of
+        them, at most 1000 per request; more are split), so waiting for N tasks costs
+        one round trip, not N. WaitTimeout (changing nothing) if some are still
+        unfinished after ``timeout`` seconds."""
         ids = [_id_of(x, "task") for x in tickets]
         out: list[t.TaskInfo | None] = [None] * len(ids)
         remaining = math.inf if timeout is None else timeout
@@ -172,14 +173,20 @@ class Client:
                 return out  # type: ignore[return-value]
             chunk = min(remaining, _MAX_WAIT_S)
             ms = _ms(chunk, "timeout")
-            replies = await self._call_many([p.TaskResult(task_id=ids[i], wait_ms=ms) for i in todo], t.TaskInfo)
-            for i, r in zip(todo, replies):
+            parts = [todo[k:k + 1000] for k in range(0, len(todo), 1000)]
+            ops = [p.TaskResults(task_ids=[ids[i] for i in part], wait_ms=ms) for part in parts]
+            replies = await (self._call_many(ops, t._TaskList) if len(ops) > 1 else self._call_one(ops[0], t._TaskList))
+            for part, r in zip(parts, replies):
                 if isinstance(r, Exception):
                     raise r
-                out[i] = r
+                for i, info in zip(part, r.tasks):
+                    out[i] = info
             remaining -= chunk
             if remaining <= 0 and any(not out[i].finished for i in todo):
                 raise WaitTimeout(f"{sum(not out[i].finished for i in todo)} of {len(ids)} tasks unfinished after {timeout} s")
+
+    async def _call_one(self, op, reply_type) -> list:
+        return [await self._call(op, reply_type)]
 
     def scope(self, scope_id: str) -> "Run":
         """Re-attach to a run by id (no request is made)."""

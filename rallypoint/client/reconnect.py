@@ -115,7 +115,7 @@ class Reconnect:
 _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.ServerStatus, p.ScopeStatus, p.ScopeList, p.ScopeCancel, p.ScopeComplete,
     p.MailboxEnsure, p.MailboxGet, p.MailboxList,
-    p.TaskStatus, p.TaskResult, p.TaskCancel,
+    p.TaskStatus, p.TaskResult, p.TaskResults, p.TaskCancel,
     p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryRetry, p.DeliveryReject, p.DeliveryRun,
     p.GroupJoinTask, p.GroupVerdictOp, p.GroupClose, p.GroupStatus, p.GroupWait,
     p.BarrierStatus, p.BarrierWait,
