@@ -310,6 +310,40 @@ class DeliveryComplete(_Op, tag="delivery.complete"):
     outcome: msgspec.Raw = NIL
 
 
+class CompleteItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    task_id: str
+    token: int
+    outcome: msgspec.Raw = NIL
+
+
+class DeliveryCompleteMany(_Op, tag="delivery.complete_many"):
+    """Complete several deliveries of ONE run in one request and one commit. Each item
+    is judged on its own, like ``delivery.complete`` (a refused item changes nothing;
+    the others are applied); 1 to 1000 items."""
+
+    items: list[CompleteItem]
+
+
+class ItemError(_View):
+    """A refused item of a batch operation: the error it would have raised."""
+
+    code: str
+    message: str
+    retry_after: float | None = None
+    details: dict | None = None
+
+
+class SettledView(_View):
+    """One item's answer: the task after it (``task``) or why it was refused (``error``)."""
+
+    task: TaskView | None = None
+    error: ItemError | None = None
+
+
+class SettledListView(_View):
+    items: list[SettledView]
+
+
 class DeliveryRetry(_Op, tag="delivery.retry"):
     task_id: str
     token: int
@@ -1141,6 +1175,7 @@ Op = Union[
     Receive,
     DeliveryRenew,
     DeliveryComplete,
+    DeliveryCompleteMany,
     DeliveryRetry,
     DeliveryReject,
     DeliveryRun,
@@ -1226,6 +1261,7 @@ REPLY_TYPES: dict[type, type] = {
     Receive: ReceiveView,
     DeliveryRenew: LeaseView,
     DeliveryComplete: TaskView,
+    DeliveryCompleteMany: SettledListView,
     DeliveryRetry: TaskView,
     DeliveryReject: TaskView,
     DeliveryRun: ScopeView,

@@ -62,6 +62,10 @@ def _tasks(c, s, op) -> str:
     return c.queues.route_tasks(s, op.task_ids)
 
 
+def _complete_many(c, s, op) -> str:
+    return c.queues.route_complete_many(s, op.items)
+
+
 def _queue(c, s, op) -> str:
     return c.queues.route_queue(s, op.name)
 
@@ -146,6 +150,7 @@ OPS: dict[type, OpSpec] = {
     p.Receive: OpSpec("queues", "op_receive", _run("scope_id"), W),
     p.DeliveryRenew: OpSpec("queues", "op_delivery_renew", _task, W),
     p.DeliveryComplete: OpSpec("queues", "op_delivery_complete", _task, W),
+    p.DeliveryCompleteMany: OpSpec("queues", "op_delivery_complete_many", _complete_many, W),
     p.DeliveryRetry: OpSpec("queues", "op_delivery_retry", _task, W),
     p.DeliveryReject: OpSpec("queues", "op_delivery_reject", _task, W),
     p.DeliveryRun: OpSpec("queues", "op_delivery_run", _task, W),

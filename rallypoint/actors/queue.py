@@ -54,11 +54,15 @@ from typing import Any
 import msgspec
 
 from ..clock import to_iso
-from ..errors import ConflictError, LeaseLostError, LimitError, NotFoundError, ValidationError
+from ..errors import ConflictError, LeaseLostError, LimitError, NotFoundError, RallypointError, ValidationError
 from ..ids import is_id
 from ..protocol import (
     NIL,
     DeliveryComplete,
+    DeliveryCompleteMany,
+    ItemError,
+    SettledListView,
+    SettledView,
     DeliveryReject,
     DeliveryRenew,
     DeliveryRetry,
@@ -754,23 +758,77 @@ class WorkQueues(Kind):
         completes the run and records the outcome (SUCCEEDED). Until then the reply and
         the task say RUNNING with ``completing``; the same complete again is answered
         the same way (another outcome is STALE_CLAIM)."""
-        t = self._holder(session, op.task_id, op.token)
-        outcome = check_payload("outcome", op.outcome)
+        t, recs = self._complete_records(session, op.task_id, op.token, op.outcome, self.coord.now_ms())
+        if recs:
+            self.coord.commit(recs)
+        return self.task_view(t)
+
+    def _complete_records(self, session, task_id, token: int, outcome_raw, now: int,
+                          field: str = "outcome") -> tuple[TaskState, list]:
+        """The records that complete ``task_id`` (none for a re-sent complete of a
+        completing task). Raises as :meth:`op_delivery_complete` does."""
+        t = self._holder(session, task_id, token)
+        outcome = check_payload(field, outcome_raw)
         if t.completing and t.held_outcome == outcome:
-            return self.task_view(t)  # a re-sent complete
-        self.coord.runs.require_active(t.scope_id)
+            return t, []  # a re-sent complete
+        coord = self.coord
+        coord.runs.require_active(t.scope_id)
         if not self._lease_live(t):
             raise self._lost(t)
-        coord = self.coord
-        now = coord.now_ms()
         if t.run_id is None:
-            coord.commit([TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=now)])
-        else:
-            coord.commit([
-                TaskCompleting(task_id=t.id, token=t.token, outcome=outcome, at_ms=now),
-                *coord.joinsets.close_records_for_complete(t.run_id, now),
-            ])
-        return self.task_view(t)
+            return t, [TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=now)]
+        return t, [
+            TaskCompleting(task_id=t.id, token=t.token, outcome=outcome, at_ms=now),
+            *coord.joinsets.close_records_for_complete(t.run_id, now),
+        ]
+
+    def route_complete_many(self, session, items) -> str:
+        """The actor of a batch of completes: the first task's run (every item must be
+        a task of that run: its commands run on its run's actor). VALIDATION_FAILED for 0
+        or more than 1000 items."""
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH:
+            raise ValidationError(f"items must hold 1 to {MAX_BATCH} completes", details={"field": "items"})
+        return self.get_task(session.space, items[0].task_id).scope_id
+
+    def op_delivery_complete_many(self, actor, session, op: DeliveryCompleteMany) -> SettledListView:
+        """Complete several deliveries of one run in ONE commit: each item is judged as
+        ``delivery.complete`` judges it (its refusal is its answer, and changes nothing);
+        the accepted ones are recorded together. An item naming a task of another run is
+        VALIDATION_FAILED (send one batch per run); the same task twice in one batch: the
+        second is STALE_CLAIM."""
+        coord = self.coord
+        run_id = self.get_task(session.space, op.items[0].task_id).scope_id
+        now = coord.now_ms()
+        recs: list = []
+        answers: list = []
+        seen: set[str] = set()
+        for i, it in enumerate(op.items):
+            try:
+                t = self.get_task(session.space, it.task_id)
+                if t.scope_id != run_id:
+                    raise ValidationError(
+                        f"items[{i}]: task {t.id} is in run {t.scope_id}, not {run_id}: send one batch per run",
+                        details={"field": f"items[{i}].task_id"},
+                    )
+                if t.id in seen:
+                    raise LeaseLostError(f"task {t.id} is completed earlier in this batch",
+                                         details={"task_id": t.id, "state": t.state})
+                t, more = self._complete_records(session, it.task_id, it.token, it.outcome, now,
+                                                 f"items[{i}].outcome")
+                seen.add(t.id)
+                recs.extend(more)
+                answers.append(t)
+            except RallypointError as e:
+                answers.append(e)
+        if recs:
+            coord.commit(recs)
+        view = self.task_view
+        return SettledListView(items=[
+            SettledView(task=view(a)) if isinstance(a, TaskState) else SettledView(error=ItemError(
+                code=a.code, message=a.message, retry_after=a.retry_after,
+                details=a.details if isinstance(a.details, dict) or a.details is None else {"value": a.details}))
+            for a in answers
+        ])
 
     @applies(TaskCompleting)
     def _apply_completing(self, r: TaskCompleting) -> None:

@@ -29,6 +29,7 @@ import msgspec
 
 from .. import protocol as p
 from ..errors import (
+    error_from_wire,
     ClaimHeldError,
     CapacityUnavailableError,
     ConflictError,
@@ -508,19 +509,39 @@ class Mailbox:
 
 
 async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]") -> list:
-    """Complete several deliveries in ONE batch frame: ``[(delivery, outcome), ...]`` ->
-    a TaskInfo or the RallypointError (e.g. LeaseLostError) for each, in order. Marks
-    the deliveries whose lease was lost."""
+    """Complete several deliveries at once: ``[(delivery, outcome), ...]`` -> a TaskInfo
+    or the RallypointError (e.g. LeaseLostError) for each, in order. ONE request per run
+    (``delivery.complete_many``: one commit on the server; the requests of several runs
+    go in one batch frame). Marks the deliveries whose lease was lost. Outcomes that
+    cannot be encoded raise VALIDATION_FAILED before anything is sent."""
     items = list(items)
-    ops = [
-        p.DeliveryComplete(task_id=d.task_id, token=d.token, outcome=encode_payload(o, "outcome"))
-        for d, o in items
-    ]
-    replies = await rs._call_many(ops, t.TaskInfo)
-    for (d, _), r in zip(items, replies):
+    by_run: dict[str, list[int]] = {}
+    for i, (d, _) in enumerate(items):
+        by_run.setdefault(d.scope_id, []).append(i)
+    groups = [by_run[r] for r in by_run]
+    ops = []
+    for g in groups:
+        for k in range(0, len(g), 1000):
+            part = g[k:k + 1000]
+            ops.append((part, p.DeliveryCompleteMany(items=[
+                p.CompleteItem(task_id=items[i][0].task_id, token=items[i][0].token,
+                               outcome=encode_payload(items[i][1], "outcome"))
+                for i in part
+            ])))
+    replies = await rs._call_many([op for _, op in ops], t._SettledList)
+    out: list = [None] * len(items)
+    for (part, _), reply in zip(ops, replies):
+        if isinstance(reply, Exception):
+            for i in part:
+                out[i] = reply
+            continue
+        for i, r in zip(part, reply.items):
+            out[i] = r.task if r.error is None else error_from_wire(
+                r.error.code, r.error.message, r.error.retry_after, r.error.details)
+    for (d, _), r in zip(items, out):
         if isinstance(r, (LeaseLostError, ScopeInactiveError)):
             d.lost = True
-    return replies
+    return out
 
 
 class Ticket:
