@@ -188,12 +188,14 @@ class TaskSubmit(_Op, tag="task.submit"):
 
 
 class TaskSubmitMany(_Op, tag="task.submit_many"):
-    """All-or-nothing: every item is validated first; one commit for all."""
+    """All-or-nothing: every item is validated first; one commit for all. ``brief``: the
+    reply carries only the task ids (``TaskListView.ids``), not each task's view."""
 
     mailbox: str
     scope_id: str
     items: list[SubmitItem]
     work_limit: str | None = None
+    brief: bool = False
 
 
 class TaskStatus(_Op, tag="task.status"):
@@ -240,7 +242,10 @@ class TaskView(_View):
 
 
 class TaskListView(_View):
-    tasks: list[TaskView]
+    """The tasks' views, or (a ``brief`` submit) only their ids."""
+
+    tasks: list[TaskView] = msgspec.field(default_factory=list)
+    ids: list[str] = msgspec.field(default_factory=list)
 
 
 class Receive(_Op, tag="delivery.receive"):
@@ -319,9 +324,11 @@ class CompleteItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
 class DeliveryCompleteMany(_Op, tag="delivery.complete_many"):
     """Complete several deliveries of ONE run in one request and one commit. Each item
     is judged on its own, like ``delivery.complete`` (a refused item changes nothing;
-    the others are applied); 1 to 1000 items."""
+    the others are applied); 1 to 1000 items. ``brief``: an accepted item's answer
+    carries no task view (only refusals are detailed)."""
 
     items: list[CompleteItem]
+    brief: bool = False
 
 
 class ItemError(_View):

@@ -402,6 +402,8 @@ class WorkQueues(Kind):
             ids.append(r.id)
         if recs:
             self.coord.commit(recs)
+        if op.brief:
+            return TaskListView(ids=ids)
         return TaskListView(tasks=[self.task_view(self.tasks[i]) for i in ids])
 
     @applies(TaskSubmitted)
@@ -823,6 +825,12 @@ class WorkQueues(Kind):
         if recs:
             coord.commit(recs)
         view = self.task_view
+        if op.brief:
+            ok = SettledView()
+            return SettledListView(items=[ok if isinstance(a, TaskState) else SettledView(error=ItemError(
+                code=a.code, message=a.message, retry_after=a.retry_after,
+                details=a.details if isinstance(a.details, dict) or a.details is None else {"value": a.details}))
+                for a in answers])
         return SettledListView(items=[
             SettledView(task=view(a)) if isinstance(a, TaskState) else SettledView(error=ItemError(
                 code=a.code, message=a.message, retry_after=a.retry_after,

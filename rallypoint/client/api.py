@@ -407,11 +407,14 @@ class Mailbox:
     async def submit_many(
         self, inputs: Iterable[Any], *, scope: "Run | str", keys: Iterable[str | None] | None = None,
         deadline: datetime | str | None = None, requirements: dict | None = None, work_limit: str | None = None,
+        details: bool = True,
     ) -> list["Ticket"]:
         """Submit several tasks in one request and one commit: all or none. ``keys``:
         one idempotency key (or None) per input; ``requirements`` and ``work_limit`` (as
-        for :meth:`submit`) apply to every task. Re-sent after a dropped connection
-        only if every input has a key (else UnavailableError, ``maybe_applied``)."""
+        for :meth:`submit`) apply to every task. ``details=False`` asks only for the
+        ids (the tickets' ``info`` is then None; cheaper for the server and the client).
+        Re-sent after a dropped connection only if every input has a key (else
+        UnavailableError, ``maybe_applied``)."""
         inputs = list(inputs)
         keys = list(keys) if keys is not None else [None] * len(inputs)
         if len(keys) != len(inputs):
@@ -422,10 +425,11 @@ class Mailbox:
             p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl, requirements=req)
             for i, (x, k) in enumerate(zip(inputs, keys))
         ]
-        reply = await self._rs._call(
-            p.TaskSubmitMany(mailbox=self.name, scope_id=_id_of(scope), items=items, work_limit=work_limit),
-            t._TaskList,
-        )
+        op = p.TaskSubmitMany(mailbox=self.name, scope_id=_id_of(scope), items=items, work_limit=work_limit,
+                              brief=not details)
+        if not details:
+            return [Ticket(self._rs, i) for i in (await self._rs._call(op, t._TaskIds)).ids]
+        reply = await self._rs._call(op, t._TaskList)
         return [Ticket(self._rs, i.id, i) for i in reply.tasks]
 
     async def send(
@@ -453,10 +457,10 @@ class Mailbox:
         )
         return Message(self._rs, info.id, info)
 
-    async def complete_many(self, items: "Iterable[tuple[Delivery, Any]]") -> list:
-        """Complete ``[(delivery, outcome), ...]`` in one batch frame; a TaskInfo or
-        the error for each, in order (see :func:`complete_many`)."""
-        return await complete_many(self._rs, items)
+    async def complete_many(self, items: "Iterable[tuple[Delivery, Any]]", *, details: bool = True) -> list:
+        """Complete ``[(delivery, outcome), ...]``: one request per run; a TaskInfo (None
+        with ``details=False``) or the error for each, in order (see :func:`complete_many`)."""
+        return await complete_many(self._rs, items, details=details)
 
     async def receive(
         self,
@@ -508,9 +512,10 @@ class Mailbox:
         return await self.receive(scope, lease_seconds=lease_seconds, wait=wait, max_messages=1)
 
 
-async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]") -> list:
+async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]", *, details: bool = True) -> list:
     """Complete several deliveries at once: ``[(delivery, outcome), ...]`` -> a TaskInfo
-    or the RallypointError (e.g. LeaseLostError) for each, in order. ONE request per run
+    (None with ``details=False``: cheaper when only refusals matter) or the
+    RallypointError (e.g. LeaseLostError) for each, in order. ONE request per run
     (``delivery.complete_many``: one commit on the server; the requests of several runs
     go in one batch frame). Marks the deliveries whose lease was lost. Outcomes that
     cannot be encoded raise VALIDATION_FAILED before anything is sent."""
@@ -527,7 +532,7 @@ async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]") -
                 p.CompleteItem(task_id=items[i][0].task_id, token=items[i][0].token,
                                outcome=encode_payload(items[i][1], "outcome"))
                 for i in part
-            ])))
+            ], brief=not details)))
     replies = await rs._call_many([op for _, op in ops], t._SettledList)
     out: list = [None] * len(items)
     for (part, _), reply in zip(ops, replies):

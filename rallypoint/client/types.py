@@ -242,8 +242,12 @@ class _SettledList(msgspec.Struct):
     items: list[_Settled]
 
 
+class _TaskIds(msgspec.Struct):
+    ids: list[str] = msgspec.field(default_factory=list)
+
+
 class _TaskList(msgspec.Struct):
-    tasks: list[TaskInfo]
+    tasks: list[TaskInfo] = msgspec.field(default_factory=list)
 
 
 class BarrierStatus(_Info):
