@@ -254,6 +254,7 @@ class BarrierCreated(_Rec, tag="barrier_created"):
     scope_id: str
     target: int
     at_ms: int
+    name: str | None = None
 
 
 class BarrierArrived(_Rec, tag="barrier_arrived"):
@@ -285,6 +286,7 @@ class TimerCreated(_Rec, tag="timer_created"):
     fire_at_ms: int
     at_ms: int
     fire_mono_ms: int | None = None
+    name: str | None = None
 
 
 class TimerFired(_Rec, tag="timer_fired"):
@@ -537,6 +539,77 @@ class KeyRevoked(_Rec, tag="key_revoked"):
     at_ms: int
 
 
+# --- once ----------------------------------------------------------------------------------
+
+
+class OnceAcquired(_Rec, tag="once_acquired"):
+    """``holder`` took the once ``key`` of run ``scope_id`` (made here on first use) with
+    fencing ``token``; its lease runs to ``lease_expires_ms`` (server time)."""
+
+    id: str
+    space: str
+    scope_id: str
+    key: str
+    token: int
+    lease_expires_ms: int
+    at_ms: int
+    holder: str | None = None
+    holder_session: str | None = None
+
+
+class OnceRenewed(_Rec, tag="once_renewed"):
+    id: str
+    token: int
+    lease_expires_ms: int
+
+
+class OnceCompleted(_Rec, tag="once_completed"):
+    id: str
+    token: int
+    result: bytes
+    at_ms: int
+
+
+class OnceFailed(_Rec, tag="once_failed"):
+    """An attempt failed; ``final``: FAILED for good, else OPEN again."""
+
+    id: str
+    token: int
+    error: str
+    final: bool
+    at_ms: int
+
+
+class OnceLeaseExpired(_Rec, tag="once_lease_expired"):
+    """The holder's lease ran out: OPEN again (the attempt is not counted)."""
+
+    id: str
+    token: int
+    at_ms: int
+
+
+# --- HTTP idempotency keys ---------------------------------------------------------------
+
+
+class IdempotencyRecorded(_Rec, tag="idempotency_recorded"):
+    """The answer to the HTTP request ``key`` of ``space`` (``status``, encoded ``body``);
+    ``id`` is derived from (space, key)."""
+
+    id: str
+    space: str
+    key: str
+    fingerprint: str
+    status: int
+    body: bytes
+    at_ms: int
+
+
+class IdempotencyExpired(_Rec, tag="idempotency_expired"):
+    """Stored answers past the idempotency TTL, forgotten."""
+
+    ids: list[str]
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -586,6 +659,13 @@ Record = Union[
     BudgetSettled,
     BudgetVoided,
     ReservationStale,
+    OnceAcquired,
+    OnceRenewed,
+    OnceCompleted,
+    OnceFailed,
+    OnceLeaseExpired,
+    IdempotencyRecorded,
+    IdempotencyExpired,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

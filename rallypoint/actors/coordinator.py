@@ -45,9 +45,12 @@ from .barrier import Barriers
 from .budget import Budgets
 from .common import MemoryJournal
 from .group import Groups
+from .diagnostics import Diagnostics
+from .idempotency import DEFAULT_TTL_MS, Idempotency
 from .inbox import Inboxes
 from .joinset import JoinSets
 from .keys import Keys
+from .once import Onces
 from .queue import WorkQueues
 from .quota import Quotas
 from .run import Runs
@@ -92,6 +95,7 @@ class Coordinator:
         clock: Clock | None = None,
         durability: str = "memory",
         idle_s: float = 2.0,
+        idempotency_ttl_ms: int = DEFAULT_TTL_MS,
     ) -> None:
         self.clock = clock or Clock()
         self.ids = IdGenerator(self.clock.mono_ms)
@@ -123,8 +127,12 @@ class Coordinator:
         self.quotas = Quotas(self)
         self.budgets = Budgets(self)
         self.inboxes = Inboxes(self)
+        self.onces = Onces(self)
+        self.idempotency = Idempotency(self, idempotency_ttl_ms)
+        self.diagnostics = Diagnostics(self)
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
-                      self.spaces, self.quotas, self.budgets, self.inboxes)
+                      self.spaces, self.quotas, self.budgets, self.inboxes, self.onces, self.idempotency,
+                      self.diagnostics)
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}

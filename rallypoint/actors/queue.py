@@ -68,6 +68,7 @@ from ..protocol import (
     MailboxGet,
     MailboxList,
     MailboxListView,
+    MailboxMessages,
     MailboxView,
     Receive,
     ReceiveView,
@@ -247,6 +248,21 @@ class WorkQueues(Kind):
 
     def op_mailbox_list(self, actor, session, op: MailboxList) -> MailboxListView:
         return MailboxListView(mailboxes=[self.queue_view(q) for q in self.table.values() if q.space == session.space])
+
+    def op_mailbox_messages(self, actor, session, op: MailboxMessages) -> TaskListView:
+        """The queue's tasks (or messages), newest first: at most ``limit`` (1-1000),
+        older than ``before`` (an id) when given. A diagnostic read: it walks the
+        space's tasks from the newest (ids sort by creation)."""
+        q = self.get_queue(session.space, op.name)
+        check_range("limit", op.limit, 1, MAX_BATCH)
+        out = []
+        for t in reversed(self.tasks.values()):
+            if t.mailbox_id != q.id or (op.before is not None and t.id >= op.before):
+                continue
+            out.append(self.task_view(t))
+            if len(out) >= op.limit:
+                break
+        return TaskListView(tasks=out)
 
     def queue_view(self, q: MailboxState) -> MailboxView:
         queued, running = self.queue_counts.get(q.id, (0, 0))
@@ -665,6 +681,7 @@ class WorkQueues(Kind):
 
     @applies(LeasesExtended)
     def _apply_leases_extended(self, r: LeasesExtended) -> None:
+        self.coord.onces.extend_leases(r.by_ms)  # once holders' leases: the same time given back
         for tid in sorted(self.leased):
             t = self.tasks[tid]
             t.lease_expires_ms += r.by_ms
