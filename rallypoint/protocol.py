@@ -243,6 +243,7 @@ class DeliveryView(_View):
     lease_expires_at: str
     group_id: str | None = None
     run_id: str | None = None  # the task's own run, if an earlier attempt made it
+    key: str | None = None  # the task's idempotency key, if it was submitted with one
 
 
 class ReceiveView(_View):

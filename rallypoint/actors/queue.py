@@ -620,6 +620,7 @@ class WorkQueues(Kind):
             lease_expires_at=to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
             group_id=t.group_id,
             run_id=t.run_id,
+            key=t.key,
         )
 
     @applies(TaskDelivered)
