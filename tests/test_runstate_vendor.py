@@ -1,0 +1,66 @@
+"""The runstate SDK vendor's own integration tests, unchanged, against rallypoint.
+
+The 0.2.0 and 0.3.0 source distributions ship the integration tests the vendor ran
+against its hosted stack (``test_sdk.py``, ``test_sync.py``; ``test_v3.py``) but not the
+``conftest.py`` they need. We supply one (``tests/runstate_vendor/conftest_0X.py``),
+copy the vendor's ``tests/`` folder into a temporary directory with it, and run them with
+pytest inside the SDK version's own virtual environment against a spawned
+``rallypoint serve --http`` with authentication on (an admin key of space ``compat``).
+
+Not run, and why (docs/http.md lists them): ``test_cross_language.py`` (needs the vendor's
+TypeScript SDK build from its monorepo), ``test_conformance.py`` (needs fixture JSON
+files from the vendor's monorepo; it tests the SDK's error mapping, not a server).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sdk_compat import HttpDaemon, sdk_python, sdk_tests_dir
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = HttpDaemon(str(tmp_path_factory.mktemp("vendor-daemon"))).start()
+    yield d
+    rc = d.stop()
+    assert rc == 0, d.log.read_text()[-3000:]
+
+
+def _run_vendor(version: str, files: list[str], conftest: str, daemon: HttpDaemon, tmp_path: Path,
+                package: bool = False) -> None:
+    py = sdk_python(version)
+    src = sdk_tests_dir(version)
+    dst = tmp_path / "tests"
+    shutil.copytree(src, dst)
+    shutil.copy(HERE / "runstate_vendor" / conftest, dst / "conftest.py")
+    if package:
+        (dst / "__init__.py").write_text("")
+    env = daemon.sdk_env()
+    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "asyncio_mode=auto",
+           "--rootdir", str(tmp_path), *[str(dst / f) for f in files]]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=840)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"vendor tests of runstate-sdk {version} failed:\n{out[-12000:]}\n" \
+                              f"--- daemon log ---\n{daemon.log.read_text()[-4000:]}"
+    assert " passed" in out and " failed" not in out, out[-3000:]
+
+
+def test_vendor_02_integration_tests_pass(daemon, tmp_path):
+    """runstate-sdk 0.2.0: tests/test_sdk.py and tests/test_sync.py (18 + 2 tests)."""
+    _run_vendor("0.2.0", ["test_sdk.py", "test_sync.py"], "conftest_02.py", daemon, tmp_path)
+
+
+def test_vendor_03_test_v3_passes(daemon, tmp_path):
+    """runstate-sdk 0.3.0: tests/test_v3.py (about 30 tests; its two database reads are
+    answered by the conftest's shim from rallypoint's own views)."""
+    _run_vendor("0.3.0", ["test_v3.py"], "conftest_03.py", daemon, tmp_path, package=True)
