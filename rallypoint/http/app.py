@@ -321,10 +321,14 @@ class HttpApi:
         ends at once: a delivery is not leased to a caller that has gone) and answer
         nothing."""
         result: list = []
+        failure: list = []
 
         async with trio.open_nursery() as nursery:
             async def run():
-                result.append(await awaitable)
+                try:
+                    result.append(await awaitable)
+                except RallypointError as e:  # the answer (kept out of the nursery's exception group)
+                    failure.append(e)
                 nursery.cancel_scope.cancel()
 
             async def watch():
@@ -337,6 +341,8 @@ class HttpApi:
 
             nursery.start_soon(run)
             nursery.start_soon(watch)
+        if failure:
+            raise failure[0]
         if not result:
             raise RallypointError("the client disconnected", code="UNAVAILABLE")
         return result[0]
