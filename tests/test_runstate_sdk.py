@@ -243,17 +243,19 @@ def research(x):
     ctx = runstate.context()
     return {"x": x, "attempt": ctx.attempt}
 out["once"] = [research(1), research(1), len(calls)]
-@rs.once(attempts=1)
+@rs.once(attempts=2)
 def broken():
     raise ValueError("nope")
 try:
     broken()
 except ValueError:
-    pass
-try:
-    broken(); out["once_failed"] = None
-except OnceFailedError as e:
-    out["once_failed"] = e.attempts
+    pass  # attempt 1 of 2: the caller's own error
+out["once_failed"] = []
+for _ in range(2):
+    try:
+        broken()
+    except OnceFailedError as e:  # attempt 2 failed: FAILED for good, for every later caller
+        out["once_failed"].append(e.attempts)
 # limit / take / setup
 rs.setup(limits={"v03-search": {"max": 2, "per": "1s"}})
 @rs.limit("v03-search", max=2, per="1s")
@@ -315,7 +317,7 @@ def test_sdk03_every_verb(daemon, py03):
     out = run_script(py03, daemon, VERBS_03, env={"RUN_NAME": "verbs-03"})
     assert out["run_id"].startswith("scp_")
     assert out["once"] == [{"x": 1, "attempt": 1}, {"x": 1, "attempt": 1}, 1]
-    assert out["once_failed"] == 1
+    assert out["once_failed"] == [2, 2]
     assert out["limit"] == ["A", "B", "C"]
     assert out["budget"] == ["a", "b"] and out["budget_exceeded"] is True
     assert out["call"] == {"n": 2, "attempt": 1}
