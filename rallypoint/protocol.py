@@ -201,6 +201,24 @@ class TaskCancel(_Op, tag="task.cancel"):
     task_id: str
 
 
+class TaskSubscribe(_Op, tag="task.subscribe"):
+    """Subscribe ``subscriber_id`` (1-256 chars) to the task: idempotent. ``scope_id``: the
+    subscriber's run, which must be active (SCOPE_CANCELLED / DEADLINE_EXCEEDED). A
+    subscription is a record of interest only: a task with no subscribers is not
+    cancelled."""
+
+    task_id: str
+    subscriber_id: str
+    scope_id: str | None = None
+
+
+class TaskDetach(_Op, tag="task.detach"):
+    """Remove the subscription (idempotent); the task goes on."""
+
+    task_id: str
+    subscriber_id: str
+
+
 class TaskView(_View):
     id: str
     mailbox: str
@@ -218,6 +236,7 @@ class TaskView(_View):
     group_id: str | None = None
     run_id: str | None = None  # the task's own run (``delivery.run``), once made
     completing: bool = False  # its worker completed it; its run's join sets are closing
+    subscribers: list[str] = msgspec.field(default_factory=list)
 
 
 class TaskListView(_View):
@@ -1123,6 +1142,8 @@ Op = Union[
     IdempotencyRecord,
     OpsRun,
     OpsWaits,
+    TaskSubscribe,
+    TaskDetach,
 ]
 
 ALL_OPS: tuple[type, ...] = Op.__args__  # type: ignore[attr-defined]
@@ -1203,6 +1224,8 @@ REPLY_TYPES: dict[type, type] = {
     IdempotencyRecord: IdempotencyView,
     OpsRun: OpsRunView,
     OpsWaits: OpsWaitsView,
+    TaskSubscribe: TaskView,
+    TaskDetach: TaskView,
 }
 
 op_decoder = msgspec.msgpack.Decoder(Op)

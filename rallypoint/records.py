@@ -588,6 +588,21 @@ class OnceLeaseExpired(_Rec, tag="once_lease_expired"):
     at_ms: int
 
 
+# --- task subscriptions ---------------------------------------------------------------------
+
+
+class TaskSubscribed(_Rec, tag="task_subscribed"):
+    task_id: str
+    subscriber_id: str
+    at_ms: int
+
+
+class TaskDetached(_Rec, tag="task_detached"):
+    task_id: str
+    subscriber_id: str
+    at_ms: int
+
+
 # --- HTTP idempotency keys ---------------------------------------------------------------
 
 
@@ -666,6 +681,8 @@ Record = Union[
     OnceLeaseExpired,
     IdempotencyRecorded,
     IdempotencyExpired,
+    TaskSubscribed,
+    TaskDetached,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

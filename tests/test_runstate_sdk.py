@@ -91,6 +91,11 @@ async def main():
     await adm.delivery.complete({"payload": {"y": 2}})
     res = await t1.result(timeout_ms=5000)
     out["result"] = [res["state"], res["outcome"]]
+    t5 = await wm.submit({"x": 5}, key="t-5", subscriber_id="sub-1")
+    await t5.join("sub-2", run.id); await t5.join("sub-2", run.id)
+    await t5.detach("sub-1")
+    out["subscribers"] = (await t5.status())["subscribers"]
+    await t5.cancel()
     t2 = await wm.submit({"x": 2}, key="t-2")
     out["cancel"] = (await t2.cancel(reason="not needed"))["state"]
     out["admit_none"] = await wm.admit(wait_ms=300) is None
@@ -204,6 +209,7 @@ def test_sdk02_every_verb(daemon, py02):
     assert out["submit_replay"] is True
     assert out["admitted"] == [True, 1, {"x": 1}]
     assert out["result"] == ["SUCCEEDED", {"y": 2}]
+    assert out["subscribers"] == ["sub-2"]
     assert out["cancel"] == "CANCELLED" and out["admit_none"] is True
     assert out["group"] == ["SUCCESS", "threshold_reached"] and out["group_close"] == "FINALIZED"
     assert out["seal_after_final"] == "ConflictError"

@@ -191,6 +191,8 @@ OPS: dict[type, OpSpec] = {
     # key may record the answers of the requests it is allowed to make)
     p.IdempotencyLookup: OpSpec("idempotency", "op_idempotency_lookup", _space, ANY_KEY),
     p.IdempotencyRecord: OpSpec("idempotency", "op_idempotency_record", _space, ANY_KEY),
+    p.TaskSubscribe: OpSpec("queues", "op_task_subscribe", _task, W),
+    p.TaskDetach: OpSpec("queues", "op_task_detach", _task, W),
     # diagnostics (read-only)
     p.OpsRun: OpSpec("diagnostics", "op_ops_run", _run("scope_id"), R),
     p.OpsWaits: OpSpec("diagnostics", "op_ops_waits", _space, R),

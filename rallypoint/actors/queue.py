@@ -75,8 +75,10 @@ from ..protocol import (
     TaskCancel,
     TaskListView,
     TaskResult,
+    TaskDetach,
     TaskStatus,
     TaskSubmit,
+    TaskSubscribe,
     TaskSubmitMany,
     TaskView,
 )
@@ -94,7 +96,9 @@ from ..records import (
     TaskRunCompleted,
     TaskRunCreated,
     TaskCompleting,
+    TaskDetached,
     TaskSubmitted,
+    TaskSubscribed,
 )
 from .common import applies, check_key, check_name, check_payload, check_range, clamp_wait, parse_instant, short
 from .kind import Kind
@@ -156,6 +160,7 @@ class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
     run_id: str | None = None  # the task's own run (``delivery.run``)
     completing: bool = False  # completed by its worker; its run's join sets are closing
     held_outcome: bytes | None = None  # the outcome, recorded once the run is done
+    subscribers: list[str] | None = None  # task.subscribe (interest only; none cancels nothing)
 
 
 class WorkQueues(Kind):
@@ -876,6 +881,40 @@ class WorkQueues(Kind):
             self.coord.commit([TaskCancelled(task_id=t.id, at_ms=self.coord.now_ms())])
         return self.task_view(t)
 
+    def op_task_subscribe(self, actor, session, op: TaskSubscribe) -> TaskView:
+        """Subscribe ``subscriber_id`` (idempotent); the subscriber's run ``scope_id``, when
+        given, must be active. VALIDATION_FAILED (id), NOT_FOUND (task, run)."""
+        t = self.get_task(session.space, op.task_id)
+        check_key("subscriber_id", op.subscriber_id)
+        if op.subscriber_id is None:
+            raise ValidationError("subscriber_id is required", details={"field": "subscriber_id"})
+        if op.scope_id is not None:
+            self.coord.runs.require_active(self.coord.runs.get(session.space, op.scope_id).id)
+        if op.subscriber_id not in (t.subscribers or ()):
+            self.coord.commit([TaskSubscribed(task_id=t.id, subscriber_id=op.subscriber_id,
+                                              at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskSubscribed)
+    def _apply_subscribed(self, r: TaskSubscribed) -> None:
+        t = self.tasks[r.task_id]
+        t.subscribers = [*(t.subscribers or ()), r.subscriber_id]
+        self.coord.touch(t.id)
+
+    def op_task_detach(self, actor, session, op: TaskDetach) -> TaskView:
+        """Unsubscribe (idempotent); the task goes on whoever is left."""
+        t = self.get_task(session.space, op.task_id)
+        if op.subscriber_id in (t.subscribers or ()):
+            self.coord.commit([TaskDetached(task_id=t.id, subscriber_id=op.subscriber_id,
+                                            at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskDetached)
+    def _apply_detached(self, r: TaskDetached) -> None:
+        t = self.tasks[r.task_id]
+        t.subscribers = [s for s in (t.subscribers or ()) if s != r.subscriber_id] or None
+        self.coord.touch(t.id)
+
     @applies(TaskCancelled)
     def _apply_cancelled(self, r: TaskCancelled) -> None:
         self.finish(self.tasks[r.task_id], "CANCELLED", r.at_ms, r.reason)
@@ -914,6 +953,7 @@ class WorkQueues(Kind):
             group_id=t.group_id,
             run_id=t.run_id,
             completing=t.completing,
+            subscribers=list(t.subscribers or ()),
         )
 
     # ================================================================ activities

@@ -149,6 +149,7 @@ def task_json(v: p.TaskView) -> dict:
         "state": v.state, "attempt": v.attempt, "taskKey": v.key, "input": val(v.input), "outcome": val(v.outcome),
         "outcomeReason": _reason(v), "error": val(v.error), "createdAt": v.created_at,
         "finishedAt": v.finished_at, "deadline": v.deadline, "groupId": v.group_id, "runId": v.run_id,
+        "subscribers": v.subscribers,
     }
 
 
@@ -378,9 +379,14 @@ async def post_task(ctx: Ctx):
     """POST /tasks {scopeId, mailboxId, taskKey, input?, deadline?}: idempotent per (run,
     mailbox, taskKey): the same key returns the existing task."""
     b = ctx.body
-    op = p.TaskSubmit(mailbox=s_(b, "mailboxId", required=True), scope_id=s_(b, "scopeId", required=True),
+    scope = s_(b, "scopeId", required=True)
+    op = p.TaskSubmit(mailbox=s_(b, "mailboxId", required=True), scope_id=scope,
                       input=raw(b.get("input")), key=s_(b, "taskKey"), deadline=s_(b, "deadline"))
-    return task_json(await ctx.call(op))
+    v = await ctx.call(op)
+    sub = s_(b, "subscriberId")
+    if sub is not None:  # the first subscriber (a second call: idempotent)
+        v = await ctx.call(p.TaskSubscribe(task_id=v.id, subscriber_id=sub, scope_id=scope))
+    return task_json(v)
 
 
 async def admit(ctx: Ctx):
@@ -402,6 +408,20 @@ async def get_task(ctx: Ctx):
 
 async def cancel_task(ctx: Ctx):
     return task_json(await ctx.call(p.TaskCancel(task_id=ctx.params["id"])))
+
+
+async def join_task(ctx: Ctx):
+    """POST /tasks/{id}/join {subscriberId, scopeId}: an idempotent subscription."""
+    b = ctx.body
+    return task_json(await ctx.call(p.TaskSubscribe(task_id=ctx.params["id"],
+                                                    subscriber_id=s_(b, "subscriberId", required=True),
+                                                    scope_id=s_(b, "scopeId"))))
+
+
+async def detach_task(ctx: Ctx):
+    """POST /tasks/{id}/detach {subscriberId}: unsubscribe; the task goes on."""
+    return task_json(await ctx.call(p.TaskDetach(task_id=ctx.params["id"],
+                                                 subscriber_id=s_(ctx.body, "subscriberId", required=True))))
 
 
 # ====================================================================== task groups
@@ -713,6 +733,8 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "tasks/admit", admit),
     ("GET", "tasks/{id}", get_task),
     ("POST", "tasks/{id}/cancel", cancel_task),
+    ("POST", "tasks/{id}/join", join_task),
+    ("POST", "tasks/{id}/detach", detach_task),
     # task groups
     ("POST", "task-groups", post_group),
     ("GET", "task-groups/{id}", get_group),
