@@ -2,8 +2,11 @@
 """A research swarm under three limits: browser sessions (a pool), a search API's rate
 limit (a quota: 60 requests a minute) and model spend (a budget: $5).
 
-The coordinator submits one task per topic. Researcher PROCESSES serve them with
-``rallypoint.consume``: each topic opens a browser session, makes a few search calls --
+The coordinator submits one task per topic, each requiring one unit of the ``browsers``
+pool (4 sessions): admission hands a topic out only together with a session, taken in
+the same step and given back when the task ends, so at most 4 run at once however many
+handlers wait. Researcher PROCESSES serve them with ``rallypoint.consume``: each topic,
+holding its browser session, makes a few search calls --
 each takes a unit of the ``search-api`` quota, waiting in line on the server when the
 minute's 60 are used up -- then summarizes with a (simulated) model call whose worst
 case is reserved on the ``model-spend`` budget for that delivery and settled at its
@@ -43,13 +46,9 @@ def researcher_process(index: int, server: dict, run_id: str, per_worker: int, b
 
             async def research(delivery):
                 topic = delivery.input["topic"]
-                # ---- POOL: the browser session -----------------------------------------
-                # The pool primitive (issue 15 item 2) is built on another branch; once
-                # merged, the body below runs inside
-                #     async with rs.pool("browsers").acquire(1, scope=run_id, wait=60):
-                # (units_total=4, ensured by the coordinator). Until then the swarm's
-                # consume concurrency (researchers x per_worker = 4) keeps it at 4 sessions.
-                # -------------------------------------------------------------------------
+                # POOL: the task required a browser session; admission handed it out with
+                # one (delivery.grants), taken in the same step, given back when it ends
+                assert [(g.pool, g.units) for g in delivery.grants] == [("browsers", 1)]
                 calls = rng.randint(2, 3)
                 for _ in range(calls):  # a unit each; waits in line when the minute is used up
                     await search.take(scope=run_id, wait=120, holder=f"researcher-{index}")
@@ -70,6 +69,7 @@ def researcher_process(index: int, server: dict, run_id: str, per_worker: int, b
 
 async def coordinate(server: dict, researchers: int, topics: list[str], per_minute: int, window: float,
                      budget_minor: int, seed: int) -> int:
+    per_worker = SESSIONS  # more handlers than sessions: the pool is what keeps it at SESSIONS
     t0 = time.monotonic()
     async with rallypoint.connect(**server, client_name="research-lead") as rs:
         run = await rs.scopes.create(name="research")
@@ -77,14 +77,25 @@ async def coordinate(server: dict, researchers: int, topics: list[str], per_minu
         search = await rs.quotas.ensure("search-api", units_limit=per_minute, window_seconds=window)
         budget = f"model-spend-{run.id[-8:]}"  # this swarm's own $5 (the search API's limit is shared)
         spend = await rs.budgets.ensure(budget, limit=budget_minor, currency="USD", scale=2)
-        # POOL: browsers = await rs.pools.ensure("browsers", units_total=SESSIONS)   (once pools are merged)
-        print(f"{len(topics)} topics, {researchers} researchers x {SESSIONS // researchers} sessions; "
+        browsers = await rs.pools.ensure("browsers", units_total=SESSIONS)
+        print(f"{len(topics)} topics, {researchers} researchers x {per_worker} handlers, {SESSIONS} browser sessions; "
               f"search-api {per_minute} per {window:g} s; {budget} "
               f"{rallypoint.format_minor(budget_minor, 2)} USD")
-        tickets = [await mbx.submit({"topic": t}, key=f"topic-{i}", scope=run) for i, t in enumerate(topics)]
-        procs = start_processes(researcher_process, researchers, server, run.id, SESSIONS // researchers, budget,
-                                seed)
-        infos = await rs.results(tickets, timeout=600)
+        tickets = [await mbx.submit({"topic": t}, key=f"topic-{i}", scope=run,
+                                    requirements={"pools": {"browsers": 1}})  # a browser session each
+                   for i, t in enumerate(topics)]
+        procs = start_processes(researcher_process, researchers, server, run.id, per_worker, budget, seed)
+        peak = 0
+        async with trio.open_nursery() as n:
+            async def watch_browsers():
+                nonlocal peak
+                while True:
+                    peak = max(peak, (await browsers.status()).units_used)
+                    await trio.sleep(0.01)
+
+            n.start_soon(watch_browsers)
+            infos = await rs.results(tickets, timeout=600)
+            n.cancel_scope.cancel()
         await run.cancel()  # the work is done: the researchers' consume loops return
         await trio.to_thread.run_sync(join_processes, procs)
         done = [i.outcome for i in infos if i.state == "SUCCEEDED" and "skipped" not in i.outcome]
@@ -96,10 +107,12 @@ async def coordinate(server: dict, researchers: int, topics: list[str], per_minu
             print(f"  {o['topic']:<24} {o['searches']} searches, {rallypoint.format_minor(o['cost_minor'], 2)} USD "
                   f"(researcher {o['by']})")
         print(f"over budget: {len(skipped)} topics skipped")
+        print(f"browser sessions: at most {peak} of {SESSIONS} in use at once (the pool), "
+              f"{researchers * per_worker} handlers ready")
         print(f"search calls: {q.consumed_total} taken from search-api, never more than {per_minute} per window")
         print(f"spend: {rallypoint.format_minor(b.settled_minor, 2)} of {rallypoint.format_minor(b.limit_minor, 2)} "
               f"USD settled, {rallypoint.format_minor(b.reserved_minor, 2)} still reserved")
-        ok = len(done) + len(skipped) == len(topics) and b.settled_minor <= b.limit_minor
+        ok = len(done) + len(skipped) == len(topics) and b.settled_minor <= b.limit_minor and peak <= SESSIONS
         return 0 if ok else 1
 
 

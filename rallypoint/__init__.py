@@ -19,15 +19,21 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from ._version import __version__
-from .client.api import Budget, Client, Delivery, Group, Mailbox, Message, Quota, QuotaWaiter, Reservation, Run, Ticket
+from .client.api import (
+    Budget, ClaimLease, Client, Delivery, Grant, Group, Mailbox, Message, Pool, Quota, QuotaWaiter, Reservation, Run,
+    Ticket,
+)
 from .client.consume import ConsumeStats, consume
 from .client.reconnect import Reconnect
 from .client.types import (
     BudgetInfo,
+    ClaimInfo,
+    GrantInfo,
     GroupDecision,
     GroupStatus,
     MailboxInfo,
     MessageInfo,
+    PoolInfo,
     QuotaInfo,
     QuotaTakeInfo,
     ReservationInfo,
@@ -36,6 +42,7 @@ from .client.types import (
     SettleResult,
     TaskInfo,
     VerdictResult,
+    WorkLimitInfo,
 )
 from .money import format_minor, minor_units
 from .errors import *  # noqa: F401,F403
@@ -57,6 +64,13 @@ __all__ = [
     "Ticket",
     "Delivery",
     "Group",
+    "ClaimLease",
+    "Pool",
+    "Grant",
+    "ClaimInfo",
+    "PoolInfo",
+    "GrantInfo",
+    "WorkLimitInfo",
     "RunStatus",
     "TaskInfo",
     "MailboxInfo",

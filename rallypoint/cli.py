@@ -1,4 +1,5 @@
-"""The ``rallypoint`` command: ``serve | status | runs | quotas | budgets | keys | repair | bench``.
+"""The ``rallypoint`` command: ``serve | status | runs | claims | pools | quotas | budgets | keys | repair |
+bench``.
 
 ``rallypoint serve`` runs the daemon: it logs its address, version, data dir, durability
 and what it recovered; SIGINT/SIGTERM drain it (stop accepting, finish in-flight
@@ -561,6 +562,127 @@ def cmd_budgets(args) -> int:
     )
 
 
+def _json_text(value) -> str:
+    """Views (nested ones too) as indented JSON: instants ISO 8601, payloads as values."""
+    import msgspec
+
+    return json.dumps(msgspec.to_builtins(value), default=str, indent=2)
+
+
+def _payload_text(value) -> str:
+    """A payload (observation, result) on one line: JSON, ``-`` for none."""
+    if value is None:
+        return "-"
+    return json.dumps(value, default=str, separators=(",", ":"))
+
+
+def _print_claim(c) -> None:
+    """``claims show``: one ``label  value`` line per field, then the queue."""
+    for label, value in (
+        ("claim", c.id),
+        ("key", c.key),
+        ("state", c.state),
+        ("generation", c.generation),
+        ("run", c.scope_id),
+        ("holder", c.holder or "-"),
+        ("acquired", _fmt_time(c.acquired_at)),
+        ("expires", _fmt_time(c.lease_expires_at)),
+        ("observation", _payload_text(c.observation)),
+        ("result", _payload_text(c.result) if c.state == "COMPLETED" else "-"),
+        ("completed", _fmt_time(c.completed_at)),
+        ("created", _fmt_time(c.created_at)),
+        ("waiters", len(c.waiters)),
+    ):
+        print(f"{label:<12}  {value}")
+    for i, w in enumerate(c.waiters, 1):
+        print(f"  {i:>3}. run {w.scope_id}  holder {w.holder or '-'}  queued {_fmt_time(w.queued_at)}  "
+              f"gives up {_fmt_time(w.expires_at)}")
+
+
+def cmd_claims(args) -> int:
+    """``claims ls`` (key order; ``--state``, ``--limit``, ``--after``), ``claims show KEY``
+    (readable, or ``--json``). Tokens are never shown."""
+    from .errors import RallypointError
+
+    try:
+        if args.claims_cmd in ("ls", "list"):
+            rows = _client_call(args, lambda rs: rs.claims.list(state=args.state, limit=args.limit, after=args.after))
+            if args.json:
+                print(_json_text(rows))
+            else:
+                print(f"{'KEY':40} {'STATE':9} {'GEN':>5} {'WAITERS':>7}  {'EXPIRES':20}  HOLDER")
+                for c in rows:
+                    print(f"{c.key:40} {c.state:9} {c.generation:>5} {len(c.waiters):>7}  "
+                          f"{_fmt_time(c.lease_expires_at):20}  {c.holder or '-'}")
+                if len(rows) == args.limit:
+                    print(f"{len(rows)} claims shown; the next page: add --after {shlex.quote(rows[-1].key)}",
+                          file=sys.stderr)
+            return 0
+        if args.claims_cmd == "show":
+            c = _client_call(args, lambda rs: rs.claims.status(args.key))
+            if args.json:
+                print(_json_text(c))
+            else:
+                _print_claim(c)
+            return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 2
+
+
+def _print_pool(pl) -> None:
+    """``pools show``: the pool, then its queue (FIFO) and its active grants."""
+    for label, value in (
+        ("pool", pl.id),
+        ("name", pl.name),
+        ("units", f"{pl.units_used} used of {pl.units_total} ({pl.units_free} free)"),
+        ("waiting", pl.waiting),
+        ("grants", pl.active_grants),
+        ("created", _fmt_time(pl.created_at)),
+    ):
+        print(f"{label:<8}  {value}")
+    if pl.waiters:
+        print("queue (first come, first served):")
+        for i, w in enumerate(pl.waiters, 1):
+            print(f"  {i:>3}. {w.units:>5} unit(s)  run {w.scope_id}  holder {w.holder or '-'}  "
+                  f"gives up {_fmt_time(w.expires_at)}")
+    if pl.grants:
+        print("active grants:")
+        for g in pl.grants:
+            held = f"task {g.task_id}" if g.task_id else f"expires {_fmt_time(g.lease_expires_at)}"
+            print(f"  {g.id}  {g.units:>5} unit(s)  run {g.scope_id}  {held}  holder {g.holder or '-'}")
+
+
+def cmd_pools(args) -> int:
+    """``pools ls`` (every pool of the space with its units), ``pools show NAME``."""
+    from .errors import RallypointError
+
+    try:
+        if args.pools_cmd in ("ls", "list"):
+            rows = _client_call(args, lambda rs: rs.pools.list())
+            if args.json:
+                print(_json_text(rows))
+            else:
+                print(f"{'NAME':32} {'TOTAL':>8} {'USED':>8} {'FREE':>8} {'WAITING':>8} {'GRANTS':>7}")
+                for pl in rows:
+                    print(f"{pl.name:32} {pl.units_total:>8} {pl.units_used:>8} {pl.units_free:>8} "
+                          f"{pl.waiting:>8} {pl.active_grants:>7}")
+            return 0
+        if args.pools_cmd == "show":
+            async def show(rs):
+                return await rs.pool(args.name).status()
+
+            pl = _client_call(args, show)
+            if args.json:
+                print(_json_text(pl))
+            else:
+                _print_pool(pl)
+            return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 2
+
+
 class _OpenModeRefused(Exception):
     """``keys create`` on a running open-mode daemon without ``--force``."""
 
@@ -781,6 +903,28 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("id")
     ca.add_argument("--reason")
     r.set_defaults(fn=cmd_runs)
+
+    c = sub.add_parser("claims", help="list and show claims (fenced leases on keys)", parents=[_client_options()])
+    cs = c.add_subparsers(dest="claims_cmd", required=True)
+    cls_ = cs.add_parser("ls", aliases=["list"], parents=[client])
+    cls_.add_argument("--state", choices=["FREE", "HELD", "COMPLETED"])
+    cls_.add_argument("--limit", type=_bounded(int, 1, maximum=10_000), default=100,
+                      help="claims per page, in key order (default %(default)s)")
+    cls_.add_argument("--after", metavar="KEY", help="the next page: keys after this one")
+    cls_.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
+    csh = cs.add_parser("show", parents=[client], help="one claim: lease, queue, observation, result")
+    csh.add_argument("key")
+    csh.add_argument("--json", action="store_true", help="machine-readable output")
+    c.set_defaults(fn=cmd_claims)
+
+    pl = sub.add_parser("pools", help="list and show pools (units, queue, grants)", parents=[_client_options()])
+    ps = pl.add_subparsers(dest="pools_cmd", required=True)
+    pls = ps.add_parser("ls", aliases=["list"], parents=[client])
+    pls.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
+    psh = ps.add_parser("show", parents=[client], help="one pool: units, FIFO queue, active grants")
+    psh.add_argument("name")
+    psh.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(fn=cmd_pools)
 
     for what, fn, noun in (("quotas", cmd_quotas, "quota"), ("budgets", cmd_budgets, "budget")):
         g = sub.add_parser(what, help=f"list and show {what}", parents=[_client_options()])

@@ -216,6 +216,9 @@ class ContentionError(RallypointError):
 
 
 class CapacityUnavailableError(ContentionError):
+    """CAPACITY_UNAVAILABLE: a pool acquire without waiting found too few free units, or
+    others queued first (``details``: ``pool``, ``units``, ``units_free``, ``waiters``)."""
+
     code = "CAPACITY_UNAVAILABLE"
 
 
@@ -249,6 +252,10 @@ class InsufficientBudgetError(ContentionError):
 
 
 class ClaimHeldError(ContentionError):
+    """CLAIM_HELD: a claim acquire without waiting found another live lease
+    (``retry_after``: seconds it has left; ``details``: ``key``, ``generation``,
+    ``holder``, ``waiters``)."""
+
     code = "CLAIM_HELD"
 
 

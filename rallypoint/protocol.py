@@ -164,18 +164,37 @@ class MailboxListView(_View):
 # --- tasks and deliveries -------------------------------------------------------------
 
 
+class Requirements(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a task needs before it is handed out (admission, all or nothing in one
+    step). One field per requirement type: ``pools`` maps a pool *name* to the units
+    held (as grants) while a delivery of the task runs (at most 4 pools); ``budgets``
+    maps a budget *name* to the amount (minor units) reserved for the delivery, settled
+    in full if the task succeeds and voided otherwise unless its worker settles it
+    first (at most 2 budgets)."""
+
+    pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+
+
 class SubmitItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     input: msgspec.Raw = NIL
     key: str | None = None
     deadline: str | None = None
+    requirements: Requirements | None = None
 
 
 class TaskSubmit(_Op, tag="task.submit"):
+    """``work_limit``: the name of a work limit of the run or an ancestor (nearest
+    first); the submission is LIMIT_EXCEEDED while the limit's unfinished tasks number
+    ``max_outstanding``."""
+
     mailbox: str
     scope_id: str
     input: msgspec.Raw = NIL
     key: str | None = None
     deadline: str | None = None
+    requirements: Requirements | None = None
+    work_limit: str | None = None
 
 
 class TaskSubmitMany(_Op, tag="task.submit_many"):
@@ -184,6 +203,7 @@ class TaskSubmitMany(_Op, tag="task.submit_many"):
     mailbox: str
     scope_id: str
     items: list[SubmitItem]
+    work_limit: str | None = None
 
 
 class TaskStatus(_Op, tag="task.status"):
@@ -251,6 +271,26 @@ class Receive(_Op, tag="delivery.receive"):
     max_messages: int = 1
 
 
+class GrantView(_View):
+    """A grant of ``units`` of pool ``pool``: ACTIVE, RELEASED or EXPIRED. ``token`` is
+    the holder's secret, only in the replies that hand the grant out (else 0).
+    ``lease_expires_at`` is None for a grant held by a task's delivery (``task_id``)."""
+
+    id: str
+    pool: str
+    pool_id: str
+    scope_id: str
+    units: int
+    state: str
+    token: int
+    lease_expires_at: str | None
+    holder: str | None
+    task_id: str | None
+    created_at: str
+    ended_at: str | None
+    end_reason: str | None
+
+
 class DeliveryView(_View):
     id: str
     task_id: str
@@ -263,6 +303,10 @@ class DeliveryView(_View):
     group_id: str | None = None
     run_id: str | None = None  # the task's own run, if an earlier attempt made it
     key: str | None = None  # the task's idempotency key, if it was submitted with one
+    #: pool grants taken with this delivery (the task's requirements), held while it runs
+    grants: list[GrantView] = []
+    #: ids of the budget reservations made for this delivery (the task's requirements)
+    reservations: list[str] = []
 
 
 class ReceiveView(_View):
@@ -906,6 +950,231 @@ class KeyListView(_View):
     keys: list[KeyView]
 
 
+# --- claims -----------------------------------------------------------------------------
+
+
+class ClaimAcquire(_Op, tag="claim.acquire"):
+    """An exclusive, fenced lease on ``key`` (unique per space) for run ``scope_id``.
+
+    ``wait_ms``: 0 answers at once (CLAIM_HELD while another lease is live); more queues
+    a durable FIFO waiter for that long (at most 24 h) and parks up to 60 s per
+    request. ``request_id`` (client-chosen, <= 64 chars) makes the request re-sendable:
+    the same id finds its lease or its waiter."""
+
+    scope_id: str
+    key: str
+    lease_ms: int = 30_000
+    wait_ms: int = 0
+    holder: str | None = None
+    request_id: str | None = None
+
+
+class ClaimRenew(_Op, tag="claim.renew"):
+    key: str
+    token: int
+    lease_ms: int = 30_000
+
+
+class ClaimRelease(_Op, tag="claim.release"):
+    key: str
+    token: int
+    observation: msgspec.Raw = NIL
+
+
+class ClaimComplete(_Op, tag="claim.complete"):
+    key: str
+    token: int
+    result: msgspec.Raw = NIL
+
+
+class ClaimCancelWait(_Op, tag="claim.cancel_wait"):
+    """Withdraw the acquire ``request_id``: its waiter leaves the queue, or the lease it
+    was already given is released."""
+
+    key: str
+    request_id: str
+
+
+class ClaimStatus(_Op, tag="claim.status"):
+    key: str
+
+
+class ClaimList(_Op, tag="claim.list"):
+    """Claims of the space in key order; ``after`` (a key, exclusive) pages."""
+
+    state: str | None = None
+    limit: int = 100
+    after: str | None = None
+
+
+class ClaimWaiterView(_View):
+    scope_id: str
+    holder: str | None
+    queued_at: str
+    expires_at: str
+
+
+class ClaimView(_View):
+    """A claim: HELD (a live lease), FREE or COMPLETED. ``generation`` counts leases
+    (the fencing number); ``observation`` is what the last release left for the next
+    acquirer, ``result`` what ``complete`` recorded."""
+
+    id: str
+    key: str
+    scope_id: str
+    state: str
+    generation: int
+    holder: str | None
+    lease_expires_at: str | None
+    acquired_at: str | None
+    observation: msgspec.Raw
+    result: msgspec.Raw
+    completed_at: str | None
+    created_at: str
+    waiters: list[ClaimWaiterView]
+
+
+class ClaimLeaseView(_View):
+    """The reply to acquire and renew. ``status``: ACQUIRED (``token`` is the lease's
+    secret), COMPLETED (no lease: ``claim.result``), or WAITING (still in line at
+    ``position``; re-send with the same ``request_id``)."""
+
+    status: str
+    claim: ClaimView
+    token: int = 0
+    request_id: str | None = None
+    position: int = 0
+
+
+class ClaimListView(_View):
+    claims: list[ClaimView]
+
+
+# --- pools (permits) ----------------------------------------------------------------------
+
+
+class PoolEnsure(_Op, tag="pool.ensure"):
+    name: str
+    units_total: int
+
+
+class PoolGet(_Op, tag="pool.get"):
+    name: str
+
+
+class PoolList(_Op, tag="pool.list"):
+    pass
+
+
+class PoolAcquire(_Op, tag="pool.acquire"):
+    """``units`` of pool ``pool`` (a name) for run ``scope_id`` under a ``lease_ms``
+    lease. ``wait_ms`` 0: CAPACITY_UNAVAILABLE unless the units are free and nobody
+    waits; more: a durable FIFO waiter for that long (at most 24 h), parked up to 60 s
+    per request. ``request_id`` as for claims."""
+
+    pool: str
+    scope_id: str
+    units: int = 1
+    lease_ms: int = 30_000
+    wait_ms: int = 0
+    holder: str | None = None
+    request_id: str | None = None
+
+
+class PoolCancelWait(_Op, tag="pool.cancel_wait"):
+    pool: str
+    request_id: str
+
+
+class GrantRenew(_Op, tag="grant.renew"):
+    grant_id: str
+    token: int
+    lease_ms: int = 30_000
+
+
+class GrantRelease(_Op, tag="grant.release"):
+    grant_id: str
+    token: int
+    observation: msgspec.Raw = NIL
+
+
+class GrantStatus(_Op, tag="grant.status"):
+    grant_id: str
+
+
+class PoolWaiterView(_View):
+    scope_id: str
+    units: int
+    holder: str | None
+    queued_at: str
+    expires_at: str
+
+
+class PoolView(_View):
+    """A pool: ``units_used`` of ``units_total`` are granted; ``waiters`` in FIFO order
+    and the active ``grants`` (at most 100 of each are listed)."""
+
+    id: str
+    name: str
+    units_total: int
+    units_used: int
+    units_free: int
+    created_at: str
+    waiting: int
+    active_grants: int
+    waiters: list[PoolWaiterView]
+    grants: list[GrantView]
+
+
+class PoolListView(_View):
+    pools: list[PoolView]
+
+
+class PoolAcquireView(_View):
+    """``status``: ACQUIRED (``grant``, with its token) or WAITING (in line at
+    ``position``; re-send with the same ``request_id``)."""
+
+    status: str
+    grant: GrantView | None = None
+    request_id: str | None = None
+    position: int = 0
+
+
+class CancelWaitView(_View):
+    """``outcome``: ``withdrawn`` (the waiter left the queue), ``released`` (the lease or
+    grant it had already been given was released) or ``none`` (nothing was pending)."""
+
+    outcome: str
+
+
+# --- work limits ---------------------------------------------------------------------------
+
+
+class WorkLimitEnsure(_Op, tag="work_limit.ensure"):
+    scope_id: str
+    name: str
+    max_outstanding: int
+
+
+class WorkLimitList(_Op, tag="work_limit.list"):
+    """The limits of run ``scope_id`` (None: every limit of the space)."""
+
+    scope_id: str | None = None
+
+
+class WorkLimitView(_View):
+    id: str
+    scope_id: str
+    name: str
+    max_outstanding: int
+    outstanding: int
+    created_at: str
+
+
+class WorkLimitListView(_View):
+    work_limits: list[WorkLimitView]
+
+
 # --- mailbox contents (HTTP: GET /mailboxes/{id}/messages) ----------------------------------
 
 
@@ -1129,6 +1398,23 @@ Op = Union[
     BudgetSettle,
     BudgetVoid,
     ReservationGet,
+    ClaimAcquire,
+    ClaimRenew,
+    ClaimRelease,
+    ClaimComplete,
+    ClaimCancelWait,
+    ClaimStatus,
+    ClaimList,
+    PoolEnsure,
+    PoolGet,
+    PoolList,
+    PoolAcquire,
+    PoolCancelWait,
+    GrantRenew,
+    GrantRelease,
+    GrantStatus,
+    WorkLimitEnsure,
+    WorkLimitList,
     ScopeEnsureNamed,
     TimerAck,
     TimerPoll,
@@ -1211,6 +1497,23 @@ REPLY_TYPES: dict[type, type] = {
     BudgetSettle: SettleView,
     BudgetVoid: ReservationView,
     ReservationGet: ReservationView,
+    ClaimAcquire: ClaimLeaseView,
+    ClaimRenew: ClaimLeaseView,
+    ClaimRelease: ClaimView,
+    ClaimComplete: ClaimView,
+    ClaimCancelWait: CancelWaitView,
+    ClaimStatus: ClaimView,
+    ClaimList: ClaimListView,
+    PoolEnsure: PoolView,
+    PoolGet: PoolView,
+    PoolList: PoolListView,
+    PoolAcquire: PoolAcquireView,
+    PoolCancelWait: CancelWaitView,
+    GrantRenew: GrantView,
+    GrantRelease: GrantView,
+    GrantStatus: GrantView,
+    WorkLimitEnsure: WorkLimitView,
+    WorkLimitList: WorkLimitListView,
     ScopeEnsureNamed: ScopeView,
     TimerAck: TimerView,
     TimerPoll: TimerListView,

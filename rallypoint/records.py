@@ -71,6 +71,16 @@ class MailboxCreated(_Rec, tag="mailbox_created"):
     at_ms: int
 
 
+class TaskRequirements(msgspec.Struct, gc=False, omit_defaults=True):
+    """What a task needs to be handed out (admission), resolved at submission: one field
+    per requirement type (``actors/admission.py``, ``REQUIREMENT_KINDS``). ``pools``:
+    pool id -> units, held as grants while a delivery of the task runs; ``budgets``:
+    budget id -> minor units, reserved for each delivery."""
+
+    pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+
+
 class TaskSubmitted(_Rec, tag="task_submitted"):
     id: str
     space: str
@@ -84,6 +94,8 @@ class TaskSubmitted(_Rec, tag="task_submitted"):
     joinset_id: str | None = None
     cancellable: bool = True
     seq: int = 0  # FIFO position: submission order, whatever the wall clock says
+    requirements: TaskRequirements | None = None
+    work_limit_id: str | None = None
 
 
 class TaskDelivered(_Rec, tag="task_delivered"):
@@ -539,6 +551,171 @@ class KeyRevoked(_Rec, tag="key_revoked"):
     at_ms: int
 
 
+# --- claims ----------------------------------------------------------------------------
+
+
+class ClaimAcquired(_Rec, tag="claim_acquired"):
+    """A lease on claim ``key`` (created by its first acquire): ``generation`` is the
+    claim's fencing number (one more than the last lease's), ``token`` the lease's
+    secret. ``lease_expires_ms`` is server time. Made for an acquire, or handed to the
+    waiter ``request_id`` (which leaves the queue) when the previous lease ended."""
+
+    claim_id: str
+    space: str
+    key: str
+    scope_id: str
+    generation: int
+    token: int
+    lease_expires_ms: int
+    at_ms: int
+    holder: str | None = None
+    request_id: str | None = None
+
+
+class ClaimWaiterQueued(_Rec, tag="claim_waiter_queued"):
+    """A durable FIFO waiter joins the claim's queue until server time
+    ``expires_mono_ms``; served with a ``lease_ms`` lease."""
+
+    claim_id: str
+    request_id: str
+    scope_id: str
+    lease_ms: int
+    expires_mono_ms: int
+    at_ms: int
+    holder: str | None = None
+
+
+class ClaimWaiterEnded(_Rec, tag="claim_waiter_ended"):
+    """The waiter leaves the queue unserved: ``expired`` (its wait ran out),
+    ``withdrawn`` (its client cancelled the wait) or ``cancelled`` (its run is inactive)."""
+
+    claim_id: str
+    request_id: str
+    reason: str
+
+
+class ClaimRenewed(_Rec, tag="claim_renewed"):
+    claim_id: str
+    token: int
+    lease_expires_ms: int
+
+
+class ClaimReleased(_Rec, tag="claim_released"):
+    """The holder ended its lease; ``observation`` (a payload) is kept and shown to the
+    next acquirer. ``reason``: ``released`` or ``withdrawn`` (an abandoned acquire)."""
+
+    claim_id: str
+    token: int
+    at_ms: int
+    observation: bytes | None = None
+    reason: str = "released"
+
+
+class ClaimLeaseExpired(_Rec, tag="claim_lease_expired"):
+    claim_id: str
+    token: int
+    at_ms: int
+
+
+class ClaimCompleted(_Rec, tag="claim_completed"):
+    """Do-it-once: the holder recorded ``result``; the claim is COMPLETED for good and
+    every later acquire (and every waiter) gets the result instead of a lease."""
+
+    claim_id: str
+    token: int
+    result: bytes
+    at_ms: int
+
+
+# --- pools (permits) and grants -----------------------------------------------------------
+
+
+class PoolCreated(_Rec, tag="pool_created"):
+    id: str
+    space: str
+    name: str
+    units_total: int
+    at_ms: int
+
+
+class PoolWaiterQueued(_Rec, tag="pool_waiter_queued"):
+    """A durable FIFO waiter for ``units`` joins the pool's queue until server time
+    ``expires_mono_ms``; its grant will have a ``lease_ms`` lease."""
+
+    pool_id: str
+    request_id: str
+    scope_id: str
+    units: int
+    lease_ms: int
+    expires_mono_ms: int
+    at_ms: int
+    holder: str | None = None
+
+
+class PoolWaiterEnded(_Rec, tag="pool_waiter_ended"):
+    """``expired``, ``withdrawn`` or ``cancelled`` (its run is inactive), unserved."""
+
+    pool_id: str
+    request_id: str
+    reason: str
+
+
+class PoolGranted(_Rec, tag="pool_granted"):
+    """Grant ``id``: ``units`` of the pool, under a lease until server time
+    ``lease_expires_ms`` -- or, with ``task_id``, held for as long as that task's
+    delivery runs (admission; ``lease_expires_ms`` 0). A waiter ``request_id`` in the
+    queue is served by it (and leaves the queue)."""
+
+    id: str
+    pool_id: str
+    space: str
+    scope_id: str
+    units: int
+    token: int
+    at_ms: int
+    lease_expires_ms: int = 0
+    holder: str | None = None
+    request_id: str | None = None
+    task_id: str | None = None
+
+
+class GrantRenewed(_Rec, tag="grant_renewed"):
+    grant_id: str
+    token: int
+    lease_expires_ms: int
+
+
+class GrantReleased(_Rec, tag="grant_released"):
+    """The units go back to the pool; ``reason``: ``released`` or ``withdrawn``."""
+
+    grant_id: str
+    token: int
+    at_ms: int
+    observation: bytes | None = None
+    reason: str = "released"
+
+
+class GrantExpired(_Rec, tag="grant_expired"):
+    grant_id: str
+    token: int
+    at_ms: int
+
+
+# --- work limits ------------------------------------------------------------------------------
+
+
+class WorkLimitCreated(_Rec, tag="work_limit_created"):
+    """A cap of ``max_outstanding`` unfinished tasks naming the limit, in run
+    ``scope_id`` and below."""
+
+    id: str
+    space: str
+    scope_id: str
+    name: str
+    max_outstanding: int
+    at_ms: int
+
+
 # --- once ----------------------------------------------------------------------------------
 
 
@@ -674,6 +851,21 @@ Record = Union[
     BudgetSettled,
     BudgetVoided,
     ReservationStale,
+    ClaimAcquired,
+    ClaimWaiterQueued,
+    ClaimWaiterEnded,
+    ClaimRenewed,
+    ClaimReleased,
+    ClaimLeaseExpired,
+    ClaimCompleted,
+    PoolCreated,
+    PoolWaiterQueued,
+    PoolWaiterEnded,
+    PoolGranted,
+    GrantRenewed,
+    GrantReleased,
+    GrantExpired,
+    WorkLimitCreated,
     OnceAcquired,
     OnceRenewed,
     OnceCompleted,

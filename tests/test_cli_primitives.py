@@ -1,64 +1,62 @@
-"""``rallypoint quotas ls|show`` and ``rallypoint budgets ls|show`` (issue 15 item 8):
-readable columns, ``--json``, one error line."""
+"""``rallypoint claims ls|show`` and ``rallypoint pools ls|show`` for operators: readable
+columns, ``--json``, one line (never a traceback) for a missing claim or pool, and no
+token ever printed."""
 
 from __future__ import annotations
 
 import json
-
-import trio
+import subprocess
+import sys
 
 import rallypoint
 
-from test_cli_ops import one_line, rp
+
+def rp(*args, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rallypoint", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def _setup(url: str) -> dict:
-    async def main():
-        async with rallypoint.connect(url) as rs:
-            run = await rs.scopes.create()
-            q = await rs.quotas.ensure("cli-quota", units_limit=50, window_seconds=3600)
-            await q.take(7, scope=run)
-            w = await q.enqueue(50, scope=run, ttl=600, holder="agent-9")
-            b = await rs.budgets.ensure("cli-budget", limit=1234, currency="EUR", scale=2)
-            r = await b.reserve(300, scope=run, settle_within_seconds=600)
-            await r.settle(100, final=False)
-            return {"waiter": w.id, "reservation": r.id, "run": run.id}
-
-    return trio.run(main)
-
-
-def test_quotas_and_budgets_ls_and_show(daemon):
-    ids = _setup(daemon.url)
-    r = rp("quotas", "ls", "--connect", daemon.url)
-    assert r.returncode == 0, r.stderr
-    header, *rows = r.stdout.splitlines()
-    assert header.split() == ["NAME", "LIMIT", "WINDOW", "USED", "REMAINING", "WAITING", "COOLDOWN_UNTIL"]
-    row = next(x.split() for x in rows if x.startswith("cli-quota "))
-    # (if the hour rolled meanwhile, the waiter was granted the new window's 50)
-    assert row[1:6] in (["50", "1h", "7", "43", "1"], ["50", "1h", "50", "0", "0"])
-    r = rp("quotas", "show", "cli-quota", "--connect", daemon.url)
-    assert r.returncode == 0 and "50 units per 1h (fixed windows)" in r.stdout
-    if "waiting     1" in r.stdout:
-        assert ids["waiter"] in r.stdout and "agent-9" in r.stdout
-    j = json.loads(rp("quotas", "show", "cli-quota", "--json", "--connect", daemon.url).stdout)
-    assert j["name"] == "cli-quota" and j["units_limit"] == 50 and j["window_ms"] == 3_600_000
-
-    r = rp("budgets", "ls", "--connect", daemon.url)
-    header, *rows = r.stdout.splitlines()
-    assert header.split() == ["NAME", "CURRENCY", "LIMIT", "SETTLED", "RESERVED", "AVAILABLE", "OPEN"]
-    assert next(x.split() for x in rows if x.startswith("cli-budget ")) == \
-        ["cli-budget", "EUR", "12.34", "1.00", "2.00", "9.34", "1"]
-    r = rp("budgets", "show", "cli-budget", "--connect", daemon.url)
-    assert r.returncode == 0
-    assert "available   9.34 EUR" in r.stdout and ids["reservation"] in r.stdout and "ACTIVE" in r.stdout
-    j = json.loads(rp("budgets", "ls", "--json", "--connect", daemon.url).stdout)
-    b = next(x for x in j if x["name"] == "cli-budget")
-    assert (b["limit_minor"], b["settled_minor"], b["reserved_minor"], b["available_minor"]) == (1234, 100, 200, 934)
+def test_claims_ls_and_show(daemon):
+    with rallypoint.sync.connect(daemon.url) as rs:
+        run = rs.scopes.create(name="cli-claims")
+        held = run.claims.acquire("cli/held", lease_seconds=300, holder="worker-7")
+        done = run.claims.acquire("cli/done")
+        done.complete({"rows": 12})
+        free = run.claims.acquire("cli/free")
+        free.release({"stopped at": 3})
+        ls = rp("claims", "ls", "--connect", daemon.url)
+        assert ls.returncode == 0, ls.stderr
+        lines = {line.split()[0]: line.split() for line in ls.stdout.splitlines()[1:]}
+        assert lines["cli/held"][1:3] == ["HELD", "1"] and lines["cli/held"][-1] == "worker-7"
+        assert lines["cli/done"][1] == "COMPLETED" and lines["cli/free"][1] == "FREE"
+        only = rp("claims", "ls", "--state", "HELD", "--json", "--connect", daemon.url)
+        assert [c["key"] for c in json.loads(only.stdout) if c["key"].startswith("cli/")] == ["cli/held"]
+        show = rp("claims", "show", "cli/done", "--connect", daemon.url)
+        assert show.returncode == 0 and "COMPLETED" in show.stdout and '{"rows":12}' in show.stdout
+        shown = json.loads(rp("claims", "show", "cli/free", "--json", "--connect", daemon.url).stdout)
+        assert shown["observation"] == {"stopped at": 3} and shown["generation"] == 1
+        for out in (ls.stdout, show.stdout, only.stdout):
+            assert str(held.token) not in out  # tokens are secrets
+        missing = rp("claims", "show", "cli/never", "--connect", daemon.url)
+        assert missing.returncode == 1 and missing.stderr.startswith("rallypoint: NOT_FOUND")
+        assert "Traceback" not in missing.stderr
+        held.release()
 
 
-def test_show_of_a_missing_one_is_one_error_line(daemon):
-    for what in ("quotas", "budgets"):
-        r = rp(what, "show", "nope", "--connect", daemon.url)
-        assert r.returncode == 1
-        line = one_line(r.stderr)
-        assert line.startswith("rallypoint: NOT_FOUND:") and "ensure()" in line
+def test_pools_ls_and_show(daemon):
+    with rallypoint.sync.connect(daemon.url) as rs:
+        run = rs.scopes.create(name="cli-pools")
+        pool = rs.pools.ensure("cli-gpu", 4)
+        g = pool.acquire(3, scope=run, lease_seconds=300, holder="trainer")
+        ls = rp("pools", "ls", "--connect", daemon.url)
+        assert ls.returncode == 0, ls.stderr
+        row = next(line.split() for line in ls.stdout.splitlines() if line.startswith("cli-gpu "))
+        assert row[1:] == ["4", "3", "1", "0", "1"]  # total used free waiting grants
+        show = rp("pools", "show", "cli-gpu", "--connect", daemon.url)
+        assert show.returncode == 0 and "3 used of 4 (1 free)" in show.stdout and g.id in show.stdout
+        assert "trainer" in show.stdout and str(g.token) not in show.stdout
+        data = json.loads(rp("pools", "show", "cli-gpu", "--json", "--connect", daemon.url).stdout)
+        assert data["units_used"] == 3 and data["grants"][0]["token"] == 0
+        missing = rp("pools", "show", "no-such-pool", "--connect", daemon.url)
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr and "pools.ensure" in missing.stderr
+        g.release()

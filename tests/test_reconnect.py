@@ -160,7 +160,7 @@ def test_every_operation_is_classified():
     never = {p.ScopeCreate, p.GroupCreate, p.BarrierCreate, p.BarrierArrive, p.BarrierNextEpochOp, p.TimerCreate,
              p.JoinSetCreate, p.JoinSetSubmitDelay, p.KeyCreate, p.KeyRevoke, p.OnceAcquire, p.OnceFail, p.TimerAck}
     keyed = {p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.TaskSubmitMany, p.JoinNext, p.MessageSend, p.QuotaTake,
-             p.BudgetReserve}
+             p.BudgetReserve, p.ClaimAcquire, p.PoolAcquire}
     for t in OPS:
         if t in never:
             assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
@@ -175,6 +175,10 @@ def test_every_operation_is_classified():
     for t in (p.MessageSend, p.QuotaTake, p.BudgetReserve):
         assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
         assert reissue_safe(msgspec.convert({**_minimal(t), "key": "k"}, t)), t
+    assert not reissue_safe(p.ClaimAcquire(scope_id="s", key="k"))
+    assert reissue_safe(p.ClaimAcquire(scope_id="s", key="k", request_id="r1"))
+    assert not reissue_safe(p.PoolAcquire(pool="p", scope_id="s"))
+    assert reissue_safe(p.PoolAcquire(pool="p", scope_id="s", request_id="r1"))
     assert not reissue_safe(b"\x80")  # pre-encoded bodies: unknown, never
     # a named timer or barrier is one per (run, name): its create is safe to re-send
     assert reissue_safe(p.TimerCreate(scope_id="s", after_ms=1, name="n"))

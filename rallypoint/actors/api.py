@@ -105,6 +105,23 @@ def _reservation(c, s, op) -> str:
 
 def _message(c, s, op) -> str:
     return c.inboxes.route_message(s, op.message_id)
+def _claim(c, s, op) -> str:
+    return c.claims.route(s, op.key)
+
+
+def _pool(field: str):
+    def route(c, s, op) -> str:
+        return c.pools.route(s, getattr(op, field))
+
+    return route
+
+
+def _grant(c, s, op) -> str:
+    return c.pools.route_grant(s, op.grant_id)
+
+
+def _run_or_space(c, s, op) -> str:
+    return c.runs.route(s, op.scope_id) if op.scope_id is not None else "spc:" + s.space
 
 
 def _scope_list(c, s, op) -> str:
@@ -196,4 +213,25 @@ OPS: dict[type, OpSpec] = {
     # diagnostics (read-only)
     p.OpsRun: OpSpec("diagnostics", "op_ops_run", _run("scope_id"), R),
     p.OpsWaits: OpSpec("diagnostics", "op_ops_waits", _space, R),
+    # claims: an acquire runs (and waits) on the acquiring run's actor; the holder's
+    # calls on the claim's actor (in its owning run's nursery)
+    p.ClaimAcquire: OpSpec("claims", "op_claim_acquire", _run("scope_id"), W),
+    p.ClaimRenew: OpSpec("claims", "op_claim_renew", _claim, W),
+    p.ClaimRelease: OpSpec("claims", "op_claim_release", _claim, W),
+    p.ClaimComplete: OpSpec("claims", "op_claim_complete", _claim, W),
+    p.ClaimCancelWait: OpSpec("claims", "op_claim_cancel_wait", _claim, W),
+    p.ClaimStatus: OpSpec("claims", "op_claim_status", _claim, R),
+    p.ClaimList: OpSpec("claims", "op_claim_list", _space, R),
+    # pools: space-level; every pool and grant command runs on the pool's actor
+    p.PoolEnsure: OpSpec("pools", "op_pool_ensure", _space, C),
+    p.PoolGet: OpSpec("pools", "op_pool_get", _pool("name"), R),
+    p.PoolList: OpSpec("pools", "op_pool_list", _space, R),
+    p.PoolAcquire: OpSpec("pools", "op_pool_acquire", _pool("pool"), W),
+    p.PoolCancelWait: OpSpec("pools", "op_pool_cancel_wait", _pool("pool"), W),
+    p.GrantRenew: OpSpec("pools", "op_grant_renew", _grant, W),
+    p.GrantRelease: OpSpec("pools", "op_grant_release", _grant, W),
+    p.GrantStatus: OpSpec("pools", "op_grant_status", _grant, R),
+    # work limits: a run's
+    p.WorkLimitEnsure: OpSpec("admission", "op_work_limit_ensure", _run("scope_id"), C),
+    p.WorkLimitList: OpSpec("admission", "op_work_limit_list", _run_or_space, R),
 }

@@ -41,8 +41,10 @@ from ..errors import InternalError, RallypointError, UnavailableError
 from ..ids import IdGenerator
 from ..protocol import encoder
 from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
+from .admission import Admission
 from .barrier import Barriers
 from .budget import Budgets
+from .claim import Claims
 from .common import MemoryJournal
 from .group import Groups
 from .diagnostics import Diagnostics
@@ -51,6 +53,7 @@ from .inbox import Inboxes
 from .joinset import JoinSets
 from .keys import Keys
 from .once import Onces
+from .pool import Pools
 from .queue import WorkQueues
 from .quota import Quotas
 from .run import Runs
@@ -127,12 +130,15 @@ class Coordinator:
         self.quotas = Quotas(self)
         self.budgets = Budgets(self)
         self.inboxes = Inboxes(self)
+        self.claims = Claims(self)
+        self.pools = Pools(self)
+        self.admission = Admission(self)  # after the requirement kinds (its rebuild uses them)
         self.onces = Onces(self)
         self.idempotency = Idempotency(self, idempotency_ttl_ms)
         self.diagnostics = Diagnostics(self)
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
-                      self.spaces, self.quotas, self.budgets, self.inboxes, self.onces, self.idempotency,
-                      self.diagnostics)
+                      self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
+                      self.onces, self.idempotency, self.diagnostics)
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}
@@ -364,9 +370,14 @@ class Coordinator:
 
     last_seen_valid = False
 
+    def leases_outstanding(self) -> int:
+        """Leases (deliveries, claims, pool grants) and durable waiters with a time
+        limit outstanding now, over every kind."""
+        return sum(k.leases_outstanding() for k in self.kinds)
+
     def _on_stall(self, gap_s: float) -> None:
         self.stalls += 1
-        if self.queues.leases_outstanding():
+        if self.leases_outstanding():
             by_ms = int(gap_s * 1000)
             log.warning("event loop stalled for %.1f s: outstanding leases extended by that", gap_s)
             self.commit([LeasesExtended(by_ms=by_ms, at_ms=self.now_ms(), reason="stall")])
@@ -375,9 +386,9 @@ class Coordinator:
         """Recovery: the server could not hear renewals for ``gap_ms`` (it was down):
         outstanding leases are extended by it (one record). Returns the extension, ms
         (0 when there was no gap or no lease)."""
-        if gap_ms > 0 and self.queues.leases_outstanding():
+        if gap_ms > 0 and self.leases_outstanding():
             log.info("extending %d outstanding lease(s) by the %.3f s the server was down",
-                     self.queues.leases_outstanding(), gap_ms / 1000)
+                     self.leases_outstanding(), gap_ms / 1000)
             self.commit([LeasesExtended(by_ms=gap_ms, at_ms=self.now_ms(), reason="restart")])
             return gap_ms
         return 0

@@ -78,6 +78,16 @@ class Kind:
         """The run that owns ``entity_id`` went inactive (``reason``: cancelled,
         completed, deadline) in the apply of one record. Synchronous."""
 
+    def leases_outstanding(self) -> int:
+        """How many leases (and durable waiters with a time limit) of this kind run on
+        server time now: a stall or a restart is given back to them (``LeasesExtended``)
+        only when some kind has one."""
+        return 0
+
+    def extend_leases(self, by_ms: int) -> None:
+        """Apply of ``LeasesExtended``: every outstanding lease of this kind (and every
+        durable waiter's time limit) ends ``by_ms`` later; re-arm their activities."""
+
     def appliers(self) -> dict[type, Callable[[Any], None]]:
         """Record type -> bound apply function, from the ``@applies`` marks."""
         out: dict[type, Callable[[Any], None]] = {}

@@ -74,6 +74,7 @@ class Onces(Kind):
         super().__init__(coord)
         self.table: dict[str, OnceState] = {}
         self.by_key: dict[tuple[str, str], str] = {}  # (run, key) -> once id
+        self.held_ids: set[str] = set()  # HELD onces (a live lease)
 
     def entity_tables(self):
         return {"onc": (self.table, OnceState)}
@@ -145,6 +146,7 @@ class Onces(Kind):
             self.table[o.id] = o
             self.by_key[(o.scope_id, o.key)] = o.id
         o.state = "HELD"
+        self.held_ids.add(o.id)
         o.token = r.token
         o.holder = r.holder
         o.holder_session = r.holder_session
@@ -197,6 +199,7 @@ class Onces(Kind):
     def _apply_completed(self, r: OnceCompleted) -> None:
         o = self.table[r.id]
         o.state = "DONE"
+        self.held_ids.discard(o.id)
         o.result = r.result
         o.finished_at_ms = r.at_ms
         o.lease_expires_ms = 0
@@ -223,6 +226,7 @@ class Onces(Kind):
         o.last_error = r.error
         o.lease_expires_ms = 0
         o.state = "FAILED" if r.final else "OPEN"
+        self.held_ids.discard(o.id)
         if r.final:
             o.finished_at_ms = r.at_ms
         self.coord.touch(o.id)
@@ -241,13 +245,15 @@ class Onces(Kind):
         o = self.table[r.id]
         o.state = "OPEN"
         o.lease_expires_ms = 0
+        self.held_ids.discard(o.id)
         self.coord.touch(o.id)
         self.coord.notify(o.scope_id, ("once", o.id))
 
     def extend_leases(self, by_ms: int) -> None:
         """``LeasesExtended`` (a restart or a stall): the server could not hear the
         holders for ``by_ms``; give it back (in that record's apply)."""
-        for o in self.table.values():
+        for oid in sorted(self.held_ids):
+            o = self.table[oid]
             if o.state == "HELD":
                 o.lease_expires_ms += by_ms
                 self.coord.touch(o.id)
@@ -255,11 +261,15 @@ class Onces(Kind):
 
     def held(self):
         """The HELD onces (for diagnostics)."""
-        return [o for o in self.table.values() if o.state == "HELD"]
+        return [self.table[i] for i in sorted(self.held_ids)]
+
+    def leases_outstanding(self) -> int:
+        return len(self.held_ids)
 
     # ------------------------------------------------------------------ recovery
     def rebuild_indexes(self) -> None:
         self.by_key = {(o.scope_id, o.key): o.id for o in self.table.values()}
+        self.held_ids = {o.id for o in self.table.values() if o.state == "HELD"}
 
     def rearm(self) -> None:
         for o in self.table.values():

@@ -83,6 +83,7 @@ from ..protocol import (
     TaskView,
 )
 from ..records import (
+    TaskRequirements,
     LeaseExpired,
     LeaseRenewed,
     LeasesExtended,
@@ -111,6 +112,9 @@ MODES = ("WORK", "INBOX")
 MIN_LEASE_MS = 5_000
 MAX_LEASE_MS = 600_000
 MAX_BATCH = 1000
+#: A receive looks at most this many ready tasks whose requirements cannot be taken now
+#: before it gives up for this request.
+MAX_SKIPPED = 10_000
 #: A receive for a run looks at the ready heaps of its subtree: by walking the subtree,
 #: or by testing each run with ready work for ancestry, whichever touches fewer runs.
 _NIL_BYTES = b"\xc0"
@@ -161,6 +165,8 @@ class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
     completing: bool = False  # completed by its worker; its run's join sets are closing
     held_outcome: bytes | None = None  # the outcome, recorded once the run is done
     subscribers: list[str] | None = None  # task.subscribe (interest only; none cancels nothing)
+    requirements: TaskRequirements | None = None
+    work_limit_id: str | None = None
 
 
 class WorkQueues(Kind):
@@ -312,17 +318,22 @@ class WorkQueues(Kind):
         field_prefix: str = "",
         pending: dict | None = None,
         extra_backlog: int = 0,
+        requirements=None,
+        work_limit=None,
         mode: str = "WORK",
         **extra,
     ) -> TaskSubmitted | TaskState:
         """Validate one submission. Returns the existing task for an idempotent
         resubmission (same key, same input), else the record to commit. ``mode``:
         WORK for a task, INBOX for a message (``msg_`` id, its payload named
-        ``payload``).
+        ``payload``). ``requirements``: the wire :class:`~rallypoint.protocol.Requirements`
+        (resolved here); ``work_limit``: a resolved work limit, checked for
+        ``extra_backlog + 1`` more unfinished tasks.
 
-        Raises VALIDATION_FAILED (bad key, payload, deadline), CONFLICT (key reused with
-        other input; a task to an INBOX queue or a message to a WORK queue),
-        SCOPE_CANCELLED / DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog)."""
+        Raises VALIDATION_FAILED (bad key, payload, deadline, requirements), CONFLICT (key
+        reused with other input; a task to an INBOX queue or a message to a WORK queue),
+        NOT_FOUND (a pool or budget of the requirements), SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog, work limit)."""
         if q.mode != mode:
             how = "send messages with mailbox.send()" if q.mode == "INBOX" else "submit tasks with mailbox.submit()"
             raise ConflictError(f"mailbox {q.name!r} is a {q.mode} mailbox: {how}",
@@ -359,16 +370,23 @@ class WorkQueues(Kind):
                     retry_after=1.0,
                     details={"limit": q.backlog_limit},
                 )
+        reqs = coord.admission.prepare(space, requirements) if requirements is not None else None
+        if work_limit is not None:
+            coord.admission.check_work_limit(work_limit, extra_backlog + 1)
         seq = self.next_seq + extra_backlog
         return TaskSubmitted(
-            id=coord.ids.new("msg" if mode == "INBOX" else "tsk"), space=space, mailbox_id=q.id, scope_id=run_id, input=data, at_ms=now,
-            key=key, deadline_ms=deadline_ms, seq=seq, **extra,
+            id=coord.ids.new("msg" if mode == "INBOX" else "tsk"), space=space, mailbox_id=q.id, scope_id=run_id,
+            input=data, at_ms=now, key=key, deadline_ms=deadline_ms, seq=seq, requirements=reqs,
+            work_limit_id=work_limit.id if work_limit is not None else None, **extra,
         )
 
     def op_task_submit(self, actor, session, op: TaskSubmit) -> TaskView:
+        """One task; ``requirements`` and ``work_limit`` as in ``actors/admission.py``."""
         q = self.get_queue(session.space, op.mailbox)
         run = self.coord.runs.get(session.space, op.scope_id)
-        rec = self.prepare_submit(session.space, q, run.id, op.input, op.key, op.deadline)
+        wl = self.coord.admission.resolve_work_limit(run.id, op.work_limit) if op.work_limit is not None else None
+        rec = self.prepare_submit(session.space, q, run.id, op.input, op.key, op.deadline,
+                                  requirements=op.requirements, work_limit=wl)
         if isinstance(rec, TaskState):
             return self.task_view(rec)
         self.coord.commit([rec])
@@ -380,6 +398,7 @@ class WorkQueues(Kind):
         run = self.coord.runs.get(session.space, op.scope_id)
         if not 1 <= len(op.items) <= MAX_BATCH:
             raise ValidationError(f"items must hold 1 to {MAX_BATCH} submissions", details={"field": "items"})
+        wl = self.coord.admission.resolve_work_limit(run.id, op.work_limit) if op.work_limit is not None else None
         recs: list = []
         ids: list[str] = []
         pending: dict = {}
@@ -387,6 +406,7 @@ class WorkQueues(Kind):
             r = self.prepare_submit(
                 session.space, q, run.id, item.input, item.key, item.deadline,
                 field_prefix=f"items[{i}].", pending=pending, extra_backlog=len(recs),
+                requirements=item.requirements, work_limit=wl,
             )
             if isinstance(r, TaskSubmitted) and not (r.key is not None and pending.get((run.id, q.id, r.key)) is r):
                 recs.append(r)  # (a key repeated within the batch returns the pending record: add it once)
@@ -402,12 +422,15 @@ class WorkQueues(Kind):
         t = TaskState(
             id=r.id, space=r.space, mailbox_id=r.mailbox_id, scope_id=r.scope_id, input=r.input,
             created_at_ms=r.at_ms, key=r.key, deadline_ms=r.deadline_ms, group_id=r.group_id,
-            joinset_id=r.joinset_id, cancellable=r.cancellable, seq=r.seq,
+            joinset_id=r.joinset_id, cancellable=r.cancellable, seq=r.seq, requirements=r.requirements,
+            work_limit_id=r.work_limit_id,
         )
         if r.seq >= self.next_seq:
             self.next_seq = r.seq + 1
         self.tasks[t.id] = t
         self._index_task(t)
+        if r.requirements is not None or r.work_limit_id is not None:
+            self.coord.admission.on_task_submitted(t)
         self.coord.touch(t.id)
         if t.joinset_id is not None:
             self.coord.joinsets.on_task_created(t)
@@ -435,7 +458,11 @@ class WorkQueues(Kind):
             if t.state == "RUNNING" and not t.completing:
                 self.leased.add(t.id)
 
-    def _set_state(self, t: TaskState, new: str) -> None:
+    def _set_state(self, t: TaskState, new: str, at_ms: int = 0) -> None:
+        """Move ``t`` to ``new`` and keep every index and hook in step: counts, the
+        leased set, result waiters, join sets and groups; a delivery that ends (leaving
+        RUNNING) gives back what it took for the task's requirements (at ``at_ms``), and
+        a task that finishes stops counting against its work limit."""
         old = t.state
         if old == new:
             return
@@ -458,7 +485,11 @@ class WorkQueues(Kind):
             coord.budgets.on_delivery_ended(t.id, t.token, new, t.finished_at_ms if new in TERMINAL else None)
         elif new == "RUNNING":
             self.leased.add(t.id)
+        if old == "RUNNING" and t.requirements is not None:
+            coord.admission.on_delivery_ended(t, new, at_ms)
         if new in TERMINAL:
+            if t.requirements is not None or t.work_limit_id is not None:
+                coord.admission.on_task_terminal(t)
             s = self.run_unfinished.get(t.scope_id)
             if s is not None:
                 s.discard(t.id)
@@ -489,7 +520,7 @@ class WorkQueues(Kind):
                 self.coord.runs.end(run, "CANCELLED", at_ms, f"task {t.id} {state}")
         t.finished_at_ms = at_ms
         t.outcome_reason = reason
-        self._set_state(t, state)
+        self._set_state(t, state, at_ms)
         self.coord.touch(t.id)
 
     # ================================================================ the ready queue
@@ -512,7 +543,12 @@ class WorkQueues(Kind):
             per_run[t.scope_id] = [(t.seq, t.id)]
         else:
             heapq.heappush(heap, (t.seq, t.id))
-        # wake receivers waiting on this run or an ancestor (each on its run's actor)
+        self.wake_receivers(t)
+
+    def wake_receivers(self, t: TaskState) -> None:
+        """Re-check the receives parked for ``t``'s queue on its run and every ancestor
+        (each on its run's actor): ``t`` is ready, or what it requires came free."""
+        coord = self.coord
         key = ("recv", t.mailbox_id)
         table = coord.runs.table
         notify = coord.notify
@@ -548,13 +584,20 @@ class WorkQueues(Kind):
         return out
 
     def _pop_ready(self, queue_id: str, run_id: str, n: int) -> list[TaskState]:
-        """Pop up to ``n`` oldest ready tasks of the run and its descendants. Stale heap
-        entries (tasks no longer ready) are dropped on the way; heaps left empty are
-        removed so a queue's index only holds runs with ready work."""
+        """Pop up to ``n`` oldest *eligible* ready tasks of the run and its descendants.
+        A task with requirements is eligible only if all of them can be taken now,
+        together with those of the tasks popped before it in this call (all or
+        nothing, counted in one ``pending`` for the step); the others are skipped and put
+        back, first in line for the next receive (at most :data:`MAX_SKIPPED` are looked
+        at past). Stale heap entries (tasks no longer ready) are dropped on the way;
+        heaps left empty are removed so a queue's index only holds runs with ready work."""
         cands = self._candidate_heaps(queue_id, run_id)
         out: list[TaskState] = []
         tasks, ready_set = self.tasks, self.ready_set
         heappop = heapq.heappop
+        skipped: list = []
+        pending: dict = {}
+        admission = self.coord.admission
         while len(out) < n:
             best = None
             for _rid, h in cands:
@@ -564,9 +607,17 @@ class WorkQueues(Kind):
                     best = h
             if best is None:
                 break
-            _, tid = heappop(best)
-            ready_set.discard(tid)
-            out.append(tasks[tid])
+            entry = heappop(best)
+            t = tasks[entry[1]]
+            if t.requirements is not None and not admission.try_take(t, pending):
+                skipped.append((entry, best))
+                if len(skipped) >= MAX_SKIPPED:
+                    break
+                continue
+            ready_set.discard(t.id)
+            out.append(t)
+        for entry, h in skipped:
+            heapq.heappush(h, entry)
         per_run = self.ready.get(queue_id)
         if per_run is not None:
             for rid, h in cands:
@@ -609,6 +660,9 @@ class WorkQueues(Kind):
             TaskDelivered(task_id=t.id, delivery_id=new_id("dlv"), token=t.token + 1, lease_expires_ms=expires, at_ms=now)
             for t in picked
         ]
+        for t in picked:
+            if t.requirements is not None:  # the take, in the same commit as the delivery
+                recs.extend(coord.admission.take_records(t, now))
         coord.commit(recs)
         return [self.delivery_view(t, q) for t in picked]
 
@@ -626,6 +680,7 @@ class WorkQueues(Kind):
             group_id=t.group_id,
             run_id=t.run_id,
             key=t.key,
+            **(self.coord.admission.views(t) if t.requirements is not None else {}),
         )
 
     @applies(TaskDelivered)
@@ -687,10 +742,15 @@ class WorkQueues(Kind):
 
     @applies(LeasesExtended)
     def _apply_leases_extended(self, r: LeasesExtended) -> None:
-        self.coord.onces.extend_leases(r.by_ms)  # once holders' leases: the same time given back
+        """Every kind's outstanding leases (and durable waiters' time limits) end
+        ``by_ms`` later: deliveries here, claims, pool grants... (``Kind.extend_leases``)."""
+        for k in self.coord.kinds:
+            k.extend_leases(r.by_ms)
+
+    def extend_leases(self, by_ms: int) -> None:
         for tid in sorted(self.leased):
             t = self.tasks[tid]
-            t.lease_expires_ms += r.by_ms
+            t.lease_expires_ms += by_ms
             self.coord.touch(t.id)
             self.coord.arm_mono(t.lease_expires_ms, self._on_lease, (t.id, t.token, t.lease_expires_ms))
 
@@ -730,6 +790,9 @@ class WorkQueues(Kind):
         t.completing = True
         t.held_outcome = r.outcome
         self.leased.discard(t.id)  # no lease counts any more: nothing to take over
+        if t.requirements is not None:  # its worker is done: what its delivery took goes back now
+            # (for its requirements it succeeded: pool units return, budget reservations settle)
+            self.coord.admission.on_delivery_ended(t, "SUCCEEDED", r.at_ms)
         self.coord.touch(t.id)
         self.check_completion(t.id)
 
@@ -838,7 +901,7 @@ class WorkQueues(Kind):
             return
         t.attempt += 1
         t.available_at_ms = r.available_at_ms
-        self._set_state(t, "QUEUED")
+        self._set_state(t, "QUEUED", r.at_ms)
         self.coord.touch(t.id)
         self._make_ready(t)
 
@@ -931,7 +994,7 @@ class WorkQueues(Kind):
             return
         t.attempt += 1
         t.available_at_ms = 0
-        self._set_state(t, "QUEUED")
+        self._set_state(t, "QUEUED", r.at_ms)
         self.coord.touch(t.id)
         self._make_ready(t)
 

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import math
 import secrets
+from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 import anyio
 import msgspec
 
 from .. import protocol as p
 from ..errors import (
+    ClaimHeldError,
+    CapacityUnavailableError,
     ConflictError,
     LeaseLostError,
     ScopeInactiveError,
@@ -39,7 +42,8 @@ from . import types as t
 
 __all__ = [
     "Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes", "Message",
-    "Quotas", "Quota", "QuotaWaiter", "Budgets", "Budget", "Reservation",
+    "Quotas", "Quota", "QuotaWaiter", "Budgets", "Budget", "Reservation", "Claims", "ClaimLease",
+    "SpaceClaims", "Pools", "Pool", "RunPools", "Grant", "WorkLimits",
 ]
 
 _MAX_WAIT_S = 60.0
@@ -118,6 +122,8 @@ class Client:
         self.mailboxes = Mailboxes(self)
         self.quotas = Quotas(self)
         self.budgets = Budgets(self)
+        self.claims = SpaceClaims(self)
+        self.pools = Pools(self)
 
     async def _call(self, op: msgspec.Struct, reply_type: type):
         raw = await self._transport.call(op)
@@ -201,6 +207,10 @@ class Client:
         """A handle on a budget by name or id (no request is made)."""
         return Budget(self, _name_of(name, "budget"))
 
+    def pool(self, name: str) -> "Pool":
+        """A handle on a pool by name (no request is made)."""
+        return Pool(self, _pool_name(name))
+
     async def status(self) -> t.ServerInfo:
         """Server version, uptime (s), connections, runs and tasks by state, LSNs."""
         return await self._call(p.ServerStatus(), t.ServerInfo)
@@ -245,6 +255,9 @@ class Run:
         self.join_sets = JoinSets(rs, self)
         self.barriers = Barriers(rs, self)
         self.timers = Timers(rs, self)
+        self.claims = Claims(rs, self)
+        self.pools = RunPools(rs, self)
+        self.work_limits = WorkLimits(rs, self)
 
     def __repr__(self) -> str:
         return f"Run({self.id!r})"
@@ -347,11 +360,24 @@ class Mailbox:
         *,
         scope: "Run | str",
         deadline: datetime | str | None = None,
+        requirements: dict | None = None,
+        work_limit: str | None = None,
     ) -> "Ticket":
         """Submit a task to this mailbox, bound to ``scope``. With ``key``, idempotent
         within the run and mailbox (same input: the existing task; other input:
         CONFLICT). Refused on an inactive run; LIMIT_EXCEEDED (with retry_after) when the
         backlog is full.
+
+        ``requirements`` (admission): ``{"pools": {"gpu": 2, ...}, "budgets":
+        {"model-spend": 40}}`` -- pool name -> units (at most 4 pools; each
+        1..units_total) and budget name -> minor units (at most 2 budgets; each 1..limit);
+        VALIDATION_FAILED otherwise, NOT_FOUND for a pool or budget that does not exist.
+        The task is handed out only when all of them can be taken in the same step; its
+        delivery holds them (``delivery.grants``, ``delivery.reservations``) and gives
+        them back when it ends (a reservation is settled in full if the task succeeded,
+        voided otherwise, unless settled before). ``work_limit``: the name
+        of a work limit of the run or an ancestor (``run.work_limits.ensure``);
+        LIMIT_EXCEEDED while it has ``max_outstanding`` unfinished tasks.
 
         After a dropped connection a submit **with** a ``key`` is sent again (it returns
         the task the first one made, if it was applied); one **without** a key is not
@@ -363,6 +389,8 @@ class Mailbox:
                 input=encode_payload(input),
                 key=key,
                 deadline=_iso(deadline, "deadline"),
+                requirements=_requirements(requirements),
+                work_limit=work_limit,
             ),
             t.TaskInfo,
         )
@@ -370,22 +398,25 @@ class Mailbox:
 
     async def submit_many(
         self, inputs: Iterable[Any], *, scope: "Run | str", keys: Iterable[str | None] | None = None,
-        deadline: datetime | str | None = None,
+        deadline: datetime | str | None = None, requirements: dict | None = None, work_limit: str | None = None,
     ) -> list["Ticket"]:
         """Submit several tasks in one request and one commit: all or none. ``keys``:
-        one idempotency key (or None) per input. Re-sent after a dropped connection
+        one idempotency key (or None) per input; ``requirements`` and ``work_limit`` (as
+        for :meth:`submit`) apply to every task. Re-sent after a dropped connection
         only if every input has a key (else UnavailableError, ``maybe_applied``)."""
         inputs = list(inputs)
         keys = list(keys) if keys is not None else [None] * len(inputs)
         if len(keys) != len(inputs):
             raise ValidationError("keys must have one entry per input", details={"field": "keys"})
         dl = _iso(deadline, "deadline")
+        req = _requirements(requirements)
         items = [
-            p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl)
+            p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl, requirements=req)
             for i, (x, k) in enumerate(zip(inputs, keys))
         ]
         reply = await self._rs._call(
-            p.TaskSubmitMany(mailbox=self.name, scope_id=_id_of(scope), items=items), t._TaskList
+            p.TaskSubmitMany(mailbox=self.name, scope_id=_id_of(scope), items=items, work_limit=work_limit),
+            t._TaskList,
         )
         return [Ticket(self._rs, i.id, i) for i in reply.tasks]
 
@@ -456,6 +487,17 @@ class Mailbox:
         if max_messages == 1:
             return ds[0] if ds else None
         return ds
+
+    async def admit(self, scope: "Run | str", lease_seconds: float = 30, wait: float = 0) -> "Delivery | None":
+        """Admission (runstate's ``mailbox.admit``): lease the oldest *eligible* task of
+        ``scope`` and its descendants -- one whose requirements can all be taken now --
+        together with its requirements, in one step. Returns the :class:`Delivery`
+        (``delivery.grants``: the pool grants it holds until it ends) or None when
+        nothing could be admitted within ``wait`` seconds. A shortage of pool units is
+        not an error: the task waits its turn. The lease is not renewed for you (call
+        ``delivery.renew()``, or use :func:`rallypoint.consume`, which does). Errors as
+        :meth:`receive`."""
+        return await self.receive(scope, lease_seconds=lease_seconds, wait=wait, max_messages=1)
 
 
 async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]") -> list:
@@ -534,6 +576,11 @@ class Delivery:
         self.run_id = info.run_id
         self.lease_seconds = lease_seconds
         self.lost = False
+        #: pool grants this delivery holds (its task's requirements), given back when it ends
+        self.grants = [Grant(rs, g, lease_seconds) for g in info.grants]
+        #: budget reservations made for this delivery (its task's requirements): settle the
+        #: real cost on them; what is left is settled in full if the task succeeds, else voided
+        self.reservations = [Reservation(rs, rid) for rid in info.reservations]
 
     def __repr__(self) -> str:
         return f"Delivery(task_id={self.task_id!r}, token={self.token}, attempt={self.attempt})"
@@ -1415,3 +1462,494 @@ class Reservation:
     async def status(self) -> t.ReservationInfo:
         self.info = await self._rs._call(p.ReservationGet(reservation_id=self.id), t.ReservationInfo)
         return self.info
+
+
+# ================================================================ requirements helpers
+
+
+def _requirements(value: Any) -> "p.Requirements | None":
+    """``{"pools": {"gpu": 2}}`` -> the wire Requirements (VALIDATION_FAILED naming the
+    field for anything else)."""
+    if value is None:
+        return None
+    if isinstance(value, p.Requirements):
+        return value
+    try:
+        return msgspec.convert(value, p.Requirements)
+    except msgspec.ValidationError as e:
+        raise ValidationError(f"requirements: {e}", details={"field": "requirements"}) from None
+
+
+def _pool_name(x: Any) -> str:
+    if isinstance(x, str):
+        return x
+    n = getattr(x, "name", None)
+    if isinstance(n, str):
+        return n
+    raise ValidationError(f"pool must be a name or a Pool handle (got {x!r})", details={"field": "pool"})
+
+
+async def _queued_acquire(rs: Client, make_op, reply_type, wait: float, withdraw_op, what: str):
+    """An acquire that may wait in the server's durable FIFO queue.
+
+    One request id for the whole call (the server finds its lease or its waiter by it,
+    so a re-sent request -- after a dropped connection, or to wait past the server's
+    60 s -- keeps its place). Returns the reply once it is not WAITING. When the wait
+    runs out, or the caller is cancelled, or anything fails while a waiter may exist,
+    the waiter is withdrawn (and a lease it was given meanwhile released), best effort,
+    shielded, within 5 s."""
+    wait_ms = _ms(wait, "wait")
+    rid = secrets.token_hex(8)
+    deadline = anyio.current_time() + wait
+    try:
+        ms = wait_ms
+        while True:
+            reply = await rs._call(make_op(rid, ms), reply_type)
+            if reply.status != "WAITING":
+                return reply
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise WaitTimeout(f"{what}: still waiting in line (position {reply.position}) after {wait} s")
+            ms = max(1, _ms(left, "wait"))
+    except BaseException:
+        if wait_ms > 0:
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(5):
+                    try:
+                        await rs._call(withdraw_op(rid), t._CancelWaitReply)
+                    except Exception:
+                        pass
+        raise
+
+
+class _Lease:
+    """What claim leases and pool grants share: the background renewal."""
+
+    lease_seconds: float
+    lost: bool
+
+    async def renew(self, lease_seconds: float | None = None) -> datetime:  # pragma: no cover
+        raise NotImplementedError
+
+    def _lost_error(self, cause: BaseException) -> LeaseLostError:  # pragma: no cover
+        raise NotImplementedError
+
+    @asynccontextmanager
+    async def keep_alive(self) -> AsyncIterator[Any]:
+        """``async with lease.keep_alive():`` renews the lease every ``lease_seconds / 3``
+        while the body runs. When a renewal is refused -- STALE_CLAIM (the lease was
+        lost: taken over after it ran out, or released) or SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED (its run stopped: the holder must stop) -- the body is
+        cancelled, ``lost`` is set, and LeaseLostError (STALE_CLAIM) is raised from the
+        ``async with``. Renewals go on across a daemon restart on a reconnecting client."""
+        refused: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+            async def renewer() -> None:
+                while True:
+                    await anyio.sleep(self.lease_seconds / 3)
+                    try:
+                        await self.renew()
+                    except (LeaseLostError, ScopeInactiveError) as e:
+                        self.lost = True
+                        refused.append(e)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(renewer)
+            try:
+                yield self
+            finally:
+                tg.cancel_scope.cancel()
+        if refused:
+            raise self._lost_error(refused[0]) from refused[0]
+
+
+# ================================================================ claims
+
+
+class SpaceClaims:
+    """``rs.claims``: claims of the space (keys are unique per space)."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def status(self, key: str) -> t.ClaimInfo:
+        """The claim ``key`` (state, generation, holder, queue, observation, result);
+        NOT_FOUND if it was never acquired. Never shows a token."""
+        return await self._rs._call(p.ClaimStatus(key=key), t.ClaimInfo)
+
+    async def list(self, state: str | None = None, limit: int = 100, after: str | None = None) -> list[t.ClaimInfo]:
+        """Claims in key order (``state``: FREE, HELD or COMPLETED; ``after``: a key)."""
+        return (await self._rs._call(p.ClaimList(state=state, limit=limit, after=after), t._ClaimList)).claims
+
+
+class Claims:
+    """``run.claims``: exclusive, fenced leases on keys, acquired for this run."""
+
+    def __init__(self, rs: Client, run: "Run") -> None:
+        self._rs = rs
+        self._run = run
+
+    async def acquire(
+        self, key: str, lease_seconds: float = 30, wait: float = 0, *, holder: str | None = None
+    ) -> "ClaimLease":
+        """Acquire the lease on ``key`` (1-256 characters, unique per space) for this run.
+
+        Returns a :class:`ClaimLease`: ``generation`` (the fencing number: one more than
+        the previous lease's), ``token``, ``lease_expires_at``, ``observation`` (what the
+        previous holder left at release). If the claim was already completed, no lease
+        is taken: ``lease.completed`` is True and ``lease.result`` the recorded result.
+
+        ``lease_seconds``: 5-600. ``wait``: 0 (default) raises ClaimHeldError
+        (CLAIM_HELD, ``retry_after`` = seconds the current lease has left) when the claim
+        is held; > 0 queues on the server, first come first served, for up to ``wait``
+        seconds (at most 24 h) and raises WaitTimeout (TIMEOUT) if the lease did not come
+        in time. The queued request survives a daemon restart (it is re-sent on the new
+        connection with the same request id and keeps its place); if the call is
+        cancelled the request is withdrawn. Raises ScopeCancelledError /
+        DeadlineExceededError (SCOPE_CANCELLED / DEADLINE_EXCEEDED) when this run is
+        inactive -- also to a waiting acquire, at once, when the run stops --,
+        ValidationError (VALIDATION_FAILED) for a bad key, lease or wait."""
+        run_id = self._run.id
+        lease_ms = _ms(lease_seconds, "lease_seconds")
+        reply = await _queued_acquire(
+            self._rs,
+            lambda rid, ms: p.ClaimAcquire(scope_id=run_id, key=key, lease_ms=lease_ms, wait_ms=ms, holder=holder,
+                                           request_id=rid),
+            t._ClaimLeaseReply, wait, lambda rid: p.ClaimCancelWait(key=key, request_id=rid), f"claim {key!r}",
+        )
+        return ClaimLease(self._rs, reply, lease_seconds)
+
+    async def try_acquire(
+        self, key: str, lease_seconds: float = 30, *, holder: str | None = None
+    ) -> "ClaimLease | None":
+        """Like :meth:`acquire` with ``wait=0``, but None instead of ClaimHeldError."""
+        try:
+            return await self.acquire(key, lease_seconds, 0, holder=holder)
+        except ClaimHeldError:
+            return None
+
+    @asynccontextmanager
+    async def hold(
+        self, key: str, lease_seconds: float = 30, wait: float = 0, *, holder: str | None = None
+    ) -> AsyncIterator["ClaimLease"]:
+        """``async with run.claims.hold(key) as lease:`` acquire (as :meth:`acquire`), keep
+        the lease renewed while the body runs (:meth:`ClaimLease.keep_alive`: a lost lease
+        cancels the body and raises LeaseLostError), release it at the end unless the
+        body completed it. A completed claim yields a lease with ``completed`` True (the
+        body should use ``lease.result``)."""
+        lease = await self.acquire(key, lease_seconds, wait, holder=holder)
+        if lease.completed:
+            yield lease
+            return
+        try:
+            async with lease.keep_alive():
+                yield lease
+        finally:
+            if not lease.lost and not lease.released and not lease.completed:
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(5):
+                        try:
+                            await lease.release()
+                        except Exception:
+                            pass
+
+    async def status(self, key: str) -> t.ClaimInfo:
+        return await self._rs._call(p.ClaimStatus(key=key), t.ClaimInfo)
+
+
+class ClaimLease(_Lease):
+    """A lease on a claim (or, with ``completed`` True, the claim's recorded result).
+
+    Attributes: ``key``, ``claim_id``, ``scope_id`` (the run it was acquired for),
+    ``generation`` (fencing number), ``token`` (the lease's secret: renew, release and
+    complete carry it), ``lease_expires_at`` (aware datetime), ``observation`` (left by
+    the previous holder's release), ``completed`` / ``result``, ``info`` (the
+    :class:`~rallypoint.client.types.ClaimInfo` last seen), ``lost`` (set once the lease
+    is known lost), ``released``."""
+
+    def __init__(self, rs: Client, reply, lease_seconds: float) -> None:
+        self._rs = rs
+        info = reply.claim
+        self.info = info
+        self.key = info.key
+        self.claim_id = info.id
+        self.scope_id = info.scope_id
+        self.generation = info.generation
+        self.token = reply.token
+        self.lease_expires_at = info.lease_expires_at
+        self.observation = info.observation
+        self.completed = reply.status == "COMPLETED"
+        self.result = info.result if self.completed else None
+        self.lease_seconds = lease_seconds
+        self.lost = False
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"ClaimLease(key={self.key!r}, generation={self.generation}, completed={self.completed})"
+
+    def _lost_error(self, cause: BaseException) -> LeaseLostError:
+        return LeaseLostError(f"the lease on claim {self.key!r} was lost: {cause}",
+                              details={"key": self.key, "generation": self.generation})
+
+    async def _holder_call(self, op, reply_type):
+        try:
+            return await self._rs._call(op, reply_type)
+        except (LeaseLostError, ScopeInactiveError):
+            self.lost = True
+            raise
+
+    async def renew(self, lease_seconds: float | None = None) -> datetime:
+        """Extend the lease by ``lease_seconds`` (default: the acquire's) from now; returns
+        the new expiry. LeaseLostError (STALE_CLAIM) when the lease was lost (it ran out
+        and was taken over, or was released); ScopeInactiveError (SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED) when its run stopped. Both set ``lost``."""
+        ls = self.lease_seconds if lease_seconds is None else lease_seconds
+        r = await self._holder_call(p.ClaimRenew(key=self.key, token=self.token, lease_ms=_ms(ls, "lease_seconds")),
+                                    t._ClaimLeaseReply)
+        self.info = r.claim
+        self.lease_expires_at = r.claim.lease_expires_at
+        return r.claim.lease_expires_at
+
+    async def release(self, observation: Any = None) -> "t.ClaimInfo | None":
+        """End the lease, leaving ``observation`` (any msgpack-able value) for the next
+        acquirer; the first one queued gets the lease at once. Allowed when the run is
+        inactive. Twice is harmless. Returns the claim, or None if the lease had already
+        been lost (nothing to release)."""
+        try:
+            info = await self._holder_call(
+                p.ClaimRelease(key=self.key, token=self.token, observation=encode_payload(observation, "observation")),
+                t.ClaimInfo,
+            )
+        except LeaseLostError:
+            return None
+        self.released = True
+        self.info = info
+        return info
+
+    async def complete(self, result: Any = None) -> t.ClaimInfo:
+        """Record ``result`` once, for good: the claim is COMPLETED and every later
+        acquirer (and everyone queued) gets the result instead of a lease. LeaseLostError
+        (STALE_CLAIM) for a lost lease; ScopeInactiveError on an inactive run;
+        ValidationError for a result over 64 KiB encoded."""
+        info = await self._holder_call(
+            p.ClaimComplete(key=self.key, token=self.token, result=encode_payload(result, "result")), t.ClaimInfo
+        )
+        self.completed = True
+        self.result = result
+        self.info = info
+        return info
+
+    async def status(self) -> t.ClaimInfo:
+        self.info = await self._rs._call(p.ClaimStatus(key=self.key), t.ClaimInfo)
+        return self.info
+
+
+# ================================================================ pools
+
+
+class Pools:
+    """``rs.pools``: pools (runstate's permits) of the space."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def ensure(self, name: str, units_total: int) -> "Pool":
+        """Create the pool, or check it exists with this size (CONFLICT otherwise).
+        ``units_total`` 1-1,000,000."""
+        info = await self._rs._call(p.PoolEnsure(name=name, units_total=units_total), t.PoolInfo)
+        return Pool(self._rs, info.name, info)
+
+    async def get(self, name: str) -> "Pool":
+        info = await self._rs._call(p.PoolGet(name=name), t.PoolInfo)
+        return Pool(self._rs, info.name, info)
+
+    async def list(self) -> list[t.PoolInfo]:
+        return (await self._rs._call(p.PoolList(), t._PoolList)).pools
+
+
+class Pool:
+    """A handle on a pool, by name."""
+
+    def __init__(self, rs: Client, name: str, info: t.PoolInfo | None = None) -> None:
+        self._rs = rs
+        self.name = name
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Pool({self.name!r})"
+
+    async def status(self) -> t.PoolInfo:
+        """Units used and free, the FIFO queue, active grants."""
+        self.info = await self._rs._call(p.PoolGet(name=self.name), t.PoolInfo)
+        return self.info
+
+    async def acquire(
+        self, units: int = 1, *, scope: "Run | str", lease_seconds: float = 30, wait: float = 0,
+        holder: str | None = None,
+    ) -> "Grant":
+        """Take ``units`` of this pool for run ``scope`` under a lease (``lease_seconds``
+        5-600; renew it, or use :meth:`Grant.keep_alive`).
+
+        ``wait`` 0 (default): CapacityUnavailableError (CAPACITY_UNAVAILABLE) unless the
+        units are free *and nobody is queued*. ``wait`` > 0: queue on the server, strictly
+        first come first served (a large request is never overtaken by smaller ones), for
+        up to ``wait`` seconds (24 h at most); WaitTimeout (TIMEOUT) if the units did not
+        come in time. The queued request survives a daemon restart; a cancelled call
+        withdraws it. ValidationError (VALIDATION_FAILED) when ``units`` is < 1 or more
+        than the pool's ``units_total``; ScopeCancelledError / DeadlineExceededError when
+        the run is inactive (also, at once, to a waiting acquire when the run stops)."""
+        run_id = _id_of(scope)
+        lease_ms = _ms(lease_seconds, "lease_seconds")
+        name = self.name
+        reply = await _queued_acquire(
+            self._rs,
+            lambda rid, ms: p.PoolAcquire(pool=name, scope_id=run_id, units=units, lease_ms=lease_ms, wait_ms=ms,
+                                          holder=holder, request_id=rid),
+            t._PoolAcquireReply, wait, lambda rid: p.PoolCancelWait(pool=name, request_id=rid),
+            f"pool {name!r} ({units} unit(s))",
+        )
+        return Grant(self._rs, reply.grant, lease_seconds)
+
+    async def try_acquire(
+        self, units: int = 1, *, scope: "Run | str", lease_seconds: float = 30, holder: str | None = None
+    ) -> "Grant | None":
+        """Like :meth:`acquire` with ``wait=0``, but None instead of CAPACITY_UNAVAILABLE."""
+        try:
+            return await self.acquire(units, scope=scope, lease_seconds=lease_seconds, holder=holder)
+        except CapacityUnavailableError:
+            return None
+
+    @asynccontextmanager
+    async def hold(
+        self, units: int = 1, *, scope: "Run | str", lease_seconds: float = 30, wait: float = 0,
+        holder: str | None = None,
+    ) -> AsyncIterator["Grant"]:
+        """``async with pool.hold(2, scope=run, wait=60) as grant:`` acquire, keep the
+        grant renewed while the body runs (a lost lease cancels the body and raises
+        LeaseLostError), release it at the end."""
+        grant = await self.acquire(units, scope=scope, lease_seconds=lease_seconds, wait=wait, holder=holder)
+        try:
+            async with grant.keep_alive():
+                yield grant
+        finally:
+            if not grant.lost and not grant.released:
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(5):
+                        try:
+                            await grant.release()
+                        except Exception:
+                            pass
+
+
+class RunPools:
+    """``run.pools``: acquire pool units for this run (``run.pools.acquire("gpu", 2)``)."""
+
+    def __init__(self, rs: Client, run: "Run") -> None:
+        self._rs = rs
+        self._run = run
+
+    async def acquire(self, pool: "Pool | str", units: int = 1, lease_seconds: float = 30, wait: float = 0,
+                      *, holder: str | None = None) -> "Grant":
+        """:meth:`Pool.acquire` for this run."""
+        return await Pool(self._rs, _pool_name(pool)).acquire(units, scope=self._run, lease_seconds=lease_seconds,
+                                                              wait=wait, holder=holder)
+
+    async def try_acquire(self, pool: "Pool | str", units: int = 1, lease_seconds: float = 30,
+                          *, holder: str | None = None) -> "Grant | None":
+        return await Pool(self._rs, _pool_name(pool)).try_acquire(units, scope=self._run,
+                                                                  lease_seconds=lease_seconds, holder=holder)
+
+    def hold(self, pool: "Pool | str", units: int = 1, lease_seconds: float = 30, wait: float = 0,
+             *, holder: str | None = None):
+        """:meth:`Pool.hold` for this run (an async context manager)."""
+        return Pool(self._rs, _pool_name(pool)).hold(units, scope=self._run, lease_seconds=lease_seconds,
+                                                     wait=wait, holder=holder)
+
+
+class Grant(_Lease):
+    """A grant of ``units`` of pool ``pool``. Attributes: ``id``, ``pool``, ``units``,
+    ``token`` (its secret), ``lease_expires_at`` (None for a task's grant, held while
+    its delivery runs), ``task_id``, ``info``, ``lost``, ``released``."""
+
+    def __init__(self, rs: Client, info: t.GrantInfo, lease_seconds: float) -> None:
+        self._rs = rs
+        self.info = info
+        self.id = info.id
+        self.pool = info.pool
+        self.units = info.units
+        self.token = info.token
+        self.lease_expires_at = info.lease_expires_at
+        self.task_id = info.task_id
+        self.lease_seconds = lease_seconds
+        self.lost = False
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"Grant({self.id!r}, pool={self.pool!r}, units={self.units})"
+
+    def _lost_error(self, cause: BaseException) -> LeaseLostError:
+        return LeaseLostError(f"the lease on grant {self.id} of pool {self.pool!r} was lost: {cause}",
+                              details={"grant_id": self.id})
+
+    async def renew(self, lease_seconds: float | None = None) -> datetime:
+        """Extend the lease by ``lease_seconds`` (default: the acquire's) from now.
+        LeaseLostError (STALE_CLAIM) when it ran out or was released; ScopeInactiveError
+        when its run stopped (both set ``lost``); ConflictError for a task's grant (renew
+        the delivery)."""
+        ls = self.lease_seconds if lease_seconds is None else lease_seconds
+        try:
+            info = await self._rs._call(
+                p.GrantRenew(grant_id=self.id, token=self.token, lease_ms=_ms(ls, "lease_seconds")), t.GrantInfo
+            )
+        except (LeaseLostError, ScopeInactiveError):
+            self.lost = True
+            raise
+        self.info = info
+        self.lease_expires_at = info.lease_expires_at
+        return info.lease_expires_at
+
+    async def release(self, observation: Any = None) -> "t.GrantInfo | None":
+        """Give the units back (to the first queued, at once). Allowed when the run is
+        inactive, and for a task's grant (given back early). Twice is harmless. Returns
+        the grant, or None if its lease had already been lost."""
+        try:
+            info = await self._rs._call(
+                p.GrantRelease(grant_id=self.id, token=self.token,
+                               observation=encode_payload(observation, "observation")),
+                t.GrantInfo,
+            )
+        except LeaseLostError:
+            self.lost = True
+            return None
+        self.released = True
+        self.info = info
+        return info
+
+    async def status(self) -> t.GrantInfo:
+        self.info = await self._rs._call(p.GrantStatus(grant_id=self.id), t.GrantInfo)
+        return self.info
+
+
+# ================================================================ work limits
+
+
+class WorkLimits:
+    """``run.work_limits``: caps on the unfinished tasks of this run (and below) that
+    name a limit at submission."""
+
+    def __init__(self, rs: Client, run: "Run") -> None:
+        self._rs = rs
+        self._run = run
+
+    async def ensure(self, name: str, max_outstanding: int) -> t.WorkLimitInfo:
+        """Create the limit ``name`` of this run, or check it exists with this
+        ``max_outstanding`` (CONFLICT otherwise). A submit naming it
+        (``work_limit=name``, from this run or below) is LIMIT_EXCEEDED while
+        ``max_outstanding`` of its tasks are unfinished."""
+        return await self._rs._call(
+            p.WorkLimitEnsure(scope_id=self._run.id, name=name, max_outstanding=max_outstanding), t.WorkLimitInfo
+        )
+
+    async def list(self) -> list[t.WorkLimitInfo]:
+        return (await self._rs._call(p.WorkLimitList(scope_id=self._run.id), t._WorkLimitList)).work_limits

@@ -30,7 +30,11 @@ What happens to a request when the connection drops:
     ``wait`` always sends one);
   * quota reads, waiter waits and cancels, cooldowns (a second one only extends the
     cooldown to now plus its length); budget reads, settlements (idempotent per usage
-    key) and voids.
+    key) and voids;
+  * claim and pool acquires with a ``request_id`` (the SDK always sends one): the server
+    returns the lease or grant the first one got, or re-parks its queued waiter (which
+    keeps its place); the holder's renew/release/complete (fenced by the token; a
+    second release or complete returns the first one's result) and withdrawals.
 
   Everything else raises :class:`~rallypoint.errors.UnavailableError` with
   ``details={"op": ..., "maybe_applied": True}``: a submission *without* a key, creating
@@ -128,6 +132,11 @@ _REISSUE_ALWAYS: frozenset[type] = frozenset({
     # (a re-sent complete answers DONE); subscriptions and stored HTTP answers are idempotent
     p.ScopeEnsureNamed, p.TimerPoll, p.MailboxMessages, p.OnceGet, p.OnceRenew, p.OnceComplete,
     p.IdempotencyLookup, p.IdempotencyRecord, p.OpsRun, p.OpsWaits, p.TaskSubscribe, p.TaskDetach,
+    # claims and pool grants: fenced by their token (a second release/complete of the
+    # same lease returns the first one's result), reads, idempotent withdrawals
+    p.ClaimRenew, p.ClaimRelease, p.ClaimComplete, p.ClaimCancelWait, p.ClaimStatus, p.ClaimList,
+    p.PoolEnsure, p.PoolGet, p.PoolList, p.PoolCancelWait, p.GrantRenew, p.GrantRelease, p.GrantStatus,
+    p.WorkLimitEnsure, p.WorkLimitList,
 })
 # never re-sent: once.acquire (a re-send would find its own lease HELD and lose the token),
 # once.fail (a re-send would be STALE_CLAIM), timer.ack (a re-send finds it ACKED: CONFLICT)
@@ -152,6 +161,8 @@ def reissue_safe(op: Any) -> bool:
         return op.index is not None or op.step is not None
     if t in (p.TimerCreate, p.BarrierCreate):  # a named one is one per (run, name)
         return op.name is not None
+    if t is p.ClaimAcquire or t is p.PoolAcquire:
+        return op.request_id is not None  # the same id finds its lease, grant or waiter
     return False
 
 

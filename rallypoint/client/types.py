@@ -28,6 +28,10 @@ __all__ = [
     "BudgetInfo",
     "ReservationInfo",
     "SettleResult",
+    "ClaimInfo",
+    "PoolInfo",
+    "GrantInfo",
+    "WorkLimitInfo",
 ]
 
 
@@ -103,6 +107,26 @@ class TaskInfo(_Info):
         return self.state in ("SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED")
 
 
+class GrantInfo(_Info):
+    """A pool grant: ``units`` of pool ``pool``, ACTIVE, RELEASED or EXPIRED.
+    ``lease_expires_at`` is None for a grant held by a task's delivery (``task_id``);
+    ``token`` is only in the replies that hand the grant out (else 0)."""
+
+    id: str
+    pool: str
+    pool_id: str
+    scope_id: str
+    units: int
+    state: str
+    token: int
+    lease_expires_at: datetime | None
+    holder: str | None
+    task_id: str | None
+    created_at: datetime
+    ended_at: datetime | None
+    end_reason: str | None
+
+
 class DeliveryInfo(_Info):
     id: str
     task_id: str
@@ -114,6 +138,8 @@ class DeliveryInfo(_Info):
     lease_expires_at: datetime
     group_id: str | None = None
     run_id: str | None = None
+    grants: list[GrantInfo] = msgspec.field(default_factory=list)
+    reservations: list[str] = msgspec.field(default_factory=list)
 
 
 class _ReceiveReply(msgspec.Struct):
@@ -408,3 +434,95 @@ class SettleResult(_Info):
     charged_minor: int
     available_minor: int
     replayed: bool
+class ClaimWaiterInfo(_Info):
+    scope_id: str
+    holder: str | None
+    queued_at: datetime
+    expires_at: datetime
+
+
+class ClaimInfo(_Info):
+    """A claim: HELD, FREE or COMPLETED. ``generation`` counts its leases (the fencing
+    number); ``observation`` is what the last release left, ``result`` what complete
+    recorded; ``waiters`` the FIFO queue (first 100)."""
+
+    id: str
+    key: str
+    scope_id: str
+    state: str
+    generation: int
+    holder: str | None
+    lease_expires_at: datetime | None
+    acquired_at: datetime | None
+    observation: Any
+    result: Any
+    completed_at: datetime | None
+    created_at: datetime
+    waiters: list[ClaimWaiterInfo]
+
+
+class _ClaimLeaseReply(msgspec.Struct):
+    status: str
+    claim: ClaimInfo
+    token: int = 0
+    request_id: str | None = None
+    position: int = 0
+
+
+class _ClaimList(msgspec.Struct):
+    claims: list[ClaimInfo]
+
+
+class PoolWaiterInfo(_Info):
+    scope_id: str
+    units: int
+    holder: str | None
+    queued_at: datetime
+    expires_at: datetime
+
+
+class PoolInfo(_Info):
+    """A pool: ``units_used`` of ``units_total`` granted; ``waiters`` in FIFO order and
+    active ``grants`` (first 100 of each)."""
+
+    id: str
+    name: str
+    units_total: int
+    units_used: int
+    units_free: int
+    created_at: datetime
+    waiting: int
+    active_grants: int
+    waiters: list[PoolWaiterInfo]
+    grants: list[GrantInfo]
+
+
+class _PoolList(msgspec.Struct):
+    pools: list[PoolInfo]
+
+
+class _PoolAcquireReply(msgspec.Struct):
+    status: str
+    grant: GrantInfo | None = None
+    request_id: str | None = None
+    position: int = 0
+
+
+class _CancelWaitReply(msgspec.Struct):
+    outcome: str
+
+
+class WorkLimitInfo(_Info):
+    """A work limit: at most ``max_outstanding`` unfinished tasks name it;
+    ``outstanding`` now."""
+
+    id: str
+    scope_id: str
+    name: str
+    max_outstanding: int
+    outstanding: int
+    created_at: datetime
+
+
+class _WorkLimitList(msgspec.Struct):
+    work_limits: list[WorkLimitInfo]
