@@ -21,9 +21,10 @@ class Diagnostics(Kind):
     name = "diagnostics"
 
     def op_ops_run(self, actor, session, op: OpsRun) -> OpsRunView:
-        """For run ``scope_id`` and its subtree: ``workers`` (per holder: the once keys it
-        holds and its earliest lease expiry) and ``waiting`` (WAITING quota waiters), at
-        most 1000 rows each; ``root_scope_id``: the top of its tree."""
+        """For run ``scope_id`` and its subtree: ``workers`` (per holder: the once and
+        claim keys it holds and its earliest lease expiry) and ``waiting`` (pool waiters,
+        then WAITING quota waiters), at most 1000 rows each; ``root_scope_id``: the top of
+        its tree."""
         coord = self.coord
         runs = coord.runs
         run = runs.get(session.space, op.scope_id)
@@ -32,19 +33,33 @@ class Diagnostics(Kind):
             root = runs.table[root.parent_id]
         subtree = set(runs.subtree(run.id))
         workers: dict[str, list] = {}
+
+        def hold(holder, key, lease_mono):
+            w = workers.setdefault(holder or "", [[], None])
+            w[0].append(key)
+            exp = coord.clock.mono_to_wall(lease_mono)
+            w[1] = exp if w[1] is None else min(w[1], exp)
+
         for o in coord.onces.held():
             if o.scope_id in subtree:
-                w = workers.setdefault(o.holder or "", [[], None])
-                w[0].append(o.key)
-                exp = coord.clock.mono_to_wall(o.lease_expires_ms)
-                w[1] = exp if w[1] is None else min(w[1], exp)
-        waiting = [v for v in self._quota_waiting(session.space) if v.scope_id in subtree]
+                hold(o.holder, o.key, o.lease_expires_ms)
+        claims = coord.claims
+        for cid in sorted(claims.held):
+            c = claims.table[cid]
+            if c.scope_id in subtree:
+                hold(c.holder, c.key, c.lease_expires_ms)
+        waiting = [v for v in self._pool_waiting(session.space) if v.scope_id in subtree]
+        waiting += [v for v in self._quota_waiting(session.space) if v.scope_id in subtree]
         return OpsRunView(
             root_scope_id=root.id, scope_id=run.id, runs=len(subtree),
             workers=[OpsWorkerView(holder=h, keys=sorted(k), earliest_lease_expiry=to_iso(e))
                      for h, (k, e) in sorted(workers.items())][:MAX_ROWS],
             waiting=waiting[:MAX_ROWS],
         )
+
+    def _pool_waiting(self, space: str) -> list[OpsWaitView]:
+        return [OpsWaitView(kind="permit", name=pool.name, units=w.units, holder=w.holder, scope_id=w.scope_id)
+                for pool in self.coord.pools.table.values() if pool.space == space for w in pool.waiters]
 
     def _quota_waiting(self, space: str) -> list[OpsWaitView]:
         quotas = self.coord.quotas
@@ -59,4 +74,5 @@ class Diagnostics(Kind):
         """Parked server-side waits by actor kind (the whole server's runtime) and the
         space's durable waiters (quota waiters), at most 1000 rows."""
         parked = {kind: st.get("waiters", 0) for kind, st in self.coord.actor_statistics().items()}
-        return OpsWaitsView(parked=parked, waiting=self._quota_waiting(session.space)[:MAX_ROWS])
+        waiting = self._pool_waiting(session.space) + self._quota_waiting(session.space)
+        return OpsWaitsView(parked=parked, waiting=waiting[:MAX_ROWS])

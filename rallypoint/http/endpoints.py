@@ -170,8 +170,8 @@ def message_json(v) -> dict:
 def delivery_json(d: p.DeliveryView) -> dict:
     return {"messageId": d.task_id, "taskId": d.task_id, "token": str(d.token), "attempt": d.attempt,
             "taskKey": d.key, "payload": val(d.input), "scopeId": d.scope_id, "mailboxId": d.mailbox,
-            "leaseExpiresAt": d.lease_expires_at, "grants": [], "consumptions": [],
-            "reservations": [], "groupId": d.group_id}
+            "leaseExpiresAt": d.lease_expires_at, "grants": [grant_json(g) for g in d.grants], "consumptions": [],
+            "reservations": list(d.reservations), "groupId": d.group_id}
 
 
 def group_json(v: p.GroupView) -> dict:
@@ -381,7 +381,8 @@ async def post_task(ctx: Ctx):
     b = ctx.body
     scope = s_(b, "scopeId", required=True)
     op = p.TaskSubmit(mailbox=s_(b, "mailboxId", required=True), scope_id=scope,
-                      input=raw(b.get("input")), key=s_(b, "taskKey"), deadline=s_(b, "deadline"))
+                      input=raw(b.get("input")), key=s_(b, "taskKey"), deadline=s_(b, "deadline"),
+                      requirements=requirements(b), work_limit=s_(b, "workLimit"))
     v = await ctx.call(op)
     sub = s_(b, "subscriberId")
     if sub is not None:  # the first subscriber (a second call: idempotent)
@@ -687,6 +688,216 @@ async def once_fail(ctx: Ctx):
     return once_json(await ctx.call(op))
 
 
+# ====================================================================== requirements
+def requirements(body: dict) -> p.Requirements | None:
+    """runstate's ``requirements`` ``{pools: [{name, units}], budgets: [{name,
+    reserveMinor}], quotas: [...]}`` as the admission's :class:`protocol.Requirements`
+    (pools held as grants while a delivery runs, budgets reserved for it). Quota
+    requirements are not taken at admission by this server: VALIDATION_FAILED."""
+    req = body.get("requirements")
+    if req is None:
+        return None
+    if not isinstance(req, dict):
+        raise ValidationError("requirements must be an object", details={"field": "requirements"})
+    if req.get("quotas"):
+        raise ValidationError("quota requirements are not supported (take quota units in the handler)",
+                              details={"field": "requirements.quotas"})
+    pools, budgets = {}, {}
+    for item in req.get("pools") or ():
+        if not isinstance(item, dict):
+            raise ValidationError("requirements.pools holds {name, units} objects", details={"field": "requirements"})
+        pools[s_(item, "name", required=True)] = i_(item, "units", default=1)
+    for item in req.get("budgets") or ():
+        if not isinstance(item, dict):
+            raise ValidationError("requirements.budgets holds {name, reserveMinor} objects",
+                                  details={"field": "requirements"})
+        budgets[s_(item, "name", required=True)] = minor(item, "reserveMinor", required=True)
+    return p.Requirements(pools=pools, budgets=budgets) if (pools or budgets) else None
+
+
+# ====================================================================== claims
+def _lease_json(v) -> dict:
+    c = v.claim
+    return {"key": c.key, "claimId": c.id, "status": v.status, "state": c.state, "generation": c.generation,
+            "token": str(v.token) if v.token else None, "leaseExpiresAt": c.lease_expires_at,
+            "holder": c.holder, "scopeId": c.scope_id, "observation": val(c.observation),
+            "result": val(c.result)}
+
+
+async def claim_acquire(ctx: Ctx):
+    """POST /claims {key, scopeId, holder, holderSession, leaseSeconds}: a fenced lease
+    (``generation``, ``token``, ``leaseExpiresAt``); CLAIM_HELD (409) while another lease
+    is live."""
+    b = ctx.body
+    v = await ctx.call(p.ClaimAcquire(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True),
+                                      lease_ms=seconds_ms(b, "leaseSeconds", 30), holder=s_(b, "holder")))
+    return _lease_json(v)
+
+
+async def claim_renew(ctx: Ctx):
+    b = ctx.body
+    v = await ctx.call(p.ClaimRenew(key=ctx.params["key"], token=token(b), lease_ms=seconds_ms(b, "leaseSeconds", 30)))
+    return _lease_json(v)
+
+
+async def claim_release(ctx: Ctx):
+    b = ctx.body
+    c = await ctx.call(p.ClaimRelease(key=ctx.params["key"], token=token(b), observation=raw(b.get("observation"))))
+    return {"key": c.key, "state": c.state, "generation": c.generation}
+
+
+# ====================================================================== permits (pools)
+def pool_json(v: p.PoolView) -> dict:
+    return {"id": v.id, "name": v.name, "units": v.units_total, "unitsTotal": v.units_total,
+            "unitsUsed": v.units_used, "unitsFree": v.units_free, "waiting": v.waiting,
+            "activeGrants": v.active_grants, "createdAt": v.created_at}
+
+
+def grant_json(g: p.GrantView) -> dict:
+    return {"grantId": g.id, "id": g.id, "token": str(g.token) if g.token else None, "units": g.units,
+            "leaseExpiresAt": g.lease_expires_at, "state": g.state, "permitId": g.pool_id, "permit": g.pool,
+            "scopeId": g.scope_id, "holder": g.holder, "taskId": g.task_id}
+
+
+async def post_permit(ctx: Ctx):
+    b = ctx.body
+    return pool_json(await ctx.call(p.PoolEnsure(name=s_(b, "name", required=True),
+                                                 units_total=i_(b, "units", required=True))))
+
+
+async def list_permits(ctx: Ctx):
+    return {"permits": [pool_json(x) for x in (await ctx.call(p.PoolList())).pools]}
+
+
+async def put_permit(ctx: Ctx):
+    """``{}`` looks the pool up (NOT_FOUND when missing); ``{units}`` makes or checks it."""
+    b, name = ctx.body, ctx.params["name"]
+    if b.get("units") is None:
+        return pool_json(await ctx.call(p.PoolGet(name=name)))
+    return pool_json(await ctx.call(p.PoolEnsure(name=name, units_total=i_(b, "units", required=True))))
+
+
+#: A permit waiter (0.3's POST /permits/{id}/wait, which carries no time limit) stays in
+#: line this long unless it is granted, withdrawn or its run ends.
+PERMIT_WAITER_MS = 120_000
+#: How long the wait and waiter-status calls let the pool answer before they report the
+#: waiter still WAITING (the parked wait is then dropped; the waiter stays in line).
+_PEEK_S = 0.05
+
+
+def _waiter_id(pool_id: str, scope_id: str, units: int, rid: str) -> str:
+    """A permit waiter's id names its pool, run, units and request id (what re-finding
+    it with ``pool.acquire`` needs): ``<pool>--<run>--<units>--<request>``."""
+    return f"{pool_id}--{scope_id}--{units}--{rid}"
+
+
+def _split_waiter(wid: str) -> tuple[str, str, int, str]:
+    parts = wid.split("--")
+    if len(parts) != 4 or not parts[2].isdigit():
+        raise NotFoundError(f"no permit waiter {wid!r}", details={"waiter_id": wid})
+    return parts[0], parts[1], int(parts[2]), parts[3]
+
+
+async def _peek_acquire(ctx: Ctx, op: p.PoolAcquire) -> p.PoolAcquireView | None:
+    """Queue (or re-find) the waiter ``op.request_id`` and give the pool a moment to
+    answer: its grant, or None while it waits (the waiter stays in line, durable)."""
+    import trio
+
+    with trio.move_on_after(_PEEK_S):
+        return await ctx.call(op)
+    return None
+
+
+async def permit_acquire(ctx: Ctx):
+    """POST /permits/{id}/acquire {scopeId, units, holder, holderSession, leaseSeconds,
+    waiterId?}: a grant (``grantId``, ``token``, ``leaseExpiresAt``) or
+    CAPACITY_UNAVAILABLE (409); with ``waiterId``, the grant that waiter was given."""
+    b = ctx.body
+    pool, units = ctx.params["id"], i_(b, "units", default=1)
+    wid = s_(b, "waiterId")
+    if wid is not None:
+        pool_id, scope_id, units, rid = _split_waiter(wid)
+        v = await _peek_acquire(ctx, p.PoolAcquire(pool=pool_id, scope_id=scope_id,
+                                                   units=units, lease_ms=seconds_ms(b, "leaseSeconds", 30),
+                                                   wait_ms=PERMIT_WAITER_MS, holder=s_(b, "holder"),
+                                                   request_id=rid))
+        if v is None or v.grant is None:
+            raise RallypointError("the waiter's turn has not come yet", code="CAPACITY_UNAVAILABLE",
+                                  retry_after=0.25)
+        return grant_json(v.grant)
+    v = await ctx.call(p.PoolAcquire(pool=pool, scope_id=s_(b, "scopeId", required=True), units=units,
+                                     lease_ms=seconds_ms(b, "leaseSeconds", 30), holder=s_(b, "holder")))
+    return grant_json(v.grant)
+
+
+async def permit_wait(ctx: Ctx):
+    """POST /permits/{id}/wait {scopeId, units, holder}: a durable FIFO waiter
+    (``waiterId``); SIGNALED once it was granted (acquire with ``waiterId`` to get it)."""
+    import secrets
+
+    b = ctx.body
+    pool = await ctx.call(p.PoolGet(name=ctx.params["id"]))
+    rid = "pw" + secrets.token_hex(8)
+    scope, units = s_(b, "scopeId", required=True), i_(b, "units", default=1)
+    v = await _peek_acquire(ctx, p.PoolAcquire(pool=pool.id, scope_id=scope, units=units, lease_ms=30_000,
+                                               wait_ms=PERMIT_WAITER_MS, holder=s_(b, "holder"), request_id=rid))
+    return {"waiterId": _waiter_id(pool.id, scope, units, rid),
+            "state": "SIGNALED" if v is not None and v.grant else "WAITING"}
+
+
+async def permit_waiter(ctx: Ctx):
+    """GET /permit-waiters/{id}: WAITING, SIGNALED (granted: acquire with the
+    ``waiterId``), EXPIRED (its time ran out or it was withdrawn) or CANCELLED (its run
+    ended)."""
+    wid = ctx.params["id"]
+    pool_id, scope_id, units, rid = _split_waiter(wid)
+    try:
+        v = await _peek_acquire(ctx, p.PoolAcquire(pool=pool_id, scope_id=scope_id, units=units,
+                                                   wait_ms=PERMIT_WAITER_MS, request_id=rid))
+    except RallypointError as e:
+        if e.code in ("SCOPE_CANCELLED", "DEADLINE_EXCEEDED"):
+            return {"waiterId": wid, "state": "CANCELLED"}
+        if e.code in ("TIMEOUT", "CONFLICT"):  # its time ran out, or it was withdrawn
+            return {"waiterId": wid, "state": "EXPIRED"}
+        raise
+    return {"waiterId": wid, "state": "SIGNALED" if v is not None and v.grant is not None else "WAITING"}
+
+
+async def cancel_permit_waiter(ctx: Ctx):
+    pool_id, _scope, _units, rid = _split_waiter(ctx.params["id"])
+    v = await ctx.call(p.PoolCancelWait(pool=pool_id, request_id=rid))
+    return {"waiterId": ctx.params["id"], "outcome": v.outcome, "state": "CANCELLED"}
+
+
+async def grant_renew(ctx: Ctx):
+    b = ctx.body
+    return grant_json(await ctx.call(p.GrantRenew(grant_id=ctx.params["id"], token=token(b),
+                                                  lease_ms=seconds_ms(b, "leaseSeconds", 30))))
+
+
+async def grant_release(ctx: Ctx):
+    b = ctx.body
+    return grant_json(await ctx.call(p.GrantRelease(grant_id=ctx.params["id"], token=token(b),
+                                                    observation=raw(b.get("observation")))))
+
+
+# ====================================================================== work limits
+def work_limit_json(v: p.WorkLimitView) -> dict:
+    return {"id": v.id, "name": v.name, "scopeId": v.scope_id, "maxOutstanding": v.max_outstanding,
+            "outstanding": v.outstanding, "createdAt": v.created_at}
+
+
+async def post_work_limit(ctx: Ctx):
+    b = ctx.body
+    return work_limit_json(await ctx.call(p.WorkLimitEnsure(scope_id=s_(b, "scopeId", required=True),
+                                                            name=s_(b, "name", required=True),
+                                                            max_outstanding=i_(b, "maxOutstanding", required=True))))
+
+
+async def list_work_limits(ctx: Ctx):
+    return {"workLimits": [work_limit_json(w) for w in (await ctx.call(p.WorkLimitList())).work_limits]}
+
+
 # ====================================================================== diagnostics
 async def ops_run(ctx: Ctx):
     """GET /ops/runs/{id}: ``workers[]`` (holder, keys held, earliestLeaseExpiry),
@@ -780,6 +991,23 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "once/complete", once_complete),
     ("POST", "once/fail", once_fail),
     # diagnostics
+    # claims
+    ("POST", "claims", claim_acquire),
+    ("POST", "claims/{key}/renew", claim_renew),
+    ("POST", "claims/{key}/release", claim_release),
+    # permits (pools), their waiters and grants
+    ("POST", "permits", post_permit),
+    ("GET", "permits", list_permits),
+    ("PUT", "permits/by-name/{name}", put_permit),
+    ("POST", "permits/{id}/acquire", permit_acquire),
+    ("POST", "permits/{id}/wait", permit_wait),
+    ("GET", "permit-waiters/{id}", permit_waiter),
+    ("POST", "permit-waiters/{id}/cancel", cancel_permit_waiter),
+    ("POST", "grants/{id}/renew", grant_renew),
+    ("POST", "grants/{id}/release", grant_release),
+    # work limits
+    ("POST", "work-limits", post_work_limit),
+    ("GET", "work-limits", list_work_limits),
     ("GET", "ops/runs/{id}", ops_run),
     ("GET", "ops/waits", ops_waits),
 ]
