@@ -652,3 +652,41 @@ def test_long_polls_are_held_and_a_disconnect_ends_them(daemon):
     t0 = time.monotonic()
     v = httpx.get(f"{base}/tasks/{tid}", params={"waitMs": 20000}, headers=_h(daemon), timeout=30).json()
     assert v["state"] == "SUCCEEDED" and v["outcome"] == "done" and time.monotonic() - t0 < 5
+
+
+SLOTS_AT_ADMISSION = r'''
+import asyncio, json, os
+import runstate
+rs = runstate.Runstate(run=os.environ["RUN_NAME"], worker="slots-worker")
+running = peak = 0
+async def main():
+    global running, peak
+    await rs.asetup(slots={"gpu-adm": {"max": 1}})
+    @rs.queue("render-adm", slots="gpu-adm", concurrency=4)
+    async def render(n):
+        global running, peak
+        running += 1; peak = max(peak, running)
+        await asyncio.sleep(0.1)
+        running -= 1
+        return n
+    serving = asyncio.create_task(rs.aserve())
+    try:
+        out = await asyncio.gather(*(render(n) for n in range(4)))
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+    st = await rs.astatus()
+    return out
+out = asyncio.run(main())
+print(json.dumps({"out": out, "peak": peak}))
+'''
+
+
+def test_slots_are_held_at_admission(daemon, py03):
+    """A 0.3 queue with ``slots=`` (a pool of 1) and ``concurrency=4``: the pool units are
+    taken when a task is admitted and given back when it ends, so one runs at a time."""
+    out = run_script(py03, daemon, SLOTS_AT_ADMISSION, env={"RUN_NAME": "slots-adm"})
+    assert out == {"out": [0, 1, 2, 3], "peak": 1}
+    pools = httpx.get(f"{daemon.base_url}/v1/spaces/{daemon.space}/permits", headers=_h(daemon)).json()["permits"]
+    (gpu,) = [x for x in pools if x["name"] == "gpu-adm"]
+    assert gpu["unitsTotal"] == 1 and gpu["unitsUsed"] == 0
