@@ -217,6 +217,15 @@ class TaskResult(_Op, tag="task.result"):
     wait_ms: int = 0
 
 
+class TaskResults(_Op, tag="task.results"):
+    """Waits on the server (at most 60 s per request) until EVERY task is terminal; the
+    reply lists them in the given order (as they are when the wait ends). One request
+    and one parked wait for many tasks (1 to 1000 ids)."""
+
+    task_ids: list[str]
+    wait_ms: int = 0
+
+
 class TaskCancel(_Op, tag="task.cancel"):
     task_id: str
 
@@ -329,6 +338,40 @@ class DeliveryComplete(_Op, tag="delivery.complete"):
     task_id: str
     token: int
     outcome: msgspec.Raw = NIL
+
+
+class CompleteItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    task_id: str
+    token: int
+    outcome: msgspec.Raw = NIL
+
+
+class DeliveryCompleteMany(_Op, tag="delivery.complete_many"):
+    """Complete several deliveries of ONE run in one request and one commit. Each item
+    is judged on its own, like ``delivery.complete`` (a refused item changes nothing;
+    the others are applied); 1 to 1000 items."""
+
+    items: list[CompleteItem]
+
+
+class ItemError(_View):
+    """A refused item of a batch operation: the error it would have raised."""
+
+    code: str
+    message: str
+    retry_after: float | None = None
+    details: dict | None = None
+
+
+class SettledView(_View):
+    """One item's answer: the task after it (``task``) or why it was refused (``error``)."""
+
+    task: TaskView | None = None
+    error: ItemError | None = None
+
+
+class SettledListView(_View):
+    items: list[SettledView]
 
 
 class DeliveryRetry(_Op, tag="delivery.retry"):
@@ -1350,10 +1393,12 @@ Op = Union[
     TaskSubmitMany,
     TaskStatus,
     TaskResult,
+    TaskResults,
     TaskCancel,
     Receive,
     DeliveryRenew,
     DeliveryComplete,
+    DeliveryCompleteMany,
     DeliveryRetry,
     DeliveryReject,
     DeliveryRun,
@@ -1449,10 +1494,12 @@ REPLY_TYPES: dict[type, type] = {
     TaskSubmitMany: TaskListView,
     TaskStatus: TaskView,
     TaskResult: TaskView,
+    TaskResults: TaskListView,
     TaskCancel: TaskView,
     Receive: ReceiveView,
     DeliveryRenew: LeaseView,
     DeliveryComplete: TaskView,
+    DeliveryCompleteMany: SettledListView,
     DeliveryRetry: TaskView,
     DeliveryReject: TaskView,
     DeliveryRun: ScopeView,

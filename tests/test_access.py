@@ -34,7 +34,7 @@ def _dummy(tp):
         (inner,) = typing.get_args(tp)
         return [_dummy(inner)]
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        return tp()
+        return build_op(tp)  # its required fields filled in too
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return _dummy(next(a for a in typing.get_args(tp) if a is not type(None)))
     raise TypeError(f"no dummy for {tp!r}")

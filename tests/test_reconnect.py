@@ -261,6 +261,27 @@ async def test_complete_applied_but_reply_lost_returns_its_result(node):
         n.cancel_scope.cancel()
 
 
+async def test_complete_many_applied_but_reply_lost_returns_every_result(node):
+    # The batch form: a delivery.complete_many applied whose reply was lost is sent again;
+    # its items are refused STALE_CLAIM (the tasks are SUCCEEDED), and the SDK answers
+    # each with its task, as the first sending would have been.
+    async with trio.open_nursery() as n:
+        srv, sw = await serve(n, node, p.DeliveryCompleteMany)
+        async with rallypoint.connect(srv.url, reconnect=FAST) as rs:
+            mbx = await rs.mailboxes.ensure("rc-complete-many")
+            run = await rs.scopes.create()
+            await mbx.submit_many(["a", "b", "c"], scope=run)
+            ds = await mbx.receive(run, wait=0, max_messages=3)
+            later = Later(n, lambda: mbx.complete_many([(d, d.input.upper()) for d in ds]))
+            await sw.applied.wait()
+            await srv.kill()
+            await srv.start()
+            infos = await later.get()
+            assert [(i.state, i.outcome) for i in infos] == [("SUCCEEDED", x) for x in "ABC"]
+            assert not any(d.lost for d in ds)
+        n.cancel_scope.cancel()
+
+
 async def test_complete_refused_for_another_outcome_stays_refused(node):
     # The reconciliation checks the outcome: a re-sent complete whose task SUCCEEDED
     # with a different outcome (not ours) is still STALE_CLAIM.

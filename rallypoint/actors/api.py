@@ -63,6 +63,14 @@ def _task(c, s, op) -> str:
     return c.queues.route_task(s, op.task_id)
 
 
+def _tasks(c, s, op) -> str:
+    return c.queues.route_tasks(s, op.task_ids)
+
+
+def _complete_many(c, s, op) -> str:
+    return c.queues.route_complete_many(s, op.items)
+
+
 def _queue(c, s, op) -> str:
     return c.queues.route_queue(s, op.name)
 
@@ -142,10 +150,12 @@ OPS: dict[type, OpSpec] = {
     p.TaskSubmitMany: OpSpec("queues", "op_task_submit_many", _run("scope_id"), W),
     p.TaskStatus: OpSpec("queues", "op_task_status", _task, R),
     p.TaskResult: OpSpec("queues", "op_task_result", _task, R),
+    p.TaskResults: OpSpec("queues", "op_task_results", _tasks, R),
     p.TaskCancel: OpSpec("queues", "op_task_cancel", _task, W),
     p.Receive: OpSpec("queues", "op_receive", _run("scope_id"), W),
     p.DeliveryRenew: OpSpec("queues", "op_delivery_renew", _task, W),
     p.DeliveryComplete: OpSpec("queues", "op_delivery_complete", _task, W),
+    p.DeliveryCompleteMany: OpSpec("queues", "op_delivery_complete_many", _complete_many, W),
     p.DeliveryRetry: OpSpec("queues", "op_delivery_retry", _task, W),
     p.DeliveryReject: OpSpec("queues", "op_delivery_reject", _task, W),
     p.DeliveryRun: OpSpec("queues", "op_delivery_run", _task, W),

@@ -49,15 +49,20 @@ and counts.
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import msgspec
 
 from ..clock import to_iso
-from ..errors import ConflictError, LeaseLostError, LimitError, NotFoundError, ValidationError
+from ..errors import ConflictError, LeaseLostError, LimitError, NotFoundError, RallypointError, ValidationError
 from ..ids import is_id
 from ..protocol import (
     NIL,
     DeliveryComplete,
+    DeliveryCompleteMany,
+    ItemError,
+    SettledListView,
+    SettledView,
     DeliveryReject,
     DeliveryRenew,
     DeliveryRetry,
@@ -76,6 +81,7 @@ from ..protocol import (
     TaskListView,
     TaskResult,
     TaskDetach,
+    TaskResults,
     TaskStatus,
     TaskSubmit,
     TaskSubscribe,
@@ -181,6 +187,8 @@ class WorkQueues(Kind):
         self.table: dict[str, MailboxState] = {}
         self.tasks: dict[str, TaskState] = {}
         self.next_seq = 1
+        # task id -> [(actor id, key)] of waits for many tasks (task.results) to wake
+        self.result_watch: dict[str, list[tuple[str, Any]]] = {}
         self.to_check: set[str] = set()  # completing tasks whose run may be done: see react()
         self._init_indexes()
 
@@ -497,6 +505,11 @@ class WorkQueues(Kind):
                     del self.run_unfinished[t.scope_id]
             self.ready_set.discard(t.id)
             coord.notify(t.scope_id, t.id)  # result waiters (on the task's run)
+            if self.result_watch:
+                watchers = self.result_watch.pop(t.id, None)
+                if watchers:
+                    for actor_id, key in watchers:  # waits for many tasks, maybe on another run
+                        coord.notify(actor_id, key)
             if t.joinset_id is not None:
                 coord.joinsets.on_task_terminal(t)
         else:
@@ -664,9 +677,10 @@ class WorkQueues(Kind):
             if t.requirements is not None:  # the take, in the same commit as the delivery
                 recs.extend(coord.admission.take_records(t, now))
         coord.commit(recs)
-        return [self.delivery_view(t, q) for t in picked]
+        expires_at = to_iso(coord.clock.mono_to_wall(expires))  # the same for the whole batch
+        return [self.delivery_view(t, q, expires_at) for t in picked]
 
-    def delivery_view(self, t: TaskState, q: MailboxState | None = None) -> DeliveryView:
+    def delivery_view(self, t: TaskState, q: MailboxState | None = None, expires_at: str | None = None) -> DeliveryView:
         q = q or self.table[t.mailbox_id]
         return DeliveryView(
             id=t.delivery_id or "",
@@ -676,7 +690,7 @@ class WorkQueues(Kind):
             input=msgspec.Raw(t.input),
             attempt=t.attempt,
             token=t.token,
-            lease_expires_at=to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
+            lease_expires_at=expires_at or to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
             group_id=t.group_id,
             run_id=t.run_id,
             key=t.key,
@@ -766,23 +780,77 @@ class WorkQueues(Kind):
         completes the run and records the outcome (SUCCEEDED). Until then the reply and
         the task say RUNNING with ``completing``; the same complete again is answered
         the same way (another outcome is STALE_CLAIM)."""
-        t = self._holder(session, op.task_id, op.token)
-        outcome = check_payload("outcome", op.outcome)
+        t, recs = self._complete_records(session, op.task_id, op.token, op.outcome, self.coord.now_ms())
+        if recs:
+            self.coord.commit(recs)
+        return self.task_view(t)
+
+    def _complete_records(self, session, task_id, token: int, outcome_raw, now: int,
+                          field: str = "outcome") -> tuple[TaskState, list]:
+        """The records that complete ``task_id`` (none for a re-sent complete of a
+        completing task). Raises as :meth:`op_delivery_complete` does."""
+        t = self._holder(session, task_id, token)
+        outcome = check_payload(field, outcome_raw)
         if t.completing and t.held_outcome == outcome:
-            return self.task_view(t)  # a re-sent complete
-        self.coord.runs.require_active(t.scope_id)
+            return t, []  # a re-sent complete
+        coord = self.coord
+        coord.runs.require_active(t.scope_id)
         if not self._lease_live(t):
             raise self._lost(t)
-        coord = self.coord
-        now = coord.now_ms()
         if t.run_id is None:
-            coord.commit([TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=now)])
-        else:
-            coord.commit([
-                TaskCompleting(task_id=t.id, token=t.token, outcome=outcome, at_ms=now),
-                *coord.joinsets.close_records_for_complete(t.run_id, now),
-            ])
-        return self.task_view(t)
+            return t, [TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=now)]
+        return t, [
+            TaskCompleting(task_id=t.id, token=t.token, outcome=outcome, at_ms=now),
+            *coord.joinsets.close_records_for_complete(t.run_id, now),
+        ]
+
+    def route_complete_many(self, session, items) -> str:
+        """The actor of a batch of completes: the first task's run (every item must be
+        a task of that run: its commands run on its run's actor). VALIDATION_FAILED for 0
+        or more than 1000 items."""
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH:
+            raise ValidationError(f"items must hold 1 to {MAX_BATCH} completes", details={"field": "items"})
+        return self.get_task(session.space, items[0].task_id).scope_id
+
+    def op_delivery_complete_many(self, actor, session, op: DeliveryCompleteMany) -> SettledListView:
+        """Complete several deliveries of one run in ONE commit: each item is judged as
+        ``delivery.complete`` judges it (its refusal is its answer, and changes nothing);
+        the accepted ones are recorded together. An item naming a task of another run is
+        VALIDATION_FAILED (send one batch per run); the same task twice in one batch: the
+        second is STALE_CLAIM."""
+        coord = self.coord
+        run_id = self.get_task(session.space, op.items[0].task_id).scope_id
+        now = coord.now_ms()
+        recs: list = []
+        answers: list = []
+        seen: set[str] = set()
+        for i, it in enumerate(op.items):
+            try:
+                t = self.get_task(session.space, it.task_id)
+                if t.scope_id != run_id:
+                    raise ValidationError(
+                        f"items[{i}]: task {t.id} is in run {t.scope_id}, not {run_id}: send one batch per run",
+                        details={"field": f"items[{i}].task_id"},
+                    )
+                if t.id in seen:
+                    raise LeaseLostError(f"task {t.id} is completed earlier in this batch",
+                                         details={"task_id": t.id, "state": t.state})
+                t, more = self._complete_records(session, it.task_id, it.token, it.outcome, now,
+                                                 f"items[{i}].outcome")
+                seen.add(t.id)
+                recs.extend(more)
+                answers.append(t)
+            except RallypointError as e:
+                answers.append(e)
+        if recs:
+            coord.commit(recs)
+        view = self.task_view
+        return SettledListView(items=[
+            SettledView(task=view(a)) if isinstance(a, TaskState) else SettledView(error=ItemError(
+                code=a.code, message=a.message, retry_after=a.retry_after,
+                details=a.details if isinstance(a.details, dict) or a.details is None else {"value": a.details}))
+            for a in answers
+        ])
 
     @applies(TaskCompleting)
     def _apply_completing(self, r: TaskCompleting) -> None:
@@ -937,6 +1005,60 @@ class WorkQueues(Kind):
             return self.task_view(t)
         view = self.task_view
         return Park(t.id, lambda: view(t) if t.state in TERMINAL else None, wait_ms, lambda: view(t))
+
+    def route_tasks(self, session, task_ids) -> str:
+        """The actor of a wait for many tasks: the first task's run (the others'
+        changes reach it through ``result_watch``). VALIDATION_FAILED for 0 or more than
+        1000 ids; NOT_FOUND for an unknown one."""
+        if not isinstance(task_ids, list) or not 1 <= len(task_ids) <= MAX_BATCH:
+            raise ValidationError(f"task_ids must hold 1 to {MAX_BATCH} ids", details={"field": "task_ids"})
+        first = None
+        for tid in task_ids:
+            t = self.get_task(session.space, tid)
+            if first is None:
+                first = t
+        return first.scope_id
+
+    def op_task_results(self, actor, session, op: TaskResults):
+        """Every task, once all are terminal (in the given order); ONE parked wait on the
+        first task's run for up to ``wait_ms``, woken as each of them finishes (the
+        tasks may be in several runs)."""
+        tasks = [self.get_task(session.space, tid) for tid in op.task_ids]
+        wait_ms = clamp_wait(op.wait_ms)
+        view = self.task_view
+        pending = [t for t in tasks if t.state not in TERMINAL]
+        if not pending or wait_ms == 0:
+            return TaskListView(tasks=[view(t) for t in tasks])
+        key = ("results", id(pending))
+        watch = self.result_watch
+        entry = (actor.id if actor is not None else tasks[0].scope_id, key)
+        for t in pending:
+            watch.setdefault(t.id, []).append(entry)
+
+        def unwatch() -> None:
+            for t in pending:
+                lst = watch.get(t.id)
+                if lst is not None:
+                    try:
+                        lst.remove(entry)
+                    except ValueError:
+                        pass
+                    if not lst:
+                        del watch[t.id]
+
+        def check():
+            while pending and pending[-1].state in TERMINAL:
+                pending.pop()
+            if any(t.state not in TERMINAL for t in pending):
+                return None
+            unwatch()
+            return TaskListView(tasks=[view(t) for t in tasks])
+
+        def expire():
+            unwatch()
+            return TaskListView(tasks=[view(t) for t in tasks])
+
+        return Park(key, check, wait_ms, expire)
 
     def op_task_cancel(self, actor, session, op: TaskCancel) -> TaskView:
         t = self.get_task(session.space, op.task_id)

@@ -29,6 +29,7 @@ import msgspec
 
 from .. import protocol as p
 from ..errors import (
+    error_from_wire,
     ClaimHeldError,
     CapacityUnavailableError,
     ConflictError,
@@ -160,9 +161,10 @@ class Client:
     async def results(self, tickets: "Iterable[Ticket | str]", timeout: float | None = None) -> list[t.TaskInfo]:
         """Wait until every task is terminal; their infos in the given order.
 
-        One batch frame per round (a server-side wait per task, answered as each
-        finishes), so waiting for N tasks costs one round trip, not N. WaitTimeout
-        (changing nothing) if some are still unfinished after ``timeout`` seconds."""
+        ONE request per round (``task.results``: one wait on the server for all of
+        them, at most 1000 per request; more are split), so waiting for N tasks costs
+        one round trip, not N. WaitTimeout (changing nothing) if some are still
+        unfinished after ``timeout`` seconds."""
         ids = [_id_of(x, "task") for x in tickets]
         out: list[t.TaskInfo | None] = [None] * len(ids)
         remaining = math.inf if timeout is None else timeout
@@ -172,14 +174,20 @@ class Client:
                 return out  # type: ignore[return-value]
             chunk = min(remaining, _MAX_WAIT_S)
             ms = _ms(chunk, "timeout")
-            replies = await self._call_many([p.TaskResult(task_id=ids[i], wait_ms=ms) for i in todo], t.TaskInfo)
-            for i, r in zip(todo, replies):
+            parts = [todo[k:k + 1000] for k in range(0, len(todo), 1000)]
+            ops = [p.TaskResults(task_ids=[ids[i] for i in part], wait_ms=ms) for part in parts]
+            replies = await (self._call_many(ops, t._TaskList) if len(ops) > 1 else self._call_one(ops[0], t._TaskList))
+            for part, r in zip(parts, replies):
                 if isinstance(r, Exception):
                     raise r
-                out[i] = r
+                for i, info in zip(part, r.tasks):
+                    out[i] = info
             remaining -= chunk
             if remaining <= 0 and any(not out[i].finished for i in todo):
                 raise WaitTimeout(f"{sum(not out[i].finished for i in todo)} of {len(ids)} tasks unfinished after {timeout} s")
+
+    async def _call_one(self, op, reply_type) -> list:
+        return [await self._call(op, reply_type)]
 
     def scope(self, scope_id: str) -> "Run":
         """Re-attach to a run by id (no request is made)."""
@@ -501,19 +509,39 @@ class Mailbox:
 
 
 async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]") -> list:
-    """Complete several deliveries in ONE batch frame: ``[(delivery, outcome), ...]`` ->
-    a TaskInfo or the RallypointError (e.g. LeaseLostError) for each, in order. Marks
-    the deliveries whose lease was lost."""
+    """Complete several deliveries at once: ``[(delivery, outcome), ...]`` -> a TaskInfo
+    or the RallypointError (e.g. LeaseLostError) for each, in order. ONE request per run
+    (``delivery.complete_many``: one commit on the server; the requests of several runs
+    go in one batch frame). Marks the deliveries whose lease was lost. Outcomes that
+    cannot be encoded raise VALIDATION_FAILED before anything is sent."""
     items = list(items)
-    ops = [
-        p.DeliveryComplete(task_id=d.task_id, token=d.token, outcome=encode_payload(o, "outcome"))
-        for d, o in items
-    ]
-    replies = await rs._call_many(ops, t.TaskInfo)
-    for (d, _), r in zip(items, replies):
+    by_run: dict[str, list[int]] = {}
+    for i, (d, _) in enumerate(items):
+        by_run.setdefault(d.scope_id, []).append(i)
+    groups = [by_run[r] for r in by_run]
+    ops = []
+    for g in groups:
+        for k in range(0, len(g), 1000):
+            part = g[k:k + 1000]
+            ops.append((part, p.DeliveryCompleteMany(items=[
+                p.CompleteItem(task_id=items[i][0].task_id, token=items[i][0].token,
+                               outcome=encode_payload(items[i][1], "outcome"))
+                for i in part
+            ])))
+    replies = await rs._call_many([op for _, op in ops], t._SettledList)
+    out: list = [None] * len(items)
+    for (part, _), reply in zip(ops, replies):
+        if isinstance(reply, Exception):
+            for i in part:
+                out[i] = reply
+            continue
+        for i, r in zip(part, reply.items):
+            out[i] = r.task if r.error is None else error_from_wire(
+                r.error.code, r.error.message, r.error.retry_after, r.error.details)
+    for (d, _), r in zip(items, out):
         if isinstance(r, (LeaseLostError, ScopeInactiveError)):
             d.lost = True
-    return replies
+    return out
 
 
 class Ticket:

@@ -115,8 +115,9 @@ class Reconnect:
 _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.ServerStatus, p.ScopeStatus, p.ScopeList, p.ScopeCancel, p.ScopeComplete,
     p.MailboxEnsure, p.MailboxGet, p.MailboxList,
-    p.TaskStatus, p.TaskResult, p.TaskCancel,
-    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryRetry, p.DeliveryReject, p.DeliveryRun,
+    p.TaskStatus, p.TaskResult, p.TaskResults, p.TaskCancel,
+    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryCompleteMany, p.DeliveryRetry, p.DeliveryReject,
+    p.DeliveryRun,
     p.GroupJoinTask, p.GroupVerdictOp, p.GroupClose, p.GroupStatus, p.GroupWait,
     p.BarrierStatus, p.BarrierWait,
     p.TimerStatus, p.TimerWait, p.TimerCancel,
@@ -378,6 +379,8 @@ class ReconnectingTransport:
                     if fixed is not None:
                         return fixed
                 raise
+            if reissued and type(op) is p.DeliveryCompleteMany:
+                return await self._reconcile_many(conn, op, raw)
             return raw
 
     async def call_many(self, ops: list) -> list:
@@ -410,12 +413,36 @@ class ReconnectingTransport:
                     fixed = await self._reconcile(conn, ops[i], r)
                     if fixed is not None:
                         r = fixed
+                elif reissued and type(ops[i]) is p.DeliveryCompleteMany and not isinstance(r, Exception):
+                    r = await self._reconcile_many(conn, ops[i], r)
                 out[i] = r
             if again:
                 await self._drop(conn)
                 reissued = True
             todo = again
         return out
+
+    async def _reconcile_many(self, conn: Any, op: Any, raw: bytes) -> bytes:
+        """A re-sent ``delivery.complete_many``: an item refused because the first
+        sending already completed it (the task is SUCCEEDED with this item's outcome) is
+        answered with the task, as the first sending would have been."""
+        reply = msgspec.msgpack.decode(raw, type=p.SettledListView)
+        changed = False
+        for i, (item, res) in enumerate(zip(op.items, reply.items)):
+            e = res.error
+            if e is None or e.code not in ("STALE_CLAIM", "SCOPE_CANCELLED", "DEADLINE_EXCEEDED"):
+                continue
+            if e.code == "STALE_CLAIM" and (e.details or {}).get("state") not in ("SUCCEEDED", "ACKED"):
+                continue
+            try:
+                st = await conn.call(p.TaskStatus(task_id=item.task_id))
+            except RallypointError:
+                continue
+            v = _task_view.decode(st)
+            if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(item.outcome):
+                reply.items[i] = p.SettledView(task=msgspec.msgpack.decode(st, type=p.TaskView))
+                changed = True
+        return p.encoder.encode(reply) if changed else raw
 
     async def _reconcile(self, conn: Any, op: Any, e: RallypointError) -> Any:
         """``op`` was re-sent and refused: if the refusal shows that the first sending

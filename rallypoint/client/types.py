@@ -226,6 +226,22 @@ class _MailboxList(msgspec.Struct):
     mailboxes: list[MailboxInfo]
 
 
+class _ItemError(msgspec.Struct):
+    code: str
+    message: str
+    retry_after: float | None = None
+    details: dict | None = None
+
+
+class _Settled(msgspec.Struct):
+    task: "TaskInfo | None" = None
+    error: _ItemError | None = None
+
+
+class _SettledList(msgspec.Struct):
+    items: list[_Settled]
+
+
 class _TaskList(msgspec.Struct):
     tasks: list[TaskInfo]
 
