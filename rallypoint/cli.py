@@ -14,6 +14,7 @@ Client commands print errors as one line, ``rallypoint: CODE: what happened; wha
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -99,6 +100,7 @@ async def _serve(args) -> int:
         ballast_bytes=int(args.ballast_mb * (1 << 20)),
     ) as node:
         coord = node.coordinator
+        coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
         if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
             raise ValidationError(
                 f"refusing to listen on {host} without API keys: create one with "
@@ -123,9 +125,25 @@ async def _serve(args) -> int:
             max_outgoing_bytes=args.max_outgoing_bytes,
         )
         node.coordinator.connections_fn = lambda: server.statistics()["connections"]
+        http_stop = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve, None, host, port)
             actual = server.port
+            http_url = None
+            if args.http:
+                from .http import serve_http
+
+                hhost, hport = _parse_listen(args.http)
+                if coord.keys.open_mode and not _is_loopback(hhost) and not args.insecure:
+                    raise ValidationError(
+                        f"refusing to serve HTTP on {hhost} without API keys (see --listen); "
+                        "pass --insecure to serve this address without authentication"
+                    )
+                _api, bound = await nursery.start(functools.partial(
+                    serve_http, node.service, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
+                    max_requests=args.max_connections, graceful_s=args.drain_timeout, shutdown=http_stop))
+                http_url = bound[0] if bound else f"http://{hhost}:{hport}"
+                log.info("HTTP API (runstate SDK) on %s/v1/spaces/{spaceId}", http_url)
             info = node.recovery_info
             log.info(
                 "rallypoint %s listening on %s://%s:%d (data dir %s, durability %s, %d entities recovered, "
@@ -150,12 +168,15 @@ async def _serve(args) -> int:
                 # A line for scripts and test fixtures (stdout, flushed), printed only once
                 # SIGTERM/SIGINT drain the server rather than kill it.
                 print(f"READY {scheme}://{host}:{actual}", flush=True)
+                if http_url:
+                    print(f"HTTP {http_url}", flush=True)
                 async for signum in signals:
                     log.info("received %s: draining (no new connections, finishing in-flight requests)",
                              signal.Signals(signum).name)
                     break
             # drain() answers what is still in flight after the timeout UNAVAILABLE;
             # the outer bound is a safety net only.
+            http_stop.set()
             with trio.move_on_after(args.drain_timeout + 5.0):
                 await server.drain(timeout=args.drain_timeout)
             nursery.cancel_scope.cancel()
@@ -846,6 +867,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replies buffered for a slow reader before the server stops reading its requests "
                         "(default %(default)s)")
     s.add_argument("--drain-timeout", type=_bounded(float, 0), default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--http", metavar="HOST:PORT", default=None,
+                   help="also serve the HTTP API (the runstate SDK's, /v1/spaces/{spaceId}/...) on HOST:PORT "
+                        "over the same coordinator: same keys, spaces and TLS (off by default)")
+    s.add_argument("--http-idempotency-hours", type=_bounded(float, 0, inclusive=False), default=24.0,
+                   help="how long answers to HTTP requests with an Idempotency-Key are kept (default %(default)s)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (clients use tls:// URLs)")
     s.add_argument("--tls-key", help="PEM private key for --tls-cert")
     s.add_argument("--insecure", action="store_true",

@@ -36,6 +36,8 @@ PREFIXES = {
     "qcn": "quota consumption",
     "bdg": "budget",
     "rsv": "budget reservation",
+    "onc": "once (one execution per run and key)",
+    "idm": "stored answer of an HTTP idempotency key",
     "msg": "message (in an INBOX mailbox)",
 }
 

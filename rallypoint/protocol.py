@@ -94,6 +94,16 @@ class ScopeList(_Op, tag="scope.list"):
     order: str = "asc"
 
 
+class ScopeEnsureNamed(_Op, tag="scope.ensure_named"):
+    """Join the root run named ``name``: the newest root run with that name that is
+    still effectively ACTIVE, or a new one when there is none (a run that ended or passed
+    its deadline is never joined again). ``deadline`` (ISO 8601) applies only when the
+    run is created. Reply: the run (ScopeView). Runs on the space's actor."""
+
+    name: str
+    deadline: str | None = None
+
+
 class ScopeView(_View):
     id: str
     name: str | None
@@ -222,6 +232,24 @@ class TaskCancel(_Op, tag="task.cancel"):
     task_id: str
 
 
+class TaskSubscribe(_Op, tag="task.subscribe"):
+    """Subscribe ``subscriber_id`` (1-256 chars) to the task: idempotent. ``scope_id``: the
+    subscriber's run, which must be active (SCOPE_CANCELLED / DEADLINE_EXCEEDED). A
+    subscription is a record of interest only: a task with no subscribers is not
+    cancelled."""
+
+    task_id: str
+    subscriber_id: str
+    scope_id: str | None = None
+
+
+class TaskDetach(_Op, tag="task.detach"):
+    """Remove the subscription (idempotent); the task goes on."""
+
+    task_id: str
+    subscriber_id: str
+
+
 class TaskView(_View):
     id: str
     mailbox: str
@@ -239,6 +267,7 @@ class TaskView(_View):
     group_id: str | None = None
     run_id: str | None = None  # the task's own run (``delivery.run``), once made
     completing: bool = False  # its worker completed it; its run's join sets are closing
+    subscribers: list[str] = msgspec.field(default_factory=list)
 
 
 class TaskListView(_View):
@@ -287,6 +316,7 @@ class DeliveryView(_View):
     lease_expires_at: str
     group_id: str | None = None
     run_id: str | None = None  # the task's own run, if an earlier attempt made it
+    key: str | None = None  # the task's idempotency key, if it was submitted with one
     #: pool grants taken with this delivery (the task's requirements), held while it runs
     grants: list[GrantView] = []
     #: ids of the budget reservations made for this delivery (the task's requirements)
@@ -466,8 +496,12 @@ class GroupMemberAddedView(_View):
 
 
 class BarrierCreate(_Op, tag="barrier.create"):
+    """``name``: one barrier per (run, name): a later create returns it (CONFLICT when
+    ``target`` differs)."""
+
     scope_id: str
     target: int
+    name: str | None = None
 
 
 class BarrierArrive(_Op, tag="barrier.arrive"):
@@ -501,15 +535,34 @@ class BarrierView(_View):
     epoch: int
     created_at: str
     released_at: str | None
+    name: str | None = None
 
 
 # --- timers ---------------------------------------------------------------------------
 
 
 class TimerCreate(_Op, tag="timer.create"):
+    """``name``: a durable timer per (run, name): the first create makes it, every later
+    one returns it unchanged (its ``fire_at`` is never reset)."""
+
     scope_id: str
     at: str | None = None
     after_ms: int | None = None
+    name: str | None = None
+
+
+class TimerAck(_Op, tag="timer.ack"):
+    """Acknowledge a FIRED timer. ``token`` (the view's ``token``, given once it fired):
+    another is STALE_CLAIM. CONFLICT while ARMED or once ACKED; TIMER_CANCELLED."""
+
+    timer_id: str
+    token: str | None = None
+
+
+class TimerPoll(_Op, tag="timer.poll"):
+    """The run's FIRED timers not yet acknowledged (oldest fire first, at most 1000)."""
+
+    scope_id: str
 
 
 class TimerStatus(_Op, tag="timer.status"):
@@ -535,6 +588,15 @@ class TimerView(_View):
     fired_at: str | None
     acked_at: str | None
     created_at: str
+    name: str | None = None
+    #: the fencing token of the fire (set once FIRED): what ``timer.ack`` presents
+    token: str | None = None
+    #: the server's wall clock when the view was made (``fire_at - now`` is the time left)
+    now: str | None = None
+
+
+class TimerListView(_View):
+    timers: list[TimerView]
 
 
 # --- join sets ------------------------------------------------------------------------
@@ -1163,6 +1225,167 @@ class WorkLimitListView(_View):
     work_limits: list[WorkLimitView]
 
 
+# --- mailbox contents (HTTP: GET /mailboxes/{id}/messages) ----------------------------------
+
+
+class MailboxMessages(_Op, tag="mailbox.messages"):
+    """The tasks and messages of one work queue, newest first (at most ``limit``, 1-1000);
+    ``before`` (an id, exclusive) pages. A diagnostic read: it scans the space's tasks."""
+
+    name: str
+    limit: int = 100
+    before: str | None = None
+
+
+# --- once (exactly one execution per run and key) -------------------------------------------
+
+
+class OnceAcquire(_Op, tag="once.acquire"):
+    """Take the work ``key`` of run ``scope_id`` under a ``lease_ms`` lease (5-600 s).
+
+    Reply ``state``: ACQUIRED (``token``; ``attempts``: failures so far), HELD (another
+    holder's lease is live -- the same holder and session too: not re-entrant), DONE
+    (``result``) or FAILED (``last_error``, ``attempts``). SCOPE_CANCELLED /
+    DEADLINE_EXCEEDED when the run refuses new work (DONE and FAILED are still answered)."""
+
+    scope_id: str
+    key: str
+    lease_ms: int = 30_000
+    holder: str | None = None
+    holder_session: str | None = None
+
+
+class OnceGet(_Op, tag="once.get"):
+    """The once now (OPEN when nobody took it yet); with ``wait_ms``, waits on the server
+    until it is no longer HELD (at most 60 s)."""
+
+    scope_id: str
+    key: str
+    wait_ms: int = 0
+
+
+class OnceRenew(_Op, tag="once.renew"):
+    """Extend the holder's lease to now + ``lease_ms``. STALE_CLAIM for a token that is
+    not the live lease's; the run's code when the run refuses new work."""
+
+    scope_id: str
+    key: str
+    token: int
+    lease_ms: int = 30_000
+
+
+class OnceComplete(_Op, tag="once.complete"):
+    """Record ``result`` (at most 64 KiB): DONE for good. STALE_CLAIM for a stale token;
+    the same complete again (same token, same result) answers DONE."""
+
+    scope_id: str
+    key: str
+    token: int
+    result: msgspec.Raw = NIL
+
+
+class OnceFail(_Op, tag="once.fail"):
+    """The holder's attempt failed with ``error`` (at most 2000 chars): FAILED for good
+    once the failures reach ``max_attempts`` (1-100), else OPEN for the next caller."""
+
+    scope_id: str
+    key: str
+    token: int
+    error: str = ""
+    max_attempts: int = 3
+
+
+class OnceView(_View):
+    """``state``: OPEN, HELD, DONE, FAILED, or (only in an acquire's reply) ACQUIRED.
+    ``attempts``: failed attempts so far. ``token`` only to the acquirer."""
+
+    id: str
+    scope_id: str
+    key: str
+    state: str
+    attempts: int
+    token: int = 0
+    holder: str | None = None
+    lease_expires_at: str | None = None
+    result: msgspec.Raw = NIL
+    last_error: str | None = None
+    created_at: str | None = None
+    finished_at: str | None = None
+
+
+# --- HTTP idempotency keys -------------------------------------------------------------------
+
+
+class IdempotencyLookup(_Op, tag="idempotency.lookup"):
+    """The answer stored under ``key`` (an HTTP ``Idempotency-Key`` of the session's
+    space), if any and not expired. ``fingerprint``: the request's (method, path, body)
+    digest; a stored answer for another fingerprint is IDEMPOTENCY_CONFLICT."""
+
+    key: str
+    fingerprint: str
+
+
+class IdempotencyRecord(_Op, tag="idempotency.record"):
+    """Store the answer (``status``, encoded ``body``) of the request ``key`` names, kept
+    for the server's idempotency TTL (default 24 h); the first record wins."""
+
+    key: str
+    fingerprint: str
+    status: int
+    body: bytes = b""
+
+
+class IdempotencyView(_View):
+    """``found``: an answer is stored (``status``, ``body``)."""
+
+    found: bool
+    status: int = 0
+    body: bytes = b""
+
+
+# --- diagnostics (read-only, never a source of authority) ----------------------------------
+
+
+class OpsRun(_Op, tag="ops.run"):
+    """Who holds what in run ``scope_id``'s subtree: lease holders (once keys, deliveries)
+    and waiters (quota waiters)."""
+
+    scope_id: str
+
+
+class OpsWorkerView(_View):
+    holder: str
+    keys: list[str]
+    earliest_lease_expiry: str | None
+
+
+class OpsWaitView(_View):
+    kind: str  # quota | permit
+    name: str
+    units: int
+    holder: str | None
+    scope_id: str
+
+
+class OpsRunView(_View):
+    root_scope_id: str
+    scope_id: str
+    runs: int
+    workers: list[OpsWorkerView]
+    waiting: list[OpsWaitView]
+
+
+class OpsWaits(_Op, tag="ops.waits"):
+    """Every parked server-side wait and durable waiter of the space, by kind."""
+
+    pass
+
+
+class OpsWaitsView(_View):
+    parked: dict[str, int]
+    waiting: list[OpsWaitView]
+
+
 Op = Union[
     ServerStatus,
     ScopeCreate,
@@ -1244,6 +1467,21 @@ Op = Union[
     GrantStatus,
     WorkLimitEnsure,
     WorkLimitList,
+    ScopeEnsureNamed,
+    TimerAck,
+    TimerPoll,
+    MailboxMessages,
+    OnceAcquire,
+    OnceGet,
+    OnceRenew,
+    OnceComplete,
+    OnceFail,
+    IdempotencyLookup,
+    IdempotencyRecord,
+    OpsRun,
+    OpsWaits,
+    TaskSubscribe,
+    TaskDetach,
 ]
 
 ALL_OPS: tuple[type, ...] = Op.__args__  # type: ignore[attr-defined]
@@ -1330,6 +1568,21 @@ REPLY_TYPES: dict[type, type] = {
     GrantStatus: GrantView,
     WorkLimitEnsure: WorkLimitView,
     WorkLimitList: WorkLimitListView,
+    ScopeEnsureNamed: ScopeView,
+    TimerAck: TimerView,
+    TimerPoll: TimerListView,
+    MailboxMessages: TaskListView,
+    OnceAcquire: OnceView,
+    OnceGet: OnceView,
+    OnceRenew: OnceView,
+    OnceComplete: OnceView,
+    OnceFail: OnceView,
+    IdempotencyLookup: IdempotencyView,
+    IdempotencyRecord: IdempotencyView,
+    OpsRun: OpsRunView,
+    OpsWaits: OpsWaitsView,
+    TaskSubscribe: TaskView,
+    TaskDetach: TaskView,
 }
 
 op_decoder = msgspec.msgpack.Decoder(Op)

@@ -266,6 +266,7 @@ class BarrierCreated(_Rec, tag="barrier_created"):
     scope_id: str
     target: int
     at_ms: int
+    name: str | None = None
 
 
 class BarrierArrived(_Rec, tag="barrier_arrived"):
@@ -297,6 +298,7 @@ class TimerCreated(_Rec, tag="timer_created"):
     fire_at_ms: int
     at_ms: int
     fire_mono_ms: int | None = None
+    name: str | None = None
 
 
 class TimerFired(_Rec, tag="timer_fired"):
@@ -714,6 +716,92 @@ class WorkLimitCreated(_Rec, tag="work_limit_created"):
     at_ms: int
 
 
+# --- once ----------------------------------------------------------------------------------
+
+
+class OnceAcquired(_Rec, tag="once_acquired"):
+    """``holder`` took the once ``key`` of run ``scope_id`` (made here on first use) with
+    fencing ``token``; its lease runs to ``lease_expires_ms`` (server time)."""
+
+    id: str
+    space: str
+    scope_id: str
+    key: str
+    token: int
+    lease_expires_ms: int
+    at_ms: int
+    holder: str | None = None
+    holder_session: str | None = None
+
+
+class OnceRenewed(_Rec, tag="once_renewed"):
+    id: str
+    token: int
+    lease_expires_ms: int
+
+
+class OnceCompleted(_Rec, tag="once_completed"):
+    id: str
+    token: int
+    result: bytes
+    at_ms: int
+
+
+class OnceFailed(_Rec, tag="once_failed"):
+    """An attempt failed; ``final``: FAILED for good, else OPEN again."""
+
+    id: str
+    token: int
+    error: str
+    final: bool
+    at_ms: int
+
+
+class OnceLeaseExpired(_Rec, tag="once_lease_expired"):
+    """The holder's lease ran out: OPEN again (the attempt is not counted)."""
+
+    id: str
+    token: int
+    at_ms: int
+
+
+# --- task subscriptions ---------------------------------------------------------------------
+
+
+class TaskSubscribed(_Rec, tag="task_subscribed"):
+    task_id: str
+    subscriber_id: str
+    at_ms: int
+
+
+class TaskDetached(_Rec, tag="task_detached"):
+    task_id: str
+    subscriber_id: str
+    at_ms: int
+
+
+# --- HTTP idempotency keys ---------------------------------------------------------------
+
+
+class IdempotencyRecorded(_Rec, tag="idempotency_recorded"):
+    """The answer to the HTTP request ``key`` of ``space`` (``status``, encoded ``body``);
+    ``id`` is derived from (space, key)."""
+
+    id: str
+    space: str
+    key: str
+    fingerprint: str
+    status: int
+    body: bytes
+    at_ms: int
+
+
+class IdempotencyExpired(_Rec, tag="idempotency_expired"):
+    """Stored answers past the idempotency TTL, forgotten."""
+
+    ids: list[str]
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -778,6 +866,15 @@ Record = Union[
     GrantReleased,
     GrantExpired,
     WorkLimitCreated,
+    OnceAcquired,
+    OnceRenewed,
+    OnceCompleted,
+    OnceFailed,
+    OnceLeaseExpired,
+    IdempotencyRecorded,
+    IdempotencyExpired,
+    TaskSubscribed,
+    TaskDetached,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

@@ -158,7 +158,7 @@ FAST = Reconnect(timeout=10, initial_delay=0.01, max_delay=0.05)
 def test_every_operation_is_classified():
     # A new operation must be placed on purpose: the ones never re-sent are listed here.
     never = {p.ScopeCreate, p.GroupCreate, p.BarrierCreate, p.BarrierArrive, p.BarrierNextEpochOp, p.TimerCreate,
-             p.JoinSetCreate, p.JoinSetSubmitDelay, p.KeyCreate, p.KeyRevoke}
+             p.JoinSetCreate, p.JoinSetSubmitDelay, p.KeyCreate, p.KeyRevoke, p.OnceAcquire, p.OnceFail, p.TimerAck}
     keyed = {p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.TaskSubmitMany, p.JoinNext, p.MessageSend, p.QuotaTake,
              p.BudgetReserve, p.ClaimAcquire, p.PoolAcquire}
     for t in OPS:
@@ -180,6 +180,9 @@ def test_every_operation_is_classified():
     assert not reissue_safe(p.PoolAcquire(pool="p", scope_id="s"))
     assert reissue_safe(p.PoolAcquire(pool="p", scope_id="s", request_id="r1"))
     assert not reissue_safe(b"\x80")  # pre-encoded bodies: unknown, never
+    # a named timer or barrier is one per (run, name): its create is safe to re-send
+    assert reissue_safe(p.TimerCreate(scope_id="s", after_ms=1, name="n"))
+    assert reissue_safe(p.BarrierCreate(scope_id="s", target=2, name="n"))
 
 
 def _minimal(t) -> dict:

@@ -105,7 +105,7 @@ async def test_error_replies_caused_by_a_change_not_yet_durable_wait_for_it():
             assert isinstance(await _answer(a, 20, 5), wire.Ok)
 
             # a validation error depends on no state: it is answered at once
-            await b.request(30, body(p.ScopeCreate(name="bad name")))
+            await b.request(30, body(p.ScopeCreate(name="bad\nname")))
             early = await _answer(b, 30, 2)
             assert isinstance(early, wire.Err) and early.code == "VALIDATION_FAILED"
             await a.aclose()

@@ -24,9 +24,14 @@ from typing import Any, Callable, NamedTuple
 
 from .. import protocol as p
 
-__all__ = ["OpSpec", "OPS", "PERMISSIONS"]
+__all__ = ["OpSpec", "OPS", "PERMISSIONS", "ANY_KEY"]
 
 PERMISSIONS = ("resource_config", "coordination_write", "coordination_read", "admin", "operator")
+
+#: Not a permission: any live key may make the op (the HTTP layer's idempotency
+#: bookkeeping, which every request with an Idempotency-Key goes through, whatever the
+#: request's own permission; the request itself is checked as usual).
+ANY_KEY = "any_key"
 
 
 class OpSpec(NamedTuple):
@@ -198,6 +203,26 @@ OPS: dict[type, OpSpec] = {
     p.BudgetSettle: OpSpec("budgets", "op_budget_settle", _reservation, W),
     p.BudgetVoid: OpSpec("budgets", "op_budget_void", _reservation, W),
     p.ReservationGet: OpSpec("budgets", "op_reservation_get", _reservation, R),
+    # named runs, timers and barriers (runstate's PUT .../by-name/{name})
+    p.ScopeEnsureNamed: OpSpec("runs", "op_scope_ensure_named", _space, W),
+    p.TimerAck: OpSpec("timers", "op_timer_ack", _timer, W),
+    p.TimerPoll: OpSpec("timers", "op_timer_poll", _run("scope_id"), R),
+    p.MailboxMessages: OpSpec("queues", "op_mailbox_messages", _queue, R),
+    # once: on the run's actor (a once belongs to its run; a get waits there)
+    p.OnceAcquire: OpSpec("onces", "op_once_acquire", _run("scope_id"), W),
+    p.OnceGet: OpSpec("onces", "op_once_get", _run("scope_id"), R),
+    p.OnceRenew: OpSpec("onces", "op_once_renew", _run("scope_id"), W),
+    p.OnceComplete: OpSpec("onces", "op_once_complete", _run("scope_id"), W),
+    p.OnceFail: OpSpec("onces", "op_once_fail", _run("scope_id"), W),
+    # HTTP idempotency keys: on the space's actor (the HTTP layer's own bookkeeping; any
+    # key may record the answers of the requests it is allowed to make)
+    p.IdempotencyLookup: OpSpec("idempotency", "op_idempotency_lookup", _space, ANY_KEY),
+    p.IdempotencyRecord: OpSpec("idempotency", "op_idempotency_record", _space, ANY_KEY),
+    p.TaskSubscribe: OpSpec("queues", "op_task_subscribe", _task, W),
+    p.TaskDetach: OpSpec("queues", "op_task_detach", _task, W),
+    # diagnostics (read-only)
+    p.OpsRun: OpSpec("diagnostics", "op_ops_run", _run("scope_id"), R),
+    p.OpsWaits: OpSpec("diagnostics", "op_ops_waits", _space, R),
     # claims: an acquire runs (and waits) on the acquiring run's actor; the holder's
     # calls on the claim's actor (in its owning run's nursery)
     p.ClaimAcquire: OpSpec("claims", "op_claim_acquire", _run("scope_id"), W),

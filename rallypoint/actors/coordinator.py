@@ -47,9 +47,12 @@ from .budget import Budgets
 from .claim import Claims
 from .common import MemoryJournal
 from .group import Groups
+from .diagnostics import Diagnostics
+from .idempotency import DEFAULT_TTL_MS, Idempotency
 from .inbox import Inboxes
 from .joinset import JoinSets
 from .keys import Keys
+from .once import Onces
 from .pool import Pools
 from .queue import WorkQueues
 from .quota import Quotas
@@ -95,6 +98,7 @@ class Coordinator:
         clock: Clock | None = None,
         durability: str = "memory",
         idle_s: float = 2.0,
+        idempotency_ttl_ms: int = DEFAULT_TTL_MS,
     ) -> None:
         self.clock = clock or Clock()
         self.ids = IdGenerator(self.clock.mono_ms)
@@ -129,8 +133,12 @@ class Coordinator:
         self.claims = Claims(self)
         self.pools = Pools(self)
         self.admission = Admission(self)  # after the requirement kinds (its rebuild uses them)
+        self.onces = Onces(self)
+        self.idempotency = Idempotency(self, idempotency_ttl_ms)
+        self.diagnostics = Diagnostics(self)
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
-                      self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission)
+                      self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
+                      self.onces, self.idempotency, self.diagnostics)
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}

@@ -73,15 +73,18 @@ from ..protocol import (
     MailboxGet,
     MailboxList,
     MailboxListView,
+    MailboxMessages,
     MailboxView,
     Receive,
     ReceiveView,
     TaskCancel,
     TaskListView,
     TaskResult,
+    TaskDetach,
     TaskResults,
     TaskStatus,
     TaskSubmit,
+    TaskSubscribe,
     TaskSubmitMany,
     TaskView,
 )
@@ -100,7 +103,9 @@ from ..records import (
     TaskRunCompleted,
     TaskRunCreated,
     TaskCompleting,
+    TaskDetached,
     TaskSubmitted,
+    TaskSubscribed,
 )
 from .common import applies, check_key, check_name, check_payload, check_range, clamp_wait, parse_instant, short
 from .kind import Kind
@@ -165,6 +170,7 @@ class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
     run_id: str | None = None  # the task's own run (``delivery.run``)
     completing: bool = False  # completed by its worker; its run's join sets are closing
     held_outcome: bytes | None = None  # the outcome, recorded once the run is done
+    subscribers: list[str] | None = None  # task.subscribe (interest only; none cancels nothing)
     requirements: TaskRequirements | None = None
     work_limit_id: str | None = None
 
@@ -261,6 +267,21 @@ class WorkQueues(Kind):
 
     def op_mailbox_list(self, actor, session, op: MailboxList) -> MailboxListView:
         return MailboxListView(mailboxes=[self.queue_view(q) for q in self.table.values() if q.space == session.space])
+
+    def op_mailbox_messages(self, actor, session, op: MailboxMessages) -> TaskListView:
+        """The queue's tasks (or messages), newest first: at most ``limit`` (1-1000),
+        older than ``before`` (an id) when given. A diagnostic read: it walks the
+        space's tasks from the newest (ids sort by creation)."""
+        q = self.get_queue(session.space, op.name)
+        check_range("limit", op.limit, 1, MAX_BATCH)
+        out = []
+        for t in reversed(self.tasks.values()):
+            if t.mailbox_id != q.id or (op.before is not None and t.id >= op.before):
+                continue
+            out.append(self.task_view(t))
+            if len(out) >= op.limit:
+                break
+        return TaskListView(tasks=out)
 
     def queue_view(self, q: MailboxState) -> MailboxView:
         queued, running = self.queue_counts.get(q.id, (0, 0))
@@ -674,6 +695,7 @@ class WorkQueues(Kind):
             lease_expires_at=expires_at or to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
             group_id=t.group_id,
             run_id=t.run_id,
+            key=t.key,
             **(self.coord.admission.views(t) if t.requirements is not None else {}),
         )
 
@@ -1052,6 +1074,40 @@ class WorkQueues(Kind):
             self.coord.commit([TaskCancelled(task_id=t.id, at_ms=self.coord.now_ms())])
         return self.task_view(t)
 
+    def op_task_subscribe(self, actor, session, op: TaskSubscribe) -> TaskView:
+        """Subscribe ``subscriber_id`` (idempotent); the subscriber's run ``scope_id``, when
+        given, must be active. VALIDATION_FAILED (id), NOT_FOUND (task, run)."""
+        t = self.get_task(session.space, op.task_id)
+        check_key("subscriber_id", op.subscriber_id)
+        if op.subscriber_id is None:
+            raise ValidationError("subscriber_id is required", details={"field": "subscriber_id"})
+        if op.scope_id is not None:
+            self.coord.runs.require_active(self.coord.runs.get(session.space, op.scope_id).id)
+        if op.subscriber_id not in (t.subscribers or ()):
+            self.coord.commit([TaskSubscribed(task_id=t.id, subscriber_id=op.subscriber_id,
+                                              at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskSubscribed)
+    def _apply_subscribed(self, r: TaskSubscribed) -> None:
+        t = self.tasks[r.task_id]
+        t.subscribers = [*(t.subscribers or ()), r.subscriber_id]
+        self.coord.touch(t.id)
+
+    def op_task_detach(self, actor, session, op: TaskDetach) -> TaskView:
+        """Unsubscribe (idempotent); the task goes on whoever is left."""
+        t = self.get_task(session.space, op.task_id)
+        if op.subscriber_id in (t.subscribers or ()):
+            self.coord.commit([TaskDetached(task_id=t.id, subscriber_id=op.subscriber_id,
+                                            at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskDetached)
+    def _apply_detached(self, r: TaskDetached) -> None:
+        t = self.tasks[r.task_id]
+        t.subscribers = [s for s in (t.subscribers or ()) if s != r.subscriber_id] or None
+        self.coord.touch(t.id)
+
     @applies(TaskCancelled)
     def _apply_cancelled(self, r: TaskCancelled) -> None:
         self.finish(self.tasks[r.task_id], "CANCELLED", r.at_ms, r.reason)
@@ -1090,6 +1146,7 @@ class WorkQueues(Kind):
             group_id=t.group_id,
             run_id=t.run_id,
             completing=t.completing,
+            subscribers=list(t.subscribers or ()),
         )
 
     # ================================================================ activities

@@ -129,12 +129,18 @@ _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.QuotaEnsure, p.QuotaGet, p.QuotaList, p.QuotaWaiterWait, p.QuotaWaiterCancel, p.QuotaCooldown,
     # budgets: settle is idempotent per usage key, void per reservation
     p.BudgetEnsure, p.BudgetGet, p.BudgetList, p.BudgetSettle, p.BudgetVoid, p.ReservationGet,
+    # named runs join the live run; reads; once renew and complete are fenced by the token
+    # (a re-sent complete answers DONE); subscriptions and stored HTTP answers are idempotent
+    p.ScopeEnsureNamed, p.TimerPoll, p.MailboxMessages, p.OnceGet, p.OnceRenew, p.OnceComplete,
+    p.IdempotencyLookup, p.IdempotencyRecord, p.OpsRun, p.OpsWaits, p.TaskSubscribe, p.TaskDetach,
     # claims and pool grants: fenced by their token (a second release/complete of the
     # same lease returns the first one's result), reads, idempotent withdrawals
     p.ClaimRenew, p.ClaimRelease, p.ClaimComplete, p.ClaimCancelWait, p.ClaimStatus, p.ClaimList,
     p.PoolEnsure, p.PoolGet, p.PoolList, p.PoolCancelWait, p.GrantRenew, p.GrantRelease, p.GrantStatus,
     p.WorkLimitEnsure, p.WorkLimitList,
 })
+# never re-sent: once.acquire (a re-send would find its own lease HELD and lose the token),
+# once.fail (a re-send would be STALE_CLAIM), timer.ack (a re-send finds it ACKED: CONFLICT)
 
 #: Safe to re-send only with their idempotency ``key``.
 _KEYED: frozenset[type] = frozenset({
@@ -154,6 +160,8 @@ def reissue_safe(op: Any) -> bool:
         return all(item.key is not None for item in op.items)
     if t is p.JoinNext:
         return op.index is not None or op.step is not None
+    if t in (p.TimerCreate, p.BarrierCreate):  # a named one is one per (run, name)
+        return op.name is not None
     if t is p.ClaimAcquire or t is p.PoolAcquire:
         return op.request_id is not None  # the same id finds its lease, grant or waiter
     return False
