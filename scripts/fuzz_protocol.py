@@ -494,6 +494,12 @@ def _field_strategy(name: str, typ: Any, pool: dict[str, list[Any]]) -> st.Searc
         names = st.one_of(st.sampled_from(pool["names"]), _names)
         s = st.builds(protocol.Requirements, pools=st.dictionaries(names, amounts, max_size=5),
                       budgets=st.dictionaries(names, amounts, max_size=3))
+    elif isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        # Nested structs (e.g. CompleteItem): each field biased like a top-level one,
+        # so ints stay within the wire's 64 bits.
+        s = st.builds(typ, **{f.name: _field_strategy(f.name, f.type, pool) for f in msgspec.structs.fields(typ)})
+    elif getattr(typ, "__origin__", None) is list and len(args or ()) == 1:
+        s = st.lists(_field_strategy(name, args[0], pool), max_size=5)
     else:
         s = st.from_type(typ)
     return st.one_of(st.none(), s) if nullable else s
