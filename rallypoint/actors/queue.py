@@ -191,6 +191,8 @@ class WorkQueues(Kind):
         self.result_watch: dict[str, list[tuple[str, Any]]] = {}
         self.to_check: set[str] = set()  # completing tasks whose run may be done: see react()
         self._init_indexes()
+        coord.heap.stale_when(self._on_lease, self._lease_stale)
+        coord.heap.stale_when(self._on_deadline, self._deadline_stale)
 
     def _init_indexes(self) -> None:
         self.by_name: dict[tuple[str, str], str] = {}
@@ -1150,6 +1152,15 @@ class WorkQueues(Kind):
         )
 
     # ================================================================ activities
+    def _lease_stale(self, arg) -> bool:
+        """The lease entry ``arg`` can never fire (its task is gone, finished or re-leased)."""
+        t = self.tasks.get(arg[0])
+        return t is None or t.state != "RUNNING" or t.token != arg[1] or t.lease_expires_ms != arg[2]
+
+    def _deadline_stale(self, arg) -> bool:
+        t = self.tasks.get(arg[0])
+        return t is None or t.state in TERMINAL or t.deadline_ms != arg[1]
+
     def _on_lease(self, arg) -> None:
         task_id, token, expires = arg
         t = self.tasks.get(task_id)
