@@ -82,6 +82,7 @@ from ..protocol import (
     TaskResult,
     TaskDetach,
     TaskResults,
+    TaskOutcomeView,
     TaskStatus,
     TaskSubmit,
     TaskSubscribe,
@@ -1035,10 +1036,19 @@ class WorkQueues(Kind):
         tasks may be in several runs)."""
         tasks = [self.get_task(session.space, tid) for tid in op.task_ids]
         wait_ms = clamp_wait(op.wait_ms)
+        if op.brief:
+            def answer() -> TaskListView:
+                return TaskListView(outcomes=[
+                    TaskOutcomeView(t.id, t.state, t.attempt, msgspec.Raw(t.outcome) if t.outcome is not None else NIL,
+                                    t.outcome_reason, msgspec.Raw(t.error) if t.error is not None else NIL)
+                    for t in tasks])
+        else:
+            def answer() -> TaskListView:
+                return TaskListView(tasks=[view(t) for t in tasks])
         view = self.task_view
         pending = [t for t in tasks if t.state not in TERMINAL]
         if not pending or wait_ms == 0:
-            return TaskListView(tasks=[view(t) for t in tasks])
+            return answer()
         key = ("results", id(pending))
         watch = self.result_watch
         entry = (actor.id if actor is not None else tasks[0].scope_id, key)
@@ -1062,11 +1072,11 @@ class WorkQueues(Kind):
             if any(t.state not in TERMINAL for t in pending):
                 return None
             unwatch()
-            return TaskListView(tasks=[view(t) for t in tasks])
+            return answer()
 
         def expire():
             unwatch()
-            return TaskListView(tasks=[view(t) for t in tasks])
+            return answer()
 
         return Park(key, check, wait_ms, expire)
 
