@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "CODES",
+    "shutting_down_error",
     "RallypointError",
     "ValidationError",
     "NotFoundError",
@@ -29,9 +30,12 @@ __all__ = [
     "TimerCancelledError",
     "JoinSetExhaustedError",
     "ChildError",
+    "NondeterminismError",
+    "FunctionMismatchError",
     "ContentionError",
     "CapacityUnavailableError",
     "AllowanceExhaustedError",
+    "AllowanceCooldownError",
     "InsufficientBudgetError",
     "ClaimHeldError",
     "LimitError",
@@ -174,23 +178,84 @@ class ChildError(RallypointError):
         self.child_id = d.get("child_id")
 
 
+class NondeterminismError(RallypointError):
+    """NONDETERMINISM_DETECTED: a replaying client asked, at a step of a join set's log,
+    for another operation than the one its first execution made there (a ``join_next``
+    where a ``join_next_try`` was answered, another mailbox for a typed await...).
+
+    ``details``: ``joinset_id``, ``step``, ``logged`` (the answer the journal holds:
+    ``op``, ``outcome`` -- ``record``, ``pending``, ``exhausted`` --, ``index``, and
+    ``mailbox`` for a typed await) and ``asked`` (the operation asked: ``op``,
+    ``mailbox``, and ``now``: what it would be answered if it were not a replay).
+    Nothing changed on the server."""
+
+    code = "NONDETERMINISM_DETECTED"
+
+
+class FunctionMismatchError(RallypointError):
+    """FUNCTION_MISMATCH: a typed ``join_next(mailbox=...)`` took a record of another
+    kind of child -- a task of another mailbox, or a delay. The record IS consumed (as
+    in Obelisk's typed await-next); re-read it with ``join_next(index=...)``.
+
+    ``details``: ``joinset_id``, ``index`` (the record), ``step``, ``child_id``,
+    ``expected`` (the mailbox asked for), ``actual`` (the child's mailbox; None for a
+    delay) and ``actual_kind`` (``task`` or ``delay``)."""
+
+    code = "FUNCTION_MISMATCH"
+
+    def __init__(self, message: str = "", **kw: Any) -> None:
+        super().__init__(message, **kw)
+        d = self.details or {}
+        self.child_id = d.get("child_id")
+        self.expected = d.get("expected")
+        self.actual = d.get("actual")
+
+
 class ContentionError(RallypointError):
     """Base of contention on pools, quotas, budgets and claims."""
 
 
 class CapacityUnavailableError(ContentionError):
+    """CAPACITY_UNAVAILABLE: a pool acquire without waiting found too few free units, or
+    others queued first (``details``: ``pool``, ``units``, ``units_free``, ``waiters``)."""
+
     code = "CAPACITY_UNAVAILABLE"
 
 
 class AllowanceExhaustedError(ContentionError):
+    """ALLOWANCE_EXHAUSTED: a quota take that may not wait found too few units left in
+    the current window (or waiters queued ahead of it: waiters are served first-come
+    first-served). ``retry_after``: seconds until the window rolls; ``details``:
+    ``quota``, ``units``, ``remaining``, ``waiting``, ``window_start``, ``window_end``."""
+
     code = "ALLOWANCE_EXHAUSTED"
 
 
+class AllowanceCooldownError(AllowanceExhaustedError):
+    """ALLOWANCE_COOLDOWN: the quota is cooling down (``quota.cooldown(seconds)``, a
+    backoff the provider asked for); nothing is granted from it, to any run of the
+    space, until it ends. ``retry_after``: seconds left; ``details``: ``quota``,
+    ``cooldown_until``, ``reason``. A subclass of AllowanceExhaustedError, so one
+    ``except`` handles both."""
+
+    code = "ALLOWANCE_COOLDOWN"
+
+
 class InsufficientBudgetError(ContentionError):
+    """INSUFFICIENT_BUDGET: a reservation larger than what the budget has left (its
+    limit minus what is settled and what open reservations hold). ``details``:
+    ``budget``, ``requested_minor``, ``available_minor``, ``limit_minor``,
+    ``settled_minor``, ``reserved_minor``, ``currency``, ``scale`` (amounts in integer
+    minor units)."""
+
     code = "INSUFFICIENT_BUDGET"
 
 
 class ClaimHeldError(ContentionError):
+    """CLAIM_HELD: a claim acquire without waiting found another live lease
+    (``retry_after``: seconds it has left; ``details``: ``key``, ``generation``,
+    ``holder``, ``waiters``)."""
+
     code = "CLAIM_HELD"
 
 
@@ -226,6 +291,13 @@ class UnavailableError(RallypointError):
     code = "UNAVAILABLE"
 
 
+def shutting_down_error(message: str = "the server is shutting down; retry on a new connection") -> UnavailableError:
+    """The UNAVAILABLE a draining or stopping server answers: ``details["reason"]`` is
+    ``"shutting_down"``, which tells a reconnecting client to move to a new connection
+    (any other UNAVAILABLE -- disk full, say -- is the server's answer to that request)."""
+    return UnavailableError(message, retry_after=1.0, details={"reason": "shutting_down"})
+
+
 class CursorExpiredError(RallypointError):
     code = "CURSOR_EXPIRED"
 
@@ -248,8 +320,11 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "TIMER_CANCELLED": TimerCancelledError,
     "JOIN_SET_EXHAUSTED": JoinSetExhaustedError,
     "CHILD_FAILED": ChildError,
+    "NONDETERMINISM_DETECTED": NondeterminismError,
+    "FUNCTION_MISMATCH": FunctionMismatchError,
     "CAPACITY_UNAVAILABLE": CapacityUnavailableError,
     "ALLOWANCE_EXHAUSTED": AllowanceExhaustedError,
+    "ALLOWANCE_COOLDOWN": AllowanceCooldownError,
     "INSUFFICIENT_BUDGET": InsufficientBudgetError,
     "CLAIM_HELD": ClaimHeldError,
     "LIMIT_EXCEEDED": LimitError,

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from datetime import datetime, timezone
 
 import pytest
 import trio

@@ -41,12 +41,21 @@ from ..errors import InternalError, RallypointError, UnavailableError
 from ..ids import IdGenerator
 from ..protocol import encoder
 from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
+from .admission import Admission
 from .barrier import Barriers
+from .budget import Budgets
+from .claim import Claims
 from .common import MemoryJournal
 from .group import Groups
+from .diagnostics import Diagnostics
+from .idempotency import DEFAULT_TTL_MS, Idempotency
+from .inbox import Inboxes
 from .joinset import JoinSets
 from .keys import Keys
+from .once import Onces
+from .pool import Pools
 from .queue import WorkQueues
+from .quota import Quotas
 from .run import Runs
 from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, _FatalMarker, fatal_unwrapped, shutdown_error
 from .space import Spaces
@@ -89,6 +98,7 @@ class Coordinator:
         clock: Clock | None = None,
         durability: str = "memory",
         idle_s: float = 2.0,
+        idempotency_ttl_ms: int = DEFAULT_TTL_MS,
     ) -> None:
         self.clock = clock or Clock()
         self.ids = IdGenerator(self.clock.mono_ms)
@@ -104,6 +114,7 @@ class Coordinator:
         self.failed: BaseException | None = None
         self.commits = 0
         self.stalls = 0
+        self._to_flush: set = set()
         self.last_seen = 0.0
         self.runtime = Runtime(self, idle_s=idle_s)
         self.heap = self.runtime.heap
@@ -116,7 +127,18 @@ class Coordinator:
         self.joinsets = JoinSets(self)
         self.keys = Keys(self)
         self.spaces = Spaces(self)
-        self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys, self.spaces)
+        self.quotas = Quotas(self)
+        self.budgets = Budgets(self)
+        self.inboxes = Inboxes(self)
+        self.claims = Claims(self)
+        self.pools = Pools(self)
+        self.admission = Admission(self)  # after the requirement kinds (its rebuild uses them)
+        self.onces = Onces(self)
+        self.idempotency = Idempotency(self, idempotency_ttl_ms)
+        self.diagnostics = Diagnostics(self)
+        self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
+                      self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
+                      self.onces, self.idempotency, self.diagnostics)
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}
@@ -143,7 +165,8 @@ class Coordinator:
         return None if t is None else t[0].get(entity_id)
 
     def entity_count(self) -> int:
-        return sum(len(t) for t, _ in self._tables.values())
+        # a table may be listed under two prefixes (tasks and messages): count it once
+        return sum(len(t) for t in {id(t): t for t, _ in self._tables.values()}.values())
 
     def touch(self, entity_id: str) -> None:
         """Mark an entity changed since the last snapshot (only when snapshots are
@@ -163,6 +186,9 @@ class Coordinator:
         apply that raises is a bug and stops the node (:class:`FatalError`)."""
         if self.failed is not None:
             raise FatalError("the coordinator stopped after a failed apply") from self.failed
+        # Disk full: refused (UNAVAILABLE, retry_after) BEFORE anything is applied -- an
+        # answer, not a failed apply.
+        self.journal.check_writable()
         try:
             apply = self._apply
             i = 0
@@ -172,6 +198,7 @@ class Coordinator:
                     apply[type(rec)](rec)
                     i += 1
                 more = self.groups.react()
+                more += self.queues.react()
                 if not more:
                     break
                 records.extend(more)
@@ -206,6 +233,7 @@ class Coordinator:
         finally:
             self.replaying = False
             self.groups.touched.clear()
+            self.queues.to_check.clear()
 
     # ------------------------------------------------------------------ actors
     def parent_of(self, actor_id: str) -> tuple[Any, str | None]:
@@ -266,6 +294,7 @@ class Coordinator:
         depends on (the journal's last, as of now)."""
         if sink.closed:
             return
+        self._to_flush.add(sink)
         if self.failed is not None:
             reply = UnavailableError("the server stopped after an internal failure; retry once it restarted",
                                      retry_after=1.0)
@@ -277,7 +306,20 @@ class Coordinator:
                 reply = exc
         elif isinstance(reply, Exception) and not isinstance(reply, RallypointError):
             reply = InternalError(f"internal error ({type(reply).__name__}); the server log has details")
+        elif isinstance(reply, UnavailableError):
+            # "could not do it now" (disk full, shutting down) reveals no state: at once
+            sink.deliver(rid, reply, 0)
+            return
         sink.deliver(rid, reply, self.journal.last_lsn)
+
+    def after_batch(self) -> None:
+        """After an actor's batch (or the heap's): every sink that got answers sends them
+        (a connection, in one write)."""
+        to_flush = self._to_flush
+        if to_flush:
+            for sink in to_flush:
+                sink.flush()
+            to_flush.clear()
 
     def cancelled_answer(self, park: Park):
         """The answer of a waiter whose actor was cancelled: what its check says now (the
@@ -328,9 +370,14 @@ class Coordinator:
 
     last_seen_valid = False
 
+    def leases_outstanding(self) -> int:
+        """Leases (deliveries, claims, pool grants) and durable waiters with a time
+        limit outstanding now, over every kind."""
+        return sum(k.leases_outstanding() for k in self.kinds)
+
     def _on_stall(self, gap_s: float) -> None:
         self.stalls += 1
-        if self.queues.leases_outstanding():
+        if self.leases_outstanding():
             by_ms = int(gap_s * 1000)
             log.warning("event loop stalled for %.1f s: outstanding leases extended by that", gap_s)
             self.commit([LeasesExtended(by_ms=by_ms, at_ms=self.now_ms(), reason="stall")])
@@ -339,9 +386,9 @@ class Coordinator:
         """Recovery: the server could not hear renewals for ``gap_ms`` (it was down):
         outstanding leases are extended by it (one record). Returns the extension, ms
         (0 when there was no gap or no lease)."""
-        if gap_ms > 0 and self.queues.leases_outstanding():
+        if gap_ms > 0 and self.leases_outstanding():
             log.info("extending %d outstanding lease(s) by the %.3f s the server was down",
-                     self.queues.leases_outstanding(), gap_ms / 1000)
+                     self.leases_outstanding(), gap_ms / 1000)
             self.commit([LeasesExtended(by_ms=gap_ms, at_ms=self.now_ms(), reason="restart")])
             return gap_ms
         return 0

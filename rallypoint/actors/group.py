@@ -108,6 +108,8 @@ class Groups(Kind):
 
     prefix = "grp"
     name = "groups"
+    noun = "task group"
+    id_field = "group_id"
 
     def __init__(self, coord) -> None:
         super().__init__(coord)
@@ -121,14 +123,6 @@ class Groups(Kind):
     def parent_actor_id(self, group_id: str) -> str | None:
         return self.table[group_id].parent_scope_id
 
-    def get(self, space: str, group_id) -> GroupState:
-        g = self.table.get(group_id) if isinstance(group_id, str) else None
-        if g is None or g.space != space:
-            raise NotFoundError(f"no task group {short(group_id)} in this space", details={"group_id": group_id})
-        return g
-
-    def route(self, session, group_id) -> str:
-        return self.get(session.space, group_id).id
 
     # ================================================================ create
     def op_group_create(self, actor, session, op: GroupCreate) -> GroupView:
@@ -141,6 +135,9 @@ class Groups(Kind):
         origin = runs.get(space, op.scope_id)
         parent = runs.get(space, op.parent_scope_id) if op.parent_scope_id else origin
         q = coord.queues.get_queue(space, op.mailbox)
+        if q.mode != "WORK":
+            raise ConflictError(f"mailbox {q.name!r} is an {q.mode} mailbox (messages); a group needs a WORK mailbox",
+                                details={"field": "mailbox", "mode": q.mode})
         if op.condition not in CONDITIONS:
             raise ValidationError(
                 f"condition must be one of {', '.join(CONDITIONS)} (got {short(op.condition)})",

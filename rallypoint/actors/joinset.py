@@ -4,9 +4,16 @@ A join set holds child *tasks* (submitted to a work queue) and durable *delays*.
 child that finishes appends one completion record to the set, in the order children
 finish on the server (the order of apply, which is the journal order, so replay
 reproduces it). Consuming is positional: the k-th consume of a set returns the set's
-k-th record; each consume is journaled with its index (``JoinSetConsumed``), and asking
-again for index k < consumed re-reads the same record, so a client that restarts and
-re-attaches gets identical answers.
+k-th record; asking for index k < consumed re-reads the same record.
+
+Steps: every answer of ``join_next`` / ``join_next_try`` is the next step of the set's
+log and journaled before it is sent -- a record consumed (``JoinSetConsumed`` with its
+step), a probe's ``pending``, JOIN_SET_EXHAUSTED, the record a close hands to a waiting
+await (``JoinSetAnswered``), a typed op's FUNCTION_MISMATCH (a consume). A request with
+``step < steps`` is a replay: it gets the logged answer if it is the same operation
+(await or probe, same ``mailbox``), else NONDETERMINISM_DETECTED naming the step and
+both answers. So a client that restarts and re-runs its calls gets identical answers,
+"pending" included. A wait that runs out is no step.
 
 Close (``JoinSetClosed``, one record): no more submissions; unconsumed delays and
 cancellable tasks are cancelled in reverse submission order; non-cancellable tasks are
@@ -30,16 +37,31 @@ close that waits park there.
 
 Failure kinds: ``failed`` (retries exhausted or rejected), ``timed_out`` (its last lease
 expired with no attempts left), ``cancelled``, ``expired`` (task deadline).
+
+A task child may own a run (``delivery.run()``): its completion record is written only
+when it is terminal, which for a completed task is after its own run's sets closed
+(:mod:`rallypoint.actors.queue`), so a record never arrives while anything under that
+child is pending. A set of a completing task's run that becomes CLOSED asks the work
+queues kind to re-check that task (its ``TaskRunCompleted`` reaction).
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 
 import msgspec
 
 from ..clock import to_iso
-from ..errors import ConflictError, JoinSetExhaustedError, LimitError, NotFoundError, ValidationError
+from ..errors import (
+    ConflictError,
+    FunctionMismatchError,
+    JoinSetExhaustedError,
+    LimitError,
+    NondeterminismError,
+    NotFoundError,
+    ValidationError,
+)
 from ..protocol import (
     NIL,
     JoinNext,
@@ -54,6 +76,7 @@ from ..protocol import (
     JoinSetView,
 )
 from ..records import (
+    JoinSetAnswered,
     JoinSetClosed,
     JoinSetConsumed,
     JoinSetCreated,
@@ -91,6 +114,17 @@ class Completion(msgspec.Struct, gc=False, array_like=True):
     failure_kind: str | None = None
 
 
+class Step(msgspec.Struct, gc=False, array_like=True):
+    """One entry of a set's log of answers (``n`` identical answers in a row: a probe
+    loop's ``pending``, repeated exhaustion, stored once)."""
+
+    op: str  # "next" (an await) | "try" (a probe)
+    outcome: str  # "record" | "pending" | "exhausted"
+    index: int = -1  # the record; for pending/exhausted the next unconsumed record then
+    mailbox: str | None = None  # a typed op: the work queue id it asked for
+    n: int = 1
+
+
 class JoinSetState(msgspec.Struct, gc=False, omit_defaults=True):
     id: str
     space: str
@@ -103,6 +137,8 @@ class JoinSetState(msgspec.Struct, gc=False, omit_defaults=True):
     consumed: int = 0
     closing_from: int | None = None  # consumes from this index on were closing consumes
     closed_at_ms: int | None = None
+    steps: list[Step] = msgspec.field(default_factory=list)  # the log of answers, run-length encoded
+    nsteps: int = 0  # answers in the log: the next live answer's step
 
 
 def _failure_kind(state: str, reason: str | None) -> str:
@@ -120,6 +156,8 @@ class JoinSets(Kind):
 
     prefix = "jst"
     name = "joinsets"
+    noun = "join set"
+    id_field = "joinset_id"
 
     def __init__(self, coord) -> None:
         super().__init__(coord)
@@ -130,6 +168,7 @@ class JoinSets(Kind):
         self.names: dict[tuple[str, str], str] = {}
         self.by_run: dict[str, list[str]] = {}
         self.child_pos: dict[str, tuple[str, int]] = {}  # child id -> (set id, position)
+        self.step_starts: dict[str, list[int]] = {}  # set id -> first step of each entry of its log
 
     def entity_tables(self):
         return {"jst": (self.table, JoinSetState)}
@@ -137,14 +176,6 @@ class JoinSets(Kind):
     def parent_actor_id(self, js_id: str) -> str | None:
         return self.table[js_id].scope_id
 
-    def get(self, space: str, js_id) -> JoinSetState:
-        js = self.table.get(js_id) if isinstance(js_id, str) else None
-        if js is None or js.space != space:
-            raise NotFoundError(f"no join set {short(js_id)} in this space", details={"joinset_id": js_id})
-        return js
-
-    def route(self, session, js_id) -> str:
-        return self.get(session.space, js_id).id
 
     def view(self, js: JoinSetState) -> JoinSetView:
         return JoinSetView(
@@ -158,6 +189,7 @@ class JoinSets(Kind):
             created_at=to_iso(js.created_at_ms),
             children=[JoinSetChildView(child_id=c.child_id, kind=c.kind, cancellable=c.cancellable, finished=c.done)
                       for c in js.children],
+            steps=js.nsteps,
         )
 
     # ================================================================ create, get
@@ -181,7 +213,12 @@ class JoinSets(Kind):
         coord.runs.require_active(run.id)
         rec = JoinSetCreated(id=coord.ids.new("jst"), space=session.space, scope_id=run.id,
                              at_ms=coord.now_ms(), name=op.name)
-        coord.commit([rec])
+        if coord.runs.completing_task(run.id) is not None:
+            # the run's task was completed: its run is closing, like a run whose
+            # complete() waits; a set made now is closed at once
+            coord.commit([rec, JoinSetClosed(joinset_id=rec.id, at_ms=rec.at_ms)])
+        else:
+            coord.commit([rec])
         return self.view(self.table[rec.id])
 
     @applies(JoinSetCreated)
@@ -199,6 +236,12 @@ class JoinSets(Kind):
         self.by_run.setdefault(js.scope_id, []).append(js.id)
         for i, c in enumerate(js.children):
             self.child_pos[c.child_id] = (js.id, i)
+        if js.steps:
+            starts, n = [], 0
+            for e in js.steps:
+                starts.append(n)
+                n += e.n
+            self.step_starts[js.id] = starts
 
     def route_get(self, session, op: JoinSetGet) -> str:
         if op.joinset_id is not None:
@@ -333,9 +376,70 @@ class JoinSets(Kind):
             js.state = "CLOSED"
             self.coord.notify(js.id, "j")
             self.coord.notify(js.scope_id, "complete")
+            task = self.coord.runs.completing_task(js.scope_id)
+            if task is not None:  # a completing task's run: it may be done now
+                self.coord.queues.check_completion(task.id)
 
-    # ================================================================ consume
-    def _record_view(self, js: JoinSetState, index: int) -> JoinNextView:
+    # ================================================================ consume: steps
+    def _step_at(self, js: JoinSetState, step: int) -> "Step":
+        starts = self.step_starts[js.id]
+        return js.steps[bisect.bisect_right(starts, step) - 1]
+
+    def _mailbox_name(self, mailbox_id: str | None) -> str | None:
+        if mailbox_id is None:
+            return None
+        q = self.coord.queues.table.get(mailbox_id)
+        return q.name if q is not None else mailbox_id
+
+    def _op_name(self, op: str, mailbox_id: str | None) -> str:
+        name = "join_next" if op == "next" else "join_next_try"
+        if mailbox_id is not None:
+            name += f"(mailbox={self._mailbox_name(mailbox_id)!r})"
+        return name
+
+    def _describe(self, js: JoinSetState, outcome: str, index: int) -> str:
+        if outcome == "record":
+            c = js.completions[index]
+            return f"record {index} (child {c.child_id}, {'ok' if c.ok else c.failure_kind})"
+        if outcome == "exhausted":
+            return "JOIN_SET_EXHAUSTED"
+        if outcome == "wait":
+            return f"a wait for record {index}"
+        return "pending"
+
+    def _now(self, js: JoinSetState, op: str) -> dict:
+        """What a live ``op`` would be answered now (nothing is consumed)."""
+        idx = js.consumed
+        if idx >= len(js.children):
+            return {"outcome": "exhausted"}
+        if idx < len(js.completions):
+            c = js.completions[idx]
+            return {"outcome": "record", "index": idx, "child_id": c.child_id, "ok": c.ok}
+        return {"outcome": "pending" if op == "try" else "wait", "index": idx}
+
+    def _nondeterminism(self, js: JoinSetState, step: int, e: "Step", op: str, mailbox_id: str | None):
+        logged = {"op": "join_next" if e.op == "next" else "join_next_try", "outcome": e.outcome, "index": e.index}
+        if e.mailbox is not None:
+            logged["mailbox"] = self._mailbox_name(e.mailbox)
+        now = self._now(js, op)
+        asked = {"op": "join_next" if op == "next" else "join_next_try", "now": now}
+        if mailbox_id is not None:
+            asked["mailbox"] = self._mailbox_name(mailbox_id)
+        return NondeterminismError(
+            f"join set {js.id} step {step}: the journal holds {self._op_name(e.op, e.mailbox)} answered "
+            f"{self._describe(js, e.outcome, e.index)}, but this replay asks {self._op_name(op, mailbox_id)} "
+            f"(answered now it would get {self._describe(js, now['outcome'], now.get('index', -1))}); a replaying "
+            "client must repeat its first execution's join_next / join_next_try calls in the same order",
+            details={"joinset_id": js.id, "step": step, "logged": logged, "asked": asked},
+        )
+
+    def _exhausted(self, js: JoinSetState, step: int | None, replayed: bool = False) -> JoinSetExhaustedError:
+        return JoinSetExhaustedError(
+            f"join set {js.id} has {len(js.children)} children and all were consumed",
+            details={"joinset_id": js.id, "submitted": len(js.children), "step": step, "replayed": replayed},
+        )
+
+    def _record_view(self, js: JoinSetState, index: int, step: int | None = None, replayed: bool = False) -> JoinNextView:
         c = js.completions[index]
         return JoinNextView(
             status="record",
@@ -346,56 +450,142 @@ class JoinSets(Kind):
             value=msgspec.Raw(c.value) if c.value is not None else NIL,
             failure_kind=c.failure_kind,
             closing=js.closing_from is not None and index >= js.closing_from,
+            step=step,
+            replayed=replayed,
         )
 
+    def _answer_record(self, js: JoinSetState, index: int, step: int | None, mailbox_id: str | None,
+                       replayed: bool = False) -> JoinNextView:
+        """Record ``index`` as the answer; FUNCTION_MISMATCH when a typed op (``mailbox_id``)
+        took a child of another kind (it is consumed all the same)."""
+        if mailbox_id is not None:
+            c = js.completions[index]
+            actual = None if c.kind == "delay" else self.coord.queues.tasks[c.child_id].mailbox_id
+            if actual != mailbox_id:
+                expected, actual_name = self._mailbox_name(mailbox_id), self._mailbox_name(actual)
+                what = f"delay {c.child_id}" if actual is None else f"task {c.child_id} of mailbox {actual_name!r}"
+                raise FunctionMismatchError(
+                    f"join set {js.id} record {index}: expected a child of mailbox {expected!r}, got {what}; "
+                    f"the record is consumed (re-read it with join_next(index={index}))",
+                    details={"joinset_id": js.id, "index": index, "step": step, "child_id": c.child_id,
+                             "expected": expected, "actual": actual_name, "actual_kind": c.kind,
+                             "replayed": replayed},
+                )
+        return self._record_view(js, index, step, replayed)
+
+    def _replay(self, js: JoinSetState, step: int, op: str, mailbox_id: str | None) -> JoinNextView:
+        """The answer the log holds at ``step`` (< steps), for the same operation only."""
+        e = self._step_at(js, step)
+        if e.op != op or e.mailbox != mailbox_id:
+            raise self._nondeterminism(js, step, e, op, mailbox_id)
+        if e.outcome == "record":
+            return self._answer_record(js, e.index, step, mailbox_id, replayed=True)
+        if e.outcome == "exhausted":
+            raise self._exhausted(js, step, replayed=True)
+        return JoinNextView(status="pending", index=e.index, step=step, replayed=True)
+
     def op_joinset_join_next(self, actor, session, op: JoinNext):
-        """Consume (or re-read) record ``index`` (default: the next); parks on the set's
-        actor while it has not arrived. JOIN_SET_EXHAUSTED past the last child."""
+        """An await (parks on the set's actor up to ``wait_ms``) or a probe (``try_only``).
+
+        Every answer is the next step of the set's log and journaled: a record consumed
+        (``JoinSetConsumed``), a probe's ``pending`` or JOIN_SET_EXHAUSTED
+        (``JoinSetAnswered``), FUNCTION_MISMATCH for a typed op. ``step`` replays (see
+        :class:`~rallypoint.protocol.JoinNext`); ``index`` re-reads or consumes a record by
+        position. VALIDATION_FAILED for a step or index ahead of the log, or both given;
+        NONDETERMINISM_DETECTED for a replay of another operation; NOT_FOUND for an
+        unknown ``mailbox``."""
         js = self.get(session.space, op.joinset_id)
         wait_ms = clamp_wait(op.wait_ms)
-        if op.index is not None and op.index < 0:
+        kind = "try" if op.try_only else "next"
+        mailbox_id = None if op.mailbox is None else self.coord.queues.get_queue(session.space, op.mailbox).id
+        index, step = op.index, op.step
+        if index is not None and step is not None:
+            raise ValidationError("give index (a record) or step (a replay position), not both",
+                                  details={"field": "step"})
+        if index is not None and index < 0:
             raise ValidationError("index must be >= 0", details={"field": "index"})
-        res = self._try_consume(js, op.index)
+        if step is not None:
+            if step < 0:
+                raise ValidationError("step must be >= 0", details={"field": "step"})
+            if step > js.nsteps:
+                raise ValidationError(
+                    f"step {step} is ahead of join set {js.id}'s log ({js.nsteps} steps: the next live answer "
+                    f"is step {js.nsteps}); steps never skip ahead",
+                    details={"field": "step", "steps": js.nsteps},
+                )
+        res = self._answer(js, kind, mailbox_id, index, step)
         if res is not None or op.try_only or wait_ms == 0:
             return res if res is not None else JoinNextView(status="pending", index=js.consumed)
-        index = op.index
-        position = js.consumed if index is None else index
+        position = js.consumed
 
         def check():
-            # The record this waiter waits for was taken by a closing consume (a close,
-            # or its run ended): it is answered with that record, marked closing.
-            if index is None and js.closing_from is not None and js.closing_from <= position < js.consumed:
-                return self._record_view(js, position)
-            return self._try_consume(js, index)
+            # The record this await waits for was taken by a closing consume (a close,
+            # or its run ended): it is handed over, marked closing, as this await's step.
+            if (index is None and (step is None or step == js.nsteps) and js.closing_from is not None
+                    and js.closing_from <= position < js.consumed):
+                s = js.nsteps
+                self.coord.commit([JoinSetAnswered(joinset_id=js.id, step=s, op=kind, outcome="record",
+                                                   at_ms=self.coord.now_ms(), index=position, mailbox=mailbox_id)])
+                return self._answer_record(js, position, s, mailbox_id)
+            return self._answer(js, kind, mailbox_id, index, step)
 
         return Park("j", check, wait_ms, lambda: JoinNextView(status="pending", index=js.consumed))
 
-    def _try_consume(self, js: JoinSetState, index: int | None) -> JoinNextView | None:
-        """The record at ``index`` (default: the next), consuming it if it is the next
-        one; None while it has not arrived. Raises JOIN_SET_EXHAUSTED past the children."""
-        idx = js.consumed if index is None else index
-        if idx < js.consumed:
-            return self._record_view(js, idx)  # positional re-read
-        if idx > js.consumed:
-            raise ValidationError(
-                f"index {idx} is ahead of join set {js.id}'s next unconsumed record ({js.consumed}); "
-                "consumes never skip ahead",
-                details={"field": "index"},
-            )
+    def _answer(self, js: JoinSetState, op: str, mailbox_id: str | None, index: int | None,
+                step: int | None) -> JoinNextView | None:
+        """The answer now, journaled as the next step; None while an await must wait.
+        Raises JOIN_SET_EXHAUSTED (a step too) past the last child."""
+        if step is not None and step < js.nsteps:
+            return self._replay(js, step, op, mailbox_id)
+        if index is not None:
+            if index < js.consumed:
+                return self._answer_record(js, index, None, mailbox_id)  # positional re-read: no step
+            if index > js.consumed:
+                raise ValidationError(
+                    f"index {index} is ahead of join set {js.id}'s next unconsumed record ({js.consumed}); "
+                    "consumes never skip ahead",
+                    details={"field": "index"},
+                )
+        coord = self.coord
+        idx, s = js.consumed, js.nsteps
         if idx >= len(js.children):
-            raise JoinSetExhaustedError(
-                f"join set {js.id} has {len(js.children)} children and all were consumed",
-                details={"joinset_id": js.id, "submitted": len(js.children)},
-            )
+            coord.commit([JoinSetAnswered(joinset_id=js.id, step=s, op=op, outcome="exhausted", at_ms=coord.now_ms(),
+                                          index=idx, mailbox=mailbox_id)])
+            raise self._exhausted(js, s)
         if idx < len(js.completions):
-            self.coord.commit([JoinSetConsumed(joinset_id=js.id, index=idx, at_ms=self.coord.now_ms())])
-            return self._record_view(js, idx)
+            coord.commit([JoinSetConsumed(joinset_id=js.id, index=idx, at_ms=coord.now_ms(), step=s, op=op,
+                                          mailbox=mailbox_id)])
+            return self._answer_record(js, idx, s, mailbox_id)
+        if op == "try":
+            coord.commit([JoinSetAnswered(joinset_id=js.id, step=s, op=op, outcome="pending", at_ms=coord.now_ms(),
+                                          index=idx, mailbox=mailbox_id)])
+            return JoinNextView(status="pending", index=idx, step=s)
         return None
+
+    def _add_step(self, js: JoinSetState, step: int, op: str, outcome: str, index: int, mailbox: str | None) -> None:
+        if step != js.nsteps:
+            raise RuntimeError(f"join set {js.id}: step {step} applied where the log has {js.nsteps} steps")
+        last = js.steps[-1] if js.steps else None
+        if (last is not None and outcome != "record" and last.outcome == outcome and last.op == op
+                and last.index == index and last.mailbox == mailbox):
+            last.n += 1  # the same answer again (a probe loop): one entry
+        else:
+            js.steps.append(Step(op=op, outcome=outcome, index=index, mailbox=mailbox))
+            self.step_starts.setdefault(js.id, []).append(step)
+        js.nsteps += 1
 
     @applies(JoinSetConsumed)
     def _apply_consumed(self, r: JoinSetConsumed) -> None:
         js = self.table[r.joinset_id]
         js.consumed = r.index + 1
+        if r.step is not None:
+            self._add_step(js, r.step, r.op, "record", r.index, r.mailbox)
+        self.coord.touch(js.id)
+
+    @applies(JoinSetAnswered)
+    def _apply_answered(self, r: JoinSetAnswered) -> None:
+        js = self.table[r.joinset_id]
+        self._add_step(js, r.step, r.op, r.outcome, r.index, r.mailbox)
         self.coord.touch(js.id)
 
     # ================================================================ close

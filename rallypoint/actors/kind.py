@@ -27,17 +27,38 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..errors import NotFoundError
+from .common import short
+
 __all__ = ["Kind"]
 
 
 class Kind:
-    """Base class of a kind. ``prefix`` is the id prefix of its (main) entities."""
+    """Base class of a kind. ``prefix`` is the id prefix of its (main) entities, kept in
+    ``self.table``; ``noun`` and ``id_field`` name them in NOT_FOUND errors."""
 
     prefix: str = ""
     name: str = ""
+    noun: str = "entity"
+    id_field: str = "id"
 
     def __init__(self, coord) -> None:
         self.coord = coord
+        self.table: dict[str, Any] = {}
+
+    def get(self, space: str, entity_id: Any):
+        """The entity ``entity_id`` of ``space``. NOT_FOUND when there is none -- and for
+        another space's, which a key must not be able to tell apart."""
+        ent = self.table.get(entity_id) if isinstance(entity_id, str) else None
+        if ent is None or ent.space != space:
+            raise NotFoundError(f"no {self.noun} {short(entity_id)} in this space",
+                                details={self.id_field: short(entity_id)})
+        return ent
+
+    def route(self, session, entity_id: Any) -> str:
+        """The actor id for a command about ``entity_id`` (its own; NOT_FOUND as
+        :meth:`get`)."""
+        return self.get(session.space, entity_id).id
 
     def entity_tables(self) -> dict[str, tuple[dict, type]]:
         """id prefix -> (table, state Struct type): what snapshots store."""
@@ -56,6 +77,16 @@ class Kind:
     def on_run_inactive(self, entity_id: str, at_ms: int, reason: str) -> None:
         """The run that owns ``entity_id`` went inactive (``reason``: cancelled,
         completed, deadline) in the apply of one record. Synchronous."""
+
+    def leases_outstanding(self) -> int:
+        """How many leases (and durable waiters with a time limit) of this kind run on
+        server time now: a stall or a restart is given back to them (``LeasesExtended``)
+        only when some kind has one."""
+        return 0
+
+    def extend_leases(self, by_ms: int) -> None:
+        """Apply of ``LeasesExtended``: every outstanding lease of this kind (and every
+        durable waiter's time limit) ends ``by_ms`` later; re-arm their activities."""
 
     def appliers(self) -> dict[type, Callable[[Any], None]]:
         """Record type -> bound apply function, from the ``@applies`` marks."""

@@ -19,7 +19,11 @@ A run's end is ONE record (``ScopeEnded``, ``ScopeDeadlinePassed``, or the
 No request can see a half-ended subtree, and no waiter below an ended run is left.
 
 The actor of a run lives in its parent run's nursery (a root run in the root nursery);
-groups, barriers, timers and join sets live in their run's nursery.
+groups, barriers, timers and join sets live in their run's nursery. A task's own run
+(``delivery.run()``, ``ScopeState.task_id``) is a child of the task's run, so it sits in
+that run's nursery and in its subtree: whatever ends the task's run ends the task and,
+in the same step, the task's own run. It ends only with its task (cancel/complete on it
+directly is CONFLICT): see :mod:`rallypoint.actors.queue`.
 """
 
 from __future__ import annotations
@@ -31,14 +35,15 @@ from ..errors import (
     ConflictError,
     DeadlineExceededError,
     LimitError,
-    NotFoundError,
     RallypointError,
     ScopeCancelledError,
     ValidationError,
 )
-from ..protocol import ScopeCancel, ScopeComplete, ScopeCreate, ScopeList, ScopeListView, ScopeStatus, ScopeView
+from ..protocol import (
+    ScopeCancel, ScopeComplete, ScopeCreate, ScopeEnsureNamed, ScopeList, ScopeListView, ScopeStatus, ScopeView,
+)
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
-from .common import applies, check_name, check_range, clamp_wait, parse_instant, short
+from .common import applies, check_label, check_range, clamp_wait, parse_instant
 from .kind import Kind
 from .runtime import PRIO_RUN_DEADLINE, Park
 
@@ -61,6 +66,7 @@ class ScopeState(msgspec.Struct, gc=False, omit_defaults=True):
     deadline_fired: bool = False
     children: int = 0
     group_id: str | None = None
+    task_id: str | None = None  # a task's own run: it ends with that task
 
 
 _REASON_OF_STATE = {"CANCELLED": "cancelled", "COMPLETED": "completed"}
@@ -71,6 +77,8 @@ class Runs(Kind):
 
     prefix = "scp"
     name = "runs"
+    noun = "run"
+    id_field = "scope_id"
 
     def __init__(self, coord) -> None:
         super().__init__(coord)
@@ -81,6 +89,7 @@ class Runs(Kind):
         self.children: dict[str, list[str]] = {}
         self.owned: dict[str, list[str]] = {}  # run id -> ids of the groups/barriers/timers/join sets it owns
         self.counts: dict[str, dict[str, int]] = {}  # space -> stored_state -> runs
+        self.named_roots: dict[tuple[str, str], str] = {}  # (space, name) -> newest root run so named
 
     def entity_tables(self):
         return {"scp": (self.table, ScopeState)}
@@ -89,17 +98,6 @@ class Runs(Kind):
         return self.table[run_id].parent_id
 
     # ================================================================ lookups
-    def get(self, space: str, run_id) -> ScopeState:
-        """The run ``run_id`` of ``space``; NOT_FOUND otherwise (another space's too)."""
-        s = self.table.get(run_id) if isinstance(run_id, str) else None
-        if s is None or s.space != space:
-            raise NotFoundError(f"no run {short(run_id)} in this space", details={"scope_id": short(run_id)})
-        return s
-
-    def route(self, session, run_id) -> str:
-        """The actor id for a command on run ``run_id`` (NOT_FOUND across spaces)."""
-        return self.get(session.space, run_id).id
-
     def inactive_error(self, run_id: str, at_ms: int | None = None) -> RallypointError | None:
         """Why the run (or an ancestor) refuses new work at ``at_ms`` (default: now), or
         None when it is active. SCOPE_CANCELLED when it or an ancestor was cancelled or
@@ -183,7 +181,7 @@ class Runs(Kind):
             self.require_active(parent.id)
             self.check_child_limit(parent)
         if op.name is not None:
-            check_name("name", op.name)
+            check_label("name", op.name)
         check_range("child_limit", op.child_limit, 0, 1_000_000)
         now = self.coord.now_ms()
         deadline_ms = parse_instant("deadline", op.deadline)
@@ -203,6 +201,18 @@ class Runs(Kind):
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
 
+    def op_scope_ensure_named(self, actor, session, op: ScopeEnsureNamed) -> ScopeView:
+        """Join the named root run (the newest root run with ``name`` that is effectively
+        ACTIVE) or create it; on the space's actor, so concurrent joins agree. A run that
+        ended (cancelled, completed, past its deadline) is never joined again: the next
+        join makes a new one. ``deadline`` applies only when creating.
+        VALIDATION_FAILED (name, deadline)."""
+        check_label("name", op.name)
+        rid = self.named_roots.get((session.space, op.name))
+        if rid is not None and self.inactive_error(rid) is None:
+            return self.view(self.table[rid])
+        return self.op_scope_create(actor, session, ScopeCreate(name=op.name, deadline=op.deadline))
+
     def check_child_limit(self, parent: ScopeState, what: str = "") -> None:
         if parent.children >= parent.child_limit:
             raise LimitError(
@@ -221,6 +231,7 @@ class Runs(Kind):
             return self.view(s)
         if s.state == "COMPLETED":
             raise ConflictError(f"run {s.id} is already COMPLETED; a finished run cannot be cancelled")
+        self._refuse_task_run(s, "cancelled")
         if op.reason is not None and len(op.reason) > 1024:
             raise ValidationError("reason is longer than 1024 characters", details={"field": "reason"})
         self.coord.commit([ScopeEnded(id=s.id, state="CANCELLED", at_ms=self.coord.now_ms(), reason=op.reason)])
@@ -234,6 +245,7 @@ class Runs(Kind):
         s = self.get(session.space, op.scope_id)
         if s.state != "ACTIVE":
             raise ConflictError(f"run {s.id} is already {s.state}; a finished run cannot be completed")
+        self._refuse_task_run(s, "completed")
         wait_ms = clamp_wait(op.wait_ms)
         done = self._try_complete(s)
         if done is not None or wait_ms == 0:
@@ -245,6 +257,16 @@ class Runs(Kind):
             return self._try_complete(s)
 
         return Park("complete", check, wait_ms, lambda: self.view(s))
+
+    def _refuse_task_run(self, s: ScopeState, what: str) -> None:
+        """A task's own run ends with its task, never by itself (CONFLICT)."""
+        if s.task_id is not None and s.state == "ACTIVE":
+            raise ConflictError(
+                f"run {s.id} belongs to task {s.task_id} and ends with it: it is completed when the task is "
+                f"completed and cancelled by any other end of the task (reject it, or cancel the task); it "
+                f"cannot be {what} by itself",
+                details={"scope_id": s.id, "task_id": s.task_id},
+            )
 
     def _try_complete(self, s: ScopeState) -> ScopeView | None:
         joinsets = self.coord.joinsets
@@ -311,6 +333,7 @@ class Runs(Kind):
             children=s.children,
             tasks=self.coord.queues.run_task_counts(s.id),
             group_id=s.group_id,
+            task_id=s.task_id,
         )
 
     # ================================================================ apply
@@ -328,6 +351,15 @@ class Runs(Kind):
                 group_id=r.group_id,
             )
         )
+
+    def completing_task(self, run_id: str):
+        """The task that owns ``run_id`` if its worker completed it and it waits for the
+        run's join sets to close (``TaskState``), else None."""
+        s = self.table.get(run_id)
+        if s is None or s.task_id is None:
+            return None
+        t = self.coord.queues.tasks.get(s.task_id)
+        return t if t is not None and t.completing else None
 
     def add(self, s: ScopeState) -> None:
         """Install a new run (its own record, or a group's gate run in GroupCreated)."""
@@ -350,6 +382,8 @@ class Runs(Kind):
     def _index(self, s: ScopeState) -> None:
         self._count(s.space, None, s.state)
         self.table[s.id] = s
+        if s.parent_id is None and s.name is not None:
+            self.named_roots[(s.space, s.name)] = s.id
         if s.parent_id is not None:
             self.children.setdefault(s.parent_id, []).append(s.id)
 
@@ -405,6 +439,10 @@ class Runs(Kind):
             self._count(s.space, None, s.state)
             if s.parent_id is not None:
                 self.children.setdefault(s.parent_id, []).append(s.id)
+            elif s.name is not None:
+                k = (s.space, s.name)
+                if k not in self.named_roots or self.named_roots[k] < s.id:
+                    self.named_roots[k] = s.id
 
     def statistics(self) -> dict:
         return {"runs": len(self.table)}

@@ -53,13 +53,15 @@ from typing import Any, Callable
 
 import trio
 
-from ..errors import RallypointError, UnavailableError
+from ..errors import RallypointError, UnavailableError, shutting_down_error
 
 log = logging.getLogger("rallypoint.runtime")
 
 __all__ = ["Actor", "Runtime", "Park", "Waiter", "ActivityHeap", "ReplySink", "PASSIVE", "STARTING", "ACTIVE"]
 
 PASSIVE, STARTING, ACTIVE = 0, 1, 2
+_wait_rescheduled = trio.lowlevel.wait_task_rescheduled
+_ABORT_SUCCEEDED = trio.lowlevel.Abort.SUCCEEDED
 _STATUS_NAMES = {PASSIVE: "passive", STARTING: "starting", ACTIVE: "active"}
 
 #: Priority of a heap entry at equal due time: runs' deadlines first (an enclosing
@@ -86,6 +88,12 @@ class ReplySink:
         return None
 
     def untrack(self, rid: int) -> None:
+        return None
+
+    def flush(self) -> None:
+        """The dispatcher delivered a batch: send what is queued (a connection writes
+        its replies together here). Optional; a sink that sends in ``deliver`` needs
+        nothing."""
         return None
 
 
@@ -133,37 +141,99 @@ class Waiter:
 
 
 # ---------------------------------------------------------------------------- activities
+def _waiter_done(w: "Waiter") -> bool:
+    return w.done
+
+
 class ActivityHeap:
     """One heap of due activities: ``(due, prio, seq, fn, arg)``, ``due`` in Trio time.
 
     ``fn(arg)`` is called once the entry is due, in (due, prio, arm order) order. Entries
-    are never removed when they become irrelevant (a lease renewed, a task finished): the
+    are not removed when they become irrelevant (a lease renewed, a task finished): the
     callback re-checks and ignores a stale entry, so arming is O(log n) and cancelling
     is free. One task sleeps until the earliest entry (:meth:`run`); the coordinator
     also calls :meth:`fire_due` before every command batch.
+
+    Two things keep the stale entries cheap (a lease armed per delivery stays in the heap
+    for the lease's length after its task completed: 30 s x 20k deliveries/s = 600k
+    entries). A bound method ``fn`` is stored as a small integer code, so an entry whose
+    ``arg`` holds only strings and numbers has nothing the cyclic GC tracks (CPython
+    untracks such tuples): a full collection does not walk them. And a kind may say how
+    to tell a stale entry (:meth:`stale_when`); when the heap has doubled since it was
+    last compacted, entries known stale are dropped and the heap rebuilt (amortised
+    O(1) per arm; the order of the others is unchanged: it is total on (due, prio, seq)).
     """
 
-    __slots__ = ("_heap", "_seq", "_task", "fired", "_firing")
+    __slots__ = ("_heap", "_seq", "_task", "fired", "_firing", "_codes", "_fns", "_stale", "_compact_at",
+                 "compacted")
+
+    #: Never compact below this many entries.
+    COMPACT_MIN = 4096
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self._task = None  # the sleeping task while it sleeps
         self.fired = 0
         self._firing = False
+        self._codes: dict[Any, int] = {}  # bound method -> code
+        self._fns: list[Callable[[Any], None]] = []  # code -> bound method
+        self._stale: dict[int, Callable[[Any], bool]] = {}  # code -> "this arg is stale"
+        self._compact_at = self.COMPACT_MIN
+        self.compacted = 0  # stale entries dropped so far
 
     def __len__(self) -> int:
         return len(self._heap)
 
+    def _code(self, fn: Callable[[Any], None]) -> Any:
+        """The integer code of a bound method (registered on first use); any other
+        callable is stored as itself (a lambda made per call must not grow the table)."""
+        code = self._codes.get(fn)
+        if code is None:
+            if getattr(fn, "__self__", None) is None or not hasattr(fn, "__func__"):
+                return fn
+            code = self._codes[fn] = len(self._fns)
+            self._fns.append(fn)
+        return code
+
+    def stale_when(self, fn: Callable[[Any], None], is_stale: Callable[[Any], bool]) -> None:
+        """Entries of ``fn`` (a bound method) whose ``arg`` makes ``is_stale(arg)`` true may
+        be dropped without being called: ``is_stale`` must be true only when ``fn(arg)``
+        would do nothing, now and at any later time."""
+        code = self._code(fn)
+        if isinstance(code, int):
+            self._stale[code] = is_stale
+
     def arm(self, due: float, fn: Callable[[Any], None], arg: Any = None, prio: int = PRIO_DEFAULT) -> None:
         """Call ``fn(arg)`` at Trio time ``due`` (seconds)."""
-        self._seq += 1
-        entry = (due, prio, self._seq, fn, arg)
         heap = self._heap
+        if len(heap) >= self._compact_at:
+            self._compact()
+        code = self._codes.get(fn)
+        if code is None:
+            code = self._code(fn)
+        self._seq += 1
+        entry = (due, prio, self._seq, code, arg)
         heapq.heappush(heap, entry)
         if heap[0] is entry and self._task is not None:
             task, self._task = self._task, None
             trio.lowlevel.reschedule(task)
+
+    def _compact(self) -> None:
+        heap = self._heap
+        stale = self._stale
+        if stale:
+            before = len(heap)
+            # in place: fire_due holds the list while an activity it fires arms another
+            heap[:] = [e for e in heap if (p := stale.get(e[3])) is None or not p(e[4])]
+            heapq.heapify(heap)
+            self.compacted += before - len(heap)
+        self._compact_at = max(self.COMPACT_MIN, 2 * len(heap))
+
+    def entries(self) -> list[tuple[float, int, int, Callable[[Any], None], Any]]:
+        """The entries, unordered, as ``(due, prio, seq, fn, arg)`` (for tests and views)."""
+        fns = self._fns
+        return [(d, p, s, fns[c] if c.__class__ is int else c, a) for d, p, s, c, a in self._heap]
 
     def clear(self) -> None:
         self._heap.clear()
@@ -181,26 +251,38 @@ class ActivityHeap:
         if self._firing:
             return 0
         heap = self._heap
+        fns = self._fns
         now = trio.current_time()
         n = 0
         self._firing = True
+        retry = []
         try:
             while heap and heap[0][0] <= now:
-                _, _, _, fn, arg = heapq.heappop(heap)
-                fn(arg)
+                entry = heapq.heappop(heap)
+                fn = entry[3]
+                if fn.__class__ is int:
+                    fn = fns[fn]
+                try:
+                    fn(entry[4])
+                except UnavailableError as exc:  # disk full: refused before applying; later
+                    retry.append((now + (exc.retry_after or 1.0), fn, entry))
                 n += 1
         finally:
             self._firing = False
+            for due, fn, (_, prio, _, _, arg) in retry:
+                self.arm(due, fn, arg, prio)
         self.fired += n
         return n
 
-    async def run(self, before: Callable[[], None], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, before: Callable[[], None], after: Callable[[], None], *,
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The one sleeping task: wakes at the earliest due time (or when an earlier entry
-        is armed), calls ``before()`` (the coordinator's catch-up, which fires what is due),
-        sleeps again."""
+        is armed), calls ``before()`` (the coordinator's catch-up, which fires what is due)
+        and ``after()`` (sends the answers that produced), sleeps again."""
         task_status.started()
         while True:
             before()
+            after()
             deadline = self.next_due()
             with trio.move_on_at(deadline):
                 self._task = trio.lowlevel.current_task()
@@ -224,7 +306,7 @@ class Actor:
     __slots__ = (
         "id", "kind", "parent_id", "runtime", "inbox", "status", "nursery", "_parked", "waiters",
         "n_waiters", "_dirty", "_pending_children", "_idle_since", "_passivate_armed", "_passivate",
-        "commands", "depth", "_handling",
+        "commands", "depth", "_handling", "__weakref__",
     )
 
     def __init__(self, runtime: "Runtime", actor_id: str, kind: Any, parent_id: str | None) -> None:
@@ -330,7 +412,8 @@ class Actor:
                         self._recheck()
                 finally:
                     self._handling = False
-                self._idle_since = trio.current_time()
+                    rt.after_batch()
+                self._idle_since = rt.system.last_seen  # the batch's start: idle from about now
                 continue
             if self._passivate:
                 self._passivate = False
@@ -343,12 +426,11 @@ class Actor:
 
     async def _park(self) -> None:
         self._parked = trio.lowlevel.current_task()
+        await _wait_rescheduled(self._abort_park)
 
-        def abort(_raise_cancel):
-            self._parked = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+    def _abort_park(self, _raise_cancel) -> Any:
+        self._parked = None
+        return _ABORT_SUCCEEDED
 
     def _can_passivate(self) -> bool:
         return (
@@ -442,6 +524,7 @@ class Actor:
                 if not w.done:
                     self._finish_waiter(w, rt.cancelled_answer(w.park))
         self.waiters.clear()
+        rt.after_batch()
 
     # -------------------------------------------------------------- introspection
     def statistics(self) -> dict:
@@ -470,6 +553,7 @@ class Runtime:
         self.idle_s = idle_s
         self.actors: dict[str, Actor] = {}
         self.heap = ActivityHeap()
+        self.heap.stale_when(self._wait_timeout, _waiter_done)
         self.root_nursery: trio.Nursery | None = None
         self._root_pending: list[Actor] = []
         self.n_active = 0
@@ -479,6 +563,7 @@ class Runtime:
         self.stopping = False
         self.handle = system.handle_command
         self.before_batch = system.before_batch
+        self.after_batch = system.after_batch
         self.reply = system.reply
         self.internal_error = system.internal_error
         self.cancelled_answer = system.cancelled_answer
@@ -616,7 +701,7 @@ class Runtime:
                 pending, self._root_pending = self._root_pending, []
                 for a in pending:
                     nursery.start_soon(a._main)
-                await nursery.start(self.heap.run, self.before_batch)
+                await nursery.start(self.heap.run, self.before_batch, self.after_batch)
                 task_status.started()
         finally:
             self.root_nursery = None
@@ -681,4 +766,4 @@ async def fatal_unwrapped():
 
 
 def shutdown_error() -> UnavailableError:
-    return UnavailableError("the server is shutting down; retry on a new connection", retry_after=1.0)
+    return shutting_down_error()

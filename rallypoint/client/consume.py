@@ -103,7 +103,9 @@ async def consume(
 
     What happens to each delivery:
 
-    - the handler returns: the outcome is completed. A result that cannot be encoded
+    - the handler returns: the outcome is completed (for a task whose handler made it a
+      run of its own with ``delivery.run()``, the task is SUCCEEDED once that run's join
+      sets closed; ``complete`` returns before, and this counts it ``completed``). A result that cannot be encoded
       (not msgpack-able, or over the payload/frame limit) is handled like an
       exception: a retry whose error says why.
     - the handler raises an ``Exception``: a retry with ``"Type: message"`` as the error

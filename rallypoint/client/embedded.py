@@ -9,7 +9,6 @@ durable" rule.
 from __future__ import annotations
 
 import msgspec
-import trio
 
 from ..errors import UnavailableError
 from ..protocol import encoder

@@ -151,12 +151,12 @@ async def lifecycle_closed(ctx: Ctx, pipeline: int) -> None:
     async def one_batch():
         t0 = trio.current_time()
         tickets = await ctx.timed(
-            "submit_many", mbx.submit_many, [{"k": "noop", "p": ctx.index}] * batch, scope=run
+            "submit_many", mbx.submit_many, [{"k": "noop", "p": ctx.index}] * batch, scope=run, details=False
         )
 
         # One frame of server-side waits for the whole batch (rs.results); each
         # lifecycle ends when the batch's last result arrived: an upper bound.
-        await ctx.timed("results", rs.results, tickets, 30)
+        await ctx.timed("results", rs.results, tickets, 30, details=False)
         t1 = trio.current_time()
         for _ in tickets:
             ctx.lifecycle(t0, t1)
@@ -179,7 +179,8 @@ async def lifecycle_open(ctx: Ctx) -> None:
 
     async def send(intended: list[float]):
         tickets = await ctx.timed(
-            "submit_many", mbx.submit_many, [{"k": "noop", "p": ctx.index}] * len(intended), scope=run
+            "submit_many", mbx.submit_many, [{"k": "noop", "p": ctx.index}] * len(intended), scope=run,
+            details=False,
         )
         t_sent = trio.current_time()
         for it in intended:
@@ -189,7 +190,7 @@ async def lifecycle_open(ctx: Ctx) -> None:
         # One frame of waits for the coalesced arrivals; each lifecycle ends when the
         # last of them has its result (an upper bound on each one's latency).
         try:
-            await ctx.timed("results", rs.results, tickets, 30)
+            await ctx.timed("results", rs.results, tickets, 30, details=False)
             t1 = trio.current_time()
             for it in intended:
                 ctx.lifecycle(it, t1)
@@ -380,7 +381,7 @@ async def worker(ctx: Ctx, stop) -> None:
             ctx.error(e)
 
     async def complete_batch(ds):
-        out = await ctx.timed("complete_many", mbx.complete_many, [(d, {"w": ctx.index}) for d in ds])
+        out = await ctx.timed("complete_many", mbx.complete_many, [(d, {"w": ctx.index}) for d in ds], details=False)
         for r in out:
             if isinstance(r, RallypointError):
                 ctx.errors[r.code] += 1

@@ -40,6 +40,7 @@ import trio
 
 from ..node import Storage
 from ..persistence.journal import HEADER_SIZE, Journal, list_segments, segment_name
+from ..persistence.manifest import Manifest, try_write_manifest
 
 __all__ = ["DiskFaults", "SimDisk", "SimJournal", "SimSnapshotStore", "SimStorage"]
 
@@ -219,17 +220,23 @@ class SimJournal(Journal):
     module docstring). Same constructor as :class:`Journal` plus ``disk``."""
 
     def __init__(self, data_dir, *, mode: str, next_lsn: int, interval_ms: float, disk: SimDisk) -> None:
+        # no free-space reserve, no ballast: the simulated disk never fills up (the
+        # free space of the host's tmpfs must not decide anything)
         super().__init__(data_dir, mode=mode, next_lsn=next_lsn, interval_ms=interval_ms,
-                         segment_bytes=disk.segment_bytes)
-        self._disk = disk
+                         segment_bytes=disk.segment_bytes, min_free_bytes=0, ballast_bytes=0)
+        self._sim = disk
         self._kick = trio.Event()
         self._round: list[list] = []
         self._active = str(self._jdir / segment_name(next_lsn)) if self._jdir is not None else ""
 
+    def free_bytes(self) -> int | None:
+        """None: the simulated disk has no size (snapshots skip their space check)."""
+        return None
+
     # ----------------------------------------------------------------- append
     def append(self, payload) -> int:
         lsn = super().append(payload)
-        d = self._disk
+        d = self._sim
         if not self._memory:
             end = self._seg_bytes
             d.layout[lsn] = _Loc(self._segment_firsts[-1], end - len(payload) - HEADER_SIZE, end)
@@ -239,12 +246,12 @@ class SimJournal(Journal):
         return lsn
 
     def _on_progress(self, durable: int, synced: int) -> None:
-        if self._disk.crashed:
+        if self._sim.crashed:
             return
         before = self._durable_lsn
         super()._on_progress(durable, synced)
-        if self._durable_lsn > before and self._disk.on_durable is not None:
-            self._disk.on_durable(self._durable_lsn)
+        if self._durable_lsn > before and self._sim.on_durable is not None:
+            self._sim.on_durable(self._durable_lsn)
 
     async def wait_synced(self, lsn: int | None = None) -> None:
         self._kick.set()  # the flusher sees _force_sync once this call blocks
@@ -252,12 +259,12 @@ class SimJournal(Journal):
 
     def truncate_below(self, lsn: int, *, unlink: bool = True) -> list:
         for path in super().truncate_below(lsn, unlink=True):  # tmpfs: unlinked here, no thread
-            self._disk.truncated.add(int(path.name.split(".")[0]))
+            self._sim.truncated.add(int(path.name.split(".")[0]))
         return []
 
     # ----------------------------------------------------------------- the flusher
     def _roll_file(self, first_lsn: int) -> None:
-        d = self._disk
+        d = self._sim
         d.fdatasync(self._fd, self._active)  # the old segment is complete before a newer exists
         self._n_fsyncs += 1
         os.close(self._fd)
@@ -265,13 +272,16 @@ class SimJournal(Journal):
         path = self._jdir / segment_name(first_lsn)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self._active = str(path)
+        self._file_first = first_lsn
         d.synced[self._active] = 0
+        # as the production roll: the manifest names the newest segment (durably)
+        try_write_manifest(self.data_dir, Manifest(active_segment=first_lsn))
 
     async def _write_round(self, chunks, *, latency: bool) -> None:
         """Write a round's chunks, in seeded pieces with latencies between them. What is
         not written yet stays in ``_round`` (a cancelled flusher finishes it, as the
         production thread finishes its round before it stops)."""
-        d = self._disk
+        d = self._sim
         self._round = [[seg_first, data, 0] for seg_first, data in chunks]
         while self._round:
             item = self._round[0]
@@ -310,7 +320,7 @@ class SimJournal(Journal):
         self._running = True
         self._thread_done = trio.Event()
         task_status.started()
-        d = self._disk
+        d = self._sim
         written = synced = self._synced_lsn
         next_sync_at: float | None = None
         try:
@@ -390,12 +400,12 @@ class SimJournal(Journal):
                 self._stop = True
                 self._kick.set()
                 await self._thread_done.wait()
-            elif self._fd is not None and self._error is None and not self._disk.crashed:
+            elif self._fd is not None and self._error is None and not self._sim.crashed:
                 with self._cv:
                     chunks, upto = self._take()
                 try:
                     await self._write_round(chunks, latency=False)
-                    self._disk.fdatasync(self._fd, self._active)
+                    self._sim.fdatasync(self._fd, self._active)
                 except OSError as exc:
                     self._on_error(exc)
                 else:
@@ -404,6 +414,12 @@ class SimJournal(Journal):
                 os.close(self._fd)
                 self._fd = None
             self._wake_all()
+            # as the production close: a clean end (everything synced) is recorded in the
+            # manifest, which makes a torn tail past it damage at the next start
+            if (not self._sim.crashed and self._error is None and self._abandoned is None
+                    and self._synced_lsn == self._next_lsn - 1 and self.data_dir is not None):
+                try_write_manifest(self.data_dir, Manifest(active_segment=self._file_first,
+                                                           clean_end_lsn=self._next_lsn - 1))
         if self._error is not None:
             self._raise_failed()
 
@@ -445,7 +461,9 @@ class SimStorage(Storage):
         self.journal: SimJournal | None = None
         self.recovered_next_lsn = 0
 
-    def open_journal(self, recovered, mode: str, interval_ms: int) -> SimJournal:
+    def open_journal(self, recovered, mode: str, interval_ms: int, **options) -> SimJournal:
+        """A :class:`SimJournal` at the recovered ``next_lsn`` (``options``, the
+        free-space arguments, are ignored: the simulated disk never fills up)."""
         self.recovered_next_lsn = recovered.next_lsn
         self.journal = SimJournal(recovered.data_dir, mode=mode, next_lsn=recovered.next_lsn,
                                   interval_ms=interval_ms, disk=self.disk)

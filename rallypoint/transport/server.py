@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import secrets
 import socket
 import struct
@@ -49,7 +50,7 @@ import msgspec
 import trio
 
 from .. import wire
-from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError
+from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError, shutting_down_error
 from ..logutil import RateLimitedLogger
 from .framing import (
     HEADER,
@@ -152,6 +153,8 @@ class _Conn:
     def __init__(self, server: "Server", stream: trio.SocketStream, peer: str) -> None:
         self.server = server
         self.stream = stream
+        # a plain TCP stream can be written with a non-blocking os.write from flush()
+        self._fd: int | None = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
         self.peer = peer
         self.session: Any = None
         self.parser = FrameParser()
@@ -174,6 +177,7 @@ class _Conn:
         # request id -> None (queued or being handled), its parked Waiter, or _CANCELLED
         # (the client sent Cancel before it parked): every request not yet answered
         self.live: dict[int, Any] = {}
+        self.backlog: deque = deque()  # requests of a batch frame not admitted yet
         self.closing = False
         self.draining = False
         self.rx_count = 0
@@ -205,7 +209,7 @@ class _Conn:
             self.reader_event = None
             ev.set()
 
-    def queue_msg(self, msg: msgspec.Struct) -> None:
+    def queue_msg(self, msg: msgspec.Struct, wake: bool = True) -> None:
         out = self.out
         start = len(out)
         out += HEADER_PLACEHOLDER
@@ -214,10 +218,10 @@ class _Conn:
         n = len(out) + self.sending
         if n > self.max_out:
             self.max_out = n
-        if not self.batching:
+        if wake and not self.batching:
             self._wake_writer()
 
-    def send_ok(self, rid: int, reply: bytes) -> None:
+    def send_ok(self, rid: int, reply: bytes, wake: bool = True) -> None:
         """Queue ``Ok(rid, Raw(reply))``. The envelope is built by hand (one struct pack
         and two appends, no Struct/Raw objects): ``reply`` must be ``bytes``."""
         if 0 < rid <= 0xFFFFFFFF:
@@ -242,20 +246,20 @@ class _Conn:
         n = len(out) + self.sending
         if n > self.max_out:
             self.max_out = n
-        if not self.batching:
+        if wake and not self.batching:
             ev = self.writer_event
             if ev is not None:
                 self.writer_event = None
                 ev.set()
 
-    def send_error(self, rid: int, exc: RallypointError) -> None:
+    def send_error(self, rid: int, exc: RallypointError, wake: bool = True) -> None:
         self.errors += 1
         details = exc.details
         if details is not None and not isinstance(details, dict):
             details = {"value": details}
         msg = wire.Err(rid, exc.code, exc.message, exc.retry_after, details)
         try:
-            self.queue_msg(msg)
+            self.queue_msg(msg, wake)
         except Exception as enc_exc:  # details not encodable
             self.send_internal(rid, enc_exc)
 
@@ -286,8 +290,9 @@ class _Conn:
         if t is _Request:
             self.handle_request(msg.id, msg.body)
         elif t is _Batch:
-            for req in msg.reqs:
-                self.handle_request(req.id, req.body)
+            # each request of a batch counts against the limits like a single one: the
+            # reader admits them one by one (see reader), pausing when full
+            self.backlog.extend(msg.reqs)
         elif t is _Cancel:
             self.cancel_wait(msg.id)
         elif t is _Ping:
@@ -355,8 +360,9 @@ class _Conn:
 
     # ReplySink -------------------------------------------------------------------
     def deliver(self, rid: int, reply: Any, lsn: int) -> None:
-        """An actor's answer to request ``rid``: sent at once when the journal is durable
-        past ``lsn``, else queued for the durability task."""
+        """An actor's answer to request ``rid``: queued at once when the journal is
+        durable past ``lsn`` (and written by :meth:`flush`, which the dispatcher calls
+        at the end of its batch), else held for the durability task."""
         state = self.live.pop(rid, _GONE)
         if state is _GONE:
             return  # already answered (e.g. a wait answered UNAVAILABLE at drain)
@@ -365,9 +371,9 @@ class _Conn:
             return
         if lsn <= self._durable_lsn():
             if type(reply) is bytes:
-                self.send_ok(rid, reply)
+                self.send_ok(rid, reply, False)
             elif isinstance(reply, RallypointError):
-                self.send_error(rid, reply)
+                self.send_error(rid, reply, False)
             else:
                 self.send_internal(rid, reply)
             self.request_done()
@@ -378,14 +384,45 @@ class _Conn:
             self.deferred_event = None
             ev.set()
 
+    def flush(self) -> None:
+        """Write the queued replies now, with ONE non-blocking send: replies delivered
+        during an actor's batch leave together, without waking the writer task (the
+        actor runtime calls this at the end of every batch). What does not fit in the
+        socket buffer, a TLS stream, or a send already in progress is left to the
+        writer."""
+        out = self.out
+        if not out or self.sending or self.batching:
+            return
+        fd = self._fd
+        if fd is None:
+            self._wake_writer()
+            return
+        try:
+            n = os.write(fd, out)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            self._wake_writer()  # the writer meets the error and closes the connection
+            return
+        if n:
+            self.bytes_out += n
+            if n == len(out):
+                self.out = bytearray()
+            else:
+                del out[:n]
+            self._wake_reader()
+        if self.out:
+            self._wake_writer()
+        elif self.draining and self.inflight == 0:
+            self.idle_event.set()
+
     def track(self, rid: int, waiter: Any) -> None:
         """Request ``rid`` parked a waiter: a Cancel frame or the close can end it."""
         if self.live.get(rid, _GONE) is _CANCELLED or self.closing or self.refuse_waits:
             waiter.cancel()
             if self.live.pop(rid, _GONE) is not _GONE:
                 if self.refuse_waits and not self.closing:
-                    self.send_error(rid, UnavailableError(
-                        "the server is shutting down; retry on a new connection", retry_after=1.0))
+                    self.send_error(rid, shutting_down_error())
                 self.request_done()
             return
         if rid in self.live:
@@ -490,12 +527,13 @@ class _Conn:
                 for _ in range(n):
                     _, rid, reply = popleft()
                     if type(reply) is bytes:
-                        send_ok(rid, reply)
+                        send_ok(rid, reply, False)
                     elif isinstance(reply, RallypointError):
-                        self.send_error(rid, reply)
+                        self.send_error(rid, reply, False)
                     else:
                         self.send_internal(rid, reply)
             self.request_done(n)
+            self.flush()
 
     async def pinger(self, interval: float) -> None:
         last = self.rx_count
@@ -553,15 +591,21 @@ class _Conn:
         max_inflight = self._max_inflight
         max_out = self._max_out
         frames = pending
+        backlog = self.backlog
         while True:
             self.batching = True
             for frame in frames:
                 handle(frame)
-                if self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
-                    self.batching = False
-                    self._wake_writer()
-                    await self.wait_capacity()
-                    self.batching = True
+                while True:
+                    if self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
+                        self.batching = False
+                        self._wake_writer()
+                        await self.wait_capacity()
+                        self.batching = True
+                    if not backlog:
+                        break
+                    req = backlog.popleft()
+                    self.handle_request(req.id, req.body)
             self.batching = False
             if self.out:
                 if self.sending or self.writer_event is None:
@@ -594,6 +638,7 @@ class _Conn:
             data = await stream.receive_some(_RECEIVE_SIZE)
             if not data:
                 return
+            self._peer_quiet = True
             self.rx_count += 1
             self.bytes_in += len(data)
             frames = parser.feed(data)
@@ -604,9 +649,36 @@ class _Conn:
         self.pauses += 1
         # Replies are made later, by the actors: the requests in flight will add about
         # inflight x (the connection's average reply size) to what waits to be sent.
+        watch = self._fd is not None
         while self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
             ev = self.reader_event = trio.Event()
-            await ev.wait()
+            if not watch:
+                await ev.wait()
+                continue
+            # Not reading now, but a peer that goes away must still end its waits (their
+            # answers would go nowhere): watch the socket for EOF or a reset meanwhile.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_for_close, nursery.cancel_scope)
+                await ev.wait()
+                nursery.cancel_scope.cancel()
+            watch = self._peer_quiet
+
+    _peer_quiet = True  # nothing unread from the peer: EOF can be seen without reading
+
+    async def _watch_for_close(self, done: trio.CancelScope) -> None:
+        """While the reader pauses: peek at the socket; EOF or a reset closes the
+        connection (and so ends its parked waits). Data waiting to be read means a close
+        cannot be seen without reading it: stop watching until the reader reads again."""
+        try:
+            data = await self.stream.socket.recv(1, socket.MSG_PEEK)
+        except OSError:
+            data = b""
+        if data:
+            self._peer_quiet = False
+            return
+        log.debug("connection from %s closed by the peer while its requests wait", self.peer)
+        self.abort()
+        done.cancel()
 
     async def handshake(self) -> list[memoryview] | None:
         """Read the Hello; answer it. Returns frames pipelined after the Hello, or None
@@ -667,7 +739,7 @@ class _Conn:
         self.queue_msg(hello_ok)
         return frames[1:]
 
-    async def flush(self, timeout: float = 5.0) -> None:
+    async def send_rest(self, timeout: float = 5.0) -> None:
         """Best-effort send of what is queued (used when closing)."""
         with trio.move_on_after(timeout):
             while self.sending:
@@ -703,7 +775,7 @@ class _Conn:
         try:
             pending = await self.handshake()
             if pending is None:
-                await self.flush(1.0)
+                await self.send_rest(1.0)
                 await self.linger()
                 return
             async with trio.open_nursery() as nursery:
@@ -732,16 +804,14 @@ class _Conn:
                             if grace_at is not None and trio.current_time() >= grace_at:
                                 grace_at = None
                                 self.refuse_waits = True  # a wait parked from now on is answered at once
-                                self.end_waits(UnavailableError(
-                                    "the server is shutting down; retry on a new connection", retry_after=1.0))
+                                self.end_waits(shutting_down_error())
                 # Waits still parked are ended; a peer that can still hear is told so.
-                self.end_waits(UnavailableError(
-                    "the server is shutting down; retry on a new connection", retry_after=1.0))
+                self.end_waits(shutting_down_error())
                 self.closing = True
                 self.stop_sending(1.0)
                 nursery.cancel_scope.cancel()
             # Replies of requests cancelled by the close (best effort), oversize error.
-            await self.flush(1.0)
+            await self.send_rest(1.0)
             if self.parser.oversize is not None:
                 await self.linger()
         except Exception as exc:

@@ -115,6 +115,7 @@ class _SleepWaiter:
             await trio.sleep(s)
             sink.untrack(rid)
             sink.deliver(rid, reply, lsn)
+            sink.flush()
 
 
 class EchoDispatcher:
