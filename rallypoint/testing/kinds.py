@@ -46,7 +46,8 @@ from ..errors import RallypointError
 
 __all__ = ["KINDS", "SimKind", "World", "Gen", "Script", "ended", "SLACK_MS"]
 
-TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
+TERMINAL = frozenset({"SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED"})
+DONE = frozenset({"SUCCEEDED", "ACKED"})  # a task / a message completed
 #: timing tolerance of the checks, ms (ms rounding between Trio time and wall/server ms)
 SLACK_MS = 2
 
@@ -312,8 +313,17 @@ class SimQueues(SimKind):
             key = g.rng.choice((None, None, "k0", "k1", "k2"))
             return p.TaskSubmit(
                 mailbox=mailbox(g), scope_id=run, input=_raw({"n": g.rng.randrange(3) if key else g.rng.randrange(10**6)}),
-                key=key, deadline=g.iso_in(1, 60) if g.rng.random() < 0.15 else None,
+                key=key, deadline=g.iso_in(1, 60) if g.rng.random() < 0.15 else None, requirements=requirements(g),
             )
+
+        def requirements(g: Gen):
+            """Admission: sometimes what a delivery must hold (pool units, a budget amount)."""
+            w = g.world
+            if not (w.pools or w.budgets) or g.rng.random() < 0.6:
+                return None
+            pools = {n: g.rng.choice((1, 1, 2)) for n in sorted(w.pools) if g.rng.random() < 0.7}
+            budgets = {n: g.rng.choice((100, 300)) for n in sorted(w.budgets) if g.rng.random() < 0.5}
+            return p.Requirements(pools=pools, budgets=budgets) if pools or budgets else None
 
         def submit_many(g: Gen):
             run = g.world.pick(g.rng, "scp")
@@ -370,6 +380,24 @@ class SimQueues(SimKind):
             t = task(g)
             return t and p.TaskCancel(task_id=t)
 
+        def results(g: Gen):
+            ids = g.world.ids.get("tsk")
+            if not ids:
+                return None
+            pick = sorted({g.rng.choice(ids[-6:]) for _ in range(g.rng.randint(1, 4))})
+            return p.TaskResults(task_ids=pick, wait_ms=g.wait_ms(), brief=g.rng.random() < 0.5)
+
+        def complete_many(g: Gen):
+            ds = g.world.deliveries
+            if not ds:
+                return None
+            first = delivery(g)
+            run = g.world.info.get(first[0], {}).get("run")
+            same = [d for d in ds[-8:] if g.world.info.get(d[0], {}).get("run") == run] if run else []
+            items = [first] + g.rng.sample(same, min(len(same), g.rng.randint(0, 3)))
+            return p.DeliveryCompleteMany(items=[p.CompleteItem(task_id=t, token=k, outcome=_raw({"ok": i}))
+                                                 for i, (t, k) in enumerate(items)], brief=g.rng.random() < 0.5)
+
         return {
             "mailbox.ensure": (1.0, ensure),
             "task.submit": (6.0, submit),
@@ -382,6 +410,8 @@ class SimQueues(SimKind):
             "task.status": (0.5, status),
             "task.result": (1.5, result),
             "task.cancel": (0.7, cancel),
+            "task.results": (1.0, results),
+            "delivery.complete_many": (1.5, complete_many),
         }
 
     def observe(self, obs, op, reply, err):
@@ -397,6 +427,16 @@ class SimQueues(SimKind):
         elif isinstance(reply, p.TaskListView):
             for t in reply.tasks:
                 self._task(obs, t)
+            for o in reply.outcomes:  # a brief task.results
+                obs.fact("task_attempt_ge", o.id, o.attempt)
+                if o.state in TERMINAL:
+                    obs.fact("task_terminal", o.id, o.state, bytes(o.outcome) if o.state in DONE else None)
+        elif isinstance(reply, p.SettledListView) and isinstance(op, p.DeliveryCompleteMany):
+            for it, item in zip(op.items, reply.items):
+                if item.error is None:
+                    obs.fact("task_completed_with", it.task_id, it.token)
+                    if item.task is not None:
+                        self._task(obs, item.task)
         elif isinstance(reply, p.ReceiveView):
             for d in reply.deliveries:
                 w.add(d.task_id)
@@ -413,7 +453,7 @@ class SimQueues(SimKind):
         obs.fact("exists", t.id)
         obs.fact("task_attempt_ge", t.id, t.attempt)
         if t.state in TERMINAL:
-            obs.fact("task_terminal", t.id, t.state, bytes(t.outcome) if t.state == "SUCCEEDED" else None)
+            obs.fact("task_terminal", t.id, t.state, bytes(t.outcome) if t.state in DONE else None)
 
     def check_fact(self, coord, fact):
         what = fact[0]
@@ -431,7 +471,7 @@ class SimQueues(SimKind):
             if t.attempt < fact[2]:
                 return f"task {t.id} was seen at attempt {fact[2]}, is at {t.attempt}"
         elif what == "task_completed_with":
-            if t.state != "SUCCEEDED" or t.token != fact[2]:
+            if t.state not in DONE or t.token != fact[2]:
                 return (f"a complete with token {fact[2]} of task {t.id} succeeded, but the task is "
                         f"{t.state} with token {t.token} (a stale token was honoured)")
         return None
@@ -459,9 +499,15 @@ class SimQueues(SimKind):
                 if eligible and max(seqs) > min(coord.queues.tasks[e].seq for e in eligible):
                     chk.fail("fifo", f"receive delivered seq {max(seqs)} while seq "
                                      f"{min(coord.queues.tasks[e].seq for e in eligible)} was ready (not oldest first)")
+        elif isinstance(op, p.DeliveryCompleteMany) and err is None and reply is not None:
+            for it, item in zip(op.items, reply.items):
+                t = coord.queues.tasks.get(it.task_id)
+                if item.error is None and t is not None and (t.token != it.token or t.state not in DONE):
+                    chk.fail("fencing", f"complete_many: the item with token {it.token} of task {t.id} was accepted; "
+                                        f"the task holds token {t.token} and is {t.state}")
         elif isinstance(op, p.DeliveryComplete) and err is None and reply is not None:
             t = coord.queues.tasks.get(op.task_id)
-            if t is not None and (t.token != op.token or t.state != "SUCCEEDED"):
+            if t is not None and (t.token != op.token or t.state not in DONE):
                 chk.fail("fencing", f"complete with token {op.token} of task {t.id} succeeded; the task holds "
                                     f"token {t.token} and is {t.state}")
 
@@ -469,9 +515,11 @@ class SimQueues(SimKind):
     def _eligible(coord, q_id: str, run_id: str) -> list[str]:
         mono = coord.mono_ms()
         runs = coord.runs
+        adm = coord.admission
         return [t.id for t in coord.queues.tasks.values()
                 if t.mailbox_id == q_id and t.state == "QUEUED" and t.available_at_ms + SLACK_MS <= mono
-                and runs.is_descendant_or_self(t.scope_id, run_id)]
+                and runs.is_descendant_or_self(t.scope_id, run_id)
+                and (t.requirements is None or adm.try_take(t, {}))]  # admission: it fits now
 
     # ------------------------------------------------------------------ quiescence
     def quiescent(self, chk, coord):
@@ -497,6 +545,8 @@ class SimQueues(SimKind):
             return bool(self._eligible(coord, key[1], actor_id))
         if isinstance(key, str) and key.startswith("tsk_"):
             return coord.queues.tasks[key].state in TERMINAL
+        if isinstance(key, tuple) and key and key[0] == "results":
+            return _pure_due(waiters)
         return None
 
     def monotone(self, coord):
@@ -1184,5 +1234,743 @@ class SimJoinSets(SimKind):
         return {r.JoinSetConsumed: consumed, r.JoinSetDelayFired: delay_fired}
 
 
+
+
+# ============================================================================ shared by the primitives
+#: errors that say "your run ended" (a release must never get one: it is allowed on an
+#: ended run)
+RUN_ENDED_CODES = frozenset({"SCOPE_CANCELLED", "DEADLINE_EXCEEDED", "SCOPE_COMPLETED"})
+
+
+def _pure_due(waiters) -> bool:
+    """Whether any parked waiter's (pure) re-check has an answer now: a reply, or an
+    error that is the answer."""
+    for w in waiters:
+        try:
+            if w.park.check() is not None:
+                return True
+        except RallypointError:
+            return True
+    return False
+
+
+def _refused_release(chk, op, err, what: str) -> None:
+    if err is not None and err.code in RUN_ENDED_CODES:
+        chk.fail("ended-run", f"{what} was refused with {err.code}: a release must be allowed on an ended run")
+
+
+def _acquired_in_ended_run(chk, m, rec, now: int, what: str) -> None:
+    why = m.runs.inactive_error(rec.scope_id, now)
+    if why is not None:
+        chk.fail("ended-run", f"{what} for run {rec.scope_id}, which refuses new requests ({why.code})")
+
+
+def _request_id(g: Gen) -> str | None:
+    return g.rng.choice((None, None, "rq0", "rq1", f"rq{g.rng.randrange(1000)}"))
+
+
+# ============================================================================ claims
+CLAIM_KEYS = ("c0", "c1")
+
+
+class SimClaims(SimKind):
+    """Claims: exclusive, fenced leases on a key. A key has at most one holder; its
+    generation (the fencing number) only grows; renew, release and complete carry the
+    current lease's token; a lease expires at its time, never early; a cancelled run's
+    acquires are refused but its releases are not."""
+
+    name = "claims"
+    facts = ("claim_gen_ge", "claim_completed")
+
+    def init_world(self, world):
+        world.claim_leases = []  # (key, token), every lease ever handed out
+        world.claim_requests = []  # (key, request_id) of acquires that waited
+
+    def fallbacks(self, world):
+        return ["claim.acquire"]
+
+    def ops(self):
+        def lease(g: Gen):
+            ls = g.world.claim_leases
+            if not ls:
+                return None
+            return ls[-1 - min(len(ls) - 1, int(g.rng.expovariate(0.6)))] if g.rng.random() < 0.8 else g.rng.choice(ls)
+
+        def acquire(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            return run and p.ClaimAcquire(
+                scope_id=run, key=g.rng.choice(CLAIM_KEYS), lease_ms=g.rng.choice((5000, 8000, 30000)),
+                wait_ms=g.rng.choice((0, 0, 1000, 5000, 20000)), holder=g.rng.choice((None, "w1")),
+                request_id=_request_id(g))
+
+        def renew(g: Gen):
+            l = lease(g)
+            return l and p.ClaimRenew(key=l[0], token=l[1], lease_ms=g.rng.choice((5000, 30000)))
+
+        def release(g: Gen):
+            l = lease(g)
+            return l and p.ClaimRelease(key=l[0], token=l[1], observation=_raw({"seen": g.rng.randrange(9)}))
+
+        def complete(g: Gen):
+            l = lease(g)
+            return l and p.ClaimComplete(key=l[0], token=l[1], result=_raw({"done": g.rng.randrange(9)}))
+
+        def cancel_wait(g: Gen):
+            rq = g.world.claim_requests
+            if not rq:
+                return None
+            key, rid = g.rng.choice(rq)
+            return p.ClaimCancelWait(key=key, request_id=rid)
+
+        def status(g: Gen):
+            return p.ClaimStatus(key=g.rng.choice(CLAIM_KEYS))
+
+        return {"claim.acquire": (3.0, acquire), "claim.renew": (1.0, renew), "claim.release": (1.5, release),
+                "claim.complete": (0.6, complete), "claim.cancel_wait": (0.5, cancel_wait),
+                "claim.status": (0.4, status)}
+
+    def _claim(self, obs, c: p.ClaimView) -> None:
+        obs.world.add(c.id)
+        obs.fact("exists", c.id)
+        obs.fact("claim_gen_ge", c.id, c.generation)
+        if c.state == "COMPLETED":
+            obs.fact("claim_completed", c.id, bytes(c.result))
+
+    def observe(self, obs, op, reply, err):
+        if isinstance(reply, p.ClaimLeaseView):
+            self._claim(obs, reply.claim)
+            if reply.status == "ACQUIRED" and reply.token:
+                obs.world.claim_leases.append((reply.claim.key, reply.token))
+            elif reply.status == "WAITING" and reply.request_id:
+                obs.world.claim_requests.append((reply.claim.key, reply.request_id))
+        elif isinstance(reply, p.ClaimView):
+            self._claim(obs, reply)
+
+    def check_fact(self, coord, fact):
+        c = coord.claims.table.get(fact[1])
+        if c is None:
+            return f"claim {fact[1]} is missing"
+        if fact[0] == "claim_gen_ge" and c.generation < fact[2]:
+            return f"claim {c.id} was seen at generation {fact[2]}, is at {c.generation} (a fencing number went back)"
+        if fact[0] == "claim_completed" and (c.state != "COMPLETED" or (c.result or b"\xc0") != fact[2]):
+            return f"claim {c.id} was seen COMPLETED, is {c.state}"
+        return None
+
+    def made(self, chk, coord, op, reply, err):
+        if isinstance(op, p.ClaimAcquire) and isinstance(reply, p.ClaimLeaseView) and reply.status == "ACQUIRED":
+            c = coord.claims.table.get(reply.claim.id)
+            if c is None or c.state != "HELD" or c.token != reply.token or c.generation != reply.claim.generation:
+                chk.fail("fencing", f"acquire of claim {op.key!r} answered ACQUIRED (generation "
+                                    f"{reply.claim.generation}) but the claim is {c.state if c else 'missing'} at "
+                                    f"generation {c.generation if c else '?'}")
+        elif isinstance(op, p.ClaimRelease):
+            _refused_release(chk, op, err, f"claim.release({op.key})")
+
+    def quiescent(self, chk, coord):
+        mono = coord.mono_ms()
+        for c in coord.claims.table.values():
+            if c.state == "HELD" and c.lease_expires_ms + SLACK_MS < mono:
+                chk.fail("timeliness", f"claim {c.key!r}'s lease ran out {mono - c.lease_expires_ms} ms ago; still HELD")
+            if c.state == "FREE" and c.waiters:
+                chk.fail("wakeup", f"claim {c.key!r} is FREE with {len(c.waiters)} waiter(s) in line: nobody was "
+                                   "handed the lease")
+            for w in c.waiters:
+                if w.expires_mono_ms + SLACK_MS < mono:
+                    chk.fail("timeliness", f"claim {c.key!r}'s waiter {w.request_id} is {mono - w.expires_mono_ms} ms "
+                                           "past its time limit")
+                why = ended(coord, w.scope_id)
+                if why:
+                    chk.fail("ended-run", f"claim {c.key!r}'s waiter {w.request_id} is in line under an ended run ({why})")
+
+    def waiter_due(self, coord, actor_id, key, waiters=()):
+        if actor_id.startswith("scp_") and isinstance(key, str) and key.startswith(("rq", "srv-")):
+            return _pure_due(waiters)
+        return None
+
+    def monotone(self, coord):
+        return {c.id: (c.generation, c.state) for c in coord.claims.table.values()}
+
+    def regressed(self, eid, old, new):
+        if new[0] < old[0]:
+            return f"claim {eid}'s generation went back from {old[0]} to {new[0]}"
+        if old[1] == "COMPLETED" and new[1] != "COMPLETED":
+            return f"claim {eid} went from COMPLETED to {new[1]}"
+        return None
+
+    def audits(self):
+        def held(chk, m, rec, what, mono, lease=True):
+            c = m.claims.table.get(rec.claim_id)
+            if c is None or c.state != "HELD" or c.token != rec.token:
+                chk.fail("fencing", f"{what} of claim {rec.claim_id} with token {rec.token}, but it is "
+                                    f"{c.state if c else 'missing'} with token {c.token if c else '?'}")
+                return None
+            if lease and c.lease_expires_ms + SLACK_MS <= mono:
+                chk.fail("fencing", f"{what} of claim {c.key!r} {mono - c.lease_expires_ms} ms after its lease ran out")
+            return c
+
+        def acquired(chk, m, rec: r.ClaimAcquired, now, mono):
+            c = m.claims.table.get(rec.claim_id)
+            if c is not None and c.state != "FREE":
+                chk.fail("fencing", f"claim {rec.key!r} got a second holder (generation {rec.generation}) while "
+                                    f"{c.state} (generation {c.generation}, lease until {c.lease_expires_ms}, now {mono})")
+            if rec.generation != (c.generation if c is not None else 0) + 1:
+                chk.fail("fencing", f"claim {rec.key!r} acquired at generation {rec.generation} after "
+                                    f"{c.generation if c else 0}: the fencing number must grow by one")
+            _acquired_in_ended_run(chk, m, rec, now, f"claim {rec.key!r} acquired")
+
+        def renewed(chk, m, rec, now, mono):
+            held(chk, m, rec, "ClaimRenewed", mono)
+
+        def completed(chk, m, rec, now, mono):
+            held(chk, m, rec, "ClaimCompleted", mono)
+
+        def released(chk, m, rec, now, mono):
+            held(chk, m, rec, "ClaimReleased", mono, lease=False)
+
+        def expired(chk, m, rec: r.ClaimLeaseExpired, now, mono):
+            c = held(chk, m, rec, "ClaimLeaseExpired", mono, lease=False)
+            if c is not None and mono + SLACK_MS < c.lease_expires_ms:
+                chk.fail("lease", f"claim {c.key!r}'s lease expired {c.lease_expires_ms - mono} ms early")
+
+        return {r.ClaimAcquired: acquired, r.ClaimRenewed: renewed, r.ClaimCompleted: completed,
+                r.ClaimReleased: released, r.ClaimLeaseExpired: expired}
+
+
+# ============================================================================ pools (permits)
+POOLS = {"p0": 2, "p1": 3}
+
+
+class SimPools(SimKind):
+    """Pools of units granted under leases. Units held never exceed the pool's total; a
+    grant id is granted once; renew and release carry the grant's token; a lease expires
+    at its time; a task's grant (admission) is held only while the task is RUNNING."""
+
+    name = "pools"
+    facts = ("grant_ended",)
+
+    def init_world(self, world):
+        world.grants = []  # (grant id, token)
+        world.pool_requests = []  # (pool, request_id)
+        world.pools = set()
+
+    def fallbacks(self, world):
+        return ["pool.acquire", "pool.ensure"] if world.pools else ["pool.ensure"]
+
+    def ops(self):
+        def pool(g: Gen):
+            return g.rng.choice(tuple(POOLS)) if g.world.pools or g.rng.random() < 0.8 else "nosuch"
+
+        def ensure(g: Gen):
+            name = g.rng.choice(tuple(POOLS))
+            total = POOLS[name] if g.rng.random() < 0.92 else POOLS[name] + 1  # maybe a CONFLICT
+            return p.PoolEnsure(name=name, units_total=total)
+
+        def acquire(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            if run is None or not g.world.pools:
+                return None
+            return p.PoolAcquire(pool=pool(g), scope_id=run, units=g.rng.choice((1, 1, 2)),
+                                 lease_ms=g.rng.choice((5000, 8000, 30000)), wait_ms=g.rng.choice((0, 0, 1000, 5000, 20000)),
+                                 request_id=_request_id(g))
+
+        def grant(g: Gen):
+            gs = g.world.grants
+            if not gs:
+                return None
+            return gs[-1 - min(len(gs) - 1, int(g.rng.expovariate(0.6)))] if g.rng.random() < 0.8 else g.rng.choice(gs)
+
+        def renew(g: Gen):
+            x = grant(g)
+            return x and p.GrantRenew(grant_id=x[0], token=x[1], lease_ms=g.rng.choice((5000, 30000)))
+
+        def release(g: Gen):
+            x = grant(g)
+            return x and p.GrantRelease(grant_id=x[0], token=x[1])
+
+        def cancel_wait(g: Gen):
+            rq = g.world.pool_requests
+            if not rq:
+                return None
+            name, rid = g.rng.choice(rq)
+            return p.PoolCancelWait(pool=name, request_id=rid)
+
+        def get(g: Gen):
+            return p.PoolGet(name=pool(g))
+
+        return {"pool.ensure": (0.6, ensure), "pool.acquire": (3.0, acquire), "grant.renew": (0.8, renew),
+                "grant.release": (1.5, release), "pool.cancel_wait": (0.4, cancel_wait), "pool.get": (0.3, get)}
+
+    def _grant(self, obs, gv: p.GrantView) -> None:
+        obs.world.add(gv.id)
+        obs.fact("exists", gv.id)
+        if gv.state != "ACTIVE":
+            obs.fact("grant_ended", gv.id, gv.state)
+
+    def observe(self, obs, op, reply, err):
+        w = obs.world
+        if isinstance(reply, p.PoolView):
+            w.add(reply.id)
+            w.pools.add(reply.name)
+            obs.fact("exists", reply.id)
+        elif isinstance(reply, p.PoolAcquireView):
+            if reply.grant is not None:
+                self._grant(obs, reply.grant)
+                if reply.grant.token:
+                    w.grants.append((reply.grant.id, reply.grant.token))
+            if reply.status == "WAITING" and reply.request_id:
+                w.pool_requests.append((op.pool, reply.request_id))
+        elif isinstance(reply, p.GrantView):
+            self._grant(obs, reply)
+        elif isinstance(reply, p.ReceiveView):
+            for d in reply.deliveries:
+                for gv in d.grants or ():
+                    self._grant(obs, gv)
+
+    def check_fact(self, coord, fact):
+        g = coord.pools.grants.get(fact[1])
+        if g is None:
+            return f"grant {fact[1]} is missing"
+        if g.state != fact[2]:
+            return f"grant {g.id} was seen {fact[2]}, is {g.state}"
+        return None
+
+    def made(self, chk, coord, op, reply, err):
+        if isinstance(op, p.GrantRelease):
+            _refused_release(chk, op, err, f"grant.release({op.grant_id})")
+
+    def quiescent(self, chk, coord):
+        mono = coord.mono_ms()
+        pools = coord.pools
+        held: dict[str, int] = {}
+        tasks = coord.queues.tasks
+        for g in pools.grants.values():
+            if g.state != "ACTIVE":
+                continue
+            held[g.pool_id] = held.get(g.pool_id, 0) + g.units
+            if g.task_id is not None:
+                t = tasks.get(g.task_id)
+                if t is None or t.state != "RUNNING":
+                    chk.fail("admission", f"grant {g.id} of task {g.task_id} is ACTIVE while the task is "
+                                          f"{t.state if t else 'missing'}: a task holds grants only while RUNNING")
+            elif g.lease_expires_ms + SLACK_MS < mono:
+                chk.fail("timeliness", f"grant {g.id}'s lease ran out {mono - g.lease_expires_ms} ms ago; still ACTIVE")
+        for pool in pools.table.values():
+            if held.get(pool.id, 0) > pool.units_total:
+                chk.fail("pool", f"pool {pool.name!r} has {held[pool.id]} units granted of {pool.units_total}")
+            for w in pool.waiters:
+                if w.expires_mono_ms + SLACK_MS < mono:
+                    chk.fail("timeliness", f"pool {pool.name!r}'s waiter {w.request_id} is past its time limit")
+                why = ended(coord, w.scope_id)
+                if why:
+                    chk.fail("ended-run", f"pool {pool.name!r}'s waiter {w.request_id} is in line under an ended run "
+                                          f"({why})")
+            if pool.waiters and pool.waiters[0].units <= pool.units_total - held.get(pool.id, 0):
+                chk.fail("wakeup", f"pool {pool.name!r} has {pool.units_total - held.get(pool.id, 0)} free unit(s) and "
+                                   f"its first waiter wants {pool.waiters[0].units}: nobody served it")
+
+    def waiter_due(self, coord, actor_id, key, waiters=()):
+        if actor_id.startswith("pol_"):
+            return _pure_due(waiters)
+        return None
+
+    def monotone(self, coord):
+        return {g.id: g.state for g in coord.pools.grants.values()}
+
+    def regressed(self, eid, old, new):
+        if old != "ACTIVE" and new != old:
+            return f"grant {eid} went from {old} to {new}"
+        return None
+
+    def audits(self):
+        def granted(chk, m, rec: r.PoolGranted, now, mono):
+            pools = m.pools
+            if rec.id in pools.grants:
+                chk.fail("pool", f"grant {rec.id} was granted twice")
+            pool = pools.table.get(rec.pool_id)
+            used = sum(g.units for g in pools.grants.values() if g.pool_id == rec.pool_id and g.state == "ACTIVE")
+            if pool is not None and used + rec.units > pool.units_total:
+                chk.fail("pool", f"pool {pool.name!r} granted {rec.units} unit(s) with {used} of {pool.units_total} "
+                                 "already held (over-granted)")
+            if rec.task_id is None:
+                _acquired_in_ended_run(chk, m, rec, now, f"pool {pool.name if pool else rec.pool_id!r} granted")
+
+        def holder(chk, m, rec, what, mono, lease=True):
+            g = m.pools.grants.get(rec.grant_id)
+            if g is None or g.state != "ACTIVE" or g.token != rec.token:
+                chk.fail("fencing", f"{what} of grant {rec.grant_id} with token {rec.token}, but it is "
+                                    f"{g.state if g else 'missing'} with token {g.token if g else '?'}")
+                return None
+            if lease and g.task_id is None and g.lease_expires_ms + SLACK_MS <= mono:
+                chk.fail("fencing", f"{what} of grant {g.id} {mono - g.lease_expires_ms} ms after its lease ran out")
+            return g
+
+        def renewed(chk, m, rec, now, mono):
+            holder(chk, m, rec, "GrantRenewed", mono)
+
+        def released(chk, m, rec, now, mono):
+            holder(chk, m, rec, "GrantReleased", mono, lease=False)
+
+        def expired(chk, m, rec: r.GrantExpired, now, mono):
+            g = holder(chk, m, rec, "GrantExpired", mono, lease=False)
+            if g is not None and mono + SLACK_MS < g.lease_expires_ms:
+                chk.fail("lease", f"grant {g.id}'s lease expired {g.lease_expires_ms - mono} ms early")
+
+        return {r.PoolGranted: granted, r.GrantRenewed: renewed, r.GrantReleased: released, r.GrantExpired: expired}
+
+
+# ============================================================================ quotas (allowances)
+QUOTAS = {"a0": (3, 2000), "a1": (5, 10000)}
+
+
+class SimQuotas(SimKind):
+    """Quotas: at most ``units_limit`` units granted per window; nothing granted during a
+    cooldown; grants only to runs that accept requests; waiters served FIFO."""
+
+    name = "quotas"
+    facts = ("quota_waiter_ended",)
+
+    def init_world(self, world):
+        world.quotas = set()
+
+    def fallbacks(self, world):
+        return ["quota.take", "quota.ensure"] if world.quotas else ["quota.ensure"]
+
+    def ops(self):
+        def quota(g: Gen):
+            return g.rng.choice(tuple(QUOTAS)) if g.world.quotas or g.rng.random() < 0.8 else "nosuch"
+
+        def ensure(g: Gen):
+            name = g.rng.choice(tuple(QUOTAS))
+            limit, window = QUOTAS[name]
+            return p.QuotaEnsure(name=name, units_limit=limit, window_ms=window)
+
+        def take(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            if run is None or not g.world.quotas:
+                return None
+            ttl = g.rng.choice((0, 0, 1000, 5000, 30000))
+            return p.QuotaTake(quota=quota(g), scope_id=run, units=g.rng.choice((1, 1, 2)), ttl_ms=ttl,
+                               wait_ms=g.wait_ms() if ttl else 0, key=g.rng.choice((None, None, None, "t0")))
+
+        def cooldown(g: Gen):
+            return g.world.quotas and p.QuotaCooldown(quota=quota(g), cooldown_ms=g.rng.choice((500, 3000)))
+
+        def waiter(g: Gen):
+            return g.world.pick(g.rng, "qwt")
+
+        def wait(g: Gen):
+            w = waiter(g)
+            return w and p.QuotaWaiterWait(waiter_id=w, wait_ms=g.wait_ms())
+
+        def cancel(g: Gen):
+            w = waiter(g)
+            return w and p.QuotaWaiterCancel(waiter_id=w)
+
+        def get(g: Gen):
+            return g.world.quotas and p.QuotaGet(quota=quota(g))
+
+        return {"quota.ensure": (0.6, ensure), "quota.take": (3.0, take), "quota.cooldown": (0.3, cooldown),
+                "quota.waiter_wait": (0.8, wait), "quota.waiter_cancel": (0.5, cancel), "quota.get": (0.3, get)}
+
+    def observe(self, obs, op, reply, err):
+        w = obs.world
+        if isinstance(reply, p.QuotaView):
+            w.add(reply.id)
+            w.quotas.add(reply.name)
+            obs.fact("exists", reply.id)
+        elif isinstance(reply, p.QuotaTakeView):
+            w.add(reply.quota_id)
+            if reply.waiter_id:
+                w.add(reply.waiter_id)
+                obs.fact("exists", reply.waiter_id)
+                if reply.state != "WAITING":
+                    obs.fact("quota_waiter_ended", reply.waiter_id, reply.state)
+
+    def check_fact(self, coord, fact):
+        wt = coord.quotas.waiters.get(fact[1])
+        if wt is None:
+            return f"quota waiter {fact[1]} is missing"
+        if wt.state != fact[2]:
+            return f"quota waiter {wt.id} was seen {fact[2]}, is {wt.state}"
+        return None
+
+    def quiescent(self, chk, coord):
+        mono = coord.mono_ms()
+        qs = coord.quotas
+        for q in qs.table.values():
+            if q.used > q.units_limit:
+                chk.fail("quota", f"quota {q.name!r} counts {q.used} units in its window, limit {q.units_limit}")
+        for wt in qs.waiters.values():
+            if wt.state != "WAITING":
+                continue
+            if wt.expires_mono_ms + SLACK_MS < mono:
+                chk.fail("timeliness", f"quota waiter {wt.id} is WAITING {mono - wt.expires_mono_ms} ms past its ttl")
+            why = ended(coord, wt.scope_id)
+            if why:
+                chk.fail("ended-run", f"quota waiter {wt.id} is WAITING under an ended run ({why})")
+
+    def waiter_due(self, coord, actor_id, key, waiters=()):
+        if isinstance(key, str) and key.startswith("qwt_"):
+            return _pure_due(waiters)
+        return None
+
+    def monotone(self, coord):
+        return {w.id: w.state for w in coord.quotas.waiters.values()}
+
+    def regressed(self, eid, old, new):
+        if old != "WAITING" and new != old:
+            return f"quota waiter {eid} went from {old} to {new}"
+        return None
+
+    def audits(self):
+        def window_grant(chk, m, q, window: int, units: int, now, mono, what):
+            if q is None:
+                chk.fail("audit", f"{what} in an unknown quota")
+                return
+            if window < q.window_start_mono_ms:
+                chk.fail("quota", f"quota {q.name!r} {what} in window {window}, older than its current {q.window_start_mono_ms}")
+                return
+            used = q.used if window == q.window_start_mono_ms else 0
+            if used + units > q.units_limit:
+                chk.fail("quota", f"quota {q.name!r} {what}: {units} unit(s) on top of {used} in one window, limit "
+                                  f"{q.units_limit}")
+            # (a serve that fell due while the node was down is judged at its due instant:
+            # its window may be past, never in the future, never wholly in a cooldown)
+            if window > mono + SLACK_MS:
+                chk.fail("quota", f"quota {q.name!r} {what} in window [{window}, {window + q.window_ms}), in the future "
+                                  f"at {mono}")
+            if q.cooldown_until_mono_ms >= window + q.window_ms + SLACK_MS:
+                chk.fail("quota", f"quota {q.name!r} {what} in window [{window}, {window + q.window_ms}), which its "
+                                  f"cooldown (until {q.cooldown_until_mono_ms}) covers")
+
+        def consumed(chk, m, rec: r.QuotaConsumed, now, mono):
+            window_grant(chk, m, m.quotas.table.get(rec.quota_id), rec.window_start_mono_ms, rec.units, now, mono,
+                         "granted (take)")
+            _acquired_in_ended_run(chk, m, rec, now, "quota units taken")
+
+        def added(chk, m, rec: r.QuotaWaiterAdded, now, mono):
+            if rec.consumption_id is not None:
+                window_grant(chk, m, m.quotas.table.get(rec.quota_id), rec.window_start_mono_ms, rec.units, now, mono,
+                             "granted (waiter)")
+            _acquired_in_ended_run(chk, m, rec, now, "quota waiter added")
+
+        def granted(chk, m, rec: r.QuotaWaitersGranted, now, mono):
+            qs = m.quotas
+            total = 0
+            for g in rec.grants:
+                wt = qs.waiters.get(g.waiter_id)
+                if wt is None or wt.state != "WAITING":
+                    chk.fail("quota", f"quota waiter {g.waiter_id} granted while {wt.state if wt else 'missing'}")
+                    continue
+                total += wt.units
+                why = m.runs.inactive_error(wt.scope_id, now)
+                if why is not None:
+                    chk.fail("ended-run", f"quota waiter {wt.id} granted while its run refuses requests ({why.code})")
+            window_grant(chk, m, qs.table.get(rec.quota_id), rec.window_start_mono_ms, total, now, mono,
+                         f"granted {len(rec.grants)} waiter(s)")
+
+        return {r.QuotaConsumed: consumed, r.QuotaWaiterAdded: added, r.QuotaWaitersGranted: granted}
+
+
+# ============================================================================ budgets
+BUDGETS = {"b0": 1000}
+
+
+class SimBudgets(SimKind):
+    """Budgets: settled + reserved never exceeds the limit; settled only grows; a
+    reservation's remainder is what the budget counts as reserved; reservations only for
+    runs that accept requests; voiding is allowed on an ended run."""
+
+    name = "budgets"
+    facts = ("reservation_closed",)
+
+    def init_world(self, world):
+        world.budgets = set()
+
+    def fallbacks(self, world):
+        return ["budget.reserve", "budget.ensure"] if world.budgets else ["budget.ensure"]
+
+    def ops(self):
+        def budget(g: Gen):
+            return "b0" if g.world.budgets or g.rng.random() < 0.8 else "nosuch"
+
+        def ensure(g: Gen):
+            return p.BudgetEnsure(name="b0", limit_minor=BUDGETS["b0"])
+
+        def reserve(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            if run is None or not g.world.budgets:
+                return None
+            return p.BudgetReserve(budget=budget(g), scope_id=run, amount_minor=g.rng.choice((100, 250, 400, 700)),
+                                   settle_within_ms=g.rng.choice((None, None, 3000)),
+                                   key=g.rng.choice((None, None, "r0")))
+
+        def rsv(g: Gen):
+            return g.world.pick(g.rng, "rsv")
+
+        def settle(g: Gen):
+            x = rsv(g)
+            return x and p.BudgetSettle(reservation_id=x, amount_minor=g.rng.choice((0, 50, 300, 900)),
+                                        usage_key=g.rng.choice(("u0", "u1", f"u{g.rng.randrange(99)}")),
+                                        final=g.rng.random() < 0.6)
+
+        def void(g: Gen):
+            x = rsv(g)
+            return x and p.BudgetVoid(reservation_id=x)
+
+        def get(g: Gen):
+            return g.world.budgets and p.BudgetGet(budget=budget(g), reservations=g.rng.random() < 0.5)
+
+        return {"budget.ensure": (0.5, ensure), "budget.reserve": (2.5, reserve), "budget.settle": (1.5, settle),
+                "budget.void": (0.8, void), "budget.get": (0.3, get)}
+
+    def _rsv(self, obs, rv: p.ReservationView) -> None:
+        obs.world.add(rv.id)
+        obs.fact("exists", rv.id)
+        if rv.state in ("SETTLED", "VOIDED"):
+            obs.fact("reservation_closed", rv.id, rv.state, rv.settled_minor)
+
+    def observe(self, obs, op, reply, err):
+        if isinstance(reply, p.BudgetView):
+            obs.world.add(reply.id)
+            obs.world.budgets.add(reply.name)
+            obs.fact("exists", reply.id)
+            for rv in reply.reservations:
+                self._rsv(obs, rv)
+        elif isinstance(reply, p.ReservationView):
+            self._rsv(obs, reply)
+        elif isinstance(reply, p.SettleView):
+            self._rsv(obs, reply.reservation)
+
+    def check_fact(self, coord, fact):
+        rs = coord.budgets.reservations.get(fact[1])
+        if rs is None:
+            return f"reservation {fact[1]} is missing"
+        if rs.state != fact[2] or rs.settled_minor < fact[3]:
+            return f"reservation {rs.id} was seen {fact[2]} with {fact[3]} settled, is {rs.state} with {rs.settled_minor}"
+        return None
+
+    def made(self, chk, coord, op, reply, err):
+        if isinstance(op, p.BudgetVoid):
+            _refused_release(chk, op, err, f"budget.void({op.reservation_id})")
+
+    def quiescent(self, chk, coord):
+        bs = coord.budgets
+        held: dict[str, int] = {}
+        tasks = coord.queues.tasks
+        for rs in bs.reservations.values():
+            if rs.state in ("ACTIVE", "STALE"):
+                held[rs.budget_id] = held.get(rs.budget_id, 0) + rs.remaining_minor
+                if rs.task_id is not None:
+                    t = tasks.get(rs.task_id)
+                    if t is None or t.state != "RUNNING" or t.token != rs.token:
+                        chk.fail("admission", f"reservation {rs.id} of task {rs.task_id} (token {rs.token}) is open "
+                                              f"while the task is {t.state if t else 'missing'} with token "
+                                              f"{t.token if t else '?'}")
+        for b in bs.table.values():
+            if b.settled_minor + b.reserved_minor > b.limit_minor:
+                chk.fail("budget", f"budget {b.name!r}: {b.settled_minor} settled + {b.reserved_minor} reserved "
+                                   f"exceed its limit {b.limit_minor}")
+            if held.get(b.id, 0) != b.reserved_minor:
+                chk.fail("budget", f"budget {b.name!r} counts {b.reserved_minor} reserved, its open reservations hold "
+                                   f"{held.get(b.id, 0)}")
+
+    def monotone(self, coord):
+        out = {b.id: b.settled_minor for b in coord.budgets.table.values()}
+        out.update({rs.id: (rs.state, rs.settled_minor) for rs in coord.budgets.reservations.values()})
+        return out
+
+    def regressed(self, eid, old, new):
+        if isinstance(old, int):
+            return f"budget {eid}'s settled amount went back from {old} to {new}" if new < old else None
+        if old[0] in ("SETTLED", "VOIDED") and new[0] != old[0]:
+            return f"reservation {eid} went from {old[0]} to {new[0]}"
+        if new[1] < old[1]:
+            return f"reservation {eid}'s settled amount went back"
+        return None
+
+    def audits(self):
+        def reserved(chk, m, rec: r.BudgetReserved, now, mono):
+            b = m.budgets.table.get(rec.budget_id)
+            if b is not None and b.settled_minor + b.reserved_minor + rec.amount_minor > b.limit_minor:
+                chk.fail("budget", f"budget {b.name!r} reserved {rec.amount_minor} with {b.settled_minor} settled and "
+                                   f"{b.reserved_minor} reserved of {b.limit_minor}")
+            if rec.task_id is None:
+                _acquired_in_ended_run(chk, m, rec, now, "budget reserved")
+
+        def settled(chk, m, rec: r.BudgetSettled, now, mono):
+            rs = m.budgets.reservations.get(rec.reservation_id)
+            if rs is None:
+                chk.fail("budget", f"unknown reservation {rec.reservation_id} settled")
+                return
+            b = m.budgets.table[rs.budget_id]
+            unreserved = b.limit_minor - b.settled_minor - b.reserved_minor
+            held = rs.remaining_minor if rs.state in ("ACTIVE", "STALE") else 0  # a closed one: unreserved only
+            if rec.charged_minor > held + unreserved or rec.charged_minor > rec.requested_minor:
+                chk.fail("budget", f"reservation {rs.id} charged {rec.charged_minor} (asked {rec.requested_minor}) with "
+                                   f"{held} left and {unreserved} unreserved")
+
+        return {r.BudgetReserved: reserved, r.BudgetSettled: settled}
+
+
+# ============================================================================ messages (INBOX mailboxes)
+class SimMessages(SimKind):
+    """Plain messages into an INBOX mailbox, received and settled like deliveries (the
+    queue kind's checks cover their leases and tokens); a message seen ACKED stays so."""
+
+    name = "messages"
+    facts = ("message_state",)
+
+    def init_world(self, world):
+        world.inbox = False
+
+    def fallbacks(self, world):
+        return ["message.send", "inbox.ensure"] if world.inbox else ["inbox.ensure"]
+
+    def ops(self):
+        def ensure(g: Gen):
+            return p.MailboxEnsure(name="i0", mode="INBOX", max_attempts=2)
+
+        def send(g: Gen):
+            run = g.world.pick(g.rng, "scp")
+            if run is None or not g.world.inbox:
+                return None
+            return p.MessageSend(mailbox="i0", scope_id=run, payload=_raw({"m": g.rng.randrange(10**6)}),
+                                 key=g.rng.choice((None, None, "m0")),
+                                 deadline=g.iso_in(1, 60) if g.rng.random() < 0.1 else None)
+
+        def receive(g: Gen):
+            run = g.world.pick(g.rng, "scp", recent=0.4)
+            if run is None or not g.world.inbox:
+                return None
+            return p.Receive(mailbox="i0", scope_id=run, lease_ms=g.rng.choice((5000, 30000)), wait_ms=g.wait_ms(),
+                             max_messages=g.rng.choice((1, 3)))
+
+        def status(g: Gen):
+            m = g.world.pick(g.rng, "msg")
+            return m and p.MessageStatus(message_id=m)
+
+        return {"inbox.ensure": (0.4, ensure), "message.send": (2.5, send), "message.receive": (2.0, receive),
+                "message.status": (0.5, status)}
+
+    def observe(self, obs, op, reply, err):
+        if isinstance(reply, p.MailboxView) and reply.mode == "INBOX":
+            obs.world.inbox = True
+        elif isinstance(reply, p.MessageView):
+            obs.world.add(reply.id)
+            obs.fact("exists", reply.id)
+            if reply.state in TERMINAL or reply.state == "ACKED":
+                obs.fact("message_state", reply.id, reply.state)
+
+    def check_fact(self, coord, fact):
+        t = coord.queues.tasks.get(fact[1])
+        if t is None:
+            return f"message {fact[1]} is missing"
+        if t.state != fact[2] and not (fact[2] == "ACKED" and t.state == "SUCCEEDED"):
+            return f"message {t.id} was seen {fact[2]}, is {t.state}"
+        return None
+
+
 #: Every kind the simulator drives, in the order their checks run.
-KINDS: list[SimKind] = [SimRuns(), SimQueues(), SimGroups(), SimBarriers(), SimTimers(), SimJoinSets()]
+KINDS: list[SimKind] = [SimRuns(), SimQueues(), SimGroups(), SimBarriers(), SimTimers(), SimJoinSets(),
+                        SimClaims(), SimPools(), SimQuotas(), SimBudgets(), SimMessages()]

@@ -76,6 +76,8 @@ import trio.testing
 
 from .. import protocol as p
 from ..actors import Coordinator, FatalError
+from ..actors import claim as _claim_mod
+from ..actors import pool as _pool_mod
 from ..clock import Clock
 from ..errors import RallypointError
 from ..ids import IdGenerator, _b32
@@ -1281,6 +1283,14 @@ def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_
     # depends on object addresses)
     det = trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING
     trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = True
+    # lease secrets (claims, pool grants) come from ``secrets``: seeded here instead
+    token_rng = random.Random(f"rallypoint-sim:tokens:{seed}")
+    real_token = _claim_mod.new_token
+
+    def seeded_token() -> int:
+        return token_rng.getrandbits(62) + 1
+
+    _claim_mod.new_token = _pool_mod.new_token = seeded_token
     try:
         clock = trio.testing.MockClock()
         sim.clock = clock
@@ -1308,6 +1318,7 @@ def run_seed(seed: int, *, keep: set[int] | None = None, trace: bool = False, n_
                              steps=len(steps))
     finally:
         trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = det
+        _claim_mod.new_token = _pool_mod.new_token = real_token
         quiet()
         shutil.rmtree(root, ignore_errors=True)
     res.trace = sim.trace_lines
