@@ -100,13 +100,13 @@ MUTANTS = [
     ),
     Mutant(
         "skip-leases-extended", "rallypoint/actors/coordinator.py",
-        "if gap_ms > 0 and self.queues.leases_outstanding():",
+        "if gap_ms > 0 and self.leases_outstanding():",
         "if False:  # mutant",
         "a restart does not give outstanding leases the downtime back (no LeasesExtended)",
     ),
     Mutant(
         "skip-stall-extension", "rallypoint/actors/coordinator.py",
-        "        if self.queues.leases_outstanding():\n            by_ms = int(gap_s * 1000)",
+        "        if self.leases_outstanding():\n            by_ms = int(gap_s * 1000)",
         "        if False:  # mutant\n            by_ms = int(gap_s * 1000)",
         "an event-loop stall does not extend outstanding leases",
     ),
@@ -136,9 +136,72 @@ MUTANTS = [
     ),
     Mutant(
         "consume-skips", "rallypoint/actors/joinset.py",
-        "JoinSetConsumed(joinset_id=js.id, index=idx, at_ms=self.coord.now_ms())",
-        "JoinSetConsumed(joinset_id=js.id, index=idx + 1, at_ms=self.coord.now_ms())",
+        "JoinSetConsumed(joinset_id=js.id, index=idx, at_ms=coord.now_ms(), step=s",
+        "JoinSetConsumed(joinset_id=js.id, index=idx + 1, at_ms=coord.now_ms(), step=s",
         "a join-set consume is journaled with the wrong index (replay skips a record)",
+    ),
+    # The primitives of issue 15 and the batch ops (one or more per primitive)
+    Mutant(
+        "claim-skip-fencing", "rallypoint/actors/claim.py",
+        'if c.state != "HELD" or c.token != token or token <= 0:',
+        'if c.state != "HELD" or token <= 0:  # mutant',
+        "claim renew/release/complete do not check the lease's token",
+    ),
+    Mutant(
+        "claim-double-holder", "rallypoint/actors/claim.py",
+        '        if c is None or c.state == "FREE":\n',
+        '        if c is None or c.state != "COMPLETED":  # mutant\n',
+        "an acquire of a held claim takes it over (a second holder)",
+    ),
+    Mutant(
+        "claim-acquire-ended-run", "rallypoint/actors/claim.py",
+        "        check_request_id(op.request_id)\n        coord.runs.require_active(run.id)\n",
+        "        check_request_id(op.request_id)\n",
+        "a cancelled run's claim acquire is not refused",
+    ),
+    Mutant(
+        "pool-over-grant", "rallypoint/actors/pool.py",
+        "        if not pool.waiters and self.free(pool) >= op.units:",
+        "        if not pool.waiters and self.free(pool) + 1 >= op.units:  # mutant",
+        "a pool grants one unit more than it has free",
+    ),
+    Mutant(
+        "pool-admission-leak", "rallypoint/actors/pool.py",
+        '            self._end_grant(g, "RELEASED", at_ms, "delivery_ended")\n',
+        '            pass  # mutant: the delivery ended, its grant stays\n',
+        "admission: a task's grants are not given back when its delivery ends",
+    ),
+    Mutant(
+        "quota-over-limit", "rallypoint/actors/quota.py",
+        "            and self.used_in(q, window) + op.units <= q.units_limit",
+        "            and self.used_in(q, window) + op.units <= q.units_limit + 1  # mutant",
+        "a quota take is granted one unit over the window's limit",
+    ),
+    Mutant(
+        "quota-waiter-ended-run", "rallypoint/actors/quota.py",
+        "            if runs.inactive_error(w.scope_id, wall) is not None:\n                continue\n",
+        "",
+        "a quota serves waiters of runs that ended",
+    ),
+    Mutant(
+        "budget-over-reserve", "rallypoint/actors/budget.py",
+        "            if want[b.id] > self.available(b):",
+        "            if want[b.id] > self.available(b) + 100:  # mutant",
+        "a budget reserves up to 100 minor units more than it has available",
+    ),
+    Mutant(
+        "results-skip-wakeup", "rallypoint/actors/queue.py",
+        "                    for actor_id, key in watchers:  # waits for many tasks, maybe on another run\n"
+        "                        coord.notify(actor_id, key)",
+        "                    for actor_id, key in watchers:  # waits for many tasks, maybe on another run\n"
+        "                        pass  # mutant: task.results waits are not woken",
+        "a task becoming terminal does not wake task.results waits",
+    ),
+    Mutant(
+        "complete-many-twice", "rallypoint/actors/queue.py",
+        "                if t.id in seen:",
+        "                if False:  # mutant",
+        "delivery.complete_many accepts the same delivery twice in one batch",
     ),
     # The bugs the simulator found, re-introduced (their fixes reverted)
     Mutant(

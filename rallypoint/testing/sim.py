@@ -1062,7 +1062,10 @@ class Sim:
                     live_w = [w for w in lst if not w.done]
                     if not live_w:
                         continue
-                    if why and not (key == "b" and coord.barriers.table[a.id].state == "RELEASED"):
+                    # (a task.results wait parks on its first task's run, whose end does
+                    # not answer it when the tasks it waits for are in other runs)
+                    if why and not (key == "b" and coord.barriers.table[a.id].state == "RELEASED") and not (
+                            isinstance(key, tuple) and key and key[0] == "results"):
                         chk.fail("ended-run", f"{len(live_w)} waiter(s) on {key!r} still parked in {a.id} under an "
                                               f"ended run ({why})")
                     for k in KINDS:
