@@ -124,8 +124,8 @@ MUTANTS = [
     ),
     Mutant(
         "snapshot-before-sync", "rallypoint/node.py",
-        "await (sync(lsn) if sync is not None else journal.wait_durable(lsn))",
-        "await trio.lowlevel.checkpoint()  # mutant: the journal is not synced first",
+        "            await sync(lsn)\n            done = True\n",
+        "            await trio.lowlevel.checkpoint()  # mutant: the journal is not synced first\n            done = True\n",
         "a snapshot is written before the journal is synced past its LSN",
     ),
     Mutant(
@@ -178,10 +178,10 @@ MUTANTS = [
         "a quota take is granted one unit over the window's limit",
     ),
     Mutant(
-        "quota-waiter-ended-run", "rallypoint/actors/quota.py",
-        "            if runs.inactive_error(w.scope_id, wall) is not None:\n                continue\n",
-        "",
-        "a quota serves waiters of runs that ended",
+        "quota-ignores-cooldown", "rallypoint/actors/quota.py",
+        "            q.cooldown_until_mono_ms <= mono\n            and not self.n_waiting.get(q.id)",
+        "            True  # mutant: no cooldown check\n            and not self.n_waiting.get(q.id)",
+        "a quota take is granted during the quota's cooldown",
     ),
     Mutant(
         "budget-over-reserve", "rallypoint/actors/budget.py",
@@ -204,12 +204,10 @@ MUTANTS = [
         "delivery.complete_many accepts the same delivery twice in one batch",
     ),
     # The bugs the simulator found, re-introduced (their fixes reverted)
-    Mutant(
-        "found-journal-error-to-client", "rallypoint/service.py",
-        "        try:\n            await self.coordinator.journal.wait_durable(lsn)\n        except (RallypointError, ValueError):",
-        "        await self.coordinator.journal.wait_durable(lsn)\n        try:\n            pass\n        except (RallypointError, ValueError):",
-        "found bug: a failed journal write reached the embedded client as JournalWriteError",
-    ),
+    # (seed 2's bug -- a failed journal write reached the embedded client as
+    # JournalWriteError, not UNAVAILABLE -- has no mutant any more: main made
+    # JournalWriteError itself an UNAVAILABLE RallypointError, so reverting its fix in
+    # Service.wait_durable changes nothing a client sees)
     Mutant(
         "found-store-left-open", "rallypoint/node.py",
         "            try:\n                with trio.CancelScope(shield=True):\n                    await coord.journal.aclose()\n            finally:",

@@ -1285,6 +1285,7 @@ class SimClaims(SimKind):
     def init_world(self, world):
         world.claim_leases = []  # (key, token), every lease ever handed out
         world.claim_requests = []  # (key, request_id) of acquires that waited
+        world.claim_gens = {}  # (claim id, token) -> the generation of that lease (journal audit)
 
     def fallbacks(self, world):
         return ["claim.acquire"]
@@ -1363,8 +1364,29 @@ class SimClaims(SimKind):
                 chk.fail("fencing", f"acquire of claim {op.key!r} answered ACQUIRED (generation "
                                     f"{reply.claim.generation}) but the claim is {c.state if c else 'missing'} at "
                                     f"generation {c.generation if c else '?'}")
-        elif isinstance(op, p.ClaimRelease):
-            _refused_release(chk, op, err, f"claim.release({op.key})")
+        elif isinstance(op, (p.ClaimRenew, p.ClaimRelease, p.ClaimComplete)):
+            if isinstance(op, p.ClaimRelease):
+                _refused_release(chk, op, err, f"claim.release({op.key})")
+            cid = coord.claims.by_key.get(("default", op.key))
+            c = coord.claims.table.get(cid) if cid else None
+            if err is not None or c is None:
+                return
+            # the records carry the claim's own token: the token the client sent is
+            # checked here, against the lease (generation) it was handed out with
+            gen = chk.sim.world.claim_gens.get((c.id, op.token))
+            name = type(op).__name__
+            if gen is None:
+                chk.fail("fencing", f"{name} of claim {op.key!r} with token {op.token}, never handed out, succeeded")
+            elif isinstance(op, p.ClaimRenew) and (c.state != "HELD" or c.generation != gen):
+                chk.fail("fencing", f"renew with the token of generation {gen} succeeded on claim {op.key!r} at "
+                                    f"generation {c.generation} ({c.state})")
+            elif isinstance(op, p.ClaimComplete) and c.generation != gen:
+                chk.fail("fencing", f"complete with the token of generation {gen} succeeded on claim {op.key!r} at "
+                                    f"generation {c.generation}")
+            elif isinstance(op, p.ClaimRelease) and not (c.generation == gen or (c.generation == gen + 1
+                                                                                 and c.state == "HELD")):
+                chk.fail("fencing", f"release with the token of generation {gen} succeeded on claim {op.key!r} at "
+                                    f"generation {c.generation} ({c.state})")
 
     def quiescent(self, chk, coord):
         mono = coord.mono_ms()
@@ -1409,6 +1431,7 @@ class SimClaims(SimKind):
             return c
 
         def acquired(chk, m, rec: r.ClaimAcquired, now, mono):
+            chk.sim.world.claim_gens[(rec.claim_id, rec.token)] = rec.generation
             c = m.claims.table.get(rec.claim_id)
             if c is not None and c.state != "FREE":
                 chk.fail("fencing", f"claim {rec.key!r} got a second holder (generation {rec.generation}) while "
@@ -1723,7 +1746,8 @@ class SimQuotas(SimKind):
         return None
 
     def audits(self):
-        def window_grant(chk, m, q, window: int, units: int, now, mono, what):
+        def window_grant(chk, m, q, window: int, units: int, now, mono, what, judged=None):
+            judged = mono if judged is None else judged
             if q is None:
                 chk.fail("audit", f"{what} in an unknown quota")
                 return
@@ -1734,14 +1758,15 @@ class SimQuotas(SimKind):
             if used + units > q.units_limit:
                 chk.fail("quota", f"quota {q.name!r} {what}: {units} unit(s) on top of {used} in one window, limit "
                                   f"{q.units_limit}")
-            # (a serve that fell due while the node was down is judged at its due instant:
-            # its window may be past, never in the future, never wholly in a cooldown)
-            if window > mono + SLACK_MS:
-                chk.fail("quota", f"quota {q.name!r} {what} in window [{window}, {window + q.window_ms}), in the future "
-                                  f"at {mono}")
-            if q.cooldown_until_mono_ms >= window + q.window_ms + SLACK_MS:
-                chk.fail("quota", f"quota {q.name!r} {what} in window [{window}, {window + q.window_ms}), which its "
-                                  f"cooldown (until {q.cooldown_until_mono_ms}) covers")
+            # (a serve that fell due while the node was down is judged at its due instant
+            # ``judged``, in the past: the window is the one holding that instant, never
+            # in the future, and no cooldown runs at that instant)
+            if window > mono + SLACK_MS or not window <= judged + SLACK_MS < window + q.window_ms + 2 * SLACK_MS:
+                chk.fail("quota", f"quota {q.name!r} {what} in window [{window}, {window + q.window_ms}), judged at "
+                                  f"{judged}, now {mono}")
+            if q.cooldown_until_mono_ms > judged + SLACK_MS:
+                chk.fail("quota", f"quota {q.name!r} {what} during its cooldown (until {q.cooldown_until_mono_ms}, "
+                                  f"judged at {judged})")
 
         def consumed(chk, m, rec: r.QuotaConsumed, now, mono):
             window_grant(chk, m, m.quotas.table.get(rec.quota_id), rec.window_start_mono_ms, rec.units, now, mono,
@@ -1767,7 +1792,7 @@ class SimQuotas(SimKind):
                 if why is not None:
                     chk.fail("ended-run", f"quota waiter {wt.id} granted while its run refuses requests ({why.code})")
             window_grant(chk, m, qs.table.get(rec.quota_id), rec.window_start_mono_ms, total, now, mono,
-                         f"granted {len(rec.grants)} waiter(s)")
+                         f"granted {len(rec.grants)} waiter(s)", judged=m.clock.wall_to_mono(rec.at_ms))
 
         return {r.QuotaConsumed: consumed, r.QuotaWaiterAdded: added, r.QuotaWaitersGranted: granted}
 
