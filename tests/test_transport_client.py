@@ -86,6 +86,36 @@ async def test_many_concurrent_callers_on_one_connection():
         assert seen == 5000
 
 
+async def test_many_calls_in_flight_start_leaving_before_the_writer_runs():
+    """Under Trio on plain TCP, once 1 KiB of requests is queued the calling task sends
+    it at once (the writer task would run only after every woken caller): the server
+    starts on the first requests while the client makes the rest. Byte order is kept:
+    every caller gets its own answer, also with large frames that fill the socket."""
+    async with running_server() as srv, connect_transport(url(srv)) as conn:
+        assert conn._sock is not None
+        early = 0
+        real = conn._send_now
+
+        def spy():
+            nonlocal early
+            early += 1
+            real()
+
+        conn._send_now = spy
+        got = {}
+
+        async def one(i: int) -> None:
+            body = {"op": "echo", "i": i, "pad": "x" * (30 if i % 7 else 70_000)}
+            got[i] = dec(await conn.call(enc(body)))["i"]
+
+        for _ in range(3):
+            async with trio.open_nursery() as n:
+                for i in range(64):
+                    n.start_soon(one, i)
+        assert got == {i: i for i in range(64)}
+        assert early > 0
+
+
 async def test_long_call_does_not_block_others():
     async with running_server() as srv, connect_transport(url(srv)) as conn:
         async with trio.open_nursery() as n:
@@ -226,6 +256,7 @@ def test_client_under_asyncio():
 
         asyncio.get_running_loop()  # really asyncio
         async with connect_transport(u) as conn:
+            assert conn._sock is None  # asyncio's transport buffers: no direct sends
             assert dec(await conn.call(enc({"op": "echo", "a": 1}))) == {"op": "echo", "a": 1}
             assert msgspec.msgpack.decode(await conn.call(Echo(3)), type=Echo) == Echo(3)
             with pytest.raises(ConflictError):
