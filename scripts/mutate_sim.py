@@ -166,6 +166,12 @@ MUTANTS = [
         "a pool grants one unit more than it has free",
     ),
     Mutant(
+        "pool-skip-fencing", "rallypoint/actors/pool.py",
+        "        if g.token != token or token <= 0:\n            raise LeaseLostError(",
+        "        if token <= 0:  # mutant\n            raise LeaseLostError(",
+        "grant renew/release do not check the grant's token",
+    ),
+    Mutant(
         "pool-admission-leak", "rallypoint/actors/pool.py",
         '            self._end_grant(g, "RELEASED", at_ms, "delivery_ended")\n',
         '            pass  # mutant: the delivery ended, its grant stays\n',

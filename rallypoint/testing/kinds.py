@@ -1500,7 +1500,11 @@ class SimPools(SimKind):
             gs = g.world.grants
             if not gs:
                 return None
-            return gs[-1 - min(len(gs) - 1, int(g.rng.expovariate(0.6)))] if g.rng.random() < 0.8 else g.rng.choice(gs)
+            x = gs[-1 - min(len(gs) - 1, int(g.rng.expovariate(0.6)))] if g.rng.random() < 0.8 else g.rng.choice(gs)
+            if g.rng.random() < 0.15:  # a wrong token: another grant's, or never handed out
+                other = g.rng.choice(gs)[1]
+                x = (x[0], other if other != x[1] else x[1] + 1)
+            return x
 
         def renew(g: Gen):
             x = grant(g)
@@ -1558,8 +1562,13 @@ class SimPools(SimKind):
         return None
 
     def made(self, chk, coord, op, reply, err):
-        if isinstance(op, p.GrantRelease):
-            _refused_release(chk, op, err, f"grant.release({op.grant_id})")
+        if isinstance(op, (p.GrantRenew, p.GrantRelease)):
+            if isinstance(op, p.GrantRelease):
+                _refused_release(chk, op, err, f"grant.release({op.grant_id})")
+            g = coord.pools.grants.get(op.grant_id)
+            if err is None and g is not None and g.token != op.token:
+                chk.fail("fencing", f"{type(op).__name__} of grant {g.id} with token {op.token} succeeded; the grant's "
+                                    f"token is {g.token}")
 
     def quiescent(self, chk, coord):
         mono = coord.mono_ms()
