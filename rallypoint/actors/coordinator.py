@@ -40,6 +40,7 @@ from ..clock import Clock
 from ..errors import InternalError, RallypointError, UnavailableError
 from ..ids import IdGenerator
 from ..protocol import encoder
+from ..events import DEFAULT_RETAIN_EVENTS, EventLog
 from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
 from .barrier import Barriers
 from .common import MemoryJournal
@@ -47,6 +48,7 @@ from .group import Groups
 from .joinset import JoinSets
 from .keys import Keys
 from .queue import WorkQueues
+from .retention import Retention
 from .run import Runs
 from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, _FatalMarker, fatal_unwrapped, shutdown_error
 from .space import Spaces
@@ -80,6 +82,10 @@ class Coordinator:
         durability: ``memory``, ``interval`` or ``fsync`` (reported; ``memory`` also
             turns off snapshot bookkeeping).
         idle_s: seconds an idle actor stays active before it passivates.
+        retain_events: events kept per space (count; None or 0: no count limit).
+        retain_events_ms: events kept this long, ms (None: no age limit).
+        retain_finished_ms: finished runs and tasks are deleted this long after they
+            ended, ms (None or 0: kept forever). See :mod:`rallypoint.actors.retention`.
     """
 
     def __init__(
@@ -89,6 +95,9 @@ class Coordinator:
         clock: Clock | None = None,
         durability: str = "memory",
         idle_s: float = 2.0,
+        retain_events: int | None = DEFAULT_RETAIN_EVENTS,
+        retain_events_ms: int | None = None,
+        retain_finished_ms: int | None = None,
     ) -> None:
         self.clock = clock or Clock()
         self.ids = IdGenerator(self.clock.mono_ms)
@@ -106,6 +115,8 @@ class Coordinator:
         self.stalls = 0
         self._to_flush: set = set()
         self.last_seen = 0.0
+        #: every space's event stream (derived from the records: see rallypoint.events)
+        self.events = EventLog(retain_events, retain_events_ms)
         self.runtime = Runtime(self, idle_s=idle_s)
         self.heap = self.runtime.heap
         # the kinds (one class each)
@@ -117,11 +128,18 @@ class Coordinator:
         self.joinsets = JoinSets(self)
         self.keys = Keys(self)
         self.spaces = Spaces(self)
-        self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys, self.spaces)
+        self.retention = Retention(self, retain_finished_ms)
+        self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
+                      self.spaces, self.retention)
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}
+        self._emit: dict[type, Callable[[Any], Any]] = {}
         for k in self.kinds:
+            for rec_type, fn in k.emitters().items():
+                if rec_type in self._emit:
+                    raise RuntimeError(f"two event sources for {rec_type.__name__}")
+                self._emit[rec_type] = fn
             for prefix, entry in k.entity_tables().items():
                 self._tables[prefix] = entry
                 self._kind_by_prefix[prefix] = k
@@ -164,13 +182,26 @@ class Coordinator:
         apply that raises is a bug and stops the node (:class:`FatalError`)."""
         if self.failed is not None:
             raise FatalError("the coordinator stopped after a failed apply") from self.failed
+        events = self.events
         try:
             apply = self._apply
+            emit = self._emit
             i = 0
             while True:
                 while i < len(records):
                     rec = records[i]
-                    apply[type(rec)](rec)
+                    t = type(rec)
+                    mark = len(events.pending)
+                    apply[t](rec)
+                    fn = emit.get(t)
+                    if fn is not None:
+                        out = fn(rec)
+                        if out:
+                            pending = events.pending
+                            if len(pending) == mark:
+                                pending.extend(out)
+                            else:  # the record's own events before what its step implied
+                                pending[mark:mark] = out
                     i += 1
                 more = self.groups.react()
                 more += self.queues.react()
@@ -179,11 +210,29 @@ class Coordinator:
                 records.extend(more)
             payload = encode_commit(records)
         except BaseException as exc:
+            events.discard()
             self._fail(exc, records)
             raise FatalError(f"apply of {type(records[min(i, len(records) - 1)]).__name__} failed: {exc!r}") from exc
-        lsn = self.journal.append(payload)
+        try:
+            lsn = self.journal.append(payload)
+        except BaseException:
+            events.discard()
+            raise
         self.commits += 1
+        events.publish(lsn)
         return lsn
+
+    def implied(self, fact) -> None:
+        """A step of the record being applied changed another entity (a run's end
+        cancelled a task, a group finalizing ended its gate run): describe it to the
+        event table as ``fact`` (the record that would have said so, or an implied fact
+        of :mod:`rallypoint.records`). Called by apply code, live and in replay; changes
+        nothing itself."""
+        fn = self._emit.get(type(fact))
+        if fn is not None:
+            out = fn(fact)
+            if out:
+                self.events.pending.extend(out)
 
     def _fail(self, exc: BaseException, records: list) -> None:
         self.failed = exc
@@ -196,15 +245,30 @@ class Coordinator:
         self.runtime.stopping = True
 
     def apply(self, rec) -> None:
-        self._apply[type(rec)](rec)
+        """Apply one record and derive its events (replay; tests). The events stay
+        pending until :meth:`EventLog.publish`."""
+        t = type(rec)
+        events = self.events
+        mark = len(events.pending)
+        self._apply[t](rec)
+        fn = self._emit.get(t)
+        if fn is not None:
+            out = fn(rec)
+            if out:
+                events.pending[mark:mark] = out
 
     def replay(self, payload: bytes) -> None:
         """Apply one journal entry during recovery (no reactions, no activities, no
-        actors: the follow-ups are already in the journal)."""
+        actors: the follow-ups are already in the journal). Its events are derived as
+        they were live, with the same sequence numbers."""
         self.replaying = True
         try:
             for rec in decode_commit(payload):
-                self._apply[type(rec)](rec)
+                self.apply(rec)
+            self.events.publish(0)
+        except BaseException:
+            self.events.discard()
+            raise
         finally:
             self.replaying = False
             self.groups.touched.clear()
@@ -378,6 +442,7 @@ class Coordinator:
         self.last_seen = trio.current_time()
         self.last_seen_valid = True
         self._tick()
+        self.retention.rearm()
         try:
             async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 await nursery.start(self.journal.run)

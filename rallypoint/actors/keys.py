@@ -35,6 +35,8 @@ from ..protocol import KeyCreate, KeyList, KeyListView, KeyRevoke, KeyView
 from ..records import KeyCreated, KeyRevoked
 from .api import PERMISSIONS
 from .common import applies, check_name, short
+from .common import data
+from ..events import emits, ev
 from .kind import Kind
 
 __all__ = ["KeyState", "Keys", "hash_secret", "SECRET_PREFIX"]
@@ -196,6 +198,16 @@ class Keys(Kind):
         self.table[k.id] = k
         self.by_hash[k.secret_sha256] = k.id
         self.coord.touch(k.id)
+
+    @emits(KeyCreated)
+    def _ev_created(self, r: KeyCreated):
+        return (ev(r.space, "key.created", "key", r.id, None, r.at_ms,
+                   data(name=r.name, permissions=list(r.permissions))),)
+
+    @emits(KeyRevoked)
+    def _ev_revoked(self, r: KeyRevoked):
+        k = self.table[r.id]
+        return (ev(k.space, "key.revoked", "key", k.id, None, r.at_ms, None),)
 
     @applies(KeyRevoked)
     def _apply_revoked(self, r: KeyRevoked) -> None:

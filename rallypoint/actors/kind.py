@@ -51,7 +51,8 @@ class Kind:
         another space's, which a key must not be able to tell apart."""
         ent = self.table.get(entity_id) if isinstance(entity_id, str) else None
         if ent is None or ent.space != space:
-            raise NotFoundError(f"no {self.noun} {short(entity_id)} in this space",
+            hint = self.coord.retention.not_found_hint(entity_id) if ent is None else ""
+            raise NotFoundError(f"no {self.noun} {short(entity_id)} in this space{hint}",
                                 details={self.id_field: short(entity_id)})
         return ent
 
@@ -78,6 +79,13 @@ class Kind:
         """The run that owns ``entity_id`` went inactive (``reason``: cancelled,
         completed, deadline) in the apply of one record. Synchronous."""
 
+    def purge_run(self, run_id: str) -> int:
+        """Retention purges ``run_id`` (finished, with everything below it; called in the
+        apply of ``Purged``, children before parents): remove this kind's entities that
+        the run owns, and their index entries, and ``coord.touch`` each (the next
+        snapshot deletes it). Returns how many entities were removed. Synchronous."""
+        return 0
+
     def appliers(self) -> dict[type, Callable[[Any], None]]:
         """Record type -> bound apply function, from the ``@applies`` marks."""
         out: dict[type, Callable[[Any], None]] = {}
@@ -85,6 +93,19 @@ class Kind:
             fn = getattr(type(self), name, None)
             rec_type = getattr(fn, "_applies", None)
             if rec_type is not None:
+                out[rec_type] = getattr(self, name)
+        return out
+
+    def emitters(self) -> dict[type, Callable[[Any], Any]]:
+        """Record (or implied fact) type -> bound event source, from the ``@emits`` marks
+        (:mod:`rallypoint.events`): ``fn(record) -> list[Entry] | None``, called after
+        the record was applied."""
+        out: dict[type, Callable[[Any], Any]] = {}
+        for name in dir(type(self)):
+            fn = getattr(type(self), name, None)
+            for rec_type in getattr(fn, "_emits", ()):
+                if rec_type in out:
+                    raise RuntimeError(f"{type(self).__name__} has two event sources for {rec_type.__name__}")
                 out[rec_type] = getattr(self, name)
         return out
 
