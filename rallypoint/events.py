@@ -356,6 +356,23 @@ class EventLog:
         self.dropped += n
         return n
 
+    def trim_count(self) -> int:
+        """Drop the oldest events beyond ``retain_count`` in every space."""
+        n = 0
+        if self.retain_count is not None:
+            for s in self.streams.values():
+                if len(s) > self.retain_count:
+                    n += s.drop_before(s.next_seq - self.retain_count)
+        self.dropped += n
+        return n
+
+    def recovered(self) -> None:
+        """After recovery (snapshot events loaded, journal tail replayed): every event is
+        durable; apply the count limit."""
+        self.trim_count()
+        for s in self.streams.values():
+            s.durable_seq = s.last_seq
+
     def discard(self) -> None:
         """A commit failed (fail-stop): its events never happened."""
         self.pending = []
@@ -448,5 +465,5 @@ def event_key(space: str, seq: int) -> bytes:
 
 
 def split_event_key(key: bytes) -> tuple[str, int]:
-    space, _, seq = bytes(key).rpartition(b"\x00")
-    return space.decode(), int.from_bytes(seq, "big")
+    key = bytes(key)
+    return key[:-9].decode(), int.from_bytes(key[-8:], "big")

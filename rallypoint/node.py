@@ -133,10 +133,12 @@ class Snapshotter:
         self.last_at = trio.current_time()
         self.snapshots = 0
         self.last_stats: dict = {}
+        self.last_stall_s = 0.0
+        self.on_snapshot: list = []  # callables(stats) after each snapshot (metrics)
         self._lock = trio.Lock()
         self._encoder = msgspec.msgpack.Encoder()
 
-    def _encode(self, ids, keys: list, values: list, tables: dict) -> None:
+    def _encode(self, ids, keys: list, values: list, tables: dict, deletes: list) -> None:
         enc = self._encoder.encode
         for eid in ids:
             t = tables.get(eid[:3])
@@ -144,6 +146,8 @@ class Snapshotter:
             if ent is not None:
                 keys.append(eid.encode())
                 values.append(enc(ent))
+            elif t is not None:  # purged by retention: deleted from the store too
+                deletes.append(eid.encode())
 
     async def snapshot(self) -> int | None:
         """Take a snapshot now; returns its LSN (None when nothing changed)."""
@@ -160,6 +164,7 @@ class Snapshotter:
             # later and its last value wins in the store (one put after the other).
             keys: list[bytes] = []
             values: list[bytes] = []
+            deletes: list[bytes] = []
             # Time-sliced rounds while much is dirty, then the final round with no yield.
             clock = time.perf_counter
             while len(coord.dirty) > self.CHUNK:
@@ -170,16 +175,20 @@ class Snapshotter:
                 slice_end = clock() + self.SLICE_S
                 while batch:
                     ids = [pop() for _ in range(min(self.SLICE, len(batch)))]
-                    self._encode(ids, keys, values, tables)
+                    self._encode(ids, keys, values, tables, deletes)
                     if clock() >= slice_end:
                         await trio.sleep(0)
                         slice_end = clock() + self.SLICE_S
                 del batch, pop
                 await trio.sleep(0)
             batch, coord.dirty = coord.dirty, set()
-            self._encode(batch, keys, values, tables)
+            t_final = time.perf_counter()
+            self._encode(batch, keys, values, tables, deletes)
             lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
-            encoded_s = time.perf_counter() - t0
+            events, ev_done = _event_cut(coord.events)  # the events of every commit <= lsn
+            now = time.perf_counter()
+            self.last_stall_s = now - t_final  # the one stretch that does not yield
+            encoded_s = now - t0
             try:
                 sync = getattr(journal, "wait_synced", None)
                 await (sync(lsn) if sync is not None else journal.wait_durable(lsn))
@@ -189,12 +198,14 @@ class Snapshotter:
                 previous = sys.getswitchinterval()
                 sys.setswitchinterval(min(previous, SNAPSHOT_SWITCH_INTERVAL_S))
                 try:
-                    await self.store.write(lsn, zip(keys, values), [])
+                    await self.store.write(lsn, zip(keys, values), deletes, events)
                 finally:
                     sys.setswitchinterval(previous)
             except BaseException:
                 coord.dirty.update(k.decode() for k in keys)  # try again next time
+                coord.dirty.update(k.decode() for k in deletes)
                 raise
+            ev_done()
             removed = journal.truncate_below(lsn + 1, unlink=False) or []
             if removed:
                 await trio.to_thread.run_sync(_unlink_all, removed)
@@ -204,14 +215,23 @@ class Snapshotter:
             self.last_stats = {
                 "lsn": lsn,
                 "entities": len(keys),
+                "deleted": len(deletes),
+                "stall_s": self.last_stall_s,
                 "encode_s": encoded_s,
                 "total_s": time.perf_counter() - t0,
                 "segments_removed": len(removed or ()),
             }
             log.info(
-                "snapshot at LSN %d: %d entities written in %.3f s, %d journal segments removed",
-                lsn, len(keys), self.last_stats["total_s"], self.last_stats["segments_removed"],
+                "snapshot at LSN %d: %d entities written, %d deleted, in %.3f s (longest stall %.1f ms), "
+                "%d journal segments removed",
+                lsn, len(keys), len(deletes), self.last_stats["total_s"], self.last_stall_s * 1000,
+                self.last_stats["segments_removed"],
+                extra={"event": "snapshot", "lsn": lsn, "entities": len(keys), "deleted": len(deletes),
+                       "seconds": round(self.last_stats["total_s"], 4), "stall_ms": round(self.last_stall_s * 1000, 3),
+                       "segments_removed": self.last_stats["segments_removed"]},
             )
+            for hook in self.on_snapshot:
+                hook(self.last_stats)
             await self._release(values, keys)
             return lsn
 
@@ -246,6 +266,72 @@ def _unlink_all(paths) -> None:
             pass
 
 
+def _event_cut(log):
+    """At a snapshot's cut: what to write of the event log (an EventWrite whose puts are
+    encoded lazily in the writer thread) and a function that records it as written."""
+    from .events import encode_persisted, event_key
+    from .persistence.snapshot import EventWrite
+
+    slices = []
+    ranges: list[tuple[bytes, bytes]] = []
+    next_seqs: dict[str, int] = {}
+    marks = []
+    for space, s in log.streams.items():
+        next_seqs[space] = s.next_seq
+        lo = max(s.persisted_last + 1, s.first_seq)
+        if lo <= s.last_seq:
+            i = s.index_after(lo - 1)
+            slices.append(s.entries[i: s.start + (s.last_seq - s.first_seq + 1)])
+        if s.persisted_first < s.first_seq and s.persisted_first <= s.persisted_last:
+            ranges.append((event_key(space, s.persisted_first), event_key(space, min(s.first_seq, s.persisted_last + 1))))
+        marks.append((s, s.first_seq, s.last_seq))
+
+    def puts():
+        for sl in slices:
+            for e in sl:
+                yield event_key(e.space, e.seq), encode_persisted(e)
+
+    def done():
+        for s, first, last in marks:
+            s.persisted_first, s.persisted_last = first, last
+
+    return EventWrite(puts(), ranges, next_seqs), done
+
+
+def load_events(coordinator, store) -> int:
+    """Install the events a snapshot kept (before the journal tail is replayed)."""
+    from .events import Stream, decode_persisted, split_event_key
+
+    log = coordinator.events
+    seqs = store.event_seqs()
+    n = 0
+    for key, value in store.iter_events():
+        space, seq = split_event_key(key)
+        s = log.streams.get(space)
+        if s is None:
+            s = log.streams[space] = Stream(space, seq)
+            s.persisted_first = seq
+        e = decode_persisted(space, value)
+        if seq != s.next_seq:  # a gap (cannot happen; be safe): start the stream after it
+            s.entries.clear()
+            s.start = 0
+            s.first_seq = s.persisted_first = seq
+        s.entries.append(e)
+        s.next_seq = seq + 1
+        n += 1
+    for space, next_seq in seqs.items():
+        s = log.streams.get(space)
+        if s is None:
+            s = log.streams[space] = Stream(space, next_seq)
+        elif next_seq > s.next_seq:  # every kept event was trimmed past the last ones
+            s.entries.clear()
+            s.start = 0
+            s.first_seq = s.next_seq = next_seq
+        s.persisted_first = s.first_seq
+        s.persisted_last = s.next_seq - 1
+    return n
+
+
 def load_entities(coordinator, entities) -> int:
     """Install snapshot entities ``[(key, value)]`` into the coordinator's tables."""
     tables = coordinator.entity_tables()
@@ -273,13 +359,16 @@ def recover_coordinator(data_dir: str, coordinator) -> tuple[object, dict]:
     t0 = time.perf_counter()
     rec = recover(data_dir)
     n_entities = load_entities(coordinator, rec.entities)
+    n_events = load_events(coordinator, rec.store)
     replayed = 0
     for _lsn, payload in rec.records:
         coordinator.replay(payload)
         replayed += 1
+    coordinator.events.recovered()
     info = {
         "snapshot_lsn": rec.snapshot_lsn,
         "snapshot_entities": n_entities,
+        "snapshot_events": n_events,
         "replayed": replayed,
         "next_lsn": rec.next_lsn,
         "torn_tail": rec.torn_tail,

@@ -50,7 +50,8 @@ from .keys import Keys
 from .queue import WorkQueues
 from .retention import Retention
 from .run import Runs
-from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, _FatalMarker, fatal_unwrapped, shutdown_error
+from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, Subscribe, _FatalMarker, fatal_unwrapped, shutdown_error
+from .watch import Watchers
 from .space import Spaces
 from .timer import Timers
 
@@ -117,6 +118,7 @@ class Coordinator:
         self.last_seen = 0.0
         #: every space's event stream (derived from the records: see rallypoint.events)
         self.events = EventLog(retain_events, retain_events_ms)
+        self.watchers = Watchers(self)
         self.runtime = Runtime(self, idle_s=idle_s)
         self.heap = self.runtime.heap
         # the kinds (one class each)
@@ -307,15 +309,39 @@ class Coordinator:
             self.internal_error(exc)
             self.reply(sink, rid, exc)
             return
-        if type(result) is Park:
+        t = type(result)
+        if t is Park:
             if sink.closed:
                 return
             if cancelled:
                 self.reply(sink, rid, self.cancelled_answer(result))
             else:
                 actor.park(result, sink, rid)
+        elif t is Subscribe:
+            self.subscribe(result, sink, rid)
         else:
             self.reply(sink, rid, result)
+
+    def subscribe(self, sub: Subscribe, sink: ReplySink, rid: int) -> None:
+        """Open a subscription on ``sink``: its Ok (a WatchView, sent at once: it reveals
+        only durable positions) and then pushes from :class:`Watchers`."""
+        from ..protocol import WatchView
+        from .watch import Watcher, durable_upto
+
+        if sink.closed:
+            return
+        w = Watcher(sub.space, sub.filter, sub.cursor, sink, rid)
+        if not sink.add_stream(rid, w):
+            from ..errors import ValidationError
+
+            self.reply(sink, rid, ValidationError("events.watch needs a streaming transport (a TCP connection, "
+                                                  "or the embedded client's events.watch())"))
+            return
+        s = self.events.stream(sub.space)
+        newest = durable_upto(s, self.journal.durable_lsn)
+        self._to_flush.add(sink)
+        sink.deliver(rid, encoder.encode(WatchView(cursor=sub.cursor, oldest=s.first_seq, newest=newest)), 0)
+        self.watchers.add(w)
 
     def decide(self, session, op):
         """Decide ``op`` synchronously on the calling task, outside the actors' inboxes:
@@ -447,6 +473,7 @@ class Coordinator:
             async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 await nursery.start(self.journal.run)
                 await nursery.start(self.runtime.run)
+                await nursery.start(self.watchers.run)
                 for fn in self.background:
                     await nursery.start(fn)
                 task_status.started()

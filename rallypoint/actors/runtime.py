@@ -57,7 +57,8 @@ from ..errors import RallypointError, UnavailableError
 
 log = logging.getLogger("rallypoint.runtime")
 
-__all__ = ["Actor", "Runtime", "Park", "Waiter", "ActivityHeap", "ReplySink", "PASSIVE", "STARTING", "ACTIVE"]
+__all__ = ["Actor", "Runtime", "Park", "Subscribe", "Waiter", "ActivityHeap", "ReplySink", "PASSIVE", "STARTING",
+           "ACTIVE"]
 
 PASSIVE, STARTING, ACTIVE = 0, 1, 2
 _wait_rescheduled = trio.lowlevel.wait_task_rescheduled
@@ -96,6 +97,22 @@ class ReplySink:
         nothing."""
         return None
 
+    # -- subscriptions (events.watch): a sink that can carry a stream implements these
+    def add_stream(self, rid: int, watcher) -> bool:
+        """Request ``rid`` became a subscription (``watcher.cancel()`` ends it). False:
+        this sink cannot carry one."""
+        return False
+
+    def push_room(self, rid: int) -> int:
+        """Bytes of pushes this sink can take now (<= 0: none)."""
+        return 0
+
+    def push(self, rid: int, events: list) -> None:
+        """Send encoded events (a list of bytes) for subscription ``rid``."""
+
+    def end_stream(self, rid: int, error) -> None:
+        """The server ends subscription ``rid`` with ``error`` (a RallypointError)."""
+
 
 # ---------------------------------------------------------------------------- waiters
 class Park:
@@ -118,6 +135,18 @@ class Park:
         self.check = check
         self.wait_ms = wait_ms
         self.expire = expire
+
+
+class Subscribe:
+    """What a handler returns to open a subscription (``events.watch``) on its sink:
+    ``space``, ``filter`` (an EventFilter), ``cursor`` (events after it follow)."""
+
+    __slots__ = ("space", "filter", "cursor")
+
+    def __init__(self, space: str, flt, cursor: int) -> None:
+        self.space = space
+        self.filter = flt
+        self.cursor = cursor
 
 
 class Waiter:

@@ -332,6 +332,14 @@ class ReconnectingTransport:
                 raise
             return raw
 
+    async def subscribe(self, op: Any, max_events: int = 10_000) -> Any:
+        """Open a subscription (``events.watch``) on the current connection (waiting for
+        one after a drop). It ends with UnavailableError when that connection drops;
+        the SDK's watch opens a new one from its cursor (:attr:`closed` says whether
+        reconnecting gave up)."""
+        conn = await self._connection()
+        return await conn.subscribe(op, max_events)
+
     async def call_many(self, ops: list) -> list:
         """Like :meth:`call` for a batch (one frame): a reply body or the error, per op.
         The batch is re-sent after a drop only if every op in it may be."""

@@ -1,10 +1,14 @@
 """LMDB store of entity state at an LSN, and the data-dir format version.
 
-Layout: ``<data_dir>/snapshot/`` is an LMDB environment with two named databases:
+Layout: ``<data_dir>/snapshot/`` is an LMDB environment with three named databases:
 
 * ``entities``: key bytes -> value bytes (opaque here; the coordinator encodes them);
+* ``events``: key bytes -> value bytes: the events kept at the snapshot's LSN (derived
+  data: a cache of what the journal said, so that a restart still has the events whose
+  records are no longer in the journal); keys sort by (space, seq);
 * ``meta``: ``b"lsn"`` -> 8-byte big-endian LSN the entities are valid at,
-  ``b"format_version"`` -> ASCII integer.
+  ``b"format_version"`` -> ASCII integer, ``b"evseq:" + space`` -> 8-byte big-endian
+  next event sequence number of that space.
 
 Durability: each :meth:`SnapshotStore.write` is one LMDB write transaction committed
 with LMDB's own sync (data pages fdatasync-ed, then the meta page), so a machine crash
@@ -26,7 +30,7 @@ import trio
 
 from .errors import FormatVersionError
 
-__all__ = ["SnapshotStore", "FORMAT_VERSION", "check_format", "FormatVersionError"]
+__all__ = ["SnapshotStore", "EventWrite", "FORMAT_VERSION", "check_format", "FormatVersionError"]
 
 FORMAT_VERSION = 1
 _LSN = struct.Struct(">Q")
@@ -78,6 +82,19 @@ def check_format(data_dir: str | os.PathLike[str]) -> int:
     return version
 
 
+class EventWrite:
+    """The events part of a snapshot write: ``puts`` (an iterable of (key, value),
+    consumed in the worker thread), ``delete_ranges`` ([lo, hi) key ranges) and
+    ``next_seqs`` ({space: next seq})."""
+
+    __slots__ = ("puts", "delete_ranges", "next_seqs")
+
+    def __init__(self, puts, delete_ranges: list[tuple[bytes, bytes]], next_seqs: dict[str, int]) -> None:
+        self.puts = puts
+        self.delete_ranges = delete_ranges
+        self.next_seqs = next_seqs
+
+
 class SnapshotStore:
     """The LMDB snapshot of a data directory (``<data_dir>/snapshot/``).
 
@@ -97,11 +114,12 @@ class SnapshotStore:
         self.path = Path(data_dir) / "snapshot"
         self.path.mkdir(parents=True, exist_ok=True)
         self._env = lmdb.open(
-            str(self.path), map_size=map_size, max_dbs=2, subdir=True,
+            str(self.path), map_size=map_size, max_dbs=3, subdir=True,
             sync=True, metasync=True, writemap=False, readahead=False, lock=True,
         )
         self._entities = self._env.open_db(b"entities")
         self._meta = self._env.open_db(b"meta")
+        self._events = self._env.open_db(b"events")
         self._lock = trio.Lock()
         with self._env.begin(write=True) as txn:
             if txn.get(b"format_version", db=self._meta) is None:
@@ -125,12 +143,35 @@ class SnapshotStore:
             cur = txn.cursor(db=self._entities)
             yield from cur.iternext(keys=True, values=True)
 
+    def iter_events(self) -> Iterator[tuple[bytes, bytes]]:
+        """Yield ``(key, value)`` of every stored event in key order (one read txn)."""
+        with self._env.begin(buffers=False) as txn:
+            cur = txn.cursor(db=self._events)
+            yield from cur.iternext(keys=True, values=True)
+
+    def event_seqs(self) -> dict[str, int]:
+        """``{space: next event seq}`` as of the snapshot."""
+        out: dict[str, int] = {}
+        with self._env.begin(buffers=False) as txn:
+            cur = txn.cursor(db=self._meta)
+            if cur.set_range(b"evseq:"):
+                for k, v in cur.iternext(keys=True, values=True):
+                    if not k.startswith(b"evseq:"):
+                        break
+                    out[k[6:].decode()] = _LSN.unpack(v)[0]
+        return out
+
+    def event_count(self) -> int:
+        with self._env.begin() as txn:
+            return txn.stat(self._events)["entries"]
+
     def get(self, key: bytes) -> bytes | None:
         """The stored value of one entity, or None."""
         with self._env.begin() as txn:
             return txn.get(key, db=self._entities)
 
-    async def write(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+    async def write(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
+                    events: "EventWrite | None" = None) -> None:
         """Store ``puts``, remove ``deletes`` and set the LSN, in ONE LMDB write
         transaction run in a worker thread; returns once it is synced to disk.
 
@@ -147,19 +188,23 @@ class SnapshotStore:
                 the event loop); consumed once, in order, so when a key appears twice
                 the later value wins.
             deletes: keys to remove (missing keys are ignored).
+            events: event puts (an iterable, consumed in the worker thread), key ranges
+                to delete and the next sequence number per space (:class:`EventWrite`).
 
         Raises:
             ValueError: ``lsn`` is below the stored LSN.
             lmdb.Error: the write failed (e.g. map full); nothing was changed.
         """
         async with self._lock:
-            await trio.to_thread.run_sync(self._write_sync, lsn, puts, deletes)
+            await trio.to_thread.run_sync(self._write_sync, lsn, puts, deletes, events)
 
-    def write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+    def write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
+                   events: "EventWrite | None" = None) -> None:
         """Blocking form of :meth:`write` (for tools and tests; never on the loop)."""
-        self._write_sync(lsn, puts, deletes)
+        self._write_sync(lsn, puts, deletes, events)
 
-    def _write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+    def _write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
+                    events: "EventWrite | None" = None) -> None:
         with self._env.begin(write=True) as txn:
             raw = txn.get(b"lsn", db=self._meta)
             old = 0 if raw is None else _LSN.unpack(raw)[0]
@@ -170,6 +215,18 @@ class SnapshotStore:
                 cur.putmulti(puts, dupdata=False, overwrite=True)
             for key in deletes:
                 txn.delete(key, db=self._entities)
+            if events is not None:
+                for lo, hi in events.delete_ranges:  # [lo, hi) key ranges
+                    cur = txn.cursor(db=self._events)
+                    if cur.set_range(lo):
+                        while cur.key() < hi:
+                            if not cur.delete():
+                                break
+                ecur = txn.cursor(db=self._events)
+                for k, v in events.puts:
+                    ecur.put(k, v, overwrite=True)
+                for space, next_seq in events.next_seqs.items():
+                    txn.put(b"evseq:" + space.encode(), _LSN.pack(next_seq), db=self._meta)
             txn.put(b"lsn", _LSN.pack(lsn), db=self._meta)
 
     def close(self) -> None:

@@ -59,6 +59,7 @@ from .framing import (
     FrameParser,
     oversize_message,
     pack_header_into,
+    pack_uint,
     salvage_request_id,
     split_batch,
 )
@@ -120,6 +121,19 @@ _ok_head32 = struct.Struct(">I10sI5s").pack
 _ok_head64 = struct.Struct(">I10sQ5s").pack
 
 
+# {"t": "push", "id": <id>, "events": [...]}
+_PUSH_HEAD = b"\x83\xa1t\xa4push\xa2id"
+_PUSH_EVENTS = b"\xa6events"
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 0x10000:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
 _GONE = object()  # not in flight
 _CANCELLED = object()  # the client sent Cancel before the request parked
 
@@ -177,6 +191,8 @@ class _Conn:
         # request id -> None (queued or being handled), its parked Waiter, or _CANCELLED
         # (the client sent Cancel before it parked): every request not yet answered
         self.live: dict[int, Any] = {}
+        # subscriptions (events.watch) of this connection: request id -> Watcher
+        self.streams: dict[int, Any] = {}
         self.closing = False
         self.draining = False
         self.rx_count = 0
@@ -188,8 +204,10 @@ class _Conn:
         self.max_out = 0
         self.max_inflight = 0
         self.pauses = 0
+        self.pushes = 0
         dispatcher = server.dispatcher
         self._submit = dispatcher.submit
+        self._watch_wake = getattr(dispatcher, "watch_wake", None)
         self._durable_lsn = dispatcher.durable_lsn
         self._max_inflight = server.max_inflight_per_conn
         self._max_out = server.max_outgoing_bytes
@@ -409,6 +427,8 @@ class _Conn:
             else:
                 del out[:n]
             self._wake_reader()
+            if self.streams:
+                self._sent()
         if self.out:
             self._wake_writer()
         elif self.draining and self.inflight == 0:
@@ -437,8 +457,56 @@ class _Conn:
         if self.inflight == 0 and self.draining:
             self.idle_event.set()
 
+    # subscriptions -------------------------------------------------------------------
+    def add_stream(self, rid: int, watcher: Any) -> bool:
+        if self.closing:
+            return False
+        self.streams[rid] = watcher
+        return True
+
+    def push_room(self, rid: int) -> int:
+        """What pushes may still queue: the watch buffer minus this connection's unsent
+        output (replies and pushes alike)."""
+        if self.closing:
+            return 0
+        return self.server.watch_buffer_bytes - len(self.out) - self.sending
+
+    def push(self, rid: int, events: list) -> None:
+        """Queue one Push frame (hand-built: the events are already encoded) and send it."""
+        if self.closing or rid not in self.streams:
+            return
+        out = self.out
+        start = len(out)
+        out += HEADER_PLACEHOLDER
+        out += _PUSH_HEAD
+        out += pack_uint(rid)
+        out += _PUSH_EVENTS
+        out += _array_header(len(events))
+        for raw in events:
+            out += raw
+        pack_header_into(out, start, len(out) - start - HEADER)
+        self.pushes += 1
+        n = len(out) + self.sending
+        if n > self.max_out:
+            self.max_out = n
+        self.flush()
+
+    def end_stream(self, rid: int, error: Any) -> None:
+        if self.streams.pop(rid, None) is not None and not self.closing:
+            self.send_error(rid, error)
+
+    def _sent(self) -> None:
+        """Output left: a watcher waiting for room may go on."""
+        if self.streams and self._watch_wake is not None:
+            self._watch_wake()
+
     def cancel_wait(self, rid: int) -> None:
-        """A Cancel frame: end request ``rid``'s server-side wait; no answer is sent."""
+        """A Cancel frame: end request ``rid``'s server-side wait, or subscription
+        ``rid``; no answer is sent."""
+        w = self.streams.pop(rid, None)
+        if w is not None:
+            w.cancel()
+            return
         state = self.live.get(rid, _GONE)
         if state is _GONE or state is _CANCELLED:
             return
@@ -491,6 +559,8 @@ class _Conn:
                     return
                 self.bytes_out += n
                 self._wake_reader()
+                if self.streams:
+                    self._sent()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.sending = 0
             self.abort()
@@ -800,6 +870,9 @@ class _Conn:
             self.closing = True
             self.closed = True
             self.end_waits(None)  # a client's waits end when it goes away
+            for w in self.streams.values():  # and its subscriptions
+                w.cancel()
+            self.streams.clear()
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self.stream)
 
@@ -821,6 +894,9 @@ class Server:
         drain_wait_grace: on :meth:`drain`, seconds that parked server-side waits get
             to finish before they are answered UNAVAILABLE; other requests and replies
             waiting for durability still get the full timeout.
+        watch_buffer_bytes: unsent output a connection may hold before its
+            subscriptions wait for it to drain (see :mod:`rallypoint.actors.watch`:
+            one that cannot drain for ``--watch-stall`` seconds is cut off).
         log_window_s, log_burst: the rate limit of repeated log events
             (:attr:`log_limiter`): at most ``log_burst`` lines per kind of event per
             ``log_window_s`` seconds, the rest counted and reported in one line.
@@ -836,6 +912,7 @@ class Server:
         idle_ping_interval: float | None = 30.0,
         max_outgoing_bytes: int = 4 * 1024 * 1024,
         drain_wait_grace: float = 1.0,
+        watch_buffer_bytes: int = 1 << 20,
         ssl_context: Any = None,
         log_window_s: float = 10.0,
         log_burst: int = 5,
@@ -848,6 +925,7 @@ class Server:
         self.idle_ping_interval = idle_ping_interval
         self.max_outgoing_bytes = max_outgoing_bytes
         self.drain_wait_grace = drain_wait_grace
+        self.watch_buffer_bytes = watch_buffer_bytes
         #: Every repeated log event of the server goes through this (see the module doc).
         self.log_limiter = RateLimitedLogger(log, window_s=log_window_s, burst=log_burst)
         self.listeners: list[trio.SocketListener] = []
