@@ -60,12 +60,17 @@ def _parse_listen(s: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    from .logutil import JsonFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
 
 
 def _is_loopback(host: str) -> bool:
@@ -93,8 +98,10 @@ async def _serve(args) -> int:
         interval_ms=args.interval_ms,
         snapshot_every_records=args.snapshot_every_records,
         snapshot_every_s=args.snapshot_every_s,
+        retention=args.retention,
     ) as node:
         coord = node.coordinator
+        coord.watchers.stall_s = args.watch_stall
         if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
             raise ValidationError(
                 f"refusing to listen on {host} without API keys: create one with "
@@ -117,6 +124,7 @@ async def _serve(args) -> int:
             handshake_timeout=args.handshake_timeout,
             idle_ping_interval=args.idle_ping or None,
             max_outgoing_bytes=args.max_outgoing_bytes,
+            watch_buffer_bytes=args.watch_buffer_bytes,
         )
         node.coordinator.connections_fn = lambda: server.statistics()["connections"]
         async with trio.open_nursery() as nursery:
@@ -161,13 +169,26 @@ async def _serve(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format)
     from .errors import ValidationError
-
-    from .errors import ValidationError
+    from .events import parse_duration_ms, parse_retain_events
 
     try:
         _parse_listen(args.listen)
+        try:
+            retain_finished_ms = parse_duration_ms(args.retain_finished)
+        except ValueError:
+            raise ValidationError(f"--retain-finished must be a duration like 7d, 12h, 30s or 0 (got "
+                                  f"{args.retain_finished!r})") from None
+        try:
+            count, age_ms = parse_retain_events(args.retain_events)
+        except ValueError:
+            raise ValidationError(f"--retain-events must be a count (100000) or an age like 24h (got "
+                                  f"{args.retain_events!r})") from None
+        args.retention = {"retain_finished_ms": retain_finished_ms or None, "retain_events": count or None,
+                          "retain_events_ms": age_ms or None}
+        if args.metrics:
+            _parse_listen(args.metrics)
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             if path is not None and not os.path.isfile(path):
                 raise ValidationError(f"{flag}: no such file {path}")
@@ -568,8 +589,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-key", help="PEM private key for --tls-cert")
     s.add_argument("--insecure", action="store_true",
                    help="allow serving a non-loopback address without API keys")
+    s.add_argument("--retain-finished", default="7d", metavar="DURATION",
+                   help="delete finished runs (with their tasks, groups, barriers, timers, join sets) and finished "
+                        "tasks this long after they ended: 30s, 15m, 12h, 7d; 0 keeps everything (default %(default)s)")
+    s.add_argument("--retain-events", default="100000", metavar="COUNT|AGE",
+                   help="events kept per space: a count, or an age such as 24h; 0 keeps every event; a watch or "
+                        "list with an older cursor gets CURSOR_EXPIRED (default %(default)s)")
+    s.add_argument("--watch-buffer-bytes", type=_bounded(int, 4096), default=1 << 20,
+                   help="unsent output a connection may hold before its watches wait (default %(default)s)")
+    s.add_argument("--watch-stall", type=_bounded(float, 0, inclusive=False), default=10.0,
+                   help="seconds a watch may be unable to take events before it is cut off (SLOW_CONSUMER; the SDK "
+                        "resumes from its cursor) (default %(default)s)")
+    s.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9411)")
+    s.add_argument("--slow-request-ms", type=_bounded(float, 0), default=1000.0,
+                   help="log requests slower than this (ms, 0: never) (default %(default)s)")
     s.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    s.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object a line (default %(default)s)")
     s.set_defaults(fn=cmd_serve)
 
     st = sub.add_parser("status", help="server version, uptime, connections, runs by state",

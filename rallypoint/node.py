@@ -65,12 +65,17 @@ async def open_node(
     interval_ms: int = 10,
     snapshot_every_records: int = 100_000,
     snapshot_every_s: float = 60.0,
+    retention: dict | None = None,
 ) -> AsyncIterator[Node]:
     """Open (recover) a coordinator and run its background tasks until the block ends.
 
     ``durability`` defaults to ``memory`` without a data dir and ``fsync`` with one.
+    ``retention``: the Coordinator's ``retain_events``, ``retain_events_ms`` and
+    ``retain_finished_ms`` (see :class:`~rallypoint.actors.Coordinator`); default: keep
+    100,000 events per space and every finished run.
     Raises VALIDATION_FAILED for an unknown mode or a file mode without a data dir.
     """
+    retention = dict(retention or {})
     if durability is None:
         durability = "memory" if data_dir is None else "fsync"
     if durability not in DURABILITY_MODES:
@@ -85,10 +90,11 @@ async def open_node(
             interval_ms=interval_ms,
             snapshot_every_records=snapshot_every_records,
             snapshot_every_s=snapshot_every_s,
+            retention=retention,
         ) as node:
             yield node
         return
-    coord = Coordinator(clock=clock or Clock(), durability="memory")
+    coord = Coordinator(clock=clock or Clock(), durability="memory", **retention)
     node = Node(coord, data_dir, "memory")
     async with _unwrapped(), trio.open_nursery() as nursery:
         await nursery.start(coord.run)
@@ -386,6 +392,7 @@ async def open_persistent_node(
     interval_ms: int,
     snapshot_every_records: int,
     snapshot_every_s: float,
+    retention: dict | None = None,
 ) -> AsyncIterator[Node]:
     """Lock the data dir, recover, run journal + snapshots; snapshot at a clean exit."""
     from .persistence import DataDirLock
@@ -403,7 +410,7 @@ async def open_persistent_node(
         if last is not None:
             clock.resume(*last)  # server time continues, never backward
             gap_ms = clock.mono_ms() - last[0]
-        coord = Coordinator(clock=clock, durability=durability)
+        coord = Coordinator(clock=clock, durability=durability, **(retention or {}))
         rec, info = recover_coordinator(data_dir, coord)
         coord.journal = rec.open_journal(mode=durability, interval_ms=interval_ms)
         coord.rearm_all()
@@ -416,8 +423,13 @@ async def open_persistent_node(
         if info["torn_tail"] is not None:
             log.warning("cut a torn journal tail: %s", info["torn_tail"])
         log.info(
-            "recovered %d entities from %s: snapshot LSN %d, %d journal records replayed, in %.3f s",
-            info["entities"], os.path.abspath(data_dir), info["snapshot_lsn"], info["replayed"], info["seconds"],
+            "recovered %d entities from %s: snapshot LSN %d, %d journal records replayed, %d events kept, in %.3f s",
+            info["entities"], os.path.abspath(data_dir), info["snapshot_lsn"], info["replayed"],
+            coord.events.statistics()["events"], info["seconds"],
+            extra={"event": "recovery", "entities": info["entities"], "data_dir": os.path.abspath(data_dir),
+                   "snapshot_lsn": info["snapshot_lsn"], "replayed": info["replayed"],
+                   "seconds": round(info["seconds"], 4), "downtime_s": info["downtime_s"],
+                   "leases_extended_ms": info["leases_extended_ms"]},
         )
         node = Node(coord, data_dir, durability)
         node.recovery_info = info

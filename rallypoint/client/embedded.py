@@ -57,7 +57,7 @@ class EmbeddedTransport:
         """Open a subscription (``events.watch``): an object with ``start`` (the encoded
         WatchView), ``await next_batch()`` and ``close()``."""
         self._check_open()
-        return await self.service.subscribe(self.session, op, max_bytes=max(64 * 1024, max_events * 256))
+        return await self.service.subscribe(self.session, op, max_bytes=max(4096, max_events * 256))
 
     async def aclose(self) -> None:
         self.closed = True

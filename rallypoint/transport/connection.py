@@ -154,9 +154,10 @@ class Subscription:
     (the encoded WatchView), ``await next_batch()`` (the encoded events that arrived,
     in order; raises the error that ended it once they are read), ``close()``.
 
-    The connection's reader never waits for the application: the buffer holds at most
-    ``max_events``; one more and the subscription is ended here (a Cancel is sent) with
-    SLOW_CONSUMER (``details["client_side"]``), after the events already buffered."""
+    The connection's reader never waits for the application: a Push that arrives when
+    ``max_events`` are already buffered ends the subscription here (a Cancel is sent)
+    with SLOW_CONSUMER (``details["client_side"]``), after the events already buffered
+    (so the buffer holds at most ``max_events`` plus one frame, <= 512 events)."""
 
     def __init__(self, conn: "Connection", rid: int, max_events: int) -> None:
         self.conn = conn
@@ -173,7 +174,7 @@ class Subscription:
     def _feed(self, events: list) -> None:
         if self.error is not None:
             return
-        if len(self._buf) + len(events) > self.max_events:
+        if len(self._buf) >= self.max_events:  # (one frame more is taken: a frame never overflows alone)
             self.error = SlowConsumerError(
                 f"the application did not read this watch fast enough: its client buffer of {self.max_events} "
                 "events filled, so the subscription was ended; resume from the last event read",
