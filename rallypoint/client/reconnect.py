@@ -14,7 +14,7 @@ What happens to a request when the connection drops:
 
   * reads and server-side waits (status, result, group/barrier/timer waits, run
     completion, join-set close, ``join_next`` / ``join_next_try`` at an explicit
-    index or step);
+    index or step, event pages, the operator overview);
   * idempotent writes: ``mailboxes.ensure``, run and task cancel, group close,
     join_task and verdicts, timer cancel and acknowledgement;
   * a delivery's ``run()`` (made once, the same run after), ``renew``, ``complete``,
@@ -111,6 +111,7 @@ _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.TimerStatus, p.TimerWait, p.TimerCancel,
     p.JoinSetGet, p.JoinSetClose,
     p.KeyList,
+    p.EventsList, p.EventsWatch, p.OpsOverview,
 })
 
 
