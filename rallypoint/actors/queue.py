@@ -255,7 +255,8 @@ class WorkQueues(Kind):
     def get_task(self, space: str, task_id) -> TaskState:
         t = self.tasks.get(task_id) if isinstance(task_id, str) else None
         if t is None or t.space != space:
-            raise NotFoundError(f"no task {short(task_id)} in this space", details={"task_id": task_id})
+            hint = self.coord.retention.not_found_hint(task_id) if t is None else ""
+            raise NotFoundError(f"no task {short(task_id)} in this space{hint}", details={"task_id": task_id})
         return t
 
     def route_task(self, session, task_id) -> str:

@@ -12,7 +12,7 @@ and commits ONE ``Purged`` record per space and tick naming what goes:
   cancelled what was pending), so nothing there can still change. A task's own run is
   never purged by itself (it goes with its task), and a subtree holding a task that is
   a member of a group outside it waits for that group (a group's view reads its
-  members);
+  members; such a run is looked at again a retention window later);
 - a **finished task of a live run** (a long-lived run that keeps receiving work, like
   ``rallypoint bench``'s), with its own run. Group members go with their group's gate
   run, join-set children with their set's run; both are read by what stays.
@@ -113,10 +113,12 @@ class Retention(Kind):
         finally:
             coord.heap.arm(trio.current_time() + (BUSY_TICK_S if busy else TICK_S), self._tick)
 
-    def purge_due(self, now_ms: int, budget: int = MAX_PER_RECORD) -> bool:
+    def purge_due(self, now_ms: int, budget: int | None = None) -> bool:
         """Commit one Purged record per space for what is due at ``now_ms`` (at most
         ``budget`` entities in all). Returns True when more is due (a backlog)."""
         horizon = now_ms - self.retain_ms
+        if budget is None:
+            budget = MAX_PER_RECORD
         cands = self.candidates
         coord = self.coord
         runs, queues = coord.runs, coord.queues
