@@ -127,13 +127,26 @@ async def _serve(args) -> int:
             watch_buffer_bytes=args.watch_buffer_bytes,
         )
         node.coordinator.connections_fn = lambda: server.statistics()["connections"]
+        metrics = None
+        from .metrics import Metrics, serve_metrics
+
+        metrics = Metrics(coord, server, getattr(node, "snapshotter", None), slow_s=args.slow_request_ms / 1000)
+        server.metrics = metrics  # (also the slow-request log)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve, None, host, port)
             actual = server.port
+            metrics_port = None
+            if args.metrics:
+                mhost, mport = _parse_listen(args.metrics)
+                await nursery.start(metrics.lag_probe)
+                metrics_port = await nursery.start(serve_metrics, metrics, mhost, mport)
+                log.info("metrics at http://%s:%d/metrics", mhost, metrics_port,
+                         extra={"event": "metrics", "url": f"http://{mhost}:{metrics_port}/metrics"})
             info = node.recovery_info
+            r = coord.retention.retain_ms
             log.info(
                 "rallypoint %s listening on %s://%s:%d (data dir %s, durability %s, %d entities recovered, "
-                "snapshot LSN %s, %s records replayed)",
+                "snapshot LSN %s, %s records replayed; finished runs kept %s, events kept %s)",
                 __version__,
                 "tls" if ssl_context is not None else "tcp",
                 host,
@@ -143,6 +156,14 @@ async def _serve(args) -> int:
                 node.coordinator.entity_count(),
                 info.get("snapshot_lsn", 0),
                 info.get("replayed", 0),
+                f"{r / 1000:g} s" if r else "forever",
+                args.retain_events,
+                extra={"event": "startup", "version": __version__, "listen": f"{host}:{actual}",
+                       "tls": ssl_context is not None, "data_dir": os.path.abspath(data_dir) if data_dir else None,
+                       "durability": node.durability, "entities": node.coordinator.entity_count(),
+                       "snapshot_lsn": info.get("snapshot_lsn", 0), "replayed": info.get("replayed", 0),
+                       "retain_finished_ms": r, "retain_events": args.retain_events,
+                       "metrics_port": metrics_port},
             )
             if coord.keys.open_mode:
                 log.warning("open mode: no API keys are configured; serving WITHOUT authentication on %s", host)
@@ -153,7 +174,8 @@ async def _serve(args) -> int:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 # A line for scripts and test fixtures (stdout, flushed), printed only once
                 # SIGTERM/SIGINT drain the server rather than kill it.
-                print(f"READY {scheme}://{host}:{actual}", flush=True)
+                print(f"READY {scheme}://{host}:{actual}" + (f" METRICS http://{mhost}:{metrics_port}/metrics"
+                                                            if metrics_port else ""), flush=True)
                 async for signum in signals:
                     log.info("received %s: draining (no new connections, finishing in-flight requests)",
                              signal.Signals(signum).name)

@@ -107,11 +107,12 @@ class RateLimitedLogger:
         self.emitted = 0
         self.suppressed = 0
 
-    def log(self, level: int, key: str, msg: str, *args: Any, exc_info: Any = None) -> bool:
+    def log(self, level: int, key: str, msg: str, *args: Any, exc_info: Any = None, extra: dict | None = None) -> bool:
         """Log ``msg % args`` at ``level`` unless ``key`` already had ``burst`` events in
         its current window. Returns True if the line was written, False if it was
         suppressed (counted) or the level is disabled (not counted). ``exc_info`` is
-        passed to the logger as is (a traceback only for the lines that are written)."""
+        passed to the logger as is (a traceback only for the lines that are written);
+        ``extra`` too (structured fields for ``--log-format json``)."""
         logger = self.logger
         if not logger.isEnabledFor(level):
             return False
@@ -127,7 +128,7 @@ class RateLimitedLogger:
         if w.logged < self.burst:
             w.logged += 1
             self.emitted += 1
-            logger.log(level, msg, *args, exc_info=exc_info, stacklevel=2)
+            logger.log(level, msg, *args, exc_info=exc_info, stacklevel=2, extra=extra)
             return True
         w.suppressed += 1
         self.suppressed += 1

@@ -174,8 +174,9 @@ class Service:
 
     def __init__(self, coordinator) -> None:
         self.coordinator = coordinator
-        self._ops: dict[type, tuple[Any, Any, str]] = {
-            t: (getattr(getattr(coordinator, spec.kind), spec.handler), spec.route, spec.permission)
+        self._ops: dict[type, tuple[Any, Any, str, str]] = {
+            t: (getattr(getattr(coordinator, spec.kind), spec.handler), spec.route, spec.permission,
+                t.__struct_config__.tag)
             for t, spec in OPS.items()
         }
 
@@ -216,7 +217,10 @@ class Service:
         except ValidationError as exc:
             sink.deliver(rid, exc, 0)
             return
-        handler, route, permission = self._ops[type(op)]
+        handler, route, permission, tag = self._ops[type(op)]
+        note = getattr(sink, "note_op", None)
+        if note is not None:
+            note(rid, tag)
         try:
             if coord.failed is not None:
                 raise UnavailableError("the server stopped after an internal failure; retry once it restarted",

@@ -23,6 +23,8 @@ Key operations run on the space's actor.
 
 from __future__ import annotations
 
+import logging
+
 import hashlib
 import hmac
 import secrets
@@ -42,6 +44,15 @@ from .kind import Kind
 __all__ = ["KeyState", "Keys", "hash_secret", "SECRET_PREFIX"]
 
 SECRET_PREFIX = "rpk_"
+
+
+_log = logging.getLogger("rallypoint.keys")
+
+
+def _who(session) -> str:
+    if getattr(session, "local", False):
+        return "the local operator (--data-dir)"
+    return f"key {session.key_id}" if getattr(session, "key_id", None) else f"open mode ({getattr(session, 'peer', '')})"
 
 
 def hash_secret(secret: str) -> str:
@@ -168,6 +179,10 @@ class Keys(Kind):
                 details={"space": op.space},
             )
         k, secret = self.create_key(op.space, op.permissions, op.name, allow_operator=getattr(session, "local", False))
+        _log.info("API key %s created in space %s (permissions %s, name %s) by %s", k.id, k.space,
+                  ",".join(k.permissions), k.name or "-", _who(session),
+                  extra={"event": "key_created", "key_id": k.id, "space": k.space, "permissions": list(k.permissions),
+                         "key_name": k.name, "by": _who(session)})
         return self.view(k, secret)
 
     def op_key_list(self, actor, session, op: KeyList) -> KeyListView:
@@ -189,7 +204,10 @@ class Keys(Kind):
         k = self.table.get(op.key_id) if isinstance(op.key_id, str) else None
         if k is None or (k.space != session.space and not _cross_space(session)):
             raise NotFoundError(f"no API key {short(op.key_id)} in this space", details={"key_id": short(op.key_id)})
-        return self.view(self.revoke_key(k.id))
+        view = self.view(self.revoke_key(k.id))
+        _log.info("API key %s of space %s revoked by %s", k.id, k.space, _who(session),
+                  extra={"event": "key_revoked", "key_id": k.id, "space": k.space, "by": _who(session)})
+        return view
 
     @applies(KeyCreated)
     def _apply_created(self, r: KeyCreated) -> None:

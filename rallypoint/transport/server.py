@@ -43,6 +43,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from collections import deque
 from typing import Any, Protocol, Sequence
 
@@ -193,6 +194,9 @@ class _Conn:
         self.live: dict[int, Any] = {}
         # subscriptions (events.watch) of this connection: request id -> Watcher
         self.streams: dict[int, Any] = {}
+        # metrics: request id -> [receipt time (perf_counter), op], while it is answered
+        self.req_meta: dict[int, list] = {}
+        self.t_rx = time.perf_counter()
         self.closing = False
         self.draining = False
         self.rx_count = 0
@@ -208,6 +212,7 @@ class _Conn:
         dispatcher = server.dispatcher
         self._submit = dispatcher.submit
         self._watch_wake = getattr(dispatcher, "watch_wake", None)
+        self._metrics = server.metrics
         self._durable_lsn = dispatcher.durable_lsn
         self._max_inflight = server.max_inflight_per_conn
         self._max_out = server.max_outgoing_bytes
@@ -367,6 +372,8 @@ class _Conn:
         self.inflight += 1
         if self.inflight > self.max_inflight:
             self.max_inflight = self.inflight
+        if self._metrics is not None:
+            self.req_meta[rid] = [self.t_rx, "invalid"]
         try:
             self._submit(self.session, body, self, rid)
         except Exception as exc:  # the dispatcher answers its own errors; this is a bug
@@ -375,6 +382,18 @@ class _Conn:
                 self.request_done()
 
     # ReplySink -------------------------------------------------------------------
+    def note_op(self, rid: int, op: str) -> None:
+        """The dispatcher decoded request ``rid``: operation ``op`` (for the metrics)."""
+        m = self.req_meta.get(rid)
+        if m is not None:
+            m[1] = op
+
+    def _observe(self, rid: int, reply: Any) -> None:
+        m = self.req_meta.pop(rid, None)
+        if m is not None:
+            code = "OK" if type(reply) is bytes else getattr(reply, "code", "INTERNAL")
+            self._metrics.observe(m[1], code, time.perf_counter() - m[0], self.peer)
+
     def deliver(self, rid: int, reply: Any, lsn: int) -> None:
         """An actor's answer to request ``rid``: queued at once when the journal is
         durable past ``lsn`` (and written by :meth:`flush`, which the dispatcher calls
@@ -383,6 +402,8 @@ class _Conn:
         if state is _GONE:
             return  # already answered (e.g. a wait answered UNAVAILABLE at drain)
         if state is _CANCELLED or self.closing:
+            if self.req_meta:
+                self.req_meta.pop(rid, None)
             self.request_done()
             return
         if lsn <= self._durable_lsn():
@@ -392,6 +413,8 @@ class _Conn:
                 self.send_error(rid, reply, False)
             else:
                 self.send_internal(rid, reply)
+            if self.req_meta:
+                self._observe(rid, reply)
             self.request_done()
             return
         self.deferred.append((lsn, rid, reply))
@@ -514,6 +537,7 @@ class _Conn:
             self.live[rid] = _CANCELLED
             return
         del self.live[rid]
+        self.req_meta.pop(rid, None)
         state.cancel()
         self.request_done()
 
@@ -527,6 +551,10 @@ class _Conn:
             state.cancel()
             if answer is not None:
                 self.send_error(rid, answer)
+                if self.req_meta:
+                    self._observe(rid, answer)
+            else:
+                self.req_meta.pop(rid, None)
             self.request_done()
 
     # ------------------------------------------------------------------- tasks
@@ -593,6 +621,7 @@ class _Conn:
             else:
                 send_ok = self.send_ok
                 popleft = fifo.popleft
+                meta = self.req_meta
                 for _ in range(n):
                     _, rid, reply = popleft()
                     if type(reply) is bytes:
@@ -601,6 +630,8 @@ class _Conn:
                         self.send_error(rid, reply, False)
                     else:
                         self.send_internal(rid, reply)
+                    if meta:
+                        self._observe(rid, reply)
             self.request_done(n)
             self.flush()
 
@@ -703,6 +734,8 @@ class _Conn:
                 return
             self.rx_count += 1
             self.bytes_in += len(data)
+            if self._metrics is not None:
+                self.t_rx = time.perf_counter()
             frames = parser.feed(data)
 
     async def wait_capacity(self) -> None:
@@ -766,6 +799,11 @@ class _Conn:
         try:
             self.session, hello_ok = server.dispatcher.hello(hello, self.peer)
         except RallypointError as exc:
+            if exc.code in ("UNAUTHENTICATED", "FORBIDDEN"):
+                server.log_limiter.log(
+                    logging.WARNING, "auth-failed", "authentication failed for %s (client %r): %s",
+                    self.peer, hello.client, exc.message,
+                    extra={"event": "auth_failed", "peer": self.peer, "client": hello.client, "code": exc.code})
             self.send_error(0, exc)
             return None
         except Exception as exc:
@@ -926,6 +964,8 @@ class Server:
         self.max_outgoing_bytes = max_outgoing_bytes
         self.drain_wait_grace = drain_wait_grace
         self.watch_buffer_bytes = watch_buffer_bytes
+        #: a rallypoint.metrics.Metrics (``observe(op, code, seconds, peer)`` per reply), or None
+        self.metrics: Any = None
         #: Every repeated log event of the server goes through this (see the module doc).
         self.log_limiter = RateLimitedLogger(log, window_s=log_window_s, burst=log_burst)
         self.listeners: list[trio.SocketListener] = []
