@@ -1,4 +1,4 @@
-"""The ``rallypoint`` command: ``serve | status | runs | keys | repair | bench``.
+"""The ``rallypoint`` command: ``serve | status | runs | watch | top | keys | repair | bench``.
 
 ``rallypoint serve`` runs the daemon: it logs its address, version, data dir, durability
 and what it recovered; SIGINT/SIGTERM drain it (stop accepting, finish in-flight
@@ -457,6 +457,169 @@ def cmd_runs(args) -> int:
     return 2
 
 
+# ------------------------------------------------------------------------------ watch, top
+_STYLE = {
+    "failed": "bold red", "cancelled": "red", "expired": "red", "deadline": "red", "lease_expired": "yellow",
+    "completed": "green", "released": "green", "finalized": "bold", "closed": "cyan", "fired": "cyan",
+    "created": "blue", "submitted": "dim", "delivered": "dim", "purged": "magenta",
+}
+
+
+def _event_line(e):
+    """One rich Text line for an event: seq, time, type, aggregate, run, data."""
+    from rich.text import Text
+
+    what = e.type.split(".", 1)[1]
+    style = _STYLE.get(what, "")
+    line = Text()
+    line.append(f"{e.seq:>8} ", style="dim")
+    line.append(e.at.strftime("%H:%M:%S.%f")[:-3] + " ", style="dim")
+    line.append(f"{e.type:<24}", style=style)
+    line.append(f" {e.kind}:{e.id}")
+    if e.run and e.run != e.id:
+        line.append(f"  run {e.run}", style="dim")
+    if e.data:
+        line.append("  " + " ".join(f"{k}={v}" for k, v in e.data.items()), style="italic")
+    return line
+
+
+def _event_json(e) -> str:
+    return json.dumps({"seq": e.seq, "type": e.type, "kind": e.kind, "id": e.id, "run": e.run,
+                       "at": e.at.isoformat().replace("+00:00", "Z"), "data": e.data}, separators=(",", ":"))
+
+
+def cmd_watch(args) -> int:
+    """``watch``: print the space's events as they happen (pushed by the server), from
+    now (default), after ``--cursor``, or from the oldest kept (``--from-start``);
+    ``--types``, ``--run`` (and everything below it), ``--aggregate`` filter; ``--json``
+    one object a line; ``--count N`` stops after N events. Resumes by itself across a
+    daemon restart. Ctrl-C ends it (exit 0)."""
+    import rallypoint
+    from rich.console import Console
+
+    from .errors import RallypointError
+
+    console = Console(highlight=False, soft_wrap=True)
+    start = "oldest" if args.from_start else "now"
+    printed = [0]
+
+    async def main():
+        async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=args.tls_ca) as rs:
+            async with rs.events.watch(cursor=args.cursor, types=args.types, scope=args.run,
+                                       aggregate=args.aggregate, start=start) as stream:
+                async for e in stream:
+                    if args.json:
+                        sys.stdout.write(_event_json(e) + "\n")
+                        sys.stdout.flush()
+                    else:
+                        console.print(_event_line(e))
+                    printed[0] += 1
+                    if args.count and printed[0] >= args.count:
+                        return
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 0
+
+
+def _top_frame(ov, st, url: str, rates: dict, limit: int):
+    """One frame of ``top``: a rich Group of tables."""
+    import datetime as _dt
+
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+
+    def age(t) -> str:
+        return _fmt_age((now - t).total_seconds()) if t is not None else "-"
+
+    head = Text()
+    head.append(f"rallypoint {st.version}", style="bold")
+    head.append(f"  {url}  up {_fmt_age(st.uptime_s)}  {st.connections} connections  {st.durability}  "
+                f"LSN {st.last_lsn}  {ov.entities} entities  events {ov.events.get('newest', 0)} "
+                f"({ov.events.get('watchers', 0)} watching)  purged {ov.retention.get('entities', 0)}")
+    tasks = "  ".join(f"{k} {v}" for k, v in sorted(ov.tasks.items())) or "no tasks"
+    head.append(f"\nruns: {ov.runs_active} active   tasks: {tasks}")
+
+    runs = Table(title=f"active runs (newest {limit})", title_justify="left", expand=True)
+    for col in ("run", "name", "age", "queued", "running", "done", "failed", "children"):
+        runs.add_column(col, justify="right" if col not in ("run", "name") else "left")
+    for r in ov.runs:
+        t = r.tasks
+        runs.add_row(r.id, r.name or "", age(r.created_at), str(t.get("QUEUED", 0)), str(t.get("RUNNING", 0)),
+                     str(t.get("SUCCEEDED", 0)), str(t.get("FAILED", 0) + t.get("CANCELLED", 0) + t.get("EXPIRED", 0)),
+                     str(r.children))
+    queues = Table(title="work queues", title_justify="left", expand=True)
+    for col in ("queue", "depth", "in flight", "done/s", "done"):
+        queues.add_column(col, justify="left" if col == "queue" else "right")
+    for q in ov.queues:
+        queues.add_row(q.name, str(q.queued), str(q.running), f"{rates.get(q.name, 0.0):,.0f}", str(q.done))
+    groups = Table(title=f"open groups ({ov.groups_open})", title_justify="left", expand=True)
+    for col in ("group", "condition", "state", "members", "accepted", "age"):
+        groups.add_column(col, justify="left" if col in ("group", "condition", "state") else "right")
+    for g in ov.groups:
+        groups.add_row(g.id, g.condition, g.state, str(g.members), str(g.accepted), age(g.created_at))
+    waits = Table(title="actors and waits", title_justify="left", expand=True)
+    for col in ("kind", "active", "passive", "inbox", "waiting"):
+        waits.add_column(col, justify="left" if col == "kind" else "right")
+    for kind, a in sorted(ov.waits.items()):
+        waits.add_row(kind, str(a.get("active", 0)), str(a.get("passive", 0)), str(a.get("inbox", 0)),
+                      str(a.get("waiters", 0)))
+    return Group(head, runs, queues, groups, waits)
+
+
+def cmd_top(args) -> int:
+    """``top``: a live, refreshing view of the space: active runs, work queues (depth,
+    in flight, completions per second), open groups, actors and parked waits. ``--once``
+    prints one frame (the default when stdout is not a terminal). Ctrl-C ends it."""
+    import rallypoint
+    from rich.console import Console
+    from rich.live import Live
+
+    from .errors import RallypointError
+
+    console = Console(highlight=False)
+    once = args.once or not console.is_terminal
+
+    async def main():
+        async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=args.tls_ca) as rs:
+            prev: dict = {}
+            prev_t = None
+            rates: dict = {}
+
+            async def frame():
+                nonlocal prev, prev_t, rates
+                ov, st = await rs.overview(limit=args.limit), await rs.status()
+                t = time.monotonic()
+                done = {q.name: q.done for q in ov.queues}
+                if prev_t is not None and t > prev_t:
+                    rates = {n: max(0, d - prev.get(n, d)) / (t - prev_t) for n, d in done.items()}
+                prev, prev_t = done, t
+                return _top_frame(ov, st, args.connect, rates, args.limit)
+
+            if once:
+                console.print(await frame())
+                return
+            with Live(await frame(), console=console, refresh_per_second=4, screen=False) as live:
+                while True:
+                    await trio.sleep(args.interval)
+                    live.update(await frame())
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 0
+
+
 class _OpenModeRefused(Exception):
     """``keys create`` on a running open-mode daemon without ``--force``."""
 
@@ -655,6 +818,25 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("id")
     ca.add_argument("--reason")
     r.set_defaults(fn=cmd_runs)
+
+    w = sub.add_parser("watch", help="print the space's events live (pushed by the server)",
+                       parents=[_client_options()])
+    w.add_argument("--types", help="comma-separated event types or prefixes (task.failed,scope.*)")
+    w.add_argument("--run", metavar="RUN_ID", help="only this run and the runs below it")
+    w.add_argument("--aggregate", metavar="KIND:ID", help="only this entity (task:tsk_..., or an id)")
+    wpos = w.add_mutually_exclusive_group()
+    wpos.add_argument("--cursor", type=_bounded(int, 0), help="start after this event seq (resume)")
+    wpos.add_argument("--from-start", action="store_true", help="start at the oldest event kept (default: now)")
+    w.add_argument("--json", action="store_true", help="one JSON object a line")
+    w.add_argument("--count", type=_bounded(int, 1), help="stop after this many events")
+    w.set_defaults(fn=cmd_watch)
+
+    tp = sub.add_parser("top", help="a live view of runs, queues, groups and waits", parents=[_client_options()])
+    tp.add_argument("--interval", type=_bounded(float, 0, inclusive=False), default=1.0,
+                    help="seconds between refreshes (default %(default)s)")
+    tp.add_argument("--limit", type=_bounded(int, 1, maximum=1000), default=15, help="rows of runs and groups")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit (the default off a terminal)")
+    tp.set_defaults(fn=cmd_top)
 
     k = sub.add_parser("keys", help="create, list and revoke API keys (offline on --data-dir, or --connect)",
                        parents=[_client_options(connect_default=None, data_dir=True, json_flag=True)])
