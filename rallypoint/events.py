@@ -49,25 +49,24 @@ __all__ = [
 DEFAULT_RETAIN_EVENTS = 100_000
 
 
-class Entry:
-    """One event in memory. ``at_ms`` is the wall instant (ms) of the change it describes;
-    ``lsn`` the journal entry that made it (0: known durable: loaded or replayed);
-    ``raw`` its wire encoding, made once when first needed."""
+class Entry(msgspec.Struct, gc=False):
+    """One event in memory. ``data`` is a dict, or a msgspec Struct (``gc=False``) that
+    encodes as the same map (the hot task events: no GC allocation per event); ``at_ms``
+    is the wall instant (ms) of the change it describes;
+    ``seq`` is given when its commit is journaled; ``lsn`` is that journal entry (0:
+    known durable: loaded or replayed); ``raw`` its wire encoding, made once when first
+    needed. (A Struct without GC tracking: the log holds 100,000s of them.)"""
 
-    __slots__ = ("seq", "space", "type", "kind", "id", "run", "at_ms", "data", "lsn", "raw")
-
-    def __init__(self, space: str, type: str, kind: str, id: str, run: str | None, at_ms: int,
-                 data: dict | None = None) -> None:
-        self.seq = 0
-        self.space = space
-        self.type = type
-        self.kind = kind
-        self.id = id
-        self.run = run
-        self.at_ms = at_ms
-        self.data = data
-        self.lsn = 0
-        self.raw: bytes | None = None
+    space: str
+    type: str
+    kind: str
+    id: str
+    run: str | None
+    at_ms: int
+    data: dict | None = None
+    seq: int = 0
+    lsn: int = 0
+    raw: bytes | None = None
 
     def __repr__(self) -> str:
         return f"<Event {self.seq} {self.type} {self.kind}:{self.id} run={self.run}>"
@@ -78,8 +77,9 @@ ev = Entry  # the constructor emitters use: ev(space, type, kind, id, run, at_ms
 
 def emits(*rec_types: type) -> Callable:
     """Mark a kind's method as the event source of these record (or implied fact) types:
-    ``fn(record) -> list[Entry] | None``, called after the record was applied. At most
-    one per type per kind; the coordinator builds its table from the marks."""
+    ``fn(record) -> Entry | list[Entry] | None`` (one event, several, or none), called
+    after the record was applied. At most one per type per kind; the coordinator builds
+    its table from the marks."""
 
     def deco(fn):
         fn._emits = rec_types
@@ -100,7 +100,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     # work queues and tasks
     "mailbox.created": ("mailbox", "a work queue was created", "name, max_attempts, backlog_limit"),
     "task.submitted": ("task", "a task was queued", "mailbox, key, group, joinset, deadline"),
-    "task.delivered": ("task", "a worker leased the task", "attempt, token, delivery"),
+    "task.delivered": ("task", "a worker leased the task", "attempt, token"),
     "task.completing": ("task", "its worker completed a task that owns a run; the run's join sets are closing",
                         "attempt, run"),
     "task.completed": ("task", "the task SUCCEEDED", "attempt"),
@@ -321,23 +321,25 @@ class EventLog:
         streams = self.streams
         last = None
         s = None
+        limit = self.retain_count
         for e in pending:
             if e.space != last:
+                if s is not None and limit is not None and len(s.entries) - s.start > limit + (limit >> 4):
+                    self.dropped += s.drop_before(s.next_seq - limit)  # (trimmed in steps: amortized)
                 last = e.space
                 s = streams.get(last)
                 if s is None:
                     s = streams[last] = Stream(last)
-            e.seq = s.next_seq
-            s.next_seq += 1
+                seq = s.next_seq
+                append = s.entries.append
+            e.seq = seq
+            seq += 1
+            s.next_seq = seq
             e.lsn = lsn
-            s.entries.append(e)
+            append(e)
+        if limit is not None and len(s.entries) - s.start > limit + (limit >> 4):
+            self.dropped += s.drop_before(s.next_seq - limit)
         self.emitted += len(pending)
-        limit = self.retain_count
-        if limit is not None:
-            for s in {streams[e.space] for e in pending} if len(streams) > 1 else (s,):
-                n = len(s)
-                if n > limit + (limit >> 4):  # trim in steps: amortized
-                    self.dropped += s.drop_before(s.next_seq - limit)
         if self.on_publish is not None:
             self.on_publish()
 

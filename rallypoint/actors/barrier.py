@@ -192,7 +192,7 @@ class Barriers(Kind):
     # ================================================================ events
     @emits(BarrierCreated)
     def _ev_created(self, r: BarrierCreated):
-        return (ev(r.space, "barrier.created", "barrier", r.id, r.scope_id, r.at_ms, {"target": r.target}),)
+        return ev(r.space, "barrier.created", "barrier", r.id, r.scope_id, r.at_ms, {"target": r.target})
 
     @emits(BarrierArrived)
     def _ev_arrived(self, r: BarrierArrived):
@@ -206,12 +206,12 @@ class Barriers(Kind):
     @emits(BarrierNextEpoch)
     def _ev_next_epoch(self, r: BarrierNextEpoch):
         b = self.table[r.id]
-        return (ev(b.space, "barrier.next_epoch", "barrier", b.id, b.scope_id, r.at_ms, {"epoch": r.epoch}),)
+        return ev(b.space, "barrier.next_epoch", "barrier", b.id, b.scope_id, r.at_ms, {"epoch": r.epoch})
 
     @emits(BarrierCancelled)
     def _ev_cancelled(self, r: BarrierCancelled):
         b = self.table[r.id]
-        return (ev(b.space, "barrier.cancelled", "barrier", b.id, b.scope_id, r.at_ms, {"reason": r.reason}),)
+        return ev(b.space, "barrier.cancelled", "barrier", b.id, b.scope_id, r.at_ms, {"reason": r.reason})
 
     def rebuild_indexes(self) -> None:
         runs = self.coord.runs

@@ -40,7 +40,7 @@ from ..clock import Clock
 from ..errors import InternalError, RallypointError, UnavailableError
 from ..ids import IdGenerator
 from ..protocol import encoder
-from ..events import DEFAULT_RETAIN_EVENTS, EventLog
+from ..events import DEFAULT_RETAIN_EVENTS, Entry, EventLog
 from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
 from .barrier import Barriers
 from .common import MemoryJournal
@@ -185,6 +185,7 @@ class Coordinator:
         if self.failed is not None:
             raise FatalError("the coordinator stopped after a failed apply") from self.failed
         events = self.events
+        pending = events.pending  # (implied facts append here too; publish replaces it after the journal)
         try:
             apply = self._apply
             emit = self._emit
@@ -193,16 +194,22 @@ class Coordinator:
                 while i < len(records):
                     rec = records[i]
                     t = type(rec)
-                    mark = len(events.pending)
-                    apply[t](rec)
                     fn = emit.get(t)
-                    if fn is not None:
+                    if fn is None:
+                        apply[t](rec)
+                    else:
+                        mark = len(pending)
+                        apply[t](rec)
                         out = fn(rec)
-                        if out:
-                            pending = events.pending
-                            if len(pending) == mark:
-                                pending.extend(out)
-                            else:  # the record's own events before what its step implied
+                        if out is not None:
+                            if type(out) is Entry:
+                                if len(pending) == mark:
+                                    pending.append(out)
+                                else:  # the record's own events before what its step implied
+                                    pending.insert(mark, out)
+                            elif len(pending) == mark:
+                                pending += out
+                            else:
                                 pending[mark:mark] = out
                     i += 1
                 more = self.groups.react()
@@ -233,8 +240,11 @@ class Coordinator:
         fn = self._emit.get(type(fact))
         if fn is not None:
             out = fn(fact)
-            if out:
-                self.events.pending.extend(out)
+            if out is not None:
+                if type(out) is Entry:
+                    self.events.pending.append(out)
+                else:
+                    self.events.pending.extend(out)
 
     def _fail(self, exc: BaseException, records: list) -> None:
         self.failed = exc
@@ -256,8 +266,8 @@ class Coordinator:
         fn = self._emit.get(t)
         if fn is not None:
             out = fn(rec)
-            if out:
-                events.pending[mark:mark] = out
+            if out is not None:
+                events.pending[mark:mark] = [out] if type(out) is Entry else out
 
     def replay(self, payload: bytes) -> None:
         """Apply one journal entry during recovery (no reactions, no activities, no

@@ -549,19 +549,19 @@ class Groups(Kind):
         g = self.table[r.group_id]
         if g.state != "SEALED":
             return None  # already finalized: nothing changed
-        return (ev(g.space, "group.sealed", "group", g.id, g.gate_scope_id, r.at_ms, None),)
+        return ev(g.space, "group.sealed", "group", g.id, g.gate_scope_id, r.at_ms, None)
 
     @emits(GroupVerdict)
     def _ev_verdict(self, r: GroupVerdict):
         g = self.table[r.group_id]
-        return (ev(g.space, "group.verdict", "group", g.id, g.gate_scope_id, r.at_ms,
-                   data(task=r.task_id, verdict=r.verdict, late=r.late or None)),)
+        return ev(g.space, "group.verdict", "group", g.id, g.gate_scope_id, r.at_ms,
+                  data(task=r.task_id, verdict=r.verdict, late=r.late or None))
 
     @emits(GroupFinalized)
     def _ev_finalized(self, r: GroupFinalized):
         g = self.table[r.group_id]
-        return (ev(g.space, "group.finalized", "group", g.id, g.gate_scope_id, r.at_ms,
-                   {"outcome": r.outcome, "reason": r.reason}),)
+        return ev(g.space, "group.finalized", "group", g.id, g.gate_scope_id, r.at_ms,
+                  {"outcome": r.outcome, "reason": r.reason})
 
     # ================================================================ recovery
     def rebuild_indexes(self) -> None:

@@ -664,13 +664,13 @@ class JoinSets(Kind):
     # ================================================================ events
     @emits(JoinSetCreated)
     def _ev_created(self, r: JoinSetCreated):
-        return (ev(r.space, "joinset.created", "joinset", r.id, r.scope_id, r.at_ms, data(name=r.name)),)
+        return ev(r.space, "joinset.created", "joinset", r.id, r.scope_id, r.at_ms, data(name=r.name))
 
     @emits(JoinSetDelaySubmitted)
     def _ev_delay(self, r: JoinSetDelaySubmitted):
         js = self.table[r.joinset_id]
-        return (ev(js.space, "joinset.delay_submitted", "joinset", js.id, js.scope_id, r.at_ms,
-                   {"child": r.child_id, "fire_at": to_iso(r.fire_at_ms)}),)
+        return ev(js.space, "joinset.delay_submitted", "joinset", js.id, js.scope_id, r.at_ms,
+                  {"child": r.child_id, "fire_at": to_iso(r.fire_at_ms)})
 
     @emits(JoinSetDelayFired, JoinSetClosed)
     def _ev_described_by_facts(self, r):
@@ -682,24 +682,24 @@ class JoinSets(Kind):
     @emits(JoinSetConsumed)
     def _ev_consumed(self, r: JoinSetConsumed):
         js = self.table[r.joinset_id]
-        return (ev(js.space, "joinset.consumed", "joinset", js.id, js.scope_id, r.at_ms,
-                   data(index=r.index, step=r.step)),)
+        return ev(js.space, "joinset.consumed", "joinset", js.id, js.scope_id, r.at_ms,
+                  data(index=r.index, step=r.step))
 
     @emits(JoinSetChildDone)
     def _ev_child_done(self, r: JoinSetChildDone):
         js = self.table[r.joinset_id]
-        return (ev(js.space, "joinset.child_done", "joinset", js.id, js.scope_id, r.at_ms,
-                   data(child=r.child_id, child_kind=r.child_kind, ok=r.ok, failure_kind=r.failure_kind)),)
+        return ev(js.space, "joinset.child_done", "joinset", js.id, js.scope_id, r.at_ms,
+                  data(child=r.child_id, child_kind=r.child_kind, ok=r.ok, failure_kind=r.failure_kind))
 
     @emits(JoinSetClosing)
     def _ev_closing(self, r: JoinSetClosing):
         js = self.table[r.joinset_id]
-        return (ev(js.space, "joinset.closing", "joinset", js.id, js.scope_id, r.at_ms, None),)
+        return ev(js.space, "joinset.closing", "joinset", js.id, js.scope_id, r.at_ms, None)
 
     @emits(JoinSetDone)
     def _ev_done(self, r: JoinSetDone):
         js = self.table[r.joinset_id]
-        return (ev(js.space, "joinset.closed", "joinset", js.id, js.scope_id, r.at_ms, None),)
+        return ev(js.space, "joinset.closed", "joinset", js.id, js.scope_id, r.at_ms, None)
 
     # ================================================================ run completion
     def open_count(self, run_id: str) -> int:

@@ -219,13 +219,13 @@ class Keys(Kind):
 
     @emits(KeyCreated)
     def _ev_created(self, r: KeyCreated):
-        return (ev(r.space, "key.created", "key", r.id, None, r.at_ms,
-                   data(name=r.name, permissions=list(r.permissions))),)
+        return ev(r.space, "key.created", "key", r.id, None, r.at_ms,
+                  data(name=r.name, permissions=list(r.permissions)))
 
     @emits(KeyRevoked)
     def _ev_revoked(self, r: KeyRevoked):
         k = self.table[r.id]
-        return (ev(k.space, "key.revoked", "key", k.id, None, r.at_ms, None),)
+        return ev(k.space, "key.revoked", "key", k.id, None, r.at_ms, None)
 
     @applies(KeyRevoked)
     def _apply_revoked(self, r: KeyRevoked) -> None:

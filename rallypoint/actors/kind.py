@@ -98,8 +98,8 @@ class Kind:
 
     def emitters(self) -> dict[type, Callable[[Any], Any]]:
         """Record (or implied fact) type -> bound event source, from the ``@emits`` marks
-        (:mod:`rallypoint.events`): ``fn(record) -> list[Entry] | None``, called after
-        the record was applied."""
+        (:mod:`rallypoint.events`): ``fn(record) -> Entry | list[Entry] | None``, called
+        after the record was applied."""
         out: dict[type, Callable[[Any], Any]] = {}
         for name in dir(type(self)):
             fn = getattr(type(self), name, None)

@@ -227,8 +227,8 @@ class Retention(Kind):
 
     @emits(Purged)
     def _ev_purged(self, r: Purged):
-        return (ev(r.space, "retention.purged", "space", r.space, None, r.at_ms,
-                   {"runs": len(r.runs), "tasks": len(r.tasks), "entities": self._last_removed}),)
+        return ev(r.space, "retention.purged", "space", r.space, None, r.at_ms,
+                  {"runs": len(r.runs), "tasks": len(r.tasks), "entities": self._last_removed})
 
     # ------------------------------------------------------------------ lookups
     def not_found_hint(self, entity_id) -> str:

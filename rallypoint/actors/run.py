@@ -413,19 +413,19 @@ class Runs(Kind):
     # ================================================================ events
     @emits(ScopeCreated)
     def _ev_created(self, r: ScopeCreated):
-        return (ev(r.space, "scope.created", "scope", r.id, r.id, r.at_ms,
-                   data(parent=r.parent_id, name=r.name, deadline=to_iso(r.deadline_ms), group=r.group_id)),)
+        return ev(r.space, "scope.created", "scope", r.id, r.id, r.at_ms,
+                  data(parent=r.parent_id, name=r.name, deadline=to_iso(r.deadline_ms), group=r.group_id))
 
     @emits(ScopeEnded)
     def _ev_ended(self, r: ScopeEnded):
         s = self.table[r.id]
         kind = "scope.cancelled" if r.state == "CANCELLED" else "scope.completed"
-        return (ev(s.space, kind, "scope", s.id, s.id, r.at_ms, data(reason=r.reason)),)
+        return ev(s.space, kind, "scope", s.id, s.id, r.at_ms, data(reason=r.reason))
 
     @emits(ScopeDeadlinePassed)
     def _ev_deadline(self, r: ScopeDeadlinePassed):
         s = self.table[r.id]
-        return (ev(s.space, "scope.deadline", "scope", s.id, s.id, r.at_ms, data(deadline=to_iso(s.deadline_ms))),)
+        return ev(s.space, "scope.deadline", "scope", s.id, s.id, r.at_ms, data(deadline=to_iso(s.deadline_ms)))
 
     # ================================================================ activities
     def _on_deadline(self, arg) -> None:

@@ -110,6 +110,13 @@ class ReplySink:
     def push(self, rid: int, events: list) -> None:
         """Send encoded events (a list of bytes) for subscription ``rid``."""
 
+    def push_encoded(self, rid: int, n: int, array: bytes) -> None:
+        """Send ``n`` events for subscription ``rid``, encoded together as one msgpack
+        array (the same bytes as :meth:`push` would send)."""
+        import msgspec
+
+        self.push(rid, [bytes(r) for r in msgspec.msgpack.decode(array, type=list[msgspec.Raw])])
+
     def end_stream(self, rid: int, error) -> None:
         """The server ends subscription ``rid`` with ``error`` (a RallypointError)."""
 

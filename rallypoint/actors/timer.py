@@ -204,22 +204,22 @@ class Timers(Kind):
     # ================================================================ events
     @emits(TimerCreated)
     def _ev_created(self, r: TimerCreated):
-        return (ev(r.space, "timer.created", "timer", r.id, r.scope_id, r.at_ms, {"fire_at": to_iso(r.fire_at_ms)}),)
+        return ev(r.space, "timer.created", "timer", r.id, r.scope_id, r.at_ms, {"fire_at": to_iso(r.fire_at_ms)})
 
     @emits(TimerFired)
     def _ev_fired(self, r: TimerFired):
         t = self.table[r.id]
-        return (ev(t.space, "timer.fired", "timer", t.id, t.scope_id, r.at_ms, None),)
+        return ev(t.space, "timer.fired", "timer", t.id, t.scope_id, r.at_ms, None)
 
     @emits(TimerAcked)
     def _ev_acked(self, r: TimerAcked):
         t = self.table[r.id]
-        return (ev(t.space, "timer.acked", "timer", t.id, t.scope_id, r.at_ms, None),)
+        return ev(t.space, "timer.acked", "timer", t.id, t.scope_id, r.at_ms, None)
 
     @emits(TimerCancelled)
     def _ev_cancelled(self, r: TimerCancelled):
         t = self.table[r.id]
-        return (ev(t.space, "timer.cancelled", "timer", t.id, t.scope_id, r.at_ms, {"reason": t.cancel_reason}),)
+        return ev(t.space, "timer.cancelled", "timer", t.id, t.scope_id, r.at_ms, {"reason": t.cancel_reason})
 
     def rebuild_indexes(self) -> None:
         runs = self.coord.runs

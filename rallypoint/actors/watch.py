@@ -41,14 +41,25 @@ MAX_PUSH_EVENTS = 512
 _MAX_PUSH_BYTES = 256 * 1024
 
 _encode = encoder.encode
+_iso_memo = [0, ""]  # the last instant rendered (the events of one commit share theirs)
+
+
+def _iso(ms: int) -> str:
+    memo = _iso_memo
+    if memo[0] != ms:
+        memo[0], memo[1] = ms, to_iso(ms)
+    return memo[1]
+
+
+def view(e) -> EventView:
+    return EventView(seq=e.seq, type=e.type, kind=e.kind, id=e.id, at=_iso(e.at_ms), run=e.run, data=e.data)
 
 
 def encode_event(e) -> bytes:
-    """The wire form of an event (an EventView), made once and cached on the event."""
+    """The wire form of one event (an EventView), made once and cached on the event."""
     raw = e.raw
     if raw is None:
-        raw = e.raw = _encode(EventView(seq=e.seq, type=e.type, kind=e.kind, id=e.id, at=to_iso(e.at_ms),
-                                        run=e.run, data=e.data))
+        raw = e.raw = _encode(view(e))
     return raw
 
 
@@ -159,6 +170,7 @@ class Watchers:
     def serve(self, durable_lsn: int, now: float) -> None:
         """Push every watcher what is durable and new for it (as much as its sink takes)."""
         streams = self.coord.events.streams
+        share = len(self.watchers) > 1
         for w in list(self.watchers):
             if w.closed:
                 self._drop(w)
@@ -166,9 +178,9 @@ class Watchers:
             s = streams.get(w.space)
             if s is None:
                 continue
-            self._serve_one(w, s, durable_lsn, now)
+            self._serve_one(w, s, durable_lsn, now, share)
 
-    def _serve_one(self, w: Watcher, s, durable_lsn: int, now: float) -> None:
+    def _serve_one(self, w: Watcher, s, durable_lsn: int, now: float, share: bool = True) -> None:
         if w.cursor < s.first_seq - 1:
             self.expired += 1
             w.sink.end_stream(w.rid, CursorExpiredError(
@@ -186,29 +198,31 @@ class Watchers:
                 elif now - w.stalled_since >= self.stall_s:
                     self._cut_off(w, now)
                 return
-            raws: list[bytes] = []
-            size = 0
             budget = min(room, _MAX_PUSH_BYTES)
             entries = s.entries
             i = s.index_after(w.cursor)
             end = s.start + (upto - s.first_seq + 1)
             match = None if w.filter.everything else w.filter.match
             cursor = w.cursor
+            picked = []
+            # about 120 bytes an event: take what fits the room, then encode the batch in one go
+            most = min(MAX_PUSH_EVENTS, max(1, budget // 120))
             while i < end:
                 e = entries[i]
                 i += 1
                 cursor = e.seq
                 if match is None or match(e):
-                    raw = e.raw or encode_event(e)
-                    raws.append(raw)
-                    size += len(raw) + 2
-                    if size >= budget or len(raws) >= MAX_PUSH_EVENTS:
+                    picked.append(e)
+                    if len(picked) >= most:
                         break
             w.cursor = cursor
-            if raws:
-                w.sink.push(w.rid, raws)
-                w.pushed += len(raws)
-                self.pushed_events += len(raws)
+            if picked:
+                if share:  # several watchers: each event encoded once, kept on it
+                    w.sink.push(w.rid, [e.raw or encode_event(e) for e in picked])
+                else:
+                    w.sink.push_encoded(w.rid, len(picked), _encode([view(e) for e in picked]))
+                w.pushed += len(picked)
+                self.pushed_events += len(picked)
                 self.push_frames += 1
         w.stalled_since = None
 

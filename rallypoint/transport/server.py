@@ -514,6 +514,24 @@ class _Conn:
             self.max_out = n
         self.flush()
 
+    def push_encoded(self, rid: int, n: int, array: bytes) -> None:
+        """One Push frame whose events are already one encoded msgpack array."""
+        if self.closing or rid not in self.streams:
+            return
+        out = self.out
+        start = len(out)
+        out += HEADER_PLACEHOLDER
+        out += _PUSH_HEAD
+        out += pack_uint(rid)
+        out += _PUSH_EVENTS
+        out += array
+        pack_header_into(out, start, len(out) - start - HEADER)
+        self.pushes += 1
+        n = len(out) + self.sending
+        if n > self.max_out:
+            self.max_out = n
+        self.flush()
+
     def end_stream(self, rid: int, error: Any) -> None:
         if self.streams.pop(rid, None) is not None and not self.closing:
             self.send_error(rid, error)
