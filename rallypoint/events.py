@@ -49,7 +49,7 @@ __all__ = [
 DEFAULT_RETAIN_EVENTS = 100_000
 
 
-class Entry(msgspec.Struct, gc=False):
+class Entry(msgspec.Struct, gc=False, array_like=True, omit_defaults=True):
     """One event in memory. ``data`` is a dict, or a msgspec Struct (``gc=False``) that
     encodes as the same map (the hot task events: no GC allocation per event); ``at_ms``
     is the wall instant (ms) of the change it describes;
@@ -435,34 +435,34 @@ class EventLog:
 
 
 # ---------------------------------------------------------------------------- encodings
-class _Persisted(msgspec.Struct, array_like=True, gc=False):
-    seq: int
-    type: str
-    kind: str
-    id: str
-    run: str | None
-    at_ms: int
-    data: dict[str, Any] | None = None
+#: Events are kept in a snapshot in chunks of this many consecutive seqs (one LMDB value
+#: each, keyed by the chunk's first seq: one encode and one put per chunk).
+CHUNK = 256
+
+_chunk_enc = msgspec.msgpack.Encoder()
+_chunk_dec = msgspec.msgpack.Decoder(list[Entry])
 
 
-_penc = msgspec.msgpack.Encoder()
-_pdec = msgspec.msgpack.Decoder(_Persisted)
+def chunk_start(seq: int) -> int:
+    """The first seq of the chunk holding ``seq``."""
+    return ((seq - 1) // CHUNK) * CHUNK + 1
 
 
-def encode_persisted(e: Entry) -> bytes:
-    """The snapshot form of an event (its space is in the key)."""
-    return _penc.encode(_Persisted(e.seq, e.type, e.kind, e.id, e.run, e.at_ms, e.data))
+def encode_chunk(entries) -> bytes:
+    """A chunk's LMDB value: the events as one msgpack array (Entry is array-like)."""
+    return _chunk_enc.encode(entries)
 
 
-def decode_persisted(space: str, raw: bytes) -> Entry:
-    p = _pdec.decode(raw)
-    e = Entry(space, p.type, p.kind, p.id, p.run, p.at_ms, p.data)
-    e.seq = p.seq
-    return e
+def decode_chunk(raw: bytes) -> list[Entry]:
+    out = _chunk_dec.decode(raw)
+    for e in out:
+        e.lsn = 0  # loaded: durable
+    return out
 
 
 def event_key(space: str, seq: int) -> bytes:
-    """LMDB key of an event: space, NUL, 8-byte big-endian seq (sorts by seq)."""
+    """LMDB key of the chunk starting at ``seq``: space, NUL, 8-byte big-endian seq
+    (keys sort by space, then seq)."""
     return space.encode() + b"\x00" + seq.to_bytes(8, "big")
 
 

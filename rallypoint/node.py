@@ -273,12 +273,14 @@ def _unlink_all(paths) -> None:
 
 
 def _event_cut(log):
-    """At a snapshot's cut: what to write of the event log (an EventWrite whose puts are
-    encoded lazily in the writer thread) and a function that records it as written."""
-    from .events import encode_persisted, event_key
+    """At a snapshot's cut: what to write of the event log -- the chunks holding events
+    not yet written (the last, partial one again), encoded lazily in the writer thread;
+    the chunks now wholly below what is kept, deleted -- and a function that records it
+    as written."""
+    from .events import CHUNK, chunk_start, encode_chunk, event_key
     from .persistence.snapshot import EventWrite
 
-    slices = []
+    parts: list[tuple[bytes, list]] = []
     ranges: list[tuple[bytes, bytes]] = []
     next_seqs: dict[str, int] = {}
     marks = []
@@ -286,16 +288,19 @@ def _event_cut(log):
         next_seqs[space] = s.next_seq
         lo = max(s.persisted_last + 1, s.first_seq)
         if lo <= s.last_seq:
-            i = s.index_after(lo - 1)
-            slices.append(s.entries[i: s.start + (s.last_seq - s.first_seq + 1)])
-        if s.persisted_first < s.first_seq and s.persisted_first <= s.persisted_last:
-            ranges.append((event_key(space, s.persisted_first), event_key(space, min(s.first_seq, s.persisted_last + 1))))
+            c = chunk_start(lo)
+            while c <= s.last_seq:
+                a, b = max(c, s.first_seq), min(c + CHUNK - 1, s.last_seq)
+                i = s.index_after(a - 1)
+                parts.append((event_key(space, c), s.entries[i: i + (b - a + 1)]))
+                c += CHUNK
+        if s.persisted_first <= s.persisted_last and chunk_start(s.persisted_first) < chunk_start(s.first_seq):
+            ranges.append((event_key(space, chunk_start(s.persisted_first)), event_key(space, chunk_start(s.first_seq))))
         marks.append((s, s.first_seq, s.last_seq))
 
     def puts():
-        for sl in slices:
-            for e in sl:
-                yield event_key(e.space, e.seq), encode_persisted(e)
+        for key, entries in parts:
+            yield key, encode_chunk(entries)
 
     def done():
         for s, first, last in marks:
@@ -306,25 +311,24 @@ def _event_cut(log):
 
 def load_events(coordinator, store) -> int:
     """Install the events a snapshot kept (before the journal tail is replayed)."""
-    from .events import Stream, decode_persisted, split_event_key
+    from .events import Stream, decode_chunk, split_event_key
 
     log = coordinator.events
     seqs = store.event_seqs()
     n = 0
     for key, value in store.iter_events():
-        space, seq = split_event_key(key)
-        s = log.streams.get(space)
-        if s is None:
-            s = log.streams[space] = Stream(space, seq)
-            s.persisted_first = seq
-        e = decode_persisted(space, value)
-        if seq != s.next_seq:  # a gap (cannot happen; be safe): start the stream after it
-            s.entries.clear()
-            s.start = 0
-            s.first_seq = s.persisted_first = seq
-        s.entries.append(e)
-        s.next_seq = seq + 1
-        n += 1
+        space, _first = split_event_key(key)
+        for e in decode_chunk(value):
+            s = log.streams.get(space)
+            if s is None:
+                s = log.streams[space] = Stream(space, e.seq)
+            if e.seq != s.next_seq:  # a gap (not expected): the stream starts after it
+                s.entries.clear()
+                s.start = 0
+                s.first_seq = e.seq
+            s.entries.append(e)
+            s.next_seq = e.seq + 1
+            n += 1
     for space, next_seq in seqs.items():
         s = log.streams.get(space)
         if s is None:

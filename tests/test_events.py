@@ -477,3 +477,29 @@ def test_slow_consumer_is_a_known_code():
     from rallypoint.errors import error_from_wire
 
     assert isinstance(error_from_wire("SLOW_CONSUMER", "x"), SlowConsumerError)
+
+
+async def test_snapshots_keep_the_retained_events_in_chunks_and_drop_the_rest(tmp_path):
+    """Events whose records left the journal come back from the snapshot: written in
+    chunks as they accumulate, chunks below what is kept deleted."""
+    from rallypoint.events import CHUNK, decode_chunk
+
+    data = str(tmp_path / "d")
+    async with rallypoint.open_embedded(data, retain_events=1000) as rs:
+        run = await rs.scopes.create(name="many")
+        mbx = await rs.mailboxes.ensure("m")
+        for _ in range(3):
+            for _ in range(10):
+                await mbx.submit_many([{"i": i} for i in range(100)], scope=run)
+            await rs.node.snapshotter.snapshot()
+        newest = (await rs.events.list(limit=1)).newest
+        store = rs.node.snapshotter.store
+        kept = sum(len(decode_chunk(v)) for _, v in store.iter_events())
+        assert 1000 <= kept <= 1000 + 1000 // 16 + CHUNK  # the count limit, trimmed in steps, chunk-aligned
+    async with rallypoint.open_embedded(data, retain_events=1000) as rs:
+        assert rs.node.recovery_info["replayed"] == 0  # everything from the snapshot
+        page = await rs.events.list(limit=10_000)
+        seqs = [e.seq for e in page.events]
+        assert seqs[-1] == newest and seqs == list(range(seqs[0], newest + 1)) and len(seqs) >= 1000
+        with pytest.raises(CursorExpiredError):
+            await rs.events.list(cursor=seqs[0] - 2)
