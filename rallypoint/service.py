@@ -263,6 +263,8 @@ class Service:
     async def subscribe(self, session: Session, op: msgspec.Struct, max_bytes: int = 1 << 20) -> StreamSink:
         """Open a subscription in-process (the embedded client's ``events.watch``):
         the sink, once its WatchView arrived; raises the error that refused it."""
+        if self.coordinator.runtime.stopping:
+            raise UnavailableError("this coordinator is shutting down", retry_after=1.0)
         sink = StreamSink(self.coordinator.watchers, max_bytes)
         self.submit(session, encoder.encode(op), sink, 1)
         try:

@@ -2,7 +2,8 @@
 """Soak: memory and snapshot size stay flat when finished work is purged.
 
     python scripts/soak_retention.py                      # the issue's form: 10 min, --retain-finished 30s
-    python scripts/soak_retention.py --minutes 1.5 --retain 5s --reference-s 30   # a short (CI) form
+    python scripts/soak_retention.py --minutes 1 --retain 3s --rate 800 --retain-events 20000 \
+        --snapshot-every-s 2 --reference-s 25 --window-s 10 --every 2.5                # the short (CI) form
 
 Starts ``rallypoint serve --durability fsync --retain-finished RETAIN`` on a fresh data
 dir, drives it with ``rallypoint bench --scenario lifecycle`` at a fixed open-loop rate
@@ -108,12 +109,16 @@ def main() -> int:
     ap.add_argument("--window-s", type=float, default=20.0, help="averaging window, seconds (default %(default)s)")
     ap.add_argument("--every", type=float, default=5.0, help="seconds between samples (default %(default)s)")
     ap.add_argument("--tolerance", type=float, default=0.10, help="allowed relative change (default %(default)s)")
+    ap.add_argument("--retain-events", default="100000", help="--retain-events of the daemon (default %(default)s)")
+    ap.add_argument("--snapshot-every-s", type=float, default=10.0,
+                    help="--snapshot-every-s of the daemon (default %(default)s)")
     ap.add_argument("--json", help="write samples and verdict here")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="rp-soak-")
     data = os.path.join(tmp, "data")
-    daemon, url = start_daemon(data, args.retain, ["--snapshot-every-s", "10"])
+    daemon, url = start_daemon(data, args.retain, ["--snapshot-every-s", str(args.snapshot_every_s),
+                                                   "--retain-events", args.retain_events])
     duration = args.minutes * 60
     bench = subprocess.Popen(
         [sys.executable, "-m", "rallypoint", "bench", "--connect", url, "--scenario", "lifecycle",

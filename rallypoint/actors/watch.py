@@ -157,7 +157,13 @@ class Watchers:
                 journal = coord.journal  # (recovery swaps it)
                 target = journal.last_lsn
                 if journal.durable_lsn < target:
-                    await journal.wait_durable(target)
+                    try:
+                        await journal.wait_durable(target)
+                    except Exception as exc:  # the journal failed: the node stops; tell the watchers now
+                        log.error("the journal failed; ending every watch: %s", exc)
+                        self.end_all(UnavailableError("the server's journal failed; resume the watch from your "
+                                                      "cursor once it restarted", retry_after=1.0))
+                        continue
                 self.serve(journal.durable_lsn, trio.current_time())
         finally:
             self.end_all(UnavailableError("the server is shutting down; resume the watch from your cursor "
