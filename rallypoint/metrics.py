@@ -59,6 +59,10 @@ SNAPSHOT_BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.
 STALL_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
+#: operations that wait on the server by design: never "slow requests"
+_WAITS = ("wait", "result", "receive", "join_next", "complete", "close")
+
+
 class _Hist:
     __slots__ = ("bounds", "counts", "sum")
 
@@ -98,8 +102,8 @@ class Metrics:
     def __init__(self, coord, server=None, snapshotter=None, slow_s: float = 1.0) -> None:
         self.coord = coord
         self.server = server
-        self.requests: dict[tuple[str, str], int] = {}
-        self.latency: dict[str, _Hist] = {}
+        self.errors: dict[tuple[str, str], int] = {}  # (op, code) -> requests answered with that error
+        self.latency: dict[str, _Hist] = {}  # op -> every request's latency (its count: all requests)
         self.lag = _Hist(LAG_BOUNDS)
         self.snapshot_seconds = _Hist(SNAPSHOT_BOUNDS)
         self.snapshot_stall = _Hist(STALL_BOUNDS)
@@ -111,17 +115,18 @@ class Metrics:
 
     # ------------------------------------------------------------------ hot path
     def observe(self, op: str, code: str, seconds: float, peer: str = "") -> None:
-        """One request answered: ``op`` its tag, ``code`` OK or the error code."""
-        key = (op, code)
-        req = self.requests
-        req[key] = req.get(key, 0) + 1
+        """One request answered: ``op`` its tag, ``code`` OK or the error code,
+        ``seconds`` from its receipt to its reply leaving."""
         h = self.latency.get(op)
         if h is None:
             h = self.latency[op] = _Hist(LATENCY_BOUNDS)
         h.counts[bisect_left(LATENCY_BOUNDS, seconds)] += 1
         h.sum += seconds
-        if self.slow_s is not None and seconds >= self.slow_s and not op.endswith(("wait", "result", "receive",
-                                                                                   "join_next", "complete")):
+        if code != "OK":
+            key = (op, code)
+            self.errors[key] = self.errors.get(key, 0) + 1
+        slow = self.slow_s
+        if slow is not None and seconds >= slow and not op.endswith(_WAITS):
             self._slow(op, code, seconds, peer)
 
     def _slow(self, op: str, code: str, seconds: float, peer: str) -> None:
@@ -159,8 +164,14 @@ class Metrics:
         coord = self.coord
         p = "rallypoint_"
         c = CounterMetricFamily(p + "requests", "Requests answered, by operation and code", labels=["op", "code"])
-        for (op, code), n in sorted(self.requests.items()):
+        errors: dict[str, int] = {}
+        for (op, code), n in sorted(self.errors.items()):
             c.add_metric([op, code], n)
+            errors[op] = errors.get(op, 0) + n
+        for op, hist in sorted(self.latency.items()):
+            ok = sum(hist.counts) - errors.get(op, 0)
+            if ok:
+                c.add_metric([op, "OK"], ok)
         yield c
         h = HistogramMetricFamily(p + "request_duration_seconds",
                                   "Request receipt to reply sent (after durability), by operation", labels=["op"])

@@ -218,9 +218,7 @@ class Service:
             sink.deliver(rid, exc, 0)
             return
         handler, route, permission, tag = self._ops[type(op)]
-        note = getattr(sink, "note_op", None)
-        if note is not None:
-            note(rid, tag)
+        sink.note_op(rid, tag)
         try:
             if coord.failed is not None:
                 raise UnavailableError("the server stopped after an internal failure; retry once it restarted",

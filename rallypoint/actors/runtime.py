@@ -88,6 +88,10 @@ class ReplySink:
     def track(self, rid: int, waiter: "Waiter") -> None:
         return None
 
+    def note_op(self, rid: int, op: str) -> None:
+        """Request ``rid`` decoded as operation ``op`` (a connection's metrics)."""
+        return None
+
     def untrack(self, rid: int) -> None:
         return None
 

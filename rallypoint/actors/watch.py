@@ -52,7 +52,12 @@ def _iso(ms: int) -> str:
 
 
 def view(e) -> EventView:
-    return EventView(seq=e.seq, type=e.type, kind=e.kind, id=e.id, at=_iso(e.at_ms), run=e.run, data=e.data)
+    """The wire form of an event (positional: EventView(seq, type, kind, id, at, run, data))."""
+    memo = _iso_memo
+    ms = e.at_ms
+    if memo[0] != ms:
+        memo[0], memo[1] = ms, to_iso(ms)
+    return EventView(e.seq, e.type, e.kind, e.id, memo[1], e.run, e.data)
 
 
 def encode_event(e) -> bytes:

@@ -372,8 +372,6 @@ class _Conn:
         self.inflight += 1
         if self.inflight > self.max_inflight:
             self.max_inflight = self.inflight
-        if self._metrics is not None:
-            self.req_meta[rid] = [self.t_rx, "invalid"]
         try:
             self._submit(self.session, body, self, rid)
         except Exception as exc:  # the dispatcher answers its own errors; this is a bug
@@ -383,16 +381,16 @@ class _Conn:
 
     # ReplySink -------------------------------------------------------------------
     def note_op(self, rid: int, op: str) -> None:
-        """The dispatcher decoded request ``rid``: operation ``op`` (for the metrics)."""
-        m = self.req_meta.get(rid)
-        if m is not None:
-            m[1] = op
+        """The dispatcher decoded request ``rid``: operation ``op`` (for the metrics:
+        receipt time and operation, until it is answered)."""
+        if self._metrics is not None:
+            self.req_meta[rid] = (self.t_rx, op)
 
     def _observe(self, rid: int, reply: Any) -> None:
         m = self.req_meta.pop(rid, None)
         if m is not None:
-            code = "OK" if type(reply) is bytes else getattr(reply, "code", "INTERNAL")
-            self._metrics.observe(m[1], code, time.perf_counter() - m[0], self.peer)
+            self._metrics.observe(m[1], "OK" if type(reply) is bytes else getattr(reply, "code", "INTERNAL"),
+                                  time.perf_counter() - m[0], self.peer)
 
     def deliver(self, rid: int, reply: Any, lsn: int) -> None:
         """An actor's answer to request ``rid``: queued at once when the journal is
