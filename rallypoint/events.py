@@ -319,9 +319,24 @@ class EventLog:
             return
         self.pending = []
         streams = self.streams
+        limit = self.retain_count
+        if len(pending) == 1:  # the common case: one event
+            e = pending[0]
+            s = streams.get(e.space)
+            if s is None:
+                s = streams[e.space] = Stream(e.space)
+            e.seq = s.next_seq
+            s.next_seq += 1
+            e.lsn = lsn
+            s.entries.append(e)
+            self.emitted += 1
+            if limit is not None and len(s.entries) - s.start > limit + (limit >> 4):
+                self.dropped += s.drop_before(s.next_seq - limit)
+            if self.on_publish is not None:
+                self.on_publish()
+            return
         last = None
         s = None
-        limit = self.retain_count
         for e in pending:
             if e.space != last:
                 if s is not None and limit is not None and len(s.entries) - s.start > limit + (limit >> 4):

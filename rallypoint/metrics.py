@@ -109,6 +109,8 @@ class Metrics:
         self.snapshot_stall = _Hist(STALL_BOUNDS)
         self.snapshots = 0
         self.slow_s = slow_s or None
+        #: replies faster than this can skip the slow-request check (the transport inlines them)
+        self.fast_s = self.slow_s if self.slow_s is not None else float("inf")
         self._slow_log = None
         if snapshotter is not None:
             snapshotter.on_snapshot.append(self._on_snapshot)
