@@ -60,6 +60,22 @@ def view(e) -> EventView:
     return EventView(e.seq, e.type, e.kind, e.id, memo[1], e.run, e.data)
 
 
+def views(entries) -> list:
+    """The wire forms of consecutive events (an instant rendered once per run of equal
+    ones: the events of a commit share it)."""
+    out = []
+    append = out.append
+    last_ms = -1
+    iso = ""
+    for e in entries:
+        ms = e.at_ms
+        if ms != last_ms:
+            last_ms = ms
+            iso = to_iso(ms)
+        append(EventView(e.seq, e.type, e.kind, e.id, iso, e.run, e.data))
+    return out
+
+
 def encode_event(e) -> bytes:
     """The wire form of one event (an EventView), made once and cached on the event."""
     raw = e.raw
@@ -213,25 +229,29 @@ class Watchers:
             entries = s.entries
             i = s.index_after(w.cursor)
             end = s.start + (upto - s.first_seq + 1)
-            match = None if w.filter.everything else w.filter.match
-            cursor = w.cursor
-            picked = []
-            # about 120 bytes an event: take what fits the room, then encode the batch in one go
-            most = min(MAX_PUSH_EVENTS, max(1, budget // 120))
-            while i < end:
-                e = entries[i]
-                i += 1
-                cursor = e.seq
-                if match is None or match(e):
-                    picked.append(e)
-                    if len(picked) >= most:
-                        break
+            # about 150 bytes an event: take what fits the room, then encode the batch in one go
+            most = min(MAX_PUSH_EVENTS, max(1, budget // 150))
+            if w.filter.everything:
+                picked = entries[i: min(end, i + most)]
+                cursor = picked[-1].seq
+            else:
+                match = w.filter.match
+                cursor = w.cursor
+                picked = []
+                while i < end:
+                    e = entries[i]
+                    i += 1
+                    cursor = e.seq
+                    if match(e):
+                        picked.append(e)
+                        if len(picked) >= most:
+                            break
             w.cursor = cursor
             if picked:
                 if share:  # several watchers: each event encoded once, kept on it
                     w.sink.push(w.rid, [e.raw or encode_event(e) for e in picked])
                 else:
-                    w.sink.push_encoded(w.rid, len(picked), _encode([view(e) for e in picked]))
+                    w.sink.push_encoded(w.rid, len(picked), _encode(views(picked)))
                 w.pushed += len(picked)
                 self.pushed_events += len(picked)
                 self.push_frames += 1
