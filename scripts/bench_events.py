@@ -55,26 +55,44 @@ def frame(m):
     return struct.pack(">I", len(b)) + b
 s.sendall(frame(wire.Hello(wire.PROTOCOL_VERSION, None, "bench-watcher")))
 s.sendall(frame(wire.Request(1, msgspec.Raw(msgspec.msgpack.encode(p.EventsWatch(start="now"))))))
-dec = msgspec.msgpack.Decoder(wire.ServerFrame)
-buf, n = bytearray(), 0
+# count the events of each Push from its array header, without decoding them: the
+# watcher's own CPU stays negligible (it shares the machine with the daemon)
+buf, n, pos = bytearray(), 0, 0
 try:
     while True:
         chunk = s.recv(1 << 20)
         if not chunk:
             break
         buf += chunk
-        while len(buf) >= 4:
-            size = int.from_bytes(buf[:4], "big")
-            if len(buf) < 4 + size:
+        while len(buf) - pos >= 4:
+            size = int.from_bytes(buf[pos:pos + 4], "big")
+            if len(buf) - pos < 4 + size:
                 break
-            f = dec.decode(buf[4:4 + size])
-            if type(f) is wire.Push:
-                n += len(f.events)
-            del buf[:4 + size]
+            i = buf.find(b"\xa6events", pos + 4, pos + 40)
+            if i >= 0:
+                h = buf[i + 7]
+                if 0x90 <= h <= 0x9F:
+                    n += h & 0x0F
+                elif h == 0xDC:
+                    n += int.from_bytes(buf[i + 8:i + 10], "big")
+                elif h == 0xDD:
+                    n += int.from_bytes(buf[i + 8:i + 12], "big")
+            pos += 4 + size
+        if pos > (1 << 20):
+            del buf[:pos]
+            pos = 0
 except KeyboardInterrupt:
     pass
 print(n, flush=True)
 """
+
+
+PIN: dict = {}  # --pin: {"daemon": {0}, "clients": {1}}
+
+
+def _affinity(which: str):
+    cpus = PIN.get(which)
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
 def start_daemon(tree: Path, durability: str, data_dir: str, metrics: bool) -> tuple[subprocess.Popen, str]:
@@ -83,7 +101,8 @@ def start_daemon(tree: Path, durability: str, data_dir: str, metrics: bool) -> t
     if metrics:
         args += ["--metrics", "127.0.0.1:0"]
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    p = subprocess.Popen(args, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(args, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         preexec_fn=_affinity("daemon"))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         line = p.stdout.readline()
@@ -101,7 +120,8 @@ def run_bench(url: str, args, out: str) -> dict:
            "--workers", str(args.workers), "--batch", "100", "--pipeline", "8", "--worker-concurrency", "8",
            "--max-messages", "100", "--json", out]
     subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=args.duration + args.warmup + 120)
+                   stderr=subprocess.DEVNULL, timeout=args.duration + args.warmup + 120,
+                   preexec_fn=_affinity("clients"))
     with open(out) as f:
         return json.load(f)
 
@@ -119,7 +139,7 @@ def one(config: str, tree: Path, args, tmp: str) -> dict:
             else:  # a frame-level client that counts the pushed events: the watcher's own CPU stays small
                 cmd = [sys.executable, "-c", RAW_WATCHER, url]
             watcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=f,
-                                       stderr=subprocess.DEVNULL)
+                                       stderr=subprocess.DEVNULL, preexec_fn=_affinity("clients"))
             time.sleep(1.0)
         c0, t0 = cpu_s(daemon.pid), time.monotonic()
         report = run_bench(url, args, os.path.join(tmp, f"{config}.json"))
@@ -163,8 +183,13 @@ def main() -> None:
     ap.add_argument("--watcher", default="raw", choices=["raw", "cli"],
                     help="raw: a frame-level client counting pushed events (default); cli: `rallypoint watch --json` "
                          "(decodes and prints every event: it needs a core of its own)")
+    ap.add_argument("--pin", action="store_true",
+                    help="the daemon on CPU 0, the bench processes and the watcher on the others (less noise)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        PIN.update(daemon={cpus[0]}, clients=set(cpus[1:]) or {cpus[0]})
     trees = {"baseline": Path(args.baseline).resolve(), "events": ROOT, "events-idle": ROOT}
     results: dict[str, list[dict]] = {k: [] for k in trees}
     tmp = tempfile.mkdtemp(prefix="rp-bench-events-")
