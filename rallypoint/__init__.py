@@ -19,18 +19,32 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from ._version import __version__
-from .client.api import Client, Delivery, Group, Mailbox, Run, Ticket
+from .client.api import (
+    Budget, ClaimLease, Client, Delivery, Grant, Group, Mailbox, Message, Pool, Quota, QuotaWaiter, Reservation, Run,
+    Ticket,
+)
 from .client.consume import ConsumeStats, consume
 from .client.reconnect import Reconnect
 from .client.types import (
+    BudgetInfo,
+    ClaimInfo,
+    GrantInfo,
     GroupDecision,
     GroupStatus,
     MailboxInfo,
+    MessageInfo,
+    PoolInfo,
+    QuotaInfo,
+    QuotaTakeInfo,
+    ReservationInfo,
     RunStatus,
     ServerInfo,
+    SettleResult,
     TaskInfo,
     VerdictResult,
+    WorkLimitInfo,
 )
+from .money import format_minor, minor_units
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .errors import ValidationError
@@ -50,6 +64,13 @@ __all__ = [
     "Ticket",
     "Delivery",
     "Group",
+    "ClaimLease",
+    "Pool",
+    "Grant",
+    "ClaimInfo",
+    "PoolInfo",
+    "GrantInfo",
+    "WorkLimitInfo",
     "RunStatus",
     "TaskInfo",
     "MailboxInfo",
@@ -57,6 +78,19 @@ __all__ = [
     "GroupDecision",
     "VerdictResult",
     "ServerInfo",
+    "Message",
+    "MessageInfo",
+    "Quota",
+    "QuotaWaiter",
+    "QuotaInfo",
+    "QuotaTakeInfo",
+    "Budget",
+    "Reservation",
+    "BudgetInfo",
+    "ReservationInfo",
+    "SettleResult",
+    "minor_units",
+    "format_minor",
     *_errors_all,
 ]
 

@@ -1,4 +1,5 @@
-"""The ``rallypoint`` command: ``serve | status | runs | watch | top | keys | repair | bench``.
+"""The ``rallypoint`` command: ``serve | status | runs | watch | top | claims | pools | quotas | budgets |
+keys | repair | bench``.
 
 ``rallypoint serve`` runs the daemon: it logs its address, version, data dir, durability
 and what it recovered; SIGINT/SIGTERM drain it (stop accepting, finish in-flight
@@ -13,6 +14,7 @@ Client commands print errors as one line, ``rallypoint: CODE: what happened; wha
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -99,9 +101,13 @@ async def _serve(args) -> int:
         snapshot_every_records=args.snapshot_every_records,
         snapshot_every_s=args.snapshot_every_s,
         retention=args.retention,
+        snapshot_retry_s=args.snapshot_retry_s,
+        min_free_bytes=int(args.min_free_mb * (1 << 20)),
+        ballast_bytes=int(args.ballast_mb * (1 << 20)),
     ) as node:
         coord = node.coordinator
         coord.watchers.stall_s = args.watch_stall
+        coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
         if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
             raise ValidationError(
                 f"refusing to listen on {host} without API keys: create one with "
@@ -132,6 +138,7 @@ async def _serve(args) -> int:
 
         metrics = Metrics(coord, server, getattr(node, "snapshotter", None), slow_s=args.slow_request_ms / 1000)
         server.metrics = metrics  # (also the slow-request log)
+        http_stop = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve, None, host, port)
             actual = server.port
@@ -142,6 +149,21 @@ async def _serve(args) -> int:
                 metrics_port = await nursery.start(serve_metrics, metrics, mhost, mport)
                 log.info("metrics at http://%s:%d/metrics", mhost, metrics_port,
                          extra={"event": "metrics", "url": f"http://{mhost}:{metrics_port}/metrics"})
+            http_url = None
+            if args.http:
+                from .http import serve_http
+
+                hhost, hport = _parse_listen(args.http)
+                if coord.keys.open_mode and not _is_loopback(hhost) and not args.insecure:
+                    raise ValidationError(
+                        f"refusing to serve HTTP on {hhost} without API keys (see --listen); "
+                        "pass --insecure to serve this address without authentication"
+                    )
+                _api, bound = await nursery.start(functools.partial(
+                    serve_http, node.service, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
+                    max_requests=args.max_connections, graceful_s=args.drain_timeout, shutdown=http_stop))
+                http_url = bound[0] if bound else f"http://{hhost}:{hport}"
+                log.info("HTTP API (runstate SDK) on %s/v1/spaces/{spaceId}", http_url)
             info = node.recovery_info
             r = coord.retention.retain_ms
             log.info(
@@ -176,12 +198,15 @@ async def _serve(args) -> int:
                 # SIGTERM/SIGINT drain the server rather than kill it.
                 print(f"READY {scheme}://{host}:{actual}" + (f" METRICS http://{mhost}:{metrics_port}/metrics"
                                                             if metrics_port else ""), flush=True)
+                if http_url:
+                    print(f"HTTP {http_url}", flush=True)
                 async for signum in signals:
                     log.info("received %s: draining (no new connections, finishing in-flight requests)",
                              signal.Signals(signum).name)
                     break
             # drain() answers what is still in flight after the timeout UNAVAILABLE;
             # the outer bound is a safety net only.
+            http_stop.set()
             with trio.move_on_after(args.drain_timeout + 5.0):
                 await server.drain(timeout=args.drain_timeout)
             nursery.cancel_scope.cancel()
@@ -221,15 +246,23 @@ def cmd_serve(args) -> int:
         return trio.run(_serve, args)
     except KeyboardInterrupt:
         return 0
-    except BaseException as e:  # start-up failures: one clear line, exit 2
+    except BaseException as e:  # start-up failures: one clear line, exit 2 (a fail-stop journal: 1)
+        from .persistence import JournalWriteError
+
         leaf = e
+        if isinstance(leaf, BaseExceptionGroup):
+            failed = leaf.subgroup(lambda x: isinstance(x, JournalWriteError))
+            while isinstance(failed, BaseExceptionGroup):  # the first copy (every task saw the same one)
+                failed = failed.exceptions[0]
+            if failed is not None:
+                leaf = failed
         while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
             leaf = leaf.exceptions[0]
         message = _startup_error_message(leaf, args)
         if message is None:
             raise
         print(f"rallypoint: {message}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(leaf, JournalWriteError) else 2
 
 
 def _startup_error_message(e: BaseException, args) -> str | None:
@@ -238,12 +271,14 @@ def _startup_error_message(e: BaseException, args) -> str | None:
     import ssl
 
     from .errors import ValidationError
-    from .persistence import StartupError
+    from .persistence import JournalWriteError, StartupError
 
     if isinstance(e, ValidationError):
         return e.message
     if isinstance(e, StartupError):
         return str(e)
+    if isinstance(e, JournalWriteError):  # fail-stop at run time
+        return f"stopped: {e.message}"
     if isinstance(e, ssl.SSLError):
         return f"cannot load the TLS certificate/key ({args.tls_cert}, {args.tls_key}): {e}"
     if isinstance(e, OSError):
@@ -618,6 +653,238 @@ def cmd_top(args) -> int:
     except RallypointError as e:
         return _fail(e, args)
     return 0
+def _print_rows(header: list[str], rows: list[list[str]]) -> None:
+    """Aligned columns (every value one word, so the output stays ``awk``-able)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    for r in [header, *rows]:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+def _fmt_window(ms: int) -> str:
+    s = ms / 1000
+    return f"{s:g}s" if s < 60 or s % 60 else (f"{s / 60:g}m" if s < 3600 or s % 3600 else f"{s / 3600:g}h")
+
+
+def _print_quota(q) -> None:
+    """``quotas show``: one ``label  value`` line per field, then the waiters in line."""
+    cooldown = "-" if q.cooldown_until is None else f"until {_fmt_time(q.cooldown_until)}" + (
+        f" ({q.cooldown_reason})" if q.cooldown_reason else "")
+    for label, value in (
+        ("quota", q.id),
+        ("name", q.name),
+        ("limit", f"{q.units_limit} units per {_fmt_window(q.window_ms)} (fixed windows)"),
+        ("window", f"{_fmt_time(q.window_start)} .. {_fmt_time(q.window_end)}"),
+        ("used", f"{q.used} ({q.remaining} left)"),
+        ("waiting", str(q.waiting)),
+        ("cooldown", cooldown),
+        ("consumed", f"{q.consumed_total} units in total"),
+        ("created", _fmt_time(q.created_at)),
+    ):
+        print(f"{label:<10}  {value}")
+    if q.waiters:
+        print()
+        _print_rows(["WAITER", "UNITS", "RUN", "EXPIRES", "HOLDER"],
+                    [[w.waiter_id or "-", str(w.units), w.scope_id, _fmt_time(w.expires_at), w.holder or "-"]
+                     for w in q.waiters])
+
+
+def _money(amount: int, b) -> str:
+    from .money import format_minor
+
+    return f"{format_minor(amount, b.scale)} {b.currency}"
+
+
+def _print_budget(b) -> None:
+    """``budgets show``: the budget's figures, then its open reservations."""
+    from .money import format_minor
+
+    for label, value in (
+        ("budget", b.id),
+        ("name", b.name),
+        ("limit", f"{_money(b.limit_minor, b)} ({b.limit_minor} minor units, scale {b.scale})"),
+        ("settled", _money(b.settled_minor, b)),
+        ("reserved", f"{_money(b.reserved_minor, b)} in {b.open_reservations} open reservation(s)"),
+        ("available", _money(b.available_minor, b)),
+        ("overrun", _money(b.overrun_minor, b) + " (asked beyond what was left; not charged)"),
+        ("created", _fmt_time(b.created_at)),
+    ):
+        print(f"{label:<10}  {value}")
+    if b.reservations:
+        print()
+        _print_rows(["RESERVATION", "STATE", "HELD", "SETTLED", "RUN", "SETTLE_BY"],
+                    [[r.id, r.state, format_minor(r.remaining_minor, b.scale), format_minor(r.settled_minor, b.scale),
+                      r.scope_id, _fmt_time(r.settle_by)] for r in b.reservations])
+
+
+def _ls_show(args, list_fn, header: list[str], row, show_fn, print_one) -> int:
+    """``ls``: ``list_fn(rs)`` as columns (``row(x)`` -> words) or ``--json``; ``show
+    NAME``: ``show_fn(rs)`` printed by ``print_one`` or as ``--json``. Errors: one line."""
+    from .errors import RallypointError
+
+    try:
+        if args.sub_cmd in ("ls", "list"):
+            rows = _client_call(args, list_fn)
+            if args.json:
+                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
+            else:
+                _print_rows(header, [row(x) for x in rows])
+            return 0
+        one = _client_call(args, show_fn)
+        if args.json:
+            print(json.dumps(one.to_dict(), default=str, indent=2))
+        else:
+            print_one(one)
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
+
+
+def cmd_quotas(args) -> int:
+    """``quotas ls`` (every quota of the space: used/remaining in the current window,
+    waiters, cooldown) and ``quotas show NAME`` (readable, with the waiters in line;
+    ``--json`` for scripts)."""
+    return _ls_show(
+        args, lambda rs: rs.quotas.list(),
+        ["NAME", "LIMIT", "WINDOW", "USED", "REMAINING", "WAITING", "COOLDOWN_UNTIL"],
+        lambda q: [q.name, str(q.units_limit), _fmt_window(q.window_ms), str(q.used), str(q.remaining),
+                   str(q.waiting), _fmt_time(q.cooldown_until)],
+        lambda rs: rs.quota(args.name).status(waiters=True), _print_quota,
+    )
+
+
+def cmd_budgets(args) -> int:
+    """``budgets ls`` (every budget of the space: limit, settled, reserved, available)
+    and ``budgets show NAME`` (readable, with the open reservations; ``--json``)."""
+    from .money import format_minor
+
+    return _ls_show(
+        args, lambda rs: rs.budgets.list(),
+        ["NAME", "CURRENCY", "LIMIT", "SETTLED", "RESERVED", "AVAILABLE", "OPEN"],
+        lambda b: [b.name, b.currency, *(format_minor(v, b.scale) for v in (
+            b.limit_minor, b.settled_minor, b.reserved_minor, b.available_minor)), str(b.open_reservations)],
+        lambda rs: rs.budget(args.name).status(reservations=True), _print_budget,
+    )
+
+
+def _json_text(value) -> str:
+    """Views (nested ones too) as indented JSON: instants ISO 8601, payloads as values."""
+    import msgspec
+
+    return json.dumps(msgspec.to_builtins(value), default=str, indent=2)
+
+
+def _payload_text(value) -> str:
+    """A payload (observation, result) on one line: JSON, ``-`` for none."""
+    if value is None:
+        return "-"
+    return json.dumps(value, default=str, separators=(",", ":"))
+
+
+def _print_claim(c) -> None:
+    """``claims show``: one ``label  value`` line per field, then the queue."""
+    for label, value in (
+        ("claim", c.id),
+        ("key", c.key),
+        ("state", c.state),
+        ("generation", c.generation),
+        ("run", c.scope_id),
+        ("holder", c.holder or "-"),
+        ("acquired", _fmt_time(c.acquired_at)),
+        ("expires", _fmt_time(c.lease_expires_at)),
+        ("observation", _payload_text(c.observation)),
+        ("result", _payload_text(c.result) if c.state == "COMPLETED" else "-"),
+        ("completed", _fmt_time(c.completed_at)),
+        ("created", _fmt_time(c.created_at)),
+        ("waiters", len(c.waiters)),
+    ):
+        print(f"{label:<12}  {value}")
+    for i, w in enumerate(c.waiters, 1):
+        print(f"  {i:>3}. run {w.scope_id}  holder {w.holder or '-'}  queued {_fmt_time(w.queued_at)}  "
+              f"gives up {_fmt_time(w.expires_at)}")
+
+
+def cmd_claims(args) -> int:
+    """``claims ls`` (key order; ``--state``, ``--limit``, ``--after``), ``claims show KEY``
+    (readable, or ``--json``). Tokens are never shown."""
+    from .errors import RallypointError
+
+    try:
+        if args.claims_cmd in ("ls", "list"):
+            rows = _client_call(args, lambda rs: rs.claims.list(state=args.state, limit=args.limit, after=args.after))
+            if args.json:
+                print(_json_text(rows))
+            else:
+                print(f"{'KEY':40} {'STATE':9} {'GEN':>5} {'WAITERS':>7}  {'EXPIRES':20}  HOLDER")
+                for c in rows:
+                    print(f"{c.key:40} {c.state:9} {c.generation:>5} {len(c.waiters):>7}  "
+                          f"{_fmt_time(c.lease_expires_at):20}  {c.holder or '-'}")
+                if len(rows) == args.limit:
+                    print(f"{len(rows)} claims shown; the next page: add --after {shlex.quote(rows[-1].key)}",
+                          file=sys.stderr)
+            return 0
+        if args.claims_cmd == "show":
+            c = _client_call(args, lambda rs: rs.claims.status(args.key))
+            if args.json:
+                print(_json_text(c))
+            else:
+                _print_claim(c)
+            return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 2
+
+
+def _print_pool(pl) -> None:
+    """``pools show``: the pool, then its queue (FIFO) and its active grants."""
+    for label, value in (
+        ("pool", pl.id),
+        ("name", pl.name),
+        ("units", f"{pl.units_used} used of {pl.units_total} ({pl.units_free} free)"),
+        ("waiting", pl.waiting),
+        ("grants", pl.active_grants),
+        ("created", _fmt_time(pl.created_at)),
+    ):
+        print(f"{label:<8}  {value}")
+    if pl.waiters:
+        print("queue (first come, first served):")
+        for i, w in enumerate(pl.waiters, 1):
+            print(f"  {i:>3}. {w.units:>5} unit(s)  run {w.scope_id}  holder {w.holder or '-'}  "
+                  f"gives up {_fmt_time(w.expires_at)}")
+    if pl.grants:
+        print("active grants:")
+        for g in pl.grants:
+            held = f"task {g.task_id}" if g.task_id else f"expires {_fmt_time(g.lease_expires_at)}"
+            print(f"  {g.id}  {g.units:>5} unit(s)  run {g.scope_id}  {held}  holder {g.holder or '-'}")
+
+
+def cmd_pools(args) -> int:
+    """``pools ls`` (every pool of the space with its units), ``pools show NAME``."""
+    from .errors import RallypointError
+
+    try:
+        if args.pools_cmd in ("ls", "list"):
+            rows = _client_call(args, lambda rs: rs.pools.list())
+            if args.json:
+                print(_json_text(rows))
+            else:
+                print(f"{'NAME':32} {'TOTAL':>8} {'USED':>8} {'FREE':>8} {'WAITING':>8} {'GRANTS':>7}")
+                for pl in rows:
+                    print(f"{pl.name:32} {pl.units_total:>8} {pl.units_used:>8} {pl.units_free:>8} "
+                          f"{pl.waiting:>8} {pl.active_grants:>7}")
+            return 0
+        if args.pools_cmd == "show":
+            async def show(rs):
+                return await rs.pool(args.name).status()
+
+            pl = _client_call(args, show)
+            if args.json:
+                print(_json_text(pl))
+            else:
+                _print_pool(pl)
+            return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 2
 
 
 class _OpenModeRefused(Exception):
@@ -704,11 +971,13 @@ def cmd_keys(args) -> int:
 
 
 def cmd_repair(args) -> int:
-    """Check the journal of a stopped daemon; truncate it at the last good record after
-    asking (or with ``--yes``). Exit 0 intact or repaired, 1 declined, 2 unusable."""
-    _setup_logging("INFO")
-    from .persistence import DataDirLocked, JournalCorruptError
-    from .persistence.journal import repair, verify_journal
+    """Check the journal of a stopped daemon; print exactly what a repair would cut (LSN
+    range, files, record count) and do it after asking (or with ``--yes``). Exit 0 intact
+    or repaired, 1 declined, 2 unusable (not a data dir, daemon running, snapshot store
+    unreadable)."""
+    _setup_logging("WARNING")
+    from .persistence import DataDirLocked, SnapshotCorruptError
+    from .persistence.repair import apply_repair, plan_repair
 
     if not os.path.exists(os.path.join(args.data_dir, "FORMAT")):
         print(f"rallypoint: {args.data_dir} is not a rallypoint data dir", file=sys.stderr)
@@ -718,29 +987,51 @@ def cmd_repair(args) -> int:
 
         with DataDirLock(args.data_dir):  # never repair under a running daemon
             try:
-                verify_journal(args.data_dir)
-                print("rallypoint: the journal is intact; nothing to repair")
+                plan = plan_repair(args.data_dir)
+            except SnapshotCorruptError as e:
+                print(f"rallypoint: {e}{_journal_from_lsn_1(args.data_dir)}", file=sys.stderr)
+                return 2
+            print(plan.describe())
+            if not plan.needed:
                 return 0
-            except JournalCorruptError as e:
-                print(f"journal damage: {e.reason} in {e.path} at byte {e.offset}")
             if not args.yes:
                 try:
-                    answer = input("Truncate the journal at the last good record? Records after it are lost. [y/N] ")
+                    answer = input("Apply this repair? [y/N] ")
                 except EOFError:
                     answer = ""
                 if answer.strip().lower() not in ("y", "yes"):
                     print("rallypoint: nothing changed")
                     return 1
-            report = repair(args.data_dir, lock=False)
+            report = apply_repair(plan)
     except DataDirLocked as e:
         print(f"rallypoint: {e}", file=sys.stderr)
         return 2
-    where = f"{report.file} at byte {report.offset}" if report.file else "whole segments"
-    print(
-        f"repaired: cut {where}; {report.bytes_dropped} bytes (about {report.records_dropped_estimate} records) "
-        f"dropped, {len(report.deleted_segments)} later segment(s) deleted; the journal now ends at LSN {report.last_lsn}"
-    )
+    except OSError as e:
+        print(f"rallypoint: repair failed: {e}; the journal may be half repaired: run `rallypoint repair` "
+              f"again once the cause is fixed", file=sys.stderr)
+        return 2
+    print(f"repaired: the journal now ends at LSN {report.last_lsn}; {len(report.deleted_segments)} "
+          f"segment file(s) deleted, {report.bytes_dropped} bytes dropped")
     return 0
+
+
+def _journal_from_lsn_1(data_dir: str) -> str:
+    """For a corrupt snapshot store: can the state be rebuilt from the journal alone?"""
+    from .persistence import JournalCorruptError
+    from .persistence.journal import list_segments, scan_journal
+
+    segs = list_segments(data_dir)
+    if not segs or segs[0][0] != 1:
+        first = segs[0][0] if segs else None
+        return (f" The journal starts at LSN {first}, not 1: the records before it exist only in the snapshot; "
+                f"restore the snapshot from a backup." if first else
+                " The journal is empty: restore the snapshot from a backup.")
+    try:
+        res = scan_journal(data_dir, 0, cut_torn_tail=False)
+    except JournalCorruptError as e:
+        return f" The journal starts at LSN 1 but is damaged too ({e.reason})."
+    return (f" The journal holds every record from LSN 1 to {res.last_lsn}: moving the snapshot directory "
+            f"aside loses nothing.")
 
 
 # ------------------------------------------------------------------------------ main
@@ -759,6 +1050,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="snapshot after this many journal entries (default %(default)s)")
     s.add_argument("--snapshot-every-s", type=_bounded(float, 0, inclusive=False), default=60.0,
                    help="snapshot after this many seconds if anything changed (default %(default)s)")
+    s.add_argument("--snapshot-retry-s", type=_bounded(float, 0, inclusive=False), default=5.0,
+                   help="retry a snapshot that failed (e.g. no room in LMDB) after this many seconds "
+                        "(default %(default)s)")
+    s.add_argument("--min-free-mb", type=_bounded(float, 0), default=64.0,
+                   help="refuse writes (UNAVAILABLE, reads go on) while the data dir's filesystem has less free "
+                        "space than this many MiB; they resume by themselves (default %(default)s; 0: only when "
+                        "a write fails)")
+    s.add_argument("--ballast-mb", type=_bounded(float, 0), default=4.0,
+                   help="MiB reserved in DATA_DIR/BALLAST and given back when the disk fills up, so the writes "
+                        "already in flight still reach the journal (default %(default)s)")
     s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
     s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,
@@ -770,6 +1071,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replies buffered for a slow reader before the server stops reading its requests "
                         "(default %(default)s)")
     s.add_argument("--drain-timeout", type=_bounded(float, 0), default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--http", metavar="HOST:PORT", default=None,
+                   help="also serve the HTTP API (the runstate SDK's, /v1/spaces/{spaceId}/...) on HOST:PORT "
+                        "over the same coordinator: same keys, spaces and TLS (off by default)")
+    s.add_argument("--http-idempotency-hours", type=_bounded(float, 0, inclusive=False), default=24.0,
+                   help="how long answers to HTTP requests with an Idempotency-Key are kept (default %(default)s)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (clients use tls:// URLs)")
     s.add_argument("--tls-key", help="PEM private key for --tls-cert")
     s.add_argument("--insecure", action="store_true",
@@ -837,6 +1143,37 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--limit", type=_bounded(int, 1, maximum=1000), default=15, help="rows of runs and groups")
     tp.add_argument("--once", action="store_true", help="print one frame and exit (the default off a terminal)")
     tp.set_defaults(fn=cmd_top)
+    c = sub.add_parser("claims", help="list and show claims (fenced leases on keys)", parents=[_client_options()])
+    cs = c.add_subparsers(dest="claims_cmd", required=True)
+    cls_ = cs.add_parser("ls", aliases=["list"], parents=[client])
+    cls_.add_argument("--state", choices=["FREE", "HELD", "COMPLETED"])
+    cls_.add_argument("--limit", type=_bounded(int, 1, maximum=10_000), default=100,
+                      help="claims per page, in key order (default %(default)s)")
+    cls_.add_argument("--after", metavar="KEY", help="the next page: keys after this one")
+    cls_.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
+    csh = cs.add_parser("show", parents=[client], help="one claim: lease, queue, observation, result")
+    csh.add_argument("key")
+    csh.add_argument("--json", action="store_true", help="machine-readable output")
+    c.set_defaults(fn=cmd_claims)
+
+    pl = sub.add_parser("pools", help="list and show pools (units, queue, grants)", parents=[_client_options()])
+    ps = pl.add_subparsers(dest="pools_cmd", required=True)
+    pls = ps.add_parser("ls", aliases=["list"], parents=[client])
+    pls.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
+    psh = ps.add_parser("show", parents=[client], help="one pool: units, FIFO queue, active grants")
+    psh.add_argument("name")
+    psh.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(fn=cmd_pools)
+
+    for what, fn, noun in (("quotas", cmd_quotas, "quota"), ("budgets", cmd_budgets, "budget")):
+        g = sub.add_parser(what, help=f"list and show {what}", parents=[_client_options()])
+        gs = g.add_subparsers(dest="sub_cmd", required=True)
+        gl = gs.add_parser("ls", aliases=["list"], parents=[client], help=f"every {noun} of the space")
+        gl.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
+        gsh = gs.add_parser("show", parents=[client], help=f"one {noun}, readable (or --json)")
+        gsh.add_argument("name", help=f"the {noun}'s name or id")
+        gsh.add_argument("--json", action="store_true", help="machine-readable output")
+        g.set_defaults(fn=fn)
 
     k = sub.add_parser("keys", help="create, list and revoke API keys (offline on --data-dir, or --connect)",
                        parents=[_client_options(connect_default=None, data_dir=True, json_flag=True)])
@@ -859,7 +1196,7 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("id")
     k.set_defaults(fn=cmd_keys)
 
-    rp = sub.add_parser("repair", help="truncate a corrupt journal at its last good record")
+    rp = sub.add_parser("repair", help="cut a damaged journal after its last intact record (says what first)")
     rp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
     rp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     rp.set_defaults(fn=cmd_repair)

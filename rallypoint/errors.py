@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "CODES",
+    "shutting_down_error",
     "RallypointError",
     "ValidationError",
     "NotFoundError",
@@ -34,6 +35,7 @@ __all__ = [
     "ContentionError",
     "CapacityUnavailableError",
     "AllowanceExhaustedError",
+    "AllowanceCooldownError",
     "InsufficientBudgetError",
     "ClaimHeldError",
     "LimitError",
@@ -215,18 +217,46 @@ class ContentionError(RallypointError):
 
 
 class CapacityUnavailableError(ContentionError):
+    """CAPACITY_UNAVAILABLE: a pool acquire without waiting found too few free units, or
+    others queued first (``details``: ``pool``, ``units``, ``units_free``, ``waiters``)."""
+
     code = "CAPACITY_UNAVAILABLE"
 
 
 class AllowanceExhaustedError(ContentionError):
+    """ALLOWANCE_EXHAUSTED: a quota take that may not wait found too few units left in
+    the current window (or waiters queued ahead of it: waiters are served first-come
+    first-served). ``retry_after``: seconds until the window rolls; ``details``:
+    ``quota``, ``units``, ``remaining``, ``waiting``, ``window_start``, ``window_end``."""
+
     code = "ALLOWANCE_EXHAUSTED"
 
 
+class AllowanceCooldownError(AllowanceExhaustedError):
+    """ALLOWANCE_COOLDOWN: the quota is cooling down (``quota.cooldown(seconds)``, a
+    backoff the provider asked for); nothing is granted from it, to any run of the
+    space, until it ends. ``retry_after``: seconds left; ``details``: ``quota``,
+    ``cooldown_until``, ``reason``. A subclass of AllowanceExhaustedError, so one
+    ``except`` handles both."""
+
+    code = "ALLOWANCE_COOLDOWN"
+
+
 class InsufficientBudgetError(ContentionError):
+    """INSUFFICIENT_BUDGET: a reservation larger than what the budget has left (its
+    limit minus what is settled and what open reservations hold). ``details``:
+    ``budget``, ``requested_minor``, ``available_minor``, ``limit_minor``,
+    ``settled_minor``, ``reserved_minor``, ``currency``, ``scale`` (amounts in integer
+    minor units)."""
+
     code = "INSUFFICIENT_BUDGET"
 
 
 class ClaimHeldError(ContentionError):
+    """CLAIM_HELD: a claim acquire without waiting found another live lease
+    (``retry_after``: seconds it has left; ``details``: ``key``, ``generation``,
+    ``holder``, ``waiters``)."""
+
     code = "CLAIM_HELD"
 
 
@@ -260,6 +290,13 @@ class UnavailableError(RallypointError):
     """UNAVAILABLE: the server cannot be reached, or is shutting down."""
 
     code = "UNAVAILABLE"
+
+
+def shutting_down_error(message: str = "the server is shutting down; retry on a new connection") -> UnavailableError:
+    """The UNAVAILABLE a draining or stopping server answers: ``details["reason"]`` is
+    ``"shutting_down"``, which tells a reconnecting client to move to a new connection
+    (any other UNAVAILABLE -- disk full, say -- is the server's answer to that request)."""
+    return UnavailableError(message, retry_after=1.0, details={"reason": "shutting_down"})
 
 
 class CursorExpiredError(RallypointError):
@@ -301,6 +338,7 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "FUNCTION_MISMATCH": FunctionMismatchError,
     "CAPACITY_UNAVAILABLE": CapacityUnavailableError,
     "ALLOWANCE_EXHAUSTED": AllowanceExhaustedError,
+    "ALLOWANCE_COOLDOWN": AllowanceCooldownError,
     "INSUFFICIENT_BUDGET": InsufficientBudgetError,
     "CLAIM_HELD": ClaimHeldError,
     "LIMIT_EXCEEDED": LimitError,

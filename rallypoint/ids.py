@@ -26,8 +26,19 @@ PREFIXES = {
     "tmr": "timer",
     "jst": "join set",
     "clm": "claim",
+    "pol": "pool (permits)",
+    "grt": "pool grant",
+    "wlm": "work limit",
     "key": "api key",
     "chd": "join-set child (delay)",
+    "quo": "quota (allowance)",
+    "qwt": "quota waiter",
+    "qcn": "quota consumption",
+    "bdg": "budget",
+    "rsv": "budget reservation",
+    "onc": "once (one execution per run and key)",
+    "idm": "stored answer of an HTTP idempotency key",
+    "msg": "message (in an INBOX mailbox)",
 }
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"

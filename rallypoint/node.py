@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -17,6 +18,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import lmdb
 import msgspec
 import trio
 
@@ -30,6 +32,8 @@ log = logging.getLogger("rallypoint.node")
 __all__ = ["Node", "open_node", "DURABILITY_MODES"]
 
 DURABILITY_MODES = ("memory", "interval", "fsync")
+#: Default free-space reserve of the journal's filesystem: below it, writes are refused.
+DEFAULT_MIN_FREE_BYTES = 64 << 20
 
 
 class Node:
@@ -66,6 +70,11 @@ async def open_node(
     snapshot_every_records: int = 100_000,
     snapshot_every_s: float = 60.0,
     retention: dict | None = None,
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    ballast_bytes: int = 0,
+    space_poll_s: float = 1.0,
+    snapshot_retry_s: float = 5.0,
+    disk=None,
 ) -> AsyncIterator[Node]:
     """Open (recover) a coordinator and run its background tasks until the block ends.
 
@@ -74,6 +83,15 @@ async def open_node(
     ``retain_finished_ms`` (see :class:`~rallypoint.actors.Coordinator`); default: keep
     100,000 events per space and every finished run.
     Raises VALIDATION_FAILED for an unknown mode or a file mode without a data dir.
+
+    Disk full (file modes): writes are refused with UNAVAILABLE while the journal's
+    filesystem has less than ``min_free_bytes`` free (default 64 MiB; 0: only a failed
+    write refuses), reads go on, and writes resume by themselves once space is free
+    (re-checked every ``space_poll_s`` s). ``ballast_bytes`` reserves that much
+    (``<data_dir>/BALLAST``) to give back when a write hits ENOSPC. A snapshot that fails
+    (say ENOSPC in LMDB) is retried after ``snapshot_retry_s`` s; snapshots are skipped
+    while writes are refused. ``disk`` replaces the journal's file operations (fault
+    injection in tests, :class:`rallypoint.persistence.Disk`).
     """
     retention = dict(retention or {})
     if durability is None:
@@ -91,6 +109,11 @@ async def open_node(
             snapshot_every_records=snapshot_every_records,
             snapshot_every_s=snapshot_every_s,
             retention=retention,
+            min_free_bytes=min_free_bytes,
+            ballast_bytes=ballast_bytes,
+            space_poll_s=space_poll_s,
+            snapshot_retry_s=snapshot_retry_s,
+            disk=disk,
         ) as node:
             yield node
         return
@@ -124,45 +147,104 @@ class Snapshotter:
 
     Triggers: ``every_records`` journal entries or ``every_s`` seconds since the last
     snapshot (if anything changed), and :meth:`snapshot` at graceful shutdown.
+
+    Disk full: while the journal refuses writes no snapshot is attempted (it would take
+    the space the journal needs; ``skipped`` counts these); nor is one whose LMDB write
+    would leave less than the journal's reserve free (estimated; it fails with ENOSPC
+    before writing). A snapshot that fails (that, or LMDB's own ENOSPC/EIO) changes
+    nothing -- the journal still holds every change and no segment is deleted -- and is
+    retried after ``retry_s`` seconds (``failures``, ``last_error``). Neither stops the
+    node.
     """
 
     CHUNK = 2000  # a round with more dirty entities than this yields between slices
     SLICE = 256  # entities encoded between two clock reads
     SLICE_S = 0.002  # longest stretch of encoding without a yield, seconds
+    POLL_S = 0.25  # how often run() checks whether a snapshot is due
 
-    def __init__(self, coordinator, store, *, every_records: int, every_s: float) -> None:
+    def __init__(self, coordinator, store, *, every_records: int, every_s: float, retry_s: float = 5.0) -> None:
         self.coordinator = coordinator
         self.store = store
         self.every_records = every_records
         self.every_s = every_s
+        self.retry_s = retry_s
         self.last_lsn = store.load_lsn()
         self.last_at = trio.current_time()
         self.snapshots = 0
+        self.failures = 0
+        self.skipped = 0
+        self.attempts = 0  # due snapshots run() attempted or skipped
+        self.last_error: str | None = None
         self.last_stats: dict = {}
         self.last_stall_s = 0.0
         self.on_snapshot: list = []  # callables(stats) after each snapshot (metrics)
+        self._retry_at: float | None = None
+        self._tick: trio.Event | None = None
         self._lock = trio.Lock()
         self._encoder = msgspec.msgpack.Encoder()
+        self._encoded_bytes = 0
+
+    async def wait_attempts(self, n: int) -> None:
+        """Return once ``attempts >= n`` (for tests and monitoring)."""
+        while self.attempts < n:
+            if self._tick is None:
+                self._tick = trio.Event()
+            await self._tick.wait()
+
+    def _ticked(self) -> None:
+        self.attempts += 1
+        ev, self._tick = self._tick, None
+        if ev is not None:
+            ev.set()
 
     def _encode(self, ids, keys: list, values: list, tables: dict, deletes: list) -> None:
         enc = self._encoder.encode
+        n = 0
         for eid in ids:
             t = tables.get(eid[:3])
             ent = None if t is None else t[0].get(eid)
             if ent is not None:
                 keys.append(eid.encode())
-                values.append(enc(ent))
+                v = enc(ent)
+                n += len(v)
+                values.append(v)
             elif t is not None:  # purged by retention: deleted from the store too
                 deletes.append(eid.encode())
+        self._encoded_bytes += n
+
+    def _space_for(self, journal, nbytes: int) -> None:
+        """Refuse (OSError ENOSPC) a snapshot whose LMDB write would eat into the
+        journal's free-space reserve: the journal needs that space more (the snapshot is
+        only a shortcut for recovery). Estimate: twice the encoded bytes (copy-on-write
+        pages, overflow pages) plus 1 MiB."""
+        free_fn = getattr(journal, "free_bytes", None)
+        free = free_fn() if free_fn is not None else None
+        if free is None:
+            return
+        need = 2 * nbytes + (1 << 20)
+        reserve = getattr(journal, "min_free_bytes", 0)
+        if free - need < reserve:
+            raise OSError(errno.ENOSPC, f"no room for a snapshot of about {need} bytes: {free} bytes free and "
+                                        f"the journal keeps {reserve}")
 
     async def snapshot(self) -> int | None:
-        """Take a snapshot now; returns its LSN (None when nothing changed)."""
+        """Take a snapshot now; returns its LSN, or None when nothing changed or the
+        journal refuses writes (disk full: skipped, ``skipped`` counts it).
+
+        Raises:
+            lmdb.Error, OSError: the LMDB write failed (e.g. ENOSPC). Nothing changed:
+                the previous snapshot stands, no journal segment was deleted, and the
+                entities stay dirty for the next attempt.
+        """
         async with self._lock:
             coord = self.coordinator
             journal = coord.journal
             if coord.failed is not None:
                 return None  # fail-stop: memory may be ahead of the journal; never persist it
             if not coord.dirty and journal.last_lsn == self.last_lsn:
+                return None
+            if not getattr(journal, "writable", True):
+                self.skipped += 1
                 return None
             t0 = time.perf_counter()
             tables = coord.entity_tables()
@@ -171,6 +253,7 @@ class Snapshotter:
             keys: list[bytes] = []
             values: list[bytes] = []
             deletes: list[bytes] = []
+            self._encoded_bytes = 0
             # Time-sliced rounds while much is dirty, then the final round with no yield.
             clock = time.perf_counter
             while len(coord.dirty) > self.CHUNK:
@@ -196,8 +279,14 @@ class Snapshotter:
             self.last_stall_s = now - t_final  # the one stretch that does not yield
             encoded_s = now - t0
             try:
-                sync = getattr(journal, "wait_synced", None)
-                await (sync(lsn) if sync is not None else journal.wait_durable(lsn))
+                self._space_for(journal, self._encoded_bytes)
+                if not await _synced_unless_refused(journal, lsn):
+                    # The disk filled up meanwhile: the journal may never reach lsn.
+                    coord.dirty.update(k.decode() for k in keys)
+                    coord.dirty.update(k.decode() for k in deletes)
+                    self.skipped += 1
+                    await self._release(values, keys)
+                    return None
                 # zip: the pairs are made in the worker thread, not on the loop. While
                 # the writer thread runs, a shorter GIL switch interval (0.5 ms instead
                 # of 5 ms) keeps it from holding the loop off for long stretches.
@@ -252,16 +341,76 @@ class Snapshotter:
                 await trio.sleep(0)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Take snapshots when due (see the class docstring) until cancelled. A failed
+        snapshot is logged (one line) and retried after ``retry_s``; it never ends
+        this task."""
         task_status.started()
         while True:
-            await trio.sleep(0.25)
+            await trio.sleep(self.POLL_S)
             journal = self.coordinator.journal
             behind = journal.last_lsn - self.last_lsn
             due = behind >= self.every_records or (
                 behind > 0 and trio.current_time() - self.last_at >= self.every_s
             )
-            if due:
+            if not due or (self._retry_at is not None and trio.current_time() < self._retry_at):
+                continue
+            try:
+                if not getattr(journal, "writable", True):
+                    self.skipped += 1
+                    continue
                 await self.snapshot()
+                if self._retry_at is not None:
+                    log.warning("snapshot written again after %d failure(s)", self.failures)
+                self._retry_at = None
+            except (lmdb.Error, OSError) as exc:
+                self.failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._retry_at = trio.current_time() + self.retry_s
+                log.warning("snapshot to %s failed (%s); nothing is lost (the journal keeps every change and "
+                            "no segment was deleted); retrying in %g s", self.store.path, self.last_error,
+                            self.retry_s)
+            finally:
+                self._ticked()
+
+
+async def _synced_unless_refused(journal, lsn: int) -> bool:
+    """Wait until the journal is synced past ``lsn``; False if it starts refusing writes
+    first (a full disk can keep ``lsn`` from ever being written)."""
+    sync = getattr(journal, "wait_synced", None)
+    refusing = getattr(journal, "wait_refusing", None)
+    if refusing is None:
+        await (sync(lsn) if sync is not None else journal.wait_durable(lsn))
+        return True
+    done = False
+    async with trio.open_nursery() as nursery:
+        async def synced():
+            nonlocal done
+            await sync(lsn)
+            done = True
+            nursery.cancel_scope.cancel()
+
+        async def refused():
+            await refusing()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(synced)
+        nursery.start_soon(refused)
+    return done
+
+
+async def _final_snapshot(snap: Snapshotter) -> None:
+    """The snapshot at a clean shutdown; a failure is one log line (the journal holds
+    every change: the next start replays it)."""
+    journal = snap.coordinator.journal
+    if not getattr(journal, "writable", True):
+        log.warning("no snapshot at shutdown: the disk is full (%s); the journal holds every change, the next "
+                    "start replays it", journal.refusing)
+        return
+    try:
+        await snap.snapshot()
+    except (lmdb.Error, OSError) as exc:
+        log.warning("snapshot at shutdown failed (%s: %s); the journal holds every change, the next start "
+                    "replays it", type(exc).__name__, exc)
 
 
 def _unlink_all(paths) -> None:
@@ -343,17 +492,23 @@ def load_events(coordinator, store) -> int:
 
 
 def load_entities(coordinator, entities) -> int:
-    """Install snapshot entities ``[(key, value)]`` into the coordinator's tables."""
+    """Install snapshot entities ``[(key, value)]`` into the coordinator's tables.
+
+    Raises ValueError naming the key when an entry does not decode (the caller turns it
+    into SnapshotCorruptError)."""
     tables = coordinator.entity_tables()
     decoders: dict[type, msgspec.msgpack.Decoder] = {}
     n = 0
     for key, value in entities:
-        eid = bytes(key).decode()
-        table, typ = tables[eid[:3]]
-        dec = decoders.get(typ)
-        if dec is None:
-            dec = decoders[typ] = msgspec.msgpack.Decoder(typ)
-        table[eid] = dec.decode(value)
+        try:
+            eid = bytes(key).decode()
+            table, typ = tables[eid[:3]]
+            dec = decoders.get(typ)
+            if dec is None:
+                dec = decoders[typ] = msgspec.msgpack.Decoder(typ)
+            table[eid] = dec.decode(value)
+        except (UnicodeDecodeError, KeyError, msgspec.DecodeError) as exc:
+            raise ValueError(f"entity {bytes(key)[:40]!r} does not decode ({type(exc).__name__}: {exc})") from None
         n += 1
     coordinator.rebuild_indexes()
     return n
@@ -364,11 +519,15 @@ def recover_coordinator(data_dir: str, coordinator) -> tuple[object, dict]:
 
     Returns the persistence ``Recovered`` object and a summary dict. Raises the
     persistence StartupError family (corrupt journal, newer format)."""
-    from .persistence import recover
+    from .persistence import SnapshotCorruptError, recover
 
     t0 = time.perf_counter()
     rec = recover(data_dir)
-    n_entities = load_entities(coordinator, rec.entities)
+    try:
+        n_entities = load_entities(coordinator, rec.entities)
+    except ValueError as exc:
+        rec.store.close()
+        raise SnapshotCorruptError(str(rec.store.path), str(exc), data_dir=str(data_dir)) from None
     n_events = load_events(coordinator, rec.store)
     replayed = 0
     for _lsn, payload in rec.records:
@@ -387,6 +546,15 @@ def recover_coordinator(data_dir: str, coordinator) -> tuple[object, dict]:
     return rec, info
 
 
+def _write_clock(clock_file, clock, mono_ms: int | None = None, wall_ms: int | None = None) -> None:
+    """The heartbeat pair, best effort: a full disk must not stop the node for it (an
+    older pair only makes the restart's lease extension larger)."""
+    try:
+        clock_file.write(clock.mono_ms() if mono_ms is None else mono_ms, clock.now_ms() if wall_ms is None else wall_ms)
+    except OSError as e:
+        log.debug("clock heartbeat not written: %s", e)
+
+
 @asynccontextmanager
 async def open_persistent_node(
     data_dir: str,
@@ -397,8 +565,15 @@ async def open_persistent_node(
     snapshot_every_records: int,
     snapshot_every_s: float,
     retention: dict | None = None,
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    ballast_bytes: int = 0,
+    space_poll_s: float = 1.0,
+    snapshot_retry_s: float = 5.0,
+    disk=None,
 ) -> AsyncIterator[Node]:
-    """Lock the data dir, recover, run journal + snapshots; snapshot at a clean exit."""
+    """Lock the data dir, recover, run journal + snapshots; snapshot at a clean exit
+    (skipped, with a log line, when the disk is full or the LMDB write fails: the
+    journal holds everything). Disk-space arguments: see :func:`open_node`."""
     from .persistence import DataDirLock
 
     from .persistence.clockfile import ClockFile
@@ -416,12 +591,18 @@ async def open_persistent_node(
             gap_ms = clock.mono_ms() - last[0]
         coord = Coordinator(clock=clock, durability=durability, **(retention or {}))
         rec, info = recover_coordinator(data_dir, coord)
-        coord.journal = rec.open_journal(mode=durability, interval_ms=interval_ms)
+        try:
+            coord.journal = rec.open_journal(mode=durability, interval_ms=interval_ms,
+                                             min_free_bytes=min_free_bytes, ballast_bytes=ballast_bytes,
+                                             space_poll_s=space_poll_s, disk=disk)
+        except BaseException:
+            rec.store.close()
+            raise
         coord.rearm_all()
         # the server could not hear renewals while it was down: leases get that time back
         info["leases_extended_ms"] = coord.extend_leases_after_restart(gap_ms)
-        coord.heartbeat = clock_file.write
-        clock_file.write(clock.mono_ms(), clock.now_ms())
+        coord.heartbeat = lambda mono, wall: _write_clock(clock_file, clock, mono, wall)
+        _write_clock(clock_file, clock)
         info["entities"] = coord.entity_count()
         info["downtime_s"] = gap_ms / 1000
         if info["torn_tail"] is not None:
@@ -437,7 +618,8 @@ async def open_persistent_node(
         )
         node = Node(coord, data_dir, durability)
         node.recovery_info = info
-        snap = Snapshotter(coord, rec.store, every_records=snapshot_every_records, every_s=snapshot_every_s)
+        snap = Snapshotter(coord, rec.store, every_records=snapshot_every_records, every_s=snapshot_every_s,
+                           retry_s=snapshot_retry_s)
         coord.background.append(snap.run)
         node.snapshotter = snap
         clean = False
@@ -450,8 +632,8 @@ async def open_persistent_node(
                 finally:
                     if clean and coord.failed is None:
                         with trio.CancelScope(shield=True):
-                            await snap.snapshot()
-                            clock_file.write(clock.mono_ms(), clock.now_ms())
+                            await _final_snapshot(snap)
+                            _write_clock(clock_file, clock)
                     nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):

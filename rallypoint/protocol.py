@@ -94,6 +94,16 @@ class ScopeList(_Op, tag="scope.list"):
     order: str = "asc"
 
 
+class ScopeEnsureNamed(_Op, tag="scope.ensure_named"):
+    """Join the root run named ``name``: the newest root run with that name that is
+    still effectively ACTIVE, or a new one when there is none (a run that ended or passed
+    its deadline is never joined again). ``deadline`` (ISO 8601) applies only when the
+    run is created. Reply: the run (ScopeView). Runs on the space's actor."""
+
+    name: str
+    deadline: str | None = None
+
+
 class ScopeView(_View):
     id: str
     name: str | None
@@ -119,6 +129,9 @@ class ScopeListView(_View):
 
 
 class MailboxEnsure(_Op, tag="mailbox.ensure"):
+    """``mode``: WORK (tasks: ``task.submit``) or INBOX (plain messages:
+    ``message.send``); both are received, renewed and settled the same way."""
+
     name: str
     mode: str = "WORK"
     max_attempts: int = 5
@@ -151,26 +164,48 @@ class MailboxListView(_View):
 # --- tasks and deliveries -------------------------------------------------------------
 
 
+class Requirements(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a task needs before it is handed out (admission, all or nothing in one
+    step). One field per requirement type: ``pools`` maps a pool *name* to the units
+    held (as grants) while a delivery of the task runs (at most 4 pools); ``budgets``
+    maps a budget *name* to the amount (minor units) reserved for the delivery, settled
+    in full if the task succeeds and voided otherwise unless its worker settles it
+    first (at most 2 budgets)."""
+
+    pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+
+
 class SubmitItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     input: msgspec.Raw = NIL
     key: str | None = None
     deadline: str | None = None
+    requirements: Requirements | None = None
 
 
 class TaskSubmit(_Op, tag="task.submit"):
+    """``work_limit``: the name of a work limit of the run or an ancestor (nearest
+    first); the submission is LIMIT_EXCEEDED while the limit's unfinished tasks number
+    ``max_outstanding``."""
+
     mailbox: str
     scope_id: str
     input: msgspec.Raw = NIL
     key: str | None = None
     deadline: str | None = None
+    requirements: Requirements | None = None
+    work_limit: str | None = None
 
 
 class TaskSubmitMany(_Op, tag="task.submit_many"):
-    """All-or-nothing: every item is validated first; one commit for all."""
+    """All-or-nothing: every item is validated first; one commit for all. ``brief``: the
+    reply carries only the task ids (``TaskListView.ids``), not each task's view."""
 
     mailbox: str
     scope_id: str
     items: list[SubmitItem]
+    work_limit: str | None = None
+    brief: bool = False
 
 
 class TaskStatus(_Op, tag="task.status"):
@@ -184,8 +219,35 @@ class TaskResult(_Op, tag="task.result"):
     wait_ms: int = 0
 
 
+class TaskResults(_Op, tag="task.results"):
+    """Waits on the server (at most 60 s per request) until EVERY task is terminal; the
+    reply lists them in the given order (as they are when the wait ends). One request
+    and one parked wait for many tasks (1 to 1000 ids)."""
+
+    task_ids: list[str]
+    wait_ms: int = 0
+
+
 class TaskCancel(_Op, tag="task.cancel"):
     task_id: str
+
+
+class TaskSubscribe(_Op, tag="task.subscribe"):
+    """Subscribe ``subscriber_id`` (1-256 chars) to the task: idempotent. ``scope_id``: the
+    subscriber's run, which must be active (SCOPE_CANCELLED / DEADLINE_EXCEEDED). A
+    subscription is a record of interest only: a task with no subscribers is not
+    cancelled."""
+
+    task_id: str
+    subscriber_id: str
+    scope_id: str | None = None
+
+
+class TaskDetach(_Op, tag="task.detach"):
+    """Remove the subscription (idempotent); the task goes on."""
+
+    task_id: str
+    subscriber_id: str
 
 
 class TaskView(_View):
@@ -205,10 +267,14 @@ class TaskView(_View):
     group_id: str | None = None
     run_id: str | None = None  # the task's own run (``delivery.run``), once made
     completing: bool = False  # its worker completed it; its run's join sets are closing
+    subscribers: list[str] = msgspec.field(default_factory=list)
 
 
 class TaskListView(_View):
-    tasks: list[TaskView]
+    """The tasks' views, or (a ``brief`` submit) only their ids."""
+
+    tasks: list[TaskView] = msgspec.field(default_factory=list)
+    ids: list[str] = msgspec.field(default_factory=list)
 
 
 class Receive(_Op, tag="delivery.receive"):
@@ -217,6 +283,26 @@ class Receive(_Op, tag="delivery.receive"):
     lease_ms: int = 30_000
     wait_ms: int = 0
     max_messages: int = 1
+
+
+class GrantView(_View):
+    """A grant of ``units`` of pool ``pool``: ACTIVE, RELEASED or EXPIRED. ``token`` is
+    the holder's secret, only in the replies that hand the grant out (else 0).
+    ``lease_expires_at`` is None for a grant held by a task's delivery (``task_id``)."""
+
+    id: str
+    pool: str
+    pool_id: str
+    scope_id: str
+    units: int
+    state: str
+    token: int
+    lease_expires_at: str | None
+    holder: str | None
+    task_id: str | None
+    created_at: str
+    ended_at: str | None
+    end_reason: str | None
 
 
 class DeliveryView(_View):
@@ -230,6 +316,11 @@ class DeliveryView(_View):
     lease_expires_at: str
     group_id: str | None = None
     run_id: str | None = None  # the task's own run, if an earlier attempt made it
+    key: str | None = None  # the task's idempotency key, if it was submitted with one
+    #: pool grants taken with this delivery (the task's requirements), held while it runs
+    grants: list[GrantView] = []
+    #: ids of the budget reservations made for this delivery (the task's requirements)
+    reservations: list[str] = []
 
 
 class ReceiveView(_View):
@@ -252,6 +343,42 @@ class DeliveryComplete(_Op, tag="delivery.complete"):
     task_id: str
     token: int
     outcome: msgspec.Raw = NIL
+
+
+class CompleteItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    task_id: str
+    token: int
+    outcome: msgspec.Raw = NIL
+
+
+class DeliveryCompleteMany(_Op, tag="delivery.complete_many"):
+    """Complete several deliveries of ONE run in one request and one commit. Each item
+    is judged on its own, like ``delivery.complete`` (a refused item changes nothing;
+    the others are applied); 1 to 1000 items. ``brief``: an accepted item's answer
+    carries no task view (only refusals are detailed)."""
+
+    items: list[CompleteItem]
+    brief: bool = False
+
+
+class ItemError(_View):
+    """A refused item of a batch operation: the error it would have raised."""
+
+    code: str
+    message: str
+    retry_after: float | None = None
+    details: dict | None = None
+
+
+class SettledView(_View):
+    """One item's answer: the task after it (``task``) or why it was refused (``error``)."""
+
+    task: TaskView | None = None
+    error: ItemError | None = None
+
+
+class SettledListView(_View):
+    items: list[SettledView]
 
 
 class DeliveryRetry(_Op, tag="delivery.retry"):
@@ -369,8 +496,12 @@ class GroupMemberAddedView(_View):
 
 
 class BarrierCreate(_Op, tag="barrier.create"):
+    """``name``: one barrier per (run, name): a later create returns it (CONFLICT when
+    ``target`` differs)."""
+
     scope_id: str
     target: int
+    name: str | None = None
 
 
 class BarrierArrive(_Op, tag="barrier.arrive"):
@@ -404,15 +535,34 @@ class BarrierView(_View):
     epoch: int
     created_at: str
     released_at: str | None
+    name: str | None = None
 
 
 # --- timers ---------------------------------------------------------------------------
 
 
 class TimerCreate(_Op, tag="timer.create"):
+    """``name``: a durable timer per (run, name): the first create makes it, every later
+    one returns it unchanged (its ``fire_at`` is never reset)."""
+
     scope_id: str
     at: str | None = None
     after_ms: int | None = None
+    name: str | None = None
+
+
+class TimerAck(_Op, tag="timer.ack"):
+    """Acknowledge a FIRED timer. ``token`` (the view's ``token``, given once it fired):
+    another is STALE_CLAIM. CONFLICT while ARMED or once ACKED; TIMER_CANCELLED."""
+
+    timer_id: str
+    token: str | None = None
+
+
+class TimerPoll(_Op, tag="timer.poll"):
+    """The run's FIRED timers not yet acknowledged (oldest fire first, at most 1000)."""
+
+    scope_id: str
 
 
 class TimerStatus(_Op, tag="timer.status"):
@@ -438,6 +588,15 @@ class TimerView(_View):
     fired_at: str | None
     acked_at: str | None
     created_at: str
+    name: str | None = None
+    #: the fencing token of the fire (set once FIRED): what ``timer.ack`` presents
+    token: str | None = None
+    #: the server's wall clock when the view was made (``fire_at - now`` is the time left)
+    now: str | None = None
+
+
+class TimerListView(_View):
+    timers: list[TimerView]
 
 
 # --- join sets ------------------------------------------------------------------------
@@ -539,6 +698,275 @@ class JoinNextView(_View):
     closing: bool = False
     step: int | None = None  # the step this answer is (None: a re-read, or a wait that ran out)
     replayed: bool = False  # answered from the log (a step below ``steps``)
+
+
+# --- messages (INBOX mailboxes) ----------------------------------------------------------
+
+
+class MessageSend(_Op, tag="message.send"):
+    """A plain message into an INBOX-mode mailbox, bound to ``scope_id``; receive,
+    renew, complete, retry and reject it like a task delivery. ``key``: idempotent per
+    (run, mailbox, key)."""
+
+    mailbox: str
+    scope_id: str
+    payload: msgspec.Raw = NIL
+    key: str | None = None
+    deadline: str | None = None
+
+
+class MessageStatus(_Op, tag="message.status"):
+    message_id: str
+
+
+class MessageView(_View):
+    """``state``: QUEUED, RUNNING (leased), ACKED (completed), FAILED, CANCELLED,
+    EXPIRED; ``result`` is what the receiver completed it with."""
+
+    id: str
+    mailbox: str
+    scope_id: str
+    state: str
+    attempt: int
+    key: str | None
+    payload: msgspec.Raw
+    result: msgspec.Raw
+    error: msgspec.Raw
+    outcome_reason: str | None
+    created_at: str
+    finished_at: str | None
+    deadline: str | None
+
+
+# --- quotas (allowances) ------------------------------------------------------------------
+
+
+class QuotaEnsure(_Op, tag="quota.ensure"):
+    """Create the quota, or check it exists with these settings (CONFLICT otherwise).
+    ``window_ms``: 1 s to 1 day."""
+
+    name: str
+    units_limit: int
+    window_ms: int
+
+
+class QuotaGet(_Op, tag="quota.get"):
+    """By name or id; ``waiters``: also list the WAITING waiters (first 1000, FIFO)."""
+
+    quota: str
+    waiters: bool = False
+
+
+class QuotaList(_Op, tag="quota.list"):
+    pass
+
+
+class QuotaTake(_Op, tag="quota.take"):
+    """Take ``units`` for ``scope_id``. ``ttl_ms`` 0: now or ALLOWANCE_EXHAUSTED /
+    ALLOWANCE_COOLDOWN. ``ttl_ms`` > 0: a durable FIFO waiter, GRANTED at once or
+    WAITING until served or ``ttl_ms`` passes (EXPIRED); the request waits up to
+    ``wait_ms`` for it. ``key``: idempotent per (quota, key) (the take is recorded as a
+    waiter, even when granted at once)."""
+
+    quota: str
+    scope_id: str
+    units: int = 1
+    ttl_ms: int = 0
+    wait_ms: int = 0
+    key: str | None = None
+    holder: str | None = None
+
+
+class QuotaCooldown(_Op, tag="quota.cooldown"):
+    """Grant nothing from the quota, to any run, for ``cooldown_ms`` from now (a running
+    cooldown is only ever extended)."""
+
+    quota: str
+    cooldown_ms: int
+    reason: str | None = None
+
+
+class QuotaWaiterWait(_Op, tag="quota.waiter_wait"):
+    """The waiter's state; with ``wait_ms``, waits until it is no longer WAITING."""
+
+    waiter_id: str
+    wait_ms: int = 0
+
+
+class QuotaWaiterCancel(_Op, tag="quota.waiter_cancel"):
+    """Cancel a WAITING waiter; a waiter already GRANTED (or ended) is returned as is."""
+
+    waiter_id: str
+
+
+class QuotaTakeView(_View):
+    """A take: ``state`` GRANTED (``consumption_id`` set: the units are taken, once),
+    WAITING, EXPIRED or CANCELLED (``end_reason``: cancelled, run_cancelled,
+    run_completed, deadline). ``remaining``: units left in the current window now;
+    ``window_start``/``window_end``: the window the grant was counted in."""
+
+    quota_id: str
+    quota: str
+    scope_id: str
+    state: str
+    units: int
+    consumption_id: str | None
+    waiter_id: str | None
+    window_start: str | None
+    window_end: str | None
+    remaining: int
+    expires_at: str | None
+    created_at: str
+    ended_at: str | None
+    end_reason: str | None
+    holder: str | None
+
+
+class QuotaView(_View):
+    """A quota now: ``used``/``remaining`` in the current window
+    [``window_start``, ``window_end``), ``waiting`` waiters, a running cooldown."""
+
+    id: str
+    name: str
+    units_limit: int
+    window_ms: int
+    window_start: str
+    window_end: str
+    used: int
+    remaining: int
+    waiting: int
+    cooldown_until: str | None
+    cooldown_reason: str | None
+    consumed_total: int
+    created_at: str
+    waiters: list[QuotaTakeView] = msgspec.field(default_factory=list)
+
+
+class QuotaListView(_View):
+    quotas: list[QuotaView]
+
+
+# --- budgets -------------------------------------------------------------------------------
+# Amounts are integer minor units (``*_minor``): at ``scale`` 2, 250 means 2.50.
+
+
+class BudgetEnsure(_Op, tag="budget.ensure"):
+    """Create the budget, or check it exists with these settings (CONFLICT otherwise).
+    ``currency``: 3 capital letters; ``scale``: 0-9 decimal places."""
+
+    name: str
+    limit_minor: int
+    currency: str = "USD"
+    scale: int = 2
+
+
+class BudgetGet(_Op, tag="budget.get"):
+    """By name or id; ``reservations``: also list the open (ACTIVE, STALE) ones (first
+    1000)."""
+
+    budget: str
+    reservations: bool = False
+
+
+class BudgetList(_Op, tag="budget.list"):
+    pass
+
+
+class BudgetReserve(_Op, tag="budget.reserve"):
+    """Hold ``amount_minor`` for ``scope_id``. ``settle_by`` (instant) or
+    ``settle_within_ms`` (server time): STALE if still open then. ``key``: idempotent
+    per (budget, key). ``task_id``+``token``: held for that delivery (the current lease)
+    and closed when it ends."""
+
+    budget: str
+    scope_id: str
+    amount_minor: int
+    settle_by: str | None = None
+    settle_within_ms: int | None = None
+    key: str | None = None
+    holder: str | None = None
+    task_id: str | None = None
+    token: int = 0
+
+
+class BudgetSettle(_Op, tag="budget.settle"):
+    """Charge ``amount_minor`` (the actual cost) under ``usage_key`` (idempotent: the
+    same key again changes nothing). Capped at the reservation's remainder plus what the
+    budget has unreserved. ``final``: close the reservation, releasing the rest."""
+
+    reservation_id: str
+    amount_minor: int
+    usage_key: str
+    final: bool = True
+
+
+class BudgetVoid(_Op, tag="budget.void"):
+    """Close the reservation, releasing its remainder (idempotent)."""
+
+    reservation_id: str
+
+
+class ReservationGet(_Op, tag="budget.reservation"):
+    reservation_id: str
+
+
+class ReservationView(_View):
+    """``state``: ACTIVE, STALE (past settle-by, still holding), SETTLED, VOIDED.
+    ``remaining_minor``: still held; ``overrun_minor``: asked beyond what could be
+    charged."""
+
+    id: str
+    budget_id: str
+    budget: str
+    scope_id: str
+    state: str
+    amount_minor: int
+    remaining_minor: int
+    settled_minor: int
+    overrun_minor: int
+    currency: str
+    scale: int
+    settle_by: str | None
+    created_at: str
+    closed_at: str | None
+    close_reason: str | None
+    holder: str | None
+    key: str | None
+    task_id: str | None
+
+
+class BudgetView(_View):
+    """``available_minor`` = ``limit_minor`` - ``settled_minor`` - ``reserved_minor``."""
+
+    id: str
+    name: str
+    currency: str
+    scale: int
+    limit_minor: int
+    settled_minor: int
+    reserved_minor: int
+    available_minor: int
+    overrun_minor: int
+    open_reservations: int
+    created_at: str
+    reservations: list[ReservationView] = msgspec.field(default_factory=list)
+
+
+class BudgetListView(_View):
+    budgets: list[BudgetView]
+
+
+class SettleView(_View):
+    """One settlement: ``charged_minor`` of ``requested_minor`` (capped);
+    ``available_minor``: what the budget has left now; ``replayed``: this usage key was
+    settled before and nothing changed."""
+
+    reservation: ReservationView
+    usage_key: str
+    requested_minor: int
+    charged_minor: int
+    available_minor: int
+    replayed: bool
 
 
 # --- access (admin) ---------------------------------------------------------------------
@@ -677,6 +1105,390 @@ class OverviewView(_View):
     entities: int
     tasks: dict[str, int]
     retention: dict[str, Any]
+# --- claims -----------------------------------------------------------------------------
+
+
+class ClaimAcquire(_Op, tag="claim.acquire"):
+    """An exclusive, fenced lease on ``key`` (unique per space) for run ``scope_id``.
+
+    ``wait_ms``: 0 answers at once (CLAIM_HELD while another lease is live); more queues
+    a durable FIFO waiter for that long (at most 24 h) and parks up to 60 s per
+    request. ``request_id`` (client-chosen, <= 64 chars) makes the request re-sendable:
+    the same id finds its lease or its waiter."""
+
+    scope_id: str
+    key: str
+    lease_ms: int = 30_000
+    wait_ms: int = 0
+    holder: str | None = None
+    request_id: str | None = None
+
+
+class ClaimRenew(_Op, tag="claim.renew"):
+    key: str
+    token: int
+    lease_ms: int = 30_000
+
+
+class ClaimRelease(_Op, tag="claim.release"):
+    key: str
+    token: int
+    observation: msgspec.Raw = NIL
+
+
+class ClaimComplete(_Op, tag="claim.complete"):
+    key: str
+    token: int
+    result: msgspec.Raw = NIL
+
+
+class ClaimCancelWait(_Op, tag="claim.cancel_wait"):
+    """Withdraw the acquire ``request_id``: its waiter leaves the queue, or the lease it
+    was already given is released."""
+
+    key: str
+    request_id: str
+
+
+class ClaimStatus(_Op, tag="claim.status"):
+    key: str
+
+
+class ClaimList(_Op, tag="claim.list"):
+    """Claims of the space in key order; ``after`` (a key, exclusive) pages."""
+
+    state: str | None = None
+    limit: int = 100
+    after: str | None = None
+
+
+class ClaimWaiterView(_View):
+    scope_id: str
+    holder: str | None
+    queued_at: str
+    expires_at: str
+
+
+class ClaimView(_View):
+    """A claim: HELD (a live lease), FREE or COMPLETED. ``generation`` counts leases
+    (the fencing number); ``observation`` is what the last release left for the next
+    acquirer, ``result`` what ``complete`` recorded."""
+
+    id: str
+    key: str
+    scope_id: str
+    state: str
+    generation: int
+    holder: str | None
+    lease_expires_at: str | None
+    acquired_at: str | None
+    observation: msgspec.Raw
+    result: msgspec.Raw
+    completed_at: str | None
+    created_at: str
+    waiters: list[ClaimWaiterView]
+
+
+class ClaimLeaseView(_View):
+    """The reply to acquire and renew. ``status``: ACQUIRED (``token`` is the lease's
+    secret), COMPLETED (no lease: ``claim.result``), or WAITING (still in line at
+    ``position``; re-send with the same ``request_id``)."""
+
+    status: str
+    claim: ClaimView
+    token: int = 0
+    request_id: str | None = None
+    position: int = 0
+
+
+class ClaimListView(_View):
+    claims: list[ClaimView]
+
+
+# --- pools (permits) ----------------------------------------------------------------------
+
+
+class PoolEnsure(_Op, tag="pool.ensure"):
+    name: str
+    units_total: int
+
+
+class PoolGet(_Op, tag="pool.get"):
+    name: str
+
+
+class PoolList(_Op, tag="pool.list"):
+    pass
+
+
+class PoolAcquire(_Op, tag="pool.acquire"):
+    """``units`` of pool ``pool`` (a name) for run ``scope_id`` under a ``lease_ms``
+    lease. ``wait_ms`` 0: CAPACITY_UNAVAILABLE unless the units are free and nobody
+    waits; more: a durable FIFO waiter for that long (at most 24 h), parked up to 60 s
+    per request. ``request_id`` as for claims."""
+
+    pool: str
+    scope_id: str
+    units: int = 1
+    lease_ms: int = 30_000
+    wait_ms: int = 0
+    holder: str | None = None
+    request_id: str | None = None
+
+
+class PoolCancelWait(_Op, tag="pool.cancel_wait"):
+    pool: str
+    request_id: str
+
+
+class GrantRenew(_Op, tag="grant.renew"):
+    grant_id: str
+    token: int
+    lease_ms: int = 30_000
+
+
+class GrantRelease(_Op, tag="grant.release"):
+    grant_id: str
+    token: int
+    observation: msgspec.Raw = NIL
+
+
+class GrantStatus(_Op, tag="grant.status"):
+    grant_id: str
+
+
+class PoolWaiterView(_View):
+    scope_id: str
+    units: int
+    holder: str | None
+    queued_at: str
+    expires_at: str
+
+
+class PoolView(_View):
+    """A pool: ``units_used`` of ``units_total`` are granted; ``waiters`` in FIFO order
+    and the active ``grants`` (at most 100 of each are listed)."""
+
+    id: str
+    name: str
+    units_total: int
+    units_used: int
+    units_free: int
+    created_at: str
+    waiting: int
+    active_grants: int
+    waiters: list[PoolWaiterView]
+    grants: list[GrantView]
+
+
+class PoolListView(_View):
+    pools: list[PoolView]
+
+
+class PoolAcquireView(_View):
+    """``status``: ACQUIRED (``grant``, with its token) or WAITING (in line at
+    ``position``; re-send with the same ``request_id``)."""
+
+    status: str
+    grant: GrantView | None = None
+    request_id: str | None = None
+    position: int = 0
+
+
+class CancelWaitView(_View):
+    """``outcome``: ``withdrawn`` (the waiter left the queue), ``released`` (the lease or
+    grant it had already been given was released) or ``none`` (nothing was pending)."""
+
+    outcome: str
+
+
+# --- work limits ---------------------------------------------------------------------------
+
+
+class WorkLimitEnsure(_Op, tag="work_limit.ensure"):
+    scope_id: str
+    name: str
+    max_outstanding: int
+
+
+class WorkLimitList(_Op, tag="work_limit.list"):
+    """The limits of run ``scope_id`` (None: every limit of the space)."""
+
+    scope_id: str | None = None
+
+
+class WorkLimitView(_View):
+    id: str
+    scope_id: str
+    name: str
+    max_outstanding: int
+    outstanding: int
+    created_at: str
+
+
+class WorkLimitListView(_View):
+    work_limits: list[WorkLimitView]
+
+
+# --- mailbox contents (HTTP: GET /mailboxes/{id}/messages) ----------------------------------
+
+
+class MailboxMessages(_Op, tag="mailbox.messages"):
+    """The tasks and messages of one work queue, newest first (at most ``limit``, 1-1000);
+    ``before`` (an id, exclusive) pages. A diagnostic read: it scans the space's tasks."""
+
+    name: str
+    limit: int = 100
+    before: str | None = None
+
+
+# --- once (exactly one execution per run and key) -------------------------------------------
+
+
+class OnceAcquire(_Op, tag="once.acquire"):
+    """Take the work ``key`` of run ``scope_id`` under a ``lease_ms`` lease (5-600 s).
+
+    Reply ``state``: ACQUIRED (``token``; ``attempts``: failures so far), HELD (another
+    holder's lease is live -- the same holder and session too: not re-entrant), DONE
+    (``result``) or FAILED (``last_error``, ``attempts``). SCOPE_CANCELLED /
+    DEADLINE_EXCEEDED when the run refuses new work (DONE and FAILED are still answered)."""
+
+    scope_id: str
+    key: str
+    lease_ms: int = 30_000
+    holder: str | None = None
+    holder_session: str | None = None
+
+
+class OnceGet(_Op, tag="once.get"):
+    """The once now (OPEN when nobody took it yet); with ``wait_ms``, waits on the server
+    until it is no longer HELD (at most 60 s)."""
+
+    scope_id: str
+    key: str
+    wait_ms: int = 0
+
+
+class OnceRenew(_Op, tag="once.renew"):
+    """Extend the holder's lease to now + ``lease_ms``. STALE_CLAIM for a token that is
+    not the live lease's; the run's code when the run refuses new work."""
+
+    scope_id: str
+    key: str
+    token: int
+    lease_ms: int = 30_000
+
+
+class OnceComplete(_Op, tag="once.complete"):
+    """Record ``result`` (at most 64 KiB): DONE for good. STALE_CLAIM for a stale token;
+    the same complete again (same token, same result) answers DONE."""
+
+    scope_id: str
+    key: str
+    token: int
+    result: msgspec.Raw = NIL
+
+
+class OnceFail(_Op, tag="once.fail"):
+    """The holder's attempt failed with ``error`` (at most 2000 chars): FAILED for good
+    once the failures reach ``max_attempts`` (1-100), else OPEN for the next caller."""
+
+    scope_id: str
+    key: str
+    token: int
+    error: str = ""
+    max_attempts: int = 3
+
+
+class OnceView(_View):
+    """``state``: OPEN, HELD, DONE, FAILED, or (only in an acquire's reply) ACQUIRED.
+    ``attempts``: failed attempts so far. ``token`` only to the acquirer."""
+
+    id: str
+    scope_id: str
+    key: str
+    state: str
+    attempts: int
+    token: int = 0
+    holder: str | None = None
+    lease_expires_at: str | None = None
+    result: msgspec.Raw = NIL
+    last_error: str | None = None
+    created_at: str | None = None
+    finished_at: str | None = None
+
+
+# --- HTTP idempotency keys -------------------------------------------------------------------
+
+
+class IdempotencyLookup(_Op, tag="idempotency.lookup"):
+    """The answer stored under ``key`` (an HTTP ``Idempotency-Key`` of the session's
+    space), if any and not expired. ``fingerprint``: the request's (method, path, body)
+    digest; a stored answer for another fingerprint is IDEMPOTENCY_CONFLICT."""
+
+    key: str
+    fingerprint: str
+
+
+class IdempotencyRecord(_Op, tag="idempotency.record"):
+    """Store the answer (``status``, encoded ``body``) of the request ``key`` names, kept
+    for the server's idempotency TTL (default 24 h); the first record wins."""
+
+    key: str
+    fingerprint: str
+    status: int
+    body: bytes = b""
+
+
+class IdempotencyView(_View):
+    """``found``: an answer is stored (``status``, ``body``)."""
+
+    found: bool
+    status: int = 0
+    body: bytes = b""
+
+
+# --- diagnostics (read-only, never a source of authority) ----------------------------------
+
+
+class OpsRun(_Op, tag="ops.run"):
+    """Who holds what in run ``scope_id``'s subtree: lease holders (once keys, deliveries)
+    and waiters (quota waiters)."""
+
+    scope_id: str
+
+
+class OpsWorkerView(_View):
+    holder: str
+    keys: list[str]
+    earliest_lease_expiry: str | None
+
+
+class OpsWaitView(_View):
+    kind: str  # quota | permit
+    name: str
+    units: int
+    holder: str | None
+    scope_id: str
+
+
+class OpsRunView(_View):
+    root_scope_id: str
+    scope_id: str
+    runs: int
+    workers: list[OpsWorkerView]
+    waiting: list[OpsWaitView]
+
+
+class OpsWaits(_Op, tag="ops.waits"):
+    """Every parked server-side wait and durable waiter of the space, by kind."""
+
+    pass
+
+
+class OpsWaitsView(_View):
+    parked: dict[str, int]
+    waiting: list[OpsWaitView]
 
 
 Op = Union[
@@ -693,10 +1505,12 @@ Op = Union[
     TaskSubmitMany,
     TaskStatus,
     TaskResult,
+    TaskResults,
     TaskCancel,
     Receive,
     DeliveryRenew,
     DeliveryComplete,
+    DeliveryCompleteMany,
     DeliveryRetry,
     DeliveryReject,
     DeliveryRun,
@@ -728,6 +1542,54 @@ Op = Union[
     EventsList,
     EventsWatch,
     OpsOverview,
+    MessageSend,
+    MessageStatus,
+    QuotaEnsure,
+    QuotaGet,
+    QuotaList,
+    QuotaTake,
+    QuotaCooldown,
+    QuotaWaiterWait,
+    QuotaWaiterCancel,
+    BudgetEnsure,
+    BudgetGet,
+    BudgetList,
+    BudgetReserve,
+    BudgetSettle,
+    BudgetVoid,
+    ReservationGet,
+    ClaimAcquire,
+    ClaimRenew,
+    ClaimRelease,
+    ClaimComplete,
+    ClaimCancelWait,
+    ClaimStatus,
+    ClaimList,
+    PoolEnsure,
+    PoolGet,
+    PoolList,
+    PoolAcquire,
+    PoolCancelWait,
+    GrantRenew,
+    GrantRelease,
+    GrantStatus,
+    WorkLimitEnsure,
+    WorkLimitList,
+    ScopeEnsureNamed,
+    TimerAck,
+    TimerPoll,
+    MailboxMessages,
+    OnceAcquire,
+    OnceGet,
+    OnceRenew,
+    OnceComplete,
+    OnceFail,
+    IdempotencyLookup,
+    IdempotencyRecord,
+    OpsRun,
+    OpsWaits,
+    TaskSubscribe,
+    TaskDetach,
 ]
 
 ALL_OPS: tuple[type, ...] = Op.__args__  # type: ignore[attr-defined]
@@ -747,10 +1609,12 @@ REPLY_TYPES: dict[type, type] = {
     TaskSubmitMany: TaskListView,
     TaskStatus: TaskView,
     TaskResult: TaskView,
+    TaskResults: TaskListView,
     TaskCancel: TaskView,
     Receive: ReceiveView,
     DeliveryRenew: LeaseView,
     DeliveryComplete: TaskView,
+    DeliveryCompleteMany: SettledListView,
     DeliveryRetry: TaskView,
     DeliveryReject: TaskView,
     DeliveryRun: ScopeView,
@@ -782,6 +1646,54 @@ REPLY_TYPES: dict[type, type] = {
     EventsList: EventPageView,
     EventsWatch: WatchView,
     OpsOverview: OverviewView,
+    MessageSend: MessageView,
+    MessageStatus: MessageView,
+    QuotaEnsure: QuotaView,
+    QuotaGet: QuotaView,
+    QuotaList: QuotaListView,
+    QuotaTake: QuotaTakeView,
+    QuotaCooldown: QuotaView,
+    QuotaWaiterWait: QuotaTakeView,
+    QuotaWaiterCancel: QuotaTakeView,
+    BudgetEnsure: BudgetView,
+    BudgetGet: BudgetView,
+    BudgetList: BudgetListView,
+    BudgetReserve: ReservationView,
+    BudgetSettle: SettleView,
+    BudgetVoid: ReservationView,
+    ReservationGet: ReservationView,
+    ClaimAcquire: ClaimLeaseView,
+    ClaimRenew: ClaimLeaseView,
+    ClaimRelease: ClaimView,
+    ClaimComplete: ClaimView,
+    ClaimCancelWait: CancelWaitView,
+    ClaimStatus: ClaimView,
+    ClaimList: ClaimListView,
+    PoolEnsure: PoolView,
+    PoolGet: PoolView,
+    PoolList: PoolListView,
+    PoolAcquire: PoolAcquireView,
+    PoolCancelWait: CancelWaitView,
+    GrantRenew: GrantView,
+    GrantRelease: GrantView,
+    GrantStatus: GrantView,
+    WorkLimitEnsure: WorkLimitView,
+    WorkLimitList: WorkLimitListView,
+    ScopeEnsureNamed: ScopeView,
+    TimerAck: TimerView,
+    TimerPoll: TimerListView,
+    MailboxMessages: TaskListView,
+    OnceAcquire: OnceView,
+    OnceGet: OnceView,
+    OnceRenew: OnceView,
+    OnceComplete: OnceView,
+    OnceFail: OnceView,
+    IdempotencyLookup: IdempotencyView,
+    IdempotencyRecord: IdempotencyView,
+    OpsRun: OpsRunView,
+    OpsWaits: OpsWaitsView,
+    TaskSubscribe: TaskView,
+    TaskDetach: TaskView,
 }
 
 op_decoder = msgspec.msgpack.Decoder(Op)

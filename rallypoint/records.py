@@ -71,6 +71,16 @@ class MailboxCreated(_Rec, tag="mailbox_created"):
     at_ms: int
 
 
+class TaskRequirements(msgspec.Struct, gc=False, omit_defaults=True):
+    """What a task needs to be handed out (admission), resolved at submission: one field
+    per requirement type (``actors/admission.py``, ``REQUIREMENT_KINDS``). ``pools``:
+    pool id -> units, held as grants while a delivery of the task runs; ``budgets``:
+    budget id -> minor units, reserved for each delivery."""
+
+    pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+
+
 class TaskSubmitted(_Rec, tag="task_submitted"):
     id: str
     space: str
@@ -84,6 +94,8 @@ class TaskSubmitted(_Rec, tag="task_submitted"):
     joinset_id: str | None = None
     cancellable: bool = True
     seq: int = 0  # FIFO position: submission order, whatever the wall clock says
+    requirements: TaskRequirements | None = None
+    work_limit_id: str | None = None
 
 
 class TaskDelivered(_Rec, tag="task_delivered"):
@@ -254,6 +266,7 @@ class BarrierCreated(_Rec, tag="barrier_created"):
     scope_id: str
     target: int
     at_ms: int
+    name: str | None = None
 
 
 class BarrierArrived(_Rec, tag="barrier_arrived"):
@@ -285,6 +298,7 @@ class TimerCreated(_Rec, tag="timer_created"):
     fire_at_ms: int
     at_ms: int
     fire_mono_ms: int | None = None
+    name: str | None = None
 
 
 class TimerFired(_Rec, tag="timer_fired"):
@@ -366,6 +380,158 @@ class JoinSetClosed(_Rec, tag="joinset_closed"):
     at_ms: int
 
 
+# --- quotas (allowances) ------------------------------------------------------------------
+# Windows, waiter TTLs and cooldowns are server time (``*_mono_ms``); ``at_ms`` is wall.
+
+
+class QuotaCreated(_Rec, tag="quota_created"):
+    """A quota: at most ``units_limit`` units per fixed window of ``window_ms``, windows
+    aligned to multiples of ``window_ms`` on server time."""
+
+    id: str
+    space: str
+    name: str
+    units_limit: int
+    window_ms: int
+    at_ms: int
+
+
+class QuotaConsumed(_Rec, tag="quota_consumed"):
+    """``units`` taken at once (no waiter) in the window starting at
+    ``window_start_mono_ms``."""
+
+    quota_id: str
+    consumption_id: str
+    scope_id: str
+    units: int
+    window_start_mono_ms: int
+    at_ms: int
+    holder: str | None = None
+
+
+class QuotaWaiterAdded(_Rec, tag="quota_waiter_added"):
+    """A durable waiter (FIFO position ``seq``, registered at server time
+    ``at_mono_ms``) for ``units``, WAITING until ``expires_mono_ms`` -- or, when ``consumption_id`` is set, GRANTED at once in the
+    window starting at ``window_start_mono_ms``."""
+
+    id: str
+    quota_id: str
+    space: str
+    scope_id: str
+    units: int
+    seq: int
+    expires_mono_ms: int
+    at_ms: int
+    at_mono_ms: int = 0
+    key: str | None = None
+    holder: str | None = None
+    consumption_id: str | None = None
+    window_start_mono_ms: int = 0
+
+
+class QuotaGrant(msgspec.Struct, gc=False, array_like=True):
+    """One waiter granted by :class:`QuotaWaitersGranted`, with its consumption id."""
+
+    waiter_id: str
+    consumption_id: str
+
+
+class QuotaWaitersGranted(_Rec, tag="quota_waiters_granted"):
+    """The quota's actor served its queue (the window rolled, a cooldown ended, a waiter
+    ahead left): the waiters in ``grants``, in FIFO order, are GRANTED in the window
+    starting at ``window_start_mono_ms``."""
+
+    quota_id: str
+    window_start_mono_ms: int
+    grants: list[QuotaGrant]
+    at_ms: int
+
+
+class QuotaWaiterEnded(_Rec, tag="quota_waiter_ended"):
+    """A WAITING waiter left without a grant: ``state`` EXPIRED (its TTL passed) or
+    CANCELLED (``waiter.cancel()``). (A run's end cancels its waiters inside the run's
+    own record.)"""
+
+    waiter_id: str
+    state: str
+    at_ms: int
+
+
+class QuotaCooldownSet(_Rec, tag="quota_cooldown"):
+    """Nothing is granted from the quota until server time ``until_mono_ms``."""
+
+    quota_id: str
+    until_mono_ms: int
+    at_ms: int
+    reason: str | None = None
+
+
+# --- budgets --------------------------------------------------------------------------------
+# Amounts are integer minor units (at scale 2, 250 = 2.50); never floats.
+
+
+class BudgetCreated(_Rec, tag="budget_created"):
+    id: str
+    space: str
+    name: str
+    currency: str
+    scale: int
+    limit_minor: int
+    at_ms: int
+
+
+class BudgetReserved(_Rec, tag="budget_reserved"):
+    """``amount_minor`` held for ``scope_id`` (ACTIVE). ``settle_by_mono_ms``: marked
+    STALE if still open then (never refunded by that). ``task_id``/``token``: held for
+    that delivery of a task, closed when the delivery ends (admission, or
+    ``budget.reserve(delivery=...)``)."""
+
+    id: str
+    budget_id: str
+    space: str
+    scope_id: str
+    amount_minor: int
+    at_ms: int
+    settle_by_mono_ms: int | None = None
+    key: str | None = None
+    holder: str | None = None
+    task_id: str | None = None
+    token: int = 0
+
+
+class BudgetSettled(_Rec, tag="budget_settled"):
+    """A settlement under ``usage_key``: ``requested_minor`` asked, ``charged_minor``
+    charged (capped at the reservation's remainder plus the budget's unreserved amount),
+    ``from_reserved_minor`` of it out of the reservation; ``released_minor`` of the
+    reservation's remainder released; ``closes``: the reservation is SETTLED."""
+
+    reservation_id: str
+    usage_key: str
+    requested_minor: int
+    charged_minor: int
+    from_reserved_minor: int
+    released_minor: int
+    at_ms: int
+    closes: bool = True
+
+
+class BudgetVoided(_Rec, tag="budget_voided"):
+    """The reservation is VOIDED: its remainder (``released_minor``) goes back to the
+    budget; what was settled stays spent."""
+
+    reservation_id: str
+    released_minor: int
+    at_ms: int
+
+
+class ReservationStale(_Rec, tag="reservation_stale"):
+    """The reservation passed its settle-by while still ACTIVE: it is STALE, and still
+    holds its remainder until settled or voided."""
+
+    reservation_id: str
+    at_ms: int
+
+
 # --- access --------------------------------------------------------------------------------
 
 
@@ -383,6 +549,257 @@ class KeyCreated(_Rec, tag="key_created"):
 class KeyRevoked(_Rec, tag="key_revoked"):
     id: str
     at_ms: int
+
+
+# --- claims ----------------------------------------------------------------------------
+
+
+class ClaimAcquired(_Rec, tag="claim_acquired"):
+    """A lease on claim ``key`` (created by its first acquire): ``generation`` is the
+    claim's fencing number (one more than the last lease's), ``token`` the lease's
+    secret. ``lease_expires_ms`` is server time. Made for an acquire, or handed to the
+    waiter ``request_id`` (which leaves the queue) when the previous lease ended."""
+
+    claim_id: str
+    space: str
+    key: str
+    scope_id: str
+    generation: int
+    token: int
+    lease_expires_ms: int
+    at_ms: int
+    holder: str | None = None
+    request_id: str | None = None
+
+
+class ClaimWaiterQueued(_Rec, tag="claim_waiter_queued"):
+    """A durable FIFO waiter joins the claim's queue until server time
+    ``expires_mono_ms``; served with a ``lease_ms`` lease."""
+
+    claim_id: str
+    request_id: str
+    scope_id: str
+    lease_ms: int
+    expires_mono_ms: int
+    at_ms: int
+    holder: str | None = None
+
+
+class ClaimWaiterEnded(_Rec, tag="claim_waiter_ended"):
+    """The waiter leaves the queue unserved: ``expired`` (its wait ran out),
+    ``withdrawn`` (its client cancelled the wait) or ``cancelled`` (its run is inactive)."""
+
+    claim_id: str
+    request_id: str
+    reason: str
+
+
+class ClaimRenewed(_Rec, tag="claim_renewed"):
+    claim_id: str
+    token: int
+    lease_expires_ms: int
+
+
+class ClaimReleased(_Rec, tag="claim_released"):
+    """The holder ended its lease; ``observation`` (a payload) is kept and shown to the
+    next acquirer. ``reason``: ``released`` or ``withdrawn`` (an abandoned acquire)."""
+
+    claim_id: str
+    token: int
+    at_ms: int
+    observation: bytes | None = None
+    reason: str = "released"
+
+
+class ClaimLeaseExpired(_Rec, tag="claim_lease_expired"):
+    claim_id: str
+    token: int
+    at_ms: int
+
+
+class ClaimCompleted(_Rec, tag="claim_completed"):
+    """Do-it-once: the holder recorded ``result``; the claim is COMPLETED for good and
+    every later acquire (and every waiter) gets the result instead of a lease."""
+
+    claim_id: str
+    token: int
+    result: bytes
+    at_ms: int
+
+
+# --- pools (permits) and grants -----------------------------------------------------------
+
+
+class PoolCreated(_Rec, tag="pool_created"):
+    id: str
+    space: str
+    name: str
+    units_total: int
+    at_ms: int
+
+
+class PoolWaiterQueued(_Rec, tag="pool_waiter_queued"):
+    """A durable FIFO waiter for ``units`` joins the pool's queue until server time
+    ``expires_mono_ms``; its grant will have a ``lease_ms`` lease."""
+
+    pool_id: str
+    request_id: str
+    scope_id: str
+    units: int
+    lease_ms: int
+    expires_mono_ms: int
+    at_ms: int
+    holder: str | None = None
+
+
+class PoolWaiterEnded(_Rec, tag="pool_waiter_ended"):
+    """``expired``, ``withdrawn`` or ``cancelled`` (its run is inactive), unserved."""
+
+    pool_id: str
+    request_id: str
+    reason: str
+
+
+class PoolGranted(_Rec, tag="pool_granted"):
+    """Grant ``id``: ``units`` of the pool, under a lease until server time
+    ``lease_expires_ms`` -- or, with ``task_id``, held for as long as that task's
+    delivery runs (admission; ``lease_expires_ms`` 0). A waiter ``request_id`` in the
+    queue is served by it (and leaves the queue)."""
+
+    id: str
+    pool_id: str
+    space: str
+    scope_id: str
+    units: int
+    token: int
+    at_ms: int
+    lease_expires_ms: int = 0
+    holder: str | None = None
+    request_id: str | None = None
+    task_id: str | None = None
+
+
+class GrantRenewed(_Rec, tag="grant_renewed"):
+    grant_id: str
+    token: int
+    lease_expires_ms: int
+
+
+class GrantReleased(_Rec, tag="grant_released"):
+    """The units go back to the pool; ``reason``: ``released`` or ``withdrawn``."""
+
+    grant_id: str
+    token: int
+    at_ms: int
+    observation: bytes | None = None
+    reason: str = "released"
+
+
+class GrantExpired(_Rec, tag="grant_expired"):
+    grant_id: str
+    token: int
+    at_ms: int
+
+
+# --- work limits ------------------------------------------------------------------------------
+
+
+class WorkLimitCreated(_Rec, tag="work_limit_created"):
+    """A cap of ``max_outstanding`` unfinished tasks naming the limit, in run
+    ``scope_id`` and below."""
+
+    id: str
+    space: str
+    scope_id: str
+    name: str
+    max_outstanding: int
+    at_ms: int
+
+
+# --- once ----------------------------------------------------------------------------------
+
+
+class OnceAcquired(_Rec, tag="once_acquired"):
+    """``holder`` took the once ``key`` of run ``scope_id`` (made here on first use) with
+    fencing ``token``; its lease runs to ``lease_expires_ms`` (server time)."""
+
+    id: str
+    space: str
+    scope_id: str
+    key: str
+    token: int
+    lease_expires_ms: int
+    at_ms: int
+    holder: str | None = None
+    holder_session: str | None = None
+
+
+class OnceRenewed(_Rec, tag="once_renewed"):
+    id: str
+    token: int
+    lease_expires_ms: int
+
+
+class OnceCompleted(_Rec, tag="once_completed"):
+    id: str
+    token: int
+    result: bytes
+    at_ms: int
+
+
+class OnceFailed(_Rec, tag="once_failed"):
+    """An attempt failed; ``final``: FAILED for good, else OPEN again."""
+
+    id: str
+    token: int
+    error: str
+    final: bool
+    at_ms: int
+
+
+class OnceLeaseExpired(_Rec, tag="once_lease_expired"):
+    """The holder's lease ran out: OPEN again (the attempt is not counted)."""
+
+    id: str
+    token: int
+    at_ms: int
+
+
+# --- task subscriptions ---------------------------------------------------------------------
+
+
+class TaskSubscribed(_Rec, tag="task_subscribed"):
+    task_id: str
+    subscriber_id: str
+    at_ms: int
+
+
+class TaskDetached(_Rec, tag="task_detached"):
+    task_id: str
+    subscriber_id: str
+    at_ms: int
+
+
+# --- HTTP idempotency keys ---------------------------------------------------------------
+
+
+class IdempotencyRecorded(_Rec, tag="idempotency_recorded"):
+    """The answer to the HTTP request ``key`` of ``space`` (``status``, encoded ``body``);
+    ``id`` is derived from (space, key)."""
+
+    id: str
+    space: str
+    key: str
+    fingerprint: str
+    status: int
+    body: bytes
+    at_ms: int
+
+
+class IdempotencyExpired(_Rec, tag="idempotency_expired"):
+    """Stored answers past the idempotency TTL, forgotten."""
+
+    ids: list[str]
 
 
 # --- retention ------------------------------------------------------------------------------
@@ -489,6 +906,41 @@ Record = Union[
     JoinSetClosed,
     KeyCreated,
     KeyRevoked,
+    QuotaCreated,
+    QuotaConsumed,
+    QuotaWaiterAdded,
+    QuotaWaitersGranted,
+    QuotaWaiterEnded,
+    QuotaCooldownSet,
+    BudgetCreated,
+    BudgetReserved,
+    BudgetSettled,
+    BudgetVoided,
+    ReservationStale,
+    ClaimAcquired,
+    ClaimWaiterQueued,
+    ClaimWaiterEnded,
+    ClaimRenewed,
+    ClaimReleased,
+    ClaimLeaseExpired,
+    ClaimCompleted,
+    PoolCreated,
+    PoolWaiterQueued,
+    PoolWaiterEnded,
+    PoolGranted,
+    GrantRenewed,
+    GrantReleased,
+    GrantExpired,
+    WorkLimitCreated,
+    OnceAcquired,
+    OnceRenewed,
+    OnceCompleted,
+    OnceFailed,
+    OnceLeaseExpired,
+    IdempotencyRecorded,
+    IdempotencyExpired,
+    TaskSubscribed,
+    TaskDetached,
     Purged,
 ]
 

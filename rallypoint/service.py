@@ -23,7 +23,7 @@ import msgspec
 import trio
 
 from ._version import __version__
-from .actors.api import OPS
+from .actors.api import ANY_KEY, OPS
 from .actors.runtime import ReplySink
 from .errors import ForbiddenError, RallypointError, UnauthenticatedError, UnavailableError, ValidationError
 from .protocol import encoder, op_decoder
@@ -227,7 +227,8 @@ class Service:
             if perms is not None:
                 if coord.keys.is_revoked(session.key_id):
                     raise UnauthenticatedError("this connection's API key was revoked")
-                if permission not in perms and "admin" not in perms and "operator" not in perms:
+                if (permission not in perms and permission != ANY_KEY
+                        and "admin" not in perms and "operator" not in perms):
                     raise ForbiddenError(
                         f"this key lacks the permission {permission!r} needed for {op.__struct_config__.tag}",
                         details={"permission": permission},

@@ -8,7 +8,15 @@ The same methods as the async client, without ``await``::
 
 One background thread runs a Trio loop holding the connection; calls from any thread
 are forwarded to it (``trio.from_thread``) and block until the reply. Handles returned
-by methods (runs, mailboxes, tickets, deliveries, groups) are wrapped the same way.
+by methods (runs, mailboxes, tickets, deliveries, groups, messages, quotas and their
+waiters, budgets and their reservations, claim leases, pools, grants) are wrapped the
+same way.
+
+The SDK's async context managers become blocking ``with`` blocks: ``run.claims.hold(key)``,
+``lease.keep_alive()``, ``pool.hold(units, scope=run)``. The lease is renewed by a task on
+the client's loop while the body runs in the caller's thread; a thread cannot be
+cancelled, so a lost lease (``lease.lost`` turns True at once) is raised as
+LeaseLostError when the ``with`` block ends.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run
 __all__ = ["connect", "SyncClient"]
 
 from .client.api import Barrier, Barriers, Events, EventStream, JoinSet, JoinSets, Timer, Timers
+from .client.api import Budget, Budgets, Message, Quota, Quotas, QuotaWaiter, Reservation
+from .client.api import ClaimLease, Claims, Grant, Pool, Pools, RunPools, SpaceClaims, WorkLimits
 
 _HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes, JoinSet, JoinSets, Barrier, Barriers,
-            Timer, Timers, Events)
+            Timer, Timers, Events, Message, Quotas, Quota, QuotaWaiter, Budgets, Budget, Reservation, Claims, SpaceClaims,
+            ClaimLease, Pools, Pool, RunPools, Grant, WorkLimits)
 
 
 class SyncEventStream:
@@ -106,10 +117,60 @@ class _Proxy:
         return self._obj.id
 
 
+class _SyncContext:
+    """A blocking ``with`` around one of the SDK's async context managers: a task on the
+    client's loop enters it, waits for the body (run in the caller's thread) to end, and
+    exits it; an error it raises on exit (LeaseLostError) is raised from ``__exit__``."""
+
+    def __init__(self, acm: Any, portal: "SyncClient") -> None:
+        self._acm = acm
+        self._portal = portal
+        self._box: dict[str, Any] = {}
+        self._entered = threading.Event()
+        self._done = threading.Event()
+        self._exit_event: trio.Event | None = None
+
+    async def _host(self) -> None:
+        box = self._box
+        try:
+            async with self._acm as value:
+                box["value"] = value
+                self._entered.set()
+                await self._exit_event.wait()
+        except Exception as e:
+            box["error"] = e
+        finally:
+            self._entered.set()
+            self._done.set()
+
+    def __enter__(self) -> Any:
+        portal = self._portal
+
+        def start() -> None:
+            self._exit_event = trio.Event()
+            portal._nursery.start_soon(self._host)
+
+        trio.from_thread.run_sync(start, trio_token=portal._token)
+        self._entered.wait()
+        if "value" not in self._box:
+            raise self._box["error"]
+        return portal._wrap(self._box["value"])
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            trio.from_thread.run_sync(self._exit_event.set, trio_token=self._portal._token)
+        except trio.RunFinishedError:
+            pass
+        self._done.wait()
+        if exc_type is None and "error" in self._box:
+            raise self._box["error"]
+        return False
+
+
 class SyncClient(_Proxy):
     """The blocking ``rs``. Close it (or use ``with``) to stop its thread."""
 
-    __slots__ = ("_thread", "_token", "_stop", "_error")
+    __slots__ = ("_thread", "_token", "_stop", "_error", "_nursery")
 
     def __init__(self, url: str | None = None, api_key: str | None = None, connect_timeout: float = 10.0,
                  *, client_name: str = "", tls_ca: str | None = None, ssl_context: Any = None,
@@ -123,11 +184,14 @@ class SyncClient(_Proxy):
             try:
                 async with aconnect(url, api_key=api_key, client_name=client_name, connect_timeout=connect_timeout,
                                     tls_ca=tls_ca, ssl_context=ssl_context, reconnect=reconnect) as rs:
-                    box["rs"] = rs
-                    box["token"] = trio.lowlevel.current_trio_token()
-                    box["stop"] = trio.Event()
-                    ready.set()
-                    await box["stop"].wait()
+                    async with trio.open_nursery() as nursery:  # hosts blocking `with` blocks
+                        box["rs"] = rs
+                        box["token"] = trio.lowlevel.current_trio_token()
+                        box["stop"] = trio.Event()
+                        box["nursery"] = nursery
+                        ready.set()
+                        await box["stop"].wait()
+                        nursery.cancel_scope.cancel()
             except BaseException as e:  # surfaced to the constructor
                 box["error"] = e
                 ready.set()
@@ -143,6 +207,7 @@ class SyncClient(_Proxy):
         object.__setattr__(self, "_thread", thread)
         object.__setattr__(self, "_token", box["token"])
         object.__setattr__(self, "_stop", box["stop"])
+        object.__setattr__(self, "_nursery", box["nursery"])
 
     def _run(self, fn, *args, **kwargs):
         return trio.from_thread.run(functools.partial(fn, *args, **kwargs), trio_token=self._token)
@@ -152,6 +217,8 @@ class SyncClient(_Proxy):
             return SyncEventStream(value, self)
         if isinstance(value, _HANDLES):
             return _Proxy(value, self)
+        if hasattr(value, "__aenter__") and hasattr(value, "__aexit__"):
+            return _SyncContext(value, self)
         if isinstance(value, list) and value and isinstance(value[0], _HANDLES):
             return [_Proxy(v, self) for v in value]
         return value

@@ -2,7 +2,7 @@
 """Benchmark the rallypoint journal (prints figures, asserts nothing).
 
     python scripts/bench_journal.py [--seconds 3] [--writers 1,16,64] [--records 1000000]
-                                    [--dir /work/.bench] [--mode fsync]
+                                    [--dir /work/.bench] [--mode fsync] [--min-free-mb 64]
 
 Measures, on a temporary directory on a real disk (refuses tmpfs unless --allow-tmpfs):
   * plain write+fdatasync latency (reference);
@@ -73,8 +73,9 @@ def bench_append(d: Path, n: int = 200_000) -> float:
     return per
 
 
-async def bench_writers(d: Path, writers: int, seconds: float, mode: str) -> dict:
-    j = Journal(d, mode=mode, next_lsn=1)
+async def bench_writers(d: Path, writers: int, seconds: float, mode: str, min_free: int = 0) -> dict:
+    # min_free > 0: the free-space check after every write (what the daemon does).
+    j = Journal(d, mode=mode, next_lsn=1, min_free_bytes=min_free)
     lat: list[float] = []
     payload = b"w" * 100
     stop_at = 0.0
@@ -144,6 +145,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="parent of the temp dir (default: /work/.bench or cwd)")
     ap.add_argument("--mode", default="fsync", choices=["fsync", "interval"])
     ap.add_argument("--allow-tmpfs", action="store_true")
+    ap.add_argument("--min-free-mb", type=float, default=0.0,
+                    help="free-space reserve of the journal (the daemon's --min-free-mb; 0: no check)")
     args = ap.parse_args()
 
     parent = args.dir or ("/work/.bench" if os.path.isdir("/work") else os.getcwd())
@@ -163,8 +166,9 @@ def main() -> None:
         shutil.rmtree(d)
         for w in [int(x) for x in args.writers.split(",") if x]:
             d = base / f"w{w}"
-            r = trio.run(bench_writers, d, w, args.seconds, args.mode)
-            print(f"{args.mode} mode, {w:3d} writers: {r['commits_per_s']:9.0f} durable commits/s, "
+            r = trio.run(bench_writers, d, w, args.seconds, args.mode, int(args.min_free_mb * (1 << 20)))
+            print(f"{args.mode} mode, {w:3d} writers, reserve {args.min_free_mb:g} MiB: "
+                  f"{r['commits_per_s']:9.0f} durable commits/s, "
                   f"ack p50 {r['p50_us']:7.0f} us (fsync p50 + {r['p50_us'] - ref50 * 1e6:.0f} us), "
                   f"p99 {r['p99_us']:7.0f} us, {r['fsyncs']} fsyncs, "
                   f"{r['records_per_fsync']:.1f} records/fsync")

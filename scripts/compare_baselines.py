@@ -11,6 +11,13 @@ loopback, and prints a table with ratios to rallypoint:
 * a lifecycle is submit → receive → complete → result observed; its latency is from
   the submit call to the moment the producer sees the result.
 
+A second table runs the same lifecycle **open loop** at a fixed rate (``--rate``,
+default 5,000 lifecycles/s across producers) for rallypoint and Redis: the k-th arrival
+is intended at ``t0 + k/rate`` whatever happened before (no coordinated omission),
+arrivals due within ``--coalesce-ms`` share one submit, and latency counts from the
+intended time to the producer seeing the result (rallypoint: the batch's last result,
+an upper bound for each task; Redis: each task's own result). ``--rate 0`` skips it.
+
 Systems:
 
 * ``rallypoint``: ``rallypoint bench --scenario lifecycle --spawn`` (a daemon with a
@@ -29,6 +36,7 @@ The Python extras (``redis``, ``distributed``: the ``compare`` extra in pyprojec
 are installed on demand (their requirements only, so an editable install stays).
 
     python scripts/compare_baselines.py [--duration 10] [--producers 1] [--workers 1] [--only redis,dask]
+        [--rate 5000] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rallypoint.loadtest.hist import Recorder, merge_encoded, summarize  # noqa: E402
+from rallypoint.loadtest.schedule import OpenLoopSchedule  # noqa: E402
 
 
 def compare_requirements() -> list[str]:
@@ -85,12 +94,15 @@ def run_rallypoint(a) -> dict:
                "--durability", a.durability, "--duration", str(a.duration), "--warmup", str(a.warmup),
                "--producers", str(a.producers), "--workers", str(a.workers), "--batch", str(a.batch),
                "--pipeline", str(a.pipeline), "--json", out]
+        if getattr(a, "open_rate", 0):
+            cmd += ["--rate", str(a.open_rate), "--coalesce-ms", str(a.coalesce_ms)]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if p.returncode not in (0, 1) or not os.path.exists(out):
             raise RuntimeError(f"rallypoint bench failed: {p.stderr[-2000:]}")
         r = json.load(open(out))
     return {"lifecycles_per_s": r["throughput"]["lifecycles_per_s"], "latency": r["latency_ms"]["lifecycle"],
-            "errors": r["errors"]["total"], "durability": f"{a.durability} (journal)"}
+            "errors": r["errors"]["total"], "durability": f"{a.durability} (journal)",
+            "unfinished": r.get("unfinished_lifecycles", 0)}
 
 
 # ------------------------------------------------------------------------------ redis streams
@@ -134,6 +146,50 @@ def _redis_producer(i, port, a, t0, q):
     q.put({"n": n, "hist": rec.encode()})
 
 
+def _redis_producer_open(i, port, a, t0, q):
+    """Open loop: this producer's share of ``a.open_rate`` arrivals, each intended at its
+    schedule time; arrivals due within ``a.coalesce_ms`` go out in one pipeline of XADDs."""
+    import redis
+
+    r = redis.Redis(port=port)
+    rec, n = Recorder(), 0
+    m_start, m_end = t0 + a.warmup, t0 + a.warmup + a.duration
+    sched = OpenLoopSchedule(a.open_rate, t0, i, a.producers)
+    res_stream, last, seq = f"results:{i}", "0-0", 0
+    pending: dict[str, float] = {}
+    coalesce = a.coalesce_ms / 1000
+    while time.time() < t0:
+        time.sleep(0.001)
+    while True:
+        now = time.time()
+        nt = sched.next_time()
+        if nt < m_end and now >= nt + coalesce:
+            pipe = r.pipeline(transaction=False)
+            for it in sched.due(now, limit=a.batch):
+                tid = f"{i}-{seq}"
+                seq += 1
+                pending[tid] = it
+                pipe.xadd("tasks", {"id": tid, "p": i})
+            pipe.execute()
+            continue
+        if now >= m_end + 10 or (nt >= m_end and not pending):
+            break
+        wait_ms = max(1, int((nt + coalesce - now) * 1000)) if nt < m_end else 100
+        resp = r.xread({res_stream: last}, count=1000, block=wait_ms)
+        for _stream, entries in resp or []:
+            t1 = time.time()
+            for eid, fields in entries:
+                last = eid
+                it = pending.pop(fields[b"id"].decode(), None)
+                if it is None:
+                    continue
+                if m_start <= t1 < m_end:
+                    n += 1
+                if m_start <= it < m_end:
+                    rec.record("lifecycle", t1 - it)
+    q.put({"n": n, "hist": rec.encode(), "unfinished": len(pending)})
+
+
 def _redis_worker(i, port, a, t0, stop):
     import redis
 
@@ -167,7 +223,8 @@ def run_redis(a) -> dict:
             except redis.ConnectionError:
                 time.sleep(0.05)
         r.xgroup_create("tasks", "workers", id="0", mkstream=True)
-        return _run_procs(a, _redis_producer, _redis_worker, port, "appendfsync always (AOF)")
+        producer = _redis_producer_open if getattr(a, "open_rate", 0) else _redis_producer
+        return _run_procs(a, producer, _redis_worker, port, "appendfsync always (AOF)")
     finally:
         proc.terminate()
         proc.wait()
@@ -235,7 +292,28 @@ def _run_procs(a, producer, worker, target, durability) -> dict:
             p.terminate()
     h = merge_encoded(f["hist"] for f in finals)["lifecycle"]
     return {"lifecycles_per_s": round(sum(f["n"] for f in finals) / a.duration, 1), "latency": summarize(h),
-            "errors": 0, "durability": durability}
+            "errors": 0, "durability": durability, "unfinished": sum(f.get("unfinished", 0) for f in finals)}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (the lower middle one for an even count)."""
+    ordered = sorted(runs, key=lambda r: r["lifecycles_per_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "all_lifecycles_per_s": [r["lifecycles_per_s"] for r in runs]}
+
+
+def _table(title: str, results: dict, base_key: str = "rallypoint") -> None:
+    base = results.get(base_key, {}).get("lifecycles_per_s")
+    print(f"\n{title}")
+    print(f"{'system':<12}{'durability':<26}{'lifecycles/s':>13}{'vs rallypoint':>14}"
+          f"{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}{'max ms':>9}{'unfinished':>11}")
+    for name, r in results.items():
+        ratio = f"{r['lifecycles_per_s'] / base:.2f}x" if base else "-"
+        lat = r["latency"]
+        print(f"{name:<12}{r['durability']:<26}{r['lifecycles_per_s']:>13,.0f}{ratio:>14}"
+              f"{lat['p50_ms']:>9.1f}{lat['p99_ms']:>9.1f}{lat.get('p99_9_ms', float('nan')):>10.1f}"
+              f"{lat['max_ms']:>9.1f}{r.get('unfinished', 0):>11}")
+        if len(r.get("all_lifecycles_per_s", [])) > 1:
+            print(f"{'':<12}runs: {', '.join(f'{x:,.0f}' for x in r['all_lifecycles_per_s'])} (median shown)")
 
 
 def main() -> int:
@@ -248,29 +326,46 @@ def main() -> int:
     ap.add_argument("--pipeline", type=int, default=2)
     ap.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"])
     ap.add_argument("--only", default="rallypoint,redis,dask")
+    ap.add_argument("--rate", type=float, default=5000.0,
+                    help="open-loop comparison (rallypoint, redis) at this many lifecycles/s; 0 skips it")
+    ap.add_argument("--coalesce-ms", type=float, default=2.0,
+                    help="open loop: arrivals due within this many ms share one submit (default %(default)s)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="closed-loop runs back to back per system, rotating the order; the median is shown")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     ensure_extras()
     systems = {"rallypoint": run_rallypoint, "redis": run_redis, "dask": run_dask}
-    results = {}
-    for name in a.only.split(","):
-        print(f"running {name} ({a.producers} producers, {a.workers} workers, {a.duration:g} s)...", flush=True)
-        try:
-            results[name] = systems[name](a)
-        except Exception as e:  # noqa: BLE001 - report and go on with the others
-            print(f"  {name}: skipped: {e}", flush=True)
-    base = results.get("rallypoint", {}).get("lifecycles_per_s")
-    print(f"\n{'system':<12}{'durability':<26}{'lifecycles/s':>13}{'vs rallypoint':>14}"
-          f"{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
-    for name, r in results.items():
-        ratio = f"{r['lifecycles_per_s'] / base:.2f}x" if base else "-"
-        lat = r["latency"]
-        print(f"{name:<12}{r['durability']:<26}{r['lifecycles_per_s']:>13,.0f}{ratio:>14}"
-              f"{lat['p50_ms']:>9.1f}{lat['p99_ms']:>9.1f}{lat['max_ms']:>9.1f}")
-    print(f"\n(nproc {os.cpu_count()}; the same shape: batches of {a.batch}, {a.pipeline} in flight per producer)")
+    names = a.only.split(",")
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    a.open_rate = 0
+    for k in range(max(1, a.repeat)):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            print(f"running {name} ({a.producers} producers, {a.workers} workers, {a.duration:g} s)"
+                  f"{f' [{k + 1}/{a.repeat}]' if a.repeat > 1 else ''}...", flush=True)
+            try:
+                runs[name].append(systems[name](a))
+            except Exception as e:  # noqa: BLE001 - report and go on with the others
+                print(f"  {name}: skipped: {e}", flush=True)
+    closed = {n: _median_run(rs) for n, rs in runs.items() if rs}
+    opened: dict[str, dict] = {}
+    if a.rate > 0:
+        a.open_rate = a.rate
+        for name in [n for n in names if n in ("rallypoint", "redis")]:
+            print(f"running {name} open loop at {a.rate:,.0f} lifecycles/s...", flush=True)
+            try:
+                opened[name] = systems[name](a)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name}: skipped: {e}", flush=True)
+        a.open_rate = 0
+    _table(f"closed loop (batches of {a.batch}, {a.pipeline} in flight per producer)", closed)
+    if opened:
+        _table(f"open loop at {a.rate:,.0f} lifecycles/s (latency from the intended send time; "
+               f"coalesce {a.coalesce_ms:g} ms)", opened)
+    print(f"\n(nproc {os.cpu_count()}; {a.producers} producers, {a.workers} workers)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "results": results}, f, indent=2)
+            json.dump({"args": vars(a), "closed_loop": closed, "open_loop": opened}, f, indent=2)
     return 0
 
 

@@ -367,11 +367,31 @@ def build_pool(port: int, api_key: str | None) -> dict[str, list[Any]]:
         js = call(c, {"op": "joinset.create", "scope_id": run["id"], "name": "fuzz-js"}, next(rid))
         jc = call(c, {"op": "joinset.submit", "joinset_id": js["id"], "mailbox": "fuzz-mbx"}, next(rid))
         key = call(c, {"op": "key.create", "space": "default", "permissions": ["coordination_read"]}, next(rid))
+        inbox = call(c, {"op": "mailbox.ensure", "name": "fuzz-inbox", "mode": "INBOX"}, next(rid))
+        msg = call(c, {"op": "message.send", "mailbox": "fuzz-inbox", "scope_id": run["id"], "payload": 1}, next(rid))
+        quota = call(c, {"op": "quota.ensure", "name": "fuzz-quota", "units_limit": 3, "window_ms": 60_000}, next(rid))
+        take = call(c, {"op": "quota.take", "quota": "fuzz-quota", "scope_id": run["id"], "units": 3,
+                        "ttl_ms": 60_000}, next(rid))
+        waiter = call(c, {"op": "quota.take", "quota": "fuzz-quota", "scope_id": run["id"], "units": 2,
+                          "ttl_ms": 3_600_000}, next(rid))
+        budget = call(c, {"op": "budget.ensure", "name": "fuzz-budget", "limit_minor": 10_000}, next(rid))
+        rsv = call(c, {"op": "budget.reserve", "budget": "fuzz-budget", "scope_id": run["id"], "amount_minor": 100},
+                   next(rid))
+        pool = call(c, {"op": "pool.ensure", "name": "fuzz-pool", "units_total": 3}, next(rid))
+        grant = call(c, {"op": "pool.acquire", "pool": "fuzz-pool", "scope_id": run["id"], "units": 1,
+                         "lease_ms": 600_000}, next(rid))
+        claim = call(c, {"op": "claim.acquire", "scope_id": run["id"], "key": "fuzz-claim", "lease_ms": 600_000},
+                     next(rid))
+        wl = call(c, {"op": "work_limit.ensure", "scope_id": run["id"], "name": "fuzz-wl", "max_outstanding": 5},
+                  next(rid))
         ids = [run["id"], child["id"], mbx["id"], t1["id"], grp["id"], grp["scope_id"], gm["task"]["id"],
-               bar["id"], tmr["id"], tmr2["id"], js["id"], jc["child_id"], key["id"]]
+               bar["id"], tmr["id"], tmr2["id"], js["id"], jc["child_id"], key["id"], inbox["id"], msg["id"],
+               quota["id"], take["waiter_id"], waiter["waiter_id"], budget["id"], rsv["id"], pool["id"],
+               grant["grant"]["id"], claim["claim"]["id"], wl["id"]]
         ids += [d["id"] for d in dl["deliveries"]] + [d["task_id"] for d in dl["deliveries"]]
-        tokens = [d["token"] for d in dl["deliveries"]]
-        return {"ids": ids, "names": ["fuzz-run", "fuzz-mbx", "fuzz-js", "default"], "tokens": tokens}
+        tokens = [d["token"] for d in dl["deliveries"]] + [grant["grant"]["token"], claim["token"]]
+        return {"ids": ids, "names": ["fuzz-run", "fuzz-mbx", "fuzz-js", "default", "fuzz-inbox", "fuzz-quota",
+                                      "fuzz-budget", "fuzz-pool", "fuzz-claim", "fuzz-wl"], "tokens": tokens}
     finally:
         c.close()
 
@@ -418,7 +438,8 @@ _name_chars = string.ascii_letters + string.digits + "-_./:"
 _names = st.one_of(st.text(_name_chars, min_size=1, max_size=10), st.text(_name_chars, min_size=127, max_size=130),
                    _text)
 _ENUMS = {
-    "mode": ["WORK", "BROADCAST", "work"],
+    "mode": ["WORK", "INBOX", "BROADCAST", "work"],
+    "currency": ["USD", "EUR", "usd", "DOLLARS"],
     "condition": ["FIRST_ACCEPTED", "N_ACCEPTED", "ALL_TERMINAL", "ANY"],
     "verdict": ["ACCEPTED", "REJECTED", "MAYBE"],
     "state": ["ACTIVE", "CANCELLED", "COMPLETED", "DONE"],
@@ -428,7 +449,8 @@ _ENUMS = {
 
 
 def _id_strategy(pool: dict[str, list[Any]]) -> st.SearchStrategy[str]:
-    prefixes = ["scp_", "mbx_", "tsk_", "dlv_", "grp_", "bar_", "tmr_", "jst_", "clm_", "key_"]
+    prefixes = ["scp_", "mbx_", "tsk_", "dlv_", "grp_", "bar_", "tmr_", "jst_", "clm_", "key_", "quo_", "qwt_", "bdg_",
+                "rsv_", "msg_", "pol_", "grt_", "wlm_"]
     return st.one_of(
         st.sampled_from(pool["ids"]),
         st.builds(lambda p, s: p + s, st.sampled_from(prefixes), st.text(_name_chars, max_size=30)),
@@ -446,11 +468,11 @@ def _field_strategy(name: str, typ: Any, pool: dict[str, list[Any]]) -> st.Searc
         rest = [a for a in args if a is not type(None)]
         typ = rest[0] if len(rest) == 1 else typ
     if typ is str:
-        if name.endswith("_id") or name == "mailbox":
+        if name.endswith("_id") or name in ("mailbox", "quota", "budget", "pool"):
             s = st.one_of(_id_strategy(pool), st.sampled_from(pool["names"]), _names)
         elif name in _ENUMS:
             s = st.one_of(st.sampled_from(_ENUMS[name]), _text)
-        elif name in ("deadline", "at"):
+        elif name in ("deadline", "at", "settle_by"):
             s = _iso
         elif name in ("name", "key", "space"):
             s = st.one_of(st.sampled_from(pool["names"]), _names)
@@ -476,6 +498,17 @@ def _field_strategy(name: str, typ: Any, pool: dict[str, list[Any]]) -> st.Searc
                       key=st.none() | _names, deadline=st.none() | _iso),
             max_size=5,
         )
+    elif typ is protocol.Requirements:  # name -> units / minor units, within 64 bits
+        amounts = st.one_of(st.integers(-2, 12), st.sampled_from([2**31, 2**63 - 1, -(2**63)]))
+        names = st.one_of(st.sampled_from(pool["names"]), _names)
+        s = st.builds(protocol.Requirements, pools=st.dictionaries(names, amounts, max_size=5),
+                      budgets=st.dictionaries(names, amounts, max_size=3))
+    elif isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        # Nested structs (e.g. CompleteItem): each field biased like a top-level one,
+        # so ints stay within the wire's 64 bits.
+        s = st.builds(typ, **{f.name: _field_strategy(f.name, f.type, pool) for f in msgspec.structs.fields(typ)})
+    elif getattr(typ, "__origin__", None) is list and len(args or ()) == 1:
+        s = st.lists(_field_strategy(name, args[0], pool), max_size=5)
     else:
         s = st.from_type(typ)
     return st.one_of(st.none(), s) if nullable else s

@@ -146,6 +146,8 @@ _INSTANT_OPS = [
     ("timer.create", "at", {"scope_id": "RUN"}),
     ("joinset.submit_delay", "at", {"joinset_id": "JS"}),
     ("joinset.submit", "deadline", {"joinset_id": "JS", "mailbox": "fuzz-mbx"}),
+    ("message.send", "deadline", {"mailbox": "fuzz-inbox", "scope_id": "RUN"}),
+    ("budget.reserve", "settle_by", {"budget": "fuzz-budget", "scope_id": "RUN", "amount_minor": 1}),
 ]
 
 

@@ -545,3 +545,36 @@ async def test_connection_burst_never_overshoots_max_connections():
             await s.aclose()
         assert peak == 8, peak
         assert srv.statistics()["rejected_connections"] == 92
+
+
+# ------------------------------------------------------------------ batches and waits (issue 12.12)
+
+
+async def _parked_waiters(rs) -> int:
+    return sum(a.get("waiters", 0) for a in (await rs.status()).actors.values())
+
+
+async def test_every_request_of_a_batch_counts_against_max_inflight_and_waits_end_with_their_client():
+    """A batch frame of 200 server-side waits on a daemon with --max-inflight 16: only 16
+    are admitted (the rest wait unread, like requests the server stops reading), and
+    when the client goes away its waits end at once, not after their 30 s."""
+    with serve("--max-inflight", "16") as d:
+        async with rallypoint.connect(d.url, reconnect=False) as rs:
+            run = await rs.scopes.create()
+            await rs.mailboxes.ensure("batch-waits")
+            c = await raw(d)
+            reqs = [{"t": "req", "id": i, "body": msgspec.Raw(_enc(
+                {"op": "delivery.receive", "mailbox": "batch-waits", "scope_id": run.id, "wait_ms": 30_000}))}
+                for i in range(1, 201)]
+            await c.send_raw(encode_frame(_enc({"t": "batch", "reqs": reqs})))
+            with trio.fail_after(10):
+                while await _parked_waiters(rs) < 16:
+                    await trio.sleep(0.02)
+            await trio.sleep(0.3)  # the server has had every chance to admit more
+            assert await _parked_waiters(rs) == 16
+            t0 = trio.current_time()
+            await c.aclose()  # the client goes away: its waits end
+            with trio.fail_after(10):
+                while await _parked_waiters(rs) > 0:
+                    await trio.sleep(0.02)
+            assert trio.current_time() - t0 < 5

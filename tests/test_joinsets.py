@@ -5,15 +5,14 @@ daemon (SIGKILL, fsync data dir) and replay of a whole history from the journal.
 from __future__ import annotations
 
 import shutil
-from datetime import datetime, timedelta, timezone
 
 import pytest
 import trio
 
 import rallypoint
-from rallypoint import protocol as p
+
 from rallypoint.actors import Coordinator
-from rallypoint.client import types as t
+
 from rallypoint.client.api import Client
 from rallypoint.client.embedded import EmbeddedTransport
 from rallypoint.errors import (
@@ -29,35 +28,12 @@ from rallypoint.errors import (
 from rallypoint.node import recover_coordinator
 from rallypoint.service import Service
 
-from conftest import Daemon, direct
+from conftest import Daemon
+from _joinset_util import child_error, in_, raw_record, take  # noqa: F401
 
 
 MBX = "js-work"
 
-
-def in_(seconds: float) -> datetime:
-    return datetime.now(timezone.utc) + timedelta(seconds=seconds)
-
-
-async def take(mbx, run, n: int) -> list:
-    """Lease ``n`` tasks of ``run`` (oldest first: submission order)."""
-    out = []
-    for _ in range(n):
-        d = await mbx.receive(run, wait=5)
-        assert d is not None
-        out.append(d)
-    return out
-
-
-async def child_error(coro) -> ChildError:
-    with pytest.raises(ChildError) as ei:
-        await coro
-    return ei.value
-
-
-async def raw_record(rs, js, index: int):
-    """The wire reply for record ``index`` (shows the ``closing`` flag)."""
-    return await rs._call(p.JoinNext(joinset_id=js.id, index=index), t._JoinNextReply)
 
 
 # ------------------------------------------------------------------- completion order

@@ -40,6 +40,7 @@ def test_bench_lifecycle_spawned_memory(tmp_path):
         ("crawl_joinset.py", ["first to finish:", "join set CLOSED"]),
         ("first_proof.py", ["SUCCESS (first_accepted)", "winner: range"]),
         ("wordcount.py", ["map: SUCCESS (all_terminal)", "barrier released", "top words"]),
+        ("research_swarm.py", ["pages done:", "over budget:", "browser sessions: at most", "search calls:", "spend:"]),
     ],
 )
 def test_example_runs(script, expect):

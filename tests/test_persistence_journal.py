@@ -291,12 +291,13 @@ async def test_fsync_error_is_fail_stop(tmp_path, monkeypatch):
 
 
 async def test_write_error_is_fail_stop(tmp_path, monkeypatch):
+    # An I/O error is fail-stop; a full disk (ENOSPC) is not: test_persistence_diskfull.py.
     j = Journal(tmp_path, mode="interval", next_lsn=1)
     real_write = os.write
 
     def broken(fd, data):
         if fd == j._fd:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.EIO, "Input/output error")
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", broken)
@@ -304,7 +305,7 @@ async def test_write_error_is_fail_stop(tmp_path, monkeypatch):
         async with trio.open_nursery() as nursery:
             await nursery.start(j.run)
             lsn = j.append(b"x")
-            with pytest.raises(JournalWriteError, match="No space left"):
+            with pytest.raises(JournalWriteError, match="Input/output error"):
                 await j.wait_durable(lsn)
     assert info.group_contains(JournalWriteError)
     assert j.failed is not None

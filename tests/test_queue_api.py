@@ -6,6 +6,7 @@ test_queue_takeover.py / test_queue_cancel.py under the MockClock.
 
 import uuid
 
+import msgspec
 import pytest
 import trio
 
@@ -451,3 +452,70 @@ async def test_results_times_out_without_changing_anything(rs):
     with pytest.raises(WaitTimeout):
         await rs.results(tickets, timeout=0.2)
     assert [(await t.status()).state for t in tickets] == ["QUEUED", "QUEUED"]
+
+
+async def test_results_waits_for_many_tasks_with_one_request_and_one_parked_wait(autojump_clock, ers):
+    # tasks in two runs; rs.results sends ONE task.results request, parked ONCE (on the
+    # first task's run), woken as each finishes -- also by a task of the other run
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure(uniq())
+    a, b = await ers.scopes.create(), await ers.scopes.create()
+    tickets = await m.submit_many([1, 2, 3], scope=a) + await m.submit_many([4, 5], scope=b)
+    got: list = []
+    async with trio.open_nursery() as n:
+        async def wait_all():
+            got.extend(await ers.results(tickets, timeout=600))
+
+        n.start_soon(wait_all)
+        await trio.testing.wait_all_tasks_blocked()
+        assert coord.runtime.n_waiters == 1  # one parked wait for five tasks
+        for run in (b, a):  # the other run's tasks first
+            for d in await m.receive(run, wait=0, max_messages=10):
+                await trio.sleep(1)
+                await d.complete(d.input * 10)
+        await trio.testing.wait_all_tasks_blocked()
+    assert [(i.state, i.outcome) for i in got] == [("SUCCEEDED", k * 10) for k in (1, 2, 3, 4, 5)]
+    assert coord.runtime.n_waiters == 0 and not coord.queues.result_watch
+    # a wait that times out answers the tasks as they are, and changes nothing
+    t = await m.submit("late", scope=a)
+    with pytest.raises(WaitTimeout):
+        await ers.results([t], timeout=5)
+    assert not coord.queues.result_watch
+
+
+async def test_complete_many_is_one_request_per_run_and_judges_each_item(rs):
+    # deliveries of two runs, one of them stale: ONE request per run (one commit each);
+    # the stale item is refused on its own, the others are recorded
+    from rallypoint import protocol as p
+
+    m = await rs.mailboxes.ensure(uniq())
+    a, b = await rs.scopes.create(), await rs.scopes.create()
+    await m.submit_many([1, 2], scope=a)
+    await m.submit_many([3], scope=b)
+    da = await m.receive(a, wait=0, max_messages=2)
+    db = [await m.receive(b, wait=0)]
+    stale = da[1]
+    await stale.complete("first")  # its token is then no longer a live lease
+    sent = []
+    real = rs._call_many
+
+    async def spy(ops, reply_type):
+        sent.append([type(op).__name__ for op in ops])
+        return await real(ops, reply_type)
+
+    rs._call_many = spy
+    out = await m.complete_many([(da[0], "x"), (stale, "again"), (db[0], "z")])
+    assert sent == [["DeliveryCompleteMany", "DeliveryCompleteMany"]]  # one frame, one op per run
+    assert out[0].state == "SUCCEEDED" and out[0].outcome == "x"
+    assert isinstance(out[1], LeaseLostError) and stale.lost
+    assert out[2].state == "SUCCEEDED" and out[2].outcome == "z"
+    assert (await rs.task(stale.task_id).status()).outcome == "first"  # unchanged
+    # the same task twice in one batch: the second is refused
+    await m.submit("dup", scope=a)
+    d = await m.receive(a, wait=0)
+    raw = await rs._call(p.DeliveryCompleteMany(items=[
+        p.CompleteItem(task_id=d.task_id, token=d.token, outcome=msgspec.Raw(msgspec.msgpack.encode(1))),
+        p.CompleteItem(task_id=d.task_id, token=d.token, outcome=msgspec.Raw(msgspec.msgpack.encode(2))),
+    ]), p.SettledListView)
+    assert raw.items[0].task is not None and raw.items[1].error.code == "STALE_CLAIM"
+    assert (await rs.task(d.task_id).status()).outcome == 1

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 
 import pytest
@@ -113,6 +114,11 @@ def test_workers_in_processes_complete_every_task_exactly_once(daemon, tmp_path)
             "w2": _spawn(tmp_path, "w2", SYNC_WORKER, daemon.url, mbx, run.id, "w2", 1),
             "w3": _spawn(tmp_path, "w3", ASYNC_WORKER, daemon.url, mbx, run.id, "w3"),
         }
+        # every worker is waiting for work (its receive parked on the run) before any is
+        # submitted, so the work is shared even on a loaded machine
+        deadline = time.monotonic() + 30
+        while rs.status().actors.get("runs", {}).get("waiters", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         producer = _spawn(tmp_path, "producer", PRODUCER, daemon.url, mbx, run.id, n)
         try:
             out, err = producer.communicate(timeout=30)

@@ -56,6 +56,14 @@ def test_readme_block_runs_as_written(index, readme_daemon, monkeypatch, capsys)
     out = capsys.readouterr().out
     if "group.wait" in code:
         assert out.strip() == "SUCCESS threshold_reached"
+    elif "claims.acquire" in code:
+        assert out.splitlines() == ["report: {'rows': 1200}", "holding 1 of 4", "free browsers: 4"]
+    elif "rs.quotas.ensure" in code:
+        assert out.strip() == "GRANTED"
+    elif "rs.budgets.ensure" in code:
+        assert out.strip() == "4.77 USD left"
+    elif 'mode="INBOX"' in code:
+        assert out.strip() == "start with the docs"
     elif "delivery.run()" in code:
         assert out.strip() == "nested: SUCCEEDED ['/', '/GROUPS', '/QUEUES']"
     elif embedded:

@@ -158,8 +158,9 @@ FAST = Reconnect(timeout=10, initial_delay=0.01, max_delay=0.05)
 def test_every_operation_is_classified():
     # A new operation must be placed on purpose: the ones never re-sent are listed here.
     never = {p.ScopeCreate, p.GroupCreate, p.BarrierCreate, p.BarrierArrive, p.BarrierNextEpochOp, p.TimerCreate,
-             p.JoinSetCreate, p.JoinSetSubmitDelay, p.KeyCreate, p.KeyRevoke}
-    keyed = {p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.TaskSubmitMany, p.JoinNext}
+             p.JoinSetCreate, p.JoinSetSubmitDelay, p.KeyCreate, p.KeyRevoke, p.OnceAcquire, p.OnceFail, p.TimerAck}
+    keyed = {p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.TaskSubmitMany, p.JoinNext, p.MessageSend, p.QuotaTake,
+             p.BudgetReserve, p.ClaimAcquire, p.PoolAcquire}
     for t in OPS:
         if t in never:
             assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
@@ -171,7 +172,17 @@ def test_every_operation_is_classified():
     assert not reissue_safe(p.TaskSubmitMany(mailbox="m", scope_id="s", items=items))
     assert reissue_safe(p.TaskSubmitMany(mailbox="m", scope_id="s", items=items[:1]))
     assert not reissue_safe(p.JoinNext(joinset_id="j")) and reissue_safe(p.JoinNext(joinset_id="j", index=3))
+    for t in (p.MessageSend, p.QuotaTake, p.BudgetReserve):
+        assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
+        assert reissue_safe(msgspec.convert({**_minimal(t), "key": "k"}, t)), t
+    assert not reissue_safe(p.ClaimAcquire(scope_id="s", key="k"))
+    assert reissue_safe(p.ClaimAcquire(scope_id="s", key="k", request_id="r1"))
+    assert not reissue_safe(p.PoolAcquire(pool="p", scope_id="s"))
+    assert reissue_safe(p.PoolAcquire(pool="p", scope_id="s", request_id="r1"))
     assert not reissue_safe(b"\x80")  # pre-encoded bodies: unknown, never
+    # a named timer or barrier is one per (run, name): its create is safe to re-send
+    assert reissue_safe(p.TimerCreate(scope_id="s", after_ms=1, name="n"))
+    assert reissue_safe(p.BarrierCreate(scope_id="s", target=2, name="n"))
 
 
 def _minimal(t) -> dict:
@@ -247,6 +258,27 @@ async def test_complete_applied_but_reply_lost_returns_its_result(node):
             assert (info.state, info.outcome) == ("SUCCEEDED", {"ok": 1})
             assert d.lost is False
             assert (await ticket.status()).outcome == {"ok": 1}
+        n.cancel_scope.cancel()
+
+
+async def test_complete_many_applied_but_reply_lost_returns_every_result(node):
+    # The batch form: a delivery.complete_many applied whose reply was lost is sent again;
+    # its items are refused STALE_CLAIM (the tasks are SUCCEEDED), and the SDK answers
+    # each with its task, as the first sending would have been.
+    async with trio.open_nursery() as n:
+        srv, sw = await serve(n, node, p.DeliveryCompleteMany)
+        async with rallypoint.connect(srv.url, reconnect=FAST) as rs:
+            mbx = await rs.mailboxes.ensure("rc-complete-many")
+            run = await rs.scopes.create()
+            await mbx.submit_many(["a", "b", "c"], scope=run)
+            ds = await mbx.receive(run, wait=0, max_messages=3)
+            later = Later(n, lambda: mbx.complete_many([(d, d.input.upper()) for d in ds]))
+            await sw.applied.wait()
+            await srv.kill()
+            await srv.start()
+            infos = await later.get()
+            assert [(i.state, i.outcome) for i in infos] == [("SUCCEEDED", x) for x in "ABC"]
+            assert not any(d.lost for d in ds)
         n.cancel_scope.cancel()
 
 

@@ -94,11 +94,15 @@ async def test_deadline_in_the_past_is_validation_failed(rs):
 
 
 async def test_bad_name_is_validation_failed(rs):
+    # a run's name is a label (runstate's run names: 1-256 characters, spaces and / too)
+    assert (await (await rs.scopes.create(name="nightly research/v2")).status()).name == "nightly research/v2"
     with pytest.raises(ValidationError) as ei:
-        await rs.scopes.create(name="has space")
+        await rs.scopes.create(name="line\nbreak")
     assert "name" in ei.value.message
     with pytest.raises(ValidationError):
-        await rs.scopes.create(name="x" * 129)
+        await rs.scopes.create(name="x" * 257)
+    with pytest.raises(ValidationError):
+        await rs.scopes.create(name="")
 
 
 async def test_list_roots_and_children(rs):

@@ -75,7 +75,7 @@ async def test_batch_frame_through_the_sdk_mixes_success_and_errors(daemon):
         ops = [
             p.ScopeCreate(name="batch-1"),
             p.ScopeStatus(scope_id="scp_missing"),
-            p.ScopeCreate(name="bad name"),
+            p.ScopeCreate(name="bad\nname"),
             p.ScopeCreate(parent_id=cancelled.id),
             p.ScopeStatus(scope_id=cancelled.id),
             p.ScopeComplete(scope_id=cancelled.id),

@@ -124,7 +124,7 @@ def _in(seconds: float) -> datetime:
 
 async def test_validation_error_arrives_as_validation_error(rs):
     with pytest.raises(ValidationError) as ei:
-        await rs.scopes.create(name="no spaces allowed")
+        await rs.scopes.create(name="no\tcontrol characters allowed")
     assert type(ei.value) is ValidationError and "name" in ei.value.message
     with pytest.raises(ValidationError) as ei:
         await rs.scopes.create(child_limit=-1)

@@ -5,7 +5,8 @@
 - :mod:`.coordinator`: the kinds composed, the commit pipeline, time;
 - one module per kind: :mod:`.run`, :mod:`.queue` (work queues and tasks),
   :mod:`.group`, :mod:`.barrier`, :mod:`.timer`, :mod:`.joinset`, :mod:`.keys`,
-  :mod:`.space`;
+  :mod:`.space`, :mod:`.quota`, :mod:`.budget`, :mod:`.inbox` (messages), :mod:`.claim`,
+  :mod:`.pool` (pools and grants), :mod:`.admission` (work limits, task requirements);
 - :mod:`.api`: the operation table (route, handler, permission).
 """
 

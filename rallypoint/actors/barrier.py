@@ -19,7 +19,7 @@ from ..errors import BarrierCancelledError, BarrierReleasedError, ConflictError
 from ..protocol import BarrierArrive, BarrierCreate, BarrierNextEpochOp, BarrierStatus, BarrierView, BarrierWait
 from ..events import emits, ev
 from ..records import BarrierArrived, BarrierCancelled, BarrierCreated, BarrierNextEpoch
-from .common import applies, check_key, check_range, clamp_wait
+from .common import applies, check_key, check_label, check_range, clamp_wait
 from .kind import Kind
 from .runtime import Park
 
@@ -37,6 +37,7 @@ class BarrierState(msgspec.Struct, gc=False, omit_defaults=True):
     keys: list[str] = msgspec.field(default_factory=list)
     released_at_ms: int | None = None
     cancel_reason: str | None = None  # cancelled | completed | deadline
+    name: str | None = None  # a named barrier: one per (run, name)
 
 
 class Barriers(Kind):
@@ -50,6 +51,7 @@ class Barriers(Kind):
     def __init__(self, coord) -> None:
         super().__init__(coord)
         self.table: dict[str, BarrierState] = {}
+        self.by_name: dict[tuple[str, str], str] = {}  # (run, name) -> barrier id
 
     def entity_tables(self):
         return {"bar": (self.table, BarrierState)}
@@ -69,6 +71,7 @@ class Barriers(Kind):
             epoch=b.epoch,
             created_at=to_iso(b.created_at_ms),
             released_at=to_iso(b.released_at_ms),
+            name=b.name,
         )
 
     def _cancelled(self, b: BarrierState) -> BarrierCancelledError:
@@ -81,19 +84,36 @@ class Barriers(Kind):
         )
 
     def op_barrier_create(self, actor, session, op: BarrierCreate) -> BarrierView:
+        """A barrier of run ``scope_id`` releasing at ``target`` distinct keys. With
+        ``name``: the run's barrier of that name, made by the first call and returned by
+        later ones (CONFLICT when their ``target`` differs). SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED on an inactive run (also for an existing named one)."""
         coord = self.coord
         run = coord.runs.get(session.space, op.scope_id)
         check_range("target", op.target, 1, 1_000_000)
+        if op.name is not None:
+            check_label("name", op.name)
+            bid = self.by_name.get((run.id, op.name))
+            if bid is not None:
+                b = self.table[bid]
+                if b.target != op.target:
+                    raise ConflictError(f"barrier {op.name!r} of run {run.id} exists with target {b.target}, "
+                                        f"not {op.target}", details={"field": "target", "existing": b.target})
+                coord.runs.require_active(run.id)
+                return self.view(b)
         coord.runs.require_active(run.id)
         rec = BarrierCreated(id=coord.ids.new("bar"), space=session.space, scope_id=run.id, target=op.target,
-                             at_ms=coord.now_ms())
+                             at_ms=coord.now_ms(), name=op.name)
         coord.commit([rec])
         return self.view(self.table[rec.id])
 
     @applies(BarrierCreated)
     def _apply_created(self, r: BarrierCreated) -> None:
-        b = BarrierState(id=r.id, space=r.space, scope_id=r.scope_id, target=r.target, created_at_ms=r.at_ms)
+        b = BarrierState(id=r.id, space=r.space, scope_id=r.scope_id, target=r.target, created_at_ms=r.at_ms,
+                         name=r.name)
         self.table[b.id] = b
+        if b.name is not None:
+            self.by_name[(b.scope_id, b.name)] = b.id
         self.coord.runs.own(b.scope_id, b.id)
         self.coord.touch(b.id)
 
@@ -215,6 +235,9 @@ class Barriers(Kind):
 
     def rebuild_indexes(self) -> None:
         runs = self.coord.runs
+        self.by_name = {}
         for b in self.table.values():
             runs.own(b.scope_id, b.id)
+            if b.name is not None:
+                self.by_name[(b.scope_id, b.name)] = b.id
 

@@ -19,7 +19,7 @@ from ..wire import MAX_PAYLOAD_BYTES
 
 __all__ = [
     "MemoryJournal", "applies", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
-    "parse_instant", "short", "data", "MAX_WAIT_MS", "MAX_KEY_LEN",
+    "parse_instant", "short", "data", "check_label", "MAX_WAIT_MS", "MAX_KEY_LEN",
 ]
 
 #: Longest server-side wait in one request, ms (SPEC §13); the SDK re-issues longer ones.
@@ -44,6 +44,20 @@ def check_name(field: str, value: Any) -> str:
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ValidationError(
             f"{field} must be 1 to 128 characters of letters, digits and -_./: (got {short(value)})",
+            details={"field": field},
+        )
+    return value
+
+
+def check_label(field: str, value: Any, limit: int = 256) -> str:
+    """A label (a run's name, a named timer or barrier): 1 to ``limit`` characters, any
+    but control characters (runstate names may hold spaces and ``/``).
+
+    Raises VALIDATION_FAILED naming ``field``."""
+    if (not isinstance(value, str) or not 1 <= len(value) <= limit
+            or any(ord(c) < 32 or ord(c) == 127 for c in value)):
+        raise ValidationError(
+            f"{field} must be 1 to {limit} characters without control characters (got {short(value)})",
             details={"field": field},
         )
     return value
@@ -116,9 +130,13 @@ class MemoryJournal:
     """The journal of ``memory`` durability: LSNs and nothing else (durable at once)."""
 
     mode = "memory"
+    writable = True
 
     def __init__(self, next_lsn: int = 1) -> None:
         self.last_lsn = next_lsn - 1
+
+    def check_writable(self) -> None:
+        """Never refuses: no disk."""
 
     @property
     def durable_lsn(self) -> int:

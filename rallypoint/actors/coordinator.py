@@ -42,12 +42,21 @@ from ..ids import IdGenerator
 from ..protocol import encoder
 from ..events import DEFAULT_RETAIN_EVENTS, Entry, EventLog
 from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
+from .admission import Admission
 from .barrier import Barriers
+from .budget import Budgets
+from .claim import Claims
 from .common import MemoryJournal
 from .group import Groups
+from .diagnostics import Diagnostics
+from .idempotency import DEFAULT_TTL_MS, Idempotency
+from .inbox import Inboxes
 from .joinset import JoinSets
 from .keys import Keys
+from .once import Onces
+from .pool import Pools
 from .queue import WorkQueues
+from .quota import Quotas
 from .retention import Retention
 from .run import Runs
 from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, Subscribe, _FatalMarker, fatal_unwrapped, shutdown_error
@@ -99,6 +108,7 @@ class Coordinator:
         retain_events: int | None = DEFAULT_RETAIN_EVENTS,
         retain_events_ms: int | None = None,
         retain_finished_ms: int | None = None,
+        idempotency_ttl_ms: int = DEFAULT_TTL_MS,
     ) -> None:
         self.clock = clock or Clock()
         self.ids = IdGenerator(self.clock.mono_ms)
@@ -130,9 +140,19 @@ class Coordinator:
         self.joinsets = JoinSets(self)
         self.keys = Keys(self)
         self.spaces = Spaces(self)
+        self.quotas = Quotas(self)
+        self.budgets = Budgets(self)
+        self.inboxes = Inboxes(self)
+        self.claims = Claims(self)
+        self.pools = Pools(self)
+        self.admission = Admission(self)  # after the requirement kinds (its rebuild uses them)
+        self.onces = Onces(self)
+        self.idempotency = Idempotency(self, idempotency_ttl_ms)
+        self.diagnostics = Diagnostics(self)
         self.retention = Retention(self, retain_finished_ms)
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
-                      self.spaces, self.retention)
+                      self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
+                      self.onces, self.idempotency, self.diagnostics, self.retention)
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}
@@ -164,7 +184,8 @@ class Coordinator:
         return None if t is None else t[0].get(entity_id)
 
     def entity_count(self) -> int:
-        return sum(len(t) for t, _ in self._tables.values())
+        # a table may be listed under two prefixes (tasks and messages): count it once
+        return sum(len(t) for t in {id(t): t for t, _ in self._tables.values()}.values())
 
     def touch(self, entity_id: str) -> None:
         """Mark an entity changed since the last snapshot (only when snapshots are
@@ -184,6 +205,9 @@ class Coordinator:
         apply that raises is a bug and stops the node (:class:`FatalError`)."""
         if self.failed is not None:
             raise FatalError("the coordinator stopped after a failed apply") from self.failed
+        # Disk full: refused (UNAVAILABLE, retry_after) BEFORE anything is applied -- an
+        # answer, not a failed apply.
+        self.journal.check_writable()
         events = self.events
         pending = events.pending  # (implied facts append here too; publish replaces it after the journal)
         try:
@@ -381,6 +405,10 @@ class Coordinator:
                 reply = exc
         elif isinstance(reply, Exception) and not isinstance(reply, RallypointError):
             reply = InternalError(f"internal error ({type(reply).__name__}); the server log has details")
+        elif isinstance(reply, UnavailableError):
+            # "could not do it now" (disk full, shutting down) reveals no state: at once
+            sink.deliver(rid, reply, 0)
+            return
         sink.deliver(rid, reply, self.journal.last_lsn)
 
     def after_batch(self) -> None:
@@ -441,9 +469,14 @@ class Coordinator:
 
     last_seen_valid = False
 
+    def leases_outstanding(self) -> int:
+        """Leases (deliveries, claims, pool grants) and durable waiters with a time
+        limit outstanding now, over every kind."""
+        return sum(k.leases_outstanding() for k in self.kinds)
+
     def _on_stall(self, gap_s: float) -> None:
         self.stalls += 1
-        if self.queues.leases_outstanding():
+        if self.leases_outstanding():
             by_ms = int(gap_s * 1000)
             log.warning("event loop stalled for %.1f s: outstanding leases extended by that", gap_s)
             self.commit([LeasesExtended(by_ms=by_ms, at_ms=self.now_ms(), reason="stall")])
@@ -452,9 +485,9 @@ class Coordinator:
         """Recovery: the server could not hear renewals for ``gap_ms`` (it was down):
         outstanding leases are extended by it (one record). Returns the extension, ms
         (0 when there was no gap or no lease)."""
-        if gap_ms > 0 and self.queues.leases_outstanding():
+        if gap_ms > 0 and self.leases_outstanding():
             log.info("extending %d outstanding lease(s) by the %.3f s the server was down",
-                     self.queues.leases_outstanding(), gap_ms / 1000)
+                     self.leases_outstanding(), gap_ms / 1000)
             self.commit([LeasesExtended(by_ms=gap_ms, at_ms=self.now_ms(), reason="restart")])
             return gap_ms
         return 0

@@ -136,6 +136,9 @@ class Groups(Kind):
         origin = runs.get(space, op.scope_id)
         parent = runs.get(space, op.parent_scope_id) if op.parent_scope_id else origin
         q = coord.queues.get_queue(space, op.mailbox)
+        if q.mode != "WORK":
+            raise ConflictError(f"mailbox {q.name!r} is an {q.mode} mailbox (messages); a group needs a WORK mailbox",
+                                details={"field": "mailbox", "mode": q.mode})
         if op.condition not in CONDITIONS:
             raise ValidationError(
                 f"condition must be one of {', '.join(CONDITIONS)} (got {short(op.condition)})",

@@ -86,6 +86,16 @@ class Kind:
         snapshot deletes it). Returns how many entities were removed. Synchronous."""
         return 0
 
+    def leases_outstanding(self) -> int:
+        """How many leases (and durable waiters with a time limit) of this kind run on
+        server time now: a stall or a restart is given back to them (``LeasesExtended``)
+        only when some kind has one."""
+        return 0
+
+    def extend_leases(self, by_ms: int) -> None:
+        """Apply of ``LeasesExtended``: every outstanding lease of this kind (and every
+        durable waiter's time limit) ends ``by_ms`` later; re-arm their activities."""
+
     def appliers(self) -> dict[type, Callable[[Any], None]]:
         """Record type -> bound apply function, from the ``@applies`` marks."""
         out: dict[type, Callable[[Any], None]] = {}

@@ -29,6 +29,18 @@ wall clock set back does not stretch them, and time the server could not hear (d
 stalled) is given back to lease holders (``LeasesExtended``). FIFO order is a sequence
 number given at submission, never the wall clock.
 
+**Messages.** A queue is WORK (tasks, ``task.submit``) or INBOX (plain messages,
+``message.send``: :mod:`rallypoint.actors.inbox`). A message is stored and handled
+exactly like a task -- the same state, ready heaps, receive, fencing tokens, leases,
+retries, deadlines, lease extensions and run cancellation -- with an ``msg_`` id and
+ACKED instead of SUCCEEDED once completed. Submitting to an INBOX or sending to a WORK
+queue is CONFLICT.
+
+**Reservations held for a delivery.** When a delivery ends (its task leaves RUNNING:
+completed, retried, rejected, lease expired, cancelled, expired) the budget
+reservations held for it close in the same apply
+(:meth:`rallypoint.actors.budget.Budgets.on_delivery_ended`).
+
 Indexes (rebuilt after recovery, never snapshotted): a ready heap per (queue, run) of
 ``(seq, task id)``, the idempotency-key index, unfinished tasks per run, leased tasks,
 and counts.
@@ -37,15 +49,20 @@ and counts.
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import msgspec
 
 from ..clock import to_iso
-from ..errors import ConflictError, LeaseLostError, LimitError, NotFoundError, ValidationError
+from ..errors import ConflictError, LeaseLostError, LimitError, NotFoundError, RallypointError, ValidationError
 from ..ids import is_id
 from ..protocol import (
     NIL,
     DeliveryComplete,
+    DeliveryCompleteMany,
+    ItemError,
+    SettledListView,
+    SettledView,
     DeliveryReject,
     DeliveryRenew,
     DeliveryRetry,
@@ -56,18 +73,23 @@ from ..protocol import (
     MailboxGet,
     MailboxList,
     MailboxListView,
+    MailboxMessages,
     MailboxView,
     Receive,
     ReceiveView,
     TaskCancel,
     TaskListView,
     TaskResult,
+    TaskDetach,
+    TaskResults,
     TaskStatus,
     TaskSubmit,
+    TaskSubscribe,
     TaskSubmitMany,
     TaskView,
 )
 from ..records import (
+    TaskRequirements,
     LeaseExpired,
     LeaseRenewed,
     LeasesExtended,
@@ -81,7 +103,9 @@ from ..records import (
     TaskRunCompleted,
     TaskRunCreated,
     TaskCompleting,
+    TaskDetached,
     TaskSubmitted,
+    TaskSubscribed,
 )
 from ..events import emits, ev
 from .common import applies, check_key, check_name, check_payload, check_range, clamp_wait, data, parse_instant, short
@@ -90,10 +114,14 @@ from .runtime import Park
 
 __all__ = ["MailboxState", "TaskState", "WorkQueues", "TERMINAL", "MIN_LEASE_MS", "MAX_LEASE_MS"]
 
-TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
+TERMINAL = frozenset({"SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED"})
+MODES = ("WORK", "INBOX")
 MIN_LEASE_MS = 5_000
 MAX_LEASE_MS = 600_000
 MAX_BATCH = 1000
+#: A receive looks at most this many ready tasks whose requirements cannot be taken now
+#: before it gives up for this request.
+MAX_SKIPPED = 10_000
 #: A receive for a run looks at the ready heaps of its subtree: by walking the subtree,
 #: or by testing each run with ready work for ancestry, whichever touches fewer runs.
 _NIL_BYTES = b"\xc0"
@@ -143,6 +171,9 @@ class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
     run_id: str | None = None  # the task's own run (``delivery.run``)
     completing: bool = False  # completed by its worker; its run's join sets are closing
     held_outcome: bytes | None = None  # the outcome, recorded once the run is done
+    subscribers: list[str] | None = None  # task.subscribe (interest only; none cancels nothing)
+    requirements: TaskRequirements | None = None
+    work_limit_id: str | None = None
 
 
 # Payloads of the hot task events: Structs without GC tracking (a dict per event is a
@@ -177,6 +208,8 @@ class WorkQueues(Kind):
         self.table: dict[str, MailboxState] = {}
         self.tasks: dict[str, TaskState] = {}
         self.next_seq = 1
+        # task id -> [(actor id, key)] of waits for many tasks (task.results) to wake
+        self.result_watch: dict[str, list[tuple[str, Any]]] = {}
         self.to_check: set[str] = set()  # completing tasks whose run may be done: see react()
         self._init_indexes()
 
@@ -194,7 +227,8 @@ class WorkQueues(Kind):
         self.queue_done: dict[str, int] = {}  # queue -> tasks finished since start (rates in `top`)
 
     def entity_tables(self):
-        return {"mbx": (self.table, MailboxState), "tsk": (self.tasks, TaskState)}
+        # messages (``msg_`` ids) live in the task table: they are tasks of INBOX queues
+        return {"mbx": (self.table, MailboxState), "tsk": (self.tasks, TaskState), "msg": (self.tasks, TaskState)}
 
     def statistics(self) -> dict:
         return {"queues": len(self.table), "tasks": len(self.tasks), "leased": len(self.leased),
@@ -227,8 +261,9 @@ class WorkQueues(Kind):
         """Create the queue, or check it exists with these settings (CONFLICT naming the
         first setting that differs). Runs on the space's actor (names are per space)."""
         check_name("name", op.name)
-        if op.mode != "WORK":
-            raise ValidationError(f"mode must be WORK (got {short(op.mode)})", details={"field": "mode"})
+        if op.mode not in MODES:
+            raise ValidationError(f"mode must be WORK (tasks) or INBOX (messages) (got {short(op.mode)})",
+                                  details={"field": "mode"})
         check_range("max_attempts", op.max_attempts, 1, 1000)
         if op.backlog_limit is not None:
             check_range("backlog_limit", op.backlog_limit, 1, 100_000_000)
@@ -255,6 +290,21 @@ class WorkQueues(Kind):
 
     def op_mailbox_list(self, actor, session, op: MailboxList) -> MailboxListView:
         return MailboxListView(mailboxes=[self.queue_view(q) for q in self.table.values() if q.space == session.space])
+
+    def op_mailbox_messages(self, actor, session, op: MailboxMessages) -> TaskListView:
+        """The queue's tasks (or messages), newest first: at most ``limit`` (1-1000),
+        older than ``before`` (an id) when given. A diagnostic read: it walks the
+        space's tasks from the newest (ids sort by creation)."""
+        q = self.get_queue(session.space, op.name)
+        check_range("limit", op.limit, 1, MAX_BATCH)
+        out = []
+        for t in reversed(self.tasks.values()):
+            if t.mailbox_id != q.id or (op.before is not None and t.id >= op.before):
+                continue
+            out.append(self.task_view(t))
+            if len(out) >= op.limit:
+                break
+        return TaskListView(tasks=out)
 
     def queue_view(self, q: MailboxState) -> MailboxView:
         queued, running = self.queue_counts.get(q.id, (0, 0))
@@ -300,15 +350,28 @@ class WorkQueues(Kind):
         field_prefix: str = "",
         pending: dict | None = None,
         extra_backlog: int = 0,
+        requirements=None,
+        work_limit=None,
+        mode: str = "WORK",
         **extra,
     ) -> TaskSubmitted | TaskState:
         """Validate one submission. Returns the existing task for an idempotent
-        resubmission (same key, same input), else the record to commit.
+        resubmission (same key, same input), else the record to commit. ``mode``:
+        WORK for a task, INBOX for a message (``msg_`` id, its payload named
+        ``payload``). ``requirements``: the wire :class:`~rallypoint.protocol.Requirements`
+        (resolved here); ``work_limit``: a resolved work limit, checked for
+        ``extra_backlog + 1`` more unfinished tasks.
 
-        Raises VALIDATION_FAILED (bad key, payload, deadline), CONFLICT (key reused with
-        other input), SCOPE_CANCELLED / DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog)."""
+        Raises VALIDATION_FAILED (bad key, payload, deadline, requirements), CONFLICT (key
+        reused with other input; a task to an INBOX queue or a message to a WORK queue),
+        NOT_FOUND (a pool or budget of the requirements), SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog, work limit)."""
+        if q.mode != mode:
+            how = "send messages with mailbox.send()" if q.mode == "INBOX" else "submit tasks with mailbox.submit()"
+            raise ConflictError(f"mailbox {q.name!r} is a {q.mode} mailbox: {how}",
+                                details={"field": "mailbox", "mode": q.mode})
         check_key(field_prefix + "key", key)
-        data = check_payload(field_prefix + "input", input_raw)
+        data = check_payload(field_prefix + ("payload" if mode == "INBOX" else "input"), input_raw)
         if key is not None:
             k = (run_id, q.id, key)
             existing = pending.get(k) if pending is not None else None
@@ -339,16 +402,23 @@ class WorkQueues(Kind):
                     retry_after=1.0,
                     details={"limit": q.backlog_limit},
                 )
+        reqs = coord.admission.prepare(space, requirements) if requirements is not None else None
+        if work_limit is not None:
+            coord.admission.check_work_limit(work_limit, extra_backlog + 1)
         seq = self.next_seq + extra_backlog
         return TaskSubmitted(
-            id=coord.ids.new("tsk"), space=space, mailbox_id=q.id, scope_id=run_id, input=data, at_ms=now,
-            key=key, deadline_ms=deadline_ms, seq=seq, **extra,
+            id=coord.ids.new("msg" if mode == "INBOX" else "tsk"), space=space, mailbox_id=q.id, scope_id=run_id,
+            input=data, at_ms=now, key=key, deadline_ms=deadline_ms, seq=seq, requirements=reqs,
+            work_limit_id=work_limit.id if work_limit is not None else None, **extra,
         )
 
     def op_task_submit(self, actor, session, op: TaskSubmit) -> TaskView:
+        """One task; ``requirements`` and ``work_limit`` as in ``actors/admission.py``."""
         q = self.get_queue(session.space, op.mailbox)
         run = self.coord.runs.get(session.space, op.scope_id)
-        rec = self.prepare_submit(session.space, q, run.id, op.input, op.key, op.deadline)
+        wl = self.coord.admission.resolve_work_limit(run.id, op.work_limit) if op.work_limit is not None else None
+        rec = self.prepare_submit(session.space, q, run.id, op.input, op.key, op.deadline,
+                                  requirements=op.requirements, work_limit=wl)
         if isinstance(rec, TaskState):
             return self.task_view(rec)
         self.coord.commit([rec])
@@ -360,6 +430,7 @@ class WorkQueues(Kind):
         run = self.coord.runs.get(session.space, op.scope_id)
         if not 1 <= len(op.items) <= MAX_BATCH:
             raise ValidationError(f"items must hold 1 to {MAX_BATCH} submissions", details={"field": "items"})
+        wl = self.coord.admission.resolve_work_limit(run.id, op.work_limit) if op.work_limit is not None else None
         recs: list = []
         ids: list[str] = []
         pending: dict = {}
@@ -367,6 +438,7 @@ class WorkQueues(Kind):
             r = self.prepare_submit(
                 session.space, q, run.id, item.input, item.key, item.deadline,
                 field_prefix=f"items[{i}].", pending=pending, extra_backlog=len(recs),
+                requirements=item.requirements, work_limit=wl,
             )
             if isinstance(r, TaskSubmitted) and not (r.key is not None and pending.get((run.id, q.id, r.key)) is r):
                 recs.append(r)  # (a key repeated within the batch returns the pending record: add it once)
@@ -375,6 +447,8 @@ class WorkQueues(Kind):
             ids.append(r.id)
         if recs:
             self.coord.commit(recs)
+        if op.brief:
+            return TaskListView(ids=ids)
         return TaskListView(tasks=[self.task_view(self.tasks[i]) for i in ids])
 
     @applies(TaskSubmitted)
@@ -382,12 +456,15 @@ class WorkQueues(Kind):
         t = TaskState(
             id=r.id, space=r.space, mailbox_id=r.mailbox_id, scope_id=r.scope_id, input=r.input,
             created_at_ms=r.at_ms, key=r.key, deadline_ms=r.deadline_ms, group_id=r.group_id,
-            joinset_id=r.joinset_id, cancellable=r.cancellable, seq=r.seq,
+            joinset_id=r.joinset_id, cancellable=r.cancellable, seq=r.seq, requirements=r.requirements,
+            work_limit_id=r.work_limit_id,
         )
         if r.seq >= self.next_seq:
             self.next_seq = r.seq + 1
         self.tasks[t.id] = t
         self._index_task(t)
+        if r.requirements is not None or r.work_limit_id is not None:
+            self.coord.admission.on_task_submitted(t)
         self.coord.touch(t.id)
         if t.joinset_id is not None:
             self.coord.joinsets.on_task_created(t)
@@ -420,7 +497,11 @@ class WorkQueues(Kind):
             if t.state == "RUNNING" and not t.completing:
                 self.leased.add(t.id)
 
-    def _set_state(self, t: TaskState, new: str) -> None:
+    def _set_state(self, t: TaskState, new: str, at_ms: int = 0) -> None:
+        """Move ``t`` to ``new`` and keep every index and hook in step: counts, the
+        leased set, result waiters, join sets and groups; a delivery that ends (leaving
+        RUNNING) gives back what it took for the task's requirements (at ``at_ms``), and
+        a task that finishes stops counting against its work limit."""
         old = t.state
         if old == new:
             return
@@ -436,12 +517,18 @@ class WorkQueues(Kind):
         qc = self.queue_counts[t.mailbox_id]
         if old not in TERMINAL:
             qc[0 if old == "QUEUED" else 1] -= 1
+        coord = self.coord
         if old == "RUNNING":
             self.leased.discard(t.id)
+            # the delivery ended: reservations held for it close (settled or voided)
+            coord.budgets.on_delivery_ended(t.id, t.token, new, t.finished_at_ms if new in TERMINAL else None)
         elif new == "RUNNING":
             self.leased.add(t.id)
-        coord = self.coord
+        if old == "RUNNING" and t.requirements is not None:
+            coord.admission.on_delivery_ended(t, new, at_ms)
         if new in TERMINAL:
+            if t.requirements is not None or t.work_limit_id is not None:
+                coord.admission.on_task_terminal(t)
             s = self.run_unfinished.get(t.scope_id)
             if s is not None:
                 s.discard(t.id)
@@ -450,6 +537,11 @@ class WorkQueues(Kind):
             self.ready_set.discard(t.id)
             self.queue_done[t.mailbox_id] = self.queue_done.get(t.mailbox_id, 0) + 1
             coord.notify(t.scope_id, t.id)  # result waiters (on the task's run)
+            if self.result_watch:
+                watchers = self.result_watch.pop(t.id, None)
+                if watchers:
+                    for actor_id, key in watchers:  # waits for many tasks, maybe on another run
+                        coord.notify(actor_id, key)
             if t.joinset_id is not None:
                 coord.joinsets.on_task_terminal(t)
         else:
@@ -473,7 +565,7 @@ class WorkQueues(Kind):
                 self.coord.runs.end(run, "CANCELLED", at_ms, f"task {t.id} {state}", implied=True)
         t.finished_at_ms = at_ms
         t.outcome_reason = reason
-        self._set_state(t, state)
+        self._set_state(t, state, at_ms)
         coord = self.coord
         coord.touch(t.id)
         retention = coord.retention
@@ -500,7 +592,12 @@ class WorkQueues(Kind):
             per_run[t.scope_id] = [(t.seq, t.id)]
         else:
             heapq.heappush(heap, (t.seq, t.id))
-        # wake receivers waiting on this run or an ancestor (each on its run's actor)
+        self.wake_receivers(t)
+
+    def wake_receivers(self, t: TaskState) -> None:
+        """Re-check the receives parked for ``t``'s queue on its run and every ancestor
+        (each on its run's actor): ``t`` is ready, or what it requires came free."""
+        coord = self.coord
         key = ("recv", t.mailbox_id)
         table = coord.runs.table
         notify = coord.notify
@@ -536,13 +633,20 @@ class WorkQueues(Kind):
         return out
 
     def _pop_ready(self, queue_id: str, run_id: str, n: int) -> list[TaskState]:
-        """Pop up to ``n`` oldest ready tasks of the run and its descendants. Stale heap
-        entries (tasks no longer ready) are dropped on the way; heaps left empty are
-        removed so a queue's index only holds runs with ready work."""
+        """Pop up to ``n`` oldest *eligible* ready tasks of the run and its descendants.
+        A task with requirements is eligible only if all of them can be taken now,
+        together with those of the tasks popped before it in this call (all or
+        nothing, counted in one ``pending`` for the step); the others are skipped and put
+        back, first in line for the next receive (at most :data:`MAX_SKIPPED` are looked
+        at past). Stale heap entries (tasks no longer ready) are dropped on the way;
+        heaps left empty are removed so a queue's index only holds runs with ready work."""
         cands = self._candidate_heaps(queue_id, run_id)
         out: list[TaskState] = []
         tasks, ready_set = self.tasks, self.ready_set
         heappop = heapq.heappop
+        skipped: list = []
+        pending: dict = {}
+        admission = self.coord.admission
         while len(out) < n:
             best = None
             for _rid, h in cands:
@@ -552,9 +656,17 @@ class WorkQueues(Kind):
                     best = h
             if best is None:
                 break
-            _, tid = heappop(best)
-            ready_set.discard(tid)
-            out.append(tasks[tid])
+            entry = heappop(best)
+            t = tasks[entry[1]]
+            if t.requirements is not None and not admission.try_take(t, pending):
+                skipped.append((entry, best))
+                if len(skipped) >= MAX_SKIPPED:
+                    break
+                continue
+            ready_set.discard(t.id)
+            out.append(t)
+        for entry, h in skipped:
+            heapq.heappush(h, entry)
         per_run = self.ready.get(queue_id)
         if per_run is not None:
             for rid, h in cands:
@@ -585,6 +697,7 @@ class WorkQueues(Kind):
         return Park(("recv", q.id), check, wait_ms, lambda: ReceiveView(deliveries=[]))
 
     def _deliver(self, q: MailboxState, run_id: str, lease_ms: int, n: int) -> list[DeliveryView]:
+        self.coord.journal.check_writable()  # before the pop: a refused commit must not drop tasks
         picked = self._pop_ready(q.id, run_id, n)
         if not picked:
             return []
@@ -596,10 +709,14 @@ class WorkQueues(Kind):
             TaskDelivered(task_id=t.id, delivery_id=new_id("dlv"), token=t.token + 1, lease_expires_ms=expires, at_ms=now)
             for t in picked
         ]
+        for t in picked:
+            if t.requirements is not None:  # the take, in the same commit as the delivery
+                recs.extend(coord.admission.take_records(t, now))
         coord.commit(recs)
-        return [self.delivery_view(t, q) for t in picked]
+        expires_at = to_iso(coord.clock.mono_to_wall(expires))  # the same for the whole batch
+        return [self.delivery_view(t, q, expires_at) for t in picked]
 
-    def delivery_view(self, t: TaskState, q: MailboxState | None = None) -> DeliveryView:
+    def delivery_view(self, t: TaskState, q: MailboxState | None = None, expires_at: str | None = None) -> DeliveryView:
         q = q or self.table[t.mailbox_id]
         return DeliveryView(
             id=t.delivery_id or "",
@@ -609,9 +726,11 @@ class WorkQueues(Kind):
             input=msgspec.Raw(t.input),
             attempt=t.attempt,
             token=t.token,
-            lease_expires_at=to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
+            lease_expires_at=expires_at or to_iso(self.coord.clock.mono_to_wall(t.lease_expires_ms)),
             group_id=t.group_id,
             run_id=t.run_id,
+            key=t.key,
+            **(self.coord.admission.views(t) if t.requirements is not None else {}),
         )
 
     @applies(TaskDelivered)
@@ -673,9 +792,15 @@ class WorkQueues(Kind):
 
     @applies(LeasesExtended)
     def _apply_leases_extended(self, r: LeasesExtended) -> None:
+        """Every kind's outstanding leases (and durable waiters' time limits) end
+        ``by_ms`` later: deliveries here, claims, pool grants... (``Kind.extend_leases``)."""
+        for k in self.coord.kinds:
+            k.extend_leases(r.by_ms)
+
+    def extend_leases(self, by_ms: int) -> None:
         for tid in sorted(self.leased):
             t = self.tasks[tid]
-            t.lease_expires_ms += r.by_ms
+            t.lease_expires_ms += by_ms
             self.coord.touch(t.id)
             self.coord.arm_mono(t.lease_expires_ms, self._on_lease, (t.id, t.token, t.lease_expires_ms))
 
@@ -691,23 +816,83 @@ class WorkQueues(Kind):
         completes the run and records the outcome (SUCCEEDED). Until then the reply and
         the task say RUNNING with ``completing``; the same complete again is answered
         the same way (another outcome is STALE_CLAIM)."""
-        t = self._holder(session, op.task_id, op.token)
-        outcome = check_payload("outcome", op.outcome)
+        t, recs = self._complete_records(session, op.task_id, op.token, op.outcome, self.coord.now_ms())
+        if recs:
+            self.coord.commit(recs)
+        return self.task_view(t)
+
+    def _complete_records(self, session, task_id, token: int, outcome_raw, now: int,
+                          field: str = "outcome") -> tuple[TaskState, list]:
+        """The records that complete ``task_id`` (none for a re-sent complete of a
+        completing task). Raises as :meth:`op_delivery_complete` does."""
+        t = self._holder(session, task_id, token)
+        outcome = check_payload(field, outcome_raw)
         if t.completing and t.held_outcome == outcome:
-            return self.task_view(t)  # a re-sent complete
-        self.coord.runs.require_active(t.scope_id)
+            return t, []  # a re-sent complete
+        coord = self.coord
+        coord.runs.require_active(t.scope_id)
         if not self._lease_live(t):
             raise self._lost(t)
-        coord = self.coord
-        now = coord.now_ms()
         if t.run_id is None:
-            coord.commit([TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=now)])
-        else:
-            coord.commit([
-                TaskCompleting(task_id=t.id, token=t.token, outcome=outcome, at_ms=now),
-                *coord.joinsets.close_records_for_complete(t.run_id, now),
-            ])
-        return self.task_view(t)
+            return t, [TaskCompleted(task_id=t.id, token=t.token, outcome=outcome, at_ms=now)]
+        return t, [
+            TaskCompleting(task_id=t.id, token=t.token, outcome=outcome, at_ms=now),
+            *coord.joinsets.close_records_for_complete(t.run_id, now),
+        ]
+
+    def route_complete_many(self, session, items) -> str:
+        """The actor of a batch of completes: the first task's run (every item must be
+        a task of that run: its commands run on its run's actor). VALIDATION_FAILED for 0
+        or more than 1000 items."""
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH:
+            raise ValidationError(f"items must hold 1 to {MAX_BATCH} completes", details={"field": "items"})
+        return self.get_task(session.space, items[0].task_id).scope_id
+
+    def op_delivery_complete_many(self, actor, session, op: DeliveryCompleteMany) -> SettledListView:
+        """Complete several deliveries of one run in ONE commit: each item is judged as
+        ``delivery.complete`` judges it (its refusal is its answer, and changes nothing);
+        the accepted ones are recorded together. An item naming a task of another run is
+        VALIDATION_FAILED (send one batch per run); the same task twice in one batch: the
+        second is STALE_CLAIM."""
+        coord = self.coord
+        run_id = self.get_task(session.space, op.items[0].task_id).scope_id
+        now = coord.now_ms()
+        recs: list = []
+        answers: list = []
+        seen: set[str] = set()
+        for i, it in enumerate(op.items):
+            try:
+                t = self.get_task(session.space, it.task_id)
+                if t.scope_id != run_id:
+                    raise ValidationError(
+                        f"items[{i}]: task {t.id} is in run {t.scope_id}, not {run_id}: send one batch per run",
+                        details={"field": f"items[{i}].task_id"},
+                    )
+                if t.id in seen:
+                    raise LeaseLostError(f"task {t.id} is completed earlier in this batch",
+                                         details={"task_id": t.id, "state": t.state})
+                t, more = self._complete_records(session, it.task_id, it.token, it.outcome, now,
+                                                 f"items[{i}].outcome")
+                seen.add(t.id)
+                recs.extend(more)
+                answers.append(t)
+            except RallypointError as e:
+                answers.append(e)
+        if recs:
+            coord.commit(recs)
+        view = self.task_view
+        if op.brief:
+            ok = SettledView()
+            return SettledListView(items=[ok if isinstance(a, TaskState) else SettledView(error=ItemError(
+                code=a.code, message=a.message, retry_after=a.retry_after,
+                details=a.details if isinstance(a.details, dict) or a.details is None else {"value": a.details}))
+                for a in answers])
+        return SettledListView(items=[
+            SettledView(task=view(a)) if isinstance(a, TaskState) else SettledView(error=ItemError(
+                code=a.code, message=a.message, retry_after=a.retry_after,
+                details=a.details if isinstance(a.details, dict) or a.details is None else {"value": a.details}))
+            for a in answers
+        ])
 
     @applies(TaskCompleting)
     def _apply_completing(self, r: TaskCompleting) -> None:
@@ -715,6 +900,9 @@ class WorkQueues(Kind):
         t.completing = True
         t.held_outcome = r.outcome
         self.leased.discard(t.id)  # no lease counts any more: nothing to take over
+        if t.requirements is not None:  # its worker is done: what its delivery took goes back now
+            # (for its requirements it succeeded: pool units return, budget reservations settle)
+            self.coord.admission.on_delivery_ended(t, "SUCCEEDED", r.at_ms)
         self.coord.touch(t.id)
         self.check_completion(t.id)
 
@@ -756,6 +944,9 @@ class WorkQueues(Kind):
         DEADLINE_EXCEEDED when the task's run is inactive; LIMIT_EXCEEDED past its
         child_limit."""
         t = self._holder(session, op.task_id, op.token)
+        if self.table[t.mailbox_id].mode == "INBOX":
+            raise ConflictError(f"{t.id} is a message: only tasks have runs of their own",
+                                details={"task_id": t.id})
         runs = self.coord.runs
         if t.run_id is not None and t.state == "RUNNING":
             return runs.view(runs.table[t.run_id])
@@ -783,7 +974,7 @@ class WorkQueues(Kind):
     def _apply_completed(self, r: TaskCompleted) -> None:
         t = self.tasks[r.task_id]
         t.outcome = r.outcome
-        self.finish(t, "SUCCEEDED", r.at_ms, "completed")
+        self.finish(t, "ACKED" if self.table[t.mailbox_id].mode == "INBOX" else "SUCCEEDED", r.at_ms, "completed")
 
     def _settle_inactive(self, t: TaskState) -> bool:
         """Retry/reject on an inactive run are answered without a change (SPEC §2.4)."""
@@ -820,7 +1011,7 @@ class WorkQueues(Kind):
             return
         t.attempt += 1
         t.available_at_ms = r.available_at_ms
-        self._set_state(t, "QUEUED")
+        self._set_state(t, "QUEUED", r.at_ms)
         self.coord.touch(t.id)
         self._make_ready(t)
 
@@ -857,11 +1048,99 @@ class WorkQueues(Kind):
         view = self.task_view
         return Park(t.id, lambda: view(t) if t.state in TERMINAL else None, wait_ms, lambda: view(t))
 
+    def route_tasks(self, session, task_ids) -> str:
+        """The actor of a wait for many tasks: the first task's run (the others'
+        changes reach it through ``result_watch``). VALIDATION_FAILED for 0 or more than
+        1000 ids; NOT_FOUND for an unknown one."""
+        if not isinstance(task_ids, list) or not 1 <= len(task_ids) <= MAX_BATCH:
+            raise ValidationError(f"task_ids must hold 1 to {MAX_BATCH} ids", details={"field": "task_ids"})
+        first = None
+        for tid in task_ids:
+            t = self.get_task(session.space, tid)
+            if first is None:
+                first = t
+        return first.scope_id
+
+    def op_task_results(self, actor, session, op: TaskResults):
+        """Every task, once all are terminal (in the given order); ONE parked wait on the
+        first task's run for up to ``wait_ms``, woken as each of them finishes (the
+        tasks may be in several runs)."""
+        tasks = [self.get_task(session.space, tid) for tid in op.task_ids]
+        wait_ms = clamp_wait(op.wait_ms)
+        view = self.task_view
+        pending = [t for t in tasks if t.state not in TERMINAL]
+        if not pending or wait_ms == 0:
+            return TaskListView(tasks=[view(t) for t in tasks])
+        key = ("results", id(pending))
+        watch = self.result_watch
+        entry = (actor.id if actor is not None else tasks[0].scope_id, key)
+        for t in pending:
+            watch.setdefault(t.id, []).append(entry)
+
+        def unwatch() -> None:
+            for t in pending:
+                lst = watch.get(t.id)
+                if lst is not None:
+                    try:
+                        lst.remove(entry)
+                    except ValueError:
+                        pass
+                    if not lst:
+                        del watch[t.id]
+
+        def check():
+            while pending and pending[-1].state in TERMINAL:
+                pending.pop()
+            if any(t.state not in TERMINAL for t in pending):
+                return None
+            unwatch()
+            return TaskListView(tasks=[view(t) for t in tasks])
+
+        def expire():
+            unwatch()
+            return TaskListView(tasks=[view(t) for t in tasks])
+
+        return Park(key, check, wait_ms, expire)
+
     def op_task_cancel(self, actor, session, op: TaskCancel) -> TaskView:
         t = self.get_task(session.space, op.task_id)
         if t.state not in TERMINAL:
             self.coord.commit([TaskCancelled(task_id=t.id, at_ms=self.coord.now_ms())])
         return self.task_view(t)
+
+    def op_task_subscribe(self, actor, session, op: TaskSubscribe) -> TaskView:
+        """Subscribe ``subscriber_id`` (idempotent); the subscriber's run ``scope_id``, when
+        given, must be active. VALIDATION_FAILED (id), NOT_FOUND (task, run)."""
+        t = self.get_task(session.space, op.task_id)
+        check_key("subscriber_id", op.subscriber_id)
+        if op.subscriber_id is None:
+            raise ValidationError("subscriber_id is required", details={"field": "subscriber_id"})
+        if op.scope_id is not None:
+            self.coord.runs.require_active(self.coord.runs.get(session.space, op.scope_id).id)
+        if op.subscriber_id not in (t.subscribers or ()):
+            self.coord.commit([TaskSubscribed(task_id=t.id, subscriber_id=op.subscriber_id,
+                                              at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskSubscribed)
+    def _apply_subscribed(self, r: TaskSubscribed) -> None:
+        t = self.tasks[r.task_id]
+        t.subscribers = [*(t.subscribers or ()), r.subscriber_id]
+        self.coord.touch(t.id)
+
+    def op_task_detach(self, actor, session, op: TaskDetach) -> TaskView:
+        """Unsubscribe (idempotent); the task goes on whoever is left."""
+        t = self.get_task(session.space, op.task_id)
+        if op.subscriber_id in (t.subscribers or ()):
+            self.coord.commit([TaskDetached(task_id=t.id, subscriber_id=op.subscriber_id,
+                                            at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskDetached)
+    def _apply_detached(self, r: TaskDetached) -> None:
+        t = self.tasks[r.task_id]
+        t.subscribers = [s for s in (t.subscribers or ()) if s != r.subscriber_id] or None
+        self.coord.touch(t.id)
 
     @applies(TaskCancelled)
     def _apply_cancelled(self, r: TaskCancelled) -> None:
@@ -879,7 +1158,7 @@ class WorkQueues(Kind):
             return
         t.attempt += 1
         t.available_at_ms = 0
-        self._set_state(t, "QUEUED")
+        self._set_state(t, "QUEUED", r.at_ms)
         self.coord.touch(t.id)
         self._make_ready(t)
 
@@ -901,6 +1180,7 @@ class WorkQueues(Kind):
             group_id=t.group_id,
             run_id=t.run_id,
             completing=t.completing,
+            subscribers=list(t.subscribers or ()),
         )
 
     # ================================================================ activities

@@ -39,10 +39,12 @@ from ..errors import (
     ScopeCancelledError,
     ValidationError,
 )
-from ..protocol import ScopeCancel, ScopeComplete, ScopeCreate, ScopeList, ScopeListView, ScopeStatus, ScopeView
+from ..protocol import (
+    ScopeCancel, ScopeComplete, ScopeCreate, ScopeEnsureNamed, ScopeList, ScopeListView, ScopeStatus, ScopeView,
+)
 from ..events import emits, ev
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
-from .common import applies, check_name, check_range, clamp_wait, data, parse_instant
+from .common import applies, check_label, check_range, clamp_wait, data, parse_instant
 from .kind import Kind
 from .runtime import PRIO_RUN_DEADLINE, Park
 
@@ -88,6 +90,7 @@ class Runs(Kind):
         self.children: dict[str, dict[str, None]] = {}  # run id -> its child run ids (ordered)
         self.owned: dict[str, list[str]] = {}  # run id -> ids of the groups/barriers/timers/join sets it owns
         self.counts: dict[str, dict[str, int]] = {}  # space -> stored_state -> runs
+        self.named_roots: dict[tuple[str, str], str] = {}  # (space, name) -> newest root run so named
 
     def entity_tables(self):
         return {"scp": (self.table, ScopeState)}
@@ -179,7 +182,7 @@ class Runs(Kind):
             self.require_active(parent.id)
             self.check_child_limit(parent)
         if op.name is not None:
-            check_name("name", op.name)
+            check_label("name", op.name)
         check_range("child_limit", op.child_limit, 0, 1_000_000)
         now = self.coord.now_ms()
         deadline_ms = parse_instant("deadline", op.deadline)
@@ -198,6 +201,18 @@ class Runs(Kind):
         )
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
+
+    def op_scope_ensure_named(self, actor, session, op: ScopeEnsureNamed) -> ScopeView:
+        """Join the named root run (the newest root run with ``name`` that is effectively
+        ACTIVE) or create it; on the space's actor, so concurrent joins agree. A run that
+        ended (cancelled, completed, past its deadline) is never joined again: the next
+        join makes a new one. ``deadline`` applies only when creating.
+        VALIDATION_FAILED (name, deadline)."""
+        check_label("name", op.name)
+        rid = self.named_roots.get((session.space, op.name))
+        if rid is not None and self.inactive_error(rid) is None:
+            return self.view(self.table[rid])
+        return self.op_scope_create(actor, session, ScopeCreate(name=op.name, deadline=op.deadline))
 
     def check_child_limit(self, parent: ScopeState, what: str = "") -> None:
         if parent.children >= parent.child_limit:
@@ -368,6 +383,8 @@ class Runs(Kind):
     def _index(self, s: ScopeState) -> None:
         self._count(s.space, None, s.state)
         self.table[s.id] = s
+        if s.parent_id is None and s.name is not None:
+            self.named_roots[(s.space, s.name)] = s.id
         if s.parent_id is not None:
             self.children.setdefault(s.parent_id, {})[s.id] = None
 
@@ -446,6 +463,10 @@ class Runs(Kind):
             self._count(s.space, None, s.state)
             if s.parent_id is not None:
                 self.children.setdefault(s.parent_id, {})[s.id] = None
+            elif s.name is not None:
+                k = (s.space, s.name)
+                if k not in self.named_roots or self.named_roots[k] < s.id:
+                    self.named_roots[k] = s.id
 
     # ================================================================ retention
     def purge_run(self, run_id: str) -> int:
@@ -465,6 +486,8 @@ class Runs(Kind):
                     del self.children[s.parent_id]
         self.children.pop(run_id, None)
         self.owned.pop(run_id, None)
+        if s.parent_id is None and s.name is not None and self.named_roots.get((s.space, s.name)) == run_id:
+            del self.named_roots[(s.space, s.name)]
         self.coord.touch(run_id)
         return 1
 

@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 import trio
 
-from ..errors import RallypointError, UnavailableError
+from ..errors import RallypointError, UnavailableError, shutting_down_error
 
 log = logging.getLogger("rallypoint.runtime")
 
@@ -232,13 +232,19 @@ class ActivityHeap:
         now = trio.current_time()
         n = 0
         self._firing = True
+        retry = []
         try:
             while heap and heap[0][0] <= now:
-                _, _, _, fn, arg = heapq.heappop(heap)
-                fn(arg)
+                entry = heapq.heappop(heap)
+                try:
+                    entry[3](entry[4])
+                except UnavailableError as exc:  # disk full: refused before applying; later
+                    retry.append((now + (exc.retry_after or 1.0), entry))
                 n += 1
         finally:
             self._firing = False
+            for due, (_, prio, _, fn, arg) in retry:
+                self.arm(due, fn, arg, prio)
         self.fired += n
         return n
 
@@ -689,4 +695,4 @@ async def fatal_unwrapped():
 
 
 def shutdown_error() -> UnavailableError:
-    return UnavailableError("the server is shutting down; retry on a new connection", retry_after=1.0)
+    return shutting_down_error()

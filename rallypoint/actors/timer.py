@@ -19,11 +19,11 @@ from __future__ import annotations
 import msgspec
 
 from ..clock import to_iso
-from ..errors import ConflictError, TimerCancelledError, ValidationError
-from ..protocol import TimerCancel, TimerCreate, TimerStatus, TimerView, TimerWait
+from ..errors import ConflictError, LeaseLostError, TimerCancelledError, ValidationError
+from ..protocol import TimerAck, TimerCancel, TimerCreate, TimerListView, TimerPoll, TimerStatus, TimerView, TimerWait
 from ..events import emits, ev
 from ..records import TimerAcked, TimerCancelled, TimerCreated, TimerFired
-from .common import applies, check_range, clamp_wait, parse_instant
+from .common import applies, check_label, check_range, clamp_wait, parse_instant
 from .kind import Kind
 from .runtime import Park
 
@@ -47,6 +47,7 @@ class TimerState(msgspec.Struct, gc=False, omit_defaults=True):
     acked_at_ms: int | None = None
     fire_mono_ms: int | None = None
     cancel_reason: str | None = None
+    name: str | None = None  # a named timer: one per (run, name)
 
 
 class Timers(Kind):
@@ -60,6 +61,7 @@ class Timers(Kind):
     def __init__(self, coord) -> None:
         super().__init__(coord)
         self.table: dict[str, TimerState] = {}
+        self.by_name: dict[tuple[str, str], str] = {}  # (run, name) -> timer id
 
     def entity_tables(self):
         return {"tmr": (self.table, TimerState)}
@@ -78,13 +80,29 @@ class Timers(Kind):
             fired_at=to_iso(t.fired_at_ms),
             acked_at=to_iso(t.acked_at_ms),
             created_at=to_iso(t.created_at_ms),
+            name=t.name,
+            token=self._token(t),
+            now=to_iso(self.coord.now_ms()),
         )
+
+    @staticmethod
+    def _token(t: TimerState) -> str | None:
+        """The fire's fencing token: fixed by the one ``TimerFired`` record (a timer fires
+        once), so every reader and replay agree on it."""
+        return None if t.fired_at_ms is None or t.state == "CANCELLED" else f"f{t.fired_at_ms}"
 
     def op_timer_create(self, actor, session, op: TimerCreate) -> TimerView:
         """Exactly one of ``at`` (wall instant) or ``after_ms`` (server-time duration).
-        SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run."""
+        SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run. With ``name``: the run's
+        timer of that name, created by the first call and returned unchanged by every
+        later one (whatever its state: ``fire_at`` is never reset)."""
         coord = self.coord
         run = coord.runs.get(session.space, op.scope_id)
+        if op.name is not None:
+            check_label("name", op.name)
+            tid = self.by_name.get((run.id, op.name))
+            if tid is not None:
+                return self.view(self.table[tid])
         if (op.at is None) == (op.after_ms is None):
             raise ValidationError("give exactly one of at and after_seconds", details={"field": "at"})
         now = coord.now_ms()
@@ -97,15 +115,17 @@ class Timers(Kind):
             fire_at = parse_instant("at", op.at)
         coord.runs.require_active(run.id)
         rec = TimerCreated(id=coord.ids.new("tmr"), space=session.space, scope_id=run.id, fire_at_ms=fire_at,
-                           at_ms=now, fire_mono_ms=fire_mono)
+                           at_ms=now, fire_mono_ms=fire_mono, name=op.name)
         coord.commit([rec])
         return self.view(self.table[rec.id])
 
     @applies(TimerCreated)
     def _apply_created(self, r: TimerCreated) -> None:
         t = TimerState(id=r.id, space=r.space, scope_id=r.scope_id, fire_at_ms=r.fire_at_ms, created_at_ms=r.at_ms,
-                       fire_mono_ms=r.fire_mono_ms)
+                       fire_mono_ms=r.fire_mono_ms, name=r.name)
         self.table[t.id] = t
+        if t.name is not None:
+            self.by_name[(t.scope_id, t.name)] = t.id
         self.coord.runs.own(t.scope_id, t.id)
         self.coord.touch(t.id)
         self._arm(t)
@@ -167,6 +187,29 @@ class Timers(Kind):
         t.acked_at_ms = r.at_ms
         self.coord.touch(t.id)
 
+    def op_timer_ack(self, actor, session, op: TimerAck) -> TimerView:
+        """Acknowledge the fire (the first ack wins). CONFLICT while still ARMED or once
+        ACKED; STALE_CLAIM for a ``token`` that is not the fire's; TIMER_CANCELLED."""
+        t = self.get(session.space, op.timer_id)
+        if t.state == "ARMED":
+            raise ConflictError(f"timer {t.id} has not fired yet (due {self.view(t).fire_at})",
+                                details={"timer_id": t.id, "state": t.state})
+        if op.token is not None and t.state != "CANCELLED" and op.token != self._token(t):
+            raise LeaseLostError(f"token {op.token!r} is not timer {t.id}'s fire token",
+                                 details={"timer_id": t.id})
+        if t.state == "ACKED":
+            raise ConflictError(f"timer {t.id} was already acknowledged at {to_iso(t.acked_at_ms)}",
+                                details={"timer_id": t.id, "state": t.state})
+        return self._ack(t)
+
+    def op_timer_poll(self, actor, session, op: TimerPoll) -> TimerListView:
+        """The run's fired, unacknowledged timers, oldest fire first (at most 1000)."""
+        run = self.coord.runs.get(session.space, op.scope_id)
+        table = self.table
+        fired = [table[i] for i in self.coord.runs.owned.get(run.id, ()) if i in table and table[i].state == "FIRED"]
+        fired.sort(key=lambda t: (t.fired_at_ms or 0, t.id))
+        return TimerListView(timers=[self.view(t) for t in fired[:1000]])
+
     def op_timer_cancel(self, actor, session, op: TimerCancel) -> TimerView:
         """Disarm an armed timer (idempotent); CONFLICT once it fired."""
         t = self.get(session.space, op.timer_id)
@@ -223,8 +266,11 @@ class Timers(Kind):
 
     def rebuild_indexes(self) -> None:
         runs = self.coord.runs
+        self.by_name = {}
         for t in self.table.values():
             runs.own(t.scope_id, t.id)
+            if t.name is not None:
+                self.by_name[(t.scope_id, t.name)] = t.id
 
     def rearm(self) -> None:
         for t in self.table.values():

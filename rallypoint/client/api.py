@@ -19,14 +19,20 @@ with ``details["maybe_applied"] = True``. The methods below say which they are.
 from __future__ import annotations
 
 import math
+import secrets
+from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 import anyio
 import msgspec
 
 from .. import protocol as p
 from ..errors import (
+    error_from_wire,
+    ClaimHeldError,
+    CapacityUnavailableError,
+    ConflictError,
     LeaseLostError,
     ScopeInactiveError,
     UnavailableError,
@@ -35,7 +41,11 @@ from ..errors import (
 )
 from . import types as t
 
-__all__ = ["Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes", "Events", "EventStream"]
+__all__ = [
+    "Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes", "Message",
+    "Quotas", "Quota", "QuotaWaiter", "Budgets", "Budget", "Reservation", "Claims", "ClaimLease",
+    "SpaceClaims", "Pools", "Pool", "RunPools", "Grant", "WorkLimits", "Events", "EventStream",
+]
 
 _MAX_WAIT_S = 60.0
 _payload_encoder = msgspec.msgpack.Encoder(order="sorted")
@@ -95,6 +105,15 @@ def _mailbox_name(x: Any) -> str:
     raise ValidationError(f"mailbox must be a name or a Mailbox handle (got {x!r})", details={"field": "mailbox"})
 
 
+def _name_of(x: Any, kind: str) -> str:
+    if isinstance(x, str):
+        return x
+    n = getattr(x, "name", None)
+    if isinstance(n, str):
+        return n
+    raise ValidationError(f"{kind} must be a name or a handle (got {x!r})", details={"field": kind})
+
+
 class Client:
     """The ``rs`` object. ``transport`` has ``call(op) -> Raw`` and ``call_many``."""
 
@@ -103,6 +122,10 @@ class Client:
         self.scopes = Scopes(self)
         self.mailboxes = Mailboxes(self)
         self.events = Events(self)
+        self.quotas = Quotas(self)
+        self.budgets = Budgets(self)
+        self.claims = SpaceClaims(self)
+        self.pools = Pools(self)
 
     async def _call(self, op: msgspec.Struct, reply_type: type):
         raw = await self._transport.call(op)
@@ -139,9 +162,10 @@ class Client:
     async def results(self, tickets: "Iterable[Ticket | str]", timeout: float | None = None) -> list[t.TaskInfo]:
         """Wait until every task is terminal; their infos in the given order.
 
-        One batch frame per round (a server-side wait per task, answered as each
-        finishes), so waiting for N tasks costs one round trip, not N. WaitTimeout
-        (changing nothing) if some are still unfinished after ``timeout`` seconds."""
+        ONE request per round (``task.results``: one wait on the server for all of
+        them, at most 1000 per request; more are split), so waiting for N tasks costs
+        one round trip, not N. WaitTimeout (changing nothing) if some are still
+        unfinished after ``timeout`` seconds."""
         ids = [_id_of(x, "task") for x in tickets]
         out: list[t.TaskInfo | None] = [None] * len(ids)
         remaining = math.inf if timeout is None else timeout
@@ -151,14 +175,20 @@ class Client:
                 return out  # type: ignore[return-value]
             chunk = min(remaining, _MAX_WAIT_S)
             ms = _ms(chunk, "timeout")
-            replies = await self._call_many([p.TaskResult(task_id=ids[i], wait_ms=ms) for i in todo], t.TaskInfo)
-            for i, r in zip(todo, replies):
+            parts = [todo[k:k + 1000] for k in range(0, len(todo), 1000)]
+            ops = [p.TaskResults(task_ids=[ids[i] for i in part], wait_ms=ms) for part in parts]
+            replies = await (self._call_many(ops, t._TaskList) if len(ops) > 1 else self._call_one(ops[0], t._TaskList))
+            for part, r in zip(parts, replies):
                 if isinstance(r, Exception):
                     raise r
-                out[i] = r
+                for i, info in zip(part, r.tasks):
+                    out[i] = info
             remaining -= chunk
             if remaining <= 0 and any(not out[i].finished for i in todo):
                 raise WaitTimeout(f"{sum(not out[i].finished for i in todo)} of {len(ids)} tasks unfinished after {timeout} s")
+
+    async def _call_one(self, op, reply_type) -> list:
+        return [await self._call(op, reply_type)]
 
     def scope(self, scope_id: str) -> "Run":
         """Re-attach to a run by id (no request is made)."""
@@ -173,6 +203,22 @@ class Client:
 
     def group(self, group_id: str) -> "Group":
         return Group(self, _id_of(group_id, "group"))
+
+    def message(self, message_id: str) -> "Message":
+        """Re-attach to a message (``msg_…``) by id (no request is made)."""
+        return Message(self, _id_of(message_id, "message"))
+
+    def quota(self, name: str) -> "Quota":
+        """A handle on a quota by name or id (no request is made)."""
+        return Quota(self, _name_of(name, "quota"))
+
+    def budget(self, name: str) -> "Budget":
+        """A handle on a budget by name or id (no request is made)."""
+        return Budget(self, _name_of(name, "budget"))
+
+    def pool(self, name: str) -> "Pool":
+        """A handle on a pool by name (no request is made)."""
+        return Pool(self, _pool_name(name))
 
     async def status(self) -> t.ServerInfo:
         """Server version, uptime (s), connections, runs and tasks by state, LSNs."""
@@ -387,6 +433,9 @@ class Run:
         self.join_sets = JoinSets(rs, self)
         self.barriers = Barriers(rs, self)
         self.timers = Timers(rs, self)
+        self.claims = Claims(rs, self)
+        self.pools = RunPools(rs, self)
+        self.work_limits = WorkLimits(rs, self)
 
     def __repr__(self) -> str:
         return f"Run({self.id!r})"
@@ -489,11 +538,24 @@ class Mailbox:
         *,
         scope: "Run | str",
         deadline: datetime | str | None = None,
+        requirements: dict | None = None,
+        work_limit: str | None = None,
     ) -> "Ticket":
         """Submit a task to this mailbox, bound to ``scope``. With ``key``, idempotent
         within the run and mailbox (same input: the existing task; other input:
         CONFLICT). Refused on an inactive run; LIMIT_EXCEEDED (with retry_after) when the
         backlog is full.
+
+        ``requirements`` (admission): ``{"pools": {"gpu": 2, ...}, "budgets":
+        {"model-spend": 40}}`` -- pool name -> units (at most 4 pools; each
+        1..units_total) and budget name -> minor units (at most 2 budgets; each 1..limit);
+        VALIDATION_FAILED otherwise, NOT_FOUND for a pool or budget that does not exist.
+        The task is handed out only when all of them can be taken in the same step; its
+        delivery holds them (``delivery.grants``, ``delivery.reservations``) and gives
+        them back when it ends (a reservation is settled in full if the task succeeded,
+        voided otherwise, unless settled before). ``work_limit``: the name
+        of a work limit of the run or an ancestor (``run.work_limits.ensure``);
+        LIMIT_EXCEEDED while it has ``max_outstanding`` unfinished tasks.
 
         After a dropped connection a submit **with** a ``key`` is sent again (it returns
         the task the first one made, if it was applied); one **without** a key is not
@@ -505,6 +567,8 @@ class Mailbox:
                 input=encode_payload(input),
                 key=key,
                 deadline=_iso(deadline, "deadline"),
+                requirements=_requirements(requirements),
+                work_limit=work_limit,
             ),
             t.TaskInfo,
         )
@@ -512,29 +576,61 @@ class Mailbox:
 
     async def submit_many(
         self, inputs: Iterable[Any], *, scope: "Run | str", keys: Iterable[str | None] | None = None,
-        deadline: datetime | str | None = None,
+        deadline: datetime | str | None = None, requirements: dict | None = None, work_limit: str | None = None,
+        details: bool = True,
     ) -> list["Ticket"]:
         """Submit several tasks in one request and one commit: all or none. ``keys``:
-        one idempotency key (or None) per input. Re-sent after a dropped connection
-        only if every input has a key (else UnavailableError, ``maybe_applied``)."""
+        one idempotency key (or None) per input; ``requirements`` and ``work_limit`` (as
+        for :meth:`submit`) apply to every task. ``details=False`` asks only for the
+        ids (the tickets' ``info`` is then None; cheaper for the server and the client).
+        Re-sent after a dropped connection only if every input has a key (else
+        UnavailableError, ``maybe_applied``)."""
         inputs = list(inputs)
         keys = list(keys) if keys is not None else [None] * len(inputs)
         if len(keys) != len(inputs):
             raise ValidationError("keys must have one entry per input", details={"field": "keys"})
         dl = _iso(deadline, "deadline")
+        req = _requirements(requirements)
         items = [
-            p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl)
+            p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl, requirements=req)
             for i, (x, k) in enumerate(zip(inputs, keys))
         ]
-        reply = await self._rs._call(
-            p.TaskSubmitMany(mailbox=self.name, scope_id=_id_of(scope), items=items), t._TaskList
-        )
+        op = p.TaskSubmitMany(mailbox=self.name, scope_id=_id_of(scope), items=items, work_limit=work_limit,
+                              brief=not details)
+        if not details:
+            return [Ticket(self._rs, i) for i in (await self._rs._call(op, t._TaskIds)).ids]
+        reply = await self._rs._call(op, t._TaskList)
         return [Ticket(self._rs, i.id, i) for i in reply.tasks]
 
-    async def complete_many(self, items: "Iterable[tuple[Delivery, Any]]") -> list:
-        """Complete ``[(delivery, outcome), ...]`` in one batch frame; a TaskInfo or
-        the error for each, in order (see :func:`complete_many`)."""
-        return await complete_many(self._rs, items)
+    async def send(
+        self,
+        payload: Any = None,
+        *,
+        scope: "Run | str",
+        key: str | None = None,
+        deadline: datetime | str | None = None,
+    ) -> "Message":
+        """Send a plain message into this INBOX mailbox (``ensure(name, mode="INBOX")``),
+        bound to ``scope``. Receivers take it with :meth:`receive` (or ``consume``) and
+        renew, complete (ACKED), retry or reject it like a task delivery, with the same
+        fencing tokens and leases. ``payload``: any msgpack-able value, at most 64 KiB.
+
+        With ``key``, idempotent within the run and mailbox (same payload: the existing
+        message; another payload: CONFLICT); sent again after a dropped connection only
+        with a ``key`` (else UnavailableError, ``details["maybe_applied"]``).
+        Errors: CONFLICT (a WORK mailbox), SCOPE_CANCELLED / DEADLINE_EXCEEDED (the run
+        is inactive), LIMIT_EXCEEDED (backlog full), NOT_FOUND, VALIDATION_FAILED."""
+        info = await self._rs._call(
+            p.MessageSend(mailbox=self.name, scope_id=_id_of(scope), payload=encode_payload(payload, "payload"),
+                          key=key, deadline=_iso(deadline, "deadline")),
+            t.MessageInfo,
+        )
+        return Message(self._rs, info.id, info)
+
+    async def complete_many(self, items: "Iterable[tuple[Delivery, Any]]", *, details: bool = True) -> list:
+        """Complete ``[(delivery, outcome), ...]``: one request per run; a TaskInfo (None
+        with ``details=False``) or the error for each, in order (see :func:`complete_many`)."""
+        return await complete_many(self._rs, items, details=details)
 
     async def receive(
         self,
@@ -574,21 +670,53 @@ class Mailbox:
             return ds[0] if ds else None
         return ds
 
+    async def admit(self, scope: "Run | str", lease_seconds: float = 30, wait: float = 0) -> "Delivery | None":
+        """Admission (runstate's ``mailbox.admit``): lease the oldest *eligible* task of
+        ``scope`` and its descendants -- one whose requirements can all be taken now --
+        together with its requirements, in one step. Returns the :class:`Delivery`
+        (``delivery.grants``: the pool grants it holds until it ends) or None when
+        nothing could be admitted within ``wait`` seconds. A shortage of pool units is
+        not an error: the task waits its turn. The lease is not renewed for you (call
+        ``delivery.renew()``, or use :func:`rallypoint.consume`, which does). Errors as
+        :meth:`receive`."""
+        return await self.receive(scope, lease_seconds=lease_seconds, wait=wait, max_messages=1)
 
-async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]") -> list:
-    """Complete several deliveries in ONE batch frame: ``[(delivery, outcome), ...]`` ->
-    a TaskInfo or the RallypointError (e.g. LeaseLostError) for each, in order. Marks
-    the deliveries whose lease was lost."""
+
+async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]", *, details: bool = True) -> list:
+    """Complete several deliveries at once: ``[(delivery, outcome), ...]`` -> a TaskInfo
+    (None with ``details=False``: cheaper when only refusals matter) or the
+    RallypointError (e.g. LeaseLostError) for each, in order. ONE request per run
+    (``delivery.complete_many``: one commit on the server; the requests of several runs
+    go in one batch frame). Marks the deliveries whose lease was lost. Outcomes that
+    cannot be encoded raise VALIDATION_FAILED before anything is sent."""
     items = list(items)
-    ops = [
-        p.DeliveryComplete(task_id=d.task_id, token=d.token, outcome=encode_payload(o, "outcome"))
-        for d, o in items
-    ]
-    replies = await rs._call_many(ops, t.TaskInfo)
-    for (d, _), r in zip(items, replies):
+    by_run: dict[str, list[int]] = {}
+    for i, (d, _) in enumerate(items):
+        by_run.setdefault(d.scope_id, []).append(i)
+    groups = [by_run[r] for r in by_run]
+    ops = []
+    for g in groups:
+        for k in range(0, len(g), 1000):
+            part = g[k:k + 1000]
+            ops.append((part, p.DeliveryCompleteMany(items=[
+                p.CompleteItem(task_id=items[i][0].task_id, token=items[i][0].token,
+                               outcome=encode_payload(items[i][1], "outcome"))
+                for i in part
+            ], brief=not details)))
+    replies = await rs._call_many([op for _, op in ops], t._SettledList)
+    out: list = [None] * len(items)
+    for (part, _), reply in zip(ops, replies):
+        if isinstance(reply, Exception):
+            for i in part:
+                out[i] = reply
+            continue
+        for i, r in zip(part, reply.items):
+            out[i] = r.task if r.error is None else error_from_wire(
+                r.error.code, r.error.message, r.error.retry_after, r.error.details)
+    for (d, _), r in zip(items, out):
         if isinstance(r, (LeaseLostError, ScopeInactiveError)):
             d.lost = True
-    return replies
+    return out
 
 
 class Ticket:
@@ -651,9 +779,31 @@ class Delivery:
         self.run_id = info.run_id
         self.lease_seconds = lease_seconds
         self.lost = False
+        #: pool grants this delivery holds (its task's requirements), given back when it ends
+        self.grants = [Grant(rs, g, lease_seconds) for g in info.grants]
+        #: budget reservations made for this delivery (its task's requirements): settle the
+        #: real cost on them; what is left is settled in full if the task succeeds, else voided
+        self.reservations = [Reservation(rs, rid) for rid in info.reservations]
 
     def __repr__(self) -> str:
         return f"Delivery(task_id={self.task_id!r}, token={self.token}, attempt={self.attempt})"
+
+    @property
+    def payload(self) -> Any:
+        """The message's payload (the same as ``input``; for INBOX mailboxes)."""
+        return self.input
+
+    @property
+    def message_id(self) -> str | None:
+        """The message id (``msg_…``) when this delivers a message, else None."""
+        return self.task_id if self.task_id.startswith("msg_") else None
+
+    async def nack(self, retry: bool = True, error: Any = None, delay: float = 0) -> t.TaskInfo:
+        """Give it back: ``retry=True`` is :meth:`retry` (delivered again after
+        ``delay`` s, attempt + 1), ``retry=False`` is :meth:`reject` (FAILED)."""
+        if retry:
+            return await self.retry(error, delay=delay)
+        return await self.reject(error)
 
     async def _settle(self, op, reply_type):
         try:
@@ -1171,3 +1321,838 @@ class Timer:
     async def status(self) -> t.TimerStatus:
         self.last_status = await self._rs._call(p.TimerStatus(timer_id=self.id), t.TimerStatus)
         return self.last_status
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+class Message:
+    """A handle on a message of an INBOX mailbox (``msg_…``)."""
+
+    def __init__(self, rs: Client, message_id: str, info: t.MessageInfo | None = None) -> None:
+        self._rs = rs
+        self.id = message_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Message({self.id!r})"
+
+    async def status(self) -> t.MessageInfo:
+        """The message now (readable forever, whatever its run's state)."""
+        self.info = await self._rs._call(p.MessageStatus(message_id=self.id), t.MessageInfo)
+        return self.info
+
+
+# ---------------------------------------------------------------------------- quotas
+
+_MAX_TTL_S = 86_400.0
+
+
+class Quotas:
+    """``rs.quotas``: create, look up and list quotas (rate limits)."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def ensure(self, name: str, units_limit: int, window_seconds: float) -> "Quota":
+        """Create the quota -- at most ``units_limit`` units per fixed window of
+        ``window_seconds`` (1 s to 1 day), windows aligned to their length -- or check it
+        exists with these settings (CONFLICT naming the one that differs). Needs the
+        ``resource_config`` permission."""
+        info = await self._rs._call(
+            p.QuotaEnsure(name=name, units_limit=units_limit, window_ms=_ms(window_seconds, "window_seconds")),
+            t.QuotaInfo,
+        )
+        return Quota(self._rs, info.name, info)
+
+    async def get(self, name: str) -> "Quota":
+        """The quota ``name`` (or id); NOT_FOUND if there is none."""
+        info = await self._rs._call(p.QuotaGet(quota=_name_of(name, "quota")), t.QuotaInfo)
+        return Quota(self._rs, info.name, info)
+
+    async def list(self) -> list[t.QuotaInfo]:
+        return (await self._rs._call(p.QuotaList(), t._QuotaList)).quotas
+
+
+class Quota:
+    """A handle on a quota: ``units_limit`` units per fixed window, durable FIFO
+    waiters, cooldowns (see :mod:`rallypoint.actors.quota`)."""
+
+    def __init__(self, rs: Client, name: str, info: t.QuotaInfo | None = None) -> None:
+        self._rs = rs
+        self.name = name
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Quota({self.name!r})"
+
+    async def status(self, waiters: bool = False) -> t.QuotaInfo:
+        """Used and remaining units in the current window, waiters, cooldown;
+        ``waiters=True`` also lists the WAITING waiters in line order."""
+        self.info = await self._rs._call(p.QuotaGet(quota=self.name, waiters=waiters), t.QuotaInfo)
+        return self.info
+
+    async def take(
+        self, units: int = 1, *, scope: "Run | str", wait: float = 0, holder: str | None = None
+    ) -> t.QuotaTakeInfo:
+        """Take ``units`` (1 to ``units_limit``) for run ``scope``; returns the grant
+        (``consumption_id``: the units are taken, once).
+
+        ``wait=0``: now or never: AllowanceExhaustedError (ALLOWANCE_EXHAUSTED: too few
+        units left in this window, or waiters queued ahead -- first come, first served)
+        or AllowanceCooldownError (ALLOWANCE_COOLDOWN), each with ``retry_after``. Not
+        sent again after a dropped connection (UnavailableError, ``maybe_applied``).
+
+        ``wait`` > 0 seconds: queues a durable waiter on the server (TTL ``wait``) and
+        waits for its grant, which the quota's actor gives in line order as windows
+        roll; WaitTimeout after ``wait`` seconds (the waiter is cancelled; a grant that
+        raced the timeout is returned, not lost). The request carries a key, so it is
+        safe to send again after a dropped connection, and a waiter that the server
+        already GRANTED is never taken twice.
+
+        Errors: SCOPE_CANCELLED / DEADLINE_EXCEEDED (the run is inactive, or ended while
+        this waited), VALIDATION_FAILED (units), NOT_FOUND."""
+        sid = _id_of(scope)
+        if wait is None or wait <= 0:
+            return await self._rs._call(
+                p.QuotaTake(quota=self.name, scope_id=sid, units=units, holder=holder), t.QuotaTakeInfo
+            )
+        deadline = anyio.current_time() + wait
+        reply = await self._register(units, sid, wait, holder, wait)
+        try:
+            while True:
+                if reply.state == "GRANTED":
+                    return reply
+                if reply.state == "CANCELLED":
+                    raise ConflictError(
+                        f"quota waiter {reply.waiter_id} was cancelled ({reply.end_reason}) while this take waited",
+                        details={"waiter_id": reply.waiter_id, "reason": reply.end_reason},
+                    )
+                left = deadline - anyio.current_time()
+                if reply.state == "EXPIRED":
+                    if left < 0.001:
+                        break
+                    reply = await self._register(units, sid, left, holder, left)  # TTL shorter than the wait
+                    continue
+                wait_ms = _ms(min(left, _MAX_WAIT_S), "wait") if left > 0 else 0
+                if wait_ms <= 0:
+                    break
+                reply = await self._rs._call(p.QuotaWaiterWait(waiter_id=reply.waiter_id, wait_ms=wait_ms),
+                                             t.QuotaTakeInfo)
+        except BaseException:
+            if reply.state == "WAITING":
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    try:
+                        await self._rs._call(p.QuotaWaiterCancel(waiter_id=reply.waiter_id), t.QuotaTakeInfo)
+                    except Exception:
+                        pass
+            raise
+        if reply.state == "WAITING":
+            reply = await self._rs._call(p.QuotaWaiterCancel(waiter_id=reply.waiter_id), t.QuotaTakeInfo)
+            if reply.state == "GRANTED":  # granted while the cancel was on its way: it stands
+                return reply
+        raise WaitTimeout(
+            f"quota {self.name!r}: {units} unit(s) not granted within {wait} s (waiter {reply.waiter_id} "
+            "cancelled); nothing was taken"
+        )
+
+    async def _register(self, units: int, sid: str, ttl: float, holder: str | None, wait: float) -> t.QuotaTakeInfo:
+        ttl_ms = min(max(_ms(math.ceil(ttl), "wait"), 1000), int(_MAX_TTL_S * 1000))
+        return await self._rs._call(
+            p.QuotaTake(quota=self.name, scope_id=sid, units=units, ttl_ms=ttl_ms,
+                        wait_ms=_ms(min(wait, _MAX_WAIT_S), "wait"), key=secrets.token_hex(12), holder=holder),
+            t.QuotaTakeInfo,
+        )
+
+    async def enqueue(
+        self, units: int = 1, *, scope: "Run | str", ttl: float, key: str | None = None, holder: str | None = None
+    ) -> "QuotaWaiter":
+        """Register a durable waiter for ``units`` with a TTL of ``ttl`` seconds (1 s to
+        1 day) without waiting for it: GRANTED at once if the units could be taken now
+        (and nobody waits ahead), else WAITING until the quota's actor grants it in line
+        order, or EXPIRED. ``key`` makes it idempotent per (quota, key). Refused on an
+        inactive run."""
+        info = await self._rs._call(
+            p.QuotaTake(quota=self.name, scope_id=_id_of(scope), units=units, ttl_ms=_ms(ttl, "ttl"), key=key,
+                        holder=holder),
+            t.QuotaTakeInfo,
+        )
+        return QuotaWaiter(self._rs, info.waiter_id, info)
+
+    def waiter(self, waiter_id: str) -> "QuotaWaiter":
+        """Re-attach to a waiter by id (no request)."""
+        return QuotaWaiter(self._rs, _id_of(waiter_id, "waiter"))
+
+    async def cooldown(self, seconds: float, reason: str | None = None) -> t.QuotaInfo:
+        """Grant nothing from this quota, to any run of the space, for ``seconds`` (a
+        backoff the provider asked for; at most one day). Only ever extends a running
+        cooldown; waiters stay queued and are served when it ends. Takes meanwhile
+        raise AllowanceCooldownError (ALLOWANCE_COOLDOWN)."""
+        self.info = await self._rs._call(
+            p.QuotaCooldown(quota=self.name, cooldown_ms=max(1, _ms(seconds, "seconds")), reason=reason), t.QuotaInfo
+        )
+        return self.info
+
+
+class QuotaWaiter:
+    """A durable quota waiter (``qwt_…``): WAITING -> GRANTED | EXPIRED | CANCELLED."""
+
+    def __init__(self, rs: Client, waiter_id: str, info: t.QuotaTakeInfo | None = None) -> None:
+        self._rs = rs
+        self.id = waiter_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"QuotaWaiter({self.id!r})"
+
+    async def status(self) -> t.QuotaTakeInfo:
+        self.info = await self._rs._call(p.QuotaWaiterWait(waiter_id=self.id), t.QuotaTakeInfo)
+        return self.info
+
+    async def wait(self, timeout: float | None = None) -> t.QuotaTakeInfo:
+        """Wait on the server until it is no longer WAITING; WaitTimeout after
+        ``timeout`` seconds (the waiter stays queued). SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED if its run's end cancelled it."""
+        def done(info: t.QuotaTakeInfo) -> bool:
+            self.info = info
+            return info.state != "WAITING"
+
+        return await self._rs._wait(
+            lambda ms: p.QuotaWaiterWait(waiter_id=self.id, wait_ms=ms), t.QuotaTakeInfo, done, timeout,
+            lambda info: f"quota waiter {self.id} is still WAITING after {timeout} s",
+        )
+
+    async def cancel(self) -> t.QuotaTakeInfo:
+        """Leave the line (CANCELLED). A waiter already GRANTED is returned as it is:
+        its units are taken."""
+        self.info = await self._rs._call(p.QuotaWaiterCancel(waiter_id=self.id), t.QuotaTakeInfo)
+        return self.info
+
+
+# ---------------------------------------------------------------------------- budgets
+
+
+def _minor(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(
+            f"{field} must be an integer number of minor units (at scale 2, 250 = 2.50), never a float "
+            f"(got {value!r}); convert a decimal string with rallypoint.minor_units('2.50', scale=2)",
+            details={"field": field},
+        )
+    return value
+
+
+class Budgets:
+    """``rs.budgets``: create, look up and list budgets."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def ensure(self, name: str, *, limit: int, currency: str = "USD", scale: int = 2) -> "Budget":
+        """Create the budget -- ``limit`` integer minor units of ``currency`` (3 capital
+        letters) at ``scale`` decimal places -- or check it exists with these settings
+        (CONFLICT naming the one that differs). ``limit=500, scale=2`` is 5.00."""
+        info = await self._rs._call(
+            p.BudgetEnsure(name=name, limit_minor=_minor(limit, "limit"), currency=currency, scale=scale),
+            t.BudgetInfo,
+        )
+        return Budget(self._rs, info.name, info)
+
+    async def get(self, name: str) -> "Budget":
+        info = await self._rs._call(p.BudgetGet(budget=_name_of(name, "budget")), t.BudgetInfo)
+        return Budget(self._rs, info.name, info)
+
+    async def list(self) -> list[t.BudgetInfo]:
+        return (await self._rs._call(p.BudgetList(), t._BudgetList)).budgets
+
+
+class Budget:
+    """A handle on a budget (amounts in integer minor units; see
+    :mod:`rallypoint.actors.budget`)."""
+
+    def __init__(self, rs: Client, name: str, info: t.BudgetInfo | None = None) -> None:
+        self._rs = rs
+        self.name = name
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Budget({self.name!r})"
+
+    async def status(self, reservations: bool = False) -> t.BudgetInfo:
+        """Limit, settled, reserved and available (minor units); ``reservations=True``
+        also lists the open reservations."""
+        self.info = await self._rs._call(p.BudgetGet(budget=self.name, reservations=reservations), t.BudgetInfo)
+        return self.info
+
+    async def reserve(
+        self,
+        amount: int,
+        *,
+        scope: "Run | str",
+        settle_by: datetime | str | None = None,
+        settle_within_seconds: float | None = None,
+        key: str | None = None,
+        holder: str | None = None,
+        delivery: "Delivery | None" = None,
+    ) -> "Reservation":
+        """Hold ``amount`` minor units for run ``scope`` until settled or voided.
+
+        ``settle_by`` (instant) or ``settle_within_seconds``: if still open then, the
+        reservation is marked STALE -- never refunded by that; it holds its amount until
+        settled or voided. ``key``: idempotent per (budget, key), and then safe to send
+        again after a dropped connection (without one: UnavailableError,
+        ``maybe_applied``). ``delivery``: hold it for that delivery (its current lease):
+        when the delivery ends, what is not settled is settled in full if the task
+        succeeded, voided otherwise.
+
+        Errors: InsufficientBudgetError (INSUFFICIENT_BUDGET: ``details
+        ["available_minor"]`` says what is left), SCOPE_CANCELLED / DEADLINE_EXCEEDED
+        (the run is inactive), LeaseLostError (``delivery`` no longer holds its lease),
+        VALIDATION_FAILED, NOT_FOUND, CONFLICT (``key`` reused otherwise)."""
+        info = await self._rs._call(
+            p.BudgetReserve(
+                budget=self.name, scope_id=_id_of(scope), amount_minor=_minor(amount, "amount"),
+                settle_by=_iso(settle_by, "settle_by"),
+                settle_within_ms=None if settle_within_seconds is None else _ms(settle_within_seconds,
+                                                                                "settle_within_seconds"),
+                key=key, holder=holder,
+                task_id=delivery.task_id if delivery is not None else None,
+                token=delivery.token if delivery is not None else 0,
+            ),
+            t.ReservationInfo,
+        )
+        return Reservation(self._rs, info.id, info)
+
+    def reservation(self, reservation_id: str) -> "Reservation":
+        """Re-attach to a reservation by id (no request)."""
+        return Reservation(self._rs, _id_of(reservation_id, "reservation"))
+
+
+class Reservation:
+    """A budget reservation (``rsv_…``): ACTIVE (or STALE) until settled or voided."""
+
+    def __init__(self, rs: Client, reservation_id: str, info: t.ReservationInfo | None = None) -> None:
+        self._rs = rs
+        self.id = reservation_id
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Reservation({self.id!r})"
+
+    async def settle(self, amount: int, usage_key: str | None = None, *, final: bool = True) -> t.SettleResult:
+        """Charge ``amount`` minor units (the actual cost) under ``usage_key`` (default
+        ``settle:<reservation id>``): idempotent per usage key -- the same key again
+        returns the first settlement (``replayed``), so it is safe to send again after
+        a dropped connection. The charge is capped at what is left (the reservation's
+        remainder plus what the budget has unreserved; the rest is ``overrun``).
+        ``final`` (default) closes the reservation and releases the remainder;
+        ``final=False`` keeps holding it (give each partial settlement its own key).
+        Allowed whatever the run's state. CONFLICT: the usage key was used otherwise."""
+        r = await self._rs._call(
+            p.BudgetSettle(reservation_id=self.id, amount_minor=_minor(amount, "amount"),
+                           usage_key=usage_key if usage_key is not None else f"settle:{self.id}", final=final),
+            t.SettleResult,
+        )
+        self.info = r.reservation
+        return r
+
+    async def void(self) -> t.ReservationInfo:
+        """Close the reservation and release its remainder (VOIDED; what was settled
+        stays spent). Idempotent; allowed whatever the run's state."""
+        self.info = await self._rs._call(p.BudgetVoid(reservation_id=self.id), t.ReservationInfo)
+        return self.info
+
+    async def status(self) -> t.ReservationInfo:
+        self.info = await self._rs._call(p.ReservationGet(reservation_id=self.id), t.ReservationInfo)
+        return self.info
+
+
+# ================================================================ requirements helpers
+
+
+def _requirements(value: Any) -> "p.Requirements | None":
+    """``{"pools": {"gpu": 2}}`` -> the wire Requirements (VALIDATION_FAILED naming the
+    field for anything else)."""
+    if value is None:
+        return None
+    if isinstance(value, p.Requirements):
+        return value
+    try:
+        return msgspec.convert(value, p.Requirements)
+    except msgspec.ValidationError as e:
+        raise ValidationError(f"requirements: {e}", details={"field": "requirements"}) from None
+
+
+def _pool_name(x: Any) -> str:
+    if isinstance(x, str):
+        return x
+    n = getattr(x, "name", None)
+    if isinstance(n, str):
+        return n
+    raise ValidationError(f"pool must be a name or a Pool handle (got {x!r})", details={"field": "pool"})
+
+
+async def _queued_acquire(rs: Client, make_op, reply_type, wait: float, withdraw_op, what: str):
+    """An acquire that may wait in the server's durable FIFO queue.
+
+    One request id for the whole call (the server finds its lease or its waiter by it,
+    so a re-sent request -- after a dropped connection, or to wait past the server's
+    60 s -- keeps its place). Returns the reply once it is not WAITING. When the wait
+    runs out, or the caller is cancelled, or anything fails while a waiter may exist,
+    the waiter is withdrawn (and a lease it was given meanwhile released), best effort,
+    shielded, within 5 s."""
+    wait_ms = _ms(wait, "wait")
+    rid = secrets.token_hex(8)
+    deadline = anyio.current_time() + wait
+    try:
+        ms = wait_ms
+        while True:
+            reply = await rs._call(make_op(rid, ms), reply_type)
+            if reply.status != "WAITING":
+                return reply
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise WaitTimeout(f"{what}: still waiting in line (position {reply.position}) after {wait} s")
+            ms = max(1, _ms(left, "wait"))
+    except BaseException:
+        if wait_ms > 0:
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(5):
+                    try:
+                        await rs._call(withdraw_op(rid), t._CancelWaitReply)
+                    except Exception:
+                        pass
+        raise
+
+
+class _Lease:
+    """What claim leases and pool grants share: the background renewal."""
+
+    lease_seconds: float
+    lost: bool
+
+    async def renew(self, lease_seconds: float | None = None) -> datetime:  # pragma: no cover
+        raise NotImplementedError
+
+    def _lost_error(self, cause: BaseException) -> LeaseLostError:  # pragma: no cover
+        raise NotImplementedError
+
+    @asynccontextmanager
+    async def keep_alive(self) -> AsyncIterator[Any]:
+        """``async with lease.keep_alive():`` renews the lease every ``lease_seconds / 3``
+        while the body runs. When a renewal is refused -- STALE_CLAIM (the lease was
+        lost: taken over after it ran out, or released) or SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED (its run stopped: the holder must stop) -- the body is
+        cancelled, ``lost`` is set, and LeaseLostError (STALE_CLAIM) is raised from the
+        ``async with``. Renewals go on across a daemon restart on a reconnecting client."""
+        refused: list[BaseException] = []
+        async with anyio.create_task_group() as tg:
+            async def renewer() -> None:
+                while True:
+                    await anyio.sleep(self.lease_seconds / 3)
+                    try:
+                        await self.renew()
+                    except (LeaseLostError, ScopeInactiveError) as e:
+                        self.lost = True
+                        refused.append(e)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(renewer)
+            try:
+                yield self
+            finally:
+                tg.cancel_scope.cancel()
+        if refused:
+            raise self._lost_error(refused[0]) from refused[0]
+
+
+# ================================================================ claims
+
+
+class SpaceClaims:
+    """``rs.claims``: claims of the space (keys are unique per space)."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def status(self, key: str) -> t.ClaimInfo:
+        """The claim ``key`` (state, generation, holder, queue, observation, result);
+        NOT_FOUND if it was never acquired. Never shows a token."""
+        return await self._rs._call(p.ClaimStatus(key=key), t.ClaimInfo)
+
+    async def list(self, state: str | None = None, limit: int = 100, after: str | None = None) -> list[t.ClaimInfo]:
+        """Claims in key order (``state``: FREE, HELD or COMPLETED; ``after``: a key)."""
+        return (await self._rs._call(p.ClaimList(state=state, limit=limit, after=after), t._ClaimList)).claims
+
+
+class Claims:
+    """``run.claims``: exclusive, fenced leases on keys, acquired for this run."""
+
+    def __init__(self, rs: Client, run: "Run") -> None:
+        self._rs = rs
+        self._run = run
+
+    async def acquire(
+        self, key: str, lease_seconds: float = 30, wait: float = 0, *, holder: str | None = None
+    ) -> "ClaimLease":
+        """Acquire the lease on ``key`` (1-256 characters, unique per space) for this run.
+
+        Returns a :class:`ClaimLease`: ``generation`` (the fencing number: one more than
+        the previous lease's), ``token``, ``lease_expires_at``, ``observation`` (what the
+        previous holder left at release). If the claim was already completed, no lease
+        is taken: ``lease.completed`` is True and ``lease.result`` the recorded result.
+
+        ``lease_seconds``: 5-600. ``wait``: 0 (default) raises ClaimHeldError
+        (CLAIM_HELD, ``retry_after`` = seconds the current lease has left) when the claim
+        is held; > 0 queues on the server, first come first served, for up to ``wait``
+        seconds (at most 24 h) and raises WaitTimeout (TIMEOUT) if the lease did not come
+        in time. The queued request survives a daemon restart (it is re-sent on the new
+        connection with the same request id and keeps its place); if the call is
+        cancelled the request is withdrawn. Raises ScopeCancelledError /
+        DeadlineExceededError (SCOPE_CANCELLED / DEADLINE_EXCEEDED) when this run is
+        inactive -- also to a waiting acquire, at once, when the run stops --,
+        ValidationError (VALIDATION_FAILED) for a bad key, lease or wait."""
+        run_id = self._run.id
+        lease_ms = _ms(lease_seconds, "lease_seconds")
+        reply = await _queued_acquire(
+            self._rs,
+            lambda rid, ms: p.ClaimAcquire(scope_id=run_id, key=key, lease_ms=lease_ms, wait_ms=ms, holder=holder,
+                                           request_id=rid),
+            t._ClaimLeaseReply, wait, lambda rid: p.ClaimCancelWait(key=key, request_id=rid), f"claim {key!r}",
+        )
+        return ClaimLease(self._rs, reply, lease_seconds)
+
+    async def try_acquire(
+        self, key: str, lease_seconds: float = 30, *, holder: str | None = None
+    ) -> "ClaimLease | None":
+        """Like :meth:`acquire` with ``wait=0``, but None instead of ClaimHeldError."""
+        try:
+            return await self.acquire(key, lease_seconds, 0, holder=holder)
+        except ClaimHeldError:
+            return None
+
+    @asynccontextmanager
+    async def hold(
+        self, key: str, lease_seconds: float = 30, wait: float = 0, *, holder: str | None = None
+    ) -> AsyncIterator["ClaimLease"]:
+        """``async with run.claims.hold(key) as lease:`` acquire (as :meth:`acquire`), keep
+        the lease renewed while the body runs (:meth:`ClaimLease.keep_alive`: a lost lease
+        cancels the body and raises LeaseLostError), release it at the end unless the
+        body completed it. A completed claim yields a lease with ``completed`` True (the
+        body should use ``lease.result``)."""
+        lease = await self.acquire(key, lease_seconds, wait, holder=holder)
+        if lease.completed:
+            yield lease
+            return
+        try:
+            async with lease.keep_alive():
+                yield lease
+        finally:
+            if not lease.lost and not lease.released and not lease.completed:
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(5):
+                        try:
+                            await lease.release()
+                        except Exception:
+                            pass
+
+    async def status(self, key: str) -> t.ClaimInfo:
+        return await self._rs._call(p.ClaimStatus(key=key), t.ClaimInfo)
+
+
+class ClaimLease(_Lease):
+    """A lease on a claim (or, with ``completed`` True, the claim's recorded result).
+
+    Attributes: ``key``, ``claim_id``, ``scope_id`` (the run it was acquired for),
+    ``generation`` (fencing number), ``token`` (the lease's secret: renew, release and
+    complete carry it), ``lease_expires_at`` (aware datetime), ``observation`` (left by
+    the previous holder's release), ``completed`` / ``result``, ``info`` (the
+    :class:`~rallypoint.client.types.ClaimInfo` last seen), ``lost`` (set once the lease
+    is known lost), ``released``."""
+
+    def __init__(self, rs: Client, reply, lease_seconds: float) -> None:
+        self._rs = rs
+        info = reply.claim
+        self.info = info
+        self.key = info.key
+        self.claim_id = info.id
+        self.scope_id = info.scope_id
+        self.generation = info.generation
+        self.token = reply.token
+        self.lease_expires_at = info.lease_expires_at
+        self.observation = info.observation
+        self.completed = reply.status == "COMPLETED"
+        self.result = info.result if self.completed else None
+        self.lease_seconds = lease_seconds
+        self.lost = False
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"ClaimLease(key={self.key!r}, generation={self.generation}, completed={self.completed})"
+
+    def _lost_error(self, cause: BaseException) -> LeaseLostError:
+        return LeaseLostError(f"the lease on claim {self.key!r} was lost: {cause}",
+                              details={"key": self.key, "generation": self.generation})
+
+    async def _holder_call(self, op, reply_type):
+        try:
+            return await self._rs._call(op, reply_type)
+        except (LeaseLostError, ScopeInactiveError):
+            self.lost = True
+            raise
+
+    async def renew(self, lease_seconds: float | None = None) -> datetime:
+        """Extend the lease by ``lease_seconds`` (default: the acquire's) from now; returns
+        the new expiry. LeaseLostError (STALE_CLAIM) when the lease was lost (it ran out
+        and was taken over, or was released); ScopeInactiveError (SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED) when its run stopped. Both set ``lost``."""
+        ls = self.lease_seconds if lease_seconds is None else lease_seconds
+        r = await self._holder_call(p.ClaimRenew(key=self.key, token=self.token, lease_ms=_ms(ls, "lease_seconds")),
+                                    t._ClaimLeaseReply)
+        self.info = r.claim
+        self.lease_expires_at = r.claim.lease_expires_at
+        return r.claim.lease_expires_at
+
+    async def release(self, observation: Any = None) -> "t.ClaimInfo | None":
+        """End the lease, leaving ``observation`` (any msgpack-able value) for the next
+        acquirer; the first one queued gets the lease at once. Allowed when the run is
+        inactive. Twice is harmless. Returns the claim, or None if the lease had already
+        been lost (nothing to release)."""
+        try:
+            info = await self._holder_call(
+                p.ClaimRelease(key=self.key, token=self.token, observation=encode_payload(observation, "observation")),
+                t.ClaimInfo,
+            )
+        except LeaseLostError:
+            return None
+        self.released = True
+        self.info = info
+        return info
+
+    async def complete(self, result: Any = None) -> t.ClaimInfo:
+        """Record ``result`` once, for good: the claim is COMPLETED and every later
+        acquirer (and everyone queued) gets the result instead of a lease. LeaseLostError
+        (STALE_CLAIM) for a lost lease; ScopeInactiveError on an inactive run;
+        ValidationError for a result over 64 KiB encoded."""
+        info = await self._holder_call(
+            p.ClaimComplete(key=self.key, token=self.token, result=encode_payload(result, "result")), t.ClaimInfo
+        )
+        self.completed = True
+        self.result = result
+        self.info = info
+        return info
+
+    async def status(self) -> t.ClaimInfo:
+        self.info = await self._rs._call(p.ClaimStatus(key=self.key), t.ClaimInfo)
+        return self.info
+
+
+# ================================================================ pools
+
+
+class Pools:
+    """``rs.pools``: pools (runstate's permits) of the space."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def ensure(self, name: str, units_total: int) -> "Pool":
+        """Create the pool, or check it exists with this size (CONFLICT otherwise).
+        ``units_total`` 1-1,000,000."""
+        info = await self._rs._call(p.PoolEnsure(name=name, units_total=units_total), t.PoolInfo)
+        return Pool(self._rs, info.name, info)
+
+    async def get(self, name: str) -> "Pool":
+        info = await self._rs._call(p.PoolGet(name=name), t.PoolInfo)
+        return Pool(self._rs, info.name, info)
+
+    async def list(self) -> list[t.PoolInfo]:
+        return (await self._rs._call(p.PoolList(), t._PoolList)).pools
+
+
+class Pool:
+    """A handle on a pool, by name."""
+
+    def __init__(self, rs: Client, name: str, info: t.PoolInfo | None = None) -> None:
+        self._rs = rs
+        self.name = name
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Pool({self.name!r})"
+
+    async def status(self) -> t.PoolInfo:
+        """Units used and free, the FIFO queue, active grants."""
+        self.info = await self._rs._call(p.PoolGet(name=self.name), t.PoolInfo)
+        return self.info
+
+    async def acquire(
+        self, units: int = 1, *, scope: "Run | str", lease_seconds: float = 30, wait: float = 0,
+        holder: str | None = None,
+    ) -> "Grant":
+        """Take ``units`` of this pool for run ``scope`` under a lease (``lease_seconds``
+        5-600; renew it, or use :meth:`Grant.keep_alive`).
+
+        ``wait`` 0 (default): CapacityUnavailableError (CAPACITY_UNAVAILABLE) unless the
+        units are free *and nobody is queued*. ``wait`` > 0: queue on the server, strictly
+        first come first served (a large request is never overtaken by smaller ones), for
+        up to ``wait`` seconds (24 h at most); WaitTimeout (TIMEOUT) if the units did not
+        come in time. The queued request survives a daemon restart; a cancelled call
+        withdraws it. ValidationError (VALIDATION_FAILED) when ``units`` is < 1 or more
+        than the pool's ``units_total``; ScopeCancelledError / DeadlineExceededError when
+        the run is inactive (also, at once, to a waiting acquire when the run stops)."""
+        run_id = _id_of(scope)
+        lease_ms = _ms(lease_seconds, "lease_seconds")
+        name = self.name
+        reply = await _queued_acquire(
+            self._rs,
+            lambda rid, ms: p.PoolAcquire(pool=name, scope_id=run_id, units=units, lease_ms=lease_ms, wait_ms=ms,
+                                          holder=holder, request_id=rid),
+            t._PoolAcquireReply, wait, lambda rid: p.PoolCancelWait(pool=name, request_id=rid),
+            f"pool {name!r} ({units} unit(s))",
+        )
+        return Grant(self._rs, reply.grant, lease_seconds)
+
+    async def try_acquire(
+        self, units: int = 1, *, scope: "Run | str", lease_seconds: float = 30, holder: str | None = None
+    ) -> "Grant | None":
+        """Like :meth:`acquire` with ``wait=0``, but None instead of CAPACITY_UNAVAILABLE."""
+        try:
+            return await self.acquire(units, scope=scope, lease_seconds=lease_seconds, holder=holder)
+        except CapacityUnavailableError:
+            return None
+
+    @asynccontextmanager
+    async def hold(
+        self, units: int = 1, *, scope: "Run | str", lease_seconds: float = 30, wait: float = 0,
+        holder: str | None = None,
+    ) -> AsyncIterator["Grant"]:
+        """``async with pool.hold(2, scope=run, wait=60) as grant:`` acquire, keep the
+        grant renewed while the body runs (a lost lease cancels the body and raises
+        LeaseLostError), release it at the end."""
+        grant = await self.acquire(units, scope=scope, lease_seconds=lease_seconds, wait=wait, holder=holder)
+        try:
+            async with grant.keep_alive():
+                yield grant
+        finally:
+            if not grant.lost and not grant.released:
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(5):
+                        try:
+                            await grant.release()
+                        except Exception:
+                            pass
+
+
+class RunPools:
+    """``run.pools``: acquire pool units for this run (``run.pools.acquire("gpu", 2)``)."""
+
+    def __init__(self, rs: Client, run: "Run") -> None:
+        self._rs = rs
+        self._run = run
+
+    async def acquire(self, pool: "Pool | str", units: int = 1, lease_seconds: float = 30, wait: float = 0,
+                      *, holder: str | None = None) -> "Grant":
+        """:meth:`Pool.acquire` for this run."""
+        return await Pool(self._rs, _pool_name(pool)).acquire(units, scope=self._run, lease_seconds=lease_seconds,
+                                                              wait=wait, holder=holder)
+
+    async def try_acquire(self, pool: "Pool | str", units: int = 1, lease_seconds: float = 30,
+                          *, holder: str | None = None) -> "Grant | None":
+        return await Pool(self._rs, _pool_name(pool)).try_acquire(units, scope=self._run,
+                                                                  lease_seconds=lease_seconds, holder=holder)
+
+    def hold(self, pool: "Pool | str", units: int = 1, lease_seconds: float = 30, wait: float = 0,
+             *, holder: str | None = None):
+        """:meth:`Pool.hold` for this run (an async context manager)."""
+        return Pool(self._rs, _pool_name(pool)).hold(units, scope=self._run, lease_seconds=lease_seconds,
+                                                     wait=wait, holder=holder)
+
+
+class Grant(_Lease):
+    """A grant of ``units`` of pool ``pool``. Attributes: ``id``, ``pool``, ``units``,
+    ``token`` (its secret), ``lease_expires_at`` (None for a task's grant, held while
+    its delivery runs), ``task_id``, ``info``, ``lost``, ``released``."""
+
+    def __init__(self, rs: Client, info: t.GrantInfo, lease_seconds: float) -> None:
+        self._rs = rs
+        self.info = info
+        self.id = info.id
+        self.pool = info.pool
+        self.units = info.units
+        self.token = info.token
+        self.lease_expires_at = info.lease_expires_at
+        self.task_id = info.task_id
+        self.lease_seconds = lease_seconds
+        self.lost = False
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"Grant({self.id!r}, pool={self.pool!r}, units={self.units})"
+
+    def _lost_error(self, cause: BaseException) -> LeaseLostError:
+        return LeaseLostError(f"the lease on grant {self.id} of pool {self.pool!r} was lost: {cause}",
+                              details={"grant_id": self.id})
+
+    async def renew(self, lease_seconds: float | None = None) -> datetime:
+        """Extend the lease by ``lease_seconds`` (default: the acquire's) from now.
+        LeaseLostError (STALE_CLAIM) when it ran out or was released; ScopeInactiveError
+        when its run stopped (both set ``lost``); ConflictError for a task's grant (renew
+        the delivery)."""
+        ls = self.lease_seconds if lease_seconds is None else lease_seconds
+        try:
+            info = await self._rs._call(
+                p.GrantRenew(grant_id=self.id, token=self.token, lease_ms=_ms(ls, "lease_seconds")), t.GrantInfo
+            )
+        except (LeaseLostError, ScopeInactiveError):
+            self.lost = True
+            raise
+        self.info = info
+        self.lease_expires_at = info.lease_expires_at
+        return info.lease_expires_at
+
+    async def release(self, observation: Any = None) -> "t.GrantInfo | None":
+        """Give the units back (to the first queued, at once). Allowed when the run is
+        inactive, and for a task's grant (given back early). Twice is harmless. Returns
+        the grant, or None if its lease had already been lost."""
+        try:
+            info = await self._rs._call(
+                p.GrantRelease(grant_id=self.id, token=self.token,
+                               observation=encode_payload(observation, "observation")),
+                t.GrantInfo,
+            )
+        except LeaseLostError:
+            self.lost = True
+            return None
+        self.released = True
+        self.info = info
+        return info
+
+    async def status(self) -> t.GrantInfo:
+        self.info = await self._rs._call(p.GrantStatus(grant_id=self.id), t.GrantInfo)
+        return self.info
+
+
+# ================================================================ work limits
+
+
+class WorkLimits:
+    """``run.work_limits``: caps on the unfinished tasks of this run (and below) that
+    name a limit at submission."""
+
+    def __init__(self, rs: Client, run: "Run") -> None:
+        self._rs = rs
+        self._run = run
+
+    async def ensure(self, name: str, max_outstanding: int) -> t.WorkLimitInfo:
+        """Create the limit ``name`` of this run, or check it exists with this
+        ``max_outstanding`` (CONFLICT otherwise). A submit naming it
+        (``work_limit=name``, from this run or below) is LIMIT_EXCEEDED while
+        ``max_outstanding`` of its tasks are unfinished."""
+        return await self._rs._call(
+            p.WorkLimitEnsure(scope_id=self._run.id, name=name, max_outstanding=max_outstanding), t.WorkLimitInfo
+        )
+
+    async def list(self) -> list[t.WorkLimitInfo]:
+        return (await self._rs._call(p.WorkLimitList(scope_id=self._run.id), t._WorkLimitList)).work_limits

@@ -25,12 +25,23 @@ What happens to a request when the connection drops:
   * ``receive`` (if the lost reply carried a lease, that task stays leased to nobody
     until its lease runs out, then it is delivered again; no work is duplicated);
   * a submission *with an idempotency* ``key`` (task, batch where every item has a
-    key, group member, join-set child): the server returns the existing task.
+    key, group member, join-set child, message): the server returns the existing one;
+    likewise a quota take or a budget reservation with a ``key`` (``quota.take`` with
+    ``wait`` always sends one);
+  * quota reads, waiter waits and cancels, cooldowns (a second one only extends the
+    cooldown to now plus its length); budget reads, settlements (idempotent per usage
+    key) and voids;
+  * claim and pool acquires with a ``request_id`` (the SDK always sends one): the server
+    returns the lease or grant the first one got, or re-parks its queued waiter (which
+    keeps its place); the holder's renew/release/complete (fenced by the token; a
+    second release or complete returns the first one's result) and withdrawals.
 
   Everything else raises :class:`~rallypoint.errors.UnavailableError` with
   ``details={"op": ..., "maybe_applied": True}``: a submission *without* a key, creating
   runs, groups, barriers, timers and join sets, barrier arrivals and ``next_epoch``,
-  ``join_next`` / ``join_next_try`` without a known index or step, key administration. Check the state, then retry
+  ``join_next`` / ``join_next_try`` without a known index or step, key administration,
+  a quota take without a key (``take(wait=0)``), a budget reservation without a key.
+  Check the state, then retry
   yourself; or give submissions a ``key``, which makes them safe.
 
 - **Answered UNAVAILABLE by a draining server** (SIGTERM: long waits are ended after a
@@ -104,14 +115,37 @@ class Reconnect:
 _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.ServerStatus, p.ScopeStatus, p.ScopeList, p.ScopeCancel, p.ScopeComplete,
     p.MailboxEnsure, p.MailboxGet, p.MailboxList,
-    p.TaskStatus, p.TaskResult, p.TaskCancel,
-    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryRetry, p.DeliveryReject, p.DeliveryRun,
+    p.TaskStatus, p.TaskResult, p.TaskResults, p.TaskCancel,
+    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryCompleteMany, p.DeliveryRetry, p.DeliveryReject,
+    p.DeliveryRun,
     p.GroupJoinTask, p.GroupVerdictOp, p.GroupClose, p.GroupStatus, p.GroupWait,
     p.BarrierStatus, p.BarrierWait,
     p.TimerStatus, p.TimerWait, p.TimerCancel,
     p.JoinSetGet, p.JoinSetClose,
     p.KeyList,
     p.EventsList, p.EventsWatch, p.OpsOverview,
+    p.MessageStatus,
+    # quotas: reads, waits, cancel (idempotent), cooldown (a second one only extends it to
+    # now + its length)
+    p.QuotaEnsure, p.QuotaGet, p.QuotaList, p.QuotaWaiterWait, p.QuotaWaiterCancel, p.QuotaCooldown,
+    # budgets: settle is idempotent per usage key, void per reservation
+    p.BudgetEnsure, p.BudgetGet, p.BudgetList, p.BudgetSettle, p.BudgetVoid, p.ReservationGet,
+    # named runs join the live run; reads; once renew and complete are fenced by the token
+    # (a re-sent complete answers DONE); subscriptions and stored HTTP answers are idempotent
+    p.ScopeEnsureNamed, p.TimerPoll, p.MailboxMessages, p.OnceGet, p.OnceRenew, p.OnceComplete,
+    p.IdempotencyLookup, p.IdempotencyRecord, p.OpsRun, p.OpsWaits, p.TaskSubscribe, p.TaskDetach,
+    # claims and pool grants: fenced by their token (a second release/complete of the
+    # same lease returns the first one's result), reads, idempotent withdrawals
+    p.ClaimRenew, p.ClaimRelease, p.ClaimComplete, p.ClaimCancelWait, p.ClaimStatus, p.ClaimList,
+    p.PoolEnsure, p.PoolGet, p.PoolList, p.PoolCancelWait, p.GrantRenew, p.GrantRelease, p.GrantStatus,
+    p.WorkLimitEnsure, p.WorkLimitList,
+})
+# never re-sent: once.acquire (a re-send would find its own lease HELD and lose the token),
+# once.fail (a re-send would be STALE_CLAIM), timer.ack (a re-send finds it ACKED: CONFLICT)
+
+#: Safe to re-send only with their idempotency ``key``.
+_KEYED: frozenset[type] = frozenset({
+    p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.MessageSend, p.QuotaTake, p.BudgetReserve,
 })
 
 
@@ -121,12 +155,16 @@ def reissue_safe(op: Any) -> bool:
     t = type(op)
     if t in _REISSUE_ALWAYS:
         return True
-    if t is p.TaskSubmit or t is p.GroupSubmit or t is p.JoinSetSubmit:
+    if t in _KEYED:
         return op.key is not None
     if t is p.TaskSubmitMany:
         return all(item.key is not None for item in op.items)
     if t is p.JoinNext:
         return op.index is not None or op.step is not None
+    if t in (p.TimerCreate, p.BarrierCreate):  # a named one is one per (run, name)
+        return op.name is not None
+    if t is p.ClaimAcquire or t is p.PoolAcquire:
+        return op.request_id is not None  # the same id finds its lease, grant or waiter
     return False
 
 
@@ -141,10 +179,20 @@ _ADVICE = {
     p.TaskSubmitMany: "give every item a `key` to make the batch safe to retry",
     p.GroupSubmit: "give the member a `key` to make it safe to retry",
     p.JoinSetSubmit: "give the child a `key` to make it safe to retry",
+    p.MessageSend: "give the message a `key` to make it safe to retry",
+    p.QuotaTake: "check the quota's status before taking again (a take with wait carries a key and is re-sent)",
+    p.BudgetReserve: "give the reservation a `key` to make it safe to retry",
 }
 
 _task_view = msgspec.msgpack.Decoder(p.TaskView)
 _scope_view = msgspec.msgpack.Decoder(p.ScopeView)
+
+
+def _refused(e: UnavailableError, conn: Any) -> bool:
+    """True when ``e`` is the server's own answer to the request -- the connection is
+    still open and the server is not shutting down (e.g. disk full): raise it as is
+    rather than moving to a new connection."""
+    return not conn.closed and (e.details or {}).get("reason") != "shutting_down"
 
 
 def _fresh(e: RallypointError) -> RallypointError:
@@ -304,6 +352,7 @@ class ReconnectingTransport:
         )
 
     # ---------------------------------------------------------------------- calls
+    # (see _refused: only a lost connection or a draining server moves to a new one)
 
     async def call(self, op: Any) -> Any:
         """Send ``op`` and return its reply body (see the module docstring for what a
@@ -317,7 +366,7 @@ class ReconnectingTransport:
             try:
                 raw = await conn.call(op)
             except UnavailableError as e:
-                if self._closing:
+                if self._closing or _refused(e, conn):
                     raise
                 await self._drop(conn)
                 if not reissue_safe(op):
@@ -331,6 +380,8 @@ class ReconnectingTransport:
                     if fixed is not None:
                         return fixed
                 raise
+            if reissued and type(op) is p.DeliveryCompleteMany:
+                return await self._reconcile_many(conn, op, raw)
             return raw
 
     async def subscribe(self, op: Any, max_events: int = 10_000) -> Any:
@@ -353,7 +404,7 @@ class ReconnectingTransport:
             try:
                 results = await conn.call_many(batch)
             except UnavailableError as e:
-                if self._closing:
+                if self._closing or _refused(e, conn):
                     raise
                 await self._drop(conn)
                 unsafe = [op for op in batch if not reissue_safe(op)]
@@ -363,19 +414,44 @@ class ReconnectingTransport:
                 continue
             again = []
             for i, r in zip(todo, results):
-                if isinstance(r, UnavailableError) and not self._closing and reissue_safe(ops[i]):
+                if (isinstance(r, UnavailableError) and not self._closing and not _refused(r, conn)
+                        and reissue_safe(ops[i])):
                     again.append(i)  # ended by a draining server: send it again
                     continue
                 if reissued and isinstance(r, RallypointError):
                     fixed = await self._reconcile(conn, ops[i], r)
                     if fixed is not None:
                         r = fixed
+                elif reissued and type(ops[i]) is p.DeliveryCompleteMany and not isinstance(r, Exception):
+                    r = await self._reconcile_many(conn, ops[i], r)
                 out[i] = r
             if again:
                 await self._drop(conn)
                 reissued = True
             todo = again
         return out
+
+    async def _reconcile_many(self, conn: Any, op: Any, raw: bytes) -> bytes:
+        """A re-sent ``delivery.complete_many``: an item refused because the first
+        sending already completed it (the task is SUCCEEDED with this item's outcome) is
+        answered with the task, as the first sending would have been."""
+        reply = msgspec.msgpack.decode(raw, type=p.SettledListView)
+        changed = False
+        for i, (item, res) in enumerate(zip(op.items, reply.items)):
+            e = res.error
+            if e is None or e.code not in ("STALE_CLAIM", "SCOPE_CANCELLED", "DEADLINE_EXCEEDED"):
+                continue
+            if e.code == "STALE_CLAIM" and (e.details or {}).get("state") not in ("SUCCEEDED", "ACKED"):
+                continue
+            try:
+                st = await conn.call(p.TaskStatus(task_id=item.task_id))
+            except RallypointError:
+                continue
+            v = _task_view.decode(st)
+            if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(item.outcome):
+                reply.items[i] = p.SettledView(task=msgspec.msgpack.decode(st, type=p.TaskView))
+                changed = True
+        return p.encoder.encode(reply) if changed else raw
 
     async def _reconcile(self, conn: Any, op: Any, e: RallypointError) -> Any:
         """``op`` was re-sent and refused: if the refusal shows that the first sending
@@ -384,11 +460,11 @@ class ReconnectingTransport:
         try:
             if t is p.DeliveryComplete and (
                 isinstance(e, ScopeInactiveError)
-                or (isinstance(e, LeaseLostError) and (e.details or {}).get("state") == "SUCCEEDED")
+                or (isinstance(e, LeaseLostError) and (e.details or {}).get("state") in ("SUCCEEDED", "ACKED"))
             ):
                 raw = await conn.call(p.TaskStatus(task_id=op.task_id))
                 v = _task_view.decode(raw)
-                if v.state == "SUCCEEDED" and bytes(v.outcome) == bytes(op.outcome):
+                if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(op.outcome):
                     return raw
             elif t is p.DeliveryRetry and isinstance(e, LeaseLostError) and (e.details or {}).get("state") == "QUEUED":
                 # Our token is still the task's, and it is queued again: our retry was

@@ -25,6 +25,16 @@ __all__ = [
     "Event",
     "EventPage",
     "Overview",
+    "MessageInfo",
+    "QuotaInfo",
+    "QuotaTakeInfo",
+    "BudgetInfo",
+    "ReservationInfo",
+    "SettleResult",
+    "ClaimInfo",
+    "PoolInfo",
+    "GrantInfo",
+    "WorkLimitInfo",
 ]
 
 
@@ -97,7 +107,27 @@ class TaskInfo(_Info):
 
     @property
     def finished(self) -> bool:
-        return self.state in ("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED")
+        return self.state in ("SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED")
+
+
+class GrantInfo(_Info):
+    """A pool grant: ``units`` of pool ``pool``, ACTIVE, RELEASED or EXPIRED.
+    ``lease_expires_at`` is None for a grant held by a task's delivery (``task_id``);
+    ``token`` is only in the replies that hand the grant out (else 0)."""
+
+    id: str
+    pool: str
+    pool_id: str
+    scope_id: str
+    units: int
+    state: str
+    token: int
+    lease_expires_at: datetime | None
+    holder: str | None
+    task_id: str | None
+    created_at: datetime
+    ended_at: datetime | None
+    end_reason: str | None
 
 
 class DeliveryInfo(_Info):
@@ -111,6 +141,8 @@ class DeliveryInfo(_Info):
     lease_expires_at: datetime
     group_id: str | None = None
     run_id: str | None = None
+    grants: list[GrantInfo] = msgspec.field(default_factory=list)
+    reservations: list[str] = msgspec.field(default_factory=list)
 
 
 class _ReceiveReply(msgspec.Struct):
@@ -197,8 +229,28 @@ class _MailboxList(msgspec.Struct):
     mailboxes: list[MailboxInfo]
 
 
+class _ItemError(msgspec.Struct):
+    code: str
+    message: str
+    retry_after: float | None = None
+    details: dict | None = None
+
+
+class _Settled(msgspec.Struct):
+    task: "TaskInfo | None" = None
+    error: _ItemError | None = None
+
+
+class _SettledList(msgspec.Struct):
+    items: list[_Settled]
+
+
+class _TaskIds(msgspec.Struct):
+    ids: list[str] = msgspec.field(default_factory=list)
+
+
 class _TaskList(msgspec.Struct):
-    tasks: list[TaskInfo]
+    tasks: list[TaskInfo] = msgspec.field(default_factory=list)
 
 
 class BarrierStatus(_Info):
@@ -269,6 +321,234 @@ class _JoinNextReply(msgspec.Struct):
     replayed: bool = False
 
 
+class MessageInfo(_Info):
+    """A message of an INBOX mailbox: ``state`` QUEUED, RUNNING (leased), ACKED
+    (completed), FAILED, CANCELLED or EXPIRED; ``result`` is what its receiver completed
+    it with."""
+
+    id: str
+    mailbox: str
+    scope_id: str
+    state: str
+    attempt: int
+    key: str | None
+    payload: Any
+    result: Any
+    error: Any
+    outcome_reason: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    deadline: datetime | None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("ACKED", "FAILED", "CANCELLED", "EXPIRED")
+
+
+class QuotaTakeInfo(_Info):
+    """A quota take: ``state`` GRANTED (``consumption_id``: the units are taken, once),
+    WAITING (a durable waiter, ``waiter_id``), EXPIRED or CANCELLED (``end_reason``).
+    ``remaining``: units left in the current window now; ``window_start`` /
+    ``window_end``: the window the grant counted in."""
+
+    quota_id: str
+    quota: str
+    scope_id: str
+    state: str
+    units: int
+    consumption_id: str | None
+    waiter_id: str | None
+    window_start: datetime | None
+    window_end: datetime | None
+    remaining: int
+    expires_at: datetime | None
+    created_at: datetime
+    ended_at: datetime | None
+    end_reason: str | None
+    holder: str | None
+
+    @property
+    def granted(self) -> bool:
+        return self.state == "GRANTED"
+
+
+class QuotaInfo(_Info):
+    """A quota now: ``used`` / ``remaining`` of ``units_limit`` in the current window
+    [``window_start``, ``window_end``), ``waiting`` waiters, a running cooldown."""
+
+    id: str
+    name: str
+    units_limit: int
+    window_ms: int
+    window_start: datetime
+    window_end: datetime
+    used: int
+    remaining: int
+    waiting: int
+    cooldown_until: datetime | None
+    cooldown_reason: str | None
+    consumed_total: int
+    created_at: datetime
+    waiters: list[QuotaTakeInfo] = msgspec.field(default_factory=list)
+
+    @property
+    def window_seconds(self) -> float:
+        return self.window_ms / 1000
+
+
+class _QuotaList(msgspec.Struct):
+    quotas: list[QuotaInfo]
+
+
+class ReservationInfo(_Info):
+    """A budget reservation (amounts in integer minor units): ``state`` ACTIVE, STALE
+    (past settle-by, still holding), SETTLED or VOIDED."""
+
+    id: str
+    budget_id: str
+    budget: str
+    scope_id: str
+    state: str
+    amount_minor: int
+    remaining_minor: int
+    settled_minor: int
+    overrun_minor: int
+    currency: str
+    scale: int
+    settle_by: datetime | None
+    created_at: datetime
+    closed_at: datetime | None
+    close_reason: str | None
+    holder: str | None
+    key: str | None
+    task_id: str | None
+
+
+class BudgetInfo(_Info):
+    """A budget (amounts in integer minor units at ``scale``):
+    ``available_minor`` = ``limit_minor`` - ``settled_minor`` - ``reserved_minor``."""
+
+    id: str
+    name: str
+    currency: str
+    scale: int
+    limit_minor: int
+    settled_minor: int
+    reserved_minor: int
+    available_minor: int
+    overrun_minor: int
+    open_reservations: int
+    created_at: datetime
+    reservations: list[ReservationInfo] = msgspec.field(default_factory=list)
+
+
+class _BudgetList(msgspec.Struct):
+    budgets: list[BudgetInfo]
+
+
+class SettleResult(_Info):
+    """One settlement: ``charged_minor`` of ``requested_minor`` (capped at what was
+    left), the budget's ``available_minor`` after it; ``replayed``: this usage key had
+    been settled before and nothing changed."""
+
+    reservation: ReservationInfo
+    usage_key: str
+    requested_minor: int
+    charged_minor: int
+    available_minor: int
+    replayed: bool
+class ClaimWaiterInfo(_Info):
+    scope_id: str
+    holder: str | None
+    queued_at: datetime
+    expires_at: datetime
+
+
+class ClaimInfo(_Info):
+    """A claim: HELD, FREE or COMPLETED. ``generation`` counts its leases (the fencing
+    number); ``observation`` is what the last release left, ``result`` what complete
+    recorded; ``waiters`` the FIFO queue (first 100)."""
+
+    id: str
+    key: str
+    scope_id: str
+    state: str
+    generation: int
+    holder: str | None
+    lease_expires_at: datetime | None
+    acquired_at: datetime | None
+    observation: Any
+    result: Any
+    completed_at: datetime | None
+    created_at: datetime
+    waiters: list[ClaimWaiterInfo]
+
+
+class _ClaimLeaseReply(msgspec.Struct):
+    status: str
+    claim: ClaimInfo
+    token: int = 0
+    request_id: str | None = None
+    position: int = 0
+
+
+class _ClaimList(msgspec.Struct):
+    claims: list[ClaimInfo]
+
+
+class PoolWaiterInfo(_Info):
+    scope_id: str
+    units: int
+    holder: str | None
+    queued_at: datetime
+    expires_at: datetime
+
+
+class PoolInfo(_Info):
+    """A pool: ``units_used`` of ``units_total`` granted; ``waiters`` in FIFO order and
+    active ``grants`` (first 100 of each)."""
+
+    id: str
+    name: str
+    units_total: int
+    units_used: int
+    units_free: int
+    created_at: datetime
+    waiting: int
+    active_grants: int
+    waiters: list[PoolWaiterInfo]
+    grants: list[GrantInfo]
+
+
+class _PoolList(msgspec.Struct):
+    pools: list[PoolInfo]
+
+
+class _PoolAcquireReply(msgspec.Struct):
+    status: str
+    grant: GrantInfo | None = None
+    request_id: str | None = None
+    position: int = 0
+
+
+class _CancelWaitReply(msgspec.Struct):
+    outcome: str
+
+
+class WorkLimitInfo(_Info):
+    """A work limit: at most ``max_outstanding`` unfinished tasks name it;
+    ``outstanding`` now."""
+
+    id: str
+    scope_id: str
+    name: str
+    max_outstanding: int
+    outstanding: int
+    created_at: datetime
+
+
+class _WorkLimitList(msgspec.Struct):
+    work_limits: list[WorkLimitInfo]
 class Event(_Info):
     """One event (see docs/events.md): ``seq`` is the space-wide sequence number -- the
     cursor to resume after it --, ``type`` e.g. ``task.completed``, ``kind``/``id`` the

@@ -151,7 +151,7 @@ async def lifecycle_closed(ctx: Ctx, pipeline: int) -> None:
     async def one_batch():
         t0 = trio.current_time()
         tickets = await ctx.timed(
-            "submit_many", mbx.submit_many, [{"k": "noop", "p": ctx.index}] * batch, scope=run
+            "submit_many", mbx.submit_many, [{"k": "noop", "p": ctx.index}] * batch, scope=run, details=False
         )
 
         # One frame of server-side waits for the whole batch (rs.results); each
@@ -179,7 +179,8 @@ async def lifecycle_open(ctx: Ctx) -> None:
 
     async def send(intended: list[float]):
         tickets = await ctx.timed(
-            "submit_many", mbx.submit_many, [{"k": "noop", "p": ctx.index}] * len(intended), scope=run
+            "submit_many", mbx.submit_many, [{"k": "noop", "p": ctx.index}] * len(intended), scope=run,
+            details=False,
         )
         t_sent = trio.current_time()
         for it in intended:
@@ -380,7 +381,7 @@ async def worker(ctx: Ctx, stop) -> None:
             ctx.error(e)
 
     async def complete_batch(ds):
-        out = await ctx.timed("complete_many", mbx.complete_many, [(d, {"w": ctx.index}) for d in ds])
+        out = await ctx.timed("complete_many", mbx.complete_many, [(d, {"w": ctx.index}) for d in ds], details=False)
         for r in out:
             if isinstance(r, RallypointError):
                 ctx.errors[r.code] += 1

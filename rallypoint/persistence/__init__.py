@@ -3,25 +3,28 @@ start-up recovery. Generic: knows bytes and LSNs, never record types."""
 
 from .errors import (
     DataDirLocked,
+    DiskFullError,
     FormatVersionError,
     JournalClosedError,
     JournalCorruptError,
     JournalWriteError,
     PersistenceError,
+    SnapshotCorruptError,
     StartupError,
 )
 from .journal import (
+    Disk,
     Journal,
-    RepairReport,
     ScanResult,
     read_journal,
-    repair,
     scan_journal,
     verify_journal,
 )
 from .lock import DataDirLock
+from .manifest import Manifest, read_manifest
 from .recovery import Recovered, recover
-from .snapshot import FORMAT_VERSION, SnapshotStore, check_format
+from .repair import RepairPlan, RepairReport, apply_repair, plan_repair, repair
+from .snapshot import FORMAT_VERSION, SnapshotStore, check_format, open_store
 
 __all__ = [
     "PersistenceError",
@@ -29,17 +32,26 @@ __all__ = [
     "JournalCorruptError",
     "JournalWriteError",
     "JournalClosedError",
+    "DiskFullError",
     "FormatVersionError",
     "DataDirLocked",
+    "SnapshotCorruptError",
     "Journal",
+    "Disk",
     "ScanResult",
+    "RepairPlan",
     "RepairReport",
     "read_journal",
     "scan_journal",
+    "plan_repair",
+    "apply_repair",
     "repair",
     "verify_journal",
     "DataDirLock",
+    "Manifest",
+    "read_manifest",
     "SnapshotStore",
+    "open_store",
     "FORMAT_VERSION",
     "check_format",
     "recover",

@@ -6,6 +6,10 @@ On-disk layout
 A segment holds consecutive records; the next segment's name is the LSN following the
 last record of the previous one. A segment is rolled (a new file started) before a record
 would take it past ``segment_bytes`` (a single larger record gets a segment of its own).
+``<data_dir>/JOURNAL_MANIFEST`` names the newest segment and, after a clean close, the
+last LSN (:mod:`.manifest`): it lets recovery notice a deleted or shortened last segment.
+``<data_dir>/BALLAST`` (optional, ``ballast_bytes``) is reserved space, see *Disk full*.
+``journal/`` itself holds segment files only.
 
 Each record is framed as (all integers little-endian)::
 
@@ -42,10 +46,31 @@ meanwhile go out with the next one. On this class of VM a thread hop through
 ``trio.to_thread.run_sync`` costs ~170 us while a dedicated thread fed under a lock costs
 ~85 us per round trip, and keeps writing back to back under load without returning to
 the event loop, hence the dedicated thread. The event loop is never blocked by I/O.
+
+Disk full
+=========
+The coordinator applies a commit in memory *before* it appends it, so the journal must
+refuse a commit before it is applied, not fail it afterwards. :meth:`Journal.check_writable`
+is that gate (O(1), no I/O); it raises :class:`DiskFullError` (UNAVAILABLE, with
+``retry_after``) while
+
+* the free space of the journal's filesystem is below ``min_free_bytes`` (checked by the
+  flusher thread after every write, and every ``space_poll_s`` while refusing), or
+* a ``write()`` failed with ENOSPC/EDQUOT. The flusher first deletes ``BALLAST``
+  (``ballast_bytes`` reserved at open) and retries at once, which normally lets the
+  records already applied in memory reach the disk; if that is not enough it keeps them
+  and retries every ``space_poll_s`` ("stalled"). Nothing about them is acknowledged
+  meanwhile: ``durable_lsn`` does not move, so no reply that depends on them leaves.
+
+Once space is free again (and the ballast re-made) the refusal lifts by itself. A failed
+``fdatasync`` (any errno) and any other write error stay fail-stop
+(:class:`JournalWriteError`): after a failed fsync the kernel may have dropped the pages,
+and retrying could report success for data that is gone.
 """
 
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import os
@@ -55,29 +80,36 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 from zlib import crc32
 
 import trio
 
 from .errors import (
+    DiskFullError,
     JournalClosedError,
     JournalCorruptError,
     JournalWriteError,
 )
+from .manifest import Manifest, read_manifest, try_write_manifest
+
+if TYPE_CHECKING:  # repair.py imports this module
+    from .repair import RepairPlan, RepairReport
 
 __all__ = [
     "Journal",
+    "Disk",
     "JournalCorruptError",
     "JournalWriteError",
     "JournalClosedError",
+    "DiskFullError",
     "JournalStatistics",
     "ScanResult",
     "SegmentInfo",
     "TornTail",
-    "RepairReport",
     "read_journal",
     "scan_journal",
+    "plan_repair",
     "repair",
     "verify_journal",
     "snapshot_lsn_of",
@@ -86,6 +118,7 @@ __all__ = [
     "HEADER_SIZE",
     "MAX_PAYLOAD",
     "MODES",
+    "BALLAST_NAME",
 ]
 
 log = logging.getLogger("rallypoint.persistence")
@@ -97,6 +130,13 @@ HEADER_SIZE = _HDR.size  # 16 bytes
 MAX_PAYLOAD = 256 << 20  # 256 MiB; a larger length field is treated as damage
 MODES = ("fsync", "interval", "memory")
 _SEG_RE = re.compile(r"^(\d{20})\.wal$")
+BALLAST_NAME = "BALLAST"
+#: write() errors that mean "no space": retried, not fail-stop.
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class _FsyncFailed(Exception):
+    """An fdatasync failed inside a write step: fail-stop even for ENOSPC."""
 
 
 def segment_name(first_lsn: int) -> str:
@@ -138,6 +178,61 @@ def _frame(lsn: int, payload: bytes) -> bytes:
     return _II.pack(len(payload), crc32(payload, crc32(lb))) + lb + bytes(payload)
 
 
+# --------------------------------------------------------------------------- disk
+
+
+class Disk:
+    """The journal's raw file operations, one method each, so that tests can inject
+    faults (subclass it and pass ``disk=`` to :class:`Journal`).
+
+    Called on the flusher thread, except at open (constructor) and in ``aclose`` when
+    the flusher never ran. Errors are ``OSError`` as from ``os``: ENOSPC/EDQUOT from
+    :meth:`write` or :meth:`open_segment` stall and retry; anything else, and any error
+    from :meth:`fdatasync`, is fail-stop.
+    """
+
+    def write(self, fd: int, data: bytes | bytearray | memoryview) -> int:
+        """``os.write``: returns the number of bytes written (may be short)."""
+        return os.write(fd, data)
+
+    def fdatasync(self, fd: int) -> None:
+        """``os.fdatasync``."""
+        os.fdatasync(fd)
+
+    def open_segment(self, path: Path) -> int:
+        """Create a new segment file (O_EXCL, append-only) and return its fd."""
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+    def free_bytes(self, path: Path) -> int:
+        """Bytes available to this (unprivileged) process on ``path``'s filesystem."""
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
+    def remove(self, path: Path) -> None:
+        """Delete ``path`` (the ballast). Raises FileNotFoundError when it is gone."""
+        os.unlink(path)
+
+    def allocate(self, path: Path, size: int) -> None:
+        """Create ``path`` holding ``size`` really allocated bytes (the ballast).
+        Raises OSError (ENOSPC) when the space is not there."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                # No fallocate on this filesystem: write zeros (a sparse file frees nothing).
+                block = b"\0" * (1 << 20)
+                os.lseek(fd, 0, os.SEEK_SET)
+                left = size
+                while left > 0:
+                    left -= os.write(fd, block[: min(left, len(block))])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 # --------------------------------------------------------------------------- writer
 
 
@@ -174,7 +269,11 @@ class JournalStatistics:
     """Snapshot of a journal's counters (see :meth:`Journal.statistics`).
 
     ``buffered_bytes`` are appended but not yet handed to the flusher thread;
-    ``waiters`` counts distinct LSNs being waited for (not tasks).
+    ``waiters`` counts distinct LSNs being waited for (not tasks). ``refusing`` is None
+    while writes are accepted, else ``"low"`` (free space below the reserve) or
+    ``"stalled"`` (a write waits for space); ``free_bytes`` is the last free-space
+    reading (None before the first); ``refusals`` counts how often writes started being
+    refused, ``stalls`` how often a write hit ENOSPC.
     """
 
     mode: str
@@ -190,6 +289,10 @@ class JournalStatistics:
     segments: int
     failed: bool
     closed: bool
+    refusing: str | None = None
+    free_bytes: int | None = None
+    refusals: int = 0
+    stalls: int = 0
 
 
 class Journal:
@@ -200,6 +303,7 @@ class Journal:
         journal = Journal(data_dir, mode="fsync", next_lsn=recovered.next_lsn)
         async with trio.open_nursery() as n:
             await n.start(journal.run)          # the group-commit flusher
+            journal.check_writable()            # DiskFullError before changing anything
             lsn = journal.append(b"...")        # sync, a few microseconds
             await journal.wait_durable(lsn)     # shared fsync
             ...
@@ -215,6 +319,15 @@ class Journal:
         interval_ms: fsync period in ``interval`` mode, milliseconds (> 0).
         segment_bytes: roll to a new segment file before a segment would exceed this many
             bytes (default 64 MiB).
+        min_free_bytes: refuse writes (:meth:`check_writable`) while the filesystem of
+            the journal has fewer free bytes than this (0: only a failed write refuses).
+        ballast_bytes: size of ``BALLAST``, space reserved at open and given
+            back when a write hits ENOSPC, so the records already applied in memory can
+            still be written (0: none). Re-made once space is free again.
+        space_poll_s: while writes are refused, how often (seconds) free space is
+            re-checked and a stalled write retried; also the ``retry_after`` hint
+            (at least 1 s).
+        disk: the file operations (:class:`Disk`); tests pass a faulty one.
 
     Raises:
         ValueError: bad mode / arguments, or the journal already holds a segment that
@@ -234,6 +347,10 @@ class Journal:
         next_lsn: int,
         interval_ms: float = 10,
         segment_bytes: int = 64 << 20,
+        min_free_bytes: int = 0,
+        ballast_bytes: int = 0,
+        space_poll_s: float = 1.0,
+        disk: Disk | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"journal mode must be one of {MODES}, not {mode!r}")
@@ -243,12 +360,20 @@ class Journal:
             raise ValueError(f"interval_ms must be > 0, not {interval_ms}")
         if segment_bytes < 4096:
             raise ValueError(f"segment_bytes must be >= 4096, not {segment_bytes}")
+        if min_free_bytes < 0 or ballast_bytes < 0:
+            raise ValueError("min_free_bytes and ballast_bytes must be >= 0")
+        if not space_poll_s > 0:
+            raise ValueError(f"space_poll_s must be > 0, not {space_poll_s}")
         if mode != "memory" and data_dir is None:
             raise ValueError(f"mode {mode!r} needs a data_dir")
         self.mode = mode
         self.data_dir = None if data_dir is None else Path(data_dir)
         self.interval_s = interval_ms / 1000.0
         self.segment_bytes = int(segment_bytes)
+        self.min_free_bytes = int(min_free_bytes)
+        self.ballast_bytes = int(ballast_bytes)
+        self.space_poll_s = float(space_poll_s)
+        self._disk = disk if disk is not None else Disk()
         self._memory = mode == "memory"
         self._fsync_each = mode == "fsync"
 
@@ -286,8 +411,23 @@ class Journal:
         self._segment_firsts: list[int] = []
         self._fd: int | None = None
         self._jdir: Path | None = None
+        self._file_first = next_lsn  # first LSN of the open segment file (flusher's)
+        # Disk space. Loop side: the refusal in force; thread side: the backlog of
+        # chunks a failed write left, what it last reported, the ballast.
+        self._refusal: str | None = None  # None | "low" | "stalled"
+        self._refused_since = 0.0
+        self._space_event: trio.Event | None = None
+        self._free_bytes: int | None = None
+        self._refusals = 0
+        self._stalls = 0
+        self._backlog: list[list] = []
+        self._backlog_lsns: tuple[int, int] | None = None
+        self._reported: str | None = None
+        self._ballast_ok = True
+        self._abandoned: tuple[int, int] | None = None
         if not self._memory:
             self._open_active_segment(next_lsn)
+            self._init_space()
 
     # ----------------------------------------------------------------- construction
 
@@ -301,23 +441,25 @@ class Journal:
         next_lsn: int | None = None,
         interval_ms: float = 10,
         segment_bytes: int = 64 << 20,
+        **options: Any,
     ) -> "Journal":
         """Open a journal for appending (sync; does file I/O).
 
         If ``next_lsn`` is None it is determined here by :func:`scan_journal` with
         ``after_lsn=snapshot_lsn`` (which cuts a torn tail). Pass ``next_lsn`` from
         ``recover()`` when recovery already ran. In ``memory`` mode ``data_dir`` is
-        ignored and ``next_lsn`` defaults to ``snapshot_lsn + 1``.
+        ignored and ``next_lsn`` defaults to ``snapshot_lsn + 1``. ``options`` are the
+        disk-space arguments of :class:`Journal` (``min_free_bytes``, ...).
 
         Raises: JournalCorruptError, ValueError, OSError (see :class:`Journal`).
         """
         if mode == "memory":
             return cls(None, mode=mode, next_lsn=next_lsn or snapshot_lsn + 1,
-                       interval_ms=interval_ms, segment_bytes=segment_bytes)
+                       interval_ms=interval_ms, segment_bytes=segment_bytes, **options)
         if next_lsn is None:
             next_lsn = scan_journal(data_dir, after_lsn=snapshot_lsn).next_lsn  # type: ignore[arg-type]
         return cls(data_dir, mode=mode, next_lsn=next_lsn, interval_ms=interval_ms,
-                   segment_bytes=segment_bytes)
+                   segment_bytes=segment_bytes, **options)
 
     def _open_active_segment(self, next_lsn: int) -> None:
         assert self.data_dir is not None
@@ -325,11 +467,12 @@ class Journal:
         jdir.mkdir(parents=True, exist_ok=True)
         self._jdir = jdir
         segs = list_segments(self.data_dir)
+        leftover: Path | None = None
         if segs:
             first, path = segs[-1]
             size = path.stat().st_size
             if size == 0 and first != next_lsn:
-                path.unlink()  # an empty leftover carries nothing
+                leftover = path  # an empty leftover carries nothing: removed below
                 segs.pop()
             elif first >= next_lsn and size > 0:
                 raise ValueError(
@@ -346,6 +489,21 @@ class Journal:
             _fsync_dir(jdir)
         self._segment_firsts.append(next_lsn)
         self._seg_bytes = 0
+        self._file_first = next_lsn
+        # Name the new segment before removing the old one: a crash in between must not
+        # leave a manifest naming a segment that is gone.
+        try_write_manifest(self.data_dir, Manifest(active_segment=next_lsn))
+        if leftover is not None:
+            leftover.unlink()
+
+    def _init_space(self) -> None:
+        """At open: make the ballast, read the free space, refuse writes at once if it
+        is already below the reserve (a daemon started on a full disk)."""
+        assert self._jdir is not None
+        if self.ballast_bytes:
+            self._ballast_ok = self._make_ballast()
+        if self.min_free_bytes or self.ballast_bytes:
+            self._space_check()  # no loop yet: a refusal is applied here directly
 
     # ----------------------------------------------------------------- properties
 
@@ -378,6 +536,110 @@ class Journal:
         """The write error that stopped the journal, or None."""
         return self._error
 
+    # ----------------------------------------------------------------- disk space
+
+    @property
+    def writable(self) -> bool:
+        """True when :meth:`check_writable` would not raise."""
+        return self._refusal is None and self._error is None
+
+    @property
+    def refusing(self) -> str | None:
+        """Why writes are refused: None (they are not), ``"low"`` (free space below
+        ``min_free_bytes``) or ``"stalled"`` (a write failed with ENOSPC and waits)."""
+        return self._refusal
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the journal's filesystem now (one statvfs, about 1 us; None in
+        memory mode or when it cannot be read)."""
+        if self._jdir is None:
+            return None
+        try:
+            return self._disk.free_bytes(self._jdir)
+        except OSError:
+            return None
+
+    def check_writable(self) -> None:
+        """Raise unless a new record may be applied and appended now (O(1), no I/O).
+
+        The coordinator calls this before it applies a commit in memory, so a refused
+        write changes nothing. Reads need not call it.
+
+        Raises:
+            DiskFullError: (UNAVAILABLE, ``retry_after`` seconds) the disk is full, see
+                the module docstring; lifts by itself once space is freed.
+            JournalWriteError: (UNAVAILABLE) the journal failed (fail-stop).
+        """
+        if self._refusal is not None:
+            raise self._refusal_error()
+        if self._error is not None:
+            self._raise_failed()
+
+    def _refusal_error(self) -> DiskFullError:
+        where = self._jdir
+        free = self._free_bytes
+        free_s = "?" if free is None else f"{free}"
+        if self._refusal == "stalled":
+            lsns = self._backlog_lsns
+            what = f" (LSN {lsns[0]}..{lsns[1]})" if lsns else ""
+            msg = (f"disk full at {where}: a journal write failed (no space left on device) and "
+                   f"waits for space{what}, {free_s} bytes free; writes are refused until space is "
+                   f"freed there, then they resume by themselves")
+        else:
+            msg = (f"disk full at {where}: {free_s} bytes free, below the {self.min_free_bytes}-byte "
+                   f"reserve the journal keeps"
+                   + ("" if self._ballast_ok else f" (plus its {self.ballast_bytes}-byte ballast to re-make)")
+                   + "; writes are refused until space is freed there (reads still work), then "
+                   "they resume by themselves")
+        return DiskFullError(
+            msg,
+            retry_after=max(1.0, self.space_poll_s),
+            details={"path": str(where), "free_bytes": free, "min_free_bytes": self.min_free_bytes,
+                     "reason": self._refusal},
+        )
+
+    async def wait_writable(self) -> None:
+        """Return once writes are accepted (at once if they are). Raises
+        JournalWriteError if the journal failed meanwhile."""
+        while self._refusal is not None and self._error is None:
+            if self._space_event is None:
+                self._space_event = trio.Event()
+            await self._space_event.wait()
+        await trio.lowlevel.checkpoint()
+        if self._error is not None:
+            self._raise_failed()
+
+    async def wait_refusing(self) -> str:
+        """Return once writes are refused; returns the reason (``"low"`` or
+        ``"stalled"``). For tests and monitoring."""
+        while self._refusal is None:
+            if self._space_event is None:
+                self._space_event = trio.Event()
+            await self._space_event.wait()
+        await trio.lowlevel.checkpoint()
+        return self._refusal
+
+    def _on_space(self, kind: str | None, free: int | None, lsns: tuple[int, int] | None) -> None:
+        # On the loop (posted by the flusher thread).
+        if free is not None:
+            self._free_bytes = free
+        self._backlog_lsns = lsns
+        if kind == self._refusal:
+            return
+        was = self._refusal
+        self._refusal = kind
+        if kind is None:
+            log.warning("journal: disk space at %s is back (%s bytes free): writes are accepted again "
+                        "after %.1f s", self._jdir, free, time.monotonic() - self._refused_since)
+        else:
+            if was is None:
+                self._refused_since = time.monotonic()
+                self._refusals += 1
+            log.error("%s", self._refusal_error().message)
+        ev, self._space_event = self._space_event, None
+        if ev is not None:
+            ev.set()
+
     # ----------------------------------------------------------------- append
 
     def append(self, payload: bytes | bytearray | memoryview) -> int:
@@ -385,7 +647,8 @@ class Journal:
         I/O (it takes a lock shared with the flusher thread for a few hundred ns).
 
         The record is *not* durable yet: await :meth:`wait_durable` with the returned
-        LSN before telling anyone about it.
+        LSN before telling anyone about it. ``append`` does not check disk space: call
+        :meth:`check_writable` before changing anything the record describes.
 
         Raises:
             JournalWriteError: the journal failed earlier (fail-stop).
@@ -438,7 +701,8 @@ class Journal:
         """Return once ``durable_lsn >= lsn``. Many waiters share one fsync.
 
         Always a checkpoint. Cancellation-safe (a cancelled waiter leaves nothing behind
-        that matters). In memory mode returns at once.
+        that matters). In memory mode returns at once. While a write is stalled on a
+        full disk this waits (nothing is acknowledged before it is on disk).
 
         Raises:
             JournalWriteError: the journal failed before ``lsn`` became durable.
@@ -523,18 +787,22 @@ class Journal:
         for _, ev in self._sync_waiters:
             ev.set()
         self._sync_waiters.clear()
+        ev = self._space_event
+        self._space_event = None
+        if ev is not None:
+            ev.set()
 
     def _on_error(self, exc: BaseException) -> None:
         if self._error is None:
             err = JournalWriteError(
-                f"journal write/fsync failed ({type(exc).__name__}: {exc}); the journal "
-                f"is stopped and acknowledges nothing more (fail-stop). Durable LSN "
+                f"journal write/fsync failed at {self._jdir} ({type(exc).__name__}: {exc}); the "
+                f"journal is stopped and acknowledges nothing more (fail-stop). Durable LSN "
                 f"{self._durable_lsn}. Check the disk, then restart: recovery keeps what "
                 f"reached the disk."
             )
             err.__cause__ = exc
             self._error = err
-            log.error("%s", err)
+            log.error("%s", err.message)
         self._wake_all()
 
     def _on_thread_exit(self) -> None:
@@ -550,11 +818,13 @@ class Journal:
 
         Starts the flusher thread and returns when the journal is closed
         (:meth:`aclose`). If cancelled, it first lets the thread write and fsync what is
-        buffered (shielded; bounded by one fsync), then the journal counts as closed.
+        buffered (shielded; bounded by one fsync, or by one more write attempt when the
+        disk is full), then the journal counts as closed.
 
         Raises:
             JournalWriteError: a write or fsync failed. Treat it as fatal (fail-stop):
-                every pending waiter has already been woken with the same error.
+                every pending waiter has already been woken with the same error. A full
+                disk is not such a failure (see the module docstring).
             RuntimeError: run() was already started.
         """
         if self._running or self._thread is not None:
@@ -607,13 +877,32 @@ class Journal:
         self._chunks = []
         return chunks, self._buf_upto
 
+    def _post(self, fn, *args) -> bool:
+        token = self._token
+        if token is None:  # not running (constructor): apply directly
+            fn(*args)
+            return True
+        try:
+            token.run_sync_soon(fn, *args)
+            return True
+        except trio.RunFinishedError:
+            return False
+
     def _thread_main(self) -> None:
         token = self._token
         assert token is not None
         interval = self.interval_s
         fsync_each = self._fsync_each
         written = synced = self._synced_lsn
+        taken = written  # last LSN handed to the backlog
+        backlog = self._backlog
         next_sync_at = None  # monotonic deadline for the pending interval fsync
+        retry_at = None  # a stalled write is retried then
+        poll_at = None  # free space is re-checked then (while refusing)
+        watch = bool(self.min_free_bytes or self.ballast_bytes)
+        if self._refusal is not None:  # refused from the start
+            self._reported = self._refusal
+            poll_at = time.monotonic() + self.space_poll_s
         try:
             while True:
                 with self._cv:
@@ -621,8 +910,10 @@ class Journal:
                         has_data = bool(self._chunks) or bool(self._buf) or self._buf_seg is not None
                         if has_data or self._stop or self._force_sync:
                             break
-                        if next_sync_at is not None:
-                            remaining = next_sync_at - time.monotonic()
+                        deadline = min((t for t in (next_sync_at, retry_at, poll_at) if t is not None),
+                                       default=None)
+                        if deadline is not None:
+                            remaining = deadline - time.monotonic()
                             if remaining <= 0:
                                 break
                             self._thread_idle = True
@@ -636,9 +927,34 @@ class Journal:
                     force = self._force_sync
                     self._force_sync = False
                 if chunks:
-                    self._write_chunks(chunks)
-                    written = upto
+                    backlog.extend([seg, data, 0] for seg, data in chunks)
+                    taken = upto
                 now = time.monotonic()
+                wrote = False
+                if backlog and (retry_at is None or now >= retry_at or stop):
+                    if self._drain(backlog):
+                        wrote = True
+                        written = taken
+                        if retry_at is not None:
+                            retry_at = None
+                            log.warning("journal: the write that waited for disk space at %s went "
+                                        "through (LSN up to %d)", self._jdir, written)
+                    else:
+                        lsns = (written + 1, taken)
+                        try:
+                            self._free_bytes = self._disk.free_bytes(self._jdir)  # type: ignore[arg-type]
+                        except OSError:
+                            pass
+                        if retry_at is None:
+                            self._stalls += 1
+                        retry_at = now + self.space_poll_s
+                        self._report_space("stalled", lsns)
+                        if stop:
+                            self._abandoned = lsns
+                            log.error("journal: closing with LSN %d..%d never written (disk full at %s); "
+                                      "they were never acknowledged", lsns[0], lsns[1], self._jdir)
+                            break
+                        continue
                 if written > synced:
                     if fsync_each or stop or force:
                         do_sync = True
@@ -648,13 +964,19 @@ class Journal:
                         do_sync = now >= next_sync_at
                     if do_sync:
                         t_sync = time.perf_counter()
-                        os.fdatasync(self._fd)  # type: ignore[arg-type]
+                        self._disk.fdatasync(self._fd)  # type: ignore[arg-type]
                         self.fsync_seconds.observe(time.perf_counter() - t_sync)
                         self.commit_records.observe(written - synced)
                         self._n_fsyncs += 1
                         synced = written
                         next_sync_at = None
-                if chunks or force or synced == written:
+                # The space check goes first: a refusal it finds is in force on the loop
+                # before any reply that this progress releases can leave.
+                if (watch and wrote) or (poll_at is not None and now >= poll_at) or \
+                        (self._reported is not None and wrote):
+                    kind = self._space_check()
+                    poll_at = None if kind is None else time.monotonic() + self.space_poll_s
+                if chunks or wrote or force or synced == written:
                     try:
                         token.run_sync_soon(self._on_progress, written, synced)
                     except trio.RunFinishedError:
@@ -672,37 +994,127 @@ class Journal:
             except trio.RunFinishedError:
                 pass
 
-    def _write_chunks(self, chunks: list[tuple[int | None, bytearray]]) -> None:
-        """Flusher thread: write chunks, rolling segments as marked."""
-        for seg_first, data in chunks:
-            if seg_first is not None:
-                self._roll_file(seg_first)
-            if data:
-                self._write_all(data)
-                self._n_writes += 1
-                self._n_bytes += len(data)
+    def _report_space(self, kind: str | None, lsns: tuple[int, int] | None = None) -> None:
+        """Flusher thread: tell the loop when the refusal state changes."""
+        if kind != self._reported or (kind == "stalled" and lsns != self._backlog_lsns):
+            self._reported = kind
+            self._post(self._on_space, kind, self._free_bytes, lsns)
+
+    def _space_check(self) -> str | None:
+        """Read the free space; re-make the ballast when there is room; report and
+        return the refusal kind (None: writes may go on). Never raises."""
+        assert self._jdir is not None
+        try:
+            free = self._disk.free_bytes(self._jdir)
+        except OSError as exc:
+            log.warning("journal: cannot read the free space of %s (%s)", self._jdir, exc)
+            return self._reported
+        self._free_bytes = free
+        kind: str | None = None
+        if free < self.min_free_bytes:
+            kind = "low"
+        elif not self._ballast_ok:
+            if free >= self.min_free_bytes + self.ballast_bytes and self._make_ballast():
+                self._ballast_ok = True
+                try:
+                    self._free_bytes = self._disk.free_bytes(self._jdir)
+                except OSError:
+                    pass
+            else:
+                kind = "low"
+        self._report_space(kind)
+        return kind
+
+    def _ballast_path(self) -> Path:
+        assert self.data_dir is not None
+        return self.data_dir / BALLAST_NAME
+
+    def _make_ballast(self) -> bool:
+        path = self._ballast_path()
+        try:
+            if path.exists() and path.stat().st_size >= self.ballast_bytes:
+                return True
+            self._disk.allocate(path, self.ballast_bytes)
+            return True
+        except OSError as exc:
+            log.warning("journal: cannot reserve the %d-byte ballast %s (%s)", self.ballast_bytes, path, exc)
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            return False
+
+    def _release_ballast(self) -> bool:
+        """Flusher thread, on ENOSPC: delete the ballast to make room; True if it did."""
+        if not self.ballast_bytes or not self._ballast_ok:
+            return False
+        self._ballast_ok = False
+        path = self._ballast_path()
+        try:
+            self._disk.remove(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            log.warning("journal: cannot delete the ballast %s (%s)", path, exc)
+            return False
+        log.warning("journal: disk full at %s: released the %d-byte ballast to write the records "
+                    "already taken; writes are refused until space is freed", self._jdir, self.ballast_bytes)
+        return True
+
+    def _drain(self, backlog: list[list]) -> bool:
+        """Flusher thread: write the backlog ``[[seg_first|None, data, offset], ...]`` in
+        order, rolling segments as marked. Returns False when a write failed for lack of
+        space (progress is kept in the items, so the next call continues exactly where
+        this one stopped); raises any other error."""
+        released = False
+        disk = self._disk
+        while backlog:
+            item = backlog[0]
+            try:
+                if item[0] is not None:
+                    self._roll_file(item[0])
+                    item[0] = None
+                data = item[1]
+                off = item[2]
+                size = len(data)
+                if off < size:
+                    with memoryview(data) as mv:
+                        while off < size:
+                            n = disk.write(self._fd, mv[off:] if off else data)  # type: ignore[arg-type]
+                            off += n
+                            item[2] = off
+                            self._n_bytes += n
+                    self._n_writes += 1
+            except OSError as exc:
+                if exc.errno not in SPACE_ERRNOS:
+                    raise
+                if not released and self._release_ballast():
+                    released = True
+                    continue
+                return False
+            backlog.pop(0)
+        return True
 
     def _roll_file(self, first_lsn: int) -> None:
-        assert self._jdir is not None and self._fd is not None
-        os.fdatasync(self._fd)  # the old segment must be complete before a newer exists
-        self._n_fsyncs += 1
-        os.close(self._fd)
-        self._fd = None
-        self._fd = os.open(
-            self._jdir / segment_name(first_lsn),
-            os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-            0o644,
-        )
-        _fsync_dir(self._jdir)
-
-    def _write_all(self, data: bytearray) -> None:
-        fd = self._fd
-        assert fd is not None
-        n = os.write(fd, data)
-        if n != len(data):
-            mv = memoryview(data)
-            while n < len(data):
-                n += os.write(fd, mv[n:])
+        """Flusher thread: close the current segment (fsynced), open the next. Can be
+        called again after an ENOSPC from the open (the old file is then closed)."""
+        assert self._jdir is not None
+        if self._fd is not None:
+            try:  # the old segment must be complete before a newer exists
+                self._disk.fdatasync(self._fd)
+            except OSError as exc:  # any errno, ENOSPC too: fail-stop, never retried
+                raise _FsyncFailed(f"fdatasync of the segment before LSN {first_lsn} failed: {exc}") from exc
+            self._n_fsyncs += 1
+            os.close(self._fd)
+            self._fd = None
+        self._fd = self._disk.open_segment(self._jdir / segment_name(first_lsn))  # ENOSPC: retried
+        self._file_first = first_lsn
+        try:
+            _fsync_dir(self._jdir)
+        except OSError as exc:  # an fsync: fail-stop, whatever the errno
+            raise _FsyncFailed(f"fsync of {self._jdir} after creating {segment_name(first_lsn)} failed: {exc}") from exc
+        assert self.data_dir is not None
+        try_write_manifest(self.data_dir, Manifest(active_segment=first_lsn))
 
     # ----------------------------------------------------------------- maintenance
 
@@ -741,9 +1153,14 @@ class Journal:
 
     async def aclose(self) -> None:
         """Write and fdatasync everything buffered (in every disk mode), stop the
-        flusher and close the segment file. Idempotent. Shielded from cancellation
-        (bounded by one write + fsync). After it, ``append`` raises JournalClosedError
-        and ``run`` returns.
+        flusher and close the segment file; then record the clean end in
+        ``JOURNAL_MANIFEST``. Idempotent. Shielded from cancellation (bounded by one
+        write + fsync). After it, ``append`` raises JournalClosedError and ``run``
+        returns.
+
+        On a full disk it tries the write once more; records that still cannot be
+        written are dropped (they were never acknowledged; their waiters get
+        JournalClosedError) and logged, and no clean end is recorded.
 
         Raises:
             JournalWriteError: the final write/fsync failed (or the journal had failed).
@@ -755,6 +1172,7 @@ class Journal:
             await trio.lowlevel.checkpoint()
             return
         with trio.CancelScope(shield=True):
+            already = self._closed and self._fd is None
             self._closed = True
             if self._thread is not None and self._thread_done is not None:
                 self._request_stop()
@@ -763,24 +1181,36 @@ class Journal:
                 # run() never started: flush here.
                 with self._cv:
                     chunks, upto = self._take()
+                backlog = [[seg, data, 0] for seg, data in chunks]
                 try:
-                    await trio.to_thread.run_sync(self._flush_sync, chunks)
+                    done = await trio.to_thread.run_sync(self._flush_sync, backlog)
                 except OSError as exc:
                     self._on_error(exc)
                 else:
-                    self._on_progress(upto, upto)
+                    if done:
+                        self._on_progress(upto, upto)
+                    else:
+                        self._abandoned = (self._durable_lsn + 1, upto)
+                        log.error("journal: closing with LSN %d..%d never written (disk full at %s); "
+                                  "they were never acknowledged", *self._abandoned, self._jdir)
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
             self._wake_all()
+            if (not already and self._error is None and self._abandoned is None
+                    and self._synced_lsn == self._next_lsn - 1 and self.data_dir is not None):
+                await trio.to_thread.run_sync(
+                    try_write_manifest, self.data_dir,
+                    Manifest(active_segment=self._file_first, clean_end_lsn=self._next_lsn - 1))
         if self._error is not None:
             self._raise_failed()
 
-    def _flush_sync(self, chunks: list[tuple[int | None, bytearray]]) -> None:
-        if chunks:
-            self._write_chunks(chunks)
-        os.fdatasync(self._fd)  # type: ignore[arg-type]
+    def _flush_sync(self, backlog: list[list]) -> bool:
+        if not self._drain(backlog):
+            return False
+        self._disk.fdatasync(self._fd)  # type: ignore[arg-type]
         self._n_fsyncs += 1
+        return True
 
     # ----------------------------------------------------------------- stats
 
@@ -808,6 +1238,10 @@ class Journal:
             segments=len(self._segment_firsts),
             failed=self._error is not None,
             closed=self._closed,
+            refusing=self._refusal,
+            free_bytes=self._free_bytes,
+            refusals=self._refusals,
+            stalls=self._stalls,
         )
 
     def __repr__(self) -> str:
@@ -822,7 +1256,8 @@ class Journal:
 class SegmentInfo:
     """One validated segment: records ``first_lsn .. last_lsn`` live in bytes
     ``[0, end_offset)``; the first record with LSN > after_lsn starts at
-    ``start_offset`` (== end_offset when none)."""
+    ``start_offset`` (== end_offset when none). Bytes before ``start_offset`` may hold
+    damage in records the snapshot already covers (skipped, see :func:`scan_journal`)."""
 
     path: Path
     first_lsn: int
@@ -843,6 +1278,19 @@ class TornTail:
 
 
 @dataclass
+class CoveredDamage:
+    """Damage in records the snapshot already holds (LSN <= after_lsn): ignored.
+
+    ``path``/``offset``: where; ``reason``: what; ``resumed_at``: byte offset of the
+    record ``after_lsn + 1`` found past it (None: the segment holds nothing newer)."""
+
+    path: Path
+    offset: int
+    reason: str
+    resumed_at: int | None
+
+
+@dataclass
 class ScanResult:
     """Outcome of :func:`scan_journal`.
 
@@ -855,6 +1303,7 @@ class ScanResult:
         torn_tail: the tail that was cut, or None.
         skipped_segments: segments wholly <= after_lsn, not read (garbage awaiting
             ``truncate_below``).
+        covered_damage: damage found in records <= after_lsn and ignored (logged).
     """
 
     after_lsn: int
@@ -864,6 +1313,7 @@ class ScanResult:
     record_count: int
     torn_tail: TornTail | None = None
     skipped_segments: list[Path] = field(default_factory=list)
+    covered_damage: list[CoveredDamage] = field(default_factory=list)
 
     def iter_records(self) -> Iterator[tuple[int, bytes]]:
         """Yield ``(lsn, payload)`` for every record with LSN > after_lsn, in order.
@@ -889,24 +1339,46 @@ class ScanResult:
 
 @dataclass
 class _Problem:
-    kind: str  # "torn" | "corrupt" | "gap" | "start_gap" | "ahead"
-    seg_index: int  # index into the segment list (relevant part), -1 for dir-level
+    kind: str  # "torn" | "corrupt" | "gap" | "start_gap" | "ahead" | "missing_tail" | "short_tail"
+    seg_index: int  # index into the relevant segments; -1 when not about one segment
     path: Path
     offset: int
     reason: str
+    lsn: int  # the first LSN the damage takes away (the journal is intact before it)
+    missing: tuple[int, int | None] | None = None  # LSNs already gone (no file holds them)
 
 
-def _validate(data: bytes, lsn: int, after_lsn: int) -> tuple[int, int, int, str | None, bool]:
-    """Walk records from offset 0 expecting ``lsn`` first.
+@dataclass
+class _Analysis:
+    segs: list[tuple[int, Path]]  # every segment file
+    start: int  # index in segs of the first relevant segment (the rest are skipped)
+    infos: list[SegmentInfo]  # validated relevant segments, up to the problem
+    problem: _Problem | None
+    expected: int  # LSN after the last good record (after_lsn + 1 at least when covered)
+    records_present: bool
+    count: int
+    covered: list[CoveredDamage]
+    manifest: Manifest | None
+
+    @property
+    def relevant(self) -> list[tuple[int, Path]]:
+        return self.segs[self.start:]
+
+    @property
+    def skipped(self) -> list[Path]:
+        return [p for _, p in self.segs[: self.start]]
+
+
+def _validate(data: bytes, lsn: int, after_lsn: int, off: int = 0) -> tuple[int, int, int, str | None, bool]:
+    """Walk records from byte ``off`` expecting ``lsn`` first.
 
     Returns ``(good_end, next_lsn, start_offset, problem, definite)``: problem is None
-    when the whole buffer is good; ``definite`` is True when the problem cannot be a
-    torn write (a record with a valid CRC but the wrong LSN).
+    when the rest of the buffer is good; ``definite`` is True when the problem cannot be
+    a torn write (a record with a valid CRC but the wrong LSN).
     """
     size = len(data)
     mv = memoryview(data)
     unpack = _HDR.unpack_from
-    off = 0
     start = -1
     limit = size - HEADER_SIZE
     while off <= limit:
@@ -930,46 +1402,91 @@ def _validate(data: bytes, lsn: int, after_lsn: int) -> tuple[int, int, int, str
     return off, lsn, start, None, False
 
 
-def _good_record_follows(data: bytes, bad_off: int, lsn: int) -> bool:
-    """Is there a valid record (CRC ok, LSN lsn..lsn+2) starting after ``bad_off``?"""
+def _find_valid(data: bytes, from_off: int, lsns) -> tuple[int, int] | None:
+    """``(offset, lsn)`` of the first (lowest offset) record at or after ``from_off``
+    that has one of the LSNs ``lsns`` and a valid CRC, or None. Searches for the LSN
+    bytes (at most 10000 candidates per LSN), so it is fast on any file."""
     size = len(data)
     mv = memoryview(data)
-    for target in (lsn, lsn + 1, lsn + 2):
+    best: tuple[int, int] | None = None
+    for target in lsns:
         pat = _Q.pack(target)
-        pos = bad_off + 9
+        pos = from_off + 8
         tries = 0
         while tries < 10000:
             p = data.find(pat, pos)
-            if p < 0:
+            if p < 0 or (best is not None and p - 8 >= best[0]):
                 break
             tries += 1
             h = p - 8
             pos = p + 1
-            if h <= bad_off or h + HEADER_SIZE > size:
+            if h + HEADER_SIZE > size:
                 continue
             n, crc, _ = _HDR.unpack_from(data, h)
             end = h + HEADER_SIZE + n
-            if end <= size and crc32(mv[h + 8:end]) == crc:
-                return True
-    return False
+            if n <= MAX_PAYLOAD and end <= size and crc32(mv[h + 8:end]) == crc:
+                best = (h, target)
+                break
+    return best
 
 
-def _analyse(data_dir: str | os.PathLike[str], after_lsn: int):
-    """Validate without modifying anything.
+def _good_record_follows(data: bytes, bad_off: int, lsn: int) -> bool:
+    """Is there a valid record (CRC ok, LSN lsn..lsn+2) starting after ``bad_off``?"""
+    return _find_valid(data, bad_off + 1, (lsn, lsn + 1, lsn + 2)) is not None
 
-    Returns ``(segments, skipped, problem, expected, records_present, record_count)``
-    where ``segments`` are the SegmentInfo of the relevant segments up to (and
-    including) the one with the problem, ``expected`` the LSN after the last good record.
+
+def _last_valid_lsn(data: bytes, off: int, lsn: int) -> int | None:
+    """The highest LSN of a valid record at or after ``off`` (records ``lsn`` onwards
+    expected; damage is skipped by searching for the next of 3 LSNs), or None."""
+    best = None
+    while True:
+        found = _find_valid(data, off, (lsn, lsn + 1, lsn + 2))
+        if found is None:
+            return best
+        h, flsn = found
+        good_end, nxt, _, problem, _ = _validate(data, flsn, 0, h)
+        best = nxt - 1
+        if problem is None or good_end <= off:
+            return best
+        off, lsn = good_end + 1, nxt
+
+
+def _validate_segment(data: bytes, first: int, path: Path, after_lsn: int):
+    """Validate one segment. Damage in records <= after_lsn (the snapshot holds them) is
+    skipped when record ``after_lsn + 1`` is found past it, or when no record past the
+    snapshot follows at all (the segment then ends at after_lsn for our purposes).
+
+    Returns ``(info, next_lsn, problem, definite, problem_lsn, covered)``.
     """
+    good_end, nxt, start_off, problem, definite = _validate(data, first, after_lsn)
+    if problem is None or nxt > after_lsn:
+        return SegmentInfo(path, first, nxt - 1, good_end, start_off), nxt, problem, definite, nxt, None
+    target = after_lsn + 1
+    found = _find_valid(data, good_end, (target,))
+    if found is not None:
+        h = found[0]
+        covered = CoveredDamage(path, good_end, problem, h)
+        g2, n2, s2, p2, d2 = _validate(data, target, after_lsn, h)
+        return SegmentInfo(path, first, n2 - 1, g2, s2), n2, p2, d2, n2, covered
+    if _find_valid(data, good_end, range(target + 1, target + 8)) is None:
+        covered = CoveredDamage(path, good_end, problem, None)
+        return SegmentInfo(path, first, after_lsn, good_end, good_end), target, None, False, target, covered
+    # Records past the snapshot follow, but not LSN after_lsn + 1: real damage from there.
+    return (SegmentInfo(path, first, nxt - 1, good_end, good_end), nxt,
+            f"{problem} (records past the snapshot follow, but not LSN {target})", True, target, None)
+
+
+def _analyse(data_dir: str | os.PathLike[str], after_lsn: int) -> _Analysis:
+    """Validate without modifying anything (see :func:`scan_journal`)."""
     segs = list_segments(data_dir)
     jdir = Path(data_dir) / "journal"
+    manifest = read_manifest(data_dir)
     start = 0
     for i, (first, _) in enumerate(segs):
         if first <= after_lsn + 1:
             start = i
-    skipped = [p for _, p in segs[:start]]
     records_present = False
-    for p in skipped:
+    for _, p in segs[:start]:
         try:
             if p.stat().st_size > 0:
                 records_present = True
@@ -977,43 +1494,90 @@ def _analyse(data_dir: str | os.PathLike[str], after_lsn: int):
         except FileNotFoundError:
             pass
     infos: list[SegmentInfo] = []
+    covered: list[CoveredDamage] = []
     expected: int | None = None
     count = 0
     relevant = segs[start:]
+
+    def result(problem: _Problem | None, exp: int) -> _Analysis:
+        return _Analysis(segs, start, infos, problem, exp, records_present, count, covered, manifest)
+
     for idx, (first, path) in enumerate(relevant):
         with open(path, "rb") as f:
             data = f.read()
         if expected is not None and first != expected:
             prev = infos[-1].path if infos else path
-            return infos, skipped, _Problem(
+            records_present = records_present or bool(data)
+            return result(_Problem(
                 "gap", idx, path, 0,
                 f"missing segment: {prev.name} ends before LSN {expected} but the next "
-                f"segment starts at LSN {first}"), expected, records_present or bool(data), count
+                f"segment starts at LSN {first}", expected, (expected, first - 1)), expected)
         if expected is None and first > after_lsn + 1 and data:
-            return infos, skipped, _Problem(
+            records_present = True
+            return result(_Problem(
                 "start_gap", idx, path, 0,
                 f"the journal starts at LSN {first} but the snapshot is at LSN "
-                f"{after_lsn}: records {after_lsn + 1}..{first - 1} are missing"), first, True, count
+                f"{after_lsn}: records {after_lsn + 1}..{first - 1} are missing"
+                + (" (was the snapshot store deleted?)" if after_lsn == 0 else ""),
+                after_lsn + 1, (after_lsn + 1, first - 1)), first)
         if data:
             records_present = True
-        good_end, nxt, start_off, problem, definite = _validate(data, first, after_lsn)
-        info = SegmentInfo(path, first, nxt - 1, good_end, start_off)
+        info, nxt, problem, definite, plsn, cov = _validate_segment(data, first, path, after_lsn)
+        if cov is not None:
+            covered.append(cov)
         infos.append(info)
-        count += max(0, nxt - max(first, after_lsn + 1))
+        count += max(0, info.last_lsn - max(first, after_lsn + 1) + 1)
         expected = nxt
         if problem is not None:
             is_last = idx == len(relevant) - 1
-            if not definite and is_last and not _good_record_follows(data, good_end, nxt):
-                return infos, skipped, _Problem("torn", idx, path, good_end, problem), nxt, records_present, count
-            return infos, skipped, _Problem("corrupt", idx, path, good_end, problem), nxt, records_present, count
+            clean = manifest.clean_end_lsn if manifest is not None else None
+            if not definite and is_last and not _good_record_follows(data, info.end_offset, nxt):
+                if clean is None or clean < nxt:
+                    return result(_Problem("torn", idx, path, info.end_offset, problem, plsn), nxt)
+                problem = (f"{problem}; the journal was closed cleanly at LSN {clean}, so this is "
+                           f"damage, not a write torn by a crash")
+            return result(_Problem("corrupt", idx, path, info.end_offset, problem, plsn), nxt)
     if expected is None:
         expected = after_lsn + 1
-    if records_present and expected - 1 < after_lsn:
-        last = infos[-1].path if infos else jdir
-        return infos, skipped, _Problem(
-            "ahead", len(infos) - 1, last, infos[-1].end_offset if infos else 0,
-            f"snapshot LSN {after_lsn} is ahead of the journal end {expected - 1}"), expected, True, count
-    return infos, skipped, None, expected, records_present, count
+    end = expected - 1
+    present_end = max(end, after_lsn)
+    if manifest is not None:
+        clean = manifest.clean_end_lsn
+        active = manifest.active_segment
+        if active is not None and not any(f >= active for f, _ in segs):
+            if clean is None or clean > present_end:
+                # Segment `active` was created for record `active`: every record from
+                # the journal's present end up to it existed too.
+                lost_from = present_end + 1
+                upto = f"{lost_from}..{clean}" if clean is not None else f"from LSN {lost_from} on"
+                return result(_Problem(
+                    "missing_tail", -1, jdir / segment_name(active), 0,
+                    f"segment {segment_name(active)}, the journal's newest segment (JOURNAL_MANIFEST), "
+                    f"is missing and the journal ends at LSN {present_end}: records {upto} are lost",
+                    lost_from, (lost_from, clean)), expected)
+        elif clean is not None and clean > present_end:
+            last = infos[-1] if infos else None
+            return result(_Problem(
+                "short_tail", len(infos) - 1, last.path if last else jdir, last.end_offset if last else 0,
+                f"the journal ends at LSN {present_end} but was closed cleanly at LSN {clean}: records "
+                f"{present_end + 1}..{clean} are missing (the last segment was shortened or deleted)",
+                present_end + 1, (present_end + 1, clean)), expected)
+    if records_present and end < after_lsn:
+        last = infos[-1] if infos else None
+        return result(_Problem(
+            "ahead", len(infos) - 1, last.path if last else jdir, last.end_offset if last else 0,
+            f"snapshot LSN {after_lsn} is ahead of the journal end {end}: the journal's last "
+            f"segment(s) are missing; records after LSN {after_lsn}, if there were any, are lost",
+            after_lsn + 1, (after_lsn + 1, None)), expected)
+    return result(None, expected)
+
+
+def _log_covered(covered: list[CoveredDamage], after_lsn: int) -> None:
+    for c in covered:
+        then = (f"resumed at LSN {after_lsn + 1} (byte offset {c.resumed_at})" if c.resumed_at is not None
+                else "nothing newer follows in that segment")
+        log.warning("journal: %s is damaged at byte offset %d (%s) in records the snapshot (LSN %d) "
+                    "already holds: ignored, %s", c.path, c.offset, c.reason, after_lsn, then)
 
 
 def scan_journal(
@@ -1029,7 +1593,13 @@ def scan_journal(
     A torn, half-written or zeroed tail of the *last* segment (no valid record after the
     damage) is normal after a crash: with ``cut_torn_tail`` the file is truncated at the
     last good record and fsynced, and a warning naming file and offset is logged on
-    ``rallypoint.persistence``; without it, reading just stops there (read-only).
+    ``rallypoint.persistence``; without it, reading just stops there (read-only). After
+    a clean close (``JOURNAL_MANIFEST``) there is no such thing as a torn tail: it is
+    damage.
+
+    Damage in records at or below ``after_lsn`` (the snapshot holds them) is skipped
+    with a warning when record ``after_lsn + 1`` is found past it (or nothing newer
+    follows in that segment): nothing of it is needed.
 
     When the journal holds no records (or none past its start) the next LSN is
     ``after_lsn + 1``.
@@ -1037,11 +1607,16 @@ def scan_journal(
     Raises:
         JournalCorruptError: damage before the tail: a bad record followed by good ones,
             a missing segment, an LSN gap, records missing between ``after_lsn`` and
-            the first segment, or ``after_lsn`` (the snapshot) ahead of the journal's
-            last record while records are present. Nothing is modified.
+            the first segment, the newest segment named by the manifest missing, a
+            journal shorter than its recorded clean end, or ``after_lsn`` (the
+            snapshot) ahead of the journal's last record while records are present.
+            Nothing is modified.
         OSError: reading/truncating failed.
     """
-    infos, skipped, problem, expected, _present, count = _analyse(data_dir, after_lsn)
+    a = _analyse(data_dir, after_lsn)
+    _log_covered(a.covered, after_lsn)
+    problem = a.problem
+    expected = a.expected
     torn = None
     if problem is not None:
         if problem.kind != "torn":
@@ -1057,10 +1632,10 @@ def scan_journal(
                 problem.path, problem.offset, torn.bytes_dropped, problem.reason, expected - 1)
     last = expected - 1
     next_lsn = expected if expected - 1 >= after_lsn else after_lsn + 1
-    infos = [s for s in infos if s.start_offset < s.end_offset]
+    infos = [s for s in a.infos if s.start_offset < s.end_offset]
     return ScanResult(after_lsn=after_lsn, segments=infos, last_lsn=max(last, after_lsn),
-                      next_lsn=next_lsn, record_count=count, torn_tail=torn,
-                      skipped_segments=skipped)
+                      next_lsn=next_lsn, record_count=a.count, torn_tail=torn,
+                      skipped_segments=a.skipped, covered_damage=a.covered)
 
 
 def read_journal(data_dir: str | os.PathLike[str], after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:
@@ -1083,74 +1658,17 @@ def _truncate_file(path: Path, offset: int) -> None:
         os.close(fd)
 
 
-# --------------------------------------------------------------------------- repair
-
-
-@dataclass
-class RepairReport:
-    """What :func:`repair` cut.
-
-    Attributes:
-        file: the segment truncated (None when nothing was cut or only whole segments
-            were deleted).
-        offset: byte offset it was truncated at.
-        bytes_dropped: total bytes removed (truncated tail + deleted segments).
-        records_dropped_estimate: rough number of records lost (bytes / mean record size).
-        deleted_segments: whole segment files deleted.
-        reason: the damage found, or None when the journal was fine.
-        last_lsn: last LSN kept.
-    """
-
-    file: Path | None
-    offset: int
-    bytes_dropped: int
-    records_dropped_estimate: int
-    deleted_segments: list[Path]
-    reason: str | None
-    last_lsn: int
-
-    @property
-    def changed(self) -> bool:
-        """True when anything was cut."""
-        return self.bytes_dropped > 0 or bool(self.deleted_segments)
-
-
-def repair(
-    data_dir: str | os.PathLike[str], *, snapshot_lsn: int | None = None, lock: bool = True
-) -> RepairReport:
-    """Truncate the journal at the last good record, deleting later segments.
-
-    Loses every record after the first damage: use only after
-    :class:`JournalCorruptError`, with the server stopped. ``snapshot_lsn`` defaults to
-    the LSN stored in ``<data_dir>/snapshot`` (0 without a snapshot); when the snapshot
-    is ahead of the journal end every segment is deleted (all their records are in the
-    snapshot). With ``lock`` the data-dir lock is taken for the duration.
-
-    Raises: DataDirLocked (server running), OSError.
-    """
-    from .lock import DataDirLock
-
-    dlock = DataDirLock(data_dir) if lock else None
-    if dlock is not None:
-        dlock.acquire()
-    try:
-        if snapshot_lsn is None:
-            snapshot_lsn = snapshot_lsn_of(data_dir)
-        return _repair(Path(data_dir), snapshot_lsn)
-    finally:
-        if dlock is not None:
-            dlock.release()
-
-
 def snapshot_lsn_of(data_dir: str | os.PathLike[str]) -> int:
     """LSN stored in ``<data_dir>/snapshot`` (0 without a snapshot). Opens the LMDB
     environment briefly: do not call it in a process that holds a SnapshotStore of the
-    same data dir. Raises lmdb.Error."""
+    same data dir.
+
+    Raises: SnapshotCorruptError (the store cannot be read), OSError."""
     if not (Path(data_dir) / "snapshot").exists():
         return 0
-    from .snapshot import SnapshotStore
+    from .snapshot import open_store
 
-    store = SnapshotStore(data_dir)
+    store = open_store(data_dir)
     try:
         return store.load_lsn()
     finally:
@@ -1163,58 +1681,34 @@ def verify_journal(data_dir: str | os.PathLike[str], *, snapshot_lsn: int | None
     ``after_lsn`` = the snapshot LSN (read from the data dir when None) and
     ``cut_torn_tail=False``. A torn tail is reported in ``torn_tail``, not cut.
 
-    Raises: JournalCorruptError, OSError, lmdb.Error.
+    Raises: JournalCorruptError, SnapshotCorruptError, OSError.
     """
     if snapshot_lsn is None:
         snapshot_lsn = snapshot_lsn_of(data_dir)
     return scan_journal(data_dir, snapshot_lsn, cut_torn_tail=False)
 
 
-def _repair(data_dir: Path, after_lsn: int) -> RepairReport:
-    infos, _skipped, problem, expected, _present, _count = _analyse(data_dir, after_lsn)
-    if problem is None:
-        return RepairReport(None, 0, 0, 0, [], None, expected - 1)
-    segs = list_segments(data_dir)
-    good_bytes = sum(s.end_offset for s in infos)
-    good_recs = sum(max(0, s.last_lsn - s.first_lsn + 1) for s in infos)
-    mean = good_bytes / good_recs if good_recs else 64.0
-    deleted: list[Path] = []
-    dropped = 0
-    cut_file: Path | None = None
-    cut_off = 0
-    if problem.kind == "ahead" or problem.kind == "start_gap":
-        # Nothing in the journal can be replayed on top of the snapshot: drop it all
-        # (records <= snapshot are in the snapshot anyway).
-        doomed = [p for _, p in segs]
-        last = after_lsn
-    else:
-        if problem.kind in ("torn", "corrupt"):
-            cut_file, cut_off = problem.path, problem.offset
-            size = cut_file.stat().st_size
-            dropped += size - cut_off
-            _truncate_file(cut_file, cut_off)
-            later = False
-        else:  # gap: keep up to the previous segment's end
-            later = True
-        doomed = []
-        for _, p in segs:
-            if later:
-                doomed.append(p)
-            elif p == problem.path:
-                later = True
-        last = expected - 1
-    for p in doomed:
-        try:
-            dropped += p.stat().st_size
-            p.unlink()
-            deleted.append(p)
-        except FileNotFoundError:
-            pass
-    jdir = data_dir / "journal"
-    if jdir.exists():
-        _fsync_dir(jdir)
-    est = int(round(dropped / mean)) if dropped else 0
-    log.warning("journal repair: %s; cut %s at %d, deleted %d segment(s), %d bytes dropped "
-                "(~%d records); journal now ends at LSN %d", problem.reason, cut_file, cut_off,
-                len(deleted), dropped, est, last)
-    return RepairReport(cut_file, cut_off, dropped, est, deleted, problem.reason, last)
+# --------------------------------------------------------------------------- repair
+# (in repair.py; re-exported here for the callers that import it from the journal)
+
+
+def plan_repair(data_dir: str | os.PathLike[str], *, snapshot_lsn: int | None = None) -> "RepairPlan":
+    """See :func:`rallypoint.persistence.repair.plan_repair`."""
+    from .repair import plan_repair as _plan
+
+    return _plan(data_dir, snapshot_lsn=snapshot_lsn)
+
+
+def repair(data_dir: str | os.PathLike[str], *, snapshot_lsn: int | None = None, lock: bool = True) -> "RepairReport":
+    """See :func:`rallypoint.persistence.repair.repair`."""
+    from .repair import repair as _repair
+
+    return _repair(data_dir, snapshot_lsn=snapshot_lsn, lock=lock)
+
+
+def __getattr__(name: str):  # RepairPlan / RepairReport live in repair.py
+    if name in ("RepairPlan", "RepairReport"):
+        import importlib
+
+        return getattr(importlib.import_module(".repair", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import lmdb
+
+from .errors import SnapshotCorruptError
 from .journal import Journal, ScanResult, TornTail, scan_journal
-from .snapshot import SnapshotStore, check_format
+from .snapshot import SnapshotStore, check_format, open_store
 
 __all__ = ["recover", "Recovered"]
 
@@ -63,11 +66,12 @@ class Recovered:
         return self.records.iter_records()
 
     def open_journal(self, *, mode: str = "fsync", interval_ms: float = 10,
-                     segment_bytes: int = 64 << 20) -> Journal:
-        """Open the journal for appending at :attr:`next_lsn` (sync).
-        Raises ValueError / OSError as :class:`Journal` does."""
+                     segment_bytes: int = 64 << 20, **options) -> Journal:
+        """Open the journal for appending at :attr:`next_lsn` (sync). ``options`` are
+        :class:`Journal`'s disk-space arguments (``min_free_bytes``, ``ballast_bytes``,
+        ``space_poll_s``, ``disk``). Raises ValueError / OSError as :class:`Journal` does."""
         return Journal(self.data_dir, mode=mode, next_lsn=self.next_lsn,
-                       interval_ms=interval_ms, segment_bytes=segment_bytes)
+                       interval_ms=interval_ms, segment_bytes=segment_bytes, **options)
 
 
 def recover(data_dir: str | os.PathLike[str]) -> Recovered:
@@ -80,17 +84,21 @@ def recover(data_dir: str | os.PathLike[str]) -> Recovered:
 
     Raises:
         FormatVersionError: data written by a newer format.
+        SnapshotCorruptError: the LMDB store cannot be read (one line, what to do).
         JournalCorruptError: damage that is not a torn tail (the message says how to
             repair). The snapshot store is closed before raising.
-        OSError, lmdb.Error: I/O failures.
+        OSError: I/O failures.
     """
     t0 = time.perf_counter()
     d = Path(data_dir)
     version = check_format(d)
-    store = SnapshotStore(d)
+    store = open_store(d)
     try:
         snapshot_lsn = store.load_lsn()
-        entities = list(store.iter_entities())
+        try:
+            entities = list(store.iter_entities())
+        except lmdb.Error as exc:
+            raise SnapshotCorruptError(str(store.path), str(exc), data_dir=str(d)) from None
         t1 = time.perf_counter()
         scan = scan_journal(d, after_lsn=snapshot_lsn)
         t2 = time.perf_counter()

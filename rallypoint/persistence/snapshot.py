@@ -16,6 +16,14 @@ leaves either the previous snapshot or the new one, never a mix. (``sync=False``
 later ``env.sync()`` would be one fsync cheaper but lets a crash *during* the commit
 tear the environment; one snapshot every few seconds can afford the second fsync.)
 ``writemap`` is off for the same reason.
+
+A failed write (a full disk: LMDB reports ENOSPC, or EIO for a short write) aborts the
+transaction and leaves the previous snapshot intact; the environment is reopened before
+the next write. :func:`open_store` checks the data file before LMDB maps it (a truncated
+file would otherwise be a SIGBUS) and turns LMDB's errors into
+:class:`~rallypoint.persistence.errors.SnapshotCorruptError`. (LMDB trusts its page
+pointers: some damage inside the file can still crash the process when read; restore
+from a backup then.)
 """
 
 from __future__ import annotations
@@ -28,12 +36,76 @@ from typing import Iterator
 import lmdb
 import trio
 
-from .errors import FormatVersionError
+from .errors import FormatVersionError, SnapshotCorruptError
 
-__all__ = ["SnapshotStore", "EventWrite", "FORMAT_VERSION", "check_format", "FormatVersionError"]
+__all__ = ["SnapshotStore", "EventWrite", "FORMAT_VERSION", "check_format", "FormatVersionError", "open_store",
+           "check_data_file"]
 
 FORMAT_VERSION = 1
 _LSN = struct.Struct(">Q")
+_MDB_MAGIC = 0xBEEFC0DE
+
+
+def check_data_file(path: str | os.PathLike[str]) -> None:
+    """Check an LMDB ``data.mdb`` before it is mapped: both meta pages valid, and the
+    file long enough for the newest transaction's pages (a truncated file would make
+    LMDB read past its end: SIGBUS). A missing or empty file passes (a new store).
+
+    Raises:
+        ValueError: the file is damaged; the message says how.
+    """
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(p, "rb") as f:
+        head = f.read(4096 * 2)
+    if len(head) < 160:
+        raise ValueError(f"{p.name} is {size} bytes, too short for an LMDB file")
+    psize = struct.unpack_from("<I", head, 40)[0]
+    if psize < 512 or psize > 65536 or psize & (psize - 1):
+        raise ValueError(f"{p.name} is not an LMDB file (page size field {psize})")
+    with open(p, "rb") as f:
+        f.seek(psize)
+        meta1 = f.read(160)
+    best = None
+    for i, page in enumerate((head[:160], meta1)):
+        if len(page) < 160:
+            raise ValueError(f"{p.name} is truncated inside its meta pages ({size} bytes)")
+        magic, version = struct.unpack_from("<II", page, 16)
+        if magic != _MDB_MAGIC or version != 1:
+            raise ValueError(f"{p.name} is not an LMDB file (meta page {i} damaged)")
+        last_pg, txnid = struct.unpack_from("<QQ", page, 136)
+        if best is None or txnid > best[1]:
+            best = (last_pg, txnid)
+    assert best is not None
+    need = (best[0] + 1) * psize
+    if size < need:
+        raise ValueError(f"{p.name} is truncated: {size} bytes, but its last transaction uses {need}")
+
+
+def open_store(data_dir: str | os.PathLike[str], **kwargs) -> "SnapshotStore":
+    """Open ``<data_dir>/snapshot`` after :func:`check_data_file`, reading its LSN once.
+
+    Raises:
+        SnapshotCorruptError: the store cannot be opened or read (one line: what is
+            wrong and what to do).
+    """
+    path = Path(data_dir) / "snapshot"
+    try:
+        check_data_file(path / "data.mdb")
+        store = SnapshotStore(data_dir, **kwargs)
+    except (ValueError, lmdb.Error) as exc:
+        raise SnapshotCorruptError(str(path), str(exc), data_dir=str(data_dir)) from None
+    try:
+        store.load_lsn()
+    except (lmdb.Error, struct.error) as exc:
+        store.close()
+        raise SnapshotCorruptError(str(path), str(exc), data_dir=str(data_dir)) from None
+    return store
 
 
 def check_format(data_dir: str | os.PathLike[str]) -> int:
@@ -113,17 +185,23 @@ class SnapshotStore:
     def __init__(self, data_dir: str | os.PathLike[str], *, map_size: int = 64 << 30) -> None:
         self.path = Path(data_dir) / "snapshot"
         self.path.mkdir(parents=True, exist_ok=True)
+        self._map_size = map_size
+        self._lock = trio.Lock()
+        self._reopen = False
+        self.failed_writes = 0
+        self._open_env()
+        with self._env.begin(write=True) as txn:
+            if txn.get(b"format_version", db=self._meta) is None:
+                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._meta)
+
+    def _open_env(self) -> None:
         self._env = lmdb.open(
-            str(self.path), map_size=map_size, max_dbs=3, subdir=True,
+            str(self.path), map_size=self._map_size, max_dbs=3, subdir=True,
             sync=True, metasync=True, writemap=False, readahead=False, lock=True,
         )
         self._entities = self._env.open_db(b"entities")
         self._meta = self._env.open_db(b"meta")
         self._events = self._env.open_db(b"events")
-        self._lock = trio.Lock()
-        with self._env.begin(write=True) as txn:
-            if txn.get(b"format_version", db=self._meta) is None:
-                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._meta)
 
     def load_lsn(self) -> int:
         """LSN the stored entities are valid at; 0 when no snapshot was ever written."""
@@ -193,7 +271,8 @@ class SnapshotStore:
 
         Raises:
             ValueError: ``lsn`` is below the stored LSN.
-            lmdb.Error: the write failed (e.g. map full); nothing was changed.
+            lmdb.Error: the write failed (a full disk, map full); nothing was changed
+                and the store is reopened before the next write.
         """
         async with self._lock:
             await trio.to_thread.run_sync(self._write_sync, lsn, puts, deletes, events)
@@ -205,6 +284,18 @@ class SnapshotStore:
 
     def _write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
                     events: "EventWrite | None" = None) -> None:
+        if self._reopen:  # after a failed commit (LMDB may have flagged the env as broken)
+            self._env.close()
+            self._open_env()
+            self._reopen = False
+        try:
+            self._write_txn(lsn, puts, deletes, events)
+        except lmdb.Error:
+            self._reopen = True
+            self.failed_writes += 1
+            raise
+
+    def _write_txn(self, lsn: int, puts, deletes: list[bytes], events: "EventWrite | None" = None) -> None:
         with self._env.begin(write=True) as txn:
             raw = txn.get(b"lsn", db=self._meta)
             old = 0 if raw is None else _LSN.unpack(raw)[0]

@@ -51,7 +51,7 @@ import msgspec
 import trio
 
 from .. import wire
-from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError
+from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError, shutting_down_error
 from ..logutil import RateLimitedLogger
 from .framing import (
     HEADER,
@@ -201,6 +201,7 @@ class _Conn:
         # metrics: request id -> [receipt time (perf_counter), op], while it is answered
         self.req_meta: dict[int, list] = {}
         self.t_rx = time.perf_counter()
+        self.backlog: deque = deque()  # requests of a batch frame not admitted yet
         self.closing = False
         self.draining = False
         self.rx_count = 0
@@ -316,8 +317,9 @@ class _Conn:
         if t is _Request:
             self.handle_request(msg.id, msg.body)
         elif t is _Batch:
-            for req in msg.reqs:
-                self.handle_request(req.id, req.body)
+            # each request of a batch counts against the limits like a single one: the
+            # reader admits them one by one (see reader), pausing when full
+            self.backlog.extend(msg.reqs)
         elif t is _Cancel:
             self.cancel_wait(msg.id)
         elif t is _Ping:
@@ -472,8 +474,7 @@ class _Conn:
             waiter.cancel()
             if self.live.pop(rid, _GONE) is not _GONE:
                 if self.refuse_waits and not self.closing:
-                    self.send_error(rid, UnavailableError(
-                        "the server is shutting down; retry on a new connection", retry_after=1.0))
+                    self.send_error(rid, shutting_down_error())
                 self.request_done()
             return
         if rid in self.live:
@@ -718,15 +719,21 @@ class _Conn:
         max_inflight = self._max_inflight
         max_out = self._max_out
         frames = pending
+        backlog = self.backlog
         while True:
             self.batching = True
             for frame in frames:
                 handle(frame)
-                if self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
-                    self.batching = False
-                    self._wake_writer()
-                    await self.wait_capacity()
-                    self.batching = True
+                while True:
+                    if self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
+                        self.batching = False
+                        self._wake_writer()
+                        await self.wait_capacity()
+                        self.batching = True
+                    if not backlog:
+                        break
+                    req = backlog.popleft()
+                    self.handle_request(req.id, req.body)
             self.batching = False
             if self.out:
                 if self.sending or self.writer_event is None:
@@ -759,6 +766,7 @@ class _Conn:
             data = await stream.receive_some(_RECEIVE_SIZE)
             if not data:
                 return
+            self._peer_quiet = True
             self.rx_count += 1
             self.bytes_in += len(data)
             if self._metrics is not None:
@@ -771,9 +779,36 @@ class _Conn:
         self.pauses += 1
         # Replies are made later, by the actors: the requests in flight will add about
         # inflight x (the connection's average reply size) to what waits to be sent.
+        watch = self._fd is not None
         while self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
             ev = self.reader_event = trio.Event()
-            await ev.wait()
+            if not watch:
+                await ev.wait()
+                continue
+            # Not reading now, but a peer that goes away must still end its waits (their
+            # answers would go nowhere): watch the socket for EOF or a reset meanwhile.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_for_close, nursery.cancel_scope)
+                await ev.wait()
+                nursery.cancel_scope.cancel()
+            watch = self._peer_quiet
+
+    _peer_quiet = True  # nothing unread from the peer: EOF can be seen without reading
+
+    async def _watch_for_close(self, done: trio.CancelScope) -> None:
+        """While the reader pauses: peek at the socket; EOF or a reset closes the
+        connection (and so ends its parked waits). Data waiting to be read means a close
+        cannot be seen without reading it: stop watching until the reader reads again."""
+        try:
+            data = await self.stream.socket.recv(1, socket.MSG_PEEK)
+        except OSError:
+            data = b""
+        if data:
+            self._peer_quiet = False
+            return
+        log.debug("connection from %s closed by the peer while its requests wait", self.peer)
+        self.abort()
+        done.cancel()
 
     async def handshake(self) -> list[memoryview] | None:
         """Read the Hello; answer it. Returns frames pipelined after the Hello, or None
@@ -904,11 +939,9 @@ class _Conn:
                             if grace_at is not None and trio.current_time() >= grace_at:
                                 grace_at = None
                                 self.refuse_waits = True  # a wait parked from now on is answered at once
-                                self.end_waits(UnavailableError(
-                                    "the server is shutting down; retry on a new connection", retry_after=1.0))
+                                self.end_waits(shutting_down_error())
                 # Waits still parked are ended; a peer that can still hear is told so.
-                self.end_waits(UnavailableError(
-                    "the server is shutting down; retry on a new connection", retry_after=1.0))
+                self.end_waits(shutting_down_error())
                 self.closing = True
                 self.stop_sending(1.0)
                 nursery.cancel_scope.cancel()

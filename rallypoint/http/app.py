@@ -1,0 +1,360 @@
+"""The HTTP API (runstate's ``/v1/spaces/{spaceId}/...``) as an ASGI application.
+
+Every request goes through :meth:`rallypoint.service.Service.call` with a
+:class:`~rallypoint.service.Session` for its bearer key: decoding, permissions, routing
+to an actor, and "answered only once durable" are the TCP listener's, unchanged. This
+module only maps HTTP onto operations and back:
+
+- **Routing** is on the raw path (names may hold ``%2F``): the part after the first
+  ``/v1/spaces/`` is split on ``/`` and each segment percent-decoded once, so a base URL
+  with a path prefix works. The endpoint table is :data:`rallypoint.http.endpoints.ROUTES`.
+- **Auth**: ``authorization: Bearer <key>`` is an API key of this server; the path's
+  ``{spaceId}`` must be the key's space (another is NOT_FOUND, as on TCP). In open mode
+  (no key ever created) any bearer, or none, is accepted and the path's space is used.
+- **Bodies**: JSON objects (camelCase); an empty body is ``{}``. Answers are JSON, or
+  204 where the report says "nothing" (an empty receive or admit).
+- **Errors**: ``{"error": {"code", "message", "requestId"}}`` with the status of
+  :data:`STATUS`, and ``Retry-After`` (seconds) when the error has a ``retry_after``.
+- **Idempotency-Key** on a non-GET: the stored answer of an earlier request with that key
+  is replayed (``idempotency.lookup``); otherwise the request runs and its answer is
+  journaled (``idempotency.record``) before it is sent. Concurrent requests with one key
+  wait for the first. Answers that may change on a retry (contention, UNAVAILABLE,
+  "nothing yet" 204) are not stored.
+- **Long polls** (receive, admit, task result, once, watch): the wait is parked on the
+  server (at most 60 s a request); a client that disconnects ends it at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qsl, unquote
+
+import msgspec
+import trio
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import (
+    RallypointError,
+    UnauthenticatedError,
+    ValidationError,
+)
+from ..protocol import REPLY_TYPES, IdempotencyLookup, IdempotencyRecord
+from ..service import Session
+
+log = logging.getLogger("rallypoint.http")
+
+__all__ = ["HttpApi", "Ctx", "STATUS", "MAX_BODY"]
+
+#: The HTTP status of each error code (the wire report's, §2.2 and §4).
+STATUS: dict[str, int] = {
+    "VALIDATION_FAILED": 400,
+    "UNAUTHENTICATED": 401,
+    "FORBIDDEN": 403,
+    "NOT_FOUND": 404,
+    "CURSOR_EXPIRED": 410,
+    "RATE_LIMITED": 429,
+    "SERVICE_RATE_LIMITED": 429,
+    "CONCURRENCY_LIMITED": 429,
+    "ALLOWANCE_EXHAUSTED": 429,
+    "ALLOWANCE_COOLDOWN": 429,
+    "LIMIT_EXCEEDED": 429,
+    "UNAVAILABLE": 503,
+    "INTERNAL": 500,
+}
+# every other code (CONFLICT, SCOPE_CANCELLED, DEADLINE_EXCEEDED, STALE_CLAIM, CLAIM_HELD,
+# CAPACITY_UNAVAILABLE, INSUFFICIENT_BUDGET, BARRIER_*, BACKLOG_FULL, ...) is 409
+
+#: Codes whose answer may change when the same request is retried: never stored.
+_TRANSIENT = frozenset({
+    "RATE_LIMITED", "SERVICE_RATE_LIMITED", "CONCURRENCY_LIMITED", "BACKLOG_FULL", "LIMIT_EXCEEDED",
+    "CAPACITY_UNAVAILABLE", "CLAIM_HELD", "ALLOWANCE_EXHAUSTED", "ALLOWANCE_COOLDOWN", "UNAVAILABLE",
+    "INTERNAL", "UNAUTHENTICATED", "FORBIDDEN", "IDEMPOTENCY_CONFLICT",
+})
+
+#: Largest request body (the TCP frame limit), bytes.
+MAX_BODY = 1 << 20
+
+_json_decode = msgspec.json.Decoder().decode
+_json_encode = msgspec.json.Encoder().encode
+
+
+class HttpError(Exception):
+    """An answer made by the HTTP layer itself (bad route, body)."""
+
+
+class Ctx:
+    """One request: its session, path parameters, JSON body and query, and
+    :meth:`call` to run operations through the service."""
+
+    __slots__ = ("api", "request", "session", "params", "body", "query", "long_poll")
+
+    def __init__(self, api: "HttpApi", request: Request, session: Session, params: dict, body: dict, query: dict):
+        self.api = api
+        self.request = request
+        self.session = session
+        self.params = params
+        self.body = body
+        self.query = query
+        self.long_poll = False
+
+    async def call(self, op: msgspec.Struct):
+        """Run ``op`` as this request's session; the decoded reply Struct (raises the
+        RallypointError it answered). A long poll (``wait_ms`` > 0) ends when the client
+        disconnects."""
+        service = self.api.service
+        wait = getattr(op, "wait_ms", 0) or 0
+        if wait > 0:
+            raw = await self.api.until_disconnect(self.request, service.call(self.session, op))
+        else:
+            raw = await service.call(self.session, op)
+        rtype = REPLY_TYPES.get(type(op))
+        return msgspec.msgpack.decode(raw, type=rtype) if rtype is not None else None
+
+
+Handler = Callable[[Ctx], Awaitable[Any]]
+
+
+class NoContent:
+    """A handler's "nothing" (204)."""
+
+
+NO_CONTENT = NoContent()
+
+
+class HttpApi:
+    """The ASGI application. ``service``: the coordinator's
+    :class:`~rallypoint.service.Service`; ``max_requests``: requests in progress at once
+    (more are answered 429 CONCURRENCY_LIMITED with ``Retry-After``)."""
+
+    def __init__(self, service, *, max_requests: int = 1024) -> None:
+        from .endpoints import ROUTES
+
+        self.service = service
+        self.coordinator = service.coordinator
+        self.routes: dict[str, list[tuple[tuple[str, ...], Handler]]] = {}
+        for method, path, handler in ROUTES:
+            segs = tuple(path.strip("/").split("/"))
+            self.routes.setdefault(method, []).append((segs, handler))
+        self.max_requests = max_requests
+        self.in_progress = 0
+        self.requests = 0
+        self._inflight_keys: dict[tuple[str, str], trio.Event] = {}
+
+    # ------------------------------------------------------------------ ASGI
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        request = Request(scope, receive)
+        response = await self.handle(request)
+        await response(scope, receive, send)
+
+    async def handle(self, request: Request) -> Response:
+        rid = secrets.token_hex(8)
+        self.requests += 1
+        if self.in_progress >= self.max_requests:
+            return self._error(RallypointError(
+                f"more than {self.max_requests} HTTP requests in progress; retry shortly",
+                retry_after=0.2, code="CONCURRENCY_LIMITED"), rid)
+        self.in_progress += 1
+        try:
+            return await self._handle(request, rid)
+        except RallypointError as e:
+            return self._error(e, rid)
+        except HttpError as e:
+            return self._error(ValidationError(str(e)), rid)
+        except Exception as e:  # a bug: INTERNAL, keep serving
+            log.exception("internal error on %s %s", request.method, request.url.path)
+            return self._error(RallypointError(f"internal error: {type(e).__name__}", code="INTERNAL"), rid)
+        finally:
+            self.in_progress -= 1
+
+    async def _handle(self, request: Request, rid: str) -> Response:
+        method = request.method
+        raw_path: bytes = request.scope.get("raw_path") or request.scope["path"].encode()
+        raw = raw_path.decode("latin-1").split("?", 1)[0]
+        i = raw.find("/v1/spaces/")
+        if i < 0:
+            raise_not_found(f"no endpoint {method} {raw} (paths start with /v1/spaces/{{spaceId}})")
+        parts = raw[i + len("/v1/spaces/"):].split("/")
+        space = unquote(parts[0], errors="strict")
+        rest = tuple(parts[1:])
+        handler, params = self._match(method, rest)
+        session = self._session(request, space)
+        query = {k: v for k, v in parse_qsl(request.url.query, keep_blank_values=True)}
+        body: dict = {}
+        if method != "GET":
+            data = await request.body()
+            if len(data) > MAX_BODY:
+                raise ValidationError(f"request body exceeds {MAX_BODY} bytes")
+            if data.strip():
+                try:
+                    body = _json_decode(data)
+                except msgspec.DecodeError as e:
+                    raise ValidationError(f"the body is not JSON: {e}") from None
+                if not isinstance(body, dict):
+                    raise ValidationError("the body must be a JSON object")
+        ctx = Ctx(self, request, session, params, body, query)
+        key = request.headers.get("idempotency-key") if method != "GET" else None
+        if key:
+            return await self._idempotent(ctx, handler, key, method, raw, data, rid)
+        return self._respond(await self._run(handler, ctx, rid), rid)
+
+    def _match(self, method: str, rest: tuple[str, ...]) -> tuple[Handler, dict]:
+        for segs, handler in self.routes.get(method, ()):
+            if len(segs) != len(rest):
+                continue
+            params = {}
+            for pat, got in zip(segs, rest):
+                if pat.startswith("{"):
+                    if not got:
+                        break
+                    params[pat[1:-1]] = unquote(got, errors="strict")
+                elif pat != got:
+                    break
+            else:
+                return handler, params
+        other = [m for m, rs in self.routes.items() if m != method and any(
+            len(s) == len(rest) and all(p.startswith("{") or p == g for p, g in zip(s, rest)) for s, _ in rs)]
+        if other:
+            raise RallypointError(f"{method} is not allowed here (use {', '.join(sorted(other))})",
+                                  code="VALIDATION_FAILED", details={"allowed": sorted(other)})
+        raise_not_found(f"no endpoint {method} /{'/'.join(rest)}")
+
+    def _session(self, request: Request, space: str) -> Session:
+        coord = self.coordinator
+        auth = request.headers.get("authorization", "")
+        secret = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        peer = f"{request.client.host}:{request.client.port}" if request.client else ""
+        if coord.keys.open_mode:
+            return Session(space=space, peer=peer)
+        if not secret:
+            raise UnauthenticatedError("this server requires an API key: send authorization: Bearer <key>")
+        key = coord.keys.authenticate(secret)
+        if key.space != space:
+            raise_not_found(f"no space {space!r} for this key")
+        return Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id)
+
+    async def _run(self, handler: Handler, ctx: Ctx, rid: str):
+        try:
+            return 200, await handler(ctx)
+        except RallypointError as e:
+            return e
+
+    # ------------------------------------------------------------------ idempotency
+    async def _idempotent(self, ctx: Ctx, handler: Handler, key: str, method: str, path: str, data: bytes,
+                          rid: str) -> Response:
+        space = ctx.session.space
+        fp = hashlib.sha256(b"%s %s\n" % (method.encode(), path.encode()) + data).hexdigest()[:32]
+        slot = (space, key)
+        while (ev := self._inflight_keys.get(slot)) is not None:  # the same key in flight: wait for it
+            await self.until_disconnect(ctx.request, ev.wait())
+        ev = self._inflight_keys[slot] = trio.Event()
+        try:
+            stored = await self.service_call(ctx.session, IdempotencyLookup(key=key, fingerprint=fp))
+            if stored.found:
+                return self._replay(stored.status, stored.body, rid)
+            result = await self._run(handler, ctx, rid)
+            response = self._respond(result, rid)
+            status, body = self._storable(result, response)
+            if status is not None:
+                await self.service_call(ctx.session, IdempotencyRecord(key=key, fingerprint=fp, status=status,
+                                                                       body=body))
+            return response
+        finally:
+            del self._inflight_keys[slot]
+            ev.set()
+
+    async def service_call(self, session: Session, op):
+        raw = await self.service.call(session, op)
+        return msgspec.msgpack.decode(raw, type=REPLY_TYPES[type(op)])
+
+    def _storable(self, result, response: Response) -> tuple[int | None, bytes]:
+        if isinstance(result, RallypointError):
+            if result.code in _TRANSIENT:
+                return None, b""
+            return response.status_code, bytes(response.body)
+        if response.status_code == 204:
+            return None, b""
+        return response.status_code, bytes(response.body)
+
+    def _replay(self, status: int, body: bytes, rid: str) -> Response:
+        headers = {"x-request-id": rid, "idempotent-replayed": "true"}
+        return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+    # ------------------------------------------------------------------ answers
+    def _respond(self, result, rid: str) -> Response:
+        if isinstance(result, RallypointError):
+            return self._error(result, rid)
+        _, value = result
+        if value is NO_CONTENT:
+            return Response(status_code=204, headers={"x-request-id": rid})
+        return Response(_json_encode(value), status_code=200, media_type="application/json",
+                        headers={"x-request-id": rid})
+
+    def _error(self, e: RallypointError, rid: str) -> Response:
+        code = e.code
+        status = STATUS.get(code, 409)
+        err: dict[str, Any] = {"code": code, "message": e.message or str(e), "requestId": rid}
+        if e.details:
+            err["details"] = _jsonable(e.details)
+        headers = {"x-request-id": rid}
+        if e.retry_after is not None:
+            headers["retry-after"] = f"{max(0.0, float(e.retry_after)):.3g}"
+        return Response(_json_encode({"error": err}), status_code=status, media_type="application/json",
+                        headers=headers)
+
+    # ------------------------------------------------------------------ long polls
+    async def until_disconnect(self, request: Request, awaitable):
+        """Await ``awaitable``; if the client disconnects first, cancel it (a parked wait
+        ends at once: a delivery is not leased to a caller that has gone) and answer
+        nothing."""
+        result: list = []
+        failure: list = []
+
+        async with trio.open_nursery() as nursery:
+            async def run():
+                try:
+                    result.append(await awaitable)
+                except RallypointError as e:  # the answer (kept out of the nursery's exception group)
+                    failure.append(e)
+                nursery.cancel_scope.cancel()
+
+            async def watch():
+                receive = request.receive
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(run)
+            nursery.start_soon(watch)
+        if failure:
+            raise failure[0]
+        if not result:
+            raise RallypointError("the client disconnected", code="UNAVAILABLE")
+        return result[0]
+
+
+def raise_not_found(message: str):
+    raise RallypointError(message, code="NOT_FOUND")
+
+
+def _jsonable(v):
+    try:
+        _json_encode(v)
+        return v
+    except (TypeError, msgspec.EncodeError):
+        return {k: repr(x) for k, x in v.items()} if isinstance(v, dict) else repr(v)

@@ -1,0 +1,1013 @@
+"""The endpoints of the runstate HTTP API, each a thin mapping onto protocol operations.
+
+:data:`ROUTES` is the table: ``(method, path template, handler)``, the template relative
+to ``/v1/spaces/{spaceId}``. A handler reads its request (``ctx.params``, ``ctx.body``,
+``ctx.query``), runs operations with ``await ctx.call(op)`` and returns a JSON-able dict
+(200) or :data:`~rallypoint.http.app.NO_CONTENT` (204); a RallypointError it raises (or
+an operation answers) becomes the error envelope.
+
+Shapes (camelCase; see ``docs/http.md`` for the whole list): instants are ISO 8601 UTC
+strings with milliseconds (``2026-01-31T12:00:00.000Z``); durations are integer
+``*Seconds`` or ``waitMs``; money is integer minor units as decimal strings
+(``"250"``); payloads (``input``, ``payload``, ``outcome``, ``result``) are any JSON
+value, stored as msgpack, so the native client reads the same value. Ids are the
+server's (path-safe). Tokens are decimal strings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .. import protocol as p
+from ..errors import ConflictError, NotFoundError, RallypointError, ValidationError
+from .app import NO_CONTENT, Ctx
+
+__all__ = ["ROUTES"]
+
+MAX_WAIT_MS = 60_000
+#: A watch or receive without its own wait: held this long (under the 0.2 client's 10 s
+#: per-request timeout, which long polls of /watch do not extend).
+DEFAULT_WATCH_HOLD_MS = 8_000
+
+_mp_decode = msgspec.msgpack.decode
+_mp_encode = msgspec.msgpack.encode
+
+
+# ====================================================================== helpers
+def val(raw: msgspec.Raw | bytes | None) -> Any:
+    """A stored payload as a JSON value (None for nil)."""
+    if raw is None:
+        return None
+    b = bytes(raw)
+    return None if b in (b"", b"\xc0") else _mp_decode(b)
+
+
+def raw(value: Any) -> msgspec.Raw:
+    """A JSON value as a stored payload."""
+    return msgspec.Raw(_mp_encode(value))
+
+
+def _get(body: dict, name: str, kind, *, required: bool = False, default=None):
+    v = body.get(name)
+    if v is None:
+        if required:
+            raise ValidationError(f"{name} is required", details={"field": name})
+        return default
+    ok = isinstance(v, kind) and not (kind in (int, (int, str)) and isinstance(v, bool))
+    if not ok:
+        tname = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ValidationError(f"{name} must be a {tname} (got {type(v).__name__})", details={"field": name})
+    return v
+
+
+def s_(body, name, *, required=False, default=None) -> str | None:
+    return _get(body, name, str, required=required, default=default)
+
+
+def i_(body, name, *, required=False, default=None) -> int | None:
+    return _get(body, name, int, required=required, default=default)
+
+
+def b_(body, name, default=False) -> bool:
+    return _get(body, name, bool, default=default)
+
+
+def minor(body, name, *, required=False, default=None) -> int | None:
+    """Money: a decimal string (or integer) of minor units."""
+    v = _get(body, name, (str, int), required=required, default=default)
+    if v is None or isinstance(v, int):
+        return v
+    if not v.isdigit():
+        raise ValidationError(f"{name} must be a string of decimal digits (minor units), got {v!r}",
+                              details={"field": name})
+    return int(v)
+
+
+def token(body, name="token", *, required=True) -> int:
+    v = _get(body, name, (str, int), required=required)
+    if isinstance(v, int):
+        return v
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise RallypointError(f"{name} {v!r} is not a token of this server", code="STALE_CLAIM",
+                              details={"field": name}) from None
+
+
+def seconds_ms(body, name, default_s: int | None = None, *, required=False) -> int | None:
+    v = _get(body, name, (int, float), required=required, default=default_s)
+    return None if v is None else int(round(v * 1000))
+
+
+def wait_ms(v, default: int = 0) -> int:
+    if v is None or v == "":
+        return default
+    try:
+        ms = int(float(v))
+    except (TypeError, ValueError):
+        raise ValidationError(f"waitMs must be a number of milliseconds (got {v!r})",
+                              details={"field": "waitMs"}) from None
+    if ms < 0:
+        raise ValidationError("waitMs must be >= 0", details={"field": "waitMs"})
+    return min(ms, MAX_WAIT_MS)
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+# ====================================================================== views
+def scope_json(v: p.ScopeView) -> dict:
+    return {
+        "id": v.id, "scopeId": v.id, "name": v.name, "parentId": v.parent_id, "storedState": v.stored_state,
+        "effective": v.effective, "inactiveReason": v.inactive_reason, "deadline": v.deadline,
+        "createdAt": v.created_at, "endedAt": v.ended_at, "childLimit": v.child_limit, "children": v.children,
+        "tasks": v.tasks, "groupId": v.group_id, "taskId": v.task_id,
+    }
+
+
+def mailbox_json(v: p.MailboxView) -> dict:
+    return {"id": v.id, "mailboxId": v.id, "name": v.name, "mode": v.mode, "maxAttempts": v.max_attempts,
+            "backlogLimit": v.backlog_limit, "createdAt": v.created_at, "queued": v.queued, "running": v.running}
+
+
+def _reason(v) -> str | None:
+    """A failed task's reason as runstate reads it: ``handler_error: <error>`` when the
+    worker gave an error (retry / nack), else the server's reason."""
+    if v.state == "FAILED":
+        err = val(v.error)
+        if err is not None:
+            return "handler_error: " + (err if isinstance(err, str) else msgspec.json.encode(err).decode())
+    return v.outcome_reason
+
+
+def task_json(v: p.TaskView) -> dict:
+    return {
+        "id": v.id, "taskId": v.id, "messageId": v.id, "mailboxId": v.mailbox, "scopeId": v.scope_id,
+        "state": v.state, "attempt": v.attempt, "taskKey": v.key, "input": val(v.input), "outcome": val(v.outcome),
+        "outcomeReason": _reason(v), "error": val(v.error), "createdAt": v.created_at,
+        "finishedAt": v.finished_at, "deadline": v.deadline, "groupId": v.group_id, "runId": v.run_id,
+        "subscribers": v.subscribers,
+    }
+
+
+def message_json(v) -> dict:
+    """A task or message as a mailbox message (0.2's view): a completed one is ACKED."""
+    if isinstance(v, p.MessageView):
+        return {"id": v.id, "messageId": v.id, "mailboxId": v.mailbox, "scopeId": v.scope_id, "state": v.state,
+                "attempt": v.attempt, "workKey": v.key, "payload": val(v.payload), "result": val(v.result),
+                "error": val(v.error), "outcomeReason": v.outcome_reason, "createdAt": v.created_at,
+                "finishedAt": v.finished_at, "deadline": v.deadline}
+    return {"id": v.id, "messageId": v.id, "taskId": v.id, "mailboxId": v.mailbox, "scopeId": v.scope_id,
+            "state": "ACKED" if v.state == "SUCCEEDED" else v.state, "attempt": v.attempt, "workKey": v.key,
+            "payload": val(v.input), "result": val(v.outcome), "error": val(v.error),
+            "outcomeReason": _reason(v), "createdAt": v.created_at, "finishedAt": v.finished_at,
+            "deadline": v.deadline}
+
+
+def delivery_json(d: p.DeliveryView) -> dict:
+    return {"messageId": d.task_id, "taskId": d.task_id, "token": str(d.token), "attempt": d.attempt,
+            "taskKey": d.key, "payload": val(d.input), "scopeId": d.scope_id, "mailboxId": d.mailbox,
+            "leaseExpiresAt": d.lease_expires_at, "grants": [grant_json(g) for g in d.grants], "consumptions": [],
+            "reservations": list(d.reservations), "groupId": d.group_id}
+
+
+def group_json(v: p.GroupView) -> dict:
+    return {
+        "id": v.id, "groupId": v.id, "scopeId": v.scope_id, "parentScopeId": v.parent_scope_id,
+        "mailboxId": v.mailbox, "condition": v.condition, "threshold": v.threshold,
+        "expectedMembers": v.expected_members, "deadline": v.deadline, "state": v.state, "outcome": v.outcome,
+        "outcomeReason": v.outcome_reason, "createdAt": v.created_at, "finalizedAt": v.finalized_at,
+        "counts": v.counts,
+        "members": [{"taskId": m.task_id, "state": m.task_state, "verdict": m.verdict, "late": m.late,
+                     "taskKey": m.key} for m in v.members],
+    }
+
+
+def quota_json(v: p.QuotaView) -> dict:
+    return {
+        "id": v.id, "name": v.name, "unitsLimit": v.units_limit, "windowSeconds": v.window_ms // 1000,
+        "windowStart": v.window_start, "windowEnd": v.window_end, "used": v.used, "remaining": v.remaining,
+        "waiting": v.waiting, "cooldownUntil": v.cooldown_until, "cooldownReason": v.cooldown_reason,
+        "consumedTotal": v.consumed_total, "createdAt": v.created_at,
+    }
+
+
+def take_json(v: p.QuotaTakeView) -> dict:
+    return {
+        "state": v.state, "waiterId": v.waiter_id, "consumptionId": v.consumption_id, "units": v.units,
+        "allowanceId": v.quota_id, "scopeId": v.scope_id, "windowStart": v.window_start, "windowEnd": v.window_end,
+        "remaining": v.remaining, "expiresAt": v.expires_at, "createdAt": v.created_at, "endedAt": v.ended_at,
+        "endReason": v.end_reason, "holder": v.holder,
+    }
+
+
+def reservation_json(v: p.ReservationView) -> dict:
+    return {
+        "id": v.id, "reservationId": v.id, "budgetId": v.budget_id, "scopeId": v.scope_id, "state": v.state,
+        "amountMinor": str(v.amount_minor), "reservedMinor": str(v.remaining_minor),
+        "settledMinor": str(v.settled_minor), "overrunMinor": str(v.overrun_minor), "currency": v.currency,
+        "scale": v.scale, "settleBy": v.settle_by, "createdAt": v.created_at, "closedAt": v.closed_at,
+        "closeReason": v.close_reason, "holder": v.holder,
+    }
+
+
+def budget_json(v: p.BudgetView) -> dict:
+    out = {
+        "id": v.id, "name": v.name, "currency": v.currency, "scale": v.scale, "limitMinor": str(v.limit_minor),
+        "settledMinor": str(v.settled_minor), "reservedMinor": str(v.reserved_minor),
+        "availableMinor": str(v.available_minor), "overrunMinor": str(v.overrun_minor),
+        "openReservations": v.open_reservations, "createdAt": v.created_at,
+    }
+    out["reservations"] = [reservation_json(r) for r in v.reservations]
+    return out
+
+
+def barrier_json(v: p.BarrierView) -> dict:
+    return {"id": v.id, "barrierId": v.id, "scopeId": v.scope_id, "name": v.name, "state": v.state,
+            "target": v.target, "arrivals": v.arrivals, "keys": v.keys, "epoch": v.epoch,
+            "createdAt": v.created_at, "releasedAt": v.released_at}
+
+
+def timer_json(v: p.TimerView) -> dict:
+    return {"id": v.id, "timerId": v.id, "scopeId": v.scope_id, "name": v.name, "state": v.state,
+            "fireAt": v.fire_at, "firedAt": v.fired_at, "ackedAt": v.acked_at, "token": v.token, "now": v.now,
+            "createdAt": v.created_at}
+
+
+def once_json(v: p.OnceView) -> dict:
+    return _drop_none({"id": v.id or None, "scopeId": v.scope_id, "key": v.key, "state": v.state,
+                       "attempts": v.attempts, "token": str(v.token) if v.token else None, "holder": v.holder,
+                       "leaseExpiresAt": v.lease_expires_at, "result": val(v.result), "lastError": v.last_error,
+                       "createdAt": v.created_at, "finishedAt": v.finished_at}) | {"result": val(v.result)}
+
+
+# ====================================================================== runs and scopes
+async def put_run(ctx: Ctx):
+    """PUT /runs/{name} {deadline?} -> the named root run (joined, or made)."""
+    return scope_json(await ctx.call(p.ScopeEnsureNamed(name=ctx.params["name"], deadline=s_(ctx.body, "deadline"))))
+
+
+async def post_scopes(ctx: Ctx):
+    b = ctx.body
+    op = p.ScopeCreate(parent_id=s_(b, "parentId"), name=s_(b, "name"), deadline=s_(b, "deadline"),
+                       child_limit=i_(b, "childLimit", default=1000))
+    return scope_json(await ctx.call(op))
+
+
+async def get_scope(ctx: Ctx):
+    return scope_json(await ctx.call(p.ScopeStatus(scope_id=ctx.params["id"])))
+
+
+async def cancel_scope(ctx: Ctx):
+    return scope_json(await ctx.call(p.ScopeCancel(scope_id=ctx.params["id"], reason=s_(ctx.body, "reason"))))
+
+
+async def complete_scope(ctx: Ctx):
+    return scope_json(await ctx.call(p.ScopeComplete(scope_id=ctx.params["id"], wait_ms=0)))
+
+
+# ====================================================================== mailboxes, messages
+async def list_mailboxes(ctx: Ctx):
+    return {"mailboxes": [mailbox_json(m) for m in (await ctx.call(p.MailboxList())).mailboxes]}
+
+
+async def post_mailboxes(ctx: Ctx):
+    b = ctx.body
+    op = p.MailboxEnsure(name=s_(b, "name", required=True), mode=(s_(b, "mode") or "WORK").upper(),
+                         max_attempts=i_(b, "maxAttempts", default=5), backlog_limit=i_(b, "backlogLimit"))
+    return mailbox_json(await ctx.call(op))
+
+
+async def put_mailbox(ctx: Ctx):
+    """PUT /mailboxes/by-name/{name} {maxAttempts?, requirements?}: ``{}`` looks the
+    queue up and makes it with the defaults when missing (producers may start first);
+    declared settings are checked (CONFLICT when they differ)."""
+    name = ctx.params["name"]
+    b = ctx.body
+    attempts = i_(b, "maxAttempts")
+    if attempts is None and "mode" not in b:
+        try:
+            return mailbox_json(await ctx.call(p.MailboxGet(name=name)))
+        except NotFoundError:
+            pass
+    op = p.MailboxEnsure(name=name, mode=(s_(b, "mode") or "WORK").upper(),
+                         max_attempts=attempts if attempts is not None else 5)
+    return mailbox_json(await ctx.call(op))
+
+
+async def send_message(ctx: Ctx):
+    """POST /mailboxes/{id}/messages {scopeId, payload?, workKey?, deadline?}: into an
+    INBOX mailbox a message; into a WORK mailbox a task (runstate 0.2 sends plain
+    messages to either)."""
+    b = ctx.body
+    mbx, scope = ctx.params["id"], s_(b, "scopeId", required=True)
+    payload, key, deadline = raw(b.get("payload")), s_(b, "workKey"), s_(b, "deadline")
+    try:
+        return message_json(await ctx.call(p.MessageSend(mailbox=mbx, scope_id=scope, payload=payload, key=key,
+                                                         deadline=deadline)))
+    except ConflictError as e:
+        if (e.details or {}).get("mode") != "WORK":
+            raise
+    return message_json(await ctx.call(p.TaskSubmit(mailbox=mbx, scope_id=scope, input=payload, key=key,
+                                                    deadline=deadline)))
+
+
+async def list_messages(ctx: Ctx):
+    limit = int(ctx.query.get("limit") or 100)
+    v = await ctx.call(p.MailboxMessages(name=ctx.params["id"], limit=limit, before=ctx.query.get("before")))
+    return {"messages": [message_json(t) for t in v.tasks]}
+
+
+async def _receive(ctx: Ctx, mailbox: str):
+    b = ctx.body
+    op = p.Receive(mailbox=mailbox, scope_id=s_(b, "scopeId", required=True),
+                   lease_ms=seconds_ms(b, "leaseSeconds", 30), wait_ms=wait_ms(b.get("waitMs")), max_messages=1)
+    v = await ctx.call(op)
+    return v.deliveries[0] if v.deliveries else None
+
+
+async def recv(ctx: Ctx):
+    """POST /mailboxes/{id}/recv: 204, or ``{message: {id, payload, attempt, scopeId}, token}``."""
+    d = await _receive(ctx, ctx.params["id"])
+    if d is None:
+        return NO_CONTENT
+    return {"message": {"id": d.task_id, "payload": val(d.input), "attempt": d.attempt, "scopeId": d.scope_id,
+                        "taskKey": d.key},
+            "token": str(d.token), "leaseExpiresAt": d.lease_expires_at}
+
+
+async def renew_message(ctx: Ctx):
+    b = ctx.body
+    v = await ctx.call(p.DeliveryRenew(task_id=ctx.params["id"], token=token(b),
+                                       lease_ms=seconds_ms(b, "leaseSeconds", 30)))
+    return {"messageId": v.task_id, "token": str(v.token), "leaseExpiresAt": v.lease_expires_at}
+
+
+def _outcome(result: Any) -> Any:
+    """What a complete records: ``result.payload`` (0.3 wraps the value), else
+    ``result`` as given (0.2 passes the caller's dict)."""
+    if isinstance(result, dict) and set(result) == {"payload"}:
+        return result["payload"]
+    return result
+
+
+async def complete_message(ctx: Ctx):
+    b = ctx.body
+    v = await ctx.call(p.DeliveryComplete(task_id=ctx.params["id"], token=token(b),
+                                          outcome=raw(_outcome(b.get("result")))))
+    return task_json(v)
+
+
+async def nack_message(ctx: Ctx):
+    """POST /messages/{id}/nack {token, retry, error?}: retry (deliver again while
+    attempts remain) or, with ``retry: false``, reject (FAILED now)."""
+    b = ctx.body
+    err = b.get("error")
+    tid, tok = ctx.params["id"], token(b)
+    if b_(b, "retry", default=True):
+        v = await ctx.call(p.DeliveryRetry(task_id=tid, token=tok, error=raw(err)))
+    else:
+        v = await ctx.call(p.DeliveryReject(task_id=tid, token=tok, error=raw(err)))
+    return task_json(v)
+
+
+# ====================================================================== tasks
+async def post_task(ctx: Ctx):
+    """POST /tasks {scopeId, mailboxId, taskKey, input?, deadline?}: idempotent per (run,
+    mailbox, taskKey): the same key returns the existing task."""
+    b = ctx.body
+    scope = s_(b, "scopeId", required=True)
+    op = p.TaskSubmit(mailbox=s_(b, "mailboxId", required=True), scope_id=scope,
+                      input=raw(b.get("input")), key=s_(b, "taskKey"), deadline=s_(b, "deadline"),
+                      requirements=requirements(b), work_limit=s_(b, "workLimit"))
+    v = await ctx.call(op)
+    sub = s_(b, "subscriberId")
+    if sub is not None:  # the first subscriber (a second call: idempotent)
+        v = await ctx.call(p.TaskSubscribe(task_id=v.id, subscriber_id=sub, scope_id=scope))
+    return task_json(v)
+
+
+async def admit(ctx: Ctx):
+    """POST /tasks/admit: 204, or the admitted delivery (``messageId``, ``token``,
+    ``taskId``, ``payload``, ``attempt``, ``taskKey``, ``grants``, ``consumptions``,
+    ``reservations``). Receives from the run and its descendants."""
+    d = await _receive(ctx, s_(ctx.body, "mailboxId", required=True))
+    return NO_CONTENT if d is None else delivery_json(d)
+
+
+async def get_task(ctx: Ctx):
+    """GET /tasks/{id}?waitMs=: the task; with ``waitMs`` (at most 60 s), once terminal
+    or when the wait is up."""
+    w = wait_ms(ctx.query.get("waitMs"))
+    tid = ctx.params["id"]
+    v = await ctx.call(p.TaskResult(task_id=tid, wait_ms=w) if w else p.TaskStatus(task_id=tid))
+    return task_json(v)
+
+
+async def cancel_task(ctx: Ctx):
+    return task_json(await ctx.call(p.TaskCancel(task_id=ctx.params["id"])))
+
+
+async def join_task(ctx: Ctx):
+    """POST /tasks/{id}/join {subscriberId, scopeId}: an idempotent subscription."""
+    b = ctx.body
+    return task_json(await ctx.call(p.TaskSubscribe(task_id=ctx.params["id"],
+                                                    subscriber_id=s_(b, "subscriberId", required=True),
+                                                    scope_id=s_(b, "scopeId"))))
+
+
+async def detach_task(ctx: Ctx):
+    """POST /tasks/{id}/detach {subscriberId}: unsubscribe; the task goes on."""
+    return task_json(await ctx.call(p.TaskDetach(task_id=ctx.params["id"],
+                                                 subscriber_id=s_(ctx.body, "subscriberId", required=True))))
+
+
+# ====================================================================== task groups
+async def post_group(ctx: Ctx):
+    """POST /task-groups {mailboxId, condition, threshold?, expectedMembers?, deadline?,
+    parentScopeId?}: without a parent (0.2 allows it) the group gets a root run of its
+    own (named ``task-group``) as its parent."""
+    b = ctx.body
+    parent = s_(b, "parentScopeId")
+    if parent is None:
+        parent = (await ctx.call(p.ScopeCreate(name="task-group"))).id
+    op = p.GroupCreate(scope_id=parent, mailbox=s_(b, "mailboxId", required=True),
+                       condition=s_(b, "condition", required=True), threshold=i_(b, "threshold"),
+                       expected_members=i_(b, "expectedMembers"), deadline=s_(b, "deadline"), parent_scope_id=parent)
+    return group_json(await ctx.call(op))
+
+
+async def get_group(ctx: Ctx):
+    return group_json(await ctx.call(p.GroupStatus(group_id=ctx.params["id"])))
+
+
+async def group_submit(ctx: Ctx):
+    b = ctx.body
+    v = await ctx.call(p.GroupSubmit(group_id=ctx.params["id"], input=raw(b.get("input")), key=s_(b, "taskKey"),
+                                     deadline=s_(b, "deadline")))
+    return task_json(v.task) | {"groupState": v.group_state}
+
+
+def _decision(v: p.GroupDecisionView) -> dict:
+    return {"state": v.state, "outcome": v.outcome, "outcomeReason": v.outcome_reason}
+
+
+async def group_close(ctx: Ctx):
+    return _decision(await ctx.call(p.GroupClose(group_id=ctx.params["id"])))
+
+
+async def group_seal(ctx: Ctx):
+    """Deprecated close: CONFLICT once the group is FINALIZED."""
+    g = await ctx.call(p.GroupStatus(group_id=ctx.params["id"]))
+    if g.state == "FINALIZED":
+        raise ConflictError(f"group {g.id} is already FINALIZED ({g.outcome} {g.outcome_reason})")
+    return _decision(await ctx.call(p.GroupClose(group_id=ctx.params["id"])))
+
+
+def _verdict(verdict: str):
+    async def h(ctx: Ctx):
+        v = await ctx.call(p.GroupVerdictOp(group_id=ctx.params["id"], task_id=ctx.params["task"], verdict=verdict))
+        return {"taskId": v.task_id, "verdict": v.verdict, "late": v.late, "groupState": v.group_state,
+                "outcome": v.outcome, "outcomeReason": v.outcome_reason}
+    return h
+
+
+async def group_join_task(ctx: Ctx):
+    v = await ctx.call(p.GroupJoinTask(group_id=ctx.params["id"], task_id=s_(ctx.body, "taskId", required=True)))
+    return task_json(v.task) | {"groupState": v.group_state}
+
+
+# ====================================================================== allowances (quotas)
+async def post_allowance(ctx: Ctx):
+    b = ctx.body
+    op = p.QuotaEnsure(name=s_(b, "name", required=True), units_limit=i_(b, "unitsLimit", required=True),
+                       window_ms=seconds_ms(b, "windowSeconds", required=True))
+    return quota_json(await ctx.call(op))
+
+
+async def list_allowances(ctx: Ctx):
+    return {"allowances": [quota_json(q) for q in (await ctx.call(p.QuotaList())).quotas]}
+
+
+async def put_allowance(ctx: Ctx):
+    """PUT /allowances/by-name/{name}: ``{}`` looks it up (NOT_FOUND when missing);
+    ``{unitsLimit, windowSeconds}`` makes it or checks it (CONFLICT)."""
+    b, name = ctx.body, ctx.params["name"]
+    if b.get("unitsLimit") is None and b.get("windowSeconds") is None:
+        return quota_json(await ctx.call(p.QuotaGet(quota=name)))
+    op = p.QuotaEnsure(name=name, units_limit=i_(b, "unitsLimit", required=True),
+                       window_ms=seconds_ms(b, "windowSeconds", required=True))
+    return quota_json(await ctx.call(op))
+
+
+async def get_allowance(ctx: Ctx):
+    return quota_json(await ctx.call(p.QuotaGet(quota=ctx.params["id"])))
+
+
+async def consume_allowance(ctx: Ctx):
+    """Take now or ALLOWANCE_EXHAUSTED / ALLOWANCE_COOLDOWN (429, Retry-After)."""
+    b = ctx.body
+    op = p.QuotaTake(quota=ctx.params["id"], scope_id=s_(b, "scopeId", required=True),
+                     units=i_(b, "units", default=1), holder=s_(b, "holder"))
+    return take_json(await ctx.call(op))
+
+
+async def wait_allowance(ctx: Ctx):
+    """A durable FIFO waiter for ``ttlSeconds`` (5-3600): GRANTED at once (with its
+    ``consumptionId``) or WAITING (``waiterId``)."""
+    b = ctx.body
+    op = p.QuotaTake(quota=ctx.params["id"], scope_id=s_(b, "scopeId", required=True),
+                     units=i_(b, "units", default=1), holder=s_(b, "holder"),
+                     ttl_ms=seconds_ms(b, "ttlSeconds", 60))
+    return take_json(await ctx.call(op))
+
+
+async def cooldown_allowance(ctx: Ctx):
+    b = ctx.body
+    op = p.QuotaCooldown(quota=ctx.params["id"], cooldown_ms=seconds_ms(b, "seconds", required=True),
+                         reason=s_(b, "reason"))
+    return quota_json(await ctx.call(op))
+
+
+async def get_allowance_waiter(ctx: Ctx):
+    return take_json(await ctx.call(p.QuotaWaiterWait(waiter_id=ctx.params["id"])))
+
+
+async def cancel_allowance_waiter(ctx: Ctx):
+    return take_json(await ctx.call(p.QuotaWaiterCancel(waiter_id=ctx.params["id"])))
+
+
+# ====================================================================== budgets
+def _budget_ensure(name: str, b: dict) -> p.BudgetEnsure:
+    return p.BudgetEnsure(name=name, limit_minor=minor(b, "limitMinor", required=True),
+                          currency=s_(b, "currency", default="USD"), scale=i_(b, "scale", default=2))
+
+
+async def post_budget(ctx: Ctx):
+    return budget_json(await ctx.call(_budget_ensure(s_(ctx.body, "name", required=True), ctx.body)))
+
+
+async def list_budgets(ctx: Ctx):
+    return {"budgets": [budget_json(x) for x in (await ctx.call(p.BudgetList())).budgets]}
+
+
+async def put_budget(ctx: Ctx):
+    b, name = ctx.body, ctx.params["name"]
+    if b.get("limitMinor") is None:
+        return budget_json(await ctx.call(p.BudgetGet(budget=name)))
+    return budget_json(await ctx.call(_budget_ensure(name, b)))
+
+
+async def get_budget(ctx: Ctx):
+    return budget_json(await ctx.call(p.BudgetGet(budget=ctx.params["id"], reservations=True)))
+
+
+async def reserve_budget(ctx: Ctx):
+    """{scopeId, holder, amountMinor, settleBy?} -> the reservation
+    (``reservationId``, ``reservedMinor``, ``state``). INSUFFICIENT_BUDGET (409)."""
+    b = ctx.body
+    op = p.BudgetReserve(budget=ctx.params["id"], scope_id=s_(b, "scopeId", required=True),
+                         amount_minor=minor(b, "amountMinor", required=True), settle_by=s_(b, "settleBy"),
+                         holder=s_(b, "holder"))
+    return reservation_json(await ctx.call(op))
+
+
+async def settle_budget(ctx: Ctx):
+    """{reservationId, amountMinor, workKey, allowOverrun?}: charged once per
+    ``workKey``, capped at the reservation plus what the budget has left; the rest is
+    released (state SETTLED). CONFLICT once the reservation was voided."""
+    b = ctx.body
+    v = await ctx.call(p.BudgetSettle(reservation_id=s_(b, "reservationId", required=True),
+                                      amount_minor=minor(b, "amountMinor", required=True),
+                                      usage_key=s_(b, "workKey", required=True), final=True))
+    return reservation_json(v.reservation) | {
+        "chargedMinor": str(v.charged_minor), "requestedMinor": str(v.requested_minor),
+        "availableMinor": str(v.available_minor), "replayed": v.replayed, "workKey": v.usage_key}
+
+
+async def void_budget(ctx: Ctx):
+    return reservation_json(await ctx.call(p.BudgetVoid(reservation_id=s_(ctx.body, "reservationId",
+                                                                          required=True))))
+
+
+# ====================================================================== barriers
+async def post_barrier(ctx: Ctx):
+    b = ctx.body
+    op = p.BarrierCreate(scope_id=s_(b, "scopeId", required=True), target=i_(b, "target", required=True))
+    return barrier_json(await ctx.call(op))
+
+
+async def put_barrier(ctx: Ctx):
+    b = ctx.body
+    op = p.BarrierCreate(scope_id=s_(b, "scopeId", required=True), target=i_(b, "target", required=True),
+                         name=ctx.params["name"])
+    return barrier_json(await ctx.call(op))
+
+
+async def arrive_barrier(ctx: Ctx):
+    key = s_(ctx.body, "arrivalKey", required=True)
+    return barrier_json(await ctx.call(p.BarrierArrive(barrier_id=ctx.params["id"], key=key)))
+
+
+async def get_barrier(ctx: Ctx):
+    return barrier_json(await ctx.call(p.BarrierStatus(barrier_id=ctx.params["id"])))
+
+
+# ====================================================================== timers
+def _timer_create(ctx: Ctx, name: str | None) -> p.TimerCreate:
+    b = ctx.body
+    after = b.get("afterSeconds")
+    if after is not None and (not isinstance(after, (int, float)) or isinstance(after, bool)):
+        raise ValidationError("afterSeconds must be a number", details={"field": "afterSeconds"})
+    return p.TimerCreate(scope_id=s_(b, "scopeId", required=True), at=s_(b, "at"),
+                         after_ms=None if after is None else int(round(after * 1000)), name=name)
+
+
+async def post_timer(ctx: Ctx):
+    return timer_json(await ctx.call(_timer_create(ctx, None)))
+
+
+async def put_timer(ctx: Ctx):
+    """Get or create the run's timer ``name`` (never re-armed); ``now`` is the server's
+    clock, so ``fireAt - now`` is the time left."""
+    return timer_json(await ctx.call(_timer_create(ctx, ctx.params["name"])))
+
+
+async def poll_timers(ctx: Ctx):
+    v = await ctx.call(p.TimerPoll(scope_id=s_(ctx.body, "scopeId", required=True)))
+    return {"timers": [timer_json(t) for t in v.timers]}
+
+
+async def ack_timer(ctx: Ctx):
+    tok = ctx.body.get("token")
+    return timer_json(await ctx.call(p.TimerAck(timer_id=ctx.params["id"], token=None if tok is None else str(tok))))
+
+
+async def cancel_timer(ctx: Ctx):
+    return timer_json(await ctx.call(p.TimerCancel(timer_id=ctx.params["id"])))
+
+
+# ====================================================================== once
+async def once_acquire(ctx: Ctx):
+    b = ctx.body
+    op = p.OnceAcquire(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True),
+                       lease_ms=seconds_ms(b, "leaseSeconds", 30), holder=s_(b, "holder"),
+                       holder_session=s_(b, "holderSession"))
+    return once_json(await ctx.call(op))
+
+
+async def once_get(ctx: Ctx):
+    q = ctx.query
+    scope, key = q.get("scopeId"), q.get("key")
+    if not scope or not key:
+        raise ValidationError("scopeId and key are required", details={"field": "scopeId" if not scope else "key"})
+    return once_json(await ctx.call(p.OnceGet(scope_id=scope, key=key, wait_ms=wait_ms(q.get("waitMs")))))
+
+
+async def once_renew(ctx: Ctx):
+    b = ctx.body
+    op = p.OnceRenew(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True), token=token(b),
+                     lease_ms=seconds_ms(b, "leaseSeconds", 30))
+    return once_json(await ctx.call(op))
+
+
+async def once_complete(ctx: Ctx):
+    b = ctx.body
+    op = p.OnceComplete(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True), token=token(b),
+                        result=raw(b.get("result")))
+    return once_json(await ctx.call(op))
+
+
+async def once_fail(ctx: Ctx):
+    b = ctx.body
+    op = p.OnceFail(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True), token=token(b),
+                    error=s_(b, "error", default=""), max_attempts=i_(b, "maxAttempts", default=3))
+    return once_json(await ctx.call(op))
+
+
+# ====================================================================== requirements
+def requirements(body: dict) -> p.Requirements | None:
+    """runstate's ``requirements`` ``{pools: [{name, units}], budgets: [{name,
+    reserveMinor}], quotas: [...]}`` as the admission's :class:`protocol.Requirements`
+    (pools held as grants while a delivery runs, budgets reserved for it). Quota
+    requirements are not taken at admission by this server: VALIDATION_FAILED."""
+    req = body.get("requirements")
+    if req is None:
+        return None
+    if not isinstance(req, dict):
+        raise ValidationError("requirements must be an object", details={"field": "requirements"})
+    if req.get("quotas"):
+        raise ValidationError("quota requirements are not supported (take quota units in the handler)",
+                              details={"field": "requirements.quotas"})
+    pools, budgets = {}, {}
+    for item in req.get("pools") or ():
+        if not isinstance(item, dict):
+            raise ValidationError("requirements.pools holds {name, units} objects", details={"field": "requirements"})
+        pools[s_(item, "name", required=True)] = i_(item, "units", default=1)
+    for item in req.get("budgets") or ():
+        if not isinstance(item, dict):
+            raise ValidationError("requirements.budgets holds {name, reserveMinor} objects",
+                                  details={"field": "requirements"})
+        budgets[s_(item, "name", required=True)] = minor(item, "reserveMinor", required=True)
+    return p.Requirements(pools=pools, budgets=budgets) if (pools or budgets) else None
+
+
+# ====================================================================== claims
+def _lease_json(v) -> dict:
+    c = v.claim
+    return {"key": c.key, "claimId": c.id, "status": v.status, "state": c.state, "generation": c.generation,
+            "token": str(v.token) if v.token else None, "leaseExpiresAt": c.lease_expires_at,
+            "holder": c.holder, "scopeId": c.scope_id, "observation": val(c.observation),
+            "result": val(c.result)}
+
+
+async def claim_acquire(ctx: Ctx):
+    """POST /claims {key, scopeId, holder, holderSession, leaseSeconds}: a fenced lease
+    (``generation``, ``token``, ``leaseExpiresAt``); CLAIM_HELD (409) while another lease
+    is live."""
+    b = ctx.body
+    v = await ctx.call(p.ClaimAcquire(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True),
+                                      lease_ms=seconds_ms(b, "leaseSeconds", 30), holder=s_(b, "holder")))
+    return _lease_json(v)
+
+
+async def claim_renew(ctx: Ctx):
+    b = ctx.body
+    v = await ctx.call(p.ClaimRenew(key=ctx.params["key"], token=token(b), lease_ms=seconds_ms(b, "leaseSeconds", 30)))
+    return _lease_json(v)
+
+
+async def claim_release(ctx: Ctx):
+    b = ctx.body
+    c = await ctx.call(p.ClaimRelease(key=ctx.params["key"], token=token(b), observation=raw(b.get("observation"))))
+    return {"key": c.key, "state": c.state, "generation": c.generation}
+
+
+# ====================================================================== permits (pools)
+def pool_json(v: p.PoolView) -> dict:
+    return {"id": v.id, "name": v.name, "units": v.units_total, "unitsTotal": v.units_total,
+            "unitsUsed": v.units_used, "unitsFree": v.units_free, "waiting": v.waiting,
+            "activeGrants": v.active_grants, "createdAt": v.created_at}
+
+
+def grant_json(g: p.GrantView) -> dict:
+    return {"grantId": g.id, "id": g.id, "token": str(g.token) if g.token else None, "units": g.units,
+            "leaseExpiresAt": g.lease_expires_at, "state": g.state, "permitId": g.pool_id, "permit": g.pool,
+            "scopeId": g.scope_id, "holder": g.holder, "taskId": g.task_id}
+
+
+async def post_permit(ctx: Ctx):
+    b = ctx.body
+    return pool_json(await ctx.call(p.PoolEnsure(name=s_(b, "name", required=True),
+                                                 units_total=i_(b, "units", required=True))))
+
+
+async def list_permits(ctx: Ctx):
+    return {"permits": [pool_json(x) for x in (await ctx.call(p.PoolList())).pools]}
+
+
+async def put_permit(ctx: Ctx):
+    """``{}`` looks the pool up (NOT_FOUND when missing); ``{units}`` makes or checks it."""
+    b, name = ctx.body, ctx.params["name"]
+    if b.get("units") is None:
+        return pool_json(await ctx.call(p.PoolGet(name=name)))
+    return pool_json(await ctx.call(p.PoolEnsure(name=name, units_total=i_(b, "units", required=True))))
+
+
+#: A permit waiter (0.3's POST /permits/{id}/wait, which carries no time limit) stays in
+#: line this long unless it is granted, withdrawn or its run ends.
+PERMIT_WAITER_MS = 120_000
+#: How long the wait and waiter-status calls let the pool answer before they report the
+#: waiter still WAITING (the parked wait is then dropped; the waiter stays in line).
+_PEEK_S = 0.05
+
+
+def _waiter_id(pool_id: str, scope_id: str, units: int, rid: str) -> str:
+    """A permit waiter's id names its pool, run, units and request id (what re-finding
+    it with ``pool.acquire`` needs): ``<pool>--<run>--<units>--<request>``."""
+    return f"{pool_id}--{scope_id}--{units}--{rid}"
+
+
+def _split_waiter(wid: str) -> tuple[str, str, int, str]:
+    parts = wid.split("--")
+    if len(parts) != 4 or not parts[2].isdigit():
+        raise NotFoundError(f"no permit waiter {wid!r}", details={"waiter_id": wid})
+    return parts[0], parts[1], int(parts[2]), parts[3]
+
+
+async def _peek_acquire(ctx: Ctx, op: p.PoolAcquire) -> p.PoolAcquireView | None:
+    """Queue (or re-find) the waiter ``op.request_id`` and give the pool a moment to
+    answer: its grant, or None while it waits (the waiter stays in line, durable)."""
+    import trio
+
+    with trio.move_on_after(_PEEK_S):
+        return await ctx.call(op)
+    return None
+
+
+async def permit_acquire(ctx: Ctx):
+    """POST /permits/{id}/acquire {scopeId, units, holder, holderSession, leaseSeconds,
+    waiterId?}: a grant (``grantId``, ``token``, ``leaseExpiresAt``) or
+    CAPACITY_UNAVAILABLE (409); with ``waiterId``, the grant that waiter was given."""
+    b = ctx.body
+    pool, units = ctx.params["id"], i_(b, "units", default=1)
+    wid = s_(b, "waiterId")
+    if wid is not None:
+        pool_id, scope_id, units, rid = _split_waiter(wid)
+        v = await _peek_acquire(ctx, p.PoolAcquire(pool=pool_id, scope_id=scope_id,
+                                                   units=units, lease_ms=seconds_ms(b, "leaseSeconds", 30),
+                                                   wait_ms=PERMIT_WAITER_MS, holder=s_(b, "holder"),
+                                                   request_id=rid))
+        if v is None or v.grant is None:
+            raise RallypointError("the waiter's turn has not come yet", code="CAPACITY_UNAVAILABLE",
+                                  retry_after=0.25)
+        return grant_json(v.grant)
+    v = await ctx.call(p.PoolAcquire(pool=pool, scope_id=s_(b, "scopeId", required=True), units=units,
+                                     lease_ms=seconds_ms(b, "leaseSeconds", 30), holder=s_(b, "holder")))
+    return grant_json(v.grant)
+
+
+async def permit_wait(ctx: Ctx):
+    """POST /permits/{id}/wait {scopeId, units, holder}: a durable FIFO waiter
+    (``waiterId``); SIGNALED once it was granted (acquire with ``waiterId`` to get it)."""
+    import secrets
+
+    b = ctx.body
+    pool = await ctx.call(p.PoolGet(name=ctx.params["id"]))
+    rid = "pw" + secrets.token_hex(8)
+    scope, units = s_(b, "scopeId", required=True), i_(b, "units", default=1)
+    v = await _peek_acquire(ctx, p.PoolAcquire(pool=pool.id, scope_id=scope, units=units, lease_ms=30_000,
+                                               wait_ms=PERMIT_WAITER_MS, holder=s_(b, "holder"), request_id=rid))
+    return {"waiterId": _waiter_id(pool.id, scope, units, rid),
+            "state": "SIGNALED" if v is not None and v.grant else "WAITING"}
+
+
+async def permit_waiter(ctx: Ctx):
+    """GET /permit-waiters/{id}: WAITING, SIGNALED (granted: acquire with the
+    ``waiterId``), EXPIRED (its time ran out or it was withdrawn) or CANCELLED (its run
+    ended)."""
+    wid = ctx.params["id"]
+    pool_id, scope_id, units, rid = _split_waiter(wid)
+    try:
+        v = await _peek_acquire(ctx, p.PoolAcquire(pool=pool_id, scope_id=scope_id, units=units,
+                                                   wait_ms=PERMIT_WAITER_MS, request_id=rid))
+    except RallypointError as e:
+        if e.code in ("SCOPE_CANCELLED", "DEADLINE_EXCEEDED"):
+            return {"waiterId": wid, "state": "CANCELLED"}
+        if e.code in ("TIMEOUT", "CONFLICT"):  # its time ran out, or it was withdrawn
+            return {"waiterId": wid, "state": "EXPIRED"}
+        raise
+    return {"waiterId": wid, "state": "SIGNALED" if v is not None and v.grant is not None else "WAITING"}
+
+
+async def cancel_permit_waiter(ctx: Ctx):
+    pool_id, _scope, _units, rid = _split_waiter(ctx.params["id"])
+    v = await ctx.call(p.PoolCancelWait(pool=pool_id, request_id=rid))
+    return {"waiterId": ctx.params["id"], "outcome": v.outcome, "state": "CANCELLED"}
+
+
+async def grant_renew(ctx: Ctx):
+    b = ctx.body
+    return grant_json(await ctx.call(p.GrantRenew(grant_id=ctx.params["id"], token=token(b),
+                                                  lease_ms=seconds_ms(b, "leaseSeconds", 30))))
+
+
+async def grant_release(ctx: Ctx):
+    b = ctx.body
+    return grant_json(await ctx.call(p.GrantRelease(grant_id=ctx.params["id"], token=token(b),
+                                                    observation=raw(b.get("observation")))))
+
+
+# ====================================================================== work limits
+def work_limit_json(v: p.WorkLimitView) -> dict:
+    return {"id": v.id, "name": v.name, "scopeId": v.scope_id, "maxOutstanding": v.max_outstanding,
+            "outstanding": v.outstanding, "createdAt": v.created_at}
+
+
+async def post_work_limit(ctx: Ctx):
+    b = ctx.body
+    return work_limit_json(await ctx.call(p.WorkLimitEnsure(scope_id=s_(b, "scopeId", required=True),
+                                                            name=s_(b, "name", required=True),
+                                                            max_outstanding=i_(b, "maxOutstanding", required=True))))
+
+
+async def list_work_limits(ctx: Ctx):
+    return {"workLimits": [work_limit_json(w) for w in (await ctx.call(p.WorkLimitList())).work_limits]}
+
+
+# ====================================================================== diagnostics
+async def ops_run(ctx: Ctx):
+    """GET /ops/runs/{id}: ``workers[]`` (holder, keys held, earliestLeaseExpiry),
+    ``waiting[]`` (pool waiters: permit, units), ``allowanceWaiting[]``."""
+    v = await ctx.call(p.OpsRun(scope_id=ctx.params["id"]))
+    return {
+        "rootScopeId": v.root_scope_id, "scopeId": v.scope_id, "runs": v.runs,
+        "workers": [{"holder": w.holder, "keys": w.keys, "earliestLeaseExpiry": w.earliest_lease_expiry}
+                    for w in v.workers],
+        "waiting": [{"permit": w.name, "units": w.units, "holder": w.holder, "scopeId": w.scope_id}
+                    for w in v.waiting if w.kind == "permit"],
+        "allowanceWaiting": [{"allowance": w.name, "units": w.units, "holder": w.holder, "scopeId": w.scope_id}
+                             for w in v.waiting if w.kind == "quota"],
+    }
+
+
+async def ops_waits(ctx: Ctx):
+    v = await ctx.call(p.OpsWaits())
+    return {"parked": v.parked,
+            "waiting": [{"kind": w.kind, "name": w.name, "units": w.units, "holder": w.holder,
+                         "scopeId": w.scope_id} for w in v.waiting]}
+
+
+# ====================================================================== the table
+ROUTES: list[tuple[str, str, Any]] = [
+    # runs and scopes
+    ("PUT", "runs/{name}", put_run),
+    ("POST", "scopes", post_scopes),
+    ("GET", "scopes/{id}", get_scope),
+    ("POST", "scopes/{id}/cancel", cancel_scope),
+    ("POST", "scopes/{id}/complete", complete_scope),
+    # mailboxes and messages
+    ("GET", "mailboxes", list_mailboxes),
+    ("POST", "mailboxes", post_mailboxes),
+    ("PUT", "mailboxes/by-name/{name}", put_mailbox),
+    ("POST", "mailboxes/{id}/messages", send_message),
+    ("GET", "mailboxes/{id}/messages", list_messages),
+    ("POST", "mailboxes/{id}/recv", recv),
+    ("POST", "messages/{id}/renew", renew_message),
+    ("POST", "messages/{id}/complete", complete_message),
+    ("POST", "messages/{id}/nack", nack_message),
+    # tasks
+    ("POST", "tasks", post_task),
+    ("POST", "tasks/admit", admit),
+    ("GET", "tasks/{id}", get_task),
+    ("POST", "tasks/{id}/cancel", cancel_task),
+    ("POST", "tasks/{id}/join", join_task),
+    ("POST", "tasks/{id}/detach", detach_task),
+    # task groups
+    ("POST", "task-groups", post_group),
+    ("GET", "task-groups/{id}", get_group),
+    ("POST", "task-groups/{id}/tasks", group_submit),
+    ("POST", "task-groups/{id}/close", group_close),
+    ("POST", "task-groups/{id}/seal", group_seal),
+    ("POST", "task-groups/{id}/tasks/{task}/accept", _verdict("ACCEPTED")),
+    ("POST", "task-groups/{id}/tasks/{task}/reject", _verdict("REJECTED")),
+    ("POST", "task-groups/{id}/join-task", group_join_task),
+    # allowances (quotas)
+    ("POST", "allowances", post_allowance),
+    ("GET", "allowances", list_allowances),
+    ("PUT", "allowances/by-name/{name}", put_allowance),
+    ("GET", "allowances/{id}", get_allowance),
+    ("POST", "allowances/{id}/consume", consume_allowance),
+    ("POST", "allowances/{id}/wait", wait_allowance),
+    ("POST", "allowances/{id}/cooldown", cooldown_allowance),
+    ("GET", "allowance-waiters/{id}", get_allowance_waiter),
+    ("POST", "allowance-waiters/{id}/cancel", cancel_allowance_waiter),
+    # budgets
+    ("POST", "budgets", post_budget),
+    ("GET", "budgets", list_budgets),
+    ("PUT", "budgets/by-name/{name}", put_budget),
+    ("GET", "budgets/{id}", get_budget),
+    ("POST", "budgets/{id}/reserve", reserve_budget),
+    ("POST", "budgets/{id}/settle", settle_budget),
+    ("POST", "budgets/{id}/void", void_budget),
+    # barriers
+    ("POST", "barriers", post_barrier),
+    ("PUT", "barriers/by-name/{name}", put_barrier),
+    ("POST", "barriers/{id}/arrive", arrive_barrier),
+    ("GET", "barriers/{id}", get_barrier),
+    # timers
+    ("POST", "timers", post_timer),
+    ("PUT", "timers/by-name/{name}", put_timer),
+    ("POST", "timers/poll", poll_timers),
+    ("POST", "timers/{id}/ack", ack_timer),
+    ("POST", "timers/{id}/cancel", cancel_timer),
+    # once
+    ("POST", "once/acquire", once_acquire),
+    ("GET", "once", once_get),
+    ("POST", "once/renew", once_renew),
+    ("POST", "once/complete", once_complete),
+    ("POST", "once/fail", once_fail),
+    # diagnostics
+    # claims
+    ("POST", "claims", claim_acquire),
+    ("POST", "claims/{key}/renew", claim_renew),
+    ("POST", "claims/{key}/release", claim_release),
+    # permits (pools), their waiters and grants
+    ("POST", "permits", post_permit),
+    ("GET", "permits", list_permits),
+    ("PUT", "permits/by-name/{name}", put_permit),
+    ("POST", "permits/{id}/acquire", permit_acquire),
+    ("POST", "permits/{id}/wait", permit_wait),
+    ("GET", "permit-waiters/{id}", permit_waiter),
+    ("POST", "permit-waiters/{id}/cancel", cancel_permit_waiter),
+    ("POST", "grants/{id}/renew", grant_renew),
+    ("POST", "grants/{id}/release", grant_release),
+    # work limits
+    ("POST", "work-limits", post_work_limit),
+    ("GET", "work-limits", list_work_limits),
+    ("GET", "ops/runs/{id}", ops_run),
+    ("GET", "ops/waits", ops_waits),
+]
