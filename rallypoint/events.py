@@ -138,6 +138,52 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
                          "index, step, closing"),
     "joinset.closing": ("joinset", "the set was closed (by close(), its run's complete() or end)", ""),
     "joinset.closed": ("joinset", "every child of a closing set finished", ""),
+    # claims (named, space-wide; never purged)
+    "claim.acquired": ("claim", "a lease on the claim's key was taken (by an acquire, or handed to the next waiter)",
+                       "key, generation, holder, request_id"),
+    "claim.waiting": ("claim", "an acquire joined the claim's FIFO queue (a durable waiter)", "key, request_id, holder"),
+    "claim.wait_ended": ("claim", "a waiter left the queue unserved", "key, request_id, reason (expired, withdrawn, "
+                         "cancelled: its run ended)"),
+    "claim.released": ("claim", "the holder released its lease", "key, generation, reason (released, withdrawn)"),
+    "claim.expired": ("claim", "the lease ran out", "key, generation"),
+    "claim.completed": ("claim", "the holder recorded the result: COMPLETED for good", "key, generation"),
+    # pools (runstate's permits) and their grants
+    "pool.created": ("pool", "a pool of units was created", "name, units_total"),
+    "pool.waiting": ("pool", "an acquire joined the pool's FIFO queue", "name, request_id, units, holder"),
+    "pool.wait_ended": ("pool", "a waiter left the queue unserved",
+                        "name, request_id, reason (expired, withdrawn, cancelled: its run ended)"),
+    "grant.acquired": ("grant", "units of a pool were granted (an acquire, a waiter served, or a task's admission)",
+                       "pool, units, task, holder, request_id"),
+    "grant.released": ("grant", "the units went back to the pool",
+                       "pool, units, reason (released, withdrawn, delivery_ended)"),
+    "grant.expired": ("grant", "the grant's lease ran out: the units went back", "pool, units"),
+    # quotas (runstate's allowances)
+    "quota.created": ("quota", "a quota (units per fixed window) was created", "name, units_limit, window_ms"),
+    "quota.consumed": ("quota", "units were taken at once", "name, units, consumption_id, waiter, holder"),
+    "quota.waiting": ("quota", "a take joined the quota's FIFO queue (a durable waiter)", "name, units, waiter, holder"),
+    "quota.granted": ("quota", "a waiter was served (one event per waiter)", "name, units, consumption_id, waiter"),
+    "quota.wait_ended": ("quota", "a waiter left unserved", "name, waiter, state (EXPIRED, CANCELLED), units"),
+    "quota.cooldown": ("quota", "nothing is granted until the instant given", "name, until, reason"),
+    # budgets
+    "budget.created": ("budget", "a budget was created", "name, currency, scale, limit_minor"),
+    "budget.reserved": ("budget", "an amount was reserved (by a worker, or for a task's admission)",
+                        "reservation, amount_minor, task, holder"),
+    "budget.settled": ("budget", "a reservation was charged (by a settle, or in full when its task succeeded)",
+                       "reservation, usage_key, requested_minor, charged_minor, closes"),
+    "budget.voided": ("budget", "a reservation was released unspent (a void, or its task's delivery did not succeed)",
+                      "reservation, released_minor"),
+    "budget.reservation_stale": ("budget", "a reservation passed its settle-by instant (still held)",
+                                 "reservation, remaining_minor"),
+    # admission
+    "work_limit.created": ("work_limit", "a cap on unfinished tasks of a run was created", "name, max_outstanding"),
+    # once
+    "once.acquired": ("once", "a holder took the once (run, key)", "key, holder, attempts"),
+    "once.completed": ("once", "the once is DONE (its result recorded)", "key"),
+    "once.failed": ("once", "an attempt failed (final: FAILED for good, else OPEN again)", "key, final, attempts, error"),
+    "once.lease_expired": ("once", "the holder's lease ran out: OPEN again", "key"),
+    # task subscriptions
+    "task.subscribed": ("task", "a subscriber joined the task (interest only)", "subscriber"),
+    "task.detached": ("task", "a subscriber detached from the task", "subscriber"),
     # access
     "key.created": ("key", "an API key was created", "name, permissions"),
     "key.revoked": ("key", "an API key was revoked", ""),
@@ -150,6 +196,12 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
 #: record type either has an emitter or is listed here).
 SILENT_RECORDS: dict[str, str] = {
     "LeaseRenewed": "a renewal only moves the lease's expiry; frequent, and no one waits on it",
+    "ClaimRenewed": "a renewal only moves the lease's expiry (as LeaseRenewed)",
+    "GrantRenewed": "a renewal only moves the lease's expiry (as LeaseRenewed)",
+    "OnceRenewed": "a renewal only moves the lease's expiry (as LeaseRenewed)",
+    "IdempotencyRecorded": "the HTTP layer's stored answer to a request (its own bookkeeping; the request's "
+                           "effect has its own events)",
+    "IdempotencyExpired": "stored HTTP answers past their TTL forgotten (bookkeeping)",
     "JoinSetAnswered": "a probe's 'pending' or 'exhausted' answer (a step of the set's replay log); "
                        "records it hands over show as joinset.consumed",
 }
@@ -393,6 +445,12 @@ class EventLog:
     def discard(self) -> None:
         """A commit failed (fail-stop): its events never happened."""
         self.pending = []
+
+    def instant(self, now_ms: int) -> int:
+        """The instant for an event of a record that carries none (a waiter leaving a
+        queue): that of the event before it in the same commit, else ``now_ms`` (so in
+        replay it is the replay's time: such events' ``at`` is approximate)."""
+        return self.pending[-1].at_ms if self.pending else now_ms
 
     # ------------------------------------------------------------ reading
     def check_cursor(self, space: str, cursor: int | None) -> tuple[Stream, int]:

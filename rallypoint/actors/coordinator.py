@@ -153,6 +153,7 @@ class Coordinator:
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
                       self.onces, self.idempotency, self.diagnostics, self.retention)
+        self.task_linked_kinds = (self.pools, self.budgets)  # Kind.purge_task_links
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}

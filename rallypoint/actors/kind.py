@@ -86,6 +86,13 @@ class Kind:
         snapshot deletes it). Returns how many entities were removed. Synchronous."""
         return 0
 
+    def purge_task_links(self, task_id: str) -> int:
+        """Retention purges the finished task ``task_id`` (alone, or with its run): remove
+        what this kind keeps only for it (the pool grants and budget reservations its
+        deliveries held), ``coord.touch`` each. Returns how many entities were removed.
+        Synchronous."""
+        return 0
+
     def leases_outstanding(self) -> int:
         """How many leases (and durable waiters with a time limit) of this kind run on
         server time now: a stall or a restart is given back to them (``LeasesExtended``)
@@ -122,3 +129,42 @@ class Kind:
     def statistics(self) -> dict:
         """Entity counts (Trio-style introspection); kinds add their own figures."""
         return {name: len(table) for name, (table, _) in self.entity_tables().items()}
+
+
+class Links:
+    """Retention's index for one kind: owner id (a run, or the task whose delivery held
+    it) -> the ids of the kind's entities it owns, in creation order. ``purge(owner,
+    finished, remove)`` removes those ``finished(id)`` says are done (``remove(id)``)
+    and keeps the rest listed (a live lease of an ended run stays until it ends)."""
+
+    __slots__ = ("by",)
+
+    def __init__(self) -> None:
+        self.by: dict[str, list[str]] = {}
+
+    def add(self, owner: str, entity_id: str) -> None:
+        lst = self.by.get(owner)
+        if lst is None:
+            self.by[owner] = [entity_id]
+        else:
+            lst.append(entity_id)
+
+    def purge(self, owner: str, finished: Callable[[str], bool], remove: Callable[[str], None]) -> int:
+        """Remove the finished entities of ``owner``; returns how many."""
+        ids = self.by.pop(owner, None)
+        if not ids:
+            return 0
+        keep = []
+        n = 0
+        for eid in ids:
+            if finished(eid):
+                remove(eid)
+                n += 1
+            else:
+                keep.append(eid)
+        if keep:
+            self.by[owner] = keep
+        return n
+
+    def __len__(self) -> int:
+        return len(self.by)

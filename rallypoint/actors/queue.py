@@ -1238,8 +1238,11 @@ class WorkQueues(Kind):
         """Remove one finished task (and its own run's subtree, which ended with it).
         Returns the entities removed."""
         n = 0
-        if t.run_id is not None and t.run_id in self.coord.runs.table:
-            n += self.coord.retention.purge_subtree(t.run_id)
+        coord = self.coord
+        if t.run_id is not None and t.run_id in coord.runs.table:
+            n += coord.retention.purge_subtree(t.run_id)
+        for k in coord.task_linked_kinds:  # what its deliveries held (grants, reservations)
+            n += k.purge_task_links(t.id)
         del self.tasks[t.id]
         if t.key is not None and self.task_keys.get((t.scope_id, t.mailbox_id, t.key)) == t.id:
             del self.task_keys[(t.scope_id, t.mailbox_id, t.key)]
@@ -1269,6 +1272,12 @@ class WorkQueues(Kind):
     def _ev_queue_created(self, r: MailboxCreated):
         return ev(r.space, "mailbox.created", "mailbox", r.id, None, r.at_ms,
                   data(name=r.name, max_attempts=r.max_attempts, backlog_limit=r.backlog_limit))
+
+    @emits(TaskSubscribed, TaskDetached)
+    def _ev_subscription(self, r):
+        t = self.tasks[r.task_id]
+        kind = "task.subscribed" if type(r) is TaskSubscribed else "task.detached"
+        return ev(t.space, kind, "task", t.id, t.scope_id, r.at_ms, {"subscriber": r.subscriber_id})
 
     @emits(TaskSubmitted)
     def _ev_submitted(self, r: TaskSubmitted):

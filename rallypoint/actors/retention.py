@@ -98,7 +98,12 @@ class Retention(Kind):
 
     # ------------------------------------------------------------------ decide
     def rearm(self) -> None:
-        if (self.retain_ms is not None or self.coord.events.retain_ms is not None) and not self._armed:
+        """Arm the tick (once) when there is anything for it to do: finished runs to
+        purge, events to drop by age, stored HTTP answers to forget."""
+        coord = self.coord
+        if self._armed or coord.replaying:
+            return
+        if self.retain_ms is not None or coord.events.retain_ms is not None or coord.idempotency.table:
             self._armed = True
             self.coord.heap.arm(trio.current_time() + TICK_S, self._tick)
 
@@ -108,8 +113,11 @@ class Retention(Kind):
         try:
             if coord.failed is None and not coord.runtime.stopping:
                 coord.events.trim_age(coord.now_ms())
-                if self.retain_ms is not None:
-                    busy = self.purge_due(coord.now_ms())
+                if getattr(coord.journal, "writable", True):  # (a full disk: nothing is purged)
+                    if self.retain_ms is not None:
+                        busy = self.purge_due(coord.now_ms())
+                    if coord.idempotency.table:
+                        busy = coord.idempotency.expire_due(coord.now_ms()) or busy
         finally:
             coord.heap.arm(trio.current_time() + (BUSY_TICK_S if busy else TICK_S), self._tick)
 
