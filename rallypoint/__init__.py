@@ -41,6 +41,7 @@ from .client.types import (
     ServerInfo,
     SettleResult,
     TaskInfo,
+    TaskOutcome,
     VerdictResult,
     WorkLimitInfo,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "WorkLimitInfo",
     "RunStatus",
     "TaskInfo",
+    "TaskOutcome",
     "MailboxInfo",
     "GroupStatus",
     "GroupDecision",

@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 
 import trio
 
+_current_time = trio.current_time
+
 __all__ = ["Clock", "to_iso", "from_iso", "ms_to_datetime", "datetime_to_ms"]
 
 
@@ -63,14 +65,23 @@ class Clock:
 
     def now_ms(self) -> int:
         """Wall milliseconds since the epoch (int)."""
-        return int(self.now() * 1000)
+        t0 = self._trio0
+        if t0 is not None:  # inlined now() (a hot path: every record carries instants)
+            try:
+                return int((self._wall0 + (_current_time() - t0)) * 1000)
+            except RuntimeError:
+                pass
+        return int(time.time() * 1000)
 
     def mono_ms(self) -> int:
         """Server-time milliseconds (int): never backward, not even across restarts."""
-        e = self._elapsed()
-        if e is None:
-            return int((self._mono0 + (time.time() - self._wall0)) * 1000)
-        return int((self._mono0 + e) * 1000)
+        t0 = self._trio0
+        if t0 is not None:
+            try:
+                return int((self._mono0 + (_current_time() - t0)) * 1000)
+            except RuntimeError:
+                pass
+        return int((self._mono0 + (time.time() - self._wall0)) * 1000)
 
     def resume(self, last_mono_ms: int, last_wall_ms: int) -> None:
         """Continue server time from a persisted pair: ``mono_ms()`` becomes

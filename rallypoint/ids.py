@@ -44,6 +44,7 @@ PREFIXES = {
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
 _ID_RE = re.compile(r"^([a-z]{3})_([0-9a-hjkmnp-tv-z]{26})$")
 _RAND_MASK = (1 << 80) - 1
+_LOW_MASK = (1 << 40) - 1
 
 
 _PAIRS = [a + b for a in _ALPHABET for b in _ALPHABET]  # 10 bits -> 2 chars
@@ -62,24 +63,39 @@ def _b32(n: int) -> str:
 
 
 class IdGenerator:
-    """Monotonic id source. ``now_ms`` is a callable giving wall-clock milliseconds."""
+    """Monotonic id source. ``now_ms`` is a callable giving wall-clock milliseconds.
 
-    __slots__ = ("_last_ms", "_last_rand", "_now_ms")
+    Within one millisecond the random part is incremented; the first 18 characters
+    (the timestamp and the random part's high 40 bits) are then unchanged unless the
+    low 40 bits carry, so only the last 8 characters are formatted (the hot path: a
+    batch of tasks and deliveries shares a millisecond)."""
+
+    __slots__ = ("_last_ms", "_last_rand", "_now_ms", "_head")
 
     def __init__(self, now_ms=None) -> None:
         self._last_ms = -1
         self._last_rand = 0
         self._now_ms = now_ms or (lambda: int(time.time() * 1000))
+        self._head = ""  # the body's first 18 chars for (_last_ms, _last_rand >> 40)
 
     def new(self, prefix: str) -> str:
         ms = self._now_ms()
         if ms <= self._last_ms:
+            rand = self._last_rand + 1
+            low = rand & _LOW_MASK
+            if low and rand <= _RAND_MASK:  # no carry out of the low 40 bits
+                self._last_rand = rand
+                p = _PAIRS
+                return (f"{prefix}_{self._head}{p[(low >> 30) & 1023]}{p[(low >> 20) & 1023]}"
+                        f"{p[(low >> 10) & 1023]}{p[low & 1023]}")
             ms = self._last_ms
-            rand = (self._last_rand + 1) & _RAND_MASK
+            rand &= _RAND_MASK
         else:
             rand = int.from_bytes(os.urandom(10), "big")
         self._last_ms, self._last_rand = ms, rand
-        return f"{prefix}_{_b32((ms << 80) | rand)}"
+        body = _b32((ms << 80) | rand)
+        self._head = body[:18]
+        return f"{prefix}_{body}"
 
 
 _default = IdGenerator()

@@ -222,10 +222,13 @@ class TaskResult(_Op, tag="task.result"):
 class TaskResults(_Op, tag="task.results"):
     """Waits on the server (at most 60 s per request) until EVERY task is terminal; the
     reply lists them in the given order (as they are when the wait ends). One request
-    and one parked wait for many tasks (1 to 1000 ids)."""
+    and one parked wait for many tasks (1 to 1000 ids). ``brief``: each task's outcome
+    only (``TaskListView.outcomes``: id, state, attempt, outcome, outcome reason, error),
+    not its whole view (no input echoed back, no instants formatted)."""
 
     task_ids: list[str]
     wait_ms: int = 0
+    brief: bool = False
 
 
 class TaskCancel(_Op, tag="task.cancel"):
@@ -270,11 +273,25 @@ class TaskView(_View):
     subscribers: list[str] = msgspec.field(default_factory=list)
 
 
+class TaskOutcomeView(_View, array_like=True, gc=False):
+    """What a producer waits for: a task's id, state, attempt, outcome (the completing
+    worker's value, nil until SUCCEEDED), outcome reason and last error."""
+
+    id: str
+    state: str
+    attempt: int
+    outcome: msgspec.Raw
+    outcome_reason: str | None
+    error: msgspec.Raw
+
+
 class TaskListView(_View):
-    """The tasks' views, or (a ``brief`` submit) only their ids."""
+    """The tasks' views, or (a ``brief`` submit) only their ids, or (a ``brief``
+    ``task.results``) only their outcomes."""
 
     tasks: list[TaskView] = msgspec.field(default_factory=list)
     ids: list[str] = msgspec.field(default_factory=list)
+    outcomes: list[TaskOutcomeView] = msgspec.field(default_factory=list)
 
 
 class Receive(_Op, tag="delivery.receive"):

@@ -72,9 +72,10 @@ class HandClock:
 
 def fire_due(coord: Coordinator) -> None:
     heap = coord.heap._heap
+    fns = coord.heap._fns
     while heap and heap[0][0] <= coord.clock.ms / 1000:
         _, _, _, fn, arg = heapq.heappop(heap)
-        fn(arg)
+        (fns[fn] if isinstance(fn, int) else fn)(arg)
 
 
 def raw(x) -> msgspec.Raw:

@@ -409,7 +409,7 @@ async def test_a_refused_activity_is_retried_once_space_frees(tmp_path):
         heap.arm(now, coord.timers._on_fire, timer.id)  # the timer falls due while the disk is full
         heap.fire_due()
         assert t.state == "ARMED"  # refused, nothing applied
-        retries = [e for e in heap._heap if e[3] == coord.timers._on_fire and e[4] == timer.id and e[0] < now + 60]
+        retries = [e for e in heap.entries() if e[3] == coord.timers._on_fire and e[4] == timer.id and e[0] < now + 60]
         assert len(retries) == 1 and now + 0.9 <= retries[0][0] <= trio.current_time() + 1.1  # ~retry_after
         disk.free = BIG
         await coord.journal.wait_writable()

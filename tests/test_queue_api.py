@@ -443,6 +443,50 @@ async def test_batch_forms_complete_many_and_results(rs):
     assert [i.outcome for i in infos] == ["first", 10, 20, 30, 40]
 
 
+async def test_results_without_details_answers_outcomes_only(rs):
+    # details=False: one TaskOutcome per task (state, attempt, outcome, reason, error),
+    # no input echoed back; a failed task carries its error, a waiting one is waited for
+    from rallypoint import TaskOutcome
+
+    run = await rs.scopes.create()
+    mbx = await rs.mailboxes.ensure(uniq(), max_attempts=1)
+    tickets = await mbx.submit_many([{"i": i, "pad": "x" * 500} for i in range(3)], scope=run)
+    ds = await mbx.receive(run, wait=0, max_messages=3)
+    await ds[0].complete({"got": 0})
+    await ds[1].reject({"why": "bad"})
+    sent = []
+    real = rs._call
+
+    async def spy(op, reply_type):
+        sent.append(op)
+        return await real(op, reply_type)
+
+    rs._call = spy
+    async with trio.open_nursery() as n:
+        got: list = []
+
+        async def wait_all():
+            got.extend(await rs.results(tickets, timeout=30, details=False))
+
+        n.start_soon(wait_all)
+        await trio.sleep(0.2)
+        assert not got
+        rs._call = real
+        await ds[2].complete(None)
+    assert all(isinstance(o, TaskOutcome) and o.finished for o in got)
+    assert [(o.id, o.state, o.attempt, o.outcome) for o in got] == [
+        (tickets[0].id, "SUCCEEDED", 1, {"got": 0}), (tickets[1].id, "FAILED", 1, None),
+        (tickets[2].id, "SUCCEEDED", 1, None)]
+    assert got[1].error == {"why": "bad"} and got[0].error is None
+    assert [type(op).__name__ for op in sent] == ["TaskResults"] and sent[0].brief
+    # the brief reply is smaller: no input, no instants
+    from rallypoint import protocol as p
+    import msgspec
+    full = await rs._call(p.TaskResults(task_ids=[t.id for t in tickets]), msgspec.Raw)
+    brief = await rs._call(p.TaskResults(task_ids=[t.id for t in tickets], brief=True), msgspec.Raw)
+    assert len(bytes(brief)) * 4 < len(bytes(full))
+
+
 async def test_results_times_out_without_changing_anything(rs):
     from rallypoint.errors import WaitTimeout
 

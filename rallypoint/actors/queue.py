@@ -82,6 +82,7 @@ from ..protocol import (
     TaskResult,
     TaskDetach,
     TaskResults,
+    TaskOutcomeView,
     TaskStatus,
     TaskSubmit,
     TaskSubscribe,
@@ -212,6 +213,8 @@ class WorkQueues(Kind):
         self.result_watch: dict[str, list[tuple[str, Any]]] = {}
         self.to_check: set[str] = set()  # completing tasks whose run may be done: see react()
         self._init_indexes()
+        coord.heap.stale_when(self._on_lease, self._lease_stale)
+        coord.heap.stale_when(self._on_deadline, self._deadline_stale)
 
     def _init_indexes(self) -> None:
         self.by_name: dict[tuple[str, str], str] = {}
@@ -1067,10 +1070,19 @@ class WorkQueues(Kind):
         tasks may be in several runs)."""
         tasks = [self.get_task(session.space, tid) for tid in op.task_ids]
         wait_ms = clamp_wait(op.wait_ms)
+        if op.brief:
+            def answer() -> TaskListView:
+                return TaskListView(outcomes=[
+                    TaskOutcomeView(t.id, t.state, t.attempt, msgspec.Raw(t.outcome) if t.outcome is not None else NIL,
+                                    t.outcome_reason, msgspec.Raw(t.error) if t.error is not None else NIL)
+                    for t in tasks])
+        else:
+            def answer() -> TaskListView:
+                return TaskListView(tasks=[view(t) for t in tasks])
         view = self.task_view
         pending = [t for t in tasks if t.state not in TERMINAL]
         if not pending or wait_ms == 0:
-            return TaskListView(tasks=[view(t) for t in tasks])
+            return answer()
         key = ("results", id(pending))
         watch = self.result_watch
         entry = (actor.id if actor is not None else tasks[0].scope_id, key)
@@ -1094,11 +1106,11 @@ class WorkQueues(Kind):
             if any(t.state not in TERMINAL for t in pending):
                 return None
             unwatch()
-            return TaskListView(tasks=[view(t) for t in tasks])
+            return answer()
 
         def expire():
             unwatch()
-            return TaskListView(tasks=[view(t) for t in tasks])
+            return answer()
 
         return Park(key, check, wait_ms, expire)
 
@@ -1184,6 +1196,15 @@ class WorkQueues(Kind):
         )
 
     # ================================================================ activities
+    def _lease_stale(self, arg) -> bool:
+        """The lease entry ``arg`` can never fire (its task is gone, finished or re-leased)."""
+        t = self.tasks.get(arg[0])
+        return t is None or t.state != "RUNNING" or t.token != arg[1] or t.lease_expires_ms != arg[2]
+
+    def _deadline_stale(self, arg) -> bool:
+        t = self.tasks.get(arg[0])
+        return t is None or t.state in TERMINAL or t.deadline_ms != arg[1]
+
     def _on_lease(self, arg) -> None:
         task_id, token, expires = arg
         t = self.tasks.get(task_id)

@@ -181,37 +181,99 @@ class Waiter:
 
 
 # ---------------------------------------------------------------------------- activities
+def _waiter_done(w: "Waiter") -> bool:
+    return w.done
+
+
 class ActivityHeap:
     """One heap of due activities: ``(due, prio, seq, fn, arg)``, ``due`` in Trio time.
 
     ``fn(arg)`` is called once the entry is due, in (due, prio, arm order) order. Entries
-    are never removed when they become irrelevant (a lease renewed, a task finished): the
+    are not removed when they become irrelevant (a lease renewed, a task finished): the
     callback re-checks and ignores a stale entry, so arming is O(log n) and cancelling
     is free. One task sleeps until the earliest entry (:meth:`run`); the coordinator
     also calls :meth:`fire_due` before every command batch.
+
+    Two things keep the stale entries cheap (a lease armed per delivery stays in the heap
+    for the lease's length after its task completed: 30 s x 20k deliveries/s = 600k
+    entries). A bound method ``fn`` is stored as a small integer code, so an entry whose
+    ``arg`` holds only strings and numbers has nothing the cyclic GC tracks (CPython
+    untracks such tuples): a full collection does not walk them. And a kind may say how
+    to tell a stale entry (:meth:`stale_when`); when the heap has doubled since it was
+    last compacted, entries known stale are dropped and the heap rebuilt (amortised
+    O(1) per arm; the order of the others is unchanged: it is total on (due, prio, seq)).
     """
 
-    __slots__ = ("_heap", "_seq", "_task", "fired", "_firing")
+    __slots__ = ("_heap", "_seq", "_task", "fired", "_firing", "_codes", "_fns", "_stale", "_compact_at",
+                 "compacted")
+
+    #: Never compact below this many entries.
+    COMPACT_MIN = 4096
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
         self._seq = 0
         self._task = None  # the sleeping task while it sleeps
         self.fired = 0
         self._firing = False
+        self._codes: dict[Any, int] = {}  # bound method -> code
+        self._fns: list[Callable[[Any], None]] = []  # code -> bound method
+        self._stale: dict[int, Callable[[Any], bool]] = {}  # code -> "this arg is stale"
+        self._compact_at = self.COMPACT_MIN
+        self.compacted = 0  # stale entries dropped so far
 
     def __len__(self) -> int:
         return len(self._heap)
 
+    def _code(self, fn: Callable[[Any], None]) -> Any:
+        """The integer code of a bound method (registered on first use); any other
+        callable is stored as itself (a lambda made per call must not grow the table)."""
+        code = self._codes.get(fn)
+        if code is None:
+            if getattr(fn, "__self__", None) is None or not hasattr(fn, "__func__"):
+                return fn
+            code = self._codes[fn] = len(self._fns)
+            self._fns.append(fn)
+        return code
+
+    def stale_when(self, fn: Callable[[Any], None], is_stale: Callable[[Any], bool]) -> None:
+        """Entries of ``fn`` (a bound method) whose ``arg`` makes ``is_stale(arg)`` true may
+        be dropped without being called: ``is_stale`` must be true only when ``fn(arg)``
+        would do nothing, now and at any later time."""
+        code = self._code(fn)
+        if isinstance(code, int):
+            self._stale[code] = is_stale
+
     def arm(self, due: float, fn: Callable[[Any], None], arg: Any = None, prio: int = PRIO_DEFAULT) -> None:
         """Call ``fn(arg)`` at Trio time ``due`` (seconds)."""
-        self._seq += 1
-        entry = (due, prio, self._seq, fn, arg)
         heap = self._heap
+        if len(heap) >= self._compact_at:
+            self._compact()
+        code = self._codes.get(fn)
+        if code is None:
+            code = self._code(fn)
+        self._seq += 1
+        entry = (due, prio, self._seq, code, arg)
         heapq.heappush(heap, entry)
         if heap[0] is entry and self._task is not None:
             task, self._task = self._task, None
             trio.lowlevel.reschedule(task)
+
+    def _compact(self) -> None:
+        heap = self._heap
+        stale = self._stale
+        if stale:
+            before = len(heap)
+            # in place: fire_due holds the list while an activity it fires arms another
+            heap[:] = [e for e in heap if (p := stale.get(e[3])) is None or not p(e[4])]
+            heapq.heapify(heap)
+            self.compacted += before - len(heap)
+        self._compact_at = max(self.COMPACT_MIN, 2 * len(heap))
+
+    def entries(self) -> list[tuple[float, int, int, Callable[[Any], None], Any]]:
+        """The entries, unordered, as ``(due, prio, seq, fn, arg)`` (for tests and views)."""
+        fns = self._fns
+        return [(d, p, s, fns[c] if c.__class__ is int else c, a) for d, p, s, c, a in self._heap]
 
     def clear(self) -> None:
         self._heap.clear()
@@ -229,6 +291,7 @@ class ActivityHeap:
         if self._firing:
             return 0
         heap = self._heap
+        fns = self._fns
         now = trio.current_time()
         n = 0
         self._firing = True
@@ -236,14 +299,17 @@ class ActivityHeap:
         try:
             while heap and heap[0][0] <= now:
                 entry = heapq.heappop(heap)
+                fn = entry[3]
+                if fn.__class__ is int:
+                    fn = fns[fn]
                 try:
-                    entry[3](entry[4])
+                    fn(entry[4])
                 except UnavailableError as exc:  # disk full: refused before applying; later
-                    retry.append((now + (exc.retry_after or 1.0), entry))
+                    retry.append((now + (exc.retry_after or 1.0), fn, entry))
                 n += 1
         finally:
             self._firing = False
-            for due, (_, prio, _, fn, arg) in retry:
+            for due, fn, (_, prio, _, _, arg) in retry:
                 self.arm(due, fn, arg, prio)
         self.fired += n
         return n
@@ -521,6 +587,7 @@ class Runtime:
         self.idle_s = idle_s
         self.actors: dict[str, Actor] = {}
         self.heap = ActivityHeap()
+        self.heap.stale_when(self._wait_timeout, _waiter_done)
         self.root_nursery: trio.Nursery | None = None
         self._root_pending: list[Actor] = []
         self.n_active = 0

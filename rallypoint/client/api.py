@@ -159,29 +159,33 @@ class Client:
             if remaining <= 0:
                 raise WaitTimeout(still(reply))
 
-    async def results(self, tickets: "Iterable[Ticket | str]", timeout: float | None = None) -> list[t.TaskInfo]:
+    async def results(self, tickets: "Iterable[Ticket | str]", timeout: float | None = None, *,
+                      details: bool = True) -> "list[t.TaskInfo] | list[t.TaskOutcome]":
         """Wait until every task is terminal; their infos in the given order.
 
         ONE request per round (``task.results``: one wait on the server for all of
         them, at most 1000 per request; more are split), so waiting for N tasks costs
-        one round trip, not N. WaitTimeout (changing nothing) if some are still
-        unfinished after ``timeout`` seconds."""
+        one round trip, not N. ``details=False``: a :class:`TaskOutcome` per task (id,
+        state, attempt, outcome, outcome reason, error) instead of its whole TaskInfo --
+        no input echoed back, cheaper on both ends. WaitTimeout (changing nothing) if
+        some are still unfinished after ``timeout`` seconds."""
         ids = [_id_of(x, "task") for x in tickets]
-        out: list[t.TaskInfo | None] = [None] * len(ids)
+        out: list = [None] * len(ids)
         remaining = math.inf if timeout is None else timeout
+        reply_type, field = (t._TaskList, "tasks") if details else (t._TaskOutcomes, "outcomes")
         while True:
             todo = [i for i, info in enumerate(out) if info is None or not info.finished]
             if not todo:
-                return out  # type: ignore[return-value]
+                return out
             chunk = min(remaining, _MAX_WAIT_S)
             ms = _ms(chunk, "timeout")
             parts = [todo[k:k + 1000] for k in range(0, len(todo), 1000)]
-            ops = [p.TaskResults(task_ids=[ids[i] for i in part], wait_ms=ms) for part in parts]
-            replies = await (self._call_many(ops, t._TaskList) if len(ops) > 1 else self._call_one(ops[0], t._TaskList))
+            ops = [p.TaskResults(task_ids=[ids[i] for i in part], wait_ms=ms, brief=not details) for part in parts]
+            replies = await (self._call_many(ops, reply_type) if len(ops) > 1 else self._call_one(ops[0], reply_type))
             for part, r in zip(parts, replies):
                 if isinstance(r, Exception):
                     raise r
-                for i, info in zip(part, r.tasks):
+                for i, info in zip(part, getattr(r, field)):
                     out[i] = info
             remaining -= chunk
             if remaining <= 0 and any(not out[i].finished for i in todo):

@@ -16,6 +16,7 @@ __all__ = [
     "RunStatus",
     "MailboxInfo",
     "TaskInfo",
+    "TaskOutcome",
     "DeliveryInfo",
     "GroupStatus",
     "GroupMember",
@@ -104,6 +105,23 @@ class TaskInfo(_Info):
     #: its worker completed it and its run's join sets are closing: the task is
     #: SUCCEEDED (with that outcome) once the last awaited child finished
     completing: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED")
+
+
+class TaskOutcome(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """What ``rs.results(..., details=False)`` returns per task: its id, state, attempt,
+    ``outcome`` (the completing worker's value; None unless SUCCEEDED), outcome reason
+    and last retry/reject ``error`` -- without the input echoed back or the instants."""
+
+    id: str
+    state: str
+    attempt: int
+    outcome: Any
+    outcome_reason: str | None
+    error: Any
 
     @property
     def finished(self) -> bool:
@@ -251,6 +269,10 @@ class _TaskIds(msgspec.Struct):
 
 class _TaskList(msgspec.Struct):
     tasks: list[TaskInfo] = msgspec.field(default_factory=list)
+
+
+class _TaskOutcomes(msgspec.Struct):
+    outcomes: list[TaskOutcome] = msgspec.field(default_factory=list)
 
 
 class BarrierStatus(_Info):

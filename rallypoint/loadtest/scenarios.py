@@ -156,7 +156,7 @@ async def lifecycle_closed(ctx: Ctx, pipeline: int) -> None:
 
         # One frame of server-side waits for the whole batch (rs.results); each
         # lifecycle ends when the batch's last result arrived: an upper bound.
-        await ctx.timed("results", rs.results, tickets, 30)
+        await ctx.timed("results", rs.results, tickets, 30, details=False)
         t1 = trio.current_time()
         for _ in tickets:
             ctx.lifecycle(t0, t1)
@@ -190,7 +190,7 @@ async def lifecycle_open(ctx: Ctx) -> None:
         # One frame of waits for the coalesced arrivals; each lifecycle ends when the
         # last of them has its result (an upper bound on each one's latency).
         try:
-            await ctx.timed("results", rs.results, tickets, 30)
+            await ctx.timed("results", rs.results, tickets, 30, details=False)
             t1 = trio.current_time()
             for it in intended:
                 ctx.lifecycle(it, t1)

@@ -1,0 +1,92 @@
+"""The activity heap keeps stale entries cheap (issue 18: the daemon's tail latency was a
+full GC walking ~600k lease entries of finished tasks): bound methods are stored as codes
+so an entry of strings and numbers is untracked by the cyclic GC, and entries a kind
+declares stale are dropped when the heap has doubled since its last compaction, without
+changing the order of the rest."""
+
+from __future__ import annotations
+
+import gc
+
+import trio
+import trio.testing
+
+from rallypoint.actors.runtime import ActivityHeap
+
+
+class _Kind:
+    def __init__(self) -> None:
+        self.fired: list = []
+        self.live: set = set()
+
+    def on(self, arg) -> None:
+        self.fired.append(arg)
+
+    def other(self, arg) -> None:
+        self.fired.append(("other", arg))
+
+
+async def test_entries_with_atomic_args_are_not_tracked_by_the_gc(autojump_clock):
+    heap, k = ActivityHeap(), _Kind()
+    now = trio.current_time()
+    heap.arm(now + 10, k.on, ("tsk_1", 7, 12345))
+    heap.arm(now + 10, lambda a: None, ("tsk_2", 1, 2))  # a lambda is stored as itself
+    gc.collect()
+    bound, plain = sorted(heap._heap, key=lambda e: e[2])
+    assert isinstance(bound[3], int) and not gc.is_tracked(bound)
+    assert gc.is_tracked(plain)
+    # entries() shows the callables themselves
+    assert {e[3] for e in heap.entries()} >= {k.on}
+
+
+async def test_stale_entries_are_dropped_when_the_heap_doubles_and_order_is_kept(autojump_clock):
+    heap, k = ActivityHeap(), _Kind()
+    heap.stale_when(k.on, lambda arg: arg not in k.live)
+    now = trio.current_time()
+    n = 3 * ActivityHeap.COMPACT_MIN
+    keep = list(range(0, n, 97))
+    k.live.update(keep)
+    for i in range(n):
+        # later arms fall due earlier: the order of the survivors must come from the heap
+        heap.arm(now + 100 - i * 0.001, k.on, i)
+        heap.arm(now + 100 - i * 0.001, k.other, i) if i % 1000 == 0 else None
+    # the heap never holds much more than twice its live entries plus the floor
+    assert len(heap) < 2 * ActivityHeap.COMPACT_MIN + len(keep) + n // 1000 + 1
+    assert heap.compacted > n - 2 * ActivityHeap.COMPACT_MIN - len(keep)
+    # an entry of a kind without a stale test is never dropped
+    assert sum(1 for e in heap.entries() if e[3] == k.other) == len(range(0, n, 1000))
+    await trio.sleep(200)
+    heap.fire_due()
+    fired_on = [a for a in k.fired if not isinstance(a, tuple)]
+    # everything live fired, latest armed first (earliest due), plus the stale ones not
+    # yet compacted away (they would do nothing: their callback re-checks)
+    assert set(keep) <= set(fired_on)
+    assert [a for a in fired_on if a in k.live] == sorted(keep, reverse=True)
+    assert [a for a in k.fired if isinstance(a, tuple)] == [("other", i) for i in sorted(range(0, n, 1000), reverse=True)]
+
+
+async def test_finished_tasks_do_not_leave_their_leases_in_the_heap(autojump_clock, ers):
+    """Thousands of deliveries completed long before their 300 s lease would run out:
+    the heap stays near its floor, not one entry per delivery."""
+    coord = ers.node.coordinator
+    run = await ers.scopes.create()
+    m = await ers.mailboxes.ensure("heap-leases")
+    total = 0
+    for _ in range(100):
+        await m.submit_many(list(range(100)), scope=run)
+        ds = await m.receive(run, wait=0, max_messages=100, lease_seconds=300)
+        assert len(ds) == 100
+        refused = await m.complete_many([(d, "ok") for d in ds], details=False)
+        assert not any(refused)
+        total += len(ds)
+    assert total == 10_000
+    assert len(coord.heap) < 2 * ActivityHeap.COMPACT_MIN + 100
+    assert coord.heap.compacted >= total - 2 * ActivityHeap.COMPACT_MIN
+    # a live lease survives compaction and still expires on time
+    await m.submit("late", scope=run)
+    d = await m.receive(run, wait=0, lease_seconds=30)
+    for _ in range(3 * ActivityHeap.COMPACT_MIN):
+        coord.heap.arm(trio.current_time() + 1000, coord.queues._on_lease, ("tsk_none", 0, 0))
+    await trio.sleep(31)
+    again = await m.receive(run, wait=0)
+    assert again.task_id == d.task_id and again.attempt == 2
