@@ -100,7 +100,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     # work queues and tasks
     "mailbox.created": ("mailbox", "a work queue was created", "name, max_attempts, backlog_limit"),
     "task.submitted": ("task", "a task was queued", "mailbox, key, group, joinset, deadline"),
-    "task.delivered": ("task", "a worker leased the task", "attempt, token"),
+    "task.delivered": ("task", "a worker leased the task (never its token: the lease's secret)", "attempt"),
     "task.completing": ("task", "its worker completed a task that owns a run; the run's join sets are closing",
                         "attempt, run"),
     "task.completed": ("task", "the task SUCCEEDED", "attempt"),

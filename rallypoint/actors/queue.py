@@ -192,11 +192,6 @@ class _Attempt(msgspec.Struct, gc=False):
     attempt: int
 
 
-class _Delivered(msgspec.Struct, gc=False):
-    attempt: int
-    token: int
-
-
 class WorkQueues(Kind):
     """Work queues and their tasks: ops, apply functions, indexes, lease/retry/deadline
     activities."""
@@ -1309,7 +1304,7 @@ class WorkQueues(Kind):
     @emits(TaskDelivered)
     def _ev_delivered(self, r: TaskDelivered):
         t = self.tasks[r.task_id]
-        return ev(t.space, "task.delivered", "task", t.id, t.scope_id, r.at_ms, _Delivered(t.attempt, r.token))
+        return ev(t.space, "task.delivered", "task", t.id, t.scope_id, r.at_ms, _Attempt(t.attempt))  # (never the token: it is the lease's secret)
 
     @emits(TaskCompleted, TaskRunCompleted)
     def _ev_completed(self, r):
