@@ -181,6 +181,30 @@ async def connect(
         yield Client(transport)
 
 
+def retention_options(retain_finished: float | None, retain_events: "int | str | None") -> dict:
+    """``open_node(retention=...)`` from seconds / a count or age. VALIDATION_FAILED for
+    a negative duration or an unreadable ``retain_events``."""
+    from .events import DEFAULT_RETAIN_EVENTS, parse_retain_events
+
+    out: dict = {}
+    if retain_finished is not None:
+        if isinstance(retain_finished, bool) or not isinstance(retain_finished, (int, float)) or retain_finished < 0:
+            raise ValidationError(f"retain_finished must be seconds >= 0 (got {retain_finished!r})",
+                                  details={"field": "retain_finished"})
+        out["retain_finished_ms"] = int(retain_finished * 1000) or None
+    if retain_events is None:
+        out["retain_events"] = DEFAULT_RETAIN_EVENTS
+    else:
+        try:
+            count, age_ms = parse_retain_events(str(retain_events))
+        except ValueError:
+            raise ValidationError(f"retain_events must be a count or an age like '24h' (got {retain_events!r})",
+                                  details={"field": "retain_events"}) from None
+        out["retain_events"] = count if count else None
+        out["retain_events_ms"] = age_ms or None
+    return out
+
+
 def _require_trio(what: str) -> None:
     """RuntimeError with a clear message unless the caller runs under Trio."""
     try:
@@ -200,12 +224,18 @@ def _require_trio(what: str) -> None:
 
 @asynccontextmanager
 async def open_embedded(
-    data_dir: str | None = None, *, durability: str | None = None, clock=None
+    data_dir: str | None = None, *, durability: str | None = None, clock=None,
+    retain_finished: float | None = None, retain_events: "int | str | None" = None,
 ) -> AsyncIterator[Client]:
     """Run the coordinator inside the caller's Trio program; yields the same ``rs`` API.
 
     ``data_dir=None`` keeps everything in memory (durability ``memory``); with a data dir
     the default durability is ``fsync`` and state is recovered from it.
+
+    ``retain_finished``: seconds a finished run or task is kept after it ended (None or
+    0: forever, the embedded default; the daemon's default is 7 days).
+    ``retain_events``: events kept per space, a count (default 100,000) or an age such
+    as ``"24h"`` (see ``rallypoint serve --retain-events``).
 
     Embedded mode needs Trio (``trio.run``): the coordinator's background tasks are Trio
     tasks. Under asyncio (or outside any event loop) it raises RuntimeError saying so;
@@ -217,7 +247,8 @@ async def open_embedded(
     from .client.embedded import EmbeddedTransport
     from .node import open_node
 
-    async with open_node(data_dir, durability, clock=clock) as node:
+    async with open_node(data_dir, durability, clock=clock,
+                         retention=retention_options(retain_finished, retain_events)) as node:
         transport = EmbeddedTransport(node.service)
         rs = Client(transport)
         rs.node = node  # for tests and introspection

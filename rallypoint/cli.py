@@ -1,5 +1,5 @@
-"""The ``rallypoint`` command: ``serve | status | runs | claims | pools | quotas | budgets | keys | repair |
-bench``.
+"""The ``rallypoint`` command: ``serve | status | runs | watch | top | claims | pools | quotas | budgets |
+keys | repair | bench``.
 
 ``rallypoint serve`` runs the daemon: it logs its address, version, data dir, durability
 and what it recovered; SIGINT/SIGTERM drain it (stop accepting, finish in-flight
@@ -63,12 +63,17 @@ def _parse_listen(s: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    from .logutil import JsonFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
 
 
 def _is_loopback(host: str) -> bool:
@@ -96,11 +101,13 @@ async def _serve(args) -> int:
         interval_ms=args.interval_ms,
         snapshot_every_records=args.snapshot_every_records,
         snapshot_every_s=args.snapshot_every_s,
+        retention=args.retention,
         snapshot_retry_s=args.snapshot_retry_s,
         min_free_bytes=int(args.min_free_mb * (1 << 20)),
         ballast_bytes=int(args.ballast_mb * (1 << 20)),
     ) as node:
         coord = node.coordinator
+        coord.watchers.stall_s = args.watch_stall
         coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
         if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
             raise ValidationError(
@@ -124,12 +131,25 @@ async def _serve(args) -> int:
             handshake_timeout=args.handshake_timeout,
             idle_ping_interval=args.idle_ping or None,
             max_outgoing_bytes=args.max_outgoing_bytes,
+            watch_buffer_bytes=args.watch_buffer_bytes,
         )
         node.coordinator.connections_fn = lambda: server.statistics()["connections"]
+        metrics = None
+        from .metrics import Metrics, serve_metrics
+
+        metrics = Metrics(coord, server, getattr(node, "snapshotter", None), slow_s=args.slow_request_ms / 1000)
+        server.metrics = metrics  # (also the slow-request log)
         http_stop = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve, None, host, port)
             actual = server.port
+            metrics_port = None
+            if args.metrics:
+                mhost, mport = _parse_listen(args.metrics)
+                await nursery.start(metrics.lag_probe)
+                metrics_port = await nursery.start(serve_metrics, metrics, mhost, mport)
+                log.info("metrics at http://%s:%d/metrics", mhost, metrics_port,
+                         extra={"event": "metrics", "url": f"http://{mhost}:{metrics_port}/metrics"})
             http_url = None
             if args.http:
                 from .http import serve_http
@@ -146,9 +166,10 @@ async def _serve(args) -> int:
                 http_url = bound[0] if bound else f"http://{hhost}:{hport}"
                 log.info("HTTP API (runstate SDK) on %s/v1/spaces/{spaceId}", http_url)
             info = node.recovery_info
+            r = coord.retention.retain_ms
             log.info(
                 "rallypoint %s listening on %s://%s:%d (data dir %s, durability %s, %d entities recovered, "
-                "snapshot LSN %s, %s records replayed)",
+                "snapshot LSN %s, %s records replayed; finished runs kept %s, events kept %s)",
                 __version__,
                 "tls" if ssl_context is not None else "tcp",
                 host,
@@ -158,6 +179,14 @@ async def _serve(args) -> int:
                 node.coordinator.entity_count(),
                 info.get("snapshot_lsn", 0),
                 info.get("replayed", 0),
+                f"{r / 1000:g} s" if r else "forever",
+                args.retain_events,
+                extra={"event": "startup", "version": __version__, "listen": f"{host}:{actual}",
+                       "tls": ssl_context is not None, "data_dir": os.path.abspath(data_dir) if data_dir else None,
+                       "durability": node.durability, "entities": node.coordinator.entity_count(),
+                       "snapshot_lsn": info.get("snapshot_lsn", 0), "replayed": info.get("replayed", 0),
+                       "retain_finished_ms": r, "retain_events": args.retain_events,
+                       "metrics_port": metrics_port},
             )
             if coord.keys.open_mode:
                 log.warning("open mode: no API keys are configured; serving WITHOUT authentication on %s", host)
@@ -172,7 +201,8 @@ async def _serve(args) -> int:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 # A line for scripts and test fixtures (stdout, flushed), printed only once
                 # SIGTERM/SIGINT drain the server rather than kill it.
-                print(f"READY {scheme}://{host}:{actual}", flush=True)
+                print(f"READY {scheme}://{host}:{actual}" + (f" METRICS http://{mhost}:{metrics_port}/metrics"
+                                                            if metrics_port else ""), flush=True)
                 if http_url:
                     print(f"HTTP {http_url}", flush=True)
                 async for signum in signals:
@@ -191,13 +221,26 @@ async def _serve(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format)
     from .errors import ValidationError
-
-    from .errors import ValidationError
+    from .events import parse_duration_ms, parse_retain_events
 
     try:
         _parse_listen(args.listen)
+        try:
+            retain_finished_ms = parse_duration_ms(args.retain_finished)
+        except ValueError:
+            raise ValidationError(f"--retain-finished must be a duration like 7d, 12h, 30s or 0 (got "
+                                  f"{args.retain_finished!r})") from None
+        try:
+            count, age_ms = parse_retain_events(args.retain_events)
+        except ValueError:
+            raise ValidationError(f"--retain-events must be a count (100000) or an age like 24h (got "
+                                  f"{args.retain_events!r})") from None
+        args.retention = {"retain_finished_ms": retain_finished_ms or None, "retain_events": count or None,
+                          "retain_events_ms": age_ms or None}
+        if args.metrics:
+            _parse_listen(args.metrics)
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             if path is not None and not os.path.isfile(path):
                 raise ValidationError(f"{flag}: no such file {path}")
@@ -454,6 +497,167 @@ def cmd_runs(args) -> int:
     return 2
 
 
+# ------------------------------------------------------------------------------ watch, top
+_STYLE = {
+    "failed": "bold red", "cancelled": "red", "expired": "red", "deadline": "red", "lease_expired": "yellow",
+    "completed": "green", "released": "green", "finalized": "bold", "closed": "cyan", "fired": "cyan",
+    "created": "blue", "submitted": "dim", "delivered": "dim", "purged": "magenta",
+}
+
+
+def _event_line(e):
+    """One rich Text line for an event: seq, time, type, aggregate, run, data."""
+    from rich.text import Text
+
+    what = e.type.split(".", 1)[1]
+    style = _STYLE.get(what, "")
+    line = Text()
+    line.append(f"{e.seq:>8} ", style="dim")
+    line.append(e.at.strftime("%H:%M:%S.%f")[:-3] + " ", style="dim")
+    line.append(f"{e.type:<24}", style=style)
+    line.append(f" {e.kind}:{e.id}")
+    if e.run and e.run != e.id:
+        line.append(f"  run {e.run}", style="dim")
+    if e.data:
+        line.append("  " + " ".join(f"{k}={v}" for k, v in e.data.items()), style="italic")
+    return line
+
+
+def _event_json(e) -> str:
+    return json.dumps({"seq": e.seq, "type": e.type, "kind": e.kind, "id": e.id, "run": e.run,
+                       "at": e.at.isoformat().replace("+00:00", "Z"), "data": e.data}, separators=(",", ":"))
+
+
+def cmd_watch(args) -> int:
+    """``watch``: print the space's events as they happen (pushed by the server), from
+    now (default), after ``--cursor``, or from the oldest kept (``--from-start``);
+    ``--types``, ``--run`` (and everything below it), ``--aggregate`` filter; ``--json``
+    one object a line; ``--count N`` stops after N events. Resumes by itself across a
+    daemon restart. Ctrl-C ends it (exit 0)."""
+    import rallypoint
+    from rich.console import Console
+
+    from .errors import RallypointError
+
+    console = Console(highlight=False, soft_wrap=True)
+    start = "oldest" if args.from_start else "now"
+    printed = [0]
+
+    async def main():
+        async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=args.tls_ca) as rs:
+            async with rs.events.watch(cursor=args.cursor, types=args.types, scope=args.run,
+                                       aggregate=args.aggregate, start=start) as stream:
+                async for e in stream:
+                    if args.json:
+                        sys.stdout.write(_event_json(e) + "\n")
+                        sys.stdout.flush()
+                    else:
+                        console.print(_event_line(e))
+                    printed[0] += 1
+                    if args.count and printed[0] >= args.count:
+                        return
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 0
+
+
+def _top_frame(ov, st, url: str, rates: dict, limit: int):
+    """One frame of ``top``: a rich Group of tables."""
+    import datetime as _dt
+
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+
+    def age(t) -> str:
+        return _fmt_age((now - t).total_seconds()) if t is not None else "-"
+
+    head = Text()
+    head.append(f"rallypoint {st.version}", style="bold")
+    head.append(f"  {url}  up {_fmt_age(st.uptime_s)}  {st.connections} connections  {st.durability}  "
+                f"LSN {st.last_lsn}  {ov.entities} entities  events {ov.events.get('newest', 0)} "
+                f"({ov.events.get('watchers', 0)} watching)  purged {ov.retention.get('entities', 0)}")
+    tasks = "  ".join(f"{k} {v}" for k, v in sorted(ov.tasks.items())) or "no tasks"
+    head.append(f"\nruns: {ov.runs_active} active   tasks: {tasks}")
+
+    runs = Table(title=f"active runs (newest {limit})", title_justify="left", expand=True)
+    for col in ("run", "name", "age", "queued", "running", "done", "failed", "children"):
+        runs.add_column(col, justify="right" if col not in ("run", "name") else "left")
+    for r in ov.runs:
+        t = r.tasks
+        runs.add_row(r.id, r.name or "", age(r.created_at), str(t.get("QUEUED", 0)), str(t.get("RUNNING", 0)),
+                     str(t.get("SUCCEEDED", 0)), str(t.get("FAILED", 0) + t.get("CANCELLED", 0) + t.get("EXPIRED", 0)),
+                     str(r.children))
+    queues = Table(title="work queues", title_justify="left", expand=True)
+    for col in ("queue", "depth", "in flight", "done/s", "done"):
+        queues.add_column(col, justify="left" if col == "queue" else "right")
+    for q in ov.queues:
+        queues.add_row(q.name, str(q.queued), str(q.running), f"{rates.get(q.name, 0.0):,.0f}", str(q.done))
+    groups = Table(title=f"open groups ({ov.groups_open})", title_justify="left", expand=True)
+    for col in ("group", "condition", "state", "members", "accepted", "age"):
+        groups.add_column(col, justify="left" if col in ("group", "condition", "state") else "right")
+    for g in ov.groups:
+        groups.add_row(g.id, g.condition, g.state, str(g.members), str(g.accepted), age(g.created_at))
+    waits = Table(title="actors and waits", title_justify="left", expand=True)
+    for col in ("kind", "active", "passive", "inbox", "waiting"):
+        waits.add_column(col, justify="left" if col == "kind" else "right")
+    for kind, a in sorted(ov.waits.items()):
+        waits.add_row(kind, str(a.get("active", 0)), str(a.get("passive", 0)), str(a.get("inbox", 0)),
+                      str(a.get("waiters", 0)))
+    return Group(head, runs, queues, groups, waits)
+
+
+def cmd_top(args) -> int:
+    """``top``: a live, refreshing view of the space: active runs, work queues (depth,
+    in flight, completions per second), open groups, actors and parked waits. ``--once``
+    prints one frame (the default when stdout is not a terminal). Ctrl-C ends it."""
+    import rallypoint
+    from rich.console import Console
+    from rich.live import Live
+
+    from .errors import RallypointError
+
+    console = Console(highlight=False)
+    once = args.once or not console.is_terminal
+
+    async def main():
+        async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=args.tls_ca) as rs:
+            prev: dict = {}
+            prev_t = None
+            rates: dict = {}
+
+            async def frame():
+                nonlocal prev, prev_t, rates
+                ov, st = await rs.overview(limit=args.limit), await rs.status()
+                t = time.monotonic()
+                done = {q.name: q.done for q in ov.queues}
+                if prev_t is not None and t > prev_t:
+                    rates = {n: max(0, d - prev.get(n, d)) / (t - prev_t) for n, d in done.items()}
+                prev, prev_t = done, t
+                return _top_frame(ov, st, args.connect, rates, args.limit)
+
+            if once:
+                console.print(await frame())
+                return
+            with Live(await frame(), console=console, refresh_per_second=4, screen=False) as live:
+                while True:
+                    await trio.sleep(args.interval)
+                    live.update(await frame())
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 0
 def _print_rows(header: list[str], rows: list[list[str]]) -> None:
     """Aligned columns (every value one word, so the output stays ``awk``-able)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
@@ -881,8 +1085,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-key", help="PEM private key for --tls-cert")
     s.add_argument("--insecure", action="store_true",
                    help="allow serving a non-loopback address without API keys")
+    s.add_argument("--retain-finished", default="7d", metavar="DURATION",
+                   help="delete finished runs (with their tasks, groups, barriers, timers, join sets) and finished "
+                        "tasks this long after they ended: 30s, 15m, 12h, 7d; 0 keeps everything (default %(default)s)")
+    s.add_argument("--retain-events", default="100000", metavar="COUNT|AGE",
+                   help="events kept per space: a count, or an age such as 24h; 0 keeps every event; a watch or "
+                        "list with an older cursor gets CURSOR_EXPIRED (default %(default)s)")
+    s.add_argument("--watch-buffer-bytes", type=_bounded(int, 4096), default=1 << 20,
+                   help="unsent output a connection may hold before its watches wait (default %(default)s)")
+    s.add_argument("--watch-stall", type=_bounded(float, 0, inclusive=False), default=10.0,
+                   help="seconds a watch may be unable to take events before it is cut off (SLOW_CONSUMER; the SDK "
+                        "resumes from its cursor) (default %(default)s)")
+    s.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9411)")
+    s.add_argument("--slow-request-ms", type=_bounded(float, 0), default=1000.0,
+                   help="log requests slower than this (ms, 0: never) (default %(default)s)")
     s.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    s.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object a line (default %(default)s)")
     s.set_defaults(fn=cmd_serve)
 
     st = sub.add_parser("status", help="server version, uptime, connections, runs by state",
@@ -909,6 +1130,24 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--reason")
     r.set_defaults(fn=cmd_runs)
 
+    w = sub.add_parser("watch", help="print the space's events live (pushed by the server)",
+                       parents=[_client_options()])
+    w.add_argument("--types", help="comma-separated event types or prefixes (task.failed,scope.*)")
+    w.add_argument("--run", metavar="RUN_ID", help="only this run and the runs below it")
+    w.add_argument("--aggregate", metavar="KIND:ID", help="only this entity (task:tsk_..., or an id)")
+    wpos = w.add_mutually_exclusive_group()
+    wpos.add_argument("--cursor", type=_bounded(int, 0), help="start after this event seq (resume)")
+    wpos.add_argument("--from-start", action="store_true", help="start at the oldest event kept (default: now)")
+    w.add_argument("--json", action="store_true", help="one JSON object a line")
+    w.add_argument("--count", type=_bounded(int, 1), help="stop after this many events")
+    w.set_defaults(fn=cmd_watch)
+
+    tp = sub.add_parser("top", help="a live view of runs, queues, groups and waits", parents=[_client_options()])
+    tp.add_argument("--interval", type=_bounded(float, 0, inclusive=False), default=1.0,
+                    help="seconds between refreshes (default %(default)s)")
+    tp.add_argument("--limit", type=_bounded(int, 1, maximum=1000), default=15, help="rows of runs and groups")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit (the default off a terminal)")
+    tp.set_defaults(fn=cmd_top)
     c = sub.add_parser("claims", help="list and show claims (fenced leases on keys)", parents=[_client_options()])
     cs = c.add_subparsers(dest="claims_cmd", required=True)
     cls_ = cs.add_parser("ls", aliases=["list"], parents=[client])

@@ -45,6 +45,7 @@ __all__ = [
     "ForbiddenError",
     "UnavailableError",
     "CursorExpiredError",
+    "SlowConsumerError",
     "InternalError",
     "error_from_wire",
 ]
@@ -299,7 +300,20 @@ def shutting_down_error(message: str = "the server is shutting down; retry on a 
 
 
 class CursorExpiredError(RallypointError):
+    """CURSOR_EXPIRED: the events after this cursor are no longer kept (older than
+    ``--retain-events``); ``details``: ``cursor``, ``oldest`` (the oldest kept seq),
+    ``newest``. Start again from ``cursor=None`` (the oldest kept) or from now."""
+
     code = "CURSOR_EXPIRED"
+
+
+class SlowConsumerError(RallypointError):
+    """SLOW_CONSUMER: a watch that could not take events for too long was cut off (so
+    it cannot hold up the server); ``details``: ``cursor`` (the last event sent),
+    ``stalled_s``. Resume with ``watch(cursor=...)`` -- the SDK's watch does that
+    itself."""
+
+    code = "SLOW_CONSUMER"
 
 
 class InternalError(RallypointError):
@@ -333,6 +347,7 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "FORBIDDEN": ForbiddenError,
     "UNAVAILABLE": UnavailableError,
     "CURSOR_EXPIRED": CursorExpiredError,
+    "SLOW_CONSUMER": SlowConsumerError,
     "INTERNAL": InternalError,
 }
 

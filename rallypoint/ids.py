@@ -13,7 +13,7 @@ import os
 import re
 import time
 
-__all__ = ["PREFIXES", "new_id", "is_id", "IdGenerator"]
+__all__ = ["PREFIXES", "new_id", "is_id", "id_time_ms", "IdGenerator"]
 
 #: Known prefixes and what they name.
 PREFIXES = {
@@ -112,3 +112,20 @@ def is_id(value: object, prefix: str | None = None) -> bool:
         return False
     m = _ID_RE.match(value)
     return bool(m) and (prefix is None or m.group(1) == prefix)
+
+
+_DECODE = {c: i for i, c in enumerate(_ALPHABET)}
+
+
+def id_time_ms(value: object) -> int | None:
+    """The millisecond timestamp an id was made at (the clock of the process that made
+    it: the server's time for server ids), or None for anything that is not an id."""
+    if not isinstance(value, str):
+        return None
+    m = _ID_RE.match(value)
+    if not m:
+        return None
+    n = 0
+    for c in m.group(2):
+        n = (n << 5) | _DECODE[c]
+    return n >> 80

@@ -28,7 +28,35 @@ import math
 import time
 from typing import Any, Callable
 
-__all__ = ["RateLimitedLogger"]
+__all__ = ["RateLimitedLogger", "JsonFormatter"]
+
+#: LogRecord attributes that are not ``extra=`` fields.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """``--log-format json``: one JSON object a line: ``ts`` (ISO 8601 UTC, ms), ``level``,
+    ``logger``, ``msg`` (the formatted message), the record's ``extra=`` fields (e.g.
+    ``event``: ``startup``, ``recovery``, ``snapshot``, ``key_created``, ``auth_failed``,
+    ``slow_request``...), and ``exc`` (the traceback) when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime
+        import json
+
+        out: dict[str, Any] = {
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for k, v in record.__dict__.items():
+            if k not in _STANDARD and not k.startswith("_"):
+                out[k] = v
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, separators=(",", ":"))
 
 
 class _Window:
@@ -79,11 +107,12 @@ class RateLimitedLogger:
         self.emitted = 0
         self.suppressed = 0
 
-    def log(self, level: int, key: str, msg: str, *args: Any, exc_info: Any = None) -> bool:
+    def log(self, level: int, key: str, msg: str, *args: Any, exc_info: Any = None, extra: dict | None = None) -> bool:
         """Log ``msg % args`` at ``level`` unless ``key`` already had ``burst`` events in
         its current window. Returns True if the line was written, False if it was
         suppressed (counted) or the level is disabled (not counted). ``exc_info`` is
-        passed to the logger as is (a traceback only for the lines that are written)."""
+        passed to the logger as is (a traceback only for the lines that are written);
+        ``extra`` too (structured fields for ``--log-format json``)."""
         logger = self.logger
         if not logger.isEnabledFor(level):
             return False
@@ -99,7 +128,7 @@ class RateLimitedLogger:
         if w.logged < self.burst:
             w.logged += 1
             self.emitted += 1
-            logger.log(level, msg, *args, exc_info=exc_info, stacklevel=2)
+            logger.log(level, msg, *args, exc_info=exc_info, stacklevel=2, extra=extra)
             return True
         w.suppressed += 1
         self.suppressed += 1

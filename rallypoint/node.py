@@ -91,6 +91,7 @@ async def open_node(
     interval_ms: int = 10,
     snapshot_every_records: int = 100_000,
     snapshot_every_s: float = 60.0,
+    retention: dict | None = None,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     ballast_bytes: int = 0,
     space_poll_s: float = 1.0,
@@ -101,6 +102,9 @@ async def open_node(
     """Open (recover) a coordinator and run its background tasks until the block ends.
 
     ``durability`` defaults to ``memory`` without a data dir and ``fsync`` with one.
+    ``retention``: the Coordinator's ``retain_events``, ``retain_events_ms`` and
+    ``retain_finished_ms`` (see :class:`~rallypoint.actors.Coordinator`); default: keep
+    100,000 events per space and every finished run.
     Raises VALIDATION_FAILED for an unknown mode or a file mode without a data dir.
 
     Disk full (file modes): writes are refused with UNAVAILABLE while the journal's
@@ -114,6 +118,7 @@ async def open_node(
     only) replaces how the journal and snapshot store are opened (default
     :class:`Storage`: the production files; the deterministic simulator's is seeded).
     """
+    retention = dict(retention or {})
     if durability is None:
         durability = "memory" if data_dir is None else "fsync"
     if durability not in DURABILITY_MODES:
@@ -128,6 +133,7 @@ async def open_node(
             interval_ms=interval_ms,
             snapshot_every_records=snapshot_every_records,
             snapshot_every_s=snapshot_every_s,
+            retention=retention,
             min_free_bytes=min_free_bytes,
             ballast_bytes=ballast_bytes,
             space_poll_s=space_poll_s,
@@ -137,7 +143,7 @@ async def open_node(
         ) as node:
             yield node
         return
-    coord = Coordinator(clock=clock or Clock(), durability="memory")
+    coord = Coordinator(clock=clock or Clock(), durability="memory", **retention)
     node = Node(coord, data_dir, "memory")
     async with _unwrapped(), trio.open_nursery() as nursery:
         await nursery.start(coord.run)
@@ -196,6 +202,8 @@ class Snapshotter:
         self.attempts = 0  # due snapshots run() attempted or skipped
         self.last_error: str | None = None
         self.last_stats: dict = {}
+        self.last_stall_s = 0.0
+        self.on_snapshot: list = []  # callables(stats) after each snapshot (metrics)
         self._retry_at: float | None = None
         self._tick: trio.Event | None = None
         self._lock = trio.Lock()
@@ -215,7 +223,7 @@ class Snapshotter:
         if ev is not None:
             ev.set()
 
-    def _encode(self, ids, keys: list, values: list, tables: dict) -> None:
+    def _encode(self, ids, keys: list, values: list, tables: dict, deletes: list) -> None:
         enc = self._encoder.encode
         n = 0
         for eid in ids:
@@ -226,6 +234,8 @@ class Snapshotter:
                 v = enc(ent)
                 n += len(v)
                 values.append(v)
+            elif t is not None:  # purged by retention: deleted from the store too
+                deletes.append(eid.encode())
         self._encoded_bytes += n
 
     def _space_for(self, journal, nbytes: int) -> None:
@@ -268,6 +278,7 @@ class Snapshotter:
             # later and its last value wins in the store (one put after the other).
             keys: list[bytes] = []
             values: list[bytes] = []
+            deletes: list[bytes] = []
             self._encoded_bytes = 0
             # Time-sliced rounds while much is dirty, then the final round with no yield.
             clock = time.perf_counter
@@ -279,21 +290,26 @@ class Snapshotter:
                 slice_end = clock() + self.SLICE_S
                 while batch:
                     ids = [pop() for _ in range(min(self.SLICE, len(batch)))]
-                    self._encode(ids, keys, values, tables)
+                    self._encode(ids, keys, values, tables, deletes)
                     if clock() >= slice_end:
                         await trio.sleep(0)
                         slice_end = clock() + self.SLICE_S
                 del batch, pop
                 await trio.sleep(0)
             batch, coord.dirty = coord.dirty, set()
-            self._encode(batch, keys, values, tables)
+            t_final = time.perf_counter()
+            self._encode(batch, keys, values, tables, deletes)
             lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
-            encoded_s = time.perf_counter() - t0
+            events, ev_done = _event_cut(coord.events)  # the events of every commit <= lsn
+            now = time.perf_counter()
+            self.last_stall_s = now - t_final  # the one stretch that does not yield
+            encoded_s = now - t0
             try:
                 self._space_for(journal, self._encoded_bytes)
                 if not await _synced_unless_refused(journal, lsn):
                     # The disk filled up meanwhile: the journal may never reach lsn.
                     coord.dirty.update(k.decode() for k in keys)
+                    coord.dirty.update(k.decode() for k in deletes)
                     self.skipped += 1
                     await self._release(values, keys)
                     return None
@@ -303,12 +319,14 @@ class Snapshotter:
                 previous = sys.getswitchinterval()
                 sys.setswitchinterval(min(previous, SNAPSHOT_SWITCH_INTERVAL_S))
                 try:
-                    await self.store.write(lsn, zip(keys, values), [])
+                    await self.store.write(lsn, zip(keys, values), deletes, events)
                 finally:
                     sys.setswitchinterval(previous)
             except BaseException:
                 coord.dirty.update(k.decode() for k in keys)  # try again next time
+                coord.dirty.update(k.decode() for k in deletes)
                 raise
+            ev_done()
             removed = journal.truncate_below(lsn + 1, unlink=False) or []
             if removed:
                 await trio.to_thread.run_sync(_unlink_all, removed)
@@ -318,14 +336,23 @@ class Snapshotter:
             self.last_stats = {
                 "lsn": lsn,
                 "entities": len(keys),
+                "deleted": len(deletes),
+                "stall_s": self.last_stall_s,
                 "encode_s": encoded_s,
                 "total_s": time.perf_counter() - t0,
                 "segments_removed": len(removed or ()),
             }
             log.info(
-                "snapshot at LSN %d: %d entities written in %.3f s, %d journal segments removed",
-                lsn, len(keys), self.last_stats["total_s"], self.last_stats["segments_removed"],
+                "snapshot at LSN %d: %d entities written, %d deleted, in %.3f s (longest stall %.1f ms), "
+                "%d journal segments removed",
+                lsn, len(keys), len(deletes), self.last_stats["total_s"], self.last_stall_s * 1000,
+                self.last_stats["segments_removed"],
+                extra={"event": "snapshot", "lsn": lsn, "entities": len(keys), "deleted": len(deletes),
+                       "seconds": round(self.last_stats["total_s"], 4), "stall_ms": round(self.last_stall_s * 1000, 3),
+                       "segments_removed": self.last_stats["segments_removed"]},
             )
+            for hook in self.on_snapshot:
+                hook(self.last_stats)
             await self._release(values, keys)
             return lsn
 
@@ -420,6 +447,76 @@ def _unlink_all(paths) -> None:
             pass
 
 
+def _event_cut(log):
+    """At a snapshot's cut: what to write of the event log -- the chunks holding events
+    not yet written (the last, partial one again), encoded lazily in the writer thread;
+    the chunks now wholly below what is kept, deleted -- and a function that records it
+    as written."""
+    from .events import CHUNK, chunk_start, encode_chunk, event_key
+    from .persistence.snapshot import EventWrite
+
+    parts: list[tuple[bytes, list]] = []
+    ranges: list[tuple[bytes, bytes]] = []
+    next_seqs: dict[str, int] = {}
+    marks = []
+    for space, s in log.streams.items():
+        next_seqs[space] = s.next_seq
+        lo = max(s.persisted_last + 1, s.first_seq)
+        if lo <= s.last_seq:
+            c = chunk_start(lo)
+            while c <= s.last_seq:
+                a, b = max(c, s.first_seq), min(c + CHUNK - 1, s.last_seq)
+                i = s.index_after(a - 1)
+                parts.append((event_key(space, c), s.entries[i: i + (b - a + 1)]))
+                c += CHUNK
+        if s.persisted_first <= s.persisted_last and chunk_start(s.persisted_first) < chunk_start(s.first_seq):
+            ranges.append((event_key(space, chunk_start(s.persisted_first)), event_key(space, chunk_start(s.first_seq))))
+        marks.append((s, s.first_seq, s.last_seq))
+
+    def puts():
+        for key, entries in parts:
+            yield key, encode_chunk(entries)
+
+    def done():
+        for s, first, last in marks:
+            s.persisted_first, s.persisted_last = first, last
+
+    return EventWrite(puts(), ranges, next_seqs), done
+
+
+def load_events(coordinator, store) -> int:
+    """Install the events a snapshot kept (before the journal tail is replayed)."""
+    from .events import Stream, decode_chunk, split_event_key
+
+    log = coordinator.events
+    seqs = store.event_seqs()
+    n = 0
+    for key, value in store.iter_events():
+        space, _first = split_event_key(key)
+        for e in decode_chunk(value):
+            s = log.streams.get(space)
+            if s is None:
+                s = log.streams[space] = Stream(space, e.seq)
+            if e.seq != s.next_seq:  # a gap (not expected): the stream starts after it
+                s.entries.clear()
+                s.start = 0
+                s.first_seq = e.seq
+            s.entries.append(e)
+            s.next_seq = e.seq + 1
+            n += 1
+    for space, next_seq in seqs.items():
+        s = log.streams.get(space)
+        if s is None:
+            s = log.streams[space] = Stream(space, next_seq)
+        elif next_seq > s.next_seq:  # every kept event was trimmed past the last ones
+            s.entries.clear()
+            s.start = 0
+            s.first_seq = s.next_seq = next_seq
+        s.persisted_first = s.first_seq
+        s.persisted_last = s.next_seq - 1
+    return n
+
+
 def load_entities(coordinator, entities) -> int:
     """Install snapshot entities ``[(key, value)]`` into the coordinator's tables.
 
@@ -457,13 +554,16 @@ def recover_coordinator(data_dir: str, coordinator) -> tuple[object, dict]:
     except ValueError as exc:
         rec.store.close()
         raise SnapshotCorruptError(str(rec.store.path), str(exc), data_dir=str(data_dir)) from None
+    n_events = load_events(coordinator, rec.store)
     replayed = 0
     for _lsn, payload in rec.records:
         coordinator.replay(payload)
         replayed += 1
+    coordinator.events.recovered()
     info = {
         "snapshot_lsn": rec.snapshot_lsn,
         "snapshot_entities": n_entities,
+        "snapshot_events": n_events,
         "replayed": replayed,
         "next_lsn": rec.next_lsn,
         "torn_tail": rec.torn_tail,
@@ -490,6 +590,7 @@ async def open_persistent_node(
     interval_ms: int,
     snapshot_every_records: int,
     snapshot_every_s: float,
+    retention: dict | None = None,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     ballast_bytes: int = 0,
     space_poll_s: float = 1.0,
@@ -516,7 +617,7 @@ async def open_persistent_node(
         if last is not None:
             clock.resume(*last)  # server time continues, never backward
             gap_ms = clock.mono_ms() - last[0]
-        coord = Coordinator(clock=clock, durability=durability)
+        coord = Coordinator(clock=clock, durability=durability, **(retention or {}))
         storage.on_coordinator(coord)
         rec, info = recover_coordinator(data_dir, coord)
         try:
@@ -536,8 +637,13 @@ async def open_persistent_node(
         if info["torn_tail"] is not None:
             log.warning("cut a torn journal tail: %s", info["torn_tail"])
         log.info(
-            "recovered %d entities from %s: snapshot LSN %d, %d journal records replayed, in %.3f s",
-            info["entities"], os.path.abspath(data_dir), info["snapshot_lsn"], info["replayed"], info["seconds"],
+            "recovered %d entities from %s: snapshot LSN %d, %d journal records replayed, %d events kept, in %.3f s",
+            info["entities"], os.path.abspath(data_dir), info["snapshot_lsn"], info["replayed"],
+            coord.events.statistics()["events"], info["seconds"],
+            extra={"event": "recovery", "entities": info["entities"], "data_dir": os.path.abspath(data_dir),
+                   "snapshot_lsn": info["snapshot_lsn"], "replayed": info["replayed"],
+                   "seconds": round(info["seconds"], 4), "downtime_s": info["downtime_s"],
+                   "leases_extended_ms": info["leases_extended_ms"]},
         )
         node = Node(coord, data_dir, durability)
         node.recovery_info = info

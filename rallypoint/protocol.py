@@ -13,7 +13,7 @@ UTC strings, payloads (task input, outcome, error) are inline msgpack values
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -1017,6 +1017,111 @@ class KeyListView(_View):
     keys: list[KeyView]
 
 
+# --- events ---------------------------------------------------------------------------------
+
+
+class EventView(_View, omit_defaults=True):
+    """One event (see docs/events.md). ``seq`` is the space-wide sequence number (the
+    cursor), ``kind``/``id`` the aggregate, ``run`` the run it happened in, ``at`` the
+    instant of the change (ISO 8601), ``data`` a small payload."""
+
+    seq: int
+    type: str
+    kind: str
+    id: str
+    at: str
+    run: str | None = None
+    data: dict[str, Any] | None = None
+
+
+class EventsList(_Op, tag="events.list"):
+    """A page of events after ``cursor`` (None: from the oldest kept), oldest first.
+    ``types`` (names, or ``prefix.*``), ``scope_id`` (the run and its subtree) and
+    ``aggregate`` (``kind:id`` or an id) filter it."""
+
+    cursor: int | None = None
+    limit: int = 100
+    types: list[str] | None = None
+    scope_id: str | None = None
+    aggregate: str | None = None
+
+
+class EventPageView(_View):
+    """``events`` (encoded EventViews), ``next_cursor`` (pass it back for the next
+    page: past every event examined, matching or not), ``oldest``/``newest``: the seqs
+    kept."""
+
+    events: list[msgspec.Raw]
+    next_cursor: int
+    oldest: int
+    newest: int
+
+
+class EventsWatch(_Op, tag="events.watch"):
+    """Subscribe: the Ok (a WatchView) is followed by ``Push`` frames of events after
+    ``cursor`` -- or, when ``cursor`` is None, from the oldest kept (``start="oldest"``)
+    or from now (``start="now"``) -- as they happen, until Cancel. Filters as
+    EventsList."""
+
+    cursor: int | None = None
+    start: str = "oldest"
+    types: list[str] | None = None
+    scope_id: str | None = None
+    aggregate: str | None = None
+
+
+class WatchView(_View):
+    """Where a subscription starts: events with ``seq > cursor`` follow."""
+
+    cursor: int
+    oldest: int
+    newest: int
+
+
+class OpsOverview(_Op, tag="ops.overview"):
+    """A read-only view for operators (``rallypoint top``): the newest active runs,
+    the work queues, the open groups, parked waits by kind. Never a source of
+    authority."""
+
+    limit: int = 20
+
+
+class OverviewRun(_View):
+    id: str
+    name: str | None
+    parent_id: str | None
+    created_at: str
+    tasks: dict[str, int]
+    children: int
+
+
+class OverviewQueue(_View):
+    name: str
+    queued: int
+    running: int
+    done: int  # tasks finished since the server started (a rate is its difference)
+
+
+class OverviewGroup(_View):
+    id: str
+    condition: str
+    state: str
+    members: int
+    accepted: int
+    created_at: str
+
+
+class OverviewView(_View):
+    runs: list[OverviewRun]
+    runs_active: int
+    queues: list[OverviewQueue]
+    groups: list[OverviewGroup]
+    groups_open: int
+    waits: dict[str, dict[str, int]]
+    events: dict[str, int]
+    entities: int
+    tasks: dict[str, int]
+    retention: dict[str, Any]
 # --- claims -----------------------------------------------------------------------------
 
 
@@ -1451,6 +1556,9 @@ Op = Union[
     KeyCreate,
     KeyList,
     KeyRevoke,
+    EventsList,
+    EventsWatch,
+    OpsOverview,
     MessageSend,
     MessageStatus,
     QuotaEnsure,
@@ -1552,6 +1660,9 @@ REPLY_TYPES: dict[type, type] = {
     KeyCreate: KeyView,
     KeyList: KeyListView,
     KeyRevoke: KeyView,
+    EventsList: EventPageView,
+    EventsWatch: WatchView,
+    OpsOverview: OverviewView,
     MessageSend: MessageView,
     MessageStatus: MessageView,
     QuotaEnsure: QuotaView,

@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-__all__ = ["Record", "ALL_RECORD_TYPES", "encode_commit", "decode_commit"]
+__all__ = ["Record", "ALL_RECORD_TYPES", "IMPLIED_FACTS", "encode_commit", "decode_commit"]
 
 
 class _Rec(msgspec.Struct, tag_field="r", gc=False, omit_defaults=True):
@@ -802,6 +802,72 @@ class IdempotencyExpired(_Rec, tag="idempotency_expired"):
     ids: list[str]
 
 
+# --- retention ------------------------------------------------------------------------------
+
+
+class Purged(_Rec, tag="purged"):
+    """Finished entities deleted by retention (``--retain-finished``): every run in
+    ``runs`` with its whole subtree (its tasks, groups gated there, barriers, timers,
+    join sets, and the tasks' own runs), and each task in ``tasks`` (a finished task of a
+    live run, with its own run). The decision only lists what nothing live can reach."""
+
+    space: str
+    runs: list[str]
+    tasks: list[str]
+    at_ms: int
+
+
+# --- implied facts: never journaled --------------------------------------------------------
+#
+# A record whose apply changes other entities too (a run's end cancels its subtree) says
+# so to the event table through *implied facts*: the record that would have described
+# that change (TaskCancelled, ScopeEnded, GroupFinalized, TimerCancelled, JoinSetClosed),
+# or, when no record type describes it, one of these. They are made by the apply of the
+# record that implies them, in replay too, so they are never written.
+
+
+class _Fact(msgspec.Struct, gc=False, omit_defaults=True):
+    pass
+
+
+class BarrierCancelled(_Fact):
+    """The barrier's run ended before it released (``reason``: cancelled, completed,
+    deadline)."""
+
+    id: str
+    at_ms: int
+    reason: str
+
+
+class JoinSetChildDone(_Fact):
+    """A child of the set finished (a task terminal, a delay fired or cancelled): its
+    completion record was appended."""
+
+    joinset_id: str
+    child_id: str
+    child_kind: str  # task | delay
+    ok: bool
+    at_ms: int
+    failure_kind: str | None = None
+
+
+class JoinSetClosing(_Fact):
+    """The set went OPEN -> CLOSING (``close()``, its run's ``complete()`` or end)."""
+
+    joinset_id: str
+    at_ms: int
+
+
+class JoinSetDone(_Fact):
+    """A closing set's last child finished: the set is CLOSED."""
+
+    joinset_id: str
+    at_ms: int
+
+
+IMPLIED_FACTS: tuple[type, ...] = (BarrierCancelled, JoinSetChildDone, JoinSetClosing, JoinSetDone)
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -875,6 +941,7 @@ Record = Union[
     IdempotencyExpired,
     TaskSubscribed,
     TaskDetached,
+    Purged,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

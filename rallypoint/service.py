@@ -32,7 +32,7 @@ from .wire import PROTOCOL_VERSION, Hello, HelloOk
 
 log = logging.getLogger("rallypoint.service")
 
-__all__ = ["Session", "Service", "CallSink"]
+__all__ = ["Session", "Service", "CallSink", "StreamSink"]
 
 
 class Session:
@@ -93,14 +93,90 @@ class CallSink(ReplySink):
             w.cancel()
 
 
+class StreamSink(ReplySink):
+    """An embedded subscription (``events.watch``): the server side pushes into a buffer
+    of at most ``max_bytes``; the client side reads it with :meth:`next_batch`. Its
+    ``start`` is the encoded WatchView (or the error that refused the watch)."""
+
+    def __init__(self, watchers, max_bytes: int) -> None:
+        from collections import deque
+
+        self._watchers = watchers
+        self.max_bytes = max_bytes
+        self._buf: deque = deque()
+        self._bytes = 0
+        self._event = trio.Event()
+        self.error: Exception | None = None
+        self.start: Any = None
+        self.closed = False
+        self.watcher = None
+
+    # server side (ReplySink)
+    def deliver(self, rid: int, reply, lsn: int) -> None:
+        if self.start is None:
+            self.start = reply
+            if isinstance(reply, BaseException):
+                self.error = reply
+        self._event.set()
+
+    def add_stream(self, rid: int, watcher) -> bool:
+        self.watcher = watcher
+        return not self.closed
+
+    def push_room(self, rid: int) -> int:
+        return self.max_bytes - self._bytes
+
+    def push(self, rid: int, events: list) -> None:
+        self._buf.extend(events)
+        self._bytes += sum(len(e) for e in events)
+        self._event.set()
+
+    def end_stream(self, rid: int, error) -> None:
+        if self.error is None:
+            self.error = error
+        self._event.set()
+
+    # client side
+    async def wait_started(self) -> bytes:
+        while self.start is None:
+            await self._event.wait()
+            self._event = trio.Event()
+        if isinstance(self.start, BaseException):
+            raise self.start
+        return self.start
+
+    async def next_batch(self) -> list:
+        """Every event buffered (encoded), waiting for at least one; raises the error
+        that ended the subscription once the buffer is empty."""
+        while not self._buf and self.error is None:
+            await self._event.wait()
+            self._event = trio.Event()
+        if self._buf:
+            out = list(self._buf)
+            self._buf.clear()
+            full = self._bytes >= self.max_bytes
+            self._bytes = 0
+            if full:
+                self._watchers.wake()
+            return out
+        raise self.error
+
+    def close(self) -> None:
+        self.closed = True
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self._watchers.wake()
+
+
 class Service:
     """The dispatcher of :class:`rallypoint.transport.server.Server` and the embedded
     client's backend."""
 
     def __init__(self, coordinator) -> None:
         self.coordinator = coordinator
-        self._ops: dict[type, tuple[Any, Any, str]] = {
-            t: (getattr(getattr(coordinator, spec.kind), spec.handler), spec.route, spec.permission)
+        self._ops: dict[type, tuple[Any, Any, str, str]] = {
+            t: (getattr(getattr(coordinator, spec.kind), spec.handler), spec.route, spec.permission,
+                t.__struct_config__.tag)
             for t, spec in OPS.items()
         }
 
@@ -141,7 +217,8 @@ class Service:
         except ValidationError as exc:
             sink.deliver(rid, exc, 0)
             return
-        handler, route, permission = self._ops[type(op)]
+        handler, route, permission, tag = self._ops[type(op)]
+        sink.note_op(rid, tag)
         try:
             if coord.failed is not None:
                 raise UnavailableError("the server stopped after an internal failure; retry once it restarted",
@@ -181,6 +258,24 @@ class Service:
         if isinstance(reply, BaseException):
             raise reply
         return reply
+
+    async def subscribe(self, session: Session, op: msgspec.Struct, max_bytes: int = 1 << 20) -> StreamSink:
+        """Open a subscription in-process (the embedded client's ``events.watch``):
+        the sink, once its WatchView arrived; raises the error that refused it."""
+        if self.coordinator.runtime.stopping:
+            raise UnavailableError("this coordinator is shutting down", retry_after=1.0)
+        sink = StreamSink(self.coordinator.watchers, max_bytes)
+        self.submit(session, encoder.encode(op), sink, 1)
+        try:
+            await sink.wait_started()
+        except BaseException:
+            sink.close()
+            raise
+        return sink
+
+    def watch_wake(self) -> None:
+        """A connection's output drained: watchers waiting for room may go on."""
+        self.coordinator.watchers.wake()
 
     def durable_lsn(self) -> int:
         return self.coordinator.journal.durable_lsn

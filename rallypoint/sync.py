@@ -32,13 +32,48 @@ from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run
 
 __all__ = ["connect", "SyncClient"]
 
-from .client.api import Barrier, Barriers, JoinSet, JoinSets, Timer, Timers
+from .client.api import Barrier, Barriers, Events, EventStream, JoinSet, JoinSets, Timer, Timers
 from .client.api import Budget, Budgets, Message, Quota, Quotas, QuotaWaiter, Reservation
 from .client.api import ClaimLease, Claims, Grant, Pool, Pools, RunPools, SpaceClaims, WorkLimits
 
 _HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes, JoinSet, JoinSets, Barrier, Barriers,
-            Timer, Timers, Message, Quotas, Quota, QuotaWaiter, Budgets, Budget, Reservation, Claims, SpaceClaims,
+            Timer, Timers, Events, Message, Quotas, Quota, QuotaWaiter, Budgets, Budget, Reservation, Claims, SpaceClaims,
             ClaimLease, Pools, Pool, RunPools, Grant, WorkLimits)
+
+
+class SyncEventStream:
+    """The blocking form of :class:`rallypoint.client.api.EventStream`:
+    ``with rs.events.watch(...) as stream: for ev in stream: ...``; ``stream.next(timeout)``
+    raises WaitTimeout after ``timeout`` seconds; ``stream.cursor`` as the async one."""
+
+    def __init__(self, stream: EventStream, portal: "SyncClient") -> None:
+        self._stream = stream
+        self._portal = portal
+
+    @property
+    def cursor(self):
+        return self._stream.cursor
+
+    def __iter__(self) -> "SyncEventStream":
+        return self
+
+    def __next__(self):
+        try:
+            return self._portal._run(self._stream.__anext__)
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def next(self, timeout: float | None = None):
+        return self._portal._run(self._stream.next, timeout)
+
+    def close(self) -> None:
+        self._portal._run(self._stream.aclose)
+
+    def __enter__(self) -> "SyncEventStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class _Proxy:
@@ -178,6 +213,8 @@ class SyncClient(_Proxy):
         return trio.from_thread.run(functools.partial(fn, *args, **kwargs), trio_token=self._token)
 
     def _wrap(self, value: Any) -> Any:
+        if isinstance(value, EventStream):
+            return SyncEventStream(value, self)
         if isinstance(value, _HANDLES):
             return _Proxy(value, self)
         if hasattr(value, "__aenter__") and hasattr(value, "__aexit__"):

@@ -12,8 +12,14 @@ Connection lifecycle::
     client: Hello(version, api_key, client)      server: HelloOk(version, server_version)
                                                   or Err(id=0, ...) and close
     client: Request(id, body) | Batch(reqs)      server: Ok(id, body) | Err(id, ...)
-    client: Cancel(id)                            (the server ends that request's wait)
+    client: Cancel(id)                            (the server ends that request's wait,
+                                                   or the subscription ``id``)
     either: Ping(nonce)                           other: Pong(nonce)
+
+A subscription (``events.watch``) is one request: its Ok carries where the stream starts,
+then the server sends ``Push(id, events)`` frames for it as events happen, in order,
+until the client sends ``Cancel(id)``, the connection closes, or the server ends it with
+``Err(id, ...)`` (CURSOR_EXPIRED, SLOW_CONSUMER, UNAVAILABLE at shutdown).
 
 Replies come in any order; ``id`` matches them to requests. Request ids are chosen by
 the client, unique per connection, and > 0 (0 is the connection itself).
@@ -38,6 +44,7 @@ __all__ = [
     "Cancel",
     "Ping",
     "Pong",
+    "Push",
     "ClientFrame",
     "ServerFrame",
 ]
@@ -118,5 +125,13 @@ class Pong(msgspec.Struct, tag_field="t", tag="pong"):
     nonce: int = 0
 
 
+class Push(msgspec.Struct, tag_field="t", tag="push"):
+    """Events for subscription ``id`` (the request id of its ``events.watch``), in order;
+    each is an encoded :class:`rallypoint.protocol.EventView`."""
+
+    id: int
+    events: list[msgspec.Raw]
+
+
 ClientFrame = Union[Hello, Request, Batch, Cancel, Ping, Pong]
-ServerFrame = Union[HelloOk, Ok, Err, Ping, Pong]
+ServerFrame = Union[HelloOk, Ok, Err, Ping, Pong, Push]

@@ -46,6 +46,7 @@ from rallypoint.transport.framing import FrameParser
 
 _enc = msgspec.msgpack.encode
 _server_decoder = msgspec.msgpack.Decoder(wire.ServerFrame)
+_event_decoder = msgspec.msgpack.Decoder(protocol.EventView)
 _any_decoder = msgspec.msgpack.Decoder()
 _reply_decoders = {op: msgspec.msgpack.Decoder(rt) for op, rt in protocol.REPLY_TYPES.items()}
 OP_TAGS: dict[str, type] = {cls.__struct_config__.tag: cls for cls in protocol.ALL_OPS}
@@ -135,6 +136,14 @@ def check_frame(frame: Any, sent: bytes, ops_by_id: dict[int, type], stats: Stat
     elif isinstance(frame, (wire.Pong, wire.Ping)):
         if stats is not None:
             stats.replies[type(frame).__name__.upper()] += 1
+    elif isinstance(frame, wire.Push):  # events for a subscription (events.watch) the fuzzer opened
+        if stats is not None:
+            stats.replies["PUSH"] += 1
+        try:
+            for raw in frame.events:
+                _event_decoder.decode(raw)
+        except msgspec.MsgspecError as exc:
+            raise ProtocolViolation(f"a pushed event does not decode as an EventView: {exc}") from None
     else:
         raise ProtocolViolation(f"unexpected frame after the handshake: {frame!r}")
 

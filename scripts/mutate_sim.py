@@ -81,9 +81,10 @@ MUTANTS = [
     ),
     Mutant(
         "apply-twice", "rallypoint/actors/coordinator.py",
-        "                    apply[type(rec)](rec)\n                    i += 1\n",
-        "                    apply[type(rec)](rec)\n                    if type(rec).__name__ in ('TaskRetried', 'LeaseExpired'):\n"
-        "                        apply[type(rec)](rec)  # mutant: applied twice\n                    i += 1\n",
+        "                    i += 1\n                more = self.groups.react()",
+        "                    if t.__name__ in ('TaskRetried', 'LeaseExpired'):\n"
+        "                        apply[t](rec)  # mutant: applied twice\n"
+        "                    i += 1\n                more = self.groups.react()",
         "a retry or a lease expiry is applied twice in memory (journaled once)",
     ),
     Mutant(

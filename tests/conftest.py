@@ -36,7 +36,9 @@ class Daemon:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if line.startswith("READY "):
-                self.url = line.split()[1]
+                words = line.split()
+                self.url = words[1]
+                self.metrics_url = words[3] if len(words) > 3 and words[2] == "METRICS" else None
                 return self
             if not line and self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.proc.stderr.read()}")

@@ -112,8 +112,10 @@ def readme_block(after: str) -> str:
 
 
 def run_sh(script: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    """Run README shell lines in bash, with ``rallypoint`` meaning this interpreter's."""
+    """Run README shell lines in bash, with ``rallypoint`` meaning this interpreter's and
+    this checkout's package (whatever is installed, from any working directory)."""
     prelude = f'rallypoint() {{ "{sys.executable}" -m rallypoint "$@"; }}\nset -e\n'
+    env = dict(env, PYTHONPATH=str(README.parent) + os.pathsep + env.get("PYTHONPATH", ""))
     return subprocess.run(["bash", "-c", prelude + script], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=120, stdin=subprocess.DEVNULL)
 

@@ -62,6 +62,8 @@ async def test_seed_example_twelve_drafts_three_worker_processes(daemon, tmp_pat
             subprocess.Popen(
                 [sys.executable, str(script), daemon.url, mailbox, gate],
                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                # a script's sys.path starts at its own folder: this checkout's package
+                env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")),
             )
             for _ in range(3)
         ]

@@ -428,13 +428,13 @@ class FlakyStore:
         self._store = store
         self.fail = fail
 
-        def write_txn(lsn, puts, deletes):
+        def write_txn(lsn, puts, deletes, events=None):
             if self.fail > 0:
                 self.fail -= 1
                 if break_env:
                     store._env.close()
                 raise lmdb.DiskError("mdb_txn_commit: No space left on device")
-            return type(store)._write_txn(store, lsn, puts, deletes)
+            return type(store)._write_txn(store, lsn, puts, deletes, events)
 
         store._write_txn = write_txn
 

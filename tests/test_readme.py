@@ -68,5 +68,7 @@ def test_readme_block_runs_as_written(index, readme_daemon, monkeypatch, capsys)
         assert out.strip() == "nested: SUCCEEDED ['/', '/GROUPS', '/QUEUES']"
     elif embedded:
         assert out.startswith("the delay won: True - timer fired at ")
+    elif "events.watch" in code:
+        assert out.split() == ["task.submitted", "scope.cancelled"]
     else:
         assert out.strip() == "QUEUED"

@@ -48,6 +48,9 @@ class _SwallowSink:
     def flush(self) -> None:
         self.inner.flush()
 
+    def __getattr__(self, name):  # the rest of the ReplySink interface (note_op, streams...)
+        return getattr(self.inner, name)
+
 
 class Swallow:
     """Wraps a Service: the first request of one of ``op_types`` is applied, then its

@@ -138,8 +138,8 @@ async def test_an_actor_handles_one_command_at_a_time_on_its_own_task(autojump_c
             del inside[actor.id]
 
     ops = ers.node.service._ops  # route TaskSubmit to the guarded handler
-    _, route, permission = ops[p.TaskSubmit]
-    ops[p.TaskSubmit] = (guarded, route, permission)
+    _, route, permission, tag = ops[p.TaskSubmit]
+    ops[p.TaskSubmit] = (guarded, route, permission, tag)
     async with trio.open_nursery() as n:
         for i in range(50):
             n.start_soon(lambda i=i: mbx.submit({"i": i}, scope=run))

@@ -59,8 +59,9 @@ from ..clock import to_iso
 from ..errors import ConflictError, LimitError, NotFoundError
 from ..protocol import Requirements, WorkLimitEnsure, WorkLimitList, WorkLimitListView, WorkLimitView
 from ..records import TaskRequirements, WorkLimitCreated
+from ..events import emits, ev
 from .common import applies, check_name, check_range, short
-from .kind import Kind
+from .kind import Kind, Links
 
 __all__ = ["Admission", "WorkLimitState", "REQUIREMENT_KINDS"]
 
@@ -95,6 +96,7 @@ class Admission(Kind):
     def _init_indexes(self) -> None:
         self.by_name: dict[tuple[str, str], str] = {}  # (run, name) -> work limit id
         self.outstanding: dict[str, int] = {}  # work limit -> unfinished tasks naming it
+        self.links = Links()  # retention: run -> its work limits
 
     def entity_tables(self):
         return {"wlm": (self.table, WorkLimitState)}
@@ -144,7 +146,30 @@ class Admission(Kind):
                             max_outstanding=r.max_outstanding, created_at_ms=r.at_ms)
         self.table[wl.id] = wl
         self.by_name[(wl.scope_id, wl.name)] = wl.id
+        self.links.add(wl.scope_id, wl.id)
         self.coord.touch(wl.id)
+
+    @emits(WorkLimitCreated)
+    def _ev_created(self, r: WorkLimitCreated):
+        return ev(r.space, "work_limit.created", "work_limit", r.id, r.scope_id, r.at_ms,
+                  {"name": r.name, "max_outstanding": r.max_outstanding})
+
+    def _limit_done(self, wl_id: str) -> bool:
+        return not self.outstanding.get(wl_id)
+
+    def _drop(self, wl_id: str) -> None:
+        wl = self.table.pop(wl_id, None)
+        if wl is None:
+            return
+        if self.by_name.get((wl.scope_id, wl.name)) == wl_id:
+            del self.by_name[(wl.scope_id, wl.name)]
+        self.outstanding.pop(wl_id, None)
+        self.coord.touch(wl_id)
+
+    def purge_run(self, run_id: str) -> int:
+        """A work limit belongs to its run: purged with it (its tasks, all finished, are
+        gone already: children first)."""
+        return self.links.purge(run_id, self._limit_done, self._drop)
 
     def op_work_limit_list(self, actor, session, op: WorkLimitList) -> WorkLimitListView:
         if op.scope_id is not None:
@@ -245,6 +270,7 @@ class Admission(Kind):
         self._init_indexes()
         for wl in self.table.values():
             self.by_name[(wl.scope_id, wl.name)] = wl.id
+            self.links.add(wl.scope_id, wl.id)
         for t in self.coord.queues.tasks.values():
             if t.state not in _TERMINAL:
                 self.on_task_submitted(t)

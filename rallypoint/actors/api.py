@@ -184,6 +184,9 @@ OPS: dict[type, OpSpec] = {
     p.KeyCreate: OpSpec("keys", "op_key_create", _space, A),
     p.KeyList: OpSpec("keys", "op_key_list", _space, A),
     p.KeyRevoke: OpSpec("keys", "op_key_revoke", _space, A),
+    p.EventsList: OpSpec("spaces", "op_events_list", _space, R),
+    p.EventsWatch: OpSpec("spaces", "op_events_watch", _space, R),
+    p.OpsOverview: OpSpec("spaces", "op_ops_overview", _space, R),
     # messages: on the message's run (like tasks)
     p.MessageSend: OpSpec("inboxes", "op_message_send", _run("scope_id"), W),
     p.MessageStatus: OpSpec("inboxes", "op_message_status", _message, R),

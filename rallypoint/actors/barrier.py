@@ -17,7 +17,8 @@ import msgspec
 from ..clock import to_iso
 from ..errors import BarrierCancelledError, BarrierReleasedError, ConflictError
 from ..protocol import BarrierArrive, BarrierCreate, BarrierNextEpochOp, BarrierStatus, BarrierView, BarrierWait
-from ..records import BarrierArrived, BarrierCreated, BarrierNextEpoch
+from ..events import emits, ev
+from ..records import BarrierArrived, BarrierCancelled, BarrierCreated, BarrierNextEpoch
 from .common import applies, check_key, check_label, check_range, clamp_wait
 from .kind import Kind
 from .runtime import Park
@@ -197,6 +198,40 @@ class Barriers(Kind):
             b.cancel_reason = reason
             self.coord.touch(b.id)
             self.coord.notify(b.id, "b")
+            self.coord.implied(BarrierCancelled(id=b.id, at_ms=at_ms, reason=reason))
+
+    # ================================================================ retention
+    def purge_run(self, run_id: str) -> int:
+        n = 0
+        for bid in self.coord.runs.owned.get(run_id, ()):
+            if bid.startswith("bar") and self.table.pop(bid, None) is not None:
+                self.coord.touch(bid)
+                n += 1
+        return n
+
+    # ================================================================ events
+    @emits(BarrierCreated)
+    def _ev_created(self, r: BarrierCreated):
+        return ev(r.space, "barrier.created", "barrier", r.id, r.scope_id, r.at_ms, {"target": r.target})
+
+    @emits(BarrierArrived)
+    def _ev_arrived(self, r: BarrierArrived):
+        b = self.table[r.id]
+        out = [ev(b.space, "barrier.arrived", "barrier", b.id, b.scope_id, r.at_ms,
+                  {"key": r.key, "epoch": r.epoch, "arrived": len(b.keys), "target": b.target})]
+        if r.releases:
+            out.append(ev(b.space, "barrier.released", "barrier", b.id, b.scope_id, r.at_ms, {"epoch": r.epoch}))
+        return out
+
+    @emits(BarrierNextEpoch)
+    def _ev_next_epoch(self, r: BarrierNextEpoch):
+        b = self.table[r.id]
+        return ev(b.space, "barrier.next_epoch", "barrier", b.id, b.scope_id, r.at_ms, {"epoch": r.epoch})
+
+    @emits(BarrierCancelled)
+    def _ev_cancelled(self, r: BarrierCancelled):
+        b = self.table[r.id]
+        return ev(b.space, "barrier.cancelled", "barrier", b.id, b.scope_id, r.at_ms, {"reason": r.reason})
 
     def rebuild_indexes(self) -> None:
         runs = self.coord.runs

@@ -80,8 +80,9 @@ from ..protocol import (
     SettleView,
 )
 from ..records import BudgetCreated, BudgetReserved, BudgetSettled, BudgetVoided, ReservationStale
-from .common import applies, check_key, check_name, check_range, parse_instant, short
-from .kind import Kind
+from ..events import emits, ev
+from .common import applies, check_key, check_name, check_range, data, parse_instant, short
+from .kind import Kind, Links
 
 __all__ = ["BudgetState", "ReservationState", "Budgets", "MAX_MINOR", "OPEN"]
 
@@ -169,6 +170,7 @@ class Budgets(Kind):
         self.open: dict[str, dict[str, None]] = {}  # budget id -> open reservation ids, oldest first
         self.by_delivery: dict[str, list[str]] = {}  # task id -> open reservations held for a delivery
         self.needs: dict[str, set[str]] = {}  # budget id -> unfinished tasks that require it
+        self.links = Links()  # retention: run (or the task a delivery held it for) -> reservation ids
 
     def entity_tables(self):
         return {"bdg": (self.table, BudgetState), "rsv": (self.reservations, ReservationState)}
@@ -517,6 +519,7 @@ class Budgets(Kind):
             self.coord.arm_mono(r.settle_by_mono_ms, self._on_settle_by, (r.id, r.settle_by_mono_ms))
 
     def _index(self, r: ReservationState) -> None:
+        self.links.add(r.task_id or r.scope_id, r.id)
         if r.key is not None:
             self.keys[(r.budget_id, r.key)] = r.id
         for k in r.usage:
@@ -600,13 +603,19 @@ class Budgets(Kind):
                 continue
             b = self.table[r.budget_id]
             held = r.remaining_minor
+            ev_at = at_ms if at_ms is not None else self.coord.events.instant(self.coord.now_ms())
             if new_state in _SUCCESS:
-                self._charge(r, b, f"delivery:{task_id}:{token}", held, held, held, 0)
+                usage_key = f"delivery:{task_id}:{token}"
+                self._charge(r, b, usage_key, held, held, held, 0)
                 self._close(r, "SETTLED", at_ms, "task_succeeded")
+                self.coord.implied(BudgetSettled(reservation_id=rid, usage_key=usage_key, requested_minor=held,
+                                                 charged_minor=held, from_reserved_minor=held, released_minor=0,
+                                                 at_ms=ev_at))
             else:
                 r.remaining_minor = 0
                 b.reserved_minor -= held
                 self._close(r, "VOIDED", at_ms, "delivery_" + new_state.lower())
+                self.coord.implied(BudgetVoided(reservation_id=rid, released_minor=held, at_ms=ev_at))
                 if held:
                     self._money_back(b)
             self.coord.touch(r.id)
@@ -661,3 +670,58 @@ class Budgets(Kind):
             if r.state == "ACTIVE" and r.settle_by_mono_ms is not None:
                 self.coord.arm_mono(r.settle_by_mono_ms, self._on_settle_by, (r.id, r.settle_by_mono_ms))
 
+    # ================================================================ retention
+    def _reservation_done(self, rid: str) -> bool:
+        r = self.reservations.get(rid)
+        return r is None or r.state not in OPEN
+
+    def _drop(self, rid: str) -> None:
+        r = self.reservations.pop(rid, None)
+        if r is None:
+            return
+        if r.key is not None and self.keys.get((r.budget_id, r.key)) == rid:
+            del self.keys[(r.budget_id, r.key)]
+        for k in r.usage:
+            if self.usage.get((r.budget_id, k)) == rid:
+                del self.usage[(r.budget_id, k)]
+        self.coord.touch(rid)
+
+    def purge_run(self, run_id: str) -> int:
+        """The run's closed reservations (SETTLED, VOIDED; their amounts stay counted in
+        the budget). An open one stays until it closes. Budgets themselves are named,
+        space-wide entities: never purged."""
+        return self.links.purge(run_id, self._reservation_done, self._drop)
+
+    def purge_task_links(self, task_id: str) -> int:
+        """The closed reservations held for the task's deliveries."""
+        return self.links.purge(task_id, self._reservation_done, self._drop)
+
+    # ================================================================ events
+    @emits(BudgetCreated)
+    def _ev_created(self, r: BudgetCreated):
+        return ev(r.space, "budget.created", "budget", r.id, None, r.at_ms,
+                  {"name": r.name, "currency": r.currency, "scale": r.scale, "limit_minor": r.limit_minor})
+
+    @emits(BudgetReserved)
+    def _ev_reserved(self, rec: BudgetReserved):
+        return ev(rec.space, "budget.reserved", "budget", rec.budget_id, rec.scope_id, rec.at_ms,
+                  data(reservation=rec.id, amount_minor=rec.amount_minor, task=rec.task_id, holder=rec.holder))
+
+    @emits(BudgetSettled)
+    def _ev_settled(self, rec: BudgetSettled):
+        r = self.reservations[rec.reservation_id]
+        return ev(r.space, "budget.settled", "budget", r.budget_id, r.scope_id, rec.at_ms,
+                  {"reservation": r.id, "usage_key": rec.usage_key, "requested_minor": rec.requested_minor,
+                   "charged_minor": rec.charged_minor, "closes": rec.closes})
+
+    @emits(BudgetVoided)
+    def _ev_voided(self, rec: BudgetVoided):
+        r = self.reservations[rec.reservation_id]
+        return ev(r.space, "budget.voided", "budget", r.budget_id, r.scope_id, rec.at_ms,
+                  {"reservation": r.id, "released_minor": rec.released_minor})
+
+    @emits(ReservationStale)
+    def _ev_stale(self, rec: ReservationStale):
+        r = self.reservations[rec.reservation_id]
+        return ev(r.space, "budget.reservation_stale", "budget", r.budget_id, r.scope_id, rec.at_ms,
+                  {"reservation": r.id, "remaining_minor": r.remaining_minor})

@@ -80,7 +80,8 @@ from ..records import (
     ClaimWaiterEnded,
     ClaimWaiterQueued,
 )
-from .common import MAX_KEY_LEN, MAX_WAIT_MS, applies, check_payload, check_range, short
+from ..events import emits, ev
+from .common import MAX_KEY_LEN, MAX_WAIT_MS, applies, check_payload, check_range, data, short
 from .kind import Kind
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
 from .runtime import Park
@@ -171,7 +172,9 @@ class Claims(Kind):
         return {"clm": (self.table, ClaimState)}
 
     def parent_actor_id(self, claim_id: str) -> str | None:
-        return self.table[claim_id].scope_id
+        run = self.table[claim_id].scope_id
+        # the run of its last lease may have been purged by retention: then the root
+        return run if run in self.coord.runs.table else None
 
     def statistics(self) -> dict:
         return {"claims": len(self.table), "held": len(self.held),
@@ -586,6 +589,7 @@ class Claims(Kind):
             self.coord.touch(c.id)
             for w in gone:
                 self.coord.notify(w.scope_id, w.request_id)
+                self.coord.implied(ClaimWaiterEnded(claim_id=c.id, request_id=w.request_id, reason="cancelled"))
 
     def extend_leases(self, by_ms: int) -> None:
         coord = self.coord
@@ -622,6 +626,46 @@ class Claims(Kind):
     def _on_handoff(self, claim_id: str) -> None:
         self._handoff(self.table[claim_id])
 
+    # ================================================================ events
+    # Claims are named, space-wide entities (like pools and work queues): retention never
+    # purges them -- a later acquire of the key must see its generation (the fencing
+    # number) go on, and a COMPLETED claim's result is for every later acquirer.
+    @emits(ClaimAcquired)
+    def _ev_acquired(self, r: ClaimAcquired):
+        return ev(r.space, "claim.acquired", "claim", r.claim_id, r.scope_id, r.at_ms,
+                  data(key=r.key, generation=r.generation, holder=r.holder, request_id=r.request_id))
+
+    @emits(ClaimWaiterQueued)
+    def _ev_waiting(self, r: ClaimWaiterQueued):
+        c = self.table[r.claim_id]
+        return ev(c.space, "claim.waiting", "claim", c.id, r.scope_id, r.at_ms,
+                  data(key=c.key, request_id=r.request_id, holder=r.holder))
+
+    @emits(ClaimWaiterEnded)
+    def _ev_wait_ended(self, r: ClaimWaiterEnded):
+        c = self.table[r.claim_id]
+        return ev(c.space, "claim.wait_ended", "claim", c.id, None, self.coord.events.instant(self.coord.now_ms()),
+                  {"key": c.key, "request_id": r.request_id, "reason": r.reason})
+
+    @emits(ClaimReleased)
+    def _ev_released(self, r: ClaimReleased):
+        c = self.table[r.claim_id]
+        return ev(c.space, "claim.released", "claim", c.id, c.scope_id, r.at_ms,
+                  {"key": c.key, "generation": c.generation, "reason": r.reason})
+
+    @emits(ClaimLeaseExpired)
+    def _ev_expired(self, r: ClaimLeaseExpired):
+        c = self.table[r.claim_id]
+        return ev(c.space, "claim.expired", "claim", c.id, c.scope_id, r.at_ms,
+                  {"key": c.key, "generation": c.generation})
+
+    @emits(ClaimCompleted)
+    def _ev_completed(self, r: ClaimCompleted):
+        c = self.table[r.claim_id]
+        return ev(c.space, "claim.completed", "claim", c.id, c.scope_id, r.at_ms,
+                  {"key": c.key, "generation": c.generation})
+
+
 
 def _find(waiters: list, request_id: str):
     for w in waiters:
@@ -642,3 +686,4 @@ def _position(waiters: list, request_id: str) -> int:
         if w.request_id == request_id:
             return i + 1
     return 0
+

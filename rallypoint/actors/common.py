@@ -19,7 +19,7 @@ from ..wire import MAX_PAYLOAD_BYTES
 
 __all__ = [
     "MemoryJournal", "applies", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
-    "parse_instant", "short", "check_label", "MAX_WAIT_MS", "MAX_KEY_LEN",
+    "parse_instant", "short", "data", "check_label", "MAX_WAIT_MS", "MAX_KEY_LEN",
 ]
 
 #: Longest server-side wait in one request, ms (SPEC §13); the SDK re-issues longer ones.
@@ -106,6 +106,12 @@ def clamp_wait(wait_ms: int) -> int:
     if wait_ms < 0:
         raise ValidationError("wait_ms must be >= 0", details={"field": "wait_ms"})
     return min(wait_ms, MAX_WAIT_MS)
+
+
+def data(**fields) -> dict | None:
+    """An event's payload: the fields that are not None (None when none is)."""
+    out = {k: v for k, v in fields.items() if v is not None}
+    return out or None
 
 
 def applies(rec_type: type) -> Callable:

@@ -40,6 +40,7 @@ from ..clock import Clock
 from ..errors import InternalError, RallypointError, UnavailableError
 from ..ids import IdGenerator
 from ..protocol import encoder
+from ..events import DEFAULT_RETAIN_EVENTS, Entry, EventLog
 from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
 from .admission import Admission
 from .barrier import Barriers
@@ -56,8 +57,10 @@ from .once import Onces
 from .pool import Pools
 from .queue import WorkQueues
 from .quota import Quotas
+from .retention import Retention
 from .run import Runs
-from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, _FatalMarker, fatal_unwrapped, shutdown_error
+from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, Subscribe, _FatalMarker, fatal_unwrapped, shutdown_error
+from .watch import Watchers
 from .space import Spaces
 from .timer import Timers
 
@@ -89,6 +92,10 @@ class Coordinator:
         durability: ``memory``, ``interval`` or ``fsync`` (reported; ``memory`` also
             turns off snapshot bookkeeping).
         idle_s: seconds an idle actor stays active before it passivates.
+        retain_events: events kept per space (count; None or 0: no count limit).
+        retain_events_ms: events kept this long, ms (None: no age limit).
+        retain_finished_ms: finished runs and tasks are deleted this long after they
+            ended, ms (None or 0: kept forever). See :mod:`rallypoint.actors.retention`.
     """
 
     def __init__(
@@ -98,6 +105,9 @@ class Coordinator:
         clock: Clock | None = None,
         durability: str = "memory",
         idle_s: float = 2.0,
+        retain_events: int | None = DEFAULT_RETAIN_EVENTS,
+        retain_events_ms: int | None = None,
+        retain_finished_ms: int | None = None,
         idempotency_ttl_ms: int = DEFAULT_TTL_MS,
     ) -> None:
         self.clock = clock or Clock()
@@ -116,6 +126,9 @@ class Coordinator:
         self.stalls = 0
         self._to_flush: set = set()
         self.last_seen = 0.0
+        #: every space's event stream (derived from the records: see rallypoint.events)
+        self.events = EventLog(retain_events, retain_events_ms)
+        self.watchers = Watchers(self)
         self.runtime = Runtime(self, idle_s=idle_s)
         self.heap = self.runtime.heap
         # the kinds (one class each)
@@ -136,13 +149,20 @@ class Coordinator:
         self.onces = Onces(self)
         self.idempotency = Idempotency(self, idempotency_ttl_ms)
         self.diagnostics = Diagnostics(self)
+        self.retention = Retention(self, retain_finished_ms)
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
-                      self.onces, self.idempotency, self.diagnostics)
+                      self.onces, self.idempotency, self.diagnostics, self.retention)
+        self.task_linked_kinds = (self.pools, self.budgets)  # Kind.purge_task_links
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
         self._apply: dict[type, Callable[[Any], None]] = {}
+        self._emit: dict[type, Callable[[Any], Any]] = {}
         for k in self.kinds:
+            for rec_type, fn in k.emitters().items():
+                if rec_type in self._emit:
+                    raise RuntimeError(f"two event sources for {rec_type.__name__}")
+                self._emit[rec_type] = fn
             for prefix, entry in k.entity_tables().items():
                 self._tables[prefix] = entry
                 self._kind_by_prefix[prefix] = k
@@ -189,13 +209,33 @@ class Coordinator:
         # Disk full: refused (UNAVAILABLE, retry_after) BEFORE anything is applied -- an
         # answer, not a failed apply.
         self.journal.check_writable()
+        events = self.events
+        pending = events.pending  # (implied facts append here too; publish replaces it after the journal)
         try:
             apply = self._apply
+            emit = self._emit
             i = 0
             while True:
                 while i < len(records):
                     rec = records[i]
-                    apply[type(rec)](rec)
+                    t = type(rec)
+                    fn = emit.get(t)
+                    if fn is None:
+                        apply[t](rec)
+                    else:
+                        mark = len(pending)
+                        apply[t](rec)
+                        out = fn(rec)
+                        if out is not None:
+                            if type(out) is Entry:
+                                if len(pending) == mark:
+                                    pending.append(out)
+                                else:  # the record's own events before what its step implied
+                                    pending.insert(mark, out)
+                            elif len(pending) == mark:
+                                pending += out
+                            else:
+                                pending[mark:mark] = out
                     i += 1
                 more = self.groups.react()
                 more += self.queues.react()
@@ -204,11 +244,32 @@ class Coordinator:
                 records.extend(more)
             payload = encode_commit(records)
         except BaseException as exc:
+            events.discard()
             self._fail(exc, records)
             raise FatalError(f"apply of {type(records[min(i, len(records) - 1)]).__name__} failed: {exc!r}") from exc
-        lsn = self.journal.append(payload)
+        try:
+            lsn = self.journal.append(payload)
+        except BaseException:
+            events.discard()
+            raise
         self.commits += 1
+        events.publish(lsn)
         return lsn
+
+    def implied(self, fact) -> None:
+        """A step of the record being applied changed another entity (a run's end
+        cancelled a task, a group finalizing ended its gate run): describe it to the
+        event table as ``fact`` (the record that would have said so, or an implied fact
+        of :mod:`rallypoint.records`). Called by apply code, live and in replay; changes
+        nothing itself."""
+        fn = self._emit.get(type(fact))
+        if fn is not None:
+            out = fn(fact)
+            if out is not None:
+                if type(out) is Entry:
+                    self.events.pending.append(out)
+                else:
+                    self.events.pending.extend(out)
 
     def _fail(self, exc: BaseException, records: list) -> None:
         self.failed = exc
@@ -221,15 +282,30 @@ class Coordinator:
         self.runtime.stopping = True
 
     def apply(self, rec) -> None:
-        self._apply[type(rec)](rec)
+        """Apply one record and derive its events (replay; tests). The events stay
+        pending until :meth:`EventLog.publish`."""
+        t = type(rec)
+        events = self.events
+        mark = len(events.pending)
+        self._apply[t](rec)
+        fn = self._emit.get(t)
+        if fn is not None:
+            out = fn(rec)
+            if out is not None:
+                events.pending[mark:mark] = [out] if type(out) is Entry else out
 
     def replay(self, payload: bytes) -> None:
         """Apply one journal entry during recovery (no reactions, no activities, no
-        actors: the follow-ups are already in the journal)."""
+        actors: the follow-ups are already in the journal). Its events are derived as
+        they were live, with the same sequence numbers."""
         self.replaying = True
         try:
             for rec in decode_commit(payload):
-                self._apply[type(rec)](rec)
+                self.apply(rec)
+            self.events.publish(0)
+        except BaseException:
+            self.events.discard()
+            raise
         finally:
             self.replaying = False
             self.groups.touched.clear()
@@ -268,15 +344,39 @@ class Coordinator:
             self.internal_error(exc)
             self.reply(sink, rid, exc)
             return
-        if type(result) is Park:
+        t = type(result)
+        if t is Park:
             if sink.closed:
                 return
             if cancelled:
                 self.reply(sink, rid, self.cancelled_answer(result))
             else:
                 actor.park(result, sink, rid)
+        elif t is Subscribe:
+            self.subscribe(result, sink, rid)
         else:
             self.reply(sink, rid, result)
+
+    def subscribe(self, sub: Subscribe, sink: ReplySink, rid: int) -> None:
+        """Open a subscription on ``sink``: its Ok (a WatchView, sent at once: it reveals
+        only durable positions) and then pushes from :class:`Watchers`."""
+        from ..protocol import WatchView
+        from .watch import Watcher, durable_upto
+
+        if sink.closed:
+            return
+        w = Watcher(sub.space, sub.filter, sub.cursor, sink, rid)
+        if not sink.add_stream(rid, w):
+            from ..errors import ValidationError
+
+            self.reply(sink, rid, ValidationError("events.watch needs a streaming transport (a TCP connection, "
+                                                  "or the embedded client's events.watch())"))
+            return
+        s = self.events.stream(sub.space)
+        newest = durable_upto(s, self.journal.durable_lsn)
+        self._to_flush.add(sink)
+        sink.deliver(rid, encoder.encode(WatchView(cursor=sub.cursor, oldest=s.first_seq, newest=newest)), 0)
+        self.watchers.add(w)
 
     def decide(self, session, op):
         """Decide ``op`` synchronously on the calling task, outside the actors' inboxes:
@@ -407,8 +507,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Run the journal, the actor runtime (root nursery, activity heap) and the
-        background tasks (snapshots) until cancelled.
+        """Run the journal, the actor runtime (root nursery, activity heap), the event
+        watchers and the background tasks (snapshots) until cancelled.
 
         Stopping order: the runtime and the background tasks stop first, the journal
         last. Cancelled actors still answer what they hold, and an answer may commit (a
@@ -420,6 +520,7 @@ class Coordinator:
         self.last_seen = trio.current_time()
         self.last_seen_valid = True
         self._tick()
+        self.retention.rearm()
         journal_scope = trio.CancelScope(shield=True)
 
         async def journal_task(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -432,6 +533,7 @@ class Coordinator:
                 try:
                     async with trio.open_nursery() as actors:
                         await actors.start(self.runtime.run)
+                        await actors.start(self.watchers.run)
                         for fn in self.background:
                             await actors.start(fn)
                         task_status.started()

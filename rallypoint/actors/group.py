@@ -67,7 +67,8 @@ from ..records import (
     GroupVerdict,
     TaskSubmitted,
 )
-from .common import applies, check_key, check_payload, check_range, clamp_wait, parse_instant, short
+from ..events import emits, ev
+from .common import applies, check_key, check_payload, check_range, clamp_wait, data, parse_instant, short
 from .kind import Kind
 from .queue import TERMINAL, TaskState
 from .run import ScopeState
@@ -487,12 +488,12 @@ class Groups(Kind):
         runs = coord.runs
         gate = runs.table[g.gate_scope_id]
         if gate.state == "ACTIVE":
-            runs.end(gate, "CANCELLED", at_ms, "group_finalized")
+            runs.end(gate, "CANCELLED", at_ms, "group_finalized", implied=True)
         queues = coord.queues
         for m in g.members:
             t = queues.tasks[m.task_id]
             if t.state not in TERMINAL:
-                queues.finish(t, "CANCELLED", at_ms, "group_finalized")
+                queues.cancel_implied(t, at_ms, "group_finalized")
         coord.notify(g.id, "final")
 
     def on_run_inactive(self, group_id: str, at_ms: int, reason: str) -> None:
@@ -501,7 +502,69 @@ class Groups(Kind):
         g = self.table.get(group_id)
         if g is not None and g.state != "FINALIZED":
             past = reason == "deadline" or self.coord.runs.deadline_passed(g.gate_scope_id, at_ms)
-            self.finalize(g, "FAILURE", "deadline" if past else "cancelled", at_ms)
+            why = "deadline" if past else "cancelled"
+            self.coord.implied(GroupFinalized(group_id=g.id, outcome="FAILURE", reason=why, at_ms=at_ms))
+            self.finalize(g, "FAILURE", why, at_ms)
+
+    # ================================================================ retention
+    def purge_run(self, run_id: str) -> int:
+        """The groups gated at ``run_id``, with every member task (finished: finalizing
+        cancelled the rest), members of other runs included."""
+        n = 0
+        queues = self.coord.queues
+        for gid in self.coord.runs.owned.get(run_id, ()):
+            if not gid.startswith("grp"):
+                continue
+            g = self.table.pop(gid, None)
+            if g is None:
+                continue
+            self.member_index.pop(gid, None)
+            for m in g.members:
+                t = queues.tasks.get(m.task_id)
+                if t is not None:
+                    n += queues.purge_task(t)
+            self.coord.touch(gid)
+            n += 1
+        return n
+
+    # ================================================================ events
+    @emits(GroupCreated)
+    def _ev_created(self, r: GroupCreated):
+        return (
+            ev(r.space, "group.created", "group", r.id, r.gate_scope_id, r.at_ms,
+               data(condition=r.condition, threshold=r.threshold, expected_members=r.expected_members,
+                    mailbox=self.coord.queues.table[r.mailbox_id].name, gate=r.gate_scope_id,
+                    deadline=to_iso(r.deadline_ms))),
+            ev(r.space, "scope.created", "scope", r.gate_scope_id, r.gate_scope_id, r.at_ms,
+               data(parent=r.parent_scope_id, name=f"group:{r.id}", group=r.id, deadline=to_iso(r.deadline_ms))),
+        )
+
+    @emits(GroupMemberJoined)
+    def _ev_member_joined(self, r: GroupMemberJoined):
+        g = self.table[r.group_id]
+        out = [ev(g.space, "group.member_joined", "group", g.id, g.gate_scope_id, r.at_ms, {"task": r.task_id})]
+        if r.seals and g.state == "SEALED":
+            out.append(ev(g.space, "group.sealed", "group", g.id, g.gate_scope_id, r.at_ms, None))
+        return out
+
+    @emits(GroupSealed)
+    def _ev_sealed(self, r: GroupSealed):
+        g = self.table[r.group_id]
+        if g.state != "SEALED":
+            return None  # already finalized: nothing changed
+        return ev(g.space, "group.sealed", "group", g.id, g.gate_scope_id, r.at_ms, None)
+
+    @emits(GroupVerdict)
+    def _ev_verdict(self, r: GroupVerdict):
+        g = self.table[r.group_id]
+        return ev(g.space, "group.verdict", "group", g.id, g.gate_scope_id, r.at_ms,
+                  data(task=r.task_id, verdict=r.verdict, late=r.late or None))
+
+    @emits(GroupFinalized)
+    def _ev_finalized(self, r: GroupFinalized):
+        g = self.table[r.group_id]
+        return ev(g.space, "group.finalized", "group", g.id, g.gate_scope_id, r.at_ms,
+                  {"outcome": r.outcome, "reason": r.reason})
 
     # ================================================================ recovery
     def rebuild_indexes(self) -> None:

@@ -112,18 +112,33 @@ class Idempotency(Kind):
             return IdempotencyView(found=True, status=e.status, body=e.body)
         now = self.coord.now_ms()
         recs: list = []
-        cutoff = now - self.ttl_ms
+        old = self._expired(now)
+        if old:
+            recs.append(IdempotencyExpired(ids=old))
+        self.coord.retention.rearm()  # its tick forgets expired answers when no request comes
+        recs.append(IdempotencyRecorded(id=entry_id(session.space, op.key), space=session.space, key=op.key,
+                                        fingerprint=op.fingerprint, status=op.status, body=op.body, at_ms=now))
+        self.coord.commit(recs)
+        return IdempotencyView(found=True, status=op.status, body=op.body)
+
+    def _expired(self, now_ms: int) -> list[str]:
+        """Ids of the oldest entries past the TTL at ``now_ms`` (at most PURGE_BATCH)."""
+        cutoff = now_ms - self.ttl_ms
         old = []
         for eid, ent in self.table.items():
             if ent.at_ms > cutoff or len(old) >= PURGE_BATCH:
                 break
             old.append(eid)
-        if old:
-            recs.append(IdempotencyExpired(ids=old))
-        recs.append(IdempotencyRecorded(id=entry_id(session.space, op.key), space=session.space, key=op.key,
-                                        fingerprint=op.fingerprint, status=op.status, body=op.body, at_ms=now))
-        self.coord.commit(recs)
-        return IdempotencyView(found=True, status=op.status, body=op.body)
+        return old
+
+    def expire_due(self, now_ms: int) -> bool:
+        """Retention's tick: forget stored answers past the TTL (one record of at most
+        PURGE_BATCH). Returns True when more are due."""
+        old = self._expired(now_ms)
+        if not old:
+            return False
+        self.coord.commit([IdempotencyExpired(ids=old)])
+        return len(old) >= PURGE_BATCH
 
     @applies(IdempotencyRecorded)
     def _apply_recorded(self, r: IdempotencyRecorded) -> None:

@@ -84,7 +84,9 @@ from ..records import (
     JoinSetDelaySubmitted,
     TaskSubmitted,
 )
-from .common import applies, check_range, clamp_wait, parse_instant, short
+from ..events import emits, ev
+from ..records import JoinSetChildDone, JoinSetClosing, JoinSetDone
+from .common import applies, check_range, clamp_wait, data, parse_instant, short
 from .kind import Kind
 from .queue import TERMINAL
 from .runtime import Park
@@ -303,6 +305,7 @@ class JoinSets(Kind):
             self.table[t.joinset_id], t.id, "task", ok,
             t.outcome if ok else t.error,
             None if ok else _failure_kind(t.state, t.outcome_reason),
+            t.finished_at_ms or 0,
         )
 
     def op_joinset_submit_delay(self, actor, session, op: JoinSetSubmitDelay) -> JoinSetChildAdded:
@@ -355,24 +358,29 @@ class JoinSets(Kind):
 
     @applies(JoinSetDelayFired)
     def _apply_delay_fired(self, r: JoinSetDelayFired) -> None:
-        self._complete(self.table[r.joinset_id], r.child_id, "delay", True, None, None)
+        self._complete(self.table[r.joinset_id], r.child_id, "delay", True, None, None, r.at_ms)
 
     # ================================================================ completion records
-    def _complete(self, js: JoinSetState, child_id: str, kind: str, ok: bool, value, failure_kind) -> None:
+    def _complete(self, js: JoinSetState, child_id: str, kind: str, ok: bool, value, failure_kind,
+                  at_ms: int) -> None:
         _, i = self.child_pos[child_id]
         child = js.children[i]
         if child.done:
             return
         child.done = True
         js.completions.append(Completion(child_id=child_id, kind=kind, ok=ok, value=value, failure_kind=failure_kind))
+        self.coord.implied(JoinSetChildDone(joinset_id=js.id, child_id=child_id, child_kind=kind, ok=ok,
+                                            at_ms=at_ms, failure_kind=failure_kind))
         if js.state == "CLOSING":
-            self._advance_close(js)
+            self._advance_close(js, at_ms)
         self.coord.touch(js.id)
         self.coord.notify(js.id, "j")
 
-    def _advance_close(self, js: JoinSetState) -> None:
+    def _advance_close(self, js: JoinSetState, at_ms: int) -> None:
         js.consumed = len(js.completions)  # closing consumes take every record that arrived
         if js.consumed == len(js.children):
+            if js.state != "CLOSED":
+                self.coord.implied(JoinSetDone(joinset_id=js.id, at_ms=at_ms))
             js.state = "CLOSED"
             self.coord.notify(js.id, "j")
             self.coord.notify(js.scope_id, "complete")
@@ -614,18 +622,19 @@ class JoinSets(Kind):
             js.state = "CLOSING"
             js.closed_at_ms = at_ms
             js.closing_from = js.consumed
+            self.coord.implied(JoinSetClosing(joinset_id=js.id, at_ms=at_ms))
         self.coord.touch(js.id)
         queues = self.coord.queues
         for c in reversed(js.children):
             if c.done:
                 continue
             if c.kind == "delay":
-                self._complete(js, c.child_id, "delay", False, None, "cancelled")
+                self._complete(js, c.child_id, "delay", False, None, "cancelled", at_ms)
             elif c.cancellable or everything:
                 t = queues.tasks[c.child_id]
                 if t.state not in TERMINAL:
-                    queues.finish(t, "CANCELLED", at_ms, task_reason)  # writes its completion record
-        self._advance_close(js)
+                    queues.cancel_implied(t, at_ms, task_reason)  # writes its completion record
+        self._advance_close(js, at_ms)
         self.coord.notify(js.id, "j")
 
     def on_run_inactive(self, js_id: str, at_ms: int, reason: str) -> None:
@@ -634,6 +643,63 @@ class JoinSets(Kind):
         js = self.table[js_id]
         if js.state != "CLOSED":
             self._close(js, at_ms, _RUN_REASON.get(reason, reason), everything=True)
+
+    # ================================================================ retention
+    def purge_run(self, run_id: str) -> int:
+        """The run's join sets (their task children go with the run's tasks)."""
+        n = 0
+        for jid in self.by_run.pop(run_id, ()):
+            js = self.table.pop(jid, None)
+            if js is None:
+                continue
+            if js.name is not None:
+                self.names.pop((js.scope_id, js.name), None)
+            for c in js.children:
+                self.child_pos.pop(c.child_id, None)
+            self.step_starts.pop(jid, None)
+            self.coord.touch(jid)
+            n += 1
+        return n
+
+    # ================================================================ events
+    @emits(JoinSetCreated)
+    def _ev_created(self, r: JoinSetCreated):
+        return ev(r.space, "joinset.created", "joinset", r.id, r.scope_id, r.at_ms, data(name=r.name))
+
+    @emits(JoinSetDelaySubmitted)
+    def _ev_delay(self, r: JoinSetDelaySubmitted):
+        js = self.table[r.joinset_id]
+        return ev(js.space, "joinset.delay_submitted", "joinset", js.id, js.scope_id, r.at_ms,
+                  {"child": r.child_id, "fire_at": to_iso(r.fire_at_ms)})
+
+    @emits(JoinSetDelayFired, JoinSetClosed)
+    def _ev_described_by_facts(self, r):
+        """A delay firing and a close are described by the facts their apply implies
+        (JoinSetChildDone, JoinSetClosing, JoinSetDone): the same transitions happen
+        when a run's end closes a set."""
+        return None
+
+    @emits(JoinSetConsumed)
+    def _ev_consumed(self, r: JoinSetConsumed):
+        js = self.table[r.joinset_id]
+        return ev(js.space, "joinset.consumed", "joinset", js.id, js.scope_id, r.at_ms,
+                  data(index=r.index, step=r.step))
+
+    @emits(JoinSetChildDone)
+    def _ev_child_done(self, r: JoinSetChildDone):
+        js = self.table[r.joinset_id]
+        return ev(js.space, "joinset.child_done", "joinset", js.id, js.scope_id, r.at_ms,
+                  data(child=r.child_id, child_kind=r.child_kind, ok=r.ok, failure_kind=r.failure_kind))
+
+    @emits(JoinSetClosing)
+    def _ev_closing(self, r: JoinSetClosing):
+        js = self.table[r.joinset_id]
+        return ev(js.space, "joinset.closing", "joinset", js.id, js.scope_id, r.at_ms, None)
+
+    @emits(JoinSetDone)
+    def _ev_done(self, r: JoinSetDone):
+        js = self.table[r.joinset_id]
+        return ev(js.space, "joinset.closed", "joinset", js.id, js.scope_id, r.at_ms, None)
 
     # ================================================================ run completion
     def open_count(self, run_id: str) -> int:

@@ -23,6 +23,8 @@ Key operations run on the space's actor.
 
 from __future__ import annotations
 
+import logging
+
 import hashlib
 import hmac
 import secrets
@@ -35,11 +37,22 @@ from ..protocol import KeyCreate, KeyList, KeyListView, KeyRevoke, KeyView
 from ..records import KeyCreated, KeyRevoked
 from .api import PERMISSIONS
 from .common import applies, check_name, short
+from .common import data
+from ..events import emits, ev
 from .kind import Kind
 
 __all__ = ["KeyState", "Keys", "hash_secret", "SECRET_PREFIX"]
 
 SECRET_PREFIX = "rpk_"
+
+
+_log = logging.getLogger("rallypoint.keys")
+
+
+def _who(session) -> str:
+    if getattr(session, "local", False):
+        return "the local operator (--data-dir)"
+    return f"key {session.key_id}" if getattr(session, "key_id", None) else f"open mode ({getattr(session, 'peer', '')})"
 
 
 def hash_secret(secret: str) -> str:
@@ -166,6 +179,10 @@ class Keys(Kind):
                 details={"space": op.space},
             )
         k, secret = self.create_key(op.space, op.permissions, op.name, allow_operator=getattr(session, "local", False))
+        _log.info("API key %s created in space %s (permissions %s, name %s) by %s", k.id, k.space,
+                  ",".join(k.permissions), k.name or "-", _who(session),
+                  extra={"event": "key_created", "key_id": k.id, "space": k.space, "permissions": list(k.permissions),
+                         "key_name": k.name, "by": _who(session)})
         return self.view(k, secret)
 
     def op_key_list(self, actor, session, op: KeyList) -> KeyListView:
@@ -187,7 +204,10 @@ class Keys(Kind):
         k = self.table.get(op.key_id) if isinstance(op.key_id, str) else None
         if k is None or (k.space != session.space and not _cross_space(session)):
             raise NotFoundError(f"no API key {short(op.key_id)} in this space", details={"key_id": short(op.key_id)})
-        return self.view(self.revoke_key(k.id))
+        view = self.view(self.revoke_key(k.id))
+        _log.info("API key %s of space %s revoked by %s", k.id, k.space, _who(session),
+                  extra={"event": "key_revoked", "key_id": k.id, "space": k.space, "by": _who(session)})
+        return view
 
     @applies(KeyCreated)
     def _apply_created(self, r: KeyCreated) -> None:
@@ -196,6 +216,16 @@ class Keys(Kind):
         self.table[k.id] = k
         self.by_hash[k.secret_sha256] = k.id
         self.coord.touch(k.id)
+
+    @emits(KeyCreated)
+    def _ev_created(self, r: KeyCreated):
+        return ev(r.space, "key.created", "key", r.id, None, r.at_ms,
+                  data(name=r.name, permissions=list(r.permissions)))
+
+    @emits(KeyRevoked)
+    def _ev_revoked(self, r: KeyRevoked):
+        k = self.table[r.id]
+        return ev(k.space, "key.revoked", "key", k.id, None, r.at_ms, None)
 
     @applies(KeyRevoked)
     def _apply_revoked(self, r: KeyRevoked) -> None:

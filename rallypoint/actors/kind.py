@@ -51,7 +51,8 @@ class Kind:
         another space's, which a key must not be able to tell apart."""
         ent = self.table.get(entity_id) if isinstance(entity_id, str) else None
         if ent is None or ent.space != space:
-            raise NotFoundError(f"no {self.noun} {short(entity_id)} in this space",
+            hint = self.coord.retention.not_found_hint(entity_id) if ent is None else ""
+            raise NotFoundError(f"no {self.noun} {short(entity_id)} in this space{hint}",
                                 details={self.id_field: short(entity_id)})
         return ent
 
@@ -78,6 +79,20 @@ class Kind:
         """The run that owns ``entity_id`` went inactive (``reason``: cancelled,
         completed, deadline) in the apply of one record. Synchronous."""
 
+    def purge_run(self, run_id: str) -> int:
+        """Retention purges ``run_id`` (finished, with everything below it; called in the
+        apply of ``Purged``, children before parents): remove this kind's entities that
+        the run owns, and their index entries, and ``coord.touch`` each (the next
+        snapshot deletes it). Returns how many entities were removed. Synchronous."""
+        return 0
+
+    def purge_task_links(self, task_id: str) -> int:
+        """Retention purges the finished task ``task_id`` (alone, or with its run): remove
+        what this kind keeps only for it (the pool grants and budget reservations its
+        deliveries held), ``coord.touch`` each. Returns how many entities were removed.
+        Synchronous."""
+        return 0
+
     def leases_outstanding(self) -> int:
         """How many leases (and durable waiters with a time limit) of this kind run on
         server time now: a stall or a restart is given back to them (``LeasesExtended``)
@@ -98,6 +113,58 @@ class Kind:
                 out[rec_type] = getattr(self, name)
         return out
 
+    def emitters(self) -> dict[type, Callable[[Any], Any]]:
+        """Record (or implied fact) type -> bound event source, from the ``@emits`` marks
+        (:mod:`rallypoint.events`): ``fn(record) -> Entry | list[Entry] | None``, called
+        after the record was applied."""
+        out: dict[type, Callable[[Any], Any]] = {}
+        for name in dir(type(self)):
+            fn = getattr(type(self), name, None)
+            for rec_type in getattr(fn, "_emits", ()):
+                if rec_type in out:
+                    raise RuntimeError(f"{type(self).__name__} has two event sources for {rec_type.__name__}")
+                out[rec_type] = getattr(self, name)
+        return out
+
     def statistics(self) -> dict:
         """Entity counts (Trio-style introspection); kinds add their own figures."""
         return {name: len(table) for name, (table, _) in self.entity_tables().items()}
+
+
+class Links:
+    """Retention's index for one kind: owner id (a run, or the task whose delivery held
+    it) -> the ids of the kind's entities it owns, in creation order. ``purge(owner,
+    finished, remove)`` removes those ``finished(id)`` says are done (``remove(id)``)
+    and keeps the rest listed (a live lease of an ended run stays until it ends)."""
+
+    __slots__ = ("by",)
+
+    def __init__(self) -> None:
+        self.by: dict[str, list[str]] = {}
+
+    def add(self, owner: str, entity_id: str) -> None:
+        lst = self.by.get(owner)
+        if lst is None:
+            self.by[owner] = [entity_id]
+        else:
+            lst.append(entity_id)
+
+    def purge(self, owner: str, finished: Callable[[str], bool], remove: Callable[[str], None]) -> int:
+        """Remove the finished entities of ``owner``; returns how many."""
+        ids = self.by.pop(owner, None)
+        if not ids:
+            return 0
+        keep = []
+        n = 0
+        for eid in ids:
+            if finished(eid):
+                remove(eid)
+                n += 1
+            else:
+                keep.append(eid)
+        if keep:
+            self.by[owner] = keep
+        return n
+
+    def __len__(self) -> int:
+        return len(self.by)

@@ -31,8 +31,9 @@ from ..clock import to_iso
 from ..errors import LeaseLostError, NotFoundError, ValidationError
 from ..protocol import NIL, OnceAcquire, OnceComplete, OnceFail, OnceGet, OnceRenew, OnceView
 from ..records import OnceAcquired, OnceCompleted, OnceFailed, OnceLeaseExpired, OnceRenewed
-from .common import applies, check_label, check_payload, check_range, clamp_wait, short
-from .kind import Kind
+from ..events import emits, ev
+from .common import applies, check_label, check_payload, check_range, clamp_wait, data, short
+from .kind import Kind, Links
 from .runtime import Park
 
 __all__ = ["OnceState", "Onces"]
@@ -75,6 +76,7 @@ class Onces(Kind):
         self.table: dict[str, OnceState] = {}
         self.by_key: dict[tuple[str, str], str] = {}  # (run, key) -> once id
         self.held_ids: set[str] = set()  # HELD onces (a live lease)
+        self.links = Links()  # retention: run -> its onces
 
     def entity_tables(self):
         return {"onc": (self.table, OnceState)}
@@ -145,6 +147,7 @@ class Onces(Kind):
             o = OnceState(id=r.id, space=r.space, scope_id=r.scope_id, key=r.key, created_at_ms=r.at_ms)
             self.table[o.id] = o
             self.by_key[(o.scope_id, o.key)] = o.id
+            self.links.add(o.scope_id, o.id)
         o.state = "HELD"
         self.held_ids.add(o.id)
         o.token = r.token
@@ -270,6 +273,49 @@ class Onces(Kind):
     def rebuild_indexes(self) -> None:
         self.by_key = {(o.scope_id, o.key): o.id for o in self.table.values()}
         self.held_ids = {o.id for o in self.table.values() if o.state == "HELD"}
+        self.links = Links()
+        for o in self.table.values():
+            self.links.add(o.scope_id, o.id)
+
+    # ================================================================ retention
+    def _once_done(self, once_id: str) -> bool:
+        o = self.table.get(once_id)
+        return o is None or o.state != "HELD"
+
+    def _drop(self, once_id: str) -> None:
+        o = self.table.pop(once_id, None)
+        if o is None:
+            return
+        if self.by_key.get((o.scope_id, o.key)) == once_id:
+            del self.by_key[(o.scope_id, o.key)]
+        self.coord.touch(once_id)
+
+    def purge_run(self, run_id: str) -> int:
+        """A once belongs to its run: purged with it (a HELD one -- a live lease in the
+        ended run -- stays until its lease ends)."""
+        return self.links.purge(run_id, self._once_done, self._drop)
+
+    # ================================================================ events
+    @emits(OnceAcquired)
+    def _ev_acquired(self, r: OnceAcquired):
+        return ev(r.space, "once.acquired", "once", r.id, r.scope_id, r.at_ms,
+                  data(key=r.key, holder=r.holder, attempts=self.table[r.id].attempts))
+
+    @emits(OnceCompleted)
+    def _ev_completed(self, r: OnceCompleted):
+        o = self.table[r.id]
+        return ev(o.space, "once.completed", "once", o.id, o.scope_id, r.at_ms, {"key": o.key})
+
+    @emits(OnceFailed)
+    def _ev_failed(self, r: OnceFailed):
+        o = self.table[r.id]
+        return ev(o.space, "once.failed", "once", o.id, o.scope_id, r.at_ms,
+                  {"key": o.key, "final": r.final, "attempts": o.attempts, "error": r.error[:200]})
+
+    @emits(OnceLeaseExpired)
+    def _ev_lease_expired(self, r: OnceLeaseExpired):
+        o = self.table[r.id]
+        return ev(o.space, "once.lease_expired", "once", o.id, o.scope_id, r.at_ms, {"key": o.key})
 
     def rearm(self) -> None:
         for o in self.table.values():

@@ -73,8 +73,9 @@ from ..protocol import (
 )
 from ..records import GrantExpired, GrantReleased, GrantRenewed, PoolCreated, PoolGranted, PoolWaiterEnded, PoolWaiterQueued
 from .claim import MAX_QUEUE_WAIT_MS, _find, _position, _remove, check_holder, check_request_id, new_token
-from .common import MAX_WAIT_MS, applies, check_name, check_payload, check_range, short
-from .kind import Kind
+from ..events import emits, ev
+from .common import MAX_WAIT_MS, applies, check_name, check_payload, check_range, data, short
+from .kind import Kind, Links
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
 from .runtime import Park
 
@@ -154,6 +155,7 @@ class Pools(Kind):
         self.needs: dict[str, set[str]] = {}  # pool -> unfinished tasks that require it
         self._owned: set[tuple[str, str]] = set()
         self._kicked: set[str] = set()
+        self.links = Links()  # retention: run (or the task a delivery held it for) -> grant ids
 
     def entity_tables(self):
         return {"pol": (self.table, PoolState), "grt": (self.grants, GrantState)}
@@ -401,6 +403,7 @@ class Pools(Kind):
             self.coord.arm_mono(g.lease_expires_ms, self._on_lease, (g.id, g.token, g.lease_expires_ms))
 
     def _index_grant(self, g: GrantState) -> None:
+        self.links.add(g.task_id or g.scope_id, g.id)
         if g.request_id is not None:
             self.by_request[(g.pool_id, g.request_id)] = g.id
         if g.state != "ACTIVE":
@@ -621,6 +624,7 @@ class Pools(Kind):
             self.coord.touch(pool.id)
             for w in gone:
                 self.coord.notify(pool.id, w.request_id)
+                self.coord.implied(PoolWaiterEnded(pool_id=pool.id, request_id=w.request_id, reason="cancelled"))
             self._kick(pool.id)
 
     # ================================================================ admission ("pools" requirement)
@@ -668,6 +672,8 @@ class Pools(Kind):
         for gid in list(gids):
             g = self.grants[gid]
             self._end_grant(g, "RELEASED", at_ms, "delivery_ended")
+            self.coord.implied(GrantReleased(grant_id=gid, token=g.token, reason="delivery_ended",
+                                             at_ms=at_ms or self.coord.events.instant(self.coord.now_ms())))
             self._kick(g.pool_id)
 
     def requirement_track(self, task, value: dict[str, int]) -> None:
@@ -723,3 +729,61 @@ class Pools(Kind):
             for w in pool.waiters:
                 coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (pid, w.request_id, w.expires_mono_ms))
             self._kick(pid)  # a crash between a release and its serving: serve now
+
+    # ================================================================ retention
+    def _grant_done(self, grant_id: str) -> bool:
+        g = self.grants.get(grant_id)
+        return g is None or g.state != "ACTIVE"
+
+    def _drop_grant(self, grant_id: str) -> None:
+        g = self.grants.pop(grant_id, None)
+        if g is None:
+            return
+        if g.request_id is not None and self.by_request.get((g.pool_id, g.request_id)) == grant_id:
+            del self.by_request[(g.pool_id, g.request_id)]
+        self.coord.touch(grant_id)
+
+    def purge_run(self, run_id: str) -> int:
+        """The run's ended grants (RELEASED, EXPIRED). An ACTIVE grant -- a lease the
+        ended run still holds -- stays until it ends. Pools themselves are named,
+        space-wide entities: never purged."""
+        return self.links.purge(run_id, self._grant_done, self._drop_grant)
+
+    def purge_task_links(self, task_id: str) -> int:
+        """The ended grants the task's deliveries held (admission)."""
+        return self.links.purge(task_id, self._grant_done, self._drop_grant)
+
+    # ================================================================ events
+    @emits(PoolCreated)
+    def _ev_created(self, r: PoolCreated):
+        return ev(r.space, "pool.created", "pool", r.id, None, r.at_ms, {"name": r.name, "units_total": r.units_total})
+
+    @emits(PoolWaiterQueued)
+    def _ev_waiting(self, r: PoolWaiterQueued):
+        pool = self.table[r.pool_id]
+        return ev(pool.space, "pool.waiting", "pool", pool.id, r.scope_id, r.at_ms,
+                  data(name=pool.name, request_id=r.request_id, units=r.units, holder=r.holder))
+
+    @emits(PoolWaiterEnded)
+    def _ev_wait_ended(self, r: PoolWaiterEnded):
+        pool = self.table[r.pool_id]
+        return ev(pool.space, "pool.wait_ended", "pool", pool.id, None, self.coord.events.instant(self.coord.now_ms()),
+                  {"name": pool.name, "request_id": r.request_id, "reason": r.reason})
+
+    @emits(PoolGranted)
+    def _ev_granted(self, r: PoolGranted):
+        return ev(r.space, "grant.acquired", "grant", r.id, r.scope_id, r.at_ms,
+                  data(pool=self.table[r.pool_id].name, units=r.units, task=r.task_id, holder=r.holder,
+                       request_id=r.request_id))
+
+    @emits(GrantReleased)
+    def _ev_released(self, r: GrantReleased):
+        g = self.grants[r.grant_id]
+        return ev(g.space, "grant.released", "grant", g.id, g.scope_id, r.at_ms,
+                  {"pool": self.table[g.pool_id].name, "units": g.units, "reason": r.reason})
+
+    @emits(GrantExpired)
+    def _ev_expired(self, r: GrantExpired):
+        g = self.grants[r.grant_id]
+        return ev(g.space, "grant.expired", "grant", g.id, g.scope_id, r.at_ms,
+                  {"pool": self.table[g.pool_id].name, "units": g.units})

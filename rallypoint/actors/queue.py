@@ -108,7 +108,8 @@ from ..records import (
     TaskSubmitted,
     TaskSubscribed,
 )
-from .common import applies, check_key, check_name, check_payload, check_range, clamp_wait, parse_instant, short
+from ..events import emits, ev
+from .common import applies, check_key, check_name, check_payload, check_range, clamp_wait, data, parse_instant, short
 from .kind import Kind
 from .runtime import Park
 
@@ -176,6 +177,21 @@ class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
     work_limit_id: str | None = None
 
 
+# Payloads of the hot task events: Structs without GC tracking (a dict per event is a
+# GC allocation, which made the collector run twice as often); they encode as the same
+# maps a dict would.
+class _Submitted(msgspec.Struct, gc=False, omit_defaults=True):
+    mailbox: str
+    key: str | None = None
+    group: str | None = None
+    joinset: str | None = None
+    deadline: str | None = None
+
+
+class _Attempt(msgspec.Struct, gc=False):
+    attempt: int
+
+
 class WorkQueues(Kind):
     """Work queues and their tasks: ops, apply functions, indexes, lease/retry/deadline
     activities."""
@@ -204,7 +220,9 @@ class WorkQueues(Kind):
         self.queue_counts: dict[str, list[int]] = {}  # queue -> [queued, running]
         self.run_counts: dict[str, dict[str, int]] = {}  # run -> state -> tasks
         self.run_unfinished: dict[str, set[str]] = {}
+        self.run_tasks: dict[str, set[str]] = {}  # run -> every task of it (retention)
         self.space_counts: dict[str, dict[str, int]] = {}
+        self.queue_done: dict[str, int] = {}  # queue -> tasks finished since start (rates in `top`)
 
     def entity_tables(self):
         # messages (``msg_`` ids) live in the task table: they are tasks of INBOX queues
@@ -305,7 +323,8 @@ class WorkQueues(Kind):
     def get_task(self, space: str, task_id) -> TaskState:
         t = self.tasks.get(task_id) if isinstance(task_id, str) else None
         if t is None or t.space != space:
-            raise NotFoundError(f"no task {short(task_id)} in this space", details={"task_id": task_id})
+            hint = self.coord.retention.not_found_hint(task_id) if t is None else ""
+            raise NotFoundError(f"no task {short(task_id)} in this space{hint}", details={"task_id": task_id})
         return t
 
     def route_task(self, session, task_id) -> str:
@@ -454,6 +473,11 @@ class WorkQueues(Kind):
     def _index_task(self, t: TaskState) -> None:
         if t.key is not None:
             self.task_keys[(t.scope_id, t.mailbox_id, t.key)] = t.id
+        rt = self.run_tasks.get(t.scope_id)
+        if rt is None:
+            self.run_tasks[t.scope_id] = {t.id}
+        else:
+            rt.add(t.id)
         counts = self.run_counts.get(t.scope_id)
         if counts is None:
             counts = self.run_counts[t.scope_id] = {}
@@ -509,6 +533,7 @@ class WorkQueues(Kind):
                 if not s:
                     del self.run_unfinished[t.scope_id]
             self.ready_set.discard(t.id)
+            self.queue_done[t.mailbox_id] = self.queue_done.get(t.mailbox_id, 0) + 1
             coord.notify(t.scope_id, t.id)  # result waiters (on the task's run)
             if self.result_watch:
                 watchers = self.result_watch.pop(t.id, None)
@@ -535,11 +560,15 @@ class WorkQueues(Kind):
             t.held_outcome = None
             run = self.coord.runs.table[t.run_id]
             if run.state == "ACTIVE":
-                self.coord.runs.end(run, "CANCELLED", at_ms, f"task {t.id} {state}")
+                self.coord.runs.end(run, "CANCELLED", at_ms, f"task {t.id} {state}", implied=True)
         t.finished_at_ms = at_ms
         t.outcome_reason = reason
         self._set_state(t, state, at_ms)
-        self.coord.touch(t.id)
+        coord = self.coord
+        coord.touch(t.id)
+        retention = coord.retention
+        if retention.retain_ms is not None and t.group_id is None and t.joinset_id is None:
+            retention.candidates.append((at_ms, t.id))
 
     # ================================================================ the ready queue
     def _make_ready(self, t: TaskState, *, due: bool = False) -> None:
@@ -901,7 +930,7 @@ class WorkQueues(Kind):
         run = self.coord.runs.table[t.run_id]
         if run.state == "ACTIVE":
             # whatever the run holds beyond its (closed) join sets is cancelled here
-            self.coord.runs.end(run, "COMPLETED", r.at_ms, f"task {t.id} completed")
+            self.coord.runs.end(run, "COMPLETED", r.at_ms, f"task {t.id} completed", implied=True)
         t.outcome, t.held_outcome, t.completing = t.held_outcome, None, False
         self.finish(t, "SUCCEEDED", r.at_ms, "completed")
 
@@ -1195,7 +1224,145 @@ class WorkQueues(Kind):
             for tid in sorted(ids):
                 t = self.tasks[tid]
                 if t.state not in TERMINAL:
-                    self.finish(t, "CANCELLED", at_ms, r)
+                    self.cancel_implied(t, at_ms, r)
+
+    def cancel_implied(self, t: TaskState, at_ms: int, reason: str) -> None:
+        """Another record's step cancels ``t`` (its run ended, its group finalized, its
+        join set closed): the task's event, then the change."""
+        self.coord.implied(TaskCancelled(task_id=t.id, at_ms=at_ms, reason=reason))
+        self.finish(t, "CANCELLED", at_ms, reason)
+
+    # ================================================================ retention
+    def purge_run(self, run_id: str) -> int:
+        """The run's tasks (all finished) and its index entries."""
+        n = 0
+        ids = self.run_tasks.get(run_id)
+        if ids:
+            tasks = self.tasks
+            for tid in list(ids):
+                t = tasks.get(tid)
+                if t is not None:
+                    n += self.purge_task(t)
+        self.run_tasks.pop(run_id, None)
+        self.run_counts.pop(run_id, None)
+        self.run_unfinished.pop(run_id, None)
+        for per_run in self.ready.values():
+            per_run.pop(run_id, None)
+        return n
+
+    def purge_task(self, t: TaskState) -> int:
+        """Remove one finished task (and its own run's subtree, which ended with it).
+        Returns the entities removed."""
+        n = 0
+        coord = self.coord
+        if t.run_id is not None and t.run_id in coord.runs.table:
+            n += coord.retention.purge_subtree(t.run_id)
+        for k in coord.task_linked_kinds:  # what its deliveries held (grants, reservations)
+            n += k.purge_task_links(t.id)
+        del self.tasks[t.id]
+        if t.key is not None and self.task_keys.get((t.scope_id, t.mailbox_id, t.key)) == t.id:
+            del self.task_keys[(t.scope_id, t.mailbox_id, t.key)]
+        rt = self.run_tasks.get(t.scope_id)
+        if rt is not None:
+            rt.discard(t.id)
+            if not rt:
+                del self.run_tasks[t.scope_id]
+        counts = self.run_counts.get(t.scope_id)
+        if counts is not None:
+            counts[t.state] -= 1
+            if not counts[t.state]:
+                del counts[t.state]
+            if not counts:
+                del self.run_counts[t.scope_id]
+        sc = self.space_counts.get(t.space)
+        if sc is not None:
+            sc[t.state] -= 1
+        if t.state not in TERMINAL:  # (never: only finished tasks are purged)
+            self.ready_set.discard(t.id)
+            self.leased.discard(t.id)
+        self.coord.touch(t.id)
+        return n + 1
+
+    # ================================================================ events
+    @emits(MailboxCreated)
+    def _ev_queue_created(self, r: MailboxCreated):
+        return ev(r.space, "mailbox.created", "mailbox", r.id, None, r.at_ms,
+                  data(name=r.name, max_attempts=r.max_attempts, backlog_limit=r.backlog_limit))
+
+    @emits(TaskSubscribed, TaskDetached)
+    def _ev_subscription(self, r):
+        t = self.tasks[r.task_id]
+        kind = "task.subscribed" if type(r) is TaskSubscribed else "task.detached"
+        return ev(t.space, kind, "task", t.id, t.scope_id, r.at_ms, {"subscriber": r.subscriber_id})
+
+    @emits(TaskSubmitted)
+    def _ev_submitted(self, r: TaskSubmitted):
+        d = _Submitted(self.table[r.mailbox_id].name, r.key, r.group_id, r.joinset_id,
+                       None if r.deadline_ms is None else to_iso(r.deadline_ms))
+        return ev(r.space, "task.submitted", "task", r.id, r.scope_id, r.at_ms, d)
+
+    @emits(TaskDelivered)
+    def _ev_delivered(self, r: TaskDelivered):
+        t = self.tasks[r.task_id]
+        return ev(t.space, "task.delivered", "task", t.id, t.scope_id, r.at_ms, _Attempt(t.attempt))  # (never the token: it is the lease's secret)
+
+    @emits(TaskCompleted, TaskRunCompleted)
+    def _ev_completed(self, r):
+        t = self.tasks[r.task_id]
+        return ev(t.space, "task.completed", "task", t.id, t.scope_id, r.at_ms, _Attempt(t.attempt))
+
+    @emits(TaskCompleting)
+    def _ev_completing(self, r: TaskCompleting):
+        t = self.tasks[r.task_id]
+        return ev(t.space, "task.completing", "task", t.id, t.scope_id, r.at_ms,
+                  {"attempt": t.attempt, "run": t.run_id})
+
+    @emits(TaskRetried)
+    def _ev_retried(self, r: TaskRetried):
+        t = self.tasks[r.task_id]
+        if r.final:
+            return ev(t.space, "task.failed", "task", t.id, t.scope_id, r.at_ms,
+                      {"reason": "max_attempts", "attempt": t.attempt})
+        return ev(t.space, "task.retried", "task", t.id, t.scope_id, r.at_ms, {"attempt": t.attempt})
+
+    @emits(TaskRejected)
+    def _ev_rejected(self, r: TaskRejected):
+        t = self.tasks[r.task_id]
+        return ev(t.space, "task.failed", "task", t.id, t.scope_id, r.at_ms, {"reason": "rejected", "attempt": t.attempt})
+
+    @emits(LeaseExpired)
+    def _ev_lease_expired(self, r: LeaseExpired):
+        t = self.tasks[r.task_id]
+        if r.final:
+            return ev(t.space, "task.failed", "task", t.id, t.scope_id, r.at_ms,
+                      {"reason": "lease_expired", "attempt": t.attempt})
+        return ev(t.space, "task.lease_expired", "task", t.id, t.scope_id, r.at_ms, {"attempt": t.attempt})
+
+    @emits(TaskCancelled)
+    def _ev_cancelled(self, r: TaskCancelled):
+        t = self.tasks[r.task_id]  # (implied: called before the change; reads identity only)
+        return ev(t.space, "task.cancelled", "task", t.id, t.scope_id, r.at_ms, {"reason": r.reason})
+
+    @emits(TaskExpired)
+    def _ev_expired(self, r: TaskExpired):
+        t = self.tasks[r.task_id]
+        return ev(t.space, "task.expired", "task", t.id, t.scope_id, r.at_ms, None)
+
+    @emits(TaskRunCreated)
+    def _ev_run_created(self, r: TaskRunCreated):
+        t = self.tasks[r.task_id]
+        return ev(t.space, "scope.created", "scope", r.run_id, r.run_id, r.at_ms,
+                  {"parent": t.scope_id, "name": f"task:{t.id}", "task": t.id})
+
+    @emits(LeasesExtended)
+    def _ev_leases_extended(self, r: LeasesExtended):
+        per_space: dict[str, int] = {}
+        tasks = self.tasks
+        for tid in self.leased:
+            sp = tasks[tid].space
+            per_space[sp] = per_space.get(sp, 0) + 1
+        return [ev(sp, "leases.extended", "space", sp, None, r.at_ms, {"by_ms": r.by_ms, "reason": r.reason, "leases": n})
+                for sp, n in sorted(per_space.items())]
 
     # ================================================================ recovery
     def rebuild_indexes(self) -> None:

@@ -89,8 +89,9 @@ from ..records import (
     QuotaWaiterEnded,
     QuotaWaitersGranted,
 )
-from .common import applies, check_key, check_name, check_range, clamp_wait, short
-from .kind import Kind
+from ..events import emits, ev
+from .common import applies, check_key, check_name, check_range, clamp_wait, data, short
+from .kind import Kind, Links
 from .runtime import Park
 
 __all__ = ["QuotaState", "QuotaWaiterState", "Quotas"]
@@ -167,6 +168,7 @@ class Quotas(Kind):
         self.fifo: dict[str, deque[str]] = {}  # quota id -> waiter ids in FIFO order (ended ones dropped lazily)
         self.n_waiting: dict[str, int] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (quota id, key) -> waiter id
+        self.links = Links()  # retention: run -> its waiters
 
     def entity_tables(self):
         return {"quo": (self.table, QuotaState), "qwt": (self.waiters, QuotaWaiterState)}
@@ -515,6 +517,7 @@ class Quotas(Kind):
         if r.seq >= q.next_seq:
             q.next_seq = r.seq + 1
         self.waiters[w.id] = w
+        self.links.add(w.scope_id, w.id)
         if w.key is not None:
             self.keys[(q.id, w.key)] = w.id
         self.coord.touch(w.id)
@@ -585,6 +588,7 @@ class Quotas(Kind):
         if w.state != "WAITING":
             return
         self._left(w, "CANCELLED", at_ms, _RUN_REASON.get(reason, reason))
+        self.coord.implied(QuotaWaiterEnded(waiter_id=w.id, state="CANCELLED", at_ms=at_ms))
         self._serve_soon(w.quota_id)
 
     # ================================================================ views
@@ -639,6 +643,7 @@ class Quotas(Kind):
             self.by_name[(q.space, q.name)] = q.id
         waiting = []
         for w in self.waiters.values():
+            self.links.add(w.scope_id, w.id)
             if w.key is not None:
                 self.keys[(w.quota_id, w.key)] = w.id
             if w.state == "WAITING":
@@ -665,3 +670,66 @@ class Quotas(Kind):
             for d in sorted(set(due)):
                 self.coord.arm_mono(d, self._on_serve, (qid, d))
             self._tick_due[qid] = min(due)
+
+    # ================================================================ retention
+    def _waiter_done(self, waiter_id: str) -> bool:
+        w = self.waiters.get(waiter_id)
+        return w is None or w.state != "WAITING"
+
+    def _drop(self, waiter_id: str) -> None:
+        w = self.waiters.pop(waiter_id, None)
+        if w is None:
+            return
+        if w.key is not None and self.keys.get((w.quota_id, w.key)) == waiter_id:
+            del self.keys[(w.quota_id, w.key)]
+        self.coord.touch(waiter_id)
+
+    def purge_run(self, run_id: str) -> int:
+        """The run's finished takes (waiters GRANTED, EXPIRED, CANCELLED; what they took
+        stays counted in the quota). Quotas themselves are named, space-wide entities:
+        never purged."""
+        return self.links.purge(run_id, self._waiter_done, self._drop)
+
+    # ================================================================ events
+    @emits(QuotaCreated)
+    def _ev_created(self, r: QuotaCreated):
+        return ev(r.space, "quota.created", "quota", r.id, None, r.at_ms,
+                  {"name": r.name, "units_limit": r.units_limit, "window_ms": r.window_ms})
+
+    @emits(QuotaConsumed)
+    def _ev_consumed(self, r: QuotaConsumed):
+        q = self.table[r.quota_id]
+        return ev(q.space, "quota.consumed", "quota", q.id, r.scope_id, r.at_ms,
+                  data(name=q.name, units=r.units, consumption_id=r.consumption_id, holder=r.holder))
+
+    @emits(QuotaWaiterAdded)
+    def _ev_waiter_added(self, r: QuotaWaiterAdded):
+        q = self.table[r.quota_id]
+        if r.consumption_id is not None:  # granted at once
+            return ev(r.space, "quota.consumed", "quota", q.id, r.scope_id, r.at_ms,
+                      data(name=q.name, units=r.units, consumption_id=r.consumption_id, waiter=r.id, holder=r.holder))
+        return ev(r.space, "quota.waiting", "quota", q.id, r.scope_id, r.at_ms,
+                  data(name=q.name, units=r.units, waiter=r.id, holder=r.holder))
+
+    @emits(QuotaWaitersGranted)
+    def _ev_granted(self, r: QuotaWaitersGranted):
+        q = self.table[r.quota_id]
+        out = []
+        for g in r.grants:
+            w = self.waiters[g.waiter_id]
+            out.append(ev(q.space, "quota.granted", "quota", q.id, w.scope_id, r.at_ms,
+                          {"name": q.name, "units": w.units, "consumption_id": g.consumption_id, "waiter": w.id}))
+        return out
+
+    @emits(QuotaWaiterEnded)
+    def _ev_waiter_ended(self, r: QuotaWaiterEnded):
+        w = self.waiters[r.waiter_id]
+        q = self.table[w.quota_id]
+        return ev(q.space, "quota.wait_ended", "quota", q.id, w.scope_id, r.at_ms,
+                  {"name": q.name, "waiter": w.id, "state": r.state, "units": w.units})
+
+    @emits(QuotaCooldownSet)
+    def _ev_cooldown(self, r: QuotaCooldownSet):
+        q = self.table[r.quota_id]
+        return ev(q.space, "quota.cooldown", "quota", q.id, None, r.at_ms,
+                  data(name=q.name, until=to_iso(self.coord.clock.mono_to_wall(r.until_mono_ms)), reason=r.reason))

@@ -42,8 +42,9 @@ from ..errors import (
 from ..protocol import (
     ScopeCancel, ScopeComplete, ScopeCreate, ScopeEnsureNamed, ScopeList, ScopeListView, ScopeStatus, ScopeView,
 )
+from ..events import emits, ev
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
-from .common import applies, check_label, check_range, clamp_wait, parse_instant
+from .common import applies, check_label, check_range, clamp_wait, data, parse_instant
 from .kind import Kind
 from .runtime import PRIO_RUN_DEADLINE, Park
 
@@ -86,7 +87,7 @@ class Runs(Kind):
         self._init_indexes()
 
     def _init_indexes(self) -> None:
-        self.children: dict[str, list[str]] = {}
+        self.children: dict[str, dict[str, None]] = {}  # run id -> its child run ids (ordered)
         self.owned: dict[str, list[str]] = {}  # run id -> ids of the groups/barriers/timers/join sets it owns
         self.counts: dict[str, dict[str, int]] = {}  # space -> stored_state -> runs
         self.named_roots: dict[tuple[str, str], str] = {}  # (space, name) -> newest root run so named
@@ -289,7 +290,7 @@ class Runs(Kind):
         desc = op.order == "desc"
         if op.parent_id is not None:
             parent = self.get(session.space, op.parent_id)
-            ids = self.children.get(parent.id, [])
+            ids = self.children.get(parent.id, {})
             source = (self.table[i] for i in (reversed(ids) if desc else ids))
         else:
             source = reversed(self.table.values()) if desc else iter(self.table.values())
@@ -385,20 +386,24 @@ class Runs(Kind):
         if s.parent_id is None and s.name is not None:
             self.named_roots[(s.space, s.name)] = s.id
         if s.parent_id is not None:
-            self.children.setdefault(s.parent_id, []).append(s.id)
+            self.children.setdefault(s.parent_id, {})[s.id] = None
 
     @applies(ScopeEnded)
     def _apply_ended(self, r: ScopeEnded) -> None:
         self.end(self.table[r.id], r.state, r.at_ms, r.reason)
 
-    def end(self, s: ScopeState, state: str, at_ms: int, reason: str | None) -> None:
+    def end(self, s: ScopeState, state: str, at_ms: int, reason: str | None, *, implied: bool = False) -> None:
         """The run's own state becomes ``state`` (CANCELLED or COMPLETED) and its subtree
-        goes inactive, in this one synchronous step."""
+        goes inactive, in this one synchronous step. ``implied``: another record's step
+        ends it (a group's gate, a task's own run): its event is an implied fact."""
         self._count(s.space, s.state, state)
         s.state = state
         s.ended_at_ms = at_ms
         s.end_reason = reason
         self.coord.touch(s.id)
+        self.coord.retention.note(s.id, at_ms)
+        if implied:
+            self.coord.implied(ScopeEnded(id=s.id, state=state, at_ms=at_ms, reason=reason))
         self._inactivate_subtree(s.id, at_ms, _REASON_OF_STATE[state])
 
     @applies(ScopeDeadlinePassed)
@@ -406,6 +411,8 @@ class Runs(Kind):
         s = self.table[r.id]
         s.deadline_fired = True
         self.coord.touch(s.id)
+        if s.state == "ACTIVE":
+            self.coord.retention.note(s.id, r.at_ms)
         self._inactivate_subtree(s.id, r.at_ms, "deadline")
 
     def _inactivate_subtree(self, root_id: str, at_ms: int, reason: str) -> None:
@@ -419,6 +426,23 @@ class Runs(Kind):
                     kind_of[eid[:3]].on_run_inactive(eid, at_ms, reason)
             queues.on_run_inactive(rid, at_ms, reason)
         coord.cancel_actor(root_id)
+
+    # ================================================================ events
+    @emits(ScopeCreated)
+    def _ev_created(self, r: ScopeCreated):
+        return ev(r.space, "scope.created", "scope", r.id, r.id, r.at_ms,
+                  data(parent=r.parent_id, name=r.name, deadline=to_iso(r.deadline_ms), group=r.group_id))
+
+    @emits(ScopeEnded)
+    def _ev_ended(self, r: ScopeEnded):
+        s = self.table[r.id]
+        kind = "scope.cancelled" if r.state == "CANCELLED" else "scope.completed"
+        return ev(s.space, kind, "scope", s.id, s.id, r.at_ms, data(reason=r.reason))
+
+    @emits(ScopeDeadlinePassed)
+    def _ev_deadline(self, r: ScopeDeadlinePassed):
+        s = self.table[r.id]
+        return ev(s.space, "scope.deadline", "scope", s.id, s.id, r.at_ms, data(deadline=to_iso(s.deadline_ms)))
 
     # ================================================================ activities
     def _on_deadline(self, arg) -> None:
@@ -438,11 +462,34 @@ class Runs(Kind):
         for s in self.table.values():
             self._count(s.space, None, s.state)
             if s.parent_id is not None:
-                self.children.setdefault(s.parent_id, []).append(s.id)
+                self.children.setdefault(s.parent_id, {})[s.id] = None
             elif s.name is not None:
                 k = (s.space, s.name)
                 if k not in self.named_roots or self.named_roots[k] < s.id:
                     self.named_roots[k] = s.id
+
+    # ================================================================ retention
+    def purge_run(self, run_id: str) -> int:
+        """Remove the run itself (its subtree and what it owns are gone already). Its
+        parent keeps its ``children`` count (the child_limit counts runs created)."""
+        s = self.table.pop(run_id, None)
+        if s is None:
+            return 0
+        c = self.counts.get(s.space)
+        if c is not None:
+            c[s.state] -= 1
+        if s.parent_id is not None:
+            kids = self.children.get(s.parent_id)
+            if kids is not None:
+                kids.pop(run_id, None)
+                if not kids:
+                    del self.children[s.parent_id]
+        self.children.pop(run_id, None)
+        self.owned.pop(run_id, None)
+        if s.parent_id is None and s.name is not None and self.named_roots.get((s.space, s.name)) == run_id:
+            del self.named_roots[(s.space, s.name)]
+        self.coord.touch(run_id)
+        return 1
 
     def statistics(self) -> dict:
         return {"runs": len(self.table)}

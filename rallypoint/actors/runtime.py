@@ -57,7 +57,8 @@ from ..errors import RallypointError, UnavailableError, shutting_down_error
 
 log = logging.getLogger("rallypoint.runtime")
 
-__all__ = ["Actor", "Runtime", "Park", "Waiter", "ActivityHeap", "ReplySink", "PASSIVE", "STARTING", "ACTIVE"]
+__all__ = ["Actor", "Runtime", "Park", "Subscribe", "Waiter", "ActivityHeap", "ReplySink", "PASSIVE", "STARTING",
+           "ACTIVE"]
 
 PASSIVE, STARTING, ACTIVE = 0, 1, 2
 _wait_rescheduled = trio.lowlevel.wait_task_rescheduled
@@ -87,6 +88,10 @@ class ReplySink:
     def track(self, rid: int, waiter: "Waiter") -> None:
         return None
 
+    def note_op(self, rid: int, op: str) -> None:
+        """Request ``rid`` decoded as operation ``op`` (a connection's metrics)."""
+        return None
+
     def untrack(self, rid: int) -> None:
         return None
 
@@ -95,6 +100,29 @@ class ReplySink:
         its replies together here). Optional; a sink that sends in ``deliver`` needs
         nothing."""
         return None
+
+    # -- subscriptions (events.watch): a sink that can carry a stream implements these
+    def add_stream(self, rid: int, watcher) -> bool:
+        """Request ``rid`` became a subscription (``watcher.cancel()`` ends it). False:
+        this sink cannot carry one."""
+        return False
+
+    def push_room(self, rid: int) -> int:
+        """Bytes of pushes this sink can take now (<= 0: none)."""
+        return 0
+
+    def push(self, rid: int, events: list) -> None:
+        """Send encoded events (a list of bytes) for subscription ``rid``."""
+
+    def push_encoded(self, rid: int, n: int, array: bytes) -> None:
+        """Send ``n`` events for subscription ``rid``, encoded together as one msgpack
+        array (the same bytes as :meth:`push` would send)."""
+        import msgspec
+
+        self.push(rid, [bytes(r) for r in msgspec.msgpack.decode(array, type=list[msgspec.Raw])])
+
+    def end_stream(self, rid: int, error) -> None:
+        """The server ends subscription ``rid`` with ``error`` (a RallypointError)."""
 
 
 # ---------------------------------------------------------------------------- waiters
@@ -118,6 +146,18 @@ class Park:
         self.check = check
         self.wait_ms = wait_ms
         self.expire = expire
+
+
+class Subscribe:
+    """What a handler returns to open a subscription (``events.watch``) on its sink:
+    ``space``, ``filter`` (an EventFilter), ``cursor`` (events after it follow)."""
+
+    __slots__ = ("space", "filter", "cursor")
+
+    def __init__(self, space: str, flt, cursor: int) -> None:
+        self.space = space
+        self.filter = flt
+        self.cursor = cursor
 
 
 class Waiter:

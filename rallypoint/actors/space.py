@@ -8,9 +8,29 @@ creates belongs to the runs, work-queue and keys kinds.
 
 from __future__ import annotations
 
-from ..protocol import ServerStatus, ServerStatusView
+import msgspec
+
+from ..clock import to_iso
+from ..errors import ValidationError
+from ..events import EventFilter
+from ..ids import is_id
+from ..protocol import (
+    EventPageView,
+    EventsList,
+    EventsWatch,
+    OpsOverview,
+    OverviewGroup,
+    OverviewQueue,
+    OverviewRun,
+    OverviewView,
+    ServerStatus,
+    ServerStatusView,
+)
 from ..wire import PROTOCOL_VERSION
+from .common import check_range
 from .kind import Kind
+from .runtime import Subscribe
+from .watch import durable_upto, encode_event
 
 __all__ = ["Spaces", "space_actor_id"]
 
@@ -51,4 +71,103 @@ class Spaces(Kind):
             durable_lsn=st["durable_lsn"],
             actors=st["actors"],
             tree_depth=st["tree_depth"],
+        )
+
+    # ================================================================ events
+    def _filter(self, op) -> EventFilter:
+        if op.types is not None:
+            if len(op.types) > 64 or not all(isinstance(t, str) and 1 <= len(t) <= 64 for t in op.types):
+                raise ValidationError("types must be at most 64 event type names (1-64 characters each), "
+                                      "e.g. ['task.completed', 'scope.*']", details={"field": "types"})
+        if op.scope_id is not None and not is_id(op.scope_id, "scp"):
+            raise ValidationError(f"scope_id must be a run id (scp_...), got {op.scope_id!r}",
+                                  details={"field": "scope_id"})
+        if op.aggregate is not None and (not isinstance(op.aggregate, str) or not 1 <= len(op.aggregate) <= 200):
+            raise ValidationError("aggregate must be 'kind:id' or an id", details={"field": "aggregate"})
+        return EventFilter(op.types, op.scope_id, op.aggregate, self.coord.runs)
+
+    def op_events_list(self, actor, session, op: EventsList) -> EventPageView:
+        """A page of the space's events after ``cursor`` (oldest first). CURSOR_EXPIRED
+        for a cursor older than what is kept; VALIDATION_FAILED for a bad limit
+        (1-10000), filter or a cursor past the newest event. The reply leaves once the
+        journal is durable past every event in it."""
+        check_range("limit", op.limit, 1, 10_000)
+        flt = self._filter(op)
+        log = self.coord.events
+        s, cursor = log.check_cursor(session.space, op.cursor)
+        evs, nxt = log.page(s, cursor, op.limit, flt, s.last_seq)
+        return EventPageView(events=[msgspec.Raw(encode_event(e)) for e in evs], next_cursor=nxt,
+                             oldest=s.first_seq, newest=s.last_seq)
+
+    def op_events_watch(self, actor, session, op: EventsWatch) -> Subscribe:
+        """Subscribe to the space's events after ``cursor`` (None: from the oldest kept,
+        or from now with ``start="now"``). CURSOR_EXPIRED / VALIDATION_FAILED as
+        :meth:`op_events_list`."""
+        if op.start not in ("oldest", "now"):
+            raise ValidationError("start must be 'oldest' or 'now'", details={"field": "start"})
+        flt = self._filter(op)
+        log = self.coord.events
+        if op.cursor is None and op.start == "now":
+            s = log.stream(session.space)
+            cursor = s.last_seq
+        else:
+            s, cursor = log.check_cursor(session.space, op.cursor)
+        return Subscribe(session.space, flt, cursor)
+
+    # ================================================================ operator view
+    def op_ops_overview(self, actor, session, op: OpsOverview) -> OverviewView:
+        """The newest ``limit`` active runs, every work queue, the newest ``limit`` open
+        groups, parked waits and inbox depth per kind, the event positions and counts.
+        A read-only view for humans (``rallypoint top``); it scans at most 200,000 runs
+        and groups per call."""
+        check_range("limit", op.limit, 1, 1000)
+        coord = self.coord
+        space = session.space
+        runs_kind, queues = coord.runs, coord.queues
+        runs: list[OverviewRun] = []
+        scanned = 0
+        for s in reversed(runs_kind.table.values()):
+            scanned += 1
+            if scanned > 200_000 or len(runs) >= op.limit:
+                break
+            if s.space != space or s.state != "ACTIVE" or s.group_id is not None or s.task_id is not None:
+                continue
+            if runs_kind.inactive_error(s.id) is not None:
+                continue
+            runs.append(OverviewRun(id=s.id, name=s.name, parent_id=s.parent_id, created_at=to_iso(s.created_at_ms),
+                                    tasks=queues.run_task_counts(s.id), children=s.children))
+        qs = []
+        for q in queues.table.values():
+            if q.space != space:
+                continue
+            queued, running = queues.queue_counts.get(q.id, (0, 0))
+            qs.append(OverviewQueue(name=q.name, queued=queued, running=running, done=queues.queue_done.get(q.id, 0)))
+        groups: list[OverviewGroup] = []
+        open_groups = 0
+        scanned = 0
+        for g in reversed(coord.groups.table.values()):
+            scanned += 1
+            if scanned > 200_000:
+                break
+            if g.space != space or g.state == "FINALIZED":
+                continue
+            open_groups += 1
+            if len(groups) < op.limit:
+                groups.append(OverviewGroup(
+                    id=g.id, condition=g.condition, state=g.state, members=len(g.members),
+                    accepted=sum(1 for m in g.members if m.verdict == "ACCEPTED"), created_at=to_iso(g.created_at_ms)))
+        s = coord.events.stream(space)
+        return OverviewView(
+            runs=runs,
+            runs_active=coord.runs.counts.get(space, {}).get("ACTIVE", 0),
+            queues=qs,
+            groups=groups,
+            groups_open=open_groups,
+            waits=coord.actor_statistics(),
+            events={"oldest": s.first_seq, "newest": durable_upto(s, coord.journal.durable_lsn),
+                    "watchers": sum(1 for w in coord.watchers.watchers if w.space == space),
+                    "cut_off": coord.watchers.cut_off},
+            entities=coord.entity_count(),
+            tasks={k: v for k, v in queues.space_counts.get(space, {}).items() if v},
+            retention=coord.retention.statistics(),
         )

@@ -21,6 +21,7 @@ import msgspec
 from ..clock import to_iso
 from ..errors import ConflictError, LeaseLostError, TimerCancelledError, ValidationError
 from ..protocol import TimerAck, TimerCancel, TimerCreate, TimerListView, TimerPoll, TimerStatus, TimerView, TimerWait
+from ..events import emits, ev
 from ..records import TimerAcked, TimerCancelled, TimerCreated, TimerFired
 from .common import applies, check_label, check_range, clamp_wait, parse_instant
 from .kind import Kind
@@ -232,6 +233,36 @@ class Timers(Kind):
         t = self.table[timer_id]
         if t.state == "ARMED":
             self._cancel(t, _RUN_REASON.get(reason, reason))
+            self.coord.implied(TimerCancelled(id=t.id, at_ms=at_ms))
+
+    # ================================================================ retention
+    def purge_run(self, run_id: str) -> int:
+        n = 0
+        for tid in self.coord.runs.owned.get(run_id, ()):
+            if tid.startswith("tmr") and self.table.pop(tid, None) is not None:
+                self.coord.touch(tid)
+                n += 1
+        return n
+
+    # ================================================================ events
+    @emits(TimerCreated)
+    def _ev_created(self, r: TimerCreated):
+        return ev(r.space, "timer.created", "timer", r.id, r.scope_id, r.at_ms, {"fire_at": to_iso(r.fire_at_ms)})
+
+    @emits(TimerFired)
+    def _ev_fired(self, r: TimerFired):
+        t = self.table[r.id]
+        return ev(t.space, "timer.fired", "timer", t.id, t.scope_id, r.at_ms, None)
+
+    @emits(TimerAcked)
+    def _ev_acked(self, r: TimerAcked):
+        t = self.table[r.id]
+        return ev(t.space, "timer.acked", "timer", t.id, t.scope_id, r.at_ms, None)
+
+    @emits(TimerCancelled)
+    def _ev_cancelled(self, r: TimerCancelled):
+        t = self.table[r.id]
+        return ev(t.space, "timer.cancelled", "timer", t.id, t.scope_id, r.at_ms, {"reason": t.cancel_reason})
 
     def rebuild_indexes(self) -> None:
         runs = self.coord.runs

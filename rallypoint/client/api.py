@@ -44,7 +44,7 @@ from . import types as t
 __all__ = [
     "Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes", "Message",
     "Quotas", "Quota", "QuotaWaiter", "Budgets", "Budget", "Reservation", "Claims", "ClaimLease",
-    "SpaceClaims", "Pools", "Pool", "RunPools", "Grant", "WorkLimits",
+    "SpaceClaims", "Pools", "Pool", "RunPools", "Grant", "WorkLimits", "Events", "EventStream",
 ]
 
 _MAX_WAIT_S = 60.0
@@ -121,6 +121,7 @@ class Client:
         self._transport = transport
         self.scopes = Scopes(self)
         self.mailboxes = Mailboxes(self)
+        self.events = Events(self)
         self.quotas = Quotas(self)
         self.budgets = Budgets(self)
         self.claims = SpaceClaims(self)
@@ -226,6 +227,175 @@ class Client:
     async def status(self) -> t.ServerInfo:
         """Server version, uptime (s), connections, runs and tasks by state, LSNs."""
         return await self._call(p.ServerStatus(), t.ServerInfo)
+
+    async def overview(self, limit: int = 20) -> t.Overview:
+        """What ``rallypoint top`` shows: the newest ``limit`` active runs, the work
+        queues (``done``: tasks finished since the server started), the newest open
+        groups, parked waits per kind, event positions. Read-only, for humans."""
+        return await self._call(p.OpsOverview(limit=limit), t.Overview)
+
+
+def _types_arg(types) -> list[str] | None:
+    if types is None:
+        return None
+    if isinstance(types, str):
+        types = [x for x in types.split(",") if x]
+    return list(types)
+
+
+def _aggregate_arg(aggregate) -> str | None:
+    if aggregate is None or isinstance(aggregate, str):
+        return aggregate
+    i = getattr(aggregate, "id", None)
+    if isinstance(i, str):
+        return i
+    raise ValidationError(f"aggregate must be 'kind:id', an id or a handle (got {aggregate!r})",
+                          details={"field": "aggregate"})
+
+
+_event_decoder = msgspec.msgpack.Decoder(t.Event)
+
+
+class Events:
+    """``rs.events``: the space's event stream (docs/events.md).
+
+    Every state change is an event with a space-wide, strictly increasing ``seq``; a
+    *cursor* is the ``seq`` of the last event you processed. Events are kept for the
+    server's ``--retain-events``; a cursor older than that is CURSOR_EXPIRED."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def list(self, cursor: int | None = None, limit: int = 100, *, types=None, scope=None,
+                   aggregate=None) -> t.EventPage:
+        """One page of events after ``cursor`` (None: from the oldest kept), oldest
+        first, at most ``limit`` (1-10000). Filters: ``types`` (names or ``"task.*"``,
+        a list or a comma-separated string), ``scope`` (a run or its id: events of it
+        and every run below it), ``aggregate`` (``"task:tsk_…"``, an id or a handle).
+        Continue with ``cursor=page.next_cursor``. CURSOR_EXPIRED, VALIDATION_FAILED."""
+        return await self._rs._call(
+            p.EventsList(cursor=cursor, limit=limit, types=_types_arg(types),
+                         scope_id=None if scope is None else _id_of(scope), aggregate=_aggregate_arg(aggregate)),
+            t.EventPage,
+        )
+
+    def watch(self, cursor: int | None = None, types=None, scope=None, aggregate=None, *, start: str = "oldest",
+              buffer: int = 10_000) -> "EventStream":
+        """Events after ``cursor`` as they happen, pushed by the server: an async
+        iterator (use ``async with rs.events.watch(...) as stream: async for ev in
+        stream``; ``stream.cursor`` is the seq of the last event it returned).
+
+        ``cursor=None`` starts at the oldest event kept (``start="oldest"``) or at the
+        newest (``start="now"``: only what happens from now on). Filters as
+        :meth:`list`. ``buffer``: events held for a slow reader before the
+        subscription is ended and re-opened from the cursor.
+
+        It resumes by itself from its cursor -- every event exactly once, in order --
+        after the server cut it off for being slow (SLOW_CONSUMER), after its own buffer
+        filled, and (over TCP, with reconnection) after a dropped connection or a daemon
+        restart. It raises CURSOR_EXPIRED when its position is no longer kept, and
+        UnavailableError once the client gave up reconnecting."""
+        if start not in ("oldest", "now"):
+            raise ValidationError("start must be 'oldest' or 'now'", details={"field": "start"})
+        return EventStream(self._rs, cursor, _types_arg(types), None if scope is None else _id_of(scope),
+                           _aggregate_arg(aggregate), start, buffer)
+
+
+class EventStream:
+    """An open watch (see :meth:`Events.watch`). ``cursor``: the seq of the last event
+    returned (None before the first); ``resumed``: how many times it re-subscribed."""
+
+    def __init__(self, rs: Client, cursor, types, scope_id, aggregate, start: str, buffer: int) -> None:
+        self._rs = rs
+        self.cursor: int | None = cursor
+        self._types = types
+        self._scope_id = scope_id
+        self._aggregate = aggregate
+        self._start = start
+        self._buffer = buffer
+        self._sub = None
+        self._batch: list = []
+        self._pos = 0
+        self._closed = False
+        self.resumed = 0
+
+    def __repr__(self) -> str:
+        return f"EventStream(cursor={self.cursor!r})"
+
+    async def _open(self) -> None:
+        op = p.EventsWatch(cursor=self.cursor, start=self._start, types=self._types, scope_id=self._scope_id,
+                           aggregate=self._aggregate)
+        transport = self._rs._transport
+        sub = await transport.subscribe(op, self._buffer)
+        if self.cursor is None:
+            # an explicit position from here on: a re-subscription continues, never restarts
+            self.cursor = msgspec.msgpack.decode(sub.start, type=t.WatchStart).cursor
+        self._sub = sub
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> t.Event:
+        from ..errors import SlowConsumerError
+
+        while True:
+            if self._pos < len(self._batch):
+                e = self._batch[self._pos]
+                self._pos += 1
+                self.cursor = e.seq
+                return e
+            if self._closed:
+                raise StopAsyncIteration
+            if self._sub is None:
+                try:
+                    await self._open()
+                except UnavailableError:
+                    if getattr(self._rs._transport, "closed", True):
+                        raise
+                    await anyio.sleep(0.1)  # the transport is reconnecting: try again
+                    continue
+            try:
+                raws = await self._sub.next_batch()
+            except SlowConsumerError:
+                self._sub = None  # cut off (server) or our own buffer filled: go on from our cursor
+                self.resumed += 1
+                continue
+            except UnavailableError:
+                self._sub = None
+                if self._closed or getattr(self._rs._transport, "closed", True):
+                    raise
+                self.resumed += 1
+                continue
+            dec = _event_decoder.decode
+            batch = []
+            cursor = self.cursor if self.cursor is not None else -1
+            for raw in raws:
+                e = dec(raw)
+                if e.seq > cursor:  # (never otherwise; a guard against a duplicate on resume)
+                    batch.append(e)
+            self._batch, self._pos = batch, 0
+
+    async def next(self, timeout: float | None = None) -> t.Event:
+        """The next event; WaitTimeout (changing nothing) after ``timeout`` seconds."""
+        if timeout is None:
+            return await self.__anext__()
+        with anyio.move_on_after(timeout):
+            return await self.__anext__()
+        raise WaitTimeout(f"no event within {timeout} s (cursor {self.cursor})")
+
+    async def aclose(self) -> None:
+        """End the subscription (events already received and not returned are dropped)."""
+        self._closed = True
+        self._batch, self._pos = [], 0
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            sub.close()
+
+    async def __aenter__(self) -> "EventStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
 
 class Scopes:

@@ -53,6 +53,12 @@ class EmbeddedTransport:
         await self.service.wait_durable(sink.lsn)
         return [sink.replies[i] for i in range(len(ops))]
 
+    async def subscribe(self, op: msgspec.Struct, max_events: int = 10_000):
+        """Open a subscription (``events.watch``): an object with ``start`` (the encoded
+        WatchView), ``await next_batch()`` and ``close()``."""
+        self._check_open()
+        return await self.service.subscribe(self.session, op, max_bytes=max(4096, max_events * 256))
+
     async def aclose(self) -> None:
         self.closed = True
 

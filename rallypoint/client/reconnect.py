@@ -14,7 +14,7 @@ What happens to a request when the connection drops:
 
   * reads and server-side waits (status, result, group/barrier/timer waits, run
     completion, join-set close, ``join_next`` / ``join_next_try`` at an explicit
-    index or step);
+    index or step, event pages, the operator overview);
   * idempotent writes: ``mailboxes.ensure``, run and task cancel, group close,
     join_task and verdicts, timer cancel and acknowledgement;
   * a delivery's ``run()`` (made once, the same run after), ``renew``, ``complete``,
@@ -123,6 +123,7 @@ _REISSUE_ALWAYS: frozenset[type] = frozenset({
     p.TimerStatus, p.TimerWait, p.TimerCancel,
     p.JoinSetGet, p.JoinSetClose,
     p.KeyList,
+    p.EventsList, p.EventsWatch, p.OpsOverview,
     p.MessageStatus,
     # quotas: reads, waits, cancel (idempotent), cooldown (a second one only extends it to
     # now + its length)
@@ -382,6 +383,14 @@ class ReconnectingTransport:
             if reissued and type(op) is p.DeliveryCompleteMany:
                 return await self._reconcile_many(conn, op, raw)
             return raw
+
+    async def subscribe(self, op: Any, max_events: int = 10_000) -> Any:
+        """Open a subscription (``events.watch``) on the current connection (waiting for
+        one after a drop). It ends with UnavailableError when that connection drops;
+        the SDK's watch opens a new one from its cursor (:attr:`closed` says whether
+        reconnecting gave up)."""
+        conn = await self._connection()
+        return await conn.subscribe(op, max_events)
 
     async def call_many(self, ops: list) -> list:
         """Like :meth:`call` for a batch (one frame): a reply body or the error, per op.

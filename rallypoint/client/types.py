@@ -23,6 +23,9 @@ __all__ = [
     "GroupDecision",
     "VerdictResult",
     "ServerInfo",
+    "Event",
+    "EventPage",
+    "Overview",
     "MessageInfo",
     "QuotaInfo",
     "QuotaTakeInfo",
@@ -568,3 +571,80 @@ class WorkLimitInfo(_Info):
 
 class _WorkLimitList(msgspec.Struct):
     work_limits: list[WorkLimitInfo]
+class Event(_Info):
+    """One event (see docs/events.md): ``seq`` is the space-wide sequence number -- the
+    cursor to resume after it --, ``type`` e.g. ``task.completed``, ``kind``/``id`` the
+    entity it is about (the *aggregate*), ``run`` the run it happened in, ``at`` the
+    instant of the change, ``data`` a small payload."""
+
+    seq: int
+    type: str
+    kind: str
+    id: str
+    at: datetime
+    run: str | None = None
+    data: dict[str, Any] | None = None
+
+    @property
+    def cursor(self) -> int:
+        return self.seq
+
+    @property
+    def aggregate(self) -> str:
+        return f"{self.kind}:{self.id}"
+
+
+class EventPage(_Info):
+    """A page of ``events.list``: ``next_cursor`` continues after every event examined;
+    ``oldest``/``newest``: the seqs the server keeps."""
+
+    events: list[Event]
+    next_cursor: int
+    oldest: int
+    newest: int
+
+
+class WatchStart(_Info):
+    cursor: int
+    oldest: int
+    newest: int
+
+
+class OverviewRun(_Info):
+    id: str
+    name: str | None
+    parent_id: str | None
+    created_at: datetime
+    tasks: dict[str, int]
+    children: int
+
+
+class OverviewQueue(_Info):
+    name: str
+    queued: int
+    running: int
+    done: int
+
+
+class OverviewGroup(_Info):
+    id: str
+    condition: str
+    state: str
+    members: int
+    accepted: int
+    created_at: datetime
+
+
+class Overview(_Info):
+    """``rs.overview()``: what ``rallypoint top`` shows (read-only, for humans)."""
+
+    runs: list[OverviewRun]
+    runs_active: int
+    queues: list[OverviewQueue]
+    groups: list[OverviewGroup]
+    groups_open: int
+    waits: dict[str, dict[str, int]]
+    events: dict[str, int]
+    entities: int
+    tasks: dict[str, int]
+    retention: dict[str, Any]

@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import trio
 
 from .. import protocol as p
-from ..errors import ConflictError, NotFoundError, RallypointError, ValidationError
+from ..errors import ConflictError, CursorExpiredError, NotFoundError, RallypointError, ValidationError
 from .app import NO_CONTENT, Ctx
 
 __all__ = ["ROUTES"]
@@ -921,6 +922,111 @@ async def ops_waits(ctx: Ctx):
                          "scopeId": w.scope_id} for w in v.waiting]}
 
 
+# ====================================================================== events and watch
+#: Events a page holds at most (``limit``).
+MAX_EVENTS_PAGE = 1000
+_event_decode = msgspec.msgpack.Decoder(p.EventView).decode
+
+
+def event_json(v: p.EventView) -> dict:
+    """An event as runstate reads it: ``eventId`` (the de-duplication key: the space-wide
+    sequence number, as a string), ``type``, ``createdAt``, ``payload``; plus its
+    aggregate (``aggregateType``, ``aggregateId``), ``scopeId`` (the run it happened
+    in) and ``seq``."""
+    return {"eventId": str(v.seq), "seq": v.seq, "type": v.type, "createdAt": v.at,
+            "aggregateType": v.kind, "aggregateId": v.id, "scopeId": v.run, "payload": v.data or {}}
+
+
+def _cursor(q: dict) -> int | None:
+    """``cursor``: absent or empty for the oldest kept event; else a cursor this server
+    gave (a decimal seq). Anything else is CURSOR_EXPIRED (the client drops it)."""
+    c = q.get("cursor")
+    if c is None or c == "":
+        return None
+    if not c.isdigit():
+        raise CursorExpiredError(f"cursor {c!r} is not a cursor of this server; start again without one",
+                                 details={"cursor": c})
+    return int(c)
+
+
+def _limit(q: dict, default: int = 100) -> int:
+    v = q.get("limit")
+    if v is None or v == "":
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValidationError(f"limit must be an integer (got {v!r})", details={"field": "limit"}) from None
+    if not 1 <= n <= MAX_EVENTS_PAGE:
+        raise ValidationError(f"limit must be 1-{MAX_EVENTS_PAGE} (got {n})", details={"field": "limit"})
+    return n
+
+
+def _filters(q: dict) -> dict:
+    types = [t.strip() for t in (q.get("types") or "").split(",") if t.strip()] or None
+    return {"types": types, "scope_id": q.get("scopeId") or None, "aggregate": q.get("aggregate") or None}
+
+
+def _page_json(events: list, next_cursor: int, oldest: int, newest: int) -> dict:
+    return {"events": events, "nextCursor": str(next_cursor), "oldest": oldest, "newest": newest}
+
+
+async def list_events(ctx: Ctx):
+    """GET /events?cursor=&limit=: a page of the space's events after ``cursor``
+    (absent: from the oldest kept), oldest first; ``types`` (comma-separated, ``prefix.*``
+    allowed), ``scopeId`` (the run and its subtree) and ``aggregate`` (``type:id``)
+    filter it. ``nextCursor`` continues after every event examined. 410 CURSOR_EXPIRED
+    for a cursor older than what is kept."""
+    q = ctx.query
+    v = await ctx.call(p.EventsList(cursor=_cursor(q), limit=_limit(q), **_filters(q)))
+    return _page_json([event_json(_event_decode(bytes(r))) for r in v.events], v.next_cursor, v.oldest, v.newest)
+
+
+def watch_hold_ms(q: dict) -> int:
+    """How long an empty watch is held: ``waitSeconds`` (at most 60 s; 0 answers at
+    once), else :data:`DEFAULT_WATCH_HOLD_MS` -- under the 0.2 client's 10 s timeout,
+    which it does not extend for /watch."""
+    v = q.get("waitSeconds")
+    if v is None or v == "":
+        return DEFAULT_WATCH_HOLD_MS
+    try:
+        s = float(v)
+    except ValueError:
+        raise ValidationError(f"waitSeconds must be a number (got {v!r})", details={"field": "waitSeconds"}) from None
+    if not s >= 0:
+        raise ValidationError("waitSeconds must be >= 0", details={"field": "waitSeconds"})
+    return min(int(s * 1000), MAX_WAIT_MS)
+
+
+async def watch_events(ctx: Ctx):
+    """GET /watch: like GET /events (same filters, ``limit``), but an empty page is held
+    on the server until a matching event happens or ``waitSeconds`` pass (see
+    :func:`watch_hold_ms`), so runstate's loop -- which polls again at once -- never
+    spins. The hold is an in-process subscription (``events.watch``: the events are
+    pushed as their commits become durable), ended early by a client disconnect.
+    Answers ``events`` and ``nextCursor`` (the seq of the last event returned, or past
+    every event examined)."""
+    q = ctx.query
+    limit = _limit(q)
+    flt = _filters(q)
+    hold_ms = watch_hold_ms(q)
+    v = await ctx.call(p.EventsList(cursor=_cursor(q), limit=limit, **flt))
+    if v.events or hold_ms == 0 or v.next_cursor < v.newest:  # something, or more to scan: at once
+        return _page_json([event_json(_event_decode(bytes(r))) for r in v.events], v.next_cursor, v.oldest, v.newest)
+    service = ctx.api.service
+    sink = await service.subscribe(ctx.session, p.EventsWatch(cursor=v.next_cursor, **flt),
+                                   max_bytes=max(64 * 1024, limit * 1024))
+    raws: list = []
+    try:
+        with trio.move_on_after(hold_ms / 1000):
+            raws = await ctx.api.until_disconnect(ctx.request, sink.next_batch())
+    finally:
+        sink.close()
+    events = [_event_decode(bytes(r)) for r in raws[:limit]]
+    nxt = events[-1].seq if events else v.next_cursor
+    return _page_json([event_json(e) for e in events], nxt, v.oldest, max(v.newest, nxt))
+
+
 # ====================================================================== the table
 ROUTES: list[tuple[str, str, Any]] = [
     # runs and scopes
@@ -1010,4 +1116,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "work-limits", list_work_limits),
     ("GET", "ops/runs/{id}", ops_run),
     ("GET", "ops/waits", ops_waits),
+    # events (the journal's derived stream) and the long poll over it
+    ("GET", "events", list_events),
+    ("GET", "watch", watch_events),
 ]

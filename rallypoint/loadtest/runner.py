@@ -94,15 +94,29 @@ async def _teardown(url: str, run_id: str, api_key: str | None = None) -> None:
 
 
 class Progress:
-    """One updating line on a TTY, a line every ``every`` seconds otherwise."""
+    """On a terminal, a rich progress bar over the whole run (warm-up + measured
+    window) with the request and lifecycle rates and the errors; otherwise a plain line
+    every ``every`` seconds (logs and CI stay readable)."""
 
-    def __init__(self, stream=sys.stderr, every: float = 5.0) -> None:
+    def __init__(self, stream=sys.stderr, every: float = 5.0, total_s: float | None = None) -> None:
         self.stream = stream
         self.tty = stream.isatty()
         self.every = every
         self.last_print = 0.0
         self.prev: tuple[float, int, int] | None = None
         self.rate = self.lrate = 0.0
+        self._bar = None
+        if self.tty and total_s:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            self._bar = RichProgress(
+                TextColumn("[bold]{task.fields[phase]:<8}"), BarColumn(bar_width=24), TimeElapsedColumn(),
+                TextColumn("{task.fields[stats]}"), console=Console(file=stream), transient=False,
+                refresh_per_second=4,
+            )
+            self._task = self._bar.add_task("bench", total=total_s, phase="starting", stats="")
+            self._bar.start()
 
     def update(self, now: float, elapsed: float, phase: str, totals: dict) -> None:
         if self.prev is not None and now - self.prev[0] >= 1.0:
@@ -114,7 +128,11 @@ class Progress:
             self.prev = (now, totals["ops"], totals["lifecycles"] + totals["rounds"])
         line = (f"[{elapsed:6.1f}s {phase:<8}] {self.rate:9,.0f} req/s  {self.lrate:8,.0f} lifecycles+rounds/s  "
                 f"total {totals['lifecycles']:,} lifecycles {totals['rounds']:,} rounds  errors {totals['errors']}")
-        if self.tty:
+        if self._bar is not None:
+            err = f"[red]{totals['errors']} err[/red]" if totals["errors"] else "0 err"
+            self._bar.update(self._task, completed=min(elapsed, self._bar.tasks[0].total or elapsed), phase=phase,
+                             stats=f"{self.rate:,.0f} req/s  {self.lrate:,.0f} cycles/s  {err}")
+        elif self.tty:
             self.stream.write("\r" + line + "\x1b[K")
             self.stream.flush()
         elif now - self.last_print >= self.every:
@@ -123,7 +141,9 @@ class Progress:
             self.last_print = now
 
     def done(self) -> None:
-        if self.tty:
+        if self._bar is not None:
+            self._bar.stop()
+        elif self.tty:
             self.stream.write("\n")
             self.stream.flush()
 
@@ -209,7 +229,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         t0 = time.time() + 0.3
         start_value.value = t0
         go.set()
-        disp = Progress(err, every=args.progress_every)
+        disp = Progress(err, every=args.progress_every, total_s=args.warmup + args.duration)
         end_at = t0 + args.warmup + args.duration
         producers = [k for k in roles if k[0] == "producer"]
         workers = [k for k in roles if k[0] == "worker"]

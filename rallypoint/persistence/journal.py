@@ -236,6 +236,34 @@ class Disk:
 # --------------------------------------------------------------------------- writer
 
 
+class Histogram:
+    """Bucket counts of observations (``counts[i]``: values <= ``bounds[i]``, not
+    cumulative; the last bucket is +Inf), their ``sum`` and ``n``. Written by one
+    thread, read by another: each read sees whole numbers (a scrape may be one
+    observation behind)."""
+
+    __slots__ = ("bounds", "counts", "sum", "n")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        from bisect import bisect_left
+
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.n += 1
+
+
+#: fdatasync latency buckets, seconds
+FSYNC_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: records made durable by one fdatasync (group commit)
+BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
 @dataclass(frozen=True)
 class JournalStatistics:
     """Snapshot of a journal's counters (see :meth:`Journal.statistics`).
@@ -377,6 +405,9 @@ class Journal:
         self._n_bytes = 0
         self._n_writes = 0
         self._n_fsyncs = 0
+        #: fdatasync latency (s) and records per fdatasync (group-commit size)
+        self.fsync_seconds = Histogram(FSYNC_BOUNDS)
+        self.commit_records = Histogram(BATCH_BOUNDS)
         self._segment_firsts: list[int] = []
         self._fd: int | None = None
         self._jdir: Path | None = None
@@ -932,7 +963,10 @@ class Journal:
                             next_sync_at = now + interval
                         do_sync = now >= next_sync_at
                     if do_sync:
+                        t_sync = time.perf_counter()
                         self._disk.fdatasync(self._fd)  # type: ignore[arg-type]
+                        self.fsync_seconds.observe(time.perf_counter() - t_sync)
+                        self.commit_records.observe(written - synced)
                         self._n_fsyncs += 1
                         synced = written
                         next_sync_at = None

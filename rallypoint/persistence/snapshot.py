@@ -1,10 +1,14 @@
 """LMDB store of entity state at an LSN, and the data-dir format version.
 
-Layout: ``<data_dir>/snapshot/`` is an LMDB environment with two named databases:
+Layout: ``<data_dir>/snapshot/`` is an LMDB environment with three named databases:
 
 * ``entities``: key bytes -> value bytes (opaque here; the coordinator encodes them);
+* ``events``: key bytes -> value bytes: the events kept at the snapshot's LSN (derived
+  data: a cache of what the journal said, so that a restart still has the events whose
+  records are no longer in the journal); keys sort by (space, seq);
 * ``meta``: ``b"lsn"`` -> 8-byte big-endian LSN the entities are valid at,
-  ``b"format_version"`` -> ASCII integer.
+  ``b"format_version"`` -> ASCII integer, ``b"evseq:" + space`` -> 8-byte big-endian
+  next event sequence number of that space.
 
 Durability: each :meth:`SnapshotStore.write` is one LMDB write transaction committed
 with LMDB's own sync (data pages fdatasync-ed, then the meta page), so a machine crash
@@ -34,7 +38,7 @@ import trio
 
 from .errors import FormatVersionError, SnapshotCorruptError
 
-__all__ = ["SnapshotStore", "FORMAT_VERSION", "check_format", "FormatVersionError", "open_store",
+__all__ = ["SnapshotStore", "EventWrite", "FORMAT_VERSION", "check_format", "FormatVersionError", "open_store",
            "check_data_file"]
 
 FORMAT_VERSION = 1
@@ -150,6 +154,19 @@ def check_format(data_dir: str | os.PathLike[str]) -> int:
     return version
 
 
+class EventWrite:
+    """The events part of a snapshot write: ``puts`` (an iterable of (key, value),
+    consumed in the worker thread), ``delete_ranges`` ([lo, hi) key ranges) and
+    ``next_seqs`` ({space: next seq})."""
+
+    __slots__ = ("puts", "delete_ranges", "next_seqs")
+
+    def __init__(self, puts, delete_ranges: list[tuple[bytes, bytes]], next_seqs: dict[str, int]) -> None:
+        self.puts = puts
+        self.delete_ranges = delete_ranges
+        self.next_seqs = next_seqs
+
+
 class SnapshotStore:
     """The LMDB snapshot of a data directory (``<data_dir>/snapshot/``).
 
@@ -179,11 +196,12 @@ class SnapshotStore:
 
     def _open_env(self) -> None:
         self._env = lmdb.open(
-            str(self.path), map_size=self._map_size, max_dbs=2, subdir=True,
+            str(self.path), map_size=self._map_size, max_dbs=3, subdir=True,
             sync=True, metasync=True, writemap=False, readahead=False, lock=True,
         )
         self._entities = self._env.open_db(b"entities")
         self._meta = self._env.open_db(b"meta")
+        self._events = self._env.open_db(b"events")
 
     def load_lsn(self) -> int:
         """LSN the stored entities are valid at; 0 when no snapshot was ever written."""
@@ -203,12 +221,35 @@ class SnapshotStore:
             cur = txn.cursor(db=self._entities)
             yield from cur.iternext(keys=True, values=True)
 
+    def iter_events(self) -> Iterator[tuple[bytes, bytes]]:
+        """Yield ``(key, value)`` of every stored event in key order (one read txn)."""
+        with self._env.begin(buffers=False) as txn:
+            cur = txn.cursor(db=self._events)
+            yield from cur.iternext(keys=True, values=True)
+
+    def event_seqs(self) -> dict[str, int]:
+        """``{space: next event seq}`` as of the snapshot."""
+        out: dict[str, int] = {}
+        with self._env.begin(buffers=False) as txn:
+            cur = txn.cursor(db=self._meta)
+            if cur.set_range(b"evseq:"):
+                for k, v in cur.iternext(keys=True, values=True):
+                    if not k.startswith(b"evseq:"):
+                        break
+                    out[k[6:].decode()] = _LSN.unpack(v)[0]
+        return out
+
+    def event_count(self) -> int:
+        with self._env.begin() as txn:
+            return txn.stat(self._events)["entries"]
+
     def get(self, key: bytes) -> bytes | None:
         """The stored value of one entity, or None."""
         with self._env.begin() as txn:
             return txn.get(key, db=self._entities)
 
-    async def write(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+    async def write(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
+                    events: "EventWrite | None" = None) -> None:
         """Store ``puts``, remove ``deletes`` and set the LSN, in ONE LMDB write
         transaction run in a worker thread; returns once it is synced to disk.
 
@@ -225,6 +266,8 @@ class SnapshotStore:
                 the event loop); consumed once, in order, so when a key appears twice
                 the later value wins.
             deletes: keys to remove (missing keys are ignored).
+            events: event puts (an iterable, consumed in the worker thread), key ranges
+                to delete and the next sequence number per space (:class:`EventWrite`).
 
         Raises:
             ValueError: ``lsn`` is below the stored LSN.
@@ -232,25 +275,27 @@ class SnapshotStore:
                 and the store is reopened before the next write.
         """
         async with self._lock:
-            await trio.to_thread.run_sync(self._write_sync, lsn, puts, deletes)
+            await trio.to_thread.run_sync(self._write_sync, lsn, puts, deletes, events)
 
-    def write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+    def write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
+                   events: "EventWrite | None" = None) -> None:
         """Blocking form of :meth:`write` (for tools and tests; never on the loop)."""
-        self._write_sync(lsn, puts, deletes)
+        self._write_sync(lsn, puts, deletes, events)
 
-    def _write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes]) -> None:
+    def _write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
+                    events: "EventWrite | None" = None) -> None:
         if self._reopen:  # after a failed commit (LMDB may have flagged the env as broken)
             self._env.close()
             self._open_env()
             self._reopen = False
         try:
-            self._write_txn(lsn, puts, deletes)
+            self._write_txn(lsn, puts, deletes, events)
         except lmdb.Error:
             self._reopen = True
             self.failed_writes += 1
             raise
 
-    def _write_txn(self, lsn: int, puts, deletes: list[bytes]) -> None:
+    def _write_txn(self, lsn: int, puts, deletes: list[bytes], events: "EventWrite | None" = None) -> None:
         with self._env.begin(write=True) as txn:
             raw = txn.get(b"lsn", db=self._meta)
             old = 0 if raw is None else _LSN.unpack(raw)[0]
@@ -261,6 +306,18 @@ class SnapshotStore:
                 cur.putmulti(puts, dupdata=False, overwrite=True)
             for key in deletes:
                 txn.delete(key, db=self._entities)
+            if events is not None:
+                for lo, hi in events.delete_ranges:  # [lo, hi) key ranges
+                    cur = txn.cursor(db=self._events)
+                    if cur.set_range(lo):
+                        while cur.key() < hi:
+                            if not cur.delete():
+                                break
+                ecur = txn.cursor(db=self._events)
+                for k, v in events.puts:
+                    ecur.put(k, v, overwrite=True)
+                for space, next_seq in events.next_seqs.items():
+                    txn.put(b"evseq:" + space.encode(), _LSN.pack(next_seq), db=self._meta)
             txn.put(b"lsn", _LSN.pack(lsn), db=self._meta)
 
     def close(self) -> None:

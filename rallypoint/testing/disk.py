@@ -434,7 +434,7 @@ class SimSnapshotStore:
     def load_lsn(self) -> int:
         return self._store.load_lsn()
 
-    async def write(self, lsn: int, puts, deletes) -> None:
+    async def write(self, lsn: int, puts, deletes, events=None) -> None:
         d = self._disk
         dt = d.faults.snapshot_latency_s * d.rng.random()
         if dt:
@@ -443,7 +443,7 @@ class SimSnapshotStore:
             await trio.sleep_forever()
         if d.on_snapshot is not None:
             d.on_snapshot(lsn)
-        self._store._write_sync(lsn, list(puts), deletes)
+        self._store._write_sync(lsn, list(puts), deletes, events)
 
     def __getattr__(self, name):
         return getattr(self._store, name)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+from collections import deque
 from typing import Any, AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
@@ -37,7 +38,7 @@ import anyio.abc
 import msgspec
 
 from .. import wire
-from ..errors import RallypointError, UnavailableError, ValidationError, error_from_wire
+from ..errors import RallypointError, SlowConsumerError, UnavailableError, ValidationError, error_from_wire
 from .framing import HEADER, HEADER_PLACEHOLDER, FrameParser, encode_frame, pack_header_into, pack_uint
 
 __all__ = ["Connection", "connect_transport", "parse_url"]
@@ -68,6 +69,7 @@ _BYTES_LIKE = (bytes, bytearray, memoryview)
 
 _Ok = wire.Ok
 _Err = wire.Err
+_Push = wire.Push
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -170,6 +172,63 @@ class _Slot:
         self.value: Any = None
 
 
+class Subscription:
+    """The client side of a subscription (``events.watch``) on a connection: ``start``
+    (the encoded WatchView), ``await next_batch()`` (the encoded events that arrived,
+    in order; raises the error that ended it once they are read), ``close()``.
+
+    The connection's reader never waits for the application: a Push that arrives when
+    ``max_events`` are already buffered ends the subscription here (a Cancel is sent)
+    with SLOW_CONSUMER (``details["client_side"]``), after the events already buffered
+    (so the buffer holds at most ``max_events`` plus one frame, <= 512 events)."""
+
+    def __init__(self, conn: "Connection", rid: int, max_events: int) -> None:
+        self.conn = conn
+        self.rid = rid
+        self.max_events = max_events
+        self.start: Any = None
+        self.error: RallypointError | None = None
+        self._buf: deque = deque()
+        self._event = anyio.Event()
+
+    def _wake(self) -> None:
+        self._event.set()
+
+    def _feed(self, events: list) -> None:
+        if self.error is not None:
+            return
+        if len(self._buf) >= self.max_events:  # (one frame more is taken: a frame never overflows alone)
+            self.error = SlowConsumerError(
+                f"the application did not read this watch fast enough: its client buffer of {self.max_events} "
+                "events filled, so the subscription was ended; resume from the last event read",
+                details={"client_side": True},
+            )
+            self.conn._drop_stream(self.rid, cancel=True)
+        else:
+            self._buf.extend(events)
+        self._wake()
+
+    def _end(self, error: RallypointError) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    async def next_batch(self) -> list:
+        while not self._buf and self.error is None:
+            await self._event.wait()
+            self._event = anyio.Event()
+        if self._buf:
+            out = list(self._buf)
+            self._buf.clear()
+            return out
+        raise self.error  # type: ignore[misc]
+
+    def close(self) -> None:
+        """End the subscription (a Cancel frame; events still in flight are dropped)."""
+        self.conn._drop_stream(self.rid, cancel=True)
+        self._end(UnavailableError("the watch was closed"))
+
+
 class Connection:
     """A pipelined connection to a rallypoint server. See the module docstring."""
 
@@ -183,6 +242,7 @@ class Connection:
         self._parser = parser
         self._leftover = leftover
         self._pending: dict[int, _Slot] = {}
+        self._streams: dict[int, Subscription] = {}
         self._next_id = 1
         self._out = bytearray()
         self._writer_event: anyio.Event | None = None
@@ -438,6 +498,40 @@ class Connection:
         else:
             del out[:n]
 
+    async def subscribe(self, body: Any, max_events: int = 10_000) -> Subscription:
+        """Send a subscribing request (``events.watch``) and return its
+        :class:`Subscription` once its Ok arrived. Raises the server's error (e.g.
+        CursorExpiredError), or UnavailableError if the connection drops."""
+        if self._closed is not None:
+            raise self._unavailable()
+        if not self._started:
+            raise RuntimeError("use the Connection inside `async with` (see connect_transport)")
+        rid = self._next_id
+        self._next_id = rid + 1
+        sub = Subscription(self, rid, max_events)
+        self._streams[rid] = sub  # pushes may follow the Ok in the same read
+        self._append_request(rid, body)
+        slot = _Slot(self._event_cls)
+        self._pending[rid] = slot
+        self._wake_writer()
+        try:
+            await slot.event.wait()
+        except BaseException:
+            self._drop_stream(rid, cancel=self._closed is None)
+            raise
+        finally:
+            self._pending.pop(rid, None)
+        value = slot.value
+        if type(value) is msgspec.Raw:
+            sub.start = value
+            return sub
+        self._streams.pop(rid, None)
+        raise value
+
+    def _drop_stream(self, rid: int, cancel: bool) -> None:
+        if self._streams.pop(rid, None) is not None and cancel and self._closed is None:
+            self._send_cancel(rid)
+
     def _send_cancel(self, rid: int) -> None:
         """Queue a Cancel(rid) frame (no await; the writer sends it)."""
         self._out += encode_frame(_encode(wire.Cancel(rid)))
@@ -504,6 +598,10 @@ class Connection:
         for slot in pending.values():
             slot.value = self._unavailable()
             slot.event.set()
+        streams = self._streams
+        self._streams = {}
+        for sub in streams.values():
+            sub._end(self._unavailable())
         self._wake_writer()
         ev = self._drained_event
         if ev is not None:
@@ -528,6 +626,10 @@ class Connection:
                         if slot is not None:
                             slot.value = msg.body
                             slot.event.set()
+                    elif t is _Push:
+                        sub = self._streams.get(msg.id)
+                        if sub is not None:
+                            sub._feed(msg.events)
                     elif t is _Err:
                         if msg.id == 0:
                             self._conn_error = f"{msg.code}: {msg.message}"
@@ -537,6 +639,10 @@ class Connection:
                             if slot is not None:
                                 slot.value = error_from_wire(msg.code, msg.message, msg.retry_after, msg.details)
                                 slot.event.set()
+                            else:
+                                sub = self._streams.pop(msg.id, None)
+                                if sub is not None:
+                                    sub._end(error_from_wire(msg.code, msg.message, msg.retry_after, msg.details))
                     elif t is wire.Ping:
                         self._out += encode_frame(_encode(wire.Pong(msg.nonce)))
                         self._wake_writer()

@@ -43,6 +43,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from collections import deque
 from typing import Any, Protocol, Sequence
 
@@ -59,6 +60,7 @@ from .framing import (
     FrameParser,
     oversize_message,
     pack_header_into,
+    pack_uint,
     salvage_request_id,
     split_batch,
 )
@@ -120,6 +122,23 @@ _ok_head32 = struct.Struct(">I10sI5s").pack
 _ok_head64 = struct.Struct(">I10sQ5s").pack
 
 
+# {"t": "push", "id": <id>, "events": [...]}
+_PUSH_HEAD = b"\x83\xa1t\xa4push\xa2id"
+_PUSH_EVENTS = b"\xa6events"
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 0x10000:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+from bisect import bisect_left as _bisect  # noqa: E402
+
+from ..metrics import LATENCY_BOUNDS as _LATENCY_BOUNDS  # noqa: E402
+
 _GONE = object()  # not in flight
 _CANCELLED = object()  # the client sent Cancel before the request parked
 
@@ -177,6 +196,11 @@ class _Conn:
         # request id -> None (queued or being handled), its parked Waiter, or _CANCELLED
         # (the client sent Cancel before it parked): every request not yet answered
         self.live: dict[int, Any] = {}
+        # subscriptions (events.watch) of this connection: request id -> Watcher
+        self.streams: dict[int, Any] = {}
+        # metrics: request id -> [receipt time (perf_counter), op], while it is answered
+        self.req_meta: dict[int, list] = {}
+        self.t_rx = time.perf_counter()
         self.backlog: deque = deque()  # requests of a batch frame not admitted yet
         self.closing = False
         self.draining = False
@@ -189,8 +213,11 @@ class _Conn:
         self.max_out = 0
         self.max_inflight = 0
         self.pauses = 0
+        self.pushes = 0
         dispatcher = server.dispatcher
         self._submit = dispatcher.submit
+        self._watch_wake = getattr(dispatcher, "watch_wake", None)
+        self._metrics = server.metrics
         self._durable_lsn = dispatcher.durable_lsn
         self._max_inflight = server.max_inflight_per_conn
         self._max_out = server.max_outgoing_bytes
@@ -359,6 +386,25 @@ class _Conn:
                 self.request_done()
 
     # ReplySink -------------------------------------------------------------------
+    def note_op(self, rid: int, op: str) -> None:
+        """The dispatcher decoded request ``rid``: operation ``op`` (for the metrics:
+        receipt time and operation, until it is answered)."""
+        if self._metrics is not None:
+            self.req_meta[rid] = (self.t_rx, op)
+
+    def _observe(self, rid: int, reply: Any) -> None:
+        m = self.req_meta.pop(rid, None)
+        if m is not None:
+            seconds = time.perf_counter() - m[0]
+            metrics = self._metrics
+            h = metrics.latency.get(m[1])
+            if h is not None and type(reply) is bytes and seconds < metrics.fast_s:
+                h.counts[_bisect(_LATENCY_BOUNDS, seconds)] += 1  # the common case, inline
+                h.sum += seconds
+            else:
+                metrics.observe(m[1], "OK" if type(reply) is bytes else getattr(reply, "code", "INTERNAL"),
+                                seconds, self.peer)
+
     def deliver(self, rid: int, reply: Any, lsn: int) -> None:
         """An actor's answer to request ``rid``: queued at once when the journal is
         durable past ``lsn`` (and written by :meth:`flush`, which the dispatcher calls
@@ -367,6 +413,8 @@ class _Conn:
         if state is _GONE:
             return  # already answered (e.g. a wait answered UNAVAILABLE at drain)
         if state is _CANCELLED or self.closing:
+            if self.req_meta:
+                self.req_meta.pop(rid, None)
             self.request_done()
             return
         if lsn <= self._durable_lsn():
@@ -376,6 +424,8 @@ class _Conn:
                 self.send_error(rid, reply, False)
             else:
                 self.send_internal(rid, reply)
+            if self.req_meta:
+                self._observe(rid, reply)
             self.request_done()
             return
         self.deferred.append((lsn, rid, reply))
@@ -411,6 +461,8 @@ class _Conn:
             else:
                 del out[:n]
             self._wake_reader()
+            if self.streams:
+                self._sent()
         if self.out:
             self._wake_writer()
         elif self.draining and self.inflight == 0:
@@ -438,8 +490,74 @@ class _Conn:
         if self.inflight == 0 and self.draining:
             self.idle_event.set()
 
+    # subscriptions -------------------------------------------------------------------
+    def add_stream(self, rid: int, watcher: Any) -> bool:
+        if self.closing:
+            return False
+        self.streams[rid] = watcher
+        return True
+
+    def push_room(self, rid: int) -> int:
+        """What pushes may still queue: the watch buffer minus this connection's unsent
+        output (replies and pushes alike)."""
+        if self.closing:
+            return 0
+        return self.server.watch_buffer_bytes - len(self.out) - self.sending
+
+    def push(self, rid: int, events: list) -> None:
+        """Queue one Push frame (hand-built: the events are already encoded) and send it."""
+        if self.closing or rid not in self.streams:
+            return
+        out = self.out
+        start = len(out)
+        out += HEADER_PLACEHOLDER
+        out += _PUSH_HEAD
+        out += pack_uint(rid)
+        out += _PUSH_EVENTS
+        out += _array_header(len(events))
+        for raw in events:
+            out += raw
+        pack_header_into(out, start, len(out) - start - HEADER)
+        self.pushes += 1
+        n = len(out) + self.sending
+        if n > self.max_out:
+            self.max_out = n
+        self.flush()
+
+    def push_encoded(self, rid: int, n: int, array: bytes) -> None:
+        """One Push frame whose events are already one encoded msgpack array."""
+        if self.closing or rid not in self.streams:
+            return
+        out = self.out
+        start = len(out)
+        out += HEADER_PLACEHOLDER
+        out += _PUSH_HEAD
+        out += pack_uint(rid)
+        out += _PUSH_EVENTS
+        out += array
+        pack_header_into(out, start, len(out) - start - HEADER)
+        self.pushes += 1
+        n = len(out) + self.sending
+        if n > self.max_out:
+            self.max_out = n
+        self.flush()
+
+    def end_stream(self, rid: int, error: Any) -> None:
+        if self.streams.pop(rid, None) is not None and not self.closing:
+            self.send_error(rid, error)
+
+    def _sent(self) -> None:
+        """Output left: a watcher waiting for room may go on."""
+        if self.streams and self._watch_wake is not None:
+            self._watch_wake()
+
     def cancel_wait(self, rid: int) -> None:
-        """A Cancel frame: end request ``rid``'s server-side wait; no answer is sent."""
+        """A Cancel frame: end request ``rid``'s server-side wait, or subscription
+        ``rid``; no answer is sent."""
+        w = self.streams.pop(rid, None)
+        if w is not None:
+            w.cancel()
+            return
         state = self.live.get(rid, _GONE)
         if state is _GONE or state is _CANCELLED:
             return
@@ -447,6 +565,7 @@ class _Conn:
             self.live[rid] = _CANCELLED
             return
         del self.live[rid]
+        self.req_meta.pop(rid, None)
         state.cancel()
         self.request_done()
 
@@ -460,6 +579,10 @@ class _Conn:
             state.cancel()
             if answer is not None:
                 self.send_error(rid, answer)
+                if self.req_meta:
+                    self._observe(rid, answer)
+            else:
+                self.req_meta.pop(rid, None)
             self.request_done()
 
     # ------------------------------------------------------------------- tasks
@@ -492,6 +615,8 @@ class _Conn:
                     return
                 self.bytes_out += n
                 self._wake_reader()
+                if self.streams:
+                    self._sent()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.sending = 0
             self.abort()
@@ -524,6 +649,7 @@ class _Conn:
             else:
                 send_ok = self.send_ok
                 popleft = fifo.popleft
+                meta = self.req_meta
                 for _ in range(n):
                     _, rid, reply = popleft()
                     if type(reply) is bytes:
@@ -532,6 +658,8 @@ class _Conn:
                         self.send_error(rid, reply, False)
                     else:
                         self.send_internal(rid, reply)
+                    if meta:
+                        self._observe(rid, reply)
             self.request_done(n)
             self.flush()
 
@@ -641,6 +769,8 @@ class _Conn:
             self._peer_quiet = True
             self.rx_count += 1
             self.bytes_in += len(data)
+            if self._metrics is not None:
+                self.t_rx = time.perf_counter()
             frames = parser.feed(data)
 
     async def wait_capacity(self) -> None:
@@ -731,6 +861,11 @@ class _Conn:
         try:
             self.session, hello_ok = server.dispatcher.hello(hello, self.peer)
         except RallypointError as exc:
+            if exc.code in ("UNAUTHENTICATED", "FORBIDDEN"):
+                server.log_limiter.log(
+                    logging.WARNING, "auth-failed", "authentication failed for %s (client %r): %s",
+                    self.peer, hello.client, exc.message,
+                    extra={"event": "auth_failed", "peer": self.peer, "client": hello.client, "code": exc.code})
             self.send_error(0, exc)
             return None
         except Exception as exc:
@@ -833,6 +968,9 @@ class _Conn:
             self.closing = True
             self.closed = True
             self.end_waits(None)  # a client's waits end when it goes away
+            for w in self.streams.values():  # and its subscriptions
+                w.cancel()
+            self.streams.clear()
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self.stream)
 
@@ -854,6 +992,9 @@ class Server:
         drain_wait_grace: on :meth:`drain`, seconds that parked server-side waits get
             to finish before they are answered UNAVAILABLE; other requests and replies
             waiting for durability still get the full timeout.
+        watch_buffer_bytes: unsent output a connection may hold before its
+            subscriptions wait for it to drain (see :mod:`rallypoint.actors.watch`:
+            one that cannot drain for ``--watch-stall`` seconds is cut off).
         log_window_s, log_burst: the rate limit of repeated log events
             (:attr:`log_limiter`): at most ``log_burst`` lines per kind of event per
             ``log_window_s`` seconds, the rest counted and reported in one line.
@@ -869,6 +1010,7 @@ class Server:
         idle_ping_interval: float | None = 30.0,
         max_outgoing_bytes: int = 4 * 1024 * 1024,
         drain_wait_grace: float = 1.0,
+        watch_buffer_bytes: int = 1 << 20,
         ssl_context: Any = None,
         log_window_s: float = 10.0,
         log_burst: int = 5,
@@ -881,6 +1023,9 @@ class Server:
         self.idle_ping_interval = idle_ping_interval
         self.max_outgoing_bytes = max_outgoing_bytes
         self.drain_wait_grace = drain_wait_grace
+        self.watch_buffer_bytes = watch_buffer_bytes
+        #: a rallypoint.metrics.Metrics (``observe(op, code, seconds, peer)`` per reply), or None
+        self.metrics: Any = None
         #: Every repeated log event of the server goes through this (see the module doc).
         self.log_limiter = RateLimitedLogger(log, window_s=log_window_s, burst=log_burst)
         self.listeners: list[trio.SocketListener] = []

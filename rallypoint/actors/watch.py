@@ -1,0 +1,284 @@
+"""Watchers: push each space's events to its subscriptions, never holding anyone up.
+
+A subscription (``events.watch``) is a :class:`Watcher`: a filter, a position (the seq
+of the last event it was sent or skipped) and the sink it pushes to (a connection, or an
+embedded client's buffer). One task (:meth:`Watchers.run`) serves every watcher: woken
+when a commit published events, when a sink drained, or when a stall deadline passes,
+it waits until the journal is durable past what it is about to send (a watcher is never
+told of a change a crash could take back), then pushes each watcher what it has not
+seen, in order, in frames of at most :data:`MAX_PUSH_EVENTS` events.
+
+**Slow watchers.** A sink takes at most ``buffer_bytes`` of unsent pushes (for a
+connection: its unsent output); what does not fit stays in the shared event log --
+nothing is copied per watcher. A watcher whose sink has had no room while events were
+waiting for ``stall_s`` seconds is cut off: its sink gets SLOW_CONSUMER (with the
+cursor to resume from) and it is dropped. A watcher whose position falls out of the
+log's retention is ended with CURSOR_EXPIRED. Either way the server's cost of a watcher
+that never reads is bounded (a buffer, a few seconds), and no other client waits for it.
+
+Cost: a commit with watchers attached adds one wake-up flag; the task then encodes each
+event once (cached on the event) and checks each watcher's filter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from ..clock import to_iso
+from ..errors import CursorExpiredError, SlowConsumerError, UnavailableError
+from ..events import EventFilter
+from ..protocol import EventView, encoder
+
+__all__ = ["Watcher", "Watchers", "MAX_PUSH_EVENTS", "encode_event"]
+
+log = logging.getLogger("rallypoint.watch")
+
+#: Events per Push frame at most (and about 256 KiB).
+MAX_PUSH_EVENTS = 512
+_MAX_PUSH_BYTES = 256 * 1024
+
+_encode = encoder.encode
+_iso_memo = [0, ""]  # the last instant rendered (the events of one commit share theirs)
+
+
+def _iso(ms: int) -> str:
+    memo = _iso_memo
+    if memo[0] != ms:
+        memo[0], memo[1] = ms, to_iso(ms)
+    return memo[1]
+
+
+def view(e) -> EventView:
+    """The wire form of an event (positional: EventView(seq, type, kind, id, at, run, data))."""
+    memo = _iso_memo
+    ms = e.at_ms
+    if memo[0] != ms:
+        memo[0], memo[1] = ms, to_iso(ms)
+    return EventView(e.seq, e.type, e.kind, e.id, memo[1], e.run, e.data)
+
+
+def views(entries) -> list:
+    """The wire forms of consecutive events (an instant rendered once per run of equal
+    ones: the events of a commit share it)."""
+    out = []
+    append = out.append
+    last_ms = -1
+    iso = ""
+    for e in entries:
+        ms = e.at_ms
+        if ms != last_ms:
+            last_ms = ms
+            iso = to_iso(ms)
+        append(EventView(e.seq, e.type, e.kind, e.id, iso, e.run, e.data))
+    return out
+
+
+def encode_event(e) -> bytes:
+    """The wire form of one event (an EventView), made once and cached on the event."""
+    raw = e.raw
+    if raw is None:
+        raw = e.raw = _encode(view(e))
+    return raw
+
+
+class Watcher:
+    """One subscription. ``cursor``: the last seq pushed or skipped (filtered out)."""
+
+    __slots__ = ("space", "filter", "cursor", "sink", "rid", "stalled_since", "closed", "pushed", "hub")
+
+    def __init__(self, space: str, flt: EventFilter, cursor: int, sink, rid: int) -> None:
+        self.space = space
+        self.filter = flt
+        self.cursor = cursor
+        self.sink = sink
+        self.rid = rid
+        self.stalled_since: float | None = None
+        self.closed = False
+        self.pushed = 0
+        self.hub: "Watchers | None" = None
+
+    def cancel(self) -> None:
+        """The client ended it (Cancel frame, connection closed)."""
+        if not self.closed and self.hub is not None:
+            self.hub._drop(self)
+        self.closed = True
+
+
+class Watchers:
+    """Every watcher of a coordinator and the task that serves them.
+
+    Args:
+        coord: the coordinator (its ``events`` log, ``journal``, ``runs``).
+        buffer_bytes: unsent pushes a sink may hold before the watcher waits.
+        stall_s: seconds a watcher may wait for room with events pending before it is
+            cut off (SLOW_CONSUMER).
+    """
+
+    def __init__(self, coord, *, buffer_bytes: int = 1 << 20, stall_s: float = 10.0) -> None:
+        self.coord = coord
+        self.buffer_bytes = buffer_bytes
+        self.stall_s = stall_s
+        self.watchers: list[Watcher] = []
+        self._wake = trio.Event()
+        self._woken = False
+        # statistics
+        self.cut_off = 0
+        self.expired = 0
+        self.pushed_events = 0
+        self.push_frames = 0
+
+    def __len__(self) -> int:
+        return len(self.watchers)
+
+    def wake(self) -> None:
+        """New events, or a sink has room again."""
+        if not self._woken:
+            self._woken = True
+            self._wake.set()
+
+    def add(self, w: Watcher) -> None:
+        w.hub = self
+        self.watchers.append(w)
+        self.coord.events.on_publish = self.wake
+        self.wake()
+
+    def _drop(self, w: Watcher) -> None:
+        w.closed = True
+        try:
+            self.watchers.remove(w)
+        except ValueError:
+            pass
+        if not self.watchers:
+            self.coord.events.on_publish = None
+
+    def end_all(self, error: Exception) -> None:
+        """Shutting down: every watcher is ended with ``error``."""
+        for w in list(self.watchers):
+            if not w.closed:
+                w.sink.end_stream(w.rid, error)
+            self._drop(w)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        coord = self.coord
+        journal = coord.journal
+        try:
+            while True:
+                deadline = self._next_deadline()
+                if not self._woken:
+                    with trio.move_on_at(deadline):
+                        await self._wake.wait()
+                self._woken = False
+                self._wake = trio.Event()
+                if not self.watchers:
+                    continue
+                journal = coord.journal  # (recovery swaps it)
+                target = journal.last_lsn
+                if journal.durable_lsn < target:
+                    try:
+                        await journal.wait_durable(target)
+                    except Exception as exc:  # the journal failed: the node stops; tell the watchers now
+                        log.error("the journal failed; ending every watch: %s", exc)
+                        self.end_all(UnavailableError("the server's journal failed; resume the watch from your "
+                                                      "cursor once it restarted", retry_after=1.0))
+                        continue
+                self.serve(journal.durable_lsn, trio.current_time())
+        finally:
+            self.end_all(UnavailableError("the server is shutting down; resume the watch from your cursor "
+                                          "once it is back", retry_after=1.0))
+
+    def _next_deadline(self) -> float:
+        stalled = [w.stalled_since for w in self.watchers if w.stalled_since is not None]
+        return min(stalled) + self.stall_s if stalled else math.inf
+
+    def serve(self, durable_lsn: int, now: float) -> None:
+        """Push every watcher what is durable and new for it (as much as its sink takes)."""
+        streams = self.coord.events.streams
+        share = len(self.watchers) > 1
+        for w in list(self.watchers):
+            if w.closed:
+                self._drop(w)
+                continue
+            s = streams.get(w.space)
+            if s is None:
+                continue
+            self._serve_one(w, s, durable_lsn, now, share)
+
+    def _serve_one(self, w: Watcher, s, durable_lsn: int, now: float, share: bool = True) -> None:
+        if w.cursor < s.first_seq - 1:
+            self.expired += 1
+            w.sink.end_stream(w.rid, CursorExpiredError(
+                f"this watch fell behind the events kept (its cursor {w.cursor}, the oldest kept "
+                f"{s.first_seq}): events were dropped before it read them; start again from cursor=None "
+                "or from now", details={"cursor": w.cursor, "oldest": s.first_seq, "newest": s.last_seq}))
+            self._drop(w)
+            return
+        upto = durable_upto(s, durable_lsn)
+        while w.cursor < upto:
+            room = w.sink.push_room(w.rid)
+            if room <= 0:
+                if w.stalled_since is None:
+                    w.stalled_since = now
+                elif now - w.stalled_since >= self.stall_s:
+                    self._cut_off(w, now)
+                return
+            budget = min(room, _MAX_PUSH_BYTES)
+            entries = s.entries
+            i = s.index_after(w.cursor)
+            end = s.start + (upto - s.first_seq + 1)
+            # about 150 bytes an event: take what fits the room, then encode the batch in one go
+            most = min(MAX_PUSH_EVENTS, max(1, budget // 150))
+            if w.filter.everything:
+                picked = entries[i: min(end, i + most)]
+                cursor = picked[-1].seq
+            else:
+                match = w.filter.match
+                cursor = w.cursor
+                picked = []
+                while i < end:
+                    e = entries[i]
+                    i += 1
+                    cursor = e.seq
+                    if match(e):
+                        picked.append(e)
+                        if len(picked) >= most:
+                            break
+            w.cursor = cursor
+            if picked:
+                if share:  # several watchers: each event encoded once, kept on it
+                    w.sink.push(w.rid, [e.raw or encode_event(e) for e in picked])
+                else:
+                    w.sink.push_encoded(w.rid, len(picked), _encode(views(picked)))
+                w.pushed += len(picked)
+                self.pushed_events += len(picked)
+                self.push_frames += 1
+        w.stalled_since = None
+
+    def _cut_off(self, w: Watcher, now: float) -> None:
+        self.cut_off += 1
+        stalled = now - (w.stalled_since or now)
+        log.warning("a watch of space %s was cut off: it took no events for %.1f s (cursor %d)",
+                    w.space, stalled, w.cursor,
+                    extra={"event": "watch_cut_off", "space": w.space, "cursor": w.cursor})
+        w.sink.end_stream(w.rid, SlowConsumerError(
+            f"this watch was cut off: it could take no events for {stalled:.1f} s while more were waiting "
+            f"(its buffer holds {self.buffer_bytes} bytes); resume with watch(cursor={w.cursor})",
+            details={"cursor": w.cursor, "stalled_s": round(stalled, 3)}))
+        self._drop(w)
+
+    def statistics(self) -> dict:
+        return {"watchers": len(self.watchers), "cut_off": self.cut_off, "expired": self.expired,
+                "pushed_events": self.pushed_events, "push_frames": self.push_frames}
+
+
+def durable_upto(s, durable_lsn: int) -> int:
+    """The last seq of stream ``s`` whose commit is durable (journal LSN <= durable_lsn)."""
+    entries = s.entries
+    i = len(entries) - 1
+    start = s.start
+    while i >= start and entries[i].lsn > durable_lsn:
+        i -= 1
+    return s.first_seq + (i - start)

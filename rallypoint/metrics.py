@@ -1,0 +1,320 @@
+"""Prometheus metrics: ``rallypoint serve --metrics 127.0.0.1:9411`` serves them at
+``http://127.0.0.1:9411/metrics`` in the Prometheus text format, made by the
+``prometheus-client`` library (:func:`prometheus_client.generate_latest`).
+
+The hot path stays cheap: a request adds one dict increment and one bucket increment
+(plain ints, :meth:`Metrics.observe`), the journal's flusher thread counts fsyncs the
+same way, and everything else -- actors, tasks by state, connections, the event log --
+is read from the coordinator when Prometheus scrapes, on the event loop (so a scrape
+sees a consistent state and never races the actors). The HTTP endpoint is a small Trio
+server in the daemon's nursery.
+
+Metrics (all prefixed ``rallypoint_``; seconds and bytes as Prometheus prefers):
+
+=============================================  =========  =========================================
+name                                           type       labels / meaning
+=============================================  =========  =========================================
+requests_total                                 counter    op, code (OK or the error code)
+request_duration_seconds                       histogram  op: receipt of the request to its reply
+                                                          leaving (after durability; long waits
+                                                          included)
+journal_fsync_duration_seconds                 histogram  one fdatasync of the journal
+journal_group_commit_records                   histogram  records made durable by one fdatasync
+journal_last_lsn, journal_durable_lsn          gauge
+snapshot_duration_seconds                      histogram  one snapshot, start to end
+snapshot_stall_seconds                         histogram  its one stretch without a yield
+snapshots_total                                counter
+actors                                         gauge      kind, state (active, passive)
+actor_waiters, actor_inbox                     gauge      kind
+tasks                                          gauge      state (QUEUED, RUNNING, SUCCEEDED, ...)
+runs                                           gauge      state
+entities                                       gauge
+connections                                    gauge      open TCP connections
+event_loop_lag_seconds                         histogram  how late a 100 ms sleep woke up
+events_emitted_total, events_retained          counter / gauge
+watchers                                       gauge      open subscriptions
+watch_cut_off_total                            counter    SLOW_CONSUMER
+retention_purged_entities_total                counter
+=============================================  =========  =========================================
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from typing import Any
+
+import trio
+
+__all__ = ["Metrics", "serve_metrics", "LATENCY_BOUNDS"]
+
+log = logging.getLogger("rallypoint.metrics")
+
+#: request latency buckets, seconds (waits are up to 60 s)
+LATENCY_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                  2.5, 5.0, 10.0, 30.0, 60.0)
+LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+SNAPSHOT_BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+STALL_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+#: operations that wait on the server by design: never "slow requests"
+_WAITS = ("wait", "result", "receive", "join_next", "complete", "close")
+
+
+class _Hist:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(self.bounds, v)] += 1
+        self.sum += v
+
+
+def _buckets(bounds, counts) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs, +Inf last, as HistogramMetricFamily wants them."""
+    out, acc = [], 0
+    for b, c in zip(bounds, counts):
+        acc += c
+        out.append((repr(float(b)), acc))
+    acc += counts[-1]
+    out.append(("+Inf", acc))
+    return out
+
+
+class Metrics:
+    """What the daemon counts for Prometheus. ``observe`` is called by the transport for
+    every reply; the rest is read at scrape time.
+
+    Args:
+        coord: the coordinator.
+        server: the TCP server (connections), or None.
+        snapshotter: the node's Snapshotter (snapshot durations), or None.
+        slow_s: requests slower than this (seconds) are logged (rate-limited) as
+            ``slow_request``; 0: never.
+    """
+
+    def __init__(self, coord, server=None, snapshotter=None, slow_s: float = 1.0) -> None:
+        self.coord = coord
+        self.server = server
+        self.errors: dict[tuple[str, str], int] = {}  # (op, code) -> requests answered with that error
+        self.latency: dict[str, _Hist] = {}  # op -> every request's latency (its count: all requests)
+        self.lag = _Hist(LAG_BOUNDS)
+        self.snapshot_seconds = _Hist(SNAPSHOT_BOUNDS)
+        self.snapshot_stall = _Hist(STALL_BOUNDS)
+        self.snapshots = 0
+        self.slow_s = slow_s or None
+        #: replies faster than this can skip the slow-request check (the transport inlines them)
+        self.fast_s = self.slow_s if self.slow_s is not None else float("inf")
+        self._slow_log = None
+        if snapshotter is not None:
+            snapshotter.on_snapshot.append(self._on_snapshot)
+
+    # ------------------------------------------------------------------ hot path
+    def observe(self, op: str, code: str, seconds: float, peer: str = "") -> None:
+        """One request answered: ``op`` its tag, ``code`` OK or the error code,
+        ``seconds`` from its receipt to its reply leaving."""
+        h = self.latency.get(op)
+        if h is None:
+            h = self.latency[op] = _Hist(LATENCY_BOUNDS)
+        h.counts[bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        h.sum += seconds
+        if code != "OK":
+            key = (op, code)
+            self.errors[key] = self.errors.get(key, 0) + 1
+        slow = self.slow_s
+        if slow is not None and seconds >= slow and not op.endswith(_WAITS):
+            self._slow(op, code, seconds, peer)
+
+    def _slow(self, op: str, code: str, seconds: float, peer: str) -> None:
+        if self._slow_log is None:
+            from .logutil import RateLimitedLogger
+
+            self._slow_log = RateLimitedLogger(log, window_s=10.0, burst=5)
+        self._slow_log.log(logging.WARNING, "slow-request", "slow request: %s took %.1f ms (%s) from %s",
+                           op, seconds * 1000, code, peer or "?",
+                           extra={"event": "slow_request", "op": op, "code": code, "ms": round(seconds * 1000, 3),
+                                  "peer": peer})
+
+    def _on_snapshot(self, stats: dict) -> None:
+        self.snapshots += 1
+        self.snapshot_seconds.observe(stats.get("total_s", 0.0))
+        self.snapshot_stall.observe(stats.get("stall_s", 0.0))
+
+    async def lag_probe(self, interval: float = 0.1, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """How late a sleep of ``interval`` wakes up: the event loop's lag."""
+        task_status.started()
+        while True:
+            t0 = time.perf_counter()
+            await trio.sleep(interval)
+            self.lag.observe(max(0.0, time.perf_counter() - t0 - interval))
+
+    # ------------------------------------------------------------------ scrape
+    def collect(self):
+        """The prometheus_client Collector protocol: every metric family, read now."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        coord = self.coord
+        p = "rallypoint_"
+        c = CounterMetricFamily(p + "requests", "Requests answered, by operation and code", labels=["op", "code"])
+        errors: dict[str, int] = {}
+        for (op, code), n in sorted(self.errors.items()):
+            c.add_metric([op, code], n)
+            errors[op] = errors.get(op, 0) + n
+        for op, hist in sorted(self.latency.items()):
+            ok = sum(hist.counts) - errors.get(op, 0)
+            if ok:
+                c.add_metric([op, "OK"], ok)
+        yield c
+        h = HistogramMetricFamily(p + "request_duration_seconds",
+                                  "Request receipt to reply sent (after durability), by operation", labels=["op"])
+        for op, hist in sorted(self.latency.items()):
+            h.add_metric([op], _buckets(hist.bounds, hist.counts), hist.sum)
+        yield h
+
+        journal = coord.journal
+        fs = getattr(journal, "fsync_seconds", None)
+        if fs is not None:
+            h = HistogramMetricFamily(p + "journal_fsync_duration_seconds", "One fdatasync of the journal")
+            h.add_metric([], _buckets(fs.bounds, fs.counts), fs.sum)
+            yield h
+            cr = journal.commit_records
+            h = HistogramMetricFamily(p + "journal_group_commit_records", "Records made durable by one fdatasync")
+            h.add_metric([], _buckets(cr.bounds, cr.counts), cr.sum)
+            yield h
+        g = GaugeMetricFamily(p + "journal_last_lsn", "The journal's last LSN")
+        g.add_metric([], journal.last_lsn)
+        yield g
+        g = GaugeMetricFamily(p + "journal_durable_lsn", "The journal's durable LSN")
+        g.add_metric([], journal.durable_lsn)
+        yield g
+
+        h = HistogramMetricFamily(p + "snapshot_duration_seconds", "One snapshot, start to end")
+        h.add_metric([], _buckets(self.snapshot_seconds.bounds, self.snapshot_seconds.counts), self.snapshot_seconds.sum)
+        yield h
+        h = HistogramMetricFamily(p + "snapshot_stall_seconds", "A snapshot's longest stretch without a yield")
+        h.add_metric([], _buckets(self.snapshot_stall.bounds, self.snapshot_stall.counts), self.snapshot_stall.sum)
+        yield h
+        c = CounterMetricFamily(p + "snapshots", "Snapshots written")
+        c.add_metric([], self.snapshots)
+        yield c
+
+        actors = coord.actor_statistics()
+        g = GaugeMetricFamily(p + "actors", "Actors by kind: active (a task) or passive", labels=["kind", "state"])
+        gw = GaugeMetricFamily(p + "actor_waiters", "Parked server-side waits, by kind", labels=["kind"])
+        gi = GaugeMetricFamily(p + "actor_inbox", "Commands queued in actors' inboxes, by kind", labels=["kind"])
+        for kind, st in sorted(actors.items()):
+            g.add_metric([kind, "active"], st["active"])
+            g.add_metric([kind, "passive"], st["passive"])
+            gw.add_metric([kind], st["waiters"])
+            gi.add_metric([kind], st["inbox"])
+        yield g
+        yield gw
+        yield gi
+
+        tasks: dict[str, int] = {}
+        for counts in coord.queues.space_counts.values():
+            for state, n in counts.items():
+                tasks[state] = tasks.get(state, 0) + n
+        g = GaugeMetricFamily(p + "tasks", "Tasks by state", labels=["state"])
+        for state in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"):
+            g.add_metric([state], tasks.get(state, 0))
+        yield g
+        runs: dict[str, int] = {}
+        for counts in coord.runs.counts.values():
+            for state, n in counts.items():
+                runs[state] = runs.get(state, 0) + n
+        g = GaugeMetricFamily(p + "runs", "Runs by stored state", labels=["state"])
+        for state in ("ACTIVE", "CANCELLED", "COMPLETED"):
+            g.add_metric([state], runs.get(state, 0))
+        yield g
+        g = GaugeMetricFamily(p + "entities", "Entities held (what snapshots store)")
+        g.add_metric([], coord.entity_count())
+        yield g
+        g = GaugeMetricFamily(p + "connections", "Open TCP connections")
+        g.add_metric([], len(self.server._conns) if self.server is not None else coord.connections_fn())
+        yield g
+        h = HistogramMetricFamily(p + "event_loop_lag_seconds", "How late a 100 ms sleep of the event loop woke up")
+        h.add_metric([], _buckets(self.lag.bounds, self.lag.counts), self.lag.sum)
+        yield h
+
+        ev = coord.events.statistics()
+        c = CounterMetricFamily(p + "events_emitted", "Events derived from the journal since start")
+        c.add_metric([], ev["emitted"])
+        yield c
+        g = GaugeMetricFamily(p + "events_retained", "Events kept (all spaces)")
+        g.add_metric([], ev["events"])
+        yield g
+        w = coord.watchers.statistics()
+        g = GaugeMetricFamily(p + "watchers", "Open event subscriptions")
+        g.add_metric([], w["watchers"])
+        yield g
+        c = CounterMetricFamily(p + "watch_cut_off", "Subscriptions cut off as too slow (SLOW_CONSUMER)")
+        c.add_metric([], w["cut_off"])
+        yield c
+        c = CounterMetricFamily(p + "retention_purged_entities", "Entities deleted by --retain-finished")
+        c.add_metric([], coord.retention.purged["entities"])
+        yield c
+
+    def registry(self):
+        from prometheus_client import CollectorRegistry
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(self)
+        return reg
+
+
+async def serve_metrics(metrics: Metrics, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``GET /metrics`` (Prometheus text) on ``host:port`` until cancelled; the
+    bound port is passed to ``task_status.started``. One request per connection; a
+    request line and headers of at most 16 KiB within 5 s."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    registry = metrics.registry()
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            data = b""
+            with trio.move_on_after(5):
+                while b"\r\n\r\n" not in data and len(data) < 16384:
+                    chunk = await stream.receive_some(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+            line = data.split(b"\r\n", 1)[0].decode("latin-1", "replace").split()
+            if len(line) >= 2 and line[0] == "GET" and line[1].split("?")[0] == "/metrics":
+                body = generate_latest(registry)
+                head = f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE_LATEST}\r\n"
+            elif len(line) >= 2 and line[0] == "GET" and line[1] == "/":
+                body = b"rallypoint metrics: GET /metrics\n"
+                head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            else:
+                body = b"not found: GET /metrics\n"
+                head = "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            with trio.move_on_after(10):
+                await stream.send_all(head.encode() + body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        except Exception:  # never let a scrape take the daemon down
+            log.exception("metrics request failed")
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    async with trio.open_nursery() as nursery:
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(handle, listeners, handler_nursery=nursery)
+
+
+def observe_hook(metrics: Metrics | None) -> Any:
+    return None if metrics is None else metrics.observe

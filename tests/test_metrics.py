@@ -1,0 +1,105 @@
+"""Metrics and structured logs (issue 16, items 4 and 6): ``serve --metrics`` serves
+Prometheus text made by prometheus-client that its parser reads, with requests by op
+and code, latency, journal fsyncs and group commits, snapshots, actors, tasks by state,
+connections and event-loop lag; ``--log-format json`` writes one JSON object a line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+import rallypoint
+from rallypoint.errors import NotFoundError
+
+from conftest import Daemon
+
+
+def _scrape(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(fam, **labels) -> float:
+    for s in fam.samples:
+        if all(s.labels.get(k) == v for k, v in labels.items()) and s.name == fam.name + (
+                "_total" if fam.type == "counter" else ""):
+            return s.value
+    raise KeyError(labels)
+
+
+async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
+    d = Daemon(str(tmp_path / "data"), "fsync", ["--metrics", "127.0.0.1:0", "--snapshot-every-s", "0.5"]).start()
+    try:
+        async with rallypoint.connect(d.url) as rs:
+            run = await rs.scopes.create(name="m")
+            mbx = await rs.mailboxes.ensure("m")
+            await mbx.submit_many([{"i": i} for i in range(10)], scope=run)
+            for _ in range(10):
+                dl = await mbx.receive(run)
+                await dl.complete(1)
+            with pytest.raises(NotFoundError):
+                await rs.scope("scp_01m8p6k63gq5b40a5mf0wxyjsz").status()
+            await trio.sleep(1.5)  # a snapshot, some lag samples
+            url = d.metrics_url
+            fams = await trio.to_thread.run_sync(_scrape, url)
+    finally:
+        assert d.stop() == 0
+    assert _value(fams["rallypoint_requests"], op="task.submit_many", code="OK") == 1
+    assert _value(fams["rallypoint_requests"], op="delivery.complete", code="OK") == 10
+    assert _value(fams["rallypoint_requests"], op="scope.status", code="NOT_FOUND") == 1
+    lat = fams["rallypoint_request_duration_seconds"]
+    counts = [s for s in lat.samples if s.name.endswith("_count") and s.labels["op"] == "delivery.receive"]
+    assert counts and counts[0].value == 10
+    fsync = fams["rallypoint_journal_fsync_duration_seconds"]
+    assert [s for s in fsync.samples if s.name.endswith("_count")][0].value > 0
+    assert "rallypoint_journal_group_commit_records" in fams
+    assert _value(fams["rallypoint_tasks"], state="SUCCEEDED") == 10
+    assert _value(fams["rallypoint_actors"], kind="runs", state="active") + \
+        _value(fams["rallypoint_actors"], kind="runs", state="passive") == 1
+    assert _value(fams["rallypoint_connections"]) >= 0
+    assert [s for s in fams["rallypoint_event_loop_lag_seconds"].samples if s.name.endswith("_count")][0].value > 0
+    assert _value(fams["rallypoint_snapshots"]) >= 1
+    assert [s for s in fams["rallypoint_snapshot_duration_seconds"].samples if s.name.endswith("_count")][0].value >= 1
+    assert _value(fams["rallypoint_events_emitted"]) >= 22
+
+
+def test_json_logs_are_one_object_a_line(tmp_path):
+    data = str(tmp_path / "data")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    secret = subprocess.run([sys.executable, "-m", "rallypoint", "keys", "create", "--data-dir", data, "--space",
+                             "default", "--permission", "operator", "--secret-only"],
+                            capture_output=True, text=True, env=env, check=True).stdout.strip()
+    d = Daemon(data, "fsync", ["--log-format", "json", "--snapshot-every-s", "0.3", "--slow-request-ms", "0.001"])
+    d.start()
+    try:
+        async def body():
+            async with rallypoint.connect(d.url, api_key=secret) as rs:
+                await rs.scopes.create(name="x")
+                await rs._transport.call(rallypoint.protocol.KeyCreate(space="default", permissions=["admin"]))
+                await trio.sleep(0.8)
+            with pytest.raises(rallypoint.UnauthenticatedError):
+                async with rallypoint.connect(d.url, api_key="wrong", reconnect=False) as rs:
+                    pass
+        trio.run(body)
+    finally:
+        assert d.stop() == 0
+    lines = [ln for ln in d.proc.stderr.read().splitlines() if ln.strip()]
+    objs = [json.loads(ln) for ln in lines]  # every line is one JSON object
+    events = {o.get("event") for o in objs}
+    assert {"startup", "recovery", "snapshot", "key_created", "auth_failed", "slow_request"} <= events, events
+    for o in objs:
+        assert {"ts", "level", "logger", "msg"} <= set(o)
+    start = next(o for o in objs if o.get("event") == "startup")
+    assert start["durability"] == "fsync" and start["retain_finished_ms"] == 7 * 86400 * 1000
