@@ -284,6 +284,12 @@ def run(mutant: Mutant, seeds: int, processes: int) -> dict:
                              capture_output=True, text=True, env=env, cwd=d, timeout=3600)
         wall = time.perf_counter() - t0
     if out.returncode != 0:
+        if "Fatal Python error" in out.stderr:
+            # the simulation killed its own process (say a stack overflow): CI fails the
+            # same way, without a seed to replay
+            fatal = next(line for line in out.stderr.splitlines() if line.startswith("Fatal Python error"))
+            return {"mutant": mutant.name, "what": mutant.what, "seeds_run": "-", "wall_s": round(wall, 1),
+                    "caught": True, "seed": "-", "invariant": "process died", "message": fatal[:160], "step": None}
         raise SystemExit(f"mutant {mutant.name}: the runner failed:\n{out.stderr[-3000:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
     row = {"mutant": mutant.name, "what": mutant.what, "seeds_run": res["run"], "wall_s": round(wall, 1)}
