@@ -1,0 +1,97 @@
+"""Daemon CPU per task lifecycle, for comparing source trees side by side.
+
+Starts ``rallypoint serve`` from each tree given (its own code, ``PYTHONPATH=TREE``),
+runs that tree's ``rallypoint bench --scenario lifecycle --connect ...`` against it and
+reads the daemon's utime+stime (``/proc/PID/stat``) before and after. Prints, per tree
+and round, the lifecycles/s the harness reported and the daemon's CPU microseconds per
+measured lifecycle (the warm-up's CPU is included: an upper bound). Asserts nothing.
+
+    python scripts/bench_lifecycle_cpu.py . /path/to/older/tree --rounds 2
+    python scripts/bench_lifecycle_cpu.py . --durability memory --duration 5
+
+Trees alternate within each round so that a machine's changing load spreads over all.
+Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float]:
+    """One run against ``tree``: (lifecycles/s as printed, measured lifecycles, daemon CPU s)."""
+    tree = os.path.abspath(tree)
+    env = dict(os.environ, PYTHONPATH=tree)
+    port = _free_port()
+    tmp = tempfile.mkdtemp(prefix="rp-cpu-")
+    args = [sys.executable, "-m", "rallypoint", "serve", "--listen", f"127.0.0.1:{port}",
+            "--durability", a.durability]
+    if a.durability != "memory":
+        args += ["--data-dir", os.path.join(tmp, "data")]
+    daemon = subprocess.Popen(args, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in daemon.stdout:  # type: ignore[union-attr]
+            if line.startswith("READY"):
+                break
+        else:
+            raise SystemExit(f"{tree}: the daemon exited before READY")
+        c0 = _cpu_s(daemon.pid)
+        out = subprocess.run(
+            [sys.executable, "-m", "rallypoint", "bench", "--scenario", "lifecycle", "--connect",
+             f"tcp://127.0.0.1:{port}", "--duration", str(a.duration), "--warmup", "1",
+             "--producers", str(a.producers), "--workers", str(a.workers), "--batch", str(a.batch),
+             "--pipeline", str(a.pipeline), "--worker-concurrency", str(a.worker_concurrency),
+             "--max-messages", str(a.max_messages)],
+            env=env, cwd=tree, capture_output=True, text=True).stdout
+        c1 = _cpu_s(daemon.pid)
+    finally:
+        daemon.terminate()
+        daemon.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    rate = re.search(r"throughput: [\d,]+ requests/s, ([\d,]+) lifecycles/s", out)
+    counted = [ln for ln in out.splitlines() if ln.startswith("lifecycle ")]
+    n = int(counted[0].split()[1]) if counted else 0
+    return (rate.group(1) if rate else "?"), n, c1 - c0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trees", nargs="+", help="source trees (a checkout, or `git archive REV | tar -x -C DIR`)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--durability", default="fsync", choices=("fsync", "interval", "memory"))
+    ap.add_argument("--duration", type=float, default=8.0, help="measured seconds (after 1 s of warm-up)")
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--pipeline", type=int, default=8)
+    ap.add_argument("--worker-concurrency", type=int, default=8)
+    ap.add_argument("--max-messages", type=int, default=100)
+    a = ap.parse_args()
+    for r in range(a.rounds):
+        for tree in a.trees:
+            rate, n, cpu = measure(tree, a)
+            per = f"{1e6 * cpu / n:.1f} us" if n else "?"
+            print(f"round {r + 1} {tree}: {rate} lifecycles/s; daemon CPU {cpu:.1f} s; {per} per measured "
+                  f"lifecycle (n={n})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
