@@ -539,23 +539,50 @@ def cmd_watch(args) -> int:
 
     from .errors import RallypointError
 
+    from .errors import CursorExpiredError
+    from .events import CATALOGUE
+
     console = Console(highlight=False, soft_wrap=True)
     start = "oldest" if args.from_start else "now"
     printed = [0]
+    if args.types is not None:
+        kinds = {name.split(".")[0] for name in CATALOGUE}
+        for t in (x.strip() for x in args.types.split(",")):
+            known = t in CATALOGUE or (t.endswith(".*") and t[:-2] in kinds) or t in kinds
+            if not known:
+                print(f"rallypoint watch: unknown event type {t!r} (see docs/events.md; a prefix is "
+                      f"written KIND.*, e.g. task.*)", file=sys.stderr)
+                return 2
+    if args.aggregate is not None and ":" in args.aggregate and not all(args.aggregate.split(":", 1)):
+        print(f"rallypoint watch: --aggregate is KIND:ID or an id (got {args.aggregate!r})", file=sys.stderr)
+        return 2
+    # a live view (no --cursor, no --from-start) that falls behind the events kept goes on
+    # from now, saying how far it fell behind; one asked to see every event fails instead
+    live = args.cursor is None and not args.from_start
 
     async def main():
         async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=args.tls_ca) as rs:
-            async with rs.events.watch(cursor=args.cursor, types=args.types, scope=args.run,
-                                       aggregate=args.aggregate, start=start) as stream:
-                async for e in stream:
-                    if args.json:
-                        sys.stdout.write(_event_json(e) + "\n")
-                        sys.stdout.flush()
-                    else:
-                        console.print(_event_line(e))
-                    printed[0] += 1
-                    if args.count and printed[0] >= args.count:
-                        return
+            cursor, begin = args.cursor, start
+            while True:
+                try:
+                    async with rs.events.watch(cursor=cursor, types=args.types, scope=args.run,
+                                               aggregate=args.aggregate, start=begin) as stream:
+                        async for e in stream:
+                            if args.json:
+                                sys.stdout.write(_event_json(e) + "\n")
+                                sys.stdout.flush()
+                            else:
+                                console.print(_event_line(e))
+                            printed[0] += 1
+                            if args.count and printed[0] >= args.count:
+                                return
+                    return
+                except CursorExpiredError as exc:
+                    if not live:
+                        raise
+                    print(f"rallypoint watch: fell behind the events kept ({exc.message}); going on from now",
+                          file=sys.stderr, flush=True)
+                    cursor, begin = None, "now"
 
     try:
         trio.run(main)
@@ -1136,7 +1163,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--run", metavar="RUN_ID", help="only this run and the runs below it")
     w.add_argument("--aggregate", metavar="KIND:ID", help="only this entity (task:tsk_..., or an id)")
     wpos = w.add_mutually_exclusive_group()
-    wpos.add_argument("--cursor", type=_bounded(int, 0), help="start after this event seq (resume)")
+    wpos.add_argument("--cursor", type=_bounded(int, 0, maximum=2**63 - 1), help="start after this event seq (resume)")
     wpos.add_argument("--from-start", action="store_true", help="start at the oldest event kept (default: now)")
     w.add_argument("--json", action="store_true", help="one JSON object a line")
     w.add_argument("--count", type=_bounded(int, 1), help="stop after this many events")

@@ -94,7 +94,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     # runs
     "scope.created": ("scope", "a run was created (also a group's gate run and a task's own run)",
                       "parent, name, deadline, group, task"),
-    "scope.cancelled": ("scope", "the run was cancelled (its subtree stops at once)", "reason"),
+    "scope.cancelled": ("scope", "the run was cancelled (its subtree stops at once)", "reason (when the cancel gave one)"),
     "scope.completed": ("scope", "the run completed", "reason"),
     "scope.deadline": ("scope", "the run passed its deadline (its subtree stops)", "deadline"),
     # work queues and tasks

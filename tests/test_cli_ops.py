@@ -10,8 +10,10 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import pytest
 import trio
 
 import rallypoint
@@ -209,3 +211,74 @@ async def test_scope_list_orders_and_bounds(rs):
     with pytest.raises(ValidationError) as ei:
         await page(order="sideways")
     assert ei.value.details == {"field": "order"}
+
+
+# ---------------------------------------------------------------- input checks (new-user findings)
+def test_watch_and_bench_refuse_bad_arguments_before_connecting(tmp_path, capsys):
+    from rallypoint.cli import main
+
+    url = "tcp://127.0.0.1:1"  # nothing listens: each refusal happens before connecting
+    assert main(["watch", "--connect", url, "--types", "task.completed,bogus.type"]) == 2
+    assert "unknown event type 'bogus.type'" in capsys.readouterr().err
+    assert main(["watch", "--connect", url, "--types", ""]) == 2
+    assert main(["watch", "--connect", url, "--aggregate", "task:"]) == 2
+    assert "--aggregate is KIND:ID" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ei:
+        main(["watch", "--connect", url, "--cursor", str(2**64)])
+    assert ei.value.code == 2 and "must be <=" in capsys.readouterr().err
+    for bad, says in ((["--batch", "0"], "--batch must be 1 to 1000"), (["--batch", "5000"], "--batch must be 1 to 1000"),
+                      (["--rate", "-5"], "--rate and --coalesce-ms must be >= 0"),
+                      (["--json", str(tmp_path / "no" / "x.json")], "no directory")):
+        assert main(["bench", "--connect", url, "--duration", "1", *bad]) == 2
+        assert says in capsys.readouterr().err
+
+
+def test_a_live_watch_that_falls_behind_goes_on_from_now(monkeypatch, capsys):
+    """No --cursor and no --from-start: a live view. When the events it had not read yet
+    are no longer kept (CURSOR_EXPIRED), it says so on stderr and goes on from now; with
+    --cursor (every event wanted) it fails instead."""
+    import contextlib
+    import datetime
+
+    import rallypoint
+    from rallypoint.cli import main
+    from rallypoint.errors import CursorExpiredError
+
+    calls = []
+
+    def event(seq):
+        return types.SimpleNamespace(seq=seq, type="scope.created", kind="run", id=f"scp_{seq}", run=f"scp_{seq}",
+                                     at=datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc), data=None)
+
+    class Stream:
+        def __init__(self, first):
+            self.first = first
+
+        def __aiter__(self):
+            return self._gen()
+
+        async def _gen(self):
+            if self.first:
+                yield event(1)
+                raise CursorExpiredError("the oldest kept is 500", details={"cursor": 1, "oldest": 500})
+            yield event(900)
+
+    class Events:
+        @contextlib.asynccontextmanager
+        async def watch(self, cursor=None, types=None, scope=None, aggregate=None, start="now"):
+            calls.append((cursor, start))
+            yield Stream(first=len(calls) == 1)
+
+    @contextlib.asynccontextmanager
+    async def connect(url, **kw):
+        yield types.SimpleNamespace(events=Events())
+
+    monkeypatch.setattr(rallypoint, "connect", connect)
+    assert main(["watch", "--connect", "tcp://127.0.0.1:1", "--json", "--count", "2"]) == 0
+    out = capsys.readouterr()
+    assert [json.loads(line)["seq"] for line in out.out.splitlines()] == [1, 900]
+    assert "fell behind the events kept" in out.err and "going on from now" in out.err
+    assert calls == [(None, "now"), (None, "now")]
+    calls.clear()
+    assert main(["watch", "--connect", "tcp://127.0.0.1:1", "--json", "--cursor", "0"]) == 1
+    assert "CURSOR_EXPIRED" in capsys.readouterr().err and len(calls) == 1

@@ -161,3 +161,26 @@ def test_a_failing_schedule_shrinks_and_its_shrunk_form_replays(monkeypatch):
     assert again.violation.message == small.violation.message and again.trace == small.trace
     assert format_keep({1, 2, 3, 5, 7, 8}) == "1-3,5,7,8"
     monkeypatch.setattr(Coordinator, "reply", real_reply)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--seed", "1", "--keep", "abc"], "--keep"),
+    (["--seed", "1", "--keep", "5-2"], "bad step range"),
+    (["--seed", "1", "--keep", "999"], "past the schedule"),
+    (["--seeds", "10:5"], "0 <= A < B"),
+    (["--seeds", "abc"], "A:B or N"),
+    (["--seed", "1", "--steps", "0"], ">= 1"),
+    (["--seeds", "3", "--processes", "0"], ">= 1"),
+    (["--seed", "1", "--seeds", "0:3"], "not both"),
+])
+def test_the_cli_refuses_bad_arguments(argv, says, capsys):
+    with pytest.raises(SystemExit) as ei:
+        sim.main(argv)
+    assert ei.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_cli_runs_without_runpy_warning():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "rallypoint.testing.sim", "--seed", "3"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "RuntimeWarning" not in out.stderr, out.stderr

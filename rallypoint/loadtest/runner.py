@@ -333,6 +333,22 @@ def cmd_bench(args) -> int:
     if args.producers < 1 or args.workers < 1 or args.duration <= 0 or args.warmup < 0:
         print("rallypoint bench: --producers and --workers must be >= 1, --duration > 0", file=sys.stderr)
         return 2
+    # checked before anything starts (the server would refuse each request, or the report be lost)
+    bad = []
+    if not 1 <= args.batch <= 1000:
+        bad.append(f"--batch must be 1 to 1000 tasks (one submit_many; got {args.batch})")
+    if not 1 <= args.max_messages <= 100:
+        bad.append(f"--max-messages must be 1 to 100 (one receive; got {args.max_messages})")
+    if args.rate < 0 or args.coalesce_ms < 0:
+        bad.append("--rate and --coalesce-ms must be >= 0 (--rate 0: closed loop)")
+    if args.pipeline < 1 or args.worker_concurrency < 1:
+        bad.append("--pipeline and --worker-concurrency must be >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        bad.append(f"--json: no directory {os.path.dirname(os.path.abspath(args.json))!r} to write the report in")
+    if bad:
+        for line in bad:
+            print(f"rallypoint bench: {line}", file=sys.stderr)
+        return 2
     if args.durability and not args.spawn:
         pass  # checked against the daemon's status in run_bench
     try:

@@ -6,6 +6,14 @@ in ``docs/testing.md``. ``python -m rallypoint.testing.sim --seed N --trace`` re
 seed exactly.
 """
 
-from .sim import Profile, Result, Violation, generate, run_seed, run_seeds, shrink
-
 __all__ = ["Profile", "Result", "Violation", "generate", "run_seed", "run_seeds", "shrink"]
+
+
+def __getattr__(name: str):
+    # lazily, so that ``python -m rallypoint.testing.sim`` does not find the module
+    # already imported by its package (runpy's RuntimeWarning)
+    if name in __all__:
+        from . import sim
+
+        return getattr(sim, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1480,16 +1480,23 @@ def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, chunk:
 
 
 def _parse_keep(text: str) -> set[int]:
+    """``1,3,5-9`` -> {1, 3, 5, 6, 7, 8, 9}; ValueError on anything else."""
     out: set[int] = set()
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
         if "-" in part:
-            a, b = part.split("-")
-            out.update(range(int(a), int(b) + 1))
+            a, b = (int(x) for x in part.split("-"))
+            if a < 0 or b < a:
+                raise ValueError(f"bad step range {part!r} (A-B with 0 <= A <= B)")
+            out.update(range(a, b + 1))
         else:
+            if int(part) < 0:
+                raise ValueError(f"bad step index {part!r}")
             out.add(int(part))
+    if not out:
+        raise ValueError("no step indices")
     return out
 
 
@@ -1534,6 +1541,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps per schedule")
     ap.add_argument("--no-shrink", action="store_true")
     args = ap.parse_args(argv)
+    if args.seed is not None and args.seeds:
+        ap.error("give --seed or --seeds, not both")
+    if args.steps < 1 or args.processes < 1:
+        ap.error("--steps and --processes must be >= 1")
+    if args.keep:
+        try:
+            keep = _parse_keep(args.keep)
+        except ValueError as exc:
+            ap.error(f"--keep: {exc}")
+        if max(keep) >= args.steps:
+            ap.error(f"--keep: step {max(keep)} is past the schedule's {args.steps} steps (0 to {args.steps - 1})")
+    if args.seeds:
+        a, _, b = args.seeds.partition(":")
+        try:
+            lo, hi = (0, int(a)) if not b else (int(a), int(b))
+        except ValueError:
+            ap.error(f"--seeds is A:B or N (got {args.seeds!r})")
+        if not 0 <= lo < hi:
+            ap.error(f"--seeds A:B needs 0 <= A < B (got {args.seeds!r})")
     if os.environ.get("PYTHONHASHSEED") != "0":
         # set iteration order must be the same as in the worker processes
         os.environ["PYTHONHASHSEED"] = "0"
