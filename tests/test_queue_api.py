@@ -563,3 +563,15 @@ async def test_complete_many_is_one_request_per_run_and_judges_each_item(rs):
     ]), p.SettledListView)
     assert raw.items[0].task is not None and raw.items[1].error.code == "STALE_CLAIM"
     assert (await rs.task(d.task_id).status()).outcome == 1
+
+
+async def test_a_payload_nested_too_deeply_is_a_validation_error(rs):
+    # not a RecursionError out of the encoder: the documented exception, naming the field
+    run = await rs.scopes.create()
+    m = await rs.mailboxes.ensure(uniq())
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ValidationError) as ei:
+        await m.submit(deep, scope=run)
+    assert "nested too deeply" in ei.value.message and ei.value.details == {"field": "input"}

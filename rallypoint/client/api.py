@@ -54,11 +54,15 @@ _decoders: dict[type, msgspec.msgpack.Decoder] = {}
 
 def encode_payload(value: Any, field: str = "input") -> msgspec.Raw:
     """Encode a payload (any msgpack-able value) for the wire. Dict keys are sorted so
-    that equal inputs encode to equal bytes (idempotency keys compare bytes)."""
+    that equal inputs encode to equal bytes (idempotency keys compare bytes).
+    VALIDATION_FAILED when it cannot be encoded, or is nested too deeply (the server
+    takes about 900 levels)."""
     try:
         return msgspec.Raw(_payload_encoder.encode(value))
     except (TypeError, msgspec.EncodeError, OverflowError) as e:
         raise ValidationError(f"{field} is not msgpack-able: {e}", details={"field": field}) from None
+    except RecursionError:
+        raise ValidationError(f"{field} is nested too deeply to encode", details={"field": field}) from None
 
 
 def _iso(value: datetime | str | None, field: str) -> str | None:
