@@ -112,7 +112,7 @@ async def _serve(args) -> int:
         if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
             raise ValidationError(
                 f"refusing to listen on {host} without API keys: create one with "
-                "`rallypoint keys create --space default --permission admin` (daemon stopped), "
+                "`rallypoint keys create --space default --permission operator` (daemon stopped; see README, API keys), "
                 "or pass --insecure to serve this address without authentication"
             )
         ssl_context = None

@@ -575,3 +575,12 @@ async def test_a_payload_nested_too_deeply_is_a_validation_error(rs):
     with pytest.raises(ValidationError) as ei:
         await m.submit(deep, scope=run)
     assert "nested too deeply" in ei.value.message and ei.value.details == {"field": "input"}
+
+
+async def test_a_name_too_long_is_reported_with_its_own_length(rs):
+    with pytest.raises(ValidationError) as ei:
+        await rs.mailboxes.ensure("a" * 129)
+    assert "(129 chars)" in ei.value.message
+    with pytest.raises(ValidationError) as ei:
+        await rs.scopes.create(name="b" * 300)
+    assert "(300 chars)" in ei.value.message

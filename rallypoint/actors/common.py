@@ -34,7 +34,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9\-_./:]{1,128}$")
 def short(value: Any, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters, for error messages that quote input."""
     r = repr(value)
-    return r if len(r) <= limit else r[: limit - 15] + f"...({len(r)} chars)"
+    if len(r) <= limit:
+        return r
+    n = len(value) if isinstance(value, (str, bytes)) else len(r)
+    return r[: limit - 15] + f"...({n} {'chars' if isinstance(value, str) else 'bytes' if isinstance(value, bytes) else 'chars of repr'})"
 
 
 def check_name(field: str, value: Any) -> str:
