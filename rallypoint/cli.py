@@ -542,7 +542,13 @@ def cmd_watch(args) -> int:
     from .errors import CursorExpiredError
     from .events import CATALOGUE
 
-    console = Console(highlight=False, soft_wrap=True)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits 1 on a closed pipe; main() answers it as SIGPIPE would (141),
+            # like --json and every other command
+            raise BrokenPipeError
+
+    console = _Console(highlight=False, soft_wrap=True)
     start = "oldest" if args.from_start else "now"
     printed = [0]
     if args.types is not None:

@@ -91,7 +91,8 @@ def test_output_into_a_closed_pipe_prints_no_traceback(daemon):
     """``rallypoint ... | head``: the reader is gone before we write."""
     make_runs(daemon.url, 3)
     _, (rid,) = make_runs(daemon.url, 1)
-    for args in (["runs", "ls", "--all"], ["runs", "show", rid], ["status"], ["runs", "ls", "--json"]):
+    for args in (["runs", "ls", "--all"], ["runs", "show", rid], ["status"], ["runs", "ls", "--json"],
+                 ["watch", "--from-start", "--count", "2"], ["watch", "--from-start", "--count", "2", "--json"]):
         read_end, write_end = os.pipe()
         os.close(read_end)
         try:
