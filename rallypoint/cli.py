@@ -36,6 +36,15 @@ DEFAULT_DATA_DIR = "./rallypoint-data"
 log = logging.getLogger("rallypoint")
 
 
+def _run_id(text: str) -> str:
+    """An argparse type: a run id (``scp_...``)."""
+    from .ids import is_id
+
+    if not is_id(text, "scp"):
+        raise argparse.ArgumentTypeError(f"expected a run id (scp_...), got {text!r}")
+    return text
+
+
 def _bounded(cast, minimum, inclusive: bool = True, maximum=None):
     """An argparse type: ``cast`` (int/float) no smaller than ``minimum`` (or greater
     than it when not ``inclusive``), and at most ``maximum`` if given - a negative limit
@@ -1002,6 +1011,8 @@ def cmd_keys(args) -> int:
         return 0
     for v in views:
         print(line(v))
+    if cmd == "list" and not views:
+        print("no API keys (open mode: the daemon serves without authentication on loopback)", file=sys.stderr)
     if cmd == "create":
         print(f"secret: {out['secret']}")
         print("(shown once: only its SHA-256 is stored)", file=sys.stderr)
@@ -1152,7 +1163,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--state", choices=["ACTIVE", "CANCELLED", "COMPLETED"])
     ls.add_argument("--limit", type=_bounded(int, 1, maximum=_MAX_PAGE), default=100,
                     help="runs per page, newest first (default %(default)s)")
-    ls.add_argument("--before", metavar="RUN_ID",
+    ls.add_argument("--before", metavar="RUN_ID", type=_run_id,
                     help="the next page: runs created before this one (the hint after a full page gives it)")
     ls.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
     sh = rs.add_parser("show", parents=[client], help="one run, readable (or --json)")

@@ -283,3 +283,10 @@ def test_a_live_watch_that_falls_behind_goes_on_from_now(monkeypatch, capsys):
     calls.clear()
     assert main(["watch", "--connect", "tcp://127.0.0.1:1", "--json", "--cursor", "0"]) == 1
     assert "CURSOR_EXPIRED" in capsys.readouterr().err and len(calls) == 1
+
+
+def test_runs_ls_before_must_be_a_run_id_and_keys_list_says_when_there_are_none(daemon):
+    r = rp("runs", "ls", "--before", "nonsense", "--connect", daemon.url)
+    assert r.returncode == 2 and "expected a run id" in r.stderr
+    r = rp("keys", "list", "--connect", daemon.url)
+    assert r.returncode == 0 and r.stdout == "" and "no API keys (open mode" in r.stderr

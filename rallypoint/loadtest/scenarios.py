@@ -71,7 +71,9 @@ class Ctx:
         code = e.code if isinstance(e, RallypointError) else type(e).__name__
         self.errors[code] += 1
         if len(self.error_samples) < 5:
-            self.error_samples.append(f"{self.role}{self.index}: {code}: {e}")
+            # a RallypointError's str() already starts with its code
+            self.error_samples.append(f"{self.role}{self.index}: {e}" if isinstance(e, RallypointError)
+                                      else f"{self.role}{self.index}: {code}: {e}")
 
     def done_op(self, op: str, t0: float, t1: float) -> None:
         self.ops_all += 1
