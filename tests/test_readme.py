@@ -3,7 +3,7 @@
 Every ```python block of README.md is a complete program; each is executed unchanged:
 the ones that connect to a daemon against a fresh real daemon (through
 $RALLYPOINT_URL, which the SDK reads), the embedded one in process under Trio's
-MockClock (its 10 s delay and 300 s timer pass in virtual time). A block that is not a
+MockClock (its 10 s delay and 2 s timer pass in virtual time). A block that is not a
 complete program fails this test, so the README cannot rot into fragments.
 """
 

@@ -1460,8 +1460,12 @@ def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, chunk:
                 out["cpu_s"] += cpu
                 out["failures"].extend(fails)
                 if progress:
-                    print(f"\r{out['run']}/{len(seeds)} seeds, {len(out['failures'])} failing, "
-                          f"{time.perf_counter() - t0:.0f} s", end="", file=sys.stderr, flush=True)
+                    line = (f"{out['run']}/{len(seeds)} seeds, {len(out['failures'])} failing, "
+                            f"{time.perf_counter() - t0:.0f} s")
+                    if sys.stderr.isatty():
+                        print("\r" + line, end="", file=sys.stderr, flush=True)
+                    elif out["run"] // 1000 != (out["run"] - n) // 1000 or out["run"] == len(seeds):
+                        print(line, file=sys.stderr, flush=True)  # a log: a line every 1,000 seeds
                 if len(out["failures"]) >= stop_after:
                     break
         finally:
@@ -1472,8 +1476,8 @@ def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, chunk:
             os.environ.pop("PYTHONHASHSEED", None)
         else:
             os.environ["PYTHONHASHSEED"] = old
-    if progress:
-        print(file=sys.stderr)
+    if progress and sys.stderr.isatty():
+        print(file=sys.stderr)  # end the \r line
     out["failures"].sort()
     out["wall_s"] = time.perf_counter() - t0
     return out
