@@ -503,3 +503,16 @@ async def test_snapshots_keep_the_retained_events_in_chunks_and_drop_the_rest(tm
         assert seqs[-1] == newest and seqs == list(range(seqs[0], newest + 1)) and len(seqs) >= 1000
         with pytest.raises(CursorExpiredError):
             await rs.events.list(cursor=seqs[0] - 2)
+
+
+async def test_a_watch_from_now_starts_when_its_block_is_entered(rs):
+    """``start="now"`` is the moment ``async with rs.events.watch(...)`` is entered (the
+    subscription is made there), so what the caller does before its first iteration is
+    seen -- it was made lazily at the first iteration, and the README's example lost its
+    submit about one run in four over TCP."""
+    run = await rs.scopes.create()
+    m = await rs.mailboxes.ensure("watch-from-now")
+    async with rs.events.watch(scope=run, start="now") as stream:
+        t = await m.submit({"n": 1}, scope=run)  # before the first iteration
+        ev = await stream.next(timeout=10)
+    assert (ev.type, ev.id) == ("task.submitted", t.id)

@@ -396,6 +396,11 @@ class EventStream:
             sub.close()
 
     async def __aenter__(self) -> "EventStream":
+        # subscribe here, not at the first iteration: ``start="now"`` is the moment the
+        # block is entered, so what the caller does next is seen (a watch that is
+        # iterated without ``async with`` subscribes at its first ``__anext__``)
+        if self._sub is None and not self._closed:
+            await self._open()
         return self
 
     async def __aexit__(self, *exc) -> None:
