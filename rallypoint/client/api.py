@@ -290,7 +290,9 @@ class Events:
         stream``; ``stream.cursor`` is the seq of the last event it returned).
 
         ``cursor=None`` starts at the oldest event kept (``start="oldest"``) or at the
-        newest (``start="now"``: only what happens from now on). Filters as
+        newest (``start="now"``: only what happens from the moment the ``async with``
+        block is entered -- the subscription is made there -- or, iterated without
+        one, from its first iteration). Filters as
         :meth:`list`. ``buffer``: events held for a slow reader before the
         subscription is ended and re-opened from the cursor.
 
