@@ -549,7 +549,7 @@ def cmd_watch(args) -> int:
     from .errors import RallypointError
 
     from .errors import CursorExpiredError
-    from .events import CATALOGUE
+    from .events import unknown_types
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:
@@ -561,13 +561,11 @@ def cmd_watch(args) -> int:
     start = "oldest" if args.from_start else "now"
     printed = [0]
     if args.types is not None:
-        kinds = {name.split(".")[0] for name in CATALOGUE}
-        for t in (x.strip() for x in args.types.split(",")):
-            known = t in CATALOGUE or (t.endswith(".*") and t[:-2] in kinds) or t in kinds
-            if not known:
-                print(f"rallypoint watch: unknown event type {t!r} (see docs/events.md; a prefix is "
-                      f"written KIND.*, e.g. task.*)", file=sys.stderr)
-                return 2
+        unknown = unknown_types(x.strip() for x in args.types.split(","))
+        if unknown:
+            print(f"rallypoint watch: unknown event type {unknown[0]!r} (see docs/events.md; a prefix is "
+                  f"written KIND.*, e.g. task.*)", file=sys.stderr)
+            return 2
     if args.aggregate is not None and ":" in args.aggregate and not all(args.aggregate.split(":", 1)):
         print(f"rallypoint watch: --aggregate is KIND:ID or an id (got {args.aggregate!r})", file=sys.stderr)
         return 2

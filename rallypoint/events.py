@@ -36,7 +36,7 @@ The catalogue of event types (:data:`CATALOGUE`) is what ``docs/events.md`` list
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import msgspec
 
@@ -237,6 +237,22 @@ def parse_duration_ms(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------- filters
+def unknown_types(types: Iterable[str]) -> list[str]:
+    """The names of ``types`` (as :class:`EventFilter` reads them: exact names, or
+    ``prefix.*``) that no event of :data:`CATALOGUE` can match. The server accepts them
+    (a runstate program may watch for a type this server never emits); the CLI refuses
+    them, since such a watch would wait forever."""
+    out = []
+    for t in types:
+        if t.endswith(".*") or t.endswith("."):
+            prefix = t.rstrip("*")
+            if not any(name.startswith(prefix) for name in CATALOGUE):
+                out.append(t)
+        elif t not in CATALOGUE:
+            out.append(t)
+    return out
+
+
 class EventFilter:
     """What a watch or a list asks for: ``types`` (exact names, or ``prefix.*``),
     ``scope`` (a run: events of it and of every run below it), ``aggregate`` (one

@@ -14,7 +14,6 @@ files from the vendor's monorepo; it tests the SDK's error mapping, not a server
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess

@@ -1065,6 +1065,7 @@ class WorkQueues(Kind):
         tasks may be in several runs)."""
         tasks = [self.get_task(session.space, tid) for tid in op.task_ids]
         wait_ms = clamp_wait(op.wait_ms)
+        view = self.task_view
         if op.brief:
             def answer() -> TaskListView:
                 return TaskListView(outcomes=[
@@ -1074,7 +1075,6 @@ class WorkQueues(Kind):
         else:
             def answer() -> TaskListView:
                 return TaskListView(tasks=[view(t) for t in tasks])
-        view = self.task_view
         pending = [t for t in tasks if t.state not in TERMINAL]
         if not pending or wait_ms == 0:
             return answer()

@@ -1549,6 +1549,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --seed or --seeds, not both")
     if args.steps < 1 or args.processes < 1:
         ap.error("--steps and --processes must be >= 1")
+    keep = None
     if args.keep:
         try:
             keep = _parse_keep(args.keep)
@@ -1569,7 +1570,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, "-m", "rallypoint.testing.sim", *(argv if argv is not None else sys.argv[1:])])
     if args.seed is not None:
-        keep = _parse_keep(args.keep) if args.keep else None
         res = run_seed(args.seed, keep=keep, trace=args.trace, n_steps=args.steps)
         if args.trace:
             print(f"profile: {res.stats.get('profile')}")
@@ -1579,8 +1579,6 @@ def main(argv: list[str] | None = None) -> int:
             print(report(args.seed, res, n_steps=args.steps))
         return 0 if res.ok else 1
     if args.seeds:
-        a, _, b = args.seeds.partition(":")
-        lo, hi = (0, int(a)) if not b else (int(a), int(b))
         out = run_seeds(range(lo, hi), processes=args.processes, n_steps=args.steps, progress=True)
         print(f"{out['run']} seeds in {out['wall_s']:.1f} s wall ({out['cpu_s']:.1f} s CPU), "
               f"{len(out['failures'])} failing")
