@@ -15,6 +15,13 @@ same for all three):
   cli`` uses ``rallypoint watch --json`` instead);
 * ``events-idle``: this checkout, no watcher, no metrics endpoint.
 
+``--watcher stuck`` attaches a watcher that subscribes to every event and never reads
+its socket (a small receive buffer): its buffer fills, it stalls, and after
+``--watch-stall`` seconds (by default longer than the bench) the daemon cuts it off
+(SLOW_CONSUMER). The ``events`` figure is then the rate the others get while a stuck
+watcher is attached (what issue 16 asks:
+a watcher that never reads does not slow the others down).
+
 Reported per configuration: lifecycles/s (median of the rounds) and the daemon's CPU
 time per lifecycle (utime + stime of the daemon process over the measured bench, read
 from /proc), which is what contention with other processes on a shared machine
@@ -87,6 +94,26 @@ print(n, flush=True)
 """
 
 
+STUCK_WATCHER = r"""
+import signal, socket, struct, sys, msgspec
+from rallypoint import protocol as p, wire
+host, port = sys.argv[1].removeprefix("tcp://").rsplit(":", 1)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+s.connect((host, int(port)))
+def frame(m):
+    b = msgspec.msgpack.encode(m)
+    return struct.pack(">I", len(b)) + b
+s.sendall(frame(wire.Hello(wire.PROTOCOL_VERSION, None, "bench-stuck-watcher")))
+s.sendall(frame(wire.Request(1, msgspec.Raw(msgspec.msgpack.encode(p.EventsWatch(start="now"))))))
+try:
+    signal.pause()  # never reads
+except KeyboardInterrupt:
+    pass
+print(0, flush=True)
+"""
+
+
 PIN: dict = {}  # --pin: {"daemon": {0}, "clients": {1}}
 
 
@@ -95,9 +122,10 @@ def _affinity(which: str):
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
-def start_daemon(tree: Path, durability: str, data_dir: str, metrics: bool) -> tuple[subprocess.Popen, str]:
+def start_daemon(tree: Path, durability: str, data_dir: str, metrics: bool,
+                 extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     args = [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0", "--durability", durability,
-            "--data-dir", data_dir]
+            "--data-dir", data_dir, *(extra or [])]
     if metrics:
         args += ["--metrics", "127.0.0.1:0"]
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -128,7 +156,8 @@ def run_bench(url: str, args, out: str) -> dict:
 
 def one(config: str, tree: Path, args, tmp: str) -> dict:
     data = tempfile.mkdtemp(dir=tmp)
-    daemon, url = start_daemon(tree, args.durability, data, metrics=config == "events")
+    extra = ["--watch-stall", str(args.watch_stall)] if config == "events" and args.watcher == "stuck" else []
+    daemon, url = start_daemon(tree, args.durability, data, metrics=config == "events", extra=extra)
     watcher = None
     wout = os.path.join(tmp, f"watch-{config}.jsonl")
     try:
@@ -136,6 +165,8 @@ def one(config: str, tree: Path, args, tmp: str) -> dict:
             f = open(wout, "w")
             if args.watcher == "cli":
                 cmd = [sys.executable, "-m", "rallypoint", "watch", "--connect", url, "--json"]
+            elif args.watcher == "stuck":  # subscribes, never reads
+                cmd = [sys.executable, "-c", STUCK_WATCHER, url]
             else:  # a frame-level client that counts the pushed events: the watcher's own CPU stays small
                 cmd = [sys.executable, "-c", RAW_WATCHER, url]
             watcher = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=f,
@@ -164,7 +195,7 @@ def one(config: str, tree: Path, args, tmp: str) -> dict:
         "daemon_cpu_us_per_lifecycle": round((c1 - c0) / max(all_lifecycles, 1) * 1e6, 1),
         "wall_s": round(t1 - t0, 1),
     }
-    if watcher is not None:
+    if watcher is not None and args.watcher != "stuck":
         with open(wout) as f:
             text = f.read()
         out["events_watched"] = sum(1 for _ in text.splitlines()) if args.watcher == "cli" else int(text.strip() or 0)
@@ -180,13 +211,19 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"])
-    ap.add_argument("--watcher", default="raw", choices=["raw", "cli"],
+    ap.add_argument("--watcher", default="raw", choices=["raw", "cli", "stuck"],
                     help="raw: a frame-level client counting pushed events (default); cli: `rallypoint watch --json` "
-                         "(decodes and prints every event: it needs a core of its own)")
+                         "(decodes and prints every event: it needs a core of its own); stuck: a watcher that "
+                         "never reads (cut off after --watch-stall seconds)")
+    ap.add_argument("--watch-stall", type=float, default=None,
+                    help="with --watcher stuck: the daemon's --watch-stall, in seconds (default: longer than the "
+                         "bench, so the stuck watcher stays attached throughout)")
     ap.add_argument("--pin", action="store_true",
                     help="the daemon on CPU 0, the bench processes and the watcher on the others (less noise)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    if args.watch_stall is None:
+        args.watch_stall = args.duration + args.warmup + 30
     if args.pin:
         cpus = sorted(os.sched_getaffinity(0))
         PIN.update(daemon={cpus[0]}, clients=set(cpus[1:]) or {cpus[0]})

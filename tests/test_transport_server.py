@@ -154,7 +154,7 @@ async def test_batch_with_one_bad_request_answers_the_others():
         assert got[2].code == "VALIDATION_FAILED" and "body" in got[2].message and "reqs[1]" in got[2].message
 
 
-async def test_deferred_replies_wait_for_durability_and_are_released_together():
+async def test_deferred_replies_wait_for_durability_and_each_leaves_once_its_own_lsn_is_durable():
     journal = FakeJournal()
     async with running_server(TestDispatcher(journal)) as srv:
         c = await RawClient.connect(srv.port)
@@ -168,20 +168,25 @@ async def test_deferred_replies_wait_for_durability_and_are_released_together():
             await c.recv()
             raise AssertionError("deferred reply sent before durability")
         assert srv.statistics()["inflight"] == 3
-        # One waiter for the connection, for the largest pending lsn: 11 and 12 alone
-        # being durable releases nothing (they are released with 13, together).
-        assert journal.calls == [13]
+        # One waiter for the connection, for the OLDEST held reply (LSN 11).
+        assert journal.calls == [11]
         journal.advance(12)
+        # 11 and 12 are durable: both leave (together), without waiting for 13.
+        with trio.fail_after(1):
+            got = [await c.recv()]
+            if not c.frames:
+                got.append(await c.recv())
+        got += c.frames
+        c.frames.clear()
+        assert sorted(f.id for f in got) == [1, 2]
         with trio.move_on_after(0.2):
             await c.recv()
-            raise AssertionError("deferred reply sent before durability")
+            raise AssertionError("the reply of LSN 13 was sent before durability")
+        assert journal.calls == [11, 13]
+        assert srv.statistics()["inflight"] == 1
         journal.advance(13)
         with trio.fail_after(1):
-            await c.recv()
-        # the other two were in the same send_all, hence already parsed
-        assert len(c.frames) == 2
-        assert sorted([f.id for f in c.frames]) == [2, 3] or sorted(f.id for f in c.frames) in ([1, 2], [1, 3])
-        assert journal.calls == [13]
+            assert (await c.recv()).id == 3
         assert srv.statistics()["inflight"] == 0
 
 

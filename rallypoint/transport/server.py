@@ -629,10 +629,20 @@ class _Conn:
                 ev = self.deferred_event = trio.Event()
                 await ev.wait()
                 continue
+            # Wait for the OLDEST held reply only, then send every held reply the
+            # journal is durable past: a reply whose commit made the previous fsync is
+            # not held back for a newer one's (on a pipelined connection that coupling
+            # cost a whole group-commit cycle).
+            target = fifo[0][0]
             n = len(fifo)
-            target = max(e[0] for e in fifo)
             try:
                 await wait_durable(target)
+                durable = self._durable_lsn()
+                n = 0
+                for e in fifo:
+                    if e[0] > durable:
+                        break
+                    n += 1
             except RallypointError as exc:
                 for _ in range(n):
                     _, rid, _ = fifo.popleft()
