@@ -10,6 +10,9 @@ import gc
 
 import trio
 import trio.testing
+import pytest
+
+from rallypoint import LeaseLostError
 
 from rallypoint.actors.runtime import ActivityHeap
 
@@ -65,28 +68,59 @@ async def test_stale_entries_are_dropped_when_the_heap_doubles_and_order_is_kept
     assert [a for a in k.fired if isinstance(a, tuple)] == [("other", i) for i in sorted(range(0, n, 1000), reverse=True)]
 
 
-async def test_finished_tasks_do_not_leave_their_leases_in_the_heap(autojump_clock, ers):
-    """Thousands of deliveries completed long before their 300 s lease would run out:
-    the heap stays near its floor, not one entry per delivery."""
+async def test_a_receive_arms_one_lease_entry_and_finished_batches_are_compacted(autojump_clock, ers, monkeypatch):
+    """The leases of one receive share one heap entry (arming costs per receive, not per
+    delivery); batches whose tasks all finished are dropped when the heap doubles; a live
+    lease survives compaction and still expires on time."""
     coord = ers.node.coordinator
+    queues = coord.queues
+
+    def lease_entries():
+        return [e for e in coord.heap.entries() if e[3] == queues._on_leases]
+
     run = await ers.scopes.create()
     m = await ers.mailboxes.ensure("heap-leases")
-    total = 0
-    for _ in range(100):
+    for i in range(20):
         await m.submit_many(list(range(100)), scope=run)
         ds = await m.receive(run, wait=0, max_messages=100, lease_seconds=300)
         assert len(ds) == 100
-        refused = await m.complete_many([(d, "ok") for d in ds], details=False)
-        assert not any(refused)
-        total += len(ds)
-    assert total == 10_000
-    assert len(coord.heap) < 2 * ActivityHeap.COMPACT_MIN + 100
-    assert coord.heap.compacted >= total - 2 * ActivityHeap.COMPACT_MIN
+        assert len(lease_entries()) == i + 1  # one entry for the 100 deliveries
+        assert not any(await m.complete_many([(d, "ok") for d in ds], details=False))
+    # compaction drops finished batches (a small floor, so that a test reaches it)
+    monkeypatch.setattr(ActivityHeap, "COMPACT_MIN", 64)
+    coord.heap._compact_at = 64
+    for _ in range(300):
+        await m.submit("one", scope=run)
+        d = await m.receive(run, wait=0, lease_seconds=300)
+        await d.complete("ok")
+    assert len(lease_entries()) < 2 * 64 + 1
+    assert coord.heap.compacted >= 300 + 20 - 2 * 64
     # a live lease survives compaction and still expires on time
     await m.submit("late", scope=run)
     d = await m.receive(run, wait=0, lease_seconds=30)
-    for _ in range(3 * ActivityHeap.COMPACT_MIN):
-        coord.heap.arm(trio.current_time() + 1000, coord.queues._on_lease, ("tsk_none", 0, 0))
+    for _ in range(3 * 64):
+        coord.heap.arm(trio.current_time() + 1000, queues._on_leases, (0, ["tsk_none"]))
     await trio.sleep(31)
     again = await m.receive(run, wait=0)
-    assert again.task_id == d.task_id and again.attempt == 2
+    assert again.task_id == d.task_id and again.attempt == 2 and again.token == d.token + 1
+
+
+async def test_lease_expiry_of_a_batch_expires_only_the_tasks_still_held(autojump_clock, ers):
+    """Of one receive's batch, the completed and the renewed tasks are left alone when the
+    batch's lease time comes; the others expire (one LeaseExpired each) and are
+    delivered again."""
+    run = await ers.scopes.create()
+    m = await ers.mailboxes.ensure("heap-batch")
+    await m.submit_many([f"t{i}" for i in range(6)], scope=run)
+    ds = await m.receive(run, wait=0, max_messages=6, lease_seconds=30)
+    assert len(ds) == 6
+    await ds[0].complete("done")
+    await trio.sleep(20)
+    await ds[1].renew(60)
+    await trio.sleep(11)  # past the batch's 30 s
+    again = await m.receive(run, wait=0, max_messages=10)
+    assert sorted(d.task_id for d in again) == sorted(d.task_id for d in ds[2:])
+    assert all(d.attempt == 2 for d in again)
+    with pytest.raises(LeaseLostError):
+        await ds[2].complete("late")
+    assert (await ds[1].complete("kept")).state == "SUCCEEDED"  # its renewed lease was not touched

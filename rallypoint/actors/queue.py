@@ -207,8 +207,11 @@ class WorkQueues(Kind):
         # task id -> [(actor id, key)] of waits for many tasks (task.results) to wake
         self.result_watch: dict[str, list[tuple[str, Any]]] = {}
         self.to_check: set[str] = set()  # completing tasks whose run may be done: see react()
+        # (commits serial, expires ms, [task ids]): the lease batch the current commit fills
+        self._lease_open: tuple[int, int, list[str]] | None = None
         self._init_indexes()
         coord.heap.stale_when(self._on_lease, self._lease_stale)
+        coord.heap.stale_when(self._on_leases, self._leases_stale)
         coord.heap.stale_when(self._on_deadline, self._deadline_stale)
 
     def _init_indexes(self) -> None:
@@ -740,8 +743,19 @@ class WorkQueues(Kind):
         t.available_at_ms = 0
         self.ready_set.discard(t.id)
         self._set_state(t, "RUNNING")
-        self.coord.touch(t.id)
-        self.coord.arm_mono(r.lease_expires_ms, self._on_lease, (t.id, r.token, r.lease_expires_ms))
+        coord = self.coord
+        coord.touch(t.id)
+        if coord.replaying:
+            return  # rearm() arms the leases after recovery
+        # The deliveries of one commit with the same expiry (a receive's batch) share ONE
+        # activity entry: arming and compacting cost per receive, not per delivery.
+        ob = self._lease_open
+        if ob is not None and ob[0] == coord.commits and ob[1] == r.lease_expires_ms:
+            ob[2].append(t.id)
+            return
+        ids = [t.id]
+        self._lease_open = (coord.commits, r.lease_expires_ms, ids)
+        coord.arm_mono(r.lease_expires_ms, self._on_leases, (r.lease_expires_ms, ids))
 
     # ================================================================ settle
     def _holder(self, session, task_id, token: int) -> TaskState:
@@ -1195,6 +1209,38 @@ class WorkQueues(Kind):
         """The lease entry ``arg`` can never fire (its task is gone, finished or re-leased)."""
         t = self.tasks.get(arg[0])
         return t is None or t.state != "RUNNING" or t.token != arg[1] or t.lease_expires_ms != arg[2]
+
+    def _leases_stale(self, arg) -> bool:
+        """A batch lease entry ``(expires, [task ids])`` is stale when none of its tasks
+        still holds a lease ending then (and it is not the batch still being filled)."""
+        expires, ids = arg
+        ob = self._lease_open
+        if ob is not None and ob[2] is ids:
+            return False
+        tasks = self.tasks
+        for tid in ids:
+            t = tasks.get(tid)
+            if t is not None and t.state == "RUNNING" and t.lease_expires_ms == expires:
+                return False
+        return True
+
+    def _on_leases(self, arg) -> None:
+        """The leases of a receive's batch that still end at ``expires`` have expired:
+        one LeaseExpired commit per task, in delivery order. Idempotent (a retry after a
+        refused commit skips the tasks already expired)."""
+        expires, ids = arg
+        ob = self._lease_open
+        if ob is not None and ob[2] is ids:
+            self._lease_open = None
+        tasks = self.tasks
+        coord = self.coord
+        for tid in ids:
+            t = tasks.get(tid)
+            if t is None or t.state != "RUNNING" or t.lease_expires_ms != expires or t.completing:
+                continue
+            final = t.attempt >= self.table[t.mailbox_id].max_attempts
+            coord.commit([LeaseExpired(task_id=tid, token=t.token, at_ms=coord.clock.mono_to_wall(expires),
+                                       final=final)])
 
     def _deadline_stale(self, arg) -> bool:
         t = self.tasks.get(arg[0])
