@@ -109,7 +109,9 @@ from ..records import (
     TaskSubscribed,
 )
 from ..events import emits, ev
-from .common import applies, check_key, check_name, check_payload, check_range, clamp_wait, data, parse_instant, short
+from .common import (
+    MAX_PAYLOAD_BYTES, applies, check_key, check_name, check_payload, check_range, clamp_wait, data, parse_instant, short,
+)
 from .kind import Kind
 from .runtime import Park
 
@@ -354,6 +356,7 @@ class WorkQueues(Kind):
         requirements=None,
         work_limit=None,
         mode: str = "WORK",
+        now: int | None = None,
         **extra,
     ) -> TaskSubmitted | TaskState:
         """Validate one submission. Returns the existing task for an idempotent
@@ -361,7 +364,8 @@ class WorkQueues(Kind):
         WORK for a task, INBOX for a message (``msg_`` id, its payload named
         ``payload``). ``requirements``: the wire :class:`~rallypoint.protocol.Requirements`
         (resolved here); ``work_limit``: a resolved work limit, checked for
-        ``extra_backlog + 1`` more unfinished tasks.
+        ``extra_backlog + 1`` more unfinished tasks. ``now``: the step's wall instant
+        (ms), given by a batch whose caller already checked that the run is active.
 
         Raises VALIDATION_FAILED (bad key, payload, deadline, requirements), CONFLICT (key
         reused with other input; a task to an INBOX queue or a message to a WORK queue),
@@ -371,9 +375,11 @@ class WorkQueues(Kind):
             how = "send messages with mailbox.send()" if q.mode == "INBOX" else "submit tasks with mailbox.submit()"
             raise ConflictError(f"mailbox {q.name!r} is a {q.mode} mailbox: {how}",
                                 details={"field": "mailbox", "mode": q.mode})
-        check_key(field_prefix + "key", key)
-        data = check_payload(field_prefix + ("payload" if mode == "INBOX" else "input"), input_raw)
+        data = bytes(input_raw)
+        if len(data) > MAX_PAYLOAD_BYTES:  # (the field's name is only made for the error)
+            check_payload(field_prefix + ("payload" if mode == "INBOX" else "input"), data)
         if key is not None:
+            check_key(field_prefix + "key", key)
             k = (run_id, q.id, key)
             existing = pending.get(k) if pending is not None else None
             if existing is None:
@@ -387,9 +393,10 @@ class WorkQueues(Kind):
                     )
                 return existing
         coord = self.coord
-        coord.runs.require_active(run_id)
-        now = coord.now_ms()
-        deadline_ms = parse_instant(field_prefix + "deadline", deadline)
+        if now is None:
+            coord.runs.require_active(run_id)
+            now = coord.now_ms()
+        deadline_ms = parse_instant(field_prefix + "deadline", deadline) if deadline is not None else None
         if deadline_ms is not None and deadline_ms <= now:
             raise ValidationError(
                 f"{field_prefix}deadline {deadline} is in the past", details={"field": field_prefix + "deadline"}
@@ -435,11 +442,14 @@ class WorkQueues(Kind):
         recs: list = []
         ids: list[str] = []
         pending: dict = {}
+        # one instant for the step; the run is checked once (nothing below changes it)
+        self.coord.runs.require_active(run.id)
+        now = self.coord.now_ms()
         for i, item in enumerate(op.items):
             r = self.prepare_submit(
                 session.space, q, run.id, item.input, item.key, item.deadline,
                 field_prefix=f"items[{i}].", pending=pending, extra_backlog=len(recs),
-                requirements=item.requirements, work_limit=wl,
+                requirements=item.requirements, work_limit=wl, now=now,
             )
             if isinstance(r, TaskSubmitted) and not (r.key is not None and pending.get((run.id, q.id, r.key)) is r):
                 recs.append(r)  # (a key repeated within the batch returns the pending record: add it once)
