@@ -63,6 +63,14 @@ def test_the_same_seed_gives_the_same_trace_twice():
         assert len(a.trace) > 20
 
 
+def test_tracing_does_not_change_the_digest():
+    """The digest is of what happened (answers, journal), not of the trace text: a run
+    with --trace and one without agree, and another seed differs."""
+    for seed in (5, 2294):
+        assert run_seed(seed, trace=True).digest == run_seed(seed).digest
+    assert run_seed(5).digest != run_seed(6).digest
+
+
 def test_a_seed_replays_identically_in_another_process():
     """Whatever the process's string hash seed: the CLI and this process agree."""
     seed = 2294
