@@ -10,6 +10,8 @@ import msgspec
 import pytest
 import trio
 
+from rallypoint import protocol as p
+from rallypoint.client import types as t
 from rallypoint.errors import (
     ConflictError,
     LeaseLostError,
@@ -120,6 +122,21 @@ async def test_submit_many_is_all_or_nothing(rs):
     assert [t.info.state for t in ts] == ["QUEUED"] * 5
     ds = await m.receive(run, wait=0, max_messages=10)
     assert [d.input for d in ds] == ["first"] + [{"i": i} for i in range(5)]
+
+
+async def test_empty_batches_are_no_ops_in_the_sdk(rs):
+    """submit_many([]), complete_many([]) and results([]) all return [] (no request);
+    the wire op itself still refuses an empty batch."""
+    run = await rs.scopes.create()
+    m = await rs.mailboxes.ensure(uniq())
+    assert await m.submit_many([], scope=run) == []
+    assert await m.submit_many([], scope=run, details=False) == []
+    assert await m.complete_many([]) == []
+    assert await rs.results([]) == []
+    assert (await m.status()).queued == 0
+    with pytest.raises(ValidationError) as ei:
+        await rs._call(p.TaskSubmitMany(mailbox=m.name, scope_id=run.id, items=[]), t._TaskList)
+    assert "1 to 1000" in ei.value.message
 
 
 async def test_lifecycle_submit_receive_complete_result(rs):

@@ -599,11 +599,16 @@ class Mailbox:
         for :meth:`submit`) apply to every task. ``details=False`` asks only for the
         ids (the tickets' ``info`` is then None; cheaper for the server and the client).
         Re-sent after a dropped connection only if every input has a key (else
-        UnavailableError, ``maybe_applied``)."""
+        UnavailableError, ``maybe_applied``). An empty ``inputs`` submits nothing and
+        returns ``[]`` without a request (as :meth:`complete_many` and
+        ``rs.results`` do); more than 1,000 is VALIDATION_FAILED (one commit holds at
+        most 1,000: split the batch yourself, each part is then all or none)."""
         inputs = list(inputs)
         keys = list(keys) if keys is not None else [None] * len(inputs)
         if len(keys) != len(inputs):
             raise ValidationError("keys must have one entry per input", details={"field": "keys"})
+        if not inputs:
+            return []
         dl = _iso(deadline, "deadline")
         req = _requirements(requirements)
         items = [
