@@ -112,6 +112,9 @@ async def test_open_mode_until_a_key_exists_then_keys_required():
     service = Service(coord)
     session, ok = service.hello(Hello(PROTOCOL_VERSION, None), "t")
     assert session.permissions is None and ok.space == "default"
+    # open mode authenticates no one: any key is accepted, as over HTTP
+    session, ok = service.hello(Hello(PROTOCOL_VERSION, "rpk_anything"), "t")
+    assert session.permissions is None and session.key_id is None and ok.space == "default"
     key, secret = coord.keys.create_key("default", ["coordination_read"])
     with pytest.raises(UnauthenticatedError):
         service.hello(Hello(PROTOCOL_VERSION, None), "t")

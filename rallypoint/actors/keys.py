@@ -145,12 +145,14 @@ class Keys(Kind):
         return k
 
     def authenticate(self, secret: str | None) -> KeyState | None:
-        """The live key for ``secret``; None in open mode with no secret.
+        """The live key for ``secret``; None in open mode (no key was ever created), with
+        or without a secret: open mode authenticates no one, so any key is accepted, as
+        over HTTP (the runstate SDKs always send one).
 
-        Raises UNAUTHENTICATED for a missing, unknown or revoked key."""
+        Raises UNAUTHENTICATED for a missing, unknown or revoked key once keys exist."""
+        if self.open_mode:
+            return None
         if not secret:
-            if self.open_mode:
-                return None
             raise UnauthenticatedError("this server requires an API key; pass api_key=...")
         kid = self.by_hash.get(hash_secret(secret))
         k = self.table.get(kid) if kid else None
