@@ -72,6 +72,29 @@ def _parse_listen(s: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _check_listen_free(host: str, port: int) -> None:
+    """Before anything touches the data dir: bind (and release) each address ``host``
+    resolves to, as the server will, so an address already in use is refused before a
+    data dir is created or recovered. (The server's own bind still decides: this only
+    moves the common mistake, a second daemon on the same port, ahead of the disk.)
+
+    Raises OSError (EADDRINUSE, EADDRNOTAVAIL) like the server's bind would."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # the server's own bind reports it
+    for family, type_, proto, _, addr in infos:
+        with socket.socket(family, type_, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Trio's listeners do
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+
+
 def _setup_logging(level: str, fmt: str = "text") -> None:
     from .logutil import JsonFormatter
 
@@ -256,6 +279,17 @@ def cmd_serve(args) -> int:
     except ValidationError as e:
         print(f"rallypoint: {e.message}", file=sys.stderr)
         return 2
+    import errno
+
+    for flag, addr in (("--listen", args.listen), ("--metrics", args.metrics)):
+        if addr:
+            try:
+                _check_listen_free(*_parse_listen(addr))
+            except OSError as e:
+                why = {errno.EADDRINUSE: "the address is already in use (another daemon?)",
+                       errno.EADDRNOTAVAIL: "no such local address"}.get(e.errno, e.strerror or str(e))
+                print(f"rallypoint: cannot listen on {addr} ({flag}): {why}", file=sys.stderr)
+                return 2
     try:
         return trio.run(_serve, args)
     except KeyboardInterrupt:

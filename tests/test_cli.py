@@ -66,6 +66,18 @@ def test_address_in_use_is_one_line(daemon):
     assert r.returncode == 2 and "already in use" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_address_in_use_is_refused_before_the_data_dir_is_touched(daemon, tmp_path):
+    """A second daemon on a taken port does not create (or recover) its data dir first."""
+    port = daemon.url.rsplit(":", 1)[1]
+    data = tmp_path / "never-made"
+    r = rp("serve", "--listen", f"127.0.0.1:{port}", "--data-dir", str(data))
+    assert r.returncode == 2 and "already in use" in r.stderr, r.stderr
+    assert not data.exists()
+    r = rp("serve", "--listen", "127.0.0.1:0", "--metrics", f"127.0.0.1:{port}", "--data-dir", str(data))
+    assert r.returncode == 2 and f"127.0.0.1:{port} (--metrics)" in r.stderr and "already in use" in r.stderr, r.stderr
+    assert not data.exists()
+
+
 def test_repair_without_an_answer_changes_nothing(tmp_path):
     # a journal with a bad record in the middle; stdin is closed: the prompt reads EOF
     import os
