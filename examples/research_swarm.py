@@ -56,7 +56,8 @@ def researcher_process(index: int, server: dict, run_id: str, per_worker: int, b
                 try:  # the model call's worst case, held for this delivery (released if it dies)
                     hold = await spend.reserve(40, scope=run_id, delivery=delivery, holder=f"researcher-{index}")
                 except rallypoint.InsufficientBudgetError as e:
-                    return {"topic": topic, "skipped": "over budget", "left_minor": e.details["available_minor"]}
+                    return {"topic": topic, "skipped": "over budget", "searches": calls,
+                            "left_minor": e.details["available_minor"]}
                 cost = rng.randint(15, 38)  # what the call actually cost, in cents
                 await trio.sleep(rng.uniform(0.05, 0.2))
                 settled = await hold.settle(cost, usage_key=f"model:{delivery.task_id}")
@@ -109,7 +110,9 @@ async def coordinate(server: dict, researchers: int, topics: list[str], per_minu
         print(f"over budget: {len(skipped)} topics skipped")
         print(f"browser sessions: at most {peak} of {SESSIONS} in use at once (the pool), "
               f"{researchers * per_worker} handlers ready")
-        print(f"search calls: {q.consumed_total} taken from search-api, never more than {per_minute} per window")
+        ours = sum(o["searches"] for o in done + skipped)  # (a topic's last attempt)
+        print(f"search calls: {ours} by this swarm, never more than {per_minute} per window "
+              f"(search-api is shared: {q.consumed_total} taken from it since it was made)")
         print(f"spend: {rallypoint.format_minor(b.settled_minor, 2)} of {rallypoint.format_minor(b.limit_minor, 2)} "
               f"USD settled, {rallypoint.format_minor(b.reserved_minor, 2)} still reserved")
         ok = len(done) + len(skipped) == len(topics) and b.settled_minor <= b.limit_minor and peak <= SESSIONS
