@@ -20,6 +20,9 @@ request_duration_seconds                       histogram  op: receipt of the req
                                                           included)
 journal_fsync_duration_seconds                 histogram  one fdatasync of the journal
 journal_group_commit_records                   histogram  records made durable by one fdatasync
+journal_commit_wait_seconds                    histogram  a record's append to the event loop
+                                                          learning it is durable (what a reply
+                                                          waits; one sample per fsync step)
 journal_last_lsn, journal_durable_lsn          gauge
 snapshot_duration_seconds                      histogram  one snapshot, start to end
 snapshot_stall_seconds                         histogram  its one stretch without a yield
@@ -190,6 +193,11 @@ class Metrics:
             cr = journal.commit_records
             h = HistogramMetricFamily(p + "journal_group_commit_records", "Records made durable by one fdatasync")
             h.add_metric([], _buckets(cr.bounds, cr.counts), cr.sum)
+            yield h
+            cw = journal.commit_wait_seconds
+            h = HistogramMetricFamily(p + "journal_commit_wait_seconds",
+                                      "A record's append to the event loop learning it is durable (sampled)")
+            h.add_metric([], _buckets(cw.bounds, cw.counts), cw.sum)
             yield h
         g = GaugeMetricFamily(p + "journal_last_lsn", "The journal's last LSN")
         g.add_metric([], journal.last_lsn)

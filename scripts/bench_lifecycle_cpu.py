@@ -8,6 +8,14 @@ measured lifecycle (the warm-up's CPU is included: an upper bound). Asserts noth
 
     python scripts/bench_lifecycle_cpu.py . /path/to/older/tree --rounds 2
     python scripts/bench_lifecycle_cpu.py . --durability memory --duration 5
+    python scripts/bench_lifecycle_cpu.py . --batch 64 --pipeline 2 --worker-concurrency 2 \
+        --max-messages 32 --commit-wait     # the compare_baselines shape; + durability waits
+
+``--commit-wait`` starts each daemon with ``--metrics`` and prints, from its
+``/metrics`` after the run, the mean time a record waited from its append until the
+event loop learned it was durable (``journal_commit_wait_seconds``: what every reply
+that depends on it waited) next to the mean fdatasync (``journal_fsync_duration_seconds``).
+(The metrics cost a little daemon CPU: compare trees with the same setting.)
 
 Trees alternate within each round so that a machine's changing load spreads over all.
 Linux only (``/proc``).
@@ -44,6 +52,9 @@ def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float]:
     tmp = tempfile.mkdtemp(prefix="rp-cpu-")
     args = [sys.executable, "-m", "rallypoint", "serve", "--listen", f"127.0.0.1:{port}",
             "--durability", a.durability]
+    mport = _free_port() if a.commit_wait else None
+    if mport is not None:
+        args += ["--metrics", f"127.0.0.1:{mport}"]
     if a.durability != "memory":
         args += ["--data-dir", os.path.join(tmp, "data")]
     daemon = subprocess.Popen(args, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -62,6 +73,7 @@ def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float]:
              "--max-messages", str(a.max_messages)],
             env=env, cwd=tree, capture_output=True, text=True).stdout
         c1 = _cpu_s(daemon.pid)
+        waits = _journal_means(mport) if mport is not None else None
     finally:
         daemon.terminate()
         daemon.wait()
@@ -69,7 +81,23 @@ def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float]:
     rate = re.search(r"throughput: [\d,]+ requests/s, ([\d,]+) lifecycles/s", out)
     counted = [ln for ln in out.splitlines() if ln.startswith("lifecycle ")]
     n = int(counted[0].split()[1]) if counted else 0
-    return (rate.group(1) if rate else "?"), n, c1 - c0
+    return (rate.group(1) if rate else "?"), n, c1 - c0, waits
+
+
+def _journal_means(port: int) -> dict[str, float | None]:
+    """Mean commit wait and mean fdatasync (ms) from the daemon's /metrics (None: the
+    tree has no such metric)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float | None] = {}
+    for key, name in (("commit_wait_ms", "rallypoint_journal_commit_wait_seconds"),
+                      ("fsync_ms", "rallypoint_journal_fsync_duration_seconds")):
+        total = re.search(rf"^{name}_sum (\S+)$", text, re.M)
+        count = re.search(rf"^{name}_count (\S+)$", text, re.M)
+        out[key] = (1000 * float(total.group(1)) / float(count.group(1))
+                    if total and count and float(count.group(1)) else None)
+    return out
 
 
 def main() -> None:
@@ -84,13 +112,19 @@ def main() -> None:
     ap.add_argument("--pipeline", type=int, default=8)
     ap.add_argument("--worker-concurrency", type=int, default=8)
     ap.add_argument("--max-messages", type=int, default=100)
+    ap.add_argument("--commit-wait", action="store_true",
+                    help="also report the journal's mean commit wait and fdatasync (daemon --metrics)")
     a = ap.parse_args()
     for r in range(a.rounds):
         for tree in a.trees:
-            rate, n, cpu = measure(tree, a)
+            rate, n, cpu, waits = measure(tree, a)
             per = f"{1e6 * cpu / n:.1f} us" if n else "?"
+            extra = ""
+            if waits is not None:
+                extra = "; " + ", ".join(f"mean {k.removesuffix('_ms').replace('_', ' ')} "
+                                         + (f"{v:.3f} ms" if v is not None else "n/a") for k, v in waits.items())
             print(f"round {r + 1} {tree}: {rate} lifecycles/s; daemon CPU {cpu:.1f} s; {per} per measured "
-                  f"lifecycle (n={n})", flush=True)
+                  f"lifecycle (n={n}){extra}", flush=True)
 
 
 if __name__ == "__main__":

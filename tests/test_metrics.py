@@ -65,6 +65,10 @@ async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
     fsync = fams["rallypoint_journal_fsync_duration_seconds"]
     assert [s for s in fsync.samples if s.name.endswith("_count")][0].value > 0
     assert "rallypoint_journal_group_commit_records" in fams
+    wait = fams["rallypoint_journal_commit_wait_seconds"]  # what replies waited for durability
+    n_wait = [s for s in wait.samples if s.name.endswith("_count")][0].value
+    sum_wait = [s for s in wait.samples if s.name.endswith("_sum")][0].value
+    assert n_wait > 0 and sum_wait > 0
     assert _value(fams["rallypoint_tasks"], state="SUCCEEDED") == 10
     assert _value(fams["rallypoint_actors"], kind="runs", state="active") + \
         _value(fams["rallypoint_actors"], kind="runs", state="passive") == 1

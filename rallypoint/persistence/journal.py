@@ -408,6 +408,11 @@ class Journal:
         #: fdatasync latency (s) and records per fdatasync (group-commit size)
         self.fsync_seconds = Histogram(FSYNC_BOUNDS)
         self.commit_records = Histogram(BATCH_BOUNDS)
+        #: what a reply waits for durability (s): from a record's append to the event
+        #: loop learning it is durable; sampled, one record per durability step (the
+        #: first appended since the previous step: the group's oldest)
+        self.commit_wait_seconds = Histogram(FSYNC_BOUNDS)
+        self._wait_probe: tuple[int, float] | None = None
         self._segment_firsts: list[int] = []
         self._fd: int | None = None
         self._jdir: Path | None = None
@@ -681,6 +686,8 @@ class Journal:
             buf += payload
             self._buf_upto = lsn
             self._next_lsn = lsn + 1
+            if self._wait_probe is None:
+                self._wait_probe = (lsn, time.perf_counter())
             if self._thread_idle:
                 self._thread_idle = False
                 self._cv.notify()
@@ -762,6 +769,10 @@ class Journal:
     # --- callbacks run on the event loop (via TrioToken.run_sync_soon)
 
     def _on_progress(self, durable: int, synced: int) -> None:
+        probe = self._wait_probe
+        if probe is not None and probe[0] <= durable:
+            self._wait_probe = None
+            self.commit_wait_seconds.observe(time.perf_counter() - probe[1])
         if durable > self._durable_lsn:
             self._durable_lsn = durable
         if synced > self._synced_lsn:
