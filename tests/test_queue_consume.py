@@ -182,3 +182,70 @@ async def test_sync_handler_runs_in_a_worker_thread(rs):
 
 async def test_consume_is_exported():
     assert rallypoint.consume is consume
+
+
+async def test_consume_receives_for_its_free_slots_and_coalesces_completes(autojump_clock, ers, monkeypatch):
+    """One receive asks for as many deliveries as there are free handler slots, and
+    handlers that finish together are completed by one complete_many: 40 tasks with 8
+    slots take far fewer requests than 40 receives and 40 completes."""
+    from rallypoint import protocol as p
+
+    m = await ers.mailboxes.ensure("c-batch")
+    run = await ers.scopes.create()
+    tickets = await m.submit_many(list(range(40)), scope=run)
+    ops: list[str] = []
+    call, call_many = ers._call, ers._call_many
+
+    async def counting_call(op, reply_type):
+        ops.append(type(op).__name__)
+        return await call(op, reply_type)
+
+    async def counting_call_many(batch, reply_type):
+        ops.extend(type(op).__name__ for op in batch)
+        return await call_many(batch, reply_type)
+
+    monkeypatch.setattr(ers, "_call", counting_call)
+    monkeypatch.setattr(ers, "_call_many", counting_call_many)
+    async def handler(d):
+        await trio.sleep(1)  # the 8 of a receive finish together
+        return d.input + 1
+
+    result = {}
+
+    async def worker():
+        result["stats"] = await consume(ers, m, run, handler, concurrency=8)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(worker)
+        infos = await ers.results(tickets, timeout=60)
+        await run.cancel()
+    assert [(i.state, i.outcome) for i in infos] == [("SUCCEEDED", k + 1) for k in range(40)]
+    assert result["stats"].completed == 40
+    receives = [o for o in ops if o == p.Receive.__name__]
+    assert 5 <= len(receives) <= 12, ops  # ~40 / 8, plus the last one the cancel answers
+    assert p.DeliveryComplete.__name__ not in ops
+    assert 5 <= ops.count(p.DeliveryCompleteMany.__name__) <= 10, ops
+
+
+async def test_consume_completes_large_outcomes_within_the_frame_limit(autojump_clock, ers):
+    """Coalesced completes stay under the 1 MiB frame: 30 outcomes of ~60 KiB each
+    finishing together are all recorded (none retried for the batch's size)."""
+    m = await ers.mailboxes.ensure("c-large")
+    run = await ers.scopes.create()
+    tickets = await m.submit_many(list(range(30)), scope=run)
+
+    async def handler(d):
+        await trio.sleep(1)
+        return "x" * 60_000
+
+    result = {}
+
+    async def worker():
+        result["stats"] = await consume(ers, m, run, handler, concurrency=30)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(worker)
+        infos = await ers.results(tickets, timeout=60, details=False)
+        await run.cancel()
+    assert all(i.state == "SUCCEEDED" and i.attempt == 1 for i in infos)
+    assert result["stats"].completed == 30 and result["stats"].retried == 0

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 import anyio
 
 from ..errors import LeaseLostError, ScopeInactiveError, ValidationError
-from .api import Client, Delivery, Mailbox, _id_of, _mailbox_name, _ms, encode_payload
+from .api import Client, Delivery, Mailbox, _id_of, _mailbox_name, _ms, complete_many, encode_payload
 
 log = logging.getLogger("rallypoint.consume")
 
@@ -97,7 +97,8 @@ async def consume(
         handler: ``async def handler(delivery) -> outcome`` or a plain function (run in
             a worker thread). ``delivery.input`` is the task input; the return value is
             the outcome (any msgpack-able value up to 64 KiB encoded).
-        concurrency: deliveries handled at once (one receive loop each), >= 1.
+        concurrency: deliveries handled at once, >= 1. One receive is outstanding at a
+            time, for as many deliveries as there are free handler slots (up to 100).
         lease_seconds: lease per delivery, seconds (5-600); renewed every third of it.
         wait: long-poll per receive request, seconds.
 
@@ -171,6 +172,50 @@ async def consume(
         else:  # the task was already finished or cancelled: the server changed nothing
             lost(d)
 
+    # Completes are coalesced: handlers that finish while a complete_many is on its way
+    # go together in the next one (one request and one commit for the lot, not one
+    # each). Each waits for its own item's answer.
+    completes: list[tuple[Delivery, Any, list]] = []
+    complete_wake = anyio.Event()
+
+    async def complete(d: Delivery, outcome: Any) -> Any:
+        """Record ``d``'s outcome: the item's error (a RallypointError) if refused,
+        else not an exception (None, or the task after a re-sent batch)."""
+        box: list = [anyio.Event(), None]
+        completes.append((d, outcome, box))
+        complete_wake.set()
+        await box[0].wait()
+        return box[1]
+
+    async def completer() -> None:
+        nonlocal complete_wake
+        while True:
+            if not completes:
+                complete_wake = anyio.Event()
+                await complete_wake.wait()
+                continue
+            # at most 100 items and ~768 KiB of outcomes (a frame holds 1 MiB)
+            n, size = 0, 0
+            for _, o, _ in completes[:100]:
+                size += len(o)
+                if n and size > 768 * 1024:
+                    break
+                n += 1
+            batch = completes[:n]
+            del completes[:n]
+            try:
+                out = await complete_many(rs, [(d, o) for d, o, _ in batch], details=False)
+            except ValidationError:  # the batch is over the frame limit: each alone
+                out = []
+                for d, o, _ in batch:
+                    try:
+                        out += await complete_many(rs, [(d, o)], details=False)
+                    except ValidationError as e:
+                        out.append(e)
+            for (_, _, box), r in zip(batch, out):
+                box[1] = r
+                box[0].set()
+
     async def run_one(d: Delivery) -> None:
         box: dict[str, Any] = {}
         handler_scope = anyio.CancelScope()
@@ -213,52 +258,80 @@ async def consume(
             except ValidationError as e:
                 await give_back(d, f"the handler's result could not be encoded: {e}")
                 return
-            try:
-                await d.complete(outcome)
-            except (LeaseLostError, ScopeInactiveError):
+            err = await complete(d, outcome)
+            if isinstance(err, (LeaseLostError, ScopeInactiveError)):
                 lost(d)
                 return
-            except ValidationError as e:  # over the payload limit (server) or frame limit
-                await give_back(d, f"the handler's result could not be encoded: {e}")
+            if isinstance(err, ValidationError):  # over the payload limit (server) or frame limit
+                await give_back(d, f"the handler's result could not be encoded: {err}")
                 return
+            if isinstance(err, Exception):
+                raise err
             stats.completed += 1
         elif "error" in box:
             await give_back(d, _describe(box["error"]))
         else:  # cancelled: a renewal was refused, or the run stopped
             lost(d)
 
-    async def worker() -> None:
+    fatal: list[Exception] = []
+    free = concurrency  # handler slots not in use
+    slot_freed = anyio.Event()
+
+    async def handle(d: Delivery, tg: anyio.abc.TaskGroup) -> None:
+        nonlocal free, slot_freed
+        try:
+            await run_one(d)
+        except Exception as e:
+            if not fatal:
+                fatal.append(e)
+            tg.cancel_scope.cancel()
+        finally:
+            free += 1
+            slot_freed.set()
+
+    async def receiver(tg: anyio.abc.TaskGroup) -> None:
+        """ONE receive at a time, for as many deliveries as there are free handler
+        slots (up to 100, a receive's limit): a batch of work costs one request, not
+        one per handler."""
+        nonlocal free, slot_freed
         while not stopping:
+            if free == 0:
+                slot_freed = anyio.Event()
+                if free == 0:
+                    await slot_freed.wait()
+                continue
             recv_scope = anyio.CancelScope()
             active.add(recv_scope)
-            d = None
+            ds: list[Delivery] = []
             try:
                 with recv_scope:
                     try:
-                        d = await mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait)
+                        n = min(free, 100)
+                        got = await mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait, max_messages=n)
+                        ds = got if isinstance(got, list) else ([got] if got is not None else [])
                     except ScopeInactiveError as e:
                         stop_serving(e.code)
                         return
             finally:
                 active.discard(recv_scope)
-            if d is None:
-                continue
-            stats.received += 1
-            await run_one(d)
-
-    fatal: list[Exception] = []
+            for d in ds:
+                stats.received += 1
+                free -= 1
+                tg.start_soon(handle, d, tg)
 
     async def guarded(tg: anyio.abc.TaskGroup) -> None:
         try:
-            await worker()
+            await receiver(tg)
         except Exception as e:
             if not fatal:
                 fatal.append(e)
             tg.cancel_scope.cancel()
 
-    async with anyio.create_task_group() as tg:
-        for _ in range(concurrency):
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(completer)
+        async with anyio.create_task_group() as tg:
             tg.start_soon(guarded, tg)
+        outer.cancel_scope.cancel()  # every handler is done: nothing is left to complete
     if fatal:
         raise fatal[0]
     return stats
