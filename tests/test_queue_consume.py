@@ -249,3 +249,21 @@ async def test_consume_completes_large_outcomes_within_the_frame_limit(autojump_
         await run.cancel()
     assert all(i.state == "SUCCEEDED" and i.attempt == 1 for i in infos)
     assert result["stats"].completed == 30 and result["stats"].retried == 0
+
+
+async def test_one_renewer_keeps_every_long_handler_leased(autojump_clock, ers):
+    """Renewals are scheduled by one task for all running handlers: handlers started at
+    different times, each running for several leases, all keep their first delivery."""
+    m = await ers.mailboxes.ensure("c-renew-many")
+    run = await ers.scopes.create()
+    tickets = await m.submit_many(list(range(6)), scope=run)
+
+    async def handler(d):
+        await trio.sleep(40 + 7 * d.input)  # 3-5 leases of 15 s, staggered
+        return d.token
+
+    async with trio.open_nursery() as n:
+        n.start_soon(partial(consume, ers, m, run, handler, concurrency=6, lease_seconds=15))
+        infos = await ers.results(tickets, timeout=300)
+        await run.cancel()
+    assert [(i.state, i.attempt, i.outcome) for i in infos] == [("SUCCEEDED", 1, 1)] * 6

@@ -16,6 +16,7 @@ or the run stopped while the handler ran; the delivery's ``lost`` is then True).
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import logging
 from typing import Any, Awaitable, Callable
@@ -98,7 +99,9 @@ async def consume(
             a worker thread). ``delivery.input`` is the task input; the return value is
             the outcome (any msgpack-able value up to 64 KiB encoded).
         concurrency: deliveries handled at once, >= 1. One receive is outstanding at a
-            time, for as many deliveries as there are free handler slots (up to 100).
+            time, for as many deliveries as there are free handler slots (up to 100);
+            handlers that finish together are completed in one ``complete_many``; one
+            task renews every running handler's lease.
         lease_seconds: lease per delivery, seconds (5-600); renewed every third of it.
         wait: long-poll per receive request, seconds.
 
@@ -173,48 +176,105 @@ async def consume(
             lost(d)
 
     # Completes are coalesced: handlers that finish while a complete_many is on its way
-    # go together in the next one (one request and one commit for the lot, not one
-    # each). Each waits for its own item's answer.
-    completes: list[tuple[Delivery, Any, list]] = []
+    # go together in the next round (one request and one commit per 100, not one each).
+    # A round's handlers share one wake-up; each reads its own item's answer.
+    completes: list[tuple[Delivery, Any, list]] = []  # this round's (delivery, outcome, answer box)
+    round_done = anyio.Event()  # set when this round's answers are in
     complete_wake = anyio.Event()
 
     async def complete(d: Delivery, outcome: Any) -> Any:
         """Record ``d``'s outcome: the item's error (a RallypointError) if refused,
         else not an exception (None, or the task after a re-sent batch)."""
-        box: list = [anyio.Event(), None]
+        box: list = [None]
         completes.append((d, outcome, box))
+        done = round_done
         complete_wake.set()
-        await box[0].wait()
-        return box[1]
+        await done.wait()
+        return box[0]
 
     async def completer() -> None:
-        nonlocal complete_wake
+        nonlocal completes, round_done, complete_wake
         while True:
             if not completes:
                 complete_wake = anyio.Event()
                 await complete_wake.wait()
                 continue
-            # at most 100 items and ~768 KiB of outcomes (a frame holds 1 MiB)
-            n, size = 0, 0
-            for _, o, _ in completes[:100]:
-                size += len(o)
-                if n and size > 768 * 1024:
-                    break
-                n += 1
-            batch = completes[:n]
-            del completes[:n]
+            items, done = completes, round_done
+            completes, round_done = [], anyio.Event()
+            k = 0
+            while k < len(items):
+                # at most 100 items and ~768 KiB of outcomes per request (a frame holds 1 MiB)
+                n, size = 0, 0
+                for _, o, _ in items[k:k + 100]:
+                    size += len(o)
+                    if n and size > 768 * 1024:
+                        break
+                    n += 1
+                batch = items[k:k + n]
+                k += n
+                try:
+                    out = await complete_many(rs, [(d, o) for d, o, _ in batch], details=False)
+                except ValidationError:  # over the frame limit after all: each alone
+                    out = []
+                    for d, o, _ in batch:
+                        try:
+                            out += await complete_many(rs, [(d, o)], details=False)
+                        except ValidationError as e:
+                            out.append(e)
+                for (_, _, box), r in zip(batch, out):
+                    box[0] = r
+            done.set()
+
+    # Renewals: one task for every running handler (not one each): a heap of
+    # [due, seq, delivery, handler scope, box, renewal scope | None, alive]. A due entry
+    # is renewed in a task of its own (only handlers running longer than lease/3 get
+    # one), then re-armed a third of the lease later. Every push is due at least as late
+    # as what the heap holds (now + lease/3), so the renewer only needs waking when the
+    # heap was empty.
+    period = lease_seconds / 3
+    due: list[list] = []
+    seq = 0
+    due_added = anyio.Event()
+
+    def arm(entry: list, at: float) -> None:
+        nonlocal seq
+        seq += 1
+        entry[0], entry[1] = at, seq
+        heapq.heappush(due, entry)
+        due_added.set()
+
+    async def renew_one(entry: list) -> None:
+        _, _, d, handler_scope, box, _, _ = entry
+        with anyio.CancelScope() as scope:
+            entry[5] = scope
             try:
-                out = await complete_many(rs, [(d, o) for d, o, _ in batch], details=False)
-            except ValidationError:  # the batch is over the frame limit: each alone
-                out = []
-                for d, o, _ in batch:
-                    try:
-                        out += await complete_many(rs, [(d, o)], details=False)
-                    except ValidationError as e:
-                        out.append(e)
-            for (_, _, box), r in zip(batch, out):
-                box[1] = r
-                box[0].set()
+                await d.renew()
+            except (LeaseLostError, ScopeInactiveError):
+                handler_scope.cancel()
+                return
+            except Exception as e:  # e.g. UNAVAILABLE: the client gave up reconnecting
+                box["fatal"] = e
+                handler_scope.cancel()
+                return
+            finally:
+                entry[5] = None
+        if entry[6]:
+            arm(entry, anyio.current_time() + period)
+
+    async def renewer(tg: anyio.abc.TaskGroup) -> None:
+        nonlocal due_added
+        while True:
+            if not due:
+                due_added = anyio.Event()
+                await due_added.wait()
+                continue
+            wait_s = due[0][0] - anyio.current_time()
+            if wait_s > 0:
+                await anyio.sleep(wait_s)
+                continue
+            entry = heapq.heappop(due)
+            if entry[6]:
+                tg.start_soon(renew_one, entry)
 
     async def run_one(d: Delivery) -> None:
         box: dict[str, Any] = {}
@@ -222,33 +282,21 @@ async def consume(
         if stopping:
             handler_scope.cancel()
         active.add(handler_scope)
-
-        async def renewer() -> None:
-            while True:
-                await anyio.sleep(lease_seconds / 3)
-                try:
-                    await d.renew()
-                except (LeaseLostError, ScopeInactiveError):
-                    handler_scope.cancel()
-                    return
-                except Exception as e:  # e.g. UNAVAILABLE: the client gave up reconnecting
-                    box["fatal"] = e
-                    handler_scope.cancel()
-                    return
-
+        entry = [0.0, 0, d, handler_scope, box, None, True]
+        arm(entry, anyio.current_time() + period)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(renewer)
-                with handler_scope:
-                    try:
-                        if is_async:
-                            box["value"] = await handler(d)
-                        else:
-                            box["value"] = await anyio.to_thread.run_sync(handler, d, abandon_on_cancel=True)
-                    except Exception as e:  # the handler failed: retry
-                        box["error"] = e
-                tg.cancel_scope.cancel()
+            with handler_scope:
+                try:
+                    if is_async:
+                        box["value"] = await handler(d)
+                    else:
+                        box["value"] = await anyio.to_thread.run_sync(handler, d, abandon_on_cancel=True)
+                except Exception as e:  # the handler failed: retry
+                    box["error"] = e
         finally:
+            entry[6] = False  # (its heap entry is dropped when it falls due)
+            if entry[5] is not None:  # a renewal on its way: no longer wanted
+                entry[5].cancel()
             active.discard(handler_scope)
         if "fatal" in box:
             raise box["fatal"]
@@ -329,6 +377,7 @@ async def consume(
 
     async with anyio.create_task_group() as outer:
         outer.start_soon(completer)
+        outer.start_soon(renewer, outer)
         async with anyio.create_task_group() as tg:
             tg.start_soon(guarded, tg)
         outer.cancel_scope.cancel()  # every handler is done: nothing is left to complete
