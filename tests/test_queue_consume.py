@@ -206,6 +206,7 @@ async def test_consume_receives_for_its_free_slots_and_coalesces_completes(autoj
 
     monkeypatch.setattr(ers, "_call", counting_call)
     monkeypatch.setattr(ers, "_call_many", counting_call_many)
+
     async def handler(d):
         await trio.sleep(1)  # the 8 of a receive finish together
         return d.input + 1

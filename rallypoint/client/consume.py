@@ -325,14 +325,20 @@ async def consume(
     free = concurrency  # handler slots not in use
     slot_freed = anyio.Event()
 
-    async def handle(d: Delivery, tg: anyio.abc.TaskGroup) -> None:
-        nonlocal free, slot_freed
+    async def guarded(tg: anyio.abc.TaskGroup, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """``fn(*args)``; its exception is consume's: kept (the first), everything else
+        cancelled, raised once the task group has ended."""
         try:
-            await run_one(d)
+            await fn(*args)
         except Exception as e:
             if not fatal:
                 fatal.append(e)
             tg.cancel_scope.cancel()
+
+    async def handle(d: Delivery, tg: anyio.abc.TaskGroup) -> None:
+        nonlocal free
+        try:
+            await guarded(tg, run_one, d)
         finally:
             free += 1
             slot_freed.set()
@@ -367,19 +373,11 @@ async def consume(
                 free -= 1
                 tg.start_soon(handle, d, tg)
 
-    async def guarded(tg: anyio.abc.TaskGroup) -> None:
-        try:
-            await receiver(tg)
-        except Exception as e:
-            if not fatal:
-                fatal.append(e)
-            tg.cancel_scope.cancel()
-
     async with anyio.create_task_group() as outer:
         outer.start_soon(completer)
         outer.start_soon(renewer, outer)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(guarded, tg)
+            tg.start_soon(guarded, tg, receiver, tg)
         outer.cancel_scope.cancel()  # every handler is done: nothing is left to complete
     if fatal:
         raise fatal[0]
