@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import struct
 import uuid

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from rallypoint import protocol as p
-from rallypoint.client import types as t
+from rallypoint.client import types as client_types
 from rallypoint.errors import (
     ConflictError,
     LeaseLostError,
@@ -135,7 +135,7 @@ async def test_empty_batches_are_no_ops_in_the_sdk(rs):
     assert await rs.results([]) == []
     assert (await m.status()).queued == 0
     with pytest.raises(ValidationError) as ei:
-        await rs._call(p.TaskSubmitMany(mailbox=m.name, scope_id=run.id, items=[]), t._TaskList)
+        await rs._call(p.TaskSubmitMany(mailbox=m.name, scope_id=run.id, items=[]), client_types._TaskList)
     assert "1 to 1000" in ei.value.message
 
 

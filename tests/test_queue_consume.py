@@ -4,7 +4,6 @@ import threading
 from functools import partial
 import uuid
 
-import pytest
 import trio
 
 import rallypoint
