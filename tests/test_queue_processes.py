@@ -78,14 +78,17 @@ ASYNC_WORKER = textwrap.dedent(
             return {"worker": name, "y": d.input["x"] * 2}
 
         async with rallypoint.connect(url) as rs:
-            orig = rallypoint.Delivery.complete
+            # consume() completes in batches (complete_many): record the accepted items
+            import rallypoint.client.consume as c
+            orig = c.complete_many
 
-            async def complete(self, outcome=None):
-                r = await orig(self, outcome)
-                done.append(self.task_id)
-                return r
+            async def complete_many(rs, items, **kw):
+                items = list(items)
+                out = await orig(rs, items, **kw)
+                done.extend(d.task_id for (d, _), r in zip(items, out) if not isinstance(r, Exception))
+                return out
 
-            rallypoint.Delivery.complete = complete
+            c.complete_many = complete_many
             stats = await rallypoint.consume(rs, mbx, run_id, handler, concurrency=3, wait=1)
         print(json.dumps(done), flush=True)
 
