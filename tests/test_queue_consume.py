@@ -183,6 +183,21 @@ async def test_consume_is_exported():
     assert rallypoint.consume is consume
 
 
+async def _consume_until_done(ers, m, run, handler, tickets, **kw):
+    """consume() until every ticket's task is finished, then cancel the run:
+    (the tasks' infos, consume's stats)."""
+    result = {}
+
+    async def worker():
+        result["stats"] = await consume(ers, m, run, handler, **kw)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(worker)
+        infos = await ers.results(tickets, timeout=300)
+        await run.cancel()
+    return infos, result["stats"]
+
+
 async def test_consume_receives_for_its_free_slots_and_coalesces_completes(autojump_clock, ers, monkeypatch):
     """One receive asks for as many deliveries as there are free handler slots, and
     handlers that finish together are completed by one complete_many: 40 tasks with 8
@@ -210,17 +225,9 @@ async def test_consume_receives_for_its_free_slots_and_coalesces_completes(autoj
         await trio.sleep(1)  # the 8 of a receive finish together
         return d.input + 1
 
-    result = {}
-
-    async def worker():
-        result["stats"] = await consume(ers, m, run, handler, concurrency=8)
-
-    async with trio.open_nursery() as n:
-        n.start_soon(worker)
-        infos = await ers.results(tickets, timeout=60)
-        await run.cancel()
+    infos, stats = await _consume_until_done(ers, m, run, handler, tickets, concurrency=8)
     assert [(i.state, i.outcome) for i in infos] == [("SUCCEEDED", k + 1) for k in range(40)]
-    assert result["stats"].completed == 40
+    assert stats.completed == 40
     receives = [o for o in ops if o == p.Receive.__name__]
     assert 5 <= len(receives) <= 12, ops  # ~40 / 8, plus the last one the cancel answers
     assert p.DeliveryComplete.__name__ not in ops
@@ -238,17 +245,9 @@ async def test_consume_completes_large_outcomes_within_the_frame_limit(autojump_
         await trio.sleep(1)
         return "x" * 60_000
 
-    result = {}
-
-    async def worker():
-        result["stats"] = await consume(ers, m, run, handler, concurrency=30)
-
-    async with trio.open_nursery() as n:
-        n.start_soon(worker)
-        infos = await ers.results(tickets, timeout=60, details=False)
-        await run.cancel()
+    infos, stats = await _consume_until_done(ers, m, run, handler, tickets, concurrency=30)
     assert all(i.state == "SUCCEEDED" and i.attempt == 1 for i in infos)
-    assert result["stats"].completed == 30 and result["stats"].retried == 0
+    assert stats.completed == 30 and stats.retried == 0
 
 
 async def test_one_renewer_keeps_every_long_handler_leased(autojump_clock, ers):
@@ -262,8 +261,5 @@ async def test_one_renewer_keeps_every_long_handler_leased(autojump_clock, ers):
         await trio.sleep(40 + 7 * d.input)  # 3-5 leases of 15 s, staggered
         return d.token
 
-    async with trio.open_nursery() as n:
-        n.start_soon(partial(consume, ers, m, run, handler, concurrency=6, lease_seconds=15))
-        infos = await ers.results(tickets, timeout=300)
-        await run.cancel()
+    infos, _ = await _consume_until_done(ers, m, run, handler, tickets, concurrency=6, lease_seconds=15)
     assert [(i.state, i.attempt, i.outcome) for i in infos] == [("SUCCEEDED", 1, 1)] * 6
