@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 import os
+import re
 import select
 import shlex
 import signal
@@ -1300,9 +1301,38 @@ def _stdout_gone() -> bool:
         return False
 
 
+def _join_negative_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--opt -5s`` -> ``--opt=-5s`` for every option that takes a value: argparse reads
+    a token like ``-5s`` as an unknown option and says only "expected one argument";
+    joined, the value reaches the option's own check and its message."""
+    takes_value: set[str] = set()
+
+    def walk(p: argparse.ArgumentParser) -> None:
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    walk(sub)
+            elif a.option_strings and a.nargs != 0:
+                takes_value.update(o for o in a.option_strings if o.startswith("--"))
+
+    walk(parser)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in takes_value and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            out.append(f"{tok}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``rallypoint`` command line; returns the exit code (see the module doc)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_join_negative_values(parser, list(sys.argv[1:] if argv is None else argv)))
     try:
         rc = args.fn(args) or 0
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush

@@ -50,6 +50,9 @@ def test_status_and_runs_take_an_api_key(tmp_path):
     (["serve", "--listen", "127.0.0.1:0", "--durability", "memory", "--tls-cert", "/nonexistent",
       "--tls-key", "/nonexistent"], "no such file /nonexistent"),
     (["serve", "--interval-ms", "-1"], "--interval-ms"),
+    # a negative value is the option's own error, not argparse's "expected one argument"
+    (["serve", "--retain-finished", "-5s"], "--retain-finished must be a duration like"),
+    (["serve", "--retain-events", "-3"], "--retain-events must be a count"),
     (["repair", "--data-dir", "/nonexistent/dir"], "not a rallypoint data dir"),
     (["keys", "--data-dir", "/nonexistent/dir", "list"], "not a rallypoint data dir"),
     (["status", "--connect", "tcp://127.0.0.1:99999"], "port 0-65535"),
