@@ -371,6 +371,20 @@ def _error_line(e, args) -> str:
     return str(e)
 
 
+def _run_live(main, args) -> int:
+    """``trio.run(main)`` for a command that runs until it ends or Ctrl-C (``watch``,
+    ``top``): 0 either way; a RallypointError is its one-line failure (exit 1)."""
+    from .errors import RallypointError
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
+    return 0
+
+
 def _fail(e, args) -> int:
     print(f"rallypoint: {_error_line(e, args)}", file=sys.stderr)
     return 1
@@ -581,8 +595,6 @@ def cmd_watch(args) -> int:
     import rallypoint
     from rich.console import Console
 
-    from .errors import RallypointError
-
     from .errors import CursorExpiredError
     from .events import unknown_types
 
@@ -632,13 +644,7 @@ def cmd_watch(args) -> int:
                           file=sys.stderr, flush=True)
                     cursor, begin = None, "now"
 
-    try:
-        trio.run(main)
-    except KeyboardInterrupt:
-        return 0
-    except RallypointError as e:
-        return _fail(e, args)
-    return 0
+    return _run_live(main, args)
 
 
 def _top_frame(ov, st, url: str, rates: dict, limit: int):
@@ -697,8 +703,6 @@ def cmd_top(args) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .errors import RallypointError
-
     console = Console(highlight=False)
     once = args.once or not console.is_terminal
 
@@ -726,13 +730,9 @@ def cmd_top(args) -> int:
                     await trio.sleep(args.interval)
                     live.update(await frame())
 
-    try:
-        trio.run(main)
-    except KeyboardInterrupt:
-        return 0
-    except RallypointError as e:
-        return _fail(e, args)
-    return 0
+    return _run_live(main, args)
+
+
 def _print_rows(header: list[str], rows: list[list[str]]) -> None:
     """Aligned columns (every value one word, so the output stays ``awk``-able)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rallypoint.loadtest.runner import SpawnedDaemon  # noqa: E402
 
 CLIENT = r"""
 import json, os, sys, time, trio, rallypoint
@@ -68,23 +69,11 @@ def _cpu_s(pid: int) -> float:
 
 def one(tree: str, a) -> dict:
     tree = os.path.abspath(tree)
-    env = dict(os.environ, PYTHONPATH=tree)
-    tmp = tempfile.mkdtemp(prefix="rp-consume-")
-    args = [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0", "--durability", a.durability,
-            "--log-level", "WARNING"]
-    if a.durability != "memory":
-        args += ["--data-dir", os.path.join(tmp, "data")]
-    daemon = subprocess.Popen(args, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    daemon = SpawnedDaemon(a.durability, ["--log-level", "WARNING"], tree=tree)
     try:
-        url = None
-        for line in daemon.stdout:  # type: ignore[union-attr]
-            if line.startswith("READY "):
-                url = line.split()[1]
-                break
-        if url is None:
-            raise SystemExit(f"{tree}: the daemon exited before READY")
-        client = subprocess.Popen([sys.executable, "-c", CLIENT, url, str(a.tasks), str(a.concurrency)], env=env,
-                                  cwd=tree, stdout=subprocess.PIPE, text=True)
+        url = daemon.start()
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, url, str(a.tasks), str(a.concurrency)],
+                                  env=dict(os.environ, PYTHONPATH=tree), cwd=tree, stdout=subprocess.PIPE, text=True)
         # the daemon's CPU over the client's whole life (submission included: an upper bound)
         d0 = _cpu_s(daemon.pid)
         out, _ = client.communicate(timeout=600)
@@ -93,9 +82,7 @@ def one(tree: str, a) -> dict:
         r["daemon_cpu"] = d1 - d0
         return r
     finally:
-        daemon.terminate()
-        daemon.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        daemon.stop()
 
 
 def main() -> None:

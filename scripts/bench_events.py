@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from rallypoint.loadtest.runner import SpawnedDaemon  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -122,26 +124,6 @@ def _affinity(which: str):
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
-def start_daemon(tree: Path, durability: str, data_dir: str, metrics: bool,
-                 extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0", "--durability", durability,
-            "--data-dir", data_dir, *(extra or [])]
-    if metrics:
-        args += ["--metrics", "127.0.0.1:0"]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    p = subprocess.Popen(args, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                         preexec_fn=_affinity("daemon"))
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if line.startswith("READY "):
-            return p, line.split()[1]
-        if not line and p.poll() is not None:
-            break
-    p.kill()
-    raise RuntimeError(f"daemon of {tree} did not start")
-
-
 def run_bench(url: str, args, out: str) -> dict:
     cmd = [sys.executable, "-m", "rallypoint", "bench", "--connect", url, "--scenario", "lifecycle",
            "--duration", str(args.duration), "--warmup", str(args.warmup), "--producers", str(args.producers),
@@ -157,7 +139,10 @@ def run_bench(url: str, args, out: str) -> dict:
 def one(config: str, tree: Path, args, tmp: str) -> dict:
     data = tempfile.mkdtemp(dir=tmp)
     extra = ["--watch-stall", str(args.watch_stall)] if config == "events" and args.watcher == "stuck" else []
-    daemon, url = start_daemon(tree, args.durability, data, metrics=config == "events", extra=extra)
+    if config == "events":
+        extra += ["--metrics", "127.0.0.1:0"]
+    daemon = SpawnedDaemon(args.durability, extra, tree=str(tree), data_dir=data, preexec_fn=_affinity("daemon"))
+    url = daemon.start()
     watcher = None
     wout = os.path.join(tmp, f"watch-{config}.jsonl")
     try:
@@ -181,8 +166,7 @@ def one(config: str, tree: Path, args, tmp: str) -> dict:
         if watcher is not None:
             watcher.send_signal(signal.SIGINT)
             watcher.wait(10)
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
+        daemon.stop(30)
         shutil.rmtree(data, ignore_errors=True)
     th = report["throughput"]
     # every lifecycle of the whole bench (warm-up included) cost daemon CPU

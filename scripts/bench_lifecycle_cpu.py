@@ -26,11 +26,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rallypoint.loadtest.runner import SpawnedDaemon  # noqa: E402
 
 
 def _free_port() -> int:
@@ -44,30 +45,19 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float]:
-    """One run against ``tree``: (lifecycles/s as printed, measured lifecycles, daemon CPU s)."""
+def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float, dict | None]:
+    """One run against ``tree``: (lifecycles/s as printed, measured lifecycles, daemon CPU
+    s, the journal's means with ``--commit-wait`` else None)."""
     tree = os.path.abspath(tree)
     env = dict(os.environ, PYTHONPATH=tree)
-    port = _free_port()
-    tmp = tempfile.mkdtemp(prefix="rp-cpu-")
-    args = [sys.executable, "-m", "rallypoint", "serve", "--listen", f"127.0.0.1:{port}",
-            "--durability", a.durability]
     mport = _free_port() if a.commit_wait else None
-    if mport is not None:
-        args += ["--metrics", f"127.0.0.1:{mport}"]
-    if a.durability != "memory":
-        args += ["--data-dir", os.path.join(tmp, "data")]
-    daemon = subprocess.Popen(args, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    daemon = SpawnedDaemon(a.durability, ["--metrics", f"127.0.0.1:{mport}"] if mport else [], tree=tree)
     try:
-        for line in daemon.stdout:  # type: ignore[union-attr]
-            if line.startswith("READY"):
-                break
-        else:
-            raise SystemExit(f"{tree}: the daemon exited before READY")
+        url = daemon.start()
         c0 = _cpu_s(daemon.pid)
         out = subprocess.run(
-            [sys.executable, "-m", "rallypoint", "bench", "--scenario", "lifecycle", "--connect",
-             f"tcp://127.0.0.1:{port}", "--duration", str(a.duration), "--warmup", "1",
+            [sys.executable, "-m", "rallypoint", "bench", "--scenario", "lifecycle", "--connect", url,
+             "--duration", str(a.duration), "--warmup", "1",
              "--producers", str(a.producers), "--workers", str(a.workers), "--batch", str(a.batch),
              "--pipeline", str(a.pipeline), "--worker-concurrency", str(a.worker_concurrency),
              "--max-messages", str(a.max_messages)],
@@ -75,9 +65,7 @@ def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float]:
         c1 = _cpu_s(daemon.pid)
         waits = _journal_means(mport) if mport is not None else None
     finally:
-        daemon.terminate()
-        daemon.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+        daemon.stop()
     rate = re.search(r"throughput: [\d,]+ requests/s, ([\d,]+) lifecycles/s", out)
     counted = [ln for ln in out.splitlines() if ln.startswith("lifecycle ")]
     n = int(counted[0].split()[1]) if counted else 0

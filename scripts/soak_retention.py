@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import rallypoint  # noqa: E402
+from rallypoint.loadtest.runner import SpawnedDaemon  # noqa: E402
 
 
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:
@@ -62,22 +63,6 @@ def dir_bytes(path: str) -> int:
             except FileNotFoundError:
                 pass
     return total
-
-
-def start_daemon(data: str, retain: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0", "--durability", "fsync",
-            "--data-dir", data, "--retain-finished", retain, *extra]
-    p = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if line.startswith("READY "):
-            return p, line.split()[1]
-        if not line and p.poll() is not None:
-            break
-    p.kill()
-    raise RuntimeError("the daemon did not start")
 
 
 async def sample(url: str, pid: int, data: str, t0: float) -> dict:
@@ -120,8 +105,10 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="rp-soak-")
     data = os.path.join(tmp, "data")
-    daemon, url = start_daemon(data, args.retain, ["--snapshot-every-s", str(args.snapshot_every_s),
-                                                   "--retain-events", args.retain_events])
+    daemon = SpawnedDaemon("fsync", ["--retain-finished", args.retain, "--snapshot-every-s",
+                                     str(args.snapshot_every_s), "--retain-events", args.retain_events],
+                           tree=str(ROOT), data_dir=data)
+    url = daemon.start()
     duration = args.minutes * 60
     bench = subprocess.Popen(
         [sys.executable, "-m", "rallypoint", "bench", "--connect", url, "--scenario", "lifecycle",
@@ -149,8 +136,7 @@ def main() -> int:
                 bench.wait(60)
             except subprocess.TimeoutExpired:
                 bench.kill()
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(60)
+        daemon.stop(60)
         shutil.rmtree(tmp, ignore_errors=True)
     half = args.window_s / 2
     end = samples[-1]["t"] - half

@@ -31,22 +31,36 @@ MAILBOX = "rallypoint-bench"
 
 
 class SpawnedDaemon:
-    """``rallypoint serve`` on a free loopback port with a fresh temp data dir."""
+    """``rallypoint serve`` on a free loopback port with a fresh temp data dir (or
+    ``data_dir``, which is kept). ``tree``: run that source tree's daemon (its directory
+    as the working directory and ``PYTHONPATH``: for comparing trees); ``preexec_fn``:
+    as :class:`subprocess.Popen`'s (e.g. to pin it to a CPU). The benchmark scripts
+    start their daemons with it too."""
 
-    def __init__(self, durability: str, extra: list[str] | None = None) -> None:
+    def __init__(self, durability: str, extra: list[str] | None = None, *, tree: str | None = None,
+                 data_dir: str | None = None, preexec_fn=None) -> None:
         self.durability = durability
         self.extra = extra or []
+        self.tree = tree
+        self.preexec_fn = preexec_fn
         self.dir = tempfile.mkdtemp(prefix="rallypoint-bench-")
-        self.data_dir = os.path.join(self.dir, "data")
+        self.data_dir = data_dir or os.path.join(self.dir, "data")
         self.log_path = os.path.join(self.dir, "daemon.log")
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
 
     def start(self, timeout: float = 30.0) -> str:
         args = [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0",
                 "--durability", self.durability, "--data-dir", self.data_dir, *self.extra]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        env = None if self.tree is None else {**os.environ, "PYTHONPATH": self.tree}
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._log, text=True, cwd=self.tree,
+                                     env=env, preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()

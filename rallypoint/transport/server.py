@@ -506,6 +506,15 @@ class _Conn:
 
     def push(self, rid: int, events: list) -> None:
         """Queue one Push frame (hand-built: the events are already encoded) and send it."""
+        self._push(rid, _array_header(len(events)), events)
+
+    def push_encoded(self, rid: int, n: int, array: bytes) -> None:
+        """One Push frame whose ``n`` events are already one encoded msgpack array."""
+        self._push(rid, array, ())
+
+    def _push(self, rid: int, head: bytes, items) -> None:
+        """Queue ``Push(rid, events)`` with the events' array as ``head`` followed by
+        ``items`` (encoded bytes, appended in order), and send it."""
         if self.closing or rid not in self.streams:
             return
         out = self.out
@@ -514,32 +523,14 @@ class _Conn:
         out += _PUSH_HEAD
         out += pack_uint(rid)
         out += _PUSH_EVENTS
-        out += _array_header(len(events))
-        for raw in events:
+        out += head
+        for raw in items:
             out += raw
         pack_header_into(out, start, len(out) - start - HEADER)
         self.pushes += 1
-        n = len(out) + self.sending
-        if n > self.max_out:
-            self.max_out = n
-        self.flush()
-
-    def push_encoded(self, rid: int, n: int, array: bytes) -> None:
-        """One Push frame whose events are already one encoded msgpack array."""
-        if self.closing or rid not in self.streams:
-            return
-        out = self.out
-        start = len(out)
-        out += HEADER_PLACEHOLDER
-        out += _PUSH_HEAD
-        out += pack_uint(rid)
-        out += _PUSH_EVENTS
-        out += array
-        pack_header_into(out, start, len(out) - start - HEADER)
-        self.pushes += 1
-        n = len(out) + self.sending
-        if n > self.max_out:
-            self.max_out = n
+        size = len(out) + self.sending
+        if size > self.max_out:
+            self.max_out = size
         self.flush()
 
     def end_stream(self, rid: int, error: Any) -> None:
