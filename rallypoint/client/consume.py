@@ -244,6 +244,8 @@ async def consume(
         due_added.set()
 
     async def renew_one(entry: list) -> None:
+        if not entry[6]:  # its handler ended before this task started
+            return
         _, _, d, handler_scope, box, _, _ = entry
         with anyio.CancelScope() as scope:
             entry[5] = scope
@@ -294,9 +296,10 @@ async def consume(
                 except Exception as e:  # the handler failed: retry
                     box["error"] = e
         finally:
-            entry[6] = False  # (its heap entry is dropped when it falls due)
-            if entry[5] is not None:  # a renewal on its way: no longer wanted
+            entry[6] = False  # its heap entry is dropped when it falls due ...
+            if entry[5] is not None:  # (a renewal on its way: no longer wanted)
                 entry[5].cancel()
+            entry[2] = entry[3] = entry[4] = None  # ... and holds no delivery meanwhile
             active.discard(handler_scope)
         if "fatal" in box:
             raise box["fatal"]
