@@ -138,6 +138,7 @@ async def _serve(args) -> int:
         snapshot_retry_s=args.snapshot_retry_s,
         min_free_bytes=int(args.min_free_mb * (1 << 20)),
         ballast_bytes=int(args.ballast_mb * (1 << 20)),
+        preallocate_bytes=int(args.preallocate_kb * 1024),
     ) as node:
         coord = node.coordinator
         coord.watchers.stall_s = args.watch_stall
@@ -1142,6 +1143,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ballast-mb", type=_bounded(float, 0), default=4.0,
                    help="MiB reserved in DATA_DIR/BALLAST and given back when the disk fills up, so the writes "
                         "already in flight still reach the journal (default %(default)s)")
+    s.add_argument("--preallocate-kb", type=_bounded(int, 0), default=1024,
+                   help="KiB of zeros the journal keeps written ahead of its records, so an fsync writes data "
+                        "only, not also the file's new size (default %(default)s; 0: off, e.g. on copy-on-write "
+                        "filesystems such as btrfs or ZFS, where it saves nothing)")
     s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
     s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,

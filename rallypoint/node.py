@@ -96,6 +96,7 @@ async def open_node(
     ballast_bytes: int = 0,
     space_poll_s: float = 1.0,
     snapshot_retry_s: float = 5.0,
+    preallocate_bytes: int = 1 << 20,
     disk=None,
     storage: Storage | None = None,
 ) -> AsyncIterator[Node]:
@@ -113,7 +114,10 @@ async def open_node(
     (re-checked every ``space_poll_s`` s). ``ballast_bytes`` reserves that much
     (``<data_dir>/BALLAST``) to give back when a write hits ENOSPC. A snapshot that fails
     (say ENOSPC in LMDB) is retried after ``snapshot_retry_s`` s; snapshots are skipped
-    while writes are refused. ``disk`` replaces the journal's file operations (fault
+    while writes are refused. ``preallocate_bytes``: zeros the journal keeps written
+    ahead of its records (default 1 MiB; 0: off; see
+    :mod:`rallypoint.persistence.journal`, *Preallocation*). ``disk`` replaces the
+    journal's file operations (fault
     injection in tests, :class:`rallypoint.persistence.Disk`); ``storage`` (file modes
     only) replaces how the journal and snapshot store are opened (default
     :class:`Storage`: the production files; the deterministic simulator's is seeded).
@@ -138,6 +142,7 @@ async def open_node(
             ballast_bytes=ballast_bytes,
             space_poll_s=space_poll_s,
             snapshot_retry_s=snapshot_retry_s,
+            preallocate_bytes=preallocate_bytes,
             disk=disk,
             storage=storage,
         ) as node:
@@ -595,6 +600,7 @@ async def open_persistent_node(
     ballast_bytes: int = 0,
     space_poll_s: float = 1.0,
     snapshot_retry_s: float = 5.0,
+    preallocate_bytes: int = 1 << 20,
     disk=None,
     storage: Storage | None = None,
 ) -> AsyncIterator[Node]:
@@ -623,7 +629,8 @@ async def open_persistent_node(
         try:
             coord.journal = storage.open_journal(rec, durability, interval_ms,
                                                  min_free_bytes=min_free_bytes, ballast_bytes=ballast_bytes,
-                                                 space_poll_s=space_poll_s, disk=disk)
+                                                 space_poll_s=space_poll_s,
+                                                 preallocate_bytes=preallocate_bytes, disk=disk)
         except BaseException:
             rec.store.close()
             raise
@@ -634,8 +641,14 @@ async def open_persistent_node(
         _write_clock(clock_file, clock)
         info["entities"] = coord.entity_count()
         info["downtime_s"] = gap_ms / 1000
-        if info["torn_tail"] is not None:
-            log.warning("cut a torn journal tail: %s", info["torn_tail"])
+        torn = info["torn_tail"]
+        if torn is not None:
+            from .persistence.journal import ZERO_TAIL
+
+            if torn.reason == ZERO_TAIL:  # a preallocated segment after a crash: nothing lost
+                log.info("cut the journal's zero-filled tail: %s", torn)
+            else:
+                log.warning("cut a torn journal tail: %s", torn)
         log.info(
             "recovered %d entities from %s: snapshot LSN %d, %d journal records replayed, %d events kept, in %.3f s",
             info["entities"], os.path.abspath(data_dir), info["snapshot_lsn"], info["replayed"],

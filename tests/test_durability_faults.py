@@ -25,11 +25,14 @@ _HDR = struct.Struct("<IIQ")  # length, crc, lsn (journal.py framing)
 
 
 def record_offsets(path: Path) -> list[tuple[int, int, int]]:
-    """``[(offset, length, lsn)]`` of every record framed in a segment file."""
+    """``[(offset, length, lsn)]`` of every record framed in a segment file (up to a
+    zero header: the preallocated tail a crashed journal's last segment ends in)."""
     data = path.read_bytes()
     out, off = [], 0
     while off + HEADER_SIZE <= len(data):
         length, _crc, lsn = _HDR.unpack_from(data, off)
+        if lsn == 0:
+            break
         out.append((off, length, lsn))
         off += HEADER_SIZE + length
     return out

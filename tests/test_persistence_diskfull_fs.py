@@ -68,7 +68,9 @@ def wait_for_log(tmp_path: Path, needle: str, timeout: float = 30.0) -> str:
 
 
 def test_a_full_disk_refuses_writes_serves_reads_and_recovers_by_itself(tmp_path):
-    fs, url = start(tmp_path, "--min-free-mb", "1", "--ballast-mb", "1")
+    # No preallocation: the write after the fill must hit ENOSPC (the preallocated
+    # zeros would take it, see the next test).
+    fs, url = start(tmp_path, "--min-free-mb", "1", "--ballast-mb", "1", "--preallocate-kb", "0")
     try:
         with rallypoint.sync.connect(url) as rs:
             run = rs.scopes.create(name="work")
@@ -102,6 +104,31 @@ def test_a_full_disk_refuses_writes_serves_reads_and_recovers_by_itself(tmp_path
     text = log_text(tmp_path)
     assert "Traceback" not in text, text[-3000:]
     assert "released the 1048576-byte ballast" in text and "writes are accepted again" in text, text[-3000:]
+
+
+def test_the_preallocated_journal_tail_takes_a_write_on_a_full_disk_without_a_ballast(tmp_path):
+    # The journal keeps zeros written ahead of its records (1 MiB): a write on a disk
+    # that just filled up lands in them instead of failing with ENOSPC, and the check
+    # after it refuses the next writes. No ballast is configured.
+    fs, url = start(tmp_path, "--min-free-mb", "1", "--ballast-mb", "0", "--preallocate-kb", "1024")
+    try:
+        with rallypoint.sync.connect(url) as rs:
+            run = rs.scopes.create(name="work")
+            jobs = rs.mailboxes.ensure("jobs")
+            jobs.submit({"n": 0}, scope=run)
+            assert fs.fill(0) < 4096
+            landed = jobs.submit({"blob": "x" * 60_000}, scope=run)
+            assert rs.task(landed.id).status().state == "QUEUED"
+            with pytest.raises(UnavailableError, match="disk full"):
+                jobs.submit({"n": 1}, scope=run)
+            fs.free()
+            retry_until_accepted(lambda: jobs.submit({"n": 2}, scope=run))
+        assert fs.stop() == 0
+    finally:
+        fs.close()
+    text = log_text(tmp_path)
+    assert "Traceback" not in text, text[-3000:]
+    assert "ballast" not in text and "write that waited for disk space" not in text, text[-3000:]
 
 
 def test_a_daemon_restarted_on_a_full_disk_serves_reads_and_resumes_writes(tmp_path):

@@ -223,7 +223,8 @@ class SimJournal(Journal):
         # no free-space reserve, no ballast: the simulated disk never fills up (the
         # free space of the host's tmpfs must not decide anything)
         super().__init__(data_dir, mode=mode, next_lsn=next_lsn, interval_ms=interval_ms,
-                         segment_bytes=disk.segment_bytes, min_free_bytes=0, ballast_bytes=0)
+                         segment_bytes=disk.segment_bytes, min_free_bytes=0, ballast_bytes=0,
+                         preallocate_bytes=0)  # the seeded flusher below writes appends only
         self._sim = disk
         self._kick = trio.Event()
         self._round: list[list] = []
