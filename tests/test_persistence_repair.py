@@ -252,6 +252,29 @@ async def _daemon_dir_with_runs(tmp_path: Path, n: int) -> tuple[Path, list[str]
     return d, ids
 
 
+async def test_a_crashed_daemons_zero_tail_is_not_damage_to_repair(tmp_path):
+    # kill -9 leaves the last segment ending in the zeros the journal wrote ahead of
+    # its records (preallocation): repair says intact, names them, and changes nothing.
+    d, ids = await _daemon_dir_with_runs(tmp_path, 3)
+    (_, seg), = list_segments(d)
+    from test_durability_faults import record_offsets
+
+    raw = seg.read_bytes()
+    off, length, _ = record_offsets(seg)[-1]
+    end = off + HEADER_SIZE + length
+    assert len(raw) - end >= 4096 and raw[end:].count(0) == len(raw) - end  # the zeros are there
+    r = rp("repair", "--data-dir", str(d))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "intact" in r.stdout and f"ends in {len(raw) - end} zero bytes" in r.stdout, r.stdout
+    assert seg.read_bytes() == raw
+    daemon = Daemon(str(d), "fsync").start()  # and the daemon starts and cuts them
+    try:
+        async with rallypoint.connect(daemon.url) as rs:
+            assert (await rs.scope(ids[-1]).status()).name == "r2"
+    finally:
+        assert daemon.stop() == 0, daemon.stderr()
+
+
 async def test_deleted_last_segment_stops_the_daemon_until_one_repair(tmp_path):
     d, ids = await _daemon_dir_with_runs(tmp_path, 3)
     segs = list_segments(d)

@@ -24,6 +24,7 @@ from .journal import (
     CoveredDamage,
     _analyse,
     _fsync_dir,
+    _is_zero,
     _last_valid_lsn,
     _truncate_file,
     list_segments,
@@ -72,6 +73,9 @@ class RepairPlan:
             the end is unknown, e.g. a deleted newest segment after a crash).
         covered_count: records dropped that the snapshot already holds (nothing lost).
         covered_damage: damage skipped because the snapshot holds those records.
+        zero_tail: ``(file, byte offset, bytes)`` of the zeros a crash leaves after the
+            last segment's records (written ahead by the journal, see *Preallocation* in
+            :mod:`.journal`): not damage, nothing to repair (start-up cuts them).
     """
 
     data_dir: Path
@@ -92,6 +96,7 @@ class RepairPlan:
     lost_count: int | None = None
     covered_count: int = 0
     covered_damage: list[CoveredDamage] = field(default_factory=list)
+    zero_tail: tuple[Path, int, int] | None = None
 
     def describe(self) -> str:
         """The plan in words, one fact per line (what ``rallypoint repair`` prints)."""
@@ -101,6 +106,10 @@ class RepairPlan:
             for c in self.covered_damage:
                 lines.append(f"  (damage in {c.path} at byte {c.offset} is in records the snapshot holds: "
                              f"ignored)")
+            if self.zero_tail is not None:
+                path, off, n = self.zero_tail
+                lines.append(f"  ({path} ends in {n} zero bytes from byte {off}: space the journal had "
+                             f"written ahead of its records; the daemon cuts them when it starts)")
             return "\n".join(lines)
         lines = [f"journal damage: {self.reason}", f"  found in {self.damage_path} at byte {self.damage_offset}",
                  "repair will:"]
@@ -183,6 +192,11 @@ def plan_repair(data_dir: str | os.PathLike[str], *, snapshot_lsn: int | None = 
     p = a.problem
     if p is None:
         return RepairPlan(d, s, False, keep_last_lsn=max(a.expected - 1, s), covered_damage=a.covered)
+    if p.kind == "torn":
+        data = p.path.read_bytes()
+        if _is_zero(data, p.offset, len(data)):  # a crash's preallocated tail: not damage
+            return RepairPlan(d, s, False, keep_last_lsn=max(a.expected - 1, s), covered_damage=a.covered,
+                              zero_tail=(p.path, p.offset, len(data) - p.offset))
     plan = RepairPlan(d, s, True, kind=p.kind, reason=p.reason, damage_path=p.path, damage_offset=p.offset,
                       missing=p.missing, covered_damage=a.covered)
     relevant = a.relevant
