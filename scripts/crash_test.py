@@ -410,7 +410,7 @@ def run_crash_test(
     data_dir, log_path, scratch = workdir / "data", workdir / "acked.log", workdir / "scratch"
     out(f"crash test: {kills} kills, seed {seed}, work dir {workdir}")
     result = {"seed": seed, "kills": 0, "acknowledged": 0, "verified": 0, "lost": 0, "violations": 0,
-              "snapshots_seen": 0, "torn_tails": 0, "workdir": str(workdir), "problems": []}
+              "snapshots_seen": 0, "torn_tails": 0, "zero_tails": 0, "workdir": str(workdir), "problems": []}
     t_start = time.monotonic()
     for cycle in range(kills):
         extra = ["--snapshot-every-records", str(snapshot_every_records)] if cycle % 2 else []
@@ -440,13 +440,17 @@ def run_crash_test(
         viol = check_invariants(coord)
         if info["snapshot_lsn"]:
             result["snapshots_seen"] += 1
-        if info["torn_tail"] is not None:
-            result["torn_tails"] += 1
+        from rallypoint.persistence.journal import ZERO_TAIL
+
+        torn = info["torn_tail"]
+        zero = torn is not None and torn.reason == ZERO_TAIL  # the journal's preallocated zeros
+        if torn is not None:
+            result["zero_tails" if zero else "torn_tails"] += 1
         result["problems"] += [f"cycle {cycle}: {p}" for p in lost + viol]
         out(
             f"kill {cycle + 1:3d}: {len(log):6d} ops acknowledged, {len(lost)} lost, {len(viol)} violations; "
             f"recovered {coord.entity_count()} entities (snapshot LSN {info['snapshot_lsn']}, "
-            f"{info['replayed']} replayed{', torn tail cut' if info['torn_tail'] else ''})"
+            f"{info['replayed']} replayed{', zero tail cut' if zero else ', torn tail cut' if torn else ''})"
         )
     # Final: the daemon itself recovers, every acknowledged op is checked over TCP.
     daemon = DaemonProc(data_dir, workdir / "daemon.log", []).start()
@@ -472,7 +476,8 @@ def run_crash_test(
     out(
         f"kills {result['kills']}, operations acknowledged {result['acknowledged']}, "
         f"verified {result['verified']}, lost {result['lost']}, invariant violations {result['violations']} "
-        f"({result['snapshots_seen']} recoveries from a snapshot, {result['torn_tails']} torn tails cut, "
+        f"({result['snapshots_seen']} recoveries from a snapshot, {result['torn_tails']} torn tails and "
+        f"{result['zero_tails']} preallocated zero tails cut, "
         f"{result['seconds']} s)"
     )
     for p in result["problems"][:20]:
