@@ -98,7 +98,8 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "scope.completed": ("scope", "the run completed", "reason"),
     "scope.deadline": ("scope", "the run passed its deadline (its subtree stops)", "deadline"),
     # work queues and tasks
-    "mailbox.created": ("mailbox", "a work queue was created", "name, max_attempts, backlog_limit"),
+    "mailbox.created": ("mailbox", "a work queue was created", "name, max_attempts, backlog_limit, requirements"),
+    "mailbox.requirements_set": ("mailbox", "an ensure replaced the queue's default requirements", "name, requirements"),
     "task.submitted": ("task", "a task was queued", "mailbox, key, group, joinset, deadline"),
     "task.delivered": ("task", "a worker leased the task (never its token: the lease's secret)", "attempt"),
     "task.completing": ("task", "its worker completed a task that owns a run; the run's join sets are closing",

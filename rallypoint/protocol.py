@@ -128,14 +128,42 @@ class ScopeListView(_View):
 # --- mailboxes ------------------------------------------------------------------------
 
 
+class Requirements(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """What a task needs before it is handed out (admission, all or nothing in one
+    step). One field per requirement type: ``pools`` maps a pool *name* to the units
+    held (as grants) while a delivery of the task runs (at most 4 pools); ``budgets``
+    maps a budget *name* to the amount (minor units) reserved for the delivery, settled
+    in full if the task succeeds and voided otherwise unless its worker settles it
+    first (at most 2 budgets)."""
+
+    pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+
+
 class MailboxEnsure(_Op, tag="mailbox.ensure"):
-    """``mode``: WORK (tasks: ``task.submit``) or INBOX (plain messages:
-    ``message.send``); both are received, renewed and settled the same way."""
+    """Create the queue, or check that it exists with these settings (CONFLICT naming
+    the first of ``mode``, ``max_attempts``, ``backlog_limit`` that differs).
+
+    ``mode``: WORK (tasks: ``task.submit``) or INBOX (plain messages:
+    ``message.send``); both are received, renewed and settled the same way.
+
+    ``requirements``: the queue's *default requirements* (a WORK queue only; same shape
+    and limits as a task's: pool name -> units, budget name -> minor units), given to
+    every task submitted to it without requirements of its own (single submits, batch
+    items, group members, join-set children), resolved and stored on the task at
+    submission. None (absent) leaves what the queue holds unchanged (a producer's ensure
+    does not erase a worker's declaration); given, it REPLACES them (no CONFLICT: a
+    worker re-declares its queue at every start); an empty ``Requirements()`` clears
+    them. Journaled (``MailboxRequirementsSet``) only when they change.
+    VALIDATION_FAILED as for a task's requirements (too many pools or budgets, units
+    outside 1..units_total, an amount outside 1..limit; also for an INBOX queue),
+    NOT_FOUND for a pool or budget that does not exist."""
 
     name: str
     mode: str = "WORK"
     max_attempts: int = 5
     backlog_limit: int | None = None
+    requirements: Requirements | None = None
 
 
 class MailboxGet(_Op, tag="mailbox.get"):
@@ -147,6 +175,9 @@ class MailboxList(_Op, tag="mailbox.list"):
 
 
 class MailboxView(_View):
+    """A work queue. ``requirements``: its default requirements by name (pool name ->
+    units, budget name -> minor units), None when it has none."""
+
     id: str
     name: str
     mode: str
@@ -155,6 +186,7 @@ class MailboxView(_View):
     created_at: str
     queued: int
     running: int
+    requirements: Requirements | None = None
 
 
 class MailboxListView(_View):
@@ -162,18 +194,6 @@ class MailboxListView(_View):
 
 
 # --- tasks and deliveries -------------------------------------------------------------
-
-
-class Requirements(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """What a task needs before it is handed out (admission, all or nothing in one
-    step). One field per requirement type: ``pools`` maps a pool *name* to the units
-    held (as grants) while a delivery of the task runs (at most 4 pools); ``budgets``
-    maps a budget *name* to the amount (minor units) reserved for the delivery, settled
-    in full if the task succeeds and voided otherwise unless its worker settles it
-    first (at most 2 budgets)."""
-
-    pools: dict[str, int] = {}
-    budgets: dict[str, int] = {}
 
 
 class SubmitItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -433,10 +453,14 @@ class GroupCreate(_Op, tag="group.create"):
 
 
 class GroupSubmit(_Op, tag="group.submit"):
+    """A member task. ``requirements``: its own admission requirements (as
+    ``task.submit``'s); without them it gets its mailbox's default requirements."""
+
     group_id: str
     input: msgspec.Raw = NIL
     key: str | None = None
     deadline: str | None = None
+    requirements: Requirements | None = None
 
 
 class GroupJoinTask(_Op, tag="group.join_task"):

@@ -61,7 +61,21 @@ class ScopeDeadlinePassed(_Rec, tag="scope_deadline"):
 # --- mailboxes, tasks, deliveries ------------------------------------------------------
 
 
+class TaskRequirements(msgspec.Struct, gc=False, omit_defaults=True):
+    """What a task needs to be handed out (admission), resolved at submission: one field
+    per requirement type (``actors/admission.py``, ``REQUIREMENT_KINDS``). ``pools``:
+    pool id -> units, held as grants while a delivery of the task runs; ``budgets``:
+    budget id -> minor units, reserved for each delivery. Also a WORK mailbox's default
+    requirements (:class:`MailboxRequirementsSet`), in the same resolved form."""
+
+    pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+
+
 class MailboxCreated(_Rec, tag="mailbox_created"):
+    """``requirements``: the queue's default requirements (resolved: ids), given to each
+    task submitted without its own; None: none (also in journals older than the field)."""
+
     id: str
     space: str
     name: str
@@ -69,16 +83,17 @@ class MailboxCreated(_Rec, tag="mailbox_created"):
     max_attempts: int
     backlog_limit: int | None
     at_ms: int
+    requirements: TaskRequirements | None = None
 
 
-class TaskRequirements(msgspec.Struct, gc=False, omit_defaults=True):
-    """What a task needs to be handed out (admission), resolved at submission: one field
-    per requirement type (``actors/admission.py``, ``REQUIREMENT_KINDS``). ``pools``:
-    pool id -> units, held as grants while a delivery of the task runs; ``budgets``:
-    budget id -> minor units, reserved for each delivery."""
+class MailboxRequirementsSet(_Rec, tag="mailbox_requirements_set"):
+    """A ``mailbox.ensure`` that declared requirements replaced the queue's default
+    requirements with ``requirements`` (resolved: pool / budget ids); None clears them.
+    Tasks already submitted keep what their own ``TaskSubmitted`` carried."""
 
-    pools: dict[str, int] = {}
-    budgets: dict[str, int] = {}
+    id: str
+    at_ms: int
+    requirements: TaskRequirements | None = None
 
 
 class TaskSubmitted(_Rec, tag="task_submitted"):
@@ -873,6 +888,7 @@ Record = Union[
     ScopeEnded,
     ScopeDeadlinePassed,
     MailboxCreated,
+    MailboxRequirementsSet,
     TaskSubmitted,
     TaskDelivered,
     LeaseRenewed,

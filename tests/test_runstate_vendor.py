@@ -28,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 
 #: Vendor tests that need an endpoint this server does not serve yet (its operations are
 #: built on other branches: claims, pools and permits on primitives-a, events and watch on
-#: events), or a behaviour not built yet (marked ``#``). Each is deselected only while
-#: its endpoint is missing from ROUTES: once it is added, the test runs (docs/http.md).
+#: events). Each is deselected only while its endpoint is missing from ROUTES: once it is
+#: added, the test runs (docs/http.md). (A behaviour not built yet can be listed with a
+#: path no route has, e.g. ``"path#what"``: it stays deselected until the entry goes.)
 SERVED = {(m, path) for m, path, _ in ROUTES}
 NEEDS: dict[str, tuple[str, str]] = {
     "test_sdk.py::test_claim_run_releases": ("POST", "claims"),
@@ -41,8 +42,6 @@ NEEDS: dict[str, tuple[str, str]] = {
     "test_v3.py::test_slots_peak_concurrency": ("PUT", "permits/by-name/{name}"),
     "test_v3.py::test_slots_peak_concurrency_sync": ("PUT", "permits/by-name/{name}"),
     "test_v3.py::test_queue_holds_declared_slots": ("PUT", "permits/by-name/{name}"),
-    # requirements declared on the mailbox (applied to producer-only submits): not yet
-    "test_v3.py::test_queue_requirements_come_from_the_worker": ("PUT", "mailboxes/by-name/{name}#requirements"),
     "test_v3.py::test_sync_handler_calls_wrapped_functions": ("PUT", "permits/by-name/{name}"),
     "test_v3.py::test_stop_sets_the_signal_in_sync_code": ("GET", "watch"),
     "test_v3.py::test_stop_aborts_work_and_streams_events": ("GET", "watch"),
@@ -89,7 +88,7 @@ def _missing(files: list[str]) -> list[str]:
 
 
 def test_vendor_02_integration_tests_pass(daemon, tmp_path):
-    """runstate-sdk 0.2.0: tests/test_sdk.py and tests/test_sync.py (18 + 2 tests)."""
+    """runstate-sdk 0.2.0: tests/test_sdk.py and tests/test_sync.py (16 + 2 tests)."""
     files = ["test_sdk.py", "test_sync.py"]
     rc, counts, out = _run_vendor("0.2.0", files, "conftest_02.py", daemon, tmp_path)
     assert rc == 0 and counts.get("passed", 0) > 0 and not counts.get("failed"), out
@@ -97,7 +96,7 @@ def test_vendor_02_integration_tests_pass(daemon, tmp_path):
 
 
 def test_vendor_03_test_v3_passes(daemon, tmp_path):
-    """runstate-sdk 0.3.0: tests/test_v3.py (about 30 tests; its two database reads are
+    """runstate-sdk 0.3.0: tests/test_v3.py (34 tests; its two database reads are
     answered by the conftest's shim from rallypoint's own views)."""
     files = ["test_v3.py"]
     rc, counts, out = _run_vendor("0.3.0", files, "conftest_03.py", daemon, tmp_path, package=True)

@@ -34,6 +34,8 @@ to the coordinator attribute of the kind implementing it, which provides::
     requirement_track(task, stored) / requirement_untrack(task, stored)
                                                           # apply: the task is unfinished / finished
     requirement_views(task) -> dict                       # extra DeliveryView fields (e.g. grants)
+    requirement_describe(stored) -> wire value            # stored (ids) back to names: a mailbox's
+                                                          #   default requirements in its view
 
 Two kinds implement it: pools (``"pools"``: pool id -> units, held as grants) and
 budgets (``"budgets"``: budget id -> minor units, a reservation per delivery, settled or
@@ -41,6 +43,15 @@ voided by ``new_state``; :mod:`rallypoint.actors.budget`). A new type needs (1) 
 both Requirements Structs, (2) a line here, (3) those methods on its kind, and (4) what
 its ``requirement_views`` returns as a field of ``DeliveryView`` (pools: ``grants``,
 budgets: ``reservations``).
+
+**Mailbox defaults.** A WORK mailbox may hold default requirements
+(``mailbox.ensure(..., requirements=)``, resolved by :meth:`Admission.prepare` like a
+task's and stored on the queue: ``MailboxCreated`` / ``MailboxRequirementsSet``). A
+submission without requirements of its own -- by any path: ``task.submit``, a
+``task.submit_many`` item, ``group.submit``, ``joinset.submit`` -- gets them in
+``WorkQueues.prepare_submit``, copied into its ``TaskSubmitted``: the task keeps what it
+was submitted with whatever the queue declares later, and replay needs no lookup. A task
+with requirements of its own keeps its own (they replace the defaults; no merge).
 
 **Work limits.** ``run.work_limits.ensure(name, max_outstanding)`` caps the unfinished
 tasks that name the limit (``submit(..., work_limit=name)``), in the run and below: the
@@ -217,6 +228,18 @@ class Admission(Kind):
             if value:
                 out[field] = kind.requirement_prepare(space, value)
         return TaskRequirements(**out) if out else None
+
+    def describe(self, stored: TaskRequirements | None) -> Requirements | None:
+        """Stored requirements (by id) -> the wire form (by name), or None when there are
+        none: how a mailbox's default requirements are shown."""
+        if stored is None:
+            return None
+        out = {}
+        for field, kind in self._kinds():
+            value = getattr(stored, field)
+            if value:
+                out[field] = kind.requirement_describe(value)
+        return Requirements(**out) if out else None
 
     def _each(self, t):
         req = t.requirements

@@ -416,6 +416,12 @@ class Budgets(Kind):
         return {"reservations": [rid for rid in self.by_delivery.get(task.id, ())
                                  if self.reservations[rid].token == task.token]}
 
+    def requirement_describe(self, value: dict[str, int]) -> dict[str, int]:
+        """Stored (budget id -> minor units) back to the wire form (budget name -> minor
+        units): a mailbox's default requirements in its view. Budgets are never purged."""
+        table = self.table
+        return {table[bid].name: amount for bid, amount in value.items()}
+
     def _money_back(self, b: BudgetState) -> None:
         """Apply: money came back to ``b``: wake the receivers parked for ready tasks
         that require it (each on its run's actor and its ancestors'). Not in replay."""

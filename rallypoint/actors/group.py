@@ -222,7 +222,8 @@ class Groups(Kind):
         """A new member task in the gate run. Idempotent by ``key`` (the same key and
         input return that member, open or not); CONFLICT when the group is no longer
         OPEN, when the key was used with another input, or when it names a task of the
-        gate run that is not a member."""
+        gate run that is not a member. ``requirements``: the member's own (as a
+        submit's: VALIDATION_FAILED / NOT_FOUND), else its mailbox's default ones."""
         coord = self.coord
         queues = coord.queues
         g = self.get(session.space, op.group_id)
@@ -243,7 +244,8 @@ class Groups(Kind):
                     )
                 return self._member_added(g, t)
         self._require_open(g)
-        rec = queues.prepare_submit(session.space, q, g.gate_scope_id, op.input, op.key, op.deadline, group_id=g.id)
+        rec = queues.prepare_submit(session.space, q, g.gate_scope_id, op.input, op.key, op.deadline, group_id=g.id,
+                                    requirements=op.requirements)
         assert isinstance(rec, TaskSubmitted)
         seals = g.expected_members is not None and len(g.members) + 1 >= g.expected_members
         coord.commit([rec, GroupMemberJoined(group_id=g.id, task_id=rec.id, at_ms=rec.at_ms, seals=seals)])

@@ -692,6 +692,12 @@ class Pools(Kind):
         """What the delivery reply shows: ``grants`` (with their tokens)."""
         return {"grants": [self.grant_view(self.grants[g], True) for g in self.by_task.get(task.id, ())]}
 
+    def requirement_describe(self, value: dict[str, int]) -> dict[str, int]:
+        """Stored (pool id -> units) back to the wire form (pool name -> units): a
+        mailbox's default requirements in its view. Pools are never purged."""
+        table = self.table
+        return {table[pid].name: units for pid, units in value.items()}
+
     # ================================================================ time, recovery
     def extend_leases(self, by_ms: int) -> None:
         coord = self.coord

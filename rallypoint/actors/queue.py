@@ -95,6 +95,7 @@ from ..records import (
     LeaseRenewed,
     LeasesExtended,
     MailboxCreated,
+    MailboxRequirementsSet,
     TaskCancelled,
     TaskCompleted,
     TaskDelivered,
@@ -132,7 +133,9 @@ _RUN_REASON = {"cancelled": "scope_cancelled", "completed": "scope_completed", "
 
 
 class MailboxState(msgspec.Struct, gc=False, omit_defaults=True):
-    """A work queue's configuration (what a snapshot stores)."""
+    """A work queue's configuration (what a snapshot stores). ``requirements``: its
+    default requirements, resolved (pool / budget ids), given to every task submitted
+    without its own; None: none (also in snapshots older than the field)."""
 
     id: str
     space: str
@@ -141,6 +144,7 @@ class MailboxState(msgspec.Struct, gc=False, omit_defaults=True):
     max_attempts: int
     backlog_limit: int | None
     created_at_ms: int
+    requirements: TaskRequirements | None = None
 
 
 class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
@@ -262,7 +266,16 @@ class WorkQueues(Kind):
 
     def op_mailbox_ensure(self, actor, session, op: MailboxEnsure) -> MailboxView:
         """Create the queue, or check it exists with these settings (CONFLICT naming the
-        first setting that differs). Runs on the space's actor (names are per space)."""
+        first of mode, max_attempts, backlog_limit that differs). Runs on the space's
+        actor (names are per space).
+
+        ``requirements`` (see :class:`~rallypoint.protocol.MailboxEnsure`): None leaves
+        the queue's default requirements as they are; given, they are resolved like a
+        task's (VALIDATION_FAILED, NOT_FOUND: ``Admission.prepare``) and replace the
+        stored ones -- in the ``MailboxCreated`` of a new queue, else by a
+        ``MailboxRequirementsSet`` when they differ (nothing is journaled when they do
+        not); empty clears them. VALIDATION_FAILED on an INBOX queue (messages carry no
+        requirements)."""
         check_name("name", op.name)
         if op.mode not in MODES:
             raise ValidationError(f"mode must be WORK (tasks) or INBOX (messages) (got {short(op.mode)})",
@@ -270,6 +283,13 @@ class WorkQueues(Kind):
         check_range("max_attempts", op.max_attempts, 1, 1000)
         if op.backlog_limit is not None:
             check_range("backlog_limit", op.backlog_limit, 1, 100_000_000)
+        coord = self.coord
+        reqs = None
+        if op.requirements is not None:
+            if op.mode != "WORK" and (op.requirements.pools or op.requirements.budgets):
+                raise ValidationError("requirements apply to the tasks of a WORK mailbox; an INBOX mailbox's "
+                                      "messages carry none", details={"field": "requirements"})
+            reqs = coord.admission.prepare(session.space, op.requirements)  # None when empty: clears
         qid = self.by_name.get((session.space, op.name))
         if qid is not None:
             q = self.table[qid]
@@ -280,12 +300,14 @@ class WorkQueues(Kind):
                         f"mailbox {short(op.name)} exists with {field}={have!r}, not {want!r}",
                         details={"field": field, "existing": have},
                     )
+            if op.requirements is not None and reqs != q.requirements:
+                coord.commit([MailboxRequirementsSet(id=q.id, at_ms=coord.now_ms(), requirements=reqs)])
             return self.queue_view(q)
         rec = MailboxCreated(
-            id=self.coord.ids.new("mbx"), space=session.space, name=op.name, mode=op.mode,
-            max_attempts=op.max_attempts, backlog_limit=op.backlog_limit, at_ms=self.coord.now_ms(),
+            id=coord.ids.new("mbx"), space=session.space, name=op.name, mode=op.mode,
+            max_attempts=op.max_attempts, backlog_limit=op.backlog_limit, at_ms=coord.now_ms(), requirements=reqs,
         )
-        self.coord.commit([rec])
+        coord.commit([rec])
         return self.queue_view(self.table[rec.id])
 
     def op_mailbox_get(self, actor, session, op: MailboxGet) -> MailboxView:
@@ -314,14 +336,21 @@ class WorkQueues(Kind):
         return MailboxView(
             id=q.id, name=q.name, mode=q.mode, max_attempts=q.max_attempts, backlog_limit=q.backlog_limit,
             created_at=to_iso(q.created_at_ms), queued=queued, running=running,
+            requirements=self.coord.admission.describe(q.requirements),
         )
 
     @applies(MailboxCreated)
     def _apply_queue_created(self, r: MailboxCreated) -> None:
         q = MailboxState(id=r.id, space=r.space, name=r.name, mode=r.mode, max_attempts=r.max_attempts,
-                         backlog_limit=r.backlog_limit, created_at_ms=r.at_ms)
+                         backlog_limit=r.backlog_limit, created_at_ms=r.at_ms, requirements=r.requirements)
         self.table[q.id] = q
         self.by_name[(q.space, q.name)] = q.id
+        self.coord.touch(q.id)
+
+    @applies(MailboxRequirementsSet)
+    def _apply_requirements_set(self, r: MailboxRequirementsSet) -> None:
+        q = self.table[r.id]
+        q.requirements = r.requirements
         self.coord.touch(q.id)
 
     # ================================================================ tasks: lookups
@@ -367,6 +396,11 @@ class WorkQueues(Kind):
         ``extra_backlog + 1`` more unfinished tasks. ``now``: the step's wall instant
         (ms), given by a batch whose caller already checked that the run is active.
 
+        A submission without requirements of its own (None, or empty) gets the queue's
+        default requirements (``q.requirements``, already resolved), copied into its
+        record: every path that makes a task comes through here (submit, batch items,
+        group members, join-set children), so the rule is the same for all.
+
         Raises VALIDATION_FAILED (bad key, payload, deadline, requirements), CONFLICT (key
         reused with other input; a task to an INBOX queue or a message to a WORK queue),
         NOT_FOUND (a pool or budget of the requirements), SCOPE_CANCELLED /
@@ -411,6 +445,8 @@ class WorkQueues(Kind):
                     details={"limit": q.backlog_limit},
                 )
         reqs = coord.admission.prepare(space, requirements) if requirements is not None else None
+        if reqs is None:
+            reqs = q.requirements  # the queue's defaults (resolved at ensure; pools and budgets are never purged)
         if work_limit is not None:
             coord.admission.check_work_limit(work_limit, extra_backlog + 1)
         seq = self.next_seq + extra_backlog
@@ -1343,7 +1379,22 @@ class WorkQueues(Kind):
     @emits(MailboxCreated)
     def _ev_queue_created(self, r: MailboxCreated):
         return ev(r.space, "mailbox.created", "mailbox", r.id, None, r.at_ms,
-                  data(name=r.name, max_attempts=r.max_attempts, backlog_limit=r.backlog_limit))
+                  data(name=r.name, max_attempts=r.max_attempts, backlog_limit=r.backlog_limit,
+                       requirements=self._requirements_data(r.requirements)))
+
+    @emits(MailboxRequirementsSet)
+    def _ev_requirements_set(self, r: MailboxRequirementsSet):
+        q = self.table[r.id]
+        return ev(q.space, "mailbox.requirements_set", "mailbox", q.id, None, r.at_ms,
+                  {"name": q.name, "requirements": self._requirements_data(r.requirements) or {}})
+
+    def _requirements_data(self, stored: TaskRequirements | None) -> dict | None:
+        """A mailbox's default requirements in an event: ``{pools: {name: units},
+        budgets: {name: minor units}}`` (the empty fields left out), None when none."""
+        view = self.coord.admission.describe(stored)
+        if view is None:
+            return None
+        return {field: value for field, value in msgspec.structs.asdict(view).items() if value}
 
     @emits(TaskSubscribed, TaskDetached)
     def _ev_subscription(self, r):

@@ -513,12 +513,30 @@ class Mailboxes:
         self._rs = rs
 
     async def ensure(
-        self, name: str, mode: str = "WORK", max_attempts: int = 5, backlog_limit: int | None = None
+        self, name: str, mode: str = "WORK", max_attempts: int = 5, backlog_limit: int | None = None,
+        *, requirements: dict | None = None,
     ) -> "Mailbox":
         """Create the mailbox, or check it exists with these settings (CONFLICT naming
-        the differing setting)."""
+        the differing one of ``mode``, ``max_attempts``, ``backlog_limit``).
+
+        ``requirements``: the mailbox's *default requirements* (a WORK mailbox only), in
+        the form :meth:`Mailbox.submit` takes -- ``{"pools": {"gpu": 1}, "budgets":
+        {"model-spend": 40}}``: pool name -> units (at most 4 pools, each
+        1..units_total), budget name -> minor units (at most 2, each 1..limit). Every
+        task later submitted to the mailbox without requirements of its own (submit,
+        submit_many, group and join-set submits) gets them, stored on the task when it
+        is submitted: a worker declares what its tasks need once, and producers that do
+        not repeat it are held to it too. A task's own requirements replace them (no
+        merge). ``None`` (the default) leaves what the mailbox holds unchanged; given,
+        they REPLACE it (never CONFLICT: a worker re-declares at every start, and a
+        change takes effect for tasks submitted from then on; tasks already queued keep
+        theirs); ``{}`` clears them. ``info.requirements`` shows what is stored (by
+        name; None when nothing). VALIDATION_FAILED for a bad shape, the limits above,
+        quota requirements, or requirements on an INBOX mailbox; NOT_FOUND for a pool or
+        budget that does not exist (create those first)."""
         info = await self._rs._call(
-            p.MailboxEnsure(name=name, mode=mode, max_attempts=max_attempts, backlog_limit=backlog_limit),
+            p.MailboxEnsure(name=name, mode=mode, max_attempts=max_attempts, backlog_limit=backlog_limit,
+                            requirements=_requirements(requirements)),
             t.MailboxInfo,
         )
         return Mailbox(self._rs, info.name, info)
@@ -568,7 +586,9 @@ class Mailbox:
         The task is handed out only when all of them can be taken in the same step; its
         delivery holds them (``delivery.grants``, ``delivery.reservations``) and gives
         them back when it ends (a reservation is settled in full if the task succeeded,
-        voided otherwise, unless settled before). ``work_limit``: the name
+        voided otherwise, unless settled before). Without ``requirements`` (None or
+        ``{}``) the task gets the mailbox's default requirements, if it has any
+        (``mailboxes.ensure(..., requirements=)``). ``work_limit``: the name
         of a work limit of the run or an ancestor (``run.work_limits.ensure``);
         LIMIT_EXCEEDED while it has ``max_outstanding`` unfinished tasks.
 
@@ -950,13 +970,19 @@ class Group:
     def __repr__(self) -> str:
         return f"Group({self.id!r})"
 
-    async def submit(self, input: Any = None, key: str | None = None, *, deadline: datetime | str | None = None) -> Ticket:
+    async def submit(self, input: Any = None, key: str | None = None, *, deadline: datetime | str | None = None,
+                     requirements: dict | None = None) -> Ticket:
         """Add a member task (in the gate run). CONFLICT once the group is closed, unless
         it is a resubmission of a member (same key and input), which returns it. Re-sent
         after a dropped connection only with a ``key`` (else UnavailableError,
-        ``details["maybe_applied"]``)."""
+        ``details["maybe_applied"]``). ``requirements``: the member's own admission
+        requirements, as :meth:`Mailbox.submit` takes them (``{"pools": {name: units},
+        "budgets": {name: minor units}}``; VALIDATION_FAILED / NOT_FOUND as there);
+        without them it gets the mailbox's default requirements
+        (``mailboxes.ensure(..., requirements=)``)."""
         r = await self._rs._call(
-            p.GroupSubmit(group_id=self.id, input=encode_payload(input), key=key, deadline=_iso(deadline, "deadline")),
+            p.GroupSubmit(group_id=self.id, input=encode_payload(input), key=key, deadline=_iso(deadline, "deadline"),
+                          requirements=_requirements(requirements)),
             t._MemberAdded,
         )
         return Ticket(self._rs, r.task.id, r.task)

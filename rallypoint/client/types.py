@@ -72,6 +72,10 @@ class RunStatus(_Info):
 
 
 class MailboxInfo(_Info):
+    """A mailbox. ``requirements``: its default requirements by name, as given to
+    ``mailboxes.ensure`` (``{"pools": {"gpu": 1}, "budgets": {"spend": 40}}``, empty
+    kinds left out), None when it has none."""
+
     id: str
     name: str
     mode: str
@@ -80,6 +84,7 @@ class MailboxInfo(_Info):
     created_at: datetime
     queued: int
     running: int
+    requirements: dict[str, dict[str, int]] | None = None
 
 
 class TaskInfo(_Info):

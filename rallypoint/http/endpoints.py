@@ -130,8 +130,22 @@ def scope_json(v: p.ScopeView) -> dict:
 
 
 def mailbox_json(v: p.MailboxView) -> dict:
+    """A mailbox; ``requirements``: its stored default requirements in runstate's form
+    (``{pools: [{name, units}], budgets: [{name, reserveMinor}]}``, reserveMinor a string
+    of minor units), null when it has none."""
     return {"id": v.id, "mailboxId": v.id, "name": v.name, "mode": v.mode, "maxAttempts": v.max_attempts,
-            "backlogLimit": v.backlog_limit, "createdAt": v.created_at, "queued": v.queued, "running": v.running}
+            "backlogLimit": v.backlog_limit, "createdAt": v.created_at, "queued": v.queued, "running": v.running,
+            "requirements": requirements_json(v.requirements)}
+
+
+def requirements_json(r: p.Requirements | None) -> dict | None:
+    """:class:`protocol.Requirements` (by name) in runstate's JSON form, ``{pools: [{name,
+    units}], budgets: [{name, reserveMinor}]}`` (reserveMinor: minor units as a decimal
+    string; both lists always present); None for None."""
+    if r is None:
+        return None
+    return {"pools": [{"name": n, "units": u} for n, u in r.pools.items()],
+            "budgets": [{"name": n, "reserveMinor": str(m)} for n, m in r.budgets.items()]}
 
 
 def _reason(v) -> str | None:
@@ -276,26 +290,45 @@ async def list_mailboxes(ctx: Ctx):
 
 
 async def post_mailboxes(ctx: Ctx):
+    """POST /mailboxes {name, mode?, maxAttempts?, backlogLimit?, requirements?}:
+    ``mailbox.ensure``; ``requirements`` as for ``PUT /mailboxes/by-name``."""
     b = ctx.body
     op = p.MailboxEnsure(name=s_(b, "name", required=True), mode=(s_(b, "mode") or "WORK").upper(),
-                         max_attempts=i_(b, "maxAttempts", default=5), backlog_limit=i_(b, "backlogLimit"))
+                         max_attempts=i_(b, "maxAttempts", default=5), backlog_limit=i_(b, "backlogLimit"),
+                         requirements=mailbox_requirements(b))
     return mailbox_json(await ctx.call(op))
 
 
 async def put_mailbox(ctx: Ctx):
-    """PUT /mailboxes/by-name/{name} {maxAttempts?, requirements?}: ``{}`` looks the
-    queue up and makes it with the defaults when missing (producers may start first);
-    declared settings are checked (CONFLICT when they differ)."""
+    """PUT /mailboxes/by-name/{name} {maxAttempts?, mode?, requirements?}: ``{}`` looks
+    the queue up and makes it with the defaults when missing (producers may start
+    first); declared ``maxAttempts`` / ``mode`` are checked (CONFLICT when they differ).
+
+    ``requirements`` (runstate 0.3's worker declares its queue's ``slots=`` / ``budget=``
+    here at every start): stored as the queue's default requirements, given to every
+    task submitted without its own (a producer-only client repeats none of them). Given,
+    they replace what the queue held; absent or null, they are left as they are; ``{}``
+    (or empty lists) clears them. Without ``maxAttempts`` and ``mode`` the queue's own
+    settings are kept (its defaults when it is made here). Quota requirements are
+    VALIDATION_FAILED, an unknown pool or budget NOT_FOUND, as on ``POST /tasks``."""
     name = ctx.params["name"]
     b = ctx.body
     attempts = i_(b, "maxAttempts")
+    req = mailbox_requirements(b)
     if attempts is None and "mode" not in b:
         try:
-            return mailbox_json(await ctx.call(p.MailboxGet(name=name)))
+            v = await ctx.call(p.MailboxGet(name=name))
         except NotFoundError:
             pass
+        else:
+            if req is None:
+                return mailbox_json(v)
+            # declare requirements only: keep its settings (they never change once made)
+            op = p.MailboxEnsure(name=name, mode=v.mode, max_attempts=v.max_attempts, backlog_limit=v.backlog_limit,
+                                 requirements=req)
+            return mailbox_json(await ctx.call(op))
     op = p.MailboxEnsure(name=name, mode=(s_(b, "mode") or "WORK").upper(),
-                         max_attempts=attempts if attempts is not None else 5)
+                         max_attempts=attempts if attempts is not None else 5, requirements=req)
     return mailbox_json(await ctx.call(op))
 
 
@@ -446,9 +479,11 @@ async def get_group(ctx: Ctx):
 
 
 async def group_submit(ctx: Ctx):
+    """POST /task-groups/{g}/tasks {taskKey, input, deadline?, requirements?}: a member
+    task; ``requirements`` its own (as on ``POST /tasks``), else its mailbox's."""
     b = ctx.body
     v = await ctx.call(p.GroupSubmit(group_id=ctx.params["id"], input=raw(b.get("input")), key=s_(b, "taskKey"),
-                                     deadline=s_(b, "deadline")))
+                                     deadline=s_(b, "deadline"), requirements=requirements(b)))
     return task_json(v.task) | {"groupState": v.group_state}
 
 
@@ -693,8 +728,22 @@ async def once_fail(ctx: Ctx):
 def requirements(body: dict) -> p.Requirements | None:
     """runstate's ``requirements`` ``{pools: [{name, units}], budgets: [{name,
     reserveMinor}], quotas: [...]}`` as the admission's :class:`protocol.Requirements`
-    (pools held as grants while a delivery runs, budgets reserved for it). Quota
-    requirements are not taken at admission by this server: VALIDATION_FAILED."""
+    (pools held as grants while a delivery runs, budgets reserved for it), None when
+    absent or empty (a task without requirements of its own: its mailbox's defaults
+    apply). Quota requirements are not taken at admission by this server:
+    VALIDATION_FAILED."""
+    req = mailbox_requirements(body)
+    return req if req is not None and (req.pools or req.budgets) else None
+
+
+def mailbox_requirements(body: dict) -> p.Requirements | None:
+    """``requirements`` as :func:`requirements` parses them, except that an empty
+    object (or empty lists) is an empty ``Requirements()`` -- on a mailbox, "clear its
+    default requirements" -- and only absent or null is None ("leave them").
+    VALIDATION_FAILED: not an object, non-empty ``quotas``, a pool or budget item that
+    is not an object or lacks its name, ``units`` not an integer (default 1),
+    ``reserveMinor`` missing or not a digit string. (Names and sizes are checked by the
+    operation: NOT_FOUND / VALIDATION_FAILED.)"""
     req = body.get("requirements")
     if req is None:
         return None
@@ -713,7 +762,7 @@ def requirements(body: dict) -> p.Requirements | None:
             raise ValidationError("requirements.budgets holds {name, reserveMinor} objects",
                                   details={"field": "requirements"})
         budgets[s_(item, "name", required=True)] = minor(item, "reserveMinor", required=True)
-    return p.Requirements(pools=pools, budgets=budgets) if (pools or budgets) else None
+    return p.Requirements(pools=pools, budgets=budgets)
 
 
 # ====================================================================== claims
