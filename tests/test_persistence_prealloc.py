@@ -25,11 +25,7 @@ from rallypoint.persistence.journal import (
     segment_name,
 )
 
-REC = 100 + HEADER_SIZE
-
-
-def payload(i: int) -> bytes:
-    return (f"p{i:06d}" * 20).encode()[:100]
+from test_persistence_faults import REC, payload
 
 
 def is_zero(b: bytes) -> bool:
