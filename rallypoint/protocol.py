@@ -657,12 +657,16 @@ class JoinSetGet(_Op, tag="joinset.get"):
 
 
 class JoinSetSubmit(_Op, tag="joinset.submit"):
+    """A child task. ``requirements``: its own admission requirements (as
+    ``task.submit``'s); without them it gets its mailbox's default requirements."""
+
     joinset_id: str
     mailbox: str
     input: msgspec.Raw = NIL
     key: str | None = None
     cancellable: bool = True
     deadline: str | None = None
+    requirements: Requirements | None = None
 
 
 class JoinSetSubmitDelay(_Op, tag="joinset.submit_delay"):

@@ -153,6 +153,8 @@ async def test_every_submit_path_gets_the_defaults(autojump_clock, ers):
     js = await run.join_sets.create("kids")
     child_id = await js.submit(mbx, {"c": 1})
     assert _stored(rs, rs.task(child_id)) == {"pools": {"mr-paths": 2}}
+    own_child = await js.submit(mbx, {"c": 2}, requirements={"pools": {"mr-paths-own": 1}})
+    assert _stored(rs, rs.task(own_child)) == {"pools": {"mr-paths-own": 1}}  # a child's own win too
     # and a group member is admitted with them (delivery.grants)
     d = await mbx.admit(group.scope_id)
     assert d.task_id == member.id and [(g.pool, g.units) for g in d.grants] == [("mr-paths", 2)]

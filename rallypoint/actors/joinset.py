@@ -279,7 +279,7 @@ class JoinSets(Kind):
         q = queues.get_queue(session.space, op.mailbox)
         rec = queues.prepare_submit(
             session.space, q, js.scope_id, op.input, op.key, op.deadline,
-            joinset_id=js.id, cancellable=bool(op.cancellable),
+            joinset_id=js.id, cancellable=bool(op.cancellable), requirements=op.requirements,
         )
         if not isinstance(rec, TaskSubmitted):  # idempotent resubmission by key
             if rec.joinset_id != js.id:

@@ -1091,16 +1091,19 @@ class JoinSet:
 
     async def submit(
         self, mailbox: "Mailbox | str", input: Any = None, key: str | None = None, *, cancellable: bool = True,
-        deadline: datetime | str | None = None,
+        deadline: datetime | str | None = None, requirements: dict | None = None,
     ) -> str:
         """Add a child task to ``mailbox`` in this set's run; returns its id (a task id).
         A refused submission (inactive run, bad input) adds nothing. Re-sent after a
         dropped connection only with a ``key`` (else UnavailableError,
-        ``details["maybe_applied"]``)."""
+        ``details["maybe_applied"]``). ``requirements``: the child's own admission
+        requirements, as :meth:`Mailbox.submit` takes them; without them it gets the
+        mailbox's default requirements (``mailboxes.ensure(..., requirements=)``)."""
         r = await self._rs._call(
             p.JoinSetSubmit(
                 joinset_id=self.id, mailbox=_mailbox_name(mailbox), input=encode_payload(input), key=key,
                 cancellable=cancellable, deadline=_iso(deadline, "deadline"),
+                requirements=_requirements(requirements),
             ),
             t._ChildAdded,
         )
