@@ -15,6 +15,8 @@ A :class:`SimKind` has (every method optional):
   once against the durable state (what a crash would recover), after every step
   against the live state, and after every restart against the recovered state.
 - ``check_fact(coord, fact)``: None when ``fact`` holds in ``coord``, else why not.
+  (``fact_invariants`` names the invariant of a fact that a reply showed wrongly --
+  the live state does not hold it either; otherwise it is a ``durability`` failure.)
 - ``made(chk, coord, op, reply, err)``: the reply was just made (the state it was made
   from is the live state, unchanged): is it consistent with it?
 - ``quiescent(chk, coord)``: every task is blocked, time stands still: nothing due is
@@ -134,6 +136,9 @@ class SimKind:
     name = ""
     #: the fact names this kind checks (``check_fact``)
     facts: tuple[str, ...] = ()
+    #: fact name -> the invariant a reply showing it wrongly violates (when the live
+    #: state does not hold it either); the others: ``durability``
+    fact_invariants: dict[str, str] = {}
 
     def init_world(self, world: World) -> None:
         pass
@@ -173,6 +178,66 @@ class SimKind:
 
 def _err_detail(err, name: str):
     return (err.details or {}).get(name) if isinstance(err, RallypointError) else None
+
+
+# ============================================================================ requirements
+def requirements(g: Gen, p_none: float = 0.6) -> p.Requirements | None:
+    """Admission: sometimes (1 - ``p_none``) what a delivery must hold (pool units, a
+    budget amount), over the pools and budgets the world knows; None when it knows none."""
+    w = g.world
+    if not (w.pools or w.budgets) or g.rng.random() < p_none:
+        return None
+    pools = {n: g.rng.choice((1, 1, 2)) for n in sorted(w.pools) if g.rng.random() < 0.7}
+    budgets = {n: g.rng.choice((100, 300)) for n in sorted(w.budgets) if g.rng.random() < 0.5}
+    return p.Requirements(pools=pools, budgets=budgets) if pools or budgets else None
+
+
+def declared_requirements(g: Gen) -> p.Requirements:
+    """What a ``mailbox.ensure`` declares as the queue's default requirements (never None,
+    which declares nothing): empty (clears them), an unknown pool or budget (NOT_FOUND),
+    more units than a pool has (VALIDATION_FAILED), or :func:`requirements` over the
+    pools and budgets the world knows."""
+    w, x = g.world, g.rng.random()
+    if x < 0.12 or not (w.pools or w.budgets):
+        return p.Requirements()
+    if x < 0.17:
+        return p.Requirements(pools={"nosuch": 1}) if g.rng.random() < 0.5 else p.Requirements(budgets={"nosuch": 100})
+    if x < 0.2 and w.pools:
+        name = g.rng.choice(sorted(w.pools))
+        return p.Requirements(pools={name: POOLS[name] + 1})
+    return requirements(g, p_none=0.0) or p.Requirements()
+
+
+def req_key(pools: dict, budgets: dict) -> tuple | None:
+    """Requirements by name in one comparable (hashable) form; None when there are none."""
+    if not pools and not budgets:
+        return None
+    return tuple(sorted(pools.items())), tuple(sorted(budgets.items()))
+
+
+def wire_req_key(req: p.Requirements | None) -> tuple | None:
+    return None if req is None else req_key(req.pools, req.budgets)
+
+
+def stored_req_key(coord, stored: r.TaskRequirements | None) -> tuple | None:
+    """Stored requirements (pool / budget ids) by name again, read from the pool and budget
+    tables themselves (not through ``Admission.describe``, which is under test)."""
+    if stored is None:
+        return None
+    pools, budgets = coord.pools.table, coord.budgets.table
+    return req_key({pools[i].name if i in pools else i: n for i, n in stored.pools.items()},
+                   {budgets[i].name if i in budgets else i: n for i, n in stored.budgets.items()})
+
+
+def requirements_fact(obs, task_id: str, own: p.Requirements | None) -> None:
+    """A new task (a submission without a key: it made the task) holds its own
+    requirements, or, without any, the ones its mailbox declared when its
+    ``TaskSubmitted`` was journaled (noted by the audit: ``world.submit_defaults``)."""
+    want = wire_req_key(own)
+    if want is not None:
+        obs.fact("task_requirements", task_id, want, "its own")
+    elif task_id in obs.world.submit_defaults:
+        obs.fact("task_requirements", task_id, obs.world.submit_defaults[task_id], "its mailbox's")
 
 
 # ============================================================================ runs
@@ -284,11 +349,15 @@ class SimQueues(SimKind):
     """Work queues, tasks and deliveries; the lease model (``sim.leases``)."""
 
     name = "queues"
-    facts = ("task_terminal", "task_token_ge", "task_attempt_ge", "task_completed_with")
+    facts = ("task_terminal", "task_token_ge", "task_attempt_ge", "task_completed_with", "task_requirements")
+    fact_invariants = {"task_requirements": "defaults"}
 
     def init_world(self, world):
         world.deliveries = []  # (task id, token), every delivery ever seen (held or stale)
         world.mailbox_attempts = {}
+        # task id -> its mailbox's default requirements (req_key) when its TaskSubmitted
+        # was journaled (the audit notes it, from the state before the record)
+        world.submit_defaults = {}
 
     def fallbacks(self, world):
         if world.ids.get("tsk") and not world.deliveries:
@@ -299,12 +368,34 @@ class SimQueues(SimKind):
         def mailbox(g: Gen):
             return g.rng.choice(MAILBOXES) if g.world.ids.get("mbx") or g.rng.random() < 0.8 else "nosuch"
 
-        def ensure(g: Gen):
+        def ensure(g: Gen, declare: float = 0.25):
+            """A producer's ensure (declares nothing, mostly) or, with ``declare``, a
+            worker's: default requirements for the queue's tasks (mailbox.declare)."""
             name = g.rng.choice(MAILBOXES)
             attempts = g.world.mailbox_attempts.get(name) or g.rng.choice((1, 2, 3, 5))
             if g.rng.random() < 0.1:
                 attempts = g.rng.choice((1, 2, 3, 5))  # maybe a CONFLICT
-            return p.MailboxEnsure(name=name, max_attempts=attempts)
+            reqs = None
+            if g.rng.random() < declare and (g.world.pools or g.world.budgets or g.rng.random() < 0.2):
+                reqs = declared_requirements(g)
+            return p.MailboxEnsure(name=name, max_attempts=attempts, requirements=reqs)
+
+        def declare(g: Gen):
+            """A worker declaring its queue's default requirements (empty: clearing them);
+            while the world knows no pool or budget to require, it makes one first."""
+            if g.world.pools or g.world.budgets:
+                return ensure(g, declare=1.0)
+            first = (p.PoolEnsure(name="p0", units_total=POOLS["p0"]) if g.rng.random() < 0.6
+                     else p.BudgetEnsure(name="b0", limit_minor=BUDGETS["b0"]))
+            reqs = (p.Requirements(pools={"p0": g.rng.choice((1, 2))}) if isinstance(first, p.PoolEnsure)
+                    else p.Requirements(budgets={"b0": g.rng.choice((100, 300))}))
+            then = msgspec.structs.replace(ensure(g, declare=0.0), requirements=reqs)
+
+            async def script(call, call_all):
+                await call(first)
+                await call(then)
+
+            return Script(script, label="declare")
 
         def submit(g: Gen):
             run = g.world.pick(g.rng, "scp")
@@ -316,21 +407,12 @@ class SimQueues(SimKind):
                 key=key, deadline=g.iso_in(1, 60) if g.rng.random() < 0.15 else None, requirements=requirements(g),
             )
 
-        def requirements(g: Gen):
-            """Admission: sometimes what a delivery must hold (pool units, a budget amount)."""
-            w = g.world
-            if not (w.pools or w.budgets) or g.rng.random() < 0.6:
-                return None
-            pools = {n: g.rng.choice((1, 1, 2)) for n in sorted(w.pools) if g.rng.random() < 0.7}
-            budgets = {n: g.rng.choice((100, 300)) for n in sorted(w.budgets) if g.rng.random() < 0.5}
-            return p.Requirements(pools=pools, budgets=budgets) if pools or budgets else None
-
         def submit_many(g: Gen):
             run = g.world.pick(g.rng, "scp")
             if run is None:
                 return None
-            items = [p.SubmitItem(input=_raw({"m": g.rng.randrange(10**6)}),
-                                  key=g.rng.choice((None, None, "k0", "k3"))) for _ in range(g.rng.randint(1, 4))]
+            items = [p.SubmitItem(input=_raw({"m": g.rng.randrange(10**6)}), key=g.rng.choice((None, None, "k0", "k3")),
+                                  requirements=requirements(g, p_none=0.75)) for _ in range(g.rng.randint(1, 4))]
             return p.TaskSubmitMany(mailbox=mailbox(g), scope_id=run, items=items)
 
         def receive(g: Gen):
@@ -400,6 +482,7 @@ class SimQueues(SimKind):
 
         return {
             "mailbox.ensure": (1.0, ensure),
+            "mailbox.declare": (3.0, declare),
             "task.submit": (6.0, submit),
             "task.submit_many": (1.0, submit_many),
             "receive": (5.0, receive),
@@ -424,9 +507,15 @@ class SimQueues(SimKind):
             self._task(obs, reply)
             if isinstance(op, p.DeliveryComplete):
                 obs.fact("task_completed_with", op.task_id, op.token)
+            elif isinstance(op, p.TaskSubmit) and op.key is None:
+                requirements_fact(obs, reply.id, op.requirements)
         elif isinstance(reply, p.TaskListView):
             for t in reply.tasks:
                 self._task(obs, t)
+            if isinstance(op, p.TaskSubmitMany):
+                for item, tid in zip(op.items, reply.ids or [t.id for t in reply.tasks]):
+                    if item.key is None:
+                        requirements_fact(obs, tid, item.requirements)
             for o in reply.outcomes:  # a brief task.results
                 obs.fact("task_attempt_ge", o.id, o.attempt)
                 if o.state in TERMINAL:
@@ -474,6 +563,11 @@ class SimQueues(SimKind):
             if t.state not in DONE or t.token != fact[2]:
                 return (f"a complete with token {fact[2]} of task {t.id} succeeded, but the task is "
                         f"{t.state} with token {t.token} (a stale token was honoured)")
+        elif what == "task_requirements":
+            have = stored_req_key(coord, t.requirements)
+            if have != fact[2]:
+                return (f"task {t.id} holds requirements {have}; it should hold {fact[3]}: {fact[2]} (a task's own "
+                        "requirements replace its mailbox's; without any it gets the mailbox's at its submission)")
         return None
 
     # ------------------------------------------------------------------ made-time checks
@@ -510,6 +604,15 @@ class SimQueues(SimKind):
             if t is not None and (t.token != op.token or t.state not in DONE):
                 chk.fail("fencing", f"complete with token {op.token} of task {t.id} succeeded; the task holds "
                                     f"token {t.token} and is {t.state}")
+        elif isinstance(op, p.MailboxEnsure) and err is None and reply is not None:
+            q = coord.queues.table.get(reply.id)
+            have = stored_req_key(coord, q.requirements) if q is not None else None
+            if wire_req_key(reply.requirements) != have:
+                chk.fail("defaults", f"mailbox.ensure({op.name}) shows default requirements "
+                                     f"{wire_req_key(reply.requirements)}; the mailbox holds {have}")
+            if op.requirements is not None and wire_req_key(op.requirements) != have:
+                chk.fail("defaults", f"mailbox.ensure({op.name}) declared {wire_req_key(op.requirements)} and succeeded; "
+                                     f"the mailbox holds {have} (given requirements replace the stored ones)")
 
     @staticmethod
     def _eligible(coord, q_id: str, run_id: str) -> list[str]:
@@ -624,7 +727,28 @@ class SimQueues(SimKind):
             if isinstance(rec, r.TaskExpired) and t is not None and (t.deadline_ms is None or now + SLACK_MS < t.deadline_ms):
                 chk.fail("timeliness", f"task {t.id} expired before its deadline")
 
+        def submitted(chk, m, rec: r.TaskSubmitted, now, mono):
+            q = m.queues.table.get(rec.mailbox_id)
+            if q is None:
+                chk.fail("audit", f"task {rec.id} submitted to unknown mailbox {rec.mailbox_id}")
+                return
+            default = stored_req_key(m, q.requirements)
+            chk.sim.world.submit_defaults[rec.id] = default
+            if default is not None and stored_req_key(m, rec.requirements) is None:
+                chk.fail("defaults", f"task {rec.id} was submitted to mailbox {q.name!r} without requirements while "
+                                     f"the mailbox declares {default}: it must get them")
+
+        def requirements_set(chk, m, rec: r.MailboxRequirementsSet, now, mono):
+            q = m.queues.table.get(rec.id)
+            if q is None or q.mode != "WORK":
+                chk.fail("audit", f"MailboxRequirementsSet for {q.mode if q else 'unknown'} mailbox {rec.id}")
+            elif stored_req_key(m, rec.requirements) == stored_req_key(m, q.requirements):
+                chk.fail("audit", f"MailboxRequirementsSet for mailbox {q.name!r} changes nothing (journaled only "
+                                  "when they change)")
+
         return {
+            r.TaskSubmitted: submitted,
+            r.MailboxRequirementsSet: requirements_set,
             r.TaskDelivered: delivered,
             r.TaskCompleted: completed,
             r.TaskRetried: retried,
@@ -694,7 +818,8 @@ class SimGroups(SimKind):
         def submit(g: Gen):
             gid = group(g)
             key = g.rng.choice((None, "m0", "m1", "m2", "m3"))
-            return gid and p.GroupSubmit(group_id=gid, key=key, input=_raw({"draft": g.rng.randrange(3 if key else 10**6)}))
+            return gid and p.GroupSubmit(group_id=gid, key=key, input=_raw({"draft": g.rng.randrange(3 if key else 10**6)}),
+                                         requirements=requirements(g, p_none=0.7))
 
         def join(g: Gen):
             gid, tid = group(g), g.world.pick(g.rng, "tsk")
@@ -757,6 +882,8 @@ class SimGroups(SimKind):
                 mem.append(reply.task.id)
             obs.fact("member", gid, reply.task.id)
             SimQueues._task(obs, reply.task)
+            if isinstance(op, p.GroupSubmit) and op.key is None:
+                requirements_fact(obs, reply.task.id, op.requirements)
         elif isinstance(reply, p.VerdictView):
             if not reply.late:
                 obs.fact("verdict", op.group_id, reply.task_id, reply.verdict)
@@ -796,7 +923,8 @@ class SimGroups(SimKind):
             if why:
                 chk.fail("ended-run", f"group {g.id} is {g.state} under an ended run ({why})")
                 continue
-            if coord.runs.deadline_passed(g.gate_scope_id):
+            now = coord.now_ms()
+            if coord.runs.deadline_passed(g.gate_scope_id, now - SLACK_MS):
                 chk.fail("timeliness", f"group {g.id} is past its deadline and not FINALIZED")
                 continue
             want = reference_decision(coord, g)
@@ -1963,7 +2091,10 @@ class SimMessages(SimKind):
 
     def ops(self):
         def ensure(g: Gen):
-            return p.MailboxEnsure(name="i0", mode="INBOX", max_attempts=2)
+            # (an INBOX queue's messages carry no requirements: declaring some is
+            # VALIDATION_FAILED, an empty declaration is fine)
+            reqs = declared_requirements(g) if g.rng.random() < 0.1 else None
+            return p.MailboxEnsure(name="i0", mode="INBOX", max_attempts=2, requirements=reqs)
 
         def send(g: Gen):
             run = g.world.pick(g.rng, "scp")
