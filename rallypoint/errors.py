@@ -20,6 +20,7 @@ __all__ = [
     "ValidationError",
     "NotFoundError",
     "ConflictError",
+    "IdempotencyConflictError",
     "ScopeInactiveError",
     "ScopeCancelledError",
     "DeadlineExceededError",
@@ -101,6 +102,14 @@ class ConflictError(RallypointError):
     """CONFLICT: the request contradicts the state (closed group, key reuse, ...)."""
 
     code = "CONFLICT"
+
+
+class IdempotencyConflictError(ConflictError):
+    """IDEMPOTENCY_CONFLICT: an HTTP ``Idempotency-Key`` already stored an answer for a
+    different request (method, path or body); runstate's semantics, HTTP 409. Reached
+    over TCP only through the ``idempotency.*`` ops the HTTP front end uses."""
+
+    code = "IDEMPOTENCY_CONFLICT"
 
 
 class ScopeInactiveError(RallypointError):
@@ -349,9 +358,10 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "CURSOR_EXPIRED": CursorExpiredError,
     "SLOW_CONSUMER": SlowConsumerError,
     "INTERNAL": InternalError,
+    "IDEMPOTENCY_CONFLICT": IdempotencyConflictError,  # HTTP's (runstate), after SPEC §1's
 }
 
-#: Every wire code, in SPEC §1 order.
+#: Every wire code, in SPEC §1 order, then IDEMPOTENCY_CONFLICT (the HTTP front end's).
 CODES: tuple[str, ...] = tuple(_BY_CODE)
 
 

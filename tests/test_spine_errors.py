@@ -182,3 +182,19 @@ async def test_stale_claim_arrives_as_lease_lost(rs):
     with pytest.raises(LeaseLostError) as ei:
         await d.complete("again")
     assert type(ei.value) is LeaseLostError and d.lost
+
+
+async def test_an_idempotency_key_reused_for_another_request_is_idempotency_conflict(rs):
+    # The HTTP front end's idempotency ops, embedded and over TCP: the refusal's code is
+    # one of CODES (the protocol fuzzer found it outside them) and its class is a
+    # ConflictError, so `except ConflictError` still catches it.
+    from rallypoint import protocol as p
+
+    record = p.IdempotencyRecord(key="spine-k", fingerprint="a", status=200, body=b"{}")
+    await rs._call(record, p.REPLY_TYPES[type(record)])
+    lookup = p.IdempotencyLookup(key="spine-k", fingerprint="b")
+    with pytest.raises(errors.IdempotencyConflictError) as ei:
+        await rs._call(lookup, p.REPLY_TYPES[type(lookup)])
+    e = ei.value
+    assert isinstance(e, ConflictError) and e.code == "IDEMPOTENCY_CONFLICT" and e.code in CODES
+    assert e.details == {"key": "spine-k"}

@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 import msgspec
 
-from ..errors import ConflictError, ValidationError
+from ..errors import IdempotencyConflictError, ValidationError
 from ..protocol import IdempotencyLookup, IdempotencyRecord, IdempotencyView
 from ..records import IdempotencyExpired, IdempotencyRecorded
 from .common import applies
@@ -95,9 +95,9 @@ class Idempotency(Kind):
         if e is None:
             return IdempotencyView(found=False)
         if e.fingerprint != op.fingerprint:
-            raise ConflictError(
+            raise IdempotencyConflictError(
                 "this Idempotency-Key was already used for a different request (method, path or body)",
-                details={"key": op.key}, code="IDEMPOTENCY_CONFLICT",
+                details={"key": op.key},
             )
         return IdempotencyView(found=True, status=e.status, body=e.body)
 
