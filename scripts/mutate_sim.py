@@ -233,6 +233,12 @@ MUTANTS = [
         "        pass  # mutant: a MailboxRequirementsSet changes nothing in memory\n",
         "a mailbox.ensure that replaces a queue's default requirements is journaled but not applied",
     ),
+    Mutant(
+        "joinset-requirements-dropped", "rallypoint/actors/joinset.py",
+        "joinset_id=js.id, cancellable=bool(op.cancellable), requirements=op.requirements,",
+        "joinset_id=js.id, cancellable=bool(op.cancellable),  # mutant: its own requirements dropped",
+        "a join-set child's own requirements are dropped (it gets its mailbox's defaults, or none)",
+    ),
     # The bugs the simulator found, re-introduced (their fixes reverted)
     # (seed 2's bug -- a failed journal write reached the embedded client as
     # JournalWriteError, not UNAVAILABLE -- has no mutant any more: main made

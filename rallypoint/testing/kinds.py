@@ -1219,7 +1219,8 @@ class SimJoinSets(SimKind):
             j = js(g)
             return j and p.JoinSetSubmit(joinset_id=j, mailbox=g.rng.choice(MAILBOXES),
                                          input=_raw({"c": g.rng.randrange(10**6)}), cancellable=g.rng.random() < 0.8,
-                                         key=g.rng.choice((None, None, None, "c0")))
+                                         key=g.rng.choice((None, None, None, "c0")),
+                                         requirements=requirements(g, p_none=0.7))
 
         def delay(g: Gen):
             j = js(g)
@@ -1272,6 +1273,8 @@ class SimJoinSets(SimKind):
             obs.fact("js_has_child", op.joinset_id, reply.child_id)
             if reply.kind == "task":
                 w.add(reply.child_id)
+                if op.key is None:
+                    requirements_fact(obs, reply.child_id, op.requirements)
         elif isinstance(reply, p.JoinNextView) and reply.status == "record":
             info = w.info.setdefault(op.joinset_id, {})
             info["consumed"] = max(info.get("consumed", 0), reply.index + 1)
