@@ -139,6 +139,7 @@ async def _serve(args) -> int:
         min_free_bytes=int(args.min_free_mb * (1 << 20)),
         ballast_bytes=int(args.ballast_mb * (1 << 20)),
         preallocate_bytes=int(args.preallocate_kb * 1024),
+        sync_helper=args.sync_helper,
     ) as node:
         coord = node.coordinator
         coord.watchers.stall_s = args.watch_stall
@@ -1147,6 +1148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KiB of zeros the journal keeps written ahead of its records, so an fsync writes data "
                         "only, not also the file's new size (default %(default)s; 0: off, e.g. on copy-on-write "
                         "filesystems such as btrfs or ZFS, where it saves nothing)")
+    s.add_argument("--sync-helper", choices=("process", "thread"), default="process",
+                   help="where the journal's fdatasync runs: a small helper process (default; the event loop "
+                        "waits for it like for a socket) or a worker thread of the daemon")
     s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
     s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,

@@ -97,6 +97,7 @@ async def open_node(
     space_poll_s: float = 1.0,
     snapshot_retry_s: float = 5.0,
     preallocate_bytes: int = 1 << 20,
+    sync_helper: str = "process",
     disk=None,
     storage: Storage | None = None,
 ) -> AsyncIterator[Node]:
@@ -116,7 +117,9 @@ async def open_node(
     (say ENOSPC in LMDB) is retried after ``snapshot_retry_s`` s; snapshots are skipped
     while writes are refused. ``preallocate_bytes``: zeros the journal keeps written
     ahead of its records (default 1 MiB; 0: off; see
-    :mod:`rallypoint.persistence.journal`, *Preallocation*). ``disk`` replaces the
+    :mod:`rallypoint.persistence.journal`, *Preallocation*). ``sync_helper``: where the
+    journal's fdatasync runs, ``"process"`` (a sync helper process, the default) or
+    ``"thread"`` (see :mod:`rallypoint.persistence.syncer`). ``disk`` replaces the
     journal's file operations (fault
     injection in tests, :class:`rallypoint.persistence.Disk`); ``storage`` (file modes
     only) replaces how the journal and snapshot store are opened (default
@@ -143,6 +146,7 @@ async def open_node(
             space_poll_s=space_poll_s,
             snapshot_retry_s=snapshot_retry_s,
             preallocate_bytes=preallocate_bytes,
+            sync_helper=sync_helper,
             disk=disk,
             storage=storage,
         ) as node:
@@ -601,6 +605,7 @@ async def open_persistent_node(
     space_poll_s: float = 1.0,
     snapshot_retry_s: float = 5.0,
     preallocate_bytes: int = 1 << 20,
+    sync_helper: str = "process",
     disk=None,
     storage: Storage | None = None,
 ) -> AsyncIterator[Node]:
@@ -630,7 +635,8 @@ async def open_persistent_node(
             coord.journal = storage.open_journal(rec, durability, interval_ms,
                                                  min_free_bytes=min_free_bytes, ballast_bytes=ballast_bytes,
                                                  space_poll_s=space_poll_s,
-                                                 preallocate_bytes=preallocate_bytes, disk=disk)
+                                                 preallocate_bytes=preallocate_bytes, sync=sync_helper,
+                                                 disk=disk)
         except BaseException:
             rec.store.close()
             raise

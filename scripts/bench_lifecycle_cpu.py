@@ -11,6 +11,10 @@ measured lifecycle (the warm-up's CPU is included: an upper bound). Asserts noth
     python scripts/bench_lifecycle_cpu.py . --batch 64 --pipeline 2 --worker-concurrency 2 \
         --max-messages 32 --commit-wait     # the compare_baselines shape; + durability waits
 
+A tree may carry daemon options after a ``+`` (the same tree with another setting is a
+side of its own): ``. ".+--sync-helper thread"`` compares the sync helper process with
+the thread on this tree.
+
 ``--commit-wait`` starts each daemon with ``--metrics`` and prints, from its
 ``/metrics`` after the run, the mean time a record waited from its append until the
 event loop learned it was durable (``journal_commit_wait_seconds``: what every reply
@@ -48,10 +52,12 @@ def _cpu_s(pid: int) -> float:
 def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float, dict | None]:
     """One run against ``tree``: (lifecycles/s as printed, measured lifecycles, daemon CPU
     s, the journal's means with ``--commit-wait`` else None)."""
+    tree, _, opts = tree.partition("+")
     tree = os.path.abspath(tree)
     env = dict(os.environ, PYTHONPATH=tree)
     mport = _free_port() if a.commit_wait else None
-    daemon = SpawnedDaemon(a.durability, ["--metrics", f"127.0.0.1:{mport}"] if mport else [], tree=tree)
+    daemon = SpawnedDaemon(a.durability, (["--metrics", f"127.0.0.1:{mport}"] if mport else []) + opts.split(),
+                           tree=tree)
     try:
         url = daemon.start()
         c0 = _cpu_s(daemon.pid)
@@ -60,7 +66,8 @@ def measure(tree: str, a: argparse.Namespace) -> tuple[str, int, float, dict | N
              "--duration", str(a.duration), "--warmup", "1",
              "--producers", str(a.producers), "--workers", str(a.workers), "--batch", str(a.batch),
              "--pipeline", str(a.pipeline), "--worker-concurrency", str(a.worker_concurrency),
-             "--max-messages", str(a.max_messages)],
+             "--max-messages", str(a.max_messages)]
+            + (["--rate", str(a.rate), "--coalesce-ms", str(a.coalesce_ms)] if a.rate else []),
             env=env, cwd=tree, capture_output=True, text=True).stdout
         c1 = _cpu_s(daemon.pid)
         waits = _journal_means(mport) if mport is not None else None
@@ -90,7 +97,8 @@ def _journal_means(port: int) -> dict[str, float | None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("trees", nargs="+", help="source trees (a checkout, or `git archive REV | tar -x -C DIR`)")
+    ap.add_argument("trees", nargs="+", help="source trees (a checkout, or `git archive REV | tar -x -C DIR`), "
+                                             "each optionally followed by +DAEMON-OPTIONS")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--durability", default="fsync", choices=("fsync", "interval", "memory"))
     ap.add_argument("--duration", type=float, default=8.0, help="measured seconds (after 1 s of warm-up)")
@@ -100,6 +108,10 @@ def main() -> None:
     ap.add_argument("--pipeline", type=int, default=8)
     ap.add_argument("--worker-concurrency", type=int, default=8)
     ap.add_argument("--max-messages", type=int, default=100)
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="open loop at this many lifecycles/s (0: closed loop); the CPU per lifecycle at a "
+                         "fixed rate does not depend on how fast a tree is")
+    ap.add_argument("--coalesce-ms", type=float, default=2.0, help="open loop: arrivals per submit window")
     ap.add_argument("--commit-wait", action="store_true",
                     help="also report the journal's mean commit wait and fdatasync (daemon --metrics)")
     a = ap.parse_args()

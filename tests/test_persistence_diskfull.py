@@ -156,6 +156,7 @@ async def test_enospc_stalls_the_write_acknowledges_nothing_and_completes_when_s
         disk.free = BIG
         await j.wait_writable()
         await j.wait_durable(lsn)
+        await trio.testing.wait_all_tasks_blocked()  # the writer task, woken with us, runs
         assert acked == [2]
         await j.wait_durable(j.append(payload(3)))
         await j.aclose()
@@ -509,16 +510,31 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def test_a_failed_fsync_stops_the_daemon_with_one_line_and_clients_get_unavailable(tmp_path):
+def _helper_pids(pid: int) -> list[int]:
+    """The daemon's child processes (its sync helper)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+@pytest.mark.parametrize("how", ["eio-in-thread", "helper-killed"])
+def test_a_failed_fsync_stops_the_daemon_with_one_line_and_clients_get_unavailable(tmp_path, how):
+    """An fsync that fails (EIO, with ``--sync-helper thread`` where the daemon's own
+    ``os.fdatasync`` is the broken one) or cannot be done any more (the sync helper
+    process was killed) stops the daemon: one line, exit 1, clients told UNAVAILABLE."""
+    import signal
     import subprocess
     import sys
 
     from rallypoint.sync import connect
 
     marker = tmp_path / "break-the-disk"
+    extra = ["--sync-helper", "thread"] if how == "eio-in-thread" else []
     proc = subprocess.Popen(
         [sys.executable, "-c", _EIO_DAEMON, str(marker), "serve", "--listen", "127.0.0.1:0",
-         "--data-dir", str(tmp_path / "d"), "--min-free-mb", "0"],
+         "--data-dir", str(tmp_path / "d"), "--min-free-mb", "0", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -529,7 +545,13 @@ def test_a_failed_fsync_stops_the_daemon_with_one_line_and_clients_get_unavailab
         assert url, proc.stderr.read()
         with connect(url) as rs:
             run = rs.scopes.create(name="before")
-            marker.touch()
+            helpers = _helper_pids(proc.pid)
+            if how == "eio-in-thread":
+                assert helpers == []  # no helper process with --sync-helper thread
+                marker.touch()
+            else:
+                assert len(helpers) == 1
+                os.kill(helpers[0], signal.SIGKILL)
             with pytest.raises(UnavailableError, match="fail-stop"):
                 rs.scopes.create(name="lost")
         code = proc.wait(30)
@@ -543,6 +565,8 @@ def test_a_failed_fsync_stops_the_daemon_with_one_line_and_clients_get_unavailab
     last = err.strip().splitlines()[-1]
     assert last.startswith("rallypoint: stopped: journal write/fsync failed at "), err
     assert "Check the disk, then restart" in last
+    if how == "helper-killed":
+        assert "sync helper process" in last and "exit status -9" in last, last
     del run
 
 

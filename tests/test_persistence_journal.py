@@ -13,6 +13,7 @@ import trio.testing
 
 from rallypoint.persistence.journal import (
     HEADER_SIZE,
+    Disk,
     Journal,
     JournalClosedError,
     JournalWriteError,
@@ -205,9 +206,14 @@ async def test_cancelled_run_still_flushes_buffer(tmp_path):
     j = Journal(tmp_path, mode="fsync", next_lsn=1)
     async with trio.open_nursery() as nursery:
         await nursery.start(j.run)
-        for i in range(100):
+        await j.wait_durable(j.append(payload(0)))  # the flusher now waits for work
+        for i in range(1, 100):
             j.append(payload(i))
         nursery.cancel_scope.cancel()
+    # written, fsynced (durable) and the segment cut to its last record, before run() ended
+    assert j.durable_lsn == 100
+    (_, path), = list_segments(tmp_path)
+    assert path.stat().st_size == 100 * (HEADER_SIZE + 100)
     await j.aclose()
     assert len(list(read_journal(tmp_path, 0))) == 100
 
@@ -251,15 +257,25 @@ async def test_reopen_without_appends_reuses_empty_segment(tmp_path):
     assert scan_journal(tmp_path, 0).next_lsn == 6
 
 
-async def test_fsync_error_is_fail_stop(tmp_path, monkeypatch):
-    j = Journal(tmp_path, mode="fsync", next_lsn=1)
+class _BrokenFsync(Disk):
+    """fdatasync fails with EIO once ``armed`` (after ``go`` is set: the test's waiters
+    park first). A Disk that overrides fdatasync gets the worker-thread syncer."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.go = threading.Event()
+
+    def fdatasync(self, fd) -> None:
+        if self.armed:
+            self.go.wait(5)
+            raise OSError(errno.EIO, "Input/output error")
+        os.fdatasync(fd)
+
+
+async def test_fsync_error_is_fail_stop(tmp_path):
+    disk = _BrokenFsync()
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, disk=disk)
     got = []
-
-    go = threading.Event()
-
-    def broken(fd):
-        go.wait(5)
-        raise OSError(errno.EIO, "Input/output error")
 
     async def waiter(lsn):
         try:
@@ -272,11 +288,11 @@ async def test_fsync_error_is_fail_stop(tmp_path, monkeypatch):
             await nursery.start(j.run)
             j.append(b"ok")
             await j.wait_durable(1)
-            monkeypatch.setattr(os, "fdatasync", broken)
+            disk.armed = True
             for i in range(5):
                 nursery.start_soon(waiter, j.append(payload(i)))
             await trio.testing.wait_all_tasks_blocked()
-            go.set()
+            disk.go.set()
     assert info.group_contains(JournalWriteError)
     assert len(got) == 5
     assert isinstance(got[0].__cause__, OSError)
@@ -285,7 +301,6 @@ async def test_fsync_error_is_fail_stop(tmp_path, monkeypatch):
         j.append(b"more")
     with pytest.raises(JournalWriteError):
         await j.wait_durable(3)
-    monkeypatch.undo()
     with pytest.raises(JournalWriteError):
         await j.aclose()
 

@@ -44,12 +44,16 @@ Durability modes
 
 Group commit
 ============
-A dedicated flusher thread (started by :meth:`Journal.run`) takes *everything* appended
-so far, writes it with one ``write()`` per segment and one ``fdatasync``; records appended
-meanwhile go out with the next one. On this class of VM a thread hop through
-``trio.to_thread.run_sync`` costs ~170 us while a dedicated thread fed under a lock costs
-~85 us per round trip, and keeps writing back to back under load without returning to
-the event loop, hence the dedicated thread. The event loop is never blocked by I/O.
+The flusher (:meth:`Journal.run`, a Trio task) takes *everything* appended so far,
+writes it with one ``write()`` per segment (into the page cache: microseconds, on the
+event loop) and has it made durable by one ``fdatasync``; records appended meanwhile go
+out with the next round. The ``fdatasync`` runs outside the event loop's thread, in the
+*sync helper*, a small child process (:mod:`.syncer`): the loop sends it a duplicate of
+the segment's descriptor and waits for its answer like for any socket, so nothing
+blocks the loop and no Python thread has to win the GIL back after every system call
+(on this project's 2-core VM that hand-over cost more than the fsync itself:
+docs/performance.md, "A sync helper process"). ``sync="thread"`` runs it in a worker
+thread instead (also the fallback when the helper cannot be started).
 
 Preallocation
 =============
@@ -77,7 +81,7 @@ is that gate (O(1), no I/O); it raises :class:`DiskFullError` (UNAVAILABLE, with
 ``retry_after``) while
 
 * the free space of the journal's filesystem is below ``min_free_bytes`` (checked by the
-  flusher thread after every write, and every ``space_poll_s`` while refusing), or
+  flusher after every write, and every ``space_poll_s`` while refusing), or
 * a ``write()`` failed with ENOSPC/EDQUOT. The flusher first deletes ``BALLAST``
   (``ballast_bytes`` reserved at open) and retries at once, which normally lets the
   records already applied in memory reach the disk; if that is not enough it keeps them
@@ -94,11 +98,12 @@ from __future__ import annotations
 
 import errno
 import heapq
+from collections import deque
 import logging
 import os
 import re
+import math
 import struct
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +119,7 @@ from .errors import (
     JournalWriteError,
 )
 from .manifest import Manifest, read_manifest, try_write_manifest
+from .syncer import MAX_OUTSTANDING, SYNC_MODES, Syncer
 
 if TYPE_CHECKING:  # repair.py imports this module
     from .repair import RepairPlan, RepairReport
@@ -215,8 +221,10 @@ class Disk:
     """The journal's raw file operations, one method each, so that tests can inject
     faults (subclass it and pass ``disk=`` to :class:`Journal`).
 
-    Called on the flusher thread, except at open (constructor) and in ``aclose`` when
-    the flusher never ran. Errors are ``OSError`` as from ``os``: ENOSPC/EDQUOT from
+    Called by the flusher on the event loop, except :meth:`fdatasync`, which the sync
+    helper process carries out (``os.fdatasync``) -- or, when a subclass overrides
+    it, a worker thread calls the subclass's method. Errors are ``OSError`` as from
+    ``os``: ENOSPC/EDQUOT from
     :meth:`write` or :meth:`open_segment` stall and retry; any error from
     :meth:`preallocate` only stops preallocating in that segment; anything else, and
     any error from :meth:`fdatasync` or :meth:`truncate`, is fail-stop.
@@ -313,7 +321,7 @@ BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 class JournalStatistics:
     """Snapshot of a journal's counters (see :meth:`Journal.statistics`).
 
-    ``buffered_bytes`` are appended but not yet handed to the flusher thread;
+    ``buffered_bytes`` are appended but not yet taken by the flusher;
     ``waiters`` counts distinct LSNs being waited for (not tasks). ``refusing`` is None
     while writes are accepted, else ``"low"`` (free space below the reserve) or
     ``"stalled"`` (a write waits for space); ``free_bytes`` is the last free-space
@@ -377,6 +385,9 @@ class Journal:
             1 MiB; 0: off), so that an fdatasync writes data only instead of also
             committing the file's new size (see *Preallocation*).
         disk: the file operations (:class:`Disk`); tests pass a faulty one.
+        sync: where ``fdatasync`` runs: ``"process"`` (default: the sync helper
+            process) or ``"thread"`` (a worker thread); see :mod:`.syncer`. A ``disk``
+            that overrides :meth:`Disk.fdatasync` always gets the thread.
 
     Raises:
         ValueError: bad mode / arguments, or the journal already holds a segment that
@@ -401,6 +412,7 @@ class Journal:
         space_poll_s: float = 1.0,
         preallocate_bytes: int = 1 << 20,
         disk: Disk | None = None,
+        sync: str = "process",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"journal mode must be one of {MODES}, not {mode!r}")
@@ -416,6 +428,8 @@ class Journal:
             raise ValueError(f"space_poll_s must be > 0, not {space_poll_s}")
         if mode != "memory" and data_dir is None:
             raise ValueError(f"mode {mode!r} needs a data_dir")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         self.mode = mode
         self.data_dir = None if data_dir is None else Path(data_dir)
         self.interval_s = interval_ms / 1000.0
@@ -432,14 +446,13 @@ class Journal:
         self._opened_next = next_lsn
         self._durable_lsn = next_lsn - 1
         self._synced_lsn = next_lsn - 1
-        # Buffer shared with the flusher thread, guarded by _cv's lock.
-        self._cv = threading.Condition(threading.Lock())
+        # Appended, not yet taken by the flusher (all of this lives on the event loop).
         self._buf = bytearray()
         self._buf_seg: int | None = None  # first LSN of a new segment this chunk starts
         self._chunks: list[tuple[int | None, bytearray]] = []  # completed chunks (rolls)
         self._buf_upto = next_lsn - 1  # last LSN included in _buf/_chunks
         self._seg_bytes = 0  # bytes assigned to the active segment (written + buffered)
-        self._thread_idle = False
+        self._wake: trio.Event | None = None  # the flusher waits for work on it
         self._stop = False
         self._force_sync = False
         # Waiters: heap of LSNs plus one Event per LSN.
@@ -449,10 +462,26 @@ class Journal:
         self._error: JournalWriteError | None = None
         self._closed = False
         self._running = False
-        self._thread: threading.Thread | None = None
-        self._thread_done: trio.Event | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        # Counters (written by the flusher thread, read anywhere).
+        self._done: trio.Event | None = None  # set when run() ends (memory mode: by aclose)
+        self.sync = sync
+        self._syncer: Syncer | None = None
+        # Flusher progress: last LSN taken into the backlog, last LSN written to the file;
+        # its deadlines (trio time): the pending interval fsync, the retry of a stalled
+        # write, the next free-space check while refusing.
+        self._taken = next_lsn - 1
+        self._written = next_lsn - 1
+        # Sync requests in flight, in order: (request id, the LSN it makes synced or
+        # None); the last LSN requested; the last request id answered.
+        self._key: int | None = None  # the active segment's key in the sync helper
+        self._outstanding: deque[tuple[int, int | None]] = deque()
+        self._requested_lsn = next_lsn - 1
+        self._answered = 0
+        self._answer_event: trio.Event | None = None
+        self._sync_wanted = False
+        self._next_sync_at: float | None = None
+        self._retry_at: float | None = None
+        self._poll_at: float | None = None
+        # Counters (written by the flusher, read anywhere).
         self._n_bytes = 0
         self._n_writes = 0
         self._n_fsyncs = 0
@@ -473,8 +502,8 @@ class Journal:
         self._wpos = 0
         self._zend = 0
         self._prealloc_ok = True  # False after a failed preallocation, until the next roll
-        # Disk space. Loop side: the refusal in force; thread side: the backlog of
-        # chunks a failed write left, what it last reported, the ballast.
+        # Disk space: the refusal in force; the backlog of chunks a failed write left,
+        # what the flusher last reported, the ballast.
         self._refusal: str | None = None  # None | "low" | "stalled"
         self._refused_since = 0.0
         self._space_event: trio.Event | None = None
@@ -683,7 +712,6 @@ class Journal:
         return self._refusal
 
     def _on_space(self, kind: str | None, free: int | None, lsns: tuple[int, int] | None) -> None:
-        # On the loop (posted by the flusher thread).
         if free is not None:
             self._free_bytes = free
         self._backlog_lsns = lsns
@@ -707,7 +735,7 @@ class Journal:
 
     def append(self, payload: bytes | bytearray | memoryview) -> int:
         """Frame ``payload`` and buffer it; return its LSN. Synchronous, never blocks on
-        I/O (it takes a lock shared with the flusher thread for a few hundred ns).
+        I/O (the flusher task takes the buffer at its next round).
 
         The record is *not* durable yet: await :meth:`wait_durable` with the returned
         LSN before telling anyone about it. ``append`` does not check disk space: call
@@ -734,25 +762,25 @@ class Journal:
         lb = _Q.pack(lsn)
         head = _II.pack(n, crc32(payload, crc32(lb)))
         reclen = n + HEADER_SIZE
-        with self._cv:
-            if self._seg_bytes + reclen > self.segment_bytes and self._seg_bytes:
-                self._roll(lsn)
-            self._seg_bytes += reclen
-            buf = self._buf
-            buf += head
-            buf += lb
-            buf += payload
-            self._buf_upto = lsn
-            self._next_lsn = lsn + 1
-            if self._wait_probe is None:
-                self._wait_probe = (lsn, time.perf_counter())
-            if self._thread_idle:
-                self._thread_idle = False
-                self._cv.notify()
+        if self._seg_bytes + reclen > self.segment_bytes and self._seg_bytes:
+            self._roll(lsn)
+        self._seg_bytes += reclen
+        buf = self._buf
+        buf += head
+        buf += lb
+        buf += payload
+        self._buf_upto = lsn
+        self._next_lsn = lsn + 1
+        if self._wait_probe is None:
+            self._wait_probe = (lsn, time.perf_counter())
+        ev = self._wake
+        if ev is not None:
+            self._wake = None
+            ev.set()
         return lsn
 
     def _roll(self, first_lsn: int) -> None:
-        # Called with the lock held: close the current chunk, start a new segment.
+        # From append: close the current chunk, start a new segment.
         if self._buf or self._buf_seg is not None:
             self._chunks.append((self._buf_seg, self._buf))
         self._buf = bytearray()
@@ -812,11 +840,8 @@ class Journal:
             raise ValueError(f"LSN {lsn} was never appended (last_lsn is {self._next_lsn - 1})")
         ev = trio.Event()
         self._sync_waiters.append((lsn, ev))
-        with self._cv:
-            self._force_sync = True
-            if self._thread_idle:
-                self._thread_idle = False
-                self._cv.notify()
+        self._force_sync = True
+        self._kick()
         await ev.wait()
         if self._synced_lsn >= lsn:
             return
@@ -824,7 +849,7 @@ class Journal:
             self._raise_failed()
         raise JournalClosedError(f"journal stopped; LSN {lsn} is not synced")
 
-    # --- callbacks run on the event loop (via TrioToken.run_sync_soon)
+    # --- the flusher's reports (on the event loop)
 
     def _on_progress(self, durable: int, synced: int) -> None:
         probe = self._wait_probe
@@ -874,19 +899,16 @@ class Journal:
             log.error("%s", err.message)
         self._wake_all()
 
-    def _on_thread_exit(self) -> None:
-        self._running = False
-        if self._thread_done is not None:
-            self._thread_done.set()
-        self._wake_all()
-
     # ----------------------------------------------------------------- flusher
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The group-commit flusher. Start it once with ``await nursery.start(journal.run)``.
 
-        Starts the flusher thread and returns when the journal is closed
-        (:meth:`aclose`). If cancelled, it first lets the thread write and fsync what is
+        A Trio task: it takes everything appended, writes it into the segment (on the
+        event loop: a write into the page cache) and asks the sync helper
+        (:mod:`.syncer`) to fdatasync it; the helper's answer marks it durable. Records
+        appended meanwhile go out with the next round. Returns when the journal is
+        closed (:meth:`aclose`). If cancelled, it first writes and fsyncs what is
         buffered (shielded; bounded by one fsync, or by one more write attempt when the
         disk is full), then the journal counts as closed.
 
@@ -896,48 +918,88 @@ class Journal:
                 disk is not such a failure (see the module docstring).
             RuntimeError: run() was already started.
         """
-        if self._running or self._thread is not None:
+        if self._running or self._done is not None:
             raise RuntimeError("Journal.run() was already started")
         if self._closed:
             raise JournalClosedError("journal is closed")
         self._running = True
+        self._done = trio.Event()
         if self._memory:
-            self._thread_done = trio.Event()
             task_status.started()
             try:
-                await self._thread_done.wait()  # set by aclose()
+                await self._done.wait()  # set by aclose()
             finally:
                 self._running = False
                 self._closed = True
             return
-        self._token = trio.lowlevel.current_trio_token()
-        self._thread_done = trio.Event()
-        self._thread = threading.Thread(
-            target=self._thread_main, name=f"rallypoint-journal-{self.data_dir}", daemon=True
-        )
-        self._thread.start()
-        task_status.started()
         try:
-            await self._thread_done.wait()
-        finally:
-            if not self._thread_done.is_set():
-                # Cancelled: let the thread flush what is buffered, then stop.
+            await self._start_syncer()
+            task_status.started()
+            try:
+                await self._serve()
+            except* trio.Cancelled:  # (a nursery's: in a group)
+                # Cancelled while waiting for work or for the last answers (every other
+                # await of the flusher is shielded): write and fsync what is buffered.
                 self._closed = True
-                self._request_stop()
+                self._stop = True
                 with trio.CancelScope(shield=True):
-                    await self._thread_done.wait()
+                    await self._serve()
+                raise
+        finally:
+            await self._stop_syncer()
+            self._running = False
             self._closed = True
+            self._done.set()
+            self._wake_all()
         if self._error is not None:
             self._raise_failed()
 
+    async def _start_syncer(self, kind: str | None = None) -> None:
+        """Start the sync helper (``kind`` or ``self.sync``) and hand it the segment. A
+        Disk that overrides ``fdatasync`` gets the thread helper (its method must be the
+        one called); a process that cannot be started falls back to the thread, with a
+        warning."""
+        kind = kind or self.sync
+        if type(self._disk).fdatasync is not Disk.fdatasync:
+            kind = "thread"
+        try:
+            self._syncer = await Syncer.start(kind, self._disk.fdatasync)
+        except OSError as exc:
+            log.warning("journal: cannot start the sync helper process (%s); fdatasync runs in a "
+                        "thread of this process instead (slower under load)", exc)
+            self._syncer = await Syncer.start("thread", self._disk.fdatasync)
+        if self._fd is not None:
+            self._key = self._syncer.register(self._fd)
+
+    async def _stop_syncer(self) -> None:
+        syncer, self._syncer = self._syncer, None
+        if syncer is not None:
+            await syncer.aclose()
+
+    async def _serve(self) -> None:
+        """The flusher and the task that reads the helper's answers, until the flusher
+        returns (stop, or fail-stop)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._answers)
+            await self._flusher()
+            nursery.cancel_scope.cancel()
+
     def _request_stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._thread_idle = False
-            self._cv.notify()
+        self._stop = True
+        self._kick()
+
+    def _kick(self) -> None:
+        ev = self._wake
+        if ev is not None:
+            self._wake = None
+            ev.set()
+
+    def _has_data(self) -> bool:
+        return bool(self._chunks) or bool(self._buf) or self._buf_seg is not None
 
     def _take(self) -> tuple[list[tuple[int | None, bytearray]], int]:
-        # Lock held.
+        """Everything appended and not yet taken, as chunks ``(segment to roll to first |
+        None, bytes)``, and the last LSN in them."""
         chunks = self._chunks
         if self._buf or self._buf_seg is not None:
             chunks.append((self._buf_seg, self._buf))
@@ -946,134 +1008,168 @@ class Journal:
         self._chunks = []
         return chunks, self._buf_upto
 
-    def _post(self, fn, *args) -> bool:
-        token = self._token
-        if token is None:  # not running (constructor): apply directly
-            fn(*args)
-            return True
-        try:
-            token.run_sync_soon(fn, *args)
-            return True
-        except trio.RunFinishedError:
-            return False
+    # --- sync requests and their answers (the helper answers in order)
 
-    def _thread_main(self) -> None:
-        token = self._token
-        assert token is not None
-        interval = self.interval_s
-        fsync_each = self._fsync_each
-        written = synced = self._synced_lsn
-        taken = written  # last LSN handed to the backlog
-        backlog = self._backlog
-        next_sync_at = None  # monotonic deadline for the pending interval fsync
-        retry_at = None  # a stalled write is retried then
-        poll_at = None  # free space is re-checked then (while refusing)
-        watch = bool(self.min_free_bytes or self.ballast_bytes)
-        if self._refusal is not None:  # refused from the start
-            self._reported = self._refusal
-            poll_at = time.monotonic() + self.space_poll_s
+    def _request(self, key: int, lsn: int | None, *, full: bool = False) -> int:
+        """Send a sync request for ``key`` that makes the records up to ``lsn`` (None:
+        none, a directory or a segment's close) synced once answered; its id."""
+        rid = self._syncer.request(key, full=full)  # type: ignore[union-attr]
+        self._outstanding.append((rid, lsn))
+        if lsn is not None:
+            self._requested_lsn = lsn
+        return rid
+
+    def _want_sync(self) -> None:
+        """Have everything written so far synced: a request now, or as soon as one of
+        the :data:`~.syncer.MAX_OUTSTANDING` in flight is answered."""
+        if len(self._outstanding) < MAX_OUTSTANDING and self._key is not None:  # None: mid-roll
+            self._sync_wanted = False
+            self._request(self._key, self._written)  # type: ignore[arg-type]
+        else:
+            self._sync_wanted = True
+
+    async def _answers(self) -> None:
+        """Read the helper's answers: each makes every request up to its id done."""
         try:
             while True:
-                with self._cv:
-                    while True:
-                        has_data = bool(self._chunks) or bool(self._buf) or self._buf_seg is not None
-                        if has_data or self._stop or self._force_sync:
-                            break
-                        deadline = min((t for t in (next_sync_at, retry_at, poll_at) if t is not None),
-                                       default=None)
-                        if deadline is not None:
-                            remaining = deadline - time.monotonic()
-                            if remaining <= 0:
-                                break
-                            self._thread_idle = True
-                            self._cv.wait(remaining)
-                        else:
-                            self._thread_idle = True
-                            self._cv.wait()
-                        self._thread_idle = False
-                    chunks, upto = self._take()
-                    stop = self._stop
-                    force = self._force_sync
-                    self._force_sync = False
+                rid, seconds = await self._syncer.next_answer()  # type: ignore[union-attr]
+                self._on_answer(rid, seconds)
+        except OSError as exc:  # a failed fsync, or the helper gone: fail-stop
+            self._on_error(exc)
+            self._kick()
+            self._set_answered()
+
+    def _on_answer(self, rid: int, seconds: float) -> None:
+        self._answered = rid
+        self._n_fsyncs += 1
+        self.fsync_seconds.observe(seconds)
+        out = self._outstanding
+        synced = None
+        while out and out[0][0] <= rid:
+            lsn = out.popleft()[1]
+            if lsn is not None:
+                synced = lsn
+        if synced is not None and synced > self._synced_lsn:
+            self.commit_records.observe(synced - self._synced_lsn)
+            self._on_progress(synced if self._fsync_each else self._durable_lsn, synced)
+        if self._sync_wanted and self._error is None:
+            self._want_sync()
+        self._set_answered()
+
+    def _set_answered(self) -> None:
+        ev = self._answer_event
+        if ev is not None:
+            self._answer_event = None
+            ev.set()
+
+    async def _wait_answered(self, rid: int) -> None:
+        """Until request ``rid`` is answered; raises the journal's error if it failed."""
+        while self._answered < rid and self._error is None:
+            if self._answer_event is None:
+                self._answer_event = trio.Event()
+            await self._answer_event.wait()
+        if self._error is not None:
+            self._raise_failed()
+
+    async def _flusher(self) -> None:
+        """The flusher's rounds (see :meth:`run`). Its only unshielded checkpoints are
+        the wait for work and, at the stop, the wait for the last answers, so a
+        cancellation leaves no round half done. An error other than a full disk is
+        reported with :meth:`_on_error` (fail-stop) and ends it."""
+        interval = self.interval_s
+        fsync_each = self._fsync_each
+        backlog = self._backlog
+        watch = bool(self.min_free_bytes or self.ballast_bytes)
+        if self._refusal is not None and self._poll_at is None:  # refused from the start
+            self._reported = self._refusal
+            self._poll_at = trio.current_time() + self.space_poll_s
+        try:
+            while self._error is None:
+                while not (self._has_data() or self._stop or self._force_sync or self._error is not None):
+                    deadline = min((t for t in (self._next_sync_at, self._retry_at, self._poll_at)
+                                    if t is not None), default=math.inf)
+                    if deadline <= trio.current_time():
+                        break
+                    self._wake = trio.Event()
+                    with trio.move_on_at(deadline):
+                        await self._wake.wait()
+                    self._wake = None
+                if self._error is not None:
+                    return
+                chunks, upto = self._take()
+                stop = self._stop
+                force = self._force_sync
+                self._force_sync = False
                 if chunks:
                     backlog.extend([seg, data, 0] for seg, data in chunks)
-                    taken = upto
-                now = time.monotonic()
+                    self._taken = upto
+                now = trio.current_time()
                 wrote = False
-                if backlog and (retry_at is None or now >= retry_at or stop):
-                    if self._drain(backlog):
+                if backlog and (self._retry_at is None or now >= self._retry_at or stop):
+                    if await self._drain(backlog):
                         wrote = True
-                        written = taken
+                        self._written = self._taken
                         if not stop:
                             self._preallocate_ahead()
-                        if retry_at is not None:
-                            retry_at = None
+                        if self._retry_at is not None:
+                            self._retry_at = None
                             log.warning("journal: the write that waited for disk space at %s went "
-                                        "through (LSN up to %d)", self._jdir, written)
+                                        "through (LSN up to %d)", self._jdir, self._written)
                     else:
-                        lsns = (written + 1, taken)
+                        lsns = (self._written + 1, self._taken)
                         try:
                             self._free_bytes = self._disk.free_bytes(self._jdir)  # type: ignore[arg-type]
                         except OSError:
                             pass
-                        if retry_at is None:
+                        if self._retry_at is None:
                             self._stalls += 1
-                        retry_at = now + self.space_poll_s
+                        self._retry_at = now + self.space_poll_s
                         self._report_space("stalled", lsns)
                         if stop:
                             self._abandoned = lsns
                             log.error("journal: closing with LSN %d..%d never written (disk full at %s); "
                                       "they were never acknowledged", lsns[0], lsns[1], self._jdir)
-                            break
+                            return
                         continue
                 # Closing with everything written: the file ends at its last record
                 # (the cut is made durable by the final fdatasync below).
                 trimmed = stop and not backlog and self._trim_zero_tail()
-                if written > synced or trimmed:
+                # The space check goes first: a refusal it finds is in force before any
+                # reply that this round releases can leave.
+                if (watch and wrote) or (self._poll_at is not None and now >= self._poll_at) or \
+                        (self._reported is not None and wrote):
+                    kind = self._space_check()
+                    self._poll_at = None if kind is None else trio.current_time() + self.space_poll_s
+                written = self._written
+                if not fsync_each and wrote:
+                    self._on_progress(written, self._synced_lsn)  # interval: durable once written
+                if written > self._requested_lsn or trimmed or (force and written > self._synced_lsn):
                     if fsync_each or stop or force:
                         do_sync = True
                     else:
-                        if next_sync_at is None:
-                            next_sync_at = now + interval
-                        do_sync = now >= next_sync_at
+                        if self._next_sync_at is None:
+                            self._next_sync_at = now + interval
+                        do_sync = now >= self._next_sync_at
                     if do_sync:
-                        t_sync = time.perf_counter()
-                        self._disk.fdatasync(self._fd)  # type: ignore[arg-type]
-                        self.fsync_seconds.observe(time.perf_counter() - t_sync)
-                        if written > synced:
-                            self.commit_records.observe(written - synced)
-                        self._n_fsyncs += 1
-                        synced = written
-                        next_sync_at = None
-                # The space check goes first: a refusal it finds is in force on the loop
-                # before any reply that this progress releases can leave.
-                if (watch and wrote) or (poll_at is not None and now >= poll_at) or \
-                        (self._reported is not None and wrote):
-                    kind = self._space_check()
-                    poll_at = None if kind is None else time.monotonic() + self.space_poll_s
-                if chunks or wrote or force or synced == written:
-                    try:
-                        token.run_sync_soon(self._on_progress, written, synced)
-                    except trio.RunFinishedError:
-                        return
+                        self._next_sync_at = None
+                        if stop or trimmed or force:  # now, not after the requests in flight
+                            self._request(self._key, written)  # type: ignore[arg-type]
+                        else:
+                            self._want_sync()
+                if force and written <= self._synced_lsn and not self._outstanding:
+                    self._on_progress(self._durable_lsn, self._synced_lsn)  # nothing to sync
                 if stop:
-                    break
-        except BaseException as exc:  # noqa: BLE001 - reported to the loop, fail-stop
-            try:
-                token.run_sync_soon(self._on_error, exc)
-            except trio.RunFinishedError:
-                pass
-        finally:
-            try:
-                token.run_sync_soon(self._on_thread_exit)
-            except trio.RunFinishedError:
-                pass
+                    if self._outstanding:
+                        await self._wait_answered(self._outstanding[-1][0])
+                    return
+        except Exception as exc:  # noqa: BLE001 - a write, fsync or bug: fail-stop
+            self._on_error(exc)
 
     def _report_space(self, kind: str | None, lsns: tuple[int, int] | None = None) -> None:
-        """Flusher thread: tell the loop when the refusal state changes."""
+        """Flusher: put the refusal state in force when it changes."""
         if kind != self._reported or (kind == "stalled" and lsns != self._backlog_lsns):
             self._reported = kind
-            self._post(self._on_space, kind, self._free_bytes, lsns)
+            self._on_space(kind, self._free_bytes, lsns)
 
     def _space_check(self) -> str | None:
         """Read the free space; re-make the ballast when there is room; report and
@@ -1120,7 +1216,7 @@ class Journal:
             return False
 
     def _release_ballast(self) -> bool:
-        """Flusher thread, on ENOSPC: delete the ballast to make room; True if it did."""
+        """Flusher, on ENOSPC: delete the ballast to make room; True if it did."""
         if not self.ballast_bytes or not self._ballast_ok:
             return False
         self._ballast_ok = False
@@ -1136,8 +1232,8 @@ class Journal:
                     "already taken; writes are refused until space is freed", self._jdir, self.ballast_bytes)
         return True
 
-    def _drain(self, backlog: list[list]) -> bool:
-        """Flusher thread: write the backlog ``[[seg_first|None, data, offset], ...]`` in
+    async def _drain(self, backlog: list[list]) -> bool:
+        """Flusher: write the backlog ``[[seg_first|None, data, offset], ...]`` in
         order, rolling segments as marked. Returns False when a write failed for lack of
         space (progress is kept in the items, so the next call continues exactly where
         this one stopped); raises any other error."""
@@ -1147,7 +1243,7 @@ class Journal:
             item = backlog[0]
             try:
                 if item[0] is not None:
-                    self._roll_file(item[0])
+                    await self._roll_file(item[0])
                     item[0] = None
                 data = item[1]
                 off = item[2]
@@ -1171,33 +1267,48 @@ class Journal:
             backlog.pop(0)
         return True
 
-    def _roll_file(self, first_lsn: int) -> None:
-        """Flusher thread: close the current segment (fsynced), open the next. Can be
-        called again after an ENOSPC from the open (the old file is then closed)."""
+    async def _roll_file(self, first_lsn: int) -> None:
+        """Flusher: close the current segment (fsynced), open the next. Can be called
+        again after an ENOSPC from the open (the old file is then closed). Shielded: a
+        roll is never left half done."""
         assert self._jdir is not None
-        if self._fd is not None:
-            try:  # the old segment must be complete (and exact: no zero tail) before a newer exists
-                self._trim_zero_tail()
-                self._disk.fdatasync(self._fd)
-            except OSError as exc:  # any errno, ENOSPC too: fail-stop, never retried
-                raise _FsyncFailed(f"closing the segment before LSN {first_lsn} (cutting its zero "
-                                   f"tail, fdatasync) failed: {exc}") from exc
-            self._n_fsyncs += 1
-            os.close(self._fd)
-            self._fd = None
-        self._fd = self._disk.open_segment(self._jdir / segment_name(first_lsn))  # ENOSPC: retried
-        self._wpos = self._zend = 0
-        self._prealloc_ok = True
-        self._file_first = first_lsn
-        try:
-            _fsync_dir(self._jdir)
-        except OSError as exc:  # an fsync: fail-stop, whatever the errno
-            raise _FsyncFailed(f"fsync of {self._jdir} after creating {segment_name(first_lsn)} failed: {exc}") from exc
-        assert self.data_dir is not None
-        try_write_manifest(self.data_dir, Manifest(active_segment=first_lsn))
+        syncer = self._syncer
+        assert syncer is not None
+        with trio.CancelScope(shield=True):
+            if self._fd is not None:
+                try:  # the old segment must be complete (and exact: no zero tail) before a newer exists
+                    self._trim_zero_tail()
+                    await self._wait_answered(self._request(self._key, self._written))  # type: ignore[arg-type]
+                except (OSError, JournalWriteError) as exc:  # any errno, ENOSPC too: fail-stop
+                    raise _FsyncFailed(f"closing the segment before LSN {first_lsn} (cutting its zero "
+                                       f"tail, fdatasync) failed: {exc}") from exc
+                syncer.unregister(self._key)  # type: ignore[arg-type]
+                self._key = None
+                os.close(self._fd)
+                self._fd = None
+            self._fd = self._disk.open_segment(self._jdir / segment_name(first_lsn))  # ENOSPC: retried
+            self._key = syncer.register(self._fd)
+            self._wpos = self._zend = 0
+            self._prealloc_ok = True
+            self._file_first = first_lsn
+            try:
+                dfd = os.open(self._jdir, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    dkey = syncer.register(dfd)
+                finally:
+                    os.close(dfd)
+                rid = self._request(dkey, None, full=True)
+                syncer.unregister(dkey)
+                await self._wait_answered(rid)
+            except (OSError, JournalWriteError) as exc:  # an fsync: fail-stop, whatever the errno
+                raise _FsyncFailed(f"fsync of {self._jdir} after creating {segment_name(first_lsn)} "
+                                   f"failed: {exc}") from exc
+            assert self.data_dir is not None
+            # a small file written, fsynced and renamed: off the loop
+            await trio.to_thread.run_sync(try_write_manifest, self.data_dir, Manifest(active_segment=first_lsn))
 
     def _preallocate_ahead(self) -> None:
-        """Flusher thread, after a write: when less than half of ``preallocate_bytes`` of
+        """Flusher, after a write: when less than half of ``preallocate_bytes`` of
         zeros is left ahead of the write position, write ``preallocate_bytes`` more (up to
         ``segment_bytes``). They reach the disk with the next fdatasync (which then also
         commits the new file size, once per ``preallocate_bytes``); the fdatasyncs after
@@ -1223,7 +1334,7 @@ class Journal:
         self._zend = start + size
 
     def _trim_zero_tail(self) -> bool:
-        """Flusher thread (or with it stopped): cut the active segment's zero tail so
+        """Flusher (or with it stopped): cut the active segment's zero tail so
         that the file ends at its last record (before the roll's or the close's final
         fdatasync). True if it cut. Raises OSError (fail-stop at the callers)."""
         if self._fd is None or self._zend <= self._wpos:
@@ -1283,32 +1394,26 @@ class Journal:
         """
         if self._memory:
             self._closed = True
-            if self._thread_done is not None:
-                self._thread_done.set()
+            if self._done is not None:
+                self._done.set()
             await trio.lowlevel.checkpoint()
             return
         with trio.CancelScope(shield=True):
             already = self._closed and self._fd is None
             self._closed = True
-            if self._thread is not None and self._thread_done is not None:
-                self._request_stop()
-                await self._thread_done.wait()
+            if self._done is not None:
+                if self._running:
+                    self._request_stop()
+                await self._done.wait()
             elif self._fd is not None and self._error is None:
-                # run() never started: flush here.
-                with self._cv:
-                    chunks, upto = self._take()
-                backlog = [[seg, data, 0] for seg, data in chunks]
+                # run() never started: one last flusher round here (a worker thread
+                # fsyncs; on a full disk the write is tried once, then abandoned).
+                self._stop = True
                 try:
-                    done = await trio.to_thread.run_sync(self._flush_sync, backlog)
-                except OSError as exc:
-                    self._on_error(exc)
-                else:
-                    if done:
-                        self._on_progress(upto, upto)
-                    else:
-                        self._abandoned = (self._durable_lsn + 1, upto)
-                        log.error("journal: closing with LSN %d..%d never written (disk full at %s); "
-                                  "they were never acknowledged", *self._abandoned, self._jdir)
+                    await self._start_syncer("thread")
+                    await self._serve()
+                finally:
+                    await self._stop_syncer()
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
@@ -1320,13 +1425,6 @@ class Journal:
                     Manifest(active_segment=self._file_first, clean_end_lsn=self._next_lsn - 1))
         if self._error is not None:
             self._raise_failed()
-
-    def _flush_sync(self, backlog: list[list]) -> bool:
-        if not self._drain(backlog):
-            return False
-        self._disk.fdatasync(self._fd)  # type: ignore[arg-type]
-        self._n_fsyncs += 1
-        return True
 
     # ----------------------------------------------------------------- stats
 

@@ -69,7 +69,7 @@ class Recovered:
                      segment_bytes: int = 64 << 20, **options) -> Journal:
         """Open the journal for appending at :attr:`next_lsn` (sync). ``options`` are
         :class:`Journal`'s disk-space arguments (``min_free_bytes``, ``ballast_bytes``,
-        ``space_poll_s``, ``preallocate_bytes``, ``disk``). Raises ValueError / OSError as :class:`Journal` does."""
+        ``space_poll_s``, ``preallocate_bytes``, ``sync``, ``disk``). Raises ValueError / OSError as :class:`Journal` does."""
         return Journal(self.data_dir, mode=mode, next_lsn=self.next_lsn,
                        interval_ms=interval_ms, segment_bytes=segment_bytes, **options)
 

@@ -5,7 +5,8 @@ What is simulated and what is real:
 
 - :class:`SimJournal` IS the production :class:`~rallypoint.persistence.journal.Journal`
   (append, framing, segment rolls, the durable/synced LSNs, waiters, truncation, close)
-  with only its flusher *thread* replaced by a Trio task that the seed drives: each
+  with only its flusher (a Trio task and the sync helper) replaced by a Trio task that
+  the seed drives: each
   group-commit round writes its bytes in one to three pieces with a (virtual) latency
   between them (a crash in between leaves a short write: a torn record), then waits a
   seeded fsync latency, then "fsyncs". A chosen write or fsync fails with ``EIO``; the
@@ -216,7 +217,7 @@ class SimDisk:
 
 
 class SimJournal(Journal):
-    """The production journal with a seeded Trio flusher instead of its thread (see the
+    """The production journal with a seeded Trio flusher instead of its own (see the
     module docstring). Same constructor as :class:`Journal` plus ``disk``."""
 
     def __init__(self, data_dir, *, mode: str, next_lsn: int, interval_ms: float, disk: SimDisk) -> None:
@@ -226,7 +227,7 @@ class SimJournal(Journal):
                          segment_bytes=disk.segment_bytes, min_free_bytes=0, ballast_bytes=0,
                          preallocate_bytes=0)  # the seeded flusher below writes appends only
         self._sim = disk
-        self._kick = trio.Event()
+        self._sim_kick = trio.Event()
         self._round: list[list] = []
         self._active = str(self._jdir / segment_name(next_lsn)) if self._jdir is not None else ""
 
@@ -243,7 +244,7 @@ class SimJournal(Journal):
             d.layout[lsn] = _Loc(self._segment_firsts[-1], end - len(payload) - HEADER_SIZE, end)
         if d.on_append is not None:
             d.on_append(lsn, bytes(payload))
-        self._kick.set()
+        self._sim_kick.set()
         return lsn
 
     def _on_progress(self, durable: int, synced: int) -> None:
@@ -255,7 +256,7 @@ class SimJournal(Journal):
             self._sim.on_durable(self._durable_lsn)
 
     async def wait_synced(self, lsn: int | None = None) -> None:
-        self._kick.set()  # the flusher sees _force_sync once this call blocks
+        self._sim_kick.set()  # the flusher sees _force_sync once this call blocks
         await super().wait_synced(lsn)
 
     def truncate_below(self, lsn: int, *, unlink: bool = True) -> list:
@@ -281,7 +282,7 @@ class SimJournal(Journal):
     async def _write_round(self, chunks, *, latency: bool) -> None:
         """Write a round's chunks, in seeded pieces with latencies between them. What is
         not written yet stays in ``_round`` (a cancelled flusher finishes it, as the
-        production thread finishes its round before it stops)."""
+        production flusher finishes its round before it stops)."""
         d = self._sim
         self._round = [[seg_first, data, 0] for seg_first, data in chunks]
         while self._round:
@@ -310,7 +311,7 @@ class SimJournal(Journal):
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The flusher (a Trio task, driven by the seed): the same rounds as the
-        production thread -- take everything appended, write it, fsync (every round in
+        production flusher -- take everything appended, write it, fsync (every round in
         ``fsync`` mode; at most every ``interval_ms`` in ``interval`` mode), report
         progress -- with seeded latencies and failures."""
         if self._running:
@@ -319,7 +320,7 @@ class SimJournal(Journal):
             await super().run(task_status=task_status)
             return
         self._running = True
-        self._thread_done = trio.Event()
+        self._done = trio.Event()
         task_status.started()
         d = self._sim
         written = synced = self._synced_lsn
@@ -329,16 +330,15 @@ class SimJournal(Journal):
                 while not (self._has_work() or self._stop or self._force_sync):
                     if next_sync_at is not None and trio.current_time() >= next_sync_at:
                         break
-                    self._kick = trio.Event()
+                    self._sim_kick = trio.Event()
                     with trio.move_on_at(next_sync_at if next_sync_at is not None else float("inf")):
-                        await self._kick.wait()
+                        await self._sim_kick.wait()
                 if d.crashed:
                     await trio.sleep_forever()
-                with self._cv:
-                    chunks, upto = self._take()
-                    stop = self._stop
-                    force = self._force_sync
-                    self._force_sync = False
+                chunks, upto = self._take()
+                stop = self._stop
+                force = self._force_sync
+                self._force_sync = False
                 if chunks:
                     await self._write_round(chunks, latency=not stop)
                     if d.crashed:
@@ -372,8 +372,7 @@ class SimJournal(Journal):
             if not d.crashed and self._error is None:
                 with trio.CancelScope(shield=True):
                     try:
-                        with self._cv:
-                            chunks, upto = self._take()
+                        chunks, upto = self._take()
                         await self._write_round([(a, b[c:]) for a, b, c in self._round] + chunks, latency=False)
                         d.fdatasync(self._fd, self._active)
                         self._n_fsyncs += 1
@@ -381,11 +380,11 @@ class SimJournal(Journal):
                     except OSError as exc:
                         self._on_error(exc)
             raise
-        except OSError as exc:  # fail-stop, as the production flusher thread reports it
+        except OSError as exc:  # fail-stop, as the production flusher reports it
             self._on_error(exc)
         finally:
             self._running = False
-            self._thread_done.set()
+            self._done.set()
             self._wake_all()
             self._closed = True
         if self._error is not None:
@@ -399,11 +398,10 @@ class SimJournal(Journal):
             self._closed = True
             if self._running:
                 self._stop = True
-                self._kick.set()
-                await self._thread_done.wait()
+                self._sim_kick.set()
+                await self._done.wait()
             elif self._fd is not None and self._error is None and not self._sim.crashed:
-                with self._cv:
-                    chunks, upto = self._take()
+                chunks, upto = self._take()
                 try:
                     await self._write_round(chunks, latency=False)
                     self._sim.fdatasync(self._fd, self._active)

@@ -1,0 +1,201 @@
+"""Where the journal's ``fdatasync`` runs: the sync helper, a process (default) or a thread.
+
+The journal's flusher is a Trio task on the event loop: it writes what was appended
+into the segment (the page cache: microseconds) and asks the *sync helper*
+(:mod:`._sync_helper`) to make it durable. The helper is a loop of its own at the
+other end of an ``AF_UNIX``/``SOCK_SEQPACKET`` socket pair: it is handed the segment's
+descriptor once (``SCM_RIGHTS``), takes sync requests in order, does every request
+waiting for it with ONE ``fdatasync`` and answers with the last one's id. The flusher
+sends a request after each write without waiting for the previous answer (at most
+:data:`MAX_OUTSTANDING` in flight), so the next fdatasync starts the moment the
+previous one returns, however busy the event loop is; the loop reads the answers
+like any socket's (``wait_readable``).
+
+``kind="process"`` (the default)
+    The helper runs as a child process (``python -I -S _sync_helper.py FD``: no site,
+    no environment, standard library only), with a GIL of its own. Why not a thread: a
+    Python thread needs the GIL back after every blocking call, and on the project's
+    2-core VM handing the GIL between a flusher thread and the event loop cost more
+    than the fsync (docs/performance.md, "A sync helper process"). The process runs in
+    a session of its own (a Ctrl-C or a signal to the daemon's process group does not
+    reach it), ignores SIGINT/SIGTERM/SIGHUP once started, and exits when its socket
+    closes, so it never outlives the daemon (not even one killed by SIGKILL).
+``kind="thread"``
+    The same helper loop in a daemon thread (``sync="thread"``; the fallback when no
+    process can be started; and what a :class:`~rallypoint.persistence.journal.Disk`
+    that overrides ``fdatasync`` gets, so that a test's injected fault is the call
+    made).
+
+Errors: an answer with an errno is an ``OSError`` with it; :class:`SyncHelperGone`
+(an ``OSError``, EPIPE) when the helper's socket closed or broke. The journal treats
+both as fail-stop: after a failed or unanswered fsync the kernel may have dropped the
+pages, and a retry could report success for data that is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import trio
+
+from . import _sync_helper as _h
+
+__all__ = ["Syncer", "SyncHelperGone", "SYNC_MODES", "MAX_OUTSTANDING"]
+
+log = logging.getLogger("rallypoint.persistence")
+
+#: the values of ``Journal(sync=...)`` / ``rallypoint serve --sync-helper``
+SYNC_MODES = ("process", "thread")
+#: sync requests in flight at once: one being done, one waiting (it covers whatever
+#: is written before the helper gets to it)
+MAX_OUTSTANDING = 2
+
+
+class SyncHelperGone(OSError):
+    """The sync helper exited or its socket broke: nothing more can be made durable
+    through it. Fail-stop for the journal."""
+
+
+class Syncer:
+    """The loop's end of a sync helper (see the module docstring). Made by
+    :meth:`start`; used by one Trio task at a time for sends (they never block) and
+    one for :meth:`next_answer`."""
+
+    def __init__(self, kind: str, sock: socket.socket, proc: trio.Process | None,
+                 thread: threading.Thread | None) -> None:
+        self.kind = kind
+        self._sock = sock
+        self._proc = proc
+        self._thread = thread
+        self._next_id = 1
+        self._next_key = 1
+        self._broken: SyncHelperGone | None = None
+
+    @classmethod
+    async def start(cls, kind: str = "process", fdatasync: Any = None) -> "Syncer":
+        """Start a helper of ``kind``. ``fdatasync``: the call the thread helper makes
+        (a Disk's; the process always calls ``os.fdatasync``). Raises OSError when the
+        process cannot be started (no ``sys.executable``, spawn failed)."""
+        if kind not in SYNC_MODES:
+            raise ValueError(f"sync helper kind must be one of {SYNC_MODES}, not {kind!r}")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        proc = thread = None
+        try:
+            if kind == "process":
+                exe = sys.executable
+                if not exe:
+                    raise OSError(errno.ENOENT, "no Python executable (sys.executable is empty)")
+                try:
+                    proc = await trio.lowlevel.open_process(
+                        [exe, "-I", "-S", _h.__file__, str(theirs.fileno())],
+                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                        start_new_session=True)  # a Ctrl-C or a signal to the daemon's group misses it
+                finally:
+                    theirs.close()
+            else:
+                thread = threading.Thread(target=_h.serve, args=(theirs, fdatasync or os.fdatasync),
+                                          name="rallypoint-sync-helper", daemon=True)
+                thread.start()
+        except BaseException:
+            ours.close()
+            if thread is None:
+                theirs.close()
+            raise
+        ours.setblocking(False)
+        return cls(kind, ours, proc, thread)
+
+    @property
+    def pid(self) -> int | None:
+        """The helper process's id (None for the thread helper)."""
+        return None if self._proc is None else self._proc.pid
+
+    def _send(self, op: int, key: int, fd: int | None = None) -> int:
+        if self._broken is not None:
+            raise self._gone(self._broken.strerror)
+        rid = self._next_id
+        self._next_id += 1
+        msg = _h.REQUEST.pack(rid, op, key)
+        try:
+            if fd is None:
+                self._sock.send(msg)
+            else:
+                socket.send_fds(self._sock, [msg], [fd])
+        except OSError as exc:  # BlockingIOError too: a helper that stopped reading
+            self._broken = self._gone(f"a request could not be sent ({exc})")
+            raise self._broken from exc
+        return rid
+
+    def register(self, fd: int) -> int:
+        """Hand ``fd`` (a duplicate) to the helper; returns the key to sync it by."""
+        key = self._next_key
+        self._next_key += 1
+        self._send(_h.REGISTER, key, fd)
+        return key
+
+    def unregister(self, key: int) -> None:
+        """The helper closes its descriptor under ``key`` (after the requests before)."""
+        self._send(_h.UNREGISTER, key)
+
+    def request(self, key: int, *, full: bool = False) -> int:
+        """Ask for ``fdatasync`` (``full``: ``fsync``, for a directory) of ``key``'s
+        file; returns the request id that :meth:`next_answer` will report. Never
+        blocks. Raises SyncHelperGone."""
+        return self._send(_h.FULLSYNC if full else _h.DATASYNC, key)
+
+    async def next_answer(self) -> tuple[int, float]:
+        """Wait for the helper's next answer: ``(request id, seconds the call took)``;
+        every sync request up to that id is done. Raises OSError (the errno the call
+        failed with) or SyncHelperGone. Cancellable (an answer not read stays in the
+        socket for the next call)."""
+        while True:
+            await trio.lowlevel.wait_readable(self._sock)
+            try:
+                data = self._sock.recv(64)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                self._broken = self._gone(f"its socket failed ({exc})")
+                raise self._broken from exc
+            if len(data) < _h.ANSWER.size:
+                self._broken = self._gone("it closed its socket" if not data else "it sent a short answer")
+                raise self._broken
+            rid, err, us = _h.ANSWER.unpack_from(data)
+            if err:
+                raise OSError(err, os.strerror(err))
+            return rid, us / 1e6
+
+    def _gone(self, why: str) -> SyncHelperGone:
+        if self._proc is not None:
+            code = self._proc.poll()
+            status = "still running" if code is None else f"exit status {code}"
+            what = f"the journal's sync helper process (pid {self._proc.pid}, {status})"
+        else:
+            what = "the journal's sync helper thread"
+        return SyncHelperGone(errno.EPIPE, f"{what}: {why}")
+
+    async def aclose(self) -> None:
+        """Close the socket (the helper ends at EOF) and reap it: a process that has
+        not exited within 5 s is killed. Never raises; shielded."""
+        with trio.CancelScope(shield=True):
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            if self._proc is None:
+                await trio.lowlevel.checkpoint()
+                return
+            with trio.move_on_after(5):
+                await self._proc.wait()
+                return
+            try:
+                self._proc.kill()
+                await self._proc.wait()
+            except OSError:
+                pass

@@ -1,0 +1,249 @@
+"""The journal's sync helper: a process (default) or a thread doing the fdatasyncs.
+
+What it must do: answer in order, coalesce the requests waiting for it into one call,
+report the call's errno, survive the signals a process group gets, die with the daemon,
+and make the journal fail-stop when it is gone."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import trio
+import trio.testing
+
+from rallypoint.persistence import Disk, Journal, JournalWriteError
+from rallypoint.persistence.syncer import SyncHelperGone, Syncer
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+@pytest.fixture
+def datafile(tmp_path):
+    fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o644)
+    yield fd
+    os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+async def test_a_request_is_answered_with_its_id(kind, datafile):
+    s = await Syncer.start(kind)
+    try:
+        key = s.register(datafile)
+        os.write(datafile, b"x" * 5000)
+        rid = s.request(key)
+        got, seconds = await s.next_answer()
+        assert got == rid and 0 <= seconds < 5
+        assert (s.pid is not None) == (kind == "process")
+    finally:
+        await s.aclose()
+
+
+async def test_requests_waiting_for_the_helper_are_done_by_one_call(datafile):
+    calls = []
+    go = threading.Event()
+
+    def slow_fdatasync(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            go.wait(5)  # the first call blocks: the next requests queue up meanwhile
+        os.fdatasync(fd)
+
+    s = await Syncer.start("thread", slow_fdatasync)
+    try:
+        key = s.register(datafile)
+        first = s.request(key)
+        while not calls:
+            await trio.sleep(0.001)
+        later = [s.request(key) for _ in range(3)]
+        await trio.sleep(0.05)  # all three are in the helper's socket now
+        go.set()
+        assert (await s.next_answer())[0] == first
+        assert (await s.next_answer())[0] == later[-1]  # one answer, for the last of them
+        assert len(calls) == 2
+    finally:
+        await s.aclose()
+
+
+async def test_a_failed_call_answers_its_errno():
+    s = await Syncer.start("process")
+    r, w = os.pipe()
+    try:
+        key = s.register(r)  # fdatasync on a pipe: EINVAL
+        s.request(key)
+        with pytest.raises(OSError) as info:
+            await s.next_answer()
+        assert info.value.errno == errno.EINVAL
+        s.request(key + 100)  # a key never registered
+        with pytest.raises(OSError) as info:
+            await s.next_answer()
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(r)
+        os.close(w)
+        await s.aclose()
+
+
+async def test_unregister_closes_the_helpers_copy(datafile):
+    s = await Syncer.start("process")
+    try:
+        before = len(os.listdir(f"/proc/{s.pid}/fd"))
+        key = s.register(datafile)
+        s.request(key)
+        await s.next_answer()
+        assert len(os.listdir(f"/proc/{s.pid}/fd")) == before + 1
+        s.unregister(key)
+        s.request(key)
+        with pytest.raises(OSError) as info:
+            await s.next_answer()
+        assert info.value.errno == errno.EBADF
+        assert len(os.listdir(f"/proc/{s.pid}/fd")) == before
+    finally:
+        await s.aclose()
+
+
+async def test_the_helper_process_ignores_a_process_groups_signals(datafile):
+    s = await Syncer.start("process")
+    try:
+        assert os.getpgid(s.pid) != os.getpgid(0)  # a signal to our group does not reach it
+        key = s.register(datafile)
+        s.request(key)
+        await s.next_answer()  # it runs (its handlers are set)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            os.kill(s.pid, sig)
+        await trio.sleep(0.1)
+        rid = s.request(key)
+        assert (await s.next_answer())[0] == rid
+    finally:
+        await s.aclose()
+    assert not _alive(s.pid)  # aclose: EOF, it exited and was reaped
+
+
+async def test_a_killed_helper_is_reported_as_gone(datafile):
+    s = await Syncer.start("process")
+    try:
+        key = s.register(datafile)
+        os.kill(s.pid, signal.SIGKILL)
+        await trio.sleep(0.1)
+        with pytest.raises(SyncHelperGone, match=r"sync helper process \(pid \d+, exit status -9\)"):
+            s.request(key)
+            await s.next_answer()
+    finally:
+        await s.aclose()
+
+
+_DIES = """
+import os, signal, sys, trio
+from rallypoint.persistence.syncer import Syncer
+async def main():
+    s = await Syncer.start("process")
+    print(s.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+trio.run(main)
+"""
+
+
+def test_the_helper_process_does_not_outlive_a_killed_parent():
+    p = subprocess.run([sys.executable, "-c", _DIES], capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    pid = int(p.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(pid)
+
+
+# ------------------------------------------------------------------ the journal's use
+async def test_the_journal_syncs_through_a_helper_process_by_default(tmp_path):
+    j = Journal(tmp_path, mode="fsync", next_lsn=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        await j.wait_durable(j.append(b"a"))
+        assert j._syncer.kind == "process" and j._syncer.pid in _children(os.getpid())
+        pid = j._syncer.pid
+        await j.aclose()
+    assert not _alive(pid)
+    assert j.stats()["fsyncs"] >= 1
+
+
+async def test_sync_thread_and_a_disk_with_its_own_fdatasync_get_the_thread(tmp_path):
+    class Counting(Disk):
+        calls = 0
+
+        def fdatasync(self, fd) -> None:
+            Counting.calls += 1
+            os.fdatasync(fd)
+
+    for d, kwargs in ((tmp_path / "a", {"sync": "thread"}), (tmp_path / "b", {"disk": Counting()})):
+        j = Journal(d, mode="fsync", next_lsn=1, **kwargs)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(j.run)
+            await j.wait_durable(j.append(b"a"))
+            assert j._syncer.kind == "thread" and j._syncer.pid is None
+            await j.aclose()
+    assert Counting.calls >= 1
+    with pytest.raises(ValueError, match="sync must be one of"):
+        Journal(tmp_path / "c", mode="fsync", next_lsn=1, sync="fork")
+
+
+async def test_the_flusher_asks_again_before_the_previous_answer(tmp_path):
+    go = threading.Event()
+
+    class Slow(Disk):
+        n = 0
+
+        def fdatasync(self, fd) -> None:
+            Slow.n += 1
+            if Slow.n == 2:
+                go.wait(5)
+            os.fdatasync(fd)
+
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, disk=Slow())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        await j.wait_durable(j.append(b"a"))
+        j.append(b"b")  # its fdatasync blocks in the helper
+        while Slow.n < 2:
+            await trio.sleep(0.001)
+        j.append(b"c")  # written and asked for while b's is not answered
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(j._outstanding) == 2 and j.durable_lsn == 1
+        go.set()
+        await j.wait_durable(3)
+        await j.aclose()
+
+
+async def test_a_helper_that_dies_stops_the_journal(tmp_path):
+    j = Journal(tmp_path, mode="fsync", next_lsn=1)
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(j.run)
+            await j.wait_durable(j.append(b"a"))
+            os.kill(j._syncer.pid, signal.SIGKILL)
+            await trio.sleep(0.1)
+            with pytest.raises(JournalWriteError, match="sync helper process .* exit status -9"):
+                await j.wait_durable(j.append(b"b"))
+    assert info.group_contains(JournalWriteError)
+    assert j.durable_lsn == 1
+    with pytest.raises(JournalWriteError):
+        j.append(b"c")
