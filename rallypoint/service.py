@@ -280,6 +280,12 @@ class Service:
     def durable_lsn(self) -> int:
         return self.coordinator.journal.durable_lsn
 
+    def add_durable_listener(self, fn) -> None:
+        """``fn(durable_lsn, error)`` as the journal's durable LSN advances (error None),
+        and once with the error (UNAVAILABLE: the journal failed or closed) when it will
+        not any more: :meth:`rallypoint.persistence.Journal.add_durable_listener`."""
+        self.coordinator.journal.add_durable_listener(fn)
+
     async def wait_durable(self, lsn: int) -> None:
         """Return once the journal is durable past ``lsn``. Raises UNAVAILABLE (with
         ``details["maybe_applied"] = True``) when the journal failed or closed first: the

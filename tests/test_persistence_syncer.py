@@ -19,6 +19,7 @@ import trio
 import trio.testing
 
 from rallypoint.persistence import Disk, Journal, JournalWriteError
+from rallypoint.persistence.journal import HEADER_SIZE, list_segments, read_journal
 from rallypoint.persistence.syncer import SyncHelperGone, Syncer
 
 
@@ -247,3 +248,93 @@ async def test_a_helper_that_dies_stops_the_journal(tmp_path):
     assert j.durable_lsn == 1
     with pytest.raises(JournalWriteError):
         j.append(b"c")
+
+
+# ------------------------------------------------------------------ the batch-end write
+async def test_write_now_writes_and_asks_for_the_sync_in_the_callers_step(tmp_path):
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, preallocate_bytes=0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        await j.wait_durable(j.append(b"a" * 100))
+        (_, path), = list_segments(tmp_path)
+        size = path.stat().st_size
+        lsn = j.append(b"b" * 100)
+        j.write_now()  # no checkpoint between: the flusher task has not run
+        assert path.stat().st_size == size + HEADER_SIZE + 100
+        assert j._requested_lsn == lsn and j.durable_lsn == lsn - 1
+        await j.wait_durable(lsn)
+        await j.aclose()
+    assert [r for _, r in read_journal(tmp_path, 0)] == [b"a" * 100, b"b" * 100]
+
+
+async def test_write_now_on_a_full_disk_leaves_the_rest_to_the_flusher(tmp_path):
+    from test_persistence_diskfull import FaultyDisk
+
+    disk = FaultyDisk()
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, space_poll_s=0.01, preallocate_bytes=0, disk=disk)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        await j.wait_durable(j.append(b"a" * 100))
+        disk.free = 40  # a short write, then ENOSPC
+        lsn = j.append(b"b" * 100)
+        j.write_now()
+        assert await j.wait_refusing() == "stalled"
+        assert j.durable_lsn == 1
+        disk.free = 1 << 40
+        await j.wait_durable(lsn)  # the flusher went on from where write_now stopped
+        await j.aclose()
+    assert [r for _, r in read_journal(tmp_path, 0)] == [b"a" * 100, b"b" * 100]
+
+
+async def test_durable_listeners_hear_each_advance_and_the_stop(tmp_path):
+    heard = []
+    j = Journal(tmp_path, mode="fsync", next_lsn=1)
+    j.add_durable_listener(lambda lsn, err: heard.append((lsn, type(err).__name__ if err else None)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        await j.wait_durable(j.append(b"a"))
+        j.append(b"b")
+        await j.wait_durable(j.append(b"c"))
+        await j.aclose()
+    assert [lsn for lsn, err in heard if err is None] in ([1, 3], [1, 2, 3])
+    assert heard[-1] == (3, "JournalClosedError")
+
+
+async def test_durable_listeners_hear_a_failure(tmp_path):
+    heard = []
+    j = Journal(tmp_path, mode="fsync", next_lsn=1)
+    j.add_durable_listener(lambda lsn, err: heard.append((lsn, err)))
+    with pytest.raises(BaseExceptionGroup):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(j.run)
+            await j.wait_durable(j.append(b"a"))
+            os.kill(j._syncer.pid, signal.SIGKILL)
+            await trio.sleep(0.1)
+            j.append(b"b")
+            j.write_now()
+            with pytest.raises(JournalWriteError):
+                await j.wait_durable(2)
+    assert heard[0] == (1, None)
+    assert heard[-1][0] == 1 and isinstance(heard[-1][1], JournalWriteError)
+
+
+async def test_the_coordinator_writes_a_batchs_commits_at_its_end(tmp_path):
+    """After an actor's batch the coordinator hands the journal its commits
+    (``write_now``): a commit needs no flusher round to reach the file and the helper."""
+    import rallypoint
+
+    async with rallypoint.open_embedded(str(tmp_path)) as rs:
+        journal = rs.node.coordinator.journal
+        wrote = []
+        real = journal.write_now
+
+        def write_now():
+            before = journal.statistics().buffered_bytes
+            real()
+            wrote.append(before - journal.statistics().buffered_bytes)
+
+        journal.write_now = write_now
+        run = await rs.scopes.create(name="written-at-batch-end")
+        assert (await run.status()).name == "written-at-batch-end"
+        assert any(n > 0 for n in wrote)  # the batch's commit, written at its end
+        assert journal.durable_lsn == journal.last_lsn

@@ -63,6 +63,10 @@ class Swallow:
         self.armed = bool(op_types)
         self.durable_gate: trio.Event | None = None  # set: replies wait until it is set
 
+    # Replies are held through wait_durable (the gate): the server then uses a
+    # durability task per connection, not the service's durability report.
+    add_durable_listener = None
+
     async def wait_durable(self, lsn):
         if self.durable_gate is not None:
             await self.durable_gate.wait()

@@ -23,15 +23,21 @@ class HeldJournal(MemoryJournal):
         super().__init__()
         self.released = 0
         self._changed = trio.Event()
+        self._listeners = []
 
     @property
     def durable_lsn(self) -> int:
         return min(self.released, self.last_lsn)
 
+    def add_durable_listener(self, fn) -> None:
+        self._listeners.append(fn)
+
     def release(self) -> None:
         self.released = self.last_lsn
         self._changed.set()
         self._changed = trio.Event()
+        for fn in self._listeners:  # as the real journal reports durable progress
+            fn(self.durable_lsn, None)
 
     async def wait_durable(self, lsn: int) -> None:
         while self.durable_lsn < lsn:

@@ -5,8 +5,10 @@ import struct
 
 import msgspec
 import trio
+import trio.testing
 
 from rallypoint import wire
+from rallypoint.errors import UnavailableError
 from rallypoint.transport.framing import encode_frame
 from rallypoint.transport.testing import FakeJournal, RawClient, TestDispatcher, running_server
 
@@ -209,6 +211,43 @@ async def test_deferred_lsn_order_and_partial_release():
         journal.advance(9)
         assert (await c.recv()).id == 2
         assert journal.calls == [5, 9]
+
+
+async def test_with_durability_reports_held_replies_leave_on_the_report_without_a_task():
+    # The real service reports durability (add_durable_listener): the server then runs
+    # no durability task per connection, and a held reply leaves in the step that
+    # hears the report; one the journal will never make durable gets the error.
+    journal = FakeJournal()
+    async with running_server(TestDispatcher(journal, report=True)) as srv:
+        c = await RawClient.connect(srv.port)
+        for i in (1, 2, 3):
+            await c.request(i, {"op": "deferred", "lsn": 10 + i})
+        await c.request(4, {"op": "echo"})
+        assert (await c.recv()).id == 4
+        await trio.testing.wait_all_tasks_blocked()
+        assert srv.statistics()["inflight"] == 3 and journal.calls == []  # nobody awaits the journal
+        tasks = {t.name.rsplit(".", 1)[-1] for t in _server_tasks()}
+        assert "durability" not in tasks and "writer" in tasks
+        journal.advance(12)
+        with trio.fail_after(1):
+            got = {(await c.recv()).id, (await c.recv()).id}
+        assert got == {1, 2} and srv.statistics()["inflight"] == 1
+        journal.fail(UnavailableError("the journal stopped", retry_after=1.0))
+        with trio.fail_after(1):
+            r = await c.recv()
+        assert r.id == 3 and r.code == "UNAVAILABLE"
+        assert srv.statistics()["inflight"] == 0
+
+
+def _server_tasks():
+    """Every task of this Trio run, depth first."""
+    out, stack = [], [trio.lowlevel.current_root_task()]
+    while stack:
+        t = stack.pop()
+        out.append(t)
+        for n in t.child_nurseries:
+            stack.extend(n.child_tasks)
+    return out
 
 
 async def test_deferred_from_awaitable():

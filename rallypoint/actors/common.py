@@ -152,6 +152,13 @@ class MemoryJournal:
     async def wait_durable(self, lsn: int) -> None:
         return None
 
+    def add_durable_listener(self, fn) -> None:
+        """Nothing to call: every LSN is durable when it is appended (see
+        :meth:`rallypoint.persistence.Journal.add_durable_listener`)."""
+
+    def write_now(self) -> None:
+        """Nothing to write."""
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         await trio.sleep_forever()

@@ -87,7 +87,8 @@ class Coordinator:
 
     Args:
         journal: ``append(bytes) -> lsn``, ``wait_durable(lsn)``, ``last_lsn``,
-            ``durable_lsn``, ``run()`` (default: :class:`MemoryJournal`).
+            ``durable_lsn``, ``write_now()``, ``add_durable_listener(fn)``, ``run()``
+            (default: :class:`MemoryJournal`).
         clock: a :class:`~rallypoint.clock.Clock` (default: one made now).
         durability: ``memory``, ``interval`` or ``fsync`` (reported; ``memory`` also
             turns off snapshot bookkeeping).
@@ -413,8 +414,10 @@ class Coordinator:
         sink.deliver(rid, reply, self.journal.last_lsn)
 
     def after_batch(self) -> None:
-        """After an actor's batch (or the heap's): every sink that got answers sends them
-        (a connection, in one write)."""
+        """After an actor's batch (or the heap's): the batch's commits go to the journal
+        file and the sync helper (:meth:`Journal.write_now`), and every sink that got
+        answers sends them (a connection, in one write)."""
+        self.journal.write_now()
         to_flush = self._to_flush
         if to_flush:
             for sink in to_flush:

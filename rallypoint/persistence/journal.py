@@ -107,7 +107,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 from zlib import crc32
 
 import trio
@@ -453,6 +453,9 @@ class Journal:
         self._buf_upto = next_lsn - 1  # last LSN included in _buf/_chunks
         self._seg_bytes = 0  # bytes assigned to the active segment (written + buffered)
         self._wake: trio.Event | None = None  # the flusher waits for work on it
+        # called with (durable LSN, None) when it advances, (durable LSN, error) when it
+        # never will again (see add_durable_listener)
+        self._listeners: list[Callable[[int, Exception | None], None]] = []
         self._stop = False
         self._force_sync = False
         # Waiters: heap of LSNs plus one Event per LSN.
@@ -849,6 +852,55 @@ class Journal:
             self._raise_failed()
         raise JournalClosedError(f"journal stopped; LSN {lsn} is not synced")
 
+    def add_durable_listener(self, fn: Callable[[int, Exception | None], None]) -> None:
+        """Call ``fn(durable_lsn, None)`` on the event loop each time the durable LSN
+        advances, and ``fn(durable_lsn, error)`` when it stops for good (the journal
+        failed: a JournalWriteError; or closed: JournalClosedError), once per stop.
+        ``fn`` must not block or raise. The TCP server releases the replies it holds
+        for durability this way, in the step that learns of the fsync, instead of
+        waking a task per connection."""
+        self._listeners.append(fn)
+
+    def write_now(self) -> None:
+        """Write what was appended, and ask for its fsync, now (on the event loop, in
+        the caller's step) instead of at the flusher's next round: the coordinator calls
+        this at the end of each actor batch, so a batch's commits reach the page cache
+        and the sync helper one scheduling hop earlier. No-op in memory mode, and
+        whenever the flusher has anything else to do first (a roll, a backlog, a write
+        waiting for disk space, the stop): then the flusher's round does it."""
+        if (not self._buf or self._chunks or self._buf_seg is not None or self._backlog
+                or self._retry_at is not None or self._stop or self._error is not None
+                or self._key is None or self._syncer is None):
+            return
+        data = self._buf
+        self._buf = bytearray()
+        upto = self._buf_upto
+        try:
+            n = self._disk.write(self._fd, data)  # type: ignore[arg-type]
+        except OSError:  # ENOSPC, or a real error: the flusher's round retries and decides
+            n = 0
+        if n:
+            self._wpos += n
+            self._n_bytes += n
+        if n < len(data):
+            self._backlog.append([None, data, n])  # the flusher continues where this stopped
+            self._taken = upto
+            self._kick()
+            return
+        self._n_writes += 1
+        self._taken = self._written = upto
+        self._preallocate_ahead()
+        if self.min_free_bytes or self.ballast_bytes:
+            if self._space_check() is not None and self._poll_at is None:
+                self._poll_at = trio.current_time() + self.space_poll_s
+                self._kick()
+        if self._fsync_each:
+            self._want_sync()
+        else:
+            self._on_progress(upto, self._synced_lsn)  # interval: durable once written
+            if self._next_sync_at is None:
+                self._kick()  # the flusher arms the interval's fsync
+
     # --- the flusher's reports (on the event loop)
 
     def _on_progress(self, durable: int, synced: int) -> None:
@@ -856,7 +908,8 @@ class Journal:
         if probe is not None and probe[0] <= durable:
             self._wait_probe = None
             self.commit_wait_seconds.observe(time.perf_counter() - probe[1])
-        if durable > self._durable_lsn:
+        advanced = durable > self._durable_lsn
+        if advanced:
             self._durable_lsn = durable
         if synced > self._synced_lsn:
             self._synced_lsn = synced
@@ -864,6 +917,9 @@ class Journal:
         waiters = self._waiters
         while heap and heap[0] <= durable:
             waiters.pop(heapq.heappop(heap)).set()
+        if advanced and self._listeners:
+            for fn in self._listeners:
+                fn(durable, None)
         if self._sync_waiters:
             keep = []
             for lsn, ev in self._sync_waiters:
@@ -874,6 +930,14 @@ class Journal:
             self._sync_waiters = keep
 
     def _wake_all(self) -> None:
+        if self._listeners:
+            err: Exception
+            if self._error is not None:
+                err = JournalWriteError(*self._error.args)
+            else:
+                err = JournalClosedError(f"journal stopped; nothing past LSN {self._durable_lsn} is durable")
+            for fn in self._listeners:
+                fn(self._durable_lsn, err)
         for ev in self._waiters.values():
             ev.set()
         self._waiters.clear()
@@ -1085,7 +1149,8 @@ class Journal:
             self._poll_at = trio.current_time() + self.space_poll_s
         try:
             while self._error is None:
-                while not (self._has_data() or self._stop or self._force_sync or self._error is not None):
+                while not (self._has_data() or (backlog and self._retry_at is None) or self._stop
+                           or self._force_sync or self._error is not None):
                     deadline = min((t for t in (self._next_sync_at, self._retry_at, self._poll_at)
                                     if t is not None), default=math.inf)
                     if deadline <= trio.current_time():

@@ -247,6 +247,9 @@ class SimJournal(Journal):
         self._sim_kick.set()
         return lsn
 
+    def write_now(self) -> None:
+        """Nothing: the seeded flusher writes (in pieces, with latencies)."""
+
     def _on_progress(self, durable: int, synced: int) -> None:
         if self._sim.crashed:
             return

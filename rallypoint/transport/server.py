@@ -13,8 +13,10 @@ Per connection there are at most four tasks, whatever the request rate:
 * the **reader** parses frames and hands each request to ``dispatcher.submit`` (which
   queues it in the inbox of the actor it runs on; it never waits);
 * the **writer** sends everything that is ready in ONE ``send_all`` (replies coalesce);
-* the **durability** task waits for the largest pending LSN of the replies that must
-  not leave before the journal is durable past it, and releases every reply it covers;
+* held replies (those that must not leave before the journal is durable past their
+  LSN) are released by the dispatcher's durability report (``add_durable_listener``,
+  the real service's) in the step that learns of the fsync; with a dispatcher that has
+  none, a **durability** task per connection waits for the oldest one's LSN;
 * the **pinger** (if ``idle_ping_interval``) pings idle peers and drops dead ones.
 
 The connection is the :class:`~rallypoint.actors.runtime.ReplySink` of its requests:
@@ -93,6 +95,11 @@ class Dispatcher(Protocol):
     async def wait_durable(self, lsn: int) -> None:
         """Return once the journal is durable up to and including ``lsn``."""
         ...
+
+    # Optional: ``add_durable_listener(fn)`` -- call ``fn(durable_lsn, None)`` whenever
+    # the durable LSN advances and ``fn(durable_lsn, error)`` once it never will again.
+    # With it the server releases held replies in the step that learns of an fsync (no
+    # task per connection); without it, each connection's task awaits wait_durable.
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -408,7 +415,7 @@ class _Conn:
     def deliver(self, rid: int, reply: Any, lsn: int) -> None:
         """An actor's answer to request ``rid``: queued at once when the journal is
         durable past ``lsn`` (and written by :meth:`flush`, which the dispatcher calls
-        at the end of its batch), else held for the durability task."""
+        at the end of its batch), else held until it is (:meth:`release_held`)."""
         state = self.live.pop(rid, _GONE)
         if state is _GONE:
             return  # already answered (e.g. a wait answered UNAVAILABLE at drain)
@@ -429,6 +436,10 @@ class _Conn:
             self.request_done()
             return
         self.deferred.append((lsn, rid, reply))
+        held = self.server._held
+        if held is not None:  # released by Server._on_durable
+            held[self] = None
+            return
         ev = self.deferred_event
         if ev is not None:
             self.deferred_event = None
@@ -611,6 +622,36 @@ class _Conn:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self.sending = 0
             self.abort()
+
+    def release_held(self, durable: int, error: RallypointError | None) -> bool:
+        """The journal is durable past ``durable`` (or, with ``error``, will not get any
+        further): send every held reply it covers, in order, and ``error`` for the rest.
+        True when nothing is held any more. (With a dispatcher that has
+        ``add_durable_listener``; otherwise the :meth:`durability` task does this.)"""
+        fifo = self.deferred
+        if self.closing:
+            fifo.clear()  # as the durability task, cancelled at the close: dropped
+            return True
+        n = 0
+        send_ok = self.send_ok
+        meta = self.req_meta
+        while fifo and (fifo[0][0] <= durable or error is not None):
+            lsn, rid, reply = fifo.popleft()
+            n += 1
+            if lsn > durable:
+                reply = error
+            if type(reply) is bytes:
+                send_ok(rid, reply, False)
+            elif isinstance(reply, RallypointError):
+                self.send_error(rid, reply, False)
+            else:
+                self.send_internal(rid, reply)
+            if meta:
+                self._observe(rid, reply)
+        if n:
+            self.request_done(n)
+            self.flush()
+        return not fifo
 
     async def durability(self) -> None:
         wait_durable = self.server.dispatcher.wait_durable
@@ -917,7 +958,8 @@ class _Conn:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 nursery.start_soon(self.writer)
-                nursery.start_soon(self.durability)
+                if server._held is None:  # else Server._on_durable releases held replies
+                    nursery.start_soon(self.durability)
                 if server.idle_ping_interval:
                     nursery.start_soon(self.pinger, server.idle_ping_interval)
                 await self.reader(pending)
@@ -968,6 +1010,9 @@ class _Conn:
         finally:
             self.closing = True
             self.closed = True
+            if server._held is not None:
+                server._held.pop(self, None)
+                self.deferred.clear()
             self.end_waits(None)  # a client's waits end when it goes away
             for w in self.streams.values():  # and its subscriptions
                 w.cancel()
@@ -1017,6 +1062,14 @@ class Server:
         log_burst: int = 5,
     ) -> None:
         self.dispatcher = dispatcher
+        # connections holding replies until the journal is durable past them, when the
+        # dispatcher reports durability (add_durable_listener): released in the step
+        # that learns of it; without it, each connection's durability task waits
+        self._held: dict[_Conn, None] | None = None
+        add_listener = getattr(dispatcher, "add_durable_listener", None)
+        if add_listener is not None:
+            self._held = {}
+            add_listener(self._on_durable)
         self.ssl_context = ssl_context  # an ssl.SSLContext: serve TLS
         self.max_connections = max_connections
         self.max_inflight_per_conn = max_inflight_per_conn
@@ -1203,6 +1256,20 @@ class Server:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         await trio.aclose_forcefully(stream)
+
+    def _on_durable(self, durable: int, error: Exception | None) -> None:
+        """The dispatcher's durability report: release what it covers."""
+        held = self._held
+        if not held:
+            return
+        if error is not None and not isinstance(error, RallypointError):
+            error = UnavailableError(
+                "the server's journal stopped before this answer was durable (the server is stopping); "
+                "the change may or may not have been applied: check once the server restarted",
+                retry_after=1.0, details={"maybe_applied": True})
+        for conn in list(held):
+            if conn.release_held(durable, error):
+                del held[conn]
 
     async def _run_conn(self, stream: trio.SocketStream) -> None:
         # No checkpoint from here to _conns.add(conn): the connection stays counted.

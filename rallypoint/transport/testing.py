@@ -28,18 +28,30 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 class FakeJournal:
-    """``wait_durable`` blocks until :meth:`advance` (or ``auto=True``: immediate)."""
+    """``wait_durable`` blocks until :meth:`advance` (or ``auto=True``: immediate);
+    listeners (``add_listener``) hear each advance and :meth:`fail`."""
 
     def __init__(self, auto: bool = False) -> None:
         self.auto = auto
         self.durable = 0
         self.calls: list[int] = []
         self._changed = trio.Event()
+        self.listeners: list = []
+
+    def add_listener(self, fn) -> None:
+        self.listeners.append(fn)
 
     def advance(self, lsn: int) -> None:
         self.durable = max(self.durable, lsn)
         self._changed.set()
         self._changed = trio.Event()
+        for fn in self.listeners:
+            fn(self.durable, None)
+
+    def fail(self, error: Exception) -> None:
+        """The journal stops: listeners get ``error`` for everything not durable."""
+        for fn in self.listeners:
+            fn(self.durable, error)
 
     async def wait_durable(self, lsn: int) -> None:
         self.calls.append(lsn)
@@ -53,9 +65,14 @@ class FakeJournal:
 class TestDispatcher:
     __test__ = False  # not a pytest class
 
-    def __init__(self, journal: FakeJournal | None = None) -> None:
+    def __init__(self, journal: FakeJournal | None = None, *, report: bool = False) -> None:
+        """``report``: offer ``add_durable_listener`` (as the real service does), so the
+        server releases held replies on the journal's reports instead of running a
+        durability task per connection."""
         self.journal = journal or FakeJournal(auto=True)
         self.hellos: list[tuple[wire.Hello, str]] = []
+        if report:
+            self.add_durable_listener = self.journal.add_listener
 
     def hello(self, hello: wire.Hello, peer: str) -> tuple[Any, wire.HelloOk]:
         if hello.api_key == "bad":
