@@ -1,6 +1,6 @@
 """The journal's sync helper: fdatasync on request, coalesced, answered in order.
 
-A standalone program of the standard library only: :mod:`.syncer` runs this file as
+A standalone program of the standard library's C modules only: :mod:`.syncer` runs this file as
 ``python -I -S _sync_helper.py FD`` (the sync helper *process*), or calls :func:`serve`
 in a thread of the daemon (the sync helper *thread*). FD is one end of an
 ``AF_UNIX``/``SOCK_SEQPACKET`` socket pair; every message is one request::
@@ -22,33 +22,36 @@ process group must not stop it under a daemon that is draining) and ends when th
 socket closes -- when the journal closes it, or when the daemon dies, even by SIGKILL.
 """
 
-import array
+# C modules only (no ``socket``, ``os``, ``signal``, ``array``: their Python layers
+# import enum and collections): the process is up in ~18 ms instead of ~34 ms.
+import _socket
+import _struct
 import errno
-import os
-import socket
-import struct
+import posix
+import sys
 import time
 
-REQUEST = struct.Struct("<QBI")
-ANSWER = struct.Struct("<QiI")
+REQUEST = _struct.Struct("<QBI")
+ANSWER = _struct.Struct("<QiI")
 REGISTER, UNREGISTER, DATASYNC, FULLSYNC = 1, 2, 3, 4
 
-
-_FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+_INT = 4  # bytes of a C int, the unit of SCM_RIGHTS data
+_FDS_SPACE = _socket.CMSG_SPACE(4 * _INT)
 
 
 def _receive(sock, flags=0):
     """One message and the descriptors it carries (``socket.recv_fds`` of Python 3.11
     ignores its ``flags``, so MSG_DONTWAIT needs this)."""
     msg, ancdata, _flags, _addr = sock.recvmsg(64, _FDS_SPACE, flags)
-    fds = array.array("i")
+    fds = []
     for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[:len(data) - (len(data) % fds.itemsize)])
-    return msg, list(fds)
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            for i in range(0, len(data) - len(data) % _INT, _INT):
+                fds.append(int.from_bytes(data[i:i + _INT], sys.byteorder, signed=True))
+    return msg, fds
 
 
-def serve(sock, fdatasync=os.fdatasync, fsync=os.fsync):
+def serve(sock, fdatasync=posix.fdatasync, fsync=posix.fsync):
     """Answer requests on ``sock`` until it closes. ``fdatasync``/``fsync``: the calls
     (a test's faulty Disk passes its own ``fdatasync``)."""
     fds = {}
@@ -64,7 +67,7 @@ def serve(sock, fdatasync=os.fdatasync, fsync=os.fsync):
             closed = False
             while True:  # everything else already waiting: coalesced below
                 try:
-                    msg, got = _receive(sock, socket.MSG_DONTWAIT)
+                    msg, got = _receive(sock, _socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 except OSError:
@@ -82,13 +85,13 @@ def serve(sock, fdatasync=os.fdatasync, fsync=os.fsync):
                     if extra:
                         old = fds.pop(key, None)
                         if old is not None:
-                            os.close(old)
+                            posix.close(old)
                         fds[key] = extra[0]
                         extra = extra[1:]
                 elif op == UNREGISTER:
                     old = fds.pop(key, None)
                     if old is not None:
-                        os.close(old)
+                        posix.close(old)
                 elif op in (DATASYNC, FULLSYNC):
                     full = op == FULLSYNC
                     while i + 1 < len(batch):
@@ -99,7 +102,7 @@ def serve(sock, fdatasync=os.fdatasync, fsync=os.fsync):
                         rid = nrid
                         full = full or nop == FULLSYNC
                         for fd in batch[i][1]:
-                            os.close(fd)
+                            posix.close(fd)
                     err = 0
                     t0 = time.perf_counter()
                     try:
@@ -115,20 +118,19 @@ def serve(sock, fdatasync=os.fdatasync, fsync=os.fsync):
                     except OSError:
                         return
                 for fd in extra:
-                    os.close(fd)
+                    posix.close(fd)
                 i += 1
             if closed:
                 return
     finally:
         for fd in fds.values():
-            os.close(fd)
+            posix.close(fd)
         sock.close()
 
 
 if __name__ == "__main__":
-    import signal
-    import sys
+    import _signal
 
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, signal.SIG_IGN)
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    for s in (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP):
+        _signal.signal(s, _signal.SIG_IGN)
+    serve(_socket.socket(fileno=int(sys.argv[1])))
