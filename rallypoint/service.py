@@ -286,6 +286,10 @@ class Service:
         not any more: :meth:`rallypoint.persistence.Journal.add_durable_listener`."""
         self.coordinator.journal.add_durable_listener(fn)
 
+    def remove_durable_listener(self, fn) -> None:
+        """Undo :meth:`add_durable_listener`."""
+        self.coordinator.journal.remove_durable_listener(fn)
+
     async def wait_durable(self, lsn: int) -> None:
         """Return once the journal is durable past ``lsn``. Raises UNAVAILABLE (with
         ``details["maybe_applied"] = True``) when the journal failed or closed first: the

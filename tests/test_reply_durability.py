@@ -32,6 +32,9 @@ class HeldJournal(MemoryJournal):
     def add_durable_listener(self, fn) -> None:
         self._listeners.append(fn)
 
+    def remove_durable_listener(self, fn) -> None:
+        self._listeners.remove(fn)
+
     def release(self) -> None:
         self.released = self.last_lsn
         self._changed.set()

@@ -156,6 +156,9 @@ class MemoryJournal:
         """Nothing to call: every LSN is durable when it is appended (see
         :meth:`rallypoint.persistence.Journal.add_durable_listener`)."""
 
+    def remove_durable_listener(self, fn) -> None:
+        """Nothing was added."""
+
     def write_now(self) -> None:
         """Nothing to write."""
 

@@ -855,11 +855,19 @@ class Journal:
     def add_durable_listener(self, fn: Callable[[int, Exception | None], None]) -> None:
         """Call ``fn(durable_lsn, None)`` on the event loop each time the durable LSN
         advances, and ``fn(durable_lsn, error)`` when it stops for good (the journal
-        failed: a JournalWriteError; or closed: JournalClosedError), once per stop.
-        ``fn`` must not block or raise. The TCP server releases the replies it holds
+        failed: a JournalWriteError; or closed: JournalClosedError; possibly more than
+        once: what was answered then is not held any more). ``fn`` must not block or
+        raise. The TCP server releases the replies it holds
         for durability this way, in the step that learns of the fsync, instead of
         waking a task per connection."""
         self._listeners.append(fn)
+
+    def remove_durable_listener(self, fn: Callable[[int, Exception | None], None]) -> None:
+        """Stop calling ``fn`` (no-op if it was not added)."""
+        try:
+            self._listeners.remove(fn)
+        except ValueError:
+            pass
 
     def write_now(self) -> None:
         """Write what was appended, and ask for its fsync, now (on the event loop, in

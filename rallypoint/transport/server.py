@@ -96,10 +96,11 @@ class Dispatcher(Protocol):
         """Return once the journal is durable up to and including ``lsn``."""
         ...
 
-    # Optional: ``add_durable_listener(fn)`` -- call ``fn(durable_lsn, None)`` whenever
-    # the durable LSN advances and ``fn(durable_lsn, error)`` once it never will again.
-    # With it the server releases held replies in the step that learns of an fsync (no
-    # task per connection); without it, each connection's task awaits wait_durable.
+    # Optional: ``add_durable_listener(fn)`` / ``remove_durable_listener(fn)`` -- call
+    # ``fn(durable_lsn, None)`` whenever the durable LSN advances and ``fn(durable_lsn,
+    # error)`` once it never will again. With it the server (while it serves) releases
+    # held replies in the step that learns of an fsync (no task per connection);
+    # without it, each connection's task awaits wait_durable.
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -1065,11 +1066,8 @@ class Server:
         # connections holding replies until the journal is durable past them, when the
         # dispatcher reports durability (add_durable_listener): released in the step
         # that learns of it; without it, each connection's durability task waits
-        self._held: dict[_Conn, None] | None = None
-        add_listener = getattr(dispatcher, "add_durable_listener", None)
-        if add_listener is not None:
-            self._held = {}
-            add_listener(self._on_durable)
+        self._held: dict[_Conn, None] | None = (
+            {} if getattr(dispatcher, "add_durable_listener", None) is not None else None)
         self.ssl_context = ssl_context  # an ssl.SSLContext: serve TLS
         self.max_connections = max_connections
         self.max_inflight_per_conn = max_inflight_per_conn
@@ -1133,6 +1131,8 @@ class Server:
         if listeners is None:
             listeners = await trio.open_tcp_listeners(port, host=host)
         self.listeners = list(listeners)
+        if self._held is not None:
+            self.dispatcher.add_durable_listener(self._on_durable)  # type: ignore[attr-defined]
         try:
             with trio.CancelScope() as serve_scope:
                 self._serve_scope = serve_scope
@@ -1154,6 +1154,8 @@ class Server:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(listener)
             self.log_limiter.flush()  # report what was suppressed: no count is lost
+            if self._held is not None:
+                self.dispatcher.remove_durable_listener(self._on_durable)  # type: ignore[attr-defined]
             self._stopped.set()
 
     async def drain(self, timeout: float = 30.0) -> None:

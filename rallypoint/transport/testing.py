@@ -41,6 +41,9 @@ class FakeJournal:
     def add_listener(self, fn) -> None:
         self.listeners.append(fn)
 
+    def remove_listener(self, fn) -> None:
+        self.listeners.remove(fn)
+
     def advance(self, lsn: int) -> None:
         self.durable = max(self.durable, lsn)
         self._changed.set()
@@ -73,6 +76,7 @@ class TestDispatcher:
         self.hellos: list[tuple[wire.Hello, str]] = []
         if report:
             self.add_durable_listener = self.journal.add_listener
+            self.remove_durable_listener = self.journal.remove_listener
 
     def hello(self, hello: wire.Hello, peer: str) -> tuple[Any, wire.HelloOk]:
         if hello.api_key == "bad":
