@@ -226,6 +226,7 @@ def _require_trio(what: str) -> None:
 async def open_embedded(
     data_dir: str | None = None, *, durability: str | None = None, clock=None,
     retain_finished: float | None = None, retain_events: "int | str | None" = None,
+    sync_helper: str = "process",
 ) -> AsyncIterator[Client]:
     """Run the coordinator inside the caller's Trio program; yields the same ``rs`` API.
 
@@ -236,18 +237,25 @@ async def open_embedded(
     0: forever, the embedded default; the daemon's default is 7 days).
     ``retain_events``: events kept per space, a count (default 100,000) or an age such
     as ``"24h"`` (see ``rallypoint serve --retain-events``).
+    ``sync_helper``: where the journal's fdatasync runs with a data dir: ``"process"``
+    (a small child process, the default; see ``rallypoint serve --sync-helper``) or
+    ``"thread"``.
 
     Embedded mode needs Trio (``trio.run``): the coordinator's background tasks are Trio
     tasks. Under asyncio (or outside any event loop) it raises RuntimeError saying so;
     from asyncio, run a daemon (``rallypoint serve``) and use :func:`connect`, which
     works under both. Also raises ValidationError (VALIDATION_FAILED) for an unknown
-    ``durability`` and the data dir's errors (e.g. another process holds its lock).
+    ``durability`` or ``sync_helper`` and the data dir's errors (e.g. another process holds its lock).
     """
     _require_trio("rallypoint.open_embedded()")
     from .client.embedded import EmbeddedTransport
     from .node import open_node
+    from .persistence.syncer import SYNC_MODES
 
-    async with open_node(data_dir, durability, clock=clock,
+    if sync_helper not in SYNC_MODES:
+        raise ValidationError(f"sync_helper must be one of {', '.join(SYNC_MODES)} (got {sync_helper!r})",
+                              details={"field": "sync_helper"})
+    async with open_node(data_dir, durability, clock=clock, sync_helper=sync_helper,
                          retention=retention_options(retain_finished, retain_events)) as node:
         transport = EmbeddedTransport(node.service)
         rs = Client(transport)

@@ -119,7 +119,7 @@ from .errors import (
     JournalWriteError,
 )
 from .manifest import Manifest, read_manifest, try_write_manifest
-from .syncer import MAX_OUTSTANDING, SYNC_MODES, Syncer
+from .syncer import MAX_OUTSTANDING, SYNC_MODES, Syncer, SyncHelperGone
 
 if TYPE_CHECKING:  # repair.py imports this module
     from .repair import RepairPlan, RepairReport
@@ -960,11 +960,12 @@ class Journal:
 
     def _on_error(self, exc: BaseException) -> None:
         if self._error is None:
+            check = ("Check why the sync helper ended (the OOM killer? a kill?), then restart"
+                     if isinstance(exc, SyncHelperGone) else "Check the disk, then restart")
             err = JournalWriteError(
                 f"journal write/fsync failed at {self._jdir} ({type(exc).__name__}: {exc}); the "
                 f"journal is stopped and acknowledges nothing more (fail-stop). Durable LSN "
-                f"{self._durable_lsn}. Check the disk, then restart: recovery keeps what "
-                f"reached the disk."
+                f"{self._durable_lsn}. {check}: recovery keeps what reached the disk."
             )
             err.__cause__ = exc
             self._error = err

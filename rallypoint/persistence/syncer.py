@@ -19,7 +19,9 @@ like any socket's (``wait_readable``).
     than the fsync (docs/performance.md, "A sync helper process"). The process runs in
     a session of its own (a Ctrl-C or a signal to the daemon's process group does not
     reach it), ignores SIGINT/SIGTERM/SIGHUP once started, and exits when its socket
-    closes, so it never outlives the daemon (not even one killed by SIGKILL).
+    closes, so it never outlives the daemon (not even one killed by SIGKILL); a child
+    made by a plain ``fork()`` closes its copy of the socket at once, so it does not
+    keep the helper alive either.
 ``kind="thread"``
     The same helper loop in a daemon thread (``sync="thread"``; the fallback when no
     process can be started; and what a :class:`~rallypoint.persistence.journal.Disk`
@@ -37,10 +39,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import weakref
 from typing import Any
 
 import trio
@@ -56,6 +60,25 @@ SYNC_MODES = ("process", "thread")
 #: sync requests in flight at once: one being done, one waiting (it covers whatever
 #: is written before the helper gets to it)
 MAX_OUTSTANDING = 2
+
+
+#: the loop's ends of the helpers' sockets in this process: a child made by a plain
+#: fork() (multiprocessing's default on Linux) closes its copies at once, or a helper
+#: would live on, holding the segment open, until that child exits
+_LIVE: "weakref.WeakSet[Syncer]" = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    for syncer in list(_LIVE):
+        try:
+            syncer._sock.close()
+        except OSError:
+            pass
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 class SyncHelperGone(OSError):
@@ -77,6 +100,7 @@ class Syncer:
         self._next_id = 1
         self._next_key = 1
         self._broken: SyncHelperGone | None = None
+        _LIVE.add(self)
 
     @classmethod
     async def start(cls, kind: str = "process", fdatasync: Any = None) -> "Syncer":
@@ -174,7 +198,16 @@ class Syncer:
     def _gone(self, why: str) -> SyncHelperGone:
         if self._proc is not None:
             code = self._proc.poll()
-            status = "still running" if code is None else f"exit status {code}"
+            if code is None:
+                status = "still running"
+            elif code < 0:
+                try:
+                    name = signal.Signals(-code).name
+                except ValueError:
+                    name = "?"
+                status = f"killed by signal {-code} ({name})"
+            else:
+                status = f"exit status {code}"
             what = f"the journal's sync helper process (pid {self._proc.pid}, {status})"
         else:
             what = "the journal's sync helper thread"
