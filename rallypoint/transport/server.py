@@ -98,8 +98,8 @@ class Dispatcher(Protocol):
 
     # Optional: ``add_durable_listener(fn)`` / ``remove_durable_listener(fn)`` -- call
     # ``fn(durable_lsn, None)`` whenever the durable LSN advances and ``fn(durable_lsn,
-    # error)`` once it never will again. With it the server (while it serves) releases
-    # held replies in the step that learns of an fsync (no task per connection);
+    # error)`` once it never will again. With it the server (while a connection runs)
+    # releases held replies in the step that learns of an fsync (no task per connection);
     # without it, each connection's task awaits wait_durable.
 
 
@@ -426,14 +426,7 @@ class _Conn:
             self.request_done()
             return
         if lsn <= self._durable_lsn():
-            if type(reply) is bytes:
-                self.send_ok(rid, reply, False)
-            elif isinstance(reply, RallypointError):
-                self.send_error(rid, reply, False)
-            else:
-                self.send_internal(rid, reply)
-            if self.req_meta:
-                self._observe(rid, reply)
+            self._queue_reply(rid, reply)
             self.request_done()
             return
         self.deferred.append((lsn, rid, reply))
@@ -445,6 +438,18 @@ class _Conn:
         if ev is not None:
             self.deferred_event = None
             ev.set()
+
+    def _queue_reply(self, rid: int, reply: Any) -> None:
+        """Queue the answer to ``rid`` (encoded bytes, a RallypointError, or another
+        exception: INTERNAL) for the next write, and record its latency."""
+        if type(reply) is bytes:
+            self.send_ok(rid, reply, False)
+        elif isinstance(reply, RallypointError):
+            self.send_error(rid, reply, False)
+        else:
+            self.send_internal(rid, reply)
+        if self.req_meta:
+            self._observe(rid, reply)
 
     def flush(self) -> None:
         """Write the queued replies now, with ONE non-blocking send: replies delivered
@@ -634,21 +639,10 @@ class _Conn:
             fifo.clear()  # as the durability task, cancelled at the close: dropped
             return True
         n = 0
-        send_ok = self.send_ok
-        meta = self.req_meta
         while fifo and (fifo[0][0] <= durable or error is not None):
             lsn, rid, reply = fifo.popleft()
             n += 1
-            if lsn > durable:
-                reply = error
-            if type(reply) is bytes:
-                send_ok(rid, reply, False)
-            elif isinstance(reply, RallypointError):
-                self.send_error(rid, reply, False)
-            else:
-                self.send_internal(rid, reply)
-            if meta:
-                self._observe(rid, reply)
+            self._queue_reply(rid, reply if lsn <= durable else error)
         if n:
             self.request_done(n)
             self.flush()
@@ -690,19 +684,10 @@ class _Conn:
                     else:
                         self.send_error(rid, InternalError("internal error; the server logged it (durability wait)"))
             else:
-                send_ok = self.send_ok
                 popleft = fifo.popleft
-                meta = self.req_meta
                 for _ in range(n):
                     _, rid, reply = popleft()
-                    if type(reply) is bytes:
-                        send_ok(rid, reply, False)
-                    elif isinstance(reply, RallypointError):
-                        self.send_error(rid, reply, False)
-                    else:
-                        self.send_internal(rid, reply)
-                    if meta:
-                        self._observe(rid, reply)
+                    self._queue_reply(rid, reply)
             self.request_done(n)
             self.flush()
 
@@ -950,6 +935,7 @@ class _Conn:
 
     async def run(self) -> None:
         server = self.server
+        server._listen(True)
         try:
             pending = await self.handshake()
             if pending is None:
@@ -1014,6 +1000,7 @@ class _Conn:
             if server._held is not None:
                 server._held.pop(self, None)
                 self.deferred.clear()
+            server._listen(False)
             self.end_waits(None)  # a client's waits end when it goes away
             for w in self.streams.values():  # and its subscriptions
                 w.cancel()
@@ -1068,6 +1055,7 @@ class Server:
         # that learns of it; without it, each connection's durability task waits
         self._held: dict[_Conn, None] | None = (
             {} if getattr(dispatcher, "add_durable_listener", None) is not None else None)
+        self._listening = 0  # connections running: the reports are heard while any is
         self.ssl_context = ssl_context  # an ssl.SSLContext: serve TLS
         self.max_connections = max_connections
         self.max_inflight_per_conn = max_inflight_per_conn
@@ -1131,8 +1119,6 @@ class Server:
         if listeners is None:
             listeners = await trio.open_tcp_listeners(port, host=host)
         self.listeners = list(listeners)
-        if self._held is not None:
-            self.dispatcher.add_durable_listener(self._on_durable)  # type: ignore[attr-defined]
         try:
             with trio.CancelScope() as serve_scope:
                 self._serve_scope = serve_scope
@@ -1154,8 +1140,6 @@ class Server:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(listener)
             self.log_limiter.flush()  # report what was suppressed: no count is lost
-            if self._held is not None:
-                self.dispatcher.remove_durable_listener(self._on_durable)  # type: ignore[attr-defined]
             self._stopped.set()
 
     async def drain(self, timeout: float = 30.0) -> None:
@@ -1258,6 +1242,18 @@ class Server:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         await trio.aclose_forcefully(stream)
+
+    def _listen(self, on: bool) -> None:
+        """A connection starts (``on``) or ends: hear the dispatcher's durability
+        reports while any connection runs, so a server that serves no more is not kept
+        by its journal."""
+        if self._held is None:
+            return
+        self._listening += 1 if on else -1
+        if on and self._listening == 1:
+            self.dispatcher.add_durable_listener(self._on_durable)  # type: ignore[attr-defined]
+        elif not on and self._listening == 0:
+            self.dispatcher.remove_durable_listener(self._on_durable)  # type: ignore[attr-defined]
 
     def _on_durable(self, durable: int, error: Exception | None) -> None:
         """The dispatcher's durability report: release what it covers."""
