@@ -450,6 +450,11 @@ def cmd_status(args) -> int:
     print(f"version     {st.version} (protocol {st.protocol_version})")
     print(f"uptime      {_fmt_age(st.uptime_s)}")
     print(f"durability  {st.durability}   LSN {st.last_lsn} (durable {st.durable_lsn})")
+    if st.sync_helper:
+        where = ("the sync helper process, pid " + st.sync_helper.split()[1]
+                 if st.sync_helper.startswith("process ") else "a thread of the daemon")
+        mean = f", mean {st.fsync_seconds / st.fsyncs * 1000:.2f} ms" if st.fsyncs else ""
+        print(f"fsync       in {where}; {st.fsyncs:,} fdatasync calls{mean}")
     print(f"connections {st.connections}")
     print("runs        " + "  ".join(f"{k} {v}" for k, v in sorted(st.runs.items())))
     print("tasks       " + ("  ".join(f"{k} {v}" for k, v in sorted(st.tasks.items())) or "none"))

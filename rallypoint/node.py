@@ -64,7 +64,7 @@ class Storage:
     """How a persistent node opens its journal and its snapshot store, and a hook on its
     coordinator. The default is the production one; the deterministic simulator
     (:mod:`rallypoint.testing.sim`) passes a subclass whose journal runs on a seeded,
-    fault-injecting disk instead of the flusher thread, so that one seed decides every
+    fault-injecting disk instead of the sync helper, so that one seed decides every
     write, fsync and crash while recovery, replay and snapshots stay the real code."""
 
     def open_journal(self, recovered, mode: str, interval_ms: int, **options):

@@ -53,6 +53,12 @@ class ServerStatusView(_View):
     actors: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     #: depth of the nursery tree (0: no actor active)
     tree_depth: int = 0
+    #: where the journal's fdatasync runs: "process <pid>" (the sync helper process),
+    #: "thread", or "" (memory durability: no fsync)
+    sync_helper: str = ""
+    #: fdatasync calls of the journal since start, and their total duration (seconds)
+    fsyncs: int = 0
+    fsync_seconds: float = 0.0
 
 
 # --- runs (scopes) --------------------------------------------------------------------

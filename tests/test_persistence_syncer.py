@@ -185,8 +185,10 @@ async def test_the_journal_syncs_through_a_helper_process_by_default(tmp_path):
         await j.wait_durable(j.append(b"a"))
         assert j._syncer.kind == "process" and j._syncer.pid in _children(os.getpid())
         pid = j._syncer.pid
+        assert j.sync_helper == f"process {pid}"
         await j.aclose()
     assert not _alive(pid)
+    assert j.sync_helper == ""  # stopped: none running
     assert j.stats()["fsyncs"] >= 1
 
 
@@ -203,7 +205,7 @@ async def test_sync_thread_and_a_disk_with_its_own_fdatasync_get_the_thread(tmp_
         async with trio.open_nursery() as nursery:
             await nursery.start(j.run)
             await j.wait_durable(j.append(b"a"))
-            assert j._syncer.kind == "thread" and j._syncer.pid is None
+            assert j._syncer.kind == "thread" and j._syncer.pid is None and j.sync_helper == "thread"
             await j.aclose()
     assert Counting.calls >= 1
     with pytest.raises(ValueError, match="sync must be one of"):
@@ -387,3 +389,36 @@ async def test_open_embedded_takes_the_sync_helper_kind(tmp_path):
     with pytest.raises(ValidationError, match="sync_helper must be one of process, thread"):
         async with rallypoint.open_embedded(str(tmp_path / "x"), sync_helper="fork"):
             pass
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_status_says_where_the_fsync_runs(tmp_path, mode):
+    """``rallypoint status`` names the sync helper (its pid: the daemon's child) or the
+    thread, with the fdatasync count and mean, so an operator sees which one a daemon
+    really uses (a process that cannot start falls back to the thread)."""
+    import json
+    import re
+
+    from conftest import Daemon
+
+    from rallypoint.sync import connect
+
+    d = Daemon(str(tmp_path / "d"), "fsync", ["--sync-helper", mode]).start()
+    try:
+        with connect(d.url) as rs:
+            rs.scopes.create(name="synced")  # a write: acknowledged once fdatasync'd
+        cli = [sys.executable, "-m", "rallypoint", "status", "--connect", d.url]
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        m = re.search(r"^fsync\s+in (.*); ([\d,]+) fdatasync calls(, mean [\d.]+ ms)?$", out.stdout, re.M)
+        assert m, out.stdout
+        st = json.loads(subprocess.run(cli + ["--json"], capture_output=True, text=True, timeout=60).stdout)
+        if mode == "process":
+            (pid,) = _children(d.proc.pid)
+            assert m.group(1) == f"the sync helper process, pid {pid}" and st["sync_helper"] == f"process {pid}"
+        else:
+            assert m.group(1) == "a thread of the daemon" and st["sync_helper"] == "thread"
+            assert _children(d.proc.pid) == []
+        assert st["fsyncs"] >= 1 and st["fsync_seconds"] > 0 and m.group(3)
+    finally:
+        d.stop()

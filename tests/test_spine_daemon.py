@@ -88,6 +88,7 @@ async def test_cli_status(fresh):
     assert m and int(m.group(1)) >= 1, out  # at least the CLI's own
     assert re.search(r"^runs\s+ACTIVE 2  CANCELLED 1  COMPLETED 1$", out, re.M), out
     assert "durability  memory" in out
+    assert not re.search(r"^fsync ", out, re.M), out  # no journal file: no fsync line
     # the actor runtime: actors active/passive (per kind) and the nursery tree's depth
     m = re.search(r"^actors\s+(\d+) active, (\d+) passive, \d+ waiters parked; nursery tree depth (\d+)$", out, re.M)
     assert m, out

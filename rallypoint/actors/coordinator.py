@@ -558,6 +558,9 @@ class Coordinator:
             "entities": self.entity_count(),
             "last_lsn": self.journal.last_lsn,
             "durable_lsn": self.journal.durable_lsn,
+            "sync_helper": getattr(self.journal, "sync_helper", ""),
+            "fsyncs": fs.n if (fs := getattr(self.journal, "fsync_seconds", None)) is not None else 0,
+            "fsync_seconds": fs.sum if fs is not None else 0.0,
             "actors": self.actor_statistics(),
             "tree_depth": rt["tree_depth"],
         }

@@ -69,6 +69,9 @@ class Spaces(Kind):
             entities=st["entities"],
             last_lsn=st["last_lsn"],
             durable_lsn=st["durable_lsn"],
+            sync_helper=st["sync_helper"],
+            fsyncs=st["fsyncs"],
+            fsync_seconds=st["fsync_seconds"],
             actors=st["actors"],
             tree_depth=st["tree_depth"],
         )

@@ -242,6 +242,12 @@ class ServerInfo(_Info):
     actors: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     #: depth of the nursery tree of active actors (0: none active)
     tree_depth: int = 0
+    #: where the journal's fdatasync runs: "process <pid>" (the sync helper process),
+    #: "thread", or "" (memory durability: no fsync)
+    sync_helper: str = ""
+    #: fdatasync calls of the journal since start, and their total duration (seconds)
+    fsyncs: int = 0
+    fsync_seconds: float = 0.0
 
 
 class _RunList(msgspec.Struct):

@@ -96,6 +96,7 @@ and retrying could report success for data that is gone.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 import errno
 import heapq
 from collections import deque
@@ -304,8 +305,6 @@ class Histogram:
         self.n = 0
 
     def observe(self, value: float) -> None:
-        from bisect import bisect_left
-
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
         self.n += 1
@@ -1508,6 +1507,17 @@ class Journal:
         mode), write() calls."""
         return {"fsyncs": self._n_fsyncs, "records": self._next_lsn - self._opened_next,
                 "bytes": self._n_bytes, "writes": self._n_writes}
+
+    @property
+    def sync_helper(self) -> str:
+        """Where this journal's fdatasync runs now: ``"process <pid>"`` (the sync helper
+        process), ``"thread"`` (a worker thread: ``sync="thread"``, a Disk that overrides
+        ``fdatasync``, or the fallback when no process could start), or ``""`` (none
+        running: not started yet, or stopped)."""
+        syncer = self._syncer
+        if syncer is None:
+            return ""
+        return f"process {syncer.pid}" if syncer.pid is not None else "thread"
 
     def statistics(self) -> JournalStatistics:
         """Trio-style statistics object (see :class:`JournalStatistics`)."""
