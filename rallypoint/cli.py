@@ -140,6 +140,7 @@ async def _serve(args) -> int:
         ballast_bytes=int(args.ballast_mb * (1 << 20)),
         preallocate_bytes=int(args.preallocate_kb * 1024),
         sync_helper=args.sync_helper,
+        slow_sync_s=args.slow_fsync_s,
     ) as node:
         coord = node.coordinator
         coord.watchers.stall_s = args.watch_stall
@@ -1156,6 +1157,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sync-helper", choices=("process", "thread"), default="process",
                    help="where the journal's fdatasync runs: a small helper process (default; the event loop "
                         "waits for it like for a socket) or a worker thread of the daemon")
+    s.add_argument("--slow-fsync-s", type=_bounded(float, 0, inclusive=False), default=1.0,
+                   help="log an fdatasync of the journal that takes this many seconds or more (WARNING, at most "
+                        "once per 10 s), and report one still running after ten times as long while it runs "
+                        "(default %(default)s)")
     s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
     s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,

@@ -24,6 +24,9 @@ journal_commit_wait_seconds                    histogram  a record's append to t
                                                           learning it is durable (what a reply
                                                           waits; one sample per fsync step)
 journal_last_lsn, journal_durable_lsn          gauge
+journal_sync_pending_seconds                   gauge      age of the oldest fdatasync not yet
+                                                          answered (0: none; a stuck disk
+                                                          makes it grow)
 snapshot_duration_seconds                      histogram  one snapshot, start to end
 snapshot_stall_seconds                         histogram  its one stretch without a yield
 snapshots_total                                counter
@@ -199,6 +202,12 @@ class Metrics:
                                       "A record's append to the event loop learning it is durable (sampled)")
             h.add_metric([], _buckets(cw.bounds, cw.counts), cw.sum)
             yield h
+        pending = getattr(journal, "sync_pending_s", None)
+        if pending is not None:
+            g = GaugeMetricFamily(p + "journal_sync_pending_seconds",
+                                  "Age of the oldest fdatasync request not yet answered (0: none)")
+            g.add_metric([], pending)
+            yield g
         g = GaugeMetricFamily(p + "journal_last_lsn", "The journal's last LSN")
         g.add_metric([], journal.last_lsn)
         yield g

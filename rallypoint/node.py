@@ -98,6 +98,7 @@ async def open_node(
     snapshot_retry_s: float = 5.0,
     preallocate_bytes: int = 1 << 20,
     sync_helper: str = "process",
+    slow_sync_s: float = 1.0,
     disk=None,
     storage: Storage | None = None,
 ) -> AsyncIterator[Node]:
@@ -119,7 +120,9 @@ async def open_node(
     ahead of its records (default 1 MiB; 0: off; see
     :mod:`rallypoint.persistence.journal`, *Preallocation*). ``sync_helper``: where the
     journal's fdatasync runs, ``"process"`` (a sync helper process, the default) or
-    ``"thread"`` (see :mod:`rallypoint.persistence.syncer`). ``disk`` replaces the
+    ``"thread"`` (see :mod:`rallypoint.persistence.syncer`). ``slow_sync_s``: an
+    fdatasync this slow (seconds) is logged, one running ten times as long is reported
+    while it runs (:mod:`rallypoint.persistence.journal`, *Slow and stuck disks*). ``disk`` replaces the
     journal's file operations (fault
     injection in tests, :class:`rallypoint.persistence.Disk`); ``storage`` (file modes
     only) replaces how the journal and snapshot store are opened (default
@@ -147,6 +150,7 @@ async def open_node(
             snapshot_retry_s=snapshot_retry_s,
             preallocate_bytes=preallocate_bytes,
             sync_helper=sync_helper,
+            slow_sync_s=slow_sync_s,
             disk=disk,
             storage=storage,
         ) as node:
@@ -606,6 +610,7 @@ async def open_persistent_node(
     snapshot_retry_s: float = 5.0,
     preallocate_bytes: int = 1 << 20,
     sync_helper: str = "process",
+    slow_sync_s: float = 1.0,
     disk=None,
     storage: Storage | None = None,
 ) -> AsyncIterator[Node]:
@@ -636,7 +641,7 @@ async def open_persistent_node(
                                                  min_free_bytes=min_free_bytes, ballast_bytes=ballast_bytes,
                                                  space_poll_s=space_poll_s,
                                                  preallocate_bytes=preallocate_bytes, sync=sync_helper,
-                                                 disk=disk)
+                                                 slow_sync_s=slow_sync_s, disk=disk)
         except BaseException:
             rec.store.close()
             raise

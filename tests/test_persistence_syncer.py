@@ -422,3 +422,128 @@ def test_status_says_where_the_fsync_runs(tmp_path, mode):
         assert st["fsyncs"] >= 1 and st["fsync_seconds"] > 0 and m.group(3)
     finally:
         d.stop()
+
+
+# ------------------------------------------------------------------ slow and stuck disks
+async def test_a_stuck_fdatasync_is_reported_while_it_runs_and_when_it_returns(tmp_path, caplog):
+    """An fdatasync that does not return is reported once it ran ten times
+    ``slow_sync_s`` (with the records waiting for it), ``sync_pending_s`` grows while it
+    runs, and its return is reported too; nothing is failed meanwhile."""
+    import logging
+
+    go = threading.Event()
+
+    class Stuck(Disk):
+        n = 0
+
+        def fdatasync(self, fd) -> None:
+            Stuck.n += 1
+            if Stuck.n == 2:
+                go.wait(60)
+            os.fdatasync(fd)
+
+    caplog.set_level(logging.WARNING, "rallypoint.persistence")
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, disk=Stuck(), slow_sync_s=0.02)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        await j.wait_durable(j.append(b"a"))
+        assert j.sync_pending_s == 0.0
+        j.append(b"b")  # its fdatasync does not return
+        lsn = j.append(b"c")
+        with trio.fail_after(30):
+            while "has been running for" not in caplog.text:
+                await trio.sleep(0.01)
+        assert j.sync_pending_s >= 0.2 and j.durable_lsn == 1 and not j.statistics().failed
+        assert "2 records not yet durable" in caplog.text, caplog.text
+        assert "returned after" not in caplog.text
+        go.set()
+        await j.wait_durable(lsn)
+        assert "the fdatasync reported running returned after" in caplog.text
+        assert j.sync_pending_s == 0.0
+        await j.aclose()
+
+
+async def test_slow_fdatasyncs_are_logged_at_most_once_per_10_s_with_a_count(tmp_path, caplog):
+    import logging
+
+    class Slow(Disk):
+        def fdatasync(self, fd) -> None:
+            time.sleep(0.03)
+            os.fdatasync(fd)
+
+    caplog.set_level(logging.WARNING, "rallypoint.persistence")
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, disk=Slow(), slow_sync_s=0.02)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        for i in range(4):
+            await j.wait_durable(j.append(b"x%d" % i))
+        await j.aclose()
+    slow = [r.getMessage() for r in caplog.records if "slow fdatasync" in r.getMessage()]
+    assert len(slow) == 1 and "(1 of 0.02 s or more since the last warning)" in slow[0], slow
+    assert j.stats()["fsyncs"] >= 4 and j._slow_syncs >= 3  # counted, for the next line
+    with pytest.raises(ValueError, match="slow_sync_s"):
+        Journal(tmp_path / "b", mode="fsync", next_lsn=1, slow_sync_s=0)
+
+
+def test_a_stuck_disk_is_visible_and_a_second_sigterm_ends_the_daemon(tmp_path):
+    """A real daemon whose sync helper is stopped (SIGSTOP: an fdatasync that does not
+    return): writes wait, the metrics gauge shows how long, the log reports it; SIGTERM
+    starts a drain that cannot finish (the final flush waits for the disk), and a second
+    SIGTERM ends the daemon at once. Nothing acknowledged is lost: a restart has it."""
+    import re
+    import urllib.request
+
+    from conftest import Daemon
+    from rallypoint.errors import RallypointError
+    from rallypoint.sync import connect
+
+    data = str(tmp_path / "d")
+    d = Daemon(data, "fsync", ["--slow-fsync-s", "0.05", "--metrics", "127.0.0.1:0", "--drain-timeout", "1"]).start()
+    helper = None
+    try:
+        with connect(d.url) as rs:
+            kept = rs.scopes.create(name="acknowledged").id
+        (helper,) = _children(d.proc.pid)
+        os.kill(helper, signal.SIGSTOP)
+        outcome: list = []
+
+        def write():
+            try:
+                with connect(d.url) as rs2:
+                    outcome.append(rs2.scopes.create(name="waits"))
+            except (RallypointError, OSError) as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=write, daemon=True)
+        t.start()
+        pending = 0.0
+        deadline = time.monotonic() + 30
+        while pending < 0.5 and time.monotonic() < deadline:
+            text = urllib.request.urlopen(d.metrics_url, timeout=10).read().decode()
+            pending = float(re.search(r"^rallypoint_journal_sync_pending_seconds (\S+)$", text, re.M).group(1))
+            time.sleep(0.05)
+        assert pending >= 0.5, text
+        assert outcome == []  # not acknowledged: the disk has not said it is durable
+        d.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            d.proc.wait(3)  # the drain's final flush waits for the stuck fdatasync
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(10) == -signal.SIGTERM
+        t.join(10)
+        assert outcome and isinstance(outcome[0], (RallypointError, OSError)), outcome  # never acknowledged
+    finally:
+        d.kill()
+        if helper is not None:
+            os.kill(helper, signal.SIGCONT)  # it sees the daemon's end (EOF) and exits
+    deadline = time.monotonic() + 10
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(helper)
+    err = d.proc.stderr.read()  # (the helper shared the pipe: read once it is gone)
+    assert "journal: an fdatasync of" in err and "has been running for" in err, err
+    d2 = Daemon(data, "fsync").start()
+    try:
+        with connect(d2.url) as rs:
+            assert rs.scope(kept).status().name == "acknowledged"
+    finally:
+        assert d2.stop() == 0

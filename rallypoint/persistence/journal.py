@@ -92,6 +92,18 @@ Once space is free again (and the ballast re-made) the refusal lifts by itself. 
 ``fdatasync`` (any errno) and any other write error stay fail-stop
 (:class:`JournalWriteError`): after a failed fsync the kernel may have dropped the pages,
 and retrying could report success for data that is gone.
+
+Slow and stuck disks
+====================
+A slow fdatasync is not an error (the disk may recover), but every acknowledgement
+waits for it, so an operator must be able to see it: one that took ``slow_sync_s``
+(1 s) or more is logged at WARNING, at most once per 10 s with the count since the last
+line; one still running after ``10 * slow_sync_s`` (10 s) is reported while it runs
+(then every 30 s) and again when it returns. :attr:`Journal.sync_pending_s` (the Prometheus gauge
+``journal_sync_pending_seconds``, read without waiting for the disk) is how long the
+oldest request has been in flight. Nothing is failed or given up: a stuck fdatasync
+that never returns leaves writes waiting, and a SIGTERM's drain waits for it; a second
+SIGTERM ends the daemon at once, which loses nothing that was acknowledged.
 """
 
 from __future__ import annotations
@@ -387,6 +399,11 @@ class Journal:
         sync: where ``fdatasync`` runs: ``"process"`` (default: the sync helper
             process) or ``"thread"`` (a worker thread); see :mod:`.syncer`. A ``disk``
             that overrides :meth:`Disk.fdatasync` always gets the thread.
+        slow_sync_s: an fdatasync that takes this many seconds or more is logged at
+            WARNING (at most one line per 10 s, with a count), and one still running
+            after ten times as long is reported while it runs, every 30 s, and when it
+            returns (see *Slow and stuck disks*). Default 1 s, the threshold etcd warns
+            at.
 
     Raises:
         ValueError: bad mode / arguments, or the journal already holds a segment that
@@ -412,6 +429,7 @@ class Journal:
         preallocate_bytes: int = 1 << 20,
         disk: Disk | None = None,
         sync: str = "process",
+        slow_sync_s: float = 1.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"journal mode must be one of {MODES}, not {mode!r}")
@@ -466,6 +484,14 @@ class Journal:
         self._running = False
         self._done: trio.Event | None = None  # set when run() ends (memory mode: by aclose)
         self.sync = sync
+        if not slow_sync_s > 0:
+            raise ValueError(f"slow_sync_s must be > 0, not {slow_sync_s!r}")
+        self.slow_sync_s = float(slow_sync_s)
+        # Slow fdatasyncs: how many since the last warning, when that was (trio time),
+        # and whether the one in progress was reported as stuck.
+        self._slow_syncs = 0
+        self._slow_logged_at: float | None = None
+        self._stuck_reported = False
         self._syncer: Syncer | None = None
         # Flusher progress: last LSN taken into the backlog, last LSN written to the file;
         # its deadlines (trio time): the pending interval fsync, the retry of a stalled
@@ -473,9 +499,10 @@ class Journal:
         self._taken = next_lsn - 1
         self._written = next_lsn - 1
         # Sync requests in flight, in order: (request id, the LSN it makes synced or
-        # None); the last LSN requested; the last request id answered.
+        # None, when it was sent: trio time); the last LSN requested; the last request
+        # id answered.
         self._key: int | None = None  # the active segment's key in the sync helper
-        self._outstanding: deque[tuple[int, int | None]] = deque()
+        self._outstanding: deque[tuple[int, int | None, float]] = deque()
         self._requested_lsn = next_lsn - 1
         self._answered = 0
         self._answer_event: trio.Event | None = None
@@ -1053,6 +1080,7 @@ class Journal:
         returns (stop, or fail-stop)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._answers)
+            nursery.start_soon(self._watch_syncs)
             await self._flusher()
             nursery.cancel_scope.cancel()
 
@@ -1086,7 +1114,7 @@ class Journal:
         """Send a sync request for ``key`` that makes the records up to ``lsn`` (None:
         none, a directory or a segment's close) synced once answered; its id."""
         rid = self._syncer.request(key, full=full)  # type: ignore[union-attr]
-        self._outstanding.append((rid, lsn))
+        self._outstanding.append((rid, lsn, trio.current_time()))
         if lsn is not None:
             self._requested_lsn = lsn
         return rid
@@ -1111,10 +1139,56 @@ class Journal:
             self._kick()
             self._set_answered()
 
+    @property
+    def sync_pending_s(self) -> float:
+        """Seconds (trio time) since the oldest sync request not yet answered was sent
+        (0.0: none in flight): what a stuck disk makes grow."""
+        out = self._outstanding
+        return trio.current_time() - out[0][2] if out else 0.0
+
+    async def _watch_syncs(self) -> None:
+        """Report a stuck fdatasync while it runs: once the oldest request in flight is
+        ``10 * slow_sync_s`` old, then every 30 s (checked every ``slow_sync_s``). Its
+        end is reported by :meth:`_on_answer`."""
+        next_report = 0.0
+        stuck_s = 10 * self.slow_sync_s
+        while True:
+            await trio.sleep(self.slow_sync_s)
+            pending = self.sync_pending_s
+            if pending < stuck_s:
+                continue
+            now = trio.current_time()
+            if self._stuck_reported and now < next_report:
+                continue
+            self._stuck_reported = True
+            next_report = now + 30.0
+            log.warning("journal: an fdatasync of %s has been running for %.1f s; every write and "
+                        "its reply wait for it (a slow or stuck disk? %d records not yet durable)",
+                        self._jdir, pending, max(self.last_lsn - self._durable_lsn, 0))
+
+    def _note_slow(self, seconds: float) -> None:
+        """An fdatasync took ``seconds`` >= :attr:`slow_sync_s`: a WARNING, at most one
+        per 10 s (with how many since the last), except the end of one reported stuck."""
+        self._slow_syncs += 1
+        now = trio.current_time()
+        if self._stuck_reported:
+            self._stuck_reported = False
+            log.warning("journal: the fdatasync reported running returned after %.1f s", seconds)
+        elif self._slow_logged_at is None or now - self._slow_logged_at >= 10.0:
+            log.warning("journal: a slow fdatasync of %s took %.2f s (%d of %g s or more since the "
+                        "last warning); replies waited for it", self._jdir, seconds, self._slow_syncs,
+                        self.slow_sync_s)
+        else:
+            return
+        self._slow_logged_at = now
+        self._slow_syncs = 0
+
     def _on_answer(self, rid: int, seconds: float) -> None:
         self._answered = rid
         self._n_fsyncs += 1
         self.fsync_seconds.observe(seconds)
+        if seconds >= self.slow_sync_s or self._stuck_reported:
+            self._note_slow(seconds)
         out = self._outstanding
         synced = None
         while out and out[0][0] <= rid:
