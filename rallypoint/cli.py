@@ -455,7 +455,8 @@ def cmd_status(args) -> int:
         where = ("the sync helper process, pid " + st.sync_helper.split()[1]
                  if st.sync_helper.startswith("process ") else "a thread of the daemon")
         mean = f", mean {st.fsync_seconds / st.fsyncs * 1000:.2f} ms" if st.fsyncs else ""
-        print(f"fsync       in {where}; {st.fsyncs:,} fdatasync calls{mean}")
+        calls = "call" if st.fsyncs == 1 else "calls"
+        print(f"fsync       in {where}; {st.fsyncs:,} fdatasync {calls}{mean}")
     print(f"connections {st.connections}")
     print("runs        " + "  ".join(f"{k} {v}" for k, v in sorted(st.runs.items())))
     print("tasks       " + ("  ".join(f"{k} {v}" for k, v in sorted(st.tasks.items())) or "none"))
