@@ -4,9 +4,9 @@
 
 The hot path stays cheap: a request adds one dict increment and one bucket increment
 (plain ints, :meth:`Metrics.observe`), the journal counts fsyncs the same way as the
-sync helper's answers arrive, and everything else -- actors, tasks by state, connections, the event log --
-is read from the coordinator when Prometheus scrapes, on the event loop (so a scrape
-sees a consistent state and never races the actors). The HTTP endpoint is a small Trio
+sync helper's answers arrive, and everything else -- actors, tasks by state,
+connections, the event log -- is read from the coordinator when Prometheus scrapes, on
+the event loop (so a scrape sees a consistent state and never races the actors). The HTTP endpoint is a small Trio
 server in the daemon's nursery.
 
 Metrics (all prefixed ``rallypoint_``; seconds and bytes as Prometheus prefers):

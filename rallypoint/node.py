@@ -122,11 +122,11 @@ async def open_node(
     journal's fdatasync runs, ``"process"`` (a sync helper process, the default) or
     ``"thread"`` (see :mod:`rallypoint.persistence.syncer`). ``slow_sync_s``: an
     fdatasync this slow (seconds) is logged, one running ten times as long is reported
-    while it runs (:mod:`rallypoint.persistence.journal`, *Slow and stuck disks*). ``disk`` replaces the
-    journal's file operations (fault
-    injection in tests, :class:`rallypoint.persistence.Disk`); ``storage`` (file modes
-    only) replaces how the journal and snapshot store are opened (default
-    :class:`Storage`: the production files; the deterministic simulator's is seeded).
+    while it runs (:mod:`rallypoint.persistence.journal`, *Slow and stuck disks*).
+    ``disk`` replaces the journal's file operations (fault injection in tests,
+    :class:`rallypoint.persistence.Disk`); ``storage`` (file modes only) replaces how the
+    journal and snapshot store are opened (default :class:`Storage`: the production
+    files; the deterministic simulator's is seeded).
     """
     retention = dict(retention or {})
     if durability is None:

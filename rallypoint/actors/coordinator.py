@@ -550,6 +550,7 @@ class Coordinator:
     # ------------------------------------------------------------------ status
     def server_status(self) -> dict:
         rt = self.runtime.statistics()
+        fs = getattr(self.journal, "fsync_seconds", None)  # None: no fsync (memory mode)
         return {
             "version": __version__,
             "uptime_s": time.monotonic() - self.started_at,
@@ -559,7 +560,7 @@ class Coordinator:
             "last_lsn": self.journal.last_lsn,
             "durable_lsn": self.journal.durable_lsn,
             "sync_helper": getattr(self.journal, "sync_helper", ""),
-            "fsyncs": fs.n if (fs := getattr(self.journal, "fsync_seconds", None)) is not None else 0,
+            "fsyncs": fs.n if fs is not None else 0,
             "fsync_seconds": fs.sum if fs is not None else 0.0,
             "actors": self.actor_statistics(),
             "tree_depth": rt["tree_depth"],

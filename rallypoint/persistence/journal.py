@@ -99,9 +99,9 @@ A slow fdatasync is not an error (the disk may recover), but every acknowledgeme
 waits for it, so an operator must be able to see it: one that took ``slow_sync_s``
 (1 s) or more is logged at WARNING, at most once per 10 s with the count since the last
 line; one still running after ``10 * slow_sync_s`` (10 s) is reported while it runs
-(then every 30 s) and again when it returns. :attr:`Journal.sync_pending_s` (the Prometheus gauge
-``journal_sync_pending_seconds``, read without waiting for the disk) is how long the
-oldest request has been in flight. Nothing is failed or given up: a stuck fdatasync
+(then every 30 s) and again when it returns. :attr:`Journal.sync_pending_s` (the
+Prometheus gauge ``journal_sync_pending_seconds``, read without waiting for the disk)
+is how long the oldest request has been in flight. Nothing is failed or given up: a stuck fdatasync
 that never returns leaves writes waiting, and a SIGTERM's drain waits for it; a second
 SIGTERM ends the daemon at once, which loses nothing that was acknowledged.
 """
