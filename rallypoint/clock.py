@@ -38,9 +38,15 @@ class Clock:
       plus nothing when the wall clock was set back. On a first start it equals wall time.
 
     Outside a Trio run both fall back to ``time.time()``.
+
+    **The step's instant.** :meth:`pin` fixes the Trio time both read until
+    :meth:`unpin`: the coordinator pins it for each command batch (one synchronous step,
+    no await inside), so every decision, record and id of the step carries one instant
+    and a step reads the clock once, not once per task (measured: 4-6 reads per task
+    lifecycle before).
     """
 
-    __slots__ = ("_wall0", "_trio0", "_mono0")
+    __slots__ = ("_wall0", "_trio0", "_mono0", "_pinned")
 
     def __init__(self, wall_start: float | None = None) -> None:
         self._wall0 = time.time() if wall_start is None else wall_start
@@ -49,10 +55,22 @@ class Clock:
             self._trio0 = trio.current_time()
         except RuntimeError:
             self._trio0 = None
+        self._pinned: float | None = None
+
+    def pin(self, trio_now: float) -> None:
+        """Read ``trio_now`` (seconds, Trio time) as the current time until :meth:`unpin`."""
+        self._pinned = trio_now
+
+    def unpin(self) -> None:
+        """Read the live Trio clock again."""
+        self._pinned = None
 
     def _elapsed(self) -> float | None:
         if self._trio0 is None:
             return None
+        pinned = self._pinned
+        if pinned is not None:
+            return pinned - self._trio0
         try:
             return trio.current_time() - self._trio0
         except RuntimeError:
@@ -67,6 +85,9 @@ class Clock:
         """Wall milliseconds since the epoch (int)."""
         t0 = self._trio0
         if t0 is not None:  # inlined now() (a hot path: every record carries instants)
+            now = self._pinned
+            if now is not None:
+                return int((self._wall0 + (now - t0)) * 1000)
             try:
                 return int((self._wall0 + (_current_time() - t0)) * 1000)
             except RuntimeError:
@@ -77,6 +98,9 @@ class Clock:
         """Server-time milliseconds (int): never backward, not even across restarts."""
         t0 = self._trio0
         if t0 is not None:
+            now = self._pinned
+            if now is not None:
+                return int((self._mono0 + (now - t0)) * 1000)
             try:
                 return int((self._mono0 + (_current_time() - t0)) * 1000)
             except RuntimeError:

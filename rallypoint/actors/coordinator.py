@@ -416,7 +416,8 @@ class Coordinator:
     def after_batch(self) -> None:
         """After an actor's batch (or the heap's): the batch's commits go to the journal
         file and the sync helper (:meth:`Journal.write_now`), and every sink that got
-        answers sends them (a connection, in one write)."""
+        answers sends them (a connection, in one write). The clock reads live again."""
+        self.clock.unpin()
         self.journal.write_now()
         to_flush = self._to_flush
         if to_flush:
@@ -459,17 +460,24 @@ class Coordinator:
             self.heap.arm(self.clock.trio_time_at_mono(mono_ms), fn, arg, prio)
 
     def before_batch(self) -> None:
-        """Before any command is decided: notice a stall, fire what is due."""
+        """Before any command is decided: pin the step's instant (every clock read of
+        the batch, its records and ids, gets this one: :meth:`Clock.pin`), notice a
+        stall, fire what is due at that instant. :meth:`after_batch` unpins."""
         if self.failed is not None:
             raise FatalError("the coordinator stopped after a failed apply") from self.failed
         now = trio.current_time()
-        gap = now - self.last_seen
-        self.last_seen = now
-        if gap > STALL_S and self.last_seen_valid:
-            self._on_stall(gap)
-        heap = self.heap._heap
-        if heap and heap[0][0] <= now:
-            self.heap.fire_due()
+        self.clock.pin(now)
+        try:
+            gap = now - self.last_seen
+            self.last_seen = now
+            if gap > STALL_S and self.last_seen_valid:
+                self._on_stall(gap)
+            heap = self.heap._heap
+            if heap and heap[0][0] <= now:
+                self.heap.fire_due(now)
+        except BaseException:
+            self.clock.unpin()  # the batch does not run: no after_batch
+            raise
 
     last_seen_valid = False
 

@@ -285,14 +285,18 @@ class ActivityHeap:
         heap = self._heap
         return bool(heap) and heap[0][0] <= trio.current_time()
 
-    def fire_due(self) -> int:
-        """Fire every entry due now, earliest first; returns how many fired. Re-entrant
-        calls (an activity whose commit reaches another batch start) do nothing."""
+    def fire_due(self, now: float | None = None) -> int:
+        """Fire every entry due at ``now`` (Trio seconds; default: the current time),
+        earliest first; returns how many fired. Re-entrant calls (an activity whose
+        commit reaches another batch start) do nothing. The coordinator passes its
+        step's pinned instant, so an entry fires only when the time its activity reads
+        has reached it."""
         if self._firing:
             return 0
         heap = self._heap
         fns = self._fns
-        now = trio.current_time()
+        if now is None:
+            now = trio.current_time()
         n = 0
         self._firing = True
         retry = []
@@ -554,17 +558,19 @@ class Actor:
         still in the inbox and every parked waiter from the state as it is now."""
         rt = self.runtime
         rt.before_batch()
-        inbox = self.inbox
-        while inbox:
-            item = inbox.popleft()
-            self.commands += 1
-            rt.handle(self, item, cancelled=True)
-        for key, lst in list(self.waiters.items()):
-            for w in lst:
-                if not w.done:
-                    self._finish_waiter(w, rt.cancelled_answer(w.park))
-        self.waiters.clear()
-        rt.after_batch()
+        try:
+            inbox = self.inbox
+            while inbox:
+                item = inbox.popleft()
+                self.commands += 1
+                rt.handle(self, item, cancelled=True)
+            for key, lst in list(self.waiters.items()):
+                for w in lst:
+                    if not w.done:
+                        self._finish_waiter(w, rt.cancelled_answer(w.park))
+            self.waiters.clear()
+        finally:
+            rt.after_batch()
 
     # -------------------------------------------------------------- introspection
     def statistics(self) -> dict:
