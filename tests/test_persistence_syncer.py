@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -270,6 +271,67 @@ async def test_write_now_writes_and_asks_for_the_sync_in_the_callers_step(tmp_pa
         await j.wait_durable(lsn)
         await j.aclose()
     assert [r for _, r in read_journal(tmp_path, 0)] == [b"a" * 100, b"b" * 100]
+
+
+async def test_poll_answer_takes_an_answer_already_there_and_never_blocks(datafile):
+    s = await Syncer.start("process")
+    try:
+        key = s.register(datafile)
+        assert s.poll_answer() is None  # nothing asked: None at once, no wait
+        rid = s.request(key)
+        select.select([s._sock], [], [], 5)  # the answer is in the socket (no checkpoint)
+        got, seconds = s.poll_answer()
+        assert got == rid and 0 <= seconds < 5
+        assert s.poll_answer() is None
+    finally:
+        await s.aclose()
+
+
+async def test_write_now_takes_in_the_answers_that_came_during_the_step(tmp_path):
+    """An fsync that ended while an actor's step ran is seen at the step's end
+    (``write_now`` polls the helper's socket): the records are durable, and their
+    replies can go, without waiting for the answers task's turn in the scheduler."""
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, preallocate_bytes=0)
+    heard = []
+    j.add_durable_listener(lambda lsn, err: heard.append(lsn))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        await j.wait_durable(j.append(b"a" * 100))
+        lsn = j.append(b"b" * 100)
+        j.write_now()  # written, its sync asked for
+        select.select([j._syncer._sock], [], [], 5)  # answered; no checkpoint since
+        assert j.durable_lsn == lsn - 1
+        j.write_now()  # the next step's end: nothing to write, the answer taken in
+        assert j.durable_lsn == lsn and heard[-1] == lsn
+        await j.aclose()
+    assert [r for _, r in read_journal(tmp_path, 0)] == [b"a" * 100, b"b" * 100]
+
+
+async def test_a_failed_sync_seen_by_write_now_stops_the_journal(tmp_path):
+    fail = []
+
+    class FailingDisk(Disk):
+        def fdatasync(self, fd):
+            if fail:
+                raise OSError(errno.EIO, "I/O error")
+            os.fdatasync(fd)
+
+    disk = FailingDisk()
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, preallocate_bytes=0, disk=disk)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        assert j.sync_helper == "thread"  # a Disk of its own: the helper thread calls it
+        await j.wait_durable(j.append(b"a"))
+        fail.append(1)
+        lsn = j.append(b"b")
+        j.write_now()
+        select.select([j._syncer._sock], [], [], 5)
+        j.write_now()  # the EIO answer, taken in here: fail-stop, nothing acknowledged
+        assert isinstance(j._error, JournalWriteError)  # (no checkpoint since)
+        with pytest.raises(JournalWriteError):
+            await j.wait_durable(lsn)
+        assert j.durable_lsn == lsn - 1
+        nursery.cancel_scope.cancel()
 
 
 async def test_write_now_on_a_full_disk_leaves_the_rest_to_the_flusher(tmp_path):

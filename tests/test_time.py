@@ -210,3 +210,62 @@ def test_a_real_daemon_paused_with_sigstop_keeps_a_lease_renewed_in_time(tmp_pat
     finally:
         assert d.stop() == 0
     assert "stalled" in d.stderr()
+
+
+# ------------------------------------------------------------------ the step's instant
+async def test_a_pinned_clock_reads_the_pinned_instant_until_unpinned(autojump_clock):
+    clock = Clock()
+    mono, wall = clock.mono_ms(), clock.now_ms()
+    clock.pin(trio.current_time())
+    autojump_clock.jump(5.0)  # time passes during the step
+    assert (clock.mono_ms(), clock.now_ms()) == (mono, wall)
+    assert clock.now() == pytest.approx(wall / 1000, abs=0.002)
+    clock.unpin()
+    assert clock.mono_ms() - mono == pytest.approx(5000, abs=2)
+    assert clock.now_ms() - wall == pytest.approx(5000, abs=2)
+
+
+async def test_one_command_batch_reads_one_instant(autojump_clock, monkeypatch):
+    """The coordinator pins the clock for each command batch: a step that takes time
+    still gives every task, delivery and id of it one instant, and the clock reads live
+    again after it (``Coordinator.before_batch``/``after_batch``)."""
+    from rallypoint.ids import id_time_ms
+
+    async with rallypoint.open_embedded(None) as rs:
+        coord = rs.node.coordinator
+
+        class SlowIds:  # each id of the step costs 20 ms of (virtual) time
+            def __init__(self, ids):
+                self._ids = ids
+
+            def new(self, prefix):
+                autojump_clock.jump(0.02)
+                return self._ids.new(prefix)
+
+        monkeypatch.setattr(coord, "ids", SlowIds(coord.ids))
+        run = await rs.scopes.create(name="one-instant")
+        mbx = await rs.mailboxes.ensure("one-instant")
+        tickets = await mbx.submit_many([{"n": i} for i in range(5)], scope=run)
+        assert len({id_time_ms(tk.id) for tk in tickets}) == 1
+        infos = [await rs.task(tk.id).status() for tk in tickets]
+        assert len({i.created_at for i in infos}) == 1
+        assert coord.clock._pinned is None  # unpinned after the batch
+        before = coord.clock.mono_ms()
+        autojump_clock.jump(1.0)
+        assert coord.clock.mono_ms() - before == pytest.approx(1000, abs=2)
+
+
+def test_the_daemon_freezes_start_up_and_makes_full_collections_rarer():
+    import gc
+
+    from rallypoint.cli import DAEMON_GC_THRESHOLDS, tune_gc
+
+    old = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == DAEMON_GC_THRESHOLDS
+        assert DAEMON_GC_THRESHOLDS[2] > 10  # full collections rarer than CPython's default
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*old)

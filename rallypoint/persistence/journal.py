@@ -901,7 +901,12 @@ class Journal:
         this at the end of each actor batch, so a batch's commits reach the page cache
         and the sync helper one scheduling hop earlier. No-op in memory mode, and
         whenever the flusher has anything else to do first (a roll, a backlog, a write
-        waiting for disk space, the stop): then the flusher's round does it."""
+        waiting for disk space, the stop): then the flusher's round does it.
+
+        First it takes in the sync helper's answers already waiting in its socket
+        (:meth:`poll_answers`): a step that ends sees an fsync that ended during it."""
+        if self._outstanding:
+            self.poll_answers()
         if (not self._buf or self._chunks or self._buf_seg is not None or self._backlog
                 or self._retry_at is not None or self._stop or self._error is not None
                 or self._key is None or self._syncer is None):
@@ -1127,6 +1132,25 @@ class Journal:
             self._request(self._key, self._written)  # type: ignore[arg-type]
         else:
             self._sync_wanted = True
+
+    def poll_answers(self) -> None:
+        """Handle every answer of the sync helper already received (non-blocking), as
+        :meth:`_answers` would when it next runs: records become durable and their
+        replies go out now, not after the scheduler's round. A failed sync or a helper
+        gone stops the journal here (fail-stop), as in :meth:`_answers`."""
+        syncer = self._syncer
+        if syncer is None or self._error is not None:
+            return
+        try:
+            while self._outstanding:
+                got = syncer.poll_answer()
+                if got is None:
+                    return
+                self._on_answer(*got)
+        except OSError as exc:
+            self._on_error(exc)
+            self._kick()
+            self._set_answered()
 
     async def _answers(self) -> None:
         """Read the helper's answers: each makes every request up to its id done."""

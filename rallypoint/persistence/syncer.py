@@ -180,20 +180,30 @@ class Syncer:
         socket for the next call)."""
         while True:
             await trio.lowlevel.wait_readable(self._sock)
-            try:
-                data = self._sock.recv(64)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                self._broken = self._gone(f"its socket failed ({exc})")
-                raise self._broken from exc
-            if len(data) < _h.ANSWER.size:
-                self._broken = self._gone("it closed its socket" if not data else "it sent a short answer")
-                raise self._broken
-            rid, err, us = _h.ANSWER.unpack_from(data)
-            if err:
-                raise OSError(err, os.strerror(err))
-            return rid, us / 1e6
+            got = self.poll_answer()
+            if got is not None:
+                return got
+
+    def poll_answer(self) -> tuple[int, float] | None:
+        """The helper's next answer if one is already in the socket, else None; never
+        blocks. The journal calls it at the end of every actor batch, so an fsync's end
+        is seen between batches instead of after the scheduler's whole round (measured:
+        0.54 ms mean from the call's end to the loop seeing it, before). Raises like
+        :meth:`next_answer`."""
+        try:
+            data = self._sock.recv(64)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            self._broken = self._gone(f"its socket failed ({exc})")
+            raise self._broken from exc
+        if len(data) < _h.ANSWER.size:
+            self._broken = self._gone("it closed its socket" if not data else "it sent a short answer")
+            raise self._broken
+        rid, err, us = _h.ANSWER.unpack_from(data)
+        if err:
+            raise OSError(err, os.strerror(err))
+        return rid, us / 1e6
 
     def _gone(self, why: str) -> SyncHelperGone:
         if self._proc is not None:
