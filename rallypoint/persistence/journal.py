@@ -903,10 +903,15 @@ class Journal:
         whenever the flusher has anything else to do first (a roll, a backlog, a write
         waiting for disk space, the stop): then the flusher's round does it.
 
-        First it takes in the sync helper's answers already waiting in its socket
-        (:meth:`poll_answers`): a step that ends sees an fsync that ended during it."""
+        Then it takes in the sync helper's answers already waiting in its socket
+        (:meth:`poll_answers`): a step that ends sees an fsync that ended during it.
+        (After the write, so that a sync asked for on an answer covers this step's
+        records too.)"""
+        self._write_now()
         if self._outstanding:
             self.poll_answers()
+
+    def _write_now(self) -> None:
         if (not self._buf or self._chunks or self._buf_seg is not None or self._backlog
                 or self._retry_at is not None or self._stop or self._error is not None
                 or self._key is None or self._syncer is None):
