@@ -253,7 +253,6 @@ async def _serve(args) -> int:
     return 0
 
 
-
 #: The daemon's cyclic-GC thresholds (CPython's default: 700, 10, 10). A full
 #: collection walks every container made since start-up -- the event ring, the sets of
 #: a run's tasks -- and pauses the event loop for it (measured: 16 ms of CPU each, 4 in 8
@@ -273,6 +272,7 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*DAEMON_GC_THRESHOLDS)
+
 
 def cmd_serve(args) -> int:
     _setup_logging(args.log_level, args.log_format)

@@ -40,6 +40,21 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+class _BlockingDisk(Disk):
+    """A Disk whose ``nth`` fdatasync waits for ``go`` (at most ``timeout`` seconds);
+    ``n`` counts the calls."""
+
+    def __init__(self, nth: int, go: threading.Event, timeout: float) -> None:
+        self.n = 0
+        self._nth, self._go, self._timeout = nth, go, timeout
+
+    def fdatasync(self, fd) -> None:
+        self.n += 1
+        if self.n == self._nth:
+            self._go.wait(self._timeout)
+        os.fdatasync(fd)
+
+
 @pytest.fixture
 def datafile(tmp_path):
     fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT, 0o644)
@@ -215,22 +230,13 @@ async def test_sync_thread_and_a_disk_with_its_own_fdatasync_get_the_thread(tmp_
 
 async def test_the_flusher_asks_again_before_the_previous_answer(tmp_path):
     go = threading.Event()
-
-    class Slow(Disk):
-        n = 0
-
-        def fdatasync(self, fd) -> None:
-            Slow.n += 1
-            if Slow.n == 2:
-                go.wait(5)
-            os.fdatasync(fd)
-
-    j = Journal(tmp_path, mode="fsync", next_lsn=1, disk=Slow())
+    slow = _BlockingDisk(2, go, 5)
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, disk=slow)
     async with trio.open_nursery() as nursery:
         await nursery.start(j.run)
         await j.wait_durable(j.append(b"a"))
         j.append(b"b")  # its fdatasync blocks in the helper
-        while Slow.n < 2:
+        while slow.n < 2:
             await trio.sleep(0.001)
         j.append(b"c")  # written and asked for while b's is not answered
         await trio.testing.wait_all_tasks_blocked()
@@ -494,18 +500,8 @@ async def test_a_stuck_fdatasync_is_reported_while_it_runs_and_when_it_returns(t
     import logging
 
     go = threading.Event()
-
-    class Stuck(Disk):
-        n = 0
-
-        def fdatasync(self, fd) -> None:
-            Stuck.n += 1
-            if Stuck.n == 2:
-                go.wait(60)
-            os.fdatasync(fd)
-
     caplog.set_level(logging.WARNING, "rallypoint.persistence")
-    j = Journal(tmp_path, mode="fsync", next_lsn=1, disk=Stuck(), slow_sync_s=0.02)
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, disk=_BlockingDisk(2, go, 60), slow_sync_s=0.02)
     async with trio.open_nursery() as nursery:
         await nursery.start(j.run)
         await j.wait_durable(j.append(b"a"))

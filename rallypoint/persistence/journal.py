@@ -1153,9 +1153,7 @@ class Journal:
                     return
                 self._on_answer(*got)
         except OSError as exc:
-            self._on_error(exc)
-            self._kick()
-            self._set_answered()
+            self._sync_failed(exc)
 
     async def _answers(self) -> None:
         """Read the helper's answers: each makes every request up to its id done."""
@@ -1163,10 +1161,14 @@ class Journal:
             while True:
                 rid, seconds = await self._syncer.next_answer()  # type: ignore[union-attr]
                 self._on_answer(rid, seconds)
-        except OSError as exc:  # a failed fsync, or the helper gone: fail-stop
-            self._on_error(exc)
-            self._kick()
-            self._set_answered()
+        except OSError as exc:
+            self._sync_failed(exc)
+
+    def _sync_failed(self, exc: OSError) -> None:
+        """A failed fsync, or the helper gone: fail-stop, and wake what waits for it."""
+        self._on_error(exc)
+        self._kick()
+        self._set_answered()
 
     @property
     def sync_pending_s(self) -> float:
