@@ -486,3 +486,152 @@ async def test_drain_timeout_cancels_long_waits_with_unavailable():
             with trio.fail_after(5):
                 frames = await c.expect_eof()
         assert [(f.id, f.code) for f in frames] == [(1, "UNAVAILABLE")]
+
+
+# ------------------------------------------------------------------ reading a plain TCP socket
+
+from rallypoint.transport import server as server_mod  # noqa: E402
+
+
+class _ReadCounter:
+    """Wraps ``os.read`` (the server reads plain TCP sockets with it): counts the reads
+    of the given fds, and those that found nothing (BlockingIOError)."""
+
+    def __init__(self, monkeypatch, fds=None) -> None:
+        self.fds = fds
+        self.reads = 0
+        self.empty = 0
+        real = server_mod.os.read
+
+        def read(fd, n):
+            if self.fds is not None and fd not in self.fds:
+                return real(fd, n)
+            self.reads += 1
+            try:
+                return real(fd, n)
+            except BlockingIOError:
+                self.empty += 1
+                raise
+
+        monkeypatch.setattr(server_mod.os, "read", read)
+
+
+def _pair():
+    a, b = trio.socket.socketpair()
+    return a, b
+
+
+async def test_receive_plain_waits_for_readability_before_reading(monkeypatch):
+    a, b = _pair()
+    counter = _ReadCounter(monkeypatch, {a.fileno()})
+    got = []
+
+    async def reader():
+        got.append(await server_mod.receive_plain(a.fileno()))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        assert counter.reads == 0  # parked on readability, no read attempted
+        await b.send(b"hello")
+    assert got == [b"hello"]
+    assert (counter.reads, counter.empty) == (1, 0)
+    a.close(), b.close()
+
+
+async def test_receive_plain_ready_reads_first_and_still_yields(monkeypatch):
+    a, b = _pair()
+    counter = _ReadCounter(monkeypatch, {a.fileno()})
+    waits = []
+    real_wait = server_mod._wait_readable
+
+    async def wait(fd):
+        waits.append(fd)
+        await real_wait(fd)
+
+    monkeypatch.setattr(server_mod, "_wait_readable", wait)
+    await b.send(b"more")
+    await trio.testing.wait_all_tasks_blocked()
+    with trio.testing.assert_checkpoints():  # yields even though no wait was needed
+        data = await server_mod.receive_plain(a.fileno(), ready=True)
+    assert data == b"more" and waits == [] and counter.reads == 1
+    # ready, but nothing there: one empty read, then the wait
+    async with trio.open_nursery() as n:
+        n.start_soon(b.send, b"x")
+        assert await server_mod.receive_plain(a.fileno(), ready=True) == b"x"
+    assert counter.empty == 1 and waits == [a.fileno()]
+    a.close(), b.close()
+
+
+async def test_receive_plain_eof_shutdown_and_errors():
+    a, b = _pair()
+    b.close()
+    assert await server_mod.receive_plain(a.fileno()) == b""
+    a.close()
+    c, d = _pair()
+    c.shutdown(trio.socket.SHUT_RD)  # how a drain wakes a reader
+    assert await server_mod.receive_plain(c.fileno()) == b""
+    c.close(), d.close()
+    import errno
+
+    assert isinstance(server_mod._stream_error(OSError(errno.EBADF, "bad fd")), trio.ClosedResourceError)
+    broken = server_mod._stream_error(ConnectionResetError(errno.ECONNRESET, "reset"))
+    assert isinstance(broken, trio.BrokenResourceError) and "reset" in str(broken)
+
+
+async def test_receive_plain_is_cancellable():
+    a, b = _pair()
+    with trio.move_on_after(0.05) as scope:
+        await server_mod.receive_plain(a.fileno())
+    assert scope.cancelled_caught
+    a.close(), b.close()
+
+
+async def test_sequential_requests_never_meet_an_empty_read(monkeypatch):
+    """A sequential client's next request cannot arrive before its reply left: the server
+    waits for readability instead of trying a read that finds nothing (one failed
+    syscall and a raised BlockingIOError per request before)."""
+    counter = _ReadCounter(monkeypatch)
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        for i in range(1, 51):
+            await c.request(i, {"op": "echo", "i": i})
+            r = await c.recv()
+            assert r.id == i and dec(r.body) == {"op": "echo", "i": i}
+        await c.aclose()
+    assert counter.reads >= 50
+    assert counter.empty == 0
+
+
+async def test_a_full_read_is_followed_by_a_read_without_a_wait(monkeypatch):
+    """A read that fills the buffer is followed by a read attempt without a wait (more
+    is likely there); a 1 MiB pipelined burst arrives intact."""
+    counter = _ReadCounter(monkeypatch)
+    full_then_read = []
+    real = server_mod.receive_plain
+
+    async def receive(fd, *, ready=False):
+        data = await real(fd, ready=ready)
+        full_then_read.append((ready, len(data)))
+        return data
+
+    monkeypatch.setattr(server_mod, "receive_plain", receive)
+    async with running_server() as srv:
+        c = await RawClient.connect(srv.port)
+        blob = "x" * 4096
+        data = b"".join(encode_frame(enc(wire.Request(i, msgspec.Raw(enc({"op": "echo", "b": blob})))))
+                        for i in range(1, 257))
+        ids = set()
+        async with trio.open_nursery() as n:
+            n.start_soon(c.send_raw, data)
+            for _ in range(256):
+                r = await c.recv()
+                assert dec(r.body)["b"] == blob
+                ids.add(r.id)
+        assert ids == set(range(1, 257))
+        await c.aclose()
+    assert counter.reads >= (1 << 20) // server_mod._RECEIVE_SIZE
+    # after every read that filled the buffer, the next one was asked to read first
+    for (_, n_prev), (ready, _) in zip(full_then_read, full_then_read[1:]):
+        assert ready == (n_prev == server_mod._RECEIVE_SIZE)
+    assert any(ready for ready, _ in full_then_read)
