@@ -292,3 +292,83 @@ def test_client_under_asyncio():
     anyio.run(client, backend="asyncio")
     t.join(5)
     assert not t.is_alive()
+
+
+# ------------------------------------------------------------------ reading under Trio
+
+from rallypoint.transport import sockio  # noqa: E402
+
+
+async def test_sequential_calls_never_meet_an_empty_read(monkeypatch):
+    """Under Trio on plain TCP both readers (client and server) wait for readability
+    before they read: a reply is never there right after its request left, and trying
+    first costs a failed read (EAGAIN) and a raised BlockingIOError per call."""
+    real = sockio.os.read
+    counts = {"reads": 0, "empty": 0}
+
+    def read(fd, n):
+        counts["reads"] += 1
+        try:
+            return real(fd, n)
+        except BlockingIOError:
+            counts["empty"] += 1
+            raise
+
+    monkeypatch.setattr(sockio.os, "read", read)
+    async with running_server() as srv, connect_transport(url(srv)) as conn:
+        for i in range(50):
+            assert dec(await conn.call(enc({"op": "echo", "v": i})))["v"] == i
+    assert counts["reads"] >= 100  # 50 requests read by the server, 50 replies by the client
+    assert counts["empty"] == 0
+
+
+async def test_stream_closed_under_a_waiting_reader_fails_calls_as_lost(caplog):
+    """The stream closed while the reader waits for readability (what the writer does on
+    a send error): pending calls fail UNAVAILABLE 'connection was lost', and the reader
+    does not log itself as failed."""
+    async with running_server() as srv, connect_transport(url(srv)) as conn:
+        errors = []
+
+        async def pending():
+            try:
+                await conn.call(enc({"op": "sleep", "s": 30}))
+            except UnavailableError as exc:
+                errors.append(exc)
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as n:
+                n.start_soon(pending)
+                await trio.testing.wait_all_tasks_blocked(0.01)
+                await conn._stream.aclose()
+        assert len(errors) == 1 and "lost" in str(errors[0])
+        assert not [r for r in caplog.records if "reader failed" in r.getMessage()]
+
+
+async def test_large_replies_arrive_whole_with_back_to_back_reads(monkeypatch):
+    """Replies larger than the read buffer: after a read that filled it the client reads
+    again before waiting (``ready``); every byte arrives in order."""
+    real = sockio.receive_plain
+    calls = []
+
+    async def receive(fd, n, *, ready=False):
+        data = await real(fd, n, ready=ready)
+        calls.append((fd, ready, len(data), n))
+        return data
+
+    monkeypatch.setattr(sockio, "receive_plain", receive)
+    async with running_server() as srv, connect_transport(url(srv)) as conn:
+        blob = "y" * (200 * 1024)
+        async with trio.open_nursery() as nursery:
+            got = {}
+
+            async def one(i):
+                got[i] = dec(await conn.call(enc({"op": "echo", "i": i, "b": blob})))
+
+            for i in range(4):
+                nursery.start_soon(one, i)
+        assert sorted(got) == list(range(4)) and all(v["b"] == blob and v["i"] == i for i, v in got.items())
+        fd = conn._sock.fileno()
+    mine = [c for c in calls if c[0] == fd]
+    for (_, _, got_n, size), (_, ready, _, _) in zip(mine, mine[1:]):
+        assert ready == (got_n == size)
+    assert any(ready for _, ready, _, _ in mine)

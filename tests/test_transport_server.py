@@ -491,6 +491,7 @@ async def test_drain_timeout_cancels_long_waits_with_unavailable():
 # ------------------------------------------------------------------ reading a plain TCP socket
 
 from rallypoint.transport import server as server_mod  # noqa: E402
+from rallypoint.transport import sockio  # noqa: E402
 
 
 class _ReadCounter:
@@ -501,7 +502,7 @@ class _ReadCounter:
         self.fds = fds
         self.reads = 0
         self.empty = 0
-        real = server_mod.os.read
+        real = sockio.os.read
 
         def read(fd, n):
             if self.fds is not None and fd not in self.fds:
@@ -513,7 +514,7 @@ class _ReadCounter:
                 self.empty += 1
                 raise
 
-        monkeypatch.setattr(server_mod.os, "read", read)
+        monkeypatch.setattr(sockio.os, "read", read)
 
 
 def _pair():
@@ -527,7 +528,7 @@ async def test_receive_plain_waits_for_readability_before_reading(monkeypatch):
     got = []
 
     async def reader():
-        got.append(await server_mod.receive_plain(a.fileno()))
+        got.append(await sockio.receive_plain(a.fileno(), 65536))
 
     async with trio.open_nursery() as n:
         n.start_soon(reader)
@@ -543,22 +544,22 @@ async def test_receive_plain_ready_reads_first_and_still_yields(monkeypatch):
     a, b = _pair()
     counter = _ReadCounter(monkeypatch, {a.fileno()})
     waits = []
-    real_wait = server_mod._wait_readable
+    real_wait = sockio._wait_readable
 
     async def wait(fd):
         waits.append(fd)
         await real_wait(fd)
 
-    monkeypatch.setattr(server_mod, "_wait_readable", wait)
+    monkeypatch.setattr(sockio, "_wait_readable", wait)
     await b.send(b"more")
     await trio.testing.wait_all_tasks_blocked()
     with trio.testing.assert_checkpoints():  # yields even though no wait was needed
-        data = await server_mod.receive_plain(a.fileno(), ready=True)
+        data = await sockio.receive_plain(a.fileno(), 65536, ready=True)
     assert data == b"more" and waits == [] and counter.reads == 1
     # ready, but nothing there: one empty read, then the wait
     async with trio.open_nursery() as n:
         n.start_soon(b.send, b"x")
-        assert await server_mod.receive_plain(a.fileno(), ready=True) == b"x"
+        assert await sockio.receive_plain(a.fileno(), 65536, ready=True) == b"x"
     assert counter.empty == 1 and waits == [a.fileno()]
     a.close(), b.close()
 
@@ -566,11 +567,11 @@ async def test_receive_plain_ready_reads_first_and_still_yields(monkeypatch):
 async def test_receive_plain_eof_shutdown_and_errors():
     a, b = _pair()
     b.close()
-    assert await server_mod.receive_plain(a.fileno()) == b""
+    assert await sockio.receive_plain(a.fileno(), 65536) == b""
     a.close()
     c, d = _pair()
     c.shutdown(trio.socket.SHUT_RD)  # how a drain wakes a reader
-    assert await server_mod.receive_plain(c.fileno()) == b""
+    assert await sockio.receive_plain(c.fileno(), 65536) == b""
     c.close(), d.close()
     import errno
 
@@ -582,7 +583,7 @@ async def test_receive_plain_eof_shutdown_and_errors():
 async def test_receive_plain_is_cancellable():
     a, b = _pair()
     with trio.move_on_after(0.05) as scope:
-        await server_mod.receive_plain(a.fileno())
+        await sockio.receive_plain(a.fileno(), 65536)
     assert scope.cancelled_caught
     a.close(), b.close()
 
@@ -610,8 +611,8 @@ async def test_a_full_read_is_followed_by_a_read_without_a_wait(monkeypatch):
     full_then_read = []
     real = server_mod.receive_plain
 
-    async def receive(fd, *, ready=False):
-        data = await real(fd, ready=ready)
+    async def receive(fd, n, *, ready=False):
+        data = await real(fd, n, ready=ready)
         full_then_read.append((ready, len(data)))
         return data
 

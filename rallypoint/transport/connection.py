@@ -38,6 +38,7 @@ import anyio.abc
 import msgspec
 
 from .. import wire
+from . import sockio
 from ..errors import RallypointError, SlowConsumerError, UnavailableError, ValidationError, error_from_wire
 from .framing import HEADER, HEADER_PLACEHOLDER, FrameParser, encode_frame, pack_header_into, pack_uint
 
@@ -68,6 +69,9 @@ _BATCH_HEAD = b"\x82\xa1t\xa5batch\xa4reqs"
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 
 _Ok = wire.Ok
+# trio is installed with rallypoint (the server runs on it); only plain TCP under Trio
+# reads through sockio, whose wait raises Trio's (not anyio's) ClosedResourceError
+from trio import ClosedResourceError as _TrioClosed  # noqa: E402
 _Err = wire.Err
 _Push = wire.Push
 
@@ -615,6 +619,9 @@ class Connection:
         decode = _server_decoder.decode
         frames = self._leftover
         self._leftover = []
+        receive = stream.receive
+        if self._sock is not None:  # plain TCP under Trio: wait first, then read (sockio)
+            receive = self._receive_plain
         try:
             while True:
                 pending = self._pending
@@ -649,7 +656,7 @@ class Connection:
                 if parser.oversize is not None:
                     reason = f"protocol error: the server announced a {parser.oversize}-byte frame"
                     break
-                data = await stream.receive(_RECEIVE_SIZE)
+                data = await receive(_RECEIVE_SIZE)
                 frames = parser.feed(data)
         except anyio.EndOfStream:
             reason = "the server closed the connection"
@@ -667,6 +674,23 @@ class Connection:
             self._shutdown(reason)
         with anyio.CancelScope(shield=True):
             await anyio.aclose_forcefully(stream)
+
+    _full = False  # the last plain read filled its buffer
+
+    async def _receive_plain(self, max_bytes: int) -> bytes:
+        """``stream.receive`` for a plain TCP socket under Trio, without the failed read
+        per reply that ``receive`` makes (it tries before it waits; a caller's reply is
+        never there yet right after its request left): :func:`sockio.receive_plain`.
+        Same results and errors as ``receive``: EndOfStream at EOF, OSError, and
+        anyio's ClosedResourceError if the writer closed the stream meanwhile."""
+        try:
+            data = await sockio.receive_plain(self._sock.fileno(), max_bytes, ready=self._full)
+        except _TrioClosed:
+            raise anyio.ClosedResourceError from None
+        if not data:
+            raise anyio.EndOfStream
+        self._full = len(data) == max_bytes
+        return data
 
     async def _writer(self) -> None:
         stream = self._stream

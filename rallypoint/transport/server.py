@@ -56,6 +56,7 @@ import trio
 from .. import wire
 from ..errors import InternalError, LimitError, RallypointError, UnavailableError, ValidationError, shutting_down_error
 from ..logutil import RateLimitedLogger
+from .sockio import receive_plain
 from .framing import (
     HEADER,
     HEADER_PLACEHOLDER,
@@ -156,8 +157,6 @@ def _new_ref() -> str:
     return secrets.token_hex(4)
 
 
-_wait_readable = trio.lowlevel.wait_readable
-_checkpoint = trio.lowlevel.checkpoint
 _CLOSED_ERRNOS = frozenset({errno.EBADF, errno.ENOTSOCK})
 
 
@@ -166,36 +165,6 @@ def _stream_error(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourc
     if exc.errno in _CLOSED_ERRNOS:
         return trio.ClosedResourceError("this socket was already closed")
     return trio.BrokenResourceError(f"socket connection broken: {exc}")
-
-
-async def receive_plain(fd: int, *, ready: bool = False) -> bytes:
-    """Read up to ``_RECEIVE_SIZE`` bytes from the plain TCP socket ``fd`` (non-blocking,
-    as Trio keeps it): what ``SocketStream.receive_some`` returns (``b""`` at EOF or
-    after ``shutdown(SHUT_RD)``), and raises (BrokenResourceError, ClosedResourceError),
-    with one difference: unless ``ready`` (the previous read filled the buffer, so more
-    is likely waiting) it waits for readability BEFORE reading. ``receive_some`` always
-    tries first, and a server that has just dispatched a sequential client's request
-    finds nothing: a failed ``recv`` syscall and a raised BlockingIOError per request
-    (with its two context managers, ~7 % of the daemon's CPU for ``run.status()`` over
-    16 connections). Always a checkpoint (a cancellation point that yields)."""
-    if ready:
-        try:
-            data = os.read(fd, _RECEIVE_SIZE)
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            raise _stream_error(exc) from exc
-        else:
-            await _checkpoint()
-            return data
-    while True:
-        await _wait_readable(fd)
-        try:
-            return os.read(fd, _RECEIVE_SIZE)
-        except BlockingIOError:
-            continue
-        except OSError as exc:
-            raise _stream_error(exc) from exc
 
 
 #: What a peer going away looks like from inside a connection's tasks.
@@ -839,7 +808,10 @@ class _Conn:
             if fd is None:
                 data = await stream.receive_some(_RECEIVE_SIZE)
             else:
-                data = await receive_plain(fd, ready=full)
+                try:
+                    data = await receive_plain(fd, _RECEIVE_SIZE, ready=full)
+                except OSError as exc:
+                    raise _stream_error(exc) from exc
                 full = len(data) == _RECEIVE_SIZE
             if not data:
                 return
