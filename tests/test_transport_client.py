@@ -137,6 +137,15 @@ async def test_cancelled_call_leaves_connection_usable():
         assert not conn._pending
 
 
+async def pending_sleep(conn, errors: list) -> None:
+    """A call the server answers only after 30 s; the UnavailableError it ends with
+    (the connection dropped) is appended to ``errors``."""
+    try:
+        await conn.call(enc({"op": "sleep", "s": 30}))
+    except UnavailableError as exc:
+        errors.append(exc)
+
+
 async def test_dropped_connection_fails_pending_and_later_calls():
     async with trio.open_nursery() as outer:
         srv = Server(TestDispatcher())
@@ -149,17 +158,10 @@ async def test_dropped_connection_fails_pending_and_later_calls():
         await outer.start(run_server)
         async with connect_transport(url(srv)) as conn:
             errors = []
-
-            async def pending_call(i):
-                try:
-                    await conn.call(enc({"op": "sleep", "s": 30}))
-                except UnavailableError as e:
-                    errors.append(e)
-
             with trio.fail_after(5):
                 async with trio.open_nursery() as n:
                     for i in range(5):
-                        n.start_soon(pending_call, i)
+                        n.start_soon(pending_sleep, conn, errors)
                     await trio.sleep(0.1)
                     scope.cancel()  # kill the server side mid-call
             assert len(errors) == 5
@@ -328,16 +330,9 @@ async def test_stream_closed_under_a_waiting_reader_fails_calls_as_lost(caplog):
     does not log itself as failed."""
     async with running_server() as srv, connect_transport(url(srv)) as conn:
         errors = []
-
-        async def pending():
-            try:
-                await conn.call(enc({"op": "sleep", "s": 30}))
-            except UnavailableError as exc:
-                errors.append(exc)
-
         with trio.fail_after(5):
             async with trio.open_nursery() as n:
-                n.start_soon(pending)
+                n.start_soon(pending_sleep, conn, errors)
                 await trio.testing.wait_all_tasks_blocked(0.01)
                 await conn._stream.aclose()
         assert len(errors) == 1 and "lost" in str(errors[0])
