@@ -1,5 +1,6 @@
 """Client-side transport tests: rallypoint.transport.Connection against the real Server."""
 
+import itertools
 import queue
 import random
 import threading
@@ -364,6 +365,6 @@ async def test_large_replies_arrive_whole_with_back_to_back_reads(monkeypatch):
         assert sorted(got) == list(range(4)) and all(v["b"] == blob and v["i"] == i for i, v in got.items())
         fd = conn._sock.fileno()
     mine = [c for c in calls if c[0] == fd]
-    for (_, _, got_n, size), (_, ready, _, _) in zip(mine, mine[1:]):
+    for (_, _, got_n, size), (_, ready, _, _) in itertools.pairwise(mine):
         assert ready == (got_n == size)
     assert any(ready for _, ready, _, _ in mine)

@@ -1,5 +1,6 @@
 """Server-side transport tests, driven by a raw frame-level client."""
 
+import itertools
 import logging
 import struct
 
@@ -633,6 +634,6 @@ async def test_a_full_read_is_followed_by_a_read_without_a_wait(monkeypatch):
         await c.aclose()
     assert counter.reads >= (1 << 20) // server_mod._RECEIVE_SIZE
     # after every read that filled the buffer, the next one was asked to read first
-    for (_, n_prev), (ready, _) in zip(full_then_read, full_then_read[1:]):
+    for (_, n_prev), (ready, _) in itertools.pairwise(full_then_read):
         assert ready == (n_prev == server_mod._RECEIVE_SIZE)
     assert any(ready for ready, _ in full_then_read)

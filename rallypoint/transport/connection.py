@@ -36,10 +36,13 @@ from urllib.parse import urlsplit
 import anyio
 import anyio.abc
 import msgspec
+# trio is installed with rallypoint (the server runs on it); only plain TCP under Trio
+# reads through sockio, whose wait raises Trio's (not anyio's) ClosedResourceError
+from trio import ClosedResourceError as _TrioClosed
 
 from .. import wire
-from . import sockio
 from ..errors import RallypointError, SlowConsumerError, UnavailableError, ValidationError, error_from_wire
+from . import sockio
 from .framing import HEADER, HEADER_PLACEHOLDER, FrameParser, encode_frame, pack_header_into, pack_uint
 
 __all__ = ["Connection", "connect_transport", "parse_url"]
@@ -69,9 +72,6 @@ _BATCH_HEAD = b"\x82\xa1t\xa5batch\xa4reqs"
 _BYTES_LIKE = (bytes, bytearray, memoryview)
 
 _Ok = wire.Ok
-# trio is installed with rallypoint (the server runs on it); only plain TCP under Trio
-# reads through sockio, whose wait raises Trio's (not anyio's) ClosedResourceError
-from trio import ClosedResourceError as _TrioClosed  # noqa: E402
 _Err = wire.Err
 _Push = wire.Push
 
