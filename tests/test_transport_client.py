@@ -368,3 +368,19 @@ async def test_large_replies_arrive_whole_with_back_to_back_reads(monkeypatch):
     for (_, _, got_n, size), (_, ready, _, _) in itertools.pairwise(mine):
         assert ready == (got_n == size)
     assert any(ready for _, ready, _, _ in mine)
+
+
+async def test_reader_after_its_socket_closed_raises_anyio_closed(caplog):
+    """The writer closes the stream (a failed send) while the reader is between two
+    reads: the next read is anyio's ClosedResourceError (the reader's 'connection was
+    lost'), not a ValueError from waiting on fd -1 (logged as a reader failure)."""
+    async with running_server() as srv, connect_transport(url(srv)) as conn:
+        await conn._stream.aclose()
+        with trio.fail_after(2):
+            while not conn.closed:
+                await trio.sleep(0.001)
+        for full in (False, True):
+            conn._full = full
+            with pytest.raises(anyio.ClosedResourceError):
+                await conn._receive_plain(65536)
+    assert not [r for r in caplog.records if "reader failed" in r.getMessage()]

@@ -5,6 +5,7 @@ import logging
 import struct
 
 import msgspec
+import pytest
 import trio
 import trio.testing
 
@@ -637,3 +638,11 @@ async def test_a_full_read_is_followed_by_a_read_without_a_wait(monkeypatch):
     for (_, n_prev), (ready, _) in itertools.pairwise(full_then_read):
         assert ready == (n_prev == server_mod._RECEIVE_SIZE)
     assert any(ready for ready, _ in full_then_read)
+
+
+async def test_receive_plain_on_a_closed_socket_is_closed_resource_error():
+    """``fileno()`` of a socket closed meanwhile is -1: a ClosedResourceError, not the
+    ValueError Trio's wait would raise (found by a hostile-client run)."""
+    for ready in (False, True):
+        with pytest.raises(trio.ClosedResourceError):
+            await sockio.receive_plain(-1, 65536, ready=ready)

@@ -34,7 +34,13 @@ async def receive_plain(fd: int, max_bytes: int, *, ready: bool = False) -> byte
     caller's previous read filled its buffer: more is likely waiting) it reads first
     and waits only if that found nothing. Either way it is a checkpoint: a
     cancellation point that yields to other tasks.
+
+    A negative ``fd`` (what ``socket.fileno()`` returns once the socket is closed, e.g.
+    by another task during the previous call's checkpoint) raises
+    ``trio.ClosedResourceError``, as a close during the wait does.
     """
+    if fd < 0:
+        raise trio.ClosedResourceError("the socket was closed")
     if ready:
         try:
             data = os.read(fd, max_bytes)
