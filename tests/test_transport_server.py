@@ -490,6 +490,29 @@ async def test_drain_timeout_cancels_long_waits_with_unavailable():
         assert [(f.id, f.code) for f in frames] == [(1, "UNAVAILABLE")]
 
 
+async def test_drain_of_a_connection_paused_at_its_inflight_limit_keeps_the_grace():
+    """A connection paused at max_inflight (its next request read but not admitted)
+    when the drain starts: the reader stops waiting for capacity, the parked waits get
+    the drain's grace and are answered UNAVAILABLE, the request never admitted gets no
+    answer, and the connection closes, long before the drain timeout (it waited for
+    all of it before: found by a hostile-peer run)."""
+    async with running_server(max_inflight_per_conn=4, drain_wait_grace=0.2) as srv:
+        c = await RawClient.connect(srv.port)
+        data = b"".join(encode_frame(enc(wire.Request(i, msgspec.Raw(enc({"op": "sleep", "s": 30})))))
+                        for i in range(1, 6))
+        await c.send_raw(data)
+        with trio.fail_after(2):
+            while srv.statistics()["backpressure_pauses"] < 1:
+                await trio.sleep(0.01)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            n.start_soon(srv.drain, 20.0)
+            with trio.fail_after(5):
+                frames = await c.expect_eof()
+        assert sorted((f.id, f.code) for f in frames) == [(i, "UNAVAILABLE") for i in range(1, 5)]
+        assert trio.current_time() - t0 < 5
+
+
 # ------------------------------------------------------------------ reading a plain TCP socket
 
 from rallypoint.transport import server as server_mod  # noqa: E402

@@ -750,6 +750,11 @@ class _Conn:
         if self.inflight == 0 and not self.out and not self.sending:
             self.idle_event.set()
         self._wake_writer()
+        # a reader paused at the limits (wait_capacity) stops waiting and returns: the
+        # requests it has not admitted are not taken, and the drain's grace for the
+        # parked waits starts (else a connection paused with unread data held the stop
+        # for the whole drain timeout; found by a hostile-peer run)
+        self._wake_reader()
 
     async def reader(self, pending: list[memoryview]) -> None:
         """Read and dispatch until EOF, a fatal framing error, or drain."""
@@ -771,6 +776,8 @@ class _Conn:
                         self.batching = False
                         self._wake_writer()
                         await self.wait_capacity()
+                        if self.draining:
+                            return  # what is not admitted yet is not taken (begin_drain)
                         self.batching = True
                     if not backlog:
                         break
@@ -829,7 +836,8 @@ class _Conn:
         # Replies are made later, by the actors: the requests in flight will add about
         # inflight x (the connection's average reply size) to what waits to be sent.
         watch = self._fd is not None
-        while self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out:
+        while not self.draining and (
+                self.inflight >= max_inflight or len(self.out) + self.inflight * self.reply_size > max_out):
             ev = self.reader_event = trio.Event()
             if not watch:
                 await ev.wait()
