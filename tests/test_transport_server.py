@@ -513,6 +513,37 @@ async def test_drain_of_a_connection_paused_at_its_inflight_limit_keeps_the_grac
         assert trio.current_time() - t0 < 5
 
 
+@pytest.mark.parametrize("how", ["reset", "fin"])
+async def test_peer_gone_while_paused_with_unread_data_ends_its_waits(monkeypatch, how):
+    """A peer paused at max_inflight (its waits parked, more requests unread) resets or
+    sends FIN: the unread data hides that from a peek, the TCP state does not; the
+    connection closes and its waits end, instead of living until they expire."""
+    monkeypatch.setattr(server_mod._Conn, "_PEER_POLL_S", 0.02)
+    async with running_server(max_inflight_per_conn=4) as srv:
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", srv.port))
+        data = encode_frame(enc(wire.Hello(wire.PROTOCOL_VERSION)))
+        data += b"".join(encode_frame(enc(wire.Request(i, msgspec.Raw(enc({"op": "sleep", "s": 30})))))
+                         for i in range(1, 7))
+        await sock.send(data)
+        with trio.fail_after(2):
+            while srv.statistics()["backpressure_pauses"] < 1:
+                await trio.sleep(0.01)
+        # more requests now stay in the socket, unread: a peek sees them, not the close
+        await sock.send(encode_frame(enc(wire.Request(99, msgspec.Raw(enc({"op": "echo"}))))))
+        await trio.sleep(0.05)
+        assert srv.statistics()["connections"] == 1
+        if how == "reset":
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        else:
+            sock.shutdown(trio.socket.SHUT_WR)
+        with trio.fail_after(3):
+            while srv.statistics()["connections"]:
+                await trio.sleep(0.01)
+        sock.close()
+
+
 # ------------------------------------------------------------------ reading a plain TCP socket
 
 from rallypoint.transport import server as server_mod  # noqa: E402

@@ -167,6 +167,23 @@ def _stream_error(exc: OSError) -> trio.BrokenResourceError | trio.ClosedResourc
     return trio.BrokenResourceError(f"socket connection broken: {exc}")
 
 
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+#: Linux TCP states (include/net/tcp_states.h) of a peer that reset (CLOSE) or sent its
+#: FIN (CLOSE_WAIT): EOF, a half-close included, is the peer leaving.
+_PEER_GONE_STATES = frozenset({7, 8})
+
+
+def _tcp_state(sock: Any) -> int | None:
+    """The kernel's TCP state of ``sock`` (Linux ``TCP_INFO``'s first byte), or None
+    where it cannot be read (another OS, not a TCP socket, closed)."""
+    if _TCP_INFO is None:
+        return None
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 8)[0]
+    except (OSError, IndexError):
+        return None
+
+
 #: What a peer going away looks like from inside a connection's tasks.
 _DISCONNECTS = (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError)
 
@@ -851,18 +868,25 @@ class _Conn:
             watch = self._peer_quiet
 
     _peer_quiet = True  # nothing unread from the peer: EOF can be seen without reading
+    _PEER_POLL_S = 1.0  # while paused with unread data: how often the TCP state is read
 
     async def _watch_for_close(self, done: trio.CancelScope) -> None:
         """While the reader pauses: peek at the socket; EOF or a reset closes the
-        connection (and so ends its parked waits). Data waiting to be read means a close
-        cannot be seen without reading it: stop watching until the reader reads again."""
+        connection (and so ends its parked waits). Data waiting to be read hides a close
+        from ``recv``; the kernel's TCP state still shows it (Linux ``TCP_INFO``): polled
+        every ``_PEER_POLL_S`` seconds while paused. Where that cannot be read, stop
+        watching until the reader reads again."""
+        sock = self.stream.socket
         try:
-            data = await self.stream.socket.recv(1, socket.MSG_PEEK)
+            data = await sock.recv(1, socket.MSG_PEEK)
         except OSError:
             data = b""
         if data:
-            self._peer_quiet = False
-            return
+            if _tcp_state(sock) is None:
+                self._peer_quiet = False
+                return
+            while _tcp_state(sock) not in _PEER_GONE_STATES:
+                await trio.sleep(self._PEER_POLL_S)
         log.debug("connection from %s closed by the peer while its requests wait", self.peer)
         self.abort()
         done.cancel()
