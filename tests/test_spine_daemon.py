@@ -234,10 +234,7 @@ async def test_transport_drain_ends_long_waits_after_the_grace_only():
         await c.request(2, {"op": "sleep", "s": 0.2, "v": "short"})
         await trio.sleep(0.05)
         t0 = trio.current_time()
-        async with trio.open_nursery() as n:
-            n.start_soon(srv.drain, 30.0)
-            with trio.fail_after(5):
-                frames = await c.expect_eof()
+        frames = await c.drain_server(srv, 30.0)
         took = trio.current_time() - t0
     assert sorted((f.id, type(f).__name__, getattr(f, "code", None)) for f in frames) == [
         (1, "Err", "UNAVAILABLE"),

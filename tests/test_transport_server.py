@@ -483,10 +483,7 @@ async def test_drain_timeout_cancels_long_waits_with_unavailable():
         c = await RawClient.connect(srv.port)
         await c.request(1, {"op": "sleep", "s": 30})
         await trio.sleep(0.05)
-        async with trio.open_nursery() as n:
-            n.start_soon(srv.drain, 0.2)
-            with trio.fail_after(5):
-                frames = await c.expect_eof()
+        frames = await c.drain_server(srv, 0.2)
         assert [(f.id, f.code) for f in frames] == [(1, "UNAVAILABLE")]
 
 
@@ -505,10 +502,7 @@ async def test_drain_of_a_connection_paused_at_its_inflight_limit_keeps_the_grac
             while srv.statistics()["backpressure_pauses"] < 1:
                 await trio.sleep(0.01)
         t0 = trio.current_time()
-        async with trio.open_nursery() as n:
-            n.start_soon(srv.drain, 20.0)
-            with trio.fail_after(5):
-                frames = await c.expect_eof()
+        frames = await c.drain_server(srv, 20.0)
         assert sorted((f.id, f.code) for f in frames) == [(i, "UNAVAILABLE") for i in range(1, 5)]
         assert trio.current_time() - t0 < 5
 
