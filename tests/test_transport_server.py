@@ -567,13 +567,8 @@ class _ReadCounter:
         monkeypatch.setattr(sockio.os, "read", read)
 
 
-def _pair():
-    a, b = trio.socket.socketpair()
-    return a, b
-
-
 async def test_receive_plain_waits_for_readability_before_reading(monkeypatch):
-    a, b = _pair()
+    a, b = trio.socket.socketpair()
     counter = _ReadCounter(monkeypatch, {a.fileno()})
     got = []
 
@@ -587,11 +582,12 @@ async def test_receive_plain_waits_for_readability_before_reading(monkeypatch):
         await b.send(b"hello")
     assert got == [b"hello"]
     assert (counter.reads, counter.empty) == (1, 0)
-    a.close(), b.close()
+    a.close()
+    b.close()
 
 
 async def test_receive_plain_ready_reads_first_and_still_yields(monkeypatch):
-    a, b = _pair()
+    a, b = trio.socket.socketpair()
     counter = _ReadCounter(monkeypatch, {a.fileno()})
     waits = []
     real_wait = sockio._wait_readable
@@ -611,18 +607,20 @@ async def test_receive_plain_ready_reads_first_and_still_yields(monkeypatch):
         n.start_soon(b.send, b"x")
         assert await sockio.receive_plain(a.fileno(), 65536, ready=True) == b"x"
     assert counter.empty == 1 and waits == [a.fileno()]
-    a.close(), b.close()
+    a.close()
+    b.close()
 
 
 async def test_receive_plain_eof_shutdown_and_errors():
-    a, b = _pair()
+    a, b = trio.socket.socketpair()
     b.close()
     assert await sockio.receive_plain(a.fileno(), 65536) == b""
     a.close()
-    c, d = _pair()
+    c, d = trio.socket.socketpair()
     c.shutdown(trio.socket.SHUT_RD)  # how a drain wakes a reader
     assert await sockio.receive_plain(c.fileno(), 65536) == b""
-    c.close(), d.close()
+    c.close()
+    d.close()
     import errno
 
     assert isinstance(server_mod._stream_error(OSError(errno.EBADF, "bad fd")), trio.ClosedResourceError)
@@ -631,11 +629,12 @@ async def test_receive_plain_eof_shutdown_and_errors():
 
 
 async def test_receive_plain_is_cancellable():
-    a, b = _pair()
+    a, b = trio.socket.socketpair()
     with trio.move_on_after(0.05) as scope:
         await sockio.receive_plain(a.fileno(), 65536)
     assert scope.cancelled_caught
-    a.close(), b.close()
+    a.close()
+    b.close()
 
 
 async def test_sequential_requests_never_meet_an_empty_read(monkeypatch):

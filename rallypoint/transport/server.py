@@ -881,12 +881,14 @@ class _Conn:
             data = await sock.recv(1, socket.MSG_PEEK)
         except OSError:
             data = b""
-        if data:
-            if _tcp_state(sock) is None:
+        while data:  # the peer's unread data hides its close from the peek
+            state = _tcp_state(sock)
+            if state is None:
                 self._peer_quiet = False
                 return
-            while _tcp_state(sock) not in _PEER_GONE_STATES:
-                await trio.sleep(self._PEER_POLL_S)
+            if state in _PEER_GONE_STATES:
+                break
+            await trio.sleep(self._PEER_POLL_S)
         log.debug("connection from %s closed by the peer while its requests wait", self.peer)
         self.abort()
         done.cancel()
