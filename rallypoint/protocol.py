@@ -13,7 +13,7 @@ UTC strings, payloads (task input, outcome, error) are inline msgpack values
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -28,7 +28,25 @@ class _Op(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defau
 
 
 class _View(msgspec.Struct, omit_defaults=False):
-    pass
+    """A reply view: THE declaration of what an entity shows. The SDK's reply types
+    (:mod:`rallypoint.client.types`) are generated from it and the HTTP JSON
+    (:mod:`rallypoint.http.shapes`) is derived from it; ``tests/test_view_drift.py``
+    fails when a field reaches one and not the other."""
+
+
+class InstantMark:
+    """The marker :data:`Instant` carries (see there)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "INSTANT"
+
+
+#: A view field that is an instant: an ISO 8601 UTC string with milliseconds on the wire
+#: (``2026-01-31T12:00:00.000Z``, the same bytes as a plain ``str``); the SDK's generated
+#: types show it as an aware ``datetime``. Only reply views use it.
+Instant = Annotated[str, InstantMark()]
 
 
 # --- system -------------------------------------------------------------------------
@@ -117,9 +135,9 @@ class ScopeView(_View):
     stored_state: str
     effective: str
     inactive_reason: str | None
-    deadline: str | None
-    created_at: str
-    ended_at: str | None
+    deadline: Instant | None
+    created_at: Instant
+    ended_at: Instant | None
     child_limit: int
     children: int
     tasks: dict[str, int]
@@ -189,7 +207,7 @@ class MailboxView(_View):
     mode: str
     max_attempts: int
     backlog_limit: int | None
-    created_at: str
+    created_at: Instant
     queued: int
     running: int
     requirements: Requirements | None = None
@@ -290,9 +308,9 @@ class TaskView(_View):
     outcome: msgspec.Raw
     outcome_reason: str | None
     error: msgspec.Raw
-    created_at: str
-    finished_at: str | None
-    deadline: str | None
+    created_at: Instant
+    finished_at: Instant | None
+    deadline: Instant | None
     group_id: str | None = None
     run_id: str | None = None  # the task's own run (``delivery.run``), once made
     completing: bool = False  # its worker completed it; its run's join sets are closing
@@ -340,11 +358,11 @@ class GrantView(_View):
     units: int
     state: str
     token: int
-    lease_expires_at: str | None
+    lease_expires_at: Instant | None
     holder: str | None
     task_id: str | None
-    created_at: str
-    ended_at: str | None
+    created_at: Instant
+    ended_at: Instant | None
     end_reason: str | None
 
 
@@ -356,7 +374,7 @@ class DeliveryView(_View):
     input: msgspec.Raw
     attempt: int
     token: int
-    lease_expires_at: str
+    lease_expires_at: Instant
     group_id: str | None = None
     run_id: str | None = None  # the task's own run, if an earlier attempt made it
     key: str | None = None  # the task's idempotency key, if it was submitted with one
@@ -379,7 +397,7 @@ class DeliveryRenew(_Op, tag="delivery.renew"):
 class LeaseView(_View):
     task_id: str
     token: int
-    lease_expires_at: str
+    lease_expires_at: Instant
 
 
 class DeliveryComplete(_Op, tag="delivery.complete"):
@@ -509,12 +527,12 @@ class GroupView(_View):
     condition: str
     threshold: int | None
     expected_members: int | None
-    deadline: str | None
+    deadline: Instant | None
     state: str
     outcome: str | None
     outcome_reason: str | None
-    created_at: str
-    finalized_at: str | None
+    created_at: Instant
+    finalized_at: Instant | None
     counts: dict[str, int]
     members: list[GroupMemberView]
 
@@ -580,8 +598,8 @@ class BarrierView(_View):
     arrivals: int
     keys: list[str]
     epoch: int
-    created_at: str
-    released_at: str | None
+    created_at: Instant
+    released_at: Instant | None
     name: str | None = None
 
 
@@ -631,15 +649,15 @@ class TimerView(_View):
     id: str
     scope_id: str
     state: str
-    fire_at: str
-    fired_at: str | None
-    acked_at: str | None
-    created_at: str
+    fire_at: Instant
+    fired_at: Instant | None
+    acked_at: Instant | None
+    created_at: Instant
     name: str | None = None
     #: the fencing token of the fire (set once FIRED): what ``timer.ack`` presents
     token: str | None = None
     #: the server's wall clock when the view was made (``fire_at - now`` is the time left)
-    now: str | None = None
+    now: Instant | None = None
 
 
 class TimerListView(_View):
@@ -727,7 +745,7 @@ class JoinSetView(_View):
     submitted: int
     finished: int
     consumed: int
-    created_at: str
+    created_at: Instant
     children: list[JoinSetChildView]
     steps: int = 0  # answers journaled so far (the next live answer's step)
 
@@ -735,7 +753,7 @@ class JoinSetView(_View):
 class JoinSetChildAdded(_View):
     child_id: str
     kind: str
-    fire_at: str | None = None
+    fire_at: Instant | None = None
 
 
 class JoinNextView(_View):
@@ -784,9 +802,9 @@ class MessageView(_View):
     result: msgspec.Raw
     error: msgspec.Raw
     outcome_reason: str | None
-    created_at: str
-    finished_at: str | None
-    deadline: str | None
+    created_at: Instant
+    finished_at: Instant | None
+    deadline: Instant | None
 
 
 # --- quotas (allowances) ------------------------------------------------------------------
@@ -863,12 +881,12 @@ class QuotaTakeView(_View):
     units: int
     consumption_id: str | None
     waiter_id: str | None
-    window_start: str | None
-    window_end: str | None
+    window_start: Instant | None
+    window_end: Instant | None
     remaining: int
-    expires_at: str | None
-    created_at: str
-    ended_at: str | None
+    expires_at: Instant | None
+    created_at: Instant
+    ended_at: Instant | None
     end_reason: str | None
     holder: str | None
 
@@ -881,15 +899,15 @@ class QuotaView(_View):
     name: str
     units_limit: int
     window_ms: int
-    window_start: str
-    window_end: str
+    window_start: Instant
+    window_end: Instant
     used: int
     remaining: int
     waiting: int
-    cooldown_until: str | None
+    cooldown_until: Instant | None
     cooldown_reason: str | None
     consumed_total: int
-    created_at: str
+    created_at: Instant
     waiters: list[QuotaTakeView] = msgspec.field(default_factory=list)
 
 
@@ -977,9 +995,9 @@ class ReservationView(_View):
     overrun_minor: int
     currency: str
     scale: int
-    settle_by: str | None
-    created_at: str
-    closed_at: str | None
+    settle_by: Instant | None
+    created_at: Instant
+    closed_at: Instant | None
     close_reason: str | None
     holder: str | None
     key: str | None
@@ -999,7 +1017,7 @@ class BudgetView(_View):
     available_minor: int
     overrun_minor: int
     open_reservations: int
-    created_at: str
+    created_at: Instant
     reservations: list[ReservationView] = msgspec.field(default_factory=list)
 
 
@@ -1042,8 +1060,8 @@ class KeyView(_View, omit_defaults=True):
     space: str
     name: str | None
     permissions: list[str]
-    created_at: str
-    revoked_at: str | None
+    created_at: Instant
+    revoked_at: Instant | None
     secret: str | None = None  # only in the reply to key.create
 
 
@@ -1063,7 +1081,7 @@ class EventView(_View, omit_defaults=True):
     type: str
     kind: str
     id: str
-    at: str
+    at: Instant
     run: str | None = None
     data: dict[str, Any] | None = None
 
@@ -1124,7 +1142,7 @@ class OverviewRun(_View):
     id: str
     name: str | None
     parent_id: str | None
-    created_at: str
+    created_at: Instant
     tasks: dict[str, int]
     children: int
 
@@ -1142,7 +1160,7 @@ class OverviewGroup(_View):
     state: str
     members: int
     accepted: int
-    created_at: str
+    created_at: Instant
 
 
 class OverviewView(_View):
@@ -1216,8 +1234,8 @@ class ClaimList(_Op, tag="claim.list"):
 class ClaimWaiterView(_View):
     scope_id: str
     holder: str | None
-    queued_at: str
-    expires_at: str
+    queued_at: Instant
+    expires_at: Instant
 
 
 class ClaimView(_View):
@@ -1231,12 +1249,12 @@ class ClaimView(_View):
     state: str
     generation: int
     holder: str | None
-    lease_expires_at: str | None
-    acquired_at: str | None
+    lease_expires_at: Instant | None
+    acquired_at: Instant | None
     observation: msgspec.Raw
     result: msgspec.Raw
-    completed_at: str | None
-    created_at: str
+    completed_at: Instant | None
+    created_at: Instant
     waiters: list[ClaimWaiterView]
 
 
@@ -1312,8 +1330,8 @@ class PoolWaiterView(_View):
     scope_id: str
     units: int
     holder: str | None
-    queued_at: str
-    expires_at: str
+    queued_at: Instant
+    expires_at: Instant
 
 
 class PoolView(_View):
@@ -1325,7 +1343,7 @@ class PoolView(_View):
     units_total: int
     units_used: int
     units_free: int
-    created_at: str
+    created_at: Instant
     waiting: int
     active_grants: int
     waiters: list[PoolWaiterView]
@@ -1374,7 +1392,7 @@ class WorkLimitView(_View):
     name: str
     max_outstanding: int
     outstanding: int
-    created_at: str
+    created_at: Instant
 
 
 class WorkLimitListView(_View):
@@ -1462,11 +1480,11 @@ class OnceView(_View):
     attempts: int
     token: int = 0
     holder: str | None = None
-    lease_expires_at: str | None = None
+    lease_expires_at: Instant | None = None
     result: msgspec.Raw = NIL
     last_error: str | None = None
-    created_at: str | None = None
-    finished_at: str | None = None
+    created_at: Instant | None = None
+    finished_at: Instant | None = None
 
 
 # --- HTTP idempotency keys -------------------------------------------------------------------
@@ -1512,7 +1530,7 @@ class OpsRun(_Op, tag="ops.run"):
 class OpsWorkerView(_View):
     holder: str
     keys: list[str]
-    earliest_lease_expiry: str | None
+    earliest_lease_expiry: Instant | None
 
 
 class OpsWaitView(_View):

@@ -802,10 +802,19 @@ class Delivery:
     connection (the token makes a second one harmless); the lease survives a daemon
     restart shorter than it. A re-sent ``complete`` that finds its first one applied
     (the task SUCCEEDED with this outcome) returns the task, not STALE_CLAIM.
+
+    Attributes: ``task_id``, ``input`` (``payload``), ``attempt``, ``token``,
+    ``lease_expires_at`` (aware datetime; moved by ``renew``), ``key`` (the task's
+    idempotency key, None without one), ``mailbox``, ``scope_id``, ``group_id``,
+    ``run_id``, ``grants`` and ``reservations`` (handles), ``info`` (the whole
+    :class:`~rallypoint.client.types.DeliveryInfo` as received: every field of the
+    delivery's view), ``lost``.
     """
 
     def __init__(self, rs: Client, info: t.DeliveryInfo, lease_seconds: float) -> None:
         self._rs = rs
+        #: the delivery as received (every field of its view)
+        self.info = info
         self.id = info.id
         self.task_id = info.task_id
         self.mailbox = info.mailbox
@@ -815,6 +824,8 @@ class Delivery:
         self.token = info.token
         self.lease_expires_at = info.lease_expires_at
         self.group_id = info.group_id
+        #: the task's idempotency key (``submit(..., key=)``), None when it has none
+        self.key = info.key
         #: the task's own run, if one was made (by an earlier attempt, or ``run()``)
         self.run_id = info.run_id
         self.lease_seconds = lease_seconds

@@ -1,16 +1,34 @@
 """What the SDK returns: typed, read-only views decoded straight from reply frames.
 
-They mirror the server's views in :mod:`rallypoint.protocol`, with instants as aware
-``datetime`` (UTC) and payloads (input, outcome, error) as the Python values the sender
-encoded. Each supports attribute access and ``info["field"]``.
+Every type here is **generated from its protocol view** (:mod:`rallypoint.protocol`, the
+``*View`` Structs): the same fields, in the same order, with the same defaults, so a field
+added to a view reaches SDK users with no edit here. Generation changes only how values
+look in Python:
+
+- an instant (a field typed :data:`rallypoint.protocol.Instant`, an ISO 8601 string on
+  the wire) is an aware ``datetime`` (UTC);
+- a payload (``msgspec.Raw``: input, outcome, error, result, ...) is the Python value the
+  sender encoded;
+- a nested view is its own generated type (``DeliveryInfo.grants`` holds ``GrantInfo``).
+
+A class below adds only what the view cannot say: its public name, its docstring, the
+properties the SDK offers on top (``TaskInfo.finished``, ``RunStatus.state``, ...), and --
+declared in its body -- the SDK type of a field whose wire type does not say it (a view
+field is never dropped: ``tests/test_view_drift.py`` checks it). Each type supports
+attribute access, ``info["field"]`` and ``info.to_dict()``.
+
+:func:`sdk_type` returns the type for any view (generating a private one on first use).
 """
 
 from __future__ import annotations
 
+import types as _pytypes
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import msgspec
+
+from .. import protocol as p
 
 __all__ = [
     "RunStatus",
@@ -36,10 +54,88 @@ __all__ = [
     "PoolInfo",
     "GrantInfo",
     "WorkLimitInfo",
+    "sdk_type",
+    "SDK_TYPES",
 ]
 
+#: protocol view -> its SDK type (every view of :mod:`rallypoint.protocol`, once this
+#: module is imported)
+SDK_TYPES: dict[type, type] = {}
 
-class _Info(msgspec.Struct, frozen=True, kw_only=True):
+#: the terminal states of a task (and of a message)
+_TASK_FINISHED = frozenset(("SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED"))
+
+
+def _sdk_field_type(tp: Any, where: str) -> Any:
+    """The SDK's type for a view field's wire type ``tp`` (see the module docstring).
+    TypeError for a Struct that is not a view: its SDK type must be declared in the
+    class body (``MailboxInfo.requirements``)."""
+    if tp is msgspec.Raw:
+        return Any
+    origin = get_origin(tp)
+    if origin is Annotated:
+        base, *meta = get_args(tp)
+        if any(isinstance(m, p.InstantMark) for m in meta):
+            return datetime
+        return _sdk_field_type(base, where)
+    if isinstance(tp, type) and issubclass(tp, p._View):
+        return sdk_type(tp)
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        raise TypeError(f"{where}: {tp.__name__} is not a reply view; declare the field's SDK type in the "
+                        "SDK class body (as MailboxInfo declares requirements)")
+    args = get_args(tp)
+    if origin in (Union, _pytypes.UnionType):
+        return Union[tuple(_sdk_field_type(a, where) for a in args)]
+    if origin is not None and args:
+        return origin[tuple(_sdk_field_type(a, where) for a in args)]
+    return tp
+
+
+class _FromView(type(msgspec.Struct)):
+    """The metaclass of the SDK types: ``class X(_Info, view=p.SomeView)`` gets every field
+    of ``SomeView`` (see the module docstring). An annotation in the class body replaces
+    the generated type of that field (TypeError for a name the view does not have); the
+    view's ``array_like`` and ``gc`` carry over (they shape the wire)."""
+
+    def __new__(mcls, name, bases, ns, view: type | None = None, **kw):
+        if view is None:
+            return super().__new__(mcls, name, bases, ns, **kw)
+        if not (isinstance(view, type) and issubclass(view, p._View)):
+            raise TypeError(f"{name}: view= must be a reply view of rallypoint.protocol, got {view!r}")
+        if view in SDK_TYPES:
+            raise TypeError(f"{name}: {view.__name__} already has the SDK type {SDK_TYPES[view].__name__} "
+                            "(declare a type before the types that nest it)")
+        own = dict(ns.get("__annotations__", {}))
+        fields = msgspec.structs.fields(view)
+        unknown = set(own) - {f.name for f in fields}
+        if unknown:
+            raise TypeError(f"{name}: {sorted(unknown)} are not fields of {view.__name__}")
+        ns = dict(ns)
+        ann: dict[str, Any] = {}
+        for f in fields:
+            ann[f.name] = own[f.name] if f.name in own else _sdk_field_type(f.type, f"{view.__name__}.{f.name}")
+            if f.name in ns:
+                continue  # the class body gives its own default
+            if f.default is not msgspec.NODEFAULT:
+                ns[f.name] = f.default
+            elif f.default_factory is not msgspec.NODEFAULT:
+                ns[f.name] = msgspec.field(default_factory=f.default_factory)
+        ns["__annotations__"] = ann
+        ns["__view__"] = view
+        cfg = view.__struct_config__
+        kw.setdefault("array_like", cfg.array_like)
+        kw.setdefault("gc", cfg.gc)
+        cls = super().__new__(mcls, name, bases, ns, **kw)
+        SDK_TYPES[view] = cls
+        return cls
+
+
+class _Info(msgspec.Struct, frozen=True, metaclass=_FromView):
+    """The base of the SDK types: read-only, ``info["field"]``, ``info.to_dict()``."""
+
+    #: the protocol view this type is generated from (a class attribute, set per type)
+    __view__ = None
+
     def __getitem__(self, name: str) -> Any:
         try:
             return getattr(self, name)
@@ -50,551 +146,267 @@ class _Info(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.structs.asdict(self)
 
 
-class RunStatus(_Info):
+def sdk_type(view: type, name: str | None = None) -> type:
+    """The SDK type of the protocol view ``view``: the one declared below, else a private
+    type generated now (named ``name`` or after the view) and kept in :data:`SDK_TYPES`."""
+    t = SDK_TYPES.get(view)
+    if t is None:
+        name = name or "_" + view.__name__.removesuffix("View") + "Info"
+        t = _FromView(name, (_Info,), {"__module__": __name__, "__qualname__": name}, view=view)
+    return t
+
+
+# ============================================================================ system
+
+
+class ServerInfo(_Info, view=p.ServerStatusView):
+    """``rs.status()``: the server's version, uptime, durability, counts; ``actors``
+    per kind (``active``, ``passive``, ``inbox`` depth, parked ``waiters``),
+    ``tree_depth``, where fdatasync runs (``sync_helper``) and how often (``fsyncs``,
+    ``fsync_seconds``)."""
+
+
+# ============================================================================ runs
+
+
+class RunStatus(_Info, view=p.ScopeView):
     """A run: ``stored_state`` (ACTIVE/CANCELLED/COMPLETED, its own) and ``effective``
-    (ACTIVE/INACTIVE, including ancestors and deadlines)."""
+    (ACTIVE/INACTIVE, including ancestors and deadlines; ``inactive_reason`` says why:
+    ``cancelled``, ``completed``, ``deadline``, or ``ancestor_<reason>``). ``task_id``: a
+    task's own run (``delivery.run()``): that task; the run ends with it."""
 
-    id: str
-    name: str | None
-    parent_id: str | None
-    stored_state: str
-    effective: str
-    inactive_reason: str | None
-    deadline: datetime | None
-    created_at: datetime
-    ended_at: datetime | None
-    child_limit: int
-    children: int
-    tasks: dict[str, int]
-    group_id: str | None = None
-    #: a task's own run (``delivery.run()``): that task; the run ends with it
-    task_id: str | None = None
+    @property
+    def state(self) -> str:
+        """One word, as every status has one: CANCELLED or COMPLETED once the run itself
+        ended (``stored_state``); otherwise ACTIVE while it accepts work and INACTIVE when
+        it refuses it -- past its deadline or under an ended ancestor (``effective``;
+        ``inactive_reason`` says which)."""
+        stored = self.stored_state
+        return self.effective if stored == "ACTIVE" else stored
 
 
-class MailboxInfo(_Info):
+_RunList = sdk_type(p.ScopeListView, "_RunList")
+
+
+# ============================================================================ mailboxes
+
+
+class MailboxInfo(_Info, view=p.MailboxView):
     """A mailbox. ``requirements``: its default requirements by name, as given to
     ``mailboxes.ensure`` (``{"pools": {"gpu": 1}, "budgets": {"spend": 40}}``, empty
     kinds left out), None when it has none."""
 
-    id: str
-    name: str
-    mode: str
-    max_attempts: int
-    backlog_limit: int | None
-    created_at: datetime
-    queued: int
-    running: int
     requirements: dict[str, dict[str, int]] | None = None
 
 
-class TaskInfo(_Info):
-    """A task's state; ``outcome`` is the completing worker's value, ``error`` the last
-    retry/reject error payload."""
+_MailboxList = sdk_type(p.MailboxListView, "_MailboxList")
 
-    id: str
-    mailbox: str
-    scope_id: str
-    state: str
-    attempt: int
-    key: str | None
-    input: Any
-    outcome: Any
-    outcome_reason: str | None
-    error: Any
-    created_at: datetime
-    finished_at: datetime | None
-    deadline: datetime | None
-    group_id: str | None = None
-    #: the task's own run (made by its worker with ``delivery.run()``), or None
-    run_id: str | None = None
-    #: its worker completed it and its run's join sets are closing: the task is
-    #: SUCCEEDED (with that outcome) once the last awaited child finished
-    completing: bool = False
+
+# ============================================================================ tasks
+
+
+class TaskInfo(_Info, view=p.TaskView):
+    """A task's state; ``outcome`` is the completing worker's value, ``error`` the last
+    retry/reject error payload; ``key`` its idempotency key; ``run_id`` the task's own
+    run (made by its worker with ``delivery.run()``), or None; ``completing``: its
+    worker completed it and its run's join sets are closing (the task is SUCCEEDED, with
+    that outcome, once the last awaited child finished); ``subscribers``: the ids
+    subscribed to it (``task.subscribe``, HTTP ``subscriberId``)."""
 
     @property
     def finished(self) -> bool:
-        return self.state in ("SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED")
+        return self.state in _TASK_FINISHED
 
 
-class TaskOutcome(msgspec.Struct, array_like=True, gc=False, frozen=True):
+class TaskOutcome(_Info, view=p.TaskOutcomeView):
     """What ``rs.results(..., details=False)`` returns per task: its id, state, attempt,
     ``outcome`` (the completing worker's value; None unless SUCCEEDED), outcome reason
     and last retry/reject ``error`` -- without the input echoed back or the instants."""
 
-    id: str
-    state: str
-    attempt: int
-    outcome: Any
-    outcome_reason: str | None
-    error: Any
-
     @property
     def finished(self) -> bool:
-        return self.state in ("SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED")
+        return self.state in _TASK_FINISHED
 
 
-class GrantInfo(_Info):
+#: ``task.submit_many`` / ``task.results`` answers: ``tasks``, or (brief) ``ids`` or ``outcomes``
+_TaskList = sdk_type(p.TaskListView, "_TaskList")
+_TaskIds = _TaskOutcomes = _TaskList
+
+
+class GrantInfo(_Info, view=p.GrantView):
     """A pool grant: ``units`` of pool ``pool``, ACTIVE, RELEASED or EXPIRED.
     ``lease_expires_at`` is None for a grant held by a task's delivery (``task_id``);
     ``token`` is only in the replies that hand the grant out (else 0)."""
 
-    id: str
-    pool: str
-    pool_id: str
-    scope_id: str
-    units: int
-    state: str
-    token: int
-    lease_expires_at: datetime | None
-    holder: str | None
-    task_id: str | None
-    created_at: datetime
-    ended_at: datetime | None
-    end_reason: str | None
+
+class DeliveryInfo(_Info, view=p.DeliveryView):
+    """A delivery (what a receive hands out): the task's id, input, attempt, lease
+    ``token`` and ``lease_expires_at``; ``key`` the task's idempotency key (None without
+    one); ``run_id`` its own run, if an earlier attempt made it; ``grants`` and
+    ``reservations`` taken for the task's requirements."""
 
 
-class DeliveryInfo(_Info):
-    id: str
-    task_id: str
-    mailbox: str
-    scope_id: str
-    input: Any
-    attempt: int
-    token: int
-    lease_expires_at: datetime
-    group_id: str | None = None
-    run_id: str | None = None
-    grants: list[GrantInfo] = msgspec.field(default_factory=list)
-    reservations: list[str] = msgspec.field(default_factory=list)
+_ReceiveReply = sdk_type(p.ReceiveView, "_ReceiveReply")
+_LeaseReply = sdk_type(p.LeaseView, "_LeaseReply")
+_ItemError = sdk_type(p.ItemError, "_ItemError")
+_Settled = sdk_type(p.SettledView, "_Settled")
+_SettledList = sdk_type(p.SettledListView, "_SettledList")
 
 
-class _ReceiveReply(msgspec.Struct):
-    deliveries: list[DeliveryInfo]
-
-
-class _LeaseReply(msgspec.Struct):
-    task_id: str
-    token: int
-    lease_expires_at: datetime
-
-
-class GroupMember(_Info):
-    task_id: str
-    task_state: str
-    verdict: str | None
-    late: bool
-    key: str | None
-
-
-class GroupStatus(_Info):
-    """A task group: ``scope_id`` is its gate run (workers receive from it)."""
-
-    id: str
-    scope_id: str
-    parent_scope_id: str
-    mailbox: str
-    condition: str
-    threshold: int | None
-    expected_members: int | None
-    deadline: datetime | None
-    state: str
-    outcome: str | None
-    outcome_reason: str | None
-    created_at: datetime
-    finalized_at: datetime | None
-    counts: dict[str, int]
-    members: list[GroupMember]
-
-
-class GroupDecision(_Info):
-    state: str
-    outcome: str | None
-    outcome_reason: str | None
-
-
-class VerdictResult(_Info):
-    task_id: str
-    verdict: str
-    late: bool
-    group_state: str
-    outcome: str | None
-    outcome_reason: str | None
-
-
-class _MemberAdded(msgspec.Struct):
-    task: TaskInfo
-    group_state: str
-
-
-class ServerInfo(_Info):
-    version: str
-    protocol_version: int
-    uptime_s: float
-    connections: int
-    durability: str
-    runs: dict[str, int]
-    tasks: dict[str, int]
-    entities: int
-    last_lsn: int
-    durable_lsn: int
-    #: per kind (runs, queues, groups, barriers, timers, joinsets, ...): actors ``active``
-    #: (holding a task) and ``passive``, ``inbox`` depth and parked ``waiters``
-    actors: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
-    #: depth of the nursery tree of active actors (0: none active)
-    tree_depth: int = 0
-    #: where the journal's fdatasync runs: "process <pid>" (the sync helper process),
-    #: "thread", or "" (memory durability: no fsync)
-    sync_helper: str = ""
-    #: fdatasync calls of the journal since start, and their total duration (seconds)
-    fsyncs: int = 0
-    fsync_seconds: float = 0.0
-
-
-class _RunList(msgspec.Struct):
-    scopes: list[RunStatus]
-
-
-class _MailboxList(msgspec.Struct):
-    mailboxes: list[MailboxInfo]
-
-
-class _ItemError(msgspec.Struct):
-    code: str
-    message: str
-    retry_after: float | None = None
-    details: dict | None = None
-
-
-class _Settled(msgspec.Struct):
-    task: "TaskInfo | None" = None
-    error: _ItemError | None = None
-
-
-class _SettledList(msgspec.Struct):
-    items: list[_Settled]
-
-
-class _TaskIds(msgspec.Struct):
-    ids: list[str] = msgspec.field(default_factory=list)
-
-
-class _TaskList(msgspec.Struct):
-    tasks: list[TaskInfo] = msgspec.field(default_factory=list)
-
-
-class _TaskOutcomes(msgspec.Struct):
-    outcomes: list[TaskOutcome] = msgspec.field(default_factory=list)
-
-
-class BarrierStatus(_Info):
-    """A barrier: WAITING, RELEASED or CANCELLED; ``arrivals`` of ``target`` in ``epoch``."""
-
-    id: str
-    scope_id: str
-    state: str
-    target: int
-    arrivals: int
-    keys: list[str]
-    epoch: int
-    created_at: datetime
-    released_at: datetime | None
-
-
-class TimerStatus(_Info):
-    """A timer: ARMED, FIRED, ACKED or CANCELLED."""
-
-    id: str
-    scope_id: str
-    state: str
-    fire_at: datetime
-    fired_at: datetime | None
-    acked_at: datetime | None
-    created_at: datetime
-
-
-class JoinSetChild(_Info):
-    child_id: str
-    kind: str
-    cancellable: bool
-    finished: bool
-
-
-class JoinSetStatus(_Info):
-    """A join set: OPEN, CLOSING or CLOSED; counts of children submitted, finished
-    (completion records) and consumed."""
-
-    id: str
-    scope_id: str
-    name: str | None
-    state: str
-    submitted: int
-    finished: int
-    consumed: int
-    created_at: datetime
-    children: list[JoinSetChild]
-    steps: int = 0  # answers of join_next / join_next_try journaled so far
-
-
-class _ChildAdded(msgspec.Struct):
-    child_id: str
-    kind: str
-    fire_at: datetime | None = None
-
-
-class _JoinNextReply(msgspec.Struct):
-    status: str
-    index: int
-    child_id: str | None = None
-    kind: str | None = None
-    ok: bool = True
-    value: Any = None
-    failure_kind: str | None = None
-    closing: bool = False
-    step: int | None = None
-    replayed: bool = False
-
-
-class MessageInfo(_Info):
+class MessageInfo(_Info, view=p.MessageView):
     """A message of an INBOX mailbox: ``state`` QUEUED, RUNNING (leased), ACKED
     (completed), FAILED, CANCELLED or EXPIRED; ``result`` is what its receiver completed
     it with."""
-
-    id: str
-    mailbox: str
-    scope_id: str
-    state: str
-    attempt: int
-    key: str | None
-    payload: Any
-    result: Any
-    error: Any
-    outcome_reason: str | None
-    created_at: datetime
-    finished_at: datetime | None
-    deadline: datetime | None
 
     @property
     def finished(self) -> bool:
         return self.state in ("ACKED", "FAILED", "CANCELLED", "EXPIRED")
 
 
-class QuotaTakeInfo(_Info):
+# ============================================================================ groups
+
+
+class GroupMember(_Info, view=p.GroupMemberView):
+    """A member of a group: its task, the task's state, the verdict given (None yet),
+    ``late`` (given after the group was decided) and the task's key."""
+
+
+class GroupStatus(_Info, view=p.GroupView):
+    """A task group: ``scope_id`` is its gate run (workers receive from it)."""
+
+
+class GroupDecision(_Info, view=p.GroupDecisionView):
+    """What closing a group answers: its state, outcome and outcome reason."""
+
+
+class VerdictResult(_Info, view=p.VerdictView):
+    """An accept or reject: the verdict, ``late``, and the group's state after it."""
+
+
+_MemberAdded = sdk_type(p.GroupMemberAddedView, "_MemberAdded")
+
+
+# ============================================================================ barriers, timers, join sets
+
+
+class BarrierStatus(_Info, view=p.BarrierView):
+    """A barrier: WAITING, RELEASED or CANCELLED; ``arrivals`` of ``target`` in ``epoch``."""
+
+
+class TimerStatus(_Info, view=p.TimerView):
+    """A timer: ARMED, FIRED, ACKED or CANCELLED. ``token``: the fencing token of its
+    fire (once FIRED); ``now``: the server's clock when the status was made."""
+
+
+class JoinSetChild(_Info, view=p.JoinSetChildView):
+    """A child of a join set: a task or a delay."""
+
+
+class JoinSetStatus(_Info, view=p.JoinSetView):
+    """A join set: OPEN, CLOSING or CLOSED; counts of children submitted, finished
+    (completion records) and consumed; ``steps``: answers of join_next / join_next_try
+    journaled so far."""
+
+
+_ChildAdded = sdk_type(p.JoinSetChildAdded, "_ChildAdded")
+_JoinNextReply = sdk_type(p.JoinNextView, "_JoinNextReply")
+
+
+# ============================================================================ quotas
+
+
+class QuotaTakeInfo(_Info, view=p.QuotaTakeView):
     """A quota take: ``state`` GRANTED (``consumption_id``: the units are taken, once),
     WAITING (a durable waiter, ``waiter_id``), EXPIRED or CANCELLED (``end_reason``).
     ``remaining``: units left in the current window now; ``window_start`` /
     ``window_end``: the window the grant counted in."""
-
-    quota_id: str
-    quota: str
-    scope_id: str
-    state: str
-    units: int
-    consumption_id: str | None
-    waiter_id: str | None
-    window_start: datetime | None
-    window_end: datetime | None
-    remaining: int
-    expires_at: datetime | None
-    created_at: datetime
-    ended_at: datetime | None
-    end_reason: str | None
-    holder: str | None
 
     @property
     def granted(self) -> bool:
         return self.state == "GRANTED"
 
 
-class QuotaInfo(_Info):
+class QuotaInfo(_Info, view=p.QuotaView):
     """A quota now: ``used`` / ``remaining`` of ``units_limit`` in the current window
     [``window_start``, ``window_end``), ``waiting`` waiters, a running cooldown."""
-
-    id: str
-    name: str
-    units_limit: int
-    window_ms: int
-    window_start: datetime
-    window_end: datetime
-    used: int
-    remaining: int
-    waiting: int
-    cooldown_until: datetime | None
-    cooldown_reason: str | None
-    consumed_total: int
-    created_at: datetime
-    waiters: list[QuotaTakeInfo] = msgspec.field(default_factory=list)
 
     @property
     def window_seconds(self) -> float:
         return self.window_ms / 1000
 
 
-class _QuotaList(msgspec.Struct):
-    quotas: list[QuotaInfo]
+_QuotaList = sdk_type(p.QuotaListView, "_QuotaList")
 
 
-class ReservationInfo(_Info):
+# ============================================================================ budgets
+
+
+class ReservationInfo(_Info, view=p.ReservationView):
     """A budget reservation (amounts in integer minor units): ``state`` ACTIVE, STALE
     (past settle-by, still holding), SETTLED or VOIDED."""
 
-    id: str
-    budget_id: str
-    budget: str
-    scope_id: str
-    state: str
-    amount_minor: int
-    remaining_minor: int
-    settled_minor: int
-    overrun_minor: int
-    currency: str
-    scale: int
-    settle_by: datetime | None
-    created_at: datetime
-    closed_at: datetime | None
-    close_reason: str | None
-    holder: str | None
-    key: str | None
-    task_id: str | None
 
-
-class BudgetInfo(_Info):
+class BudgetInfo(_Info, view=p.BudgetView):
     """A budget (amounts in integer minor units at ``scale``):
     ``available_minor`` = ``limit_minor`` - ``settled_minor`` - ``reserved_minor``."""
 
-    id: str
-    name: str
-    currency: str
-    scale: int
-    limit_minor: int
-    settled_minor: int
-    reserved_minor: int
-    available_minor: int
-    overrun_minor: int
-    open_reservations: int
-    created_at: datetime
-    reservations: list[ReservationInfo] = msgspec.field(default_factory=list)
+
+_BudgetList = sdk_type(p.BudgetListView, "_BudgetList")
 
 
-class _BudgetList(msgspec.Struct):
-    budgets: list[BudgetInfo]
-
-
-class SettleResult(_Info):
+class SettleResult(_Info, view=p.SettleView):
     """One settlement: ``charged_minor`` of ``requested_minor`` (capped at what was
     left), the budget's ``available_minor`` after it; ``replayed``: this usage key had
     been settled before and nothing changed."""
 
-    reservation: ReservationInfo
-    usage_key: str
-    requested_minor: int
-    charged_minor: int
-    available_minor: int
-    replayed: bool
-class ClaimWaiterInfo(_Info):
-    scope_id: str
-    holder: str | None
-    queued_at: datetime
-    expires_at: datetime
+
+# ============================================================================ claims, pools, work limits
 
 
-class ClaimInfo(_Info):
+class ClaimWaiterInfo(_Info, view=p.ClaimWaiterView):
+    """A waiter in a claim's FIFO queue."""
+
+
+class ClaimInfo(_Info, view=p.ClaimView):
     """A claim: HELD, FREE or COMPLETED. ``generation`` counts its leases (the fencing
     number); ``observation`` is what the last release left, ``result`` what complete
     recorded; ``waiters`` the FIFO queue (first 100)."""
 
-    id: str
-    key: str
-    scope_id: str
-    state: str
-    generation: int
-    holder: str | None
-    lease_expires_at: datetime | None
-    acquired_at: datetime | None
-    observation: Any
-    result: Any
-    completed_at: datetime | None
-    created_at: datetime
-    waiters: list[ClaimWaiterInfo]
+
+_ClaimLeaseReply = sdk_type(p.ClaimLeaseView, "_ClaimLeaseReply")
+_ClaimList = sdk_type(p.ClaimListView, "_ClaimList")
 
 
-class _ClaimLeaseReply(msgspec.Struct):
-    status: str
-    claim: ClaimInfo
-    token: int = 0
-    request_id: str | None = None
-    position: int = 0
+class PoolWaiterInfo(_Info, view=p.PoolWaiterView):
+    """A waiter in a pool's FIFO queue."""
 
 
-class _ClaimList(msgspec.Struct):
-    claims: list[ClaimInfo]
-
-
-class PoolWaiterInfo(_Info):
-    scope_id: str
-    units: int
-    holder: str | None
-    queued_at: datetime
-    expires_at: datetime
-
-
-class PoolInfo(_Info):
+class PoolInfo(_Info, view=p.PoolView):
     """A pool: ``units_used`` of ``units_total`` granted; ``waiters`` in FIFO order and
     active ``grants`` (first 100 of each)."""
 
-    id: str
-    name: str
-    units_total: int
-    units_used: int
-    units_free: int
-    created_at: datetime
-    waiting: int
-    active_grants: int
-    waiters: list[PoolWaiterInfo]
-    grants: list[GrantInfo]
+
+_PoolList = sdk_type(p.PoolListView, "_PoolList")
+_PoolAcquireReply = sdk_type(p.PoolAcquireView, "_PoolAcquireReply")
+_CancelWaitReply = sdk_type(p.CancelWaitView, "_CancelWaitReply")
 
 
-class _PoolList(msgspec.Struct):
-    pools: list[PoolInfo]
-
-
-class _PoolAcquireReply(msgspec.Struct):
-    status: str
-    grant: GrantInfo | None = None
-    request_id: str | None = None
-    position: int = 0
-
-
-class _CancelWaitReply(msgspec.Struct):
-    outcome: str
-
-
-class WorkLimitInfo(_Info):
+class WorkLimitInfo(_Info, view=p.WorkLimitView):
     """A work limit: at most ``max_outstanding`` unfinished tasks name it;
     ``outstanding`` now."""
 
-    id: str
-    scope_id: str
-    name: str
-    max_outstanding: int
-    outstanding: int
-    created_at: datetime
+
+_WorkLimitList = sdk_type(p.WorkLimitListView, "_WorkLimitList")
 
 
-class _WorkLimitList(msgspec.Struct):
-    work_limits: list[WorkLimitInfo]
-class Event(_Info):
+# ============================================================================ events, overview
+
+
+class Event(_Info, view=p.EventView):
     """One event (see docs/events.md): ``seq`` is the space-wide sequence number -- the
     cursor to resume after it --, ``type`` e.g. ``task.completed``, ``kind``/``id`` the
     entity it is about (the *aggregate*), ``run`` the run it happened in, ``at`` the
     instant of the change, ``data`` a small payload."""
-
-    seq: int
-    type: str
-    kind: str
-    id: str
-    at: datetime
-    run: str | None = None
-    data: dict[str, Any] | None = None
 
     @property
     def cursor(self) -> int:
@@ -605,57 +417,40 @@ class Event(_Info):
         return f"{self.kind}:{self.id}"
 
 
-class EventPage(_Info):
+class EventPage(_Info, view=p.EventPageView):
     """A page of ``events.list``: ``next_cursor`` continues after every event examined;
     ``oldest``/``newest``: the seqs the server keeps."""
 
+    #: the wire carries each event as an encoded EventView
     events: list[Event]
-    next_cursor: int
-    oldest: int
-    newest: int
 
 
-class WatchStart(_Info):
-    cursor: int
-    oldest: int
-    newest: int
+class WatchStart(_Info, view=p.WatchView):
+    """Where a subscription starts: events with ``seq > cursor`` follow."""
 
 
-class OverviewRun(_Info):
-    id: str
-    name: str | None
-    parent_id: str | None
-    created_at: datetime
-    tasks: dict[str, int]
-    children: int
+class OverviewRun(_Info, view=p.OverviewRun):
+    """A run in the overview."""
 
 
-class OverviewQueue(_Info):
-    name: str
-    queued: int
-    running: int
-    done: int
+class OverviewQueue(_Info, view=p.OverviewQueue):
+    """A work queue in the overview; ``done``: tasks finished since the server started."""
 
 
-class OverviewGroup(_Info):
-    id: str
-    condition: str
-    state: str
-    members: int
-    accepted: int
-    created_at: datetime
+class OverviewGroup(_Info, view=p.OverviewGroup):
+    """An open group in the overview."""
 
 
-class Overview(_Info):
+class Overview(_Info, view=p.OverviewView):
     """``rs.overview()``: what ``rallypoint top`` shows (read-only, for humans)."""
 
-    runs: list[OverviewRun]
-    runs_active: int
-    queues: list[OverviewQueue]
-    groups: list[OverviewGroup]
-    groups_open: int
-    waits: dict[str, dict[str, int]]
-    events: dict[str, int]
-    entities: int
-    tasks: dict[str, int]
-    retention: dict[str, Any]
+
+def _generate_the_rest() -> None:
+    """Every other view of the protocol gets its (private) SDK type now, so
+    :data:`SDK_TYPES` covers the whole protocol."""
+    for v in vars(p).values():
+        if isinstance(v, type) and issubclass(v, p._View) and v is not p._View:
+            sdk_type(v)
+
+
+_generate_the_rest()

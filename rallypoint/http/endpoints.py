@@ -6,7 +6,9 @@ to ``/v1/spaces/{spaceId}``. A handler reads its request (``ctx.params``, ``ctx.
 (200) or :data:`~rallypoint.http.app.NO_CONTENT` (204); a RallypointError it raises (or
 an operation answers) becomes the error envelope.
 
-Shapes (camelCase; see ``docs/http.md`` for the whole list): instants are ISO 8601 UTC
+A reply view becomes JSON through its shape (:mod:`rallypoint.http.shapes`: derived from
+the view, with only runstate's renames and shape differences declared). Request bodies
+(camelCase; see ``docs/http.md`` for the whole list) are read here: instants are ISO 8601 UTC
 strings with milliseconds (``2026-01-31T12:00:00.000Z``); durations are integer
 ``*Seconds`` or ``waitMs``; money is integer minor units as decimal strings
 (``"250"``); payloads (``input``, ``payload``, ``outcome``, ``result``) are any JSON
@@ -24,6 +26,8 @@ import trio
 from .. import protocol as p
 from ..errors import ConflictError, CursorExpiredError, NotFoundError, RallypointError, ValidationError
 from .app import NO_CONTENT, Ctx
+from . import shapes as sh
+from .shapes import message_json
 
 __all__ = ["ROUTES"]
 
@@ -32,19 +36,10 @@ MAX_WAIT_MS = 60_000
 #: per-request timeout, which long polls of /watch do not extend).
 DEFAULT_WATCH_HOLD_MS = 8_000
 
-_mp_decode = msgspec.msgpack.decode
 _mp_encode = msgspec.msgpack.encode
 
 
 # ====================================================================== helpers
-def val(raw: msgspec.Raw | bytes | None) -> Any:
-    """A stored payload as a JSON value (None for nil)."""
-    if raw is None:
-        return None
-    b = bytes(raw)
-    return None if b in (b"", b"\xc0") else _mp_decode(b)
-
-
 def raw(value: Any) -> msgspec.Raw:
     """A JSON value as a stored payload."""
     return msgspec.Raw(_mp_encode(value))
@@ -119,174 +114,34 @@ def _drop_none(d: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 
 
-# ====================================================================== views
-def scope_json(v: p.ScopeView) -> dict:
-    return {
-        "id": v.id, "scopeId": v.id, "name": v.name, "parentId": v.parent_id, "storedState": v.stored_state,
-        "effective": v.effective, "inactiveReason": v.inactive_reason, "deadline": v.deadline,
-        "createdAt": v.created_at, "endedAt": v.ended_at, "childLimit": v.child_limit, "children": v.children,
-        "tasks": v.tasks, "groupId": v.group_id, "taskId": v.task_id,
-    }
-
-
-def mailbox_json(v: p.MailboxView) -> dict:
-    """A mailbox; ``requirements``: its stored default requirements in runstate's form
-    (``{pools: [{name, units}], budgets: [{name, reserveMinor}]}``, reserveMinor a string
-    of minor units), null when it has none."""
-    return {"id": v.id, "mailboxId": v.id, "name": v.name, "mode": v.mode, "maxAttempts": v.max_attempts,
-            "backlogLimit": v.backlog_limit, "createdAt": v.created_at, "queued": v.queued, "running": v.running,
-            "requirements": requirements_json(v.requirements)}
-
-
-def requirements_json(r: p.Requirements | None) -> dict | None:
-    """:class:`protocol.Requirements` (by name) in runstate's JSON form, ``{pools: [{name,
-    units}], budgets: [{name, reserveMinor}]}`` (reserveMinor: minor units as a decimal
-    string; both lists always present); None for None."""
-    if r is None:
-        return None
-    return {"pools": [{"name": n, "units": u} for n, u in r.pools.items()],
-            "budgets": [{"name": n, "reserveMinor": str(m)} for n, m in r.budgets.items()]}
-
-
-def _reason(v) -> str | None:
-    """A failed task's reason as runstate reads it: ``handler_error: <error>`` when the
-    worker gave an error (retry / nack), else the server's reason."""
-    if v.state == "FAILED":
-        err = val(v.error)
-        if err is not None:
-            return "handler_error: " + (err if isinstance(err, str) else msgspec.json.encode(err).decode())
-    return v.outcome_reason
-
-
-def task_json(v: p.TaskView) -> dict:
-    return {
-        "id": v.id, "taskId": v.id, "messageId": v.id, "mailboxId": v.mailbox, "scopeId": v.scope_id,
-        "state": v.state, "attempt": v.attempt, "taskKey": v.key, "input": val(v.input), "outcome": val(v.outcome),
-        "outcomeReason": _reason(v), "error": val(v.error), "createdAt": v.created_at,
-        "finishedAt": v.finished_at, "deadline": v.deadline, "groupId": v.group_id, "runId": v.run_id,
-        "subscribers": v.subscribers,
-    }
-
-
-def message_json(v) -> dict:
-    """A task or message as a mailbox message (0.2's view): a completed one is ACKED."""
-    if isinstance(v, p.MessageView):
-        return {"id": v.id, "messageId": v.id, "mailboxId": v.mailbox, "scopeId": v.scope_id, "state": v.state,
-                "attempt": v.attempt, "workKey": v.key, "payload": val(v.payload), "result": val(v.result),
-                "error": val(v.error), "outcomeReason": v.outcome_reason, "createdAt": v.created_at,
-                "finishedAt": v.finished_at, "deadline": v.deadline}
-    return {"id": v.id, "messageId": v.id, "taskId": v.id, "mailboxId": v.mailbox, "scopeId": v.scope_id,
-            "state": "ACKED" if v.state == "SUCCEEDED" else v.state, "attempt": v.attempt, "workKey": v.key,
-            "payload": val(v.input), "result": val(v.outcome), "error": val(v.error),
-            "outcomeReason": _reason(v), "createdAt": v.created_at, "finishedAt": v.finished_at,
-            "deadline": v.deadline}
-
-
-def delivery_json(d: p.DeliveryView) -> dict:
-    return {"messageId": d.task_id, "taskId": d.task_id, "token": str(d.token), "attempt": d.attempt,
-            "taskKey": d.key, "payload": val(d.input), "scopeId": d.scope_id, "mailboxId": d.mailbox,
-            "leaseExpiresAt": d.lease_expires_at, "grants": [grant_json(g) for g in d.grants], "consumptions": [],
-            "reservations": list(d.reservations), "groupId": d.group_id}
-
-
-def group_json(v: p.GroupView) -> dict:
-    return {
-        "id": v.id, "groupId": v.id, "scopeId": v.scope_id, "parentScopeId": v.parent_scope_id,
-        "mailboxId": v.mailbox, "condition": v.condition, "threshold": v.threshold,
-        "expectedMembers": v.expected_members, "deadline": v.deadline, "state": v.state, "outcome": v.outcome,
-        "outcomeReason": v.outcome_reason, "createdAt": v.created_at, "finalizedAt": v.finalized_at,
-        "counts": v.counts,
-        "members": [{"taskId": m.task_id, "state": m.task_state, "verdict": m.verdict, "late": m.late,
-                     "taskKey": m.key} for m in v.members],
-    }
-
-
-def quota_json(v: p.QuotaView) -> dict:
-    return {
-        "id": v.id, "name": v.name, "unitsLimit": v.units_limit, "windowSeconds": v.window_ms // 1000,
-        "windowStart": v.window_start, "windowEnd": v.window_end, "used": v.used, "remaining": v.remaining,
-        "waiting": v.waiting, "cooldownUntil": v.cooldown_until, "cooldownReason": v.cooldown_reason,
-        "consumedTotal": v.consumed_total, "createdAt": v.created_at,
-    }
-
-
-def take_json(v: p.QuotaTakeView) -> dict:
-    return {
-        "state": v.state, "waiterId": v.waiter_id, "consumptionId": v.consumption_id, "units": v.units,
-        "allowanceId": v.quota_id, "scopeId": v.scope_id, "windowStart": v.window_start, "windowEnd": v.window_end,
-        "remaining": v.remaining, "expiresAt": v.expires_at, "createdAt": v.created_at, "endedAt": v.ended_at,
-        "endReason": v.end_reason, "holder": v.holder,
-    }
-
-
-def reservation_json(v: p.ReservationView) -> dict:
-    return {
-        "id": v.id, "reservationId": v.id, "budgetId": v.budget_id, "scopeId": v.scope_id, "state": v.state,
-        "amountMinor": str(v.amount_minor), "reservedMinor": str(v.remaining_minor),
-        "settledMinor": str(v.settled_minor), "overrunMinor": str(v.overrun_minor), "currency": v.currency,
-        "scale": v.scale, "settleBy": v.settle_by, "createdAt": v.created_at, "closedAt": v.closed_at,
-        "closeReason": v.close_reason, "holder": v.holder,
-    }
-
-
-def budget_json(v: p.BudgetView) -> dict:
-    out = {
-        "id": v.id, "name": v.name, "currency": v.currency, "scale": v.scale, "limitMinor": str(v.limit_minor),
-        "settledMinor": str(v.settled_minor), "reservedMinor": str(v.reserved_minor),
-        "availableMinor": str(v.available_minor), "overrunMinor": str(v.overrun_minor),
-        "openReservations": v.open_reservations, "createdAt": v.created_at,
-    }
-    out["reservations"] = [reservation_json(r) for r in v.reservations]
-    return out
-
-
-def barrier_json(v: p.BarrierView) -> dict:
-    return {"id": v.id, "barrierId": v.id, "scopeId": v.scope_id, "name": v.name, "state": v.state,
-            "target": v.target, "arrivals": v.arrivals, "keys": v.keys, "epoch": v.epoch,
-            "createdAt": v.created_at, "releasedAt": v.released_at}
-
-
-def timer_json(v: p.TimerView) -> dict:
-    return {"id": v.id, "timerId": v.id, "scopeId": v.scope_id, "name": v.name, "state": v.state,
-            "fireAt": v.fire_at, "firedAt": v.fired_at, "ackedAt": v.acked_at, "token": v.token, "now": v.now,
-            "createdAt": v.created_at}
-
-
-def once_json(v: p.OnceView) -> dict:
-    return _drop_none({"id": v.id or None, "scopeId": v.scope_id, "key": v.key, "state": v.state,
-                       "attempts": v.attempts, "token": str(v.token) if v.token else None, "holder": v.holder,
-                       "leaseExpiresAt": v.lease_expires_at, "result": val(v.result), "lastError": v.last_error,
-                       "createdAt": v.created_at, "finishedAt": v.finished_at}) | {"result": val(v.result)}
-
-
 # ====================================================================== runs and scopes
 async def put_run(ctx: Ctx):
     """PUT /runs/{name} {deadline?} -> the named root run (joined, or made)."""
-    return scope_json(await ctx.call(p.ScopeEnsureNamed(name=ctx.params["name"], deadline=s_(ctx.body, "deadline"))))
+    return sh.SCOPE.json(await ctx.call(p.ScopeEnsureNamed(name=ctx.params["name"], deadline=s_(ctx.body, "deadline"))))
 
 
 async def post_scopes(ctx: Ctx):
     b = ctx.body
     op = p.ScopeCreate(parent_id=s_(b, "parentId"), name=s_(b, "name"), deadline=s_(b, "deadline"),
                        child_limit=i_(b, "childLimit", default=1000))
-    return scope_json(await ctx.call(op))
+    return sh.SCOPE.json(await ctx.call(op))
 
 
 async def get_scope(ctx: Ctx):
-    return scope_json(await ctx.call(p.ScopeStatus(scope_id=ctx.params["id"])))
+    return sh.SCOPE.json(await ctx.call(p.ScopeStatus(scope_id=ctx.params["id"])))
 
 
 async def cancel_scope(ctx: Ctx):
-    return scope_json(await ctx.call(p.ScopeCancel(scope_id=ctx.params["id"], reason=s_(ctx.body, "reason"))))
+    return sh.SCOPE.json(await ctx.call(p.ScopeCancel(scope_id=ctx.params["id"], reason=s_(ctx.body, "reason"))))
 
 
 async def complete_scope(ctx: Ctx):
-    return scope_json(await ctx.call(p.ScopeComplete(scope_id=ctx.params["id"], wait_ms=0)))
+    return sh.SCOPE.json(await ctx.call(p.ScopeComplete(scope_id=ctx.params["id"], wait_ms=0)))
 
 
 # ====================================================================== mailboxes, messages
 async def list_mailboxes(ctx: Ctx):
-    return {"mailboxes": [mailbox_json(m) for m in (await ctx.call(p.MailboxList())).mailboxes]}
+    return sh.MAILBOX_LIST.json(await ctx.call(p.MailboxList()))
 
 
 async def post_mailboxes(ctx: Ctx):
@@ -296,7 +151,7 @@ async def post_mailboxes(ctx: Ctx):
     op = p.MailboxEnsure(name=s_(b, "name", required=True), mode=(s_(b, "mode") or "WORK").upper(),
                          max_attempts=i_(b, "maxAttempts", default=5), backlog_limit=i_(b, "backlogLimit"),
                          requirements=mailbox_requirements(b))
-    return mailbox_json(await ctx.call(op))
+    return sh.MAILBOX.json(await ctx.call(op))
 
 
 async def put_mailbox(ctx: Ctx):
@@ -322,14 +177,14 @@ async def put_mailbox(ctx: Ctx):
             pass
         else:
             if req is None:
-                return mailbox_json(v)
+                return sh.MAILBOX.json(v)
             # declare requirements only: keep its settings (they never change once made)
             op = p.MailboxEnsure(name=name, mode=v.mode, max_attempts=v.max_attempts, backlog_limit=v.backlog_limit,
                                  requirements=req)
-            return mailbox_json(await ctx.call(op))
+            return sh.MAILBOX.json(await ctx.call(op))
     op = p.MailboxEnsure(name=name, mode=(s_(b, "mode") or "WORK").upper(),
                          max_attempts=attempts if attempts is not None else 5, requirements=req)
-    return mailbox_json(await ctx.call(op))
+    return sh.MAILBOX.json(await ctx.call(op))
 
 
 async def send_message(ctx: Ctx):
@@ -352,7 +207,7 @@ async def send_message(ctx: Ctx):
 async def list_messages(ctx: Ctx):
     limit = int(ctx.query.get("limit") or 100)
     v = await ctx.call(p.MailboxMessages(name=ctx.params["id"], limit=limit, before=ctx.query.get("before")))
-    return {"messages": [message_json(t) for t in v.tasks]}
+    return sh.MESSAGE_LIST.json(v)
 
 
 async def _receive(ctx: Ctx, mailbox: str):
@@ -368,16 +223,14 @@ async def recv(ctx: Ctx):
     d = await _receive(ctx, ctx.params["id"])
     if d is None:
         return NO_CONTENT
-    return {"message": {"id": d.task_id, "payload": val(d.input), "attempt": d.attempt, "scopeId": d.scope_id,
-                        "taskKey": d.key},
-            "token": str(d.token), "leaseExpiresAt": d.lease_expires_at}
+    return sh.recv_json(d)
 
 
 async def renew_message(ctx: Ctx):
     b = ctx.body
     v = await ctx.call(p.DeliveryRenew(task_id=ctx.params["id"], token=token(b),
                                        lease_ms=seconds_ms(b, "leaseSeconds", 30)))
-    return {"messageId": v.task_id, "token": str(v.token), "leaseExpiresAt": v.lease_expires_at}
+    return sh.LEASE.json(v)
 
 
 def _outcome(result: Any) -> Any:
@@ -392,7 +245,7 @@ async def complete_message(ctx: Ctx):
     b = ctx.body
     v = await ctx.call(p.DeliveryComplete(task_id=ctx.params["id"], token=token(b),
                                           outcome=raw(_outcome(b.get("result")))))
-    return task_json(v)
+    return sh.TASK.json(v)
 
 
 async def nack_message(ctx: Ctx):
@@ -405,7 +258,7 @@ async def nack_message(ctx: Ctx):
         v = await ctx.call(p.DeliveryRetry(task_id=tid, token=tok, error=raw(err)))
     else:
         v = await ctx.call(p.DeliveryReject(task_id=tid, token=tok, error=raw(err)))
-    return task_json(v)
+    return sh.TASK.json(v)
 
 
 # ====================================================================== tasks
@@ -421,7 +274,7 @@ async def post_task(ctx: Ctx):
     sub = s_(b, "subscriberId")
     if sub is not None:  # the first subscriber (a second call: idempotent)
         v = await ctx.call(p.TaskSubscribe(task_id=v.id, subscriber_id=sub, scope_id=scope))
-    return task_json(v)
+    return sh.TASK.json(v)
 
 
 async def admit(ctx: Ctx):
@@ -429,7 +282,7 @@ async def admit(ctx: Ctx):
     ``taskId``, ``payload``, ``attempt``, ``taskKey``, ``grants``, ``consumptions``,
     ``reservations``). Receives from the run and its descendants."""
     d = await _receive(ctx, s_(ctx.body, "mailboxId", required=True))
-    return NO_CONTENT if d is None else delivery_json(d)
+    return NO_CONTENT if d is None else sh.DELIVERY.json(d)
 
 
 async def get_task(ctx: Ctx):
@@ -438,24 +291,24 @@ async def get_task(ctx: Ctx):
     w = wait_ms(ctx.query.get("waitMs"))
     tid = ctx.params["id"]
     v = await ctx.call(p.TaskResult(task_id=tid, wait_ms=w) if w else p.TaskStatus(task_id=tid))
-    return task_json(v)
+    return sh.TASK.json(v)
 
 
 async def cancel_task(ctx: Ctx):
-    return task_json(await ctx.call(p.TaskCancel(task_id=ctx.params["id"])))
+    return sh.TASK.json(await ctx.call(p.TaskCancel(task_id=ctx.params["id"])))
 
 
 async def join_task(ctx: Ctx):
     """POST /tasks/{id}/join {subscriberId, scopeId}: an idempotent subscription."""
     b = ctx.body
-    return task_json(await ctx.call(p.TaskSubscribe(task_id=ctx.params["id"],
+    return sh.TASK.json(await ctx.call(p.TaskSubscribe(task_id=ctx.params["id"],
                                                     subscriber_id=s_(b, "subscriberId", required=True),
                                                     scope_id=s_(b, "scopeId"))))
 
 
 async def detach_task(ctx: Ctx):
     """POST /tasks/{id}/detach {subscriberId}: unsubscribe; the task goes on."""
-    return task_json(await ctx.call(p.TaskDetach(task_id=ctx.params["id"],
+    return sh.TASK.json(await ctx.call(p.TaskDetach(task_id=ctx.params["id"],
                                                  subscriber_id=s_(ctx.body, "subscriberId", required=True))))
 
 
@@ -471,11 +324,11 @@ async def post_group(ctx: Ctx):
     op = p.GroupCreate(scope_id=parent, mailbox=s_(b, "mailboxId", required=True),
                        condition=s_(b, "condition", required=True), threshold=i_(b, "threshold"),
                        expected_members=i_(b, "expectedMembers"), deadline=s_(b, "deadline"), parent_scope_id=parent)
-    return group_json(await ctx.call(op))
+    return sh.GROUP.json(await ctx.call(op))
 
 
 async def get_group(ctx: Ctx):
-    return group_json(await ctx.call(p.GroupStatus(group_id=ctx.params["id"])))
+    return sh.GROUP.json(await ctx.call(p.GroupStatus(group_id=ctx.params["id"])))
 
 
 async def group_submit(ctx: Ctx):
@@ -484,15 +337,11 @@ async def group_submit(ctx: Ctx):
     b = ctx.body
     v = await ctx.call(p.GroupSubmit(group_id=ctx.params["id"], input=raw(b.get("input")), key=s_(b, "taskKey"),
                                      deadline=s_(b, "deadline"), requirements=requirements(b)))
-    return task_json(v.task) | {"groupState": v.group_state}
-
-
-def _decision(v: p.GroupDecisionView) -> dict:
-    return {"state": v.state, "outcome": v.outcome, "outcomeReason": v.outcome_reason}
+    return sh.MEMBER_ADDED.json(v)
 
 
 async def group_close(ctx: Ctx):
-    return _decision(await ctx.call(p.GroupClose(group_id=ctx.params["id"])))
+    return sh.GROUP_DECISION.json(await ctx.call(p.GroupClose(group_id=ctx.params["id"])))
 
 
 async def group_seal(ctx: Ctx):
@@ -500,20 +349,19 @@ async def group_seal(ctx: Ctx):
     g = await ctx.call(p.GroupStatus(group_id=ctx.params["id"]))
     if g.state == "FINALIZED":
         raise ConflictError(f"group {g.id} is already FINALIZED ({g.outcome} {g.outcome_reason})")
-    return _decision(await ctx.call(p.GroupClose(group_id=ctx.params["id"])))
+    return sh.GROUP_DECISION.json(await ctx.call(p.GroupClose(group_id=ctx.params["id"])))
 
 
 def _verdict(verdict: str):
     async def h(ctx: Ctx):
         v = await ctx.call(p.GroupVerdictOp(group_id=ctx.params["id"], task_id=ctx.params["task"], verdict=verdict))
-        return {"taskId": v.task_id, "verdict": v.verdict, "late": v.late, "groupState": v.group_state,
-                "outcome": v.outcome, "outcomeReason": v.outcome_reason}
+        return sh.VERDICT.json(v)
     return h
 
 
 async def group_join_task(ctx: Ctx):
     v = await ctx.call(p.GroupJoinTask(group_id=ctx.params["id"], task_id=s_(ctx.body, "taskId", required=True)))
-    return task_json(v.task) | {"groupState": v.group_state}
+    return sh.MEMBER_ADDED.json(v)
 
 
 # ====================================================================== allowances (quotas)
@@ -521,11 +369,11 @@ async def post_allowance(ctx: Ctx):
     b = ctx.body
     op = p.QuotaEnsure(name=s_(b, "name", required=True), units_limit=i_(b, "unitsLimit", required=True),
                        window_ms=seconds_ms(b, "windowSeconds", required=True))
-    return quota_json(await ctx.call(op))
+    return sh.QUOTA.json(await ctx.call(op))
 
 
 async def list_allowances(ctx: Ctx):
-    return {"allowances": [quota_json(q) for q in (await ctx.call(p.QuotaList())).quotas]}
+    return sh.QUOTA_LIST.json(await ctx.call(p.QuotaList()))
 
 
 async def put_allowance(ctx: Ctx):
@@ -533,14 +381,14 @@ async def put_allowance(ctx: Ctx):
     ``{unitsLimit, windowSeconds}`` makes it or checks it (CONFLICT)."""
     b, name = ctx.body, ctx.params["name"]
     if b.get("unitsLimit") is None and b.get("windowSeconds") is None:
-        return quota_json(await ctx.call(p.QuotaGet(quota=name)))
+        return sh.QUOTA.json(await ctx.call(p.QuotaGet(quota=name)))
     op = p.QuotaEnsure(name=name, units_limit=i_(b, "unitsLimit", required=True),
                        window_ms=seconds_ms(b, "windowSeconds", required=True))
-    return quota_json(await ctx.call(op))
+    return sh.QUOTA.json(await ctx.call(op))
 
 
 async def get_allowance(ctx: Ctx):
-    return quota_json(await ctx.call(p.QuotaGet(quota=ctx.params["id"])))
+    return sh.QUOTA.json(await ctx.call(p.QuotaGet(quota=ctx.params["id"])))
 
 
 async def consume_allowance(ctx: Ctx):
@@ -548,7 +396,7 @@ async def consume_allowance(ctx: Ctx):
     b = ctx.body
     op = p.QuotaTake(quota=ctx.params["id"], scope_id=s_(b, "scopeId", required=True),
                      units=i_(b, "units", default=1), holder=s_(b, "holder"))
-    return take_json(await ctx.call(op))
+    return sh.QUOTA_TAKE.json(await ctx.call(op))
 
 
 async def wait_allowance(ctx: Ctx):
@@ -558,22 +406,22 @@ async def wait_allowance(ctx: Ctx):
     op = p.QuotaTake(quota=ctx.params["id"], scope_id=s_(b, "scopeId", required=True),
                      units=i_(b, "units", default=1), holder=s_(b, "holder"),
                      ttl_ms=seconds_ms(b, "ttlSeconds", 60))
-    return take_json(await ctx.call(op))
+    return sh.QUOTA_TAKE.json(await ctx.call(op))
 
 
 async def cooldown_allowance(ctx: Ctx):
     b = ctx.body
     op = p.QuotaCooldown(quota=ctx.params["id"], cooldown_ms=seconds_ms(b, "seconds", required=True),
                          reason=s_(b, "reason"))
-    return quota_json(await ctx.call(op))
+    return sh.QUOTA.json(await ctx.call(op))
 
 
 async def get_allowance_waiter(ctx: Ctx):
-    return take_json(await ctx.call(p.QuotaWaiterWait(waiter_id=ctx.params["id"])))
+    return sh.QUOTA_TAKE.json(await ctx.call(p.QuotaWaiterWait(waiter_id=ctx.params["id"])))
 
 
 async def cancel_allowance_waiter(ctx: Ctx):
-    return take_json(await ctx.call(p.QuotaWaiterCancel(waiter_id=ctx.params["id"])))
+    return sh.QUOTA_TAKE.json(await ctx.call(p.QuotaWaiterCancel(waiter_id=ctx.params["id"])))
 
 
 # ====================================================================== budgets
@@ -583,22 +431,22 @@ def _budget_ensure(name: str, b: dict) -> p.BudgetEnsure:
 
 
 async def post_budget(ctx: Ctx):
-    return budget_json(await ctx.call(_budget_ensure(s_(ctx.body, "name", required=True), ctx.body)))
+    return sh.BUDGET.json(await ctx.call(_budget_ensure(s_(ctx.body, "name", required=True), ctx.body)))
 
 
 async def list_budgets(ctx: Ctx):
-    return {"budgets": [budget_json(x) for x in (await ctx.call(p.BudgetList())).budgets]}
+    return sh.BUDGET_LIST.json(await ctx.call(p.BudgetList()))
 
 
 async def put_budget(ctx: Ctx):
     b, name = ctx.body, ctx.params["name"]
     if b.get("limitMinor") is None:
-        return budget_json(await ctx.call(p.BudgetGet(budget=name)))
-    return budget_json(await ctx.call(_budget_ensure(name, b)))
+        return sh.BUDGET.json(await ctx.call(p.BudgetGet(budget=name)))
+    return sh.BUDGET.json(await ctx.call(_budget_ensure(name, b)))
 
 
 async def get_budget(ctx: Ctx):
-    return budget_json(await ctx.call(p.BudgetGet(budget=ctx.params["id"], reservations=True)))
+    return sh.BUDGET.json(await ctx.call(p.BudgetGet(budget=ctx.params["id"], reservations=True)))
 
 
 async def reserve_budget(ctx: Ctx):
@@ -608,7 +456,7 @@ async def reserve_budget(ctx: Ctx):
     op = p.BudgetReserve(budget=ctx.params["id"], scope_id=s_(b, "scopeId", required=True),
                          amount_minor=minor(b, "amountMinor", required=True), settle_by=s_(b, "settleBy"),
                          holder=s_(b, "holder"))
-    return reservation_json(await ctx.call(op))
+    return sh.RESERVATION.json(await ctx.call(op))
 
 
 async def settle_budget(ctx: Ctx):
@@ -619,13 +467,11 @@ async def settle_budget(ctx: Ctx):
     v = await ctx.call(p.BudgetSettle(reservation_id=s_(b, "reservationId", required=True),
                                       amount_minor=minor(b, "amountMinor", required=True),
                                       usage_key=s_(b, "workKey", required=True), final=True))
-    return reservation_json(v.reservation) | {
-        "chargedMinor": str(v.charged_minor), "requestedMinor": str(v.requested_minor),
-        "availableMinor": str(v.available_minor), "replayed": v.replayed, "workKey": v.usage_key}
+    return sh.SETTLE.json(v)
 
 
 async def void_budget(ctx: Ctx):
-    return reservation_json(await ctx.call(p.BudgetVoid(reservation_id=s_(ctx.body, "reservationId",
+    return sh.RESERVATION.json(await ctx.call(p.BudgetVoid(reservation_id=s_(ctx.body, "reservationId",
                                                                           required=True))))
 
 
@@ -633,23 +479,23 @@ async def void_budget(ctx: Ctx):
 async def post_barrier(ctx: Ctx):
     b = ctx.body
     op = p.BarrierCreate(scope_id=s_(b, "scopeId", required=True), target=i_(b, "target", required=True))
-    return barrier_json(await ctx.call(op))
+    return sh.BARRIER.json(await ctx.call(op))
 
 
 async def put_barrier(ctx: Ctx):
     b = ctx.body
     op = p.BarrierCreate(scope_id=s_(b, "scopeId", required=True), target=i_(b, "target", required=True),
                          name=ctx.params["name"])
-    return barrier_json(await ctx.call(op))
+    return sh.BARRIER.json(await ctx.call(op))
 
 
 async def arrive_barrier(ctx: Ctx):
     key = s_(ctx.body, "arrivalKey", required=True)
-    return barrier_json(await ctx.call(p.BarrierArrive(barrier_id=ctx.params["id"], key=key)))
+    return sh.BARRIER.json(await ctx.call(p.BarrierArrive(barrier_id=ctx.params["id"], key=key)))
 
 
 async def get_barrier(ctx: Ctx):
-    return barrier_json(await ctx.call(p.BarrierStatus(barrier_id=ctx.params["id"])))
+    return sh.BARRIER.json(await ctx.call(p.BarrierStatus(barrier_id=ctx.params["id"])))
 
 
 # ====================================================================== timers
@@ -663,27 +509,27 @@ def _timer_create(ctx: Ctx, name: str | None) -> p.TimerCreate:
 
 
 async def post_timer(ctx: Ctx):
-    return timer_json(await ctx.call(_timer_create(ctx, None)))
+    return sh.TIMER.json(await ctx.call(_timer_create(ctx, None)))
 
 
 async def put_timer(ctx: Ctx):
     """Get or create the run's timer ``name`` (never re-armed); ``now`` is the server's
     clock, so ``fireAt - now`` is the time left."""
-    return timer_json(await ctx.call(_timer_create(ctx, ctx.params["name"])))
+    return sh.TIMER.json(await ctx.call(_timer_create(ctx, ctx.params["name"])))
 
 
 async def poll_timers(ctx: Ctx):
     v = await ctx.call(p.TimerPoll(scope_id=s_(ctx.body, "scopeId", required=True)))
-    return {"timers": [timer_json(t) for t in v.timers]}
+    return sh.TIMER_LIST.json(v)
 
 
 async def ack_timer(ctx: Ctx):
     tok = ctx.body.get("token")
-    return timer_json(await ctx.call(p.TimerAck(timer_id=ctx.params["id"], token=None if tok is None else str(tok))))
+    return sh.TIMER.json(await ctx.call(p.TimerAck(timer_id=ctx.params["id"], token=None if tok is None else str(tok))))
 
 
 async def cancel_timer(ctx: Ctx):
-    return timer_json(await ctx.call(p.TimerCancel(timer_id=ctx.params["id"])))
+    return sh.TIMER.json(await ctx.call(p.TimerCancel(timer_id=ctx.params["id"])))
 
 
 # ====================================================================== once
@@ -692,7 +538,7 @@ async def once_acquire(ctx: Ctx):
     op = p.OnceAcquire(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True),
                        lease_ms=seconds_ms(b, "leaseSeconds", 30), holder=s_(b, "holder"),
                        holder_session=s_(b, "holderSession"))
-    return once_json(await ctx.call(op))
+    return sh.ONCE.json(await ctx.call(op))
 
 
 async def once_get(ctx: Ctx):
@@ -700,28 +546,28 @@ async def once_get(ctx: Ctx):
     scope, key = q.get("scopeId"), q.get("key")
     if not scope or not key:
         raise ValidationError("scopeId and key are required", details={"field": "scopeId" if not scope else "key"})
-    return once_json(await ctx.call(p.OnceGet(scope_id=scope, key=key, wait_ms=wait_ms(q.get("waitMs")))))
+    return sh.ONCE.json(await ctx.call(p.OnceGet(scope_id=scope, key=key, wait_ms=wait_ms(q.get("waitMs")))))
 
 
 async def once_renew(ctx: Ctx):
     b = ctx.body
     op = p.OnceRenew(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True), token=token(b),
                      lease_ms=seconds_ms(b, "leaseSeconds", 30))
-    return once_json(await ctx.call(op))
+    return sh.ONCE.json(await ctx.call(op))
 
 
 async def once_complete(ctx: Ctx):
     b = ctx.body
     op = p.OnceComplete(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True), token=token(b),
                         result=raw(b.get("result")))
-    return once_json(await ctx.call(op))
+    return sh.ONCE.json(await ctx.call(op))
 
 
 async def once_fail(ctx: Ctx):
     b = ctx.body
     op = p.OnceFail(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True), token=token(b),
                     error=s_(b, "error", default=""), max_attempts=i_(b, "maxAttempts", default=3))
-    return once_json(await ctx.call(op))
+    return sh.ONCE.json(await ctx.call(op))
 
 
 # ====================================================================== requirements
@@ -766,14 +612,6 @@ def mailbox_requirements(body: dict) -> p.Requirements | None:
 
 
 # ====================================================================== claims
-def _lease_json(v) -> dict:
-    c = v.claim
-    return {"key": c.key, "claimId": c.id, "status": v.status, "state": c.state, "generation": c.generation,
-            "token": str(v.token) if v.token else None, "leaseExpiresAt": c.lease_expires_at,
-            "holder": c.holder, "scopeId": c.scope_id, "observation": val(c.observation),
-            "result": val(c.result)}
-
-
 async def claim_acquire(ctx: Ctx):
     """POST /claims {key, scopeId, holder, holderSession, leaseSeconds}: a fenced lease
     (``generation``, ``token``, ``leaseExpiresAt``); CLAIM_HELD (409) while another lease
@@ -781,50 +619,38 @@ async def claim_acquire(ctx: Ctx):
     b = ctx.body
     v = await ctx.call(p.ClaimAcquire(scope_id=s_(b, "scopeId", required=True), key=s_(b, "key", required=True),
                                       lease_ms=seconds_ms(b, "leaseSeconds", 30), holder=s_(b, "holder")))
-    return _lease_json(v)
+    return sh.CLAIM_LEASE.json(v)
 
 
 async def claim_renew(ctx: Ctx):
     b = ctx.body
     v = await ctx.call(p.ClaimRenew(key=ctx.params["key"], token=token(b), lease_ms=seconds_ms(b, "leaseSeconds", 30)))
-    return _lease_json(v)
+    return sh.CLAIM_LEASE.json(v)
 
 
 async def claim_release(ctx: Ctx):
     b = ctx.body
     c = await ctx.call(p.ClaimRelease(key=ctx.params["key"], token=token(b), observation=raw(b.get("observation"))))
-    return {"key": c.key, "state": c.state, "generation": c.generation}
+    return sh.CLAIM_RELEASED.json(c)
 
 
 # ====================================================================== permits (pools)
-def pool_json(v: p.PoolView) -> dict:
-    return {"id": v.id, "name": v.name, "units": v.units_total, "unitsTotal": v.units_total,
-            "unitsUsed": v.units_used, "unitsFree": v.units_free, "waiting": v.waiting,
-            "activeGrants": v.active_grants, "createdAt": v.created_at}
-
-
-def grant_json(g: p.GrantView) -> dict:
-    return {"grantId": g.id, "id": g.id, "token": str(g.token) if g.token else None, "units": g.units,
-            "leaseExpiresAt": g.lease_expires_at, "state": g.state, "permitId": g.pool_id, "permit": g.pool,
-            "scopeId": g.scope_id, "holder": g.holder, "taskId": g.task_id}
-
-
 async def post_permit(ctx: Ctx):
     b = ctx.body
-    return pool_json(await ctx.call(p.PoolEnsure(name=s_(b, "name", required=True),
+    return sh.POOL.json(await ctx.call(p.PoolEnsure(name=s_(b, "name", required=True),
                                                  units_total=i_(b, "units", required=True))))
 
 
 async def list_permits(ctx: Ctx):
-    return {"permits": [pool_json(x) for x in (await ctx.call(p.PoolList())).pools]}
+    return sh.POOL_LIST.json(await ctx.call(p.PoolList()))
 
 
 async def put_permit(ctx: Ctx):
     """``{}`` looks the pool up (NOT_FOUND when missing); ``{units}`` makes or checks it."""
     b, name = ctx.body, ctx.params["name"]
     if b.get("units") is None:
-        return pool_json(await ctx.call(p.PoolGet(name=name)))
-    return pool_json(await ctx.call(p.PoolEnsure(name=name, units_total=i_(b, "units", required=True))))
+        return sh.POOL.json(await ctx.call(p.PoolGet(name=name)))
+    return sh.POOL.json(await ctx.call(p.PoolEnsure(name=name, units_total=i_(b, "units", required=True))))
 
 
 #: A permit waiter (0.3's POST /permits/{id}/wait, which carries no time limit) stays in
@@ -874,10 +700,10 @@ async def permit_acquire(ctx: Ctx):
         if v is None or v.grant is None:
             raise RallypointError("the waiter's turn has not come yet", code="CAPACITY_UNAVAILABLE",
                                   retry_after=0.25)
-        return grant_json(v.grant)
+        return sh.GRANT.json(v.grant)
     v = await ctx.call(p.PoolAcquire(pool=pool, scope_id=s_(b, "scopeId", required=True), units=units,
                                      lease_ms=seconds_ms(b, "leaseSeconds", 30), holder=s_(b, "holder")))
-    return grant_json(v.grant)
+    return sh.GRANT.json(v.grant)
 
 
 async def permit_wait(ctx: Ctx):
@@ -916,36 +742,31 @@ async def permit_waiter(ctx: Ctx):
 async def cancel_permit_waiter(ctx: Ctx):
     pool_id, _scope, _units, rid = _split_waiter(ctx.params["id"])
     v = await ctx.call(p.PoolCancelWait(pool=pool_id, request_id=rid))
-    return {"waiterId": ctx.params["id"], "outcome": v.outcome, "state": "CANCELLED"}
+    return {"waiterId": ctx.params["id"]} | sh.CANCEL_WAIT.json(v)
 
 
 async def grant_renew(ctx: Ctx):
     b = ctx.body
-    return grant_json(await ctx.call(p.GrantRenew(grant_id=ctx.params["id"], token=token(b),
+    return sh.GRANT.json(await ctx.call(p.GrantRenew(grant_id=ctx.params["id"], token=token(b),
                                                   lease_ms=seconds_ms(b, "leaseSeconds", 30))))
 
 
 async def grant_release(ctx: Ctx):
     b = ctx.body
-    return grant_json(await ctx.call(p.GrantRelease(grant_id=ctx.params["id"], token=token(b),
+    return sh.GRANT.json(await ctx.call(p.GrantRelease(grant_id=ctx.params["id"], token=token(b),
                                                     observation=raw(b.get("observation")))))
 
 
 # ====================================================================== work limits
-def work_limit_json(v: p.WorkLimitView) -> dict:
-    return {"id": v.id, "name": v.name, "scopeId": v.scope_id, "maxOutstanding": v.max_outstanding,
-            "outstanding": v.outstanding, "createdAt": v.created_at}
-
-
 async def post_work_limit(ctx: Ctx):
     b = ctx.body
-    return work_limit_json(await ctx.call(p.WorkLimitEnsure(scope_id=s_(b, "scopeId", required=True),
+    return sh.WORK_LIMIT.json(await ctx.call(p.WorkLimitEnsure(scope_id=s_(b, "scopeId", required=True),
                                                             name=s_(b, "name", required=True),
                                                             max_outstanding=i_(b, "maxOutstanding", required=True))))
 
 
 async def list_work_limits(ctx: Ctx):
-    return {"workLimits": [work_limit_json(w) for w in (await ctx.call(p.WorkLimitList())).work_limits]}
+    return sh.WORK_LIMIT_LIST.json(await ctx.call(p.WorkLimitList()))
 
 
 # ====================================================================== diagnostics
@@ -953,37 +774,17 @@ async def ops_run(ctx: Ctx):
     """GET /ops/runs/{id}: ``workers[]`` (holder, keys held, earliestLeaseExpiry),
     ``waiting[]`` (pool waiters: permit, units), ``allowanceWaiting[]``."""
     v = await ctx.call(p.OpsRun(scope_id=ctx.params["id"]))
-    return {
-        "rootScopeId": v.root_scope_id, "scopeId": v.scope_id, "runs": v.runs,
-        "workers": [{"holder": w.holder, "keys": w.keys, "earliestLeaseExpiry": w.earliest_lease_expiry}
-                    for w in v.workers],
-        "waiting": [{"permit": w.name, "units": w.units, "holder": w.holder, "scopeId": w.scope_id}
-                    for w in v.waiting if w.kind == "permit"],
-        "allowanceWaiting": [{"allowance": w.name, "units": w.units, "holder": w.holder, "scopeId": w.scope_id}
-                             for w in v.waiting if w.kind == "quota"],
-    }
+    return sh.OPS_RUN.json(v)
 
 
 async def ops_waits(ctx: Ctx):
-    v = await ctx.call(p.OpsWaits())
-    return {"parked": v.parked,
-            "waiting": [{"kind": w.kind, "name": w.name, "units": w.units, "holder": w.holder,
-                         "scopeId": w.scope_id} for w in v.waiting]}
+    return sh.OPS_WAITS.json(await ctx.call(p.OpsWaits()))
 
 
 # ====================================================================== events and watch
 #: Events a page holds at most (``limit``).
 MAX_EVENTS_PAGE = 1000
 _event_decode = msgspec.msgpack.Decoder(p.EventView).decode
-
-
-def event_json(v: p.EventView) -> dict:
-    """An event as runstate reads it: ``eventId`` (the de-duplication key: the space-wide
-    sequence number, as a string), ``type``, ``createdAt``, ``payload``; plus its
-    aggregate (``aggregateType``, ``aggregateId``), ``scopeId`` (the run it happened
-    in) and ``seq``."""
-    return {"eventId": str(v.seq), "seq": v.seq, "type": v.type, "createdAt": v.at,
-            "aggregateType": v.kind, "aggregateId": v.id, "scopeId": v.run, "payload": v.data or {}}
 
 
 def _cursor(q: dict) -> int | None:
@@ -1016,10 +817,6 @@ def _filters(q: dict) -> dict:
     return {"types": types, "scope_id": q.get("scopeId") or None, "aggregate": q.get("aggregate") or None}
 
 
-def _page_json(events: list, next_cursor: int, oldest: int, newest: int) -> dict:
-    return {"events": events, "nextCursor": str(next_cursor), "oldest": oldest, "newest": newest}
-
-
 async def list_events(ctx: Ctx):
     """GET /events?cursor=&limit=: a page of the space's events after ``cursor``
     (absent: from the oldest kept), oldest first; ``types`` (comma-separated, ``prefix.*``
@@ -1028,7 +825,7 @@ async def list_events(ctx: Ctx):
     for a cursor older than what is kept."""
     q = ctx.query
     v = await ctx.call(p.EventsList(cursor=_cursor(q), limit=_limit(q), **_filters(q)))
-    return _page_json([event_json(_event_decode(bytes(r))) for r in v.events], v.next_cursor, v.oldest, v.newest)
+    return sh.EVENT_PAGE.json(v)
 
 
 def watch_hold_ms(q: dict) -> int:
@@ -1061,7 +858,7 @@ async def watch_events(ctx: Ctx):
     hold_ms = watch_hold_ms(q)
     v = await ctx.call(p.EventsList(cursor=_cursor(q), limit=limit, **flt))
     if v.events or hold_ms == 0 or v.next_cursor < v.newest:  # something, or more to scan: at once
-        return _page_json([event_json(_event_decode(bytes(r))) for r in v.events], v.next_cursor, v.oldest, v.newest)
+        return sh.EVENT_PAGE.json(v)
     service = ctx.api.service
     sink = await service.subscribe(ctx.session, p.EventsWatch(cursor=v.next_cursor, **flt),
                                    max_bytes=max(64 * 1024, limit * 1024))
@@ -1071,9 +868,10 @@ async def watch_events(ctx: Ctx):
             raws = await ctx.api.until_disconnect(ctx.request, sink.next_batch())
     finally:
         sink.close()
-    events = [_event_decode(bytes(r)) for r in raws[:limit]]
-    nxt = events[-1].seq if events else v.next_cursor
-    return _page_json([event_json(e) for e in events], nxt, v.oldest, max(v.newest, nxt))
+    raws = raws[:limit]
+    nxt = _event_decode(bytes(raws[-1])).seq if raws else v.next_cursor
+    return sh.EVENT_PAGE.json(p.EventPageView(events=raws, next_cursor=nxt, oldest=v.oldest,
+                                              newest=max(v.newest, nxt)))
 
 
 # ====================================================================== the table
