@@ -165,6 +165,27 @@ async def test_lifecycle_submit_receive_complete_result(rs):
     assert (await rs.task(ticket.id).result(timeout=0)).state == "SUCCEEDED"
 
 
+async def test_delivery_key_and_task_subscribers_reach_sdk_users(rs):
+    # Both were in the protocol views and silently dropped by the hand-kept SDK copies
+    # (issue 28): the SDK's types are now generated from the views.
+    run = await rs.scopes.create()
+    m = await rs.mailboxes.ensure(uniq())
+    keyed = await m.submit("a", scope=run, key="order-17")
+    plain = await m.submit("b", scope=run)
+    ds = await m.receive(run, wait=1, max_messages=2)
+    by_task = {d.task_id: d for d in ds}
+    assert (by_task[keyed.id].key, by_task[keyed.id].info.key) == ("order-17", "order-17")
+    assert by_task[plain.id].key is None
+    sub = await rs._call(p.TaskSubscribe(task_id=keyed.id, subscriber_id="watcher-1", scope_id=run.id),
+                         client_types.TaskInfo)
+    assert sub.subscribers == ["watcher-1"]
+    st = await keyed.status()
+    assert (st.subscribers, st.key) == (["watcher-1"], "order-17")
+    assert (await plain.status()).subscribers == []
+    await rs._call(p.TaskDetach(task_id=keyed.id, subscriber_id="watcher-1"), client_types.TaskInfo)
+    assert (await keyed.status()).subscribers == []
+
+
 async def test_result_waits_on_the_server_and_timeout_changes_nothing(rs):
     run = await rs.scopes.create()
     m = await rs.mailboxes.ensure(uniq())

@@ -78,6 +78,22 @@ async def test_cancel_cancelled_is_idempotent_other_combinations_conflict(rs):
         await b.child()
 
 
+async def test_run_status_has_a_state_like_every_status(rs):
+    # issue 31.11: RunStatus.state is one word -- ACTIVE while the run accepts work,
+    # CANCELLED / COMPLETED once it ended itself, INACTIVE while an ancestor's end refuses
+    # its work (stored_state and effective stay as they were).
+    run = await rs.scopes.create()
+    child = await run.child()
+    done = await rs.scopes.create()
+    assert (await run.status()).state == "ACTIVE"
+    assert (await done.complete()).state == "COMPLETED"
+    st = await run.cancel()
+    assert (st.state, st.stored_state) == ("CANCELLED", "CANCELLED")
+    cst = await child.status()
+    assert (cst.state, cst.stored_state, cst.effective) == ("INACTIVE", "ACTIVE", "INACTIVE")
+    assert cst["state"] == "INACTIVE"  # as every field of a status reads
+
+
 async def test_child_limit(rs):
     run = await rs.scopes.create(child_limit=2)
     await run.child()
@@ -133,6 +149,7 @@ async def test_hour_long_deadline_passes_in_virtual_time(autojump_clock, ers):
     st = await grandchild.status()
     assert (st.effective, st.inactive_reason) == ("INACTIVE", "ancestor_deadline")
     assert (await run.status()).stored_state == "ACTIVE"
+    assert (await run.status()).state == "INACTIVE"  # past its deadline: refuses work
     for r in (run, child, grandchild):
         with pytest.raises(DeadlineExceededError):
             await r.child()

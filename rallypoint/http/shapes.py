@@ -81,6 +81,7 @@ def _nested(tp: Any, shape: "Shape | None", where: str) -> Callable[[Any], Any] 
     tp = _strip(tp)
     origin, args = get_origin(tp), get_args(tp)
     if _is_view(tp):
+        shape = shape or DEFAULT.get(tp)
         if shape is not None:
             return shape.json
         return lambda x, _t=tp: DEFAULT[_t].json(x)
@@ -201,20 +202,38 @@ class Shape:
 
     def json(self, v: Any) -> dict[str, Any]:
         """The view ``v`` as a JSON-able dict."""
-        out: dict[str, Any] = {}
-        for names, attr, fn in self._steps:
+        return self._render(v)
+
+    def _render(self, v: Any) -> dict[str, Any]:
+        # compiled on first use (every shape exists by then): one dict display, as a
+        # hand-written mapping would be -- the HTTP answers' hot path
+        self._render = self._compile()
+        return self._render(v)
+
+    def _compile(self) -> Callable[[Any], dict[str, Any]]:
+        env: dict[str, Any] = {}
+        parts, pre = [], []
+        for i, (names, attr, fn) in enumerate(self._steps):
+            f = f"f{i}"
+            env[f] = fn
             if names is None:  # flatten
-                out.update(fn(getattr(v, attr)))
+                parts.append(f"**{f}(v.{attr})")
                 continue
-            x = fn(v) if attr is None else (getattr(v, attr) if fn is None else fn(getattr(v, attr)))
-            for n in names:
-                out[n] = x
-        for n, fn in self._add:
-            out[n] = fn(v)
+            expr = f"{f}(v)" if attr is None else (f"v.{attr}" if fn is None else f"{f}(v.{attr})")
+            if len(names) > 1:
+                pre.append(f"    x{i} = {expr}")
+                expr = f"x{i}"
+            parts += [f"{n!r}: {expr}" for n in names]
+        for j, (n, fn) in enumerate(self._add):
+            env[f"a{j}"] = fn
+            parts.append(f"{n!r}: a{j}(v)")
+        body = "{" + ", ".join(parts) + "}"
         if self._drop_none:
-            keep = self._keep_none
-            out = {k: x for k, x in out.items() if x is not None or k in keep}
-        return out
+            env["keep"] = self._keep_none
+            body = f"{{k: x for k, x in {body}.items() if x is not None or k in keep}}"
+        src = "def render(v):\n" + "\n".join(pre + [f"    return {body}"]) + "\n"
+        exec(compile(src, f"<shape {self.view.__name__}>", "exec"), env)
+        return env["render"]
 
     def __repr__(self) -> str:
         return f"Shape({self.view.__name__})"
