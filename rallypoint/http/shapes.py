@@ -211,6 +211,8 @@ class Shape:
         return self._render(v)
 
     def _compile(self) -> Callable[[Any], dict[str, Any]]:
+        """``render(v)``: the shape's steps as one function returning one dict display
+        (``{"id": v.id, "taskId": x0, ..., **f3(v.reservation), ...}``)."""
         env: dict[str, Any] = {}
         parts, pre = [], []
         for i, (names, attr, fn) in enumerate(self._steps):
@@ -237,10 +239,6 @@ class Shape:
 
     def __repr__(self) -> str:
         return f"Shape({self.view.__name__})"
-
-
-def _none(_v: Any) -> None:
-    return None
 
 
 # ============================================================================ runs
