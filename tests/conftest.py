@@ -1,4 +1,5 @@
-"""Shared fixtures: a real daemon subprocess, and ``rs`` in both modes (embedded, TCP)."""
+"""Shared fixtures: a real daemon subprocess, ``rs`` in both modes (embedded, TCP), and real
+etcd (one member, or three) for the cluster tests."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import pytest
 
 import rallypoint
+from _etcd import EtcdCluster
 
 SLOW = bool(os.environ.get("RALLYPOINT_SLOW"))
 
@@ -97,3 +99,29 @@ async def ers(autojump_clock):
 def direct(coord, session, op):
     """``coord.decide(session, op)``: decide synchronously, bypassing the inboxes."""
     return coord.decide(session, op)
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """One etcd member shared by a test module (tests use their own key prefixes);
+    skipped without the ``etcd`` binary, failed without it under CI=true."""
+    cluster = EtcdCluster(str(tmp_path_factory.mktemp("etcd")), size=1).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def etcd_private(tmp_path):
+    """A one-member etcd of the test's own, which it may stop and restart."""
+    cluster = EtcdCluster(str(tmp_path), size=1).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd3(tmp_path_factory):
+    """A three-member etcd cluster shared by a test module (for member-loss tests;
+    a test that stops a member must start it again before it ends)."""
+    cluster = EtcdCluster(str(tmp_path_factory.mktemp("etcd3")), size=3).start()
+    yield cluster
+    cluster.stop()
