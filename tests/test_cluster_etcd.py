@@ -26,6 +26,9 @@ from rallypoint.cluster.etcd import (
 )
 from rallypoint.errors import CursorExpiredError, NotFoundError, UnavailableError
 
+# etcd's TTLs are real seconds; a test that hangs is a failure, quickly
+pytestmark = pytest.mark.timeout(30)
+
 
 @pytest.fixture
 def prefix(request):
