@@ -155,18 +155,36 @@ async def test_watch_from_a_compacted_revision_raises_compacted(etcd, prefix):
     async with EtcdClient(etcd.endpoints) as client:
         old = await client.put(key, "1")
         new = await client.put(key, "2")
-        await client.compact(new.revision)
-        with pytest.raises(EtcdCompactedError) as info:
-            async with client.watch(key, start_revision=old.revision) as events:
-                await events.__anext__()
-        assert isinstance(info.value, CursorExpiredError)
-        assert info.value.revision == old.revision and info.value.compact_revision == new.revision
+        gone = await client.delete(key)
+        await client.compact(gone.revision)
+        for start in (old.revision, gone.revision):  # before, and at the compaction point
+            with pytest.raises(EtcdCompactedError) as info:
+                async with client.watch(key, start_revision=start) as events:
+                    await events.__anext__()
+            assert isinstance(info.value, CursorExpiredError) and info.value.revision == start
         with pytest.raises(EtcdCompactedError):
             await client.range(key, revision=old.revision)
-        # from the compaction point on, it watches
-        async with client.watch(key, start_revision=new.revision) as events:
+        # etcd itself refuses a watch from before its compaction point, and says where
+        # that is (here the compaction comes after the watch's own check passed)
+        first = await client.put(prefix + "other", "x")
+        second = await client.put(prefix + "other", "y")
+        watch = client.watch(key, start_revision=first.revision)
+        check = watch._check_not_compacted
+
+        async def compact_after_check():
+            await check()
+            await client.compact(second.revision)
+
+        watch._check_not_compacted = compact_after_check
+        with pytest.raises(EtcdCompactedError) as info:
+            async with watch:
+                await watch.__anext__()
+        assert info.value.compact_revision == second.revision
+        # after the compaction point, it watches
+        async with client.watch(key, start_revision=second.revision + 1) as events:
+            put = await client.put(key, "3")
             ev = await events.__anext__()
-        assert ev.kv.value == b"2"
+        assert (ev.kv.value, ev.kv.mod_revision) == (b"3", put.revision)
 
 
 async def test_watch_resumes_from_its_revision_after_the_connection_is_cut(etcd, prefix):
@@ -187,7 +205,8 @@ async def test_watch_resumes_from_its_revision_after_the_connection_is_cut(etcd,
             r2 = await direct.put(key, "v2")
             r3 = await direct.delete(key)
             proxy.restore()
-            after = [await receive.receive(), await receive.receive()]
+            with trio.fail_after(5):
+                after = [await receive.receive(), await receive.receive()]
             assert [(e.type, e.kv.value, e.kv.mod_revision) for e in after] == [
                 ("PUT", b"v2", r2.revision),
                 ("DELETE", b"", r3.revision),
@@ -214,7 +233,8 @@ async def test_watch_resumes_after_etcd_restarts(etcd_private, prefix):
         await trio.to_thread.run_sync(etcd_private.wait_ready)
         r2 = await client.put(key, "v2")
         r3 = await client.put(key, "v3")
-        got = [await receive.receive(), await receive.receive()]
+        with trio.fail_after(5):
+            got = [await receive.receive(), await receive.receive()]
         assert [(e.kv.value, e.kv.mod_revision) for e in got] == [(b"v2", r2.revision), (b"v3", r3.revision)]
         assert watch.statistics().connects >= 2
         nursery.cancel_scope.cancel()
@@ -259,7 +279,8 @@ async def test_three_members_the_client_and_its_watch_survive_the_loss_of_the_me
             await trio.to_thread.run_sync(first.stop)
             r3 = await client.put(key, "v3")
             assert (await client.get(key)).mod_revision == r3.revision
-            ev = await receive.receive()
+            with trio.fail_after(5):
+                ev = await receive.receive()
             assert (ev.kv.value, ev.kv.mod_revision) == (b"v3", r3.revision)
             assert watch.statistics().connects >= 2
         finally:

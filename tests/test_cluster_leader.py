@@ -6,6 +6,7 @@ are for conditions (an Event, a watched key, every task parked), never fixed sle
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import msgspec
@@ -160,7 +161,7 @@ async def test_a_leader_cut_off_from_etcd_stops_leading_before_its_lease_expires
             shard_b = ShardElection(client, cluster_name, 0)
             await shard_b.bootstrap(["a", "b"])
             observed = {}
-            with pytest.raises(LeadershipLostError) as info:
+            with pytest.raises(LeadershipLostError) as info, trio.fail_after(5):
                 async with shard_a.campaign(node("a")) as la:
                     observed["epoch"] = la.epoch
                     getattr(proxy, fault)()
@@ -181,11 +182,29 @@ async def test_a_leader_cut_off_from_etcd_stops_leading_before_its_lease_expires
                 assert trio.current_time() > observed["lost_at"]
 
 
+async def test_a_process_stalled_past_its_deadline_is_not_leader_the_moment_it_runs_again(etcd, cluster_name):
+    async with EtcdClient(etcd.endpoints) as client:
+        election = ShardElection(client, cluster_name, 0)
+        await election.bootstrap(["a"])
+        with pytest.raises(LeadershipLostError), trio.fail_after(5):
+            async with election.campaign(node("a")) as la:
+                assert la.is_leader_now()
+                # the whole process stalls (a SIGSTOP, a VM pause): no task runs, not even
+                # the fence task; the monotonic clock keeps counting
+                time.sleep(la.fence_deadline - trio.current_time() + 0.05)
+                # no checkpoint since: only the clock can tell
+                assert la.lost_reason is None
+                assert not la.is_leader_now()
+                with pytest.raises(LeadershipLostError):
+                    la.check()
+                await trio.sleep_forever()  # then the fence task ends the block
+
+
 async def test_losing_the_leader_key_cancels_the_block_promptly(etcd, cluster_name):
     async with EtcdClient(etcd.endpoints) as client:
         election = ShardElection(client, cluster_name, 0)
         await election.bootstrap(["a"])
-        with pytest.raises(LeadershipLostError) as info:
+        with pytest.raises(LeadershipLostError) as info, trio.fail_after(2):
             async with election.campaign(node("a")) as la:
                 await client.lease_revoke(la.lease_id)  # an operator, or etcd expiring it
                 revoked_at = trio.current_time()
@@ -265,28 +284,49 @@ async def test_a_node_out_of_the_isr_waits_and_wins_once_put_back(etcd, cluster_
 
 
 async def test_watch_leader_reports_the_leader_its_loss_and_its_successor(etcd, cluster_name):
-    async with EtcdClient(etcd.endpoints) as client, trio.open_nursery() as nursery:
+    etcd_port = int(etcd.endpoints[0].rsplit(":", 1)[1])
+    async with (
+        EtcdClient(etcd.endpoints) as client,
+        TcpProxy(etcd_port) as proxy,
+        EtcdClient([proxy.url], timeout_s=1.0) as watch_client,
+        trio.open_nursery() as nursery,
+    ):
         election = ShardElection(client, cluster_name, 0)
+        watched = ShardElection(watch_client, cluster_name, 0)
         await election.bootstrap(["a", "b"])
         send, receive = trio.open_memory_channel(100)
 
         async def watcher():
-            async with election.watch_leader() as leaders:
+            async with watched.watch_leader() as leaders:
                 async for rec in leaders:
                     await send.send(rec)
 
         nursery.start_soon(watcher)
-        assert await receive.receive() is None  # no leader yet
-        async with election.campaign(node("a")) as la:
-            rec = await receive.receive()
-            assert (rec.info, rec.epoch, rec.lease_id) == (node("a"), la.epoch, la.lease_id)
-            assert rec.info.http_address == "a.host:7480"
-        assert await receive.receive() is None  # a stepped down: the key is gone
-        async with election.campaign(node("b")) as lb:
-            rec = await receive.receive()
-            assert (rec.info.node, rec.epoch) == ("b", lb.epoch) and lb.epoch > la.epoch
-            await client.compact((await client.status()).revision)  # history gone: read again
-            await lb.resign()
+        with trio.fail_after(10):
+            assert await receive.receive() is None  # no leader yet
+            async with election.campaign(node("a")) as la:
+                rec = await receive.receive()
+                assert (rec.info, rec.epoch, rec.lease_id) == (node("a"), la.epoch, la.lease_id)
+                assert rec.info.http_address == "a.host:7480"
+                # the watch loses its stream while etcd compacts past where it was: it
+                # reads the key again, finds the same leader, and says nothing
+                proxy.cut()
+                await client.put(election.prefix + "unrelated", "x")
+                await client.compact((await client.status()).revision)
+                proxy.restore()
+            assert await receive.receive() is None  # a stepped down: the key is gone
+            async with election.campaign(node("b")) as lb:
+                rec = await receive.receive()
+                assert (rec.info.node, rec.epoch) == ("b", lb.epoch) and lb.epoch > la.epoch
+                # compacted while cut, again, but now the leader changed meanwhile
+                proxy.cut()
+                await lb.resign()
+                await client.compact((await client.status()).revision)
+                proxy.restore()
+            assert await receive.receive() is None
+            async with election.campaign(node("a")) as la2:
+                rec = await receive.receive()
+                assert (rec.info.node, rec.epoch) == ("a", la2.epoch)
         assert await receive.receive() is None
         with pytest.raises(trio.WouldBlock):
             receive.receive_nowait()  # one value per change, none twice

@@ -633,9 +633,11 @@ class Watch:
     Events come in revision order, each once: after a lost stream (a member stopped or
     restarted, a connection reset) the watch re-opens on any endpoint from the revision
     after the last event it gave (or after the revision its first stream reported), so
-    nothing is skipped or repeated. If that revision was compacted meanwhile,
-    ``__anext__`` raises :class:`EtcdCompactedError`: read the state again and start a
-    new watch from its revision + 1. Re-opening retries with backoff for ever, or raises
+    nothing is skipped or repeated. If history up to that revision was compacted
+    meanwhile (checked before every opening too, since a compaction at exactly the start
+    revision drops a DELETE there without etcd refusing the watch), ``__anext__`` raises
+    :class:`EtcdCompactedError`: read the state again and start a new watch from its
+    revision + 1. Re-opening retries with backoff for ever, or raises
     :class:`EtcdUnavailableError` once no stream could be opened for
     ``give_up_after_s`` seconds. The stream has no read timeout (an idle watch is normal):
     a member that stops answering without closing the connection stalls the watch until
@@ -698,6 +700,7 @@ class Watch:
         content = msgspec.json.encode(request)
         client = self._client
         started = trio.current_time()
+        await self._check_not_compacted()
         backoff = 0.02
         last_error = ""
         while True:
@@ -734,6 +737,23 @@ class Watch:
                 )
             await trio.sleep(backoff)
             backoff = min(backoff * 2, client.backoff_max_s)
+
+    async def _check_not_compacted(self) -> None:
+        """etcd accepts a watch from exactly its compaction point R, but compaction
+        dropped any DELETE at R (tombstones go): so before opening from R, check that
+        R - 1 is still readable, else raise compacted. (A compaction to exactly R in the
+        one round trip between this check and the opening still goes unseen.)"""
+        if self._next_rev <= 1:
+            return
+        try:
+            await self._client.range(self._key, revision=self._next_rev - 1, limit=1)
+        except EtcdCompactedError:
+            raise EtcdCompactedError(
+                f"etcd watch on {self._key!r} from revision {self._next_rev} came too late: history "
+                f"up to it is compacted; read the state again and watch from there",
+                revision=self._next_rev,
+                compact_revision=0,
+            ) from None
 
     async def __anext__(self) -> WatchEvent:
         while not self._pending:
