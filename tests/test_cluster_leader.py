@@ -37,6 +37,15 @@ def cluster_name(request):
     return f"{request.node.name[:40]}-{uuid.uuid4().hex[:8]}"
 
 
+class ResendingClient(EtcdClient):
+    """A client whose every transaction reaches etcd twice, as when a try times out after
+    etcd applied it and the call tries again: the caller sees the second answer."""
+
+    async def txn(self, *args, **kw):
+        await super().txn(*args, **kw)
+        return await super().txn(*args, **kw)
+
+
 class FreezableClient(EtcdClient):
     """A client whose keepalives can be stopped, as if its process were paused: a frozen
     keepalive never reaches etcd and never returns."""
@@ -263,6 +272,20 @@ async def test_a_deposed_leaders_isr_update_is_refused_by_etcd(etcd, cluster_nam
                 assert after.replicas.isr == ["b"]
 
 
+async def test_campaign_and_isr_updates_survive_a_transaction_applied_twice(etcd, cluster_name):
+    async with ResendingClient(etcd.endpoints) as resending, EtcdClient(etcd.endpoints) as client:
+        election = ShardElection(resending, cluster_name, 0)
+        await election.bootstrap(["a", "b"])
+        with trio.fail_after(2):
+            async with election.campaign(node("a")) as la:
+                # the re-sent campaign found its own key: still the leader, same epoch
+                rec = await ShardElection(client, cluster_name, 0).read_leader()
+                assert (rec.epoch, rec.lease_id) == (la.epoch, la.lease_id)
+                shrunk = await la.update_isr(["a"])
+                assert shrunk.replicas.isr == ["a"]
+                assert (await client.get(election.replicas_key)).mod_revision == shrunk.mod_revision
+
+
 async def test_a_node_out_of_the_isr_waits_and_wins_once_put_back(etcd, cluster_name):
     async with EtcdClient(etcd.endpoints) as client, trio.open_nursery() as nursery:
         election = ShardElection(client, cluster_name, 0)
@@ -314,6 +337,9 @@ async def test_watch_leader_reports_the_leader_its_loss_and_its_successor(etcd, 
                 await client.put(election.prefix + "unrelated", "x")
                 await client.compact((await client.status()).revision)
                 proxy.restore()
+                await settle()  # the watcher is back on a stream
+                with pytest.raises(trio.WouldBlock):
+                    receive.receive_nowait()
             assert await receive.receive() is None  # a stepped down: the key is gone
             async with election.campaign(node("b")) as lb:
                 rec = await receive.receive()

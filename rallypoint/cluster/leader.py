@@ -260,14 +260,18 @@ class ShardElection:
                     Compare.mod_revision(self.replicas_key, "==", current.mod_revision if current else 0),
                 ],
                 [Put(self.replicas_key, msgspec.json.encode(value))],
-                [Range(self.leader_key)],
+                [Range(self.leader_key), Range(self.replicas_key)],
             )
             if r.succeeded:
                 return ReplicasRecord(replicas=value, mod_revision=r.revision)
-            kvs = r.responses[0].kvs
+            kvs, now = r.responses[0].kvs, r.responses[1].kvs
             if not kvs or kvs[0].create_revision != epoch:
                 holder = f"epoch {kvs[0].create_revision}" if kvs else "no leader"
                 raise LeadershipLostError(self.shard, epoch, f"etcd refused the in-sync set update: the leader key is at {holder}")
+            # still the leader at this revision; the value may already be the one asked
+            # for (an earlier try of this call whose answer was lost wrote it)
+            if now and _replicas_record(self.shard, now[0]).replicas == value:
+                return ReplicasRecord(replicas=value, mod_revision=now[0].mod_revision)
         raise ConflictError(f"shard {self.shard}: the replicas key kept changing during 8 tries; try again")
 
     # -- campaigning ----------------------------------------------------------------
