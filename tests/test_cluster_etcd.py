@@ -11,7 +11,7 @@ import uuid
 import pytest
 import trio
 
-from _etcd import TcpProxy, free_ports
+from _etcd import TcpProxy, free_ports, member_status
 from rallypoint.cluster.etcd import (
     Compare,
     Delete,
@@ -24,7 +24,7 @@ from rallypoint.cluster.etcd import (
     Range,
     prefix_end,
 )
-from rallypoint.errors import CursorExpiredError, NotFoundError, UnavailableError
+from rallypoint.errors import CursorExpiredError, NotFoundError, UnavailableError, ValidationError
 
 # etcd's TTLs are real seconds; a test that hangs is a failure, quickly
 pytestmark = pytest.mark.timeout(30)
@@ -66,6 +66,13 @@ async def test_put_range_delete_hide_base64_and_int64(etcd, prefix):
         d = await client.delete(prefix, prefix=True, prev_kv=True)
         assert d.deleted == 2 and sorted(kv.value for kv in d.prev_kvs) == [b"text2", b"\xff\x00binary"]
         assert (await client.range(prefix, prefix=True)).kvs == []
+
+
+def test_endpoints_are_required_and_read_as_http():
+    with pytest.raises(ValidationError):
+        EtcdClient([" ", ""])
+    client = EtcdClient("etcd://127.0.0.1:2379, 127.0.0.1:2380,http://h:1/")
+    assert client.endpoints == ["http://127.0.0.1:2379", "http://127.0.0.1:2380", "http://h:1"]
 
 
 async def test_etcd_refusal_is_raised_at_once_not_retried(etcd):
@@ -268,7 +275,8 @@ async def test_three_members_the_client_and_its_watch_survive_the_loss_of_the_me
     first = etcd3.members[0]
     async with EtcdClient(etcd3.endpoints, timeout_s=5.0) as client, trio.open_nursery() as nursery:
         await client.put(key, "v1")
-        assert (await client.status()).member_id == (await client.status(first.client_url)).member_id
+        in_use = (await client.status()).member_id
+        assert in_use == int(member_status(first.client_url)["header"]["member_id"])
         send, receive = trio.open_memory_channel(100)
         watch = client.watch(key)
         nursery.start_soon(collect, watch, send)

@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from _etcd import TcpProxy
-from rallypoint.cluster.etcd import EtcdClient
+from rallypoint.cluster.etcd import EtcdClient, EtcdLeaseNotFoundError
 from rallypoint.cluster.leader import (
     LeaderInfo,
     LeadershipLostError,
@@ -244,6 +244,18 @@ async def test_resign_deletes_the_key_at_once_and_ends_the_block_quietly(etcd, c
             await la.resign()  # idempotent
 
 
+async def test_an_error_in_the_block_comes_out_as_itself_and_the_lease_is_revoked(etcd, cluster_name):
+    async with EtcdClient(etcd.endpoints) as client:
+        election = ShardElection(client, cluster_name, 0)
+        await election.bootstrap(["a"])
+        with pytest.raises(KeyError):  # not wrapped in an ExceptionGroup
+            async with election.campaign(node("a")) as la:
+                raise KeyError("the body failed")
+        assert await election.read_leader() is None
+        with pytest.raises(EtcdLeaseNotFoundError):
+            await client.lease_time_to_live(la.lease_id)
+
+
 async def test_a_deposed_leaders_isr_update_is_refused_by_etcd(etcd, cluster_name):
     async with EtcdClient(etcd.endpoints) as client:
         election = ShardElection(client, cluster_name, 0)
@@ -284,6 +296,27 @@ async def test_campaign_and_isr_updates_survive_a_transaction_applied_twice(etcd
                 shrunk = await la.update_isr(["a"])
                 assert shrunk.replicas.isr == ["a"]
                 assert (await client.get(election.replicas_key)).mod_revision == shrunk.mod_revision
+
+
+async def test_a_campaign_whose_new_lease_expired_before_its_transaction_tries_again(etcd, cluster_name):
+    class FirstLeaseGone(EtcdClient):
+        """The first lease granted is gone before it is used (a stall past its TTL)."""
+
+        grants = 0
+
+        async def lease_grant(self, ttl_s, **kw):
+            grant = await super().lease_grant(ttl_s, **kw)
+            self.grants += 1
+            if self.grants == 1:
+                await self.lease_revoke(grant.lease_id)
+            return grant
+
+    async with FirstLeaseGone(etcd.endpoints) as client:
+        election = ShardElection(client, cluster_name, 0)
+        await election.bootstrap(["a"])
+        with trio.fail_after(2):
+            async with election.campaign(node("a")) as la:
+                assert client.grants == 2 and (await election.read_leader()).lease_id == la.lease_id
 
 
 async def test_a_node_out_of_the_isr_waits_and_wins_once_put_back(etcd, cluster_name):

@@ -40,7 +40,7 @@ import httpx
 import msgspec
 import trio
 
-from rallypoint.errors import CursorExpiredError, NotFoundError, RallypointError, UnavailableError
+from rallypoint.errors import CursorExpiredError, NotFoundError, RallypointError, UnavailableError, ValidationError
 
 __all__ = [
     "EtcdClient",
@@ -111,7 +111,7 @@ class EtcdLeaseNotFoundError(EtcdError, NotFoundError):
 
     def __init__(self, lease_id: int) -> None:
         super().__init__(
-            f"etcd lease {lease_id:x} not found: it expired or was revoked; grant a new one",
+            f"etcd lease {lease_id:#x} not found: it expired or was revoked; grant a new one",
             details={"lease_id": lease_id},
         )
         self.lease_id = lease_id
@@ -391,7 +391,7 @@ class EtcdClient:
             endpoints = endpoints.split(",")
         self.endpoints = [_endpoint(e) for e in endpoints if e.strip()]
         if not self.endpoints:
-            raise ValueError("EtcdClient needs at least one endpoint (http://host:port)")
+            raise ValidationError("EtcdClient needs at least one etcd endpoint (http://host:port)")
         self.timeout_s = timeout_s
         self.backoff_max_s = backoff_max_s
         self._preferred = 0
@@ -457,13 +457,7 @@ class EtcdClient:
     # -- kv ----------------------------------------------------------------------
 
     async def range(
-        self,
-        key: str | bytes,
-        *,
-        prefix: bool = False,
-        revision: int = 0,
-        limit: int = 0,
-        timeout_s: float | None = None,
+        self, key: str | bytes, *, prefix: bool = False, revision: int = 0, limit: int = 0, timeout_s: float | None = None
     ) -> RangeResult:
         """Read one key, or every key under ``key`` with ``prefix=True``, at the latest
         revision or at ``revision``. Raises EtcdCompactedError if ``revision`` was
@@ -490,13 +484,7 @@ class EtcdClient:
         return r.kvs[0] if r.kvs else None
 
     async def put(
-        self,
-        key: str | bytes,
-        value: str | bytes,
-        *,
-        lease: int = 0,
-        prev_kv: bool = False,
-        timeout_s: float | None = None,
+        self, key: str | bytes, value: str | bytes, *, lease: int = 0, prev_kv: bool = False, timeout_s: float | None = None
     ) -> PutResult:
         """Set ``key`` to ``value``, bound to ``lease`` (0 = none). Raises
         EtcdLeaseNotFoundError if the lease is gone, EtcdUnavailableError."""
@@ -570,22 +558,9 @@ class EtcdClient:
 
     # -- cluster -------------------------------------------------------------------
 
-    async def status(self, endpoint: str | None = None, *, timeout_s: float | None = None) -> Status:
-        """``/v3/maintenance/status`` of one member (``endpoint``, no failover) or of the
-        first that answers."""
-        if endpoint is None:
-            return await self._unary("/v3/maintenance/status", {}, Status, timeout_s)
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        url = _endpoint(endpoint) + "/v3/maintenance/status"
-        try:
-            with trio.fail_after(timeout):
-                resp = await self._http.post(url, content=b"{}")
-        except (httpx.TransportError, trio.TooSlowError) as e:
-            raise EtcdUnavailableError(f"etcd member {endpoint} did not answer its status: {e!r}") from None
-        if resp.status_code != 200:
-            err = _decode_unary_error(resp.content)
-            raise _refusal("/v3/maintenance/status", {}, err.code, err.message)
-        return msgspec.json.decode(resp.content, type=Status, strict=False)
+    async def status(self, *, timeout_s: float | None = None) -> Status:
+        """``/v3/maintenance/status`` of the first member that answers."""
+        return await self._unary("/v3/maintenance/status", {}, Status, timeout_s)
 
     def watch(
         self,
@@ -646,13 +621,7 @@ class Watch:
     """
 
     def __init__(
-        self,
-        client: EtcdClient,
-        key: bytes,
-        prefix: bool,
-        start_revision: int,
-        prev_kv: bool,
-        give_up_after_s: float | None,
+        self, client: EtcdClient, key: bytes, prefix: bool, start_revision: int, prev_kv: bool, give_up_after_s: float | None
     ) -> None:
         self._client = client
         self._key = key
@@ -764,7 +733,8 @@ class Watch:
             try:
                 line = await self._lines.__anext__()
             except (StopAsyncIteration, httpx.TransportError, httpx.StreamError) as e:
-                log.info("etcd watch on %r lost (%s); resuming from revision %d", self._key, e or "end of stream", self._next_rev)
+                why = e or "end of stream"
+                log.info("etcd watch on %r lost (%s); resuming from revision %d", self._key, why, self._next_rev)
                 await self._drop()
                 continue
             if not line.strip():

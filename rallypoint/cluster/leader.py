@@ -162,7 +162,9 @@ def _leader_record(shard: str, kv: KeyValue) -> LeaderRecord:
     try:
         info = msgspec.json.decode(kv.value, type=LeaderInfo)
     except msgspec.DecodeError as e:
-        raise InternalError(f"shard {shard}: the leader key {kv.key!r} does not hold a leader record ({e}); delete it") from None
+        raise InternalError(
+            f"shard {shard}: the leader key {kv.key!r} does not hold a leader record ({e}); delete it"
+        ) from None
     return LeaderRecord(info=info, epoch=kv.create_revision, lease_id=kv.lease, mod_revision=kv.mod_revision)
 
 
@@ -267,7 +269,8 @@ class ShardElection:
             kvs, now = r.responses[0].kvs, r.responses[1].kvs
             if not kvs or kvs[0].create_revision != epoch:
                 holder = f"epoch {kvs[0].create_revision}" if kvs else "no leader"
-                raise LeadershipLostError(self.shard, epoch, f"etcd refused the in-sync set update: the leader key is at {holder}")
+                reason = f"etcd refused the in-sync set update: the leader key is at {holder}"
+                raise LeadershipLostError(self.shard, epoch, reason)
             # still the leader at this revision; the value may already be the one asked
             # for (an earlier try of this call whose answer was lost wrote it)
             if now and _replicas_record(self.shard, now[0]).replicas == value:
@@ -308,7 +311,9 @@ class ShardElection:
                 f"0 < keepalive_interval_s ({interval}) < ttl_s - margin_s"
             )
         lead = await self._acquire(me, ttl_s, margin_s, interval)
-        log.info("shard %s: %s leads at epoch %d (lease %x, TTL %d s)", self.shard, me.node, lead.epoch, lead.lease_id, lead.ttl_s)
+        log.info(
+            "shard %s: %s leads at epoch %d (lease %#x, TTL %d s)", self.shard, me.node, lead.epoch, lead.lease_id, lead.ttl_s
+        )
         try:
             async with trio.open_nursery() as nursery:
                 if cancel_on_loss:
@@ -343,6 +348,8 @@ class ShardElection:
                     continue
                 await self._wait_for_change(state.revision)
                 backoff = 0.05
+            except EtcdLeaseNotFoundError:
+                continue  # the fresh lease expired before the transaction ran (a stall): again
             except EtcdUnavailableError as e:
                 log.warning("shard %s: campaign of %s waits for etcd: %s", self.shard, me.node, e.message)
                 await trio.sleep(backoff)
@@ -400,7 +407,7 @@ async def _revoke_quietly(client: EtcdClient, lease_id: int, timeout_s: float) -
     except EtcdLeaseNotFoundError:
         return True
     except EtcdError as e:
-        log.info("could not revoke lease %x (%s); it expires by its TTL", lease_id, e.message)
+        log.info("could not revoke lease %#x (%s); it expires by its TTL", lease_id, e.message)
         return False
 
 
@@ -528,7 +535,7 @@ class Leadership:
                 self._lose("the lease expired at etcd (a keepalive found it gone)")
                 return
             except EtcdError as e:
-                log.info("shard %s: keepalive of lease %x failed: %s", self.election.shard, self.lease_id, e.message)
+                log.info("shard %s: keepalive of lease %#x failed: %s", self.election.shard, self.lease_id, e.message)
             if ttl_s is None:
                 self._keepalive_failures += 1
                 continue
