@@ -188,6 +188,9 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     # access
     "key.created": ("key", "an API key was created", "name, permissions"),
     "key.revoked": ("key", "an API key was revoked", ""),
+    # cluster
+    "cluster.leader_changed": ("space", "a node became the shard's leader (a failover or the first start of a "
+                               "replicated shard); in `default` and every space with events", "epoch, node, lsn"),
     # retention
     "retention.purged": ("space", "finished runs and tasks were deleted (--retain-finished)",
                          "runs, tasks, entities"),

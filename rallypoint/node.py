@@ -217,6 +217,9 @@ class Snapshotter:
         self.last_stats: dict = {}
         self.last_stall_s = 0.0
         self.on_snapshot: list = []  # callables(stats) after each snapshot (metrics)
+        #: the oldest LSN someone still reads from the journal files (a catching-up
+        #: standby, ``rallypoint.replication``): segments from it on are kept
+        self.hold_lsn = None
         self._retry_at: float | None = None
         self._tick: trio.Event | None = None
         self._lock = trio.Lock()
@@ -340,7 +343,11 @@ class Snapshotter:
                 coord.dirty.update(k.decode() for k in deletes)
                 raise
             ev_done()
-            removed = journal.truncate_below(lsn + 1, unlink=False) or []
+            keep_from = lsn + 1
+            hold = self.hold_lsn() if self.hold_lsn is not None else None
+            if hold is not None:
+                keep_from = min(keep_from, hold)
+            removed = journal.truncate_below(keep_from, unlink=False) or []
             if removed:
                 await trio.to_thread.run_sync(_unlink_all, removed)
             self.last_lsn = lsn
@@ -425,6 +432,10 @@ async def _synced_unless_refused(journal, lsn: int) -> bool:
         async def synced():
             nonlocal done
             await sync(lsn)
+            if getattr(journal, "replica_floor", None) is not None:
+                # a replicated leader: the snapshot holds nothing the in-sync standby
+                # lacks, so a deposed leader never has to cut below its snapshot
+                await journal.wait_durable(lsn)
             done = True
             nursery.cancel_scope.cancel()
 
@@ -594,29 +605,73 @@ def _write_clock(clock_file, clock, mono_ms: int | None = None, wall_ms: int | N
         log.debug("clock heartbeat not written: %s", e)
 
 
+class Recovery:
+    """A data dir opened and recovered, not yet serving: the lock held, the coordinator
+    rebuilt from the snapshot and the journal tail (nothing armed), its journal open.
+    :func:`recovered` makes one; :func:`serving` runs it; a replicated node
+    (:mod:`rallypoint.cluster`) keeps it as a standby in between."""
+
+    def __init__(self, data_dir: str, durability: str, coordinator, rec, info: dict, clock: Clock, clock_file,
+                 gap_ms: int, storage: "Storage") -> None:
+        self.data_dir = data_dir
+        self.durability = durability
+        self.coordinator = coordinator
+        self.rec = rec
+        self.info = info
+        self.clock = clock
+        self.clock_file = clock_file
+        #: server time that passed since the last heartbeat of this data dir (ms): the
+        #: time no lease holder could be heard (extended at start)
+        self.gap_ms = gap_ms
+        self.storage = storage
+        self.snapshotter: Snapshotter | None = None
+        #: the journal's options (mode, interval, disk space, sync helper), to open it
+        #: again at a standby's promotion
+        self.journal_options: dict = {}
+
+    def write_clock(self, mono_ms: int | None = None, wall_ms: int | None = None) -> None:
+        """Persist a (server time, wall time) pair, best effort (the heartbeat)."""
+        _write_clock(self.clock_file, self.clock, mono_ms, wall_ms)
+
+    async def reopen_journal(self) -> None:
+        """Close the journal (flushed, fsynced, its clean end recorded) and open a new
+        one at the next LSN: a standby's journal ran without the coordinator; the
+        leader's runs under it (``Coordinator.run``)."""
+        old = self.coordinator.journal
+        await old.aclose()
+        opts = dict(self.journal_options)
+        mode, interval_ms = opts.pop("mode"), opts.pop("interval_ms")
+        self.rec.next_lsn = old.last_lsn + 1
+        self.coordinator.journal = self.storage.open_journal(self.rec, mode, interval_ms, **opts)
+
+    def snapshotter_for(self, *, every_records: int, every_s: float, retry_s: float) -> "Snapshotter":
+        if self.snapshotter is None:
+            self.snapshotter = Snapshotter(self.coordinator, self.storage.snapshot_store(self.rec.store),
+                                           every_records=every_records, every_s=every_s, retry_s=retry_s)
+        return self.snapshotter
+
+
 @asynccontextmanager
-async def open_persistent_node(
+async def recovered(
     data_dir: str,
     durability: str,
     *,
     clock: Clock | None,
     interval_ms: int,
-    snapshot_every_records: int,
-    snapshot_every_s: float,
     retention: dict | None = None,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     ballast_bytes: int = 0,
     space_poll_s: float = 1.0,
-    snapshot_retry_s: float = 5.0,
     preallocate_bytes: int = 1 << 20,
     sync_helper: str = "process",
     slow_sync_s: float = 1.0,
     disk=None,
     storage: Storage | None = None,
-) -> AsyncIterator[Node]:
-    """Lock the data dir, recover, run journal + snapshots; snapshot at a clean exit
-    (skipped, with a log line, when the disk is full or the LMDB write fails: the
-    journal holds everything). Disk-space arguments: see :func:`open_node`."""
+    segment_bytes: int = 64 << 20,
+) -> AsyncIterator[Recovery]:
+    """Lock ``data_dir``, recover its coordinator and open its journal (not running);
+    at the end close the snapshot store, the clock file and the lock. Arguments: see
+    :func:`open_node`."""
     from .persistence import DataDirLock
 
     from .persistence.clockfile import ClockFile
@@ -641,61 +696,125 @@ async def open_persistent_node(
                                                  min_free_bytes=min_free_bytes, ballast_bytes=ballast_bytes,
                                                  space_poll_s=space_poll_s,
                                                  preallocate_bytes=preallocate_bytes, sync=sync_helper,
-                                                 slow_sync_s=slow_sync_s, disk=disk)
+                                                 slow_sync_s=slow_sync_s, disk=disk, segment_bytes=segment_bytes)
         except BaseException:
             rec.store.close()
             raise
-        coord.rearm_all()
-        # the server could not hear renewals while it was down: leases get that time back
-        info["leases_extended_ms"] = coord.extend_leases_after_restart(gap_ms)
-        coord.heartbeat = lambda mono, wall: _write_clock(clock_file, clock, mono, wall)
-        _write_clock(clock_file, clock)
-        info["entities"] = coord.entity_count()
-        info["downtime_s"] = gap_ms / 1000
-        torn = info["torn_tail"]
-        if torn is not None:
-            from .persistence.journal import ZERO_TAIL
-
-            if torn.reason == ZERO_TAIL:  # a preallocated segment after a crash: nothing lost
-                log.info("cut the journal's zero-filled tail: %s", torn)
-            else:
-                log.warning("cut a torn journal tail: %s", torn)
-        log.info(
-            "recovered %d entities from %s: snapshot LSN %d, %d journal records replayed, %d events kept, in %.3f s",
-            info["entities"], os.path.abspath(data_dir), info["snapshot_lsn"], info["replayed"],
-            coord.events.statistics()["events"], info["seconds"],
-            extra={"event": "recovery", "entities": info["entities"], "data_dir": os.path.abspath(data_dir),
-                   "snapshot_lsn": info["snapshot_lsn"], "replayed": info["replayed"],
-                   "seconds": round(info["seconds"], 4), "downtime_s": info["downtime_s"],
-                   "leases_extended_ms": info["leases_extended_ms"]},
-        )
-        node = Node(coord, data_dir, durability)
-        node.recovery_info = info
-        snap = Snapshotter(coord, storage.snapshot_store(rec.store), every_records=snapshot_every_records,
-                           every_s=snapshot_every_s, retry_s=snapshot_retry_s)
-        coord.background.append(snap.run)
-        node.snapshotter = snap
-        clean = False
+        recovery = Recovery(data_dir, durability, coord, rec, info, clock, clock_file, gap_ms, storage)
+        recovery.journal_options = dict(mode=durability, interval_ms=interval_ms, min_free_bytes=min_free_bytes,
+                                        ballast_bytes=ballast_bytes, space_poll_s=space_poll_s,
+                                        preallocate_bytes=preallocate_bytes, sync=sync_helper,
+                                        slow_sync_s=slow_sync_s, disk=disk, segment_bytes=segment_bytes)
         try:
-            async with _unwrapped(), trio.open_nursery() as nursery:
-                await nursery.start(coord.run)
-                try:
-                    yield node
-                    clean = True
-                finally:
-                    if clean and coord.failed is None:
-                        with trio.CancelScope(shield=True):
-                            await _final_snapshot(snap)
-                            _write_clock(clock_file, clock)
-                    nursery.cancel_scope.cancel()
+            yield recovery
         finally:
-            try:
-                with trio.CancelScope(shield=True):
-                    await coord.journal.aclose()
-            finally:
-                # even when the journal failed (aclose re-raises its error): an LMDB
-                # environment left open cannot be opened again in this process
-                rec.store.close()
+            rec.store.close()
     finally:
         clock_file.close()
         lock.release()
+
+
+def _log_recovery(recovery: Recovery) -> None:
+    info = recovery.info
+    coord = recovery.coordinator
+    torn = info["torn_tail"]
+    if torn is not None:
+        from .persistence.journal import ZERO_TAIL
+
+        if torn.reason == ZERO_TAIL:  # a preallocated segment after a crash: nothing lost
+            log.info("cut the journal's zero-filled tail: %s", torn)
+        else:
+            log.warning("cut a torn journal tail: %s", torn)
+    data_dir = recovery.data_dir
+    log.info(
+        "recovered %d entities from %s: snapshot LSN %d, %d journal records replayed, %d events kept, in %.3f s",
+        info["entities"], os.path.abspath(data_dir), info["snapshot_lsn"], info["replayed"],
+        coord.events.statistics()["events"], info["seconds"],
+        extra={"event": "recovery", "entities": info["entities"], "data_dir": os.path.abspath(data_dir),
+               "snapshot_lsn": info["snapshot_lsn"], "replayed": info["replayed"],
+               "seconds": round(info["seconds"], 4), "downtime_s": info["downtime_s"],
+               "leases_extended_ms": info["leases_extended_ms"]},
+    )
+
+
+@asynccontextmanager
+async def serving(
+    recovery: Recovery,
+    *,
+    snapshot_every_records: int,
+    snapshot_every_s: float,
+    snapshot_retry_s: float = 5.0,
+    gap_ms: int | None = None,
+    before_rearm=None,
+) -> AsyncIterator[Node]:
+    """Serve a recovered data dir: re-arm every activity, extend outstanding leases by
+    the time no holder could be heard (``gap_ms``, default the downtime since the data
+    dir's last heartbeat), run the coordinator and snapshots until the block ends; then
+    a final snapshot (on a clean exit) and the journal closed. ``before_rearm(coord)``
+    runs first (a new leader journals its epoch there)."""
+    coord = recovery.coordinator
+    info = recovery.info
+    if before_rearm is not None:
+        before_rearm(coord)
+    coord.rearm_all()
+    # the server could not hear renewals while it was down: leases get that time back
+    info["leases_extended_ms"] = coord.extend_leases_after_restart(recovery.gap_ms if gap_ms is None else gap_ms)
+    coord.heartbeat = lambda mono, wall: recovery.write_clock(mono, wall)
+    recovery.write_clock()
+    info["entities"] = coord.entity_count()
+    info["downtime_s"] = recovery.gap_ms / 1000 if gap_ms is None else gap_ms / 1000
+    _log_recovery(recovery)
+    node = Node(coord, recovery.data_dir, recovery.durability)
+    node.recovery_info = info
+    snap = recovery.snapshotter_for(every_records=snapshot_every_records, every_s=snapshot_every_s,
+                                    retry_s=snapshot_retry_s)
+    coord.background.append(snap.run)
+    node.snapshotter = snap
+    clean = False
+    try:
+        async with _unwrapped(), trio.open_nursery() as nursery:
+            await nursery.start(coord.run)
+            try:
+                yield node
+                clean = True
+            finally:
+                if clean and coord.failed is None:
+                    with trio.CancelScope(shield=True):
+                        await _final_snapshot(snap)
+                        recovery.write_clock()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await coord.journal.aclose()
+
+
+@asynccontextmanager
+async def open_persistent_node(
+    data_dir: str,
+    durability: str,
+    *,
+    clock: Clock | None,
+    interval_ms: int,
+    snapshot_every_records: int,
+    snapshot_every_s: float,
+    retention: dict | None = None,
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    ballast_bytes: int = 0,
+    space_poll_s: float = 1.0,
+    snapshot_retry_s: float = 5.0,
+    preallocate_bytes: int = 1 << 20,
+    sync_helper: str = "process",
+    slow_sync_s: float = 1.0,
+    disk=None,
+    storage: Storage | None = None,
+) -> AsyncIterator[Node]:
+    """Lock the data dir, recover, run journal + snapshots; snapshot at a clean exit
+    (skipped, with a log line, when the disk is full or the LMDB write fails: the
+    journal holds everything). Disk-space arguments: see :func:`open_node`."""
+    async with recovered(data_dir, durability, clock=clock, interval_ms=interval_ms, retention=retention,
+                         min_free_bytes=min_free_bytes, ballast_bytes=ballast_bytes, space_poll_s=space_poll_s,
+                         preallocate_bytes=preallocate_bytes, sync_helper=sync_helper, slow_sync_s=slow_sync_s,
+                         disk=disk, storage=storage) as recovery:
+        async with serving(recovery, snapshot_every_records=snapshot_every_records,
+                           snapshot_every_s=snapshot_every_s, snapshot_retry_s=snapshot_retry_s) as node:
+            yield node

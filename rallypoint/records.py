@@ -883,6 +883,24 @@ class JoinSetDone(_Fact):
 IMPLIED_FACTS: tuple[type, ...] = (BarrierCancelled, JoinSetChildDone, JoinSetClosing, JoinSetDone)
 
 
+# --- replication: the shard's leader epochs ---------------------------------------------
+
+
+class LeaderEpoch(_Rec, tag="leader_epoch"):
+    """A node became the shard's leader: the first record of its ``epoch`` (the etcd
+    leader key's create revision, strictly increasing), journaled at ``first_lsn``
+    before it serves. Every replica keeps the history of these (``Epochs``): a deposed
+    leader that rejoins truncates what it wrote past the end of its last epoch
+    (Kafka's KIP-101: by epoch, never by time). ``mono_ms``: the new leader's server
+    time when it took over."""
+
+    epoch: int
+    node: str
+    first_lsn: int
+    at_ms: int
+    mono_ms: int
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -958,6 +976,7 @@ Record = Union[
     TaskSubscribed,
     TaskDetached,
     Purged,
+    LeaderEpoch,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

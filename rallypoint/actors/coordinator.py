@@ -58,6 +58,7 @@ from .pool import Pools
 from .queue import WorkQueues
 from .quota import Quotas
 from .retention import Retention
+from .epochs import Epochs
 from .run import Runs
 from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, Subscribe, _FatalMarker, fatal_unwrapped, shutdown_error
 from .watch import Watchers
@@ -151,9 +152,10 @@ class Coordinator:
         self.idempotency = Idempotency(self, idempotency_ttl_ms)
         self.diagnostics = Diagnostics(self)
         self.retention = Retention(self, retain_finished_ms)
+        self.epochs = Epochs(self)  # a replicated shard's leader terms (rallypoint.cluster)
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
-                      self.onces, self.idempotency, self.diagnostics, self.retention)
+                      self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs)
         self.task_linked_kinds = (self.pools, self.budgets)  # Kind.purge_task_links
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}

@@ -93,6 +93,16 @@ Once space is free again (and the ballast re-made) the refusal lifts by itself. 
 (:class:`JournalWriteError`): after a failed fsync the kernel may have dropped the pages,
 and retrying could report success for data that is gone.
 
+Replication hooks
+=================
+A replicated node (``rallypoint.replication``) uses three hooks and nothing else:
+:meth:`Journal.set_tap` sees each appended record (LSN, CRC, payload: the bytes of its
+frame) to ship it to the standby; :meth:`Journal.set_replica_floor` caps
+``durable_lsn`` at what the in-sync standby acknowledged, so that "durable" -- and
+every reply held for it -- means durable here *and* there; :meth:`Journal.set_write_gate`
+refuses writes that could not be acknowledged. With none of them set (a single node)
+nothing changes.
+
 Slow and stuck disks
 ====================
 A slow fdatasync is not an error (the disk may recover), but every acknowledgement
@@ -463,6 +473,14 @@ class Journal:
         self._opened_next = next_lsn
         self._durable_lsn = next_lsn - 1
         self._synced_lsn = next_lsn - 1
+        # Replication (see *Replication hooks*): what this node alone made durable, the
+        # in-sync standby's acknowledged LSN that caps ``durable_lsn`` (None: no
+        # standby counts), the tap that sees every appended record, and a refusal of
+        # writes the node imposes (no in-sync standby under ``--min-insync 2``).
+        self._local_durable = next_lsn - 1
+        self._replica_floor: int | None = None
+        self._tap: Callable[[int, int, bytes], None] | None = None
+        self._write_gate: Callable[[], Exception] | None = None
         # Appended, not yet taken by the flusher (all of this lives on the event loop).
         self._buf = bytearray()
         self._buf_seg: int | None = None  # first LSN of a new segment this chunk starts
@@ -695,6 +713,9 @@ class Journal:
             raise self._refusal_error()
         if self._error is not None:
             self._raise_failed()
+        gate = self._write_gate
+        if gate is not None:
+            raise gate()
 
     def _refusal_error(self) -> DiskFullError:
         where = self._jdir
@@ -789,7 +810,8 @@ class Journal:
         if n > MAX_PAYLOAD:
             raise ValueError(f"journal payload of {n} bytes exceeds {MAX_PAYLOAD}")
         lb = _Q.pack(lsn)
-        head = _II.pack(n, crc32(payload, crc32(lb)))
+        crc = crc32(payload, crc32(lb))
+        head = _II.pack(n, crc)
         reclen = n + HEADER_SIZE
         if self._seg_bytes + reclen > self.segment_bytes and self._seg_bytes:
             self._roll(lsn)
@@ -800,6 +822,9 @@ class Journal:
         buf += payload
         self._buf_upto = lsn
         self._next_lsn = lsn + 1
+        tap = self._tap
+        if tap is not None:
+            tap(lsn, crc, payload)
         if self._wait_probe is None:
             self._wait_probe = (lsn, time.perf_counter())
         ev = self._wake
@@ -895,6 +920,50 @@ class Journal:
         except ValueError:
             pass
 
+    # ----------------------------------------------------------------- replication hooks
+
+    def set_tap(self, fn: Callable[[int, int, bytes], None] | None) -> None:
+        """Call ``fn(lsn, crc, payload)`` synchronously for every record appended from now
+        on, in LSN order (``crc``: the frame's CRC-32, see the module docstring), or stop
+        (None). The replication sender keeps the records for its standby this way; ``fn``
+        must not block or raise. Not in memory mode (nothing is framed there)."""
+        if fn is not None and self._memory:
+            raise ValueError("a memory-mode journal frames nothing to replicate")
+        self._tap = fn
+
+    @property
+    def oldest_lsn(self) -> int | None:
+        """The first LSN of the oldest segment still on disk (None in memory mode): the
+        oldest record a reader of the files can find (a snapshot's truncation moves it)."""
+        firsts = self._segment_firsts
+        return firsts[0] if firsts and not self._memory else None
+
+    @property
+    def local_durable_lsn(self) -> int:
+        """What this node alone made durable (``durable_lsn`` before the replica floor)."""
+        return self._local_durable
+
+    @property
+    def replica_floor(self) -> int | None:
+        """The in-sync standby's acknowledged LSN capping ``durable_lsn`` (None: none)."""
+        return self._replica_floor
+
+    def set_replica_floor(self, lsn: int | None) -> None:
+        """Cap ``durable_lsn`` at ``lsn`` (the last LSN every in-sync standby has made
+        durable), or lift the cap (None: acknowledged = durable here). ``durable_lsn``
+        is then ``min(local durable LSN, lsn)``, and everything that waits on it --
+        ``wait_durable``, the durable listeners that release replies -- waits for the
+        standby too. The cap never takes ``durable_lsn`` back; raising or lifting it
+        releases at once what it held."""
+        self._replica_floor = lsn
+        self._on_progress(self._local_durable, self._synced_lsn)
+
+    def set_write_gate(self, error: Callable[[], Exception] | None) -> None:
+        """Make :meth:`check_writable` raise ``error()`` (an UNAVAILABLE error saying
+        why) until called with None: the node refuses writes it cannot acknowledge,
+        e.g. with no in-sync standby under ``--min-insync 2``."""
+        self._write_gate = error
+
     def write_now(self) -> None:
         """Write what was appended, and ask for its fsync, now (on the event loop, in
         the caller's step) instead of at the flusher's next round: the coordinator calls
@@ -952,6 +1021,11 @@ class Journal:
         if probe is not None and probe[0] <= durable:
             self._wait_probe = None
             self.commit_wait_seconds.observe(time.perf_counter() - probe[1])
+        if durable > self._local_durable:
+            self._local_durable = durable
+        floor = self._replica_floor
+        if floor is not None and floor < durable:
+            durable = floor
         advanced = durable > self._durable_lsn
         if advanced:
             self._durable_lsn = durable

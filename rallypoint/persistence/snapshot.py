@@ -277,6 +277,17 @@ class SnapshotStore:
         async with self._lock:
             await trio.to_thread.run_sync(self._write_sync, lsn, puts, deletes, events)
 
+    async def copy_to(self, dest_dir: str | os.PathLike[str]) -> int:
+        """Write a compacted copy of the store (``dest_dir/data.mdb``; the directory
+        must exist and be empty) in a worker thread, and return the LSN it is valid
+        at. Serialized with :meth:`write`, so no snapshot lands between reading the LSN
+        and copying. (A standby too far behind starts from such a copy:
+        ``rallypoint.replication``.)"""
+        async with self._lock:
+            lsn = self.load_lsn()
+            await trio.to_thread.run_sync(lambda: self._env.copy(str(dest_dir), compact=True))
+        return lsn
+
     def write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
                    events: "EventWrite | None" = None) -> None:
         """Blocking form of :meth:`write` (for tools and tests; never on the loop)."""

@@ -1,0 +1,563 @@
+"""The leader's side of replication: ship every journal record to the standby, count
+what it made durable, and keep the in-sync set honest.
+
+**What "acknowledged" means.** A reply leaves only once ``journal.durable_lsn`` passes
+what it observed (:mod:`rallypoint.persistence.journal`). While a standby is in the
+in-sync set (ISR), :class:`ReplicationLeader` caps that LSN at the standby's
+acknowledged one (``Journal.set_replica_floor``), so "durable" means fsynced here *and*
+there, and no actor code changes. The ISR itself lives in etcd (``isr`` of the shard's
+``replicas`` key), changed only by the leader with a transaction fenced by its own
+epoch (:class:`IsrStore`): a deposed leader cannot change it.
+
+**Joining.** A standby that connects is *catching up*: it is sent what it lacks (from
+the leader's memory ring, its journal files, or a snapshot copy) and counts for nothing.
+Once its acknowledged LSN reaches the journal's end it *joins*: the floor is set
+(replies from now on wait for it), and once it has also acknowledged everything that
+was acknowledged before the floor was set, the leader adds it to the ISR in etcd. Only
+then may it take over: it holds every acknowledged record.
+
+**Dropping.** A standby in the ISR that acknowledges nothing for ``isr_timeout_s`` while
+records wait (or whose connection drops) is removed from the ISR in etcd *first*, and
+only then is the floor lifted and acknowledgement goes on without it (PacificA, Kafka's
+ISR). With ``min_insync=2`` it is never removed: writes are refused instead
+(UNAVAILABLE) until it is back, and what was written waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections import deque
+from typing import Any, Awaitable, Callable, Protocol
+
+import trio
+
+from ..errors import UnavailableError
+from ..persistence.journal import read_journal
+from . import wire
+from .link import Link, LinkClosed, unwrapped
+
+log = logging.getLogger("rallypoint.replication")
+
+__all__ = ["ReplicationLeader", "RecordRing", "IsrStore", "Deposed", "frame_records"]
+
+_II = struct.Struct("<II")
+_Q = struct.Struct("<Q")
+
+#: A batch of frames is cut once it holds this many bytes (one record larger than it
+#: travels alone).
+BATCH_BYTES = 1 << 20
+#: A heartbeat when nothing was sent for this long, seconds.
+BEAT_S = 0.1
+#: Snapshot copies travel in pieces of this many bytes.
+SNAPSHOT_CHUNK = 4 << 20
+
+
+class Deposed(Exception):
+    """A fenced etcd transaction failed: this node is not the shard's leader any more."""
+
+
+class IsrStore(Protocol):
+    """Where the in-sync set lives (etcd, through ``rallypoint.cluster``)."""
+
+    @property
+    def isr(self) -> list[str]:
+        """The in-sync set as last written or read (node names, the leader first)."""
+
+    async def set_isr(self, isr: list[str]) -> bool:
+        """Write the in-sync set, fenced by this leader's epoch. False: the fence failed
+        (this node is not the leader any more); nothing was written."""
+
+
+def frame_records(records) -> bytes:
+    """``[(lsn, crc, payload)]`` -> the bytes of their journal frames, as on disk."""
+    parts = []
+    for lsn, crc, payload in records:
+        parts.append(_II.pack(len(payload), crc))
+        parts.append(_Q.pack(lsn))
+        parts.append(payload)
+    return b"".join(parts)
+
+
+class RecordRing:
+    """The records appended most recently, kept in memory for the standby: the
+    journal's tap (:meth:`tap`) adds each, and the oldest go once more than
+    ``max_bytes`` of payload are held. ``first_lsn``..``last_lsn`` are held (empty:
+    ``first_lsn == last_lsn + 1``)."""
+
+    def __init__(self, next_lsn: int, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._q: deque[tuple[int, int, bytes]] = deque()
+        self.first_lsn = next_lsn
+        self.last_lsn = next_lsn - 1
+        self.bytes = 0
+        self._event: trio.Event | None = None
+
+    def tap(self, lsn: int, crc: int, payload: bytes) -> None:
+        """The journal appended ``lsn`` (called synchronously, in LSN order)."""
+        q = self._q
+        q.append((lsn, crc, payload))
+        self.last_lsn = lsn
+        self.bytes += len(payload)
+        while self.bytes > self.max_bytes and len(q) > 1:
+            self.bytes -= len(q.popleft()[2])
+            self.first_lsn = q[0][0]
+        ev = self._event
+        if ev is not None:
+            self._event = None
+            ev.set()
+
+    async def wait_past(self, lsn: int) -> None:
+        """Return once a record past ``lsn`` was appended."""
+        while self.last_lsn <= lsn:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
+
+    def take(self, from_lsn: int, max_bytes: int = BATCH_BYTES) -> list[tuple[int, int, bytes]]:
+        """Records from ``from_lsn`` on (``first_lsn <= from_lsn``), up to about
+        ``max_bytes`` (at least one, if there is one)."""
+        q = self._q
+        if not q or from_lsn > self.last_lsn:
+            return []
+        i = from_lsn - self.first_lsn
+        out = []
+        n = 0
+        while i < len(q):
+            rec = q[i]
+            out.append(rec)
+            n += len(rec[2]) + 16
+            if n >= max_bytes:
+                break
+            i += 1
+        return out
+
+
+class _Peer:
+    """One connected standby."""
+
+    def __init__(self, node: str, link: Link, acked: int) -> None:
+        self.node = node
+        self.link = link
+        self.acked = acked
+        self.state = "catching_up"  # -> joining -> in_sync; -> dropped
+        self.join_target: int | None = None
+        self.last_progress = trio.current_time()
+        self.connected_at = time.time()
+        self.sent_lsn = acked
+
+
+class ReplicationLeader:
+    """Replication on the shard's leader: serves standbys on the replication listener.
+
+    Args:
+        coordinator: the leader's coordinator (its journal, epochs, clock, snapshotter).
+        epoch: this leader's epoch (its etcd leader key's create revision).
+        node: this node's name; cluster, shard: what a standby must name in its Hello.
+        isr: the in-sync set store (fenced writes).
+        snapshot_store: the leader's :class:`~rallypoint.persistence.snapshot.SnapshotStore`
+            (a standby too far behind gets a compacted copy of it).
+        isr_timeout_s: a standby in the ISR that acknowledges nothing for this long
+            (seconds) while records wait for it is dropped from the ISR (default 1 s).
+        min_insync: 2: never run alone -- refuse writes while no standby is in sync.
+        ring_bytes: payload bytes of recent records kept in memory for the standby.
+        on_deposed: called when a fenced ISR write fails (the node must stop serving).
+
+    Use: ``journal.set_tap(leader.ring.tap)`` is done by :meth:`attach`; run
+    :meth:`serve` with a listener in the node's nursery.
+    """
+
+    def __init__(self, coordinator, *, epoch: int, node: str, cluster: str, shard: int, isr: IsrStore,
+                 snapshot_store=None, isr_timeout_s: float = 1.0,
+                 min_insync: int = 1, ring_bytes: int = 64 << 20,
+                 on_deposed: Callable[[], None] | None = None) -> None:
+        if min_insync not in (1, 2):
+            raise ValueError(f"min_insync must be 1 or 2 (got {min_insync})")
+        self.coord = coordinator
+        self.journal = coordinator.journal
+        self.epoch = epoch
+        self.node = node
+        self.cluster = cluster
+        self.shard = shard
+        self.isr_store = isr
+        self.snapshot_store = snapshot_store
+        self.isr_timeout_s = isr_timeout_s
+        self.min_insync = min_insync
+        self.ring = RecordRing(self.journal.last_lsn + 1, ring_bytes)
+        self.on_deposed = on_deposed
+        self.peer: _Peer | None = None
+        self.deposed = False
+        self._isr_lock = trio.Lock()
+        self.stats = {"frames_sent": 0, "bytes_sent": 0, "snapshots_sent": 0, "isr_shrinks": 0, "isr_expands": 0,
+                      "sessions": 0}
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self) -> None:
+        """Start seeing every record the journal appends (before the first commit of
+        this epoch: the new leader's own records -- its epoch, the lease extension --
+        go in before :meth:`serve` refuses writes under ``min_insync``)."""
+        self.journal.set_tap(self.ring.tap)
+
+    def detach(self) -> None:
+        self.journal.set_tap(None)
+        self.journal.set_replica_floor(None)
+        self.journal.set_write_gate(None)
+
+    def _update_gate(self) -> None:
+        if self.min_insync < 2:
+            self.journal.set_write_gate(None)
+            return
+        peer = self.peer
+        if peer is not None and peer.state == "in_sync":
+            self.journal.set_write_gate(None)
+        else:
+            self.journal.set_write_gate(lambda: UnavailableError(
+                "no in-sync standby: this shard runs with --min-insync 2 and refuses writes it could not "
+                "replicate; they resume once the standby has caught up", retry_after=1.0,
+                details={"reason": "min_insync"}))
+
+    def hold_lsn(self) -> int | None:
+        """The oldest LSN a connected standby may still need from the journal files
+        (the Snapshotter keeps segments from it on), or None."""
+        peer = self.peer
+        return None if peer is None else peer.acked + 1
+
+    # ------------------------------------------------------------------ status
+    def statistics(self) -> dict[str, Any]:
+        """Replication figures for ``cluster status`` and metrics: the standby (node,
+        state, acknowledged LSN, lag in records, seconds since its last progress)."""
+        peer = self.peer
+        out: dict[str, Any] = dict(self.stats)
+        out["epoch"] = self.epoch
+        out["last_lsn"] = self.journal.last_lsn
+        out["isr"] = list(self.isr_store.isr)
+        if peer is None:
+            out["standby"] = None
+        else:
+            out["standby"] = {
+                "node": peer.node, "state": peer.state, "acked_lsn": peer.acked,
+                "lag_records": max(0, self.journal.last_lsn - peer.acked),
+                "since_progress_s": round(trio.current_time() - peer.last_progress, 3),
+            }
+        return out
+
+    # ------------------------------------------------------------------ serving
+    async def serve(self, listeners, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Accept standby connections on ``listeners`` until cancelled; one session
+        each (a new standby connection replaces an older one of the same node)."""
+        self._update_gate()  # min_insync 2: no client write until a standby is in sync
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watchdog)
+            task_status.started()
+            await trio.serve_listeners(self._session_guarded, listeners, handler_nursery=nursery)
+
+    async def _session_guarded(self, stream) -> None:
+        try:
+            await self.session(stream)
+        except LinkClosed as exc:
+            log.info("replication: standby connection ended: %s", exc)
+        except Deposed:
+            self._deposed()
+
+    def _deposed(self) -> None:
+        if not self.deposed:
+            self.deposed = True
+            log.warning("replication: a fenced in-sync-set update failed: this node is no longer the leader")
+            if self.on_deposed is not None:
+                self.on_deposed()
+
+    async def session(self, stream) -> None:
+        """One standby connection: handshake, then stream records and read acks."""
+        link = Link(stream, "leader")
+        try:
+            hello = await link.receive()
+            if not isinstance(hello, wire.Hello):
+                raise LinkClosed(f"expected Hello, got {type(hello).__name__}")
+            refusal = self._check_hello(hello)
+            if refusal is not None:
+                await link.send(wire.Refuse(code="REFUSED", message=refusal))
+                return
+            welcome = self._welcome(hello)
+            await link.send(welcome)
+            if welcome.truncate_to is not None:
+                return  # it truncates and comes back
+            self.stats["sessions"] += 1
+            start = welcome.from_lsn
+            if welcome.snapshot:
+                start = await self._send_snapshot(link) + 1
+            old = self.peer
+            if old is not None:
+                await self._drop(old, "replaced by a new connection of the standby")
+            peer = _Peer(hello.node, link, start - 1)
+            self.peer = peer
+            log.info("replication: standby %s connected (from LSN %d, journal ends at %d)", hello.node, start,
+                     self.journal.last_lsn)
+            try:
+                async with unwrapped(), trio.open_nursery() as nursery:
+                    nursery.start_soon(self._read_acks, peer, nursery.cancel_scope)
+                    await self._on_ack(peer)  # a standby that lacks nothing joins at once
+                    await self._stream(peer, start)
+            finally:
+                if self.peer is peer:
+                    with trio.CancelScope(shield=True):
+                        await self._drop(peer, "its connection ended")
+        finally:
+            await link.aclose()
+
+    def _check_hello(self, hello: wire.Hello) -> str | None:
+        if hello.version != wire.LINK_VERSION:
+            return f"replication link version {hello.version} is not {wire.LINK_VERSION}"
+        if hello.cluster != self.cluster or hello.shard != self.shard:
+            return (f"this is shard {self.shard} of cluster {self.cluster!r}, not shard {hello.shard} of "
+                    f"{hello.cluster!r}")
+        if hello.node == self.node:
+            return f"node {hello.node!r} is this leader"
+        if hello.last_epoch > self.epoch:
+            return f"the standby has records of epoch {hello.last_epoch}, newer than this leader's {self.epoch}"
+        if self.deposed:
+            return "this node is no longer the leader"
+        return None
+
+    def _welcome(self, hello: wire.Hello) -> wire.Welcome:
+        epochs = self.coord.epochs
+        last = hello.last_lsn
+        end = epochs.end_of(hello.last_epoch)
+        truncate_to = None
+        if end is not None and last > end:
+            truncate_to = end  # records of its last epoch no one acknowledged
+        elif last > self.journal.last_lsn:
+            truncate_to = self.journal.last_lsn
+        if truncate_to is not None:
+            if truncate_to < hello.snapshot_lsn:
+                return wire.Welcome(epoch=self.epoch, leader=self.node, from_lsn=0, snapshot=True)
+            return wire.Welcome(epoch=self.epoch, leader=self.node, from_lsn=truncate_to + 1, truncate_to=truncate_to)
+        from_lsn = last + 1
+        if from_lsn < self.ring.first_lsn and from_lsn < self._oldest_on_disk():
+            return wire.Welcome(epoch=self.epoch, leader=self.node, from_lsn=0, snapshot=True)
+        return wire.Welcome(epoch=self.epoch, leader=self.node, from_lsn=from_lsn)
+
+    def _oldest_on_disk(self) -> int:
+        oldest = self.journal.oldest_lsn
+        return self.ring.first_lsn if oldest is None else oldest
+
+    async def _send_snapshot(self, link: Link) -> int:
+        """Send a compacted copy of the leader's snapshot; returns its LSN."""
+        store = self.snapshot_store
+        if store is None:
+            raise LinkClosed("the standby needs a snapshot copy and this leader keeps none")
+        tmp = tempfile.mkdtemp(prefix="rallypoint-snapcopy-")
+        try:
+            lsn = await store.copy_to(tmp)
+            path = os.path.join(tmp, "data.mdb")
+            size = os.path.getsize(path)
+            log.info("replication: sending a %d-byte snapshot copy at LSN %d to the standby", size, lsn)
+            with open(path, "rb") as f:
+                off = 0
+                while True:
+                    data = await trio.to_thread.run_sync(f.read, SNAPSHOT_CHUNK)
+                    last = off + len(data) >= size
+                    await link.send(wire.SnapshotChunk(lsn=lsn, offset=off, data=data, last=last))
+                    off += len(data)
+                    if last:
+                        break
+            self.stats["snapshots_sent"] += 1
+            return lsn
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    async def _stream(self, peer: _Peer, start: int) -> None:
+        """Send records from ``start`` on as they are appended; beats when idle."""
+        nxt = start
+        ring = self.ring
+        clock = self.coord.clock
+        disk_iter = None
+        misses = 0
+        last_send = trio.current_time()
+        while True:
+            if nxt < ring.first_lsn:
+                # older than the ring holds: from the journal files (a worker thread)
+                if nxt < self._oldest_on_disk():
+                    raise LinkClosed(f"LSN {nxt} is no longer in the journal files (a snapshot truncated them); "
+                                     "the standby reconnects and gets a snapshot copy")
+                if disk_iter is None:
+                    disk_iter = iter(read_journal(self.journal.data_dir, after_lsn=nxt - 1))
+                upto = min(ring.first_lsn - 1, self.journal.synced_lsn)
+                batch = await trio.to_thread.run_sync(_read_batch, disk_iter, nxt, upto)
+                if not batch:
+                    # not synced yet, or written after the iterator read the files: again
+                    disk_iter = None
+                    misses += 1
+                    if misses > 100:
+                        raise LinkClosed(f"LSN {nxt} cannot be read from the journal files")
+                    await trio.sleep(0.01)
+                    continue
+                misses = 0
+            else:
+                disk_iter = None
+                batch = ring.take(nxt)
+            if batch:
+                first = batch[0][0]
+                if first != nxt:
+                    raise LinkClosed(f"internal: batch starts at LSN {first}, expected {nxt}")
+                data = frame_records(batch)
+                await peer.link.send(wire.Frames(epoch=self.epoch, first_lsn=nxt, count=len(batch), data=data,
+                                                 mono_ms=clock.mono_ms(), wall_ms=clock.now_ms()))
+                nxt += len(batch)
+                peer.sent_lsn = nxt - 1
+                self.stats["frames_sent"] += len(batch)
+                self.stats["bytes_sent"] += len(data)
+                last_send = trio.current_time()
+                continue
+            with trio.move_on_after(max(0.0, BEAT_S - (trio.current_time() - last_send))):
+                await ring.wait_past(nxt - 1)
+                continue
+            await peer.link.send(wire.Beat(epoch=self.epoch, last_lsn=self.journal.last_lsn,
+                                           mono_ms=clock.mono_ms(), wall_ms=clock.now_ms()))
+            last_send = trio.current_time()
+
+    async def _read_acks(self, peer: _Peer, scope: trio.CancelScope) -> None:
+        try:
+            while True:
+                msg = await peer.link.receive()
+                if not isinstance(msg, wire.Ack):
+                    raise LinkClosed(f"unexpected {type(msg).__name__} from the standby")
+                if msg.lsn > peer.sent_lsn:
+                    raise LinkClosed(f"the standby acknowledged LSN {msg.lsn}, past what it was sent "
+                                     f"({peer.sent_lsn})")
+                if msg.lsn > peer.acked:
+                    peer.acked = msg.lsn
+                    peer.last_progress = trio.current_time()
+                    await self._on_ack(peer)
+        finally:
+            scope.cancel()
+
+    # ------------------------------------------------------------------ the ISR
+    async def _on_ack(self, peer: _Peer) -> None:
+        journal = self.journal
+        if peer.state in ("joining", "in_sync"):
+            journal.set_replica_floor(peer.acked)
+        if peer.state == "catching_up" and peer.acked >= journal.last_lsn:
+            # caught up: from now on replies wait for it; everything acknowledged
+            # before must be on it too before it may take over
+            peer.state = "joining"
+            peer.join_target = journal.durable_lsn
+            journal.set_replica_floor(peer.acked)
+        if peer.state == "joining" and peer.join_target is not None and peer.acked >= peer.join_target:
+            async with self._isr_lock:
+                if self.peer is not peer or peer.state != "joining":
+                    return
+                isr = [self.node, peer.node]
+                if not await self.isr_store.set_isr(isr):
+                    raise Deposed()
+                peer.state = "in_sync"
+                self.stats["isr_expands"] += 1
+                log.info("replication: standby %s is in sync at LSN %d: the in-sync set is now %s", peer.node,
+                         peer.acked, isr)
+                self._update_gate()
+
+    async def _drop(self, peer: _Peer, why: str) -> None:
+        """Stop counting ``peer``: out of the ISR in etcd first (fenced), then the floor
+        is lifted. Under ``min_insync=2`` it stays in the ISR and writes are refused."""
+        async with self._isr_lock:
+            if self.peer is peer:
+                self.peer = None
+            was = peer.state
+            peer.state = "dropped"
+            if was == "in_sync":
+                if self.min_insync >= 2:
+                    log.warning("replication: standby %s is out (%s); --min-insync 2: writes are refused "
+                                "until it is back", peer.node, why)
+                    self._update_gate()
+                    return  # the floor stays: nothing more is acknowledged without it
+                if not await self.isr_store.set_isr([self.node]):
+                    self._deposed()
+                    return  # the floor stays: a deposed leader acknowledges nothing more
+                self.stats["isr_shrinks"] += 1
+                log.warning("replication: standby %s dropped from the in-sync set (%s); acknowledging without "
+                            "it", peer.node, why)
+            if self.peer is None or self.peer.state not in ("joining", "in_sync"):
+                self.journal.set_replica_floor(None)
+            self._update_gate()
+        with trio.CancelScope(shield=True):
+            await peer.link.aclose()
+
+    async def _watchdog(self) -> None:
+        """Drop a standby that stopped acknowledging while records wait for it; let one
+        that caught up with nothing left to acknowledge join."""
+        try:
+            await self._watch()
+        except Deposed:
+            self._deposed()
+
+    async def _watch(self) -> None:
+        period = max(0.01, self.isr_timeout_s / 4)
+        while True:
+            await trio.sleep(period)
+            peer = self.peer
+            if peer is None:
+                continue
+            if peer.state == "catching_up":
+                await self._on_ack(peer)  # caught up with nothing left to acknowledge
+                continue
+            if peer.state not in ("joining", "in_sync"):
+                continue
+            waiting = self.journal.local_durable_lsn > peer.acked or self.journal.last_lsn > peer.acked
+            if not waiting:
+                peer.last_progress = trio.current_time()
+                continue
+            if trio.current_time() - peer.last_progress >= self.isr_timeout_s:
+                await self._drop(peer, f"no acknowledgement for {self.isr_timeout_s:g} s")
+
+    async def shrink_isr_alone(self) -> bool:
+        """At takeover: the ISR becomes this leader alone (the old leader is gone), fenced,
+        before anything is acknowledged. False when the fence failed."""
+        async with self._isr_lock:
+            if self.isr_store.isr == [self.node]:
+                return True
+            if self.min_insync >= 2:
+                return True  # keep the old member: writes wait for a standby instead
+            ok = await self.isr_store.set_isr([self.node])
+            if ok:
+                self.stats["isr_shrinks"] += 1
+            return ok
+
+    async def wait_standby_caught_up(self, lsn: int) -> bool:
+        """Wait until the in-sync standby acknowledged ``lsn`` (a graceful hand-over);
+        False when there is no in-sync standby."""
+        while True:
+            peer = self.peer
+            if peer is None or peer.state != "in_sync":
+                return False
+            if peer.acked >= lsn:
+                return True
+            await trio.sleep(0.005)
+
+
+def _read_batch(it, nxt: int, upto: int) -> list[tuple[int, int, bytes]]:
+    """Up to BATCH_BYTES of records ``nxt..upto`` from a journal iterator (a worker
+    thread). The CRC is recomputed (the iterator checked it)."""
+    from zlib import crc32
+
+    out = []
+    n = 0
+    while nxt <= upto:
+        try:
+            lsn, payload = next(it)
+        except StopIteration:
+            break
+        if lsn < nxt:
+            continue
+        if lsn != nxt:
+            break
+        payload = bytes(payload)
+        out.append((lsn, crc32(payload, crc32(_Q.pack(lsn))), payload))
+        n += len(payload) + 16
+        nxt += 1
+        if n >= BATCH_BYTES:
+            break
+    return out

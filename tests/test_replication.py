@@ -1,0 +1,339 @@
+"""Replication of a shard's journal to a synchronous standby, in one process: the
+leader and the standby are two data dirs, the link a real TCP connection (through a
+loopback proxy where a test cuts it), the in-sync set a fake of the etcd store.
+
+Every test checks the invariant of the design (SCALE-OUT.md §5): the replicas hold the
+same bytes at every LSN both have, and nothing acknowledged is missing on the one that
+takes over."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import trio
+
+from rallypoint.client.api import Client
+from rallypoint.client.embedded import EmbeddedTransport
+from rallypoint.errors import UnavailableError
+from rallypoint.node import recovered, serving
+from rallypoint.persistence.journal import read_journal
+from rallypoint.replication import (
+    LinkClosed,
+    Rebuild,
+    ReplicationLeader,
+    StaleLeader,
+    install_snapshot,
+    running_as_standby,
+    take_over,
+    truncate_after,
+)
+from rallypoint.testing.proxy import Proxy
+
+pytestmark = pytest.mark.timeout(120)
+
+SNAP = dict(snapshot_every_records=10**9, snapshot_every_s=10**6)
+
+
+class FakeIsr:
+    """The in-sync set store: records every write in ``log`` (shared with the test)."""
+
+    def __init__(self, isr, log):
+        self.isr = list(isr)
+        self.log = log
+        self.fenced = False
+
+    async def set_isr(self, isr):
+        await trio.sleep(0)
+        if self.fenced:
+            return False
+        self.isr = list(isr)
+        self.log.append(("isr", tuple(isr)))
+        return True
+
+
+async def wait_until(pred, timeout=30.0, what="condition"):
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.005)
+
+
+class Leader:
+    """A data dir serving as the leader of ``epoch`` with replication on a free port."""
+
+    def __init__(self, path, epoch, node="a", *, isr=None, log=None, min_insync=1, isr_timeout_s=0.5,
+                 segment_bytes=64 << 20, ring_bytes=64 << 20):
+        self.path = str(path)
+        self.epoch = epoch
+        self.node = node
+        self.log = log if log is not None else []
+        self.isr = isr or FakeIsr([node], self.log)
+        self.min_insync = min_insync
+        self.isr_timeout_s = isr_timeout_s
+        self.segment_bytes = segment_bytes
+        self.ring_bytes = ring_bytes
+
+    async def run(self, clock_pair=None, *, task_status=trio.TASK_STATUS_IGNORED):
+        async with recovered(self.path, "fsync", clock=None, interval_ms=10, sync_helper="thread",
+                             segment_bytes=self.segment_bytes) as rec:
+            await self.run_recovered(rec, clock_pair, task_status=task_status)
+
+    async def run_recovered(self, rec, clock_pair=None, *, task_status=trio.TASK_STATUS_IGNORED):
+        self.rec = rec
+        gap = {}
+
+        def before(coord):
+            gap["ms"] = take_over(coord, epoch=self.epoch, node=self.node, clock_pair=clock_pair,
+                                  default_gap_ms=rec.gap_ms)
+
+        # the ring must see the epoch record: attach replication to the journal first
+        self.repl = None
+
+        def attach(coord):
+            self.repl = ReplicationLeader(coord, epoch=self.epoch, node=self.node, cluster="c", shard=0,
+                                          isr=self.isr, snapshot_store=rec.rec.store,
+                                          isr_timeout_s=self.isr_timeout_s, min_insync=self.min_insync,
+                                          ring_bytes=self.ring_bytes)
+            self.repl.attach()
+            before(coord)
+
+        async with serving(rec, before_rearm=attach, **SNAP) as node:
+            self.node_obj = node
+            self.coord = node.coordinator
+            node.snapshotter.hold_lsn = self.repl.hold_lsn
+            self.client = Client(EmbeddedTransport(node.service))
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            self.port = listeners[0].socket.getsockname()[1]
+            async with trio.open_nursery() as n:
+                await n.start(self.repl.serve, listeners)
+                task_status.started(self)
+                await trio.sleep_forever()
+
+
+async def follow(standby, port, epoch, *, task_status=trio.TASK_STATUS_IGNORED):
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await standby.follow(stream, epoch, task_status=task_status)
+
+
+async def follow_until_cut(standby, port, epoch):
+    """Follow until the link is cut (a test that cuts it on purpose)."""
+    try:
+        await follow(standby, port, epoch)
+    except LinkClosed:
+        pass
+
+
+def journal_bytes(path):
+    return dict(read_journal(str(path)))
+
+
+def entities(coord):
+    enc = msgspec.msgpack.Encoder()
+    out = {}
+    for prefix, (table, _typ) in coord.entity_tables().items():
+        for k, v in table.items():
+            out[k] = enc.encode(v)
+    return out
+
+
+async def workload(rs, n=20):
+    run = await rs.scopes.create(name="w")
+    jobs = await rs.mailboxes.ensure("jobs")
+    for i in range(n):
+        await jobs.submit({"i": i}, scope=run)
+    got = await jobs.receive(scope=run, max_messages=n // 2, lease_seconds=60, wait=0)
+    for d in got:
+        await d.complete({"ok": True})
+    return run
+
+
+async def test_a_standby_holds_the_same_bytes_and_state_and_acknowledgement_waits_for_it(tmp_path):
+    log = []
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(tmp_path / "a", epoch=10, log=log).run)
+        await workload(leader.client)
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                n.start_soon(follow, sb, leader.port, 10)
+                await wait_until(lambda: leader.isr.isr == ["a", "b"], what="standby in sync")
+                assert log == [("isr", ("a", "b"))]
+                # from now on a reply waits for the standby's acknowledgement
+                run = await workload(leader.client)
+                journal = leader.coord.journal
+                assert journal.durable_lsn <= leader.repl.peer.acked
+                assert journal.replica_floor == leader.repl.peer.acked
+                await wait_until(lambda: sb.applied_lsn == journal.last_lsn)
+                # the standby applied every record: the same state, entity by entity
+                assert entities(rb.coordinator) == entities(leader.coord)
+                assert rb.coordinator.runs.table[run.id].state == "ACTIVE"
+                assert rb.coordinator.epochs.current == 10
+                n.cancel_scope.cancel()
+    a, b = journal_bytes(tmp_path / "a"), journal_bytes(tmp_path / "b")
+    assert set(a) <= set(b) or set(b) <= set(a)
+    common = set(a) & set(b)
+    assert len(common) > 40
+    assert all(a[lsn] == b[lsn] for lsn in common)
+
+
+async def test_a_silent_standby_leaves_the_isr_in_etcd_before_anything_is_acknowledged_without_it(tmp_path):
+    log = []
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(tmp_path / "a", epoch=10, log=log, isr_timeout_s=0.3).run)
+        proxy = Proxy("127.0.0.1", leader.port)
+        pport = await n.start(proxy.run)
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                n.start_soon(follow_until_cut, sb, pport, 10)
+                await wait_until(lambda: leader.isr.isr == ["a", "b"])
+                rs = leader.client
+                run = await rs.scopes.create(name="before-cut")
+                proxy.set_mode("hold")
+                # this write cannot be acknowledged until the standby is out of the ISR
+                run2 = await rs.scopes.create(name="after-cut")
+                log.append(("reply", "after-cut"))
+                assert log == [("isr", ("a", "b")), ("isr", ("a",)), ("reply", "after-cut")]
+                assert leader.coord.journal.replica_floor is None
+                assert run.id != run2.id
+                n.cancel_scope.cancel()
+
+
+async def test_min_insync_2_refuses_writes_without_a_standby_and_resumes_when_it_is_back(tmp_path):
+    log = []
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(tmp_path / "a", epoch=10, log=log, min_insync=2, isr_timeout_s=0.3).run)
+        rs = leader.client
+        with pytest.raises(UnavailableError) as e:
+            await rs.scopes.create(name="alone")
+        assert "min-insync" in e.value.message
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                proxy = Proxy("127.0.0.1", leader.port)
+                pport = await n.start(proxy.run)
+                n.start_soon(follow_until_cut, sb, pport, 10)
+                await wait_until(lambda: leader.repl.peer is not None and leader.repl.peer.state == "in_sync")
+                run = await rs.scopes.create(name="replicated")
+                proxy.set_mode("hold")
+                with trio.move_on_after(1.5) as waited:  # never acknowledged while the standby is cut off
+                    await rs.scopes.create(name="held")
+                assert waited.cancelled_caught
+                # the ISR was not shrunk: the standby may still take over
+                assert ("isr", ("a",)) not in log
+                proxy.set_mode("reset")
+                proxy.set_mode("pass")
+                with pytest.raises(UnavailableError):
+                    await rs.scopes.create(name="refused")
+                n.start_soon(follow, sb, pport, 10)
+                await wait_until(lambda: leader.repl.peer is not None and leader.repl.peer.state == "in_sync")
+                again = await rs.scopes.create(name="again")
+                assert again.id != run.id
+                n.cancel_scope.cancel()
+
+
+async def test_a_deposed_leader_truncates_what_it_wrote_past_its_epoch_and_rejoins(tmp_path):
+    log = []
+    a_path, b_path = tmp_path / "a", tmp_path / "b"
+    # epoch 10: a leads, b follows; then b is cut off and a writes on alone
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(a_path, epoch=10, log=log, isr_timeout_s=0.3).run)
+        proxy = Proxy("127.0.0.1", leader.port)
+        pport = await n.start(proxy.run)
+        async with recovered(str(b_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                n.start_soon(follow_until_cut, sb, pport, 10)
+                await wait_until(lambda: leader.isr.isr == ["a", "b"])
+                await workload(leader.client, 6)
+                await wait_until(lambda: sb.applied_lsn == leader.coord.journal.last_lsn)
+                proxy.set_mode("hold")
+                await leader.client.scopes.create(name="only-on-a")  # after the ISR shrink
+                a_last = leader.coord.journal.last_lsn
+                b_last = rb.coordinator.journal.last_lsn
+                assert a_last > b_last
+                n.cancel_scope.cancel()
+    # epoch 12: b takes over (as etcd would let it once a's lease lapsed) and writes
+    async with trio.open_nursery() as n:
+        async with recovered(str(b_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            b = Leader(b_path, epoch=12, node="b", log=log)
+            await n.start(b.run_recovered, rb)
+            await b.client.scopes.create(name="b-leads")
+            # a comes back as a standby: it must cut what it wrote past epoch 10's end
+            async with recovered(str(a_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
+                async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+                    with pytest.raises(Rebuild) as rb_exc:
+                        await follow(sa, b.port, 12)
+            assert rb_exc.value.truncate_to == b_last
+            assert truncate_after(str(a_path), rb_exc.value.truncate_to) == a_last - b_last
+            async with recovered(str(a_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
+                assert ra.coordinator.journal.last_lsn == b_last
+                assert not any(r.name == "only-on-a" for r in ra.coordinator.runs.table.values())
+                async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+                    n.start_soon(follow, sa, b.port, 12)
+                    await wait_until(lambda: b.repl.peer is not None and b.repl.peer.state == "in_sync")
+                    await b.client.scopes.create(name="replicated-again")
+                    await wait_until(lambda: sa.applied_lsn == b.coord.journal.last_lsn)
+                    assert entities(ra.coordinator) == entities(b.coord)
+                    assert [e.epoch for e in ra.coordinator.epochs.entries] == [10, 12]
+            n.cancel_scope.cancel()
+    a, b_ = journal_bytes(a_path), journal_bytes(b_path)
+    common = set(a) & set(b_)
+    assert all(a[lsn] == b_[lsn] for lsn in common)
+
+
+async def test_a_standby_too_far_behind_gets_a_snapshot_copy(tmp_path):
+    log = []
+    async with trio.open_nursery() as n:
+        # a small ring and small segments: after the snapshot, the start of the journal
+        # is neither in memory nor on disk
+        leader = await n.start(Leader(tmp_path / "a", epoch=10, log=log, segment_bytes=4096, ring_bytes=2048).run)
+        for _ in range(4):
+            await workload(leader.client, 10)
+        await leader.node_obj.snapshotter.snapshot()
+        assert leader.coord.journal.oldest_lsn > 1  # the start of the journal is gone
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                with pytest.raises(Rebuild) as exc:
+                    await follow(sb, leader.port, 10)
+        assert exc.value.snapshot_lsn == leader.node_obj.snapshotter.last_lsn
+        install_snapshot(str(tmp_path / "b"), exc.value.snapshot_dir)
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                n.start_soon(follow, sb, leader.port, 10)
+                await wait_until(lambda: leader.isr.isr == ["a", "b"])
+                await workload(leader.client, 4)
+                await wait_until(lambda: sb.applied_lsn == leader.coord.journal.last_lsn)
+                assert entities(rb.coordinator) == entities(leader.coord)
+                n.cancel_scope.cancel()
+
+
+async def test_a_standby_refuses_a_leader_of_an_older_epoch(tmp_path):
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(tmp_path / "a", epoch=10).run)
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                # etcd says the leader is at epoch 11: the peer at 10 is a deposed one
+                with pytest.raises(StaleLeader):
+                    await follow(sb, leader.port, 11)
+                sb.epoch_seen = 14
+                with pytest.raises(StaleLeader):
+                    await follow(sb, leader.port, 10)
+                assert rb.coordinator.journal.last_lsn == 0
+        n.cancel_scope.cancel()
+
+
+async def test_the_link_refuses_frames_that_do_not_check():
+    from rallypoint.replication.standby import _check_frames
+    from rallypoint.replication.leader import frame_records
+    from zlib import crc32
+    import struct
+
+    def rec(lsn, payload):
+        return (lsn, crc32(payload, crc32(struct.pack("<Q", lsn))), payload)
+
+    good = frame_records([rec(5, b"abc"), rec(6, b"de")])
+    assert _check_frames(good, 5, 2) == [b"abc", b"de"]
+    bad = bytearray(good)
+    bad[-1] ^= 0xFF
+    with pytest.raises(LinkClosed):
+        _check_frames(bytes(bad), 5, 2)
+    with pytest.raises(LinkClosed):  # a gap
+        _check_frames(frame_records([rec(5, b"abc"), rec(7, b"de")]), 5, 2)
+    with pytest.raises(LinkClosed):  # fewer than announced
+        _check_frames(good, 5, 3)
