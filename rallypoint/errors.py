@@ -45,6 +45,7 @@ __all__ = [
     "UnauthenticatedError",
     "ForbiddenError",
     "UnavailableError",
+    "NotLeaderError",
     "CursorExpiredError",
     "SlowConsumerError",
     "InternalError",
@@ -301,6 +302,17 @@ class UnavailableError(RallypointError):
     code = "UNAVAILABLE"
 
 
+class NotLeaderError(UnavailableError):
+    """NOT_LEADER: this node of a replicated shard does not lead it now (a standby, or a
+    leader that was deposed or is handing over). ``details``: ``shard``, ``epoch`` (the
+    newest epoch this node knows), ``leader`` (``{"node", "address", "http_address"}``
+    of the current leader, or None while none is known: retry after ``retry_after``).
+    The SDK reconnects to the leader by itself (``rallypoint.connect`` with several
+    addresses, or a cluster URL)."""
+
+    code = "NOT_LEADER"
+
+
 def shutting_down_error(message: str = "the server is shutting down; retry on a new connection") -> UnavailableError:
     """The UNAVAILABLE a draining or stopping server answers: ``details["reason"]`` is
     ``"shutting_down"``, which tells a reconnecting client to move to a new connection
@@ -359,9 +371,11 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "SLOW_CONSUMER": SlowConsumerError,
     "INTERNAL": InternalError,
     "IDEMPOTENCY_CONFLICT": IdempotencyConflictError,  # HTTP's (runstate), after SPEC §1's
+    "NOT_LEADER": NotLeaderError,  # a replicated shard's standby (rallypoint.cluster)
 }
 
-#: Every wire code, in SPEC §1 order, then IDEMPOTENCY_CONFLICT (the HTTP front end's).
+#: Every wire code, in SPEC §1 order, then IDEMPOTENCY_CONFLICT (the HTTP front end's)
+#: and NOT_LEADER (a replicated shard's).
 CODES: tuple[str, ...] = tuple(_BY_CODE)
 
 

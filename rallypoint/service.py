@@ -174,6 +174,9 @@ class Service:
 
     def __init__(self, coordinator) -> None:
         self.coordinator = coordinator
+        #: on a replicated shard's leader: its shard and epoch, given in every HelloOk
+        self.shard: int | None = None
+        self.epoch: int | None = None
         self._ops: dict[type, tuple[Any, Any, str, str]] = {
             t: (getattr(getattr(coordinator, spec.kind), spec.handler), spec.route, spec.permission,
                 t.__struct_config__.tag)
@@ -196,7 +199,8 @@ class Service:
             session = Session(peer=peer)
         else:
             session = Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id)
-        return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space)
+        return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space,
+                                shard=self.shard, epoch=self.epoch)
 
     # -------------------------------------------------------------- requests
     def decode(self, body: msgspec.Raw | bytes):

