@@ -121,11 +121,46 @@ def _is_loopback(host: str) -> bool:
 
 
 # ------------------------------------------------------------------------------ serve
+def _ssl_context(args):
+    """The server's TLS context from --tls-cert/--tls-key (None: plain TCP)."""
+    from .errors import ValidationError
+
+    if not (args.tls_cert or args.tls_key):
+        return None
+    import ssl
+
+    if not (args.tls_cert and args.tls_key):
+        raise ValidationError("give both --tls-cert and --tls-key")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    return ctx
+
+
+def _server_factory(args, ssl_context):
+    """dispatcher -> a TCP Server with the daemon's connection options."""
+    from .transport.server import Server
+
+    def make(dispatcher):
+        return Server(
+            dispatcher,
+            ssl_context=ssl_context,
+            max_connections=args.max_connections,
+            max_inflight_per_conn=args.max_inflight,
+            handshake_timeout=args.handshake_timeout,
+            idle_ping_interval=args.idle_ping or None,
+            max_outgoing_bytes=args.max_outgoing_bytes,
+            watch_buffer_bytes=args.watch_buffer_bytes,
+        )
+
+    return make
+
+
 async def _serve(args) -> int:
     from .errors import ValidationError
     from .node import open_node
-    from .transport.server import Server
 
+    if args.cluster:
+        return await _serve_cluster(args)
     host, port = _parse_listen(args.listen)
     data_dir = None if args.durability == "memory" else args.data_dir
     async with open_node(
@@ -151,24 +186,8 @@ async def _serve(args) -> int:
                 "`rallypoint keys create --space default --permission operator` (daemon stopped; see README, API keys), "
                 "or pass --insecure to serve this address without authentication"
             )
-        ssl_context = None
-        if args.tls_cert or args.tls_key:
-            import ssl
-
-            if not (args.tls_cert and args.tls_key):
-                raise ValidationError("give both --tls-cert and --tls-key")
-            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(args.tls_cert, args.tls_key)
-        server = Server(
-            node.service,
-            ssl_context=ssl_context,
-            max_connections=args.max_connections,
-            max_inflight_per_conn=args.max_inflight,
-            handshake_timeout=args.handshake_timeout,
-            idle_ping_interval=args.idle_ping or None,
-            max_outgoing_bytes=args.max_outgoing_bytes,
-            watch_buffer_bytes=args.watch_buffer_bytes,
-        )
+        ssl_context = _ssl_context(args)
+        server = _server_factory(args, ssl_context)(node.service)
         node.coordinator.connections_fn = lambda: server.statistics()["connections"]
         metrics = None
         from .metrics import Metrics, serve_metrics
@@ -251,6 +270,116 @@ async def _serve(args) -> int:
         log.info("stopped accepting; closing the coordinator")
     log.info("rallypoint stopped cleanly")
     return 0
+
+
+async def _serve_cluster(args) -> int:
+    """``serve --cluster``: this node is one replica of a shard (rallypoint.cluster.member):
+    a standby until etcd makes it the leader. SIGTERM/SIGINT: a leader hands over to its
+    in-sync standby, then exits; a second one exits at once."""
+    from .cluster.member import MemberConfig, ShardMember
+    from .errors import ValidationError
+
+    if args.durability == "memory":
+        raise ValidationError("--cluster needs a data dir: --durability fsync (default) or interval")
+    if not args.node:
+        raise ValidationError("--cluster needs --node NAME (this node's name, unique in its shard)")
+    host, port = _parse_listen(args.listen)
+    rhost, rport = _parse_listen(args.replication)
+    endpoints = _etcd_endpoints(args.cluster)
+    ssl_context = _ssl_context(args)
+    config = MemberConfig(
+        etcd=endpoints, node=args.node, data_dir=args.data_dir, cluster=args.cluster_name, shard=args.shard,
+        durability=args.durability, client=(host, port), replication=(rhost, rport),
+        http=_parse_listen(args.http) if args.http else None, advertise_host=args.advertise,
+        ttl_s=args.lease_ttl, isr_timeout_s=args.isr_timeout, min_insync=args.min_insync,
+        drain_timeout_s=args.drain_timeout,
+        node_options=dict(interval_ms=args.interval_ms, retention=args.retention,
+                          min_free_bytes=int(args.min_free_mb * (1 << 20)),
+                          ballast_bytes=int(args.ballast_mb * (1 << 20)),
+                          preallocate_bytes=int(args.preallocate_kb * 1024), sync_helper=args.sync_helper,
+                          slow_sync_s=args.slow_fsync_s),
+        serve_options=dict(snapshot_every_records=args.snapshot_every_records, snapshot_every_s=args.snapshot_every_s,
+                           snapshot_retry_s=args.snapshot_retry_s))
+    if not _is_loopback(host) and not args.insecure:
+        log.warning("cluster mode on %s: make sure API keys are configured (open mode serves without "
+                    "authentication)", host)
+
+    def on_role(role, member):
+        print(f"ROLE {role} epoch={member.epoch or member.last_epoch_seen}", flush=True)
+
+    def on_leader(node, member):
+        coord = node.coordinator
+        coord.watchers.stall_s = args.watch_stall
+        coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
+        if not args.http:
+            return None
+
+        async def http():
+            from .http import serve_http
+
+            hhost, _ = _parse_listen(args.http)
+            await serve_http(node.service, hhost, member.http_port, certfile=args.tls_cert, keyfile=args.tls_key,
+                             max_requests=args.max_connections, graceful_s=args.drain_timeout)
+
+        return http
+
+    member = ShardMember(config, make_server=_server_factory(args, ssl_context), on_leader=on_leader,
+                         on_role=on_role)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(member.run)
+        scheme = "tls" if ssl_context is not None else "tcp"
+        log.info("rallypoint %s node %s of shard %d (cluster %r, etcd %s) listening on %s://%s:%d, replication on "
+                 "%s:%d", __version__, args.node, args.shard, args.cluster_name, ",".join(endpoints), scheme, host,
+                 member.client_port, rhost, member.replication_port,
+                 extra={"event": "startup", "node": args.node, "shard": args.shard, "cluster": args.cluster_name,
+                        "listen": f"{host}:{member.client_port}",
+                        "replication": f"{rhost}:{member.replication_port}"})
+        tune_gc()
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            print(f"READY {scheme}://{host}:{member.client_port} REPLICATION {rhost}:{member.replication_port}"
+                  + (f" HTTP http://{_parse_listen(args.http)[0]}:{member.http_port}" if args.http else ""), flush=True)
+            n = 0
+            async for signum in signals:
+                n += 1
+                if n == 1:
+                    log.info("received %s: stopping (a leader hands over to its in-sync standby first)",
+                             signal.Signals(signum).name)
+                    member.stop()
+                    nursery.start_soon(_cancel_when_stopped, member, nursery.cancel_scope)
+                else:
+                    log.warning("received %s again: exiting now", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    break
+    log.info("rallypoint stopped cleanly")
+    return 0
+
+
+async def _cancel_when_stopped(member, scope) -> None:
+    await member.wait_role("stopped")
+    scope.cancel()
+
+
+def _etcd_endpoints(spec: str) -> list[str]:
+    """``etcd://h1:p1,h2:p2`` (or ``http://...``) -> gateway URLs."""
+    from .errors import ValidationError
+
+    rest = spec
+    for scheme in ("etcd://", "http://"):
+        if rest.startswith(scheme):
+            rest = rest[len(scheme):]
+    out = []
+    for part in rest.split(","):
+        part = part.strip().rstrip("/")
+        if not part:
+            continue
+        try:
+            h, p = _parse_listen(part)
+        except ValidationError:
+            raise ValidationError(f"--cluster: {part!r} is not HOST:PORT (give etcd://HOST:PORT[,HOST:PORT...])")
+        out.append(f"http://{h}:{p}")
+    if not out:
+        raise ValidationError("--cluster needs at least one etcd endpoint: etcd://HOST:PORT")
+    return out
 
 
 #: The daemon's cyclic-GC thresholds (CPython's default: 700, 10, 10). A full
@@ -1219,6 +1348,27 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     s.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json: one JSON object a line (default %(default)s)")
+    c = s.add_argument_group("cluster (a replicated shard: etcd decides who leads; README, Run two nodes)")
+    c.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=None,
+                   help="run this node as one replica of a shard whose leadership lives in this etcd (off: a "
+                        "single node, the default)")
+    c.add_argument("--node", metavar="NAME", help="this node's name, unique in its shard (with --cluster)")
+    c.add_argument("--cluster-name", default="rallypoint",
+                   help="the cluster's name: its etcd keys live under /rallypoint/NAME/ (default %(default)s)")
+    c.add_argument("--shard", type=_bounded(int, 0), default=0, help="the shard this node replicates (default %(default)s)")
+    c.add_argument("--replication", metavar="HOST:PORT", default="127.0.0.1:0",
+                   help="where the leader takes its standby's connection (default %(default)s: a free port, "
+                        "advertised in etcd)")
+    c.add_argument("--advertise", metavar="HOST", default=None,
+                   help="the host other nodes and clients reach this node at (default: the listen host)")
+    c.add_argument("--min-insync", type=int, choices=(1, 2), default=1,
+                   help="2: refuse writes while no standby is in sync, instead of running alone (default %(default)s)")
+    c.add_argument("--lease-ttl", type=_bounded(int, 2), default=2,
+                   help="seconds the leader's etcd lease lives without renewal; failover takes about this long "
+                        "(default %(default)s, etcd's minimum)")
+    c.add_argument("--isr-timeout", type=_bounded(float, 0, inclusive=False), default=1.0,
+                   help="seconds a standby may leave records unacknowledged before the leader drops it from the "
+                        "in-sync set (default %(default)s)")
     s.set_defaults(fn=cmd_serve)
 
     st = sub.add_parser("status", help="server version, uptime, connections, runs by state",
