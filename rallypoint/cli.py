@@ -300,6 +300,7 @@ async def _serve_cluster(args) -> int:
                           slow_sync_s=args.slow_fsync_s),
         serve_options=dict(snapshot_every_records=args.snapshot_every_records, snapshot_every_s=args.snapshot_every_s,
                            snapshot_retry_s=args.snapshot_retry_s))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per etcd request otherwise
     if not _is_loopback(host) and not args.insecure:
         log.warning("cluster mode on %s: make sure API keys are configured (open mode serves without "
                     "authentication)", host)
