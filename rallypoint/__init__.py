@@ -133,8 +133,11 @@ async def connect(
     """Connect to a rallypoint daemon; yields the ``rs`` client.
 
     Args:
-        url: ``tcp://host:port`` or ``tls://host:port``. Default: ``$RALLYPOINT_URL``,
-            else ``tcp://127.0.0.1:7411``.
+        url: ``tcp://host:port`` or ``tls://host:port``; for a replicated shard
+            (``serve --cluster``) several nodes, ``tcp://a:7411,b:7411``: the client
+            connects to whichever leads and follows it through a failover
+            (:mod:`rallypoint.client.follow`). Default: ``$RALLYPOINT_URL``, else
+            ``tcp://127.0.0.1:7411``.
         api_key: the key's secret. Default: ``$RALLYPOINT_API_KEY`` (none in open mode).
         client_name: shown in the server's logs.
         connect_timeout: seconds for one connection attempt (TCP, TLS and handshake).
@@ -162,15 +165,21 @@ async def connect(
         ValidationError (VALIDATION_FAILED): a bad URL, or a protocol version mismatch.
     An exception raised inside the ``async with`` block leaves it unchanged.
     """
+    from .client.follow import LeaderFollower, split_urls
     from .client.reconnect import ReconnectingTransport
     from .transport.connection import Connection
 
     url, api_key = _resolve(url, api_key)
     policy = _policy(reconnect)
 
-    async def open_connection(timeout: float) -> Connection:
-        return await Connection.open(url, api_key=api_key, client_name=client_name, connect_timeout=timeout,
+    async def open_one(u: str, timeout: float) -> Connection:
+        return await Connection.open(u, api_key=api_key, client_name=client_name, connect_timeout=timeout,
                                      tls_ca=tls_ca, ssl_context=ssl_context)
+
+    follower = LeaderFollower(split_urls(url), open_one)
+
+    async def open_connection(timeout: float) -> Connection:
+        return await follower.open(timeout)
 
     conn = await open_connection(connect_timeout)
     if policy is None:

@@ -13,6 +13,7 @@ import rallypoint
 from rallypoint.cluster.member import MemberConfig, ShardMember
 from rallypoint.errors import NotLeaderError, UnavailableError
 from rallypoint.persistence.journal import read_journal
+from rallypoint.transport.connection import Connection
 from rallypoint.transport.server import Server
 
 pytestmark = pytest.mark.timeout(90)
@@ -45,12 +46,15 @@ async def test_one_node_leads_the_other_follows_and_a_graceful_stop_hands_over(e
         await n.start(b.run)
         await b.wait_role("standby")
         await wait_until(lambda: a.replication.isr_store.isr == ["a", "b"])
-        # a standby answers NOT_LEADER, naming the leader
+        # a standby answers the handshake NOT_LEADER, naming the leader...
         with pytest.raises(NotLeaderError) as e:
-            async with rallypoint.connect(f"tcp://127.0.0.1:{b.client_port}", reconnect=False):
-                pass
+            await Connection.open(f"tcp://127.0.0.1:{b.client_port}")
         assert e.value.details["leader"]["node"] == "a"
         assert e.value.details["leader"]["address"] == f"127.0.0.1:{a.client_port}"
+        # ...and the SDK goes there
+        async with rallypoint.connect(f"tcp://127.0.0.1:{b.client_port}", reconnect=False) as rs:
+            assert rs._transport.server_info.epoch == a.epoch
+            await rs.scopes.create(name="redirected")
         async with rallypoint.connect(f"tcp://127.0.0.1:{a.client_port}", reconnect=False) as rs:
             run = await rs.scopes.create(name="before")
             jobs = await rs.mailboxes.ensure("jobs")
@@ -117,3 +121,45 @@ async def _read_replicas(etcd, cluster_name):
     async with EtcdClient(etcd.endpoints) as client:
         rec = await ShardElection(client, cluster_name, 0).read_replicas()
     return rec.replicas
+
+
+async def test_a_client_given_every_address_follows_the_leader_and_consume_goes_on(etcd, tmp_path, cluster_name):
+    a = member(etcd, tmp_path, "a", cluster_name)
+    b = member(etcd, tmp_path, "b", cluster_name)
+    runs: dict[int, int] = {}
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await a.wait_role("leader")
+        await n.start(b.run)
+        await wait_until(lambda: a.replication.isr_store.isr == ["a", "b"])
+        # the standby first: its NOT_LEADER names the leader, the client goes there
+        url = f"tcp://127.0.0.1:{b.client_port},127.0.0.1:{a.client_port}"
+        async with rallypoint.connect(url) as rs:
+            assert rs._transport.server_info.epoch == a.epoch
+            run = await rs.scopes.create(name="work")
+            jobs = await rs.mailboxes.ensure("jobs")
+            tickets = [await jobs.submit({"i": i}, scope=run, key=f"k{i}") for i in range(40)]
+            handed = trio.Event()
+
+            async def handler(d):
+                i = d.input["i"]
+                runs[i] = runs.get(i, 0) + 1
+                if i == 10:
+                    a.stop()  # a graceful hand-over while deliveries are in flight
+                    await b.wait_role("leader")
+                    handed.set()
+                return {"i": i}
+
+            async def worker():
+                await rallypoint.consume(rs, jobs, run, handler, concurrency=4, lease_seconds=10, wait=1)
+
+            n.start_soon(worker)
+            await handed.wait()
+            for i, t in enumerate(tickets):
+                res = await rs.task(t.id).result(timeout=60)
+                assert (res.state, res.outcome) == ("SUCCEEDED", {"i": i})
+            assert rs._transport.server_info.epoch == b.epoch
+            assert sorted(runs) == list(range(40))
+            assert all(v == 1 for v in runs.values()), runs  # nothing done twice
+            await run.cancel()
+        n.cancel_scope.cancel()
