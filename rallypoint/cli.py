@@ -202,7 +202,10 @@ async def _serve(args) -> int:
             if args.metrics:
                 mhost, mport = _parse_listen(args.metrics)
                 await nursery.start(metrics.lag_probe)
-                metrics_port = await nursery.start(serve_metrics, metrics, mhost, mport)
+                try:
+                    metrics_port = await nursery.start(serve_metrics, metrics, mhost, mport)
+                except OSError as e:
+                    raise ValidationError(_listen_error(args.metrics, "--metrics", e)) from None
                 log.info("metrics at http://%s:%d/metrics", mhost, metrics_port,
                          extra={"event": "metrics", "url": f"http://{mhost}:{metrics_port}/metrics"})
             http_url = None
@@ -215,9 +218,15 @@ async def _serve(args) -> int:
                         f"refusing to serve HTTP on {hhost} without API keys (see --listen); "
                         "pass --insecure to serve this address without authentication"
                     )
-                _api, bound = await nursery.start(functools.partial(
-                    serve_http, node.service, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
-                    max_requests=args.max_connections, graceful_s=args.drain_timeout, shutdown=http_stop))
+                try:
+                    http_api, bound = await nursery.start(functools.partial(
+                        serve_http, node.service, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
+                        max_requests=args.max_connections, max_connections=args.max_connections,
+                        first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, metrics=metrics,
+                        shutdown=http_stop))
+                except OSError as e:  # the bind: name the HTTP address, not --listen
+                    raise ValidationError(_listen_error(args.http, "--http", e)) from None
+                metrics.http = http_api.listener
                 http_url = bound[0] if bound else f"http://{hhost}:{hport}"
                 log.info("HTTP API (runstate SDK) on %s/v1/spaces/{spaceId}", http_url)
             info = node.recovery_info
@@ -423,24 +432,21 @@ def cmd_serve(args) -> int:
                                   f"{args.retain_events!r})") from None
         args.retention = {"retain_finished_ms": retain_finished_ms or None, "retain_events": count or None,
                           "retain_events_ms": age_ms or None}
-        if args.metrics:
-            _parse_listen(args.metrics)
+        for addr in (args.metrics, args.http):
+            if addr:
+                _parse_listen(addr)
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             if path is not None and not os.path.isfile(path):
                 raise ValidationError(f"{flag}: no such file {path}")
     except ValidationError as e:
         print(f"rallypoint: {e.message}", file=sys.stderr)
         return 2
-    import errno
-
-    for flag, addr in (("--listen", args.listen), ("--metrics", args.metrics)):
+    for flag, addr in (("--listen", args.listen), ("--metrics", args.metrics), ("--http", args.http)):
         if addr:
             try:
                 _check_listen_free(*_parse_listen(addr))
             except OSError as e:
-                why = {errno.EADDRINUSE: "the address is already in use (another daemon?)",
-                       errno.EADDRNOTAVAIL: "no such local address"}.get(e.errno, e.strerror or str(e))
-                print(f"rallypoint: cannot listen on {addr} ({flag}): {why}", file=sys.stderr)
+                print(f"rallypoint: {_listen_error(addr, flag, e)}", file=sys.stderr)
                 return 2
     try:
         return trio.run(_serve, args)
@@ -463,6 +469,15 @@ def cmd_serve(args) -> int:
             raise
         print(f"rallypoint: {message}", file=sys.stderr)
         return 1 if isinstance(leaf, JournalWriteError) else 2
+
+
+def _listen_error(addr: str, flag: str, e: OSError) -> str:
+    """The line for a listener that cannot bind ``addr`` (given as ``flag``)."""
+    import errno
+
+    why = {errno.EADDRINUSE: "the address is already in use (another daemon?)",
+           errno.EADDRNOTAVAIL: "no such local address"}.get(e.errno, e.strerror or str(e))
+    return f"cannot listen on {addr} ({flag}): {why}"
 
 
 def _startup_error_message(e: BaseException, args) -> str | None:
@@ -1310,10 +1325,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log an fdatasync of the journal that takes this many seconds or more (WARNING, at most "
                         "once per 10 s), and report one still running after ten times as long while it runs "
                         "(default %(default)s)")
-    s.add_argument("--max-connections", type=_bounded(int, 1), default=1024)
+    s.add_argument("--max-connections", type=_bounded(int, 1), default=1024,
+                   help="connections open at once, per listener (TCP, and HTTP with --http); one more is "
+                        "answered UNAVAILABLE and closed. Also the HTTP requests in progress at once (then 429) "
+                        "(default %(default)s)")
     s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,
-                   help="seconds a new connection has to send its hello before it is dropped (default %(default)s)")
+                   help="seconds a new connection has to send its hello (HTTP: its first request) before it is "
+                        "dropped (default %(default)s)")
     s.add_argument("--idle-ping", type=_bounded(float, 0), default=30.0,
                    help="ping a connection idle this many seconds, drop it after 3 silent intervals; 0 disables "
                         "(default %(default)s)")

@@ -108,6 +108,8 @@ class Metrics:
     def __init__(self, coord, server=None, snapshotter=None, slow_s: float = 1.0) -> None:
         self.coord = coord
         self.server = server
+        #: the HTTP listener (``rallypoint.http.server.HttpListener``: connections), or None
+        self.http: Any = None
         self.errors: dict[tuple[str, str], int] = {}  # (op, code) -> requests answered with that error
         self.latency: dict[str, _Hist] = {}  # op -> every request's latency (its count: all requests)
         self.lag = _Hist(LAG_BOUNDS)
@@ -260,6 +262,17 @@ class Metrics:
         g = GaugeMetricFamily(p + "connections", "Open TCP connections")
         g.add_metric([], len(self.server._conns) if self.server is not None else coord.connections_fn())
         yield g
+        if self.http is not None:
+            hs = self.http.statistics()
+            g = GaugeMetricFamily(p + "http_connections", "Open HTTP connections")
+            g.add_metric([], hs["connections"])
+            yield g
+            c = CounterMetricFamily(p + "http_rejected_connections", "HTTP connections refused (--max-connections)")
+            c.add_metric([], hs["rejected_connections"])
+            yield c
+            c = CounterMetricFamily(p + "http_accept_errors", "Failed accepts of the HTTP listener (e.g. EMFILE)")
+            c.add_metric([], hs["accept_errors"])
+            yield c
         h = HistogramMetricFamily(p + "event_loop_lag_seconds", "How late a 100 ms sleep of the event loop woke up")
         h.add_metric([], _buckets(self.lag.bounds, self.lag.counts), self.lag.sum)
         yield h

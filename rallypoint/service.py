@@ -251,7 +251,7 @@ class Service:
         """One request in-process (the embedded client, the offline CLI): the encoded
         reply once durable, or the RallypointError it answered."""
         sink = CallSink()
-        self.submit(session, encoder.encode(op), sink, 1)
+        self.submit(session, encode_op(op), sink, 1)
         try:
             await sink._event.wait()
         except BaseException:
@@ -269,7 +269,7 @@ class Service:
         if self.coordinator.runtime.stopping:
             raise UnavailableError("this coordinator is shutting down", retry_after=1.0)
         sink = StreamSink(self.coordinator.watchers, max_bytes)
-        self.submit(session, encoder.encode(op), sink, 1)
+        self.submit(session, encode_op(op), sink, 1)
         try:
             await sink.wait_started()
         except BaseException:
@@ -315,6 +315,37 @@ class Service:
     def connection_count(self, fn) -> None:
         """Let the server status report live connections (``fn() -> int``)."""
         self.coordinator.connections_fn = fn
+
+
+def encode_op(op: msgspec.Struct) -> bytes:
+    """An in-process request (HTTP, embedded) as the bytes a TCP frame would carry.
+    VALIDATION_FAILED, naming the field, for an integer the wire cannot carry (outside
+    -2**63..2**64-1: msgpack's range, what a TCP client could send at all)."""
+    try:
+        return encoder.encode(op)
+    except OverflowError:
+        field = _oversize_int_field(op) or "a field"
+        raise ValidationError(f"invalid request: {field} is an integer outside the 64-bit range; send a smaller "
+                              "number", details={"field": field}) from None
+
+
+def _oversize_int_field(op: msgspec.Struct) -> str | None:
+    """The first field of ``op`` (``items[2].units``) holding an int msgpack cannot
+    encode; structs, lists, tuples and dicts are searched a few levels deep."""
+    todo: list[tuple[str, Any, int]] = [(f, getattr(op, f), 0) for f in op.__struct_fields__]
+    while todo:
+        path, v, depth = todo.pop(0)
+        if isinstance(v, int):
+            if not -(1 << 63) <= v < (1 << 64):
+                return path
+        elif depth < 8:
+            if isinstance(v, msgspec.Struct):
+                todo += [(f"{path}.{f}", getattr(v, f), depth + 1) for f in v.__struct_fields__]
+            elif isinstance(v, (list, tuple)):
+                todo += [(f"{path}[{i}]", x, depth + 1) for i, x in enumerate(v)]
+            elif isinstance(v, dict):
+                todo += [(f"{path}.{k}", x, depth + 1) for k, x in v.items()]
+    return None
 
 
 def _path_of(msg: str) -> str | None:

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import secrets
+import time
 from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl, unquote
 
 import msgspec
 import trio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..errors import (
@@ -42,12 +44,13 @@ from ..errors import (
     UnauthenticatedError,
     ValidationError,
 )
+from ..logutil import RateLimitedLogger
 from ..protocol import REPLY_TYPES, IdempotencyLookup, IdempotencyRecord
 from ..service import Session
 
 log = logging.getLogger("rallypoint.http")
 
-__all__ = ["HttpApi", "Ctx", "STATUS", "MAX_BODY"]
+__all__ = ["HttpApi", "Ctx", "STATUS", "MAX_BODY", "MAX_JSON_DEPTH", "decode_body", "check_json", "reject_body"]
 
 #: The HTTP status of each error code (the wire report's, §2.2 and §4).
 STATUS: dict[str, int] = {
@@ -77,9 +80,86 @@ _TRANSIENT = frozenset({
 
 #: Largest request body (the TCP frame limit), bytes.
 MAX_BODY = 1 << 20
+#: Deepest nesting of arrays/objects a request body may have: well under what the
+#: recursive msgpack/JSON coders manage (about 900 levels, ``wire.NESTING_MESSAGE``), so
+#: an accepted value can also be stored, answered and read by every client.
+MAX_JSON_DEPTH = 512
+#: The integers a request may carry: what msgpack (the wire, the journal) can hold.
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
+#: 19 digits in a row: the shortest text that may be an integer outside INT_MIN..INT_MAX
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+
+
+def decode_body(data: bytes) -> dict:
+    """A request body (JSON text, bytes) as a dict, or VALIDATION_FAILED saying what is
+    wrong: not JSON, not an object, nested deeper than :data:`MAX_JSON_DEPTH`, or an
+    integer outside the 64-bit range (:data:`INT_MIN`..:data:`INT_MAX`), naming where
+    (``input[3].n``). Every endpoint's body goes through this; fields an endpoint ignores
+    are checked too (they would be stored or re-encoded elsewhere)."""
+    try:
+        body = _json_decode(data)
+    except msgspec.DecodeError as e:
+        raise ValidationError(f"the body is not JSON: {e}") from None
+    except RecursionError:  # msgspec's decoder recurses
+        raise ValidationError(f"the body is nested more than {MAX_JSON_DEPTH} levels deep; send flatter "
+                              "JSON") from None
+    if not isinstance(body, dict):
+        raise ValidationError("the body must be a JSON object")
+    # the walk only when the text could hold a problem: enough brackets, or a long number
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH or _LONG_DIGITS.search(data) is not None:
+        check_json(body)
+    return body
+
+
+def check_json(value: Any) -> None:
+    """Raise VALIDATION_FAILED if the decoded JSON ``value`` nests deeper than
+    :data:`MAX_JSON_DEPTH` or holds an integer outside :data:`INT_MIN`..:data:`INT_MAX`;
+    the message names the place. Iterative (no recursion, whatever the depth)."""
+    # (value, depth, parent entry, key): the path is rebuilt only for the message
+    stack: list[tuple[Any, int, Any, Any]] = [(value, 1, None, None)]
+    while stack:
+        entry = stack.pop()
+        v, depth = entry[0], entry[1]
+        if type(v) is dict:
+            if depth > MAX_JSON_DEPTH:
+                raise ValidationError(f"the body is nested more than {MAX_JSON_DEPTH} levels deep (at "
+                                      f"{_where(entry)}); send flatter JSON", details={"field": _where(entry)})
+            for k, x in v.items():
+                if type(x) in (dict, list, int):
+                    stack.append((x, depth + 1, entry, k))
+        elif type(v) is list:
+            if depth > MAX_JSON_DEPTH:
+                raise ValidationError(f"the body is nested more than {MAX_JSON_DEPTH} levels deep (at "
+                                      f"{_where(entry)}); send flatter JSON", details={"field": _where(entry)})
+            for i, x in enumerate(v):
+                if type(x) in (dict, list, int):
+                    stack.append((x, depth + 1, entry, i))
+        elif type(v) is int and not INT_MIN <= v <= INT_MAX:
+            where = _where(entry)
+            raise ValidationError(f"{where} is an integer outside the 64-bit range ({INT_MIN}..{INT_MAX}); "
+                                  "send a smaller number (or a string, where the field takes one)",
+                                  details={"field": where})
+
+
+def _where(entry) -> str:
+    """``input[3].n`` for a :func:`check_json` stack entry (``body`` for the top)."""
+    keys = []
+    while entry is not None and entry[2] is not None:
+        keys.append(entry[3])
+        entry = entry[2]
+    out = ""
+    for k in reversed(keys):
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out or "body"
+
+
+def reject_body(message: str, code: str = "UNAVAILABLE") -> bytes:
+    """The error envelope (JSON bytes) of an answer made before any request was read (a
+    connection over the limit)."""
+    return _json_encode({"error": {"code": code, "message": message, "requestId": secrets.token_hex(8)}})
 
 
 class HttpError(Exception):
@@ -105,12 +185,12 @@ class Ctx:
         """Run ``op`` as this request's session; the decoded reply Struct (raises the
         RallypointError it answered). A long poll (``wait_ms`` > 0) ends when the client
         disconnects."""
-        service = self.api.service
+        api = self.api
         wait = getattr(op, "wait_ms", 0) or 0
         if wait > 0:
-            raw = await self.api.until_disconnect(self.request, service.call(self.session, op))
+            raw = await api.until_disconnect(self.request, api.call_op(self.session, op))
         else:
-            raw = await service.call(self.session, op)
+            raw = await api.call_op(self.session, op)
         rtype = REPLY_TYPES.get(type(op))
         return msgspec.msgpack.decode(raw, type=rtype) if rtype is not None else None
 
@@ -142,7 +222,38 @@ class HttpApi:
         self.max_requests = max_requests
         self.in_progress = 0
         self.requests = 0
+        #: requests whose client went away before their body was read
+        self.disconnects = 0
+        #: a rallypoint.metrics.Metrics: every operation is observed as on TCP (or None)
+        self.metrics: Any = None
+        #: the :class:`~rallypoint.http.server.HttpListener` serving this app, if any
+        self.listener: Any = None
+        #: repeated log events of the HTTP listener (disconnects, accept failures)
+        self.log_limiter = RateLimitedLogger(log, window_s=10.0, burst=5)
         self._inflight_keys: dict[tuple[str, str], trio.Event] = {}
+
+    def flush_logs(self) -> None:
+        """Report what the rate-limited log suppressed (call on stop)."""
+        self.log_limiter.flush()
+
+    async def call_op(self, session: Session, op: msgspec.Struct) -> bytes:
+        """``Service.call(session, op)``, observed by :attr:`metrics` (operation,
+        code, seconds; the slow-request log) like a TCP request. A call cancelled (its
+        client went away) is not counted: no answer left."""
+        metrics = self.metrics
+        if metrics is None:
+            return await self.service.call(session, op)
+        t0 = time.perf_counter()
+        try:
+            raw = await self.service.call(session, op)
+        except RallypointError as e:
+            metrics.observe(type(op).__struct_config__.tag, e.code, time.perf_counter() - t0, session.peer)
+            raise
+        except Exception:
+            metrics.observe(type(op).__struct_config__.tag, "INTERNAL", time.perf_counter() - t0, session.peer)
+            raise
+        metrics.observe(type(op).__struct_config__.tag, "OK", time.perf_counter() - t0, session.peer)
+        return raw
 
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope, receive, send) -> None:
@@ -174,6 +285,14 @@ class HttpApi:
             return self._error(e, rid)
         except HttpError as e:
             return self._error(ValidationError(str(e)), rid)
+        except ClientDisconnect:  # gone mid-body: routine (as a TCP reset), nobody to answer
+            self.disconnects += 1
+            client = request.client
+            self.log_limiter.log(logging.DEBUG, "http-disconnect",
+                                 "HTTP client %s disconnected before its request body was read (%s %s)",
+                                 f"{client.host}:{client.port}" if client else "?", request.method,
+                                 request.url.path)
+            return self._error(RallypointError("the client disconnected", code="UNAVAILABLE"), rid)
         except Exception as e:  # a bug: INTERNAL, keep serving
             log.exception("internal error on %s %s", request.method, request.url.path)
             return self._error(RallypointError(f"internal error: {type(e).__name__}", code="INTERNAL"), rid)
@@ -195,16 +314,9 @@ class HttpApi:
         query = {k: v for k, v in parse_qsl(request.url.query, keep_blank_values=True)}
         body: dict = {}
         if method != "GET":
-            data = await request.body()
-            if len(data) > MAX_BODY:
-                raise ValidationError(f"request body exceeds {MAX_BODY} bytes")
+            data = await _read_body(request)
             if data.strip():
-                try:
-                    body = _json_decode(data)
-                except msgspec.DecodeError as e:
-                    raise ValidationError(f"the body is not JSON: {e}") from None
-                if not isinstance(body, dict):
-                    raise ValidationError("the body must be a JSON object")
+                body = decode_body(data)
         ctx = Ctx(self, request, session, params, body, query)
         key = request.headers.get("idempotency-key") if method != "GET" else None
         if key:
@@ -277,7 +389,7 @@ class HttpApi:
             ev.set()
 
     async def service_call(self, session: Session, op):
-        raw = await self.service.call(session, op)
+        raw = await self.call_op(session, op)
         return msgspec.msgpack.decode(raw, type=REPLY_TYPES[type(op)])
 
     def _storable(self, result, response: Response) -> tuple[int | None, bytes]:
@@ -346,6 +458,23 @@ class HttpApi:
         if not result:
             raise RallypointError("the client disconnected", code="UNAVAILABLE")
         return result[0]
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request's body, at most :data:`MAX_BODY` bytes: VALIDATION_FAILED as soon as
+    ``content-length`` or what arrived says more (the rest is never buffered). Raises
+    starlette's ClientDisconnect if the client goes away first."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+        raise ValidationError(f"request body exceeds {MAX_BODY} bytes ({declared} declared)")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ValidationError(f"request body exceeds {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def raise_not_found(message: str):

@@ -18,6 +18,7 @@ server's (path-safe). Tokens are decimal strings.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -25,7 +26,7 @@ import trio
 
 from .. import protocol as p
 from ..errors import ConflictError, CursorExpiredError, NotFoundError, RallypointError, ValidationError
-from .app import NO_CONTENT, Ctx
+from .app import INT_MAX, INT_MIN, NO_CONTENT, Ctx
 from . import shapes as sh
 from .shapes import message_json
 
@@ -78,23 +79,36 @@ def minor(body, name, *, required=False, default=None) -> int | None:
     if not v.isdigit():
         raise ValidationError(f"{name} must be a string of decimal digits (minor units), got {v!r}",
                               details={"field": name})
-    return int(v)
+    n = int(v)
+    if n > INT_MAX:
+        raise ValidationError(f"{name} is more than the largest amount ({INT_MAX} minor units); send a smaller one",
+                              details={"field": name})
+    return n
 
 
 def token(body, name="token", *, required=True) -> int:
     v = _get(body, name, (str, int), required=required)
-    if isinstance(v, int):
-        return v
     try:
-        return int(v)
+        n = v if isinstance(v, int) else int(v)
     except (TypeError, ValueError):
+        n = None
+    if n is None or not INT_MIN <= n <= INT_MAX:
         raise RallypointError(f"{name} {v!r} is not a token of this server", code="STALE_CLAIM",
-                              details={"field": name}) from None
+                              details={"field": name})
+    return n
+
+
+def _ms_of_seconds(v: float, name: str) -> int:
+    """Seconds (a finite number) as whole ms; VALIDATION_FAILED for inf, NaN or more
+    than the 64-bit range of ms."""
+    if not math.isfinite(v) or abs(v) * 1000 >= INT_MAX:
+        raise ValidationError(f"{name} must be a finite number of seconds (got {v!r})", details={"field": name})
+    return int(round(v * 1000))
 
 
 def seconds_ms(body, name, default_s: int | None = None, *, required=False) -> int | None:
     v = _get(body, name, (int, float), required=required, default=default_s)
-    return None if v is None else int(round(v * 1000))
+    return None if v is None else _ms_of_seconds(v, name)
 
 
 def wait_ms(v, default: int = 0) -> int:
@@ -102,12 +116,28 @@ def wait_ms(v, default: int = 0) -> int:
         return default
     try:
         ms = int(float(v))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # not a number, NaN, inf
         raise ValidationError(f"waitMs must be a number of milliseconds (got {v!r})",
                               details={"field": "waitMs"}) from None
     if ms < 0:
         raise ValidationError("waitMs must be >= 0", details={"field": "waitMs"})
     return min(ms, MAX_WAIT_MS)
+
+
+def _int_query(q: dict, name: str, default: int) -> int:
+    """Query parameter ``name`` as an integer (``default`` when absent or empty);
+    VALIDATION_FAILED for anything else, or one outside the 64-bit range (the operation
+    checks its own range)."""
+    v = q.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        n = None
+    if n is None or not INT_MIN <= n <= INT_MAX:
+        raise ValidationError(f"{name} must be an integer (got {v!r})", details={"field": name})
+    return n
 
 
 def _drop_none(d: dict) -> dict:
@@ -205,7 +235,7 @@ async def send_message(ctx: Ctx):
 
 
 async def list_messages(ctx: Ctx):
-    limit = int(ctx.query.get("limit") or 100)
+    limit = _int_query(ctx.query, "limit", 100)
     v = await ctx.call(p.MailboxMessages(name=ctx.params["id"], limit=limit, before=ctx.query.get("before")))
     return sh.MESSAGE_LIST.json(v)
 
@@ -505,7 +535,7 @@ def _timer_create(ctx: Ctx, name: str | None) -> p.TimerCreate:
     if after is not None and (not isinstance(after, (int, float)) or isinstance(after, bool)):
         raise ValidationError("afterSeconds must be a number", details={"field": "afterSeconds"})
     return p.TimerCreate(scope_id=s_(b, "scopeId", required=True), at=s_(b, "at"),
-                         after_ms=None if after is None else int(round(after * 1000)), name=name)
+                         after_ms=None if after is None else _ms_of_seconds(after, "afterSeconds"), name=name)
 
 
 async def post_timer(ctx: Ctx):
@@ -669,7 +699,7 @@ def _waiter_id(pool_id: str, scope_id: str, units: int, rid: str) -> str:
 
 def _split_waiter(wid: str) -> tuple[str, str, int, str]:
     parts = wid.split("--")
-    if len(parts) != 4 or not parts[2].isdigit():
+    if len(parts) != 4 or not parts[2].isdigit() or int(parts[2]) > INT_MAX:
         raise NotFoundError(f"no permit waiter {wid!r}", details={"waiter_id": wid})
     return parts[0], parts[1], int(parts[2]), parts[3]
 
@@ -793,7 +823,7 @@ def _cursor(q: dict) -> int | None:
     c = q.get("cursor")
     if c is None or c == "":
         return None
-    if not c.isdigit():
+    if not c.isdigit() or int(c) > INT_MAX:
         raise CursorExpiredError(f"cursor {c!r} is not a cursor of this server; start again without one",
                                  details={"cursor": c})
     return int(c)
@@ -839,8 +869,8 @@ def watch_hold_ms(q: dict) -> int:
         s = float(v)
     except ValueError:
         raise ValidationError(f"waitSeconds must be a number (got {v!r})", details={"field": "waitSeconds"}) from None
-    if not s >= 0:
-        raise ValidationError("waitSeconds must be >= 0", details={"field": "waitSeconds"})
+    if not s >= 0 or not math.isfinite(s):
+        raise ValidationError("waitSeconds must be a number >= 0", details={"field": "waitSeconds"})
     return min(int(s * 1000), MAX_WAIT_MS)
 
 

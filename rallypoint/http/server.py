@@ -1,18 +1,221 @@
-"""Serving :class:`~rallypoint.http.app.HttpApi` with hypercorn's Trio worker (HTTP/1.1
-and h2; no HTTP parsing of our own)."""
+"""Serving :class:`~rallypoint.http.app.HttpApi`: our accept loop, hypercorn's
+per-connection server (HTTP/1.1 and h2 parsing are hypercorn's, h11's and h2's; none of
+ours).
+
+hypercorn's own Trio worker (``hypercorn.trio.serve``) is not used, for what it does
+with hostile peers (issue 34, item 9):
+
+- **A peer that closes (EOF) or resets its connection frees it at once.** hypercorn's
+  ``TCPServer`` stops reading at EOF but keeps the socket until its idle timer fires
+  (``keep_alive_timeout``: 75 s here), half-open, a descriptor each: 3,000 connections
+  opened and closed without a request held 1,524 descriptors after 30 s, and under a
+  400-descriptor limit stopped both listeners for a minute. :class:`_Connection` stops
+  the idle timer once the reading ends, so the connection closes as soon as the answer in
+  progress (if any) is sent.
+- **A connection that sends no request is dropped after** ``first_request_s`` (the TCP
+  listener's ``--handshake-timeout``), not after the keep-alive timeout; an idle
+  keep-alive connection between requests still gets ``keep_alive_s``. A TLS handshake
+  gets ``first_request_s`` too (hypercorn's default: 60 s).
+- **At most** ``max_connections`` **connections** (``--max-connections``, as on TCP): one
+  more is answered ``503`` UNAVAILABLE with ``Retry-After: 1`` and closed.
+- **Running out of descriptors stops nothing**: an ``accept`` that fails (EMFILE,
+  ENFILE, ENOBUFS...) is retried after 100 ms and logged as one rate-limited WARNING
+  (trio's ``serve_listeners`` logged an ERROR with a traceback every 100 ms); every
+  other listener of the process goes on by itself, and takes connections again once
+  descriptors are free.
+"""
 
 from __future__ import annotations
 
 import logging
 import ssl
+from typing import Any
 
 import trio
+from hypercorn.config import Config
+from hypercorn.events import Updated
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.utils import wrap_app
 
+from ..logutil import RateLimitedLogger
 from .app import HttpApi
 
 log = logging.getLogger("rallypoint.http")
 
-__all__ = ["serve_http"]
+__all__ = ["serve_http", "HttpListener"]
+
+#: Seconds an accept waits after it failed (EMFILE & co) before it tries again.
+ACCEPT_RETRY_S = 0.1
+
+
+class _Connection(TCPServer):
+    """hypercorn's per-connection server (0.16-0.18: ``_read_data``, ``_idle_timeout``,
+    ``protocol_send`` and ``idle_task`` are its), changed in two ways (see the module
+    doc): the reading's end (EOF, reset, closed) stops the idle timer and lets no later
+    "idle" restart it, so the connection closes once what is in progress is answered;
+    and until its first request the idle timer is ``first_request_s``, not the
+    keep-alive timeout."""
+
+    def __init__(self, app, config, context, state, stream, *, first_request_s: float) -> None:
+        super().__init__(app, config, context, state, stream)
+        self.first_request_s = first_request_s
+        self.requested = False  # a request arrived: later idle periods are keep-alive
+        self.peer_gone = False  # the reading ended: nothing more will come
+
+    async def protocol_send(self, event) -> None:
+        if isinstance(event, Updated):
+            if not event.idle:
+                self.requested = True
+            elif self.peer_gone:
+                return  # no idle timer for a connection that can get no more requests
+        await super().protocol_send(event)
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            self.peer_gone = True
+            with trio.CancelScope(shield=True):
+                await self.idle_task.stop()
+
+    async def _idle_timeout(self) -> None:
+        timeout = self.config.keep_alive_timeout if self.requested else self.first_request_s
+        with trio.move_on_after(timeout):
+            await self.context.terminated.wait()
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
+
+class HttpListener:
+    """The HTTP listener: accepts on ``listeners`` and runs each connection with
+    hypercorn's protocol handling over ``api``.
+
+    Args:
+        api: the ASGI application (:class:`HttpApi`).
+        config: a ``hypercorn.config.Config`` (keep-alive timeout, h11/h2 limits, the
+            error log).
+        ssl_context: wrap accepted sockets in TLS (ALPN h2 and http/1.1), or None.
+        max_connections: connections open at once; one more is answered 503.
+        first_request_s: seconds a new connection has to complete its TLS handshake
+            and send the head of its first request (> 0).
+        graceful_s: on stop, seconds the connections get to finish their requests.
+    """
+
+    def __init__(self, api: HttpApi, config, *, ssl_context: ssl.SSLContext | None = None,
+                 max_connections: int = 1024, first_request_s: float = 10.0, graceful_s: float = 5.0) -> None:
+        self.api = api
+        self.config = config
+        self.app = wrap_app(api, config.wsgi_max_body_size, "asgi")
+        self.context = WorkerContext(None)
+        self.ssl_context = ssl_context
+        self.max_connections = max_connections
+        self.first_request_s = first_request_s
+        self.graceful_s = graceful_s
+        #: accept failures and refused connections: a few lines and a count per 10 s
+        self.log_limiter = RateLimitedLogger(log, window_s=10.0, burst=5)
+        self.connections = 0
+        self.connections_total = 0
+        self.rejected = 0
+        self.accept_errors = 0
+
+    def statistics(self) -> dict[str, int]:
+        """``connections`` (open now), ``connections_total`` (accepted and served),
+        ``rejected_connections`` (over ``max_connections``), ``accept_errors`` (failed
+        accepts, e.g. EMFILE)."""
+        return {"connections": self.connections, "connections_total": self.connections_total,
+                "rejected_connections": self.rejected, "accept_errors": self.accept_errors}
+
+    async def serve(self, listeners: list[trio.SocketListener], stop: trio.Event) -> None:
+        """Accept on ``listeners`` until ``stop`` is set (or cancelled); then stop
+        accepting, close idle connections and give the others ``graceful_s`` seconds."""
+        try:
+            async with trio.open_nursery() as conn_nursery:
+                async with trio.open_nursery() as accept_nursery:
+                    for listener in listeners:
+                        accept_nursery.start_soon(self._accept_loop, listener, conn_nursery)
+                    await stop.wait()
+                    accept_nursery.cancel_scope.cancel()
+                for listener in listeners:
+                    await trio.aclose_forcefully(listener)
+                # idle connections close (their idle timer waits for this); busy ones
+                # close once answered, or at the deadline
+                await self.context.terminated.set()
+                conn_nursery.cancel_scope.deadline = trio.current_time() + self.graceful_s
+        finally:
+            for listener in listeners:
+                with trio.CancelScope(shield=True):
+                    await trio.aclose_forcefully(listener)
+            self.log_limiter.flush()
+            self.api.flush_logs()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE & co: back off rather than spin; never stop
+                self.accept_errors += 1
+                self.log_limiter.log(logging.WARNING, "http-accept",
+                                     "HTTP listener: accept failed: %s; retrying in %d ms",
+                                     exc, ACCEPT_RETRY_S * 1000)
+                await trio.sleep(ACCEPT_RETRY_S)
+                continue
+            if self.connections >= self.max_connections:
+                self.rejected += 1
+                self.log_limiter.log(logging.WARNING, "http-limit",
+                                     "HTTP listener: %d connections open (--max-connections); refused one",
+                                     self.connections)
+                nursery.start_soon(self._reject, stream)
+                continue
+            self.connections += 1  # counted before the task starts: a burst cannot overshoot
+            nursery.start_soon(self._run, stream)
+
+    async def _run(self, stream: trio.SocketStream) -> None:
+        try:
+            self.connections_total += 1
+            s: Any = stream
+            if self.ssl_context is not None:
+                s = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
+            conn = _Connection(self.app, self.config, self.context, {}, s,
+                                       first_request_s=self.first_request_s)
+            await conn.run()
+        finally:
+            self.connections -= 1
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+    async def _reject(self, stream: trio.SocketStream) -> None:
+        """Answer 503 UNAVAILABLE (``Retry-After: 1``) and close; at most ~2 s."""
+        from .app import reject_body
+
+        body = reject_body(f"the server has reached its limit of {self.max_connections} HTTP connections "
+                           "(--max-connections); retry shortly")
+        head = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
+        s: Any = stream
+        try:
+            with trio.move_on_after(1.0):
+                if self.ssl_context is not None:
+                    s = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
+                    await s.do_handshake()
+                    if s.selected_alpn_protocol() == "h2":
+                        return  # no HTTP/1.1 answer to an h2 peer: closing is the answer
+                await s.send_all(head + body)
+                if self.ssl_context is None:
+                    await s.send_eof()
+            with trio.move_on_after(1.0):  # read what the peer sent, so closing sends no RST
+                while await s.receive_some(65536):
+                    pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+
+
+def _url(scheme: str, sockname) -> str:
+    host, port = sockname[0], sockname[1]
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 async def serve_http(
@@ -24,33 +227,49 @@ async def serve_http(
     certfile: str | None = None,
     keyfile: str | None = None,
     max_requests: int = 1024,
+    max_connections: int = 1024,
+    first_request_s: float = 10.0,
     keep_alive_s: float = 75.0,
     graceful_s: float = 5.0,
+    metrics: Any = None,
     shutdown: trio.Event | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the HTTP API on ``host:port`` (0: any free port) until ``shutdown`` is set
-    (or the task is cancelled). ``task_status.started`` gets ``(api, bound)``: the app
-    and hypercorn's bound addresses (``http://127.0.0.1:8080``). TLS with
-    ``certfile``/``keyfile`` (the TCP listener's ``--tls-cert``/``--tls-key``)."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
+    (or the task is cancelled).
 
+    ``task_status.started`` gets ``(api, urls)``: the app and the bound addresses
+    (``["http://127.0.0.1:8080"]``). TLS with ``ssl_context``, or ``certfile``/``keyfile``
+    (the TCP listener's ``--tls-cert``/``--tls-key``). ``max_requests``: requests in
+    progress at once (then 429); ``max_connections``: connections open at once (then
+    503); ``first_request_s``: seconds a connection has to send its first request;
+    ``keep_alive_s``: seconds an idle connection is kept between requests;
+    ``graceful_s``: seconds in-flight requests get on shutdown; ``metrics``: a
+    :class:`rallypoint.metrics.Metrics` that counts every operation (None: not counted).
+
+    Raises OSError (EADDRINUSE...) if the address cannot be bound, before ``started``.
+    """
     api = HttpApi(service, max_requests=max_requests)
+    api.metrics = metrics
     cfg = Config()
-    cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     cfg.keep_alive_timeout = keep_alive_s
     cfg.graceful_timeout = graceful_s
+    cfg.ssl_handshake_timeout = first_request_s
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("rallypoint.http.hypercorn")
     cfg.include_server_header = False
-    if certfile:
+    if ssl_context is None and certfile:
         cfg.certfile = certfile
         cfg.keyfile = keyfile
-    stop = shutdown if shutdown is not None else trio.Event()
+        ssl_context = cfg.create_ssl_context()
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    scheme = "https" if ssl_context is not None else "http"
+    urls = [_url(scheme, ln.socket.getsockname()) for ln in listeners]
+    server = HttpListener(api, cfg, ssl_context=ssl_context, max_connections=max_connections,
+                          first_request_s=first_request_s, graceful_s=graceful_s)
+    api.listener = server
+    for u in urls:
+        log.debug("HTTP listener on %s", u)
+    task_status.started((api, urls))
+    await server.serve(listeners, shutdown if shutdown is not None else trio.Event())
 
-    class _Started:
-        def started(self, value=None):
-            task_status.started((api, value or []))
-
-    await serve(api, cfg, shutdown_trigger=stop.wait, task_status=_Started())
