@@ -81,6 +81,40 @@ def test_address_in_use_is_refused_before_the_data_dir_is_touched(daemon, tmp_pa
     assert not data.exists()
 
 
+@pytest.fixture
+def taken_port():
+    """A loopback port another program listens on."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def test_http_address_in_use_names_the_http_address(taken_port, tmp_path):
+    """Issue 31, item 9: ``--http`` on a taken port said "cannot listen on <the --listen
+    address>"; it names the HTTP address and flag, before the data dir is touched."""
+    data = tmp_path / "never-made"
+    r = rp("serve", "--listen", "127.0.0.1:0", "--http", f"127.0.0.1:{taken_port}", "--data-dir", str(data))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot listen on 127.0.0.1:{taken_port} (--http): the address is already in use" in r.stderr, r.stderr
+    assert "--listen" not in r.stderr and "127.0.0.1:0" not in r.stderr, r.stderr
+    assert not data.exists()
+
+
+def test_http_bind_failing_in_the_daemon_names_the_http_address(taken_port, monkeypatch, capsys):
+    """The same when the early check passed and the listener's own bind fails (another
+    program took the port in between): one line naming --http, exit 2."""
+    from rallypoint import cli
+
+    monkeypatch.setattr(cli, "_check_listen_free", lambda host, port: None)
+    rc = cli.main(["serve", "--listen", "127.0.0.1:0", "--http", f"127.0.0.1:{taken_port}", "--durability", "memory",
+                   "--log-level", "ERROR"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot listen on 127.0.0.1:{taken_port} (--http)" in err and "Traceback" not in err, err
+
+
 def test_repair_without_an_answer_changes_nothing(tmp_path):
     # a journal with a bad record in the middle; stdin is closed: the prompt reads EOF
     import os
