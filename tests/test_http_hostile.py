@@ -522,3 +522,49 @@ async def test_http_listener_statistics_reach_the_metrics(http):
         assert (await c.get("/scopes/sc_nope")).status_code == 404
         assert reg.get_sample_value("rallypoint_http_connections") == 1
     assert reg.get_sample_value("rallypoint_http_accept_errors_total") == 0
+
+
+# ------------------------------------------------------------------ the same over TLS
+
+
+async def test_tls_serves_http11_and_h2_and_holds_the_limits(tmp_path):
+    """``--tls-cert/--tls-key``: HTTP/1.1 and h2 (ALPN) are served; a connection over
+    ``max_connections`` gets the 503 after its handshake; a TLS connection that never
+    handshakes is dropped after ``first_request_s``."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert_pem, key_pem = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(cert_pem))
+    cert.private_key_pem.write_to_path(str(key_pem))
+    trust = ssl.create_default_context()
+    ca.configure_trust(trust)
+    async with rallypoint.open_embedded() as rs:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            api, urls = await nursery.start(functools.partial(
+                serve_http, rs.node.service, "127.0.0.1", 0, certfile=str(cert_pem), keyfile=str(key_pem),
+                max_connections=1, first_request_s=0.5, shutdown=stop))
+            assert urls[0].startswith("https://127.0.0.1:")
+            base = f"{urls[0]}/v1/spaces/default"
+            for h2 in (False, True):
+                with trio.fail_after(10):  # the last client's connection has ended
+                    while api.listener.connections:
+                        await trio.sleep(0.01)
+                async with httpx.AsyncClient(verify=trust, http2=h2) as c:
+                    r = await c.post(f"{base}/scopes", json={"name": "tls"})
+                    assert r.status_code == 200 and r.http_version == ("HTTP/2" if h2 else "HTTP/1.1"), r
+                    async with httpx.AsyncClient(verify=trust) as other:  # a second connection: over the limit
+                        r = await other.get(f"{base}/scopes/sc_nope")
+                        assert r.status_code == 503 and r.json()["error"]["code"] == "UNAVAILABLE", r.text
+            port = int(urls[0].rsplit(":", 1)[1])
+            silent = await trio.open_tcp_stream("127.0.0.1", port)
+            t0 = trio.current_time()
+            with trio.fail_after(10):
+                assert await silent.receive_some() == b""
+            assert trio.current_time() - t0 >= 0.4
+            await silent.aclose()
+            stop.set()
