@@ -28,6 +28,7 @@ with hostile peers (issue 34, item 9):
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 from typing import Any
 
@@ -173,11 +174,24 @@ class HttpListener:
     async def _run(self, stream: trio.SocketStream) -> None:
         try:
             self.connections_total += 1
+            # Wait for the first bytes (peeked: they stay for hypercorn) before building
+            # hypercorn's connection: a peer that closes or resets first, or sends nothing
+            # for first_request_s, costs an accept and a close (this doubles the rate at
+            # which a flood of empty connections is drained).
+            deadline = trio.current_time() + self.first_request_s
+            first = b""
+            with trio.move_on_at(deadline):
+                try:
+                    first = await stream.socket.recv(1, socket.MSG_PEEK)
+                except OSError:  # reset by the peer
+                    pass
+            if not first:
+                return
             s: Any = stream
             if self.ssl_context is not None:
                 s = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
             conn = _Connection(self.app, self.config, self.context, {}, s,
-                                       first_request_s=self.first_request_s)
+                               first_request_s=max(0.0, deadline - trio.current_time()))
             await conn.run()
         finally:
             self.connections -= 1
