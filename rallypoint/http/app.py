@@ -11,8 +11,13 @@ module only maps HTTP onto operations and back:
 - **Auth**: ``authorization: Bearer <key>`` is an API key of this server; the path's
   ``{spaceId}`` must be the key's space (another is NOT_FOUND, as on TCP). In open mode
   (no key ever created) any bearer, or none, is accepted and the path's space is used.
-- **Bodies**: JSON objects (camelCase); an empty body is ``{}``. Answers are JSON, or
-  204 where the report says "nothing" (an empty receive or admit).
+- **Bodies**: JSON objects (camelCase); an empty body is ``{}``. Read up to
+  :data:`MAX_BODY` (refused as soon as more is declared or arrives) and decoded by
+  :func:`decode_body` (nesting and 64-bit integers checked everywhere in the body).
+  Answers are JSON, or 204 where the report says "nothing" (an empty receive or admit).
+- **Metrics**: every operation a request runs goes through :meth:`HttpApi.call_op`,
+  observed by :attr:`HttpApi.metrics` as a TCP request is. A client gone mid-body is one
+  rate-limited DEBUG line (``http-disconnect``), never an ERROR.
 - **Errors**: ``{"error": {"code", "message", "requestId"}}`` with the status of
   :data:`STATUS`, and ``Retry-After`` (seconds) when the error has a ``retry_after``.
 - **Idempotency-Key** on a non-GET: the stored answer of an earlier request with that key
