@@ -342,6 +342,24 @@ async def test_peer_eof_ends_the_connection_at_once(autojump_clock, ers, request
         assert trio.current_time() - t1 < 0.5  # was: the 75 s keep-alive timer
 
 
+async def test_stop_closes_connections_that_sent_nothing_at_once():
+    """On SIGTERM (``shutdown``) a connection that has sent nothing yet is closed at once,
+    not after its first-request timeout or the graceful period."""
+    async with rallypoint.open_embedded() as rs:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            api, urls = await nursery.start(functools.partial(
+                serve_http, rs.node.service, "127.0.0.1", 0, first_request_s=60, graceful_s=60, shutdown=stop))
+            silent = await trio.open_tcp_stream("127.0.0.1", int(urls[0].rsplit(":", 1)[1]))
+            with trio.fail_after(10):
+                while api.listener.connections < 1:
+                    await trio.sleep(0.01)
+            stop.set()
+            with trio.fail_after(10):
+                assert await silent.receive_some() == b""
+        await silent.aclose()
+
+
 # ============================================================== an in-process listener
 
 

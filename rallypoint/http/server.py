@@ -39,8 +39,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
-from ..logutil import RateLimitedLogger
-from .app import HttpApi
+from .app import HttpApi, reject_body
 
 log = logging.getLogger("rallypoint.http")
 
@@ -51,8 +50,9 @@ ACCEPT_RETRY_S = 0.1
 
 
 class _Connection(TCPServer):
-    """hypercorn's per-connection server (0.16-0.18: ``_read_data``, ``_idle_timeout``,
-    ``protocol_send`` and ``idle_task`` are its), changed in two ways (see the module
+    """hypercorn's per-connection server (as of hypercorn 0.18: ``_read_data``,
+    ``_idle_timeout``, ``protocol_send`` and ``idle_task`` are its; the tests in
+    tests/test_http_hostile.py pin what this relies on), changed in two ways (see the module
     doc): the reading's end (EOF, reset, closed) stops the idle timer and lets no later
     "idle" restart it, so the connection closes once what is in progress is answered;
     and until its first request the idle timer is ``first_request_s``, not the
@@ -114,7 +114,9 @@ class HttpListener:
         self.first_request_s = first_request_s
         self.graceful_s = graceful_s
         #: accept failures and refused connections: a few lines and a count per 10 s
-        self.log_limiter = RateLimitedLogger(log, window_s=10.0, burst=5)
+        self.log_limiter = api.log_limiter
+        #: connections not handed to hypercorn yet (no bytes yet): ended on stop
+        self._waiting: set[trio.CancelScope] = set()
         self.connections = 0
         self.connections_total = 0
         self.rejected = 0
@@ -139,15 +141,16 @@ class HttpListener:
                     accept_nursery.cancel_scope.cancel()
                 for listener in listeners:
                     await trio.aclose_forcefully(listener)
-                # idle connections close (their idle timer waits for this); busy ones
-                # close once answered, or at the deadline
+                # idle connections close (their idle timer waits for this; the ones that
+                # sent nothing yet at once); busy ones close once answered, or at the deadline
+                for scope in list(self._waiting):
+                    scope.cancel()
                 await self.context.terminated.set()
                 conn_nursery.cancel_scope.deadline = trio.current_time() + self.graceful_s
         finally:
             for listener in listeners:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(listener)
-            self.log_limiter.flush()
             self.api.flush_logs()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
@@ -180,12 +183,15 @@ class HttpListener:
             # which a flood of empty connections is drained).
             deadline = trio.current_time() + self.first_request_s
             first = b""
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(deadline) as waiting:
+                self._waiting.add(waiting)
                 try:
                     first = await stream.socket.recv(1, socket.MSG_PEEK)
                 except OSError:  # reset by the peer
                     pass
-            if not first:
+                finally:
+                    self._waiting.discard(waiting)
+            if not first or self.context.terminated.is_set():
                 return
             s: Any = stream
             if self.ssl_context is not None:
@@ -200,8 +206,6 @@ class HttpListener:
 
     async def _reject(self, stream: trio.SocketStream) -> None:
         """Answer 503 UNAVAILABLE (``Retry-After: 1``) and close; at most ~2 s."""
-        from .app import reject_body
-
         body = reject_body(f"the server has reached its limit of {self.max_connections} HTTP connections "
                            "(--max-connections); retry shortly")
         head = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
