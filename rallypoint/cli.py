@@ -317,10 +317,20 @@ async def _serve_cluster(args) -> int:
     def on_role(role, member):
         print(f"ROLE {role} epoch={member.epoch or member.last_epoch_seen}", flush=True)
 
+    from .metrics import ClusterMetrics, Metrics, serve_metrics
+
+    cluster_metrics = None
+
     def on_leader(node, member):
         coord = node.coordinator
         coord.watchers.stall_s = args.watch_stall
         coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
+        server = member.server
+        coord.connections_fn = lambda: server.statistics()["connections"]
+        metrics = Metrics(coord, server, getattr(node, "snapshotter", None), slow_s=args.slow_request_ms / 1000)
+        server.metrics = metrics  # (also the slow-request log)
+        if cluster_metrics is not None:
+            cluster_metrics.leader_metrics = metrics
         if not args.http:
             return None
 
@@ -336,6 +346,11 @@ async def _serve_cluster(args) -> int:
     member = ShardMember(config, make_server=_server_factory(args, ssl_context), on_leader=on_leader,
                          on_role=on_role)
     async with trio.open_nursery() as nursery:
+        if args.metrics:
+            cluster_metrics = ClusterMetrics(member)
+            mhost, mport = _parse_listen(args.metrics)
+            metrics_port = await nursery.start(serve_metrics, cluster_metrics, mhost, mport)
+            log.info("metrics at http://%s:%d/metrics", mhost, metrics_port)
         await nursery.start(member.run)
         scheme = "tls" if ssl_context is not None else "tcp"
         log.info("rallypoint %s node %s of shard %d (cluster %r, etcd %s) listening on %s://%s:%d, replication on "
@@ -632,6 +647,97 @@ def cmd_status(args) -> int:
         if a.get("active") or a.get("passive") or a.get("waiters"):
             print(f"  {kind:<10}{a.get('active', 0)} active  {a.get('passive', 0)} passive  "
                   f"{a.get('inbox', 0)} queued  {a.get('waiters', 0)} waiters")
+    if st.cluster is not None:
+        for line in _cluster_lines(st.cluster):
+            print(line)
+    return 0
+
+
+def _cluster_lines(c) -> list[str]:
+    """A replicated shard's node as ``status`` / ``cluster status`` print it."""
+    lines = [f"cluster     {c.cluster}, shard {c.shard}: {c.node} is {c.role} at epoch {c.epoch}; lease "
+             f"{c.lease_time_left_s:.2f} s left before it fences itself",
+             f"members     {' '.join(c.members) or '-'}",
+             f"in sync     {' '.join(c.isr) or '-'}" + ("   (--min-insync 2)" if c.min_insync == 2 else "")]
+    sb = c.standby
+    if sb is None:
+        lines.append("standby     none connected")
+    else:
+        lines.append(f"standby     {sb.node}: {sb.state}, acknowledged LSN {sb.acked_lsn}, {sb.lag_records} "
+                     f"record(s) behind, last progress {sb.since_progress_s:.2f} s ago")
+    return lines
+
+
+def cmd_cluster_status(args) -> int:
+    """``cluster status``: the shard as etcd holds it (leader, epoch, members, in-sync
+    set, the leader's lease time to live) and, from the leader, its standby's lag."""
+    from .cluster.etcd import EtcdClient, EtcdError
+    from .cluster.leader import ShardElection
+    from .errors import RallypointError
+
+    try:
+        endpoints = _etcd_endpoints(args.cluster)
+    except RallypointError as e:
+        return _fail(e, args)
+
+    import msgspec
+
+    import rallypoint
+
+    async def main():
+        async with EtcdClient(endpoints) as etcd:
+            election = ShardElection(etcd, args.cluster_name, args.shard)
+            state = await election.read()
+            ttl = None
+            if state.leader is not None:
+                try:
+                    ttl = (await etcd.lease_time_to_live(state.leader.lease_id)).ttl_s
+                except EtcdError:
+                    ttl = None
+        view = None
+        if state.leader is not None:
+            try:
+                async with rallypoint.connect(f"tcp://{state.leader.info.client_address}", api_key=args.api_key,
+                                              reconnect=False, connect_timeout=5) as rs:
+                    view = (await rs.status()).cluster
+            except RallypointError as e:
+                view = e
+        return state, ttl, view
+
+    try:
+        state, ttl, view = trio.run(main)
+    except (EtcdError, RallypointError) as e:
+        return _fail(e, args)
+    if state.replicas is None:
+        print(f"rallypoint: no shard {args.shard} in cluster {args.cluster_name!r} at {args.cluster} (no node "
+              "has started with --cluster yet)", file=sys.stderr)
+        return 1
+    rep = state.replicas.replicas
+    if args.json:
+        out = {"cluster": args.cluster_name, "shard": args.shard, "members": rep.members, "isr": rep.isr,
+               "leader": None if state.leader is None else {
+                   "node": state.leader.info.node, "epoch": state.leader.epoch,
+                   "address": state.leader.info.client_address,
+                   "replication_address": state.leader.info.replication_address,
+                   "http_address": state.leader.info.http_address, "lease_ttl_s": ttl},
+               "node": None if view is None or isinstance(view, Exception) else msgspec.to_builtins(view)}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"cluster     {args.cluster_name}, shard {args.shard} (etcd {','.join(endpoints)})")
+    if state.leader is None:
+        print("leader      none (a failover is under way, or no in-sync node is running)")
+    else:
+        li = state.leader.info
+        print(f"leader      {li.node} at {li.client_address} (replication {li.replication_address}"
+              + (f", HTTP {li.http_address}" if li.http_address else "") + f"), epoch {state.leader.epoch}"
+              + ("" if ttl is None else f", lease {ttl} s to live at etcd"))
+    print(f"members     {' '.join(rep.members)}")
+    print(f"in sync     {' '.join(rep.isr)}")
+    if isinstance(view, Exception):
+        print(f"standby     unknown: the leader did not answer ({view})")
+    elif view is not None:
+        for line in _cluster_lines(view)[3:]:
+            print(line)
     return 0
 
 
@@ -1464,6 +1570,19 @@ def build_parser() -> argparse.ArgumentParser:
         gsh.add_argument("name", help=f"the {noun}'s name or id")
         gsh.add_argument("--json", action="store_true", help="machine-readable output")
         g.set_defaults(fn=fn)
+
+    cl = sub.add_parser("cluster", help="a replicated shard: who leads, at which epoch, the in-sync set")
+    cls_ = cl.add_subparsers(dest="cluster_cmd", required=True)
+    cst = cls_.add_parser("status", help="leader, epoch, members, in-sync set, lease time left, standby lag")
+    cst.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
+                     required=os.environ.get("RALLYPOINT_CLUSTER") is None,
+                     help="the etcd the shard's leadership lives in (default $RALLYPOINT_CLUSTER)")
+    cst.add_argument("--cluster-name", default="rallypoint", help="(default %(default)s)")
+    cst.add_argument("--shard", type=_bounded(int, 0), default=0, help="(default %(default)s)")
+    cst.add_argument("--api-key", default=os.environ.get("RALLYPOINT_API_KEY"),
+                     help="API key for the leader (default $RALLYPOINT_API_KEY); not needed in open mode")
+    cst.add_argument("--json", action="store_true", help="machine-readable output")
+    cst.set_defaults(fn=cmd_cluster_status)
 
     k = sub.add_parser("keys", help="create, list and revoke API keys (offline on --data-dir, or --connect)",
                        parents=[_client_options(connect_default=None, data_dir=True, json_flag=True)])

@@ -53,7 +53,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["Metrics", "serve_metrics", "LATENCY_BOUNDS"]
+__all__ = ["Metrics", "ClusterMetrics", "serve_metrics", "LATENCY_BOUNDS"]
 
 log = logging.getLogger("rallypoint.metrics")
 
@@ -303,7 +303,66 @@ class Metrics:
         return reg
 
 
-async def serve_metrics(metrics: Metrics, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+class ClusterMetrics:
+    """The metrics of a node of a replicated shard (``serve --cluster``): its role and
+    epoch and the replication figures of that role (the leader's standby: state,
+    acknowledged LSN, lag; frames and bytes sent, in-sync set changes, snapshot copies;
+    a standby's applied LSN and records received), plus, while it leads, everything
+    :class:`Metrics` reports for its coordinator (``leader_metrics``)."""
+
+    ROLES = ("starting", "standby", "leader", "stopping", "stopped")
+
+    def __init__(self, member) -> None:
+        self.member = member
+        self.leader_metrics: Metrics | None = None
+
+    def registry(self):
+        from prometheus_client import CollectorRegistry
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(self)
+        return reg
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        m = self.member
+        p = "rallypoint_cluster_"
+        g = GaugeMetricFamily(p + "role", "1 for this node's current role in its shard", labels=["role"])
+        for role in self.ROLES:
+            g.add_metric([role], 1.0 if m.role == role else 0.0)
+        yield g
+        yield GaugeMetricFamily(p + "epoch", "This node's epoch while it leads, else the newest it has seen",
+                                value=float(m.epoch or m.last_epoch_seen))
+        yield GaugeMetricFamily(p + "role_changes", "Role changes since start", value=float(m.changes))
+        repl = m.replication
+        if repl is not None:
+            st = repl.statistics()
+            yield GaugeMetricFamily(p + "isr_size", "Nodes in the shard's in-sync set (leader)", value=float(len(st["isr"])))
+            sb = st["standby"]
+            yield GaugeMetricFamily(p + "standby_in_sync", "1 while the standby is in the in-sync set (leader)",
+                                    value=1.0 if sb is not None and sb["state"] == "in_sync" else 0.0)
+            yield GaugeMetricFamily(p + "standby_lag_records", "Records the standby has not acknowledged (leader)",
+                                    value=float(sb["lag_records"]) if sb is not None else 0.0)
+            yield GaugeMetricFamily(p + "standby_acked_lsn", "The last LSN durable on the standby (leader)",
+                                    value=float(sb["acked_lsn"]) if sb is not None else 0.0)
+            for name, key, doc in (("frames_sent", "frames_sent", "Journal records sent to the standby"),
+                                   ("bytes_sent", "bytes_sent", "Bytes of records sent to the standby"),
+                                   ("isr_shrinks", "isr_shrinks", "Standbys dropped from the in-sync set"),
+                                   ("isr_expands", "isr_expands", "Standbys added to the in-sync set"),
+                                   ("snapshots_sent", "snapshots_sent", "Snapshot copies sent to a standby")):
+                yield CounterMetricFamily(p + name, doc, value=float(st[key]))
+        sb = m.standby
+        if sb is not None:
+            yield GaugeMetricFamily(p + "applied_lsn", "The last LSN this standby applied", value=float(sb.applied_lsn))
+            yield CounterMetricFamily(p + "records_received", "Journal records this standby received",
+                                      value=float(sb.records))
+        if self.leader_metrics is not None and m.role == "leader":
+            yield from self.leader_metrics.collect()
+
+
+async def serve_metrics(metrics: "Metrics | ClusterMetrics", host: str, port: int, *,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``GET /metrics`` (Prometheus text) on ``host:port`` until cancelled; the
     bound port is passed to ``task_status.started``. One request per connection; a
     request line and headers of at most 16 KiB within 5 s."""

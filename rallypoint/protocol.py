@@ -56,6 +56,36 @@ class ServerStatus(_Op, tag="server.status"):
     pass
 
 
+class StandbyView(_View):
+    """The leader's view of its standby: ``state`` catching_up, joining, in_sync (in the
+    in-sync set); ``acked_lsn`` made durable there; ``lag_records`` behind the leader's
+    journal end; ``since_progress_s`` since its last acknowledgement advanced."""
+
+    node: str
+    state: str
+    acked_lsn: int
+    lag_records: int
+    since_progress_s: float
+
+
+class ClusterView(_View):
+    """A node of a replicated shard (``serve --cluster``): ``role`` (leader), its
+    ``epoch``, the shard's ``members`` and in-sync set ``isr`` (as etcd holds them),
+    ``lease_time_left_s`` before this leader fences itself unless a keepalive is
+    answered, ``min_insync``, and its ``standby`` (None: none connected)."""
+
+    cluster: str
+    shard: int
+    node: str
+    role: str
+    epoch: int
+    members: list[str]
+    isr: list[str]
+    lease_time_left_s: float
+    min_insync: int = 1
+    standby: StandbyView | None = None
+
+
 class ServerStatusView(_View):
     version: str
     protocol_version: int
@@ -77,6 +107,9 @@ class ServerStatusView(_View):
     #: fdatasync calls of the journal since start, and their total duration (seconds)
     fsyncs: int = 0
     fsync_seconds: float = 0.0
+    #: a node of a replicated shard: its role, epoch, in-sync set, standby (None: a
+    #: single node)
+    cluster: ClusterView | None = None
 
 
 # --- runs (scopes) --------------------------------------------------------------------

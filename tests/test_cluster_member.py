@@ -163,3 +163,42 @@ async def test_a_client_given_every_address_follows_the_leader_and_consume_goes_
             assert all(v == 1 for v in runs.values()), runs  # nothing done twice
             await run.cancel()
         n.cancel_scope.cancel()
+
+
+async def test_cluster_status_and_server_status_show_leader_epoch_isr_and_the_standby(etcd, tmp_path, cluster_name):
+    import json
+    import subprocess
+    import sys
+
+    a = member(etcd, tmp_path, "a", cluster_name)
+    b = member(etcd, tmp_path, "b", cluster_name)
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await a.wait_role("leader")
+        await n.start(b.run)
+        await wait_until(lambda: a.replication.isr_store.isr == ["a", "b"])
+        async with rallypoint.connect(f"tcp://127.0.0.1:{a.client_port}", reconnect=False) as rs:
+            st = await rs.status()
+        c = st.cluster
+        assert (c.node, c.role, c.epoch, c.isr, c.members) == ("a", "leader", a.epoch, ["a", "b"], ["a", "b"])
+        assert c.standby.node == "b" and c.standby.state == "in_sync" and 0 < c.lease_time_left_s <= 2
+        args = [sys.executable, "-m", "rallypoint", "cluster", "status", "--cluster", etcd.endpoints[0],
+                "--cluster-name", cluster_name]
+        out = await trio.to_thread.run_sync(lambda: subprocess.run(args, capture_output=True, text=True, timeout=60))
+        assert out.returncode == 0, out.stderr
+        assert f"leader      a at 127.0.0.1:{a.client_port}" in out.stdout and f"epoch {a.epoch}" in out.stdout
+        assert "in sync     a b" in out.stdout and "standby     b: in_sync" in out.stdout
+        out = await trio.to_thread.run_sync(
+            lambda: subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=60))
+        doc = json.loads(out.stdout)
+        assert doc["leader"]["node"] == "a" and doc["isr"] == ["a", "b"] and doc["node"]["standby"]["node"] == "b"
+        # Prometheus: each node's role, epoch and its side of replication
+        from prometheus_client import generate_latest
+        from rallypoint.metrics import ClusterMetrics
+
+        ta = generate_latest(ClusterMetrics(a).registry()).decode()
+        tb = generate_latest(ClusterMetrics(b).registry()).decode()
+        assert 'rallypoint_cluster_role{role="leader"} 1.0' in ta and f"rallypoint_cluster_epoch {float(a.epoch)}" in ta
+        assert "rallypoint_cluster_standby_in_sync 1.0" in ta and "rallypoint_cluster_isr_size 2.0" in ta
+        assert 'rallypoint_cluster_role{role="standby"} 1.0' in tb and "rallypoint_cluster_applied_lsn" in tb
+        n.cancel_scope.cancel()

@@ -153,6 +153,8 @@ class Coordinator:
         self.diagnostics = Diagnostics(self)
         self.retention = Retention(self, retain_finished_ms)
         self.epochs = Epochs(self)  # a replicated shard's leader terms (rallypoint.cluster)
+        #: on a replicated shard's leader: () -> protocol.ClusterView (server status)
+        self.cluster_status_fn: Callable[[], Any] | None = None
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
                       self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs)

@@ -74,6 +74,7 @@ class Spaces(Kind):
             fsync_seconds=st["fsync_seconds"],
             actors=st["actors"],
             tree_depth=st["tree_depth"],
+            cluster=coord.cluster_status_fn() if coord.cluster_status_fn is not None else None,
         )
 
     # ================================================================ events

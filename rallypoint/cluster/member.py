@@ -163,6 +163,7 @@ class ShardMember:
         self.replication: ReplicationLeader | None = None
         self.leadership: Leadership | None = None
         self.node = None
+        self.server = None  # the client port's Server while leading
         self.client_port: int | None = None
         self.replication_port: int | None = None
         self.http_port: int | None = None
@@ -198,6 +199,28 @@ class ShardMember:
             details={"shard": self.config.shard, "epoch": rec.epoch,
                      "leader": {"node": rec.info.node, "address": rec.info.client_address,
                                 "http_address": rec.info.http_address}})
+
+    def status(self):
+        """This node as a :class:`~rallypoint.protocol.ClusterView` (the leader's server
+        status carries it: ``rallypoint status``, ``rallypoint cluster status``)."""
+        from ..protocol import ClusterView, StandbyView
+
+        c = self.config
+        repl = self.replication
+        lead = self.leadership
+        standby = None
+        members: list[str] = []
+        isr: list[str] = []
+        if repl is not None:
+            st = repl.statistics()
+            if st["standby"] is not None:
+                standby = StandbyView(**st["standby"])
+            members = list(repl.isr_store.members)
+            isr = list(repl.isr_store.isr)
+        left = lead.statistics().fence_time_left_s if lead is not None else 0.0
+        return ClusterView(cluster=c.cluster, shard=c.shard, node=c.node, role=self.role,
+                           epoch=self.epoch or self.last_epoch_seen, members=members, isr=isr,
+                           lease_time_left_s=round(left, 3), min_insync=c.min_insync, standby=standby)
 
     def _set_role(self, role: str) -> None:
         if role != self.role:
@@ -410,8 +433,10 @@ class ShardMember:
             await node.coordinator.journal.wait_durable(node.coordinator.journal.last_lsn)
             node.service.shard = c.shard
             node.service.epoch = lead.epoch
+            node.coordinator.cluster_status_fn = self.status
             listeners = await trio.open_tcp_listeners(self.replication_port, host=c.replication[0])
             server = self.make_server(node.service)
+            self.server = server
             async with trio.open_nursery() as nursery:
                 await nursery.start(repl.serve, listeners)
                 await nursery.start(server.serve, None, c.client[0], self.client_port)

@@ -476,6 +476,8 @@ EVENT_PAGE = Shape(
 #: Views the HTTP API does not show, and why (every other view has a shape above).
 NOT_SERVED: dict[type, str] = {
     p.ServerStatusView: "server status is the operator's (TCP, rallypoint status, /metrics)",
+    p.ClusterView: "part of the server status (rallypoint status, rallypoint cluster status)",
+    p.StandbyView: "part of the server status (rallypoint status, rallypoint cluster status)",
     p.ScopeListView: "runstate lists no runs",
     p.TaskOutcomeView: "the brief task.results form is the native client's",
     p.ReceiveView: "recv / admit answer its one delivery (DELIVERY, recv_json) or 204",
