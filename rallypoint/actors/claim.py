@@ -42,6 +42,7 @@ Time the server could not hear (a restart, a stall) is given back to leases and 
 from __future__ import annotations
 
 import secrets
+from itertools import islice
 
 import msgspec
 import trio
@@ -85,6 +86,7 @@ from .common import MAX_KEY_LEN, MAX_WAIT_MS, applies, check_payload, check_rang
 from .kind import Kind
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
 from .runtime import Park
+from .waitqueue import WaitQueue
 
 __all__ = ["ClaimState", "ClaimWaiter", "Claims", "MAX_QUEUE_WAIT_MS", "check_request_id", "check_holder", "new_token"]
 
@@ -167,6 +169,15 @@ class Claims(Kind):
         self.held: set[str] = set()  # claims with a lease (HELD)
         self.queued: set[str] = set()  # claims with waiters
         self._owned: set[tuple[str, str]] = set()  # (run, claim) registered with Runs.own
+        self.lines: dict[str, WaitQueue[ClaimWaiter]] = {}  # claim -> its line (over ClaimState.waiters)
+
+    def line(self, c: ClaimState) -> WaitQueue[ClaimWaiter]:
+        """The claim's FIFO line of waiting acquires (:class:`WaitQueue`; its durable
+        form is ``c.waiters``, what snapshots store)."""
+        q = self.lines.get(c.id)
+        if q is None:
+            q = self.lines[c.id] = WaitQueue(_request_id, c.waiters)
+        return q
 
     def entity_tables(self):
         return {"clm": (self.table, ClaimState)}
@@ -178,7 +189,7 @@ class Claims(Kind):
 
     def statistics(self) -> dict:
         return {"claims": len(self.table), "held": len(self.held),
-                "waiters": sum(len(self.table[c].waiters) for c in self.queued)}
+                "waiters": sum(len(self.line(self.table[c])) for c in self.queued)}
 
     def leases_outstanding(self) -> int:
         return len(self.held) + len(self.queued)
@@ -212,7 +223,7 @@ class Claims(Kind):
             waiters=[
                 ClaimWaiterView(scope_id=w.scope_id, holder=w.holder, queued_at=to_iso(w.queued_at_ms),
                                 expires_at=to_iso(to_wall(w.expires_mono_ms)))
-                for w in c.waiters[:100]
+                for w in islice(self.line(c), 100)
             ],
         )
 
@@ -244,12 +255,12 @@ class Claims(Kind):
         c = self.table[cid] if cid is not None else None
         if c is not None:
             self._settle_expiry(c)
-            if c.state == "FREE" and c.waiters:
+            if c.state == "FREE" and self.line(c):
                 self._handoff(c)  # (a crash between a release and its handoff) never barge
             if rid is not None:
                 if c.request_id == rid and c.state == "HELD":
                     return self._lease_view(c)  # a re-sent acquire that was applied
-                w = _find(c.waiters, rid)
+                w = self.line(c).get(rid)
                 if w is not None:
                     if w.scope_id != run.id:
                         raise ConflictError(f"request_id {rid!r} is a waiter of run {w.scope_id}, not {run.id}",
@@ -275,7 +286,7 @@ class Claims(Kind):
             claim_id=c.id, request_id=rid, scope_id=run.id, lease_ms=op.lease_ms,
             expires_mono_ms=mono + op.wait_ms, at_ms=coord.now_ms(), holder=op.holder,
         )])
-        return self._park(c, _find(c.waiters, rid))
+        return self._park(c, self.line(c).get(rid))
 
     def _held(self, c: ClaimState) -> ClaimHeldError:
         left_ms = max(0, c.lease_expires_ms - self.coord.mono_ms())
@@ -283,7 +294,7 @@ class Claims(Kind):
             f"claim {c.key!r} is held (generation {c.generation}, holder {c.holder or 'unnamed'}) for "
             f"{left_ms / 1000:.1f} s more unless renewed; acquire with wait to queue for it",
             retry_after=max(0.1, left_ms / 1000),
-            details={"key": c.key, "generation": c.generation, "holder": c.holder, "waiters": len(c.waiters)},
+            details={"key": c.key, "generation": c.generation, "holder": c.holder, "waiters": len(self.line(c))},
         )
 
     def _park(self, c: ClaimState, w: ClaimWaiter) -> Park:
@@ -291,6 +302,7 @@ class Claims(Kind):
         when the waiter gets the lease or the result, leaves the queue, or after up to
         60 s (WAITING: re-send)."""
         rid = w.request_id
+        line = self.line(c)
         left = w.expires_mono_ms - self.coord.mono_ms()
         park_ms = max(0, min(MAX_WAIT_MS, left))
 
@@ -299,18 +311,17 @@ class Claims(Kind):
                 return self._lease_view(c)
             if c.state == "COMPLETED":
                 return self._lease_view(c, rid)
-            if _find(c.waiters, rid) is not None:
+            if rid in line or self.coord.runs.inactive_error(w.scope_id) is not None:
+                # still in line; or it left with its run's end, whose nursery cancellation
+                # answers this acquire with the run's code (the runtime's one rule)
                 return None
-            err = self.coord.runs.inactive_error(w.scope_id)
-            if err is not None:
-                raise err
             raise WaitTimeout(
                 f"claim {c.key!r} is still held; this acquire's wait ran out or was withdrawn",
                 details={"key": c.key, "request_id": rid},
             )
 
         def expire():
-            pos = _position(c.waiters, rid)
+            pos = line.position(rid)
             if pos == 0:
                 return check()
             return ClaimLeaseView(status="WAITING", claim=self.view(c), request_id=rid, position=pos)
@@ -341,7 +352,7 @@ class Claims(Kind):
         c.ended_at_ms = None
         c.end_reason = None
         self.held.add(c.id)
-        if r.request_id is not None and _remove(c.waiters, r.request_id) is not None:
+        if r.request_id is not None and self.line(c).remove(r.request_id) is not None:
             self._queue_changed(c)
             self.coord.notify(r.scope_id, r.request_id)  # the waiter's parked acquire
         self.coord.touch(c.id)
@@ -350,7 +361,7 @@ class Claims(Kind):
     @applies(ClaimWaiterQueued)
     def _apply_waiter_queued(self, r: ClaimWaiterQueued) -> None:
         c = self.table[r.claim_id]
-        c.waiters.append(ClaimWaiter(request_id=r.request_id, scope_id=r.scope_id, lease_ms=r.lease_ms,
+        self.line(c).add(ClaimWaiter(request_id=r.request_id, scope_id=r.scope_id, lease_ms=r.lease_ms,
                                      expires_mono_ms=r.expires_mono_ms, queued_at_ms=r.at_ms, holder=r.holder))
         self._queue_changed(c)
         self._own(r.scope_id, c.id)
@@ -360,7 +371,7 @@ class Claims(Kind):
     @applies(ClaimWaiterEnded)
     def _apply_waiter_ended(self, r: ClaimWaiterEnded) -> None:
         c = self.table[r.claim_id]
-        w = _remove(c.waiters, r.request_id)
+        w = self.line(c).remove(r.request_id)
         if w is not None:
             self._queue_changed(c)
             self.coord.touch(c.id)
@@ -372,7 +383,7 @@ class Claims(Kind):
             self.coord.runs.own(run_id, claim_id)
 
     def _queue_changed(self, c: ClaimState) -> None:
-        if c.waiters:
+        if self.line(c):
             self.queued.add(c.id)
         else:
             self.queued.discard(c.id)
@@ -471,7 +482,7 @@ class Claims(Kind):
         c.completed_at_ms = r.at_ms
         self._end_lease(c, r.at_ms, "completed")
         c.state = "COMPLETED"
-        waiters, c.waiters = c.waiters, []
+        waiters = self.line(c).clear()
         self._queue_changed(c)
         notify = self.coord.notify
         for w in waiters:  # every waiter gets the result
@@ -484,7 +495,7 @@ class Claims(Kind):
         c = self.get(session.space, op.key)
         check_request_id(op.request_id)
         self._settle_expiry(c)
-        if _find(c.waiters, op.request_id) is not None:
+        if op.request_id in self.line(c):
             self.coord.commit([ClaimWaiterEnded(claim_id=c.id, request_id=op.request_id, reason="withdrawn")])
             return CancelWaitView(outcome="withdrawn")
         if c.state == "HELD" and c.request_id == op.request_id:
@@ -529,7 +540,7 @@ class Claims(Kind):
     def _on_waiter_ttl(self, arg) -> None:
         claim_id, rid, expires = arg
         c = self.table.get(claim_id)
-        w = _find(c.waiters, rid) if c is not None else None
+        w = self.line(c).get(rid) if c is not None else None
         if w is None or w.expires_mono_ms != expires:
             return
         self.coord.commit([ClaimWaiterEnded(claim_id=claim_id, request_id=rid, reason="expired")])
@@ -546,49 +557,47 @@ class Claims(Kind):
 
     def _handoff(self, c: ClaimState) -> None:
         """A FREE claim with waiters: the first waiter still in time and in an active run
-        gets the next lease (those out of time or run leave the queue), in one commit."""
-        if c.state != "FREE" or not c.waiters:
+        gets the next lease (those out of time or run leave the queue), in one commit. A
+        waiter whose time limit is this very instant is still in time (a wait's deadline
+        sees what fell due at or before it)."""
+        line = self.line(c)
+        if c.state != "FREE" or not line:
             return
         coord = self.coord
         mono = coord.mono_ms()
         now = coord.now_ms()
-        recs: list = []
-        for w in c.waiters:
-            if w.expires_mono_ms <= mono:
-                recs.append(ClaimWaiterEnded(claim_id=c.id, request_id=w.request_id, reason="expired"))
-                continue
-            if coord.runs.inactive_error(w.scope_id) is not None:
-                recs.append(ClaimWaiterEnded(claim_id=c.id, request_id=w.request_id, reason="cancelled"))
-                continue
+        inactive = coord.runs.inactive_error
+        leaving, served = line.plan(lambda w: w.expires_mono_ms < mono or inactive(w.scope_id) is not None,
+                                    lambda w: True, limit=1)
+        recs: list = [ClaimWaiterEnded(claim_id=c.id, request_id=w.request_id,
+                                       reason="expired" if w.expires_mono_ms < mono else "cancelled")
+                      for w in leaving]
+        for w in served:
             recs.append(ClaimAcquired(
                 claim_id=c.id, space=c.space, key=c.key, scope_id=w.scope_id, generation=c.generation + 1,
                 token=new_token(), lease_expires_ms=mono + w.lease_ms, at_ms=now, holder=w.holder,
                 request_id=w.request_id,
             ))
-            break
         if recs:
             coord.commit(recs)
 
     # ================================================================ runs, time, recovery
     def on_run_inactive(self, claim_id: str, at_ms: int, reason: str) -> None:
         """A run that queued on this claim went inactive: its waiters (and those of every
-        other run now inactive) leave the queue; their parked acquires answer the run's
-        code. The claim stays HELD or FREE: a lease is never taken from its holder here,
-        and a FREE claim has no waiters, so nobody is left to serve."""
+        other run now inactive) leave the line. Their parked acquires are in their runs'
+        actors, inside the ended subtree: the nursery cancellation answers them with the
+        run's code (no wake-up here). The claim stays HELD or FREE: a lease is never taken
+        from its holder here, and a FREE claim has no waiters, so nobody is left to serve."""
         c = self.table[claim_id]
-        if not c.waiters:
+        line = self.line(c)
+        if not line:
             return
-        runs = self.coord.runs
-        keep = []
-        gone = []
-        for w in c.waiters:
-            (gone if runs.inactive_error(w.scope_id, at_ms) is not None else keep).append(w)
+        inactive = self.coord.runs.inactive_error
+        gone = line.remove_where(lambda w: inactive(w.scope_id, at_ms) is not None)
         if gone:
-            c.waiters = keep
             self._queue_changed(c)
             self.coord.touch(c.id)
             for w in gone:
-                self.coord.notify(w.scope_id, w.request_id)
                 self.coord.implied(ClaimWaiterEnded(claim_id=c.id, request_id=w.request_id, reason="cancelled"))
 
     def extend_leases(self, by_ms: int) -> None:
@@ -598,7 +607,7 @@ class Claims(Kind):
             if c.state == "HELD":
                 c.lease_expires_ms += by_ms
                 coord.arm_mono(c.lease_expires_ms, self._on_lease, (c.id, c.token, c.lease_expires_ms))
-            for w in c.waiters:
+            for w in self.line(c):
                 w.expires_mono_ms += by_ms
                 coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (c.id, w.request_id, w.expires_mono_ms))
             coord.touch(c.id)
@@ -610,7 +619,7 @@ class Claims(Kind):
             if c.state == "HELD":
                 self.held.add(c.id)
             self._queue_changed(c)
-            for w in c.waiters:
+            for w in self.line(c):
                 self._own(w.scope_id, c.id)
 
     def rearm(self) -> None:
@@ -618,9 +627,9 @@ class Claims(Kind):
         for c in self.table.values():
             if c.state == "HELD":
                 coord.arm_mono(c.lease_expires_ms, self._on_lease, (c.id, c.token, c.lease_expires_ms))
-            for w in c.waiters:
+            for w in self.line(c):
                 coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (c.id, w.request_id, w.expires_mono_ms))
-            if c.state == "FREE" and c.waiters:  # a crash between a release and its handoff
+            if c.state == "FREE" and self.line(c):  # a crash between a release and its handoff
                 coord.heap.arm(trio.current_time(), self._on_handoff, c.id)
 
     def _on_handoff(self, claim_id: str) -> None:
@@ -667,23 +676,6 @@ class Claims(Kind):
 
 
 
-def _find(waiters: list, request_id: str):
-    for w in waiters:
-        if w.request_id == request_id:
-            return w
-    return None
 
-
-def _remove(waiters: list, request_id: str):
-    for i, w in enumerate(waiters):
-        if w.request_id == request_id:
-            return waiters.pop(i)
-    return None
-
-
-def _position(waiters: list, request_id: str) -> int:
-    for i, w in enumerate(waiters):
-        if w.request_id == request_id:
-            return i + 1
-    return 0
-
+def _request_id(w: ClaimWaiter) -> str:
+    return w.request_id

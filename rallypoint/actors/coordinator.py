@@ -354,7 +354,7 @@ class Coordinator:
             if sink.closed:
                 return
             if cancelled:
-                self.reply(sink, rid, self.cancelled_answer(result))
+                self.reply(sink, rid, self.cancelled_answer(actor, result))
             else:
                 actor.park(result, sink, rid)
         elif t is Subscribe:
@@ -429,17 +429,58 @@ class Coordinator:
                 sink.flush()
             to_flush.clear()
 
-    def cancelled_answer(self, park: Park):
-        """The answer of a waiter whose actor was cancelled: what its check says now (the
-        state the cancel applied: a cancellation code or the outcome it decided), or, when
-        the server is stopping, UNAVAILABLE."""
-        if self.runtime.stopping:
+    def cancelled_answer(self, actor, park: Park):
+        """What a waiter parked on ``actor`` is told when its actor's nursery is
+        cancelled -- the ONE rule for every kind (docs/architecture.md, "What a cancelled
+        run's waiters are told"):
+
+        1. the server is stopping (the tree is cancelled from outside, not by a run's
+           end): UNAVAILABLE (``details.reason`` shutting_down), whatever it waited for;
+        2. a wait for an *outcome* gets the outcome the run's end decided: its ``check``
+           answers it (a task CANCELLED, a group FINALIZED, a join set's closing record,
+           the run as it ended); a check may also raise its kind's own code
+           (BARRIER_CANCELLED, TIMER_CANCELLED);
+        3. a wait for an *event* that can no longer happen (its check has no answer)
+           raises its run's code: SCOPE_CANCELLED or DEADLINE_EXCEEDED, with
+           ``details.reason`` and the run that ended;
+        4. no run ended above it (a cancellation that is not a run's end): a bug, logged
+           at ERROR and answered INTERNAL -- never a silent timeout answer."""
+        rt = self.runtime
+        if rt.stopping or rt.cancelled_by(actor) is None:
             return shutdown_error()
         try:
             reply = park.check()
         except RallypointError as exc:
             return exc
-        return reply if reply is not None else park.expire()
+        if reply is not None:
+            return reply
+        run_id = self.run_of_actor(actor)
+        err = self.runs.inactive_error(run_id) if run_id is not None else None
+        if err is not None:
+            return err
+        exc = InternalError("internal error: a wait was cancelled with no run ended above it; the server log "
+                            "has details")
+        log.error("waiter %r of actor %s was cancelled but no run above it ended (run %s): answered INTERNAL",
+                  park.key, actor.id, run_id)
+        return exc
+
+    def run_of_actor(self, actor) -> str | None:
+        """The run an actor belongs to: itself for a run's actor, else the nearest run
+        its actor sits under (None: a space-level actor under the root)."""
+        aid = actor.id
+        while aid is not None:
+            if aid.startswith("scp"):
+                return aid
+            a = self.runtime.actors.get(aid)
+            aid = a.parent_id if a is not None else self.parent_of(aid)[1]
+        return None
+
+    def deadline_after(self, ms: int) -> float:
+        """The Trio time ``ms`` of server time after this step's instant: a parked wait's
+        end, on the same grid as every other activity armed on server time
+        (:meth:`arm_mono`), so equal instants compare equal in the heap."""
+        clock = self.clock
+        return clock.trio_time_at_mono(clock.mono_ms() + ms)
 
     def internal_error(self, exc: BaseException) -> None:
         log.error("internal error while handling a command", exc_info=exc)

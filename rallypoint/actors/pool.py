@@ -41,6 +41,8 @@ pool with waiters.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import msgspec
 import trio
 
@@ -72,12 +74,13 @@ from ..protocol import (
     PoolWaiterView,
 )
 from ..records import GrantExpired, GrantReleased, GrantRenewed, PoolCreated, PoolGranted, PoolWaiterEnded, PoolWaiterQueued
-from .claim import MAX_QUEUE_WAIT_MS, _find, _position, _remove, check_holder, check_request_id, new_token
+from .claim import MAX_QUEUE_WAIT_MS, check_holder, check_request_id, new_token
 from ..events import emits, ev
 from .common import MAX_WAIT_MS, applies, check_name, check_payload, check_range, data, short
 from .kind import Kind, Links
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
 from .runtime import Park
+from .waitqueue import WaitQueue
 
 __all__ = ["PoolState", "PoolWaiter", "GrantState", "Pools", "MAX_UNITS", "MAX_POOLS_PER_TASK"]
 
@@ -155,6 +158,7 @@ class Pools(Kind):
         self.needs: dict[str, set[str]] = {}  # pool -> unfinished tasks that require it
         self._owned: set[tuple[str, str]] = set()
         self._kicked: set[str] = set()
+        self.lines: dict[str, WaitQueue[PoolWaiter]] = {}  # pool -> its line (over PoolState.waiters)
         self.links = Links()  # retention: run (or the task a delivery held it for) -> grant ids
 
     def entity_tables(self):
@@ -162,10 +166,18 @@ class Pools(Kind):
 
     def statistics(self) -> dict:
         return {"pools": len(self.table), "grants": len(self.grants), "leased": len(self.leased),
-                "waiters": sum(len(self.table[p].waiters) for p in self.queued)}
+                "waiters": sum(len(self.line(self.table[p])) for p in self.queued)}
 
     def leases_outstanding(self) -> int:
         return len(self.leased) + len(self.queued)
+
+    def line(self, pool: PoolState) -> WaitQueue[PoolWaiter]:
+        """The pool's FIFO line of waiting acquires (:class:`WaitQueue`; its durable form
+        is ``pool.waiters``, what snapshots store)."""
+        q = self.lines.get(pool.id)
+        if q is None:
+            q = self.lines[pool.id] = WaitQueue(_request_id, pool.waiters)
+        return q
 
     def free(self, pool: PoolState) -> int:
         """Units not granted now."""
@@ -224,12 +236,12 @@ class Pools(Kind):
             units_used=used,
             units_free=pool.units_total - used,
             created_at=to_iso(pool.created_at_ms),
-            waiting=len(pool.waiters),
+            waiting=len(self.line(pool)),
             active_grants=len(active),
             waiters=[
                 PoolWaiterView(scope_id=w.scope_id, units=w.units, holder=w.holder, queued_at=to_iso(w.queued_at_ms),
                                expires_at=to_iso(to_wall(w.expires_mono_ms)))
-                for w in pool.waiters[:100]
+                for w in islice(self.line(pool), 100)
             ],
             grants=[self.grant_view(self.grants[g]) for g in active[:100]],
         )
@@ -293,13 +305,14 @@ class Pools(Kind):
             gid = self.by_request.get((pool.id, rid))
             if gid is not None:  # a re-sent acquire that was applied
                 return PoolAcquireView(status="ACQUIRED", grant=self.grant_view(self.grants[gid], True), request_id=rid)
-            w = _find(pool.waiters, rid)
+            w = self.line(pool).get(rid)
             if w is not None:
                 if w.scope_id != run.id or w.units != op.units:
                     raise ConflictError(f"request_id {rid!r} is already a waiter for {w.units} units of run "
                                         f"{w.scope_id}", details={"field": "request_id"})
                 return self._park(pool, w)
-        if not pool.waiters and self.free(pool) >= op.units:
+        line = self.line(pool)
+        if not line and self.free(pool) >= op.units:
             gid = coord.ids.new("grt")
             coord.commit([PoolGranted(
                 id=gid, pool_id=pool.id, space=space, scope_id=run.id, units=op.units, token=new_token(),
@@ -309,12 +322,12 @@ class Pools(Kind):
             return PoolAcquireView(status="ACQUIRED", grant=self.grant_view(self.grants[gid], True), request_id=rid)
         if op.wait_ms == 0:
             free = self.free(pool)
-            why = (f"{len(pool.waiters)} waiter(s) are in line first" if pool.waiters and free >= op.units
+            why = (f"{len(line)} waiter(s) are in line first" if line and free >= op.units
                    else f"{free} of {pool.units_total} units are free")
             raise CapacityUnavailableError(
                 f"pool {pool.name!r} cannot grant {op.units} unit(s) now: {why}; acquire with wait to queue",
                 retry_after=1.0,
-                details={"pool": pool.name, "units": op.units, "units_free": free, "waiters": len(pool.waiters)},
+                details={"pool": pool.name, "units": op.units, "units_free": free, "waiters": len(line)},
             )
         if rid is None:
             rid = "srv-" + coord.ids.new("req")[4:]
@@ -322,7 +335,7 @@ class Pools(Kind):
             pool_id=pool.id, request_id=rid, scope_id=run.id, units=op.units, lease_ms=op.lease_ms,
             expires_mono_ms=coord.mono_ms() + op.wait_ms, at_ms=coord.now_ms(), holder=op.holder,
         )])
-        return self._park(pool, _find(pool.waiters, rid))
+        return self._park(pool, line.get(rid))
 
     def _check_units(self, field: str, units, pool: PoolState) -> None:
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
@@ -335,13 +348,14 @@ class Pools(Kind):
 
     def _park(self, pool: PoolState, w: PoolWaiter) -> Park:
         rid = w.request_id
+        line = self.line(pool)
         park_ms = max(0, min(MAX_WAIT_MS, w.expires_mono_ms - self.coord.mono_ms()))
 
         def check():
             gid = self.by_request.get((pool.id, rid))
             if gid is not None:
                 return PoolAcquireView(status="ACQUIRED", grant=self.grant_view(self.grants[gid], True), request_id=rid)
-            if _find(pool.waiters, rid) is not None:
+            if rid in line:
                 return None
             err = self.coord.runs.inactive_error(w.scope_id)
             if err is not None:
@@ -352,7 +366,7 @@ class Pools(Kind):
             )
 
         def expire():
-            pos = _position(pool.waiters, rid)
+            pos = line.position(rid)
             if pos == 0:
                 return check()
             return PoolAcquireView(status="WAITING", request_id=rid, position=pos)
@@ -362,7 +376,7 @@ class Pools(Kind):
     @applies(PoolWaiterQueued)
     def _apply_waiter_queued(self, r: PoolWaiterQueued) -> None:
         pool = self.table[r.pool_id]
-        pool.waiters.append(PoolWaiter(request_id=r.request_id, scope_id=r.scope_id, units=r.units,
+        self.line(pool).add(PoolWaiter(request_id=r.request_id, scope_id=r.scope_id, units=r.units,
                                        lease_ms=r.lease_ms, expires_mono_ms=r.expires_mono_ms,
                                        queued_at_ms=r.at_ms, holder=r.holder))
         self.queued.add(pool.id)
@@ -375,13 +389,13 @@ class Pools(Kind):
     @applies(PoolWaiterEnded)
     def _apply_waiter_ended(self, r: PoolWaiterEnded) -> None:
         pool = self.table[r.pool_id]
-        if _remove(pool.waiters, r.request_id) is not None:
+        if self.line(pool).remove(r.request_id) is not None:
             self._queue_changed(pool)
             self.coord.touch(pool.id)
             self.coord.notify(pool.id, r.request_id)
 
     def _queue_changed(self, pool: PoolState) -> None:
-        if pool.waiters:
+        if self.line(pool):
             self.queued.add(pool.id)
         else:
             self.queued.discard(pool.id)
@@ -394,7 +408,7 @@ class Pools(Kind):
         self.grants[g.id] = g
         self._index_grant(g)
         pool = self.table[g.pool_id]
-        if r.request_id is not None and _remove(pool.waiters, r.request_id) is not None:
+        if r.request_id is not None and self.line(pool).remove(r.request_id) is not None:
             self._queue_changed(pool)
             self.coord.touch(pool.id)
             self.coord.notify(pool.id, r.request_id)
@@ -507,7 +521,7 @@ class Pools(Kind):
         was already given is released. Idempotent."""
         pool = self.get(session.space, op.pool)
         check_request_id(op.request_id)
-        if _find(pool.waiters, op.request_id) is not None:
+        if op.request_id in self.line(pool):
             self.coord.commit([PoolWaiterEnded(pool_id=pool.id, request_id=op.request_id, reason="withdrawn")])
             self._serve_or_later(pool)
             return CancelWaitView(outcome="withdrawn")
@@ -524,28 +538,34 @@ class Pools(Kind):
         the serving (no barging). Then, with no one waiting, wake the receivers of ready
         tasks that require this pool (admission)."""
         coord = self.coord
-        recs: list = []
-        if pool.waiters:
+        line = self.line(pool)
+        if line:
             mono = coord.mono_ms()
             now = coord.now_ms()
             free = self.free(pool)
-            for w in pool.waiters:
-                if w.expires_mono_ms <= mono:
-                    recs.append(PoolWaiterEnded(pool_id=pool.id, request_id=w.request_id, reason="expired"))
-                elif coord.runs.inactive_error(w.scope_id) is not None:
-                    recs.append(PoolWaiterEnded(pool_id=pool.id, request_id=w.request_id, reason="cancelled"))
-                elif w.units <= free:
-                    free -= w.units
-                    recs.append(PoolGranted(
-                        id=coord.ids.new("grt"), pool_id=pool.id, space=pool.space, scope_id=w.scope_id,
-                        units=w.units, token=new_token(), at_ms=now, lease_expires_ms=mono + w.lease_ms,
-                        holder=w.holder, request_id=w.request_id,
-                    ))
-                else:
-                    break
+            inactive = coord.runs.inactive_error
+
+            def fits(w: PoolWaiter) -> bool:
+                nonlocal free
+                if w.units > free:
+                    return False
+                free -= w.units
+                return True
+
+            # a waiter whose time limit is this very instant is still in time (a wait's
+            # deadline sees what fell due at or before it)
+            leaving, served = line.plan(lambda w: w.expires_mono_ms < mono or inactive(w.scope_id) is not None, fits)
+            recs: list = [PoolWaiterEnded(pool_id=pool.id, request_id=w.request_id,
+                                          reason="expired" if w.expires_mono_ms < mono else "cancelled")
+                          for w in leaving]
+            recs += [PoolGranted(
+                id=coord.ids.new("grt"), pool_id=pool.id, space=pool.space, scope_id=w.scope_id,
+                units=w.units, token=new_token(), at_ms=now, lease_expires_ms=mono + w.lease_ms,
+                holder=w.holder, request_id=w.request_id,
+            ) for w in served]
             if recs:
                 coord.commit(recs)
-        if not pool.waiters and self.free(pool) > 0 and self.needs.get(pool.id):
+        if not line and self.free(pool) > 0 and self.needs.get(pool.id):
             self._wake_admission(pool.id)
 
     def _serve_or_later(self, pool: PoolState) -> None:
@@ -600,7 +620,7 @@ class Pools(Kind):
     def _on_waiter_ttl(self, arg) -> None:
         pool_id, rid, expires = arg
         pool = self.table.get(pool_id)
-        w = _find(pool.waiters, rid) if pool is not None else None
+        w = self.line(pool).get(rid) if pool is not None else None
         if w is None or w.expires_mono_ms != expires:
             return
         self.coord.commit([PoolWaiterEnded(pool_id=pool_id, request_id=rid, reason="expired")])
@@ -612,14 +632,12 @@ class Pools(Kind):
         ``at_ms`` leave the queue, the pool's actor re-checks their parked acquires
         (which answer the run's code), and the pool is served at once after this step."""
         pool = self.table[pool_id]
-        if not pool.waiters:
+        line = self.line(pool)
+        if not line:
             return
-        runs = self.coord.runs
-        keep, gone = [], []
-        for w in pool.waiters:
-            (gone if runs.inactive_error(w.scope_id, at_ms) is not None else keep).append(w)
+        inactive = self.coord.runs.inactive_error
+        gone = line.remove_where(lambda w: inactive(w.scope_id, at_ms) is not None)
         if gone:
-            pool.waiters = keep
             self._queue_changed(pool)
             self.coord.touch(pool.id)
             for w in gone:
@@ -646,7 +664,7 @@ class Pools(Kind):
         (``pending``)? Not while anyone waits in the pool's queue (no barging)."""
         for pid, units in value.items():
             pool = self.table[pid]
-            if pool.waiters or self.free(pool) - pending.get(pid, 0) < units:
+            if self.line(pool) or self.free(pool) - pending.get(pid, 0) < units:
                 return False
         return True
 
@@ -708,7 +726,7 @@ class Pools(Kind):
             coord.arm_mono(g.lease_expires_ms, self._on_lease, (g.id, g.token, g.lease_expires_ms))
         for pid in sorted(self.queued):
             pool = self.table[pid]
-            for w in pool.waiters:
+            for w in self.line(pool):
                 w.expires_mono_ms += by_ms
                 coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (pid, w.request_id, w.expires_mono_ms))
             coord.touch(pid)
@@ -718,7 +736,7 @@ class Pools(Kind):
         for pool in self.table.values():
             self.by_name[(pool.space, pool.name)] = pool.id
             self._queue_changed(pool)
-            for w in pool.waiters:
+            for w in self.line(pool):
                 if (w.scope_id, pool.id) not in self._owned:
                     self._owned.add((w.scope_id, pool.id))
                     self.coord.runs.own(w.scope_id, pool.id)
@@ -732,7 +750,7 @@ class Pools(Kind):
             coord.arm_mono(g.lease_expires_ms, self._on_lease, (g.id, g.token, g.lease_expires_ms))
         for pid in self.queued:
             pool = self.table[pid]
-            for w in pool.waiters:
+            for w in self.line(pool):
                 coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (pid, w.request_id, w.expires_mono_ms))
             self._kick(pid)  # a crash between a release and its serving: serve now
 
@@ -793,3 +811,7 @@ class Pools(Kind):
         g = self.grants[r.grant_id]
         return ev(g.space, "grant.expired", "grant", g.id, g.scope_id, r.at_ms,
                   {"pool": self.table[g.pool_id].name, "units": g.units})
+
+
+def _request_id(w: PoolWaiter) -> str:
+    return w.request_id

@@ -54,8 +54,6 @@ instants, so what fell due while the daemon was down happens at start-up in due 
 
 from __future__ import annotations
 
-from collections import deque
-
 import msgspec
 
 from ..clock import to_iso
@@ -93,6 +91,7 @@ from ..events import emits, ev
 from .common import applies, check_key, check_name, check_range, clamp_wait, data, short
 from .kind import Kind, Links
 from .runtime import Park
+from .waitqueue import WaitQueue
 
 __all__ = ["QuotaState", "QuotaWaiterState", "Quotas"]
 
@@ -165,8 +164,7 @@ class Quotas(Kind):
 
     def _init_indexes(self) -> None:
         self.by_name: dict[tuple[str, str], str] = {}
-        self.fifo: dict[str, deque[str]] = {}  # quota id -> waiter ids in FIFO order (ended ones dropped lazily)
-        self.n_waiting: dict[str, int] = {}
+        self.lines: dict[str, WaitQueue[QuotaWaiterState]] = {}  # quota id -> its WAITING waiters, FIFO
         self.keys: dict[tuple[str, str], str] = {}  # (quota id, key) -> waiter id
         self.links = Links()  # retention: run -> its waiters
 
@@ -174,7 +172,13 @@ class Quotas(Kind):
         return {"quo": (self.table, QuotaState), "qwt": (self.waiters, QuotaWaiterState)}
 
     def statistics(self) -> dict:
-        return {"quotas": len(self.table), "waiters": len(self.waiters), "waiting": sum(self.n_waiting.values())}
+        return {"quotas": len(self.table), "waiters": len(self.waiters),
+                "waiting": sum(len(line) for line in self.lines.values())}
+
+    def waiting(self, quota_id: str) -> int:
+        """How many waiters of the quota are WAITING (in its line)."""
+        line = self.lines.get(quota_id)
+        return len(line) if line is not None else 0
 
     # ================================================================ lookups
     def get(self, space: str, name_or_id) -> QuotaState:
@@ -289,7 +293,7 @@ class Quotas(Kind):
         window = self.window_of(q, mono)
         fits = (
             q.cooldown_until_mono_ms <= mono
-            and not self.n_waiting.get(q.id)
+            and not self.waiting(q.id)
             and self.used_in(q, window) + op.units <= q.units_limit
         )
         if op.ttl_ms == 0:
@@ -325,7 +329,7 @@ class Quotas(Kind):
             )
         window = self.window_of(q, mono)
         remaining = q.units_limit - self.used_in(q, window)
-        waiting = self.n_waiting.get(q.id, 0)
+        waiting = self.waiting(q.id)
         roll_s = (window + q.window_ms - mono) / 1000
         if waiting:
             msg = (f"quota {q.name!r}: {waiting} waiter(s) are queued ahead of this take (first come, first "
@@ -398,31 +402,26 @@ class Quotas(Kind):
     def _plan(self, q: QuotaState, mono: int, skip: str | None = None) -> list[QuotaWaiterState]:
         """The WAITING waiters to grant at server time ``mono``, head first, while their
         units fit in that window (none during a cooldown). Waiters already past their
-        TTL, of an inactive run, or ``skip`` are passed over (they are leaving)."""
-        if q.cooldown_until_mono_ms > mono or not self.n_waiting.get(q.id):
-            return []
-        dq = self.fifo.get(q.id)
-        waiters = self.waiters
-        while dq and waiters[dq[0]].state != "WAITING":
-            dq.popleft()
-        if not dq:
+        TTL, of an inactive run, or ``skip`` are passed over (they are leaving). A waiter
+        whose TTL ends at ``mono`` itself is still in time: a wait's deadline sees what
+        fell due at or before it (a window that rolls at that instant grants it)."""
+        line = self.lines.get(q.id)
+        if q.cooldown_until_mono_ms > mono or not line:
             return []
         window = self.window_of(q, mono)
         used = self.used_in(q, window)
-        runs = self.coord.runs
+        inactive = self.coord.runs.inactive_error
         wall = self.coord.clock.mono_to_wall(mono)
-        out = []
-        for wid in dq:
-            w = waiters[wid]
-            if w.state != "WAITING" or wid == skip or w.expires_mono_ms <= mono:
-                continue
-            if runs.inactive_error(w.scope_id, wall) is not None:
-                continue
+
+        def fits(w: QuotaWaiterState) -> bool:
+            nonlocal used
             if used + w.units > q.units_limit:
-                break  # strict FIFO: nobody behind it goes first
+                return False  # strict FIFO: nobody behind it goes first
             used += w.units
-            out.append(w)
-        return out
+            return True
+
+        return line.plan(lambda w: w.id == skip or w.expires_mono_ms < mono or inactive(w.scope_id, wall) is not None,
+                         fits)[1]
 
     def _grant_records(self, q: QuotaState, mono: int, skip: str | None = None) -> list:
         ws = self._plan(q, mono, skip)
@@ -448,7 +447,7 @@ class Quotas(Kind):
 
     def _schedule(self, q: QuotaState, mono: int) -> None:
         """While waiters wait: serve next at the cooldown's end or the next window."""
-        if not self.n_waiting.get(q.id):
+        if not self.waiting(q.id):
             return
         if q.cooldown_until_mono_ms > mono:
             self._arm_serve(q.id, q.cooldown_until_mono_ms)
@@ -465,7 +464,7 @@ class Quotas(Kind):
         if self._tick_due.get(quota_id) == due:
             del self._tick_due[quota_id]
         q = self.table.get(quota_id)
-        if q is None or not self.n_waiting.get(quota_id):
+        if q is None or not self.waiting(quota_id):
             return
         recs = self._grant_records(q, due)
         if recs:
@@ -534,11 +533,10 @@ class Quotas(Kind):
         self._schedule(q, r.at_mono_ms)
 
     def _enqueue(self, q: QuotaState, w: QuotaWaiterState) -> None:
-        dq = self.fifo.get(q.id)
-        if dq is None:
-            dq = self.fifo[q.id] = deque()
-        dq.append(w.id)
-        self.n_waiting[q.id] = self.n_waiting.get(q.id, 0) + 1
+        line = self.lines.get(q.id)
+        if line is None:
+            line = self.lines[q.id] = WaitQueue(_waiter_id)
+        line.add(w)
         self.coord.runs.own(w.scope_id, w.id)
 
     def _left(self, w: QuotaWaiterState, state: str, at_ms: int, reason: str | None) -> None:
@@ -546,12 +544,11 @@ class Quotas(Kind):
         w.state = state
         w.ended_at_ms = at_ms
         w.end_reason = reason
-        n = self.n_waiting.get(w.quota_id, 0) - 1
-        if n > 0:
-            self.n_waiting[w.quota_id] = n
-        else:
-            self.n_waiting.pop(w.quota_id, None)
-            self.fifo.pop(w.quota_id, None)
+        line = self.lines.get(w.quota_id)
+        if line is not None:
+            line.remove(w.id)
+            if not line:
+                del self.lines[w.quota_id]
         self.coord.touch(w.id)
         self.coord.notify(w.quota_id, w.id)
 
@@ -577,7 +574,7 @@ class Quotas(Kind):
             q.cooldown_until_mono_ms = r.until_mono_ms
             q.cooldown_reason = r.reason
         self.coord.touch(q.id)
-        if self.n_waiting.get(q.id):
+        if self.waiting(q.id):
             self._arm_serve(q.id, q.cooldown_until_mono_ms)
 
     def on_run_inactive(self, waiter_id: str, at_ms: int, reason: str) -> None:
@@ -621,16 +618,14 @@ class Quotas(Kind):
         cooling = q.cooldown_until_mono_ms > mono
         listed = []
         if waiters:
-            for wid in self.fifo.get(q.id, ()):
-                w = self.waiters[wid]
-                if w.state == "WAITING":
-                    listed.append(self.take_view(w))
-                    if len(listed) >= LIST_WAITERS:
-                        break
+            for w in self.lines.get(q.id, ()):
+                listed.append(self.take_view(w))
+                if len(listed) >= LIST_WAITERS:
+                    break
         return QuotaView(
             id=q.id, name=q.name, units_limit=q.units_limit, window_ms=q.window_ms,
             window_start=self._wall(window), window_end=self._wall(window + q.window_ms), used=used,
-            remaining=q.units_limit - used, waiting=self.n_waiting.get(q.id, 0),
+            remaining=q.units_limit - used, waiting=self.waiting(q.id),
             cooldown_until=self._wall(q.cooldown_until_mono_ms) if cooling else None,
             cooldown_reason=q.cooldown_reason if cooling else None, consumed_total=q.consumed_total,
             created_at=to_iso(q.created_at_ms), waiters=listed,
@@ -733,3 +728,7 @@ class Quotas(Kind):
         q = self.table[r.quota_id]
         return ev(q.space, "quota.cooldown", "quota", q.id, None, r.at_ms,
                   data(name=q.name, until=to_iso(self.coord.clock.mono_to_wall(r.until_mono_ms)), reason=r.reason))
+
+
+def _waiter_id(w: QuotaWaiterState) -> str:
+    return w.id

@@ -58,7 +58,7 @@ from ..errors import RallypointError, UnavailableError, shutting_down_error
 log = logging.getLogger("rallypoint.runtime")
 
 __all__ = ["Actor", "Runtime", "Park", "Subscribe", "Waiter", "ActivityHeap", "ReplySink", "PASSIVE", "STARTING",
-           "ACTIVE"]
+           "ACTIVE", "PRIO_RUN_DEADLINE", "PRIO_DEFAULT", "PRIO_WAIT_END"]
 
 PASSIVE, STARTING, ACTIVE = 0, 1, 2
 _wait_rescheduled = trio.lowlevel.wait_task_rescheduled
@@ -66,9 +66,16 @@ _ABORT_SUCCEEDED = trio.lowlevel.Abort.SUCCEEDED
 _STATUS_NAMES = {PASSIVE: "passive", STARTING: "starting", ACTIVE: "active"}
 
 #: Priority of a heap entry at equal due time: runs' deadlines first (an enclosing
-#: run's end decides before what it encloses), then everything else.
+#: run's end decides before what it encloses), then everything else, and the ends of
+#: waits last: a wait's deadline sees what fell due at or before it (a window that rolls,
+#: a lease that runs out at that same instant).
 PRIO_RUN_DEADLINE = 0
 PRIO_DEFAULT = 1
+PRIO_WAIT_END = 2
+
+
+def _deadline_after(ms: int) -> float:
+    return trio.current_time() + ms / 1000
 
 
 # ---------------------------------------------------------------------------- replies
@@ -350,7 +357,7 @@ class Actor:
     __slots__ = (
         "id", "kind", "parent_id", "runtime", "inbox", "status", "nursery", "_parked", "waiters",
         "n_waiters", "_dirty", "_pending_children", "_idle_since", "_passivate_armed", "_passivate",
-        "commands", "depth", "_handling", "__weakref__",
+        "commands", "depth", "_handling", "scope", "__weakref__",
     )
 
     def __init__(self, runtime: "Runtime", actor_id: str, kind: Any, parent_id: str | None) -> None:
@@ -361,6 +368,9 @@ class Actor:
         self.inbox: deque = deque()
         self.status = PASSIVE
         self.nursery: trio.Nursery | None = None
+        #: the cancel scope of this activation's nursery, kept until it passivates (its
+        #: ``nursery`` is cleared earlier, when it stops taking new children)
+        self.scope: trio.CancelScope | None = None
         self._parked = None
         self.waiters: dict[Any, list[Waiter]] = {}
         self.n_waiters = 0
@@ -419,6 +429,7 @@ class Actor:
         try:
             async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 self.nursery = nursery
+                self.scope = nursery.cancel_scope
                 pending, self._pending_children = self._pending_children, []
                 for child in pending:
                     nursery.start_soon(child._main)
@@ -434,6 +445,7 @@ class Actor:
                     self.nursery = None
         finally:
             self.nursery = None
+            self.scope = None
             self._parked = None
             self.status = PASSIVE
             rt.n_active -= 1
@@ -497,7 +509,7 @@ class Actor:
         self.runtime.n_waiters += 1
         sink.track(rid, w)
         rt = self.runtime
-        rt.heap.arm(trio.current_time() + park.wait_ms / 1000, rt._wait_timeout, w)
+        rt.heap.arm(rt.deadline_after(park.wait_ms), rt._wait_timeout, w, PRIO_WAIT_END)
 
     def _unlist(self, w: Waiter) -> None:
         lst = self.waiters.get(w.park.key)
@@ -567,7 +579,7 @@ class Actor:
             for key, lst in list(self.waiters.items()):
                 for w in lst:
                     if not w.done:
-                        self._finish_waiter(w, rt.cancelled_answer(w.park))
+                        self._finish_waiter(w, rt.cancelled_answer(self, w.park))
             self.waiters.clear()
         finally:
             rt.after_batch()
@@ -613,6 +625,9 @@ class Runtime:
         self.reply = system.reply
         self.internal_error = system.internal_error
         self.cancelled_answer = system.cancelled_answer
+        #: ``(ms) -> Trio time`` of a wait's end, on the same grid as the system's other
+        #: activities (so equal instants compare equal); default: now + ms
+        self.deadline_after = getattr(system, "deadline_after", None) or _deadline_after
 
     # -------------------------------------------------------------- activations
     def actor(self, actor_id: str) -> Actor:
@@ -700,6 +715,18 @@ class Runtime:
         a._passivate = True
         a._wake()
 
+    def cancelled_by(self, a: Actor) -> str | None:
+        """The actor whose nursery cancellation reaches ``a`` (``a`` itself or an
+        ancestor: the run whose end cancelled it, :meth:`cancel`), or None when none
+        was cancelled (``a`` runs on, or the whole tree is being stopped from outside)."""
+        actors = self.actors
+        while a is not None:
+            scope = a.scope
+            if scope is not None and scope.cancel_called:
+                return a.id
+            a = actors.get(a.parent_id) if a.parent_id is not None else None
+        return None
+
     def _wait_timeout(self, w: Waiter) -> None:
         if w.done:
             return
@@ -708,10 +735,16 @@ class Runtime:
             # what became true by the deadline answers first: an activity due at or before
             # it (a lease running out re-queues a task) fired earlier in this same round,
             # and its wake-up re-check has not run yet (found by the simulator, seed 3609:
-            # a receive timed out empty while the task it waited for was ready)
+            # a receive timed out empty while the task it waited for was ready); the heap
+            # fires wait ends after everything else due at the same instant (PRIO_WAIT_END)
             reply = w.park.check()
             if reply is None:
-                reply = w.park.expire()
+                if self.cancelled_by(a) is not None:
+                    # its run ended in this same round and its actor's cancellation is on
+                    # its way: the run's end answers, not the time limit
+                    reply = self.cancelled_answer(a, w.park)
+                else:
+                    reply = w.park.expire()
         except RallypointError as exc:
             reply = exc
         except Exception as exc:  # a bug: answer INTERNAL, keep serving (as _recheck does)
