@@ -14,7 +14,7 @@ import pytest
 
 from rallypoint import LeaseLostError
 
-from rallypoint.actors.runtime import ActivityHeap
+from rallypoint.actors.runtime import PRIO_DEFAULT, PRIO_RUN_DEADLINE, PRIO_WAIT_END, ActivityHeap
 
 
 class _Kind:
@@ -40,6 +40,21 @@ async def test_entries_with_atomic_args_are_not_tracked_by_the_gc(autojump_clock
     assert gc.is_tracked(plain)
     # entries() shows the callables themselves
     assert {e[3] for e in heap.entries()} >= {k.on}
+
+
+async def test_at_one_instant_runs_deadlines_fire_first_and_wait_ends_last(autojump_clock):
+    """Whatever order they were armed in, entries due at the same instant fire by
+    priority (a wait's end sees what fell due at or before it), then in arm order."""
+    heap, k = ActivityHeap(), _Kind()
+    due = trio.current_time() + 5
+    heap.arm(due, k.on, "wait-end-1", PRIO_WAIT_END)
+    heap.arm(due, k.on, "roll-1")
+    heap.arm(due, k.on, "wait-end-2", PRIO_WAIT_END)
+    heap.arm(due, k.on, "deadline", PRIO_RUN_DEADLINE)
+    heap.arm(due, k.on, "roll-2", PRIO_DEFAULT)
+    heap.arm(due - 0.001, k.on, "earlier", PRIO_WAIT_END)
+    assert heap.fire_due(due) == 6
+    assert k.fired == ["earlier", "deadline", "roll-1", "roll-2", "wait-end-1", "wait-end-2"]
 
 
 async def test_stale_entries_are_dropped_when_the_heap_doubles_and_order_is_kept(autojump_clock):

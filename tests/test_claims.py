@@ -225,6 +225,19 @@ async def test_a_waiter_whose_time_runs_out_leaves_the_queue_with_wait_timeout(a
     assert (await ers.claims.status("k")).waiters == []
 
 
+async def test_a_waiter_whose_time_ends_as_the_lease_runs_out_gets_the_lease(autojump_clock, ers):
+    """Issue 34 item 7, for claims: the waiter's time limit, its request's wait and the
+    lease's expiry are one instant; the lease running out falls due at it, so the
+    waiter is handed the lease (generation 2), not told TIMEOUT."""
+    run = await ers.scopes.create()
+    await run.claims.acquire("tie", lease_seconds=30)
+    t0 = trio.current_time()
+    got = await _acquire_raw(ers, run, "tie", lease_ms=30_000, wait_ms=30_000, request_id="tie-waiter")
+    assert (got.status, got.claim.generation, got.request_id) == ("ACQUIRED", 2, "tie-waiter")
+    assert trio.current_time() - t0 == pytest.approx(30, abs=0.01)
+    assert (await ers.claims.status("tie")).waiters == []
+
+
 async def test_a_cancelled_acquire_withdraws_its_waiter(autojump_clock, ers):
     run = await ers.scopes.create()
     holder = await run.claims.acquire("k", lease_seconds=600)

@@ -125,6 +125,22 @@ async def test_an_expired_grant_returns_its_units_to_the_first_waiter(autojump_c
     assert (await pool.status()).units_used == 2 and waiter.units == 2
 
 
+async def test_a_waiter_whose_time_ends_as_a_grant_runs_out_gets_the_units(autojump_clock, ers):
+    """Issue 34 item 7, for pools: the grant's expiry and the waiter's time limit (and its
+    request's wait) are one instant; the units coming back fall due at it, so the waiter
+    is granted them, not told TIMEOUT."""
+    pool = await ers.pools.ensure("tie", 1)
+    run = await ers.scopes.create()
+    await run.pools.acquire("tie", 1, lease_seconds=30)
+    t0 = trio.current_time()
+    got = await ers._call(p.PoolAcquire(pool="tie", scope_id=run.id, units=1, lease_ms=30_000, wait_ms=30_000,
+                                        request_id="tie-waiter"), t._PoolAcquireReply)
+    assert got.status == "ACQUIRED" and got.grant.units == 1 and got.request_id == "tie-waiter"
+    assert trio.current_time() - t0 == pytest.approx(30, abs=0.01)
+    st = await pool.status()
+    assert (st.units_used, st.waiting) == (1, 0)
+
+
 async def test_a_lease_is_judged_at_request_time(autojump_clock, ers):
     await ers.pools.ensure("rt", 1)
     run = await ers.scopes.create()

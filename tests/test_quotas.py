@@ -448,6 +448,41 @@ async def test_a_take_at_the_boundary_is_judged_after_the_waiters_are_served(aut
     assert (await w.status()).state == "GRANTED"
 
 
+async def test_a_wait_that_ends_exactly_on_the_window_roll_is_granted(autojump_clock, ers):
+    """Issue 34 item 7: ``take(wait=retry_after)`` -- the waiter's TTL, the request's
+    server-side wait and the window's roll are the same instant. A wait's deadline sees
+    what fell due at or before it: the roll grants the waiter before its TTL and the
+    request's wait end (they fire after it, whatever the order they were armed in)."""
+    run = await ers.scopes.create()
+    q = await ers.quotas.ensure("roll", units_limit=1, window_seconds=10)
+    await sleep_to_window_start(ers, q, 2.0001)  # 2 s into a window: retry_after is a whole 8.0 s
+    first = await q.take(scope=run)
+    with pytest.raises(AllowanceExhaustedError) as ei:
+        await q.take(scope=run)
+    wait = ei.value.retry_after
+    assert wait == 8.0
+    t0 = trio.current_time()
+    g = await q.take(scope=run, wait=wait)
+    assert g.state == "GRANTED" and g.consumption_id != first.consumption_id
+    assert trio.current_time() - t0 == pytest.approx(wait, abs=0.01)
+    st = await q.status()
+    assert (st.used, st.consumed_total, st.waiting) == (1, 2, 0)
+    assert st.window_start == g.window_start and g.window_start > first.window_start
+
+
+async def test_an_enqueued_waiter_whose_ttl_is_the_roll_is_granted(autojump_clock, ers):
+    """The same tie without a parked request: the TTL expiry, armed before the serve,
+    still fires after it (the heap orders wait ends last at an instant)."""
+    run = await ers.scopes.create()
+    q = await ers.quotas.ensure("roll-ttl", units_limit=1, window_seconds=10)
+    await sleep_to_window_start(ers, q, 3.0001)
+    await q.take(scope=run)
+    w = await q.enqueue(scope=run, ttl=7)  # expires at the roll
+    await trio.sleep(7.5)
+    st = await w.status()
+    assert (st.state, st.end_reason) == ("GRANTED", None) and st.consumption_id is not None
+
+
 async def test_quotas_budgets_and_messages_are_per_space():
     """Another space's quota, waiter, budget, reservation or message answers NOT_FOUND,
     by name and by id; the same names are separate entities."""

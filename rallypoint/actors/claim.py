@@ -85,7 +85,7 @@ from ..events import emits, ev
 from .common import MAX_KEY_LEN, MAX_WAIT_MS, applies, check_payload, check_range, data, short
 from .kind import Kind
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
-from .runtime import Park
+from .runtime import PRIO_WAIT_END, Park
 from .waitqueue import WaitQueue
 
 __all__ = ["ClaimState", "ClaimWaiter", "Claims", "MAX_QUEUE_WAIT_MS", "check_request_id", "check_holder", "new_token"]
@@ -366,7 +366,8 @@ class Claims(Kind):
         self._queue_changed(c)
         self._own(r.scope_id, c.id)
         self.coord.touch(c.id)
-        self.coord.arm_mono(r.expires_mono_ms, self._on_waiter_ttl, (c.id, r.request_id, r.expires_mono_ms))
+        self.coord.arm_mono(r.expires_mono_ms, self._on_waiter_ttl, (c.id, r.request_id, r.expires_mono_ms),
+                            PRIO_WAIT_END)
 
     @applies(ClaimWaiterEnded)
     def _apply_waiter_ended(self, r: ClaimWaiterEnded) -> None:
@@ -609,7 +610,8 @@ class Claims(Kind):
                 coord.arm_mono(c.lease_expires_ms, self._on_lease, (c.id, c.token, c.lease_expires_ms))
             for w in self.line(c):
                 w.expires_mono_ms += by_ms
-                coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (c.id, w.request_id, w.expires_mono_ms))
+                coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (c.id, w.request_id, w.expires_mono_ms),
+                               PRIO_WAIT_END)
             coord.touch(c.id)
 
     def rebuild_indexes(self) -> None:
@@ -628,7 +630,8 @@ class Claims(Kind):
             if c.state == "HELD":
                 coord.arm_mono(c.lease_expires_ms, self._on_lease, (c.id, c.token, c.lease_expires_ms))
             for w in self.line(c):
-                coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (c.id, w.request_id, w.expires_mono_ms))
+                coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (c.id, w.request_id, w.expires_mono_ms),
+                               PRIO_WAIT_END)
             if c.state == "FREE" and self.line(c):  # a crash between a release and its handoff
                 coord.heap.arm(trio.current_time(), self._on_handoff, c.id)
 

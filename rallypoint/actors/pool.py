@@ -79,7 +79,7 @@ from ..events import emits, ev
 from .common import MAX_WAIT_MS, applies, check_name, check_payload, check_range, data, short
 from .kind import Kind, Links
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
-from .runtime import Park
+from .runtime import PRIO_WAIT_END, Park
 from .waitqueue import WaitQueue
 
 __all__ = ["PoolState", "PoolWaiter", "GrantState", "Pools", "MAX_UNITS", "MAX_POOLS_PER_TASK"]
@@ -384,7 +384,8 @@ class Pools(Kind):
             self._owned.add((r.scope_id, pool.id))
             self.coord.runs.own(r.scope_id, pool.id)
         self.coord.touch(pool.id)
-        self.coord.arm_mono(r.expires_mono_ms, self._on_waiter_ttl, (pool.id, r.request_id, r.expires_mono_ms))
+        self.coord.arm_mono(r.expires_mono_ms, self._on_waiter_ttl, (pool.id, r.request_id, r.expires_mono_ms),
+                            PRIO_WAIT_END)
 
     @applies(PoolWaiterEnded)
     def _apply_waiter_ended(self, r: PoolWaiterEnded) -> None:
@@ -728,7 +729,8 @@ class Pools(Kind):
             pool = self.table[pid]
             for w in self.line(pool):
                 w.expires_mono_ms += by_ms
-                coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (pid, w.request_id, w.expires_mono_ms))
+                coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (pid, w.request_id, w.expires_mono_ms),
+                               PRIO_WAIT_END)
             coord.touch(pid)
 
     def rebuild_indexes(self) -> None:
@@ -751,7 +753,8 @@ class Pools(Kind):
         for pid in self.queued:
             pool = self.table[pid]
             for w in self.line(pool):
-                coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (pid, w.request_id, w.expires_mono_ms))
+                coord.arm_mono(w.expires_mono_ms, self._on_waiter_ttl, (pid, w.request_id, w.expires_mono_ms),
+                               PRIO_WAIT_END)
             self._kick(pid)  # a crash between a release and its serving: serve now
 
     # ================================================================ retention

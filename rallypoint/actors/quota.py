@@ -90,7 +90,7 @@ from ..records import (
 from ..events import emits, ev
 from .common import applies, check_key, check_name, check_range, clamp_wait, data, short
 from .kind import Kind, Links
-from .runtime import Park
+from .runtime import PRIO_WAIT_END, Park
 from .waitqueue import WaitQueue
 
 __all__ = ["QuotaState", "QuotaWaiterState", "Quotas"]
@@ -529,7 +529,7 @@ class Quotas(Kind):
             return
         self._enqueue(q, w)
         self.coord.touch(q.id)
-        self.coord.arm_mono(w.expires_mono_ms, self._on_expiry, (w.id, w.expires_mono_ms))
+        self.coord.arm_mono(w.expires_mono_ms, self._on_expiry, (w.id, w.expires_mono_ms), PRIO_WAIT_END)
         self._schedule(q, r.at_mono_ms)
 
     def _enqueue(self, q: QuotaState, w: QuotaWaiterState) -> None:
@@ -654,7 +654,7 @@ class Quotas(Kind):
         latest: dict[str, int] = {}
         for w in self.waiters.values():
             if w.state == "WAITING":
-                self.coord.arm_mono(w.expires_mono_ms, self._on_expiry, (w.id, w.expires_mono_ms))
+                self.coord.arm_mono(w.expires_mono_ms, self._on_expiry, (w.id, w.expires_mono_ms), PRIO_WAIT_END)
                 latest[w.quota_id] = max(latest.get(w.quota_id, 0), w.at_mono_ms)
         for qid, at in latest.items():
             q = self.table[qid]
