@@ -16,6 +16,8 @@ import trio.testing
 
 import rallypoint
 from rallypoint import protocol as p
+from rallypoint.actors.runtime import ReplySink
+from rallypoint.client.types import RunStatus
 from rallypoint.errors import (
     BarrierCancelledError,
     ChildError,
@@ -258,3 +260,132 @@ async def test_a_failed_apply_stops_the_node_before_anything_exposes_it(tmp_path
         names = {s.name for s in await rs.scopes.list()}
         assert names == {"kept"}  # the failed commit is not there
         assert rs.node.recovery_info["snapshot_lsn"] == 0  # and no snapshot was taken at the failed close
+
+
+# ------------------------------------------------------------------ what a cancelled waiter is told
+
+
+class _Recorder(ReplySink):
+    """A sink that keeps every answer (decoded when it is a reply body)."""
+
+    def __init__(self) -> None:
+        self.replies: dict[int, object] = {}
+
+    def deliver(self, rid, reply, lsn) -> None:
+        self.replies[rid] = reply
+
+
+async def test_waiters_of_a_stopping_node_are_told_unavailable_not_a_timeout_answer(autojump_clock):
+    """Issue 28 item 5: the actor tree cancelled from outside (the node stops) is not a
+    run's end. A parked receive was answered with its time-out answer, an empty list
+    (found by counting the silent fallback over 200 simulator seeds); a result wait with
+    the task still QUEUED. Every parked wait is UNAVAILABLE (shutting_down): the SDK
+    re-sends it on a new connection instead of reading "no work"."""
+    from rallypoint.errors import UnavailableError
+    from rallypoint.protocol import encoder
+    from rallypoint.service import Session
+
+    sink = _Recorder()
+    async with rallypoint.open_embedded(clock=None) as rs:
+        coord = rs.node.coordinator
+        run = await rs.scopes.create()
+        mbx = await rs.mailboxes.ensure("stop")
+        idle = await rs.mailboxes.ensure("stop-idle")
+        ticket = await idle.submit({"never": "run"}, scope=run)
+        holder = await run.claims.acquire("stop-k", lease_seconds=600)
+        await rs.pools.ensure("stop-p", 1)
+        await run.pools.acquire("stop-p", 1, lease_seconds=600)
+        submit = rs.node.service.submit
+        session = Session()
+        submit(session, encoder.encode(p.Receive(mailbox=mbx.name, scope_id=run.id, wait_ms=60_000)), sink, 1)
+        submit(session, encoder.encode(p.TaskResult(task_id=ticket.id, wait_ms=60_000)), sink, 2)
+        submit(session, encoder.encode(p.ClaimAcquire(key="stop-k", scope_id=run.id, lease_ms=30_000,
+                                                      wait_ms=60_000, request_id="c")), sink, 3)
+        submit(session, encoder.encode(p.PoolAcquire(pool="stop-p", scope_id=run.id, units=1, lease_ms=30_000,
+                                                     wait_ms=60_000, request_id="g")), sink, 4)
+        await _parked(coord, 4)
+        assert sink.replies == {} and holder.generation == 1
+    assert sorted(sink.replies) == [1, 2, 3, 4]
+    for rid, reply in sink.replies.items():
+        assert isinstance(reply, UnavailableError), (rid, reply)
+        assert reply.details["reason"] == "shutting_down"
+
+
+async def test_a_wait_with_no_answer_of_its_own_gets_its_runs_code_from_the_runtime(autojump_clock, ers):
+    """The runtime's rule for a run's end: a wait for an event that can no longer happen
+    (its check has no answer) raises its run's code -- for every kind alike, with
+    ``details.reason`` and the run that ended -- and a waiter cancelled with no run
+    ended above it is a loud INTERNAL (logged), never its time-out answer."""
+    from rallypoint.actors.runtime import Park
+    from rallypoint.errors import InternalError
+
+    coord = ers.node.coordinator
+    rt = coord.runtime
+    top = await ers.scopes.create()
+    low = await top.child()
+    other = await ers.scopes.create()
+    sink = _Recorder()
+    for rid, run_id in ((1, low.id), (2, other.id)):
+        actor = rt.actor(run_id)
+        actor.send((lambda a, s, op: Park("never", lambda: None, 60_000, lambda: "timed out"), None, None, sink, rid))
+    await _parked(coord, 2)
+    await top.cancel()  # an ancestor of low's run
+    await trio.testing.wait_all_tasks_blocked()
+    err = sink.replies[1]
+    assert isinstance(err, ScopeCancelledError), err
+    assert err.details == {"scope_id": top.id, "reason": "cancelled"} and low.id in err.message
+    rt.cancel(other.id)  # not a run's end: a bug somewhere
+    await trio.testing.wait_all_tasks_blocked()
+    assert isinstance(sink.replies[2], InternalError)
+    assert (await other.status()).stored_state == "ACTIVE"
+
+
+async def test_the_run_end_step_wakes_nothing_in_the_ended_subtree(autojump_clock, ers, monkeypatch):
+    """The review's mutant B as a check: with every ``notify`` of the run's end step
+    silenced, each wait parked under the ended run is still answered, and with the same
+    answer -- the nursery cancellation answers them, not per-kind wake-ups. (Pools and
+    quotas, whose waiters live under the root, keep their explicit path.)"""
+    coord = ers.node.coordinator
+    top = await ers.scopes.create()
+    low = await top.child()
+    mbx = await ers.mailboxes.ensure("silent")
+    barrier = await low.barriers.create(3)
+    timer = await low.timers.create(after_seconds=3600)
+    await top.claims.acquire("silent-k", lease_seconds=600)
+    ticket = await mbx.submit({"t": 1}, scope=low)
+    answers: dict[str, object] = {}
+    notified: list = []
+
+    async def grab(name, fn):
+        try:
+            answers[name] = await fn()
+        except Exception as e:  # noqa: BLE001 - the answer is what we check
+            answers[name] = e
+
+    async with trio.open_nursery() as n:
+        n.start_soon(grab, "barrier", lambda: barrier.wait(timeout=600))
+        n.start_soon(grab, "timer", lambda: timer.wait(timeout=600))
+        n.start_soon(grab, "claim", lambda: low.claims.acquire("silent-k", wait=600))
+        n.start_soon(grab, "result", lambda: ticket.result(timeout=600))
+        await _parked(coord, 4)
+        real_end = coord.runs.end
+
+        def silent_end(*a, **kw):
+            notify = coord.notify
+            coord.notify = lambda actor_id, key: notified.append((actor_id, key))
+            try:
+                real_end(*a, **kw)
+            finally:
+                coord.notify = notify
+
+        monkeypatch.setattr(coord.runs, "end", silent_end)
+        t0 = trio.current_time()
+        await ers._call(p.ScopeCancel(scope_id=top.id), RunStatus)
+    assert trio.current_time() == t0
+    assert isinstance(answers["barrier"], BarrierCancelledError)
+    assert isinstance(answers["timer"], TimerCancelledError)
+    assert isinstance(answers["claim"], ScopeCancelledError) and answers["claim"].details["scope_id"] == top.id
+    assert answers["result"].state == "CANCELLED"
+    # the kinds' own run-end hooks wake nothing (what remains is the task's generic
+    # state-change wake-up, which serves result waits from outside the run too)
+    assert all(actor_id == low.id and key == ticket.id for actor_id, key in notified), notified

@@ -192,12 +192,14 @@ class Barriers(Kind):
         self.coord.notify(b.id, "b")
 
     def on_run_inactive(self, barrier_id: str, at_ms: int, reason: str) -> None:
+        """Its run ended: CANCELLED. No wake-up: the barrier's actor is in the ended
+        run's subtree, and the nursery cancellation answers its waits
+        (BARRIER_CANCELLED)."""
         b = self.table[barrier_id]
         if b.state == "WAITING":
             b.state = "CANCELLED"
             b.cancel_reason = reason
             self.coord.touch(b.id)
-            self.coord.notify(b.id, "b")
             self.coord.implied(BarrierCancelled(id=b.id, at_ms=at_ms, reason=reason))
 
     # ================================================================ retention

@@ -221,15 +221,18 @@ class Timers(Kind):
 
     @applies(TimerCancelled)
     def _apply_cancelled(self, r: TimerCancelled) -> None:
-        self._cancel(self.table[r.id], "cancelled")
+        t = self.table[r.id]
+        self._cancel(t, "cancelled")
+        self.coord.notify(t.id, "t")  # waits on a timer cancelled by timer.cancel()
 
     def _cancel(self, t: TimerState, reason: str) -> None:
         t.state = "CANCELLED"
         t.cancel_reason = reason
         self.coord.touch(t.id)
-        self.coord.notify(t.id, "t")
 
     def on_run_inactive(self, timer_id: str, at_ms: int, reason: str) -> None:
+        """Its run ended: CANCELLED. No wake-up: the timer's actor is in the ended run's
+        subtree, and the nursery cancellation answers its waits (TIMER_CANCELLED)."""
         t = self.table[timer_id]
         if t.state == "ARMED":
             self._cancel(t, _RUN_REASON.get(reason, reason))
