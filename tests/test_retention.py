@@ -9,7 +9,9 @@ import pytest
 import trio
 
 import rallypoint
-from rallypoint.errors import NotFoundError
+from rallypoint import protocol as p
+from rallypoint.client import types as t
+from rallypoint.errors import NotFoundError, ScopeCancelledError
 
 RETAIN = 60.0  # seconds
 
@@ -186,3 +188,89 @@ async def test_an_unknown_recent_id_says_nothing_about_purging():
         with pytest.raises(NotFoundError) as ei:
             await rs.scope(rs.node.coordinator.ids.new("scp")).status()
         assert "purged" not in ei.value.message
+
+
+# ------------------------------------------------------------------ a purged run is ended (issue 34 item 1)
+
+
+async def _refused_as_purged(call) -> None:
+    with pytest.raises(ScopeCancelledError) as ei:
+        await call
+    assert ei.value.details["reason"] == "purged", ei.value
+
+
+async def test_a_purged_run_is_ended_never_active_for_the_leases_it_still_holds(autojump_clock):
+    """A cancelled run's claim lease, pool grant and once are live leases it still holds:
+    retention keeps them while the run goes. Renewing them (and completing the claim)
+    was refused while the run was kept; after the purge a missing
+    run read as active, so the claim ended COMPLETED "from a cancelled run". Refused
+    alike, before and after; release stays allowed."""
+    async with rallypoint.open_embedded(retain_finished=RETAIN) as rs:
+        run = await rs.scopes.create(name="doomed")
+        lease = await run.claims.acquire("report", lease_seconds=600)
+        await rs.pools.ensure("gpu", 2)
+        grant = await run.pools.acquire("gpu", 1, lease_seconds=600)
+        once = await rs._call(p.OnceAcquire(scope_id=run.id, key="o", lease_ms=600_000), p.OnceView)
+        await run.cancel()
+        for renew in (lease.renew(), grant.renew()):
+            with pytest.raises(ScopeCancelledError):
+                await renew
+        await trio.sleep(RETAIN + 5)
+        await _purged(run.status())
+        assert (await rs.claims.status("report")).state == "HELD"  # a live lease: kept
+        await _refused_as_purged(rs._call(p.ClaimRenew(key="report", token=lease.token, lease_ms=30_000),
+                                          t._ClaimLeaseReply))
+        await _refused_as_purged(rs._call(p.ClaimComplete(key="report", token=lease.token), t.ClaimInfo))
+        await _refused_as_purged(rs._call(p.GrantRenew(grant_id=grant.id, token=grant.token, lease_ms=30_000),
+                                          t.GrantInfo))
+        await _purged(rs._call(p.OnceRenew(scope_id=run.id, key="o", token=once.token, lease_ms=30_000),
+                               p.OnceView))  # (routed by its run: NOT_FOUND, purged)
+        st = await rs.claims.status("report")
+        assert (st.state, st.result) == ("HELD", None)  # never COMPLETED from a cancelled run
+        assert (await lease.release()).state == "FREE"  # release stays allowed
+        assert (await grant.release()).state == "RELEASED"
+
+
+def test_a_purged_run_stays_ended_across_a_sigkill(tmp_path):
+    """The same refusals from a daemon restarted by SIGKILL after the purge: the
+    journal's Purged record replays, and the missing run is ended there too."""
+    import signal
+
+    from conftest import Daemon
+
+    data = str(tmp_path / "data")
+    args = (data, "fsync", ["--retain-finished", "1s"])
+
+    async def before(url):
+        async with rallypoint.connect(url) as rs:
+            run = await rs.scopes.create(name="doomed")
+            lease = await run.claims.acquire("k9", lease_seconds=600)
+            await rs.pools.ensure("k9-pool", 1)
+            grant = await run.pools.acquire("k9-pool", 1, lease_seconds=600)
+            await run.cancel()
+            with trio.fail_after(30):
+                while True:  # until the retention tick purged it (ticks every second)
+                    try:
+                        await run.status()
+                    except NotFoundError:
+                        break
+                    await trio.sleep(0.05)
+            return lease.token, grant.id, grant.token
+
+    async def after(url, token, grant_id, grant_token):
+        async with rallypoint.connect(url) as rs:
+            await _refused_as_purged(rs._call(p.ClaimRenew(key="k9", token=token, lease_ms=30_000),
+                                              t._ClaimLeaseReply))
+            await _refused_as_purged(rs._call(p.ClaimComplete(key="k9", token=token), t.ClaimInfo))
+            await _refused_as_purged(rs._call(p.GrantRenew(grant_id=grant_id, token=grant_token, lease_ms=30_000),
+                                              t.GrantInfo))
+            assert (await rs.claims.status("k9")).state == "HELD"
+
+    d = Daemon(*args).start()
+    try:
+        token, grant_id, grant_token = trio.run(before, d.url)
+        assert d.stop(signal.SIGKILL) == -signal.SIGKILL
+        d = Daemon(*args).start()
+        trio.run(after, d.url, token, grant_id, grant_token)
+    finally:
+        d.kill()

@@ -73,6 +73,15 @@ class ScopeState(msgspec.Struct, gc=False, omit_defaults=True):
 _REASON_OF_STATE = {"CANCELLED": "cancelled", "COMPLETED": "completed"}
 
 
+def _purged_error(run_id: str, gone_id: str) -> ScopeCancelledError:
+    """The refusal for a run (or an ancestor) that retention deleted: it ended."""
+    who = f"run {run_id}" if gone_id == run_id else f"run {run_id}'s ancestor {gone_id}"
+    return ScopeCancelledError(
+        f"{who} ended and was purged by retention (--retain-finished); it accepts no new work (start a new run)",
+        details={"scope_id": gone_id, "reason": "purged"},
+    )
+
+
 class Runs(Kind):
     """Runs: create, status, cancel, complete, list; deadlines; the subtree step."""
 
@@ -103,11 +112,19 @@ class Runs(Kind):
         """Why the run (or an ancestor) refuses new work at ``at_ms`` (default: now), or
         None when it is active. SCOPE_CANCELLED when it or an ancestor was cancelled or
         completed, DEADLINE_EXCEEDED when it or an ancestor is past its deadline (the
-        first found walking up from the run)."""
+        first found walking up from the run).
+
+        A run that is not in the table is ENDED, never active: retention purges only
+        runs that ended (``details.reason`` purged), so a lease, grant or once its purged
+        run still holds is refused renewal and completion exactly as while it was kept
+        (issue 34 item 1). Callers that take a run id from a client look it up first
+        (NOT_FOUND, with the "purged" hint)."""
         table = self.table
         s = table.get(run_id)
+        if s is None:
+            return _purged_error(run_id, run_id)
         now = at_ms
-        while s is not None:
+        while True:
             if s.state != "ACTIVE":
                 what = "cancelled" if s.state == "CANCELLED" else "completed"
                 if s.id == run_id:
@@ -124,8 +141,12 @@ class Runs(Kind):
                         f"{who} passed its deadline {to_iso(s.deadline_ms)}; it accepts no new work",
                         details={"scope_id": s.id, "reason": "deadline"},
                     )
-            s = table.get(s.parent_id) if s.parent_id else None
-        return None
+            if s.parent_id is None:
+                return None
+            parent = table.get(s.parent_id)
+            if parent is None:  # (an ancestor is purged only with its subtree: cannot happen)
+                return _purged_error(run_id, s.parent_id)
+            s = parent
 
     def require_active(self, run_id: str) -> None:
         """Raise SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run refuses new work."""
