@@ -174,6 +174,136 @@ async def test_admission_does_not_take_units_from_under_queued_pool_waiters(auto
     assert await mbx.admit(run) is None  # the waiter holds both units now
 
 
+async def test_units_that_come_back_go_to_the_oldest_task_that_needs_them(rs):
+    """Issue 34 item 3, step by step: a task needing all 4 units waits behind 1-unit
+    tasks; a younger 1-unit task does not take a unit that comes back (it would starve
+    the large one); once all 4 are back the large one gets them, then the younger."""
+    pool = await rs.pools.ensure("fifo-4", 4)
+    mbx = await rs.mailboxes.ensure("fifo-4")
+    run = await rs.scopes.create()
+    small = [await mbx.submit(f"s{i}", scope=run, requirements={"pools": {"fifo-4": 1}}) for i in range(4)]
+    running = [await mbx.admit(run) for _ in range(4)]
+    assert [d.task_id for d in running] == [t.id for t in small]
+    big = await mbx.submit("big", scope=run, requirements={"pools": {"fifo-4": 4}})
+    young = await mbx.submit("young", scope=run, requirements={"pools": {"fifo-4": 1}})
+    assert await mbx.admit(run) is None  # nothing free
+    for d in running[:3]:
+        await d.complete("ok")
+        assert await mbx.admit(run) is None  # 1..3 units free: the big task is first; young waits behind it
+        assert (await pool.status()).units_used == 4 - (running.index(d) + 1)
+    await running[3].complete("ok")
+    d = await mbx.admit(run)
+    assert d.task_id == big.id and [(g.pool, g.units) for g in d.grants] == [("fifo-4", 4)]
+    await d.complete("ok")
+    d = await mbx.admit(run)
+    assert d.task_id == young.id
+    await d.complete("ok")
+
+
+async def test_a_large_task_is_not_starved_by_another_queues_stream(autojump_clock, ers):
+    """The line is the pool's, not one queue's: once a receive of the large task's queue
+    skipped it, receives of another queue sharing the pool take no unit it waits for."""
+    await ers.pools.ensure("shared", 2)
+    big_q, small_q = await ers.mailboxes.ensure("big-q"), await ers.mailboxes.ensure("small-q")
+    run = await ers.scopes.create()
+    hold = [await small_q.submit(i, scope=run, requirements={"pools": {"shared": 1}}) for i in range(2)]
+    held = [await small_q.admit(run) for _ in hold]
+    big = await big_q.submit("big", scope=run, requirements={"pools": {"shared": 2}})
+    assert await big_q.admit(run) is None  # skipped: it joins the pool's line
+    later = await small_q.submit("later", scope=run, requirements={"pools": {"shared": 1}})
+    await held[0].complete("ok")
+    assert await small_q.admit(run) is None  # the unit is kept for the older, larger task
+    await held[1].complete("ok")
+    d = await big_q.admit(run)
+    assert d.task_id == big.id
+    await d.complete("ok")
+    d = await small_q.admit(run)
+    assert d.task_id == later.id
+    await d.complete("ok")
+
+
+async def test_a_stream_of_small_tasks_does_not_starve_a_large_one_under_consume(autojump_clock, ers):
+    """The issue's run as a deterministic test (MockClock): consume() with 4 handler
+    slots over a pool of 4 units, 1-unit tasks in front, a task needing all 4 behind
+    them, and a producer adding a 1-unit task every 0.25 s. The large task is handed out
+    before any task submitted after it (it was handed out after 86 younger ones)."""
+    await ers.pools.ensure("gpu4", 4)
+    mbx = await ers.mailboxes.ensure("stream")
+    run = await ers.scopes.create()
+    started: list[str] = []
+
+    async def handler(d):
+        started.append(d.input)
+        await trio.sleep(1)
+        return None
+
+    for i in range(6):
+        await mbx.submit(f"early-{i}", scope=run, requirements={"pools": {"gpu4": 1}})
+    big = await mbx.submit("big", scope=run, requirements={"pools": {"gpu4": 4}})
+
+    async def producer():
+        for i in range(80):
+            await mbx.submit(f"late-{i}", scope=run, requirements={"pools": {"gpu4": 1}})
+            await trio.sleep(0.25)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(lambda: rallypoint.consume(ers, mbx, run, handler, concurrency=4, wait=1))
+        await producer()
+        with trio.fail_after(60):
+            while "late-79" not in started:
+                await trio.sleep(0.5)
+        n.cancel_scope.cancel()
+    assert (await ers.task(big.id).status()).state == "SUCCEEDED"
+    at = started.index("big")
+    assert all(x.startswith("early-") for x in started[:at]), started[:at + 1]
+    assert sorted(started[:at]) == [f"early-{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["clean", "crash"])
+async def test_the_oldest_task_keeps_the_units_it_waits_for_across_a_restart(tmp_path, autojump_clock, crash):
+    """The admission line is derived (in memory); after a restart -- clean, or what a
+    SIGKILL leaves -- the first receive that skips the large task puts it back, before
+    any younger task can take a unit it waits for."""
+    import shutil
+
+    from rallypoint.clock import Clock
+    from test_durability_restart import controlled_time
+
+    live, crashed = tmp_path / "live", tmp_path / "crashed"
+    clock = Clock()
+    async with controlled_time() as tc:
+        async with rallypoint.open_embedded(str(live), durability="fsync", clock=clock) as rs:
+            await rs.pools.ensure("gpu", 2)
+            mbx = await rs.mailboxes.ensure("jobs")
+            run = await rs.scopes.create()
+            for i in range(2):
+                await mbx.submit(f"s{i}", scope=run, requirements={"pools": {"gpu": 1}})
+            running = [await mbx.admit(run, lease_seconds=600) for _ in range(2)]
+            big = await mbx.submit("big", scope=run, requirements={"pools": {"gpu": 2}})
+            young = await mbx.submit("young", scope=run, requirements={"pools": {"gpu": 1}})
+            assert await mbx.admit(run) is None
+            await running[0].complete("ok")  # 1 unit back; the line keeps it for big
+            if crash:
+                j = rs.node.coordinator.journal
+                await j.wait_durable(j.last_lsn)
+                shutil.copytree(live, crashed)
+        await tc.advance(5)
+        async with rallypoint.open_embedded(str(crashed if crash else live), durability="fsync", clock=clock) as rs:
+            assert rs.node.coordinator.pools.admission_lines == {}  # derived: rebuilt by receives
+            mbx = rs.mailbox("jobs")
+            other = await rs.mailboxes.ensure("other")
+            late = await other.submit("late", scope=run.id, requirements={"pools": {"gpu": 1}})
+            assert await mbx.admit(run.id) is None  # big skipped again: back in line; young behind it
+            assert await other.admit(run.id) is None  # another queue's younger task waits too
+            await rs._call(p.DeliveryComplete(task_id=running[1].task_id, token=running[1].token),
+                           t.TaskInfo)
+            d = await mbx.admit(run.id)
+            assert d.task_id == big.id
+            await d.complete("ok")
+            assert (await mbx.admit(run.id)).task_id == young.id
+            assert (await other.admit(run.id)).task_id == late.id
+
+
 def functools_partial(fn, *a, **kw):
     import functools
 

@@ -8,7 +8,14 @@ delivery: the ``TaskDelivered`` record and the records that take the requirement
 grants) are ONE commit -- all or nothing; never part of them, never over-granted. A
 receive takes the oldest *eligible* ready task: older tasks whose requirements cannot be
 taken now are skipped (and stay first in line for the next receive), so the order is
-FIFO among the tasks that can run. What a delivery took is given back in the apply of
+FIFO among the tasks that can run -- but a skipped task keeps its place for the units
+it is short of: it joins the pool's *admission line* (by submission order), and no
+younger task takes units of that pool while an older task of the line does not fit,
+so units that come back go to the oldest task that needs them and a large request is
+never starved by a stream of small ones (the promise plain ``acquire`` keeps). The line
+is derived, in memory: a task leaves it when it is delivered or no longer ready, or
+when no receive looked at it for 2 minutes (nobody asks for it any more); after a
+restart the first receive that skips it puts it back. What a delivery took is given back in the apply of
 the record that ends the delivery -- completed, retried, rejected, cancelled, expired,
 its lease run out, its run ended -- so a task never holds a grant unless it is RUNNING.
 When units come back, the receivers parked for ready tasks that need them are woken.
@@ -19,8 +26,10 @@ Requirement types are pluggable. :data:`REQUIREMENT_KINDS` maps each field of
 to the coordinator attribute of the kind implementing it, which provides::
 
     requirement_prepare(space, value) -> stored value     # at submit; VALIDATION_FAILED / NOT_FOUND
-    requirement_fits(stored, pending: dict) -> bool       # read-only: can it be taken now, on top
-                                                          #   of what this step already took?
+    requirement_fits(stored, pending: dict, task) -> bool # read-only: can it be taken now for task,
+                                                          #   on top of what this step already took?
+    requirement_skipped(task, stored, pending)            # optional: a receive could not take it
+                                                          #   (pools: the task keeps its place)
     requirement_hold(stored, pending: dict) -> None       # count it in ``pending`` (same step)
     requirement_records(task, stored, at_ms) -> [Record]  # the take, committed with TaskDelivered
     requirement_release(task, stored, at_ms, new_state)   # apply: the delivery ended: give back /
@@ -252,13 +261,24 @@ class Admission(Kind):
 
     def try_take(self, t, pending: dict) -> bool:
         """All or nothing: True (and counted in ``pending``) when every requirement of
-        ``t`` can be taken now together with what this step took already."""
+        ``t`` can be taken now together with what this step took already. Read-only
+        otherwise (the simulator asks it too)."""
         parts = list(self._each(t))
-        if not all(kind.requirement_fits(value, pending) for kind, value in parts):
+        if not all(kind.requirement_fits(value, pending, t) for kind, value in parts):
             return False
         for kind, value in parts:
             kind.requirement_hold(value, pending)
         return True
+
+    def skipped(self, t, pending: dict) -> None:
+        """A receive looked at ready task ``t`` and :meth:`try_take` said no: each
+        requirement kind may keep ``t``'s place for what it is short of (pools: the
+        pool's admission line, so the units that come back go to the oldest task that
+        needs them)."""
+        for kind, value in self._each(t):
+            fn = getattr(kind, "requirement_skipped", None)
+            if fn is not None:
+                fn(t, value, pending)
 
     def take_records(self, t, at_ms: int) -> list:
         out: list = []

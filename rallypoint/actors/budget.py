@@ -374,9 +374,9 @@ class Budgets(Kind):
                                       f"(limit {b.limit_minor})", details={"field": field})
         return out
 
-    def requirement_fits(self, value: dict[str, int], pending: dict) -> bool:
+    def requirement_fits(self, value: dict[str, int], pending: dict, task=None) -> bool:
         """Read-only: can every amount be reserved now, on top of what this step already
-        took (``pending``: budget id -> minor units)?"""
+        took (``pending``: budget id -> minor units)? (``task``: unused.)"""
         table = self.table
         return all(self.available(table[bid]) - pending.get(bid, 0) >= amount for bid, amount in value.items())
 

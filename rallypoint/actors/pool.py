@@ -41,6 +41,7 @@ pool with waiters.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from itertools import islice
 
 import msgspec
@@ -85,6 +86,10 @@ from .waitqueue import WaitQueue
 __all__ = ["PoolState", "PoolWaiter", "GrantState", "Pools", "MAX_UNITS", "MAX_POOLS_PER_TASK"]
 
 MAX_UNITS = 1_000_000
+#: How long a task a receive skipped for lack of units keeps its place in a pool's
+#: admission line without a receive looking at it again, ms: a live worker's receive
+#: looks again at least every 60 s (a parked receive ends, the SDK sends it again).
+ADMISSION_HOLD_MS = 2 * MAX_WAIT_MS
 #: At most this many pools in one task's requirements (runstate's limit).
 MAX_POOLS_PER_TASK = 4
 _NIL_BYTES = b"\xc0"
@@ -159,6 +164,9 @@ class Pools(Kind):
         self._owned: set[tuple[str, str]] = set()
         self._kicked: set[str] = set()
         self.lines: dict[str, WaitQueue[PoolWaiter]] = {}  # pool -> its line (over PoolState.waiters)
+        # pool -> its admission line: (seq, task id, units, held until, server ms) of the
+        # ready tasks a receive could not serve, oldest first (derived, in memory only)
+        self.admission_lines: dict[str, list[tuple[int, str, int, int]]] = {}
         self.links = Links()  # retention: run (or the task a delivery held it for) -> grant ids
 
     def entity_tables(self):
@@ -166,7 +174,8 @@ class Pools(Kind):
 
     def statistics(self) -> dict:
         return {"pools": len(self.table), "grants": len(self.grants), "leased": len(self.leased),
-                "waiters": sum(len(self.line(self.table[p])) for p in self.queued)}
+                "waiters": sum(len(self.line(self.table[p])) for p in self.queued),
+                "admission_line": sum(len(line) for line in self.admission_lines.values())}
 
     def leases_outstanding(self) -> int:
         return len(self.leased) + len(self.queued)
@@ -660,14 +669,68 @@ class Pools(Kind):
             out[pool.id] = out.get(pool.id, 0) + units
         return out
 
-    def requirement_fits(self, value: dict[str, int], pending: dict) -> bool:
-        """Can these units be granted now, on top of what this step already took
-        (``pending``)? Not while anyone waits in the pool's queue (no barging)."""
+    def requirement_fits(self, value: dict[str, int], pending: dict, task=None) -> bool:
+        """Can these units be granted now to ``task``, on top of what this step already
+        took (``pending``)? Not while anyone waits in the pool's acquire queue, and not
+        units that an older task of the pool's admission line waits for (no barging:
+        :meth:`_room`). ``task`` None: a request younger than every task in line."""
         for pid, units in value.items():
             pool = self.table[pid]
-            if self.line(pool) or self.free(pool) - pending.get(pid, 0) < units:
+            if self.line(pool):
+                return False
+            room = self._room(pool, task, pending)
+            if room is None or room < units:
                 return False
         return True
+
+    def requirement_skipped(self, task, value: dict[str, int], pending: dict) -> None:
+        """A receive looked at ready ``task`` and could not take its requirements: in
+        each pool that is short of what it needs (and where no older task of the line
+        already stops the younger ones), it joins the pool's admission line, by its FIFO
+        position (``seq``), for :data:`ADMISSION_HOLD_MS`; a task already in a line gets
+        that time again (its worker is still asking)."""
+        until = self.coord.mono_ms() + ADMISSION_HOLD_MS
+        for pid, units in value.items():
+            pool = self.table[pid]
+            if self.line(pool):
+                continue  # acquires wait first; admission takes nothing from the pool meanwhile
+            line = self.admission_lines.get(pid)
+            i = bisect_left(line, (task.seq, task.id)) if line else 0
+            if line and i < len(line) and line[i][1] == task.id:
+                line[i] = (task.seq, task.id, units, until)
+                continue
+            room = self._room(pool, task, pending)
+            if room is not None and room < units:
+                if line is None:
+                    line = self.admission_lines[pid] = []
+                    i = 0
+                line.insert(i, (task.seq, task.id, units, until))
+
+    def _room(self, pool: PoolState, task, pending: dict) -> int | None:
+        """Units of ``pool`` that ``task`` may take now: the free units, less what this
+        step took already (``pending``), less the units of every older task of the
+        pool's admission line in turn; None when one of those does not fit (it is served
+        first: nobody younger takes from the pool before it). Entries of tasks no longer
+        ready (delivered, finished, waiting a retry delay) or not looked at for
+        :data:`ADMISSION_HOLD_MS` (no worker asks for them any more) leave the line."""
+        room = self.free(pool) - pending.get(pool.id, 0)
+        line = self.admission_lines.get(pool.id)
+        if not line:
+            return room
+        ready = self.coord.queues.ready_set
+        mono = self.coord.mono_ms()
+        if any(e[1] not in ready or e[3] < mono for e in line):
+            line[:] = [e for e in line if e[1] in ready and e[3] >= mono]
+            if not line:
+                del self.admission_lines[pool.id]
+                return room
+        for seq, tid, units, _until in line:
+            if task is not None and (seq, tid) >= (task.seq, task.id):
+                break
+            if units > room:
+                return None
+            room -= units
+        return room
 
     def requirement_hold(self, value: dict[str, int], pending: dict) -> None:
         for pid, units in value.items():

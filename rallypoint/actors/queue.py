@@ -706,6 +706,7 @@ class WorkQueues(Kind):
             entry = heappop(best)
             t = tasks[entry[1]]
             if t.requirements is not None and not admission.try_take(t, pending):
+                admission.skipped(t, pending)  # it keeps its place for what it is short of
                 skipped.append((entry, best))
                 if len(skipped) >= MAX_SKIPPED:
                     break
