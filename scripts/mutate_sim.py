@@ -166,8 +166,8 @@ MUTANTS = [
     ),
     Mutant(
         "pool-over-grant", "rallypoint/actors/pool.py",
-        "        if not pool.waiters and self.free(pool) >= op.units:",
-        "        if not pool.waiters and self.free(pool) + 1 >= op.units:  # mutant",
+        "        if not line and self.free(pool) >= op.units:",
+        "        if not line and self.free(pool) + 1 >= op.units:  # mutant",
         "a pool grants one unit more than it has free",
     ),
     Mutant(
@@ -190,8 +190,8 @@ MUTANTS = [
     ),
     Mutant(
         "quota-ignores-cooldown", "rallypoint/actors/quota.py",
-        "            q.cooldown_until_mono_ms <= mono\n            and not self.n_waiting.get(q.id)",
-        "            True  # mutant: no cooldown check\n            and not self.n_waiting.get(q.id)",
+        "            q.cooldown_until_mono_ms <= mono\n            and not self.waiting(q.id)",
+        "            True  # mutant: no cooldown check\n            and not self.waiting(q.id)",
         "a quota take is granted during the quota's cooldown",
     ),
     Mutant(
@@ -239,6 +239,13 @@ MUTANTS = [
         "joinset_id=js.id, cancellable=bool(op.cancellable),  # mutant: its own requirements dropped",
         "a join-set child's own requirements are dropped (it gets its mailbox's defaults, or none)",
     ),
+    # One rule for a cancelled waiter (issue 28 item 5)
+    Mutant(
+        "cancelled-wait-times-out", "rallypoint/actors/coordinator.py",
+        "        if err is not None:\n            return err\n        exc = InternalError(",
+        "        if True:\n            return park.expire()  # mutant: the time-out answer\n        exc = InternalError(",
+        "a wait whose run ended gets its time-out answer, not the run's code",
+    ),
     # The bugs the simulator found, re-introduced (their fixes reverted)
     # (seed 2's bug -- a failed journal write reached the embedded client as
     # JournalWriteError, not UNAVAILABLE -- has no mutant any more: main made
@@ -279,8 +286,9 @@ MUTANTS = [
     ),
     Mutant(
         "found-timeout-before-recheck", "rallypoint/actors/runtime.py",
-        "            reply = w.park.check()\n            if reply is None:\n                reply = w.park.expire()",
-        "            reply = w.park.expire()",
+        "            reply = w.park.check()\n            if reply is None:\n                if self.cancelled_by(a)",
+        "            reply = None  # mutant: the time limit answers first\n            if reply is None:\n"
+        "                if self.cancelled_by(a)",
         "found bug: a wait's deadline answered before what fell due in the same round",
     ),
 ]

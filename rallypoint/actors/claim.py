@@ -20,7 +20,8 @@ A claim is named by a ``key`` (1-256 characters), unique per space. States::
   acquirer (``claim.observation``). **Complete** records ``result`` exactly once; every
   later acquire, and every waiter, gets ``status=COMPLETED`` with that result.
 - **Waiters** (``wait_ms`` > 0) are durable and FIFO: a ``ClaimWaiterQueued`` record puts
-  the request in the claim's queue until its time limit. When the lease ends (release,
+  the request in the claim's line (a :class:`~rallypoint.actors.waitqueue.WaitQueue` over
+  ``ClaimState.waiters``) until its time limit. When the lease ends (release,
   expiry), the first waiter still in time and in an active run gets the next lease in
   the step right after (``ClaimAcquired`` with its ``request_id``) -- no polling, no
   barging: while anyone waits the claim is never FREE. The queue survives restarts.
@@ -29,7 +30,8 @@ A claim is named by a ``key`` (1-256 characters), unique per space. States::
   the run's nursery; renew/release/complete/status/cancel_wait run on the claim's actor.
 - **A run's end** (the ONE step of ``ScopeEnded``/``ScopeDeadlinePassed``): every waiter
   of the run or below leaves the queue (``on_run_inactive``; each waiting run registers
-  the claim with ``Runs.own``) and its parked acquire answers the run's code. The lease
+  the claim with ``Runs.own``), and the run's nursery cancellation answers its parked
+  acquire with the run's code (the runtime's rule: no wake-up here). The lease
   the run holds stays until released or run out (holders are asked to stop, not
   killed).
 - A re-sent acquire with the same ``request_id`` finds its lease or its waiter, so the

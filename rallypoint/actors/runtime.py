@@ -30,9 +30,11 @@ Life of an actor::
   re-checks the waiters on that key after its batch. Timeouts are activity-heap entries.
 - Cancelling an actor's nursery (a run cancelled, completed or past its deadline) ends
   its task and every actor task below it through Trio cancellation; on the way out each
-  actor answers the commands still in its inbox and every parked waiter (the waiter's
-  ``check`` computes the answer from the already-applied state: a cancellation code or
-  the outcome the cancel decided), then passivates.
+  actor answers the commands still in its inbox and every parked waiter by ONE rule,
+  the system's ``cancelled_answer(actor, park)`` (the coordinator's: UNAVAILABLE when
+  the tree is being stopped; the outcome the run's end decided, read by the waiter's
+  ``check``; else the run's code; a waiter with no answer at all is a loud INTERNAL,
+  never its time-out answer), then passivates.
 - An actor with an empty inbox, no waiters and no child tasks passivates after
   ``idle_s`` (default 2 s) without a command: its task exits, its state stays. So idle
   runs cost bytes (their state Struct), not tasks.
