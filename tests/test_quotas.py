@@ -41,6 +41,15 @@ async def sleep_to_window_start(rs, q, offset: float = 0.0) -> None:
     await trio.sleep((st.window_end - now(rs)).total_seconds() + offset)
 
 
+async def sleep_to_ms_into_next_window(rs, q, ms: int) -> None:
+    """Sleep to exactly ``ms`` of server time into the next window of ``q`` (plus 0.1 ms,
+    so the step's server time reads that millisecond, not the one before)."""
+    clock = coord(rs).clock
+    st = await q.status()
+    boundary = clock.wall_to_mono(int(round(st.window_end.timestamp() * 1000)))
+    await trio.sleep_until(clock.trio_time_at_mono(boundary + ms) + 0.0001)
+
+
 async def test_windows_are_fixed_and_aligned_to_their_length(autojump_clock, ers):
     run = await ers.scopes.create()
     q = await ers.quotas.ensure("api", units_limit=3, window_seconds=10)
@@ -455,7 +464,7 @@ async def test_a_wait_that_ends_exactly_on_the_window_roll_is_granted(autojump_c
     request's wait end (they fire after it, whatever the order they were armed in)."""
     run = await ers.scopes.create()
     q = await ers.quotas.ensure("roll", units_limit=1, window_seconds=10)
-    await sleep_to_window_start(ers, q, 2.0001)  # 2 s into a window: retry_after is a whole 8.0 s
+    await sleep_to_ms_into_next_window(ers, q, 2000)  # retry_after is a whole 8.0 s
     first = await q.take(scope=run)
     with pytest.raises(AllowanceExhaustedError) as ei:
         await q.take(scope=run)
@@ -475,7 +484,7 @@ async def test_an_enqueued_waiter_whose_ttl_is_the_roll_is_granted(autojump_cloc
     still fires after it (the heap orders wait ends last at an instant)."""
     run = await ers.scopes.create()
     q = await ers.quotas.ensure("roll-ttl", units_limit=1, window_seconds=10)
-    await sleep_to_window_start(ers, q, 3.0001)
+    await sleep_to_ms_into_next_window(ers, q, 3000)
     await q.take(scope=run)
     w = await q.enqueue(scope=run, ttl=7)  # expires at the roll
     await trio.sleep(7.5)
