@@ -331,17 +331,14 @@ async def _serve_cluster(args) -> int:
         server.metrics = metrics  # (also the slow-request log)
         if cluster_metrics is not None:
             cluster_metrics.leader_metrics = metrics
-        if not args.http:
-            return None
+        return None
 
-        async def http():
-            from .http import serve_http
+    def local_http(node):
+        from .http.app import HttpApi
 
-            hhost, _ = _parse_listen(args.http)
-            await serve_http(node.service, hhost, member.http_port, certfile=args.tls_cert, keyfile=args.tls_key,
-                             max_requests=args.max_connections, graceful_s=args.drain_timeout)
-
-        return http
+        api = HttpApi(node.service, max_requests=args.max_connections)
+        api.metrics = cluster_metrics.leader_metrics if cluster_metrics is not None else None
+        return api
 
     member = ShardMember(config, make_server=_server_factory(args, ssl_context), on_leader=on_leader,
                          on_role=on_role)
@@ -351,6 +348,20 @@ async def _serve_cluster(args) -> int:
             mhost, mport = _parse_listen(args.metrics)
             metrics_port = await nursery.start(serve_metrics, cluster_metrics, mhost, mport)
             log.info("metrics at http://%s:%d/metrics", mhost, metrics_port)
+        http_app = None
+        if args.http:
+            # every node serves the runstate SDK's base URL, whatever its role
+            # (rallypoint.cluster.forward): its own API while it leads, the leader's otherwise
+            from .cluster.forward import ClusterHttpApp
+            from .http import serve_http
+
+            hhost, hport = _parse_listen(args.http)
+            http_app = ClusterHttpApp(member, local_http)
+            _api, urls = await nursery.start(functools.partial(
+                serve_http, None, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
+                max_requests=args.max_connections, max_connections=args.max_connections,
+                first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, api=http_app))
+            member.config.http = (hhost, int(urls[0].rsplit(":", 1)[1]))
         await nursery.start(member.run)
         scheme = "tls" if ssl_context is not None else "tcp"
         log.info("rallypoint %s node %s of shard %d (cluster %r, etcd %s) listening on %s://%s:%d, replication on "

@@ -202,3 +202,47 @@ async def test_cluster_status_and_server_status_show_leader_epoch_isr_and_the_st
         assert "rallypoint_cluster_standby_in_sync 1.0" in ta and "rallypoint_cluster_isr_size 2.0" in ta
         assert 'rallypoint_cluster_role{role="standby"} 1.0' in tb and "rallypoint_cluster_applied_lsn" in tb
         n.cancel_scope.cancel()
+
+
+async def _http_member(etcd, tmp_path, name, cluster_name, nursery):
+    """A member with its HTTP port served as `serve --cluster --http` does."""
+    import functools
+
+    from rallypoint.cluster.forward import ClusterHttpApp
+    from rallypoint.http import serve_http
+    from rallypoint.http.app import HttpApi
+
+    m = member(etcd, tmp_path, name, cluster_name)
+    app = ClusterHttpApp(m, lambda node: HttpApi(node.service))
+    _api, urls = await nursery.start(functools.partial(serve_http, None, "127.0.0.1", 0, api=app))
+    m.config.http = ("127.0.0.1", int(urls[0].rsplit(":", 1)[1]))
+    await nursery.start(m.run)
+    return m, app, urls[0]
+
+
+async def test_every_node_serves_http_a_standby_forwards_to_the_leader(etcd, tmp_path, cluster_name):
+    import httpx
+
+    async with trio.open_nursery() as n:
+        a, app_a, url_a = await _http_member(etcd, tmp_path, "a", cluster_name, n)
+        await a.wait_role("leader")
+        b, app_b, url_b = await _http_member(etcd, tmp_path, "b", cluster_name, n)
+        await b.wait_role("standby")
+        await wait_until(lambda: a.replication.isr_store.isr == ["a", "b"])
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(f"{url_b}/v1/spaces/default/scopes", json={"name": "via-b"})
+            assert r.status_code in (200, 201), r.text
+            run_id = r.json()["id"]
+            assert run_id in a.node.coordinator.runs.table  # made on the leader
+            await wait_until(lambda: app_b.forwarded == 1)
+            assert app_a.forwarded == 0 and app_b.failed == 0
+            # an error answer comes back unchanged
+            r = await http.get(f"{url_b}/v1/spaces/default/scopes/scp_nope")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"
+            a.stop()
+            await b.wait_role("leader")
+            # the same base URL, now served by b itself
+            r = await http.get(f"{url_b}/v1/spaces/default/scopes/{run_id}")
+            assert r.status_code == 200 and r.json()["id"] == run_id
+            assert app_b.forwarded == 2  # served by b itself: no forward since
+        n.cancel_scope.cancel()

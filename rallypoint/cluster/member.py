@@ -171,6 +171,7 @@ class ShardMember:
         self.changes = 0  # role changes, for tests and status
         self._stop = trio.Event()
         self._role_changed = trio.Event()
+        self._leader_changed = trio.Event()
         self._stopped = trio.Event()
 
     # ------------------------------------------------------------------ addresses
@@ -232,6 +233,13 @@ class ShardMember:
                 self.on_role(role, self)
             ev, self._role_changed = self._role_changed, trio.Event()
             ev.set()
+
+    async def wait_leader_change(self) -> None:
+        """Return at the next change of :attr:`leader` or of this node's role."""
+        a, b = self._leader_changed, self._role_changed
+        async with trio.open_nursery() as n:
+            n.start_soon(_wait_then_cancel, a, n.cancel_scope)
+            n.start_soon(_wait_then_cancel, b, n.cancel_scope)
 
     async def wait_role(self, role: str) -> None:
         """Return once this node has the given role (for tests and tools)."""
@@ -347,6 +355,8 @@ class ShardMember:
                     self.leadership = None
                     self.replication = None
                     self.epoch = None
+                    self.node = None
+                    self.server = None
                     done.set()
 
     def _snap_opts(self) -> dict:
@@ -364,6 +374,8 @@ class ShardMember:
                 scope: trio.CancelScope | None = None
                 async for rec in leaders:
                     self.leader = rec
+                    ev, self._leader_changed = self._leader_changed, trio.Event()
+                    ev.set()
                     if scope is not None:
                         scope.cancel()  # a new leader, or none: frames of the old one stop here
                         scope = None
@@ -457,6 +469,11 @@ class ShardMember:
                              if handed else "no in-sync standby; resigning")
                 await lead.resign()
                 nursery.cancel_scope.cancel()
+
+
+async def _wait_then_cancel(ev: trio.Event, scope: trio.CancelScope) -> None:
+    await ev.wait()
+    scope.cancel()
 
 
 async def _set_when(ev: trio.Event, out: trio.Event) -> None:

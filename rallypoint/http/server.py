@@ -251,6 +251,7 @@ async def serve_http(
     graceful_s: float = 5.0,
     metrics: Any = None,
     shutdown: trio.Event | None = None,
+    api: Any = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the HTTP API on ``host:port`` (0: any free port) until ``shutdown`` is set
@@ -263,11 +264,15 @@ async def serve_http(
     503); ``first_request_s``: seconds a connection has to send its first request;
     ``keep_alive_s``: seconds an idle connection is kept between requests;
     ``graceful_s``: seconds in-flight requests get on shutdown; ``metrics``: a
-    :class:`rallypoint.metrics.Metrics` that counts every operation (None: not counted).
+    :class:`rallypoint.metrics.Metrics` that counts every operation (None: not counted);
+    ``api``: another ASGI application with ``HttpApi``'s ``log_limiter``/``listener``/
+    ``metrics`` attributes instead (a cluster node's, :mod:`rallypoint.cluster.forward`;
+    ``service`` is then unused).
 
     Raises OSError (EADDRINUSE...) if the address cannot be bound, before ``started``.
     """
-    api = HttpApi(service, max_requests=max_requests)
+    if api is None:
+        api = HttpApi(service, max_requests=max_requests)
     api.metrics = metrics
     cfg = Config()
     cfg.keep_alive_timeout = keep_alive_s

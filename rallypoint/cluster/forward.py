@@ -1,0 +1,232 @@
+"""The HTTP port of a node of a replicated shard: the runstate SDK's one base URL.
+
+Every node of the shard serves ``--http``, whatever its role, so a runstate client
+pointed at any node (say, a standby, or a load balancer over all of them) keeps
+working through a failover:
+
+- while this node **leads**, requests go to its own :class:`~rallypoint.http.app.HttpApi`
+  (the same code as a single node);
+- while it **stands by**, each request is forwarded to the leader's HTTP address (as
+  etcd advertises it) and the answer streamed back unchanged (status, headers, body;
+  long polls included);
+- while **no leader is known** (a failover: about the leader lease's TTL), a request
+  waits for one up to ``wait_s`` (5 s) instead of failing at once, then is forwarded --
+  or served here, if this node won;
+- a request whose connection to the leader failed *before it was sent* is tried again
+  on the next leader; one that failed *after* (the leader died mid-request) may or may
+  not have been applied, so it is answered 503 UNAVAILABLE saying so -- the runstate
+  SDK re-sends it, and with an ``Idempotency-Key`` that is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import httpx
+import trio
+
+from ..errors import RallypointError, UnavailableError
+from ..logutil import RateLimitedLogger
+
+log = logging.getLogger("rallypoint.cluster")
+
+__all__ = ["ClusterHttpApp"]
+
+#: hop-by-hop headers (RFC 9110 §7.6.1), never forwarded
+_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+                  b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+_RESP_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "upgrade", "date", "server"})
+
+
+class ClusterHttpApp:
+    """The ASGI application of a cluster node's HTTP port (see the module docstring).
+
+    ``member``: the :class:`~rallypoint.cluster.member.ShardMember`; ``make_local(node)``
+    builds the :class:`~rallypoint.http.app.HttpApi` for a term this node leads (called
+    once per term); ``wait_s``: how long a request waits for a leader (seconds);
+    ``max_body``: largest request body forwarded (bytes). Attributes ``forwarded`` and
+    ``failed`` count requests."""
+
+    def __init__(self, member, make_local: Callable[[Any], Any], *, wait_s: float = 5.0,
+                 max_body: int = 1 << 20) -> None:
+        self.member = member
+        self.make_local = make_local
+        self.wait_s = wait_s
+        self.max_body = max_body
+        self._local: Any = None
+        self._local_node: Any = None
+        self.forwarded = 0
+        self.failed = 0
+        self.metrics: Any = None
+        self.listener: Any = None
+        self.log_limiter = RateLimitedLogger(log, window_s=10.0, burst=5)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(connect=2.0, read=120.0, write=10.0, pool=10.0),
+                                         follow_redirects=False)
+
+    def flush_logs(self) -> None:
+        self.log_limiter.flush()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def _leading(self):
+        m = self.member
+        node = m.node
+        if m.role == "leader" and node is not None:
+            if self._local_node is not node:
+                self._local = self.make_local(node)
+                self._local.listener = self.listener
+                self._local_node = node
+            return self._local
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        local = self._leading()
+        if local is not None:
+            await local(scope, receive, send)
+            return
+        body = await self._read_body(receive)
+        if body is None:
+            return  # the client went away
+        if len(body) > self.max_body:
+            await self._answer(send, UnavailableError(f"request body over {self.max_body} bytes"), 413)
+            return
+        await self._forward(scope, receive, send, body)
+
+    async def _read_body(self, receive) -> bytes | None:
+        parts = []
+        n = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunk = msg.get("body", b"")
+            n += len(chunk)
+            if n > self.max_body:
+                return b"x" * (self.max_body + 1)
+            parts.append(chunk)
+            if not msg.get("more_body"):
+                return b"".join(parts)
+
+    async def _leader_address(self, deadline: float) -> str | None:
+        """The leader's HTTP address, waiting (until ``deadline``, Trio time) while
+        none is known; None if this node became the leader meanwhile or none came."""
+        m = self.member
+        while True:
+            if self._leading() is not None:
+                return None
+            rec = m.leader
+            if rec is not None and rec.info.node != m.config.node and rec.info.http_address:
+                return rec.info.http_address
+            if trio.current_time() >= deadline:
+                return None
+            with trio.move_on_at(deadline):
+                await m.wait_leader_change()
+
+    async def _forward(self, scope, receive, send, body: bytes) -> None:
+        deadline = trio.current_time() + self.wait_s
+        tried: set[str] = set()
+        while True:
+            address = await self._leader_address(deadline)
+            local = self._leading()
+            if local is not None:  # this node won meanwhile: serve it here
+                await local(scope, _replay(body), send)
+                return
+            if address is None or (address in tried and trio.current_time() >= deadline):
+                self.failed += 1
+                await self._answer(send, self.member.not_leader_error(), 503)
+                return
+            tried.add(address)
+            path = scope.get("raw_path") or scope["path"].encode()
+            url = f"http://{address}{path.decode('latin-1')}"
+            if scope.get("query_string"):
+                url += "?" + scope["query_string"].decode("latin-1")
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
+            headers.append((b"x-forwarded-by", self.member.config.node.encode()))
+            request = self._client.build_request(scope["method"], url, headers=headers, content=body)
+            started = False
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                    resp = await self._client.send(request, stream=True)
+                    try:
+                        out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                                       for k, v in resp.headers.multi_items() if k.lower() not in _RESP_HOP]
+                        await send({"type": "http.response.start", "status": resp.status_code,
+                                    "headers": out_headers})
+                        started = True
+                        async for chunk in resp.aiter_raw():
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        self.forwarded += 1
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    finally:
+                        await resp.aclose()
+                    nursery.cancel_scope.cancel()
+                return
+            except httpx.ConnectError as e:
+                # not sent: the leader is gone; wait for the next one and try there
+                self.log_limiter.log(logging.INFO, "forward-connect", "HTTP forward to %s failed to connect (%s); "
+                                     "waiting for the next leader", address, e)
+                if trio.current_time() >= deadline:
+                    self.failed += 1
+                    await self._answer(send, self.member.not_leader_error(), 503)
+                    return
+                await trio.sleep(0.05)
+                continue
+            except (httpx.HTTPError, OSError) as e:
+                self.failed += 1
+                if started:
+                    return  # the client sees a cut response: nothing better to say
+                await self._answer(send, UnavailableError(
+                    f"the shard's leader at {address} went away while handling this request ({type(e).__name__}); "
+                    "it may or may not have been applied: retry it (with an Idempotency-Key that is safe)",
+                    retry_after=0.5, details={"maybe_applied": True}), 503)
+                return
+
+    async def _answer(self, send, e: RallypointError, status: int) -> None:
+        import json
+
+        err: dict[str, Any] = {"code": e.code, "message": e.message}
+        if e.details:
+            err["details"] = e.details
+        body = json.dumps({"error": err}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if e.retry_after is not None:
+            headers.append((b"retry-after", f"{max(0.0, float(e.retry_after)):.3g}".encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _replay(body: bytes):
+    """An ASGI ``receive`` that gives ``body`` once, then waits (a disconnect never
+    comes: the real receive was consumed)."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await trio.sleep_forever()
+
+    return receive
+
+
+async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
