@@ -1480,7 +1480,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9411)")
     s.add_argument("--slow-request-ms", type=_bounded(float, 0), default=1000.0,
-                   help="log requests slower than this (ms, 0: never) (default %(default)s)")
+                   help="log requests slower than this (ms, 0: never; a wait the client asked for, such as a "
+                        "result or an acquire with wait_ms, never is) (default %(default)s)")
     s.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     s.add_argument("--log-format", default="text", choices=["text", "json"],

@@ -65,10 +65,6 @@ SNAPSHOT_BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.
 STALL_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
-#: operations that wait on the server by design: never "slow requests"
-_WAITS = ("wait", "result", "receive", "join_next", "complete", "close")
-
-
 class _Hist:
     __slots__ = ("bounds", "counts", "sum")
 
@@ -102,7 +98,10 @@ class Metrics:
         server: the TCP server (connections), or None.
         snapshotter: the node's Snapshotter (snapshot durations), or None.
         slow_s: requests slower than this (seconds) are logged (rate-limited) as
-            ``slow_request``; 0: never.
+            ``slow_request``; 0: never. A server-side wait the client asked for (a
+            result, an acquire or a receive with ``wait_ms``...: the op's ``@op``
+            mark says, :meth:`~rallypoint.actors.opmark.OpTable.asked_wait`) is never
+            slow, however long it took.
     """
 
     def __init__(self, coord, server=None, snapshotter=None, slow_s: float = 1.0) -> None:
@@ -124,9 +123,10 @@ class Metrics:
             snapshotter.on_snapshot.append(self._on_snapshot)
 
     # ------------------------------------------------------------------ hot path
-    def observe(self, op: str, code: str, seconds: float, peer: str = "") -> None:
+    def observe(self, op: str, code: str, seconds: float, peer: str = "", request: Any = None) -> None:
         """One request answered: ``op`` its tag, ``code`` OK or the error code,
-        ``seconds`` from its receipt to its reply leaving."""
+        ``seconds`` from its receipt to its reply leaving, ``request`` its op Struct
+        (None: unknown; then it may be logged as slow whatever it was)."""
         h = self.latency.get(op)
         if h is None:
             h = self.latency[op] = _Hist(LATENCY_BOUNDS)
@@ -136,7 +136,8 @@ class Metrics:
             key = (op, code)
             self.errors[key] = self.errors.get(key, 0) + 1
         slow = self.slow_s
-        if slow is not None and seconds >= slow and not op.endswith(_WAITS):
+        if slow is not None and seconds >= slow and not (
+                request is not None and self.coord.op_table.asked_wait(request)):
             self._slow(op, code, seconds, peer)
 
     def _slow(self, op: str, code: str, seconds: float, peer: str) -> None:

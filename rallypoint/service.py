@@ -3,11 +3,12 @@
 Used by the TCP server and by the embedded client alike, so both see exactly the same
 validation, errors and durability rules:
 
-1. :meth:`Service.submit` decodes the request body against :data:`protocol.Op` (a bad
+1. :meth:`Service.submit` decodes the request body against the ``Op`` union (a bad
    op, field or type is VALIDATION_FAILED with msgspec's path), checks the session's
-   permission and key from the op table (``actors/api.py``), routes the op to the actor
-   it runs on (NOT_FOUND for an unknown id or another space's), and appends the command
-   to that actor's inbox. It never waits.
+   permission and key, routes the op to the actor it runs on (NOT_FOUND for an unknown
+   id or another space's), and appends the command to that actor's inbox -- all from
+   the coordinator's op table, which it built from the handlers' ``@op`` marks
+   (``Coordinator.ops``; :mod:`rallypoint.actors.opmark`). It never waits.
 2. The actor handles it on its own task and answers through the
    :class:`~rallypoint.actors.runtime.ReplySink` (a connection, or an embedded call)
    with the LSN the answer depends on; the sink holds the answer -- success or error --
@@ -23,10 +24,10 @@ import msgspec
 import trio
 
 from ._version import __version__
-from .actors.api import ANY_KEY, OPS
+from .actors.opmark import ANY_KEY
 from .actors.runtime import ReplySink
 from .errors import ForbiddenError, RallypointError, UnauthenticatedError, UnavailableError, ValidationError
-from .protocol import encoder, op_decoder
+from .protocol import encoder
 from .wire import NESTING_MESSAGE
 from .wire import PROTOCOL_VERSION, Hello, HelloOk
 
@@ -177,11 +178,11 @@ class Service:
         #: on a replicated shard's leader: its shard and epoch, given in every HelloOk
         self.shard: int | None = None
         self.epoch: int | None = None
+        # request Struct -> (handler, route, permission, tag): one dict lookup per request
         self._ops: dict[type, tuple[Any, Any, str, str]] = {
-            t: (getattr(getattr(coordinator, spec.kind), spec.handler), spec.route, spec.permission,
-                t.__struct_config__.tag)
-            for t, spec in OPS.items()
+            t: (b.handler, b.route, b.permission, b.tag) for t, b in coordinator.ops.items()
         }
+        self._decoder = coordinator.op_table.decoder
 
     # -------------------------------------------------------------- handshake
     def hello(self, hello: Hello, peer: str = "") -> tuple[Session, HelloOk]:
@@ -205,7 +206,7 @@ class Service:
     # -------------------------------------------------------------- requests
     def decode(self, body: msgspec.Raw | bytes):
         try:
-            return op_decoder.decode(body)
+            return self._decoder.decode(body)
         except msgspec.ValidationError as e:
             raise ValidationError(f"invalid request: {e}", details={"path": _path_of(str(e))}) from None
         except msgspec.DecodeError as e:
@@ -222,7 +223,7 @@ class Service:
             sink.deliver(rid, exc, 0)
             return
         handler, route, permission, tag = self._ops[type(op)]
-        sink.note_op(rid, tag)
+        sink.note_op(rid, tag, op)
         try:
             if coord.failed is not None:
                 raise UnavailableError("the server stopped after an internal failure; retry once it restarted",

@@ -42,13 +42,14 @@ import msgspec
 from hypothesis import strategies as st
 
 from rallypoint import errors, protocol, wire
+from rallypoint.actors.api import REPLY_TYPES, op_decoder
 from rallypoint.transport.framing import FrameParser
 
 _enc = msgspec.msgpack.encode
 _server_decoder = msgspec.msgpack.Decoder(wire.ServerFrame)
 _event_decoder = msgspec.msgpack.Decoder(protocol.EventView)
 _any_decoder = msgspec.msgpack.Decoder()
-_reply_decoders = {op: msgspec.msgpack.Decoder(rt) for op, rt in protocol.REPLY_TYPES.items()}
+_reply_decoders = {op: msgspec.msgpack.Decoder(rt) for op, rt in REPLY_TYPES.items()}
 OP_TAGS: dict[str, type] = {cls.__struct_config__.tag: cls for cls in protocol.ALL_OPS}
 
 #: Text that must never reach a client: Python exception names, tracebacks, reprs.
@@ -515,7 +516,7 @@ def _field_strategy(name: str, typ: Any, pool: dict[str, list[Any]]) -> st.Searc
 
 
 def valid_ops(pool: dict[str, list[Any]], ops: Iterable[type] | None = None) -> st.SearchStrategy[msgspec.Struct]:
-    """Well-typed ops (they decode against protocol.Op) with random / pooled values."""
+    """Well-typed ops (they decode against the Op union of rallypoint.actors.api) with random / pooled values."""
     strategies = []
     for cls in ops or protocol.ALL_OPS:
         kwargs = {}
@@ -584,7 +585,7 @@ def envelopes(draw, bodies: st.SearchStrategy[Any], ids: st.SearchStrategy[int] 
         raw = _op_body(op)
         reqs.append({"t": "req", "id": rid, "body": msgspec.Raw(raw)})
         try:
-            ops_by_id[rid] = type(protocol.op_decoder.decode(raw))
+            ops_by_id[rid] = type(op_decoder.decode(raw))
         except msgspec.MsgspecError:
             ops_by_id.pop(rid, None)
     if n == 1 or draw(st.booleans()):

@@ -13,6 +13,7 @@ import trio
 
 import rallypoint
 from rallypoint import protocol as p
+from rallypoint.actors.api import REPLY_TYPES
 from rallypoint.errors import WaitTimeout
 from rallypoint.service import Session
 
@@ -32,7 +33,7 @@ async def all_events(rs, types=None, scope=None):
 
 async def call(rs, op, space: str = "default"):
     raw = await rs.node.service.call(Session(space=space), op)
-    return msgspec.msgpack.decode(raw, type=p.REPLY_TYPES[type(op)])
+    return msgspec.msgpack.decode(raw, type=REPLY_TYPES[type(op)])
 
 
 async def test_primitive_events_come_in_order_with_their_types(autojump_clock):

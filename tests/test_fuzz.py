@@ -26,6 +26,7 @@ from hypothesis.errors import NonInteractiveExampleWarning
 from hypothesis import strategies as st
 
 from rallypoint import protocol, wire
+from rallypoint.actors.api import op_decoder
 
 from conftest import Daemon
 
@@ -113,7 +114,7 @@ def test_every_op_is_reachable_by_the_fuzzer(target):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NonInteractiveExampleWarning)
             op = fz.valid_ops(target.pool, [cls]).example()
-        assert type(protocol.op_decoder.decode(protocol.encoder.encode(op))) is cls
+        assert type(op_decoder.decode(protocol.encoder.encode(op))) is cls
 
 
 def test_checker_rejects_bad_replies():

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from rallypoint import protocol as p
+from rallypoint.actors.api import REPLY_TYPES
 from rallypoint.actors import Coordinator
 from rallypoint.errors import (
     BarrierCancelledError,
@@ -28,7 +29,7 @@ S = Session(space="s1")
 
 async def call(rs, op, session: Session = S):
     raw = await rs.node.service.call(session, op)
-    return msgspec.msgpack.decode(raw, type=p.REPLY_TYPES[type(op)])
+    return msgspec.msgpack.decode(raw, type=REPLY_TYPES[type(op)])
 
 
 def enc(v) -> msgspec.Raw:

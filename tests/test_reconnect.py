@@ -9,6 +9,8 @@ rallypoint/client/reconnect.py; each rule has a test here.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -17,10 +19,9 @@ import trio.testing
 
 import rallypoint
 from rallypoint import protocol as p
-from rallypoint.actors.api import OPS
 from rallypoint.client.reconnect import Reconnect, ReconnectingTransport, reissue_safe
 from rallypoint.errors import NotFoundError, UnauthenticatedError, UnavailableError, ValidationError
-from rallypoint.protocol import op_decoder
+from rallypoint.actors.api import op_decoder
 from rallypoint.transport.server import Server
 
 
@@ -162,23 +163,22 @@ FAST = Reconnect(timeout=10, initial_delay=0.01, max_delay=0.05)
 # --- what may be re-sent --------------------------------------------------------------
 
 
-def test_every_operation_is_classified():
-    # A new operation must be placed on purpose: the ones never re-sent are listed here.
-    never = {p.ScopeCreate, p.GroupCreate, p.BarrierCreate, p.BarrierArrive, p.BarrierNextEpochOp, p.TimerCreate,
-             p.JoinSetCreate, p.JoinSetSubmitDelay, p.KeyCreate, p.KeyRevoke, p.OnceAcquire, p.OnceFail, p.TimerAck}
-    keyed = {p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.TaskSubmitMany, p.JoinNext, p.MessageSend, p.QuotaTake,
-             p.BudgetReserve, p.ClaimAcquire, p.PoolAcquire}
-    for t in OPS:
-        if t in never:
-            assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
-        elif t not in keyed:
-            assert reissue_safe(msgspec.convert(_minimal(t), t)), t
+def test_reissue_safe_reads_the_resend_rule_of_each_ops_mark():
+    # ALWAYS: reads, waits, fenced or idempotent writes; NEVER: creating, arriving,
+    # key administration, once.acquire/fail, timer.ack; keyed / predicates: below.
+    assert reissue_safe(p.TaskStatus(task_id="t")) and reissue_safe(p.Receive(mailbox="m", scope_id="s"))
+    assert reissue_safe(p.DeliveryComplete(task_id="t", token=1)) and reissue_safe(p.ScopeCancel(scope_id="s"))
+    for op in (p.ScopeCreate(), p.BarrierArrive(barrier_id="b", key="k"), p.KeyCreate(space="s", permissions=[]),
+               p.OnceAcquire(scope_id="s", key="k"), p.OnceFail(scope_id="s", key="k", token=1),
+               p.TimerAck(timer_id="t"), p.TimerCreate(scope_id="s", after_ms=1)):
+        assert not reissue_safe(op), op
     assert not reissue_safe(p.TaskSubmit(mailbox="m", scope_id="s"))
     assert reissue_safe(p.TaskSubmit(mailbox="m", scope_id="s", key="k"))
     items = [p.SubmitItem(key="a"), p.SubmitItem(key=None)]
     assert not reissue_safe(p.TaskSubmitMany(mailbox="m", scope_id="s", items=items))
     assert reissue_safe(p.TaskSubmitMany(mailbox="m", scope_id="s", items=items[:1]))
     assert not reissue_safe(p.JoinNext(joinset_id="j")) and reissue_safe(p.JoinNext(joinset_id="j", index=3))
+    assert reissue_safe(p.JoinNext(joinset_id="j", step="s"))
     for t in (p.MessageSend, p.QuotaTake, p.BudgetReserve):
         assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
         assert reissue_safe(msgspec.convert({**_minimal(t), "key": "k"}, t)), t
@@ -190,6 +190,28 @@ def test_every_operation_is_classified():
     # a named timer or barrier is one per (run, name): its create is safe to re-send
     assert reissue_safe(p.TimerCreate(scope_id="s", after_ms=1, name="n"))
     assert reissue_safe(p.BarrierCreate(scope_id="s", target=2, name="n"))
+    assert not reissue_safe(p.BarrierCreate(scope_id="s", target=2))
+
+
+def test_the_client_decides_without_a_coordinator_and_imports_the_kinds_only_when_a_connection_drops():
+    # `import rallypoint` stays cheap: the op table (which imports every kind module) is
+    # imported at the first re-send decision, and no coordinator is made for it.
+    code = (
+        "import sys, rallypoint\n"
+        "from rallypoint import protocol as p\n"
+        "from rallypoint.client.reconnect import reissue_safe\n"
+        "assert 'rallypoint.actors.coordinator' not in sys.modules, 'imported with rallypoint'\n"
+        "import rallypoint.actors.coordinator as c\n"
+        "made = []\n"
+        "init = c.Coordinator.__init__\n"
+        "c.Coordinator.__init__ = lambda self, *a, **k: made.append(1) or init(self, *a, **k)\n"
+        "assert reissue_safe(p.TaskSubmit(mailbox='m', scope_id='s', key='k'))\n"
+        "assert not reissue_safe(p.TaskSubmit(mailbox='m', scope_id='s'))\n"
+        "assert 'rallypoint.actors.api' in sys.modules and not made\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def _minimal(t) -> dict:

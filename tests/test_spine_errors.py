@@ -189,12 +189,13 @@ async def test_an_idempotency_key_reused_for_another_request_is_idempotency_conf
     # one of CODES (the protocol fuzzer found it outside them) and its class is a
     # ConflictError, so `except ConflictError` still catches it.
     from rallypoint import protocol as p
+    from rallypoint.actors.api import REPLY_TYPES
 
     record = p.IdempotencyRecord(key="spine-k", fingerprint="a", status=200, body=b"{}")
-    await rs._call(record, p.REPLY_TYPES[type(record)])
+    await rs._call(record, REPLY_TYPES[type(record)])
     lookup = p.IdempotencyLookup(key="spine-k", fingerprint="b")
     with pytest.raises(errors.IdempotencyConflictError) as ei:
-        await rs._call(lookup, p.REPLY_TYPES[type(lookup)])
+        await rs._call(lookup, REPLY_TYPES[type(lookup)])
     e = ei.value
     assert isinstance(e, ConflictError) and e.code == "IDEMPOTENCY_CONFLICT" and e.code in CODES
     assert e.details == {"key": "spine-k"}

@@ -82,6 +82,7 @@ from ..records import TaskRequirements, WorkLimitCreated
 from ..events import emits, ev
 from .common import applies, check_name, check_range, short
 from .kind import Kind, Links
+from .opmark import ALWAYS, C, R, by_run, op, run_or_space
 
 __all__ = ["Admission", "WorkLimitState", "REQUIREMENT_KINDS"]
 
@@ -136,6 +137,7 @@ class Admission(Kind):
         return WorkLimitView(id=wl.id, scope_id=wl.scope_id, name=wl.name, max_outstanding=wl.max_outstanding,
                              outstanding=self.outstanding.get(wl.id, 0), created_at=to_iso(wl.created_at_ms))
 
+    @op(WorkLimitEnsure, route=by_run(), permission=C, resend=ALWAYS)
     def op_work_limit_ensure(self, actor, session, op: WorkLimitEnsure) -> WorkLimitView:
         """Create the limit ``name`` of run ``scope_id`` (runs on the run's actor), or
         check it exists with this ``max_outstanding`` (CONFLICT otherwise).
@@ -191,6 +193,7 @@ class Admission(Kind):
         gone already: children first)."""
         return self.links.purge(run_id, self._limit_done, self._drop)
 
+    @op(WorkLimitList, route=run_or_space("scope_id"), permission=R, resend=ALWAYS)
     def op_work_limit_list(self, actor, session, op: WorkLimitList) -> WorkLimitListView:
         if op.scope_id is not None:
             run = self.coord.runs.get(session.space, op.scope_id)

@@ -21,6 +21,7 @@ from ..events import emits, ev
 from ..records import BarrierArrived, BarrierCancelled, BarrierCreated, BarrierNextEpoch
 from .common import applies, check_key, check_label, check_range, clamp_wait
 from .kind import Kind
+from .opmark import ALWAYS, C, NEVER, R, W, asked, by, by_run, keyed, op
 from .runtime import Park
 
 __all__ = ["BarrierState", "Barriers"]
@@ -83,6 +84,7 @@ class Barriers(Kind):
             details={"barrier_id": b.id, "scope_id": b.scope_id, "reason": b.cancel_reason or "cancelled"},
         )
 
+    @op(BarrierCreate, route=by_run(), permission=C, resend=keyed("name"))
     def op_barrier_create(self, actor, session, op: BarrierCreate) -> BarrierView:
         """A barrier of run ``scope_id`` releasing at ``target`` distinct keys. With
         ``name``: the run's barrier of that name, made by the first call and returned by
@@ -117,6 +119,7 @@ class Barriers(Kind):
         self.coord.runs.own(b.scope_id, b.id)
         self.coord.touch(b.id)
 
+    @op(BarrierArrive, route=by("barrier_id"), permission=W, resend=NEVER)
     def op_barrier_arrive(self, actor, session, op: BarrierArrive) -> BarrierView:
         """Arrive with ``key`` (idempotent per key within the epoch). BARRIER_RELEASED
         after the release; SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run."""
@@ -148,9 +151,11 @@ class Barriers(Kind):
             self.coord.notify(b.id, "b")
         self.coord.touch(b.id)
 
+    @op(BarrierStatus, route=by("barrier_id"), permission=R, resend=ALWAYS)
     def op_barrier_status(self, actor, session, op: BarrierStatus) -> BarrierView:
         return self.view(self.get(session.space, op.barrier_id))
 
+    @op(BarrierWait, route=by("barrier_id"), permission=R, resend=ALWAYS, waits=asked("wait_ms"), reply=BarrierView)
     def op_barrier_wait(self, actor, session, op: BarrierWait):
         """The barrier once released in ``epoch`` (default: the current one) or a later
         epoch began; parks on the barrier's actor. BARRIER_CANCELLED once cancelled."""
@@ -167,6 +172,7 @@ class Barriers(Kind):
             raise self._cancelled(b)
         return b.epoch > epoch or (b.epoch == epoch and b.state == "RELEASED")
 
+    @op(BarrierNextEpochOp, route=by("barrier_id"), permission=W, resend=NEVER)
     def op_barrier_next_epoch(self, actor, session, op: BarrierNextEpochOp) -> BarrierView:
         """Start a new epoch with no arrivals; only from RELEASED (CONFLICT otherwise)."""
         coord = self.coord

@@ -83,6 +83,7 @@ from ..records import BudgetCreated, BudgetReserved, BudgetSettled, BudgetVoided
 from ..events import emits, ev
 from .common import applies, check_key, check_name, check_range, data, parse_instant, short
 from .kind import Kind, Links
+from .opmark import ALWAYS, C, R, SPACE, W, by, keyed, op
 
 __all__ = ["BudgetState", "ReservationState", "Budgets", "MAX_MINOR", "OPEN"]
 
@@ -211,6 +212,7 @@ class Budgets(Kind):
         return b.limit_minor - b.settled_minor - b.reserved_minor
 
     # ================================================================ ensure, get, list
+    @op(BudgetEnsure, route=SPACE, permission=C, resend=ALWAYS)
     def op_budget_ensure(self, actor, session, op: BudgetEnsure) -> BudgetView:
         """Create the budget, or check it exists with these settings (CONFLICT naming
         the first that differs: limit_minor, currency, scale). VALIDATION_FAILED: name,
@@ -238,16 +240,21 @@ class Budgets(Kind):
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
 
+    @op(BudgetGet, route=by("budget"), permission=R, resend=ALWAYS)
     def op_budget_get(self, actor, session, op: BudgetGet) -> BudgetView:
         return self.view(self.get(session.space, op.budget), reservations=op.reservations)
 
+    @op(BudgetList, route=SPACE, permission=R, resend=ALWAYS)
     def op_budget_list(self, actor, session, op: BudgetList) -> BudgetListView:
         return BudgetListView(budgets=[self.view(b) for b in self.table.values() if b.space == session.space])
 
+    @op(ReservationGet, route=by("reservation_id", "route_reservation"), permission=R, resend=ALWAYS)
     def op_reservation_get(self, actor, session, op: ReservationGet) -> ReservationView:
         return self.reservation_view(self.get_reservation(session.space, op.reservation_id))
 
     # ================================================================ reserve
+    @op(BudgetReserve, route=by("budget"), permission=W,
+        resend=keyed("key", "give the reservation a `key` to make it safe to retry"))
     def op_budget_reserve(self, actor, session, op: BudgetReserve) -> ReservationView:
         """Hold ``amount_minor`` (>= 1) of the budget for run ``scope_id``.
 
@@ -452,6 +459,7 @@ class Budgets(Kind):
         )
 
     # ================================================================ settle, void
+    @op(BudgetSettle, route=by("reservation_id", "route_reservation"), permission=W, resend=ALWAYS)
     def op_budget_settle(self, actor, session, op: BudgetSettle) -> SettleView:
         """Charge ``amount_minor`` (>= 0) under ``usage_key`` (see the module docstring:
         idempotent per usage key, capped at what is left, ``final`` closes). Allowed
@@ -490,6 +498,7 @@ class Budgets(Kind):
                           requested_minor=op.amount_minor, charged_minor=charged, available_minor=self.available(b),
                           replayed=False)
 
+    @op(BudgetVoid, route=by("reservation_id", "route_reservation"), permission=W, resend=ALWAYS)
     def op_budget_void(self, actor, session, op: BudgetVoid) -> ReservationView:
         """Close an open reservation, releasing its remainder (VOIDED); a closed one is
         returned as it is. Allowed whatever the run's state."""

@@ -86,6 +86,7 @@ from ..records import (
 from ..events import emits, ev
 from .common import MAX_KEY_LEN, MAX_WAIT_MS, applies, check_payload, check_range, data, short
 from .kind import Kind
+from .opmark import ALWAYS, R, SPACE, W, asked, by, by_run, keyed, op
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
 from .runtime import PRIO_WAIT_END, Park
 from .waitqueue import WaitQueue
@@ -235,6 +236,8 @@ class Claims(Kind):
         return ClaimLeaseView(status="ACQUIRED", claim=self.view(c), token=c.token, request_id=c.request_id)
 
     # ================================================================ acquire
+    @op(ClaimAcquire, route=by_run(), permission=W, resend=keyed("request_id"), waits=asked("wait_ms"),
+        reply=ClaimLeaseView)
     def op_claim_acquire(self, actor, session, op: ClaimAcquire):
         """Acquire the lease on ``op.key`` for run ``op.scope_id`` (runs on that run's
         actor). Returns ACQUIRED (a new lease: generation + 1), COMPLETED (the recorded
@@ -413,6 +416,7 @@ class Claims(Kind):
             details={"key": c.key, "generation": c.generation, "state": c.state},
         )
 
+    @op(ClaimRenew, route=by("key"), permission=W, resend=ALWAYS)
     def op_claim_renew(self, actor, session, op: ClaimRenew) -> ClaimLeaseView:
         """Extend the live lease by ``lease_ms`` (5-600 s) from now. STALE_CLAIM when the
         token is not the current live lease's; SCOPE_CANCELLED / DEADLINE_EXCEEDED when
@@ -430,6 +434,7 @@ class Claims(Kind):
         self.coord.touch(c.id)
         self.coord.arm_mono(r.lease_expires_ms, self._on_lease, (c.id, r.token, r.lease_expires_ms))
 
+    @op(ClaimRelease, route=by("key"), permission=W, resend=ALWAYS)
     def op_claim_release(self, actor, session, op: ClaimRelease) -> ClaimView:
         """End the lease, leaving ``observation`` for the next acquirer; the first waiter
         in line gets the next lease at once. Allowed on an inactive run. Idempotent for
@@ -464,6 +469,7 @@ class Claims(Kind):
         self.held.discard(c.id)
         self.coord.touch(c.id)
 
+    @op(ClaimComplete, route=by("key"), permission=W, resend=ALWAYS)
     def op_claim_complete(self, actor, session, op: ClaimComplete) -> ClaimView:
         """Record ``result`` (a payload) once, for good: the claim is COMPLETED, every
         waiter and every later acquire gets the result. STALE_CLAIM for a stale token or
@@ -491,6 +497,7 @@ class Claims(Kind):
         for w in waiters:  # every waiter gets the result
             notify(w.scope_id, w.request_id)
 
+    @op(ClaimCancelWait, route=by("key"), permission=W, resend=ALWAYS)
     def op_claim_cancel_wait(self, actor, session, op: ClaimCancelWait) -> CancelWaitView:
         """Withdraw acquire ``request_id`` (its client gave up): its waiter leaves the
         queue, or, if it was already given the lease, the lease is released (and handed
@@ -507,10 +514,12 @@ class Claims(Kind):
         return CancelWaitView(outcome="none")
 
     # ================================================================ reads
+    @op(ClaimStatus, route=by("key"), permission=R, resend=ALWAYS)
     def op_claim_status(self, actor, session, op: ClaimStatus) -> ClaimView:
         """The claim (never its token); readable in any run state."""
         return self.view(self.get(session.space, op.key))
 
+    @op(ClaimList, route=SPACE, permission=R, resend=ALWAYS)
     def op_claim_list(self, actor, session, op: ClaimList) -> ClaimListView:
         """Claims of the space in key order, filtered by ``state``; ``after`` a key."""
         check_range("limit", op.limit, 1, 10_000)

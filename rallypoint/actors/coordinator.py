@@ -54,6 +54,7 @@ from .inbox import Inboxes
 from .joinset import JoinSets
 from .keys import Keys
 from .once import Onces
+from .opmark import BoundOp, OpTable, build_table
 from .pool import Pools
 from .queue import WorkQueues
 from .quota import Quotas
@@ -67,7 +68,14 @@ from .timer import Timers
 
 log = logging.getLogger("rallypoint.coordinator")
 
-__all__ = ["Coordinator", "FatalError", "STALL_S", "TICK_S"]
+__all__ = ["Coordinator", "FatalError", "STALL_S", "TICK_S", "KIND_CLASSES"]
+
+#: Every kind class, in the order :class:`Coordinator` makes them. The operation table
+#: that needs no coordinator (the client's re-send rules, the HTTP layer's reply types:
+#: :data:`rallypoint.actors.api.TABLE`) is built from these classes' ``@op`` marks;
+#: ``tests/test_op_table.py`` checks a coordinator holds exactly these.
+KIND_CLASSES = (Runs, WorkQueues, Groups, Barriers, Timers, JoinSets, Keys, Spaces, Quotas, Budgets, Inboxes, Claims,
+                Pools, Admission, Onces, Idempotency, Diagnostics, Retention, Epochs)
 
 #: A gap longer than this (seconds) between two looks at the clock is an event-loop
 #: stall: outstanding leases are extended by it.
@@ -179,6 +187,12 @@ class Coordinator:
         missing = [t.__name__ for t in ALL_RECORD_TYPES if t not in self._apply]
         if missing:
             raise RuntimeError(f"record types without an apply function: {', '.join(missing)}")
+        #: every operation's declaration, from the kinds' ``@op`` marks (RuntimeError here
+        #: for an op with no handler or two, or a mark without a route, permission or
+        #: re-send rule: :func:`~rallypoint.actors.opmark.build_table`)
+        self.op_table: OpTable = build_table(tuple(type(k) for k in self.kinds))
+        #: request Struct -> its handler and route bound to this coordinator's kinds
+        self.ops: dict[type, BoundOp] = self.op_table.bind(self.kinds)
 
     # ------------------------------------------------------------------ entities
     def entity_tables(self) -> dict[str, tuple[dict, type]]:
@@ -389,10 +403,7 @@ class Coordinator:
         simulator that drive the decide/apply core step by step. Returns the reply
         Struct, or a :class:`Park` for a wait; raises the RallypointError it answers.
         (Routing checks -- NOT_FOUND across spaces -- are the handler's own too.)"""
-        from .api import OPS
-
-        spec = OPS[type(op)]
-        return getattr(getattr(self, spec.kind), spec.handler)(None, session, op)
+        return self.ops[type(op)].handler(None, session, op)
 
     def reply(self, sink: ReplySink, rid: int, reply: Any) -> None:
         """Hand ``reply`` (a Struct, bytes or an exception) to ``sink`` with the LSN it

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..clock import to_iso
 from ..protocol import OpsRun, OpsRunView, OpsWaits, OpsWaitsView, OpsWaitView, OpsWorkerView
 from .kind import Kind
+from .opmark import ALWAYS, R, SPACE, by_run, op
 
 __all__ = ["Diagnostics"]
 
@@ -20,6 +21,7 @@ class Diagnostics(Kind):
     prefix = ""
     name = "diagnostics"
 
+    @op(OpsRun, route=by_run(), permission=R, resend=ALWAYS)
     def op_ops_run(self, actor, session, op: OpsRun) -> OpsRunView:
         """For run ``scope_id`` and its subtree: ``workers`` (per holder: the once and
         claim keys it holds and its earliest lease expiry) and ``waiting`` (pool waiters,
@@ -70,6 +72,7 @@ class Diagnostics(Kind):
                                        holder=w.holder, scope_id=w.scope_id))
         return out
 
+    @op(OpsWaits, route=SPACE, permission=R, resend=ALWAYS)
     def op_ops_waits(self, actor, session, op: OpsWaits) -> OpsWaitsView:
         """Parked server-side waits by actor kind (the whole server's runtime) and the
         space's durable waiters (quota waiters), at most 1000 rows."""

@@ -70,6 +70,7 @@ from ..records import (
 from ..events import emits, ev
 from .common import applies, check_key, check_payload, check_range, clamp_wait, data, parse_instant, short
 from .kind import Kind
+from .opmark import ALWAYS, C, NEVER, R, W, asked, by, by_run, keyed, op
 from .queue import TERMINAL, TaskState
 from .run import ScopeState
 from .runtime import Park
@@ -126,6 +127,7 @@ class Groups(Kind):
 
 
     # ================================================================ create
+    @op(GroupCreate, route=by_run(), permission=C, resend=NEVER)
     def op_group_create(self, actor, session, op: GroupCreate) -> GroupView:
         """A group and its gate run (a child of ``parent_scope_id``, default the run the
         call is made on), in one record. Runs on the calling run's actor. Both the calling
@@ -218,6 +220,8 @@ class Groups(Kind):
     def _member_added(self, g: GroupState, t: TaskState) -> GroupMemberAddedView:
         return GroupMemberAddedView(task=self.coord.queues.task_view(t), group_state=g.state)
 
+    @op(GroupSubmit, route=by("group_id"), permission=W,
+        resend=keyed("key", "give the member a `key` to make it safe to retry"))
     def op_group_submit(self, actor, session, op: GroupSubmit) -> GroupMemberAddedView:
         """A new member task in the gate run. Idempotent by ``key`` (the same key and
         input return that member, open or not); CONFLICT when the group is no longer
@@ -265,6 +269,7 @@ class Groups(Kind):
         if len(g.members) >= MAX_MEMBERS:
             raise LimitError(f"group {g.id} already has {MAX_MEMBERS} members, the limit")
 
+    @op(GroupJoinTask, route=by("group_id"), permission=W, resend=ALWAYS)
     def op_group_join_task(self, actor, session, op: GroupJoinTask) -> GroupMemberAddedView:
         """An existing task joins while the group is OPEN (idempotent); CONFLICT when it
         is another group's member."""
@@ -297,6 +302,7 @@ class Groups(Kind):
         self.member_changed(g.id)
 
     # ================================================================ verdicts
+    @op(GroupVerdictOp, route=by("group_id"), permission=W, resend=ALWAYS)
     def op_group_verdict(self, actor, session, op: GroupVerdictOp) -> VerdictView:
         """ACCEPTED (the member SUCCEEDED) or REJECTED (it finished). Idempotent; CONFLICT
         for the opposite verdict or a member not in that state; ``late`` after the group
@@ -356,6 +362,7 @@ class Groups(Kind):
         self.member_changed(r.group_id)
 
     # ================================================================ close, status, wait
+    @op(GroupClose, route=by("group_id"), permission=W, resend=ALWAYS)
     def op_group_close(self, actor, session, op: GroupClose) -> GroupDecisionView:
         """Seal (no new members) and evaluate at once; repeatable."""
         g = self.get(session.space, op.group_id)
@@ -371,9 +378,11 @@ class Groups(Kind):
         self.coord.touch(g.id)
         self.member_changed(g.id)
 
+    @op(GroupStatus, route=by("group_id"), permission=R, resend=ALWAYS)
     def op_group_status(self, actor, session, op: GroupStatus) -> GroupView:
         return self.view(self.get(session.space, op.group_id))
 
+    @op(GroupWait, route=by("group_id"), permission=R, resend=ALWAYS, waits=asked("wait_ms"), reply=GroupView)
     def op_group_wait(self, actor, session, op: GroupWait):
         """The group once FINALIZED; parks on the group's actor up to ``wait_ms``."""
         g = self.get(session.space, op.group_id)

@@ -29,6 +29,7 @@ from ..protocol import IdempotencyLookup, IdempotencyRecord, IdempotencyView
 from ..records import IdempotencyExpired, IdempotencyRecorded
 from .common import applies
 from .kind import Kind
+from .opmark import ALWAYS, ANY_KEY, SPACE, op
 
 __all__ = ["IdempotencyState", "Idempotency", "DEFAULT_TTL_MS"]
 
@@ -87,6 +88,7 @@ class Idempotency(Kind):
             return None
         return e
 
+    @op(IdempotencyLookup, route=SPACE, permission=ANY_KEY, resend=ALWAYS)
     def op_idempotency_lookup(self, actor, session, op: IdempotencyLookup) -> IdempotencyView:
         """The stored answer, or ``found`` False. IDEMPOTENCY_CONFLICT when the key was
         used for another request (method, path or body)."""
@@ -101,6 +103,7 @@ class Idempotency(Kind):
             )
         return IdempotencyView(found=True, status=e.status, body=e.body)
 
+    @op(IdempotencyRecord, route=SPACE, permission=ANY_KEY, resend=ALWAYS)
     def op_idempotency_record(self, actor, session, op: IdempotencyRecord) -> IdempotencyView:
         """Store the answer (the first one wins: a later record answers the stored one),
         and forget up to 256 entries past the TTL in the same commit."""

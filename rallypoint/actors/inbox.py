@@ -28,6 +28,7 @@ from ..protocol import NIL, MessageSend, MessageStatus, MessageView
 from ..records import TaskSubmitted
 from .common import short
 from .kind import Kind
+from .opmark import ALWAYS, R, W, by, by_run, keyed, op
 from .queue import TaskState
 
 __all__ = ["Inboxes"]
@@ -49,6 +50,8 @@ class Inboxes(Kind):
         """The actor of a command about a message: its run's."""
         return self.get_message(session.space, message_id).scope_id
 
+    @op(MessageSend, route=by_run(), permission=W,
+        resend=keyed("key", "give the message a `key` to make it safe to retry"))
     def op_message_send(self, actor, session, op: MessageSend) -> MessageView:
         """Send ``payload`` (any msgpack value, at most 64 KiB) into the INBOX mailbox,
         bound to run ``scope_id``; returns the message (QUEUED). With ``key``,
@@ -68,6 +71,7 @@ class Inboxes(Kind):
             rec = queues.tasks[rec.id]
         return self.view(rec)
 
+    @op(MessageStatus, route=by("message_id", "route_message"), permission=R, resend=ALWAYS)
     def op_message_status(self, actor, session, op: MessageStatus) -> MessageView:
         """The message now; readable forever, whatever its run's state."""
         return self.view(self.get_message(session.space, op.message_id))

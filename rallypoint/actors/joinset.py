@@ -88,6 +88,7 @@ from ..events import emits, ev
 from ..records import JoinSetChildDone, JoinSetClosing, JoinSetDone
 from .common import applies, check_range, clamp_wait, data, parse_instant, short
 from .kind import Kind
+from .opmark import ALWAYS, NEVER, R, W, asked, by, by_op, by_run, keyed, op, resend_if, waits_if
 from .queue import TERMINAL
 from .runtime import Park
 
@@ -195,6 +196,7 @@ class JoinSets(Kind):
         )
 
     # ================================================================ create, get
+    @op(JoinSetCreate, route=by_run(), permission=W, resend=NEVER)
     def op_joinset_create(self, actor, session, op: JoinSetCreate) -> JoinSetView:
         """A generated or named set in the run (runs on the run's actor). A name is used
         once per run (CONFLICT). SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run."""
@@ -252,6 +254,7 @@ class JoinSets(Kind):
             raise ValidationError("give joinset_id, or scope_id and name", details={"field": "joinset_id"})
         return self.coord.runs.route(session, op.scope_id)
 
+    @op(JoinSetGet, route=by_op("route_get"), permission=R, resend=ALWAYS)
     def op_joinset_get(self, actor, session, op: JoinSetGet) -> JoinSetView:
         if op.joinset_id is not None:
             return self.view(self.get(session.space, op.joinset_id))
@@ -268,6 +271,8 @@ class JoinSets(Kind):
         if len(js.children) >= MAX_CHILDREN:
             raise LimitError(f"join set {js.id} already has {MAX_CHILDREN} children, the limit")
 
+    @op(JoinSetSubmit, route=by("joinset_id"), permission=W,
+        resend=keyed("key", "give the child a `key` to make it safe to retry"))
     def op_joinset_submit(self, actor, session, op: JoinSetSubmit) -> JoinSetChildAdded:
         """A child task in ``mailbox``, in the set's run. Idempotent by ``key``; a refused
         submission adds nothing."""
@@ -308,6 +313,7 @@ class JoinSets(Kind):
             t.finished_at_ms or 0,
         )
 
+    @op(JoinSetSubmitDelay, route=by("joinset_id"), permission=W, resend=NEVER)
     def op_joinset_submit_delay(self, actor, session, op: JoinSetSubmitDelay) -> JoinSetChildAdded:
         """A durable delay child: ``after_ms`` of server time, or until wall instant ``at``."""
         coord = self.coord
@@ -492,6 +498,11 @@ class JoinSets(Kind):
             raise self._exhausted(js, step, replayed=True)
         return JoinNextView(status="pending", index=e.index, step=step, replayed=True)
 
+    @op(JoinNext, route=by("joinset_id"), permission=W, reply=JoinNextView,
+        resend=resend_if(lambda op: op.index is not None or op.step is not None, "at an explicit index or step",
+                         fields=("index", "step")),
+        waits=waits_if(lambda op: op.wait_ms > 0 and not op.try_only, "wait_ms > 0 and not try_only",
+                       ("wait_ms", "try_only")))
     def op_joinset_join_next(self, actor, session, op: JoinNext):
         """An await (parks on the set's actor up to ``wait_ms``) or a probe (``try_only``).
 
@@ -597,6 +608,7 @@ class JoinSets(Kind):
         self.coord.touch(js.id)
 
     # ================================================================ close
+    @op(JoinSetClose, route=by("joinset_id"), permission=W, resend=ALWAYS, waits=asked("wait_ms"), reply=JoinSetView)
     def op_joinset_close(self, actor, session, op: JoinSetClose):
         """Close the set (one record); waits up to ``wait_ms`` for it to be CLOSED."""
         js = self.get(session.space, op.joinset_id)

@@ -35,11 +35,12 @@ from ..clock import to_iso
 from ..errors import ForbiddenError, NotFoundError, UnauthenticatedError, ValidationError
 from ..protocol import KeyCreate, KeyList, KeyListView, KeyRevoke, KeyView
 from ..records import KeyCreated, KeyRevoked
-from .api import PERMISSIONS
+from .opmark import PERMISSIONS
 from .common import applies, check_name, short
 from .common import data
 from ..events import emits, ev
 from .kind import Kind
+from .opmark import A, ALWAYS, NEVER, SPACE, op
 
 __all__ = ["KeyState", "Keys", "hash_secret", "SECRET_PREFIX"]
 
@@ -172,6 +173,7 @@ class Keys(Kind):
         )
 
     # ------------------------------------------------------------------ ops (admin)
+    @op(KeyCreate, route=SPACE, permission=A, resend=NEVER)
     def op_key_create(self, actor, session, op: KeyCreate) -> KeyView:
         """A key in the session's own space (any space for an operator). FORBIDDEN for
         another space, or for ``operator`` over the wire."""
@@ -187,6 +189,7 @@ class Keys(Kind):
                          "key_name": k.name, "by": _who(session)})
         return self.view(k, secret)
 
+    @op(KeyList, route=SPACE, permission=A, resend=ALWAYS)
     def op_key_list(self, actor, session, op: KeyList) -> KeyListView:
         """Keys of the session's space (``space`` may name another one only for an
         operator; otherwise it is FORBIDDEN)."""
@@ -201,6 +204,7 @@ class Keys(Kind):
             wanted = session.space
         return KeyListView(keys=[self.view(k) for k in self.table.values() if wanted in (None, k.space)])
 
+    @op(KeyRevoke, route=SPACE, permission=A, resend=NEVER)
     def op_key_revoke(self, actor, session, op: KeyRevoke) -> KeyView:
         """Revoke a key of the session's space (NOT_FOUND for another space's)."""
         k = self.table.get(op.key_id) if isinstance(op.key_id, str) else None

@@ -34,6 +34,7 @@ from ..records import OnceAcquired, OnceCompleted, OnceFailed, OnceLeaseExpired,
 from ..events import emits, ev
 from .common import applies, check_label, check_payload, check_range, clamp_wait, data, short
 from .kind import Kind, Links
+from .opmark import ALWAYS, NEVER, R, W, asked, by_run, op
 from .runtime import Park
 
 __all__ = ["OnceState", "Onces"]
@@ -116,6 +117,7 @@ class Onces(Kind):
         return o
 
     # ------------------------------------------------------------------ ops
+    @op(OnceAcquire, route=by_run(), permission=W, resend=NEVER)
     def op_once_acquire(self, actor, session, op: OnceAcquire) -> OnceView:
         """ACQUIRED (with ``token``), HELD, DONE or FAILED (see the module doc).
         VALIDATION_FAILED (key, lease), NOT_FOUND (run), SCOPE_CANCELLED /
@@ -157,6 +159,7 @@ class Onces(Kind):
         self.coord.touch(o.id)
         self.coord.arm_mono(r.lease_expires_ms, self._on_lease, (o.id, r.token, r.lease_expires_ms))
 
+    @op(OnceGet, route=by_run(), permission=R, resend=ALWAYS, waits=asked("wait_ms"), reply=OnceView)
     def op_once_get(self, actor, session, op: OnceGet):
         """The once now (OPEN if never acquired); with ``wait_ms`` (at most 60 s) parks
         on the run's actor until it is no longer HELD."""
@@ -169,6 +172,7 @@ class Onces(Kind):
         view = self.view
         return Park(("once", o.id), lambda: None if o.state == "HELD" else view(o), wait_ms, lambda: view(o))
 
+    @op(OnceRenew, route=by_run(), permission=W, resend=ALWAYS)
     def op_once_renew(self, actor, session, op: OnceRenew) -> OnceView:
         """Extend the lease to now + ``lease_ms``. STALE_CLAIM (token, lost lease);
         SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run stopped (the holder must stop)."""
@@ -186,6 +190,7 @@ class Onces(Kind):
         self.coord.touch(o.id)
         self.coord.arm_mono(r.lease_expires_ms, self._on_lease, (o.id, r.token, r.lease_expires_ms))
 
+    @op(OnceComplete, route=by_run(), permission=W, resend=ALWAYS)
     def op_once_complete(self, actor, session, op: OnceComplete) -> OnceView:
         """DONE with ``result`` (at most 64 KiB encoded; VALIDATION_FAILED "result
         exceeds N bytes"). STALE_CLAIM for a stale token or a lost lease; the same
@@ -209,6 +214,7 @@ class Onces(Kind):
         self.coord.touch(o.id)
         self.coord.notify(o.scope_id, ("once", o.id))
 
+    @op(OnceFail, route=by_run(), permission=W, resend=NEVER)
     def op_once_fail(self, actor, session, op: OnceFail) -> OnceView:
         """Count a failed attempt with ``error``: FAILED when the failures reach
         ``max_attempts`` (1-100), else OPEN. STALE_CLAIM for a stale token."""

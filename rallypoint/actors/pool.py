@@ -79,6 +79,7 @@ from .claim import MAX_QUEUE_WAIT_MS, check_holder, check_request_id, new_token
 from ..events import emits, ev
 from .common import MAX_WAIT_MS, applies, check_name, check_payload, check_range, data, short
 from .kind import Kind, Links
+from .opmark import ALWAYS, C, R, SPACE, W, asked, by, keyed, op
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
 from .runtime import PRIO_WAIT_END, Park
 from .waitqueue import WaitQueue
@@ -256,6 +257,7 @@ class Pools(Kind):
         )
 
     # ================================================================ pools
+    @op(PoolEnsure, route=SPACE, permission=C, resend=ALWAYS)
     def op_pool_ensure(self, actor, session, op: PoolEnsure) -> PoolView:
         """Create the pool, or check it exists with this ``units_total`` (CONFLICT
         otherwise). Runs on the space's actor (names are per space). VALIDATION_FAILED
@@ -283,13 +285,17 @@ class Pools(Kind):
         self.by_name[(pool.space, pool.name)] = pool.id
         self.coord.touch(pool.id)
 
+    @op(PoolGet, route=by("name"), permission=R, resend=ALWAYS)
     def op_pool_get(self, actor, session, op: PoolGet) -> PoolView:
         return self.view(self.get(session.space, op.name))
 
+    @op(PoolList, route=SPACE, permission=R, resend=ALWAYS)
     def op_pool_list(self, actor, session, op: PoolList) -> PoolListView:
         return PoolListView(pools=[self.view(p) for p in self.table.values() if p.space == session.space])
 
     # ================================================================ acquire
+    @op(PoolAcquire, route=by("pool"), permission=W, resend=keyed("request_id"), waits=asked("wait_ms"),
+        reply=PoolAcquireView)
     def op_pool_acquire(self, actor, session, op: PoolAcquire):
         """``units`` of the pool for run ``scope_id`` under a ``lease_ms`` lease (runs on
         the pool's actor). Returns ACQUIRED with the grant (and its token) or, after
@@ -473,6 +479,7 @@ class Pools(Kind):
             details={"grant_id": g.id, "state": g.state},
         )
 
+    @op(GrantRenew, route=by("grant_id", "route_grant"), permission=W, resend=ALWAYS)
     def op_grant_renew(self, actor, session, op: GrantRenew) -> GrantView:
         """Extend the grant's lease by ``lease_ms`` (5-600 s) from now. STALE_CLAIM when
         the token is wrong or the lease already ran out (or was released);
@@ -497,6 +504,7 @@ class Pools(Kind):
         self.coord.touch(g.id)
         self.coord.arm_mono(r.lease_expires_ms, self._on_lease, (g.id, r.token, r.lease_expires_ms))
 
+    @op(GrantRelease, route=by("grant_id", "route_grant"), permission=W, resend=ALWAYS)
     def op_grant_release(self, actor, session, op: GrantRelease) -> GrantView:
         """Give the units back (to the first waiters in line, at once). Allowed on an
         inactive run and for a task's grant (returned early). Idempotent: a second
@@ -522,10 +530,12 @@ class Pools(Kind):
         g.observation = r.observation
         self._end_grant(g, "RELEASED", r.at_ms, r.reason)
 
+    @op(GrantStatus, route=by("grant_id", "route_grant"), permission=R, resend=ALWAYS)
     def op_grant_status(self, actor, session, op: GrantStatus) -> GrantView:
         """The grant (never its token)."""
         return self.grant_view(self.get_grant(session.space, op.grant_id))
 
+    @op(PoolCancelWait, route=by("pool"), permission=W, resend=ALWAYS)
     def op_pool_cancel_wait(self, actor, session, op: PoolCancelWait) -> CancelWaitView:
         """Withdraw acquire ``request_id``: its waiter leaves the queue, or the grant it
         was already given is released. Idempotent."""

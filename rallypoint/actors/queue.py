@@ -77,6 +77,7 @@ from ..protocol import (
     MailboxView,
     Receive,
     ReceiveView,
+    ScopeView,
     TaskCancel,
     TaskListView,
     TaskResult,
@@ -114,6 +115,7 @@ from .common import (
     MAX_PAYLOAD_BYTES, applies, check_key, check_name, check_payload, check_range, clamp_wait, data, parse_instant, short,
 )
 from .kind import Kind
+from .opmark import ALWAYS, C, R, SPACE, W, asked, by, by_run, keyed, op, resend_if
 from .runtime import Park
 
 __all__ = ["MailboxState", "TaskState", "WorkQueues", "TERMINAL", "MIN_LEASE_MS", "MAX_LEASE_MS"]
@@ -264,6 +266,7 @@ class WorkQueues(Kind):
     def route_queue(self, session, name_or_id) -> str:
         return self.get_queue(session.space, name_or_id).id
 
+    @op(MailboxEnsure, route=SPACE, permission=C, resend=ALWAYS)
     def op_mailbox_ensure(self, actor, session, op: MailboxEnsure) -> MailboxView:
         """Create the queue, or check it exists with these settings (CONFLICT naming the
         first of mode, max_attempts, backlog_limit that differs). Runs on the space's
@@ -310,12 +313,15 @@ class WorkQueues(Kind):
         coord.commit([rec])
         return self.queue_view(self.table[rec.id])
 
+    @op(MailboxGet, route=by("name", "route_queue"), permission=R, resend=ALWAYS)
     def op_mailbox_get(self, actor, session, op: MailboxGet) -> MailboxView:
         return self.queue_view(self.get_queue(session.space, op.name))
 
+    @op(MailboxList, route=SPACE, permission=R, resend=ALWAYS)
     def op_mailbox_list(self, actor, session, op: MailboxList) -> MailboxListView:
         return MailboxListView(mailboxes=[self.queue_view(q) for q in self.table.values() if q.space == session.space])
 
+    @op(MailboxMessages, route=by("name", "route_queue"), permission=R, resend=ALWAYS)
     def op_mailbox_messages(self, actor, session, op: MailboxMessages) -> TaskListView:
         """The queue's tasks (or messages), newest first: at most ``limit`` (1-1000),
         older than ``before`` (an id) when given. A diagnostic read: it walks the
@@ -456,6 +462,8 @@ class WorkQueues(Kind):
             work_limit_id=work_limit.id if work_limit is not None else None, **extra,
         )
 
+    @op(TaskSubmit, route=by_run(), permission=W,
+        resend=keyed("key", "give the submission a `key` to make it safe to retry"))
     def op_task_submit(self, actor, session, op: TaskSubmit) -> TaskView:
         """One task; ``requirements`` and ``work_limit`` as in ``actors/admission.py``."""
         q = self.get_queue(session.space, op.mailbox)
@@ -468,6 +476,9 @@ class WorkQueues(Kind):
         self.coord.commit([rec])
         return self.task_view(self.tasks[rec.id])
 
+    @op(TaskSubmitMany, route=by_run(), permission=W,
+        resend=resend_if(lambda op: all(i.key is not None for i in op.items), "every item has a key",
+                         "give every item a `key` to make the batch safe to retry", ("items",)))
     def op_task_submit_many(self, actor, session, op: TaskSubmitMany) -> TaskListView:
         """All or nothing: every item is validated first, then one commit for all."""
         q = self.get_queue(session.space, op.mailbox)
@@ -723,6 +734,7 @@ class WorkQueues(Kind):
         return out
 
     # ================================================================ receive
+    @op(Receive, route=by_run(), permission=W, resend=ALWAYS, waits=asked("wait_ms"), reply=ReceiveView)
     def op_receive(self, actor, session, op: Receive):
         """Lease up to ``max_messages`` of the oldest ready tasks of the run's subtree;
         parks on the run's actor for up to ``wait_ms`` when there are none."""
@@ -828,6 +840,7 @@ class WorkQueues(Kind):
         return LeaseLostError(f"the lease on task {t.id} is lost: {why}",
                               details={"task_id": t.id, "state": t.state, "completing": t.completing})
 
+    @op(DeliveryRenew, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_delivery_renew(self, actor, session, op: DeliveryRenew) -> LeaseView:
         """Extend the lease by ``lease_ms`` from now. STALE_CLAIM when the token is not
         current or the lease ran out; SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run
@@ -863,6 +876,7 @@ class WorkQueues(Kind):
             self.coord.touch(t.id)
             self.coord.arm_mono(t.lease_expires_ms, self._on_lease, (t.id, t.token, t.lease_expires_ms))
 
+    @op(DeliveryComplete, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_delivery_complete(self, actor, session, op: DeliveryComplete) -> TaskView:
         """Record the outcome (exactly once). STALE_CLAIM for a stale token, a lost lease
         or a task past its deadline; SCOPE_CANCELLED / DEADLINE_EXCEEDED on a stopped run.
@@ -907,6 +921,7 @@ class WorkQueues(Kind):
             raise ValidationError(f"items must hold 1 to {MAX_BATCH} completes", details={"field": "items"})
         return self.get_task(session.space, items[0].task_id).scope_id
 
+    @op(DeliveryCompleteMany, route=by("items", "route_complete_many"), permission=W, resend=ALWAYS)
     def op_delivery_complete_many(self, actor, session, op: DeliveryCompleteMany) -> SettledListView:
         """Complete several deliveries of one run in ONE commit: each item is judged as
         ``delivery.complete`` judges it (its refusal is its answer, and changes nothing);
@@ -996,6 +1011,7 @@ class WorkQueues(Kind):
         self.finish(t, "SUCCEEDED", r.at_ms, "completed")
 
     # ================================================================ the task's own run
+    @op(DeliveryRun, route=by("task_id", "route_task"), permission=W, resend=ALWAYS, reply=ScopeView)
     def op_delivery_run(self, actor, session, op: DeliveryRun):
         """The task's own run, made on first use (a child of the task's run, named
         ``task:<id>``); the same run for every later call and attempt. The holder of the
@@ -1039,6 +1055,7 @@ class WorkQueues(Kind):
         """Retry/reject on an inactive run are answered without a change (SPEC §2.4)."""
         return t.state in TERMINAL or self.coord.runs.inactive_error(t.scope_id) is not None
 
+    @op(DeliveryRetry, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_delivery_retry(self, actor, session, op: DeliveryRetry) -> TaskView:
         """Back to the queue after ``delay_ms`` (server time), or FAILED once
         ``max_attempts`` attempts were made. Allowed (a no-op) on a stopped run."""
@@ -1074,6 +1091,7 @@ class WorkQueues(Kind):
         self.coord.touch(t.id)
         self._make_ready(t)
 
+    @op(DeliveryReject, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_delivery_reject(self, actor, session, op: DeliveryReject) -> TaskView:
         """FAILED, no retry. Allowed (a no-op) on a stopped run."""
         t = self._holder(session, op.task_id, op.token)
@@ -1095,9 +1113,12 @@ class WorkQueues(Kind):
         self.finish(t, "FAILED", r.at_ms, "rejected")
 
     # ================================================================ status, result, cancel
+    @op(TaskStatus, route=by("task_id", "route_task"), permission=R, resend=ALWAYS)
     def op_task_status(self, actor, session, op: TaskStatus) -> TaskView:
         return self.task_view(self.get_task(session.space, op.task_id))
 
+    @op(TaskResult, route=by("task_id", "route_task"), permission=R, resend=ALWAYS, waits=asked("wait_ms"),
+        reply=TaskView)
     def op_task_result(self, actor, session, op: TaskResult):
         """The task, once terminal; parks on its run's actor up to ``wait_ms``."""
         t = self.get_task(session.space, op.task_id)
@@ -1120,6 +1141,8 @@ class WorkQueues(Kind):
                 first = t
         return first.scope_id
 
+    @op(TaskResults, route=by("task_ids", "route_tasks"), permission=R, resend=ALWAYS, waits=asked("wait_ms"),
+        reply=TaskListView)
     def op_task_results(self, actor, session, op: TaskResults):
         """Every task, once all are terminal (in the given order); ONE parked wait on the
         first task's run for up to ``wait_ms``, woken as each of them finishes (the
@@ -1170,12 +1193,14 @@ class WorkQueues(Kind):
 
         return Park(key, check, wait_ms, expire)
 
+    @op(TaskCancel, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_task_cancel(self, actor, session, op: TaskCancel) -> TaskView:
         t = self.get_task(session.space, op.task_id)
         if t.state not in TERMINAL:
             self.coord.commit([TaskCancelled(task_id=t.id, at_ms=self.coord.now_ms())])
         return self.task_view(t)
 
+    @op(TaskSubscribe, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_task_subscribe(self, actor, session, op: TaskSubscribe) -> TaskView:
         """Subscribe ``subscriber_id`` (idempotent); the subscriber's run ``scope_id``, when
         given, must be active. VALIDATION_FAILED (id), NOT_FOUND (task, run)."""
@@ -1196,6 +1221,7 @@ class WorkQueues(Kind):
         t.subscribers = [*(t.subscribers or ()), r.subscriber_id]
         self.coord.touch(t.id)
 
+    @op(TaskDetach, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_task_detach(self, actor, session, op: TaskDetach) -> TaskView:
         """Unsubscribe (idempotent); the task goes on whoever is left."""
         t = self.get_task(session.space, op.task_id)

@@ -90,6 +90,7 @@ from ..records import (
 from ..events import emits, ev
 from .common import applies, check_key, check_name, check_range, clamp_wait, data, short
 from .kind import Kind, Links
+from .opmark import ALWAYS, C, R, SPACE, W, asked, by, keyed, op
 from .runtime import PRIO_WAIT_END, Park
 from .waitqueue import WaitQueue
 
@@ -224,6 +225,7 @@ class Quotas(Kind):
         return to_iso(self.coord.clock.mono_to_wall(mono_ms))
 
     # ================================================================ ensure, list, get
+    @op(QuotaEnsure, route=SPACE, permission=C, resend=ALWAYS)
     def op_quota_ensure(self, actor, session, op: QuotaEnsure) -> QuotaView:
         """Create the quota, or check it exists with these settings (CONFLICT naming the
         first that differs). VALIDATION_FAILED: name, ``units_limit`` (1 to 10^12),
@@ -247,13 +249,18 @@ class Quotas(Kind):
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
 
+    @op(QuotaGet, route=by("quota"), permission=R, resend=ALWAYS)
     def op_quota_get(self, actor, session, op: QuotaGet) -> QuotaView:
         return self.view(self.get(session.space, op.quota), waiters=op.waiters)
 
+    @op(QuotaList, route=SPACE, permission=R, resend=ALWAYS)
     def op_quota_list(self, actor, session, op: QuotaList) -> QuotaListView:
         return QuotaListView(quotas=[self.view(q) for q in self.table.values() if q.space == session.space])
 
     # ================================================================ take
+    @op(QuotaTake, route=by("quota"), permission=W, waits=asked("wait_ms"), reply=QuotaTakeView,
+        resend=keyed("key", "check the quota's status before taking again (a take with wait carries a key and is "
+                            "re-sent)"))
     def op_quota_take(self, actor, session, op: QuotaTake):
         """Take ``units`` for run ``scope_id`` (see the module docstring). Returns a
         QuotaTakeView (GRANTED with a ``consumption_id``, or the waiter's state); parks
@@ -363,6 +370,8 @@ class Quotas(Kind):
         return self.take_view(w)
 
     # ================================================================ waiters
+    @op(QuotaWaiterWait, route=by("waiter_id", "route_waiter"), permission=R, resend=ALWAYS, waits=asked("wait_ms"),
+        reply=QuotaTakeView)
     def op_quota_waiter_wait(self, actor, session, op: QuotaWaiterWait):
         """The waiter now; with ``wait_ms``, once it is no longer WAITING (parked on
         the quota's actor). SCOPE_CANCELLED / DEADLINE_EXCEEDED when it was waited for
@@ -370,6 +379,7 @@ class Quotas(Kind):
         w = self.get_waiter(session.space, op.waiter_id)
         return self._wait_for(w, clamp_wait(op.wait_ms))
 
+    @op(QuotaWaiterCancel, route=by("waiter_id", "route_waiter"), permission=W, resend=ALWAYS)
     def op_quota_waiter_cancel(self, actor, session, op: QuotaWaiterCancel) -> QuotaTakeView:
         """Cancel a WAITING waiter (and serve the queue behind it in the same commit).
         A waiter already GRANTED, EXPIRED or CANCELLED is returned as it is: a grant
@@ -383,6 +393,7 @@ class Quotas(Kind):
             coord.commit(recs)
         return self.take_view(w)
 
+    @op(QuotaCooldown, route=by("quota"), permission=W, resend=ALWAYS)
     def op_quota_cooldown(self, actor, session, op: QuotaCooldown) -> QuotaView:
         """Grant nothing from the quota for ``cooldown_ms`` from now (1 ms to 1 day), to
         any run of the space; a running cooldown is only extended. Waiters stay queued

@@ -46,6 +46,7 @@ from ..events import emits, ev
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
 from .common import applies, check_label, check_range, clamp_wait, data, parse_instant
 from .kind import Kind
+from .opmark import ALWAYS, NEVER, R, SPACE, W, asked, by_run, op, run_or_space
 from .runtime import PRIO_RUN_DEADLINE, Park
 
 __all__ = ["ScopeState", "Runs"]
@@ -193,6 +194,7 @@ class Runs(Kind):
         self.owned.setdefault(run_id, []).append(entity_id)
 
     # ================================================================ decide (ops)
+    @op(ScopeCreate, route=run_or_space("parent_id"), permission=W, resend=NEVER)
     def op_scope_create(self, actor, session, op: ScopeCreate) -> ScopeView:
         """A root run (on the space's actor) or a child run (on the parent's actor).
         VALIDATION_FAILED (name, deadline in the past, child_limit), NOT_FOUND (parent),
@@ -223,6 +225,7 @@ class Runs(Kind):
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
 
+    @op(ScopeEnsureNamed, route=SPACE, permission=W, resend=ALWAYS)
     def op_scope_ensure_named(self, actor, session, op: ScopeEnsureNamed) -> ScopeView:
         """Join the named root run (the newest root run with ``name`` that is effectively
         ACTIVE) or create it; on the space's actor, so concurrent joins agree. A run that
@@ -242,9 +245,11 @@ class Runs(Kind):
                 details={"field": "child_limit", "limit": parent.child_limit},
             )
 
+    @op(ScopeStatus, route=by_run(), permission=R, resend=ALWAYS)
     def op_scope_status(self, actor, session, op: ScopeStatus) -> ScopeView:
         return self.view(self.get(session.space, op.scope_id))
 
+    @op(ScopeCancel, route=by_run(), permission=W, resend=ALWAYS)
     def op_scope_cancel(self, actor, session, op: ScopeCancel) -> ScopeView:
         """Cancel the run and its subtree (one record). Idempotent on a CANCELLED run;
         CONFLICT on a COMPLETED one."""
@@ -259,6 +264,7 @@ class Runs(Kind):
         self.coord.commit([ScopeEnded(id=s.id, state="CANCELLED", at_ms=self.coord.now_ms(), reason=op.reason)])
         return self.view(s)
 
+    @op(ScopeComplete, route=by_run(), permission=W, resend=ALWAYS, waits=asked("wait_ms"), reply=ScopeView)
     def op_scope_complete(self, actor, session, op: ScopeComplete):
         """Complete the run: first close its open join sets (newest first); the run is
         COMPLETED only once every child of those sets finished (SPEC §5 structured end).
@@ -300,6 +306,7 @@ class Runs(Kind):
             return self.view(s)
         return None
 
+    @op(ScopeList, route=run_or_space("parent_id"), permission=R, resend=ALWAYS)
     def op_scope_list(self, actor, session, op: ScopeList) -> ScopeListView:
         """Runs of the space (or the children of ``parent_id``) in creation order:
         ``order="asc"`` oldest first, ``"desc"`` newest first; ``after`` / ``before``

@@ -97,8 +97,9 @@ class ReplySink:
     def track(self, rid: int, waiter: "Waiter") -> None:
         return None
 
-    def note_op(self, rid: int, op: str) -> None:
-        """Request ``rid`` decoded as operation ``op`` (a connection's metrics)."""
+    def note_op(self, rid: int, tag: str, request: Any = None) -> None:
+        """Request ``rid`` decoded as operation ``tag`` (its op Struct: ``request``), for
+        a connection's metrics."""
         return None
 
     def untrack(self, rid: int) -> None:

@@ -25,6 +25,7 @@ from ..events import emits, ev
 from ..records import TimerAcked, TimerCancelled, TimerCreated, TimerFired
 from .common import applies, check_label, check_range, clamp_wait, parse_instant
 from .kind import Kind
+from .opmark import ALWAYS, NEVER, R, W, asked, by, by_run, keyed, op
 from .runtime import Park
 
 __all__ = ["TimerState", "Timers"]
@@ -91,6 +92,7 @@ class Timers(Kind):
         once), so every reader and replay agree on it."""
         return None if t.fired_at_ms is None or t.state == "CANCELLED" else f"f{t.fired_at_ms}"
 
+    @op(TimerCreate, route=by_run(), permission=W, resend=keyed("name"))
     def op_timer_create(self, actor, session, op: TimerCreate) -> TimerView:
         """Exactly one of ``at`` (wall instant) or ``after_ms`` (server-time duration).
         SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run. With ``name``: the run's
@@ -152,9 +154,11 @@ class Timers(Kind):
         self.coord.touch(t.id)
         self.coord.notify(t.id, "t")
 
+    @op(TimerStatus, route=by("timer_id"), permission=R, resend=ALWAYS)
     def op_timer_status(self, actor, session, op: TimerStatus) -> TimerView:
         return self.view(self.get(session.space, op.timer_id))
 
+    @op(TimerWait, route=by("timer_id"), permission=W, resend=ALWAYS, waits=asked("wait_ms"), reply=TimerView)
     def op_timer_wait(self, actor, session, op: TimerWait):
         """Wait for the fire and acknowledge it; parks on the timer's actor.
         TIMER_CANCELLED when the timer will never fire."""
@@ -187,6 +191,7 @@ class Timers(Kind):
         t.acked_at_ms = r.at_ms
         self.coord.touch(t.id)
 
+    @op(TimerAck, route=by("timer_id"), permission=W, resend=NEVER)
     def op_timer_ack(self, actor, session, op: TimerAck) -> TimerView:
         """Acknowledge the fire (the first ack wins). CONFLICT while still ARMED or once
         ACKED; STALE_CLAIM for a ``token`` that is not the fire's; TIMER_CANCELLED."""
@@ -202,6 +207,7 @@ class Timers(Kind):
                                 details={"timer_id": t.id, "state": t.state})
         return self._ack(t)
 
+    @op(TimerPoll, route=by_run(), permission=R, resend=ALWAYS)
     def op_timer_poll(self, actor, session, op: TimerPoll) -> TimerListView:
         """The run's fired, unacknowledged timers, oldest fire first (at most 1000)."""
         run = self.coord.runs.get(session.space, op.scope_id)
@@ -210,6 +216,7 @@ class Timers(Kind):
         fired.sort(key=lambda t: (t.fired_at_ms or 0, t.id))
         return TimerListView(timers=[self.view(t) for t in fired[:1000]])
 
+    @op(TimerCancel, route=by("timer_id"), permission=W, resend=ALWAYS)
     def op_timer_cancel(self, actor, session, op: TimerCancel) -> TimerView:
         """Disarm an armed timer (idempotent); CONFLICT once it fired."""
         t = self.get(session.space, op.timer_id)

@@ -10,7 +10,8 @@ What happens to a request when the connection drops:
   for the new connection and is sent there. Always safe.
 - **In flight** (sent, no reply): the server may or may not have applied it. It is sent
   again on the new connection only if doing so cannot apply it twice
-  (:func:`reissue_safe`):
+  (:func:`reissue_safe`, which reads the ``resend`` rule of the op's ``@op`` mark beside
+  its handler: ``ALWAYS``, ``NEVER``, ``keyed(field)`` or a predicate). Today:
 
   * reads and server-side waits (status, result, group/barrier/timer waits, run
     completion, join-set close, ``join_next`` / ``join_next_try`` at an explicit
@@ -112,60 +113,26 @@ class Reconnect:
 
 # ---------------------------------------------------------------- what may be re-sent
 
-_REISSUE_ALWAYS: frozenset[type] = frozenset({
-    p.ServerStatus, p.ScopeStatus, p.ScopeList, p.ScopeCancel, p.ScopeComplete,
-    p.MailboxEnsure, p.MailboxGet, p.MailboxList,
-    p.TaskStatus, p.TaskResult, p.TaskResults, p.TaskCancel,
-    p.Receive, p.DeliveryRenew, p.DeliveryComplete, p.DeliveryCompleteMany, p.DeliveryRetry, p.DeliveryReject,
-    p.DeliveryRun,
-    p.GroupJoinTask, p.GroupVerdictOp, p.GroupClose, p.GroupStatus, p.GroupWait,
-    p.BarrierStatus, p.BarrierWait,
-    p.TimerStatus, p.TimerWait, p.TimerCancel,
-    p.JoinSetGet, p.JoinSetClose,
-    p.KeyList,
-    p.EventsList, p.EventsWatch, p.OpsOverview,
-    p.MessageStatus,
-    # quotas: reads, waits, cancel (idempotent), cooldown (a second one only extends it to
-    # now + its length)
-    p.QuotaEnsure, p.QuotaGet, p.QuotaList, p.QuotaWaiterWait, p.QuotaWaiterCancel, p.QuotaCooldown,
-    # budgets: settle is idempotent per usage key, void per reservation
-    p.BudgetEnsure, p.BudgetGet, p.BudgetList, p.BudgetSettle, p.BudgetVoid, p.ReservationGet,
-    # named runs join the live run; reads; once renew and complete are fenced by the token
-    # (a re-sent complete answers DONE); subscriptions and stored HTTP answers are idempotent
-    p.ScopeEnsureNamed, p.TimerPoll, p.MailboxMessages, p.OnceGet, p.OnceRenew, p.OnceComplete,
-    p.IdempotencyLookup, p.IdempotencyRecord, p.OpsRun, p.OpsWaits, p.TaskSubscribe, p.TaskDetach,
-    # claims and pool grants: fenced by their token (a second release/complete of the
-    # same lease returns the first one's result), reads, idempotent withdrawals
-    p.ClaimRenew, p.ClaimRelease, p.ClaimComplete, p.ClaimCancelWait, p.ClaimStatus, p.ClaimList,
-    p.PoolEnsure, p.PoolGet, p.PoolList, p.PoolCancelWait, p.GrantRenew, p.GrantRelease, p.GrantStatus,
-    p.WorkLimitEnsure, p.WorkLimitList,
-})
-# never re-sent: once.acquire (a re-send would find its own lease HELD and lose the token),
-# once.fail (a re-send would be STALE_CLAIM), timer.ack (a re-send finds it ACKED: CONFLICT)
+_table: Any = None
 
-#: Safe to re-send only with their idempotency ``key``.
-_KEYED: frozenset[type] = frozenset({
-    p.TaskSubmit, p.GroupSubmit, p.JoinSetSubmit, p.MessageSend, p.QuotaTake, p.BudgetReserve,
-})
+
+def _op_table() -> Any:
+    """The operation table (the ``@op`` marks: :mod:`rallypoint.actors.api`), imported
+    at the first dropped connection, not with ``rallypoint`` (it imports every kind)."""
+    global _table
+    if _table is None:
+        from ..actors.api import TABLE
+
+        _table = TABLE
+    return _table
 
 
 def reissue_safe(op: Any) -> bool:
     """Whether ``op`` may be sent again after a connection dropped with it in flight
-    (applying it twice has the effect of applying it once). See the module docstring."""
-    t = type(op)
-    if t in _REISSUE_ALWAYS:
-        return True
-    if t in _KEYED:
-        return op.key is not None
-    if t is p.TaskSubmitMany:
-        return all(item.key is not None for item in op.items)
-    if t is p.JoinNext:
-        return op.index is not None or op.step is not None
-    if t in (p.TimerCreate, p.BarrierCreate):  # a named one is one per (run, name)
-        return op.name is not None
-    if t is p.ClaimAcquire or t is p.PoolAcquire:
-        return op.request_id is not None  # the same id finds its lease, grant or waiter
-    return False
+    (applying it twice has the effect of applying it once): the ``resend`` rule of the
+    op's ``@op`` mark (:class:`rallypoint.actors.opmark.Resend`). False for anything
+    else (a pre-encoded body). See the module docstring."""
+    return _op_table().resend_safe(op)
 
 
 def _op_name(op: Any) -> str:
@@ -173,16 +140,6 @@ def _op_name(op: Any) -> str:
     tag = getattr(cfg, "tag", None)
     return tag if isinstance(tag, str) else type(op).__name__
 
-
-_ADVICE = {
-    p.TaskSubmit: "give the submission a `key` to make it safe to retry",
-    p.TaskSubmitMany: "give every item a `key` to make the batch safe to retry",
-    p.GroupSubmit: "give the member a `key` to make it safe to retry",
-    p.JoinSetSubmit: "give the child a `key` to make it safe to retry",
-    p.MessageSend: "give the message a `key` to make it safe to retry",
-    p.QuotaTake: "check the quota's status before taking again (a take with wait carries a key and is re-sent)",
-    p.BudgetReserve: "give the reservation a `key` to make it safe to retry",
-}
 
 _task_view = msgspec.msgpack.Decoder(p.TaskView)
 _scope_view = msgspec.msgpack.Decoder(p.ScopeView)
@@ -344,7 +301,7 @@ class ReconnectingTransport:
 
     def _maybe_applied(self, op: Any, e: UnavailableError) -> UnavailableError:
         name = _op_name(op)
-        advice = _ADVICE.get(type(op), "check the state before retrying it")
+        advice = _op_table().resend_advice(op) or "check the state before retrying it"
         return UnavailableError(
             f"{self.url}: the connection was lost with `{name}` in flight ({e.message}); the server may or "
             f"may not have applied it, so it was not sent again; {advice}",

@@ -49,8 +49,9 @@ from ..errors import (
     UnauthenticatedError,
     ValidationError,
 )
+from ..actors.api import REPLY_TYPES
 from ..logutil import RateLimitedLogger
-from ..protocol import REPLY_TYPES, IdempotencyLookup, IdempotencyRecord
+from ..protocol import IdempotencyLookup, IdempotencyRecord
 from ..service import Session
 
 log = logging.getLogger("rallypoint.http")
@@ -244,8 +245,9 @@ class HttpApi:
 
     async def call_op(self, session: Session, op: msgspec.Struct) -> bytes:
         """``Service.call(session, op)``, observed by :attr:`metrics` (operation,
-        code, seconds; the slow-request log) like a TCP request. A call cancelled (its
-        client went away) is not counted: no answer left."""
+        code, seconds; the slow-request log, which never counts a wait the op's ``@op``
+        mark says its client asked for) like a TCP request. A call cancelled (its client
+        went away) is not counted: no answer left."""
         metrics = self.metrics
         if metrics is None:
             return await self.service.call(session, op)
@@ -253,12 +255,12 @@ class HttpApi:
         try:
             raw = await self.service.call(session, op)
         except RallypointError as e:
-            metrics.observe(type(op).__struct_config__.tag, e.code, time.perf_counter() - t0, session.peer)
+            metrics.observe(type(op).__struct_config__.tag, e.code, time.perf_counter() - t0, session.peer, op)
             raise
         except Exception:
-            metrics.observe(type(op).__struct_config__.tag, "INTERNAL", time.perf_counter() - t0, session.peer)
+            metrics.observe(type(op).__struct_config__.tag, "INTERNAL", time.perf_counter() - t0, session.peer, op)
             raise
-        metrics.observe(type(op).__struct_config__.tag, "OK", time.perf_counter() - t0, session.peer)
+        metrics.observe(type(op).__struct_config__.tag, "OK", time.perf_counter() - t0, session.peer, op)
         return raw
 
     # ------------------------------------------------------------------ ASGI

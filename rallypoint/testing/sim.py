@@ -77,6 +77,7 @@ import trio.testing
 
 from .. import protocol as p
 from ..actors import Coordinator, FatalError
+from ..actors.api import REPLY_TYPES
 from ..actors import claim as _claim_mod
 from ..actors import pool as _pool_mod
 from ..clock import Clock
@@ -867,7 +868,7 @@ class Sim:
         err = reply if isinstance(reply, BaseException) else None
         view = None
         if isinstance(reply, (bytes, bytearray)):
-            view = msgspec.msgpack.decode(reply, type=p.REPLY_TYPES[type(op)])
+            view = msgspec.msgpack.decode(reply, type=REPLY_TYPES[type(op)])
         for k in KINDS:
             k.made(self.check, coord, op, view, err)
 
@@ -948,7 +949,7 @@ class Sim:
                                               f"{journal.durable_lsn}, below LSN {before} of before the request")
             view = None
             if err is None:
-                view = msgspec.msgpack.decode(raw, type=p.REPLY_TYPES[type(op)])
+                view = msgspec.msgpack.decode(raw, type=REPLY_TYPES[type(op)])
             self.stats["replies"] += 1
             self.trace(f"c{client.idx} <- r{rid} {_reply_text(view, err)}")
             self.observe(op, view, err)

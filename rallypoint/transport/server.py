@@ -235,8 +235,9 @@ class _Conn:
         self.live: dict[int, Any] = {}
         # subscriptions (events.watch) of this connection: request id -> Watcher
         self.streams: dict[int, Any] = {}
-        # metrics: request id -> [receipt time (perf_counter), op], while it is answered
-        self.req_meta: dict[int, list] = {}
+        # metrics: request id -> (receipt time (perf_counter), op tag, op Struct), while
+        # it is answered
+        self.req_meta: dict[int, tuple] = {}
         self.t_rx = time.perf_counter()
         self.backlog: deque = deque()  # requests of a batch frame not admitted yet
         self.closing = False
@@ -423,11 +424,12 @@ class _Conn:
                 self.request_done()
 
     # ReplySink -------------------------------------------------------------------
-    def note_op(self, rid: int, op: str) -> None:
-        """The dispatcher decoded request ``rid``: operation ``op`` (for the metrics:
-        receipt time and operation, until it is answered)."""
+    def note_op(self, rid: int, tag: str, request: Any = None) -> None:
+        """The dispatcher decoded request ``rid``: operation ``tag``, the Struct
+        ``request`` (for the metrics: receipt time and operation, until it is answered;
+        the Struct tells the slow-request log whether its client asked it to wait)."""
         if self._metrics is not None:
-            self.req_meta[rid] = (self.t_rx, op)
+            self.req_meta[rid] = (self.t_rx, tag, request)
 
     def _observe(self, rid: int, reply: Any) -> None:
         m = self.req_meta.pop(rid, None)
@@ -440,7 +442,7 @@ class _Conn:
                 h.sum += seconds
             else:
                 metrics.observe(m[1], "OK" if type(reply) is bytes else getattr(reply, "code", "INTERNAL"),
-                                seconds, self.peer)
+                                seconds, self.peer, m[2])
 
     def deliver(self, rid: int, reply: Any, lsn: int) -> None:
         """An actor's answer to request ``rid``: queued at once when the journal is

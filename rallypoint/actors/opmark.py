@@ -1,0 +1,413 @@
+"""The ``@op`` mark: each operation declared once, beside the handler that decides it.
+
+Like ``@applies`` (records) and ``@emits`` (events), a kind marks each of its ``op_*``
+handlers with everything the rest of the system needs to know about that operation::
+
+    @op(QuotaTake, route=by("quota"), permission=W, resend=keyed("key"), waits=asked("wait_ms"))
+    def op_quota_take(self, actor, session, op: QuotaTake): ...
+
+- **request**: the op Struct of :mod:`rallypoint.protocol` (its tag is the op's name);
+- **reply**: the reply Struct; by default the handler's return annotation;
+- **route**: which actor the command runs on (:class:`Route`: :data:`SPACE`,
+  :func:`by_run`, :func:`run_or_space`, :func:`by`, :func:`by_op`);
+- **permission**: :data:`R`, :data:`W`, :data:`C`, :data:`A` or :data:`ANY_KEY`
+  (SPEC §10);
+- **resend**: whether a client may send it again after its connection dropped with it
+  in flight (:class:`Resend`: :data:`ALWAYS`, :data:`NEVER`, :func:`keyed`,
+  :func:`resend_if`); read by :func:`rallypoint.client.reconnect.reissue_safe`;
+- **waits**: whether the request is a server-side wait the client asked for (:class:`Waits`:
+  :func:`asked`, :func:`waits_if`; default: never). Such a request is never logged as a
+  slow request (:class:`rallypoint.metrics.Metrics`).
+
+:func:`build_table` collects the marks of a set of kind classes into an :class:`OpTable`
+(the routing and permission facts, the reply types, the ``Op`` decode union, the re-send
+and wait decisions) and raises RuntimeError, naming the op and what to do, when an op
+of the protocol has no handler or two, or a mark lacks a route, permission or re-send
+rule, or names a field its request does not have. The coordinator builds its table this
+way at construction and binds it to its kinds (:meth:`OpTable.bind`); the process-wide
+table the client and the HTTP layer read, without a coordinator, is
+:data:`rallypoint.actors.api.TABLE` (the same object: built once per set of classes).
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+from operator import attrgetter
+from typing import Any, Callable, NamedTuple, Union
+
+import msgspec
+
+__all__ = [
+    "op", "Route", "SPACE", "by_run", "run_or_space", "by", "by_op", "Resend", "ALWAYS", "NEVER", "keyed",
+    "resend_if", "Waits", "asked", "waits_if", "OpDecl", "OpTable", "BoundOp", "build_table", "PERMISSIONS",
+    "ANY_KEY", "R", "W", "C", "A",
+]
+
+#: The permissions a key may hold (SPEC §10): ``resource_config`` (create and configure
+#: work queues, groups, barriers...), ``coordination_write`` (submit, receive, settle,
+#: cancel, verdicts...), ``coordination_read`` (status, wait, list), ``admin`` (keys of
+#: its own space), ``operator`` (keys of every space; granted offline only).
+PERMISSIONS = ("resource_config", "coordination_write", "coordination_read", "admin", "operator")
+
+#: Not a permission: any live key may make the op (the HTTP layer's idempotency
+#: bookkeeping, which every request with an Idempotency-Key goes through, whatever the
+#: request's own permission; the request itself is checked as usual).
+ANY_KEY = "any_key"
+
+R, W, C, A = "coordination_read", "coordination_write", "resource_config", "admin"
+
+
+# ---------------------------------------------------------------------------- routes
+
+class Route:
+    """Which actor an op runs on. ``bind(kind)`` (once, when a coordinator is built)
+    returns ``route(coord, session, op) -> actor id``, which raises NOT_FOUND (before
+    anything is queued) for an id of another space or of no entity.
+
+    ``fields``: the request fields it reads (checked against the request Struct);
+    ``method``: the kind method it calls, if any (checked against the kind class)."""
+
+    __slots__ = ("describe", "fields", "method", "_bind")
+
+    def __init__(self, describe: str, bind: Callable[[Any], Callable], fields: tuple[str, ...] = (),
+                 method: str | None = None) -> None:
+        self.describe = describe
+        self.fields = fields
+        self.method = method
+        self._bind = bind
+
+    def bind(self, kind: Any) -> Callable[[Any, Any, Any], str]:
+        return self._bind(kind)
+
+    def __repr__(self) -> str:
+        return f"Route({self.describe})"
+
+
+def _space(c, s, op) -> str:
+    return "spc:" + s.space
+
+
+#: The session's space actor (``spc:<space>``): root runs, lists, ensures, keys, status.
+SPACE = Route("the space", lambda kind: _space)
+
+
+def by_run(field: str = "scope_id") -> Route:
+    """The actor of the run named by ``op.<field>`` (``Runs.route``)."""
+    get = attrgetter(field)
+
+    def route(c, s, op) -> str:
+        return c.runs.route(s, get(op))
+
+    return Route(f"the run {field}", lambda kind: route, (field,))
+
+
+def run_or_space(field: str) -> Route:
+    """The run named by ``op.<field>``, or the space's actor when it is None."""
+    get = attrgetter(field)
+
+    def route(c, s, op) -> str:
+        v = get(op)
+        return c.runs.route(s, v) if v is not None else "spc:" + s.space
+
+    return Route(f"the run {field}, else the space", lambda kind: route, (field,))
+
+
+def by(field: str, method: str = "route") -> Route:
+    """The actor the handler's own kind names for ``op.<field>``:
+    ``kind.<method>(session, op.<field>)`` (by default :meth:`Kind.route`: the entity's
+    own actor)."""
+    get = attrgetter(field)
+
+    def bind(kind):
+        m = getattr(kind, method)
+        return lambda c, s, op: m(s, get(op))
+
+    return Route(f"{method}({field})", bind, (field,), method)
+
+
+def by_op(method: str) -> Route:
+    """The actor the handler's own kind names for the whole op: ``kind.<method>(session, op)``."""
+
+    def bind(kind):
+        m = getattr(kind, method)
+        return lambda c, s, op: m(s, op)
+
+    return Route(f"{method}(op)", bind, (), method)
+
+
+# ---------------------------------------------------------------------------- re-send
+
+class Resend:
+    """Whether applying a request twice has the effect of applying it once, so that a
+    client may send it again after its connection dropped with it in flight.
+
+    ``safe``: True, False, or ``fn(op) -> bool``; ``describe``: the rule in words;
+    ``advice``: what the client's UNAVAILABLE (``maybe_applied``) says to do when it is
+    not safe; ``fields``: the request fields the rule reads."""
+
+    __slots__ = ("describe", "safe", "advice", "fields")
+
+    def __init__(self, describe: str, safe: bool | Callable[[Any], bool], advice: str | None = None,
+                 fields: tuple[str, ...] = ()) -> None:
+        self.describe = describe
+        self.safe = safe
+        self.advice = advice
+        self.fields = fields
+
+    def __call__(self, op: Any) -> bool:
+        s = self.safe
+        return s if s is True or s is False else bool(s(op))
+
+    def __repr__(self) -> str:
+        return f"Resend({self.describe})"
+
+
+#: Always safe to send again: a read, a server-side wait, or an idempotent or fenced write.
+ALWAYS = Resend("always", True)
+#: Never sent again: the client answers UNAVAILABLE with ``maybe_applied``.
+NEVER = Resend("never", False)
+
+
+def keyed(field: str = "key", advice: str | None = None) -> Resend:
+    """Safe when ``op.<field>`` is set: the server finds the first one by it (an
+    idempotency key, a request id, a name unique in its run)."""
+    get = attrgetter(field)
+    return Resend(f"with {field}", lambda op: get(op) is not None, advice, (field,))
+
+
+def resend_if(pred: Callable[[Any], bool], describe: str, advice: str | None = None,
+              fields: tuple[str, ...] = ()) -> Resend:
+    """Safe when ``pred(op)`` (``describe`` says when, in words)."""
+    return Resend(describe, pred, advice, fields)
+
+
+# ---------------------------------------------------------------------------- waits
+
+class Waits:
+    """Whether a request is a server-side wait the client asked for (it may park up to
+    the time it gave). ``waits``: False, or ``fn(op) -> bool``."""
+
+    __slots__ = ("describe", "waits", "fields")
+
+    def __init__(self, describe: str, waits: bool | Callable[[Any], bool], fields: tuple[str, ...] = ()) -> None:
+        self.describe = describe
+        self.waits = waits
+        self.fields = fields
+
+    def __call__(self, op: Any) -> bool:
+        w = self.waits
+        return w if w is True or w is False else bool(w(op))
+
+    def __repr__(self) -> str:
+        return f"Waits({self.describe})"
+
+
+_NO_WAIT = Waits("never", False)
+
+
+def asked(field: str = "wait_ms") -> Waits:
+    """A wait when ``op.<field>`` (ms) is more than 0."""
+    get = attrgetter(field)
+    return Waits(f"{field} > 0", lambda op: get(op) > 0, (field,))
+
+
+def waits_if(pred: Callable[[Any], bool], describe: str, fields: tuple[str, ...] = ()) -> Waits:
+    """A wait when ``pred(op)`` (``describe`` says when, in words)."""
+    return Waits(describe, pred, fields)
+
+
+# ---------------------------------------------------------------------------- the mark
+
+class _Mark(NamedTuple):
+    request: type
+    reply: type | None
+    route: Route | None
+    permission: str | None
+    resend: Resend | None
+    waits: Waits
+
+
+def op(request: type, *, route: Route | None = None, permission: str | None = None, resend: Resend | None = None,
+       waits: Waits | None = None, reply: type | None = None) -> Callable:
+    """Mark a kind's method as THE handler of the operation ``request`` (see the module
+    docstring for what each argument declares). Nothing is checked here: a mark that is
+    incomplete, or a second handler for the same op, stops :func:`build_table` (and so
+    the coordinator's construction) with RuntimeError."""
+    mark = _Mark(request, reply, route, permission, resend, waits if waits is not None else _NO_WAIT)
+
+    def deco(fn):
+        fn._op = mark
+        return fn
+
+    return deco
+
+
+# ---------------------------------------------------------------------------- the table
+
+class OpDecl(NamedTuple):
+    """One operation, as its mark declares it (class level: no coordinator)."""
+
+    request: type
+    tag: str
+    reply: type
+    kind: type  # the Kind class holding the handler
+    handler: str  # the handler's method name
+    route: Route
+    permission: str
+    resend: Resend
+    waits: Waits
+
+
+class BoundOp(NamedTuple):
+    """One operation bound to a coordinator's kind object: what ``Service.submit`` uses."""
+
+    handler: Callable[[Any, Any, Any], Any]  # (actor, session, op)
+    route: Callable[[Any, Any, Any], str]  # (coordinator, session, op) -> actor id
+    permission: str
+    tag: str
+    decl: OpDecl
+
+
+class OpTable:
+    """Every operation's declaration, built from the ``@op`` marks (:func:`build_table`).
+
+    Attributes:
+        decls: request Struct -> :class:`OpDecl`, in the protocol's order.
+        reply_types: request Struct -> reply Struct.
+        union: the tagged union of every request Struct (``Op``: what a request body
+            is decoded against).
+        decoder: a msgpack decoder of ``union``.
+    """
+
+    def __init__(self, decls: dict[type, OpDecl]) -> None:
+        self.decls = decls
+        self.reply_types: dict[type, type] = {t: d.reply for t, d in decls.items()}
+        self.union = Union[tuple(decls)]  # type: ignore[valid-type]
+        self.decoder = msgspec.msgpack.Decoder(self.union)
+        self._resend = {t: d.resend for t, d in decls.items()}
+        self._waits = {t: d.waits for t, d in decls.items()}
+
+    def resend_safe(self, op: Any) -> bool:
+        """Whether ``op`` may be sent again after a dropped connection (False for
+        anything that is not a request Struct of the table, e.g. pre-encoded bytes)."""
+        r = self._resend.get(type(op))
+        return False if r is None else r(op)
+
+    def resend_advice(self, op: Any) -> str | None:
+        """What to do instead, when ``op`` may not be sent again (None: no advice)."""
+        r = self._resend.get(type(op))
+        return None if r is None else r.advice
+
+    def asked_wait(self, op: Any) -> bool:
+        """Whether ``op`` is a server-side wait its client asked for."""
+        w = self._waits.get(type(op))
+        return False if w is None else w(op)
+
+    def bind(self, kinds) -> dict[type, BoundOp]:
+        """Request Struct -> :class:`BoundOp` over the kind objects ``kinds`` (one per
+        kind class of the table). RuntimeError when a class has no object."""
+        by_class = {type(k): k for k in kinds}
+        out: dict[type, BoundOp] = {}
+        for t, d in self.decls.items():
+            k = by_class.get(d.kind)
+            if k is None:
+                raise RuntimeError(f"op {d.tag!r} is handled by {d.kind.__name__}, which this coordinator does not hold")
+            out[t] = BoundOp(getattr(k, d.handler), d.route.bind(k), d.permission, d.tag, d)
+        return out
+
+
+def _where(cls: type, name: str) -> str:
+    return f"{cls.__name__}.{name}"
+
+
+def _hints(fn) -> dict:
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not resolve: check what can be
+        return {}
+
+
+def _check_fields(tag: str, where: str, what: str, fields: tuple[str, ...], request: type) -> None:
+    for f in fields:
+        if f not in request.__struct_fields__:
+            raise RuntimeError(f"op {tag!r} ({where}): its {what} reads the field {f!r}, which "
+                               f"{request.__name__} does not have")
+
+
+@functools.lru_cache(maxsize=None)
+def build_table(kind_classes: tuple[type, ...], requests: tuple[type, ...] | None = None) -> OpTable:
+    """The :class:`OpTable` of the ``@op`` marks on ``kind_classes`` (cached per tuple of
+    classes: the marks are class-level and do not change).
+
+    ``requests``: every request Struct the table must cover (default: every op Struct of
+    :mod:`rallypoint.protocol`, ``protocol.ALL_OPS``).
+
+    Raises RuntimeError (naming the op and the handler) when a request has no handler or
+    two, a mark lacks a route, a permission or a re-send rule, its permission is not
+    one of :data:`PERMISSIONS` / :data:`ANY_KEY`, its reply type is unknown, its route
+    calls a method its kind does not have, or a rule reads a field the request does not
+    have."""
+    if requests is None:
+        from ..protocol import ALL_OPS
+
+        requests = ALL_OPS
+    found: dict[type, list[tuple[type, str, _Mark]]] = {}
+    for cls in kind_classes:
+        for name in dir(cls):
+            mark = getattr(getattr(cls, name, None), "_op", None)
+            if isinstance(mark, _Mark):
+                found.setdefault(mark.request, []).append((cls, name, mark))
+    known = set(requests)
+    stray = [t for t in found if t not in known]
+    if stray:
+        names = ", ".join(f"{_where(c, n)} (@op({t.__name__}))" for t in stray for c, n, _ in found[t])
+        raise RuntimeError(f"handlers marked for a request that is not an op of the protocol: {names}; "
+                           "mark them with an op Struct of rallypoint.protocol")
+    missing = [t for t in requests if t not in found]
+    if missing:
+        raise RuntimeError(
+            "ops without a handler: " + ", ".join(f"{t.__struct_config__.tag!r} ({t.__name__})" for t in missing)
+            + "; mark the kind's op_* method that decides it with @op(...)")
+    decls: dict[type, OpDecl] = {}
+    for t in requests:
+        tag = t.__struct_config__.tag
+        marks = found[t]
+        if len(marks) > 1:
+            raise RuntimeError(f"op {tag!r} has two handlers: "
+                               + " and ".join(_where(c, n) for c, n, _ in marks) + "; keep one @op mark")
+        cls, name, m = marks[0]
+        where = _where(cls, name)
+        if m.route is None:
+            raise RuntimeError(f"op {tag!r} ({where}) has no route: give its @op a route= "
+                               "(SPACE, by_run(field), run_or_space(field), by(field), by_op(method))")
+        if m.permission is None:
+            raise RuntimeError(f"op {tag!r} ({where}) has no permission: give its @op a permission= (R, W, C, A "
+                               "or ANY_KEY)")
+        if m.permission not in PERMISSIONS and m.permission != ANY_KEY:
+            raise RuntimeError(f"op {tag!r} ({where}): unknown permission {m.permission!r}")
+        if m.resend is None:
+            raise RuntimeError(f"op {tag!r} ({where}) has no re-send rule: give its @op a resend= (ALWAYS, NEVER, "
+                               "keyed(field) or resend_if(...)); a client re-sends it after a dropped connection "
+                               "only if applying it twice is the same as once")
+        if m.route.method is not None and not callable(getattr(cls, m.route.method, None)):
+            raise RuntimeError(f"op {tag!r} ({where}): its route calls {cls.__name__}.{m.route.method}, "
+                               "which does not exist")
+        _check_fields(tag, where, "route", m.route.fields, t)
+        _check_fields(tag, where, "re-send rule", m.resend.fields, t)
+        _check_fields(tag, where, "wait rule", m.waits.fields, t)
+        hints = _hints(getattr(cls, name))
+        arg = hints.get("op")
+        if arg is not None and arg is not t:
+            raise RuntimeError(f"op {tag!r} ({where}): the handler's op argument is annotated "
+                               f"{getattr(arg, '__name__', arg)}, not {t.__name__}")
+        reply = m.reply
+        if reply is None:
+            ret = hints.get("return")
+            if isinstance(ret, type) and issubclass(ret, msgspec.Struct) and ret is not t:
+                reply = ret
+        if reply is None:
+            raise RuntimeError(f"op {tag!r} ({where}) has no reply type: annotate the handler's return with the "
+                               "reply Struct or give its @op a reply=")
+        decls[t] = OpDecl(t, tag, reply, cls, name, m.route, m.permission, m.resend, m.waits)
+    return OpTable(decls)
