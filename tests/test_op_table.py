@@ -31,11 +31,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_every_op_and_reply_encodes_as_before_the_marks():
     # tests/data/wire_ops.json was taken from main before the table was built from the
     # marks: tags, field order, defaults, encoding options and the bytes of a sample
-    # request and reply, per op. The reply type now comes from the mark.
+    # request and reply, per op. The reply type now comes from the mark. Every op of
+    # the snapshot is still there, unchanged (a new op is an addition, not a change).
     with open(os.path.join(HERE, "data", "wire_ops.json")) as f:
         before = json.load(f)
     now = snapshot(p.ALL_OPS, REPLY_TYPES)
-    assert sorted(now) == sorted(before)
+    assert len(before) == 98 and set(before) <= set(now)
     for tag in before:
         assert now[tag] == before[tag], tag
 
