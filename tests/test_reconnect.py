@@ -178,7 +178,7 @@ def test_reissue_safe_reads_the_resend_rule_of_each_ops_mark():
     assert not reissue_safe(p.TaskSubmitMany(mailbox="m", scope_id="s", items=items))
     assert reissue_safe(p.TaskSubmitMany(mailbox="m", scope_id="s", items=items[:1]))
     assert not reissue_safe(p.JoinNext(joinset_id="j")) and reissue_safe(p.JoinNext(joinset_id="j", index=3))
-    assert reissue_safe(p.JoinNext(joinset_id="j", step="s"))
+    assert reissue_safe(p.JoinNext(joinset_id="j", step=2))
     for t in (p.MessageSend, p.QuotaTake, p.BudgetReserve):
         assert not reissue_safe(msgspec.convert(_minimal(t), t)), t
         assert reissue_safe(msgspec.convert({**_minimal(t), "key": "k"}, t)), t
