@@ -122,17 +122,19 @@ async def _parked(coord, n: int) -> None:
 
 
 async def test_a_wait_the_client_asked_for_is_never_a_slow_request(caplog):
-    # Every request over TCP takes longer than the threshold (1 us): the waits the client
-    # asked for -- task.results, claim.acquire and pool.acquire with wait_ms, each parked
-    # until another client frees what it waits for -- are not logged "slow request"; a
-    # delivery.complete is, although its name ends like a wait's (the old rule matched
-    # op-name suffixes: it missed task.results and exempted every *.complete).
+    # Every request over TCP (and over HTTP) takes longer than the threshold (1 us): the
+    # waits the client asked for -- task.results, claim.acquire and pool.acquire with
+    # wait_ms, each parked until another client frees what it waits for; a task.result
+    # long poll over HTTP -- are not logged "slow request"; a delivery.complete is,
+    # although its name ends like a wait's (the old rule matched op-name suffixes: it
+    # missed task.results and exempted every *.complete).
     import msgspec
     import trio.testing
 
     from rallypoint import protocol as p
     from rallypoint.actors import Coordinator
     from rallypoint.actors.api import REPLY_TYPES
+    from rallypoint.http.app import HttpApi
     from rallypoint.metrics import Metrics
     from rallypoint.service import Service, Session
     from rallypoint.transport.testing import running_server
@@ -166,9 +168,18 @@ async def test_a_wait_the_client_asked_for_is_never_a_slow_request(caplog):
                     await call(p.DeliveryComplete(task_id=d.task_id, token=d.token))  # over TCP: not a wait
                     await local(p.ClaimRelease(key="k", token=held.token))
                     await local(p.GrantRelease(grant_id=grant.id, token=grant.token))
+            # the HTTP layer observes its calls the same way: a long poll is not slow either
+            http = HttpApi(service)
+            http.metrics = metrics
+            second = await local(p.TaskSubmit(mailbox="m", scope_id=run.id, input=msgspec.Raw(b"\x01")))
+            async with trio.open_nursery() as waits:
+                waits.start_soon(http.call_op, session, p.TaskResult(task_id=second.id, wait_ms=30_000))
+                await _parked(coord, 1)
+                d = (await local(p.Receive(mailbox="m", scope_id=run.id))).deliveries[0]
+                await http.call_op(session, p.DeliveryComplete(task_id=d.task_id, token=d.token))
         n.cancel_scope.cancel()
     slow = [r.op for r in caplog.records if r.getMessage().startswith("slow request")]
-    assert slow == ["delivery.complete"], slow
-    for tag in ("task.results", "claim.acquire", "pool.acquire"):
+    assert slow == ["delivery.complete", "delivery.complete"], slow
+    for tag in ("task.results", "claim.acquire", "pool.acquire", "task.result"):
         h = metrics.latency[tag]
         assert sum(h.counts) == 1 and h.sum > metrics.slow_s, tag  # answered, and slower than the threshold
