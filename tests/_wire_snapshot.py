@@ -2,9 +2,9 @@
 fields in order, the bytes of a sample request, its reply Struct's fields and the bytes
 of a sample reply. ``tests/data/wire_ops.json`` holds the snapshot taken from main
 before the op table was built from the ``@op`` marks (issue 28); ``test_op_table.py``
-compares today's contract with it, so a change to a tag, a field's order or name, a
-default or an encoding option shows up as a changed entry (an op added since is not in
-it, and need not be).
+compares today's contract with it: an op gone, another request or reply Struct for a
+tag, a field gone, another encoding option, or other bytes for the same fields fail it
+(an op or a field added since is an addition, and needs no new snapshot).
 
 Run ``python tests/_wire_snapshot.py > tests/data/wire_ops.json`` to record it anew
 (only on purpose: a deliberate wire change, with a protocol version bump).
