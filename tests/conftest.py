@@ -1,5 +1,7 @@
 """Shared fixtures: a real daemon subprocess, ``rs`` in both modes (embedded, TCP), and real
-etcd (one member, or three) for the cluster tests."""
+etcd (one member, or three) for the cluster tests; and the helpers tests order events
+with: wait for a condition (N waits parked, N watchers subscribed), never for a stretch
+of wall-clock time."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import sys
 import time
 
 import pytest
+import trio
+import trio.testing
 
 import rallypoint
 from _etcd import EtcdCluster
@@ -83,6 +87,12 @@ async def rs(request):
         d = request.getfixturevalue("daemon")
         async with rallypoint.connect(d.url) as client:
             yield client
+        # The shared daemon ends a closed connection's parked waits; let it finish that
+        # before the next test counts parked waits (wait_parked's baseline).
+        async with rallypoint.connect(d.url) as client:
+            with trio.move_on_after(5):
+                while await parked_waits(client):
+                    await trio.sleep(0.005)
 
 
 @pytest.fixture
@@ -125,3 +135,78 @@ def etcd3(tmp_path_factory):
     cluster = EtcdCluster(str(tmp_path_factory.mktemp("etcd3")), size=3).start()
     yield cluster
     cluster.stop()
+
+
+# ------------------------------------------------------------------ waiting for a condition
+#
+# Tests order events by waiting until the server *reports* the state they need (a wait
+# parked, a watcher subscribed), as Trio's own tests do with wait_all_tasks_blocked():
+# a fixed sleep is too short on a loaded machine and too long on an idle one. Every
+# helper polls with a short sleep and fails after ``timeout`` seconds (real or MockClock
+# time, whichever the test runs under) instead of hanging.
+
+#: how often the helpers below re-read what they wait for (s)
+POLL_S = 0.005
+
+
+async def wait_parked(coord, n: int, timeout: float = 60.0) -> None:
+    """Until at least ``n`` server-side waits are parked in the actors of the in-process
+    coordinator ``coord`` (the runtime's own count, ``coord.runtime.n_waiters``) and every
+    task is blocked. Raises trio.TooSlowError after ``timeout`` s."""
+    with trio.fail_after(timeout):
+        while coord.runtime.n_waiters < n:
+            await trio.testing.wait_all_tasks_blocked()
+            if coord.runtime.n_waiters < n:
+                await trio.sleep(POLL_S)
+
+
+async def parked_waits(rs, kind: str | None = None) -> int:
+    """Server-side waits parked now, as the server reports them (``rs.status().actors``,
+    per kind ``waiters``): all kinds summed, or only ``kind`` ("runs", "joinsets", ...).
+    Works embedded and over TCP (then it counts every client's waits: see
+    :func:`wait_parked_remote`)."""
+    actors = (await rs.status()).actors
+    if kind is not None:
+        return actors.get(kind, {}).get("waiters", 0)
+    return sum(a.get("waiters", 0) for a in actors.values())
+
+
+async def wait_parked_remote(rs, n: int, kind: str | None = None, *, base: int = 0,
+                             timeout: float = 30.0) -> None:
+    """Until at least ``base + n`` waits are parked (:func:`parked_waits`). Over a shared
+    daemon pass ``base = await parked_waits(rs, kind)`` read before starting the waits
+    (the ``rs`` fixture lets the daemon end an earlier test's waits first). Raises
+    trio.TooSlowError after ``timeout`` s."""
+    with trio.fail_after(timeout):
+        while await parked_waits(rs, kind) < base + n:
+            await trio.sleep(POLL_S)
+
+
+async def wait_watchers(rs, n: int, timeout: float = 30.0) -> None:
+    """Until at least ``n`` event watchers are subscribed in ``rs``'s space
+    (``rs.overview().events["watchers"]``: the server counts a watcher once its start
+    position is fixed, so every event committed after this returns reaches it). Raises
+    trio.TooSlowError after ``timeout`` s."""
+    with trio.fail_after(timeout):
+        while (await rs.overview()).events["watchers"] < n:
+            await trio.sleep(POLL_S)
+
+
+async def until(pred, timeout: float = 30.0, poll_s: float = POLL_S) -> None:
+    """Until the async predicate ``pred()`` (a status read) is true: for a state another
+    task or process reaches, where nothing can be awaited directly. Raises
+    trio.TooSlowError after ``timeout`` s."""
+    with trio.fail_after(timeout):
+        while not await pred():
+            await trio.sleep(poll_s)
+
+
+def until_sync(pred, timeout: float = 30.0, poll_s: float = 0.02, what: str = "the condition") -> None:
+    """Blocking form of :func:`until` (for tests using ``rallypoint.sync`` or
+    subprocesses): until ``pred()`` is true; AssertionError naming ``what`` after
+    ``timeout`` s (real time)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll_s)

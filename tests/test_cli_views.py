@@ -12,11 +12,10 @@ import subprocess
 import sys
 import time
 
-import trio
 
 import rallypoint
 
-from conftest import Daemon
+from conftest import Daemon, wait_watchers
 
 
 def rp_popen(*args) -> subprocess.Popen:
@@ -41,7 +40,8 @@ async def test_watch_prints_events_live_and_as_json_lines():
     try:
         live = rp_popen("watch", "--connect", d.url, "--types", "task.completed", "--count", "3")
         js = rp_popen("watch", "--connect", d.url, "--json", "--count", "3", "--types", "task.*")
-        await trio.sleep(1.0)  # both subscribed (from now)
+        async with rallypoint.connect(d.url) as rs:
+            await wait_watchers(rs, 2, timeout=60)  # both subscribed: "from now" is fixed
         run_id = await _work(d.url)
         out, err = live.communicate(timeout=30)
         assert live.returncode == 0, err

@@ -5,7 +5,6 @@ passivate; one command at a time per actor."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,17 +24,7 @@ from rallypoint.errors import (
     TimerCancelledError,
 )
 
-SLOW = bool(os.environ.get("RALLYPOINT_SLOW"))
-
-
-async def _parked(coord, n: int) -> None:
-    """Until ``n`` server-side waits are parked in actors (no sleeps: the runtime's own
-    count), with every task blocked."""
-    with trio.fail_after(60):
-        while coord.runtime.n_waiters < n:
-            await trio.testing.wait_all_tasks_blocked()
-            if coord.runtime.n_waiters < n:
-                await trio.sleep(0.001)
+from conftest import SLOW, parked_waits, wait_parked, wait_parked_remote
 
 
 async def test_cancelling_a_run_answers_every_waiter_three_levels_down_and_leaves_no_task(autojump_clock, ers):
@@ -70,7 +59,7 @@ async def test_cancelling_a_run_answers_every_waiter_three_levels_down_and_leave
         n.start_soon(grab, "receive", lambda: mbx.receive(low, wait=600))
         n.start_soon(grab, "timer", lambda: timer.wait(timeout=600))
         n.start_soon(grab, "result", lambda: ticket.result(timeout=600))
-        await _parked(coord, 6)
+        await wait_parked(coord, 6)
         assert rt.tasks_below(top.id) > 0  # the actors of the runs, group, barrier, timer, set
         t_cancel = trio.current_time()
         await top.cancel()
@@ -105,14 +94,13 @@ async def test_cancelling_a_run_answers_waiters_over_tcp(daemon):
             except Exception as e:  # noqa: BLE001
                 answers[name] = e
 
+        bases = {kind: await parked_waits(rs, kind) for kind in ("barriers", "timers", "runs")}
         async with trio.open_nursery() as n:
             n.start_soon(grab, "barrier", lambda: barrier.wait(timeout=60))
             n.start_soon(grab, "timer", lambda: timer.wait(timeout=60))
             n.start_soon(grab, "receive", lambda: mbx.receive(low, wait=60))
-            with trio.fail_after(10):
-                while (await rs.status()).actors.get("barriers", {}).get("waiters", 0) < 1 or \
-                        (await rs.status()).actors.get("timers", {}).get("waiters", 0) < 1:
-                    await trio.sleep(0.01)
+            for kind, base in bases.items():  # all three parked on the server
+                await wait_parked_remote(rs, 1, kind, base=base)
             with trio.fail_after(10):
                 await top.cancel()
         assert isinstance(answers["barrier"], BarrierCancelledError)
