@@ -29,7 +29,10 @@ like any socket's (``wait_readable``).
     made).
 
 Errors: an answer with an errno is an ``OSError`` with it; :class:`SyncHelperGone`
-(an ``OSError``, EPIPE) when the helper's socket closed or broke. The journal treats
+(an ``OSError``, EPIPE) when the helper's socket closed or broke, saying how the
+process ended (``killed by signal 9 (SIGKILL)``, ``exit status N``; for a closed
+socket it waits up to :data:`REAP_WAIT_S` for the reap, which the kernel does just
+after closing a dying process's descriptors). The journal treats
 both as fail-stop: after a failed or unanswered fsync the kernel may have dropped the
 pages, and a retry could report success for data that is gone.
 """
@@ -44,6 +47,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -60,6 +64,9 @@ SYNC_MODES = ("process", "thread")
 #: sync requests in flight at once: one being done, one waiting (it covers whatever
 #: is written before the helper gets to it)
 MAX_OUTSTANDING = 2
+#: seconds to wait for a helper whose socket closed to be reaped before saying how it
+#: ended (it is exiting: reaping follows within microseconds on an idle machine)
+REAP_WAIT_S = 1.0
 
 
 #: the loop's ends of the helpers' sockets in this process: a child made by a plain
@@ -152,7 +159,8 @@ class Syncer:
             else:
                 socket.send_fds(self._sock, [msg], [fd])
         except OSError as exc:  # BlockingIOError too: a helper that stopped reading
-            self._broken = self._gone(f"a request could not be sent ({exc})")
+            self._broken = self._gone(f"a request could not be sent ({exc})",
+                                      exiting=not isinstance(exc, BlockingIOError))
             raise self._broken from exc
         return rid
 
@@ -195,19 +203,30 @@ class Syncer:
         except BlockingIOError:
             return None
         except OSError as exc:
-            self._broken = self._gone(f"its socket failed ({exc})")
+            self._broken = self._gone(f"its socket failed ({exc})", exiting=True)
             raise self._broken from exc
         if len(data) < _h.ANSWER.size:
-            self._broken = self._gone("it closed its socket" if not data else "it sent a short answer")
+            self._broken = self._gone("it closed its socket" if not data else "it sent a short answer",
+                                      exiting=not data)
             raise self._broken
         rid, err, us = _h.ANSWER.unpack_from(data)
         if err:
             raise OSError(err, os.strerror(err))
         return rid, us / 1e6
 
-    def _gone(self, why: str) -> SyncHelperGone:
+    def _gone(self, why: str, exiting: bool = False) -> SyncHelperGone:
+        """The error for a helper gone, saying how the process ended. ``exiting``: its
+        end of the socket is closed, so the process is exiting (the kernel closes a
+        dying process's descriptors before it can be reaped): wait for it, at most
+        :data:`REAP_WAIT_S` (blocking the loop, on this fail-stop path only), so a
+        killed helper is reported as killed, not as "still running"."""
         if self._proc is not None:
             code = self._proc.poll()
+            if code is None and exiting:
+                deadline = time.monotonic() + REAP_WAIT_S
+                while code is None and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    code = self._proc.poll()
             if code is None:
                 status = "still running"
             elif code < 0:
