@@ -5,6 +5,7 @@ of wall-clock time."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -193,11 +194,16 @@ async def wait_watchers(rs, n: int, timeout: float = 30.0) -> None:
 
 
 async def until(pred, timeout: float = 30.0, poll_s: float = POLL_S) -> None:
-    """Until the async predicate ``pred()`` (a status read) is true: for a state another
-    task or process reaches, where nothing can be awaited directly. Raises
-    trio.TooSlowError after ``timeout`` s."""
+    """Until ``pred()`` is true (a plain or an async predicate: a status read): for a
+    state another task or process reaches, where nothing can be awaited directly.
+    Raises trio.TooSlowError after ``timeout`` s."""
     with trio.fail_after(timeout):
-        while not await pred():
+        while True:
+            got = pred()
+            if inspect.isawaitable(got):
+                got = await got
+            if got:
+                return
             await trio.sleep(poll_s)
 
 

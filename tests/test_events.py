@@ -24,7 +24,7 @@ from rallypoint.errors import CursorExpiredError, SlowConsumerError, ValidationE
 from rallypoint.events import CATALOGUE, SILENT_RECORDS
 from rallypoint.records import ALL_RECORD_TYPES, IMPLIED_FACTS
 
-from conftest import Daemon
+from conftest import Daemon, until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -148,8 +148,7 @@ async def test_watch_pushes_events_as_they_happen(rs):
                     if e.type == "scope.cancelled":
                         return
 
-        await n.start(watcher)
-        await trio.sleep(0.05)
+        await n.start(watcher)  # subscribed: entering the watch fixes "now"
         ticket = await mbx.submit({"x": 1}, scope=run)
         d = await mbx.receive(run)
         await d.complete(1)
@@ -243,7 +242,9 @@ async def test_a_watch_whose_buffer_fills_resumes_from_its_cursor(rs):
             await stream.next(timeout=0.2)  # subscribed; nothing yet
         for i in range(60):
             await mbx.submit({"i": i}, scope=run)
-        await trio.sleep(0.2)
+        if not isinstance(rs._transport, rallypoint.client.embedded.EmbeddedTransport):
+            # the connection's reader has taken more than the 8 and ended the subscription
+            await until(lambda: stream._sub.error is not None)
         got = [await stream.next(timeout=5) for _ in range(60)]
     assert [e.type for e in got] == ["task.submitted"] * 60
     seqs = [e.seq for e in got]
@@ -360,7 +361,11 @@ async def test_a_watcher_resumes_after_a_sigkill_and_sees_every_event_exactly_on
                 with trio.fail_after(20):
                     while not got or got[-1].type != "task.submitted" or len(got) < 42:
                         await trio.sleep(0.02)
-                await trio.sleep(0.3)
+                # one event more, then stop once it is read: an event delivered twice by
+                # the resume would have come before it
+                async with rallypoint.connect(d.url, reconnect=False) as rs:
+                    last = await rs.scopes.create(name="last")
+                await until(lambda: got[-1].id == last.id, timeout=20)
                 n.cancel_scope.cancel()
             assert stream.resumed >= 1
         async with rallypoint.connect(d.url, reconnect=False) as rs:

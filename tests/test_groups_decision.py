@@ -7,6 +7,7 @@ import trio
 import rallypoint
 from rallypoint.errors import ConflictError, LeaseLostError, ScopeCancelledError, ScopeInactiveError
 
+from conftest import parked_waits, until, wait_parked_remote
 from _groups_util import decision, in_, new_group, submit_n, succeed_all, take, UNFINISHED
 
 
@@ -241,6 +242,7 @@ async def test_cancelling_the_gate_or_an_ancestor_fails_the_group_as_cancelled(r
     a, b = await submit_n(g, 2)
     ds = await take(mbx, g.scope_id, 1)
     target = {"gate": rs.scope(g.scope_id), "parent": parent, "grandparent": top}[which]
+    base = await parked_waits(rs)
     async with trio.open_nursery() as n:
         seen = []
 
@@ -248,7 +250,7 @@ async def test_cancelling_the_gate_or_an_ancestor_fails_the_group_as_cancelled(r
             seen.append(await g.wait(timeout=10))
 
         n.start_soon(waiter)
-        await trio.sleep(0.05)
+        await wait_parked_remote(rs, 1, base=base)  # the wait is parked when the cancel comes
         await target.cancel()
     assert decision(seen[0]) == fin("FAILURE", "cancelled")
     assert {m.task_state for m in seen[0].members} == {"CANCELLED"}
@@ -301,13 +303,15 @@ async def test_finalizing_refuses_receives_stops_consume_cancels_members_and_wak
         # two loops: one holds c, the other long-polls the gate for more
         seen["stats"] = await rallypoint.consume(rs, mbx, g.scope_id, handler, concurrency=2, wait=30)
 
+    base = await parked_waits(rs)
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
             n.start_soon(waiter)
             n.start_soon(gate_worker)
-            while seen["got"] != [c.id]:
-                await trio.sleep(0.01)
-            await trio.sleep(0.05)
+            # the group's wait and consume's second loop (long-polling the gate) are
+            # parked on the server; the first loop holds c
+            await wait_parked_remote(rs, 2, base=base)
+            await until(lambda: seen["got"] == [c.id])
             v = await g.accept(a)
             assert v.group_state == "FINALIZED"
         # the nursery exits only because consume returned and the waiter woke

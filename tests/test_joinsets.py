@@ -28,7 +28,7 @@ from rallypoint.errors import (
 from rallypoint.node import recover_coordinator
 from rallypoint.service import Service
 
-from conftest import Daemon
+from conftest import Daemon, parked_waits, wait_parked_remote
 from _joinset_util import child_error, in_, raw_record, take  # noqa: F401
 
 
@@ -69,13 +69,14 @@ async def test_join_next_blocks_until_a_child_finishes(rs):
     assert (await js.status()).consumed == 0  # a wait that times out changes nothing
     (d,) = await take(mbx, run, 1)
     got = []
+    base = await parked_waits(rs)
     async with trio.open_nursery() as n:
 
         async def waiter():
             got.append(await js.join_next(timeout=10))
 
         n.start_soon(waiter)
-        await trio.sleep(0.05)
+        await wait_parked_remote(rs, 1, base=base)  # join_next waits on the server
         assert got == []
         await d.complete({"v": 1})
     assert got == [(a, {"v": 1})]
@@ -302,16 +303,14 @@ async def test_close_with_mixed_children(rs):
     await dl_done.complete("D")
 
     result = {}
+    base = await parked_waits(rs)
     async with trio.open_nursery() as n:
 
         async def closer():
             result["st"] = await js.close(timeout=20)
 
         n.start_soon(closer)
-        with trio.fail_after(5):
-            while (await js.status()).state != "CLOSING":
-                await trio.sleep(0.01)
-        await trio.sleep(0.1)
+        await wait_parked_remote(rs, 1, base=base)  # the close waits on the server
         st = await js.status()
         assert "st" not in result and st.state == "CLOSING"  # waits for the non-cancellable
         assert st.finished == 6 and st.consumed == 6
@@ -530,9 +529,10 @@ async def test_run_complete_closes_sets_newest_first_and_waits_for_the_last_chil
         async def completer():
             result["st"] = await run.complete(timeout=20)
 
+        base = await parked_waits(rs)
         n.start_soon(completer)
+        await wait_parked_remote(rs, 1, base=base)  # the run's complete waits on the server
         await d_nnc.complete("N")
-        await trio.sleep(0.1)
         assert "st" not in result  # the older set's non-cancellable child still runs
         assert (await newer.status()).state == "CLOSED"
         assert (await run.status()).stored_state == "ACTIVE"
@@ -693,6 +693,7 @@ async def test_two_concurrent_waiters_get_distinct_records(rs):
     a = await js.submit(mbx, 1)
     b = await js.submit(mbx, 2)
     got = []
+    base = await parked_waits(rs)
     async with trio.open_nursery() as n:
 
         async def waiter():
@@ -700,7 +701,7 @@ async def test_two_concurrent_waiters_get_distinct_records(rs):
 
         n.start_soon(waiter)
         n.start_soon(waiter)
-        await trio.sleep(0.05)
+        await wait_parked_remote(rs, 2, base=base)  # both wait on the server
         da, db = await take(mbx, run, 2)
         await db.complete("B")
         await da.complete("A")

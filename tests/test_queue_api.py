@@ -23,6 +23,8 @@ from rallypoint.errors import (
     WaitTimeout,
 )
 
+from conftest import parked_waits, until, wait_parked_remote
+
 
 def uniq(prefix: str = "q") -> str:
     """Mailbox names are per space and the TCP daemon is shared by the session."""
@@ -199,10 +201,11 @@ async def test_result_waits_on_the_server_and_timeout_changes_nothing(rs):
     async def waiter():
         got["r"] = await ticket.result(timeout=10)
 
+    base = await parked_waits(rs)
     async with trio.open_nursery() as n:
         n.start_soon(waiter)
         d = await m.receive(run, wait=1)
-        await trio.sleep(0.05)
+        await wait_parked_remote(rs, 1, base=base)  # the result wait is parked on the server
         assert "r" not in got
         await d.complete("fin")
     assert got["r"].state == "SUCCEEDED" and got["r"].outcome == "fin"
@@ -216,11 +219,13 @@ async def test_receive_long_waits_for_a_submit(rs):
     async def receiver():
         got["d"] = await m.receive(run, wait=10)
 
-    with trio.fail_after(5):
-        async with trio.open_nursery() as n:
-            n.start_soon(receiver)
-            await trio.sleep(0.05)
+    base = await parked_waits(rs)
+    async with trio.open_nursery() as n:
+        n.start_soon(receiver)
+        await wait_parked_remote(rs, 1, base=base)  # the receive is parked: the submit comes later
+        with trio.fail_after(5):  # and wakes it (long before its 10 s)
             t = await m.submit("late", scope=run)
+            await until(lambda: "d" in got)
     assert got["d"].task_id == t.id
     assert await m.receive(run, wait=0) is None
     assert await m.receive(run, wait=0, max_messages=5) == []
@@ -429,11 +434,13 @@ async def test_cancel_wakes_a_long_waiting_receiver(rs):
         except ScopeCancelledError as e:
             err["e"] = e
 
-    with trio.fail_after(5):
-        async with trio.open_nursery() as n:
-            n.start_soon(receiver)
-            await trio.sleep(0.05)
+    base = await parked_waits(rs)
+    async with trio.open_nursery() as n:
+        n.start_soon(receiver)
+        await wait_parked_remote(rs, 1, base=base)  # the receive is parked when the run ends
+        with trio.fail_after(5):  # and the cancel wakes it (long before its 30 s)
             await run.cancel()
+            await until(lambda: "e" in err)
     assert err["e"].code == "SCOPE_CANCELLED"
 
 
@@ -499,6 +506,7 @@ async def test_results_without_details_answers_outcomes_only(rs):
         sent.append(op)
         return await real(op, reply_type)
 
+    base = await parked_waits(rs)
     rs._call = spy
     async with trio.open_nursery() as n:
         got: list = []
@@ -507,9 +515,10 @@ async def test_results_without_details_answers_outcomes_only(rs):
             got.extend(await rs.results(tickets, timeout=30, details=False))
 
         n.start_soon(wait_all)
-        await trio.sleep(0.2)
-        assert not got
+        await until(lambda: sent)  # the one request is made ...
         rs._call = real
+        await wait_parked_remote(rs, 1, base=base)  # ... and waits on the server for the third task
+        assert not got
         await ds[2].complete(None)
     assert all(isinstance(o, TaskOutcome) and o.finished for o in got)
     assert [(o.id, o.state, o.attempt, o.outcome) for o in got] == [
