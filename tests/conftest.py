@@ -183,6 +183,14 @@ async def wait_parked_remote(rs, n: int, kind: str | None = None, *, base: int =
             await trio.sleep(POLL_S)
 
 
+async def wait_parked_at_most(rs, n: int, kind: str | None = None, *, timeout: float = 30.0) -> None:
+    """Until at most ``n`` waits are parked (:func:`parked_waits`): the server has ended
+    the ones a test abandoned or woke. Raises trio.TooSlowError after ``timeout`` s."""
+    with trio.fail_after(timeout):
+        while await parked_waits(rs, kind) > n:
+            await trio.sleep(POLL_S)
+
+
 async def wait_watchers(rs, n: int, timeout: float = 30.0) -> None:
     """Until at least ``n`` event watchers are subscribed in ``rs``'s space
     (``rs.overview().events["watchers"]``: the server counts a watcher once its start

@@ -23,6 +23,8 @@ from rallypoint.errors import (
     WaitTimeout,
 )
 
+from conftest import parked_waits, until_sync, wait_parked_remote
+
 ARRIVE_AND_WAIT = textwrap.dedent(
     """
     import json, sys
@@ -48,6 +50,11 @@ def test_three_arrivals_from_three_processes_release_every_waiter(daemon):
         run = rs.scopes.create()
         b = run.barriers.create(3)
 
+        def parked() -> int:
+            return rs.status().actors.get("barriers", {}).get("waiters", 0)
+
+        base = parked()
+
         def spawn(key):
             return subprocess.Popen(
                 [sys.executable, "-c", ARRIVE_AND_WAIT, daemon.url, run.id, b.id, key],
@@ -60,7 +67,7 @@ def test_three_arrivals_from_three_processes_release_every_waiter(daemon):
             while b.status().arrivals < 2:
                 assert time.monotonic() < deadline, [pr.stderr.read() for pr in procs if pr.poll() is not None]
                 time.sleep(0.02)
-            time.sleep(0.2)
+            until_sync(lambda: parked() >= base + 2, what="both waits parked on the server")
             assert b.status().state == "WAITING"
             assert [pr.poll() for pr in procs] == [None, None]  # both still waiting
             procs.append(spawn("p3"))
@@ -107,6 +114,7 @@ async def test_wait_returns_at_once_when_released(rs):
     run = await rs.scopes.create()
     b = await run.barriers.create(2)
     got = []
+    base = await parked_waits(rs)
     async with trio.open_nursery() as n:
 
         async def waiter():
@@ -115,7 +123,7 @@ async def test_wait_returns_at_once_when_released(rs):
         n.start_soon(waiter)
         n.start_soon(waiter)
         await b.arrive("x")
-        await trio.sleep(0.05)
+        await wait_parked_remote(rs, 2, base=base)  # both wait on the server
         assert got == []
         await b.arrive("y")
     assert [g.state for g in got] == ["RELEASED", "RELEASED"]

@@ -22,6 +22,8 @@ from rallypoint.errors import (
 )
 from rallypoint.transport.testing import RawClient
 
+from conftest import parked_waits, wait_parked_remote
+
 
 async def test_long_waits_do_not_delay_status_on_the_same_connection(daemon):
     async with rallypoint.connect(daemon.url) as rs:
@@ -38,10 +40,11 @@ async def test_long_waits_do_not_delay_status_on_the_same_connection(daemon):
         async def wait_receive():
             done["receive"] = await empty.receive(run, wait=20)
 
+        base = await parked_waits(rs)
         async with trio.open_nursery() as n:
             n.start_soon(wait_result)
             n.start_soon(wait_receive)
-            await trio.sleep(0.1)  # both waits are parked on the server
+            await wait_parked_remote(rs, 2, base=base)  # both waits are parked on the server
             t0 = time.monotonic()
             for _ in range(20):
                 st = await run.status()
@@ -140,6 +143,7 @@ def test_client_under_asyncio(daemon):
             mbx = await rs.mailboxes.ensure("spine-asyncio")
             ticket = await mbx.submit({"x": 1}, scope=child)
             # a long wait and other calls concurrently, under asyncio
+            base = await parked_waits(rs)
             async with anyio.create_task_group() as tg:
                 got = {}
 
@@ -147,7 +151,9 @@ def test_client_under_asyncio(daemon):
                     got["r"] = (await ticket.result(timeout=10)).state
 
                 tg.start_soon(wait)
-                await anyio.sleep(0.05)
+                with anyio.fail_after(30):  # (conftest's helpers are Trio's)
+                    while await parked_waits(rs) < base + 1:  # the wait is parked on the server
+                        await anyio.sleep(0.005)
                 st = await run.cancel(reason="done")
             assert got["r"] == "CANCELLED"
             assert (st.stored_state, st.effective) == ("CANCELLED", "INACTIVE")

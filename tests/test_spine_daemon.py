@@ -19,7 +19,7 @@ from rallypoint._version import __version__
 from rallypoint.errors import UnavailableError, ValidationError
 from rallypoint.transport.connection import Connection
 
-from conftest import Daemon
+from conftest import Daemon, parked_waits, until, wait_parked_remote
 
 
 def cli(*args: str, timeout: float = 30.0, cwd=None) -> subprocess.CompletedProcess:
@@ -191,11 +191,15 @@ async def test_signal_drains_answers_inflight_and_exits_0(sig, tmp_path):
                 # a server-side wait that ends on its own during the drain: answered
                 outcomes["short"] = await empty.receive(run, wait=0.4)
 
-            with trio.fail_after(10):
+            async def both_sent() -> bool:  # the long wait parked; the short one too, or over
+                k = await parked_waits(rs)
+                return k >= 2 or (k >= 1 and "short" in outcomes)
+
+            with trio.fail_after(30):
                 async with trio.open_nursery() as n:
                     n.start_soon(long_wait)
                     n.start_soon(short_wait)
-                    await trio.sleep(0.2)
+                    await until(both_sent)
                     t0 = time.monotonic()
                     d.proc.send_signal(sig)
             # the drain does not sit on the 30 s wait: it is answered UNAVAILABLE
@@ -232,7 +236,7 @@ async def test_transport_drain_ends_long_waits_after_the_grace_only():
         c = await RawClient.connect(srv.port)
         await c.request(1, {"op": "sleep", "s": 30})
         await c.request(2, {"op": "sleep", "s": 0.2, "v": "short"})
-        await trio.sleep(0.05)
+        await until(lambda: srv.statistics()["requests"] == 2)  # the server has both
         t0 = trio.current_time()
         frames = await c.drain_server(srv, 30.0)
         took = trio.current_time() - t0
@@ -282,12 +286,13 @@ async def test_killed_daemon_fails_pending_long_wait_with_unavailable(reconnect)
                 except UnavailableError as e:
                     got[name] = e
 
-            with trio.fail_after(10):
-                async with trio.open_nursery() as n:
-                    n.start_soon(waiter, "result", lambda: ticket.result(timeout=30))
-                    n.start_soon(waiter, "receive", lambda: empty.receive(run, wait=30))
-                    await trio.sleep(0.2)
-                    d.proc.kill()
+            async with trio.open_nursery() as n:
+                n.start_soon(waiter, "result", lambda: ticket.result(timeout=30))
+                n.start_soon(waiter, "receive", lambda: empty.receive(run, wait=30))
+                await wait_parked_remote(rs, 2)  # both parked on the server
+                d.proc.kill()
+                with trio.fail_after(10):  # both fail soon, not after their 30 s
+                    await until(lambda: len(got) == 2)
             assert isinstance(got["result"], UnavailableError), got
             assert got.keys() == {"result", "receive"}
             assert all(isinstance(v, UnavailableError) for v in got.values()), got

@@ -5,6 +5,8 @@ import trio
 
 from rallypoint import protocol as p
 
+from conftest import parked_waits, wait_parked_at_most, wait_parked_remote
+
 
 async def test_join_next_sees_a_record_written_right_after_it_was_dispatched(daemon):
     import rallypoint
@@ -51,10 +53,17 @@ async def test_an_abandoned_receive_leases_nothing(daemon):
     async with rallypoint.connect(daemon.url) as rs:
         run = await rs.scopes.create()
         mbx = await rs.mailboxes.ensure("abandoned")
-        with trio.move_on_after(0.3):
-            await mbx.receive(run, wait=20)
-            raise AssertionError("the receive should still be waiting")
-        await trio.sleep(0.2)  # the Cancel frame reaches the server
+        base = await parked_waits(rs)
+        async with trio.open_nursery() as n:
+            async def receive():
+                await mbx.receive(run, wait=20)
+                raise AssertionError("the receive should still be waiting")
+
+            n.start_soon(receive)
+            await wait_parked_remote(rs, 1, base=base)  # parked on the server ...
+            n.cancel_scope.cancel()  # ... and abandoned
+        # the Cancel frame ends the wait (long before its 20 s)
+        await wait_parked_at_most(rs, base, timeout=10)
         ticket = await mbx.submit({"n": 1}, scope=run)
         d = await mbx.receive(run, wait=2)
         assert d is not None and d.task_id == ticket.id and d.token == 1
