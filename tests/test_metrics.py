@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import rallypoint
 from rallypoint.errors import NotFoundError
 
-from conftest import Daemon
+from conftest import Daemon, until
 
 
 def _scrape(url: str) -> dict:
@@ -52,9 +52,15 @@ async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
                 await dl.complete(1)
             with pytest.raises(NotFoundError):
                 await rs.scope("scp_01m8p6k63gq5b40a5mf0wxyjsz").status()
-            await trio.sleep(1.5)  # a snapshot, some lag samples
-            url = d.metrics_url
-            fams = await trio.to_thread.run_sync(_scrape, url)
+            fams: dict = {}
+
+            async def snapshot_and_lag_seen() -> bool:  # (snapshots every 0.5 s; lag sampled)
+                fams.clear()
+                fams.update(await trio.to_thread.run_sync(_scrape, d.metrics_url))
+                lag = [s for s in fams["rallypoint_event_loop_lag_seconds"].samples if s.name.endswith("_count")]
+                return _value(fams["rallypoint_snapshots"]) >= 1 and lag[0].value > 0
+
+            await until(snapshot_and_lag_seen, poll_s=0.1)
     finally:
         assert d.stop() == 0
     assert _value(fams["rallypoint_requests"], op="task.submit_many", code="OK") == 1
@@ -88,19 +94,28 @@ def test_json_logs_are_one_object_a_line(tmp_path):
                             capture_output=True, text=True, env=env, check=True).stdout.strip()
     d = Daemon(data, "fsync", ["--log-format", "json", "--snapshot-every-s", "0.3", "--slow-request-ms", "0.001"])
     d.start()
+    early: list[str] = []  # the log lines read while waiting for the first snapshot's
+
+    def read_until_a_snapshot_is_logged() -> None:
+        for line in d.proc.stderr:
+            early.append(line)
+            if line.strip() and json.loads(line).get("event") == "snapshot":
+                return
+
     try:
         async def body():
             async with rallypoint.connect(d.url, api_key=secret) as rs:
                 await rs.scopes.create(name="x")
                 await rs._transport.call(rallypoint.protocol.KeyCreate(space="default", permissions=["admin"]))
-                await trio.sleep(0.8)
+                with trio.fail_after(30):  # (snapshots every 0.3 s once there is a change)
+                    await trio.to_thread.run_sync(read_until_a_snapshot_is_logged, abandon_on_cancel=True)
             with pytest.raises(rallypoint.UnauthenticatedError):
                 async with rallypoint.connect(d.url, api_key="wrong", reconnect=False) as rs:
                     pass
         trio.run(body)
     finally:
         assert d.stop() == 0
-    lines = [ln for ln in d.proc.stderr.read().splitlines() if ln.strip()]
+    lines = [ln for ln in "".join(early).splitlines() + d.proc.stderr.read().splitlines() if ln.strip()]
     objs = [json.loads(ln) for ln in lines]  # every line is one JSON object
     events = {o.get("event") for o in objs}
     assert {"startup", "recovery", "snapshot", "key_created", "auth_failed", "slow_request"} <= events, events

@@ -92,8 +92,7 @@ async def test_requests_waiting_for_the_helper_are_done_by_one_call(datafile):
         first = s.request(key)
         while not calls:
             await trio.sleep(0.001)
-        later = [s.request(key) for _ in range(3)]
-        await trio.sleep(0.05)  # all three are in the helper's socket now
+        later = [s.request(key) for _ in range(3)]  # in the helper's socket when request() returns
         go.set()
         assert (await s.next_answer())[0] == first
         assert (await s.next_answer())[0] == later[-1]  # one answer, for the last of them

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import msgspec
 import trio
+import trio.testing
 
 from rallypoint import protocol as p
 from rallypoint import wire
@@ -81,12 +82,13 @@ async def test_error_replies_caused_by_a_change_not_yet_durable_wait_for_it():
 
             # setup, made durable
             await a.request(1, body(p.ScopeCreate(name="r")))
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()  # decided; its reply waits for durability
+            assert journal.last_lsn > journal.released
             journal.release()
             run_id = msgspec.msgpack.decode((await _answer(a, 1, 5)).body)["id"]
             await a.request(2, body(p.BarrierCreate(scope_id=run_id, target=1)))
             await a.request(3, body(p.MailboxEnsure(name="m")))
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()
             journal.release()
             bar = await _answer(a, 2, 5)
             bar_id = msgspec.msgpack.decode(bar.body)["id"]
