@@ -45,7 +45,10 @@ async def test_hour_long_timer_fires_at_its_instant_without_a_waiter(autojump_cl
 
 async def test_wait_blocks_until_the_fire_and_acks(autojump_clock, ers):
     run = await ers.scopes.create()
-    tm = await run.timers.create(at=in_(120))
+    # 120 s from the server's instant now (its wall clock runs on the MockClock): the
+    # machine's clock has moved on by the real time the test took so far
+    now = datetime.fromtimestamp(ers.node.coordinator.clock.now(), timezone.utc)
+    tm = await run.timers.create(at=now + timedelta(seconds=120))
     t0 = trio.current_time()
     with pytest.raises(WaitTimeout):
         await tm.wait(timeout=60)
