@@ -291,7 +291,7 @@ async def test_waiters_of_a_stopping_node_are_told_unavailable_not_a_timeout_ans
                                                       wait_ms=60_000, request_id="c")), sink, 3)
         submit(session, encoder.encode(p.PoolAcquire(pool="stop-p", scope_id=run.id, units=1, lease_ms=30_000,
                                                      wait_ms=60_000, request_id="g")), sink, 4)
-        await _parked(coord, 4)
+        await wait_parked(coord, 4)
         assert sink.replies == {} and holder.generation == 1
     assert sorted(sink.replies) == [1, 2, 3, 4]
     for rid, reply in sink.replies.items():
@@ -316,7 +316,7 @@ async def test_a_wait_with_no_answer_of_its_own_gets_its_runs_code_from_the_runt
     for rid, run_id in ((1, low.id), (2, other.id)):
         actor = rt.actor(run_id)
         actor.send((lambda a, s, op: Park("never", lambda: None, 60_000, lambda: "timed out"), None, None, sink, rid))
-    await _parked(coord, 2)
+    await wait_parked(coord, 2)
     await top.cancel()  # an ancestor of low's run
     await trio.testing.wait_all_tasks_blocked()
     err = sink.replies[1]
@@ -355,7 +355,7 @@ async def test_the_run_end_step_wakes_nothing_in_the_ended_subtree(autojump_cloc
         n.start_soon(grab, "timer", lambda: timer.wait(timeout=600))
         n.start_soon(grab, "claim", lambda: low.claims.acquire("silent-k", wait=600))
         n.start_soon(grab, "result", lambda: ticket.result(timeout=600))
-        await _parked(coord, 4)
+        await wait_parked(coord, 4)
         real_end = coord.runs.end
 
         def silent_end(*a, **kw):
