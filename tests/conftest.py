@@ -21,6 +21,31 @@ from _etcd import EtcdCluster
 
 SLOW = bool(os.environ.get("RALLYPOINT_SLOW"))
 
+#: The quick subset, ``python3 -m pytest -q -m quick`` (about 1,000 tests, 1-2 minutes on
+#: two idle cores): every kind's semantics embedded and over TCP, events, the runtime,
+#: the journal and snapshots, reconnection, the simulator's pinned seeds. Left to the
+#: full run: the CLI, HTTP and the runstate SDK, TLS, hostile peers, most crash/restart
+#: daemons, property and fuzz runs, the seed run and the soak (``slow``).
+QUICK_FILES = frozenset({
+    "test_activity_heap.py", "test_admission.py", "test_barriers.py", "test_budgets.py", "test_claims.py",
+    "test_consume_outcomes.py", "test_durability_records.py", "test_embedded.py", "test_events.py",
+    "test_events_primitives.py", "test_groups_api.py", "test_groups_atomicity.py", "test_groups_decision.py",
+    "test_ids.py", "test_joinset_ends.py", "test_joinset_steps.py", "test_joinsets.py",
+    "test_mailbox_requirements.py", "test_messages.py", "test_persistence_faults.py",
+    "test_persistence_journal.py", "test_persistence_snapshot.py", "test_pools.py", "test_queue_api.py",
+    "test_queue_cancel.py", "test_queue_consume.py", "test_queue_takeover.py", "test_quotas.py",
+    "test_reconnect.py", "test_reply_durability.py", "test_retention.py", "test_runtime.py", "test_scopes.py",
+    "test_sim.py", "test_spine_concurrency.py", "test_spine_errors.py", "test_spine_protocol.py",
+    "test_spine_scopes.py", "test_task_runs.py", "test_timers.py", "test_wakeups.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of :data:`QUICK_FILES` ``quick`` (not those marked ``slow``)."""
+    for item in items:
+        if item.path.name in QUICK_FILES and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
+
 
 class Daemon:
     """A ``rallypoint serve`` subprocess on a free port."""
