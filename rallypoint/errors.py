@@ -46,6 +46,7 @@ __all__ = [
     "ForbiddenError",
     "UnavailableError",
     "NotLeaderError",
+    "WrongShardError",
     "CursorExpiredError",
     "SlowConsumerError",
     "InternalError",
@@ -313,6 +314,14 @@ class NotLeaderError(UnavailableError):
     code = "NOT_LEADER"
 
 
+class WrongShardError(RallypointError):
+    """WRONG_SHARD: in a sharded cluster, the request's slot is owned by another shard.
+    ``details``: ``slot``, ``shard`` (its owner in this node's slot map), ``map_version``.
+    The SDK refreshes its slot map and sends the request there by itself."""
+
+    code = "WRONG_SHARD"
+
+
 def shutting_down_error(message: str = "the server is shutting down; retry on a new connection") -> UnavailableError:
     """The UNAVAILABLE a draining or stopping server answers: ``details["reason"]`` is
     ``"shutting_down"``, which tells a reconnecting client to move to a new connection
@@ -372,10 +381,11 @@ _BY_CODE: dict[str, type[RallypointError]] = {
     "INTERNAL": InternalError,
     "IDEMPOTENCY_CONFLICT": IdempotencyConflictError,  # HTTP's (runstate), after SPEC §1's
     "NOT_LEADER": NotLeaderError,  # a replicated shard's standby (rallypoint.cluster)
+    "WRONG_SHARD": WrongShardError,  # a sharded cluster's (rallypoint.actors.sharding)
 }
 
-#: Every wire code, in SPEC §1 order, then IDEMPOTENCY_CONFLICT (the HTTP front end's)
-#: and NOT_LEADER (a replicated shard's).
+#: Every wire code, in SPEC §1 order, then IDEMPOTENCY_CONFLICT (the HTTP front end's),
+#: NOT_LEADER (a replicated shard's) and WRONG_SHARD (a sharded cluster's).
 CODES: tuple[str, ...] = tuple(_BY_CODE)
 
 

@@ -182,6 +182,7 @@ class Service:
         self._ops: dict[type, tuple[Any, Any, str, str]] = {
             t: (b.handler, b.route, b.permission, b.tag) for t, b in coordinator.ops.items()
         }
+        self._shards = coordinator.op_table.shards
         self._decoder = coordinator.op_table.decoder
 
     # -------------------------------------------------------------- handshake
@@ -238,6 +239,9 @@ class Service:
                         f"this key lacks the permission {permission!r} needed for {op.__struct_config__.tag}",
                         details={"permission": permission},
                     )
+            sharding = coord.sharding
+            if sharding is not None:  # a sharded cluster: only this shard's slots (WRONG_SHARD)
+                sharding.check_op(self._shards[type(op)], op, session.space)
             actor_id = route(coord, session, op)
         except RallypointError as exc:
             sink.deliver(rid, exc, coord.journal.last_lsn)

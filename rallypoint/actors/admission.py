@@ -157,7 +157,7 @@ class Admission(Kind):
                 )
             return self.view(wl)
         coord.runs.require_active(run.id)
-        rec = WorkLimitCreated(id=coord.ids.new("wlm"), space=session.space, scope_id=run.id, name=op.name,
+        rec = WorkLimitCreated(id=coord.new_id("wlm", under=run.id), space=session.space, scope_id=run.id, name=op.name,
                                max_outstanding=op.max_outstanding, at_ms=coord.now_ms())
         coord.commit([rec])
         return self.view(self.table[rec.id])
@@ -234,6 +234,15 @@ class Admission(Kind):
         Raises what each requirement kind raises (VALIDATION_FAILED, NOT_FOUND)."""
         if req is None:
             return None
+        sh = self.coord.sharding
+        if sh is not None and not sh.owned[sh.home_slot(space)]:
+            from ..errors import ValidationError
+
+            raise ValidationError(
+                f"task requirements (pools, budgets) are taken on the space's home shard "
+                f"({sh.owners[sh.home_slot(space)]}); this run lives on shard {sh.shard}: a sharded cluster does not "
+                "make one step of two shards -- run tasks that need pool units or budget in a run on the home shard",
+                details={"cross_shard": True, "shard": sh.owners[sh.home_slot(space)], "this_shard": sh.shard})
         out = {}
         for field, kind in self._kinds():
             value = getattr(req, field)

@@ -104,7 +104,7 @@ class Barriers(Kind):
                 coord.runs.require_active(run.id)
                 return self.view(b)
         coord.runs.require_active(run.id)
-        rec = BarrierCreated(id=coord.ids.new("bar"), space=session.space, scope_id=run.id, target=op.target,
+        rec = BarrierCreated(id=coord.new_id("bar", under=run.id), space=session.space, scope_id=run.id, target=op.target,
                              at_ms=coord.now_ms(), name=op.name)
         coord.commit([rec])
         return self.view(self.table[rec.id])

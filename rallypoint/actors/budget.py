@@ -235,7 +235,7 @@ class Budgets(Kind):
                         details={"field": field, "existing": have},
                     )
             return self.view(b)
-        rec = BudgetCreated(id=self.coord.ids.new("bdg"), space=session.space, name=op.name, currency=op.currency,
+        rec = BudgetCreated(id=self.coord.new_id("bdg", space=session.space), space=session.space, name=op.name, currency=op.currency,
                             scale=op.scale, limit_minor=op.limit_minor, at_ms=self.coord.now_ms())
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
@@ -355,7 +355,7 @@ class Budgets(Kind):
         now = coord.now_ms()
         return [
             BudgetReserved(
-                id=coord.ids.new("rsv"), budget_id=self.get(space, name_or_id).id, space=space, scope_id=run_id,
+                id=coord.new_id("rsv", space=space), budget_id=self.get(space, name_or_id).id, space=space, scope_id=run_id,
                 amount_minor=amount, at_ms=now, settle_by_mono_ms=settle_by_mono_ms, key=key, holder=holder,
                 task_id=task_id, token=token,
             )
@@ -394,9 +394,9 @@ class Budgets(Kind):
     def requirement_records(self, task, value: dict[str, int], at_ms: int) -> list[BudgetReserved]:
         """The reservations, held for the delivery this step makes (its token is the
         task's next one), to commit with its ``TaskDelivered``."""
-        new_id = self.coord.ids.new
+        new_id = self.coord.new_id
         return [
-            BudgetReserved(id=new_id("rsv"), budget_id=bid, space=task.space, scope_id=task.scope_id,
+            BudgetReserved(id=new_id("rsv", space=task.space), budget_id=bid, space=task.space, scope_id=task.scope_id,
                            amount_minor=amount, at_ms=at_ms, holder="admission", task_id=task.id,
                            token=task.token + 1)
             for bid, amount in value.items()

@@ -86,7 +86,7 @@ from ..records import (
 from ..events import emits, ev
 from .common import MAX_KEY_LEN, MAX_WAIT_MS, applies, check_payload, check_range, data, short
 from .kind import Kind
-from .opmark import ALWAYS, R, SPACE, W, asked, by, by_run, keyed, op
+from .opmark import ALWAYS, HOME, R, SPACE, W, asked, by, by_run, keyed, op
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
 from .runtime import PRIO_WAIT_END, Park
 from .waitqueue import WaitQueue
@@ -236,7 +236,7 @@ class Claims(Kind):
         return ClaimLeaseView(status="ACQUIRED", claim=self.view(c), token=c.token, request_id=c.request_id)
 
     # ================================================================ acquire
-    @op(ClaimAcquire, route=by_run(), permission=W, resend=keyed("request_id"), waits=asked("wait_ms"),
+    @op(ClaimAcquire, route=by_run(), permission=W, resend=keyed("request_id"), waits=asked("wait_ms"), shard=HOME,
         reply=ClaimLeaseView)
     def op_claim_acquire(self, actor, session, op: ClaimAcquire):
         """Acquire the lease on ``op.key`` for run ``op.scope_id`` (runs on that run's
@@ -275,7 +275,7 @@ class Claims(Kind):
                 return self._lease_view(c, rid)
         if c is None or c.state == "FREE":
             now = coord.now_ms()
-            new_id = cid or coord.ids.new("clm")
+            new_id = cid or coord.new_id("clm", space=session.space)
             coord.commit([ClaimAcquired(
                 claim_id=new_id, space=space, key=op.key, scope_id=run.id,
                 generation=(c.generation if c else 0) + 1, token=new_token(),

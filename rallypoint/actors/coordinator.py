@@ -38,7 +38,7 @@ import trio
 from .._version import __version__
 from ..clock import Clock
 from ..errors import InternalError, RallypointError, UnavailableError
-from ..ids import IdGenerator
+from ..ids import IdGenerator, slot_of
 from ..protocol import encoder
 from ..events import DEFAULT_RETAIN_EVENTS, Entry, EventLog
 from ..records import ALL_RECORD_TYPES, LeasesExtended, decode_commit, encode_commit
@@ -60,6 +60,7 @@ from .queue import WorkQueues
 from .quota import Quotas
 from .retention import Retention
 from .epochs import Epochs
+from .sharding import Sharding
 from .run import Runs
 from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, Subscribe, _FatalMarker, fatal_unwrapped, shutdown_error
 from .watch import Watchers
@@ -122,6 +123,8 @@ class Coordinator:
     ) -> None:
         self.clock = clock or Clock()
         self.ids = IdGenerator(self.clock.mono_ms)
+        #: a sharded cluster's slot map as this shard sees it (None: ids name no slot)
+        self.sharding: Sharding | None = None
         self.journal = journal if journal is not None else MemoryJournal()
         self.durability = durability
         self.started_at = time.monotonic()
@@ -193,6 +196,24 @@ class Coordinator:
         self.op_table: OpTable = build_table(tuple(type(k) for k in self.kinds))
         #: request Struct -> its handler and route bound to this coordinator's kinds
         self.ops: dict[type, BoundOp] = self.op_table.bind(self.kinds)
+
+    # ------------------------------------------------------------------ ids
+    def new_id(self, prefix: str, *, under: str | None = None, space: str | None = None,
+               named: tuple[str, str] | None = None) -> str:
+        """A new id: in a sharded cluster it names the slot of the run (or any id of
+        its tree) ``under``, else the home slot of ``space``, else the slot of the named
+        root run ``named`` (``(space, name)``), else this shard's open slot (a new root
+        run); on a single node, as ``ids.new`` (:mod:`rallypoint.actors.sharding`)."""
+        sh = self.sharding
+        if sh is None:
+            return self.ids.new(prefix)
+        if named is not None:
+            return self.ids.new(prefix, sh.named_slot(*named))
+        if under is not None:
+            return self.ids.new(prefix, slot_of(under))
+        if space is not None:
+            return self.ids.new(prefix, sh.home_slot(space))
+        return self.ids.new(prefix, sh.root_slot())
 
     # ------------------------------------------------------------------ entities
     def entity_tables(self) -> dict[str, tuple[dict, type]]:

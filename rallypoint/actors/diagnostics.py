@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..clock import to_iso
 from ..protocol import OpsRun, OpsRunView, OpsWaits, OpsWaitsView, OpsWaitView, OpsWorkerView
 from .kind import Kind
-from .opmark import ALWAYS, R, SPACE, by_run, op
+from .opmark import ALL, ALWAYS, R, SPACE, by_run, op
 
 __all__ = ["Diagnostics"]
 
@@ -72,7 +72,7 @@ class Diagnostics(Kind):
                                        holder=w.holder, scope_id=w.scope_id))
         return out
 
-    @op(OpsWaits, route=SPACE, permission=R, resend=ALWAYS)
+    @op(OpsWaits, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
     def op_ops_waits(self, actor, session, op: OpsWaits) -> OpsWaitsView:
         """Parked server-side waits by actor kind (the whole server's runtime) and the
         space's durable waiters (quota waiters), at most 1000 rows."""

@@ -168,12 +168,16 @@ class Groups(Kind):
         runs.require_active(origin.id)
         if parent.id != origin.id:
             runs.require_active(parent.id)
+            if coord.sharding is not None and runs.root_of(parent.id) != runs.root_of(origin.id):
+                raise ValidationError(
+                    f"the group's parent run {parent.id} is in another run tree than run {origin.id}: a sharded "
+                    "cluster keeps a group, its gate and its members in one tree", details={"cross_tree": True})
         runs.check_child_limit(parent, "; the group's gate run would exceed it")
         rec = GroupCreated(
-            id=coord.ids.new("grp"),
+            id=coord.new_id("grp", under=origin.id),
             space=space,
             parent_scope_id=parent.id,
-            gate_scope_id=coord.ids.new("scp"),
+            gate_scope_id=coord.new_id("scp", under=parent.id),
             mailbox_id=q.id,
             condition=op.condition,
             at_ms=now,
@@ -275,9 +279,16 @@ class Groups(Kind):
         is another group's member."""
         coord = self.coord
         g = self.get(session.space, op.group_id)
+        sh = coord.sharding
+        if sh is not None and op.task_id not in coord.queues.tasks:
+            sh.cross_shard(op.task_id, "task")
         t = coord.queues.get_task(session.space, op.task_id)
         if t.group_id == g.id:
             return self._member_added(g, t)
+        if sh is not None and coord.runs.root_of(t.scope_id) != coord.runs.root_of(g.scope_id):
+            raise ValidationError(
+                f"task {t.id} is in another run tree than group {g.id}: a sharded cluster decides a group in one "
+                "step of its own tree, so it takes members of that tree only", details={"cross_tree": True})
         if t.group_id is not None:
             raise ConflictError(f"task {t.id} is already a member of group {t.group_id}")
         self._require_open(g)

@@ -88,7 +88,7 @@ from ..events import emits, ev
 from ..records import JoinSetChildDone, JoinSetClosing, JoinSetDone
 from .common import applies, check_range, clamp_wait, data, parse_instant, short
 from .kind import Kind
-from .opmark import ALWAYS, NEVER, R, W, asked, by, by_op, by_run, keyed, op, resend_if, waits_if
+from .opmark import ALWAYS, NEVER, R, W, asked, by, by_op, by_run, in_slot, keyed, op, resend_if, waits_if
 from .queue import TERMINAL
 from .runtime import Park
 
@@ -215,7 +215,7 @@ class JoinSets(Kind):
                     details={"field": "name", "joinset_id": existing},
                 )
         coord.runs.require_active(run.id)
-        rec = JoinSetCreated(id=coord.ids.new("jst"), space=session.space, scope_id=run.id,
+        rec = JoinSetCreated(id=coord.new_id("jst", under=run.id), space=session.space, scope_id=run.id,
                              at_ms=coord.now_ms(), name=op.name)
         if coord.runs.completing_task(run.id) is not None:
             # the run's task was completed: its run is closing, like a run whose
@@ -254,7 +254,7 @@ class JoinSets(Kind):
             raise ValidationError("give joinset_id, or scope_id and name", details={"field": "joinset_id"})
         return self.coord.runs.route(session, op.scope_id)
 
-    @op(JoinSetGet, route=by_op("route_get"), permission=R, resend=ALWAYS)
+    @op(JoinSetGet, route=by_op("route_get"), permission=R, resend=ALWAYS, shard=in_slot("joinset_id", "scope_id"))
     def op_joinset_get(self, actor, session, op: JoinSetGet) -> JoinSetView:
         if op.joinset_id is not None:
             return self.view(self.get(session.space, op.joinset_id))
@@ -330,7 +330,7 @@ class JoinSets(Kind):
             fire_at = parse_instant("at", op.at)
         coord.runs.require_active(js.scope_id)
         self._require_submittable(js)
-        rec = JoinSetDelaySubmitted(joinset_id=js.id, child_id=coord.ids.new("chd"), fire_at_ms=fire_at, at_ms=now,
+        rec = JoinSetDelaySubmitted(joinset_id=js.id, child_id=coord.new_id("chd", under=js.id), fire_at_ms=fire_at, at_ms=now,
                                     fire_mono_ms=fire_mono)
         coord.commit([rec])
         return JoinSetChildAdded(child_id=rec.child_id, kind="delay", fire_at=to_iso(fire_at))

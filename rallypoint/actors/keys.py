@@ -132,7 +132,7 @@ class Keys(Kind):
             )
         coord = self.coord
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-        rec = KeyCreated(id=coord.ids.new("key"), space=space, permissions=perms,
+        rec = KeyCreated(id=coord.new_id("key", space=space), space=space, permissions=perms,
                          secret_sha256=hash_secret(secret), at_ms=coord.now_ms(), name=name)
         coord.commit([rec])
         return self.table[rec.id], secret

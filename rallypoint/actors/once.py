@@ -135,7 +135,7 @@ class Onces(Kind):
                 return self.view(o)
         token = (o.token if o is not None else 0) + 1
         rec = OnceAcquired(
-            id=o.id if o is not None else coord.ids.new("onc"), space=session.space, scope_id=op.scope_id,
+            id=o.id if o is not None else coord.new_id("onc", under=op.scope_id), space=session.space, scope_id=op.scope_id,
             key=op.key, token=token, lease_expires_ms=now_mono + op.lease_ms, at_ms=coord.now_ms(),
             holder=op.holder, holder_session=op.holder_session,
         )

@@ -15,6 +15,9 @@ handlers with everything the rest of the system needs to know about that operati
 - **resend**: whether a client may send it again after its connection dropped with it
   in flight (:class:`Resend`: :data:`ALWAYS`, :data:`NEVER`, :func:`keyed`,
   :func:`resend_if`); read by :func:`rallypoint.client.reconnect.reissue_safe`;
+- **shard**: which shard of a sharded cluster it belongs to (:class:`Shard`; derived
+  from the route when not given: the slot of the id it routes by, the home shard for
+  the space's actor);
 - **waits**: whether the request is a server-side wait the client asked for (:class:`Waits`:
   :func:`asked`, :func:`waits_if`; default: never). Such a request is never logged as a
   slow request (:class:`rallypoint.metrics.Metrics`).
@@ -40,7 +43,8 @@ import msgspec
 
 __all__ = [
     "op", "Route", "SPACE", "by_run", "run_or_space", "by", "by_op", "Resend", "ALWAYS", "NEVER", "keyed",
-    "resend_if", "Waits", "asked", "waits_if", "OpDecl", "OpTable", "BoundOp", "build_table", "PERMISSIONS",
+    "resend_if", "Waits", "asked", "waits_if", "Shard", "HOME", "NEW_ROOT", "ALL", "in_slot", "in_slots", "named",
+    "shard_of_route", "OpDecl", "OpTable", "BoundOp", "build_table", "PERMISSIONS",
     "ANY_KEY", "R", "W", "C", "A",
 ]
 
@@ -217,6 +221,70 @@ def waits_if(pred: Callable[[Any], bool], describe: str, fields: tuple[str, ...]
     return Waits(describe, pred, fields)
 
 
+# ---------------------------------------------------------------------------- shards
+
+class Shard:
+    """Which shard of a sharded cluster an op belongs to: the client's router sends it
+    there, and a node refuses one that is not its own (WRONG_SHARD). Derived from the
+    route when not given (:func:`shard_of_route`).
+
+    ``kind``:
+    - ``"slot"``: the slot of ``op.<field>`` -- an id names its slot
+      (:func:`rallypoint.ids.slot_of`), a name (a work queue's, a pool's...) its space's
+      home slot; when the field is None, ``if_none`` (``"home"``, ``"all"`` or
+      ``"new_root"``) decides;
+    - ``"slots"``: ``op.<field>`` is a list of ids (or of items with ``task_id``): the
+      router splits it by shard, a node takes only its own;
+    - ``"home"``: the space's home slot; ``"named"``: the slot ``op.<field>`` (a root
+      run's name) hashes to; ``"new_root"``: any shard (the router spreads new root runs);
+      ``"all"``: every shard (the router merges the answers)."""
+
+    __slots__ = ("describe", "kind", "field", "if_none", "fields")
+
+    def __init__(self, kind: str, field: str | None = None, if_none: str = "home") -> None:
+        if kind not in ("slot", "slots", "home", "named", "new_root", "all"):
+            raise ValueError(f"unknown shard kind {kind!r}")
+        self.kind = kind
+        self.field = field
+        self.if_none = if_none
+        self.fields = (field,) if field else ()
+        self.describe = kind if field is None else f"{kind}({field})"
+
+    def __repr__(self) -> str:
+        return f"Shard({self.describe})"
+
+
+#: The space's home shard (its space-wide entities).
+HOME = Shard("home")
+#: Any shard: a new root run (the router spreads them over the shards).
+NEW_ROOT = Shard("new_root")
+#: Every shard: the answers are merged (lists, status, events).
+ALL = Shard("all")
+
+
+def in_slot(field: str, if_none: str = "home") -> Shard:
+    """The shard of ``op.<field>``'s slot (an id's; a name's: the home slot)."""
+    return Shard("slot", field, if_none)
+
+
+def in_slots(field: str) -> Shard:
+    """``op.<field>`` lists ids (or items with ``task_id``): split by shard."""
+    return Shard("slots", field)
+
+
+def named(field: str = "name") -> Shard:
+    """The slot a root run named ``op.<field>`` hashes to."""
+    return Shard("named", field)
+
+
+def shard_of_route(route: "Route") -> Shard:
+    """The default shard fact of a route: the slot of the field it routes by (an id's
+    slot, a name's home slot), the home shard for the space's actor."""
+    if route.fields:
+        return in_slot(route.fields[0], "home")
+    return HOME
+
+
 # ---------------------------------------------------------------------------- the mark
 
 class _Mark(NamedTuple):
@@ -226,15 +294,16 @@ class _Mark(NamedTuple):
     permission: str | None
     resend: Resend | None
     waits: Waits
+    shard: Shard | None
 
 
 def op(request: type, *, route: Route | None = None, permission: str | None = None, resend: Resend | None = None,
-       waits: Waits | None = None, reply: type | None = None) -> Callable:
+       waits: Waits | None = None, reply: type | None = None, shard: Shard | None = None) -> Callable:
     """Mark a kind's method as THE handler of the operation ``request`` (see the module
     docstring for what each argument declares). Nothing is checked here: a mark that is
     incomplete, or a second handler for the same op, stops :func:`build_table` (and so
     the coordinator's construction) with RuntimeError."""
-    mark = _Mark(request, reply, route, permission, resend, waits if waits is not None else _NO_WAIT)
+    mark = _Mark(request, reply, route, permission, resend, waits if waits is not None else _NO_WAIT, shard)
 
     def deco(fn):
         fn._op = mark
@@ -257,6 +326,7 @@ class OpDecl(NamedTuple):
     permission: str
     resend: Resend
     waits: Waits
+    shard: Shard
 
 
 class BoundOp(NamedTuple):
@@ -287,6 +357,7 @@ class OpTable:
         self.decoder = msgspec.msgpack.Decoder(self.union)
         self._resend = {t: d.resend for t, d in decls.items()}
         self._waits = {t: d.waits for t, d in decls.items()}
+        self.shards: dict[type, Shard] = {t: d.shard for t, d in decls.items()}
 
     def resend_safe(self, op: Any) -> bool:
         """Whether ``op`` may be sent again after a dropped connection (False for
@@ -409,5 +480,10 @@ def build_table(kind_classes: tuple[type, ...], requests: tuple[type, ...] | Non
         if reply is None:
             raise RuntimeError(f"op {tag!r} ({where}) has no reply type: annotate the handler's return with the "
                                "reply Struct or give its @op a reply=")
-        decls[t] = OpDecl(t, tag, reply, cls, name, m.route, m.permission, m.resend, m.waits)
+        shard = m.shard if m.shard is not None else shard_of_route(m.route)
+        if m.shard is None and m.route.method is not None and not m.route.fields:
+            raise RuntimeError(f"op {tag!r} ({where}): its route reads the whole op, so its shard cannot be "
+                               "derived: give its @op a shard= (in_slot(field), in_slots(field), HOME, ALL...)")
+        _check_fields(tag, where, "shard", shard.fields, t)
+        decls[t] = OpDecl(t, tag, reply, cls, name, m.route, m.permission, m.resend, m.waits, shard)
     return OpTable(decls)

@@ -273,7 +273,7 @@ class Pools(Kind):
                     details={"field": "units_total", "existing": pool.units_total},
                 )
             return self.view(pool)
-        rec = PoolCreated(id=self.coord.ids.new("pol"), space=session.space, name=op.name,
+        rec = PoolCreated(id=self.coord.new_id("pol", space=session.space), space=session.space, name=op.name,
                           units_total=op.units_total, at_ms=self.coord.now_ms())
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
@@ -328,7 +328,7 @@ class Pools(Kind):
                 return self._park(pool, w)
         line = self.line(pool)
         if not line and self.free(pool) >= op.units:
-            gid = coord.ids.new("grt")
+            gid = coord.new_id("grt", space=pool.space)
             coord.commit([PoolGranted(
                 id=gid, pool_id=pool.id, space=space, scope_id=run.id, units=op.units, token=new_token(),
                 at_ms=coord.now_ms(), lease_expires_ms=coord.mono_ms() + op.lease_ms, holder=op.holder,
@@ -579,7 +579,7 @@ class Pools(Kind):
                                           reason="expired" if w.expires_mono_ms < mono else "cancelled")
                           for w in leaving]
             recs += [PoolGranted(
-                id=coord.ids.new("grt"), pool_id=pool.id, space=pool.space, scope_id=w.scope_id,
+                id=coord.new_id("grt", space=pool.space), pool_id=pool.id, space=pool.space, scope_id=w.scope_id,
                 units=w.units, token=new_token(), at_ms=now, lease_expires_ms=mono + w.lease_ms,
                 holder=w.holder, request_id=w.request_id,
             ) for w in served]
@@ -748,9 +748,9 @@ class Pools(Kind):
 
     def requirement_records(self, task, value: dict[str, int], at_ms: int) -> list:
         """The grants, committed with the delivery (``TaskDelivered``)."""
-        new_id = self.coord.ids.new
+        new_id = self.coord.new_id
         return [
-            PoolGranted(id=new_id("grt"), pool_id=pid, space=task.space, scope_id=task.scope_id, units=units,
+            PoolGranted(id=new_id("grt", space=task.space), pool_id=pid, space=task.space, scope_id=task.scope_id, units=units,
                         token=new_token(), at_ms=at_ms, task_id=task.id)
             for pid, units in value.items()
         ]

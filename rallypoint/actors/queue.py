@@ -115,7 +115,7 @@ from .common import (
     MAX_PAYLOAD_BYTES, applies, check_key, check_name, check_payload, check_range, clamp_wait, data, parse_instant, short,
 )
 from .kind import Kind
-from .opmark import ALWAYS, C, R, SPACE, W, asked, by, by_run, keyed, op, resend_if
+from .opmark import ALL, ALWAYS, C, R, SPACE, W, asked, by, by_run, in_slots, keyed, op, resend_if
 from .runtime import Park
 
 __all__ = ["MailboxState", "TaskState", "WorkQueues", "TERMINAL", "MIN_LEASE_MS", "MAX_LEASE_MS"]
@@ -307,7 +307,7 @@ class WorkQueues(Kind):
                 coord.commit([MailboxRequirementsSet(id=q.id, at_ms=coord.now_ms(), requirements=reqs)])
             return self.queue_view(q)
         rec = MailboxCreated(
-            id=coord.ids.new("mbx"), space=session.space, name=op.name, mode=op.mode,
+            id=coord.new_id("mbx", space=session.space), space=session.space, name=op.name, mode=op.mode,
             max_attempts=op.max_attempts, backlog_limit=op.backlog_limit, at_ms=coord.now_ms(), requirements=reqs,
         )
         coord.commit([rec])
@@ -321,7 +321,7 @@ class WorkQueues(Kind):
     def op_mailbox_list(self, actor, session, op: MailboxList) -> MailboxListView:
         return MailboxListView(mailboxes=[self.queue_view(q) for q in self.table.values() if q.space == session.space])
 
-    @op(MailboxMessages, route=by("name", "route_queue"), permission=R, resend=ALWAYS)
+    @op(MailboxMessages, route=by("name", "route_queue"), permission=R, resend=ALWAYS, shard=ALL)
     def op_mailbox_messages(self, actor, session, op: MailboxMessages) -> TaskListView:
         """The queue's tasks (or messages), newest first: at most ``limit`` (1-1000),
         older than ``before`` (an id) when given. A diagnostic read: it walks the
@@ -457,7 +457,7 @@ class WorkQueues(Kind):
             coord.admission.check_work_limit(work_limit, extra_backlog + 1)
         seq = self.next_seq + extra_backlog
         return TaskSubmitted(
-            id=coord.ids.new("msg" if mode == "INBOX" else "tsk"), space=space, mailbox_id=q.id, scope_id=run_id,
+            id=coord.new_id("msg" if mode == "INBOX" else "tsk", under=run_id), space=space, mailbox_id=q.id, scope_id=run_id,
             input=data, at_ms=now, key=key, deadline_ms=deadline_ms, seq=seq, requirements=reqs,
             work_limit_id=work_limit.id if work_limit is not None else None, **extra,
         )
@@ -764,9 +764,10 @@ class WorkQueues(Kind):
         coord = self.coord
         now = coord.now_ms()
         expires = coord.mono_ms() + lease_ms
-        new_id = coord.ids.new
+        new_id = coord.new_id
         recs = [
-            TaskDelivered(task_id=t.id, delivery_id=new_id("dlv"), token=t.token + 1, lease_expires_ms=expires, at_ms=now)
+            TaskDelivered(task_id=t.id, delivery_id=new_id("dlv", under=t.id), token=t.token + 1, lease_expires_ms=expires,
+                          at_ms=now)
             for t in picked
         ]
         for t in picked:
@@ -921,7 +922,8 @@ class WorkQueues(Kind):
             raise ValidationError(f"items must hold 1 to {MAX_BATCH} completes", details={"field": "items"})
         return self.get_task(session.space, items[0].task_id).scope_id
 
-    @op(DeliveryCompleteMany, route=by("items", "route_complete_many"), permission=W, resend=ALWAYS)
+    @op(DeliveryCompleteMany, route=by("items", "route_complete_many"), permission=W, resend=ALWAYS,
+        shard=in_slots("items"))
     def op_delivery_complete_many(self, actor, session, op: DeliveryCompleteMany) -> SettledListView:
         """Complete several deliveries of one run in ONE commit: each item is judged as
         ``delivery.complete`` judges it (its refusal is its answer, and changes nothing);
@@ -1029,7 +1031,7 @@ class WorkQueues(Kind):
         if not self._lease_live(t):
             raise self._lost(t)
         runs.check_child_limit(runs.table[t.scope_id], "; the task's own run would exceed it")
-        rec = TaskRunCreated(task_id=t.id, run_id=self.coord.ids.new("scp"), at_ms=self.coord.now_ms())
+        rec = TaskRunCreated(task_id=t.id, run_id=self.coord.new_id("scp", under=t.id), at_ms=self.coord.now_ms())
         self.coord.commit([rec])
         return runs.view(runs.table[rec.run_id])
 
@@ -1142,6 +1144,7 @@ class WorkQueues(Kind):
         return first.scope_id
 
     @op(TaskResults, route=by("task_ids", "route_tasks"), permission=R, resend=ALWAYS, waits=asked("wait_ms"),
+        shard=in_slots("task_ids"),
         reply=TaskListView)
     def op_task_results(self, actor, session, op: TaskResults):
         """Every task, once all are terminal (in the given order); ONE parked wait on the

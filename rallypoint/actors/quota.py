@@ -244,7 +244,7 @@ class Quotas(Kind):
                         details={"field": field, "existing": have},
                     )
             return self.view(q)
-        rec = QuotaCreated(id=self.coord.ids.new("quo"), space=session.space, name=op.name,
+        rec = QuotaCreated(id=self.coord.new_id("quo", space=session.space), space=session.space, name=op.name,
                            units_limit=op.units_limit, window_ms=op.window_ms, at_ms=self.coord.now_ms())
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
@@ -307,16 +307,16 @@ class Quotas(Kind):
             if not fits:
                 raise self.refusal(q, op.units, mono)
             if op.key is None:
-                rec = QuotaConsumed(quota_id=q.id, consumption_id=coord.ids.new("qcn"), scope_id=run.id,
+                rec = QuotaConsumed(quota_id=q.id, consumption_id=coord.new_id("qcn", space=q.space), scope_id=run.id,
                                     units=op.units, window_start_mono_ms=window, at_ms=coord.now_ms(),
                                     holder=op.holder)
                 coord.commit([rec])
                 return self._consumed_view(q, rec)
         added = QuotaWaiterAdded(
-            id=coord.ids.new("qwt"), quota_id=q.id, space=session.space, scope_id=run.id, units=op.units,
+            id=coord.new_id("qwt", space=q.space), quota_id=q.id, space=session.space, scope_id=run.id, units=op.units,
             seq=q.next_seq, expires_mono_ms=mono + op.ttl_ms, at_ms=coord.now_ms(), at_mono_ms=mono,
             key=op.key, holder=op.holder,
-            consumption_id=coord.ids.new("qcn") if fits else None, window_start_mono_ms=window if fits else 0,
+            consumption_id=coord.new_id("qcn", space=q.space) if fits else None, window_start_mono_ms=window if fits else 0,
         )
         coord.commit([added])
         return self._wait_for(self.waiters[added.id], wait_ms)

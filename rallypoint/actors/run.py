@@ -46,7 +46,7 @@ from ..events import emits, ev
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
 from .common import applies, check_label, check_range, clamp_wait, data, parse_instant
 from .kind import Kind
-from .opmark import ALWAYS, NEVER, R, SPACE, W, asked, by_run, op, run_or_space
+from .opmark import ALWAYS, NEVER, R, SPACE, W, asked, by_run, in_slot, named, op, run_or_space
 from .runtime import PRIO_RUN_DEADLINE, Park
 
 __all__ = ["ScopeState", "Runs"]
@@ -104,6 +104,23 @@ class Runs(Kind):
 
     def entity_tables(self):
         return {"scp": (self.table, ScopeState)}
+
+    def get(self, space: str, entity_id):
+        """The run ``entity_id`` of ``space`` (NOT_FOUND otherwise); in a sharded cluster
+        a run of another shard, named by a step on this one, is VALIDATION_FAILED
+        saying so (``Sharding.cross_shard``), not NOT_FOUND."""
+        sh = self.coord.sharding
+        if sh is not None and entity_id not in self.table:
+            sh.cross_shard(entity_id, "run")
+        return super().get(space, entity_id)
+
+    def root_of(self, run_id: str) -> str:
+        """The root run of ``run_id``'s tree (``run_id`` must exist)."""
+        table = self.table
+        s = table[run_id]
+        while s.parent_id is not None and s.parent_id in table:
+            s = table[s.parent_id]
+        return s.id
 
     def parent_actor_id(self, run_id: str) -> str | None:
         return self.table[run_id].parent_id
@@ -194,10 +211,13 @@ class Runs(Kind):
         self.owned.setdefault(run_id, []).append(entity_id)
 
     # ================================================================ decide (ops)
-    @op(ScopeCreate, route=run_or_space("parent_id"), permission=W, resend=NEVER)
-    def op_scope_create(self, actor, session, op: ScopeCreate) -> ScopeView:
+    @op(ScopeCreate, route=run_or_space("parent_id"), permission=W, resend=NEVER,
+        shard=in_slot("parent_id", "new_root"))
+    def op_scope_create(self, actor, session, op: ScopeCreate, named: bool = False) -> ScopeView:
         """A root run (on the space's actor) or a child run (on the parent's actor).
-        VALIDATION_FAILED (name, deadline in the past, child_limit), NOT_FOUND (parent),
+        ``named``: the root of ``scope.ensure_named`` (in a sharded cluster its id names
+        the slot its name hashes to). VALIDATION_FAILED (name, deadline in the past,
+        child_limit), NOT_FOUND (parent),
         SCOPE_CANCELLED / DEADLINE_EXCEEDED (parent inactive), LIMIT_EXCEEDED (child_limit)."""
         space = session.space
         if op.parent_id is not None:
@@ -214,7 +234,7 @@ class Runs(Kind):
                 f"deadline {op.deadline} is in the past (now {to_iso(now)})", details={"field": "deadline"}
             )
         rec = ScopeCreated(
-            id=self.coord.ids.new("scp"),
+            id=self.coord.new_id("scp", under=op.parent_id, named=(space, op.name) if named else None),
             space=space,
             parent_id=op.parent_id,
             name=op.name,
@@ -225,7 +245,7 @@ class Runs(Kind):
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
 
-    @op(ScopeEnsureNamed, route=SPACE, permission=W, resend=ALWAYS)
+    @op(ScopeEnsureNamed, route=SPACE, permission=W, resend=ALWAYS, shard=named("name"))
     def op_scope_ensure_named(self, actor, session, op: ScopeEnsureNamed) -> ScopeView:
         """Join the named root run (the newest root run with ``name`` that is effectively
         ACTIVE) or create it; on the space's actor, so concurrent joins agree. A run that
@@ -236,7 +256,7 @@ class Runs(Kind):
         rid = self.named_roots.get((session.space, op.name))
         if rid is not None and self.inactive_error(rid) is None:
             return self.view(self.table[rid])
-        return self.op_scope_create(actor, session, ScopeCreate(name=op.name, deadline=op.deadline))
+        return self.op_scope_create(actor, session, ScopeCreate(name=op.name, deadline=op.deadline), named=True)
 
     def check_child_limit(self, parent: ScopeState, what: str = "") -> None:
         if parent.children >= parent.child_limit:
@@ -306,7 +326,7 @@ class Runs(Kind):
             return self.view(s)
         return None
 
-    @op(ScopeList, route=run_or_space("parent_id"), permission=R, resend=ALWAYS)
+    @op(ScopeList, route=run_or_space("parent_id"), permission=R, resend=ALWAYS, shard=in_slot("parent_id", "all"))
     def op_scope_list(self, actor, session, op: ScopeList) -> ScopeListView:
         """Runs of the space (or the children of ``parent_id``) in creation order:
         ``order="asc"`` oldest first, ``"desc"`` newest first; ``after`` / ``before``

@@ -30,7 +30,7 @@ from ..protocol import (
 from ..wire import PROTOCOL_VERSION
 from .common import check_range
 from .kind import Kind
-from .opmark import ALWAYS, R, SPACE, op
+from .opmark import ALL, ALWAYS, R, SPACE, in_slot, op
 from .runtime import Subscribe
 from .watch import durable_upto, encode_event
 
@@ -52,7 +52,7 @@ class Spaces(Kind):
     def route(self, session, _op=None) -> str:
         return "spc:" + session.space
 
-    @op(ServerStatus, route=SPACE, permission=R, resend=ALWAYS)
+    @op(ServerStatus, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
     def op_server_status(self, actor, session, op: ServerStatus) -> ServerStatusView:
         """The server's version, uptime, connections, durability, counts of the session's
         space, journal LSNs, and the actor runtime (actors by kind, tree depth)."""
@@ -93,7 +93,7 @@ class Spaces(Kind):
             raise ValidationError("aggregate must be 'kind:id' or an id", details={"field": "aggregate"})
         return EventFilter(op.types, op.scope_id, op.aggregate, self.coord.runs)
 
-    @op(EventsList, route=SPACE, permission=R, resend=ALWAYS)
+    @op(EventsList, route=SPACE, permission=R, resend=ALWAYS, shard=in_slot("scope_id", "all"))
     def op_events_list(self, actor, session, op: EventsList) -> EventPageView:
         """A page of the space's events after ``cursor`` (oldest first). CURSOR_EXPIRED
         for a cursor older than what is kept; VALIDATION_FAILED for a bad limit
@@ -107,7 +107,8 @@ class Spaces(Kind):
         return EventPageView(events=[msgspec.Raw(encode_event(e)) for e in evs], next_cursor=nxt,
                              oldest=s.first_seq, newest=s.last_seq)
 
-    @op(EventsWatch, route=SPACE, permission=R, resend=ALWAYS, reply=WatchView)
+    @op(EventsWatch, route=SPACE, permission=R, resend=ALWAYS, reply=WatchView,
+        shard=in_slot("scope_id", "all"))
     def op_events_watch(self, actor, session, op: EventsWatch) -> Subscribe:
         """Subscribe to the space's events after ``cursor`` (None: from the oldest kept,
         or from now with ``start="now"``). CURSOR_EXPIRED / VALIDATION_FAILED as
@@ -124,7 +125,7 @@ class Spaces(Kind):
         return Subscribe(session.space, flt, cursor)
 
     # ================================================================ operator view
-    @op(OpsOverview, route=SPACE, permission=R, resend=ALWAYS)
+    @op(OpsOverview, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
     def op_ops_overview(self, actor, session, op: OpsOverview) -> OverviewView:
         """The newest ``limit`` active runs, every work queue, the newest ``limit`` open
         groups, parked waits and inbox depth per kind, the event positions and counts.

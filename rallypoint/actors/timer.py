@@ -116,7 +116,7 @@ class Timers(Kind):
         else:
             fire_at = parse_instant("at", op.at)
         coord.runs.require_active(run.id)
-        rec = TimerCreated(id=coord.ids.new("tmr"), space=session.space, scope_id=run.id, fire_at_ms=fire_at,
+        rec = TimerCreated(id=coord.new_id("tmr", under=run.id), space=session.space, scope_id=run.id, fire_at_ms=fire_at,
                            at_ms=now, fire_mono_ms=fire_mono, name=op.name)
         coord.commit([rec])
         return self.view(self.table[rec.id])

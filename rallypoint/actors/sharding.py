@@ -1,0 +1,170 @@
+"""Which slots this coordinator owns, and which slot a new id names (a sharded cluster).
+
+A cluster fixes its number of slots when it is created (``rallypoint cluster init
+--slots N``); its slot map (in etcd, ``rallypoint.cluster.shardmap``) gives each slot to a
+shard. Every id made under a root run names the root's slot, and a space-wide entity
+(work queue, pool, quota, budget, claim, key) its space's *home slot*
+(:meth:`Sharding.home_slot`), so any id routes to its shard with no lookup
+(:func:`rallypoint.ids.slot_of`). A new root run takes this shard's *open slot*
+(:attr:`Sharding.open_slot`), or, when it has a name, the slot the name hashes to
+(its name index lives there).
+
+A coordinator with no :class:`Sharding` (``coord.sharding is None``: a single node, or a
+replicated shard without a slot map) makes ids as before.
+"""
+
+from __future__ import annotations
+
+from zlib import crc32
+
+from ..errors import WrongShardError
+from ..ids import MAX_SLOTS, is_id, slot_of
+
+__all__ = ["Sharding", "WrongShardError", "home_slot", "named_slot", "target", "item_slots", "NEW_ROOT", "EVERY"]
+
+#: :func:`target` of an op that any shard may take (a new root run) and of one every
+#: shard answers its part of (lists, status, events).
+NEW_ROOT = -1
+EVERY = -2
+
+
+def home_slot(space: str, slots: int) -> int:
+    """The home slot of ``space``: where its space-wide entities live."""
+    return crc32(b"space\0" + space.encode()) % slots
+
+
+def named_slot(space: str, name: str, slots: int) -> int:
+    """The slot of the named root run ``name`` of ``space`` (``scope.ensure_named``)."""
+    return crc32(b"root\0" + space.encode() + b"\0" + name.encode()) % slots
+
+
+def _value_slot(v, space: str, slots: int) -> int:
+    return slot_of(v) if is_id(v) else home_slot(space, slots)
+
+
+def target(shard, op, space: str, slots: int) -> int:
+    """The slot ``op`` belongs to under its declaration ``shard`` (an
+    :class:`~rallypoint.actors.opmark.Shard`, not of kind ``slots``), or
+    :data:`NEW_ROOT` / :data:`EVERY`. An id names its slot; a name (a queue's, a
+    pool's...) is its space's home slot."""
+    kind = shard.kind
+    if kind == "slot":
+        v = getattr(op, shard.field)
+        if v is None:
+            alt = shard.if_none
+            if alt == "home":
+                return home_slot(space, slots)
+            if alt == "all":
+                return EVERY
+            if alt == "new_root":
+                return NEW_ROOT
+            v = getattr(op, alt)  # another field names it
+            if v is None:
+                return home_slot(space, slots)
+        return _value_slot(v, space, slots)
+    if kind == "home":
+        return home_slot(space, slots)
+    if kind == "named":
+        return named_slot(space, getattr(op, shard.field), slots)
+    if kind == "new_root":
+        return NEW_ROOT
+    if kind == "all":
+        return EVERY
+    raise ValueError(f"target() of a {kind!r} shard: use item_slots()")
+
+
+def item_slots(shard, op, space: str, slots: int) -> list[int]:
+    """The slot of each element of ``op.<field>`` (a ``slots`` declaration): ids, or
+    items with a ``task_id``."""
+    out = []
+    for v in getattr(op, shard.field):
+        if not isinstance(v, str):
+            v = v.task_id
+        out.append(_value_slot(v, space, slots))
+    return out
+
+
+class Sharding:
+    """This shard's place in the cluster's slot map.
+
+    ``shard``: this shard's number; ``owners``: the map, one shard per slot (its
+    length is the cluster's slot count); ``version``: the map's version (its etcd mod
+    revision); ``open_slot``: the owned slot new unnamed root runs take (None: the
+    first owned one)."""
+
+    __slots__ = ("shard", "owners", "slots", "version", "owned", "open_slot")
+
+    def __init__(self, shard: int, owners: list[int], version: int = 0, open_slot: int | None = None) -> None:
+        if not 0 < len(owners) <= MAX_SLOTS:
+            raise ValueError(f"a slot map has 1 to {MAX_SLOTS} slots, not {len(owners)}")
+        self.shard = shard
+        self.update(owners, version)
+        self.open_slot = open_slot
+
+    def update(self, owners: list[int], version: int) -> None:
+        """A new slot map (the etcd watch saw it change)."""
+        self.owners = list(owners)
+        self.slots = len(owners)
+        self.version = version
+        self.owned = bytearray(1 if o == self.shard else 0 for o in owners)
+
+    def home_slot(self, space: str) -> int:
+        return home_slot(space, self.slots)
+
+    def named_slot(self, space: str, name: str) -> int:
+        return named_slot(space, name, self.slots)
+
+    def root_slot(self) -> int:
+        """The slot a new unnamed root run of this shard takes."""
+        s = self.open_slot
+        if s is None or not self.owned[s]:
+            s = self.open_slot = self.owned.index(1) if 1 in self.owned else None
+        if s is None:
+            raise WrongShardError(f"shard {self.shard} owns no slot in the slot map (version {self.version}): it "
+                                  "takes no new runs", details={"shard": self.shard, "map_version": self.version})
+        return s
+
+    def check(self, slot: int, what: str) -> None:
+        """Raise WRONG_SHARD unless this shard owns ``slot``."""
+        if slot >= self.slots or not self.owned[slot]:
+            owner = self.owners[slot] if slot < self.slots else None
+            raise WrongShardError(
+                f"{what} is in slot {slot}, owned by shard {owner}, not by shard {self.shard} (slot map version "
+                f"{self.version}); the SDK refreshes its map and goes there",
+                details={"slot": slot, "shard": owner, "map_version": self.version})
+
+    def cross_shard(self, entity_id: object, noun: str) -> None:
+        """Raise VALIDATION_FAILED (``details.cross_shard``) when ``entity_id`` is an id
+        of a slot this shard does not own: a step that would span two shards, which
+        a sharded cluster refuses (see docs/architecture.md, "Many shards")."""
+        if not is_id(entity_id):
+            return
+        slot = slot_of(entity_id)  # type: ignore[arg-type]
+        if slot < self.slots and self.owned[slot]:
+            return
+        from ..errors import ValidationError
+
+        owner = self.owners[slot] if slot < self.slots else None
+        raise ValidationError(
+            f"{noun} {entity_id} lives on shard {owner}, not on shard {self.shard} where this step runs: a sharded "
+            "cluster does not make one step of two shards (a group joins tasks of its own run tree; claims, pools, "
+            "quotas, budgets and task requirements are used by runs on their space's home shard)",
+            details={"cross_shard": True, "id": entity_id, "shard": owner, "this_shard": self.shard})
+
+    def check_id(self, entity_id: str, what: str = "it") -> None:
+        self.check(slot_of(entity_id), what)
+
+    def check_op(self, shard, op, space: str) -> None:
+        """Raise WRONG_SHARD unless ``op`` (declared ``shard``) belongs to this shard:
+        its slot, or every slot of its items, owned here; a new root run needs an owned
+        slot; an op every shard answers its part of is always taken."""
+        tag = op.__struct_config__.tag
+        if shard.kind == "slots":
+            for slot in item_slots(shard, op, space, self.slots):
+                self.check(slot, f"an item of {tag}")
+            return
+        slot = target(shard, op, space, self.slots)
+        if slot == NEW_ROOT:
+            self.root_slot()
+        elif slot != EVERY:
+            self.check(slot, tag)
