@@ -187,7 +187,31 @@ async def connect(
             yield Client(conn)
         return
     async with ReconnectingTransport(url, conn, open_connection, policy, connect_timeout) as transport:
-        yield Client(transport)
+        info = transport.server_info
+        if getattr(info, "shard", None) is None:  # not a cluster node: one transport for everything
+            yield Client(transport)
+            return
+        import anyio
+
+        from .client.router import open_transport
+
+        async with anyio.create_task_group() as shards:
+            async def run_shard(shard: int, hint, *, task_status=anyio.TASK_STATUS_IGNORED):
+                # one shard's transport lives in a task of its own (entered and left there)
+                f = LeaderFollower(split_urls(url), open_one, shard=shard, hint=hint)
+                c = await f.open(connect_timeout)
+                async with ReconnectingTransport(url, c, f.open, policy, connect_timeout) as t:
+                    task_status.started(t)
+                    await anyio.sleep_forever()
+
+            async def open_shard(shard: int, hint):
+                return await shards.start(run_shard, shard, hint)
+
+            routed = await open_transport(transport, split_urls(url), open_shard, info.space)
+            try:
+                yield Client(routed)
+            finally:
+                shards.cancel_scope.cancel()
 
 
 def retention_options(retain_finished: float | None, retain_events: "int | str | None") -> dict:

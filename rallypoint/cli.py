@@ -679,6 +679,80 @@ def _cluster_lines(c) -> list[str]:
     return lines
 
 
+def cmd_cluster_init(args) -> int:
+    """``cluster init``: the slot map of a new sharded cluster (slot i to shard i mod K)."""
+    from .cluster.etcd import EtcdClient, EtcdError
+    from .cluster.shardmap import init_cluster
+    from .errors import RallypointError
+
+    async def main():
+        async with EtcdClient(_etcd_endpoints(args.cluster)) as etcd:
+            return await init_cluster(etcd, args.cluster_name, slots=args.slots, shards=args.shards)
+
+    try:
+        m = trio.run(main)
+    except (EtcdError, RallypointError) as e:
+        return _fail(e, args)
+    print(f"cluster {args.cluster_name}: {len(m.owners)} slots over {len(m.shards)} shard(s) (map version {m.version}); "
+          f"start each shard's nodes with `rallypoint serve --cluster {args.cluster} --cluster-name {args.cluster_name} "
+          "--shard N --node NAME`")
+    return 0
+
+
+def cmd_cluster_add_shard(args) -> int:
+    """``cluster add-shard``: each shard's leader releases empty slots (its fair share
+    for one more shard), then the map gives them to the new shard in one transaction."""
+    import msgspec
+
+    import rallypoint
+
+    from . import protocol as p
+    from .cluster.etcd import EtcdClient, EtcdError
+    from .cluster.shardmap import read_map, set_owners, watch_leaders
+    from .errors import RallypointError, ValidationError
+
+    async def main():
+        async with EtcdClient(_etcd_endpoints(args.cluster)) as etcd:
+            m = await read_map(etcd, args.cluster_name)
+            if m is None:
+                raise ValidationError(f"cluster {args.cluster_name!r} has no slot map: `rallypoint cluster init` first")
+            shards = m.shards
+            new = args.shard if args.shard is not None else max(shards) + 1
+            if new in shards:
+                raise ValidationError(f"shard {new} already owns slots")
+            share = max(1, len(m.owners) // (len(shards) + 1) // len(shards))
+            leaders = {}
+            async for leaders in watch_leaders(etcd, args.cluster_name):
+                break
+            released: dict[int, list[int]] = {}
+            for s in shards:
+                rec = leaders.get(s)
+                if rec is None:
+                    raise ValidationError(f"shard {s} has no leader right now; try again")
+                async with rallypoint.connect(f"tcp://{rec.info.client_address}", api_key=args.api_key,
+                                              reconnect=False) as rs:
+                    raw = await rs._transport.call(p.ClusterReleaseSlots(count=share))
+                released[s] = msgspec.msgpack.decode(raw, type=p.SlotsReleasedView).released
+            owners = list(m.owners)
+            moved = 0
+            for s, slots in released.items():
+                for x in slots:
+                    if owners[x] == s:
+                        owners[x] = new
+                        moved += 1
+            if not moved:
+                raise ValidationError("no shard had an empty slot to give: every slot holds data")
+            return new, moved, await set_owners(etcd, args.cluster_name, m.version, owners)
+
+    try:
+        new, moved, m = trio.run(main)
+    except (EtcdError, RallypointError) as e:
+        return _fail(e, args)
+    print(f"shard {new} owns {moved} slot(s) now (map version {m.version}); start its nodes with "
+          f"`rallypoint serve --cluster {args.cluster} --cluster-name {args.cluster_name} --shard {new} --node NAME`")
+    return 0
+
+
 def cmd_cluster_status(args) -> int:
     """``cluster status``: the shard as etcd holds it (leader, epoch, members, in-sync
     set, the leader's lease time to live) and, from the leader, its standby's lag."""
@@ -1595,6 +1669,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="API key for the leader (default $RALLYPOINT_API_KEY); not needed in open mode")
     cst.add_argument("--json", action="store_true", help="machine-readable output")
     cst.set_defaults(fn=cmd_cluster_status)
+    ci = cls_.add_parser("init", help="make a sharded cluster: its slot count (fixed) and its first shards")
+    ci.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
+                    required=os.environ.get("RALLYPOINT_CLUSTER") is None, help="(default $RALLYPOINT_CLUSTER)")
+    ci.add_argument("--cluster-name", default="rallypoint", help="(default %(default)s)")
+    ci.add_argument("--slots", type=_bounded(int, 1, maximum=1024), default=1024,
+                    help="slots, fixed for the cluster's life: the unit a shard owns (default %(default)s, the most)")
+    ci.add_argument("--shards", type=_bounded(int, 1), default=1, help="shards to deal the slots to (default %(default)s)")
+    ci.set_defaults(fn=cmd_cluster_init)
+    ca = cls_.add_parser("add-shard", help="give a new shard empty slots, so it takes new root runs")
+    ca.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
+                    required=os.environ.get("RALLYPOINT_CLUSTER") is None, help="(default $RALLYPOINT_CLUSTER)")
+    ca.add_argument("--cluster-name", default="rallypoint", help="(default %(default)s)")
+    ca.add_argument("--shard", type=_bounded(int, 0), default=None,
+                    help="the new shard's number (default: one more than the highest)")
+    ca.add_argument("--api-key", default=os.environ.get("RALLYPOINT_API_KEY"),
+                    help="an operator key for the shards' leaders (default $RALLYPOINT_API_KEY; open mode: none)")
+    ca.set_defaults(fn=cmd_cluster_add_shard)
 
     k = sub.add_parser("keys", help="create, list and revoke API keys (offline on --data-dir, or --connect)",
                        parents=[_client_options(connect_default=None, data_dir=True, json_flag=True)])

@@ -199,6 +199,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
 #: Record types that change state but make no event, and why (a test checks that every
 #: record type either has an emitter or is listed here).
 SILENT_RECORDS: dict[str, str] = {
+    "SlotsReleased": "a change of the cluster's layout, not of any space's entities (rallypoint cluster status shows it)",
     "LeaseRenewed": "a renewal only moves the lease's expiry; frequent, and no one waits on it",
     "ClaimRenewed": "a renewal only moves the lease's expiry (as LeaseRenewed)",
     "GrantRenewed": "a renewal only moves the lease's expiry (as LeaseRenewed)",

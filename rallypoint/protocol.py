@@ -87,6 +87,47 @@ class ClusterView(_View):
     standby: StandbyView | None = None
 
 
+class ClusterMap(_Op, tag="cluster.map"):
+    """A sharded cluster's slot map and the leaders of its shards (any leader node
+    answers: it watches both in etcd). The SDK's router keeps it."""
+
+    pass
+
+
+class ShardView(_View):
+    """One shard: its ``leader`` node, that node's client ``address`` (None while a
+    failover leaves it without one), its ``epoch``."""
+
+    shard: int
+    leader: str | None = None
+    address: str | None = None
+    epoch: int = 0
+
+
+class ClusterMapView(_View):
+    """``version`` of the slot map (its etcd revision), ``owners[slot]`` = the shard that
+    owns the slot, ``shards``: every shard's leader; ``cluster`` its name. Without a
+    slot map (a single shard) ``owners`` is empty."""
+
+    cluster: str
+    version: int
+    owners: list[int]
+    shards: list[ShardView]
+
+
+class ClusterReleaseSlots(_Op, tag="cluster.release_slots"):
+    """``rallypoint cluster add-shard``: give up to ``count`` slots that hold nothing
+    (no entity of any kind, not the open slot) so another shard can own them; from this
+    step on this shard makes no entity in them. Answers every slot released so far."""
+
+    count: int
+
+
+class SlotsReleasedView(_View):
+    shard: int
+    released: list[int]
+
+
 class ServerStatusView(_View):
     version: str
     protocol_version: int
@@ -222,6 +263,10 @@ class MailboxEnsure(_Op, tag="mailbox.ensure"):
     max_attempts: int = 5
     backlog_limit: int | None = None
     requirements: Requirements | None = None
+    #: a sharded cluster: the id the space's home shard gave the queue, which another
+    #: shard adopts (the SDK's router sends it after the home shard's answer; the
+    #: default requirements stay the home shard's)
+    id: str | None = None
 
 
 class MailboxGet(_Op, tag="mailbox.get"):

@@ -901,6 +901,15 @@ class LeaderEpoch(_Rec, tag="leader_epoch"):
     mono_ms: int
 
 
+class SlotsReleased(_Rec, tag="slots_released"):
+    """A sharded cluster's shard gives up ``slots`` (each held nothing): from this
+    record on it makes no entity in them, so the slot map may give them to another
+    shard (``rallypoint cluster add-shard``)."""
+
+    slots: list[int]
+    at_ms: int
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -977,6 +986,7 @@ Record = Union[
     TaskDetached,
     Purged,
     LeaderEpoch,
+    SlotsReleased,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

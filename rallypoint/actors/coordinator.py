@@ -166,6 +166,8 @@ class Coordinator:
         self.epochs = Epochs(self)  # a replicated shard's leader terms (rallypoint.cluster)
         #: on a replicated shard's leader: () -> protocol.ClusterView (server status)
         self.cluster_status_fn: Callable[[], Any] | None = None
+        #: on a node of a sharded cluster: () -> protocol.ClusterMapView (cluster.map)
+        self.cluster_map_fn: Callable[[], Any] | None = None
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
                       self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs)

@@ -1,4 +1,5 @@
-"""Epochs: the history of a replicated shard's leaders, as coordinator state.
+"""Epochs: the history of a replicated shard's leaders (and the slots a sharded
+cluster's shard gave up), as coordinator state.
 
 Each time a node becomes the shard's leader it journals :class:`LeaderEpoch` as the
 first record of its term (``rallypoint.cluster``). The history of these -- ``(epoch,
@@ -14,15 +15,20 @@ from __future__ import annotations
 
 import msgspec
 
+from ..errors import ValidationError
 from ..events import emits, ev
-from ..records import LeaderEpoch
-from .common import applies
+from ..ids import is_id, slot_of
+from ..protocol import ClusterMap, ClusterMapView, ClusterReleaseSlots, SlotsReleasedView
+from ..records import LeaderEpoch, SlotsReleased
+from .common import applies, check_range
 from .kind import Kind
+from .opmark import ALL, ALWAYS, NEVER, R, SPACE, op
 
-__all__ = ["Epochs", "EpochHistory", "EpochEntry", "HISTORY_ID"]
+__all__ = ["Epochs", "EpochHistory", "EpochEntry", "ReleasedSlots", "HISTORY_ID", "RELEASED_ID"]
 
-#: The one entity of the kind.
+#: The kind's entities: the epoch history, and the slots this shard gave up.
 HISTORY_ID = "epo:history"
+RELEASED_ID = "rsl:released"
 
 
 class EpochEntry(msgspec.Struct, gc=False, array_like=True, frozen=True):
@@ -41,8 +47,17 @@ class EpochHistory(msgspec.Struct, gc=False):
     entries: list[EpochEntry] = []
 
 
+class ReleasedSlots(msgspec.Struct, gc=False):
+    """The slots this shard gave up (``cluster add-shard``), in the order released."""
+
+    id: str
+    slots: list[int] = []
+
+
 class Epochs(Kind):
-    """The shard's leader epochs (one entity, no actor, no operations)."""
+    """The shard's leader epochs and released slots (two entities, no actor of their
+    own), and the cluster ops a node answers itself: ``cluster.map`` and
+    ``cluster.release_slots`` (on the space's actor)."""
 
     prefix = "epo"
     name = "epochs"
@@ -50,9 +65,16 @@ class Epochs(Kind):
 
     def __init__(self, coord) -> None:
         super().__init__(coord)
+        self.released_table: dict[str, ReleasedSlots] = {}
 
     def entity_tables(self) -> dict[str, tuple[dict, type]]:
-        return {"epo": (self.table, EpochHistory)}
+        return {"epo": (self.table, EpochHistory), "rsl": (self.released_table, ReleasedSlots)}
+
+    @property
+    def released(self) -> list[int]:
+        """The slots this shard gave up."""
+        r = self.released_table.get(RELEASED_ID)
+        return [] if r is None else list(r.slots)
 
     @property
     def entries(self) -> list[EpochEntry]:
@@ -84,6 +106,48 @@ class Epochs(Kind):
                 return e.first_lsn - 1
         return None
 
+    @applies(SlotsReleased)
+    def _apply_slots_released(self, r: SlotsReleased) -> None:
+        cur = self.released_table.get(RELEASED_ID)
+        slots = [] if cur is None else list(cur.slots)
+        slots += [x for x in r.slots if x not in slots]
+        self.released_table[RELEASED_ID] = ReleasedSlots(id=RELEASED_ID, slots=slots)
+        self.coord.touch(RELEASED_ID)
+        sh = self.coord.sharding
+        if sh is not None:
+            sh.release(r.slots)
+
+    @op(ClusterMap, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
+    def op_cluster_map(self, actor, session, op: ClusterMap) -> ClusterMapView:
+        """The slot map and every shard's leader, as this node watches them in etcd (a
+        single node: an empty map)."""
+        fn = self.coord.cluster_map_fn
+        if fn is None:
+            return ClusterMapView(cluster="", version=0, owners=[], shards=[])
+        return fn()
+
+    @op(ClusterReleaseSlots, route=SPACE, permission="operator", resend=NEVER, shard=ALL)
+    def op_cluster_release_slots(self, actor, session, op: ClusterReleaseSlots) -> SlotsReleasedView:
+        """Give up to ``count`` empty slots (see ``protocol.ClusterReleaseSlots``): one
+        scan of every entity id (O(entities), on the loop: an operator step), then one
+        record. VALIDATION_FAILED on a node that is not part of a sharded cluster."""
+        coord = self.coord
+        sh = coord.sharding
+        if sh is None:
+            raise ValidationError("this node is not part of a sharded cluster (no slot map): nothing to release")
+        check_range("count", op.count, 0, sh.slots)
+        used: set[int] = set()
+        for table, _typ in {id(t): (t, x) for t, x in coord.entity_tables().values()}.values():
+            for eid in table:
+                if is_id(eid):
+                    used.add(slot_of(eid))
+        keep = {sh.root_slot()}
+        free = [x for x in range(sh.slots) if sh.owned[x] and x not in used and x not in keep]
+        take = sorted(free, reverse=True)[: op.count]
+        if take:
+            coord.commit([SlotsReleased(slots=take, at_ms=coord.now_ms())])
+        return SlotsReleasedView(shard=sh.shard, released=self.released)
+
     @applies(LeaderEpoch)
     def _apply_leader_epoch(self, r: LeaderEpoch) -> None:
         h = self.table.get(HISTORY_ID)
@@ -103,4 +167,5 @@ class Epochs(Kind):
                 for sp in sorted({"default", *self.coord.events.streams})]
 
     def statistics(self) -> dict:
-        return {"epochs": len(self.entries), "current": self.current}
+        return {"epochs": len(self.entries), "current": self.current, "released_slots": len(self.released)}
+

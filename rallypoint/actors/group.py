@@ -285,7 +285,7 @@ class Groups(Kind):
         t = coord.queues.get_task(session.space, op.task_id)
         if t.group_id == g.id:
             return self._member_added(g, t)
-        if sh is not None and coord.runs.root_of(t.scope_id) != coord.runs.root_of(g.scope_id):
+        if sh is not None and coord.runs.root_of(t.scope_id) != coord.runs.root_of(g.gate_scope_id):
             raise ValidationError(
                 f"task {t.id} is in another run tree than group {g.id}: a sharded cluster decides a group in one "
                 "step of its own tree, so it takes members of that tree only", details={"cross_tree": True})

@@ -55,7 +55,7 @@ import msgspec
 
 from ..clock import to_iso
 from ..errors import ConflictError, LeaseLostError, LimitError, NotFoundError, RallypointError, ValidationError
-from ..ids import is_id
+from ..ids import is_id, slot_of
 from ..protocol import (
     NIL,
     DeliveryComplete,
@@ -266,7 +266,7 @@ class WorkQueues(Kind):
     def route_queue(self, session, name_or_id) -> str:
         return self.get_queue(session.space, name_or_id).id
 
-    @op(MailboxEnsure, route=SPACE, permission=C, resend=ALWAYS)
+    @op(MailboxEnsure, route=SPACE, permission=C, resend=ALWAYS, shard=ALL)
     def op_mailbox_ensure(self, actor, session, op: MailboxEnsure) -> MailboxView:
         """Create the queue, or check it exists with these settings (CONFLICT naming the
         first of mode, max_attempts, backlog_limit that differs). Runs on the space's
@@ -287,8 +287,9 @@ class WorkQueues(Kind):
         if op.backlog_limit is not None:
             check_range("backlog_limit", op.backlog_limit, 1, 100_000_000)
         coord = self.coord
+        self._check_adopt(session.space, op)
         reqs = None
-        if op.requirements is not None:
+        if op.requirements is not None and op.id is None:
             if op.mode != "WORK" and (op.requirements.pools or op.requirements.budgets):
                 raise ValidationError("requirements apply to the tasks of a WORK mailbox; an INBOX mailbox's "
                                       "messages carry none", details={"field": "requirements"})
@@ -307,11 +308,32 @@ class WorkQueues(Kind):
                 coord.commit([MailboxRequirementsSet(id=q.id, at_ms=coord.now_ms(), requirements=reqs)])
             return self.queue_view(q)
         rec = MailboxCreated(
-            id=coord.new_id("mbx", space=session.space), space=session.space, name=op.name, mode=op.mode,
+            id=op.id or coord.new_id("mbx", space=session.space), space=session.space, name=op.name, mode=op.mode,
             max_attempts=op.max_attempts, backlog_limit=op.backlog_limit, at_ms=coord.now_ms(), requirements=reqs,
         )
         coord.commit([rec])
         return self.queue_view(self.table[rec.id])
+
+    def _check_adopt(self, space: str, op: MailboxEnsure) -> None:
+        """A sharded cluster keeps one definition of a work queue on every shard, under
+        the id its space's home shard gave it: an ensure without ``id`` belongs to the
+        home shard (WRONG_SHARD elsewhere); with one (the router adopting it), it must
+        be a queue id of the space's home slot. On a single node ``id`` is refused."""
+        sh = self.coord.sharding
+        if op.id is None:
+            if sh is not None:
+                sh.check(sh.home_slot(space), "a work queue's first ensure (its space's home slot)")
+            return
+        if sh is None:
+            raise ValidationError("id is given only by a sharded cluster's router (adopting a queue); omit it",
+                                  details={"field": "id"})
+        if not is_id(op.id, "mbx") or slot_of(op.id) != sh.home_slot(space):
+            raise ValidationError(f"id {short(op.id)} is not a work queue id of this space's home slot",
+                                  details={"field": "id"})
+        qid = self.by_name.get((space, op.name))
+        if qid is not None and qid != op.id:
+            raise ConflictError(f"mailbox {short(op.name)} exists here with another id ({qid}); it was made "
+                                "without its home shard", details={"field": "id", "existing": qid})
 
     @op(MailboxGet, route=by("name", "route_queue"), permission=R, resend=ALWAYS)
     def op_mailbox_get(self, actor, session, op: MailboxGet) -> MailboxView:

@@ -92,21 +92,32 @@ class Sharding:
     revision); ``open_slot``: the owned slot new unnamed root runs take (None: the
     first owned one)."""
 
-    __slots__ = ("shard", "owners", "slots", "version", "owned", "open_slot")
+    __slots__ = ("shard", "owners", "slots", "version", "owned", "open_slot", "released")
 
-    def __init__(self, shard: int, owners: list[int], version: int = 0, open_slot: int | None = None) -> None:
+    def __init__(self, shard: int, owners: list[int], version: int = 0, open_slot: int | None = None,
+                 released: list[int] = ()) -> None:
         if not 0 < len(owners) <= MAX_SLOTS:
             raise ValueError(f"a slot map has 1 to {MAX_SLOTS} slots, not {len(owners)}")
         self.shard = shard
+        self.released: set[int] = set(released)
         self.update(owners, version)
         self.open_slot = open_slot
 
     def update(self, owners: list[int], version: int) -> None:
-        """A new slot map (the etcd watch saw it change)."""
+        """A new slot map (the etcd watch saw it change). A slot this shard released
+        (``SlotsReleased``) is never its own again."""
         self.owners = list(owners)
         self.slots = len(owners)
         self.version = version
-        self.owned = bytearray(1 if o == self.shard else 0 for o in owners)
+        rel = self.released
+        self.owned = bytearray(1 if o == self.shard and i not in rel else 0 for i, o in enumerate(owners))
+
+    def release(self, slots) -> None:
+        """This shard gave up ``slots`` (the apply of ``SlotsReleased``)."""
+        self.released.update(slots)
+        for x in slots:
+            if x < self.slots:
+                self.owned[x] = 0
 
     def home_slot(self, space: str) -> int:
         return home_slot(space, self.slots)

@@ -60,12 +60,18 @@ class LeaderFollower:
     epoch seen), ``redirects`` (NOT_LEADER hints followed), ``stale`` (connections
     refused by the client fence)."""
 
-    def __init__(self, urls: list[str], open_one: Callable[[str, float], Awaitable[Any]]) -> None:
+    def __init__(self, urls: list[str], open_one: Callable[[str, float], Awaitable[Any]], *,
+                 shard: int | None = None, hint: Callable[[], str | None] | None = None) -> None:
         if not urls:
             raise ValidationError("no server address", details={"field": "url"})
         self.urls = list(urls)
         self.current = self.urls[0]
         self._open_one = open_one
+        #: only a leader of this shard is accepted (a sharded cluster's per-shard
+        #: connection; None: any)
+        self.shard = shard
+        #: the address the cluster's slot map names as that shard's leader, tried first
+        self._hint = hint
         self.epochs: dict[int, int] = {}
         self.redirects = 0
         self.stale = 0
@@ -80,6 +86,8 @@ class LeaderFollower:
         info = getattr(conn, "server_info", None)
         shard = getattr(info, "shard", None)
         epoch = getattr(info, "epoch", None)
+        if self.shard is not None and shard != self.shard:
+            return False  # the leader of another shard (a seed address of the cluster)
         if shard is None or epoch is None:
             return True
         seen = self.epochs.get(shard, 0)
@@ -102,6 +110,10 @@ class LeaderFollower:
         last: UnavailableError | None = None
         while True:
             order = [self.current] + [u for u in self.urls if u != self.current]
+            hinted = self._hint() if self._hint is not None else None
+            if hinted:
+                hurl = self._url_of(hinted)
+                order = [hurl] + [u for u in order if u != hurl]
             tried: set[str] = set()
             leaderless = False
             while order:
@@ -131,11 +143,12 @@ class LeaderFollower:
                 except UnavailableError as e:
                     last = e
                     continue
-                self.current = url
                 if not self.accept(conn):
                     await conn.aclose()
-                    last = UnavailableError(f"{url} is a deposed leader (older epoch)", retry_after=0.5)
+                    last = UnavailableError(f"{url} is not the leader of the shard wanted (a deposed leader, or "
+                                            "another shard's)", retry_after=0.5)
                     continue
+                self.current = url
                 return conn
             remaining = deadline - anyio.current_time()
             if not (leaderless or last is None or len(self.urls) > 1) or remaining <= 0:

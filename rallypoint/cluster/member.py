@@ -45,7 +45,9 @@ from ..replication import (
 from ..replication.link import unwrapped
 from ..wire import PROTOCOL_VERSION
 from .etcd import EtcdClient, EtcdError
+from ..actors.sharding import Sharding
 from .leader import LeaderInfo, LeaderRecord, Leadership, LeadershipLostError, ShardElection
+from .shardmap import SlotMap, watch_leaders, watch_map
 
 log = logging.getLogger("rallypoint.cluster")
 
@@ -169,6 +171,10 @@ class ShardMember:
         self.http_port: int | None = None
         self.last_epoch_seen = 0
         self.changes = 0  # role changes, for tests and status
+        #: a sharded cluster's slot map and every shard's leader, as watched in etcd
+        self.slotmap: SlotMap | None = None
+        self.leaders: dict[int, LeaderRecord] = {}
+        self._map_seen = trio.Event()
         self._stop = trio.Event()
         self._role_changed = trio.Event()
         self._leader_changed = trio.Event()
@@ -263,8 +269,11 @@ class ShardMember:
         if c.http is not None:
             self.http_port = await _reserve(c.http)
         try:
-            async with EtcdClient(c.etcd) as etcd:
+            async with EtcdClient(c.etcd) as etcd, trio.open_nursery() as watches:
                 election = ShardElection(etcd, c.cluster, c.shard)
+                watches.start_soon(self._watch_map, etcd)
+                watches.start_soon(self._watch_leaders, etcd)
+                await self._map_seen.wait()
                 await self._bootstrap(election)
                 while not self._stop.is_set():
                     try:
@@ -280,9 +289,49 @@ class ShardMember:
                                     c.node, c.shard, e)
                     if not started:
                         started = True
+                watches.cancel_scope.cancel()
         finally:
             self._set_role("stopped")
             self._stopped.set()
+
+    async def _watch_map(self, etcd: EtcdClient) -> None:
+        """Keep :attr:`slotmap` (and, while leading, the coordinator's sharding) current."""
+        while True:
+            try:
+                async for m in watch_map(etcd, self.config.cluster):
+                    self.slotmap = m
+                    node = self.node
+                    if m is not None and node is not None and node.coordinator.sharding is not None:
+                        node.coordinator.sharding.update(m.owners, m.version)
+                    self._map_seen.set()
+            except EtcdError as e:
+                log.warning("watching the slot map failed (%s); again", e.message)
+                self._map_seen.set()
+                await trio.sleep(0.5)
+
+    async def _watch_leaders(self, etcd: EtcdClient) -> None:
+        while True:
+            try:
+                async for leaders in watch_leaders(etcd, self.config.cluster):
+                    self.leaders = leaders
+            except EtcdError as e:
+                log.warning("watching the shards' leaders failed (%s); again", e.message)
+                await trio.sleep(0.5)
+
+    def cluster_map_view(self):
+        """``cluster.map``: the slot map and every shard's leader (a single shard without
+        a slot map: no owners, this shard only)."""
+        from ..protocol import ClusterMapView, ShardView
+
+        m = self.slotmap
+        shards = m.shards if m is not None else [self.config.shard]
+        out = []
+        for s in shards:
+            rec = self.leaders.get(s)
+            out.append(ShardView(shard=s, leader=rec.info.node if rec else None,
+                                 address=rec.info.client_address if rec else None, epoch=rec.epoch if rec else 0))
+        return ClusterMapView(cluster=self.config.cluster, version=m.version if m else 0,
+                              owners=list(m.owners) if m else [], shards=out)
 
     async def _bootstrap(self, election: ShardElection) -> None:
         """A new cluster: the first node creates the replicas key with itself as the
@@ -429,6 +478,10 @@ class ShardMember:
                                          "a fenced in-sync set update was refused"))
             repl.attach()
             box["repl"] = repl
+            if self.slotmap is not None:  # a sharded cluster: ids name slots, requests are checked
+                coord.sharding = Sharding(c.shard, self.slotmap.owners, self.slotmap.version,
+                                          released=coord.epochs.released)
+            coord.cluster_map_fn = self.cluster_map_view
             box["gap"] = take_over(coord, epoch=lead.epoch, node=c.node, clock_pair=clock_pair,
                                    default_gap_ms=rec.gap_ms)
 

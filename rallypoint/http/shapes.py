@@ -477,6 +477,9 @@ EVENT_PAGE = Shape(
 NOT_SERVED: dict[type, str] = {
     p.ServerStatusView: "server status is the operator's (TCP, rallypoint status, /metrics)",
     p.ClusterView: "part of the server status (rallypoint status, rallypoint cluster status)",
+    p.ClusterMapView: "the native SDK's router reads the slot map (HTTP routes inside the node)",
+    p.ShardView: "the native SDK's router reads the slot map (HTTP routes inside the node)",
+    p.SlotsReleasedView: "rallypoint cluster add-shard's (an operator step over TCP)",
     p.StandbyView: "part of the server status (rallypoint status, rallypoint cluster status)",
     p.ScopeListView: "runstate lists no runs",
     p.TaskOutcomeView: "the brief task.results form is the native client's",

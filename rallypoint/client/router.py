@@ -1,0 +1,341 @@
+"""The SDK's router for a sharded cluster: each request to the shard that owns it.
+
+A sharded cluster (``rallypoint cluster init --shards K``) spreads root runs over
+shards; every id names its slot (:func:`rallypoint.ids.slot_of`) and the slot map says
+which shard owns each slot. :class:`ShardedTransport` keeps that map and one connection
+per shard (each a :class:`~rallypoint.client.reconnect.ReconnectingTransport` that
+follows that shard's leader, :mod:`rallypoint.client.follow`), and sends each request
+where its declaration says (``@op(..., shard=...)``, :class:`rallypoint.actors.opmark.Shard`):
+
+- an op about an id (a run, a task, a group...) to the shard of the id's slot; one
+  about a space-wide entity by name (a work queue, a pool, a quota...) to the space's
+  home shard;
+- a new root run to the shards in turn (so a shard added later takes new runs); a
+  named root run (``ensure_named``) to the slot its name hashes to;
+- a list of ids (``task.results``, ``delivery.complete_many``) split by shard, the
+  answers put back in order;
+- an op every shard answers its part of (server status, root run lists, the
+  operator's views, a queue's messages) to every shard, the answers merged;
+- a work queue's definition (``mailbox.ensure``) to its home shard first, then, with the
+  id the home shard gave it, to every other shard (each needs it to take tasks of its
+  runs).
+
+A node that does not own the request's slot answers WRONG_SHARD: the router reads the
+map again and sends it there. Watching a whole space's events is refused in a cluster
+of several shards (each shard numbers its own events; watch a run instead).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Awaitable, Callable
+
+import anyio
+import msgspec
+
+from .. import protocol as p
+from ..errors import RallypointError, ValidationError, WrongShardError
+
+__all__ = ["ShardedTransport", "open_transport"]
+
+log = logging.getLogger("rallypoint.client")
+
+_TRIES = 4
+
+
+def _table():
+    from ..actors.api import TABLE
+
+    return TABLE
+
+
+class ShardedTransport:
+    """``call`` / ``call_many`` / ``subscribe`` over one transport per shard (see the
+    module docstring). ``open_shard(shard, leader_hint)`` opens a transport (already
+    entered) that follows that shard's leader (``leader_hint()``: the address the
+    latest map names); ``first`` is a transport to any node, used to read the map and
+    kept for the shard it leads; ``space`` is the connection's space (its home slot)."""
+
+    def __init__(self, urls: list[str], first: Any, open_shard: Callable[[int, Callable[[], str | None]], Awaitable[Any]],
+                 space: str) -> None:
+        self.urls = urls
+        self._first = first
+        self._open_shard = open_shard
+        self.space = space
+        self.map: p.ClusterMapView | None = None
+        self.shards: dict[int, Any] = {}
+        self._roots = itertools.count()
+        self._lock = anyio.Lock()
+        self.refreshes = 0
+        self.server_info = getattr(first, "server_info", None)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self.refresh()
+
+    @property
+    def closed(self) -> bool:
+        return all(getattr(t, "closed", False) for t in [self._first, *self.shards.values()])
+
+    # ------------------------------------------------------------------ the map
+    async def refresh(self) -> None:
+        """Read the slot map and the shards' leaders again (any shard answers)."""
+        async with self._lock:
+            src = next(iter(self.shards.values()), self._first)
+            raw = await src.call(p.ClusterMap())
+            m = msgspec.msgpack.decode(raw, type=p.ClusterMapView)
+            self.map = m
+            self.refreshes += 1
+            leaders = {s.shard: s for s in m.shards}
+            # every shard gets a transport of its own that follows only that shard's
+            # leader (the first one, opened to any node, only reads the map)
+            for s in leaders:
+                if s not in self.shards:
+                    self.shards[s] = await self._open_shard(s, lambda s=s: self._leader_address(s))
+            self.server_info = getattr(self._first, "server_info", self.server_info)
+
+    def _leader_address(self, shard: int) -> str | None:
+        """The shard's leader as the last map read named it (tried first on a reconnection)."""
+        m = self.map
+        if m is None:
+            return None
+        for v in m.shards:
+            if v.shard == shard:
+                return v.address
+        return None
+
+    @property
+    def sharded(self) -> bool:
+        return self.map is not None and len(self.map.owners) > 0 and len(set(self.map.owners)) > 1
+
+    def _shard_of_slot(self, slot: int) -> int:
+        return self.map.owners[slot]
+
+    def _transport(self, shard: int) -> Any:
+        t = self.shards.get(shard)
+        if t is None:
+            raise WrongShardError(f"no connection to shard {shard} yet", details={"shard": shard})
+        return t
+
+    # ------------------------------------------------------------------ calls
+    async def call(self, op: Any) -> Any:
+        """Send ``op`` where it belongs (see the module docstring); the reply body."""
+        for attempt in range(_TRIES):
+            try:
+                return await self._route(op)
+            except WrongShardError:
+                if attempt == _TRIES - 1:
+                    raise
+                await self.refresh()
+        raise AssertionError("unreachable")
+
+    async def call_many(self, ops: list) -> list:
+        """Each op routed on its own (a batch may span shards); replies in order."""
+        out: list = [None] * len(ops)
+
+        async def one(i: int, o: Any) -> None:
+            try:
+                out[i] = await self.call(o)
+            except RallypointError as e:
+                out[i] = e
+
+        async with anyio.create_task_group() as tg:
+            for i, o in enumerate(ops):
+                tg.start_soon(one, i, o)
+        return out
+
+    async def subscribe(self, op: Any, max_events: int = 10_000) -> Any:
+        if not self.sharded:
+            return await self._transport(self._any_shard()).subscribe(op, max_events)
+        if getattr(op, "scope_id", None) is None:
+            raise ValidationError("watching a whole space of a cluster of several shards is not supported yet (each "
+                                  "shard numbers its own events): watch a run, events.watch(scope=run)")
+        from ..actors.sharding import target
+
+        slot = target(_table().shards[type(op)], op, self.space, len(self.map.owners))
+        return await self._transport(self._shard_of_slot(slot)).subscribe(op, max_events)
+
+    def _any_shard(self) -> int:
+        return next(iter(self.shards)) if self.shards else 0
+
+    async def _route(self, op: Any) -> Any:
+        if not self.sharded:
+            return await self._transport(self._any_shard()).call(op)
+        from ..actors.sharding import EVERY, NEW_ROOT, item_slots, target
+
+        decl = _table().shards[type(op)]
+        slots = len(self.map.owners)
+        if type(op) is p.MailboxEnsure:
+            return await self._mailbox_ensure(op)
+        if decl.kind == "slots":
+            return await self._split(op, decl, item_slots(decl, op, self.space, slots))
+        slot = target(decl, op, self.space, slots)
+        if slot == NEW_ROOT:
+            shards = sorted(set(self.map.owners))
+            return await self._transport(shards[next(self._roots) % len(shards)]).call(op)
+        if slot == EVERY:
+            return await self._every(op)
+        return await self._transport(self._shard_of_slot(slot)).call(op)
+
+    async def _mailbox_ensure(self, op: p.MailboxEnsure) -> bytes:
+        from ..actors.sharding import home_slot
+
+        home = self._shard_of_slot(home_slot(self.space, len(self.map.owners)))
+        raw = await self._transport(home).call(op)
+        view = msgspec.msgpack.decode(raw, type=p.MailboxView)
+        adopt = msgspec.structs.replace(op, id=view.id)
+        for s in sorted(self.shards):
+            if s != home:
+                await self._transport(s).call(adopt)
+        return raw
+
+    async def _split(self, op: Any, decl: Any, slots: list[int]) -> bytes:
+        by_shard: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots):
+            by_shard.setdefault(self._shard_of_slot(slot), []).append(i)
+        field = decl.field
+        items = getattr(op, field)
+        if len(by_shard) == 1:
+            (s,) = by_shard
+            return await self._transport(s).call(op)
+        parts: dict[int, Any] = {}
+
+        async def send(s: int, idx: list[int]) -> None:
+            sub = msgspec.structs.replace(op, **{field: [items[i] for i in idx]})
+            parts[s] = await self._transport(s).call(sub)
+
+        async with anyio.create_task_group() as tg:
+            for s, idx in by_shard.items():
+                tg.start_soon(send, s, idx)
+        return _merge_split(op, by_shard, parts, len(items))
+
+    async def _every(self, op: Any) -> bytes:
+        parts: dict[int, bytes] = {}
+
+        async def send(s: int) -> None:
+            parts[s] = await self._transport(s).call(op)
+
+        async with anyio.create_task_group() as tg:
+            for s in sorted(self.shards):
+                tg.start_soon(send, s)
+        return _merge_every(op, [parts[s] for s in sorted(parts)])
+
+
+# ---------------------------------------------------------------------------- merging
+
+def _merge_split(op: Any, by_shard: dict[int, list[int]], parts: dict[int, bytes], n: int) -> bytes:
+    """Put the answers of a split list back in the request's order."""
+    if type(op) is p.TaskResults:
+        out_tasks: list = [None] * n
+        out_outcomes: list = [None] * n
+        for s, idx in by_shard.items():
+            v = msgspec.msgpack.decode(parts[s], type=p.TaskListView)
+            for j, i in enumerate(idx):
+                if v.tasks:
+                    out_tasks[i] = v.tasks[j]
+                if v.outcomes:
+                    out_outcomes[i] = v.outcomes[j]
+        return p.encoder.encode(p.TaskListView(tasks=[x for x in out_tasks if x is not None],
+                                               outcomes=[x for x in out_outcomes if x is not None]))
+    if type(op) is p.DeliveryCompleteMany:
+        items: list = [None] * n
+        for s, idx in by_shard.items():
+            v = msgspec.msgpack.decode(parts[s], type=p.SettledListView)
+            for j, i in enumerate(idx):
+                items[i] = v.items[j]
+        return p.encoder.encode(p.SettledListView(items=items))
+    raise ValidationError(f"{op.__struct_config__.tag} cannot be split over shards")
+
+
+def _merge_every(op: Any, parts: list[bytes]) -> bytes:
+    """One answer from every shard's part."""
+    t = type(op)
+    if t is p.ServerStatus:
+        vs = [msgspec.msgpack.decode(b, type=p.ServerStatusView) for b in parts]
+        first = vs[0]
+        runs: dict[str, int] = {}
+        tasks: dict[str, int] = {}
+        actors: dict[str, dict[str, int]] = {}
+        for v in vs:
+            for k, x in v.runs.items():
+                runs[k] = runs.get(k, 0) + x
+            for k, x in v.tasks.items():
+                tasks[k] = tasks.get(k, 0) + x
+            for kind, a in v.actors.items():
+                d = actors.setdefault(kind, {})
+                for k, x in a.items():
+                    d[k] = d.get(k, 0) + x
+        merged = msgspec.structs.replace(
+            first, runs=runs, tasks=tasks, actors=actors, entities=sum(v.entities for v in vs),
+            connections=sum(v.connections for v in vs), fsyncs=sum(v.fsyncs for v in vs),
+            fsync_seconds=sum(v.fsync_seconds for v in vs), tree_depth=max(v.tree_depth for v in vs))
+        return p.encoder.encode(merged)
+    if t is p.ScopeList:
+        vs = [msgspec.msgpack.decode(b, type=p.ScopeListView) for b in parts]
+        scopes = [s for v in vs for s in v.scopes]
+        scopes.sort(key=lambda s: s.id, reverse=op.order == "desc")
+        return p.encoder.encode(p.ScopeListView(scopes=scopes[: op.limit]))
+    if t is p.MailboxMessages:
+        vs = [msgspec.msgpack.decode(b, type=p.TaskListView) for b in parts]
+        tasks_ = sorted((x for v in vs for x in v.tasks), key=lambda x: x.id, reverse=True)
+        return p.encoder.encode(p.TaskListView(tasks=tasks_[: op.limit]))
+    if t is p.OpsOverview:
+        vs = [msgspec.msgpack.decode(b, type=p.OverviewView) for b in parts]
+        first = vs[0]
+        waits: dict[str, dict[str, int]] = {}
+        events: dict[str, int] = {}
+        for v in vs:
+            for kind, d in v.waits.items():
+                w = waits.setdefault(kind, {})
+                for k, x in d.items():
+                    w[k] = w.get(k, 0) + x
+            for k, x in v.events.items():
+                events[k] = events.get(k, 0) + x
+        runs_ = sorted((r for v in vs for r in v.runs), key=lambda r: r.id, reverse=True)[: op.limit]
+        queues: dict[str, Any] = {}
+        for v in vs:
+            for q in v.queues:
+                cur = queues.get(q.name)
+                queues[q.name] = q if cur is None else _sum_struct(cur, q)
+        return p.encoder.encode(msgspec.structs.replace(
+            first, runs=runs_, runs_active=sum(v.runs_active for v in vs), queues=list(queues.values()),
+            groups=[g for v in vs for g in v.groups], groups_open=sum(v.groups_open for v in vs), waits=waits,
+            events=events, entities=sum(v.entities for v in vs)))
+    if t is p.OpsWaits:
+        vs = [msgspec.msgpack.decode(b, type=p.OpsWaitsView) for b in parts]
+        parked: dict[str, int] = {}
+        for v in vs:
+            for k, x in v.parked.items():
+                parked[k] = parked.get(k, 0) + x
+        return p.encoder.encode(p.OpsWaitsView(parked=parked, waiting=[w for v in vs for w in v.waiting]))
+    if t in (p.ClusterMap, p.ClusterReleaseSlots):
+        return parts[0]
+    if t in (p.EventsList, p.EventsWatch):
+        raise ValidationError("listing a whole space's events in a cluster of several shards is not supported yet "
+                              "(each shard numbers its own events): list a run's, events.list(scope=run)")
+    raise ValidationError(f"{op.__struct_config__.tag} cannot be merged over shards")
+
+
+def _sum_struct(a: Any, b: Any) -> Any:
+    """Field-wise sum of two views of one queue (numbers add up; the rest is a's)."""
+    out = {}
+    for f in a.__struct_fields__:
+        x, y = getattr(a, f), getattr(b, f)
+        out[f] = x + y if isinstance(x, (int, float)) and not isinstance(x, bool) and isinstance(y, (int, float)) else x
+    return msgspec.structs.replace(a, **out)
+
+
+async def open_transport(first: Any, urls: list[str], open_shard, space: str) -> Any:
+    """``first`` (a transport to any node) as it is when the cluster has one shard, or a
+    :class:`ShardedTransport` over every shard when its slot map has several."""
+    st = ShardedTransport(urls, first, open_shard, space)
+    try:
+        await st.start()
+    except RallypointError as e:
+        if e.code in ("NOT_FOUND", "VALIDATION_FAILED"):  # an older server: no cluster.map
+            return first
+        raise
+    if not st.sharded:
+        return first
+    return st
