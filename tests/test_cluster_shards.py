@@ -24,7 +24,7 @@ from rallypoint.ids import slot_of
 from rallypoint.transport.connection import Connection
 from rallypoint.transport.server import Server
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 SLOTS = 64
 
@@ -36,10 +36,13 @@ def member(etcd, tmp_path, name, cluster, shard):
     return ShardMember(cfg, make_server=lambda d: Server(d))
 
 
-async def wait_until(pred, timeout=60.0):
-    with trio.fail_after(timeout):
-        while not pred():
-            await trio.sleep(0.01)
+async def wait_until(pred, timeout=120.0, what=None):
+    try:
+        with trio.fail_after(timeout):
+            while not pred():
+                await trio.sleep(0.01)
+    except trio.TooSlowError:
+        raise AssertionError(f"not within {timeout} s: {what() if what else pred}") from None
 
 
 @pytest.fixture
@@ -56,11 +59,16 @@ async def start_cluster(etcd, tmp_path, cluster, nursery, shards=3, nodes=2):
             m = member(etcd, tmp_path, f"n{s}{'ab'[i]}", cluster, s)
             await nursery.start(m.run)
             members.setdefault(s, []).append(m)
+    def state():
+        return {s: [(m.config.node, m.role, m.replication and m.replication.isr_store.isr, sorted(m.leaders))
+                    for m in ms] for s, ms in members.items()}
+
     for s, ms in members.items():
-        await wait_until(lambda ms=ms: any(m.role == "leader" for m in ms))
+        await wait_until(lambda ms=ms: any(m.role == "leader" for m in ms), what=state)
         lead = next(m for m in ms if m.role == "leader")
-        await wait_until(lambda lead=lead: lead.replication is not None and len(lead.replication.isr_store.isr) == nodes)
-        await wait_until(lambda lead=lead: len(lead.leaders) == shards)
+        await wait_until(lambda lead=lead: lead.replication is not None and len(lead.replication.isr_store.isr) == nodes,
+                         what=state)
+        await wait_until(lambda lead=lead: len(lead.leaders) == shards, what=state)
     return members
 
 
