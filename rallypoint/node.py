@@ -136,24 +136,13 @@ async def open_node(
     if durability != "memory":
         if data_dir is None:
             raise ValidationError(f"durability {durability!r} needs a data dir")
-        async with open_persistent_node(
-            data_dir,
-            durability,
-            clock=clock,
-            interval_ms=interval_ms,
-            snapshot_every_records=snapshot_every_records,
-            snapshot_every_s=snapshot_every_s,
-            retention=retention,
-            min_free_bytes=min_free_bytes,
-            ballast_bytes=ballast_bytes,
-            space_poll_s=space_poll_s,
-            snapshot_retry_s=snapshot_retry_s,
-            preallocate_bytes=preallocate_bytes,
-            sync_helper=sync_helper,
-            slow_sync_s=slow_sync_s,
-            disk=disk,
-            storage=storage,
-        ) as node:
+        # lock, recover, open the journal; then re-arm, extend leases and run
+        async with recovered(data_dir, durability, clock=clock, interval_ms=interval_ms, retention=retention,
+                             min_free_bytes=min_free_bytes, ballast_bytes=ballast_bytes, space_poll_s=space_poll_s,
+                             preallocate_bytes=preallocate_bytes, sync_helper=sync_helper, slow_sync_s=slow_sync_s,
+                             disk=disk, storage=storage) as recovery, \
+                serving(recovery, snapshot_every_records=snapshot_every_records, snapshot_every_s=snapshot_every_s,
+                        snapshot_retry_s=snapshot_retry_s) as node:
             yield node
         return
     coord = Coordinator(clock=clock or Clock(), durability="memory", **retention)
@@ -786,35 +775,3 @@ async def serving(
     finally:
         with trio.CancelScope(shield=True):
             await coord.journal.aclose()
-
-
-@asynccontextmanager
-async def open_persistent_node(
-    data_dir: str,
-    durability: str,
-    *,
-    clock: Clock | None,
-    interval_ms: int,
-    snapshot_every_records: int,
-    snapshot_every_s: float,
-    retention: dict | None = None,
-    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
-    ballast_bytes: int = 0,
-    space_poll_s: float = 1.0,
-    snapshot_retry_s: float = 5.0,
-    preallocate_bytes: int = 1 << 20,
-    sync_helper: str = "process",
-    slow_sync_s: float = 1.0,
-    disk=None,
-    storage: Storage | None = None,
-) -> AsyncIterator[Node]:
-    """Lock the data dir, recover, run journal + snapshots; snapshot at a clean exit
-    (skipped, with a log line, when the disk is full or the LMDB write fails: the
-    journal holds everything). Disk-space arguments: see :func:`open_node`."""
-    async with recovered(data_dir, durability, clock=clock, interval_ms=interval_ms, retention=retention,
-                         min_free_bytes=min_free_bytes, ballast_bytes=ballast_bytes, space_poll_s=space_poll_s,
-                         preallocate_bytes=preallocate_bytes, sync_helper=sync_helper, slow_sync_s=slow_sync_s,
-                         disk=disk, storage=storage) as recovery:
-        async with serving(recovery, snapshot_every_records=snapshot_every_records,
-                           snapshot_every_s=snapshot_every_s, snapshot_retry_s=snapshot_retry_s) as node:
-            yield node

@@ -27,6 +27,7 @@ import httpx
 import trio
 
 from ..errors import RallypointError, UnavailableError
+from ..http.app import lifespan
 from ..logutil import RateLimitedLogger
 
 log = logging.getLogger("rallypoint.cluster")
@@ -83,13 +84,8 @@ class ClusterHttpApp:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         local = self._leading()

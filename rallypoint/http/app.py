@@ -56,7 +56,7 @@ from ..service import Session
 
 log = logging.getLogger("rallypoint.http")
 
-__all__ = ["HttpApi", "Ctx", "STATUS", "MAX_BODY", "MAX_JSON_DEPTH", "decode_body", "check_json", "reject_body"]
+__all__ = ["HttpApi", "lifespan", "Ctx", "STATUS", "MAX_BODY", "MAX_JSON_DEPTH", "decode_body", "check_json", "reject_body"]
 
 #: The HTTP status of each error code (the wire report's, §2.2 and §4).
 STATUS: dict[str, int] = {
@@ -213,6 +213,17 @@ class NoContent:
 NO_CONTENT = NoContent()
 
 
+async def lifespan(receive, send) -> None:
+    """ASGI lifespan: nothing to start or stop (the app lives on its coordinator)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 class HttpApi:
     """The ASGI application. ``service``: the coordinator's
     :class:`~rallypoint.service.Service`; ``max_requests``: requests in progress at once
@@ -267,13 +278,8 @@ class HttpApi:
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
