@@ -150,17 +150,21 @@ class BarrierReleasedError(BarrierError):
     code = "BARRIER_RELEASED"
 
 
-class BarrierCancelledError(BarrierError):
-    """BARRIER_CANCELLED: the barrier was cancelled (its run was cancelled)."""
+class BarrierCancelledError(BarrierError, ConflictError):
+    """BARRIER_CANCELLED: waited on a barrier that was cancelled (its run was cancelled,
+    completed or passed its deadline). Also a :class:`ConflictError` -- the seed: a
+    barrier's ``wait()`` "throws ConflictError with BARRIER_CANCELLED" -- so ``except
+    ConflictError`` catches it, and a :class:`BarrierError` (SPEC §1)."""
 
     code = "BARRIER_CANCELLED"
 
 
-class TimerCancelledError(RallypointError):
+class TimerCancelledError(ConflictError):
     """TIMER_CANCELLED: waited on a timer that will never fire: it was cancelled by
     ``timer.cancel()``, or its run was cancelled, completed or passed its deadline
     (``details["reason"]``: ``cancelled``, ``run_cancelled``, ``run_completed``,
-    ``deadline``)."""
+    ``deadline``). A :class:`ConflictError` (as a cancelled barrier's wait is), so
+    ``except ConflictError`` catches it."""
 
     code = "TIMER_CANCELLED"
 

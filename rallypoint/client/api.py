@@ -1301,7 +1301,9 @@ class Barrier:
 
     async def wait(self, timeout: float | None = 60) -> t.BarrierStatus:
         """Wait on the server for RELEASED (in the epoch current at the call, or a later
-        one). BarrierCancelledError if cancelled; WaitTimeout after ``timeout`` s."""
+        one). BarrierCancelledError (BARRIER_CANCELLED, a ConflictError) once the
+        barrier is cancelled (its run cancelled, completed or past its deadline);
+        WaitTimeout after ``timeout`` s."""
         # Pin the epoch current at the call: a reply cannot tell it (the server returns
         # the status of the epoch it woke in, which is later if the barrier was reused).
         epoch = (await self.status()).epoch
@@ -1362,7 +1364,9 @@ class Timer:
 
     async def wait(self, timeout: float | None = None) -> datetime:
         """Wait for the timer to fire and acknowledge it; returns ``fired_at``.
-        ConflictError if it was cancelled; WaitTimeout after ``timeout`` s."""
+        TimerCancelledError (TIMER_CANCELLED, a ConflictError) if it was cancelled, or
+        its run was cancelled, completed or passed its deadline; WaitTimeout after
+        ``timeout`` s."""
         def done(st: t.TimerStatus) -> bool:
             self.last_status = st
             return st.fired_at is not None
