@@ -49,6 +49,7 @@ PREFIXES = {
     "qcn": "quota consumption",
     "bdg": "budget",
     "rsv": "budget reservation",
+    "usg": "the keys a purged budget reservation used (kept with its budget)",
     "onc": "once (one execution per run and key)",
     "idm": "stored answer of an HTTP idempotency key",
     "msg": "message (in an INBOX mailbox)",

@@ -411,3 +411,73 @@ async def test_budget_requirements_implement_the_admission_protocol(ers):
     budgets.requirement_untrack(t1, req)
     budgets.requirement_untrack(t2, req)
     assert budgets.needs == {}
+
+
+# ------------------------------------------------------------------ keys outlive retention (issue 34 item 6)
+
+
+async def _settled_twice_attempts(b, r_other, run_other):
+    """Every way of using the purged reservation's keys again: all CONFLICT."""
+    with pytest.raises(ConflictError) as ei:
+        await r_other.settle(60, "call-1")  # the usage key, on another reservation
+    assert ei.value.details["field"] == "usage_key"
+    with pytest.raises(ConflictError):
+        await r_other.settle(70, "call-1")  # ... with another amount
+    with pytest.raises(ConflictError) as ei:
+        await b.reserve(100, scope=run_other, key="res-1")  # the reserve key, in another run
+    assert ei.value.details["field"] == "key"
+
+
+async def test_a_usage_key_is_never_charged_twice_after_its_run_was_purged_nor_after_a_restart(
+        tmp_path, autojump_clock):
+    """The replayed report: a usage key settled for 60 on one run was refused on another
+    while the first run was kept, then charged again once retention purged it (120
+    settled). The keys a purged reservation used stay with its budget: in memory, through
+    a snapshot and through a journal replay."""
+    retain = 60.0
+    data = str(tmp_path / "d")
+    async with rallypoint.open_embedded(data, retain_finished=retain) as rs:
+        b = await rs.budgets.ensure("usage", limit=1000)
+        first_run = await rs.scopes.create()
+        r1 = await b.reserve(100, scope=first_run, key="res-1")
+        assert (await r1.settle(60, "call-1")).charged_minor == 60
+        other_run = await rs.scopes.create()
+        r2 = await b.reserve(100, scope=other_run)
+        await _settled_twice_attempts(b, r2, other_run)  # while the first run is kept
+        await first_run.cancel()
+        await trio.sleep(retain + 5)
+        with pytest.raises(NotFoundError):
+            await rs.scope(first_run.id).status()
+        with pytest.raises(NotFoundError):
+            await r1.status()  # the reservation went with its run ...
+        await _settled_twice_attempts(b, r2, other_run)  # ... its keys did not
+        assert (await b.status()).settled_minor == 60
+        coord = rs.node.coordinator
+        assert coord.budgets.statistics()["purged_with_keys"] == 1
+        await rs.node.snapshotter.snapshot()  # the kept keys are in the snapshot ...
+    async with rallypoint.open_embedded(data, retain_finished=retain) as rs:
+        b = await rs.budgets.get("usage")
+        r2, other_run = b.reservation(r2.id), rs.scope(other_run.id)
+        await _settled_twice_attempts(b, r2, other_run)
+        # ... and a purge after the last snapshot replays to the same: a second run purged
+        third = await rs.scopes.create()
+        r3 = await b.reserve(10, scope=third)
+        await r3.settle(5, "call-3")
+        await third.cancel()
+        await trio.sleep(retain + 5)
+        with pytest.raises(NotFoundError):
+            await r3.status()
+
+        async def no_snapshot():
+            return None
+
+        rs.node.snapshotter.snapshot = no_snapshot  # no clean-shutdown snapshot: replay the Purged record
+    async with rallypoint.open_embedded(data, retain_finished=retain) as rs:
+        assert rs.node.recovery_info["replayed"] > 0
+        b = await rs.budgets.get("usage")
+        r2 = b.reservation(r2.id)
+        await _settled_twice_attempts(b, r2, rs.scope(other_run.id))
+        with pytest.raises(ConflictError):
+            await r2.settle(5, "call-3")
+        assert (await b.status()).settled_minor == 65
+        assert (await r2.settle(40, "call-new")).charged_minor == 40  # a new key still charges

@@ -28,7 +28,16 @@ stays spent. Idempotent.
 
 **Runs.** Reserving needs an active run; settling and voiding never do (money actually
 spent must be recordable after a cancel), and a run's end leaves its reservations as
-they are. Reading stays possible forever.
+they are. Reading stays possible while the reservation is kept.
+
+**Keys outlive retention.** A usage key is never charged twice and a reservation
+``key`` never makes a second reservation, for as long as the budget exists (budgets are
+never purged), whatever happens to the run that used them: when retention purges a
+closed reservation, what it keyed stays as a :class:`SpentKeysState` (``usg_…``: the
+budget, the reservation's id, run, amount, its ``key`` and its ``usage``), indexed like
+a live reservation's keys, snapshotted and rebuilt like any entity. A reuse is then
+CONFLICT as it was before the purge (``details["reservation_id"]`` names the purged
+reservation).
 
 **Reservations held for a delivery** (``task_id`` + ``token``: an admission's budget
 requirements, or ``budget.reserve(..., delivery=d)``) close when that delivery ends,
@@ -85,7 +94,7 @@ from .common import applies, check_key, check_name, check_range, data, parse_ins
 from .kind import Kind, Links
 from .opmark import ALWAYS, C, R, SPACE, W, by, keyed, op
 
-__all__ = ["BudgetState", "ReservationState", "Budgets", "MAX_MINOR", "OPEN"]
+__all__ = ["BudgetState", "ReservationState", "SpentKeysState", "Budgets", "MAX_MINOR", "OPEN"]
 
 #: Largest amount (minor units) anywhere: 10^18 (fits msgpack's int64 with room).
 MAX_MINOR = 10**18
@@ -139,6 +148,27 @@ class ReservationState(msgspec.Struct, gc=False, omit_defaults=True):
     close_reason: str | None = None
 
 
+class SpentKeysState(msgspec.Struct, gc=False, omit_defaults=True):
+    """What a purged reservation leaves: the keys it used, kept for as long as its budget
+    (see the module docstring, "Keys outlive retention"). ``id`` is ``usg_`` and the
+    body of ``reservation_id``; ``key``: its reserve key; ``usage``: usage key ->
+    [requested, charged] of each settlement, as the reservation held them."""
+
+    id: str
+    space: str
+    budget_id: str
+    reservation_id: str
+    scope_id: str
+    amount_minor: int
+    key: str | None = None
+    usage: dict[str, list[int]] = msgspec.field(default_factory=dict)
+
+
+def spent_keys_id(reservation_id: str) -> str:
+    """The id of the keys a purged reservation leaves (``rsv_X`` -> ``usg_X``)."""
+    return "usg" + reservation_id[3:]
+
+
 def check_amount(field: str, value, lo: int = 0) -> int:
     """An amount of minor units: an int from ``lo`` to 10^18. VALIDATION_FAILED naming
     ``field`` otherwise (floats included: amounts are never floats)."""
@@ -162,23 +192,32 @@ class Budgets(Kind):
         super().__init__(coord)
         self.table: dict[str, BudgetState] = {}
         self.reservations: dict[str, ReservationState] = {}
+        self.spent: dict[str, SpentKeysState] = {}  # usg_ id -> the keys of a purged reservation
         self._init_indexes()
 
     def _init_indexes(self) -> None:
         self.by_name: dict[tuple[str, str], str] = {}
-        self.keys: dict[tuple[str, str], str] = {}  # (budget id, key) -> reservation id
-        self.usage: dict[tuple[str, str], str] = {}  # (budget id, usage key) -> reservation id
+        # (budget id, key) -> reservation id; (budget id, usage key) -> reservation id (a
+        # purged one's keys are in ``spent``: :meth:`_keyed`)
+        self.keys: dict[tuple[str, str], str] = {}
+        self.usage: dict[tuple[str, str], str] = {}
         self.open: dict[str, dict[str, None]] = {}  # budget id -> open reservation ids, oldest first
         self.by_delivery: dict[str, list[str]] = {}  # task id -> open reservations held for a delivery
         self.needs: dict[str, set[str]] = {}  # budget id -> unfinished tasks that require it
         self.links = Links()  # retention: run (or the task a delivery held it for) -> reservation ids
 
     def entity_tables(self):
-        return {"bdg": (self.table, BudgetState), "rsv": (self.reservations, ReservationState)}
+        return {"bdg": (self.table, BudgetState), "rsv": (self.reservations, ReservationState),
+                "usg": (self.spent, SpentKeysState)}
 
     def statistics(self) -> dict:
         return {"budgets": len(self.table), "reservations": len(self.reservations),
-                "open": sum(len(v) for v in self.open.values())}
+                "open": sum(len(v) for v in self.open.values()), "purged_with_keys": len(self.spent)}
+
+    def _keyed(self, rid: str) -> "ReservationState | SpentKeysState":
+        """The reservation a key index entry names, or the keys it left when purged."""
+        r = self.reservations.get(rid)
+        return r if r is not None else self.spent[spent_keys_id(rid)]
 
     # ================================================================ lookups
     def get(self, space: str, name_or_id) -> BudgetState:
@@ -273,11 +312,12 @@ class Budgets(Kind):
         if op.key is not None:
             rid = self.keys.get((b.id, op.key))
             if rid is not None:
-                r = self.reservations[rid]
-                if r.amount_minor != op.amount_minor or r.scope_id != run.id:
+                r = self._keyed(rid)
+                if r.amount_minor != op.amount_minor or r.scope_id != run.id or type(r) is SpentKeysState:
                     raise ConflictError(
                         f"key {op.key!r} was already used on budget {b.name!r} for a reservation of "
-                        f"{r.amount_minor} in run {r.scope_id}", details={"field": "key", "reservation_id": r.id},
+                        f"{r.amount_minor} in run {r.scope_id}; use a new key for another reservation",
+                        details={"field": "key", "reservation_id": rid},
                     )
                 return self.reservation_view(r)
         settle_by = self._settle_by(op.settle_by, op.settle_within_ms)
@@ -473,8 +513,7 @@ class Budgets(Kind):
         b = self.table[r.budget_id]
         seen = self.usage.get((b.id, op.usage_key))
         if seen is not None:
-            first = self.reservations[seen]
-            requested, charged = first.usage[op.usage_key]
+            requested, charged = self._keyed(seen).usage[op.usage_key]
             if seen != r.id or requested != op.amount_minor:
                 raise ConflictError(
                     f"usage key {op.usage_key!r} already settled {requested} on reservation {seen}; "
@@ -677,8 +716,16 @@ class Budgets(Kind):
         self._init_indexes()
         for b in self.table.values():
             self.by_name[(b.space, b.name)] = b.id
+        for k in self.spent.values():
+            self._index_spent(k)
         for r in self.reservations.values():
             self._index(r)
+
+    def _index_spent(self, k: SpentKeysState) -> None:
+        if k.key is not None:
+            self.keys.setdefault((k.budget_id, k.key), k.reservation_id)
+        for u in k.usage:
+            self.usage.setdefault((k.budget_id, u), k.reservation_id)
 
     def rearm(self) -> None:
         for r in self.reservations.values():
@@ -691,20 +738,24 @@ class Budgets(Kind):
         return r is None or r.state not in OPEN
 
     def _drop(self, rid: str) -> None:
+        """Purge reservation ``rid``; the keys it used stay (``SpentKeysState``), indexed
+        as they were, so neither is ever used twice on its budget."""
         r = self.reservations.pop(rid, None)
         if r is None:
             return
-        if r.key is not None and self.keys.get((r.budget_id, r.key)) == rid:
-            del self.keys[(r.budget_id, r.key)]
-        for k in r.usage:
-            if self.usage.get((r.budget_id, k)) == rid:
-                del self.usage[(r.budget_id, k)]
         self.coord.touch(rid)
+        if r.key is None and not r.usage:
+            return
+        k = SpentKeysState(id=spent_keys_id(rid), space=r.space, budget_id=r.budget_id, reservation_id=rid,
+                           scope_id=r.scope_id, amount_minor=r.amount_minor, key=r.key, usage=r.usage)
+        self.spent[k.id] = k
+        self.coord.touch(k.id)
 
     def purge_run(self, run_id: str) -> int:
         """The run's closed reservations (SETTLED, VOIDED; their amounts stay counted in
-        the budget). An open one stays until it closes. Budgets themselves are named,
-        space-wide entities: never purged."""
+        the budget). An open one stays until it closes. The keys a purged one used stay
+        (:meth:`_drop`). Budgets themselves are named, space-wide entities: never
+        purged."""
         return self.links.purge(run_id, self._reservation_done, self._drop)
 
     def purge_task_links(self, task_id: str) -> int:
