@@ -15,11 +15,12 @@ import trio
 
 from ..clock import from_iso
 from ..errors import ValidationError
-from ..wire import MAX_PAYLOAD_BYTES
+from ..wire import MAX_FRAME_BYTES, MAX_PAYLOAD_BYTES
 
 __all__ = [
     "MemoryJournal", "applies", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
-    "parse_instant", "short", "data", "check_label", "MAX_WAIT_MS", "MAX_KEY_LEN",
+    "parse_instant", "short", "data", "check_label", "MAX_WAIT_MS", "MAX_KEY_LEN", "REPLY_BUDGET_BYTES",
+    "fit_count",
 ]
 
 #: Longest server-side wait in one request, ms (SPEC §13); the SDK re-issues longer ones.
@@ -29,6 +30,26 @@ MAX_WAIT_MS = 60_000
 MAX_KEY_LEN = 256
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9\-_./:]{1,128}$")
+
+#: What the list of one reply may hold, bytes: the frame limit (1 MiB, ``wire``) less
+#: room for the ``Ok`` envelope (at most 23 bytes) and the reply's other fields. A
+#: handler that hands out or echoes many payloads (a batch receive, ``task.results``,
+#: the views of ``task.submit_many`` / ``delivery.complete_many``) sizes its answer by
+#: it BEFORE it commits: nothing is leased or applied that its reply could not carry.
+REPLY_BUDGET_BYTES = MAX_FRAME_BYTES - 4096
+
+
+def fit_count(sizes, budget: int = REPLY_BUDGET_BYTES) -> int:
+    """How many of the leading items fit in ``budget`` bytes, given an upper bound of each
+    one's encoded size (an iterable, consumed only as far as needed); at least 1 when
+    there is an item (one item always fits a frame: a payload is at most 64 KiB)."""
+    n = 0
+    for size in sizes:
+        budget -= size
+        if budget < 0 and n:
+            break
+        n += 1
+    return n
 
 
 def short(value: Any, limit: int = 80) -> str:

@@ -112,7 +112,8 @@ from ..records import (
 )
 from ..events import emits, ev
 from .common import (
-    MAX_PAYLOAD_BYTES, applies, check_key, check_name, check_payload, check_range, clamp_wait, data, parse_instant, short,
+    MAX_PAYLOAD_BYTES, REPLY_BUDGET_BYTES, applies, check_key, check_name, check_payload, check_range, clamp_wait,
+    data, fit_count, parse_instant, short,
 )
 from .kind import Kind
 from .opmark import ALL, ALWAYS, C, R, SPACE, W, asked, by, by_run, in_slots, keyed, op, resend_if
@@ -131,6 +132,44 @@ MAX_SKIPPED = 10_000
 #: A receive for a run looks at the ready heaps of its subtree: by walking the subtree,
 #: or by testing each run with ready work for ancestry, whichever touches fewer runs.
 _NIL_BYTES = b"\xc0"
+
+# Upper bounds of the encoded views, bytes, for sizing a reply before anything is
+# committed (``common.REPLY_BUDGET_BYTES``): the fixed part (field names, ids of 30
+# bytes, instants, ints, a mailbox name of at most 128 characters) plus each variable
+# part (payloads as stored; a string at 4 bytes a character). tests/test_reply_size.py
+# checks them against real encodings at their largest.
+_DELIVERY_FIXED = 512
+_GRANT_VIEW = 1024  # one pool grant of a delivery, its pool's name included
+_RESERVATION_ID = 48
+_TASK_VIEW_FIXED = 768
+_OUTCOME_VIEW_FIXED = 128
+
+
+def _text(s: str | None) -> int:
+    return 4 * len(s) if s else 0
+
+
+def delivery_bytes(t: "TaskState", q: "MailboxState") -> int:
+    """An upper bound of the encoded :class:`DeliveryView` of a delivery of ``t``."""
+    n = _DELIVERY_FIXED + len(q.name) + len(t.input) + _text(t.key)
+    req = t.requirements
+    if req is not None:
+        n += _GRANT_VIEW * len(req.pools) + _RESERVATION_ID * len(req.budgets)
+    return n
+
+
+def task_view_bytes(t: "TaskState") -> int:
+    """An upper bound of the encoded :class:`TaskView` of ``t``."""
+    n = (_TASK_VIEW_FIXED + len(t.input) + len(t.outcome or b"") + len(t.error or b"") + _text(t.key)
+         + _text(t.outcome_reason))
+    if t.subscribers:
+        n += sum(_text(x) + 8 for x in t.subscribers)
+    return n
+
+
+def outcome_view_bytes(t: "TaskState") -> int:
+    """An upper bound of the encoded :class:`TaskOutcomeView` of ``t``."""
+    return _OUTCOME_VIEW_FIXED + len(t.outcome or b"") + len(t.error or b"") + _text(t.outcome_reason)
 _RUN_REASON = {"cancelled": "scope_cancelled", "completed": "scope_completed", "deadline": "deadline"}
 
 
@@ -502,7 +541,10 @@ class WorkQueues(Kind):
         resend=resend_if(lambda op: all(i.key is not None for i in op.items), "every item has a key",
                          "give every item a `key` to make the batch safe to retry", ("items",)))
     def op_task_submit_many(self, actor, session, op: TaskSubmitMany) -> TaskListView:
-        """All or nothing: every item is validated first, then one commit for all."""
+        """All or nothing: every item is validated first, then one commit for all. The
+        reply carries every task's id (``ids``) when their views (which echo each input)
+        would not fit in one frame, and then the views of the leading ones that do
+        (``tasks``; read the rest with ``task.results``)."""
         q = self.get_queue(session.space, op.mailbox)
         run = self.coord.runs.get(session.space, op.scope_id)
         if not 1 <= len(op.items) <= MAX_BATCH:
@@ -529,7 +571,11 @@ class WorkQueues(Kind):
             self.coord.commit(recs)
         if op.brief:
             return TaskListView(ids=ids)
-        return TaskListView(tasks=[self.task_view(self.tasks[i]) for i in ids])
+        tasks = [self.tasks[i] for i in ids]
+        n = fit_count(map(task_view_bytes, tasks), REPLY_BUDGET_BYTES - 40 * len(ids))
+        if n == len(tasks):
+            return TaskListView(tasks=[self.task_view(t) for t in tasks])
+        return TaskListView(ids=ids, tasks=[self.task_view(t) for t in tasks[:n]])
 
     @applies(TaskSubmitted)
     def _apply_submitted(self, r: TaskSubmitted) -> None:
@@ -712,14 +758,18 @@ class WorkQueues(Kind):
                 out.append((rid, h))
         return out
 
-    def _pop_ready(self, queue_id: str, run_id: str, n: int) -> list[TaskState]:
+    def _pop_ready(self, queue_id: str, run_id: str, n: int, room: int | None = None,
+                   size=None) -> list[TaskState]:
         """Pop up to ``n`` oldest *eligible* ready tasks of the run and its descendants.
         A task with requirements is eligible only if all of them can be taken now,
         together with those of the tasks popped before it in this call (all or
         nothing, counted in one ``pending`` for the step); the others are skipped and put
         back, first in line for the next receive (at most :data:`MAX_SKIPPED` are looked
-        at past). Stale heap entries (tasks no longer ready) are dropped on the way;
-        heaps left empty are removed so a queue's index only holds runs with ready work."""
+        at past). With ``room`` (bytes) and ``size(task)`` (an upper bound of what the
+        task adds to the reply), popping stops before the first task that would not fit
+        (it stays first in line; the first task is always taken). Stale heap entries
+        (tasks no longer ready) are dropped on the way; heaps left empty are removed so
+        a queue's index only holds runs with ready work."""
         cands = self._candidate_heaps(queue_id, run_id)
         out: list[TaskState] = []
         tasks, ready_set = self.tasks, self.ready_set
@@ -738,6 +788,11 @@ class WorkQueues(Kind):
                 break
             entry = heappop(best)
             t = tasks[entry[1]]
+            if room is not None:
+                need = size(t)
+                if need > room and out:  # the reply is full: it stays first in line
+                    heapq.heappush(best, entry)
+                    break
             if t.requirements is not None and not admission.try_take(t, pending):
                 admission.skipped(t, pending)  # it keeps its place for what it is short of
                 skipped.append((entry, best))
@@ -746,6 +801,8 @@ class WorkQueues(Kind):
                 continue
             ready_set.discard(t.id)
             out.append(t)
+            if room is not None:
+                room -= need
         for entry, h in skipped:
             heapq.heappush(h, entry)
         per_run = self.ready.get(queue_id)
@@ -758,8 +815,10 @@ class WorkQueues(Kind):
     # ================================================================ receive
     @op(Receive, route=by_run(), permission=W, resend=ALWAYS, waits=asked("wait_ms"), reply=ReceiveView)
     def op_receive(self, actor, session, op: Receive):
-        """Lease up to ``max_messages`` of the oldest ready tasks of the run's subtree;
-        parks on the run's actor for up to ``wait_ms`` when there are none."""
+        """Lease up to ``max_messages`` of the oldest ready tasks of the run's subtree --
+        as many as one reply carries (``REPLY_BUDGET_BYTES``: never more leased than can
+        be sent; the rest stays first in line) --; parks on the run's actor for up to
+        ``wait_ms`` when there are none."""
         q = self.get_queue(session.space, op.mailbox)
         run = self.coord.runs.get(session.space, op.scope_id)
         check_range("lease_ms", op.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS, " ms")
@@ -780,7 +839,7 @@ class WorkQueues(Kind):
 
     def _deliver(self, q: MailboxState, run_id: str, lease_ms: int, n: int) -> list[DeliveryView]:
         self.coord.journal.check_writable()  # before the pop: a refused commit must not drop tasks
-        picked = self._pop_ready(q.id, run_id, n)
+        picked = self._pop_ready(q.id, run_id, n, REPLY_BUDGET_BYTES, lambda t: delivery_bytes(t, q))
         if not picked:
             return []
         coord = self.coord
@@ -951,7 +1010,10 @@ class WorkQueues(Kind):
         ``delivery.complete`` judges it (its refusal is its answer, and changes nothing);
         the accepted ones are recorded together. An item naming a task of another run is
         VALIDATION_FAILED (send one batch per run); the same task twice in one batch: the
-        second is STALE_CLAIM."""
+        second is STALE_CLAIM. Not ``brief``: an accepted item carries its task's view
+        while they fit in one frame (``REPLY_BUDGET_BYTES``); the accepted items past that
+        are answered as ``brief`` ones (no view, no error: read them with
+        ``task.results``), so the reply never outgrows the frame that must carry it."""
         coord = self.coord
         run_id = self.get_task(session.space, op.items[0].task_id).scope_id
         now = coord.now_ms()
@@ -979,14 +1041,20 @@ class WorkQueues(Kind):
         if recs:
             coord.commit(recs)
         view = self.task_view
+        ok = SettledView()
         if op.brief:
-            ok = SettledView()
             return SettledListView(items=[ok if isinstance(a, TaskState) else SettledView(error=ItemError(
                 code=a.code, message=a.message, retry_after=a.retry_after,
                 details=a.details if isinstance(a.details, dict) or a.details is None else {"value": a.details}))
                 for a in answers])
+        # the views of the leading accepted items that fit next to every item's answer
+        # (a refusal is a code, a line and small details: 512 bytes is generous)
+        accepted = [a for a in answers if isinstance(a, TaskState)]
+        room = REPLY_BUDGET_BYTES - 32 * len(answers) - 512 * (len(answers) - len(accepted))
+        with_view = set(map(id, accepted[:fit_count(map(task_view_bytes, accepted), room)]))
         return SettledListView(items=[
-            SettledView(task=view(a)) if isinstance(a, TaskState) else SettledView(error=ItemError(
+            (SettledView(task=view(a)) if id(a) in with_view else ok) if isinstance(a, TaskState)
+            else SettledView(error=ItemError(
                 code=a.code, message=a.message, retry_after=a.retry_after,
                 details=a.details if isinstance(a.details, dict) or a.details is None else {"value": a.details}))
             for a in answers
@@ -1171,19 +1239,24 @@ class WorkQueues(Kind):
     def op_task_results(self, actor, session, op: TaskResults):
         """Every task, once all are terminal (in the given order); ONE parked wait on the
         first task's run for up to ``wait_ms``, woken as each of them finishes (the
-        tasks may be in several runs)."""
+        tasks may be in several runs).
+
+        A page: the reply lists the leading tasks that fit in one frame
+        (``REPLY_BUDGET_BYTES``; at least one) -- all of them unless their outcomes (or
+        views) are large; ask again for the rest (``wait_ms=0``: the wait is over)."""
         tasks = [self.get_task(session.space, tid) for tid in op.task_ids]
         wait_ms = clamp_wait(op.wait_ms)
         view = self.task_view
         if op.brief:
             def answer() -> TaskListView:
+                page = tasks[:fit_count(map(outcome_view_bytes, tasks))]
                 return TaskListView(outcomes=[
                     TaskOutcomeView(t.id, t.state, t.attempt, msgspec.Raw(t.outcome) if t.outcome is not None else NIL,
                                     t.outcome_reason, msgspec.Raw(t.error) if t.error is not None else NIL)
-                    for t in tasks])
+                    for t in page])
         else:
             def answer() -> TaskListView:
-                return TaskListView(tasks=[view(t) for t in tasks])
+                return TaskListView(tasks=[view(t) for t in tasks[:fit_count(map(task_view_bytes, tasks))]])
         pending = [t for t in tasks if t.state not in TERMINAL]
         if not pending or wait_ms == 0:
             return answer()

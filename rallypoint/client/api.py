@@ -30,6 +30,7 @@ import msgspec
 from .. import protocol as p
 from ..errors import (
     error_from_wire,
+    RallypointError,
     ClaimHeldError,
     CapacityUnavailableError,
     ConflictError,
@@ -49,7 +50,30 @@ __all__ = [
 
 _MAX_WAIT_S = 60.0
 _payload_encoder = msgspec.msgpack.Encoder(order="sorted")
+_item_encoder = msgspec.msgpack.Encoder()
 _decoders: dict[type, msgspec.msgpack.Decoder] = {}
+#: What the items of one request (and of its reply) may take, bytes: a frame (1 MiB)
+#: less room for the envelope and the op's other fields -- the server sizes its replies
+#: by the same budget (``actors/common.REPLY_BUDGET_BYTES``).
+_FRAME_BUDGET = p.MAX_FRAME_BYTES - 4096
+#: An upper bound of a task's view (``TaskInfo`` on the wire) apart from its payloads
+#: and strings (the server's own bound, ``actors/queue.py``).
+_TASK_VIEW_FIXED = 768
+
+
+def _parts(sizes: list[int], budget: int = _FRAME_BUDGET) -> list[range]:
+    """Consecutive index ranges whose ``sizes`` (bytes) add up to at most ``budget``
+    (at least one index each)."""
+    out: list[range] = []
+    start, total = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and total + n > budget:
+            out.append(range(start, i))
+            start, total = i, 0
+        total += n
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
 
 def encode_payload(value: Any, field: str = "input") -> msgspec.Raw:
@@ -169,10 +193,12 @@ class Client:
 
         ONE request per round (``task.results``: one wait on the server for all of
         them, at most 1000 per request; more are split), so waiting for N tasks costs
-        one round trip, not N. ``details=False``: a :class:`TaskOutcome` per task (id,
-        state, attempt, outcome, outcome reason, error) instead of its whole TaskInfo --
-        no input echoed back, cheaper on both ends. WaitTimeout (changing nothing) if
-        some are still unfinished after ``timeout`` seconds."""
+        one round trip, not N. A reply holds what fits in one frame (1 MiB): when the
+        outcomes (or views) are large, the rest of the round is fetched in pages right
+        after it. ``details=False``: a :class:`TaskOutcome` per task (id, state,
+        attempt, outcome, outcome reason, error) instead of its whole TaskInfo -- no
+        input echoed back, cheaper on both ends. WaitTimeout (changing nothing) if some
+        are still unfinished after ``timeout`` seconds."""
         ids = [_id_of(x, "task") for x in tickets]
         out: list = [None] * len(ids)
         remaining = math.inf if timeout is None else timeout
@@ -189,8 +215,16 @@ class Client:
             for part, r in zip(parts, replies):
                 if isinstance(r, Exception):
                     raise r
-                for i, info in zip(part, getattr(r, field)):
+                got = getattr(r, field)
+                for i, info in zip(part, got):
                     out[i] = info
+                rest = part[len(got):]
+                while rest:  # a page: the rest did not fit in the reply; the wait is over
+                    got = getattr(await self._call(p.TaskResults(task_ids=[ids[i] for i in rest], wait_ms=0,
+                                                                 brief=not details), reply_type), field)
+                    for i, info in zip(rest, got):
+                        out[i] = info
+                    rest = rest[len(got):]
             remaining -= chunk
             if remaining <= 0 and any(not out[i].finished for i in todo):
                 raise WaitTimeout(f"{sum(not out[i].finished for i in todo)} of {len(ids)} tasks unfinished after {timeout} s")
@@ -622,25 +656,54 @@ class Mailbox:
         UnavailableError, ``maybe_applied``). An empty ``inputs`` submits nothing and
         returns ``[]`` without a request (as :meth:`complete_many` and
         ``rs.results`` do); more than 1,000 is VALIDATION_FAILED (one commit holds at
-        most 1,000: split the batch yourself, each part is then all or none)."""
+        most 1,000: split the batch yourself, each part is then all or none).
+
+        **Large inputs.** A batch whose items (or, with ``details``, their views, which
+        echo each input) do not fit in one frame (1 MiB) is sent as consecutive parts,
+        each one request and one commit, all or none, in order. If a part is refused,
+        the parts before it stay submitted: the error raised carries
+        ``details["submitted"]``, how many of the leading inputs were. Give every input
+        a ``key`` and sending the whole batch again is safe: the submitted ones are
+        found by their keys, not made twice."""
         inputs = list(inputs)
         keys = list(keys) if keys is not None else [None] * len(inputs)
         if len(keys) != len(inputs):
             raise ValidationError("keys must have one entry per input", details={"field": "keys"})
         if not inputs:
             return []
+        if len(inputs) > 1000:
+            raise ValidationError("submit_many takes 1 to 1000 inputs (one commit holds at most 1,000): split "
+                                  "the batch", details={"field": "inputs"})
         dl = _iso(deadline, "deadline")
         req = _requirements(requirements)
         items = [
             p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl, requirements=req)
             for i, (x, k) in enumerate(zip(inputs, keys))
         ]
-        op = p.TaskSubmitMany(mailbox=self.name, scope_id=_id_of(scope), items=items, work_limit=work_limit,
-                              brief=not details)
-        if not details:
-            return [Ticket(self._rs, i) for i in (await self._rs._call(op, t._TaskIds)).ids]
-        reply = await self._rs._call(op, t._TaskList)
-        return [Ticket(self._rs, i.id, i) for i in reply.tasks]
+        sizes = [len(_item_encoder.encode(it)) + 8 for it in items]
+        if details:  # the reply's views echo each input
+            sizes = [max(n, _TASK_VIEW_FIXED + len(it.input) + 4 * len(it.key or ""))
+                     for n, it in zip(sizes, items)]
+        scope_id = _id_of(scope)
+        tickets: list[Ticket] = []
+        for part in _parts(sizes):
+            op = p.TaskSubmitMany(mailbox=self.name, scope_id=scope_id, items=items[part.start:part.stop],
+                                  work_limit=work_limit, brief=not details)
+            try:
+                if not details:
+                    tickets += [Ticket(self._rs, i) for i in (await self._rs._call(op, t._TaskIds)).ids]
+                    continue
+                reply = await self._rs._call(op, t._TaskList)
+            except RallypointError as e:
+                if tickets:  # the parts before this one were applied
+                    e.details = {**(e.details or {}), "submitted": len(tickets)}
+                raise
+            if reply.ids:  # the views did not all fit in the reply: the leading ones did
+                infos = list(reply.tasks) + await _task_infos(self._rs, reply.ids[len(reply.tasks):])
+                tickets += [Ticket(self._rs, info.id, info) for info in infos]
+            else:
+                tickets += [Ticket(self._rs, i.id, i) for i in reply.tasks]
+        return tickets
 
     async def send(
         self,
@@ -727,35 +790,61 @@ async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]", *
     (None with ``details=False``: cheaper when only refusals matter) or the
     RallypointError (e.g. LeaseLostError) for each, in order. ONE request per run
     (``delivery.complete_many``: one commit on the server; the requests of several runs
-    go in one batch frame). Marks the deliveries whose lease was lost. Outcomes that
-    cannot be encoded raise VALIDATION_FAILED before anything is sent."""
+    go in one batch frame) -- more when the outcomes do not fit in one frame (1 MiB):
+    then one per frame's worth, in order, each its own batch. Marks the deliveries whose
+    lease was lost. Outcomes that cannot be encoded raise VALIDATION_FAILED before
+    anything is sent."""
     items = list(items)
     by_run: dict[str, list[int]] = {}
+    encoded = [encode_payload(o, "outcome") for _, o in items]
     for i, (d, _) in enumerate(items):
         by_run.setdefault(d.scope_id, []).append(i)
     groups = [by_run[r] for r in by_run]
     ops = []
     for g in groups:
         for k in range(0, len(g), 1000):
-            part = g[k:k + 1000]
-            ops.append((part, p.DeliveryCompleteMany(items=[
-                p.CompleteItem(task_id=items[i][0].task_id, token=items[i][0].token,
-                               outcome=encode_payload(items[i][1], "outcome"))
-                for i in part
-            ], brief=not details)))
-    replies = await rs._call_many([op for _, op in ops], t._SettledList)
+            run_part = g[k:k + 1000]
+            for r in _parts([len(encoded[i]) + 96 for i in run_part]):
+                part = run_part[r.start:r.stop]
+                ops.append((part, p.DeliveryCompleteMany(items=[
+                    p.CompleteItem(task_id=items[i][0].task_id, token=items[i][0].token, outcome=encoded[i])
+                    for i in part
+                ], brief=not details)))
+    # one batch frame per frame's worth of requests
+    sizes = [sum(len(encoded[i]) + 96 for i in part) + 64 for part, _ in ops]
+    replies: list = []
+    for r in _parts(sizes):
+        replies += await rs._call_many([op for _, op in ops[r.start:r.stop]], t._SettledList)
     out: list = [None] * len(items)
+    unseen: list[int] = []  # accepted without a view: the reply had no room for it
     for (part, _), reply in zip(ops, replies):
         if isinstance(reply, Exception):
             for i in part:
                 out[i] = reply
             continue
         for i, r in zip(part, reply.items):
-            out[i] = r.task if r.error is None else error_from_wire(
-                r.error.code, r.error.message, r.error.retry_after, r.error.details)
+            if r.error is None:
+                out[i] = r.task
+                if details and r.task is None:
+                    unseen.append(i)
+            else:
+                out[i] = error_from_wire(r.error.code, r.error.message, r.error.retry_after, r.error.details)
+    if unseen:
+        for i, info in zip(unseen, await _task_infos(rs, [items[i][0].task_id for i in unseen])):
+            out[i] = info
     for (d, _), r in zip(items, out):
         if isinstance(r, (LeaseLostError, ScopeInactiveError)):
             d.lost = True
+    return out
+
+
+async def _task_infos(rs: "Client", task_ids: list[str]) -> list:
+    """The TaskInfo of each task now (no wait), in order: ``task.results`` pages of as
+    many as fit in a frame."""
+    out: list = []
+    while len(out) < len(task_ids):
+        rest = task_ids[len(out):len(out) + 1000]
+        out += (await rs._call(p.TaskResults(task_ids=rest, wait_ms=0), t._TaskList)).tasks
     return out
 
 
