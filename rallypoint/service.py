@@ -97,7 +97,8 @@ class CallSink(ReplySink):
 class StreamSink(ReplySink):
     """An embedded subscription (``events.watch``): the server side pushes into a buffer
     of at most ``max_bytes``; the client side reads it with :meth:`next_batch`. Its
-    ``start`` is the encoded WatchView (or the error that refused the watch)."""
+    ``start`` is the encoded WatchView (or the error that refused the watch);
+    ``scanned``: the newest cursor pushed (``wire.Push.cursor``), None before the first."""
 
     def __init__(self, watchers, max_bytes: int) -> None:
         from collections import deque
@@ -111,6 +112,8 @@ class StreamSink(ReplySink):
         self.start: Any = None
         self.closed = False
         self.watcher = None
+        self.scanned: int | None = None
+        self._returned: int | None = None  # ``scanned`` when next_batch last returned
 
     # server side (ReplySink)
     def deliver(self, rid: int, reply, lsn: int) -> None:
@@ -127,9 +130,10 @@ class StreamSink(ReplySink):
     def push_room(self, rid: int) -> int:
         return self.max_bytes - self._bytes
 
-    def push(self, rid: int, events: list) -> None:
+    def push(self, rid: int, events: list, cursor: int) -> None:
         self._buf.extend(events)
         self._bytes += sum(len(e) for e in events)
+        self.scanned = cursor
         self._event.set()
 
     def end_stream(self, rid: int, error) -> None:
@@ -147,12 +151,14 @@ class StreamSink(ReplySink):
         return self.start
 
     async def next_batch(self) -> list:
-        """Every event buffered (encoded), waiting for at least one; raises the error
-        that ended the subscription once the buffer is empty."""
-        while not self._buf and self.error is None:
+        """Every event buffered (encoded) -- none when only ``scanned`` moved --, waiting
+        for either; raises the error that ended the subscription once the buffer is
+        empty."""
+        while not self._buf and self.error is None and self.scanned == self._returned:
             await self._event.wait()
             self._event = trio.Event()
-        if self._buf:
+        self._returned = self.scanned
+        if self._buf or self.error is None:
             out = list(self._buf)
             self._buf.clear()
             full = self._bytes >= self.max_bytes

@@ -133,10 +133,21 @@ class Pong(msgspec.Struct, tag_field="t", tag="pong"):
 
 class Push(msgspec.Struct, tag_field="t", tag="push"):
     """Events for subscription ``id`` (the request id of its ``events.watch``), in order;
-    each is an encoded :class:`rallypoint.protocol.EventView`."""
+    each is an encoded :class:`rallypoint.protocol.EventView`.
+
+    ``cursor``: the seq the server has scanned up to for this watch: every event after
+    the previous push's ``cursor`` and up to this one that passes the watch's filter is
+    in ``events`` (or an earlier push). It is past the last event's seq when the filter
+    skipped events after it, and a push may carry no events, only a newer ``cursor``
+    (a filtered watch over events it skips: at most one such push per subscription every
+    0.5 s), so a client resumes from what was scanned, not from its last match. None
+    from a server that does not send it: the last event's seq is the cursor. (Added
+    without a version bump: a client that does not know the field ignores it, and an
+    empty push.)"""
 
     id: int
     events: list[msgspec.Raw]
+    cursor: int | None = None
 
 
 ClientFrame = Union[Hello, Request, Batch, Cancel, Ping, Pong]

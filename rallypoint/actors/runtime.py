@@ -121,15 +121,16 @@ class ReplySink:
         """Bytes of pushes this sink can take now (<= 0: none)."""
         return 0
 
-    def push(self, rid: int, events: list) -> None:
-        """Send encoded events (a list of bytes) for subscription ``rid``."""
+    def push(self, rid: int, events: list, cursor: int) -> None:
+        """Send encoded events (a list of bytes, possibly empty) for subscription
+        ``rid``, and ``cursor``: the seq the watch has scanned up to (``wire.Push``)."""
 
-    def push_encoded(self, rid: int, n: int, array: bytes) -> None:
+    def push_encoded(self, rid: int, n: int, array: bytes, cursor: int) -> None:
         """Send ``n`` events for subscription ``rid``, encoded together as one msgpack
         array (the same bytes as :meth:`push` would send)."""
         import msgspec
 
-        self.push(rid, [bytes(r) for r in msgspec.msgpack.decode(array, type=list[msgspec.Raw])])
+        self.push(rid, [bytes(r) for r in msgspec.msgpack.decode(array, type=list[msgspec.Raw])], cursor)
 
     def end_stream(self, rid: int, error) -> None:
         """The server ends subscription ``rid`` with ``error`` (a RallypointError)."""

@@ -8,6 +8,14 @@ it waits until the journal is durable past what it is about to send (a watcher i
 told of a change a crash could take back), then pushes each watcher what it has not
 seen, in order, in frames of at most :data:`MAX_PUSH_EVENTS` events.
 
+**The cursor a client resumes from** is what the server scanned, not the last event
+it matched: every push carries ``cursor`` (``wire.Push``), the seq its watcher has
+looked at up to, and a filtered watch whose filter skips what happens is told its
+position by a push with no events -- at most one every :data:`PROGRESS_S` seconds per
+watcher (the task wakes for it when due). So a ``task.failed`` watch over a busy space
+resumes, after a restart, from near the newest event, not from a last match that
+retention may have dropped since (CURSOR_EXPIRED).
+
 **Slow watchers.** A sink takes at most ``buffer_bytes`` of unsent pushes (for a
 connection: its unsent output); what does not fit stays in the shared event log --
 nothing is copied per watcher. A watcher whose sink has had no room while events were
@@ -32,13 +40,15 @@ from ..errors import CursorExpiredError, SlowConsumerError, UnavailableError
 from ..events import EventFilter
 from ..protocol import EventView, encoder
 
-__all__ = ["Watcher", "Watchers", "MAX_PUSH_EVENTS", "encode_event"]
+__all__ = ["Watcher", "Watchers", "MAX_PUSH_EVENTS", "PROGRESS_S", "encode_event"]
 
 log = logging.getLogger("rallypoint.watch")
 
 #: Events per Push frame at most (and about 256 KiB).
 MAX_PUSH_EVENTS = 512
 _MAX_PUSH_BYTES = 256 * 1024
+#: A push with no events, only a newer cursor, goes to a watcher at most this often, s.
+PROGRESS_S = 0.5
 
 _encode = encoder.encode
 _iso_memo = [0, ""]  # the last instant rendered (the events of one commit share theirs)
@@ -85,9 +95,11 @@ def encode_event(e) -> bytes:
 
 
 class Watcher:
-    """One subscription. ``cursor``: the last seq pushed or skipped (filtered out)."""
+    """One subscription. ``cursor``: the last seq pushed or skipped (filtered out);
+    ``told``: the last cursor its sink was sent, at ``told_at`` (Trio time, s)."""
 
-    __slots__ = ("space", "filter", "cursor", "sink", "rid", "stalled_since", "closed", "pushed", "hub")
+    __slots__ = ("space", "filter", "cursor", "sink", "rid", "stalled_since", "closed", "pushed", "hub", "told",
+                 "told_at")
 
     def __init__(self, space: str, flt: EventFilter, cursor: int, sink, rid: int) -> None:
         self.space = space
@@ -99,6 +111,8 @@ class Watcher:
         self.closed = False
         self.pushed = 0
         self.hub: "Watchers | None" = None
+        self.told = cursor  # (the subscription's Ok says where it starts)
+        self.told_at = -math.inf
 
     def cancel(self) -> None:
         """The client ended it (Cancel frame, connection closed)."""
@@ -115,12 +129,15 @@ class Watchers:
         buffer_bytes: unsent pushes a sink may hold before the watcher waits.
         stall_s: seconds a watcher may wait for room with events pending before it is
             cut off (SLOW_CONSUMER).
+        progress_s: seconds between two pushes that only move a watcher's cursor.
     """
 
-    def __init__(self, coord, *, buffer_bytes: int = 1 << 20, stall_s: float = 10.0) -> None:
+    def __init__(self, coord, *, buffer_bytes: int = 1 << 20, stall_s: float = 10.0,
+                 progress_s: float = PROGRESS_S) -> None:
         self.coord = coord
         self.buffer_bytes = buffer_bytes
         self.stall_s = stall_s
+        self.progress_s = progress_s
         self.watchers: list[Watcher] = []
         self._wake = trio.Event()
         self._woken = False
@@ -191,8 +208,15 @@ class Watchers:
                                           "once it is back", retry_after=1.0))
 
     def _next_deadline(self) -> float:
-        stalled = [w.stalled_since for w in self.watchers if w.stalled_since is not None]
-        return min(stalled) + self.stall_s if stalled else math.inf
+        """The earliest of: a stalled watcher's cut-off, a cursor-only push falling due."""
+        due = math.inf
+        stall_s, progress_s = self.stall_s, self.progress_s
+        for w in self.watchers:
+            if w.stalled_since is not None:
+                due = min(due, w.stalled_since + stall_s)
+            elif w.cursor > w.told and w.sink.push_room(w.rid) > 0:  # (no room: its drain wakes us)
+                due = min(due, w.told_at + progress_s)
+        return due
 
     def serve(self, durable_lsn: int, now: float) -> None:
         """Push every watcher what is durable and new for it (as much as its sink takes)."""
@@ -249,13 +273,19 @@ class Watchers:
             w.cursor = cursor
             if picked:
                 if share:  # several watchers: each event encoded once, kept on it
-                    w.sink.push(w.rid, [e.raw or encode_event(e) for e in picked])
+                    w.sink.push(w.rid, [e.raw or encode_event(e) for e in picked], cursor)
                 else:
-                    w.sink.push_encoded(w.rid, len(picked), _encode(views(picked)))
+                    w.sink.push_encoded(w.rid, len(picked), _encode(views(picked)), cursor)
+                w.told, w.told_at = cursor, now
                 w.pushed += len(picked)
                 self.pushed_events += len(picked)
                 self.push_frames += 1
         w.stalled_since = None
+        if w.cursor > w.told and now - w.told_at >= self.progress_s and w.sink.push_room(w.rid) > 0:
+            # the filter skipped what came: tell the client how far it has been scanned
+            w.sink.push(w.rid, [], w.cursor)
+            w.told, w.told_at = w.cursor, now
+            self.push_frames += 1
 
     def _cut_off(self, w: Watcher, now: float) -> None:
         self.cut_off += 1

@@ -321,7 +321,10 @@ class Events:
               buffer: int = 10_000) -> "EventStream":
         """Events after ``cursor`` as they happen, pushed by the server: an async
         iterator (use ``async with rs.events.watch(...) as stream: async for ev in
-        stream``; ``stream.cursor`` is the seq of the last event it returned).
+        stream``; ``stream.cursor`` is where it resumes from: the seq of the last event
+        it returned, or later once the server told it how far it scanned past events
+        the filters skip -- so a filtered watch resumes near the newest event, not from
+        its last match, which retention may have dropped meanwhile).
 
         ``cursor=None`` starts at the oldest event kept (``start="oldest"``) or at the
         newest (``start="now"``: only what happens from the moment the ``async with``
@@ -342,8 +345,11 @@ class Events:
 
 
 class EventStream:
-    """An open watch (see :meth:`Events.watch`). ``cursor``: the seq of the last event
-    returned (None before the first); ``resumed``: how many times it re-subscribed."""
+    """An open watch (see :meth:`Events.watch`). ``cursor``: the position it resumes
+    from -- the seq of the last event returned or, once every event it received was
+    returned, the newest position the server scanned for it (``wire.Push.cursor``:
+    past events its filters skip); None before the subscription is made; ``resumed``:
+    how many times it re-subscribed."""
 
     def __init__(self, rs: Client, cursor, types, scope_id, aggregate, start: str, buffer: int) -> None:
         self._rs = rs
@@ -356,6 +362,7 @@ class EventStream:
         self._sub = None
         self._batch: list = []
         self._pos = 0
+        self._batch_end: int | None = None  # the position the server scanned up to past the batch
         self._closed = False
         self.resumed = 0
 
@@ -383,6 +390,9 @@ class EventStream:
                 e = self._batch[self._pos]
                 self._pos += 1
                 self.cursor = e.seq
+                end = self._batch_end
+                if self._pos == len(self._batch) and end is not None and end > e.seq:
+                    self.cursor = end  # the filter skipped what came after it
                 return e
             if self._closed:
                 raise StopAsyncIteration
@@ -413,7 +423,12 @@ class EventStream:
                 e = dec(raw)
                 if e.seq > cursor:  # (never otherwise; a guard against a duplicate on resume)
                     batch.append(e)
-            self._batch, self._pos = batch, 0
+            scanned = getattr(self._sub, "scanned", None)
+            if not batch:
+                if scanned is not None and scanned > cursor:
+                    self.cursor = scanned  # nothing new passed the filter up to there
+                continue
+            self._batch, self._pos, self._batch_end = batch, 0, scanned
 
     async def next(self, timeout: float | None = None) -> t.Event:
         """The next event; WaitTimeout (changing nothing) after ``timeout`` seconds."""

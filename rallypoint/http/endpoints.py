@@ -895,11 +895,16 @@ async def watch_events(ctx: Ctx):
     raws: list = []
     try:
         with trio.move_on_after(hold_ms / 1000):
-            raws = await ctx.api.until_disconnect(ctx.request, sink.next_batch())
+            while not raws:  # (a batch may be empty: only the scanned position moved)
+                raws = await ctx.api.until_disconnect(ctx.request, sink.next_batch())
     finally:
         sink.close()
-    raws = raws[:limit]
-    nxt = _event_decode(bytes(raws[-1])).seq if raws else v.next_cursor
+    scanned = max(v.next_cursor, sink.scanned or 0)  # past what the filter skipped meanwhile
+    if len(raws) > limit:
+        raws = raws[:limit]
+        nxt = _event_decode(bytes(raws[-1])).seq
+    else:
+        nxt = max(_event_decode(bytes(raws[-1])).seq, scanned) if raws else scanned
     return sh.EVENT_PAGE.json(p.EventPageView(events=raws, next_cursor=nxt, oldest=v.oldest,
                                               newest=max(v.newest, nxt)))
 

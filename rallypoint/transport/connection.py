@@ -184,7 +184,9 @@ class Subscription:
     The connection's reader never waits for the application: a Push that arrives when
     ``max_events`` are already buffered ends the subscription here (a Cancel is sent)
     with SLOW_CONSUMER (``details["client_side"]``), after the events already buffered
-    (so the buffer holds at most ``max_events`` plus one frame, <= 512 events)."""
+    (so the buffer holds at most ``max_events`` plus one frame, <= 512 events).
+    ``scanned``: the newest cursor the server pushed (``wire.Push.cursor``; None before
+    the first, or from a server that does not send it)."""
 
     def __init__(self, conn: "Connection", rid: int, max_events: int) -> None:
         self.conn = conn
@@ -194,12 +196,19 @@ class Subscription:
         self.error: RallypointError | None = None
         self._buf: deque = deque()
         self._event = anyio.Event()
+        self.scanned: int | None = None
+        self._returned: int | None = None  # ``scanned`` when next_batch last returned
 
     def _wake(self) -> None:
         self._event.set()
 
-    def _feed(self, events: list) -> None:
+    def _feed(self, events: list, cursor: int | None = None) -> None:
         if self.error is not None:
+            return
+        if not events:  # only the position moved
+            if cursor is not None:
+                self.scanned = cursor
+                self._wake()
             return
         if len(self._buf) >= self.max_events:  # (one frame more is taken: a frame never overflows alone)
             self.error = SlowConsumerError(
@@ -210,6 +219,8 @@ class Subscription:
             self.conn._drop_stream(self.rid, cancel=True)
         else:
             self._buf.extend(events)
+            if cursor is not None:
+                self.scanned = cursor
         self._wake()
 
     def _end(self, error: RallypointError) -> None:
@@ -218,10 +229,13 @@ class Subscription:
         self._wake()
 
     async def next_batch(self) -> list:
-        while not self._buf and self.error is None:
+        """Every event buffered (encoded) -- none when only ``scanned`` moved --, waiting
+        for either; raises the error that ended the subscription once it is empty."""
+        while not self._buf and self.error is None and self.scanned == self._returned:
             await self._event.wait()
             self._event = anyio.Event()
-        if self._buf:
+        self._returned = self.scanned
+        if self._buf or self.error is None:
             out = list(self._buf)
             self._buf.clear()
             return out
@@ -636,7 +650,7 @@ class Connection:
                     elif t is _Push:
                         sub = self._streams.get(msg.id)
                         if sub is not None:
-                            sub._feed(msg.events)
+                            sub._feed(msg.events, msg.cursor)
                     elif t is _Err:
                         if msg.id == 0:
                             self._conn_error = f"{msg.code}: {msg.message}"

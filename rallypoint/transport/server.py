@@ -132,8 +132,9 @@ _ok_head32 = struct.Struct(">I10sI5s").pack
 _ok_head64 = struct.Struct(">I10sQ5s").pack
 
 
-# {"t": "push", "id": <id>, "events": [...]}
-_PUSH_HEAD = b"\x83\xa1t\xa4push\xa2id"
+# {"t": "push", "id": <id>, "cursor": <seq>, "events": [...]}
+_PUSH_HEAD = b"\x84\xa1t\xa4push\xa2id"
+_PUSH_CURSOR = b"\xa6cursor"
 _PUSH_EVENTS = b"\xa6events"
 
 
@@ -552,17 +553,18 @@ class _Conn:
             return 0
         return self.server.watch_buffer_bytes - len(self.out) - self.sending
 
-    def push(self, rid: int, events: list) -> None:
-        """Queue one Push frame (hand-built: the events are already encoded) and send it."""
-        self._push(rid, _array_header(len(events)), events)
+    def push(self, rid: int, events: list, cursor: int) -> None:
+        """Queue one Push frame (hand-built: the events are already encoded; ``cursor``:
+        the seq scanned up to) and send it."""
+        self._push(rid, _array_header(len(events)), events, cursor)
 
-    def push_encoded(self, rid: int, n: int, array: bytes) -> None:
+    def push_encoded(self, rid: int, n: int, array: bytes, cursor: int) -> None:
         """One Push frame whose ``n`` events are already one encoded msgpack array."""
-        self._push(rid, array, ())
+        self._push(rid, array, (), cursor)
 
-    def _push(self, rid: int, head: bytes, items) -> None:
-        """Queue ``Push(rid, events)`` with the events' array as ``head`` followed by
-        ``items`` (encoded bytes, appended in order), and send it."""
+    def _push(self, rid: int, head: bytes, items, cursor: int) -> None:
+        """Queue ``Push(rid, events, cursor)`` with the events' array as ``head``
+        followed by ``items`` (encoded bytes, appended in order), and send it."""
         if self.closing or rid not in self.streams:
             return
         out = self.out
@@ -570,6 +572,8 @@ class _Conn:
         out += HEADER_PLACEHOLDER
         out += _PUSH_HEAD
         out += pack_uint(rid)
+        out += _PUSH_CURSOR
+        out += pack_uint(cursor)
         out += _PUSH_EVENTS
         out += head
         for raw in items:
