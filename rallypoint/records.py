@@ -800,7 +800,9 @@ class TaskDetached(_Rec, tag="task_detached"):
 
 class IdempotencyRecorded(_Rec, tag="idempotency_recorded"):
     """The answer to the HTTP request ``key`` of ``space`` (``status``, encoded ``body``);
-    ``id`` is derived from (space, key)."""
+    ``id`` is derived from (space, key). With ``step`` (``"<i>:<op tag>"``): the answer
+    of one step of that request (``status`` 0, ``body`` the operation's encoded reply),
+    journaled in the same entry as the step's effect (``actors/idempotency.py``)."""
 
     id: str
     space: str
@@ -809,6 +811,7 @@ class IdempotencyRecorded(_Rec, tag="idempotency_recorded"):
     status: int
     body: bytes
     at_ms: int
+    step: str | None = None
 
 
 class IdempotencyExpired(_Rec, tag="idempotency_expired"):

@@ -41,9 +41,12 @@ class Session:
 
     ``permissions`` None means every permission (open mode, or a local session);
     ``local`` marks an offline session on the data dir (``rallypoint keys --data-dir``),
-    the only one that may grant the ``operator`` permission."""
+    the only one that may grant the ``operator`` permission. ``idempotency``: set on the
+    session of one step of an HTTP request with an ``Idempotency-Key`` -- ``(key,
+    fingerprint, step)`` -- (:meth:`for_step`; the coordinator stores that step's answer in
+    the commit of its effect: ``actors/idempotency.py``); None otherwise."""
 
-    __slots__ = ("space", "permissions", "peer", "key_id", "local")
+    __slots__ = ("space", "permissions", "peer", "key_id", "local", "idempotency")
 
     def __init__(self, space: str = "default", permissions: frozenset[str] | None = None, peer: str = "",
                  key_id=None, local: bool = False):
@@ -52,6 +55,15 @@ class Session:
         self.peer = peer
         self.key_id = key_id
         self.local = local
+        self.idempotency: tuple[str, str, int] | None = None
+
+    def for_step(self, key: str, fingerprint: str, step: int) -> "Session":
+        """A copy of this session for step ``step`` (0, 1, ...: the request's operations
+        in order) of the HTTP request with Idempotency-Key ``key`` and ``fingerprint``
+        (method, path, body)."""
+        s = Session(self.space, self.permissions, self.peer, self.key_id, self.local)
+        s.idempotency = (key, fingerprint, step)
+        return s
 
 
 class CallSink(ReplySink):

@@ -136,6 +136,9 @@ class Coordinator:
         self.replaying = False
         self.failed: BaseException | None = None
         self.commits = 0
+        #: the records of a keyed HTTP request's step while its handler runs: its commits
+        #: are journaled as ONE entry with the step's stored answer (:meth:`_handle_keyed`)
+        self._deferred: list | None = None
         self.stalls = 0
         self._to_flush: set = set()
         self.last_seen = 0.0
@@ -245,7 +248,12 @@ class Coordinator:
     def commit(self, records: list) -> int:
         """Apply ``records`` (and the follow-ups reactions add) and journal them as one
         entry; returns its LSN. Synchronous: the caller validated everything, so an
-        apply that raises is a bug and stops the node (:class:`FatalError`)."""
+        apply that raises is a bug and stops the node (:class:`FatalError`).
+
+        While the handler of a keyed HTTP request's step runs (:meth:`_handle_keyed`),
+        the records are applied here but journaled when the handler returns, with every
+        other commit it made and the step's stored answer, as ONE entry (the LSN
+        returned is the one that entry will have)."""
         if self.failed is not None:
             raise FatalError("the coordinator stopped after a failed apply") from self.failed
         # Disk full: refused (UNAVAILABLE, retry_after) BEFORE anything is applied -- an
@@ -284,6 +292,11 @@ class Coordinator:
                 if not more:
                     break
                 records.extend(more)
+            deferred = self._deferred
+            if deferred is not None:  # journaled with the step's answer when the handler returns
+                deferred.extend(records)
+                self.commits += 1
+                return self.journal.last_lsn + 1
             payload = encode_commit(records)
         except BaseException as exc:
             events.discard()
@@ -376,7 +389,10 @@ class Coordinator:
         """Run one command on ``actor``'s task: decide, reply or park."""
         handler, session, op, sink, rid = item
         try:
-            result = handler(actor, session, op)
+            if getattr(session, "idempotency", None) is None:
+                result = handler(actor, session, op)
+            else:
+                result = self._handle_keyed(handler, actor, session, op)
         except RallypointError as exc:
             self.reply(sink, rid, exc)
             return
@@ -398,6 +414,61 @@ class Coordinator:
             self.subscribe(result, sink, rid)
         else:
             self.reply(sink, rid, result)
+
+    def _handle_keyed(self, handler, actor, session, op):
+        """One step of an HTTP request with an Idempotency-Key (``session.idempotency``):
+        a step whose answer is stored is answered from it (the encoded reply, bytes)
+        without running again; otherwise the handler runs with its commits deferred
+        (:meth:`commit`), and what they applied is journaled as ONE entry that also
+        holds the step's answer (``IdempotencyRecorded`` with ``step``) when the
+        handler returned a reply and committed something. So after a crash the effect
+        and its answer are both on disk or neither is: a retry never applies it twice
+        (docs/architecture.md, "The HTTP layer"). A step that parks, subscribes or
+        raises stores no answer (its commits are journaled all the same)."""
+        idem = self.idempotency
+        stored = idem.step_answer(session, op)
+        if stored is not None:
+            return stored
+        if self._deferred is not None:  # (never nested: a handler does not run another)
+            return handler(actor, session, op)
+        deferred = self._deferred = []
+        try:
+            result = handler(actor, session, op)
+        except FatalError:
+            self._deferred = None
+            raise
+        except BaseException:
+            self._deferred = None
+            self._journal_deferred(deferred, None)
+            raise
+        self._deferred = None
+        answer = None
+        if deferred and isinstance(result, msgspec.Struct) and type(result) not in (Park, Subscribe):
+            result = encoder.encode(result)
+            answer = idem.step_record(session, op, result, self.now_ms())
+        self._journal_deferred(deferred, answer)
+        return result
+
+    def _journal_deferred(self, records: list, answer) -> None:
+        """Journal a keyed step's applied ``records`` (and its stored ``answer``, a
+        record applied here) as one entry."""
+        if not records:
+            return
+        if answer is not None:
+            try:
+                self.apply(answer)
+            except BaseException as exc:
+                self.events.discard()
+                self._fail(exc, records + [answer])
+                raise FatalError(f"apply of {type(answer).__name__} failed: {exc!r}") from exc
+            records.append(answer)
+        payload = encode_commit(records)
+        try:
+            lsn = self.journal.append(payload)
+        except BaseException:
+            self.events.discard()
+            raise
+        self.events.publish(lsn)
 
     def subscribe(self, sub: Subscribe, sink: ReplySink, rid: int) -> None:
         """Open a subscription on ``sink``: its Ok (a WatchView, sent at once: it reveals

@@ -10,11 +10,22 @@ first answer, also across a daemon restart, for the TTL (``--http-idempotency-ho
 default 24 h); entries past it are forgotten (``IdempotencyExpired``, committed with a
 later record, at most 256 at a time, oldest first).
 
-The stored answer and the request's own effect are two commits: a crash between them
-loses the stored answer, not the effect, and a retry then runs the request again. Every
-runstate write that matters under retries is also idempotent by itself (task keys,
-usage keys, ensure, fenced settles), so that window never duplicates work; it can
-only turn a replayed answer into a fresh one.
+**The effect and its answer are one commit.** A request is one or more operations
+(*steps*); the HTTP layer runs step ``i`` of a keyed request with a session carrying
+``(key, fingerprint, i)`` (``Session.for_step``). The coordinator journals every
+commit that step's handler makes, together with the step's answer -- an
+``IdempotencyRecorded`` record with ``step`` ``"<i>:<op tag>"`` and the encoded reply
+as ``body`` -- as ONE journal entry (``Coordinator._handle_keyed``). When the request is
+retried (a lost response, a crash), its lookup finds no final answer, so it runs
+again, and each step whose answer is stored is answered from it without running: the
+effect is never applied twice, wherever a kill -9 falls. The final answer
+(``idempotency.record``, the rendered HTTP status and body) is a second commit as
+before; it only saves re-running the steps. A step that committed nothing (a read),
+parked (its answer comes later) or failed stores nothing and runs again; an entry
+holding only steps (``status`` 0) is not a stored answer to a lookup.
+
+Old journals replay: an ``IdempotencyRecorded`` without ``step`` is a final answer,
+as it always was.
 """
 
 from __future__ import annotations
@@ -41,13 +52,24 @@ _B32 = "0123456789abcdefghjkmnpqrstvwxyz"
 
 
 class IdempotencyState(msgspec.Struct, gc=False):
+    """The stored answers of one key: ``status``/``body``, the final HTTP answer
+    (``status`` 0: none yet); ``steps``: ``"<step>:<op tag>"`` -> the encoded reply of
+    each step that changed state."""
+
     id: str
     space: str
     key: str
     fingerprint: str
     status: int
     body: bytes
-    at_ms: int  # wall time it was recorded
+    at_ms: int  # wall time it was first recorded
+    steps: dict[str, bytes] = msgspec.field(default_factory=dict)
+
+
+def _step_name(step: int, op) -> str:
+    """``"<step>:<op tag>"``: a step is matched by its place in the request and its
+    operation (not its fields: a retry may differ in a generated id)."""
+    return f"{step}:{type(op).__struct_config__.tag}"
 
 
 def entry_id(space: str, key: str) -> str:
@@ -90,18 +112,46 @@ class Idempotency(Kind):
 
     @op(IdempotencyLookup, route=SPACE, permission=ANY_KEY, resend=ALWAYS)
     def op_idempotency_lookup(self, actor, session, op: IdempotencyLookup) -> IdempotencyView:
-        """The stored answer, or ``found`` False. IDEMPOTENCY_CONFLICT when the key was
-        used for another request (method, path or body)."""
+        """The stored answer, or ``found`` False (also while only steps are stored: the
+        request runs again, its stored steps answered from the store).
+        IDEMPOTENCY_CONFLICT when the key was used for another request (method, path or
+        body)."""
         self._check(op.key)
         e = self._live(session.space, op.key)
         if e is None:
             return IdempotencyView(found=False)
-        if e.fingerprint != op.fingerprint:
+        self._same_request(e, op.key, op.fingerprint)
+        if not e.status:
+            return IdempotencyView(found=False)
+        return IdempotencyView(found=True, status=e.status, body=e.body)
+
+    @staticmethod
+    def _same_request(e: IdempotencyState, key: str, fingerprint: str) -> None:
+        if e.fingerprint != fingerprint:
             raise IdempotencyConflictError(
                 "this Idempotency-Key was already used for a different request (method, path or body)",
-                details={"key": op.key},
+                details={"key": key},
             )
-        return IdempotencyView(found=True, status=e.status, body=e.body)
+
+    # ---------------------------------------------------------------- steps (the coordinator's)
+    def step_answer(self, session, op) -> bytes | None:
+        """The stored answer of the step ``session.idempotency`` names, if that step
+        (same index, same operation) changed state when it ran before; None otherwise.
+        IDEMPOTENCY_CONFLICT when the key was used for another request."""
+        key, fingerprint, step = session.idempotency
+        e = self._live(session.space, key)
+        if e is None:
+            return None
+        self._same_request(e, key, fingerprint)
+        return e.steps.get(_step_name(step, op))
+
+    def step_record(self, session, op, answer: bytes, now_ms: int) -> IdempotencyRecorded:
+        """The record storing ``answer`` (the encoded reply) of the step
+        ``session.idempotency`` names, for the entry that journals its effect."""
+        key, fingerprint, step = session.idempotency
+        return IdempotencyRecorded(id=entry_id(session.space, key), space=session.space, key=key,
+                                   fingerprint=fingerprint, status=0, body=answer, at_ms=now_ms,
+                                   step=_step_name(step, op))
 
     @op(IdempotencyRecord, route=SPACE, permission=ANY_KEY, resend=ALWAYS)
     def op_idempotency_record(self, actor, session, op: IdempotencyRecord) -> IdempotencyView:
@@ -111,7 +161,7 @@ class Idempotency(Kind):
         if len(op.body) > MAX_BODY:
             raise ValidationError("answer too large to store", details={"field": "body"})
         e = self._live(session.space, op.key)
-        if e is not None:
+        if e is not None and e.status:
             return IdempotencyView(found=True, status=e.status, body=e.body)
         now = self.coord.now_ms()
         recs: list = []
@@ -145,9 +195,23 @@ class Idempotency(Kind):
 
     @applies(IdempotencyRecorded)
     def _apply_recorded(self, r: IdempotencyRecorded) -> None:
-        self.table.pop(r.id, None)  # an expired entry of the same key: the new one goes last
-        self.table[r.id] = IdempotencyState(id=r.id, space=r.space, key=r.key, fingerprint=r.fingerprint,
-                                            status=r.status, body=r.body, at_ms=r.at_ms)
+        """A step's answer joins its request's entry; a final answer completes it (its
+        steps are no longer needed). Anything else -- no entry, an expired one, another
+        request's -- starts a new entry, last in line for expiry."""
+        e = self.table.get(r.id)
+        if (e is not None and e.fingerprint == r.fingerprint and not e.status and e.key == r.key
+                and r.at_ms < e.at_ms + self.ttl_ms):
+            if r.step is not None:
+                e.steps[r.step] = r.body
+            else:
+                e.status, e.body, e.steps = r.status, r.body, {}
+        else:
+            self.table.pop(r.id, None)  # an expired entry of the same key: the new one goes last
+            e = self.table[r.id] = IdempotencyState(id=r.id, space=r.space, key=r.key, fingerprint=r.fingerprint,
+                                                    status=r.status, body=r.body, at_ms=r.at_ms)
+            if r.step is not None:
+                e.body = b""
+                e.steps[r.step] = r.body
         self.coord.touch(r.id)
 
     @applies(IdempotencyExpired)

@@ -22,9 +22,12 @@ module only maps HTTP onto operations and back:
   :data:`STATUS`, and ``Retry-After`` (seconds) when the error has a ``retry_after``.
 - **Idempotency-Key** on a non-GET: the stored answer of an earlier request with that key
   is replayed (``idempotency.lookup``); otherwise the request runs and its answer is
-  journaled (``idempotency.record``) before it is sent. Concurrent requests with one key
-  wait for the first. Answers that may change on a retry (contention, UNAVAILABLE,
-  "nothing yet" 204) are not stored.
+  journaled (``idempotency.record``) before it is sent. Each operation of a keyed
+  request runs as a *step* (``Session.for_step``): its answer is journaled in the same
+  entry as its effect, and a retry is answered from it instead of running it again, so
+  a crash before the final answer never applies the request twice. Concurrent requests
+  with one key wait for the first. Answers that may change on a retry (contention,
+  UNAVAILABLE, "nothing yet" 204) are not stored.
 - **Long polls** (receive, admit, task result, once, watch): the wait is parked on the
   server (at most 60 s a request); a client that disconnects ends it at once.
 """
@@ -178,7 +181,7 @@ class Ctx:
     """One request: its session, path parameters, JSON body and query, and
     :meth:`call` to run operations through the service."""
 
-    __slots__ = ("api", "request", "session", "params", "body", "query", "long_poll")
+    __slots__ = ("api", "request", "session", "params", "body", "query", "long_poll", "idempotency", "steps")
 
     def __init__(self, api: "HttpApi", request: Request, session: Session, params: dict, body: dict, query: dict):
         self.api = api
@@ -188,17 +191,26 @@ class Ctx:
         self.body = body
         self.query = query
         self.long_poll = False
+        #: (Idempotency-Key, fingerprint) of a keyed request; its operations are its steps
+        self.idempotency: tuple[str, str] | None = None
+        self.steps = 0
 
     async def call(self, op: msgspec.Struct):
         """Run ``op`` as this request's session; the decoded reply Struct (raises the
         RallypointError it answered). A long poll (``wait_ms`` > 0) ends when the client
-        disconnects."""
+        disconnects. In a request with an Idempotency-Key, each call is the request's
+        next step: its answer is stored with its effect and answered from the store when
+        the request is retried (``actors/idempotency.py``)."""
         api = self.api
+        session = self.session
+        if self.idempotency is not None:
+            session = session.for_step(*self.idempotency, self.steps)
+            self.steps += 1
         wait = getattr(op, "wait_ms", 0) or 0
         if wait > 0:
-            raw = await api.until_disconnect(self.request, api.call_op(self.session, op))
+            raw = await api.until_disconnect(self.request, api.call_op(session, op))
         else:
-            raw = await api.call_op(self.session, op)
+            raw = await api.call_op(session, op)
         rtype = REPLY_TYPES.get(type(op))
         return msgspec.msgpack.decode(raw, type=rtype) if rtype is not None else None
 
@@ -392,6 +404,7 @@ class HttpApi:
             stored = await self.service_call(ctx.session, IdempotencyLookup(key=key, fingerprint=fp))
             if stored.found:
                 return self._replay(stored.status, stored.body, rid)
+            ctx.idempotency = (key, fp)  # each step's answer is stored with its effect
             result = await self._run(handler, ctx, rid)
             response = self._respond(result, rid)
             status, body = self._storable(result, response)

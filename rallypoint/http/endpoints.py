@@ -739,11 +739,15 @@ async def permit_acquire(ctx: Ctx):
 async def permit_wait(ctx: Ctx):
     """POST /permits/{id}/wait {scopeId, units, holder}: a durable FIFO waiter
     (``waiterId``); SIGNALED once it was granted (acquire with ``waiterId`` to get it)."""
+    import hashlib
     import secrets
 
     b = ctx.body
     pool = await ctx.call(p.PoolGet(name=ctx.params["id"]))
-    rid = "pw" + secrets.token_hex(8)
+    if ctx.idempotency is not None:  # a retry of this request re-finds its waiter, not a second one
+        rid = "pw" + hashlib.sha256("\0".join(ctx.idempotency).encode()).hexdigest()[:16]
+    else:
+        rid = "pw" + secrets.token_hex(8)
     scope, units = s_(b, "scopeId", required=True), i_(b, "units", default=1)
     v = await _peek_acquire(ctx, p.PoolAcquire(pool=pool.id, scope_id=scope, units=units, lease_ms=30_000,
                                                wait_ms=PERMIT_WAITER_MS, holder=s_(b, "holder"), request_id=rid))
