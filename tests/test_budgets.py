@@ -491,3 +491,43 @@ async def test_a_usage_key_is_never_charged_twice_after_its_run_was_purged_nor_a
             await r2.settle(5, "call-3")
         assert (await b.status()).settled_minor == 65
         assert (await r2.settle(40, "call-new")).charged_minor == 40  # a new key still charges
+
+
+async def test_a_usage_key_stays_spent_across_a_purge_and_a_sigkill(tmp_path):
+    """The kill -9 form: a real daemon purges the first run (``--retain-finished 1s``),
+    is killed, restarts on its data dir; the usage key is still refused on another run."""
+    import signal
+    import socket
+
+    from conftest import Daemon
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (str(tmp_path / "data"), "fsync", ["--listen", f"127.0.0.1:{port}", "--retain-finished", "1s"])
+    d = Daemon(*args).start()
+    try:
+        async with rallypoint.connect(d.url) as rs:
+            b = await rs.budgets.ensure("usage-kill", limit=1000)
+            first_run = await rs.scopes.create()
+            r1 = await b.reserve(100, scope=first_run, key="res-1")
+            await r1.settle(60, "call-1")
+            other_run = await rs.scopes.create()
+            r2 = await b.reserve(100, scope=other_run)
+            await first_run.cancel()
+            with trio.fail_after(30):
+                while True:  # until retention purged it (a tick every second)
+                    try:
+                        await r1.status()
+                    except NotFoundError:
+                        break
+                    await trio.sleep(0.2)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        d = Daemon(*args).start()
+        async with rallypoint.connect(d.url) as rs:
+            b = await rs.budgets.get("usage-kill")
+            await _settled_twice_attempts(b, b.reservation(r2.id), rs.scope(other_run.id))
+            assert (await b.status()).settled_minor == 60
+    finally:
+        d.kill()
