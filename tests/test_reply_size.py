@@ -190,3 +190,58 @@ async def test_complete_many_with_views_over_large_tasks(daemon):
         assert all(a.error is None for a in answers)
         with_view = [a for a in answers if a.task is not None]
         assert 8 <= len(with_view) < 20 and answers[:len(with_view)] == with_view
+
+
+async def test_a_worker_holding_large_tasks_across_a_sigkill_finishes_every_one_on_its_first_attempt(tmp_path):
+    """The kill -9 form: consume(concurrency=32) holds 20 tasks of 60 KiB (received in
+    batches that fit a frame), the daemon is SIGKILLed and restarted on its data dir; the
+    held leases survive, 20 more tasks arrive; every task is SUCCEEDED on attempt 1,
+    none FAILED ``lease_expired`` without reaching the handler."""
+    import signal
+    import socket
+
+    from conftest import Daemon
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (str(tmp_path / "data"), "fsync", ["--listen", f"127.0.0.1:{port}"])
+    daemons = [Daemon(*args).start()]
+    try:
+        async with rallypoint.connect(daemons[0].url, reconnect=rallypoint.Reconnect(timeout=30)) as rs:
+            mbx = await rs.mailboxes.ensure("rs-kill", max_attempts=2)
+            run = await rs.scopes.create()
+            tickets = await mbx.submit_many([big(i) for i in range(20)], scope=run, keys=[f"a{i}" for i in range(20)])
+            restarted, all_held = trio.Event(), trio.Event()
+            handled: list[int] = []
+
+            async def handler(d):
+                handled.append(d.input[0])
+                if len(handled) == 20:
+                    all_held.set()
+                if len(handled) <= 20:
+                    await restarted.wait()
+                return len(d.input)
+
+            async def worker():
+                await rallypoint.consume(rs, mbx, run, handler, concurrency=32, lease_seconds=30)
+
+            async with trio.open_nursery() as n:
+                n.start_soon(worker)
+                with trio.fail_after(30):
+                    await all_held.wait()
+                    await trio.testing.wait_all_tasks_blocked()  # the next receive parked: nothing leased
+                daemons[0].proc.send_signal(signal.SIGKILL)
+                await trio.to_thread.run_sync(daemons[0].proc.wait)
+                daemons.append(await trio.to_thread.run_sync(Daemon(*args).start))
+                restarted.set()
+                tickets += await mbx.submit_many([big(i) for i in range(20, 40)], scope=run,
+                                                 keys=[f"a{i}" for i in range(20, 40)])
+                with trio.fail_after(60):
+                    infos = await rs.results(tickets)
+                await run.cancel()
+            assert [(i.state, i.attempt, i.outcome) for i in infos] == [("SUCCEEDED", 1, BIG)] * 40
+            assert sorted(handled) == [i % 251 for i in range(40)] and len(handled) == 40
+    finally:
+        for d in daemons:
+            d.kill()
