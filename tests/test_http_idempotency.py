@@ -139,6 +139,63 @@ async def test_a_retry_after_a_crash_between_the_effect_and_its_final_answer_app
         assert task.task_id == t2.json()["id"] and task.input == {"n": 1}
 
 
+async def test_a_long_poll_that_leased_after_it_parked_is_answered_from_its_stored_step(tmp_path):
+    """A keyed admit parks (no task yet), a task comes and its check leases it: the lease
+    and the step's answer are one journal entry. The final answer is lost (the process
+    "dies"), the node restarts, another task is queued, the client retries: it gets the
+    delivery it was given, not a second lease."""
+    data = str(tmp_path / "d")
+
+    async def no_snapshot():
+        return None
+
+    async with rallypoint.open_embedded(data) as rs:
+        api = HttpApi(rs.node.service)
+        real = api.service_call
+
+        async def crash_before_the_answer(session, op):
+            if type(op) is p.IdempotencyRecord:
+                raise RuntimeError("killed before the answer was stored")
+            return await real(session, op)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://rp/v1/spaces/default") as c:
+            run = (await c.post("/scopes", json={})).json()["id"]
+            mbx = (await c.put("/mailboxes/by-name/poll", json={})).json()["id"]
+            admit = {"scopeId": run, "mailboxId": mbx, "holder": "w", "holderSession": "s", "leaseSeconds": 60,
+                     "waitMs": 20_000}
+            api.service_call = crash_before_the_answer
+            out: dict = {}
+
+            async def poll():
+                out["first"] = await c.post("/tasks/admit", json=admit, headers={"idempotency-key": "w-admit"})
+
+            async with trio.open_nursery() as n:
+                n.start_soon(poll)
+                with trio.fail_after(10):
+                    while rs.node.coordinator.runtime.n_waiters == 0:  # parked: nothing to lease yet
+                        await trio.sleep(0.01)
+                first_task = await rs.mailbox("poll").submit({"n": 1}, scope=run)
+            assert out["first"].status_code == 500  # leased, the answer lost
+        entries = [decode_commit(payload) for _, payload in read_journal(data)]
+        (entry,) = [e for e in entries if any(type(r).__name__ == "TaskDelivered" for r in e)]
+        (stored,) = [r for r in entry if type(r) is IdempotencyRecorded]
+        assert stored.key == "w-admit" and stored.step.endswith(":delivery.receive")
+        rs.node.snapshotter.snapshot = no_snapshot
+    async with rallypoint.open_embedded(data) as rs:
+        await rs.mailbox("poll").submit({"n": 2}, scope=run)
+        api = HttpApi(rs.node.service)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api),
+                                     base_url="http://rp/v1/spaces/default") as c:
+            again = await c.post("/tasks/admit", json=admit, headers={"idempotency-key": "w-admit"})
+            assert again.status_code == 200, again.text
+            assert again.json()["taskId"] == first_task.id
+        info = await rs.task(first_task.id).status()
+        assert (info.state, info.attempt) == ("RUNNING", 1)
+        assert rs.node.coordinator.queues.tasks[first_task.id].token == 1  # leased once
+        assert (await rs.mailbox("poll").status()).queued == 1  # the second task is still there
+
+
 # ------------------------------------------------------------------ kill -9 under load
 
 

@@ -418,22 +418,33 @@ class Coordinator:
     def _handle_keyed(self, handler, actor, session, op):
         """One step of an HTTP request with an Idempotency-Key (``session.idempotency``):
         a step whose answer is stored is answered from it (the encoded reply, bytes)
-        without running again; otherwise the handler runs with its commits deferred
-        (:meth:`commit`), and what they applied is journaled as ONE entry that also
-        holds the step's answer (``IdempotencyRecorded`` with ``step``) when the
-        handler returned a reply and committed something. So after a crash the effect
-        and its answer are both on disk or neither is: a retry never applies it twice
-        (docs/architecture.md, "The HTTP layer"). A step that parks, subscribes or
-        raises stores no answer (its commits are journaled all the same)."""
-        idem = self.idempotency
-        stored = idem.step_answer(session, op)
+        without running again; otherwise the handler runs as :meth:`_keyed_step` (its
+        commits and its answer journaled as ONE entry), and so does the check of the
+        wait it parks (a receive that leases once a task comes). So after a crash the
+        effect and its answer are both on disk or neither is: a retry never applies it
+        twice (docs/architecture.md, "The HTTP layer")."""
+        stored = self.idempotency.step_answer(session, op)
         if stored is not None:
             return stored
+        result = self._keyed_step(lambda: handler(actor, session, op), session, op)
+        if type(result) is Park:
+            park = result
+            check = park.check
+            result = Park(park.key, lambda: self._keyed_step(check, session, op), park.wait_ms, park.expire)
+        return result
+
+    def _keyed_step(self, decide: Callable[[], Any], session, op):
+        """Run ``decide`` (a handler, or a parked wait's check) with its commits deferred
+        (:meth:`commit`) and journal what they applied as ONE entry, together with the
+        step's answer (``IdempotencyRecorded`` with ``step``: the encoded reply, which is
+        returned) when it answered and committed something. An answer-less outcome -- a
+        park, a wait still waiting, a subscription, an error -- stores nothing; its
+        commits are journaled all the same."""
         if self._deferred is not None:  # (never nested: a handler does not run another)
-            return handler(actor, session, op)
+            return decide()
         deferred = self._deferred = []
         try:
-            result = handler(actor, session, op)
+            result = decide()
         except FatalError:
             self._deferred = None
             raise
@@ -445,7 +456,7 @@ class Coordinator:
         answer = None
         if deferred and isinstance(result, msgspec.Struct) and type(result) not in (Park, Subscribe):
             result = encoder.encode(result)
-            answer = idem.step_record(session, op, result, self.now_ms())
+            answer = self.idempotency.step_record(session, op, result, self.now_ms())
         self._journal_deferred(deferred, answer)
         return result
 

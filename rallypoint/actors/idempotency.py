@@ -20,9 +20,10 @@ retried (a lost response, a crash), its lookup finds no final answer, so it runs
 again, and each step whose answer is stored is answered from it without running: the
 effect is never applied twice, wherever a kill -9 falls. The final answer
 (``idempotency.record``, the rendered HTTP status and body) is a second commit as
-before; it only saves re-running the steps. A step that committed nothing (a read),
-parked (its answer comes later) or failed stores nothing and runs again; an entry
-holding only steps (``status`` 0) is not a stored answer to a lookup.
+before; it only saves re-running the steps. A step that parks is stored when its
+wait's check answers with a commit (a long-poll receive leasing once a task comes);
+a step that committed nothing (a read) or failed stores nothing and runs again; an
+entry holding only steps (``status`` 0) is not a stored answer to a lookup.
 
 Old journals replay: an ``IdempotencyRecorded`` without ``step`` is a final answer,
 as it always was.
