@@ -132,6 +132,7 @@ MAX_SKIPPED = 10_000
 #: A receive for a run looks at the ready heaps of its subtree: by walking the subtree,
 #: or by testing each run with ready work for ancestry, whichever touches fewer runs.
 _NIL_BYTES = b"\xc0"
+_RUN_REASON = {"cancelled": "scope_cancelled", "completed": "scope_completed", "deadline": "deadline"}
 
 # Upper bounds of the encoded views, bytes, for sizing a reply before anything is
 # committed (``common.REPLY_BUDGET_BYTES``): the fixed part (field names, ids of 30
@@ -170,7 +171,6 @@ def task_view_bytes(t: "TaskState") -> int:
 def outcome_view_bytes(t: "TaskState") -> int:
     """An upper bound of the encoded :class:`TaskOutcomeView` of ``t``."""
     return _OUTCOME_VIEW_FIXED + len(t.outcome or b"") + len(t.error or b"") + _text(t.outcome_reason)
-_RUN_REASON = {"cancelled": "scope_cancelled", "completed": "scope_completed", "deadline": "deadline"}
 
 
 class MailboxState(msgspec.Struct, gc=False, omit_defaults=True):
