@@ -337,3 +337,20 @@ async def test_the_link_refuses_frames_that_do_not_check():
         _check_frames(frame_records([rec(5, b"abc"), rec(7, b"de")]), 5, 2)
     with pytest.raises(LinkClosed):  # fewer than announced
         _check_frames(good, 5, 3)
+
+
+def test_the_record_ring_keeps_the_newest_records_and_takes_from_any_position():
+    from rallypoint.replication import RecordRing
+
+    ring = RecordRing(next_lsn=1, max_bytes=100)
+    for lsn in range(1, 51):
+        ring.tap(lsn, 0, b"x" * 10)
+    # only the newest ~100 payload bytes are kept (at least one record)
+    assert (ring.first_lsn, ring.last_lsn) == (41, 50) and ring.bytes == 100
+    assert [r[0] for r in ring.take(41)] == list(range(41, 51))
+    assert [r[0] for r in ring.take(48)] == [48, 49, 50]  # from the nearer (back) end
+    assert [r[0] for r in ring.take(42, max_bytes=30)] == [42, 43]  # a batch is cut by size
+    assert ring.take(51) == []
+    big = RecordRing(next_lsn=7, max_bytes=10)
+    big.tap(7, 0, b"y" * 500)  # one record larger than the ring is still kept
+    assert [r[0] for r in big.take(7)] == [7]

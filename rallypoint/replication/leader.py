@@ -25,15 +25,15 @@ ISR). With ``min_insync=2`` it is never removed: writes are refused instead
 
 from __future__ import annotations
 
+import itertools
 import logging
-import math
 import os
 import shutil
 import struct
 import tempfile
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import trio
 
@@ -125,16 +125,21 @@ class RecordRing:
         q = self._q
         if not q or from_lsn > self.last_lsn:
             return []
-        i = from_lsn - self.first_lsn
         out = []
         n = 0
-        while i < len(q):
-            rec = q[i]
+        # one walk from the nearer end (indexing a deque in the middle is O(n) per step)
+        start = from_lsn - self.first_lsn
+        if start <= len(q) // 2:
+            it = itertools.islice(q, start, None)
+        else:
+            tail = list(itertools.islice(reversed(q), len(q) - start))
+            tail.reverse()
+            it = iter(tail)
+        for rec in it:
             out.append(rec)
             n += len(rec[2]) + 16
             if n >= max_bytes:
                 break
-            i += 1
         return out
 
 
