@@ -182,7 +182,8 @@ class ScopeComplete(_Op, tag="scope.complete"):
 
 class ScopeList(_Op, tag="scope.list"):
     """Runs in creation (id) order: ``order="asc"`` oldest first, ``"desc"`` newest
-    first; ``after``/``before`` (ids, exclusive) bound the page, with either order."""
+    first; ``after``/``before`` (ids, exclusive) bound the page, with either order;
+    ``name``: only runs whose name contains it (case-insensitive)."""
 
     parent_id: str | None = None
     roots_only: bool = False
@@ -191,6 +192,7 @@ class ScopeList(_Op, tag="scope.list"):
     after: str | None = None
     before: str | None = None
     order: str = "asc"
+    name: str | None = None
 
 
 class ScopeEnsureNamed(_Op, tag="scope.ensure_named"):
@@ -1240,6 +1242,7 @@ class OverviewGroup(_View):
     members: int
     accepted: int
     created_at: Instant
+    outcome: str | None = None  # SUCCESS / FAILURE once FINALIZED
 
 
 class OverviewView(_View):
@@ -1637,6 +1640,132 @@ class OpsWaits(_Op, tag="ops.waits"):
 class OpsWaitsView(_View):
     parked: dict[str, int]
     waiting: list[OpsWaitView]
+
+
+class OpsItems(_Op, tag="ops.items"):
+    """Lists for operators (the web console), read-only: for each of ``kinds``, what run
+    ``scope_id`` holds (None: the whole space), at most ``limit`` (1-1000) rows each.
+
+    - ``tasks``: newest first (the run's own tasks; the space's with ``mailbox``),
+      ``state`` filters, ``before`` (an id, exclusive) pages (OpsTaskRow);
+    - ``groups``: newest first, the groups created from the run (the space's: all),
+      ``state`` filters, ``before`` pages (OverviewGroup);
+    - ``joinsets``: newest first, without their children (JoinSetView); ``before`` pages;
+    - ``barriers``, ``timers``: the run's (the space's: none), oldest first;
+    - ``claims``: HELD by the run (the space's: every HELD claim);
+    - ``grants``: ACTIVE grants of the run and of its tasks' deliveries (the space's: every
+      ACTIVE grant);
+    - ``queues``: the space's work queues with depth, in flight, done since start and the
+      oldest ready task (OpsQueueView; ``scope_id`` is ignored).
+
+    VALIDATION_FAILED for an unknown kind or a bad limit; NOT_FOUND for the run or the
+    mailbox."""
+
+    kinds: list[str]
+    scope_id: str | None = None
+    limit: int = 50
+    before: str | None = None
+    state: str | None = None
+    mailbox: str | None = None
+
+
+class OpsTaskRow(_View):
+    """A task (or message) in a list: no payloads."""
+
+    id: str
+    mailbox: str
+    scope_id: str
+    state: str
+    attempt: int
+    key: str | None
+    created_at: Instant
+    finished_at: Instant | None
+    group_id: str | None
+    outcome_reason: str | None
+    completing: bool
+
+
+class OpsQueueView(_View):
+    """A work queue for operators: ``queued`` (depth), ``running`` (in flight), ``done``
+    (tasks finished since the server started: a rate is its difference between two
+    reads), ``oldest_ready_at`` (the creation instant of the oldest task ready to be
+    received; None: none ready)."""
+
+    id: str
+    name: str
+    mode: str
+    queued: int
+    running: int
+    done: int
+    oldest_ready_at: Instant | None
+    backlog_limit: int | None
+
+
+class OpsItemsView(_View):
+    tasks: list[OpsTaskRow] = msgspec.field(default_factory=list)
+    groups: list[OverviewGroup] = msgspec.field(default_factory=list)
+    joinsets: list[JoinSetView] = msgspec.field(default_factory=list)
+    barriers: list[BarrierView] = msgspec.field(default_factory=list)
+    timers: list[TimerView] = msgspec.field(default_factory=list)
+    claims: list[ClaimView] = msgspec.field(default_factory=list)
+    grants: list[GrantView] = msgspec.field(default_factory=list)
+    queues: list[OpsQueueView] = msgspec.field(default_factory=list)
+
+
+class OpsTask(_Op, tag="ops.task"):
+    """A task (or message) for operators: its view, its queue's ``max_attempts``, and
+    while it is RUNNING its current delivery (delivery id, fencing token, lease expiry,
+    the pool grants and budget reservations it holds) and the lease time left."""
+
+    task_id: str
+
+
+class OpsTaskView(_View):
+    task: TaskView
+    max_attempts: int
+    delivery: DeliveryView | None = None
+    lease_left_ms: int | None = None  # server time left on the current lease
+
+
+class OpsJoinSet(_Op, tag="ops.joinset"):
+    """A join set as its journal holds it: the children's completion records in
+    completion order (consumed or not, closing consumes marked) and its log of answers
+    (the steps a replaying client follows)."""
+
+    joinset_id: str
+
+
+class OpsJoinRecordView(_View):
+    """The ``index``-th completion record: ``consumed`` once a consume took it,
+    ``closing`` when that consume was a close's."""
+
+    index: int
+    child_id: str
+    kind: str
+    ok: bool
+    failure_kind: str | None
+    consumed: bool
+    closing: bool
+
+
+class OpsJoinStepView(_View):
+    """An entry of the log: steps ``step`` .. ``step + n - 1`` (``n`` identical answers in
+    a row), the operation (``next``: an await, ``try``: a probe) and its answer
+    (``record`` ``index``, ``pending``, ``exhausted``); ``mailbox``: a typed op's queue."""
+
+    step: int
+    op: str
+    outcome: str
+    index: int
+    mailbox: str | None
+    n: int
+
+
+class OpsJoinSetView(_View):
+    joinset: JoinSetView
+    records: list[OpsJoinRecordView]
+    steps: list[OpsJoinStepView]
+    closed_at: Instant | None
 
 
 #: Every request Struct (every subclass of ``_Op`` above), in the order they are defined.

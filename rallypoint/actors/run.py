@@ -330,12 +330,17 @@ class Runs(Kind):
     def op_scope_list(self, actor, session, op: ScopeList) -> ScopeListView:
         """Runs of the space (or the children of ``parent_id``) in creation order:
         ``order="asc"`` oldest first, ``"desc"`` newest first; ``after`` / ``before``
-        (ids, exclusive) bound the page; filtered by ``state`` and ``roots_only``.
+        (ids, exclusive) bound the page; filtered by ``state``, ``roots_only`` and
+        ``name`` (a part of the name, case-insensitive; 1-256 characters).
         VALIDATION_FAILED for a bad ``limit`` (1-10000) or ``order``."""
         check_range("limit", op.limit, 1, 10_000)
         if op.order not in ("asc", "desc"):
             raise ValidationError("order must be 'asc' or 'desc'", details={"field": "order"})
         desc = op.order == "desc"
+        if op.name is not None and not 1 <= len(op.name) <= 256:
+            raise ValidationError("name (a part of the run names to match) must be 1-256 characters",
+                                  details={"field": "name"})
+        needle = op.name.casefold() if op.name is not None else None
         if op.parent_id is not None:
             parent = self.get(session.space, op.parent_id)
             ids = self.children.get(parent.id, {})
@@ -353,6 +358,8 @@ class Runs(Kind):
             if op.before is not None and s.id >= op.before:
                 continue
             if op.state is not None and s.state != op.state:
+                continue
+            if needle is not None and (s.name is None or needle not in s.name.casefold()):
                 continue
             out.append(self.view(s))
             if len(out) >= op.limit:

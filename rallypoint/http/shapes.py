@@ -503,4 +503,11 @@ NOT_SERVED: dict[type, str] = {
     p.PoolWaiterView: "runstate lists no permit waiters (POOL hides them)",
     p.PoolAcquireView: "permit acquire answers its grant (GRANT); a waiter answers its own state",
     p.IdempotencyView: "the HTTP layer's own store of answers, never an answer itself",
+    p.OpsItemsView: "the web console's lists (rallypoint serve --console), not runstate's /ops",
+    p.OpsTaskRow: "the web console's lists (rallypoint serve --console), not runstate's /ops",
+    p.OpsQueueView: "the web console's lists (rallypoint serve --console), not runstate's /ops",
+    p.OpsTaskView: "the web console's task page (rallypoint serve --console), not runstate's /ops",
+    p.OpsJoinSetView: "the web console's join set page (rallypoint serve --console); join sets are the native client's",
+    p.OpsJoinRecordView: "the web console's join set page (rallypoint serve --console); join sets are the native client's",
+    p.OpsJoinStepView: "the web console's join set page (rallypoint serve --console); join sets are the native client's",
 }
