@@ -229,6 +229,25 @@ async def _serve(args) -> int:
                 metrics.http = http_api.listener
                 http_url = bound[0] if bound else f"http://{hhost}:{hport}"
                 log.info("HTTP API (runstate SDK) on %s/v1/spaces/{spaceId}", http_url)
+            console_url = None
+            if args.console:
+                from .console import serve_console
+
+                chost, cport = _parse_listen(args.console)
+                if coord.keys.open_mode and not _is_loopback(chost) and not args.insecure:
+                    raise ValidationError(
+                        f"refusing to serve the console on {chost} without API keys (see --listen); "
+                        "pass --insecure to serve this address without authentication"
+                    )
+                try:
+                    _console, bound = await nursery.start(functools.partial(
+                        serve_console, node.service, chost, cport, certfile=args.tls_cert, keyfile=args.tls_key,
+                        max_connections=args.max_connections, first_request_s=args.handshake_timeout,
+                        graceful_s=args.drain_timeout, metrics=metrics, shutdown=http_stop))
+                except OSError as e:
+                    raise ValidationError(_listen_error(args.console, "--console", e)) from None
+                console_url = bound[0] if bound else f"http://{chost}:{cport}"
+                log.info("web console on %s", console_url)
             info = node.recovery_info
             r = coord.retention.retain_ms
             log.info(
@@ -266,6 +285,8 @@ async def _serve(args) -> int:
                                                             if metrics_port else ""), flush=True)
                 if http_url:
                     print(f"HTTP {http_url}", flush=True)
+                if console_url:
+                    print(f"CONSOLE {console_url}", flush=True)
                 async for signum in signals:
                     log.info("received %s: draining (no new connections, finishing in-flight requests)",
                              signal.Signals(signum).name)
@@ -458,16 +479,19 @@ def cmd_serve(args) -> int:
                                   f"{args.retain_events!r})") from None
         args.retention = {"retain_finished_ms": retain_finished_ms or None, "retain_events": count or None,
                           "retain_events_ms": age_ms or None}
-        for addr in (args.metrics, args.http):
+        for addr in (args.metrics, args.http, args.console):
             if addr:
                 _parse_listen(addr)
+        if args.console and args.cluster:
+            raise ValidationError("--console is not served with --cluster yet; run it on a single node")
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             if path is not None and not os.path.isfile(path):
                 raise ValidationError(f"{flag}: no such file {path}")
     except ValidationError as e:
         print(f"rallypoint: {e.message}", file=sys.stderr)
         return 2
-    for flag, addr in (("--listen", args.listen), ("--metrics", args.metrics), ("--http", args.http)):
+    for flag, addr in (("--listen", args.listen), ("--metrics", args.metrics), ("--http", args.http),
+                       ("--console", args.console)):
         if addr:
             try:
                 _check_listen_free(*_parse_listen(addr))
@@ -1534,6 +1558,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http", metavar="HOST:PORT", default=None,
                    help="also serve the HTTP API (the runstate SDK's, /v1/spaces/{spaceId}/...) on HOST:PORT "
                         "over the same coordinator: same keys, spaces and TLS (off by default)")
+    s.add_argument("--console", metavar="HOST:PORT", default=None,
+                   help="also serve the web console for operators (read-only pages: runs, queues, groups, join "
+                        "sets, live events, resources) on HOST:PORT: same keys (a key sees its space) and TLS "
+                        "(off by default; not with --cluster)")
     s.add_argument("--http-idempotency-hours", type=_bounded(float, 0, inclusive=False), default=24.0,
                    help="how long answers to HTTP requests with an Idempotency-Key are kept (default %(default)s)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (clients use tls:// URLs)")
