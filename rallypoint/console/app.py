@@ -248,7 +248,7 @@ class ConsoleApp:
             if path.startswith("/static/"):
                 return self._static_file(path[len("/static/"):])
             if path == "/login":
-                return await (self._login_post(request) if method == "POST" else self._login_form(request))
+                return await self._login_post(request) if method == "POST" else self._login_form(request)
             if path == "/logout" and method == "POST":
                 return self._logout(request)
             if method not in ("GET", "HEAD"):

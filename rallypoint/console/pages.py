@@ -442,7 +442,8 @@ async def queues_page(ctx) -> Page:
         rows = []
         for q, rate in await queue_rows(ctx):
             rows.append(tr(a("/queues/" + quote(q.name, safe=""), q.name), h(q.mode), h(q.queued), h(q.running),
-                           h(f"{rate:.1f}") if rate is not None else '<span class="muted">…</span>',
+                           f'<span class="rate">{rate:.1f}</span>' if rate is not None
+                           else '<span class="muted" title="needs a second read">…</span>',
                            age(q.oldest_ready_at), h(q.backlog_limit or "—"), attrs=f' data-queue="{h(q.name)}"'))
         return table(["Queue", "Mode", "Depth (queued)", "In flight", "Done / s", "Oldest waiting", "Backlog limit"],
                      rows, "no work queues", "queues")

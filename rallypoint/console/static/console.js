@@ -203,6 +203,7 @@
         + ", p99 " + (x.p99_ms === null ? "—" : "≤ " + x.p99_ms + " ms");
     }
     body.dataset.stats = String(samples.length);
+    if (samples.length >= 3) { body.dataset.charted = "yes"; }
   }
 
   // ------------------------------------------------------------------ the stream
