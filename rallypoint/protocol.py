@@ -1242,7 +1242,6 @@ class OverviewGroup(_View):
     members: int
     accepted: int
     created_at: Instant
-    outcome: str | None = None  # SUCCESS / FAILURE once FINALIZED
 
 
 class OverviewView(_View):
@@ -1649,7 +1648,7 @@ class OpsItems(_Op, tag="ops.items"):
     - ``tasks``: newest first (the run's own tasks; the space's with ``mailbox``),
       ``state`` filters, ``before`` (an id, exclusive) pages (OpsTaskRow);
     - ``groups``: newest first, the groups created from the run (the space's: all),
-      ``state`` filters, ``before`` pages (OverviewGroup);
+      ``state`` filters, ``before`` pages (OpsGroupRow);
     - ``joinsets``: newest first, without their children (JoinSetView); ``before`` pages;
     - ``barriers``, ``timers``: the run's (the space's: none), oldest first;
     - ``claims``: HELD by the run (the space's: every HELD claim);
@@ -1685,6 +1684,22 @@ class OpsTaskRow(_View):
     completing: bool
 
 
+class OpsGroupRow(_View):
+    """A task group in a list: ``scope_id`` the run it was created from; ``outcome``
+    SUCCESS / FAILURE once FINALIZED."""
+
+    id: str
+    scope_id: str
+    condition: str
+    state: str
+    outcome: str | None
+    outcome_reason: str | None
+    members: int
+    accepted: int
+    created_at: Instant
+    finalized_at: Instant | None
+
+
 class OpsQueueView(_View):
     """A work queue for operators: ``queued`` (depth), ``running`` (in flight), ``done``
     (tasks finished since the server started: a rate is its difference between two
@@ -1703,7 +1718,7 @@ class OpsQueueView(_View):
 
 class OpsItemsView(_View):
     tasks: list[OpsTaskRow] = msgspec.field(default_factory=list)
-    groups: list[OverviewGroup] = msgspec.field(default_factory=list)
+    groups: list[OpsGroupRow] = msgspec.field(default_factory=list)
     joinsets: list[JoinSetView] = msgspec.field(default_factory=list)
     barriers: list[BarrierView] = msgspec.field(default_factory=list)
     timers: list[TimerView] = msgspec.field(default_factory=list)

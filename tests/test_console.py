@@ -29,6 +29,7 @@ import trio
 
 import rallypoint
 from rallypoint import protocol as p
+from rallypoint.actors.api import REPLY_TYPES
 from rallypoint.clock import to_iso
 from rallypoint.console import ConsoleApp
 from rallypoint.console.app import READ_ONLY
@@ -165,7 +166,7 @@ async def _workload(url: str) -> dict:
     out: dict = {}
     async with rallypoint.connect(url) as rs:
         async def c(op):
-            return await rs._call(op, p.REPLY_TYPES[type(op)])
+            return await rs._call(op, REPLY_TYPES[type(op)])
 
         now = rs_now = time.time() * 1000
         root = await c(p.ScopeCreate(name="research swarm", deadline=to_iso(int(rs_now + 3_600_000))))
@@ -402,7 +403,7 @@ def _create_keys(url: str) -> tuple[str, str]:
 async def _act(url: str, key: str, name: str) -> dict:
     async with rallypoint.connect(url, api_key=key) as rs:
         async def c(op):
-            return await rs._call(op, p.REPLY_TYPES[type(op)])
+            return await rs._call(op, REPLY_TYPES[type(op)])
 
         run = await c(p.ScopeCreate(name=name))
         await c(p.MailboxEnsure(name=name + "-jobs"))

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from rallypoint import protocol as p
+from rallypoint.actors.api import REPLY_TYPES
 from rallypoint.errors import ForbiddenError, NotFoundError, ValidationError
 from rallypoint.service import Session
 
@@ -25,7 +26,7 @@ def read_only(rs) -> Session:
 
 async def call(rs, op, session: Session = S):
     raw = await rs.node.service.call(session, op)
-    return msgspec.msgpack.decode(raw, type=p.REPLY_TYPES[type(op)])
+    return msgspec.msgpack.decode(raw, type=REPLY_TYPES[type(op)])
 
 
 def enc(v) -> msgspec.Raw:

@@ -16,7 +16,7 @@ from ..clock import to_iso
 from ..errors import ValidationError
 from ..protocol import (
     OpsItems, OpsItemsView, OpsJoinRecordView, OpsJoinSet, OpsJoinSetView, OpsJoinStepView, OpsQueueView, OpsRun,
-    OpsRunView, OpsTask, OpsTaskRow, OpsTaskView, OpsWaits, OpsWaitsView, OpsWaitView, OpsWorkerView, OverviewGroup,
+    OpsRunView, OpsTask, OpsTaskRow, OpsTaskView, OpsWaits, OpsWaitsView, OpsWaitView, OpsWorkerView, OpsGroupRow,
 )
 from .common import check_range
 from .kind import Kind
@@ -159,9 +159,10 @@ class Diagnostics(Kind):
                 continue
             if op.state is not None and g.state != op.state:
                 continue
-            out.append(OverviewGroup(id=g.id, condition=g.condition, state=g.state, members=len(g.members),
-                                     accepted=sum(1 for m in g.members if m.verdict == "ACCEPTED"),
-                                     created_at=to_iso(g.created_at_ms), outcome=g.outcome))
+            out.append(OpsGroupRow(id=g.id, scope_id=g.parent_scope_id, condition=g.condition, state=g.state,
+                                   outcome=g.outcome, outcome_reason=g.outcome_reason, members=len(g.members),
+                                   accepted=sum(1 for m in g.members if m.verdict == "ACCEPTED"),
+                                   created_at=to_iso(g.created_at_ms), finalized_at=to_iso(g.finalized_at_ms)))
         return out
 
     def _owned(self, run, prefix: str):

@@ -48,7 +48,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .. import protocol as p
-from ..actors.api import OPS
+from ..actors.api import OPS, REPLY_TYPES
 from ..errors import ForbiddenError, RallypointError, UnauthenticatedError, ValidationError
 from ..logutil import RateLimitedLogger
 from ..service import Session
@@ -75,12 +75,9 @@ _HEADERS = {
 
 #: Largest login form body, bytes.
 MAX_FORM = 4096
-#: Operations that may wait on the server by design: not in the chart's latency.
-WAIT_OPS = frozenset({
-    "delivery.receive", "task.result", "task.results", "group.wait", "barrier.wait", "timer.wait",
-    "joinset.join_next", "joinset.close", "scope.complete", "quota.take", "quota.waiter_wait", "claim.acquire",
-    "pool.acquire", "once.get", "events.watch",
-})
+#: Operations that may wait on the server by design (their ``@op`` mark says so; a
+#: receive or a result asked to wait): not in the chart's latency.
+WAIT_OPS = frozenset(d.tag for d in OPS.values() if d.waits.waits is not False) | {"events.watch"}
 #: Events one ``events`` message of the stream carries at most (the rest are counted).
 MAX_EVENTS_MESSAGE = 500
 
@@ -206,7 +203,7 @@ class ConsoleApp:
             raise
         if metrics is not None:
             metrics.observe(tag, "OK", time.perf_counter() - t0, session.peer)
-        return msgspec.msgpack.decode(raw, type=p.REPLY_TYPES[type(op)])
+        return msgspec.msgpack.decode(raw, type=REPLY_TYPES[type(op)])
 
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope, receive, send) -> None:

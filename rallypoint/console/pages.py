@@ -341,9 +341,10 @@ def task_table(tasks, empty: str) -> str:
 
 
 def group_table(groups) -> str:
-    return table(["Group", "Condition", "State", "Outcome", "Members", "Accepted", "Created"], [
-        tr(a("/groups/" + quote(g.id, safe=""), g.id), h(g.condition), badge(g.state), badge(g.outcome),
-           h(g.members), h(g.accepted), when(g.created_at)) for g in groups], "no groups")
+    return table(["Group", "Run", "Condition", "State", "Outcome", "Members", "Accepted", "Created", "Decided"], [
+        tr(a("/groups/" + quote(g.id, safe=""), g.id), a(run_url(g.scope_id), g.scope_id), h(g.condition),
+           badge(g.state), badge(g.outcome, g.outcome_reason), h(g.members), h(g.accepted), when(g.created_at),
+           when(g.finalized_at)) for g in groups], "no groups")
 
 
 def joinset_table(sets) -> str:

@@ -504,6 +504,7 @@ NOT_SERVED: dict[type, str] = {
     p.PoolAcquireView: "permit acquire answers its grant (GRANT); a waiter answers its own state",
     p.IdempotencyView: "the HTTP layer's own store of answers, never an answer itself",
     p.OpsItemsView: "the web console's lists (rallypoint serve --console), not runstate's /ops",
+    p.OpsGroupRow: "the web console's lists (rallypoint serve --console), not runstate's /ops",
     p.OpsTaskRow: "the web console's lists (rallypoint serve --console), not runstate's /ops",
     p.OpsQueueView: "the web console's lists (rallypoint serve --console), not runstate's /ops",
     p.OpsTaskView: "the web console's task page (rallypoint serve --console), not runstate's /ops",
