@@ -1,0 +1,235 @@
+"""Page load times of the web console (issue 32): a run with 10,000 descendants, and the
+Queues page while ``rallypoint bench`` loads the daemon.
+
+One daemon (``serve --console``, fsync durability by default) gets a run tree of
+``--descendants`` runs (``--fanout`` children of the root, each with the rest spread
+evenly below it), then each page is loaded ``--samples`` times:
+
+- *server*: the HTML of the page fetched with httpx (what the console's reads and
+  rendering cost, plus one HTTP round trip on loopback);
+- *browser*: a real headless Chromium (Debian's, through Playwright) loading the page in
+  a fresh tab: the first byte and the ``load`` event by the browser's own clock
+  (Navigation Timing), and until its live stream is subscribed (around it, so with the
+  driver's overhead); and expanding one node of the tree (its first page of children
+  fetched, by Resource Timing).
+
+Then ``rallypoint bench --scenario lifecycle`` runs against the same daemon for
+``--bench-duration`` seconds and the Queues page (and the big run's page) are measured
+again while it runs; the bench's own throughput is printed with them.
+
+    python3 scripts/bench_console.py --descendants 10000 --samples 20 --bench-duration 20
+
+Prints one line per measurement (median and p95, ms) and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import httpx  # noqa: E402
+import trio  # noqa: E402
+
+import rallypoint  # noqa: E402
+from rallypoint import protocol as p  # noqa: E402
+from rallypoint.loadtest.runner import SpawnedDaemon  # noqa: E402
+
+
+async def build_tree(url: str, descendants: int, fanout: int) -> dict:
+    """A root with ``fanout`` children and the rest of ``descendants`` spread below them
+    (one level further down); returns the root's and the first child's ids."""
+    per_child = max(0, (descendants - fanout) // fanout)
+    async with rallypoint.connect(url) as rs:
+        async def c(op):
+            return await rs._call(op, p.ScopeView)
+
+        root = await c(p.ScopeCreate(name="big tree", child_limit=max(1000, fanout)))
+        kids = [None] * fanout
+        made = [0]
+
+        async def make_child(i):
+            kids[i] = await c(p.ScopeCreate(parent_id=root.id, name=f"child-{i}", child_limit=max(1000, per_child)))
+            made[0] += 1
+            for j in range(per_child):
+                await c(p.ScopeCreate(parent_id=kids[i].id, name=f"leaf-{i}-{j}"))
+                made[0] += 1
+
+        async with trio.open_nursery() as n:
+            for i in range(fanout):
+                n.start_soon(make_child, i)
+        await rs.mailboxes.ensure("bench-console")
+        return {"root": root.id, "child": kids[0].id, "descendants": made[0]}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def report(name: str, xs: list[float], rows: list) -> None:
+    med, p95 = statistics.median(xs), pct(xs, 0.95)
+    rows.append((name, med, p95, len(xs)))
+    print(f"{name:58s} median {med:8.1f} ms   p95 {p95:8.1f} ms   (n={len(xs)})", flush=True)
+
+
+def server_times(base: str, path: str, n: int) -> list[float]:
+    out = []
+    with httpx.Client(base_url=base, timeout=30) as client:
+        client.get(path).raise_for_status()  # warm
+        for _ in range(n):
+            t0 = time.perf_counter()
+            r = client.get(path)
+            out.append((time.perf_counter() - t0) * 1000)
+            r.raise_for_status()
+    return out
+
+
+class Browser:
+    def __init__(self) -> None:
+        from _browser import CHROMIUM_ARGS, chromium_path
+        from playwright.sync_api import sync_playwright
+
+        path = chromium_path()
+        if path is None:
+            raise RuntimeError("Chromium is not installed (apt-get install chromium)")
+        self._pw = sync_playwright().start()
+        self.browser = self._pw.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
+
+    def close(self) -> None:
+        self.browser.close()
+        self._pw.stop()
+
+    def load_times(self, url: str, n: int) -> dict[str, list[float]]:
+        """Per fresh page, ms from the navigation's start, by the browser's own clock
+        (Navigation Timing): ``first byte``, ``load`` (the load event), and ``live``
+        (measured around it: until the page's live stream is subscribed)."""
+        out: dict[str, list[float]] = {"first byte": [], "load": [], "live": []}
+        ctx = self.browser.new_context()
+        try:
+            for i in range(n + 1):
+                page = ctx.new_page()
+                t0 = time.perf_counter()
+                page.goto(url, wait_until="load")
+                page.wait_for_selector("body[data-live=on]", timeout=30_000)
+                t2 = time.perf_counter()
+                nav = page.evaluate("() => { const n = performance.getEntriesByType('navigation')[0]; "
+                                    "return [n.responseStart - n.startTime, n.loadEventStart - n.startTime]; }")
+                page.close()
+                if i:  # the first one warms the browser's caches
+                    out["first byte"].append(nav[0])
+                    out["load"].append(nav[1])
+                    out["live"].append((t2 - t0) * 1000)
+        finally:
+            ctx.close()
+        return out
+
+    def expand_times(self, url: str, run_id: str, n: int) -> list[float]:
+        """ms from the click on a node's toggle to its children inserted (the browser's
+        clock: the click handler's fetch, measured by Resource Timing, plus the insert)."""
+        out = []
+        ctx = self.browser.new_context()
+        try:
+            for _ in range(n):
+                page = ctx.new_page()
+                page.goto(url, wait_until="load")
+                node = page.locator(f'li[data-run="{run_id}"]')
+                node.locator("button.toggle").click()
+                page.wait_for_selector(f'li[data-run="{run_id}"] ul.tree li')
+                out.append(page.evaluate("() => { const r = performance.getEntriesByType('resource')"
+                                         ".filter(e => e.name.includes('/children')); "
+                                         "return r[r.length - 1].duration; }"))
+                page.close()
+        finally:
+            ctx.close()
+        return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--descendants", type=int, default=10_000)
+    ap.add_argument("--fanout", type=int, default=100, help="children of the root (default %(default)s)")
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--bench-duration", type=float, default=20.0)
+    ap.add_argument("--durability", default="fsync", choices=("fsync", "interval", "memory"))
+    ap.add_argument("--no-browser", action="store_true", help="server-side times only")
+    args = ap.parse_args()
+
+    daemon = SpawnedDaemon(args.durability, ["--console", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+    url = daemon.start()
+    console = None
+    while console is None:
+        line = daemon.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the daemon printed no CONSOLE line")
+        if line.startswith("CONSOLE "):
+            console = line.split()[1]
+    rows: list = []
+    browser = None
+    try:
+        t0 = time.perf_counter()
+        tree = trio.run(build_tree, url, args.descendants, args.fanout)
+        print(f"built a run with {tree['descendants']} descendants in {time.perf_counter() - t0:.1f} s "
+              f"({args.fanout} children of the root)", flush=True)
+        big = f"/runs/{tree['root']}"
+        report(f"server: run page, {tree['descendants']} descendants", server_times(console, big, args.samples), rows)
+        report("server: expand one node (first 50 of its children)",
+               server_times(console, f"{big.replace(tree['root'], tree['child'])}/children?part=children",
+                            args.samples), rows)
+        report("server: runs list (roots, newest first)", server_times(console, "/runs", args.samples), rows)
+        report("server: queues page (idle)", server_times(console, "/queues", args.samples), rows)
+        if not args.no_browser:
+            browser = Browser()
+            for what, xs in browser.load_times(console + big, args.samples).items():
+                report(f"browser: run page, {tree['descendants']} descendants: {what}", xs, rows)
+            report("browser: expand one node (its children's fetch)",
+                   browser.expand_times(console + big, tree["child"], args.samples), rows)
+            for what, xs in browser.load_times(console + "/queues", args.samples).items():
+                report(f"browser: queues page (idle): {what}", xs, rows)
+
+        # the same pages while `rallypoint bench` runs
+        out = tempfile.mktemp(suffix=".json")
+        bench = subprocess.Popen([sys.executable, "-m", "rallypoint", "bench", "--connect", url, "--scenario",
+                                  "lifecycle", "--duration", str(args.bench_duration), "--warmup", "2", "--json", out],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(4)  # warm-up done, load steady
+        report("server: queues page under bench load", server_times(console, "/queues", args.samples), rows)
+        report(f"server: run page, {tree['descendants']} descendants, under load",
+               server_times(console, big, args.samples), rows)
+        if browser is not None:
+            for what, xs in browser.load_times(console + "/queues", args.samples).items():
+                report(f"browser: queues page under bench load: {what}", xs, rows)
+        during = bench.poll() is None  # the measurements above were made while the bench ran
+        rc = bench.wait(args.bench_duration + 120)
+        if rc != 0:
+            print(bench.stderr.read(), file=sys.stderr)
+        rate = None
+        if os.path.exists(out):
+            with open(out) as f:
+                res = json.load(f)
+            rate = res["throughput"]["lifecycles_per_s"]
+            os.unlink(out)
+        print(f"bench (lifecycle, {args.bench_duration:g} s): {rate} lifecycles/s; measurements made while it ran: "
+              f"{during}", flush=True)
+    finally:
+        if browser is not None:
+            browser.close()
+        daemon.stop()
+    print("\n| page | median ms | p95 ms | n |\n|---|---|---|---|")
+    for name, med, p95, n in rows:
+        print(f"| {name} | {med:.1f} | {p95:.1f} | {n} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
