@@ -72,6 +72,8 @@ async def test_open_mode_needs_no_sign_in_and_every_answer_is_hardened():
         assert (await client.get("/runs/scp_nope")).status_code == 404
         js = await client.get("/static/console.js")
         assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+        again = await client.get("/static/console.js", headers={"if-none-match": js.headers["etag"]})
+        assert again.status_code == 304 and again.content == b""
         assert (await client.get("/static/../app.py")).status_code == 404
 
 

@@ -165,3 +165,24 @@ async def test_the_console_reads_need_only_coordination_read(autojump_clock, ers
         await call(ers, op, read_only(ers))
     with pytest.raises(ForbiddenError):  # a read-only session cannot write
         await call(ers, p.ScopeCancel(scope_id=run.id), read_only(ers))
+
+
+async def test_roots_only_lists_read_the_roots_index_which_purge_and_recovery_keep(autojump_clock, ers):
+    coord = ers.node.coordinator
+    roots = [await call(ers, p.ScopeCreate(name=f"root-{i}")) for i in range(3)]
+    for r in roots:
+        for _ in range(3):
+            await call(ers, p.ScopeCreate(parent_id=r.id))
+    await call(ers, p.ScopeCreate(name="elsewhere"), OTHER)
+    want = [r.id for r in reversed(roots)]
+    assert [s.id for s in (await call(ers, p.ScopeList(roots_only=True, order="desc"))).scopes] == want
+    assert [s.id for s in (await call(ers, p.ScopeList(roots_only=True, before=roots[2].id, order="desc")))
+            .scopes] == want[1:]
+    assert list(coord.runs.roots["s1"]) == [r.id for r in roots]
+    before = {sp: list(ids) for sp, ids in coord.runs.roots.items()}
+    coord.runs.rebuild_indexes()  # what recovery does
+    assert {sp: list(ids) for sp, ids in coord.runs.roots.items()} == before
+    # a purged root leaves the index (its subtree first, as retention does)
+    for rid in reversed(list(coord.runs.subtree(roots[0].id))):
+        coord.runs.purge_run(rid)
+    assert [s.id for s in (await call(ers, p.ScopeList(roots_only=True))).scopes] == [roots[1].id, roots[2].id]

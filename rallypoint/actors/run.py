@@ -101,6 +101,7 @@ class Runs(Kind):
         self.owned: dict[str, list[str]] = {}  # run id -> ids of the groups/barriers/timers/join sets it owns
         self.counts: dict[str, dict[str, int]] = {}  # space -> stored_state -> runs
         self.named_roots: dict[tuple[str, str], str] = {}  # (space, name) -> newest root run so named
+        self.roots: dict[str, dict[str, None]] = {}  # space -> its root runs (creation order)
 
     def entity_tables(self):
         return {"scp": (self.table, ScopeState)}
@@ -345,6 +346,9 @@ class Runs(Kind):
             parent = self.get(session.space, op.parent_id)
             ids = self.children.get(parent.id, {})
             source = (self.table[i] for i in (reversed(ids) if desc else ids))
+        elif op.roots_only:  # the space's roots only: not a walk of every run
+            ids = self.roots.get(session.space, {})
+            source = (self.table[i] for i in (reversed(ids) if desc else ids))
         else:
             source = reversed(self.table.values()) if desc else iter(self.table.values())
         out = []
@@ -438,8 +442,10 @@ class Runs(Kind):
     def _index(self, s: ScopeState) -> None:
         self._count(s.space, None, s.state)
         self.table[s.id] = s
-        if s.parent_id is None and s.name is not None:
-            self.named_roots[(s.space, s.name)] = s.id
+        if s.parent_id is None:
+            self.roots.setdefault(s.space, {})[s.id] = None
+            if s.name is not None:
+                self.named_roots[(s.space, s.name)] = s.id
         if s.parent_id is not None:
             self.children.setdefault(s.parent_id, {})[s.id] = None
 
@@ -518,7 +524,9 @@ class Runs(Kind):
             self._count(s.space, None, s.state)
             if s.parent_id is not None:
                 self.children.setdefault(s.parent_id, {})[s.id] = None
-            elif s.name is not None:
+                continue
+            self.roots.setdefault(s.space, {})[s.id] = None
+            if s.name is not None:
                 k = (s.space, s.name)
                 if k not in self.named_roots or self.named_roots[k] < s.id:
                     self.named_roots[k] = s.id
@@ -541,6 +549,12 @@ class Runs(Kind):
                     del self.children[s.parent_id]
         self.children.pop(run_id, None)
         self.owned.pop(run_id, None)
+        if s.parent_id is None:
+            roots = self.roots.get(s.space)
+            if roots is not None:
+                roots.pop(run_id, None)
+                if not roots:
+                    del self.roots[s.space]
         if s.parent_id is None and s.name is not None and self.named_roots.get((s.space, s.name)) == run_id:
             del self.named_roots[(s.space, s.name)]
         self.coord.touch(run_id)

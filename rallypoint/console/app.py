@@ -174,7 +174,7 @@ class ConsoleApp:
         self.rates = _QueueRates()
         #: set on shutdown: open streams end at once
         self.stopping = trio.Event()
-        self._static: dict[str, tuple[bytes, str]] = {}
+        self._static: dict[str, tuple[bytes, str, str]] = {}  # name -> (bytes, type, etag)
         self.routes = pages.routes()
 
     def flush_logs(self) -> None:
@@ -243,7 +243,7 @@ class ConsoleApp:
         method = request.method
         try:
             if path.startswith("/static/"):
-                return self._static_file(path[len("/static/"):])
+                return self._static_file(path[len("/static/"):], request.headers.get("if-none-match"))
             if path == "/login":
                 return await self._login_post(request) if method == "POST" else self._login_form(request)
             if path == "/logout" and method == "POST":
@@ -400,7 +400,8 @@ class ConsoleApp:
     def _plain(self, status: int, text: str) -> Response:
         return Response(text, status_code=status, media_type="text/plain; charset=utf-8")
 
-    def _static_file(self, name: str) -> Response:
+    def _static_file(self, name: str, if_none_match: str | None = None) -> Response:
+        """``static/<name>`` (js, css), with an ETag: a browser revalidates it (304)."""
         got = self._static.get(name)
         if got is None:
             types = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
@@ -411,8 +412,11 @@ class ConsoleApp:
                 data = resources.files(__package__).joinpath("static", name).read_bytes()
             except (FileNotFoundError, OSError):
                 return self._plain(404, "no such file")
-            got = self._static[name] = (data, types[ext])
-        return Response(got[0], media_type=got[1], headers={"cache-control": "no-cache"})
+            got = self._static[name] = (data, types[ext], '"%s"' % hashlib.sha256(data).hexdigest()[:16])
+        headers = {"cache-control": "no-cache", "etag": got[2]}
+        if if_none_match == got[2]:
+            return Response(b"", status_code=304, headers=headers)
+        return Response(got[0], media_type=got[1], headers=headers)
 
     # ------------------------------------------------------------------ the stream
     async def stream(self, ctx: Ctx, scope, receive, send) -> None:

@@ -213,6 +213,7 @@
     var es = new EventSource(src);
     var readyOnce = false;
     es.addEventListener("ready", function () {
+      if (!body.dataset.liveAt) { body.dataset.liveAt = String(Math.round(performance.now())); }
       setLive(true);
       if (readyOnce) { schedule("changed"); }  // reconnected: what changed meanwhile
       readyOnce = true;
