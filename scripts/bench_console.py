@@ -48,7 +48,7 @@ from rallypoint.loadtest.runner import SpawnedDaemon  # noqa: E402
 
 async def build_tree(url: str, descendants: int, fanout: int) -> dict:
     """A root with ``fanout`` children and the rest of ``descendants`` spread below them
-    (one level further down); returns the root's and the first child's ids."""
+    (one level further down); returns the root's and its newest child's ids."""
     per_child = max(0, (descendants - fanout) // fanout)
     async with rallypoint.connect(url) as rs:
         async def c(op):
@@ -69,7 +69,8 @@ async def build_tree(url: str, descendants: int, fanout: int) -> dict:
             for i in range(fanout):
                 n.start_soon(make_child, i)
         await rs.mailboxes.ensure("bench-console")
-        return {"root": root.id, "child": kids[0].id, "descendants": made[0]}
+        # the newest child: on the first page of the root's children (newest first)
+        return {"root": root.id, "child": max(k.id for k in kids), "descendants": made[0]}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -133,6 +134,25 @@ class Browser:
             ctx.close()
         return out
 
+    def bare_times(self, url: str, n: int) -> dict[str, list[float]]:
+        """The control: a bare file of the same server (no script, no stream) in a fresh
+        tab: first byte and load, ms (Navigation Timing)."""
+        out: dict[str, list[float]] = {"first byte": [], "load": []}
+        ctx = self.browser.new_context()
+        try:
+            for i in range(n + 1):
+                page = ctx.new_page()
+                page.goto(url, wait_until="load")
+                nav = page.evaluate("() => { const n = performance.getEntriesByType('navigation')[0]; "
+                                    "return [n.responseStart - n.startTime, n.loadEventStart - n.startTime]; }")
+                page.close()
+                if i:
+                    out["first byte"].append(nav[0])
+                    out["load"].append(nav[1])
+        finally:
+            ctx.close()
+        return out
+
     def expand_times(self, url: str, run_id: str, n: int) -> list[float]:
         """ms from the click on a node's toggle to its children inserted (the browser's
         clock: the click handler's fetch, measured by Resource Timing, plus the insert)."""
@@ -190,6 +210,8 @@ def main() -> int:
         report("server: queues page (idle)", server_times(console, "/queues", args.samples), rows)
         if not args.no_browser:
             browser = Browser()
+            for what, xs in browser.bare_times(console + "/static/console.css", args.samples).items():
+                report(f"browser (control): a bare file of the same server: {what}", xs, rows)
             for what, xs in browser.load_times(console + big, args.samples).items():
                 report(f"browser: run page, {tree['descendants']} descendants: {what}", xs, rows)
             report("browser: expand one node (its children's fetch)",
@@ -218,6 +240,8 @@ def main() -> int:
             with open(out) as f:
                 res = json.load(f)
             rate = res["throughput"]["lifecycles_per_s"]
+            for op_name, lat in sorted(res.get("latency_ms", {}).items()):
+                print(f"bench latency {op_name}: {json.dumps(lat)}", flush=True)
             os.unlink(out)
         print(f"bench (lifecycle, {args.bench_duration:g} s): {rate} lifecycles/s", flush=True)
         if not during:

@@ -265,7 +265,7 @@ class ConsoleApp:
                     if pt.name == part:
                         return _html(await pt.render())
                 raise RallypointError(f"no part {part!r} on this page", code="NOT_FOUND")
-            return _html(pages.layout(page, ctx, [await pt.render() for pt in page.parts]))
+            return _html(pages.layout(page, ctx, await _render_all(page.parts)))
         except UnauthenticatedError:
             if request.query_params.get("part") or request.headers.get("x-console-fragment"):
                 return self._plain(401, "sign in again")
@@ -555,6 +555,27 @@ class ConsoleApp:
                 for i, c in enumerate(counts):
                     buckets[i] += c
         return n, buckets
+
+
+async def _render_all(parts) -> list[str]:
+    """Render every part of a page at once (each waits for its reads' answers, which
+    are held until the journal is durable: concurrent, a page costs about one such wait,
+    not one per read); the first error a part raised is raised."""
+    out: list = [None] * len(parts)
+    errors: list[BaseException] = []
+
+    async def one(i, part):
+        try:
+            out[i] = await part.render()
+        except Exception as e:  # (kept out of the nursery's exception group)
+            errors.append(e)
+
+    async with trio.open_nursery() as nursery:
+        for i, part in enumerate(parts):
+            nursery.start_soon(one, i, part)
+    if errors:
+        raise errors[0]
+    return out
 
 
 def _quantile_ms(buckets: list[int], q: float) -> float | None:
