@@ -166,6 +166,28 @@ def dl(pairs: list[tuple[str, str]]) -> str:
     return '<dl class="facts">' + "".join(f"<dt>{h(k)}</dt><dd>{v}</dd>" for k, v in pairs) + "</dl>"
 
 
+async def gather(ctx, *ops) -> list:
+    """Several reads at once (each answer waits for the journal to be durable: together
+    they cost about one such wait); their replies in order, or the first error."""
+    import trio
+
+    out: list = [None] * len(ops)
+    errors: list = []
+
+    async def one(i, op):
+        try:
+            out[i] = await ctx.call(op)
+        except Exception as e:  # (kept out of the nursery's exception group)
+            errors.append(e)
+
+    async with trio.open_nursery() as nursery:
+        for i, op in enumerate(ops):
+            nursery.start_soon(one, i, op)
+    if errors:
+        raise errors[0]
+    return out
+
+
 def pager(ctx, rows: list, id_of: Callable[[Any], str], param: str = "before") -> str:
     """Newest / older links for a list shown newest first, ``PAGE`` rows at a time."""
     links = []
@@ -249,8 +271,7 @@ async def run_page(ctx) -> Page:
         return '<nav class="crumbs">' + " / ".join(trail) + "</nav>"
 
     async def summary() -> str:
-        s = await ctx.call(p.ScopeStatus(scope_id=rid))
-        ops = await ctx.call(p.OpsRun(scope_id=rid))
+        s, ops = await gather(ctx, p.ScopeStatus(scope_id=rid), p.OpsRun(scope_id=rid))
         facts = [("id", f"<code>{h(s.id)}</code>"), ("name", h(s.name) or '<span class="muted">—</span>'),
                  ("state", run_state(s)), ("created", when(s.created_at)), ("ended", when(s.ended_at)),
                  ("deadline", left(s.deadline)), ("tasks", counts(s.tasks)),
@@ -269,8 +290,8 @@ async def run_page(ctx) -> Page:
                 + "<h3>Waiting in the subtree (pools, quotas)</h3>"
                 + table(["Kind", "Name", "Units", "Holder", "Run"], waiting, "nothing waits"))
 
-    async def tree() -> str:
-        s = await ctx.call(p.ScopeStatus(scope_id=rid))
+    async def tree() -> str:  # (not refreshed: the run as the page was loaded)
+        s = run
         kids = await children_html(ctx, rid, None) if s.children else ""
         return (f'<ul class="tree root"><li data-run="{h(s.id)}" class="open"><span class="node">'
                 f'<b>{h(run_label(s))}</b> {run_state(s)} {counts(s.tasks)}</span>'
