@@ -17,7 +17,8 @@ Then ``rallypoint bench --scenario lifecycle`` runs against the same daemon for
 ``--bench-duration`` seconds and the Queues page (and the big run's page) are measured
 again while it runs; the bench's own throughput is printed with them.
 
-    python3 scripts/bench_console.py --descendants 10000 --samples 20 --bench-duration 20
+    python3 scripts/bench_console.py --descendants 10000 --samples 20 --bench-duration 90
+    python3 scripts/bench_console.py --descendants 10000 --samples 20 --in-process
 
 Prints one line per measurement (median and p95, ms) and a Markdown table.
 """
@@ -174,6 +175,48 @@ class Browser:
         return out
 
 
+async def in_process(descendants: int, fanout: int, samples: int) -> None:
+    """The run page rendered in process (an embedded coordinator, httpx on the ASGI
+    app, no network, no other load): the big run against a run with no children, and
+    each read the page makes."""
+    import msgspec
+
+    from rallypoint.console import ConsoleApp
+    from rallypoint.service import Session
+
+    async with rallypoint.open_embedded() as rs:
+        svc, s = rs.node.service, Session()
+
+        async def c(op):
+            return msgspec.msgpack.decode(await svc.call(s, op), type=p.ScopeView)
+
+        per_child = max(0, (descendants - fanout) // fanout)
+        root = await c(p.ScopeCreate(name="big", child_limit=max(1000, fanout)))
+        small = await c(p.ScopeCreate(name="small"))
+        for _ in range(fanout):
+            kid = await c(p.ScopeCreate(parent_id=root.id, child_limit=max(1000, per_child)))
+            for _ in range(per_child):
+                await c(p.ScopeCreate(parent_id=kid.id))
+        app = ConsoleApp(svc)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console") as client:
+            for name, rid in ((f"run page, {descendants} descendants", root.id), ("run page, no children", small.id)):
+                await client.get(f"/runs/{rid}")
+                t0 = time.perf_counter()
+                for _ in range(samples):
+                    (await client.get(f"/runs/{rid}")).raise_for_status()
+                print(f"in process: {name:44s} {(time.perf_counter() - t0) / samples * 1000:8.2f} ms per page",
+                      flush=True)
+        kinds = ["tasks", "groups", "joinsets", "barriers", "timers", "claims", "grants"]
+        for op in (p.OpsRun(scope_id=root.id), p.ScopeStatus(scope_id=root.id),
+                   p.ScopeList(parent_id=root.id, order="desc", limit=50),
+                   p.OpsItems(scope_id=root.id, kinds=kinds, limit=20)):
+            t0 = time.perf_counter()
+            for _ in range(samples):
+                await svc.call(s, op)
+            print(f"in process: {op.__struct_config__.tag:44s} {(time.perf_counter() - t0) / samples * 1000:8.2f} ms",
+                  flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--descendants", type=int, default=10_000)
@@ -183,7 +226,12 @@ def main() -> int:
                     help="seconds of `rallypoint bench`; the measurements under load must end before it does")
     ap.add_argument("--durability", default="fsync", choices=("fsync", "interval", "memory"))
     ap.add_argument("--no-browser", action="store_true", help="server-side times only")
+    ap.add_argument("--in-process", action="store_true",
+                    help="only the run page rendered in process (embedded coordinator), and its reads")
     args = ap.parse_args()
+    if args.in_process:
+        trio.run(in_process, args.descendants, args.fanout, args.samples)
+        return 0
 
     daemon = SpawnedDaemon(args.durability, ["--console", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
     url = daemon.start()
