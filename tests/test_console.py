@@ -457,3 +457,23 @@ def test_a_key_of_space_b_sees_nothing_of_space_a(chromium, shots):
             ctx.close()
     finally:
         d.stop()
+
+
+def test_serve_console_flag_is_checked_before_start(tmp_path):
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "rallypoint", "serve", "--durability", "memory", "--listen",
+                            "127.0.0.1:0", "--console", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "--console" in r.stderr, r.stderr
+    finally:
+        busy.close()
+    r = subprocess.run([sys.executable, "-m", "rallypoint", "serve", "--cluster", "etcd://127.0.0.1:1", "--node", "n1",
+                        "--data-dir", str(tmp_path), "--console", "127.0.0.1:0"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--console is not served with --cluster" in r.stderr, r.stderr
