@@ -321,6 +321,7 @@ async def _serve_cluster(args) -> int:
         etcd=endpoints, node=args.node, data_dir=args.data_dir, cluster=args.cluster_name, shard=args.shard,
         durability=args.durability, client=(host, port), replication=(rhost, rport),
         http=_parse_listen(args.http) if args.http else None, advertise_host=args.advertise,
+        advertise_replication=_advertised(args.advertise_replication),
         ttl_s=args.lease_ttl, isr_timeout_s=args.isr_timeout, min_insync=args.min_insync,
         drain_timeout_s=args.drain_timeout,
         node_options=dict(interval_ms=args.interval_ms, retention=args.retention,
@@ -409,6 +410,21 @@ async def _serve_cluster(args) -> int:
                     break
     log.info("rallypoint stopped cleanly")
     return 0
+
+
+def _advertised(spec: str | None) -> str | None:
+    """``--advertise-replication HOST:PORT`` checked and normalized (None: not given)."""
+    if spec is None:
+        return None
+    from .errors import ValidationError
+
+    try:
+        h, p = _parse_listen(spec)
+    except ValidationError:
+        raise ValidationError(f"--advertise-replication: {spec!r} is not HOST:PORT") from None
+    if not p:
+        raise ValidationError(f"--advertise-replication: {spec!r} needs a port other than 0")
+    return f"{h}:{p}"
 
 
 async def _cancel_when_stopped(member, scope) -> None:
@@ -1601,6 +1617,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "advertised in etcd)")
     c.add_argument("--advertise", metavar="HOST", default=None,
                    help="the host other nodes and clients reach this node at (default: the listen host)")
+    c.add_argument("--advertise-replication", metavar="HOST:PORT", default=None,
+                   help="the address standbys connect to for replication, when it is not the --replication "
+                        "listener's (a proxy or port forward in front of it; default: --advertise host and the "
+                        "listener's port)")
     c.add_argument("--min-insync", type=int, choices=(1, 2), default=1,
                    help="2: refuse writes while no standby is in sync, instead of running alone (default %(default)s)")
     c.add_argument("--lease-ttl", type=_bounded(int, 2), default=2,

@@ -354,3 +354,82 @@ def test_the_record_ring_keeps_the_newest_records_and_takes_from_any_position():
     big = RecordRing(next_lsn=7, max_bytes=10)
     big.tap(7, 0, b"y" * 500)  # one record larger than the ring is still kept
     assert [r[0] for r in big.take(7)] == [7]
+
+
+class _SlowSend(trio.abc.HalfCloseableStream):
+    """The leader's end of a replication connection whose ``send_all`` of a Frames
+    message returns only after the peer answered something (``hold`` on): the bytes
+    left, and the sending task is still inside ``send_all`` when the acknowledgement
+    arrives (as under load, when the send's last checkpoint is slow to resume)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.hold = False
+        self.held = 0
+        self._got = trio.Event()
+        from rallypoint.replication import wire
+
+        self._wire = wire
+        self._decoder = msgspec.msgpack.Decoder(wire.LeaderMessage)
+
+    async def send_all(self, data):
+        frames = False
+        if self.hold and len(data) > 4:
+            try:
+                frames = isinstance(self._decoder.decode(bytes(data[4:])), self._wire.Frames)
+            except msgspec.DecodeError:
+                frames = False
+        if frames:
+            self._got = trio.Event()
+        await self.inner.send_all(data)
+        if frames:
+            self.held += 1
+            await self._got.wait()  # the standby's acknowledgement was read meanwhile
+
+    async def wait_send_all_might_not_block(self):
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        data = await self.inner.receive_some(max_bytes)
+        self._got.set()
+        return data
+
+    async def send_eof(self):
+        await self.inner.send_eof()
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+
+async def test_an_acknowledgement_that_arrives_while_the_frames_are_still_being_sent_is_accepted(tmp_path):
+    # found by tests/test_cluster_daemon.py: the leader counted frames as sent only
+    # after send_all returned, so a standby that acknowledged them first was "past what
+    # it was sent": the link closed and the standby left the in-sync set
+    log = []
+    ended = []
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(tmp_path / "a", epoch=10, log=log).run)
+        slow: list[_SlowSend] = []
+
+        async def session(stream):
+            s = _SlowSend(stream)
+            slow.append(s)
+            try:
+                await leader.repl.session(s)
+            except LinkClosed as e:
+                ended.append(str(e))
+
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        await n.start(trio.serve_listeners, session, listeners)
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                n.start_soon(follow_until_cut, sb, port, 10)
+                await wait_until(lambda: leader.isr.isr == ["a", "b"])
+                slow[0].hold = True
+                await workload(leader.client, 6)
+                assert slow[0].held > 0
+                assert ended == []
+                assert log == [("isr", ("a", "b"))]  # never dropped from the in-sync set
+                assert leader.repl.peer is not None and leader.repl.peer.state == "in_sync"
+                n.cancel_scope.cancel()

@@ -63,7 +63,10 @@ class MemberConfig:
     unique in the shard; ``data_dir``/``durability`` (``fsync`` or ``interval``);
     ``client``/``replication``/``http``: ``(host, port)`` to listen on (port 0: a free
     one), ``advertise_host``: the host other nodes and clients reach this one at
-    (default: the listen host); ``ttl_s``: the leader lease's TTL (s, etcd's minimum is
+    (default: the listen host); ``advertise_replication``: ``host:port`` a standby
+    connects to for replication, when that is not the listener's own address (a proxy
+    or a port forward in front of it; default: ``advertise_host`` and the listener's
+    port); ``ttl_s``: the leader lease's TTL (s, etcd's minimum is
     2); ``isr_timeout_s``: a standby silent this long (s) leaves the in-sync set;
     ``min_insync``: 2 refuses writes rather than run without a standby;
     ``node_options``: the keyword arguments of :func:`rallypoint.node.recovered`
@@ -80,6 +83,7 @@ class MemberConfig:
     replication: tuple[str, int] = ("127.0.0.1", 0)
     http: tuple[str, int] | None = None
     advertise_host: str | None = None
+    advertise_replication: str | None = None
     ttl_s: int = 2
     isr_timeout_s: float = 1.0
     min_insync: int = 1
@@ -190,7 +194,8 @@ class ShardMember:
         if c.http is not None and self.http_port is not None:
             http = f"{self._host(c.http[0])}:{self.http_port}"
         return LeaderInfo(node=c.node, client_address=f"{self._host(c.client[0])}:{self.client_port}",
-                          replication_address=f"{self._host(c.replication[0])}:{self.replication_port}",
+                          replication_address=c.advertise_replication
+                          or f"{self._host(c.replication[0])}:{self.replication_port}",
                           http_address=http)
 
     def not_leader_error(self) -> NotLeaderError:

@@ -410,10 +410,13 @@ class ReplicationLeader:
                 if first != nxt:
                     raise LinkClosed(f"internal: batch starts at LSN {first}, expected {nxt}")
                 data = frame_records(batch)
+                # counted as sent before the send: the standby may append, fsync and
+                # acknowledge them while this task is still inside send_all (it yields
+                # after the bytes left), and an acknowledgement past sent_lsn ends the link
+                peer.sent_lsn = nxt + len(batch) - 1
                 await peer.link.send(wire.Frames(epoch=self.epoch, first_lsn=nxt, count=len(batch), data=data,
                                                  mono_ms=clock.mono_ms(), wall_ms=clock.now_ms()))
                 nxt += len(batch)
-                peer.sent_lsn = nxt - 1
                 self.stats["frames_sent"] += len(batch)
                 self.stats["bytes_sent"] += len(data)
                 last_send = trio.current_time()
