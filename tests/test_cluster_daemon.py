@@ -86,10 +86,12 @@ async def wait_isr(etcd, cluster_name: str, isr: list[str], timeout: float = 60.
             await trio.sleep(0.02)
 
 
-async def leader_pair(nodes, etcd, cluster_name, **kw) -> tuple[ClusterNode, ClusterNode]:
-    """Node ``a`` leads (it starts first), node ``b`` is its in-sync standby."""
-    a = nodes("a", **kw.get("a", {}))
-    b = nodes("b", **kw.get("b", {}))
+async def leader_pair(nodes, etcd, cluster_name, a: ClusterNode | None = None,
+                      b: ClusterNode | None = None) -> tuple[ClusterNode, ClusterNode]:
+    """Node ``a`` leads (it starts first), node ``b`` is its in-sync standby (made
+    here unless given)."""
+    a = a or nodes("a")
+    b = b or nodes("b")
     a.start()
     await a.wait_ready()
     await a.wait_role("leader")
@@ -243,3 +245,113 @@ async def test_kill_9_of_the_leader_under_load_loses_no_acknowledged_op(nodes, e
 @pytest.mark.skipif(not SLOW, reason="long form: set RALLYPOINT_SLOW=1")
 async def test_kill_9_of_the_leader_again_and_again(nodes, etcd, cluster_name):
     await _kill_leader_under_load(nodes, etcd, cluster_name, cycles=8)
+
+
+# ============================================================================ 2. SIGSTOP of the leader
+async def _outcome(call, out: dict, name: str) -> None:
+    """Run ``call`` and record ``("ok", value)`` or ``("error", exc)`` under ``name``."""
+    try:
+        out[name] = ("ok", await call())
+    except rallypoint.RallypointError as e:
+        out[name] = ("error", e)
+
+
+async def wait_journal_past(node: ClusterNode, lsn: int, timeout: float = 30.0) -> int:
+    """Wait until ``node``'s journal files hold a record past ``lsn``; its last LSN."""
+    with trio.fail_after(timeout):
+        while True:
+            last = max((x for x, _ in read_journal(node.data_dir)), default=0)
+            if last > lsn:
+                return last
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("unreplicated", [False, True], ids=["all-replicated", "holding-an-unreplicated-record"])
+async def test_a_leader_stopped_past_its_lease_acknowledges_nothing_when_it_resumes_and_rejoins(
+        nodes, etcd, cluster_name, unreplicated):
+    """all-replicated: what the resumed process is asked (a read, a write, a handshake)
+    is answered NOT_LEADER, not from its stale state (the self-fence, checked at each
+    request). holding-an-unreplicated-record: it journaled a write its standby never
+    got (the link held) just before it stopped; when it rejoins it cuts that record."""
+    async with trio.open_nursery() as n:
+        # a's replication port behind a proxy, so that a can hold a record b never got;
+        # a long ISR timeout on a, so that it is stopped before it could drop b
+        a = nodes("a", isr_timeout=5.0)
+        a_repl = Proxy("127.0.0.1", a.replication_port)
+        a.advertise_replication = f"127.0.0.1:{await n.start(a_repl.run)}"
+        a, b = await leader_pair(nodes, etcd, cluster_name, a=a)
+        ttl = a.lease_ttl
+        async with rallypoint.connect(f"tcp://{a.address},{b.address}") as rs:
+            jobs = await rs.mailboxes.ensure("jobs")
+            run = await rs.scopes.create(name="paused")
+            acked = {f"k{i}": (await jobs.submit(i, key=f"k{i}", scope=run)).id for i in range(10)}
+            epoch_a = rs._transport.server_info.epoch
+        # a client of a alone, connected before the pause: what it sends while a is
+        # stopped is read by a the moment it runs again
+        answers: dict = {}
+        async with rallypoint.connect(a.url, reconnect=False) as direct:
+            d_jobs = await direct.mailboxes.ensure("jobs")
+            if unreplicated:
+                # the link to b held: a journals a write b never receives (never
+                # acknowledged; every read after it waits for it too)
+                last = _journal_last(a)
+                a_repl.set_mode("hold")
+                n.start_soon(_outcome, lambda: d_jobs.submit("held", key="held", scope=run), answers, "held write")
+                await wait_journal_past(a, last)
+            lines_before = len(b.role_lines(b.starts))
+            paused_at = trio.current_time()
+            a.pause()
+            took = await b.wait_role("leader", after=lines_before)
+            assert took.epoch > epoch_a
+            # the new leader acknowledges writes meanwhile
+            async with rallypoint.connect(f"tcp://{b.address},{a.address}") as rs2:
+                assert rs2._transport.server_info.epoch == took.epoch
+                b_jobs = await rs2.mailboxes.ensure("jobs")
+                for i in range(10, 20):
+                    acked[f"k{i}"] = (await b_jobs.submit(i, key=f"k{i}", scope=run)).id
+            # sent while a is stopped: a write, a read, a new connection's handshake
+            n.start_soon(_outcome, lambda: d_jobs.submit("during-pause", key="during-pause", scope=run), answers,
+                         "write")
+            n.start_soon(_outcome, lambda: direct.scope(run.id).status(), answers, "read")
+
+            async def fresh():
+                async with rallypoint.connect(a.url, reconnect=False, connect_timeout=30) as c:
+                    return await c.scopes.create(name="on-a-after-resume")
+
+            n.start_soon(_outcome, fresh, answers, "handshake")
+            await trio.sleep_until(paused_at + 3 * ttl)  # the scenario: stopped for three lease TTLs
+            a_lines = len(a.role_lines(a.starts))
+            a.resume()
+            # it rejoins as a standby of b, cutting the record it wrote past its epoch's end
+            await a.wait_role("standby", after=a_lines)
+            with trio.move_on_after(30):
+                while len(answers) < 3 + unreplicated:
+                    await trio.sleep(0.01)
+        assert [r.role for r in a.role_lines(a.starts)[a_lines:]].count("leader") == 0
+        # nothing it answered after it resumed was a success: NOT_LEADER, another error, or nothing
+        for name in ("held write", "write", "read", "handshake"):
+            kind, value = answers.get(name, ("none", None))
+            assert kind != "ok", f"the resumed old leader answered the {name}: {value!r}"
+        if unreplicated:
+            await a.wait(lambda: "journal record(s) after LSN" in a.log_tail(400), "the truncation of its journal")
+        # a is back in the ISR; both journals agree byte for byte on every common LSN
+        await wait_isr(etcd, cluster_name, ["a", "b"])
+        async with rallypoint.connect(f"tcp://{a.address},{b.address}") as rs3:
+            assert rs3._transport.server_info.epoch == took.epoch  # a's NOT_LEADER led it to b
+            states = [(await rs3.task(tid).status()).state for tid in acked.values()]
+            assert states == ["QUEUED"] * len(acked)
+            if unreplicated:
+                # the held write is gone everywhere: its key is free (else CONFLICT: other input)
+                jobs3 = await rs3.mailboxes.ensure("jobs")
+                await jobs3.submit("a different input", key="held", scope=run)
+            await rs3.scopes.create(name="after-rejoin")
+            st = (await rs3.status()).cluster
+        assert st.standby.node == "a" and st.standby.state == "in_sync"
+        await a.wait(lambda: _journal_last(a) >= st.standby.acked_lsn, "a's journal to reach what it acknowledged")
+        common, _last_a, _last_b = journals_agree(a, b)
+        assert common >= st.standby.acked_lsn
+        n.cancel_scope.cancel()
+
+
+def _journal_last(node: ClusterNode) -> int:
+    return max((x for x, _ in read_journal(node.data_dir)), default=0)

@@ -246,3 +246,74 @@ async def test_every_node_serves_http_a_standby_forwards_to_the_leader(etcd, tmp
             assert r.status_code == 200 and r.json()["id"] == run_id
             assert app_b.forwarded == 2  # served by b itself: no forward since
         n.cancel_scope.cancel()
+
+
+async def test_a_leader_past_its_self_fence_deadline_answers_not_leader_before_its_fence_task_runs(
+        etcd, tmp_path, cluster_name):
+    # SCALE-OUT.md §4.4 layer 2: a process resumed after a stop past its lease reads the
+    # requests that waited in its socket in the same batch in which its fence task wakes;
+    # the client port checks the deadline at each request, so none is answered from the
+    # stale state (found by tests/test_cluster_daemon.py: a read was answered)
+    from rallypoint.testing.proxy import Proxy
+
+    async with trio.open_nursery() as n:
+        host, port = etcd.endpoints[0].rsplit("//", 1)[1].split(":")
+        proxy = Proxy(host, int(port))
+        pport = await n.start(proxy.run)
+        cfg = MemberConfig(etcd=[f"http://127.0.0.1:{pport}"], node="a", data_dir=str(tmp_path / "a"),
+                           cluster=cluster_name, client=("127.0.0.1", 0), replication=("127.0.0.1", 0),
+                           node_options={"sync_helper": "thread"})
+        a = ShardMember(cfg, make_server=lambda d: Server(d))
+        await n.start(a.run)
+        await a.wait_role("leader")
+        async with rallypoint.connect(f"tcp://127.0.0.1:{a.client_port}", reconnect=False) as rs:
+            run = await rs.scopes.create(name="before")
+            # etcd out of reach (no keepalive answer moves the deadline), then the
+            # deadline passes while the fence task still sleeps towards the old one
+            proxy.set_mode("hold")
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            lead = a.leadership
+            lead._fence_deadline = trio.current_time() - 0.001
+            assert lead.lost_reason is None  # the fence task has not run
+            with pytest.raises(NotLeaderError) as e:
+                await rs.scope(run.id).status()
+            assert e.value.details["leader"] is None and e.value.details["epoch"] == lead.epoch
+            with pytest.raises(NotLeaderError):
+                await rs.scopes.create(name="after")
+            with pytest.raises(NotLeaderError):
+                await Connection.open(f"tcp://127.0.0.1:{a.client_port}")
+            assert lead.lost_reason is None
+        n.cancel_scope.cancel()
+
+
+async def test_a_client_refused_not_leader_by_a_fenced_leader_sends_the_request_to_the_new_leader(
+        etcd, tmp_path, cluster_name):
+    # NOT_LEADER is a refusal before anything was applied: the client goes to the leader
+    # and sends the request there, even one it may not re-send after a dropped connection
+    from rallypoint.testing.proxy import Proxy
+
+    async with trio.open_nursery() as n:
+        host, port = etcd.endpoints[0].rsplit("//", 1)[1].split(":")
+        proxy = Proxy(host, int(port))
+        pport = await n.start(proxy.run)
+        cfg = MemberConfig(etcd=[f"http://127.0.0.1:{pport}"], node="a", data_dir=str(tmp_path / "a"),
+                           cluster=cluster_name, client=("127.0.0.1", 0), replication=("127.0.0.1", 0),
+                           isr_timeout_s=0.5, node_options={"sync_helper": "thread"})
+        a = ShardMember(cfg, make_server=lambda d: Server(d))
+        b = member(etcd, tmp_path, "b", cluster_name)
+        await n.start(a.run)
+        await a.wait_role("leader")
+        await n.start(b.run)
+        await wait_until(lambda: a.replication.isr_store.isr == ["a", "b"])
+        async with rallypoint.connect(f"tcp://127.0.0.1:{a.client_port},127.0.0.1:{b.client_port}") as rs:
+            run = await rs.scopes.create(name="before")
+            epoch_a = rs._transport.server_info.epoch
+            proxy.set_mode("hold")  # a cannot renew its lease; b takes over once it expires
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            a.leadership._fence_deadline = trio.current_time() - 0.001
+            st = await rs.scope(run.id).status()  # a read
+            assert st.state == "ACTIVE"
+            assert rs._transport.server_info.epoch == b.epoch > epoch_a
+            created = await rs.scopes.create(name="after")  # not re-sent after a drop; after NOT_LEADER, yes
+            assert created.id != run.id
+        n.cancel_scope.cancel()

@@ -47,6 +47,10 @@ What happens to a request when the connection drops:
 
 - **Answered UNAVAILABLE by a draining server** (SIGTERM: long waits are ended after a
   grace): treated like "in flight".
+- **Answered NOT_LEADER** (a node of a replicated shard whose leadership lapsed: its
+  self-fence refuses every request before applying it, ``rallypoint.cluster.member``):
+  not applied, so always sent again, on a new connection to the shard's leader (this
+  one is closed; :mod:`rallypoint.client.follow` finds the leader).
 
 If no connection can be made within :attr:`Reconnect.timeout` seconds of the drop, the
 client gives up: waiting and later calls raise UnavailableError (the client stays
@@ -299,6 +303,12 @@ class ReconnectingTransport:
         if not conn.closed:
             await conn.aclose()
 
+    async def _leave(self, conn: Any) -> None:
+        """``conn``'s node answered NOT_LEADER: close it, so that the next connection
+        (made through the leader follower) goes to the shard's leader."""
+        if not conn.closed:
+            await conn.aclose()
+
     def _maybe_applied(self, op: Any, e: UnavailableError) -> UnavailableError:
         name = _op_name(op)
         advice = _op_table().resend_advice(op) or "check the state before retrying it"
@@ -323,7 +333,14 @@ class ReconnectingTransport:
             try:
                 raw = await conn.call(op)
             except UnavailableError as e:
-                if self._closing or _refused(e, conn):
+                if self._closing:
+                    raise
+                if e.code == "NOT_LEADER":  # refused unapplied: to the leader
+                    log.info("%s: `%s` refused NOT_LEADER; sending it to the leader", self.url, _op_name(op))
+                    await self._leave(conn)
+                    reissued = True
+                    continue
+                if _refused(e, conn):
                     raise
                 await self._drop(conn)
                 if not reissue_safe(op):
@@ -370,7 +387,12 @@ class ReconnectingTransport:
                 reissued = True
                 continue
             again = []
+            leave = False
             for i, r in zip(todo, results):
+                if isinstance(r, UnavailableError) and not self._closing and r.code == "NOT_LEADER":
+                    again.append(i)  # refused unapplied: to the leader
+                    leave = True
+                    continue
                 if (isinstance(r, UnavailableError) and not self._closing and not _refused(r, conn)
                         and reissue_safe(ops[i])):
                     again.append(i)  # ended by a draining server: send it again
@@ -383,7 +405,7 @@ class ReconnectingTransport:
                     r = await self._reconcile_many(conn, ops[i], r)
                 out[i] = r
             if again:
-                await self._drop(conn)
+                await (self._leave(conn) if leave else self._drop(conn))
                 reissued = True
             todo = again
         return out

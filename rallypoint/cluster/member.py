@@ -136,6 +136,45 @@ class _Redirect:
         await trio.lowlevel.checkpoint()
 
 
+class _Fenced:
+    """The client port's dispatcher while this node leads: the node's
+    :class:`~rallypoint.service.Service` behind the self-fence (SCALE-OUT.md §4.4, layer
+    2). Every handshake and every request first asks :meth:`Leadership.is_leader_now`
+    (the Trio clock against the last answered keepalive's deadline); once it is false
+    they are answered NOT_LEADER, before the service sees them. So a leader stopped past
+    its lease (SIGSTOP, a VM stall) answers nothing from its stale state when it runs
+    again -- not even in the first batch after it resumes, before its fence task has run
+    and torn the port down. (Writes are fenced anyway: no in-sync standby acknowledges
+    them. This keeps reads from answering too.) Everything else is the service's."""
+
+    def __init__(self, service, lead: Leadership, member: "ShardMember") -> None:
+        self._service = service
+        self._lead = lead
+        self._member = member
+
+    def refusal(self) -> NotLeaderError:
+        """NOT_LEADER without a hint: a node past its fence cannot know who leads now."""
+        c = self._member.config
+        return NotLeaderError(f"node {c.node} no longer leads shard {c.shard} (its leadership at epoch "
+                              f"{self._lead.epoch} lapsed: {self._lead.lost_reason or 'the self-fence deadline passed'}"
+                              "); retry shortly on the shard's other nodes", retry_after=0.5,
+                              details={"shard": c.shard, "epoch": self._lead.epoch, "leader": None})
+
+    def hello(self, hello, peer):
+        if not self._lead.is_leader_now():
+            raise self.refusal()
+        return self._service.hello(hello, peer)
+
+    def submit(self, session, body, sink, rid):
+        if not self._lead.is_leader_now():
+            sink.deliver(rid, self.refusal(), 0)
+            return
+        self._service.submit(session, body, sink, rid)
+
+    def __getattr__(self, name: str):
+        return getattr(self._service, name)
+
+
 class ShardMember:
     """Runs one node of a replicated shard (see the module docstring) until cancelled
     or :meth:`stop` (a graceful stop: a leader hands over to an in-sync standby first).
@@ -505,7 +544,7 @@ class ShardMember:
             node.service.epoch = lead.epoch
             node.coordinator.cluster_status_fn = self.status
             listeners = await trio.open_tcp_listeners(self.replication_port, host=c.replication[0])
-            server = self.make_server(node.service)
+            server = self.make_server(_Fenced(node.service, lead, self))
             self.server = server
             async with trio.open_nursery() as nursery:
                 await nursery.start(repl.serve, listeners)
