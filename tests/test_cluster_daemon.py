@@ -355,3 +355,167 @@ async def test_a_leader_stopped_past_its_lease_acknowledges_nothing_when_it_resu
 
 def _journal_last(node: ClusterNode) -> int:
     return max((x for x, _ in read_journal(node.data_dir)), default=0)
+
+
+# ============================================================================ 3. the replication link cut
+async def test_a_cut_replication_link_shrinks_the_isr_and_the_standby_cannot_take_over(nodes, etcd, cluster_name):
+    async with trio.open_nursery() as n:
+        a = nodes("a")
+        link = Proxy("127.0.0.1", a.replication_port)  # the standby reaches a through it
+        a.advertise_replication = f"127.0.0.1:{await n.start(link.run)}"
+        a, b = await leader_pair(nodes, etcd, cluster_name, a=a)
+        acked: dict[str, str] = {}
+        async with rallypoint.connect(f"tcp://{a.address},{b.address}") as rs:
+            jobs = await rs.mailboxes.ensure("jobs")
+            run = await rs.scopes.create(name="cut")
+            for i in range(5):
+                acked[f"in-sync-{i}"] = (await jobs.submit(i, key=f"in-sync-{i}", scope=run)).id
+            link.set_mode("blackhole")
+            # the next write waits for b, until a has taken b out of the ISR in etcd; then
+            # a goes on acknowledging alone
+            acked["at-cut"] = (await jobs.submit("at-cut", key="at-cut", scope=run)).id
+            r = await replicas(etcd, cluster_name)
+            assert r.isr == ["a"] and r.members == ["a", "b"]
+            for i in range(5):
+                acked[f"alone-{i}"] = (await jobs.submit(i, key=f"alone-{i}", scope=run)).id
+            assert (await rs.status()).cluster.isr == ["a"]
+            epoch_a = rs._transport.server_info.epoch
+        # with the leader gone, the standby out of the ISR must not lead: it may lack
+        # what a acknowledged alone
+        b_lines = len(b.role_lines(b.starts))
+        a.kill()
+        async with EtcdClient(etcd.endpoints) as client:
+            election = ShardElection(client, cluster_name, 0)
+            with trio.fail_after(30):
+                while (await election.read_leader()) is not None:  # a's lease expires
+                    await trio.sleep(0.02)
+            with trio.move_on_after(3 * a.lease_ttl):  # b's chance to campaign, if it could
+                while b.role == "standby" and (await election.read_leader()) is None:
+                    await trio.sleep(0.05)
+            state = await election.read()
+        assert state.leader is None, f"{state.leader.info.node} leads without being in the ISR"
+        assert state.replicas.replicas.isr == ["a"]
+        assert [r.role for r in b.role_lines(b.starts)[b_lines:]] == []
+        with pytest.raises(rallypoint.NotLeaderError) as e:
+            async with rallypoint.connect(b.url, reconnect=False):
+                pass
+        assert e.value.details["leader"] is None
+        # a comes back, leads again with all it acknowledged, and b catches up into the ISR
+        link.set_mode("reset")
+        link.set_mode("pass")
+        a.start()
+        took = await a.wait_role("leader")
+        assert took.epoch > epoch_a
+        await wait_isr(etcd, cluster_name, ["a", "b"])
+        async with rallypoint.connect(f"tcp://{b.address},{a.address}") as rs:
+            for key, tid in acked.items():
+                assert (await rs.task(tid).status()).key == key
+            await rs.scopes.create(name="replicated-again")
+        n.cancel_scope.cancel()
+    journals_agree(a, b)
+
+
+# ============================================================================ 4. kill -9 of the standby
+async def test_kill_9_of_the_standby_writes_go_on_and_it_catches_up(nodes, etcd, cluster_name):
+    a, b = await leader_pair(nodes, etcd, cluster_name)
+    async with rallypoint.connect(f"tcp://{a.address},{b.address}") as rs:
+        jobs = await rs.mailboxes.ensure("jobs")
+        run = await rs.scopes.create(name="standby-killed")
+        load = Load(rs, jobs, run)
+        async with trio.open_nursery() as n:
+            for p in range(load.producers):
+                n.start_soon(load.producer, p)
+            n.start_soon(load.worker)
+            await load.wait_acked(20)
+            b.kill()
+            await wait_isr(etcd, cluster_name, ["a"])
+            # writes go on after the in-sync set shrank, acknowledged by a alone
+            await load.wait_acked(30)
+            assert load.epoch() == a.role_lines()[-1].epoch
+            b.start()
+            await b.wait_role("standby")
+            await wait_isr(etcd, cluster_name, ["a", "b"])
+            await load.wait_acked(20)  # and with b in sync again
+            load.stop.set()
+            await load.finish()
+        st = (await rs.status()).cluster
+    assert st.standby.node == "b" and st.standby.state == "in_sync"
+    await b.wait(lambda: _journal_last(b) >= st.standby.acked_lsn, "b's journal to hold what it acknowledged")
+    common, _la, _lb = journals_agree(a, b)
+    assert common >= st.standby.acked_lsn
+
+
+# ============================================================================ 5. split brain
+async def test_a_leader_cut_off_from_etcd_stops_acknowledging_before_the_standby_takes_over(
+        nodes, etcd, cluster_name):
+    host, port = etcd.endpoints[0].rsplit("//", 1)[1].split(":")
+    async with trio.open_nursery() as n:
+        to_etcd = Proxy(host, int(port))
+        a = nodes("a", etcd=f"http://127.0.0.1:{await n.start(to_etcd.run)}")
+        a, b = await leader_pair(nodes, etcd, cluster_name, a=a)
+        async with rallypoint.connect(f"tcp://{a.address},{b.address}") as rs, \
+                rallypoint.connect(a.url, reconnect=False) as direct:
+            jobs = await rs.mailboxes.ensure("jobs")
+            run = await rs.scopes.create(name="split")
+            load = Load(rs, jobs, run)
+            async with trio.open_nursery() as w:
+                for p in range(load.producers):
+                    w.start_soon(load.producer, p)
+                w.start_soon(load.worker)
+                await load.wait_acked(20)
+                epoch_a = load.epoch()
+                b_lines = len(b.role_lines(b.starts))
+                to_etcd.set_mode("blackhole")  # a still serves clients and b; etcd hears nothing
+                took = await b.wait_role("leader", after=b_lines)
+                # after that, a write sent to the old leader is not acknowledged
+                d_jobs_answer: dict = {}
+                await _outcome(lambda: direct.mailboxes.ensure("jobs"), d_jobs_answer, "ensure")
+                assert d_jobs_answer["ensure"][0] == "error", d_jobs_answer
+                with pytest.raises(rallypoint.UnavailableError):  # NOT_LEADER, or no connection
+                    async with rallypoint.connect(a.url, reconnect=False) as late:
+                        await late.scopes.create(name="sent-to-the-old-leader")
+                await load.wait_acked(20, epoch_above=epoch_a)
+                load.stop.set()
+                await load.finish()
+        # a stopped acknowledging (its self-fence) before b led: every acknowledgement of
+        # a's epoch reached the client before b printed ROLE leader
+        last_a = max(t for t, e in load.ack_times if e == epoch_a)
+        first_b = min(t for t, e in load.ack_times if e == took.epoch)
+        assert last_a < took.at <= first_b
+        assert "self-fence" in a.log_tail(400)
+        # a, back in touch with etcd, rejoins as b's standby; the journals agree
+        to_etcd.set_mode("reset")
+        to_etcd.set_mode("pass")
+        await wait_isr(etcd, cluster_name, ["a", "b"])
+        assert a.role == "standby"
+        n.cancel_scope.cancel()
+    journals_agree(a, b)
+
+
+# ============================================================================ 6. SIGTERM hand-over
+async def test_sigterm_hands_the_shard_over_to_the_in_sync_standby(nodes, etcd, cluster_name):
+    a, b = await leader_pair(nodes, etcd, cluster_name)
+    async with rallypoint.connect(f"tcp://{a.address},{b.address}") as rs:
+        jobs = await rs.mailboxes.ensure("jobs")
+        run = await rs.scopes.create(name="hand-over")
+        load = Load(rs, jobs, run)
+        async with trio.open_nursery() as n:
+            for p in range(load.producers):
+                n.start_soon(load.producer, p)
+            n.start_soon(load.worker)
+            await load.wait_acked(20)
+            epoch_a = load.epoch()
+            b_lines, a_lines = len(b.role_lines(b.starts)), len(a.role_lines(a.starts))
+            sent = time.monotonic()
+            a.signal(signal.SIGTERM)
+            took = await b.wait_role("leader", after=b_lines)
+            assert await a.wait_exit() == 0
+            await load.wait_acked(20, epoch_above=epoch_a)
+            load.stop.set()
+            await load.finish()
+    stopping = [r for r in a.role_lines(a.starts)[a_lines:]]
+    assert [r.role for r in stopping] == ["stopping", "stopped"]
+    # the order of a hand-over: a stops taking requests, b (holding every record) leads
+    assert sent < stopping[0].at < took.at
+    assert "the in-sync standby holds every record; resigning" in a.log_tail(200)
+    print(f"SIGTERM hand-over: ROLE leader on b {took.at - sent:.3f} s after the signal (TTL {a.lease_ttl} s)")

@@ -460,24 +460,37 @@ class ShardMember:
 
     async def _follow_leaders(self, sb, election: ShardElection) -> None:
         """Follow whoever leads (as etcd says), reconnecting as needed; stop taking
-        frames the moment the leader key goes."""
+        frames the moment the leader key goes. While etcd cannot be reached, the watch
+        is opened again (backing off up to 2 s) and the leader already followed, if
+        any, is kept: a standby does not stop because etcd is briefly out of reach."""
         c = self.config
-        async with election.watch_leader() as leaders:
-            async with trio.open_nursery() as nursery:
-                scope: trio.CancelScope | None = None
-                async for rec in leaders:
-                    self.leader = rec
-                    ev, self._leader_changed = self._leader_changed, trio.Event()
-                    ev.set()
-                    if scope is not None:
-                        scope.cancel()  # a new leader, or none: frames of the old one stop here
-                        scope = None
-                    if rec is not None:
-                        self.last_epoch_seen = max(self.last_epoch_seen, rec.epoch)
-                    if rec is None or rec.info.node == c.node:
-                        continue
-                    scope = trio.CancelScope()
-                    nursery.start_soon(self._follow_one, sb, rec, scope)
+        async with trio.open_nursery() as nursery:
+            scope: trio.CancelScope | None = None
+            backoff = 0.1
+            while True:
+                try:
+                    async with election.watch_leader() as leaders:
+                        async for rec in leaders:
+                            backoff = 0.1
+                            if rec == self.leader and (scope is not None or rec is None):
+                                continue  # the same leader, read again after a new watch
+                            self.leader = rec
+                            ev, self._leader_changed = self._leader_changed, trio.Event()
+                            ev.set()
+                            if scope is not None:
+                                scope.cancel()  # a new leader, or none: frames of the old one stop here
+                                scope = None
+                            if rec is not None:
+                                self.last_epoch_seen = max(self.last_epoch_seen, rec.epoch)
+                            if rec is None or rec.info.node == c.node:
+                                continue
+                            scope = trio.CancelScope()
+                            nursery.start_soon(self._follow_one, sb, rec, scope)
+                except EtcdError as e:
+                    log.warning("node %s cannot watch the leader of shard %d in etcd (%s); trying again in %g s",
+                                c.node, c.shard, e.message, backoff)
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
 
     async def _follow_one(self, sb, rec: LeaderRecord, scope: trio.CancelScope) -> None:
         host, port = _split(rec.info.replication_address)
