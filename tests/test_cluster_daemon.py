@@ -519,3 +519,82 @@ async def test_sigterm_hands_the_shard_over_to_the_in_sync_standby(nodes, etcd, 
     assert sent < stopping[0].at < took.at
     assert "the in-sync standby holds every record; resigning" in a.log_tail(200)
     print(f"SIGTERM hand-over: ROLE leader on b {took.at - sent:.3f} s after the signal (TTL {a.lease_ttl} s)")
+
+
+# ============================================================================ 7. the runstate SDK through a failover
+SDK_WORKER_03 = r'''
+import json, os, sys, threading
+import runstate
+name, log = os.environ["RUN_NAME"], os.environ["RUNS_LOG"]
+worker = runstate.Runstate(run=name, worker="fo-worker")
+
+@worker.queue("fo-q", concurrency=2, lease="10s")
+def double(x):
+    with open(log, "a") as f:  # one line per handler run
+        f.write(f"{x}\n"); f.flush(); os.fsync(f.fileno())
+    return x * 2
+
+threading.Thread(target=worker.serve, daemon=True).start()
+producer = runstate.Runstate(run=name, worker="fo-producer")
+q = producer.queue("fo-q")
+jobs = [q.send(i) for i in range(10)]
+print("SENT", flush=True)
+sys.stdin.readline()  # the test killed the leader
+jobs += [q.send(i) for i in range(10, 20)]
+results = [j.result(timeout="120s") for j in jobs]
+print(json.dumps({"results": results, "ids": [j.id for j in jobs]}), flush=True)
+os._exit(0)
+'''
+
+
+async def test_the_runstate_sdk_03_serve_worker_goes_on_through_a_failover(nodes, etcd, cluster_name, tmp_path):
+    from sdk_compat import sdk_python
+
+    py03 = await trio.to_thread.run_sync(sdk_python, "0.3.0")
+    a, b = await leader_pair(nodes, etcd, cluster_name, a=nodes("a", http=True), b=nodes("b", http=True))
+    runs_log = tmp_path / "runs.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RUNSTATE_", "PYTHONPATH"))}
+    # the SDK's one base URL is the standby's: it forwards to the leader, then serves
+    # itself once it leads
+    env.update(RUNSTATE_BASE_URL=b.http_url, RUNSTATE_API_KEY="open-mode", RUNSTATE_SPACE_ID="default",
+               RUN_NAME="failover", RUNS_LOG=str(runs_log), NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    import subprocess
+
+    proc = await trio.lowlevel.open_process([py03, "-c", SDK_WORKER_03], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=open(tmp_path / "sdk.err", "w"), env=env)
+    out = b""
+    try:
+        with trio.fail_after(180):
+            while b"SENT\n" not in out:
+                chunk = await proc.stdout.receive_some()
+                assert chunk, (tmp_path / "sdk.err").read_text()[-3000:]
+                out += chunk
+            # some jobs done through the forwarding standby, then the leader dies
+            while not runs_log.exists() or len(runs_log.read_text().split()) < 3:
+                await trio.sleep(0.01)
+            b_lines = len(b.role_lines(b.starts))
+            a.kill()
+            await proc.stdin.send_all(b"go\n")
+            await b.wait_role("leader", after=b_lines)
+            while not out.rstrip().endswith(b"}"):
+                chunk = await proc.stdout.receive_some()
+                assert chunk, (tmp_path / "sdk.err").read_text()[-3000:]
+                out += chunk
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+    import json
+
+    doc = json.loads(out.decode().strip().splitlines()[-1])
+    assert doc["results"] == [2 * i for i in range(20)]  # no job lost
+    ran = [int(x) for x in runs_log.read_text().split()]
+    counts = {i: ran.count(i) for i in range(20)}
+    assert all(c >= 1 for c in counts.values())
+    # none ran twice unless its lease ran out first: a second run needs a new delivery
+    async with rallypoint.connect(b.url, reconnect=False) as rs:
+        for i, tid in enumerate(doc["ids"]):
+            info = await rs.task(tid).status()
+            assert info.state == "SUCCEEDED"
+            assert counts[i] <= info.attempt, (i, counts[i], info.attempt)
+    assert sum(c - 1 for c in counts.values()) == 0 or print("re-run after a lost lease:", counts)

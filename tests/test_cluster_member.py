@@ -317,3 +317,80 @@ async def test_a_client_refused_not_leader_by_a_fenced_leader_sends_the_request_
             created = await rs.scopes.create(name="after")  # not re-sent after a drop; after NOT_LEADER, yes
             assert created.id != run.id
         n.cancel_scope.cancel()
+
+
+class _StandbyOf:
+    """What ClusterHttpApp reads of a member: a standby of node a, whose leader record
+    names ``http_address``."""
+
+    def __init__(self, http_address):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(node="b", shard=0)
+        self.role = "standby"
+        self.node = None
+        self.leader = SimpleNamespace(epoch=5, info=SimpleNamespace(node="a", http_address=http_address))
+
+    async def wait_leader_change(self):
+        await trio.sleep_forever()
+
+    def not_leader_error(self):
+        return NotLeaderError("no leader", retry_after=0.5, details={"shard": 0, "epoch": 5, "leader": None})
+
+
+async def _asgi_post(app, path="/v1/spaces/default/scopes", body=b'{"name": "x"}'):
+    sent = []
+    first = True
+
+    async def receive():
+        nonlocal first
+        if first:
+            first = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        await trio.sleep_forever()
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+    await app(scope, receive, send)
+    status = sent[0]["status"]
+    data = b"".join(m.get("body", b"") for m in sent[1:])
+    return status, data
+
+
+async def test_http_forwarding_answers_503_json_when_the_leader_resets_or_refuses_the_connection():
+    # found by the runstate SDK failover test: the httpx error left the forwarding
+    # nursery inside an ExceptionGroup, so no handler caught it and hypercorn answered an
+    # empty 500 the SDK could not read
+    import json
+    import socket
+    import struct
+
+    from rallypoint.cluster.forward import ClusterHttpApp
+
+    async def reset_after_request(stream):
+        await stream.receive_some(65536)
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()
+
+    async with trio.open_nursery() as n:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        await n.start(trio.serve_listeners, reset_after_request, listeners)
+        app = ClusterHttpApp(_StandbyOf(f"127.0.0.1:{port}"), lambda node: None, wait_s=0.3)
+        status, data = await _asgi_post(app)
+        assert status == 503
+        err = json.loads(data)["error"]
+        assert err["code"] == "UNAVAILABLE" and err["details"]["maybe_applied"] is True
+        # a leader address that refuses connections: not sent, so NOT_LEADER once no other came
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]
+        closed.close()
+        app = ClusterHttpApp(_StandbyOf(f"127.0.0.1:{dead}"), lambda node: None, wait_s=0.3)
+        status, data = await _asgi_post(app)
+        assert status == 503 and json.loads(data)["error"]["code"] == "NOT_LEADER"
+        await app.aclose()
+        n.cancel_scope.cancel()

@@ -29,6 +29,7 @@ import trio
 from ..errors import RallypointError, UnavailableError
 from ..http.app import lifespan
 from ..logutil import RateLimitedLogger
+from ..replication.link import unwrapped
 
 log = logging.getLogger("rallypoint.cluster")
 
@@ -153,7 +154,9 @@ class ClusterHttpApp:
             request = self._client.build_request(scope["method"], url, headers=headers, content=body)
             started = False
             try:
-                async with trio.open_nursery() as nursery:
+                # unwrapped: the client's error leaves the nursery as itself (not in an
+                # ExceptionGroup), so the handlers below see it
+                async with unwrapped(), trio.open_nursery() as nursery:
                     nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                     resp = await self._client.send(request, stream=True)
                     try:
