@@ -597,4 +597,5 @@ async def test_the_runstate_sdk_03_serve_worker_goes_on_through_a_failover(nodes
             info = await rs.task(tid).status()
             assert info.state == "SUCCEEDED"
             assert counts[i] <= info.attempt, (i, counts[i], info.attempt)
-    assert sum(c - 1 for c in counts.values()) == 0 or print("re-run after a lost lease:", counts)
+    if any(c > 1 for c in counts.values()):
+        print("re-run after a lost lease (allowed: a new delivery, attempt > 1):", counts)

@@ -433,3 +433,28 @@ async def test_an_acknowledgement_that_arrives_while_the_frames_are_still_being_
                 assert log == [("isr", ("a", "b"))]  # never dropped from the in-sync set
                 assert leader.repl.peer is not None and leader.repl.peer.state == "in_sync"
                 n.cancel_scope.cancel()
+
+
+async def test_a_link_lost_in_both_directions_at_once_is_one_link_closed():
+    # found by tests/test_cluster_daemon.py: a leader's send to the standby and its read
+    # of acknowledgements both failed on one reset; the two LinkClosed left the session
+    # as an ExceptionGroup that nothing caught, and the node's process died
+    from rallypoint.replication.link import unwrapped
+
+    async def fail(exc):
+        await trio.testing.wait_all_tasks_blocked()
+        raise exc
+
+    with pytest.raises(LinkClosed) as e:
+        async with unwrapped(), trio.open_nursery() as n:
+            n.start_soon(fail, LinkClosed("reset while sending"))
+            n.start_soon(fail, LinkClosed("reset while receiving"))
+    assert "reset while" in str(e.value)
+    with pytest.raises(StaleLeader):  # the specific one wins
+        async with unwrapped(), trio.open_nursery() as n:
+            n.start_soon(fail, LinkClosed("closed"))
+            n.start_soon(fail, StaleLeader("epoch 3 on a link of epoch 4"))
+    with pytest.raises(BaseExceptionGroup):  # other errors stay a group
+        async with unwrapped(), trio.open_nursery() as n:
+            n.start_soon(fail, LinkClosed("closed"))
+            n.start_soon(fail, ValueError("a bug"))

@@ -27,7 +27,10 @@ class LinkClosed(Exception):
 @asynccontextmanager
 async def unwrapped() -> AsyncIterator[None]:
     """Let the one exception of a nursery leave it as itself, not wrapped in an
-    ExceptionGroup (Trio's strict exception groups); several stay a group."""
+    ExceptionGroup (Trio's strict exception groups); several stay a group -- except
+    several :class:`LinkClosed`: both directions of one connection failing at once
+    (a send and a receive, say) are one lost link, raised as the most specific of
+    them (a subclass such as StaleLeader before a plain LinkClosed)."""
     try:
         yield
     except BaseExceptionGroup as eg:
@@ -38,6 +41,8 @@ async def unwrapped() -> AsyncIterator[None]:
             for e in g.exceptions:
                 (stack.append(e) if isinstance(e, BaseExceptionGroup) else leaves.append(e))
         real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+        if len(real) > 1 and all(isinstance(e, LinkClosed) for e in real):
+            real = [next((e for e in real if type(e) is not LinkClosed), real[0])]
         if len(real) == 1:
             raise real[0] from real[0].__cause__
         raise
