@@ -1,0 +1,273 @@
+#!/usr/bin/env python
+"""Failover of a replicated shard, and what its standby costs (prints figures, asserts
+nothing; issue 29, SCALE-OUT.md §6).
+
+    python scripts/bench_failover.py [--trials 20] [--json FILE] [--cost-duration 10]
+                                     [--cost-rounds 2] [--acks 400] [--skip-cost]
+
+Everything runs on this machine: a one-member etcd (Debian's ``etcd-server``, as the
+tests start it: tests/_etcd.py) and ``rallypoint serve --cluster`` processes
+(tests/_cluster.py), each with its own data dir, durability fsync, lease TTL 2 s.
+
+* **failover**: two nodes; one client that follows the leader (both addresses) submits
+  tasks with idempotency keys back to back and logs every acknowledged one. Each trial
+  kill -9s the leader and times from the kill to the first write acknowledged by the
+  new leader (a reply carrying its epoch); then the killed node is started again, rejoins
+  as a standby and catches up into the in-sync set before the next trial. At the end,
+  every acknowledged task is looked up on the node that leads: ``acked_lost`` counts
+  those missing.
+* **cost**: the same shard with its standby **off** (the leader alone in the in-sync
+  set) and **on** (a standby in sync), alternately ``--cost-rounds`` times each:
+  ``rallypoint bench --scenario lifecycle`` (closed loop, 2 producers, 2 workers) for
+  lifecycles/s, and ``--acks`` single submits one after another for the durable-ack
+  latency (a submit is answered once the record is fsynced on the leader and, with the
+  standby on, on the standby too). Medians over the rounds. A single node without
+  ``--cluster`` is measured once for reference.
+
+Targets (issue 29): failover p50 <= 3 s, max <= 5 s; 0 acknowledged writes lost;
+standby on >= 0.6x the lifecycles/s of off, ack p50 <= off + 1.5 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import rallypoint  # noqa: E402
+from _cluster import ClusterNode  # noqa: E402
+from _etcd import EtcdCluster  # noqa: E402
+from rallypoint.cluster.etcd import EtcdClient  # noqa: E402
+from rallypoint.cluster.leader import ShardElection  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+async def wait_isr(endpoints: list[str], cluster: str, isr: list[str], timeout: float = 120.0) -> None:
+    async with EtcdClient(endpoints) as client:
+        election = ShardElection(client, cluster, 0)
+        with trio.fail_after(timeout):
+            while True:
+                rec = await election.read_replicas()
+                if rec is not None and sorted(rec.replicas.isr) == sorted(isr):
+                    return
+                await trio.sleep(0.02)
+
+
+# ------------------------------------------------------------------------------ failover
+async def failover(endpoints: list[str], root: str, trials: int) -> dict:
+    cluster = f"bench-{uuid.uuid4().hex[:8]}"
+    a = ClusterNode("a", root, endpoints[0], cluster)
+    b = ClusterNode("b", root, endpoints[0], cluster)
+    nodes = [a, b]
+    a.start()
+    await a.wait_ready()
+    await a.wait_role("leader")
+    b.start()
+    await b.wait_ready()
+    await b.wait_role("standby")
+    await wait_isr(endpoints, cluster, ["a", "b"])
+    acked: dict[str, str] = {}
+    acks: list[tuple[float, int]] = []  # (monotonic s, epoch of the leader that acknowledged)
+    times: list[float] = []
+    stop = trio.Event()
+    try:
+        async with rallypoint.connect(f"tcp://{a.address},{b.address}",
+                                      reconnect=rallypoint.Reconnect(timeout=60)) as rs:
+            jobs = await rs.mailboxes.ensure("bench")
+            run = await rs.scopes.create(name="failover")
+
+            async def writer() -> None:
+                n = 0
+                while not stop.is_set():
+                    key = f"w{n}"
+                    try:
+                        t = await jobs.submit(n, key=key, scope=run)
+                    except rallypoint.RallypointError:
+                        await trio.sleep(0.01)
+                        continue
+                    acked[key] = t.id
+                    acks.append((time.monotonic(), rs._transport.server_info.epoch))
+                    n += 1
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                leader, standby = a, b
+                for i in range(trials):
+                    n0 = len(acks)
+                    with trio.fail_after(60):
+                        while len(acks) < n0 + 20:
+                            await trio.sleep(0.01)
+                    old_epoch = acks[-1][1]
+                    killed_at = time.monotonic()
+                    leader.kill()
+                    with trio.fail_after(60):
+                        while not any(e > old_epoch for _t, e in acks[n0:]):
+                            await trio.sleep(0.005)
+                    first = min(t for t, e in acks[n0:] if e > old_epoch)
+                    times.append(first - killed_at)
+                    print(f"trial {i + 1}/{trials}: {leader.name} killed, first write acknowledged by "
+                          f"{standby.name} after {first - killed_at:.3f} s", file=sys.stderr, flush=True)
+                    leader.start()
+                    await leader.wait_ready()
+                    await leader.wait_role("standby")
+                    await wait_isr(endpoints, cluster, ["a", "b"])
+                    leader, standby = standby, leader
+                stop.set()
+            await run.cancel()
+        # every acknowledged write, looked up on the node that leads now
+        lost = 0
+        async with rallypoint.connect(leader.url, reconnect=False) as direct:
+            for key, tid in acked.items():
+                try:
+                    info = await direct.task(tid).status()
+                    if info.key != key:
+                        lost += 1
+                except rallypoint.NotFoundError:
+                    lost += 1
+    finally:
+        for n in nodes:
+            n.kill()
+    return {"failover_trials": trials, "failover_s": [round(x, 3) for x in times],
+            "failover_p50_s": round(statistics.median(times), 3), "failover_max_s": round(max(times), 3),
+            "failover_min_s": round(min(times), 3), "acked_ops": len(acked), "acked_lost": lost}
+
+
+# ------------------------------------------------------------------------------ cost
+def lifecycle_bench(url: str, duration: float) -> float:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        cmd = [sys.executable, "-m", "rallypoint", "bench", "--scenario", "lifecycle", "--connect", url,
+               "--duration", str(duration), "--warmup", "2", "--producers", "2", "--workers", "2", "--json", out]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if not os.path.exists(out):
+            raise RuntimeError(f"rallypoint bench failed: {p.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)["throughput"]["lifecycles_per_s"]
+
+
+async def ack_latencies(url: str, n: int) -> list[float]:
+    """``n`` keyed single submits one after another; each one's round trip, ms."""
+    out = []
+    async with rallypoint.connect(url, reconnect=False) as rs:
+        jobs = await rs.mailboxes.ensure("acks")
+        run = await rs.scopes.create(name="acks")
+        for i in range(n):
+            t0 = time.perf_counter()
+            await jobs.submit(i, key=f"a{i}", scope=run)
+            out.append((time.perf_counter() - t0) * 1000)
+        await run.cancel()
+    return out
+
+
+async def measure(url: str, duration: float, acks: int) -> dict:
+    lat = await ack_latencies(url, acks)
+    rate = await trio.to_thread.run_sync(lifecycle_bench, url, duration)
+    return {"lifecycles_per_s": rate, "ack_p50_ms": round(statistics.median(lat), 3),
+            "ack_p99_ms": round(pct(lat, 0.99), 3)}
+
+
+async def cost(endpoints: list[str], root: str, rounds: int, duration: float, acks: int) -> dict:
+    cluster = f"cost-{uuid.uuid4().hex[:8]}"
+    a = ClusterNode("ca", root, endpoints[0], cluster)
+    b = ClusterNode("cb", root, endpoints[0], cluster)
+    on: list[dict] = []
+    off: list[dict] = []
+    try:
+        a.start()
+        await a.wait_ready()
+        await a.wait_role("leader")
+        for r in range(rounds):
+            # off: the leader alone in the in-sync set
+            if b.running():
+                b.kill()
+                await wait_isr(endpoints, cluster, ["ca"])
+            off.append(await measure(a.url, duration, acks))
+            print(f"cost round {r + 1}: standby off {off[-1]}", file=sys.stderr, flush=True)
+            # on: the standby in sync
+            b.start()
+            await b.wait_ready()
+            await wait_isr(endpoints, cluster, ["ca", "cb"])
+            on.append(await measure(a.url, duration, acks))
+            print(f"cost round {r + 1}: standby on  {on[-1]}", file=sys.stderr, flush=True)
+    finally:
+        a.kill()
+        b.kill()
+    # for reference: one node without --cluster
+    from rallypoint.loadtest.runner import SpawnedDaemon
+
+    single = SpawnedDaemon("fsync")
+    url = await trio.to_thread.run_sync(single.start)
+    try:
+        ref = await measure(url, duration, acks)
+    finally:
+        await trio.to_thread.run_sync(single.stop)
+
+    def med(xs: list[dict], k: str) -> float:
+        return round(statistics.median(x[k] for x in xs), 3 if k.endswith("_ms") else 1)
+
+    res = {
+        "lifecycles_per_s_standby_off": med(off, "lifecycles_per_s"),
+        "lifecycles_per_s_standby_on": med(on, "lifecycles_per_s"),
+        "ack_p50_ms_standby_off": med(off, "ack_p50_ms"),
+        "ack_p50_ms_standby_on": med(on, "ack_p50_ms"),
+        "ack_p99_ms_standby_off": med(off, "ack_p99_ms"),
+        "ack_p99_ms_standby_on": med(on, "ack_p99_ms"),
+        "lifecycles_per_s_single_node": ref["lifecycles_per_s"],
+        "ack_p50_ms_single_node": ref["ack_p50_ms"],
+        "cost_rounds": {"off": off, "on": on},
+    }
+    res["throughput_ratio_on_off"] = round(res["lifecycles_per_s_standby_on"] / res["lifecycles_per_s_standby_off"], 3)
+    res["ack_p50_added_ms"] = round(res["ack_p50_ms_standby_on"] - res["ack_p50_ms_standby_off"], 3)
+    return res
+
+
+async def main(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="rallypoint-failover-") as root:
+        for sub in ("etcd", "failover", "cost"):
+            os.makedirs(os.path.join(root, sub))
+        etcd = EtcdCluster(os.path.join(root, "etcd"), size=1).start()
+        try:
+            out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": os.getloadavg(),
+                         "cpu_count": os.cpu_count(), "command": " ".join(["scripts/bench_failover.py", *sys.argv[1:]])}
+            if args.trials:
+                out.update(await failover(etcd.endpoints, os.path.join(root, "failover"), args.trials))
+            if not args.skip_cost:
+                out.update(await cost(etcd.endpoints, os.path.join(root, "cost"), args.cost_rounds,
+                                      args.cost_duration, args.acks))
+            out["load_average_end"] = os.getloadavg()
+            return out
+        finally:
+            etcd.stop()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=20, help="kill -9 trials (default %(default)s; 0: none)")
+    ap.add_argument("--json", metavar="FILE", help="write the figures here")
+    ap.add_argument("--cost-duration", type=float, default=10.0, help="seconds per lifecycle run (default %(default)s)")
+    ap.add_argument("--cost-rounds", type=int, default=2, help="off/on rounds (default %(default)s)")
+    ap.add_argument("--acks", type=int, default=400, help="single submits per ack-latency run (default %(default)s)")
+    ap.add_argument("--skip-cost", action="store_true", help="only the failover trials")
+    args = ap.parse_args()
+    result = trio.run(main, args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
