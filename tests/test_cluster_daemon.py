@@ -65,9 +65,7 @@ def nodes(etcd, tmp_path, cluster_name):
 
     yield make
     for n in made:
-        if n.running():
-            n.resume()  # a paused process cannot die of SIGKILL until it is reaped... it can; be sure
-            n.kill()
+        n.kill()  # (SIGKILL ends a stopped process too)
 
 
 async def replicas(etcd, cluster_name: str):
