@@ -128,11 +128,26 @@ class Load:
         self.errors: list[BaseException] = []
         self.stats = None
         self.stop = trio.Event()
+        self.producing = 0
 
     def epoch(self) -> int:
         return self.rs._transport.server_info.epoch
 
+    async def stop_producers(self) -> None:
+        """Stop the producers and wait until none is left in a submit (what they
+        submit is in the log before this returns)."""
+        self.stop.set()
+        while self.producing:
+            await trio.sleep(0.01)
+
     async def producer(self, p: int) -> None:
+        self.producing += 1
+        try:
+            await self._produce(p)
+        finally:
+            self.producing -= 1
+
+    async def _produce(self, p: int) -> None:
         n = 0
         while not self.stop.is_set():
             key = f"p{p}-{n}"
@@ -165,10 +180,10 @@ class Load:
                 await trio.sleep(0.01)
 
     async def finish(self, timeout: float = 90.0) -> list:
-        """(Producers stopped.) Wait for every acknowledged task's result, end the run
-        (the workers stop), then check: every acknowledged task ended SUCCEEDED with its
-        own outcome, handled once (or again only after its lease ran out); tokens only
-        grow. Returns the TaskInfos, in key order."""
+        """(After :meth:`stop_producers`.) Wait for every acknowledged task's result,
+        end the run (the workers stop), then check: every acknowledged task ended
+        SUCCEEDED with its own outcome, handled once (or again only after its lease ran
+        out); tokens only grow. Returns the TaskInfos, in key order."""
         keys = sorted(self.acked)
         with trio.fail_after(timeout):
             infos = await self.rs.results([self.acked[k][0] for k in keys])
@@ -224,14 +239,15 @@ async def _kill_leader_under_load(nodes, etcd, cluster_name, cycles: int) -> Non
                     await leader.wait_role("standby")
                     await wait_isr(etcd, cluster_name, ["a", "b"])
                     leader, standby = standby, leader
-            load.stop.set()
+            await load.stop_producers()
             await load.finish()
         assert rs._transport.reconnects >= cycles
     # every acknowledged op is on the node that leads now, seen through its own port
     async with rallypoint.connect(standby.url, reconnect=False) as direct:
         keys = sorted(load.acked)
         infos = await direct.results([load.acked[k][0] for k in keys])
-        assert all(i.state == "SUCCEEDED" for i in infos)
+        bad = [(k, i.state, i.outcome) for k, i in zip(keys, infos) if i.state != "SUCCEEDED"]
+        assert not bad, bad[:5]
     assert not [e for e in load.errors if not isinstance(e, rallypoint.UnavailableError)], load.errors[:3]
 
 
@@ -434,7 +450,7 @@ async def test_kill_9_of_the_standby_writes_go_on_and_it_catches_up(nodes, etcd,
             await b.wait_role("standby")
             await wait_isr(etcd, cluster_name, ["a", "b"])
             await load.wait_acked(20)  # and with b in sync again
-            load.stop.set()
+            await load.stop_producers()
             await load.finish()
         st = (await rs.status()).cluster
     assert st.standby.node == "b" and st.standby.state == "in_sync"
@@ -473,7 +489,7 @@ async def test_a_leader_cut_off_from_etcd_stops_acknowledging_before_the_standby
                     async with rallypoint.connect(a.url, reconnect=False) as late:
                         await late.scopes.create(name="sent-to-the-old-leader")
                 await load.wait_acked(20, epoch_above=epoch_a)
-                load.stop.set()
+                await load.stop_producers()
                 await load.finish()
         # a stopped acknowledging (its self-fence) before b led: every acknowledgement of
         # a's epoch reached the client before b printed ROLE leader
@@ -509,7 +525,7 @@ async def test_sigterm_hands_the_shard_over_to_the_in_sync_standby(nodes, etcd, 
             took = await b.wait_role("leader", after=b_lines)
             assert await a.wait_exit() == 0
             await load.wait_acked(20, epoch_above=epoch_a)
-            load.stop.set()
+            await load.stop_producers()
             await load.finish()
     stopping = [r for r in a.role_lines(a.starts)[a_lines:]]
     assert [r.role for r in stopping] == ["stopping", "stopped"]
