@@ -507,6 +507,24 @@ async def test_drain_of_a_connection_paused_at_its_inflight_limit_keeps_the_grac
         assert trio.current_time() - t0 < 5
 
 
+async def test_a_paused_connection_keeps_the_drain_grace_for_its_parked_waits():
+    """The drain's own shutdown(SHUT_RD) makes the paused reader's peek see EOF: that is
+    not the peer leaving. (It was taken for it: the connection aborted and its parked
+    waits were answered at once, without the grace.)"""
+    async with running_server(max_inflight_per_conn=4, drain_wait_grace=0.5) as srv:
+        c = await RawClient.connect(srv.port)
+        data = b"".join(encode_frame(enc(wire.Request(i, msgspec.Raw(enc({"op": "sleep", "s": 30})))))
+                        for i in range(1, 6))
+        await c.send_raw(data)
+        with trio.fail_after(2):
+            while srv.statistics()["backpressure_pauses"] < 1:
+                await trio.sleep(0.01)
+        t0 = trio.current_time()
+        frames = await c.drain_server(srv, 20.0)
+        assert sorted((f.id, f.code) for f in frames) == [(i, "UNAVAILABLE") for i in range(1, 5)]
+        assert trio.current_time() - t0 >= 0.5
+
+
 @pytest.mark.parametrize("how", ["reset", "fin"])
 async def test_peer_gone_while_paused_with_unread_data_ends_its_waits(monkeypatch, how):
     """A peer paused at max_inflight (its waits parked, more requests unread) resets or
