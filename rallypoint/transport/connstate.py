@@ -202,7 +202,26 @@ READING_TRANSITIONS: dict[tuple[Reading, Trigger], Reading] = {
     (STOPPED, T.STOP): STOPPED,
 }
 
-#: Phases in which nothing more is answered (today's "closing").
+# The tables by trigger: {trigger: {state: next state}} (a lookup keyed by a state is
+# one identity-hashed dict access, cheap enough for the per-chunk transitions).
+_PHASE_ON: dict[Trigger, dict[Phase, Phase]] = {}
+for (_s, _t), _n in PHASE_TRANSITIONS.items():
+    _PHASE_ON.setdefault(_t, {})[_s] = _n
+_READING_ON: dict[Trigger, dict[Reading, Reading]] = {}
+for (_s, _t), _n in READING_TRANSITIONS.items():
+    _READING_ON.setdefault(_t, {})[_s] = _n
+del _s, _t, _n
+for _t in Trigger:
+    _PHASE_ON.setdefault(_t, {})
+    _READING_ON.setdefault(_t, {})
+# (an Enum class attribute costs a Python-level lookup: the hot paths use these)
+_HELLO_OK, _DRAIN, _GRACE_OVER, _CLOSE, _FINISH, _DATA, _FULL, _ROOM, _CHUNK_DONE, _STOP = Trigger
+_ON_DATA = _READING_ON[_DATA]
+_ON_FULL = _READING_ON[_FULL]
+_ON_CHUNK_DONE = _READING_ON[_CHUNK_DONE]
+_ON_ROOM = _READING_ON[_ROOM]
+
+#: Phases in which nothing more is answered (the peer is gone, or we close).
 NO_ANSWER_PHASES = frozenset({CLOSING, CLOSED})
 #: Phases of a drain that still answers (in-flight requests finish).
 DRAINING_PHASES = frozenset({DRAINING, REFUSING_WAITS})
@@ -387,7 +406,7 @@ class ConnState:
     # ------------------------------------------------------------- transitions
     def _to(self, trigger: Trigger) -> None:
         try:
-            self.phase = PHASE_TRANSITIONS[self.phase, trigger]
+            self.phase = _PHASE_ON[trigger][self.phase]
         except KeyError:
             raise ConnStateError(
                 f"connection {self.peer}: {trigger.name} is not allowed in phase {self.phase.name} "
@@ -395,7 +414,7 @@ class ConnState:
 
     def _read(self, trigger: Trigger) -> None:
         try:
-            self.reading = READING_TRANSITIONS[self.reading, trigger]
+            self.reading = _READING_ON[trigger][self.reading]
         except KeyError:
             raise ConnStateError(
                 f"connection {self.peer}: {trigger.name} is not allowed while the reader is "
@@ -442,7 +461,7 @@ class ConnState:
         if self.phase not in _HANDSHAKE_PHASES:
             raise ConnStateError(f"connection {self.peer}: a hello is not expected in phase {self.phase.name}")
         if not data:
-            self._to(T.CLOSE)
+            self._to(_CLOSE)
             return REFUSED
         self.bytes_in += len(data)
         parser = self.parser
@@ -481,10 +500,10 @@ class ConnState:
     def accept_hello(self, session: Any, hello_ok: msgspec.Struct) -> int:
         """The dispatcher accepted the Hello: answer ``hello_ok``; the frames pipelined
         after the Hello are the reader's first chunk (:meth:`next_request`)."""
-        self._to(T.HELLO_OK)
+        self._to(_HELLO_OK)
         self.session = session
         self._queue_msg(hello_ok)
-        self._read(T.DATA)
+        self._read(_DATA)
         return 0
 
     def refuse_hello(self, exc: BaseException) -> int:
@@ -494,14 +513,17 @@ class ConnState:
             self._queue_error(0, exc)
         else:
             self._queue_internal(0, exc)
-        self._to(T.CLOSE)
+        self._to(_CLOSE)
         return WRITE
 
     # ----------------------------------------------------------------- reading
     def receive_data(self, data: bytes) -> None:
         """A chunk received from the peer (not empty: EOF is :meth:`receive_eof`);
         call :meth:`next_request` until it returns :data:`NEED_DATA`."""
-        self._read(T.DATA)
+        try:
+            self.reading = _ON_DATA[self.reading]
+        except KeyError:
+            self._read(_DATA)  # raises
         self.rx_count += 1
         self.bytes_in += len(data)
         if self._metrics is not None:
@@ -524,11 +546,14 @@ class ConnState:
         while True:
             inflight = self.inflight
             if inflight >= self.max_inflight or len(self.out) + inflight * self.reply_size > self.max_out_bytes:
-                self._read(T.FULL)
+                self._read(_FULL)
                 self.pauses += 1
                 return PAUSED
             if not pending:
-                self._read(T.CHUNK_DONE)
+                try:
+                    self.reading = _ON_CHUNK_DONE[self.reading]
+                except KeyError:
+                    self._read(_CHUNK_DONE)  # raises
                 return NEED_DATA
             req = pending.popleft()
             t = type(req)
@@ -567,9 +592,9 @@ class ConnState:
         """The paused reader got capacity back (or a drain began). True: go on with
         :meth:`next_request`; False: reading stopped (a drain takes no more requests)."""
         if self.phase in DRAINING_PHASES:
-            self._read(T.STOP)
+            self._read(_STOP)
             return False
-        self._read(T.ROOM)
+        self._read(_ROOM)
         return True
 
     def at_limits(self) -> bool:
@@ -588,18 +613,18 @@ class ConnState:
 
     def receive_eof(self) -> None:
         """The peer sent EOF (a half-close included): no more requests are read."""
-        self._read(T.STOP)
+        self._read(_STOP)
 
     def stop_reading(self) -> None:
         """The reader stops (a drain reads no more requests; its send failed)."""
-        self._read(T.STOP)
+        self._read(_STOP)
 
     def frame_too_large(self) -> int:
         """The parser met a length header over the frame limit: framing is lost. Answer
         VALIDATION_FAILED (id 0) and close."""
         self._queue_error(0, ValidationError(oversize_message(self.parser.oversize or 0)))
-        self._to(T.CLOSE)
-        self._read(T.STOP)
+        self._to(_CLOSE)
+        self._read(_STOP)
         return WRITE
 
     def _control(self, msg: Any, t: type) -> None:
@@ -722,7 +747,12 @@ class ConnState:
                 self._queue_failure(rid, reply)
             if self.req_meta:
                 self._observe(rid, reply)
-            return self._done(1)
+            # _done(1), inline: this is the path of every answer
+            inflight = self.inflight = self.inflight - 1
+            act = RESUME if self.reading is PAUSED_READING else 0
+            if inflight == 0 and self.phase in DRAINING_PHASES:
+                act |= IDLE
+            return act
         self.deferred.append((lsn, rid, reply))
         return HOLD
 
@@ -870,7 +900,7 @@ class ConnState:
         """A graceful stop began: no more requests are read (a paused reader stops
         waiting: :data:`RESUME`); in-flight ones finish. :data:`IDLE` when nothing is
         in flight or queued already."""
-        self._to(T.DRAIN)
+        self._to(_DRAIN)
         act = WRITE
         if self.reading is PAUSED_READING:
             act |= RESUME
@@ -881,7 +911,7 @@ class ConnState:
     def grace_over(self) -> int:
         """The drain's grace for parked waits ran out: answer them UNAVAILABLE; a wait
         parked from now on is answered at once (REFUSING_WAITS)."""
-        self._to(T.GRACE_OVER)
+        self._to(_GRACE_OVER)
         return self._end_waits(shutting_down_error())
 
     def stop(self, answer: RallypointError) -> int:
@@ -889,18 +919,18 @@ class ConnState:
         waits still parked are answered ``answer`` (a peer that half-closed can still
         hear it), then CLOSING."""
         act = self._end_waits(answer)
-        self._to(T.CLOSE)
+        self._to(_CLOSE)
         return act
 
     def close(self) -> None:
         """Close now: nothing more is answered (CLOSING)."""
-        self._to(T.CLOSE)
+        self._to(_CLOSE)
 
     def finish(self) -> None:
         """The connection is gone (CLOSED): held answers are dropped, parked waits and
         subscriptions end unanswered."""
-        self._to(T.CLOSE)
-        self._to(T.FINISH)
+        self._to(_CLOSE)
+        self._to(_FINISH)
         self.deferred.clear()
         self._end_waits(None)
         for w in self.streams.values():

@@ -54,6 +54,7 @@ from ..errors import RallypointError, UnavailableError, shutting_down_error
 from ..logutil import RateLimitedLogger
 from .connstate import (
     ABORT,
+    DRAINING_PHASES,
     FLUSH,
     HOLD,
     IDLE,
@@ -195,6 +196,7 @@ class _Conn:
         self.deferred_event: trio.Event | None = None
         self.idle_event = trio.Event()  # set when draining and nothing is in flight (IDLE)
         self._peer_quiet = True  # nothing unread from the peer: EOF can be seen without reading
+        self._held = server._held
         self._submit = dispatcher.submit
         self._watch_wake = getattr(dispatcher, "watch_wake", None)
         self._deliver = st.deliver
@@ -209,7 +211,7 @@ class _Conn:
     def _act(self, act: int) -> None:
         """Carry out the state machine's action bits."""
         if act & HOLD:
-            held = self.server._held
+            held = self._held
             if held is not None:  # released by Server._on_durable
                 held[self] = None
             else:
@@ -250,7 +252,10 @@ class _Conn:
         at the end of its batch), else held until it is (:meth:`release_held`)."""
         act = self._deliver(rid, reply, lsn)
         if act:
-            self._act(act)
+            if act == HOLD and self._held is not None:
+                self._held[self] = None  # released by Server._on_durable
+            else:
+                self._act(act)
 
     def flush(self) -> None:
         """Write the queued replies now, with ONE non-blocking send: replies delivered
@@ -457,7 +462,7 @@ class _Conn:
             if st.parser.oversize is not None:
                 self._act(st.frame_too_large())
                 return
-            if st.draining:
+            if st.phase in DRAINING_PHASES:
                 st.stop_reading()
                 return
             # No cancel scope here (it would cost more than the rest of a request):
