@@ -1,12 +1,15 @@
 """One server-side connection as a sans-I/O state machine (h11's shape).
 
 :class:`ConnState` is told what happens to a connection and answers what the connection
-must do; it never touches a socket, a Trio primitive or a timer. The socket loop around
-it is :class:`rallypoint.transport.server._Conn` (reader and writer tasks,
+must do; it never touches a socket, a Trio primitive or a timer. It calls only what it
+is handed: a parked waiter's or a subscription's ``cancel()``, the log limiter (an
+internal error), ``clock`` (the latency metric). The socket loop around it is
+:class:`rallypoint.transport.server._Conn` (reader and writer tasks,
 ``sockio.receive_plain``, the non-blocking ``os.write``, TLS, the drain's and the
 pinger's timers, the paused reader's watch for a peer that goes away).
 
-**In** (methods; each returns an int of action bits, unless it says otherwise):
+**In** (methods; those that can ask for something return an int of action bits, 0 for
+nothing to do):
 
 * the handshake: :meth:`receive_hello` (bytes, or ``b""`` for EOF), :meth:`hello_timeout`,
   :meth:`accept_hello` / :meth:`refuse_hello` (the dispatcher's verdict);

@@ -19,10 +19,14 @@ Per connection there are at most four tasks, whatever the request rate:
   none, a **durability** task per connection waits for the oldest one's LSN;
 * the **pinger** (if ``idle_ping_interval``) pings idle peers and drops dead ones.
 
-The connection is the :class:`~rallypoint.actors.runtime.ReplySink` of its requests:
-actors call :meth:`_Conn.deliver` with the answer (success or error) and the LSN it
-depends on. A server-side wait is parked in its actor, not in this connection: a Cancel
-frame, or the connection closing, ends it (and its answer is dropped).
+Each connection is a :class:`~rallypoint.transport.connstate.ConnState` (the sans-I/O
+state machine: what to answer, hold, pause, close; named states and transitions tables)
+inside a :class:`_Conn`, the socket loop that carries out its actions (these tasks, the
+non-blocking write, TLS, the drain's timers). The connection is the
+:class:`~rallypoint.actors.runtime.ReplySink` of its requests: actors call
+:meth:`_Conn.deliver` with the answer (success or error) and the LSN it depends on. A
+server-side wait is parked in its actor, not in this connection: a Cancel frame, or the
+connection closing, ends it (and its answer is dropped).
 
 Backpressure: when ``max_inflight_per_conn`` requests are in flight (submitted, not yet
 answered; every request of a batch frame counts), or more than ``max_outgoing_bytes`` of replies are
