@@ -29,7 +29,10 @@ nothing to do):
 * the end: :meth:`stop` (answer the parked waits, then close), :meth:`close`,
   :meth:`finish`.
 
-**Out**: the frames to write are :attr:`ConnState.out` (a bytearray the wrapper sends);
+**Out**: the frames to write are :attr:`ConnState.out`, a bytearray the wrapper sends
+(a sender that takes it whole puts a new one in its place, sets :attr:`~ConnState.sending`
+to the bytes taken while the send runs, then adds them to ``bytes_out``: what
+:meth:`take_output` and :meth:`sent` do, and what the reader does inline after a chunk);
 requests to submit come back from :meth:`next_request`; everything else is a bit of the
 returned int: :data:`WRITE` (wake the writer), :data:`FLUSH` (write now, without
 blocking), :data:`RESUME` (a paused reader may read again), :data:`HOLD` (an answer is
