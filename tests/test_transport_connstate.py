@@ -82,14 +82,16 @@ def opened(durable=None, **kw) -> ConnState:
     return st
 
 
-def requests_of(st: ConnState) -> list:
-    """Call next_request until it stops; the admitted requests' ids, then the stop."""
+def requests_of(st: ConnState, data: bytes | None = None) -> list:
+    """next_request with ``data`` (a chunk received), then without until it stops: the
+    admitted requests' ids, then the stop."""
     got = []
+    r = st.next_request(data)
     while True:
-        r = st.next_request()
         if r is NEED_DATA or r is PAUSED:
             return got + [r]
         got.append(r.id)
+        r = st.next_request()
 
 
 # ---------------------------------------------------------------- transitions
@@ -137,9 +139,9 @@ def test_illegal_inputs_raise():
         st.accept_hello(None, HELLO_OK)  # HELLO_OK in OPEN
     with pytest.raises(ConnStateError):
         st.grace_over()  # no drain runs
-    st.receive_data(frame(req(1)))
+    assert st.next_request(frame(req(1))).id == 1
     with pytest.raises(ConnStateError):
-        st.receive_data(frame(req(2)))  # the previous chunk is not handled yet
+        st.next_request(frame(req(2)))  # the previous chunk is not handled yet
     st.close()
     st.finish()
     assert st.phase is Phase.CLOSED
@@ -213,9 +215,8 @@ def test_a_drain_during_the_handshake_opens_into_draining():
 # ---------------------------------------------------------------- requests
 def test_control_frames_and_bad_ids_are_answered_in_order():
     st = opened()
-    st.receive_data(frame(wire.Ping(7)) + frame(req(0)) + frame(req(3)) + frame(req(3))
-                    + frame(wire.Hello(wire.PROTOCOL_VERSION)) + frame(wire.Pong(1)))
-    assert requests_of(st) == [3, NEED_DATA]
+    assert requests_of(st, frame(wire.Ping(7)) + frame(req(0)) + frame(req(3)) + frame(req(3))
+                    + frame(wire.Hello(wire.PROTOCOL_VERSION)) + frame(wire.Pong(1))) == [3, NEED_DATA]
     got = drain_out(st)
     assert got[0] == wire.Pong(7)
     assert [(f.id, f.code) for f in got[1:]] == [(0, "VALIDATION_FAILED"), (3, "VALIDATION_FAILED"),
@@ -226,8 +227,7 @@ def test_control_frames_and_bad_ids_are_answered_in_order():
 
 def test_a_batch_is_admitted_one_request_at_a_time_against_the_limit():
     st = opened(max_inflight=2)
-    st.receive_data(frame(wire.Batch([req(1), req(2), req(3)])) + frame(req(4)))
-    assert requests_of(st) == [1, 2, PAUSED]
+    assert requests_of(st, frame(wire.Batch([req(1), req(2), req(3)])) + frame(req(4))) == [1, 2, PAUSED]
     assert (st.reading, st.pauses) == (Reading.PAUSED, 1)
     assert st.at_limits()
     assert st.deliver(1, b"\x01", 0) == RESUME  # a paused reader is told
@@ -245,17 +245,15 @@ def test_a_batch_is_admitted_one_request_at_a_time_against_the_limit():
 def test_the_bytes_the_replies_will_take_pause_the_reader():
     st = opened(max_out_bytes=10_000)
     assert st.reply_size == 4096  # a cautious start
-    st.receive_data(b"".join(frame(req(i)) for i in range(1, 5)))
-    assert requests_of(st) == [1, 2, 3, PAUSED]  # 3 x 4096 > 10000
+    assert requests_of(st, b"".join(frame(req(i)) for i in range(1, 5))) == [1, 2, 3, PAUSED]  # 3 x 4096 > 10000
 
 
 def test_an_undecodable_frame_and_a_bad_batch_keep_the_connection():
     st = opened()
     bad_batch = enc({"t": "batch", "reqs": [{"t": "req", "id": 5, "body": 1}, {"t": "req", "id": "x"},
                                             {"t": "req", "id": 6, "body": 2}]})
-    st.receive_data(encode_frame(enc({"t": "req", "id": 9, "body": 1, "x": []})[:-1] + b"\xc1")
-                    + encode_frame(bad_batch))
-    assert requests_of(st) == [5, 6, NEED_DATA]
+    assert requests_of(st, encode_frame(enc({"t": "req", "id": 9, "body": 1, "x": []})[:-1] + b"\xc1")
+                    + encode_frame(bad_batch)) == [5, 6, NEED_DATA]
     errs = drain_out(st)
     assert [(e.id, e.code) for e in errs] == [(9, "VALIDATION_FAILED"), (0, "VALIDATION_FAILED")]
     assert "$.reqs[1]" in errs[1].message
@@ -263,8 +261,7 @@ def test_an_undecodable_frame_and_a_bad_batch_keep_the_connection():
 
 def test_a_frame_over_the_limit_closes_after_an_answer():
     st = opened()
-    st.receive_data(frame(req(1)) + (wire.MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
-    assert requests_of(st) == [1, NEED_DATA]
+    assert requests_of(st, frame(req(1)) + (wire.MAX_FRAME_BYTES + 1).to_bytes(4, "big")) == [1, NEED_DATA]
     assert st.parser.oversize is not None
     assert st.frame_too_large() == WRITE
     assert (st.phase, st.reading) == (Phase.CLOSING, Reading.STOPPED)
@@ -274,8 +271,7 @@ def test_a_frame_over_the_limit_closes_after_an_answer():
 
 def test_submit_failed_answers_internal_once():
     st = opened()
-    st.receive_data(frame(req(1)))
-    [rid, _] = requests_of(st)
+    [rid, _] = requests_of(st, frame(req(1)))
     assert st.submit_failed(rid, ValueError("password=hunter2")) == WRITE  # the chunk is handled
     assert st.submit_failed(rid, ValueError("again")) == 0  # no longer in flight
     [err] = drain_out(st)
@@ -286,8 +282,7 @@ def test_submit_failed_answers_internal_once():
 def test_answers_wait_for_durability_in_lsn_order():
     durable = Durable()
     st = opened(durable)
-    st.receive_data(b"".join(frame(req(i)) for i in (1, 2, 3)))
-    requests_of(st)
+    requests_of(st, b"".join(frame(req(i)) for i in (1, 2, 3)))
     assert st.deliver(1, b"\xa1a", 5) == HOLD
     assert st.deliver(2, ConflictError("no"), 7) == HOLD
     assert st.deliver(3, b"\xa1c", 0) == 0  # depends on no state: at once
@@ -303,8 +298,7 @@ def test_answers_wait_for_durability_in_lsn_order():
 
 def test_a_failed_durability_wait_answers_the_first_internal_and_the_rest_without_a_log():
     st = opened()
-    st.receive_data(b"".join(frame(req(i)) for i in (1, 2)))
-    requests_of(st)
+    requests_of(st, b"".join(frame(req(i)) for i in (1, 2)))
     st.deliver(1, b"\x01", 3)
     st.deliver(2, b"\x01", 4)
     assert st.fail_held(2, OSError("disk")) == WRITE | FLUSH
@@ -315,8 +309,7 @@ def test_a_failed_durability_wait_answers_the_first_internal_and_the_rest_withou
 
 def test_answers_of_a_closing_connection_are_dropped():
     st = opened()
-    st.receive_data(b"".join(frame(req(i)) for i in (1, 2)))
-    requests_of(st)
+    requests_of(st, b"".join(frame(req(i)) for i in (1, 2)))
     st.deliver(2, b"\x01", 9)
     st.close()
     assert st.deliver(1, b"\x01", 0) == 0 and st.inflight == 1
@@ -327,8 +320,7 @@ def test_answers_of_a_closing_connection_are_dropped():
 
 def test_a_reply_over_the_frame_limit_is_answered_limit_exceeded():
     st = opened()
-    st.receive_data(frame(req(1)))
-    requests_of(st)
+    requests_of(st, frame(req(1)))
     st.deliver(1, b"\x00" * wire.MAX_FRAME_BYTES, 0)
     [err] = drain_out(st)
     assert (err.id, err.code) == (1, "LIMIT_EXCEEDED")
@@ -337,12 +329,10 @@ def test_a_reply_over_the_frame_limit_is_answered_limit_exceeded():
 # ------------------------------------------------------------ parked waits
 def test_cancel_before_and_after_the_wait_parks():
     st = opened()
-    st.receive_data(frame(req(1)) + frame(req(2)))
-    requests_of(st)
+    requests_of(st, frame(req(1)) + frame(req(2)))
     w1, w2 = Waiter(), Waiter()
     assert st.track(1, w1) == 0
-    st.receive_data(frame(wire.Cancel(1)) + frame(wire.Cancel(2)))
-    assert requests_of(st) == [NEED_DATA]
+    assert requests_of(st, frame(wire.Cancel(1)) + frame(wire.Cancel(2))) == [NEED_DATA]
     assert w1.cancelled == 1 and st.inflight == 1  # parked: ended, no answer
     assert st.track(2, w2) == 0 and w2.cancelled == 1  # cancelled before it parked
     assert st.inflight == 0 and not st.out
@@ -350,8 +340,7 @@ def test_cancel_before_and_after_the_wait_parks():
 
 def test_untrack_lets_the_answer_through():
     st = opened()
-    st.receive_data(frame(req(1)))
-    requests_of(st)
+    requests_of(st, frame(req(1)))
     st.track(1, Waiter())
     st.untrack(1)
     st.deliver(1, b"\x01", 0)
@@ -360,8 +349,7 @@ def test_untrack_lets_the_answer_through():
 
 def test_drain_grace_then_unavailable_and_refused_waits():
     st = opened()
-    st.receive_data(b"".join(frame(req(i)) for i in (1, 2, 3)))
-    requests_of(st)
+    requests_of(st, b"".join(frame(req(i)) for i in (1, 2, 3)))
     w1 = Waiter()
     st.track(1, w1)
     act = st.drain()
@@ -379,8 +367,7 @@ def test_drain_grace_then_unavailable_and_refused_waits():
 
 def test_stop_answers_parked_waits_and_finish_ends_everything_silently():
     st = opened()
-    st.receive_data(b"".join(frame(req(i)) for i in (1, 2, 3)))
-    requests_of(st)
+    requests_of(st, b"".join(frame(req(i)) for i in (1, 2, 3)))
     w1, w2, watcher = Waiter(), Waiter(), Waiter()
     st.track(1, w1)
     assert st.stop(shutting_down_error()) == WRITE
@@ -396,8 +383,7 @@ def test_stop_answers_parked_waits_and_finish_ends_everything_silently():
 
 def test_a_drain_wakes_a_paused_reader_which_then_stops():
     st = opened(max_inflight=1)
-    st.receive_data(frame(req(1)) + frame(req(2)))
-    assert requests_of(st) == [1, PAUSED]
+    assert requests_of(st, frame(req(1)) + frame(req(2))) == [1, PAUSED]
     assert st.drain() == WRITE | RESUME
     assert not st.at_limits()  # a draining reader waits no more
     assert st.resume() is False and st.reading is Reading.STOPPED
@@ -406,8 +392,7 @@ def test_a_drain_wakes_a_paused_reader_which_then_stops():
 # ----------------------------------------------------------------- output
 def test_output_written_in_parts_and_whole():
     st = opened(max_inflight=1)
-    st.receive_data(frame(req(1)) + frame(req(2)))
-    requests_of(st)  # paused
+    requests_of(st, frame(req(1)) + frame(req(2)))  # paused
     st.deliver(1, b"\x01" * 10, 0)
     n = len(st.out)
     before = st.bytes_out
@@ -424,8 +409,7 @@ def test_output_written_in_parts_and_whole():
 
 def test_a_drained_connection_reports_idle_when_its_output_left():
     st = opened()
-    st.receive_data(frame(req(1)))
-    requests_of(st)
+    requests_of(st, frame(req(1)))
     st.drain()
     assert st.deliver(1, b"\x01", 0) == IDLE
     assert not st.idle()  # the reply is still queued
@@ -435,8 +419,7 @@ def test_a_drained_connection_reports_idle_when_its_output_left():
 # -------------------------------------------------------------- subscriptions
 def test_pushes_and_the_end_of_a_subscription():
     st = opened()
-    st.receive_data(frame(req(4)))
-    requests_of(st)
+    requests_of(st, frame(req(4)))
     w = Waiter()
     assert st.add_stream(4, w)
     st.deliver(4, b"\x80", 0)
@@ -454,8 +437,7 @@ def test_pushes_and_the_end_of_a_subscription():
     [err] = drain_out(st)
     assert (err.id, err.code) == (4, "CONFLICT")
     st.add_stream(6, w)
-    st.receive_data(frame(wire.Cancel(6)))
-    requests_of(st)
+    requests_of(st, frame(wire.Cancel(6)))
     assert w.cancelled == 1 and 6 not in st.streams
     st.close()
     assert not st.add_stream(7, w) and st.push_room(7) == 0 and st.push(6, [b"\x01"], 1) == 0
@@ -467,8 +449,7 @@ def test_idle_ticks_ping_twice_then_abort_and_traffic_resets_them():
     assert st.idle_tick() == WRITE
     assert st.idle_tick() == WRITE
     assert [f.nonce for f in drain_out(st)] == [1, 2]
-    st.receive_data(frame(wire.Pong(2)))
-    requests_of(st)
+    requests_of(st, frame(wire.Pong(2)))
     assert st.idle_tick() == 0 and st.idle_ticks == 0  # traffic
     assert st.idle_tick() == WRITE
     assert st.idle_tick() == WRITE
@@ -477,8 +458,7 @@ def test_idle_ticks_ping_twice_then_abort_and_traffic_resets_them():
 
 def test_a_paused_reader_is_not_an_idle_peer():
     st = opened(max_inflight=1)
-    st.receive_data(frame(req(1)) + frame(req(2)))
-    requests_of(st)
+    requests_of(st, frame(req(1)) + frame(req(2)))
     st.idle_tick()  # the chunk was traffic
     for _ in range(5):
         assert st.idle_tick() == 0
@@ -491,8 +471,7 @@ def test_latency_is_observed_from_receipt_to_answer_with_the_given_clock():
     now = [100.0]
     m = Metrics(None)
     st = opened(metrics=m, clock=lambda: now[0])
-    st.receive_data(frame(req(1)))
-    requests_of(st)
+    requests_of(st, frame(req(1)))
     st.note_op(1, "scope.status")
     now[0] = 100.25
     st.deliver(1, b"\x01", 0)

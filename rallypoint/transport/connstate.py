@@ -13,7 +13,7 @@ nothing to do):
 
 * the handshake: :meth:`receive_hello` (bytes, or ``b""`` for EOF), :meth:`hello_timeout`,
   :meth:`accept_hello` / :meth:`refuse_hello` (the dispatcher's verdict);
-* bytes received: :meth:`receive_data`, then :meth:`next_request` until it says
+* bytes received: :meth:`next_request` with them, then without until it says
   :data:`NEED_DATA` (it returns each request to submit, or :data:`PAUSED` at the
   limits; :meth:`resume` once capacity is back), :meth:`receive_eof`,
   :meth:`stop_reading`, :meth:`frame_too_large`, :meth:`submit_failed`;
@@ -523,21 +523,10 @@ class ConnState:
         return WRITE
 
     # ----------------------------------------------------------------- reading
-    def receive_data(self, data: bytes) -> None:
-        """A chunk received from the peer (not empty: EOF is :meth:`receive_eof`);
-        call :meth:`next_request` until it returns :data:`NEED_DATA`."""
-        try:
-            self.reading = _ON_DATA[self.reading]
-        except KeyError:
-            self._read(_DATA)  # raises
-        self.rx_count += 1
-        self.bytes_in += len(data)
-        if self._metrics is not None:
-            self.t_rx = self._clock()
-        self.pending.extend(self.parser.feed(data))
-
-    def next_request(self) -> Any:
-        """Handle what was received, up to the next request to submit. Returns:
+    def next_request(self, data: bytes | None = None) -> Any:
+        """Handle what was received, up to the next request to submit. ``data``: a chunk
+        just received from the peer (not empty: EOF is :meth:`receive_eof`), handled
+        after what is left; None: go on. Returns:
 
         * a :class:`wire.Request`: admitted (in flight); submit it, and on an exception
           from the dispatcher call :meth:`submit_failed`;
@@ -545,20 +534,30 @@ class ConnState:
           finishes or output leaves (:data:`RESUME`), then call :meth:`resume`;
         * :data:`NEED_DATA`: everything received is handled; send the output, read more.
 
-        Control frames (Ping, Cancel, a batch frame, a second Hello, an undecodable
-        frame) are handled here and answered in :attr:`out`."""
+        The limits are checked after each frame and each request of a batch frame (a
+        request may be answered while it is submitted), so before every call but the
+        one that brings a chunk. Control frames (Ping, Cancel, a batch frame, a second
+        Hello, an undecodable frame) are handled here and answered in :attr:`out`."""
         pending = self.pending
-        live = self.live
-        while True:
+        if data is not None:
+            if self.reading is RECEIVING:  # the table's one DATA transition, inline
+                self.reading = HANDLING
+            else:
+                self._read(_DATA)  # raises
+            self.rx_count += 1
+            self.bytes_in += len(data)
+            if self._metrics is not None:
+                self.t_rx = self._clock()
+            pending.extend(self.parser.feed(data))
+        else:
             inflight = self.inflight
             if inflight >= self.max_inflight or len(self.out) + inflight * self.reply_size > self.max_out_bytes:
-                self._read(_FULL)
-                self.pauses += 1
-                return PAUSED
+                return self._pause()
+        while True:
             if not pending:
-                try:
-                    self.reading = _ON_CHUNK_DONE[self.reading]
-                except KeyError:
+                if self.reading is HANDLING:  # the table's one CHUNK_DONE transition, inline
+                    self.reading = RECEIVING
+                else:
                     self._read(_CHUNK_DONE)  # raises
                 return NEED_DATA
             req = pending.popleft()
@@ -568,31 +567,40 @@ class ConnState:
                     req = _client_decode(req)
                 except (msgspec.MsgspecError, RecursionError) as exc:
                     self._bad_frame(req, exc)
-                    continue
-                t = type(req)
-                if t is not _Request:
-                    self._control(req, t)
-                    continue
+                    req = None
+                else:
+                    t = type(req)
+                    if t is not _Request:
+                        self._control(req, t)
+                        req = None
             elif t is tuple:  # an undecodable request of a bad batch
                 self._reject(*req)
-                continue
-            # a request: admit it
-            rid = req.id
-            self.requests += 1
-            if rid <= 0:
-                self._queue_error(0, ValidationError(f"request id must be > 0, got {rid}; field `$.id`"))
-                continue
-            if rid in live:
-                self._queue_error(rid, ValidationError(
-                    f"request id {rid} is already in flight on this connection; use a new id per request; "
-                    "field `$.id`"))
-                continue
-            live[rid] = None
-            inflight += 1
-            self.inflight = inflight
-            if inflight > self.max_inflight_seen:
-                self.max_inflight_seen = inflight
-            return req
+                req = None
+            if req is not None:  # a request: admit it
+                rid = req.id
+                self.requests += 1
+                live = self.live
+                if rid <= 0:
+                    self._queue_error(0, ValidationError(f"request id must be > 0, got {rid}; field `$.id`"))
+                elif rid in live:
+                    self._queue_error(rid, ValidationError(
+                        f"request id {rid} is already in flight on this connection; use a new id per request; "
+                        "field `$.id`"))
+                else:
+                    live[rid] = None
+                    inflight = self.inflight = self.inflight + 1
+                    if inflight > self.max_inflight_seen:
+                        self.max_inflight_seen = inflight
+                    return req
+            # handled without a request to submit: the limits, as after a request
+            inflight = self.inflight
+            if inflight >= self.max_inflight or len(self.out) + inflight * self.reply_size > self.max_out_bytes:
+                return self._pause()
+
+    def _pause(self) -> Any:
+        self._read(_FULL)
+        self.pauses += 1
+        return PAUSED
 
     def resume(self) -> bool:
         """The paused reader got capacity back (or a drain began). True: go on with

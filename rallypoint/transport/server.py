@@ -429,23 +429,22 @@ class _Conn:
         paused = PAUSED
         fd = self._fd  # a plain TCP socket: read with receive_plain
         full = False
+        req = next_request()  # the frames pipelined after the hello first
         while True:
-            while True:
-                req = next_request()
-                if req is need_data:
-                    break
+            while req is not need_data:
                 if req is paused:
                     self._wake_writer()
                     await self.wait_capacity()
                     if not st.resume():
                         return  # draining: what is not admitted yet is not taken (begin_drain)
-                    continue
-                try:
-                    submit(session, req.body, self, req.id)
-                except Exception as exc:  # the dispatcher answers its own errors; this is a bug
-                    act = st.submit_failed(req.id, exc)
-                    if act:
-                        self._act(act)
+                else:
+                    try:
+                        submit(session, req.body, self, req.id)
+                    except Exception as exc:  # the dispatcher answers its own errors; this is a bug
+                        act = st.submit_failed(req.id, exc)
+                        if act:
+                            self._act(act)
+                req = next_request()
             if st.out:
                 if st.sending or self.writer_event is None:
                     self._wake_writer()
@@ -488,7 +487,7 @@ class _Conn:
                 st.receive_eof()
                 return
             self._peer_quiet = True
-            st.receive_data(data)
+            req = next_request(data)
 
     async def wait_capacity(self) -> None:
         st = self.st
