@@ -108,6 +108,14 @@ def _resolve(url: str | None, api_key: str | None) -> tuple[str, str | None]:
     return url, api_key
 
 
+#: With several server addresses (a cluster): close a connection whose server sends
+#: nothing for this long while calls wait (it is pinged at half of it), seconds.
+CLUSTER_LIVENESS_S = 6.0
+#: With several server addresses: the longest one connection attempt may take, seconds
+#: (a stopped node must not hold the whole connect timeout while others answer).
+CLUSTER_ATTEMPT_S = 2.0
+
+
 def _policy(reconnect: "Reconnect | bool | None") -> "Reconnect | None":
     if reconnect is True:
         return Reconnect()
@@ -172,11 +180,21 @@ async def connect(
     url, api_key = _resolve(url, api_key)
     policy = _policy(reconnect)
 
-    async def open_one(u: str, timeout: float) -> Connection:
-        return await Connection.open(u, api_key=api_key, client_name=client_name, connect_timeout=timeout,
-                                     tls_ca=tls_ca, ssl_context=ssl_context)
+    urls = split_urls(url)
+    # several nodes (a replicated or sharded cluster): a leader that stops answering
+    # behind a live TCP connection (SIGSTOP, a VM pause) is left after LIVENESS_S, and
+    # one address is tried for at most a part of the connect timeout
+    several = len(urls) > 1
 
-    follower = LeaderFollower(split_urls(url), open_one)
+    async def open_one(u: str, timeout: float) -> Connection:
+        c = await Connection.open(u, api_key=api_key, client_name=client_name,
+                                  connect_timeout=min(timeout, CLUSTER_ATTEMPT_S) if several else timeout,
+                                  tls_ca=tls_ca, ssl_context=ssl_context)
+        if several:
+            c.watch_liveness(CLUSTER_LIVENESS_S)
+        return c
+
+    follower = LeaderFollower(urls, open_one)
 
     async def open_connection(timeout: float) -> Connection:
         return await follower.open(timeout)

@@ -154,6 +154,6 @@ class LeaderFollower:
             if not (leaderless or last is None or len(self.urls) > 1) or remaining <= 0:
                 break
             await anyio.sleep(min(pause, remaining))
-            pause = min(pause * 2, 0.5)
+            pause = min(pause * 2, 0.2)  # a failover's end is found within 0.2 s
         assert last is not None
         raise last

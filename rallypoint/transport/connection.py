@@ -275,6 +275,10 @@ class Connection:
         # go straight to it
         self._sock: Any = None
         self._writing = False  # the writer task holds bytes it has not finished sending
+        #: close the connection when the server sends nothing for this long (seconds)
+        #: while calls wait; pinged at half of it (None: never; see :meth:`watch_liveness`)
+        self.liveness_s: float | None = None
+        self._last_recv = 0.0
 
     # ------------------------------------------------------------------ opening
 
@@ -389,7 +393,43 @@ class Connection:
         self._tg = tg
         tg.start_soon(self._reader)
         tg.start_soon(self._writer)
+        if self.liveness_s is not None:
+            tg.start_soon(self._liveness)
         return self
+
+    def watch_liveness(self, seconds: float | None) -> None:
+        """Before entering: close this connection when, while a call or a subscription
+        waits, the server sends nothing for ``seconds`` (it is pinged at half of that;
+        any frame counts, a Pong included). A server that is stopped (SIGSTOP, a VM
+        pause) or cut off behind a live TCP connection is then left like a dropped one
+        -- a replicated shard's client goes on to the new leader -- instead of being
+        waited for as long as it is gone. A server-side wait does not count: the
+        server answers pings while it parks a request. None: never."""
+        self.liveness_s = seconds
+
+    async def _liveness(self) -> None:
+        limit = self.liveness_s
+        assert limit is not None
+        half = limit / 2
+        nonce = 0
+        self._last_recv = anyio.current_time()
+        while self._closed is None:
+            await anyio.sleep(half / 2)
+            if not self._pending and not self._streams:
+                self._last_recv = anyio.current_time()  # nothing waits: idle is fine
+                continue
+            quiet = anyio.current_time() - self._last_recv
+            if quiet >= limit:
+                log.warning("%s: the server sent nothing for %.1f s while calls waited; closing the connection",
+                            self.url, quiet)
+                self._shutdown(f"the server stopped answering ({quiet:.1f} s without a frame)")
+                with anyio.CancelScope(shield=True):
+                    await anyio.aclose_forcefully(self._stream)
+                return
+            if quiet >= half:
+                nonce += 1
+                self._out += encode_frame(_encode(wire.Ping(nonce)))
+                self._wake_writer()
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         self._shutdown("the connection was closed by the client")
@@ -667,10 +707,13 @@ class Connection:
                     elif t is wire.Ping:
                         self._out += encode_frame(_encode(wire.Pong(msg.nonce)))
                         self._wake_writer()
+                    # (a Pong answers our liveness ping: its arrival is all it says)
                 if parser.oversize is not None:
                     reason = f"protocol error: the server announced a {parser.oversize}-byte frame"
                     break
                 data = await receive(_RECEIVE_SIZE)
+                if self.liveness_s is not None:
+                    self._last_recv = anyio.current_time()
                 frames = parser.feed(data)
         except anyio.EndOfStream:
             reason = "the server closed the connection"

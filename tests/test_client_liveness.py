@@ -1,0 +1,77 @@
+"""The client's liveness watch (Connection.watch_liveness): a server that stops answering
+behind a live TCP connection (SIGSTOP, a VM pause) is left like a dropped one, while a
+server that parks a request (a server-side wait) but answers pings is not."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import trio
+
+from rallypoint import protocol as p
+from rallypoint import wire
+from rallypoint.errors import UnavailableError
+from rallypoint.transport.connection import Connection
+from rallypoint.transport.framing import FrameParser, encode_frame
+
+_dec = msgspec.msgpack.Decoder(wire.ClientFrame)
+_enc = msgspec.msgpack.Encoder()
+
+
+async def fake_server(pongs: bool, *, task_status=trio.TASK_STATUS_IGNORED):
+    """Answers the handshake, then never answers a request; answers pings if ``pongs``."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+
+    async def handle(stream):
+        parser = FrameParser()
+        while True:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            for f in parser.feed(data):
+                msg = _dec.decode(f)
+                if isinstance(msg, wire.Hello):
+                    await stream.send_all(encode_frame(_enc.encode(wire.HelloOk(version=1, server_version="t"))))
+                elif isinstance(msg, wire.Ping) and pongs:
+                    await stream.send_all(encode_frame(_enc.encode(wire.Pong(msg.nonce))))
+
+    async with trio.open_nursery() as n:
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(handle, listeners, handler_nursery=n)
+
+
+async def test_a_server_that_sends_nothing_while_a_call_waits_is_left():
+    async with trio.open_nursery() as n:
+        port = await n.start(fake_server, False)
+        conn = await Connection.open(f"tcp://127.0.0.1:{port}")
+        conn.watch_liveness(0.6)
+        async with conn:
+            with trio.fail_after(20):
+                with pytest.raises(UnavailableError) as e:
+                    await conn.call(p.ServerStatus())
+            assert "stopped answering" in conn.close_reason
+            assert e.value is not None
+        n.cancel_scope.cancel()
+
+
+async def test_a_server_that_parks_a_request_but_answers_pings_is_kept():
+    async with trio.open_nursery() as n:
+        port = await n.start(fake_server, True)
+        conn = await Connection.open(f"tcp://127.0.0.1:{port}")
+        conn.watch_liveness(0.6)
+        async with conn:
+            with trio.move_on_after(2.0) as waited:  # four times the limit: pings keep it
+                await conn.call(p.ServerStatus())
+            assert waited.cancelled_caught and not conn.closed
+        n.cancel_scope.cancel()
+
+
+async def test_without_a_watch_a_silent_server_is_waited_for():
+    async with trio.open_nursery() as n:
+        port = await n.start(fake_server, False)
+        conn = await Connection.open(f"tcp://127.0.0.1:{port}")
+        async with conn:
+            with trio.move_on_after(1.0) as waited:
+                await conn.call(p.ServerStatus())
+            assert waited.cancelled_caught and not conn.closed
+        n.cancel_scope.cancel()
