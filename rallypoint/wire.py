@@ -35,6 +35,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MAX_FRAME_BYTES",
     "MAX_PAYLOAD_BYTES",
+    "too_large_message",
     "Hello",
     "HelloOk",
     "Request",
@@ -55,6 +56,18 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
 #: Largest encoded payload (task input, outcome, error details), bytes (SPEC §13).
 MAX_PAYLOAD_BYTES = 64 * 1024
+
+
+def too_large_message(field: str, size: int, limit: int, advice: str) -> str:
+    """The one wording of every "too large" refusal (a payload over
+    :data:`MAX_PAYLOAD_BYTES`, a frame over :data:`MAX_FRAME_BYTES`):
+    ``"<field> is <size> bytes encoded, which exceeds <limit> bytes; <advice>"``.
+    runstate's SDK 0.3 tells a too-large input or result by the words ``exceeds <digits>
+    bytes`` in a VALIDATION_FAILED message (its ``ResultTooLargeError``, on which its
+    worker fails the job at once instead of waiting out the lease), so every size limit
+    is worded this way (``runstate-sdk-wire.md`` §2.1)."""
+    return f"{field} is {size} bytes encoded, which exceeds {limit} bytes; {advice}"
+
 
 #: The error text for a value nested deeper than msgspec's recursive decoder can go
 #: (a little under Python's recursion limit, about 980 levels in the daemon).

@@ -30,7 +30,7 @@ def check_accounting(stats: ConsumeStats) -> None:
     "bad, expect",
     [
         (lambda: {"when": object()}, "not msgpack-able"),
-        (lambda: "x" * (MAX_PAYLOAD_BYTES + 10), "limit is 65536 bytes"),
+        (lambda: "x" * (MAX_PAYLOAD_BYTES + 10), "exceeds 65536 bytes"),
     ],
     ids=["not-encodable", "too-large"],
 )

@@ -719,3 +719,53 @@ def test_slots_are_held_at_admission(daemon, py03):
     pools = httpx.get(f"{daemon.base_url}/v1/spaces/{daemon.space}/permits", headers=_h(daemon)).json()["permits"]
     (gpu,) = [x for x in pools if x["name"] == "gpu-adm"]
     assert gpu["unitsTotal"] == 1 and gpu["unitsUsed"] == 0
+
+
+TOO_LARGE_03 = r'''
+import asyncio, json, os, time
+import runstate
+rs = runstate.Runstate(run=os.environ["RUN_NAME"], worker="too-large-worker")
+async def main():
+    out = {}
+    @rs.queue("too-large-q", attempts=3)
+    async def big(n):
+        return "x" * 100_000          # encoded: over the 64 KiB payload limit
+    serving = asyncio.create_task(rs.aserve())
+    try:
+        job = await big.asend(1)
+        t0 = time.monotonic()
+        try:
+            await job.aresult(timeout="50s"); out["result"] = "returned"
+        except runstate.TaskFailedError as e:
+            out["result"] = ["TaskFailedError", e.reason]
+        except TimeoutError:
+            out["result"] = "timeout"
+        out["took"] = time.monotonic() - t0
+        out["job"] = job.id
+        try:
+            await big.asend("y" * 70_000); out["input"] = "accepted"
+        except runstate.ResultTooLargeError as e:
+            out["input"] = ["ResultTooLargeError", e.code, e.message]
+        except runstate.RunstateError as e:
+            out["input"] = [type(e).__name__, e.code, e.message]
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+    return out
+print(json.dumps(asyncio.run(main())))
+'''
+
+
+def test_a_result_or_input_over_64_kib_is_too_large_for_the_sdk_at_once(daemon, py03):
+    """Issue 31 item 1: a 0.3 worker whose handler returns more than 64 KiB gets the
+    server's VALIDATION_FAILED as ResultTooLargeError (the SDK matches ``exceeds N bytes``)
+    and rejects the job at once: FAILED on its first attempt, not after waiting out the
+    lease on every attempt; an input over 64 KiB is ResultTooLargeError at send."""
+    out = run_script(py03, daemon, TOO_LARGE_03, env={"RUN_NAME": "too-large"}, timeout=120)
+    assert out["result"][0] == "TaskFailedError", out
+    assert "over 64 KB" in out["result"][1], out   # the SDK's own reject text, after ResultTooLargeError
+    task = httpx.get(f"{daemon.base_url}/v1/spaces/{daemon.space}/tasks/{out['job']}", headers=_h(daemon)).json()
+    assert (task["state"], task["attempt"]) == ("FAILED", 1), task
+    kind, code, message = out["input"]
+    assert (kind, code) == ("ResultTooLargeError", "VALIDATION_FAILED"), out
+    assert "exceeds 65536 bytes" in message and "input" in message, message

@@ -15,7 +15,7 @@ import trio
 
 from ..clock import from_iso
 from ..errors import ValidationError
-from ..wire import MAX_FRAME_BYTES, MAX_PAYLOAD_BYTES
+from ..wire import MAX_FRAME_BYTES, MAX_PAYLOAD_BYTES, too_large_message
 
 __all__ = [
     "MemoryJournal", "applies", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
@@ -88,11 +88,14 @@ def check_label(field: str, value: Any, limit: int = 256) -> str:
 
 
 def check_payload(field: str, raw: msgspec.Raw | bytes) -> bytes:
-    """An encoded payload, at most 64 KiB. Raises VALIDATION_FAILED naming size and limit."""
+    """An encoded payload, at most 64 KiB. Raises VALIDATION_FAILED naming the field,
+    the size and the limit (``... exceeds 65536 bytes ...``: :func:`too_large_message`),
+    with ``details`` ``{field, size, limit}``."""
     b = bytes(raw)
     if len(b) > MAX_PAYLOAD_BYTES:
         raise ValidationError(
-            f"{field} is {len(b)} bytes encoded; the limit is {MAX_PAYLOAD_BYTES} bytes (64 KiB)",
+            too_large_message(field, len(b), MAX_PAYLOAD_BYTES,
+                              "payloads are at most 64 KiB: store the data elsewhere and pass a reference"),
             details={"field": field, "size": len(b), "limit": MAX_PAYLOAD_BYTES},
         )
     return b

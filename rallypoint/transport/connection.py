@@ -145,7 +145,8 @@ def _end_frame(out: bytearray, start: int, what: str, field: str) -> None:
     if size > _MAX_FRAME:
         del out[start:]
         raise ValidationError(
-            f"{what} is {size} bytes encoded, larger than the frame limit of {_MAX_FRAME} bytes; field `{field}`",
+            wire.too_large_message(f"{what} (field `{field}`)", size, _MAX_FRAME,
+                                   "a frame is at most 1 MiB: send fewer items per request"),
             details={"field": field, "size": size, "limit": _MAX_FRAME},
         )
     pack_header_into(out, start, size)
