@@ -200,3 +200,39 @@ async def test_stats_when_the_run_is_cancelled_under_busy_handlers(autojump_cloc
     assert sorted(done) == [0, 1, 2]
     assert (s.received, s.completed, s.lost) == (7, 3, 4)
     check_accounting(s)
+
+
+# --- issue 31 item 6: a handler that raises is logged --------------------------------------
+
+
+async def test_each_retried_delivery_logs_one_warning_with_the_error_and_debug_traceback(autojump_clock, ers, caplog):
+    # Given a handler that always raises on a task allowed 3 attempts, when consume()
+    # serves it, then every handed-back delivery logs exactly one WARNING on
+    # rallypoint.consume naming the task, the attempt and "Type: message" (the last one
+    # saying the task is FAILED), and the handler's traceback at DEBUG (not in the WARNING).
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="rallypoint.consume")
+    m = await ers.mailboxes.ensure("o-log", max_attempts=3)
+    run = await ers.scopes.create()
+    task = await m.submit("boom", scope=run)
+
+    async def handler(d):
+        raise KeyError(f"no such page {d.input}")
+
+    async with trio.open_nursery() as n:
+        n.start_soon(rallypoint.consume, ers, m, run, handler)
+        assert (await task.result(timeout=60)).state == "FAILED"
+        await run.cancel()
+    mine = [r for r in caplog.records if r.name == "rallypoint.consume"]
+    warnings = [r for r in mine if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, [r.getMessage() for r in mine]
+    for attempt, r in enumerate(warnings, 1):
+        text = r.getMessage()
+        assert task.id in text and f"attempt {attempt}" in text and "KeyError: 'no such page boom'" in text, text
+        assert r.exc_info is None
+    assert "attempt 2 next" in warnings[0].getMessage()
+    assert "FAILED" in warnings[2].getMessage() and "last attempt" in warnings[2].getMessage()
+    tracebacks = [r for r in mine if r.levelno == logging.DEBUG and r.exc_info]
+    assert len(tracebacks) == 3 and all(r.exc_info[0] is KeyError for r in tracebacks)
+    assert "raise KeyError" in caplog.text  # the traceback's source line, at DEBUG

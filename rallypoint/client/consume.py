@@ -120,6 +120,11 @@ async def consume(
       its gate run): running handlers are cancelled and counted lost, and consume
       returns.
 
+    Logging (logger ``rallypoint.consume``): one WARNING per delivery handed back with
+    an error -- ``task ID attempt N: Type: message; retrying (attempt N+1 next)``, or
+    that it was the last attempt, or that the lease was lost first -- and the handler's
+    traceback at DEBUG.
+
     Over a reconnecting client (``rallypoint.connect``, the default) a daemon restart
     is invisible here: receives are re-issued, renewals and settles wait for the new
     connection and go on (see :func:`rallypoint.connect`).
@@ -161,19 +166,31 @@ async def consume(
         d.lost = True
         stats.lost += 1
 
-    async def give_back(d: Delivery, error: str) -> None:
+    async def give_back(d: Delivery, error: str, exc: BaseException | None = None) -> None:
         try:
             info = await d.retry(error=_clip(error))
-        except (LeaseLostError, ScopeInactiveError):
+        except (LeaseLostError, ScopeInactiveError) as e:
             lost(d)
+            log.warning("task %s attempt %d: %s; not recorded: %s", d.task_id, d.attempt, _clip(error), e.code,
+                        extra={"event": "consume_retry", "task_id": d.task_id, "attempt": d.attempt, "lost": True})
             return
         if info.state == "QUEUED":
             stats.retried += 1
+            then = f"retrying (attempt {info.attempt} next)"
         elif info.state == "FAILED" and info.outcome_reason == "max_attempts" and info.attempt == d.attempt:
             stats.retried += 1
             stats.failed += 1
+            then = f"the task is FAILED: that was its last attempt ({d.attempt})"
         else:  # the task was already finished or cancelled: the server changed nothing
             lost(d)
+            return
+        # one line per handed-back delivery; the traceback only at DEBUG
+        log.warning("task %s attempt %d: %s; %s", d.task_id, d.attempt, _clip(error), then,
+                    extra={"event": "consume_retry", "task_id": d.task_id, "attempt": d.attempt,
+                           "final": info.state == "FAILED"})
+        if exc is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("task %s attempt %d: the handler's traceback", d.task_id, d.attempt,
+                      exc_info=(type(exc), exc, exc.__traceback__))
 
     # Completes are coalesced: handlers that finish while a complete_many is on its way
     # go together in the next round (one request and one commit per 100, not one each).
@@ -320,7 +337,7 @@ async def consume(
                 raise err
             stats.completed += 1
         elif "error" in box:
-            await give_back(d, _describe(box["error"]))
+            await give_back(d, _describe(box["error"]), box["error"])
         else:  # cancelled: a renewal was refused, or the run stopped
             lost(d)
 
