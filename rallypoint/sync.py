@@ -44,7 +44,11 @@ _HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailb
 class SyncEventStream:
     """The blocking form of :class:`rallypoint.client.api.EventStream`:
     ``with rs.events.watch(...) as stream: for ev in stream: ...``; ``stream.next(timeout)``
-    raises WaitTimeout after ``timeout`` seconds; ``stream.cursor`` as the async one."""
+    raises WaitTimeout after ``timeout`` seconds; ``stream.cursor`` as the async one.
+
+    As with the async form, entering the ``with`` block makes the subscription (so with
+    ``start="now"`` an event caused inside the block is seen); a stream iterated
+    without ``with`` subscribes at its first ``next``."""
 
     def __init__(self, stream: EventStream, portal: "SyncClient") -> None:
         self._stream = stream
@@ -70,6 +74,7 @@ class SyncEventStream:
         self._portal._run(self._stream.aclose)
 
     def __enter__(self) -> "SyncEventStream":
+        self._portal._run(self._stream.__aenter__)  # subscribe now, as ``async with`` does
         return self
 
     def __exit__(self, *exc) -> None:

@@ -328,6 +328,22 @@ async def test_the_blocking_client_watches(daemon):
     assert (second.type, second.id) == ("scope.cancelled", run_id)
 
 
+async def test_the_blocking_watch_subscribes_on_entering_its_block(daemon):
+    # Issue 31 item 7: `with rs.events.watch(start="now")` subscribes when the block is
+    # entered (as `async with` does), so an event caused inside the block -- before the
+    # first next() -- is seen, and nothing from before the block is.
+    def body():
+        with rallypoint.sync.connect(daemon.url) as rs:
+            before = rs.scopes.create(name="sync-before")
+            with rs.events.watch(start="now", types="scope.*") as stream:
+                inside = rs.scopes.create(name="sync-inside")
+                got = stream.next(timeout=10)
+            return before.id, inside.id, got
+
+    before_id, inside_id, got = await trio.to_thread.run_sync(body)
+    assert (got.type, got.id) == ("scope.created", inside_id), (got, before_id)
+
+
 # ------------------------------------------------------------------ a daemon restart
 async def test_a_watcher_resumes_after_a_sigkill_and_sees_every_event_exactly_once(tmp_path):
     data, port = str(tmp_path / "data"), free_port()
