@@ -107,6 +107,8 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "task.completed": ("task", "the task SUCCEEDED", "attempt"),
     "task.retried": ("task", "its worker asked for a retry: back in the queue", "attempt, delay_ms"),
     "task.lease_expired": ("task", "the lease ran out: back in the queue for takeover", "attempt"),
+    "task.released": ("task", "its worker gave it back unfinished: back in the queue, the attempt not counted",
+                      "attempt"),
     "task.failed": ("task", "the task FAILED", "reason (rejected, max_attempts, lease_expired), attempt"),
     "task.cancelled": ("task", "the task was CANCELLED", "reason"),
     "task.expired": ("task", "the task passed its own deadline (EXPIRED)", ""),

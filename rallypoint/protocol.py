@@ -536,6 +536,15 @@ class DeliveryReject(_Op, tag="delivery.reject"):
     error: msgspec.Raw = NIL
 
 
+class DeliveryRelease(_Op, tag="delivery.release"):
+    """Give the task back unfinished WITHOUT counting an attempt (a worker that stops:
+    Ctrl-C, a rolling restart): QUEUED again at once, at its place in FIFO order, with
+    the same ``attempt``. Reply: the task (TaskView)."""
+
+    task_id: str
+    token: int
+
+
 class DeliveryRun(_Op, tag="delivery.run"):
     """The task's own run (a child of the task's run), made on first use; the same run
     for every later call and attempt. Reply: the run (ScopeView)."""

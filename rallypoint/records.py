@@ -149,6 +149,15 @@ class TaskRetried(_Rec, tag="task_retried"):
     final: bool = False
 
 
+class TaskReleased(_Rec, tag="task_released"):
+    """RUNNING -> QUEUED by its holder (``delivery.release``), the attempt NOT counted:
+    ``attempt`` unchanged, eligible at once, at its FIFO place (its ``seq``)."""
+
+    task_id: str
+    token: int
+    at_ms: int
+
+
 class TaskRejected(_Rec, tag="task_rejected"):
     """RUNNING -> FAILED (reason ``rejected``), no retry."""
 
@@ -924,6 +933,7 @@ Record = Union[
     LeaseRenewed,
     TaskCompleted,
     TaskRetried,
+    TaskReleased,
     TaskRejected,
     LeaseExpired,
     TaskCancelled,

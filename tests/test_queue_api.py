@@ -335,6 +335,36 @@ async def test_retried_task_keeps_its_place_in_line(rs):
     assert (await m.receive(run, wait=0)).task_id == b.id
 
 
+async def test_release_gives_the_task_back_without_counting_an_attempt(rs):
+    # Given a task with max_attempts=1 whose first delivery is released (a stopping
+    # worker), then it is QUEUED again at once, at its FIFO place, with the same attempt;
+    # the next delivery is attempt 1 with a new token (the old one is stale), and it can
+    # still succeed -- a retry instead would have FAILED it (max_attempts).
+    m = await rs.mailboxes.ensure(uniq(), max_attempts=1)
+    run = await rs.scopes.create()
+    a = await m.submit("a", scope=run)
+    d = await m.receive(run, wait=0)
+    b = await m.submit("b", scope=run)
+    info = await d.release()
+    assert (info.state, info.attempt) == ("QUEUED", 1)
+    d2 = await m.receive(run, wait=0)
+    assert (d2.task_id, d2.attempt, d2.token) == (a.id, 1, d.token + 1)
+    with pytest.raises(LeaseLostError):
+        await d.release()  # the old token is stale
+    assert (await d2.complete("done")).state == "SUCCEEDED"
+    assert (await m.receive(run, wait=0)).task_id == b.id
+    kinds = [(e.type, (e.data or {}).get("attempt")) for e in (await rs.events.list(limit=10_000)).events
+             if e.id == a.id]
+    assert ("task.released", 1) in kinds and not any(k == "task.retried" for k, _ in kinds)
+    # on a stopped run a release is answered and changes nothing (the run cancelled it)
+    run2 = await rs.scopes.create()
+    c = await m.submit("c", scope=run2)
+    d3 = await m.receive(run2, wait=0)
+    await run2.cancel()
+    assert (await d3.release()).state == "CANCELLED"
+    assert (await c.status()).state == "CANCELLED"
+
+
 async def test_lease_bounds(rs):
     m = await rs.mailboxes.ensure(uniq())
     run = await rs.scopes.create()

@@ -5,7 +5,8 @@ CANCELLED | EXPIRED. Every delivery increments the task's fencing ``token``; ren
 complete, retry and reject carry it, and a token that is not the current one is
 STALE_CLAIM and changes nothing. A lease that runs out puts the task back in the queue
 (takeover) with ``attempt + 1``; so does a retry; after ``max_attempts`` attempts the
-task is FAILED. Delivery is at-least-once; the outcome is recorded exactly once (the
+task is FAILED. A holder that stops may *release* it instead (``delivery.release``):
+back in the queue with the same ``attempt``, not counted. Delivery is at-least-once; the outcome is recorded exactly once (the
 first valid complete).
 
 A task's own run (``delivery.run``, ``TaskRunCreated``): a child run of the task's run,
@@ -64,6 +65,7 @@ from ..protocol import (
     SettledListView,
     SettledView,
     DeliveryReject,
+    DeliveryRelease,
     DeliveryRenew,
     DeliveryRetry,
     DeliveryRun,
@@ -102,6 +104,7 @@ from ..records import (
     TaskDelivered,
     TaskExpired,
     TaskRejected,
+    TaskReleased,
     TaskRetried,
     TaskRunCompleted,
     TaskRunCreated,
@@ -1204,6 +1207,28 @@ class WorkQueues(Kind):
         t.error = r.error
         self.finish(t, "FAILED", r.at_ms, "rejected")
 
+    @op(DeliveryRelease, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
+    def op_delivery_release(self, actor, session, op: DeliveryRelease) -> TaskView:
+        """Give the task back unfinished without counting an attempt (a worker that is
+        stopping hands back what it holds): QUEUED at once, at its FIFO place, with the
+        same ``attempt`` (``TaskReleased``). STALE_CLAIM for a stale token or a lost
+        lease. Allowed (a no-op) on a stopped run, like retry and reject (SPEC §2.4)."""
+        t = self._holder(session, op.task_id, op.token)
+        if self._settle_inactive(t):
+            return self.task_view(t)
+        if not self._lease_live(t):
+            raise self._lost(t)
+        self.coord.commit([TaskReleased(task_id=t.id, token=t.token, at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskReleased)
+    def _apply_released(self, r: TaskReleased) -> None:
+        t = self.tasks[r.task_id]
+        t.available_at_ms = 0
+        self._set_state(t, "QUEUED", r.at_ms)
+        self.coord.touch(t.id)
+        self._make_ready(t)
+
     # ================================================================ status, result, cancel
     @op(TaskStatus, route=by("task_id", "route_task"), permission=R, resend=ALWAYS)
     def op_task_status(self, actor, session, op: TaskStatus) -> TaskView:
@@ -1556,6 +1581,11 @@ class WorkQueues(Kind):
             return ev(t.space, "task.failed", "task", t.id, t.scope_id, r.at_ms,
                       {"reason": "max_attempts", "attempt": t.attempt})
         return ev(t.space, "task.retried", "task", t.id, t.scope_id, r.at_ms, {"attempt": t.attempt})
+
+    @emits(TaskReleased)
+    def _ev_released(self, r: TaskReleased):
+        t = self.tasks[r.task_id]
+        return ev(t.space, "task.released", "task", t.id, t.scope_id, r.at_ms, {"attempt": t.attempt})
 
     @emits(TaskRejected)
     def _ev_rejected(self, r: TaskRejected):

@@ -1034,6 +1034,15 @@ class Delivery:
             p.DeliveryReject(task_id=self.task_id, token=self.token, error=encode_payload(error, "error")), t.TaskInfo
         )
 
+    async def release(self) -> t.TaskInfo:
+        """Give the task back unfinished **without counting an attempt**: QUEUED again
+        at once, at its place in FIFO order, with the same ``attempt`` (a worker that is
+        stopping -- ``consume()`` on Ctrl-C -- hands back what it could not finish).
+        Returns the task. Answered (changing nothing) when the run is inactive or the
+        task already finished, like :meth:`retry`; LeaseLostError (STALE_CLAIM) when the
+        lease is lost. Re-sent after a dropped connection (fenced by the token)."""
+        return await self._settle(p.DeliveryRelease(task_id=self.task_id, token=self.token), t.TaskInfo)
+
 
 class Groups:
     """``run.groups``: create task groups (gate run under this run by default)."""

@@ -445,9 +445,10 @@ class ReconnectingTransport:
                 v = _task_view.decode(raw)
                 if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(op.outcome):
                     return raw
-            elif t is p.DeliveryRetry and isinstance(e, LeaseLostError) and (e.details or {}).get("state") == "QUEUED":
-                # Our token is still the task's, and it is queued again: our retry was
-                # applied (or, indistinguishably, the lease ran out meanwhile).
+            elif (t is p.DeliveryRetry or t is p.DeliveryRelease) and isinstance(e, LeaseLostError) and (
+                    e.details or {}).get("state") == "QUEUED":
+                # Our token is still the task's, and it is queued again: our retry (or
+                # release) was applied (or, indistinguishably, the lease ran out meanwhile).
                 return await conn.call(p.TaskStatus(task_id=op.task_id))
             elif t is p.ScopeComplete and isinstance(e, ConflictError):
                 raw = await conn.call(p.ScopeStatus(scope_id=op.scope_id))

@@ -354,6 +354,7 @@ class SimQueues(SimKind):
 
     def init_world(self, world):
         world.deliveries = []  # (task id, token), every delivery ever seen (held or stale)
+        world.released_attempt = {}  # task id -> its attempt when its holder released it
         world.mailbox_attempts = {}
         # task id -> its mailbox's default requirements (req_key) when its TaskSubmitted
         # was journaled (the audit notes it, from the state before the record)
@@ -447,6 +448,10 @@ class SimQueues(SimKind):
             d = delivery(g)
             return d and p.DeliveryReject(task_id=d[0], token=d[1], error=_raw("no"))
 
+        def release(g: Gen):
+            d = delivery(g)
+            return d and p.DeliveryRelease(task_id=d[0], token=d[1])
+
         def task(g: Gen):
             return g.world.pick(g.rng, "tsk")
 
@@ -490,6 +495,7 @@ class SimQueues(SimKind):
             "delivery.complete": (4.0, complete),
             "delivery.retry": (1.2, retry),
             "delivery.reject": (0.7, reject),
+            "delivery.release": (0.5, release),
             "task.status": (0.5, status),
             "task.result": (1.5, result),
             "task.cancel": (0.7, cancel),
@@ -690,6 +696,10 @@ class SimQueues(SimKind):
                 chk.fail("audit", f"task {t.id} delivered while {t.state}")
             if rec.token != t.token + 1:
                 chk.fail("fencing", f"task {t.id} delivered with token {rec.token} after token {t.token}")
+            kept = chk.sim.world.released_attempt.pop(t.id, None)
+            if kept is not None and t.attempt != kept:
+                chk.fail("audit", f"task {t.id} was released at attempt {kept} but is delivered again as attempt "
+                                  f"{t.attempt}: a release must not count an attempt")
             if t.available_at_ms > mono + SLACK_MS:
                 chk.fail("timeliness", f"task {t.id} delivered {t.available_at_ms - mono} ms before its retry delay ran out")
             if m.runs.inactive_error(t.scope_id, now) is not None:
@@ -703,6 +713,11 @@ class SimQueues(SimKind):
 
         def retried(chk, m, rec, now, mono):
             holder(chk, m, rec, type(rec).__name__, mono)
+
+        def released(chk, m, rec: r.TaskReleased, now, mono):
+            t = holder(chk, m, rec, "TaskReleased", mono)
+            if t is not None:  # (checked before the apply) the attempt it keeps is the one delivered
+                chk.sim.world.released_attempt[t.id] = t.attempt
 
         def renewed(chk, m, rec: r.LeaseRenewed, now, mono):
             t = holder(chk, m, rec, "LeaseRenewed", mono)
@@ -753,6 +768,7 @@ class SimQueues(SimKind):
             r.TaskCompleted: completed,
             r.TaskRetried: retried,
             r.TaskRejected: retried,
+            r.TaskReleased: released,
             r.LeaseRenewed: renewed,
             r.LeaseExpired: lease_expired,
             r.TaskCancelled: not_terminal,
