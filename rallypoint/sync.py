@@ -12,6 +12,10 @@ by methods (runs, mailboxes, tickets, deliveries, groups, messages, quotas and t
 waiters, budgets and their reservations, claim leases, pools, grants) are wrapped the
 same way.
 
+:func:`consume` is the worker loop for plain scripts: ``rallypoint.consume``'s semantics
+(lease renewal every third of the lease, completes, retries, Ctrl-C), with a plain
+handler called in a worker thread with a blocking delivery.
+
 The SDK's async context managers become blocking ``with`` blocks: ``run.claims.hold(key)``,
 ``lease.keep_alive()``, ``pool.hold(units, scope=run)``. The lease is renewed by a task on
 the client's loop while the body runs in the caller's thread; a thread cannot be
@@ -30,7 +34,7 @@ import trio
 
 from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run, Scopes, Ticket
 
-__all__ = ["connect", "SyncClient"]
+__all__ = ["connect", "consume", "SyncClient"]
 
 from .client.api import Barrier, Barriers, Events, EventStream, JoinSet, JoinSets, Timer, Timers
 from .client.api import Budget, Budgets, Message, Quota, Quotas, QuotaWaiter, Reservation
@@ -266,3 +270,65 @@ def connect(
     """
     return SyncClient(url, api_key=api_key, connect_timeout=connect_timeout, client_name=client_name,
                       tls_ca=tls_ca, ssl_context=ssl_context, reconnect=reconnect)
+
+
+def consume(
+    rs: SyncClient,
+    mailbox: Any,
+    scope: Any,
+    handler: Any,
+    *,
+    concurrency: int = 1,
+    lease_seconds: float = 30,
+    wait: float = 20,
+    drain_timeout: float = 30,
+    handle_signals: bool = True,
+):
+    """Serve ``mailbox`` for ``scope`` (a run, or its id) until the run becomes inactive,
+    blocking: :func:`rallypoint.consume` for plain scripts, with the same semantics.
+
+    ``handler(delivery) -> outcome`` is a plain function, called in a worker thread of
+    the client (``concurrency`` at once), with a blocking delivery: ``delivery.input``,
+    ``delivery.attempt``, ``delivery.run()``... without ``await``. Its return value is
+    the outcome (any msgpack-able value up to 64 KiB encoded); an exception is a retry
+    (``"Type: message"``; FAILED after ``max_attempts``), logged as one WARNING on
+    ``rallypoint.consume``. Meanwhile the client's loop renews each lease every
+    ``lease_seconds / 3`` (5-600 s) -- the script does nothing for it -- and a lease that
+    is lost (the run stopped, the task was cancelled) marks ``delivery.lost`` (the
+    thread cannot be cancelled: its result is then not recorded).
+
+    Called from the main thread it owns SIGINT/SIGTERM as :func:`rallypoint.consume`
+    does: the first Ctrl-C stops taking work, lets running handlers finish for up to
+    ``drain_timeout`` seconds and gives back (uncounted, ``delivery.release``) what is
+    still running, then returns; a second one raises KeyboardInterrupt at once.
+
+    Returns :class:`rallypoint.ConsumeStats`. Raises what ``rallypoint.consume`` raises
+    (NotFoundError, ValidationError -- also for an ``async def`` handler: use
+    ``rallypoint.consume`` for those -- UnavailableError, AuthError).
+    """
+    from .client.consume import _INTERRUPTS, _Stopper
+    from .client.consume import consume as aconsume
+    from .errors import ValidationError
+
+    if not isinstance(rs, SyncClient):
+        raise ValidationError("rallypoint.sync.consume takes a client of rallypoint.sync.connect()",
+                              details={"field": "rs"})
+    if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None)):
+        raise ValidationError("handler is an async function: rallypoint.sync.consume calls plain functions "
+                              "(use rallypoint.consume in async code)", details={"field": "handler"})
+    if not callable(handler):
+        raise ValidationError(f"handler must be callable (got {handler!r})", details={"field": "handler"})
+
+    def plain(delivery):  # in a worker thread of the client's loop
+        return handler(_Proxy(delivery, rs))
+
+    stop = _Stopper()
+    token = _INTERRUPTS.register(stop.request) if handle_signals else None
+    try:
+        return rs._run(
+            aconsume, rs._obj, mailbox._obj if isinstance(mailbox, _Proxy) else mailbox,
+            scope._obj if isinstance(scope, _Proxy) else scope, plain, concurrency=concurrency,
+            lease_seconds=lease_seconds, wait=wait, drain_timeout=drain_timeout, handle_signals=False, _stop=stop,
+        )
+    finally:
+        _INTERRUPTS.unregister(token)

@@ -20,7 +20,7 @@ from rallypoint.wire import MAX_PAYLOAD_BYTES
 
 def check_accounting(stats: ConsumeStats) -> None:
     """Every received delivery ended exactly one way."""
-    assert stats.received == stats.completed + stats.retried + stats.lost, stats
+    assert stats.received == stats.completed + stats.retried + stats.released + stats.lost, stats
 
 
 # --- item 3: an outcome that cannot be encoded -------------------------------------------

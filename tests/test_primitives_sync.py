@@ -55,3 +55,56 @@ def test_pools_admission_and_work_limits_through_the_blocking_client(daemon):
         assert [(x.pool, x.units) for x in d.grants] == [("sync-gpu", 2)] and pool.status().units_used == 2
         d.complete("ok")
         assert pool.status().units_used == 0
+
+
+def test_blocking_consume_serves_renews_leases_and_retries(daemon):
+    # Issue 31 item 8: rallypoint.sync.consume is a blocking worker loop with the async
+    # one's semantics. Given a 5 s lease, a handler that holds its delivery until it has
+    # seen the lease renewed (by the client's loop; the handler does nothing for it)
+    # succeeds on attempt 1; a handler error is a retry (attempt 2 succeeds); the handler
+    # gets a blocking delivery; consume returns once the run is cancelled, with stats.
+    import threading
+
+    with rallypoint.sync.connect(daemon.url) as rs:
+        run = rs.scopes.create(name="sync-consume")
+        jobs = rs.mailboxes.ensure("sync-consume-jobs", max_attempts=3)
+        slow = jobs.submit({"kind": "slow"}, scope=run)
+        flaky = jobs.submit({"kind": "flaky"}, scope=run)
+        renewed = {}
+
+        def handler(d):
+            if d.input["kind"] == "flaky" and d.attempt == 1:
+                raise RuntimeError("first try fails")
+            if d.input["kind"] == "slow":
+                first = d.lease_expires_at
+                deadline = time.monotonic() + 30
+                while d.lease_expires_at == first:  # the condition: a renewal's new expiry
+                    assert time.monotonic() < deadline, "the lease was never renewed"
+                    time.sleep(0.05)
+                renewed["to"] = d.lease_expires_at - first
+            return {"done": d.input["kind"], "attempt": d.attempt}
+
+        out = {}
+        worker = threading.Thread(target=lambda: out.setdefault(
+            "stats", rallypoint.sync.consume(rs, jobs, run, handler, concurrency=2, lease_seconds=5)))
+        worker.start()
+        assert slow.result(timeout=60).outcome == {"done": "slow", "attempt": 1}
+        assert flaky.result(timeout=60).outcome == {"done": "flaky", "attempt": 2}
+        run.cancel()
+        worker.join(30)
+        assert not worker.is_alive()
+    stats = out["stats"]
+    assert renewed["to"].total_seconds() > 0
+    assert (stats.received, stats.completed, stats.retried, stats.lost) == (3, 2, 1, 0), stats
+    assert stats.stop_reason == "SCOPE_CANCELLED"
+
+
+def test_blocking_consume_refuses_an_async_handler(daemon):
+    with rallypoint.sync.connect(daemon.url) as rs:
+        run = rs.scopes.create(name="sync-consume-async")
+
+        async def handler(d):
+            return 1
+
+        with pytest.raises(rallypoint.ValidationError, match="async"):
+            rallypoint.sync.consume(rs, "x", run, handler)

@@ -76,7 +76,7 @@ async def test_consume_finishes_every_task_across_a_daemon_restart(sig, tmp_path
             assert all(after > before for before, after in renewed.values()) and len(renewed) == 2
             assert sorted({k for k, _ in handled}) == list(range(n_tasks))
             assert (s.completed, s.lost, s.stop_reason) == (n_tasks, 0, "SCOPE_CANCELLED")
-            assert s.received == s.completed + s.retried + s.lost
+            assert s.received == s.completed + s.retried + s.released + s.lost
             assert rs._transport.reconnects >= 1
     finally:
         for d in daemons:

@@ -9,9 +9,21 @@ Trio and asyncio (over TCP; the embedded mode needs Trio).
 
 Every delivery it receives ends exactly one way, and :class:`ConsumeStats` counts it
 there: ``completed`` (the outcome was recorded), ``retried`` (the server took the task
-back for another attempt, or failed it for good after its last attempt: ``failed``) or
-``lost`` (the outcome could not be recorded: the lease ran out, the task was cancelled,
-or the run stopped while the handler ran; the delivery's ``lost`` is then True).
+back for another attempt, or failed it for good after its last attempt: ``failed``),
+``released`` (given back unfinished, the attempt not counted: a stop on SIGINT/SIGTERM)
+or ``lost`` (the outcome could not be recorded: the lease ran out, the task was
+cancelled, or the run stopped while the handler ran; the delivery's ``lost`` is then
+True).
+
+**Ctrl-C (SIGINT) and SIGTERM.** While ``consume()`` runs in the main thread it owns
+these two signals (:class:`_Interrupts`, one handler per process for every loop): the
+first stops taking work (the pending receive is cancelled), lets running handlers
+finish and records their outcomes, gives back uncounted (``delivery.release``) what is
+still running after ``drain_timeout`` seconds, logs one WARNING line, and returns. A
+second one is handed to whoever had the signal before (Trio's or Python's Ctrl-C:
+KeyboardInterrupt, raised out of ``consume`` bare, never in an ExceptionGroup; SIGTERM's
+default: the process ends). The previous handlers are back once the last loop returns.
+The runstate SDK's ``serve()`` behaves the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +31,9 @@ from __future__ import annotations
 import heapq
 import inspect
 import logging
+import os
+import signal
+import threading
 from typing import Any, Awaitable, Callable
 
 import anyio
@@ -37,7 +52,7 @@ MAX_ERROR_CHARS = 16_000
 
 class ConsumeStats:
     """What a ``consume`` call did. Once it returns, ``received == completed + retried +
-    lost``.
+    released + lost``.
 
     Attributes:
         received: deliveries leased.
@@ -46,10 +61,14 @@ class ConsumeStats:
             could not be encoded) and taken back by the server: the task is QUEUED for
             another attempt, or FAILED after its last one.
         failed: of ``retried``, those that were the task's last attempt (FAILED).
+        released: deliveries given back unfinished without counting an attempt
+            (``delivery.release``): still running ``drain_timeout`` seconds after a
+            SIGINT/SIGTERM, or received just as it arrived.
         lost: deliveries whose outcome could not be recorded: the lease was lost or the
             task cancelled (a renewal, complete or retry was refused or changed
             nothing), or the handler was cancelled because the run stopped.
-        stop_reason: SCOPE_CANCELLED or DEADLINE_EXCEEDED once the run stopped.
+        stop_reason: SCOPE_CANCELLED or DEADLINE_EXCEEDED once the run stopped;
+            ``SIGINT`` or ``SIGTERM`` when a signal stopped it.
     """
 
     def __init__(self) -> None:
@@ -57,14 +76,137 @@ class ConsumeStats:
         self.completed = 0
         self.retried = 0
         self.failed = 0
+        self.released = 0
         self.lost = 0
         self.stop_reason: str | None = None
 
     def __repr__(self) -> str:
         return (
             f"ConsumeStats(received={self.received}, completed={self.completed}, retried={self.retried}, "
-            f"failed={self.failed}, lost={self.lost}, stop_reason={self.stop_reason!r})"
+            f"failed={self.failed}, released={self.released}, lost={self.lost}, stop_reason={self.stop_reason!r})"
         )
+
+
+# ------------------------------------------------------------------ SIGINT / SIGTERM
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM for every ``consume()`` loop of the process (one handler
+    however many loops run, installed by the first, the previous handlers restored when
+    the last returns). Signal handlers can only be set from the main thread: a loop
+    registered from another thread gets no signal (``register`` returns None).
+
+    The first signal calls every registered ``notify(signame)`` (each schedules its
+    loop's drain, thread-safely); the second restores the previous handlers and hands
+    the signal to the one that was there (Trio's or Python's KeyboardInterrupt; for
+    SIG_DFL the process is signalled again and ends; SIG_IGN: nothing)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._loops: dict[int, Callable[[str], None]] = {}
+        self._previous: dict[int, Any] = {}
+        self._next = 0
+        self.signalled: str | None = None  # the first signal's name, while installed
+
+    def register(self, notify: Callable[[str], None]) -> int | None:
+        """Add a loop; its token, or None when this is not the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if not self._loops:
+            self.signalled = None
+            self._previous = {}
+            for sig in self.SIGNALS:
+                try:
+                    self._previous[sig] = signal.signal(sig, self._on_signal)
+                except (ValueError, OSError):  # (not settable here)
+                    pass
+        self._next += 1
+        self._loops[self._next] = notify
+        return self._next
+
+    def unregister(self, token: int | None) -> None:
+        if token is None or self._loops.pop(token, None) is None or self._loops:
+            return
+        self._restore()
+
+    def _restore(self) -> None:
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            try:
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            except (ValueError, OSError, TypeError):
+                pass
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signalled is None:
+            self.signalled = name
+            for notify in list(self._loops.values()):
+                notify(name)
+            return
+        # the second: exit now, as if consume() were not there
+        prev = self._previous.get(signum)
+        self._restore()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev in (signal.SIG_DFL, None):
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+
+
+_INTERRUPTS = _Interrupts()
+_INTERRUPTS_REASONS = tuple(s.name for s in _Interrupts.SIGNALS)
+
+
+class _Stopper:
+    """A stop request that may come before the ``consume()`` loop it is for is running
+    (``rallypoint.sync.consume`` registers for the signals in the caller's thread and
+    runs the loop in the client's): ``request`` from any thread or a signal handler,
+    ``attach`` from the loop. No lock (a signal handler must not wait for one): plain
+    assignments, and the loop's drain is idempotent, so a request seen twice is fine."""
+
+    def __init__(self) -> None:
+        self._pending: str | None = None
+        self._deliver: Callable[[str], None] | None = None
+
+    def request(self, signame: str) -> None:
+        self._pending = signame
+        deliver = self._deliver
+        if deliver is not None:
+            deliver(signame)
+
+    def attach(self, deliver: Callable[[str], None]) -> None:
+        self._deliver = deliver
+        if self._pending is not None:
+            deliver(self._pending)
+
+
+def _threadsafe_caller() -> Callable[[Callable[[], None]], None]:
+    """A function scheduling a callback on the running event loop, from any thread or
+    a signal handler (Trio: the run's token; asyncio: ``call_soon_threadsafe``)."""
+    import sniffio
+
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    import asyncio
+
+    return asyncio.get_running_loop().call_soon_threadsafe
+
+
+def _bare_interrupt(eg: BaseExceptionGroup) -> BaseException | None:
+    """The KeyboardInterrupt inside ``eg`` when that is all it holds (anything else: None)."""
+    _, rest = eg.split(KeyboardInterrupt)
+    if rest is not None:
+        return None
+    leaf: BaseException = eg
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
 
 
 def _describe(exc: BaseException) -> str:
@@ -91,6 +233,9 @@ async def consume(
     concurrency: int = 1,
     lease_seconds: float = 30,
     wait: float = 20,
+    drain_timeout: float = 30,
+    handle_signals: bool = True,
+    _stop: _Stopper | None = None,
 ) -> ConsumeStats:
     """Serve ``mailbox`` for ``scope`` (a run or its id) until the run becomes inactive.
 
@@ -104,6 +249,10 @@ async def consume(
             task renews every running handler's lease.
         lease_seconds: lease per delivery, seconds (5-600); renewed every third of it.
         wait: long-poll per receive request, seconds.
+        drain_timeout: after a SIGINT/SIGTERM, how long running handlers may go on
+            (seconds, >= 0) before they are cancelled and their deliveries given back.
+        handle_signals: own SIGINT/SIGTERM while serving (only in the main thread;
+            see the module docstring). False leaves the signals alone.
 
     What happens to each delivery:
 
@@ -119,6 +268,12 @@ async def consume(
     - the run stops (a receive is refused, e.g. the task group finalized and cancelled
       its gate run): running handlers are cancelled and counted lost, and consume
       returns.
+    - SIGINT (Ctrl-C) or SIGTERM: no new work; running handlers finish and are
+      completed (or retried) as usual; those still running after ``drain_timeout``
+      seconds are cancelled and released (``delivery.release``: QUEUED again, the
+      attempt not counted); consume returns with ``stop_reason`` ``SIGINT`` /
+      ``SIGTERM``. One WARNING line says so. A second signal exits at once
+      (KeyboardInterrupt for Ctrl-C; leases then run out on the server).
 
     Logging (logger ``rallypoint.consume``): one WARNING per delivery handed back with
     an error -- ``task ID attempt N: Type: message; retrying (attempt N+1 next)``, or
@@ -131,7 +286,7 @@ async def consume(
 
     Returns:
         :class:`ConsumeStats`, once a receive is refused with SCOPE_CANCELLED or
-        DEADLINE_EXCEEDED.
+        DEADLINE_EXCEEDED, or once a SIGINT/SIGTERM drain is done.
 
     Raises (the error itself, never wrapped in an ExceptionGroup): NotFoundError
     (NOT_FOUND: no such mailbox or run), ValidationError (VALIDATION_FAILED: bad
@@ -144,6 +299,7 @@ async def consume(
                               details={"field": "concurrency"})
     _ms(lease_seconds, "lease_seconds")
     _ms(wait, "wait")
+    _ms(drain_timeout, "drain_timeout")
     mbx = rs.mailbox(_mailbox_name(mailbox))
     scope_id = _id_of(scope)
     is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
@@ -152,7 +308,12 @@ async def consume(
     stats = ConsumeStats()
     # Cancel scopes of running handlers and pending receives: cancelled when the run stops.
     active: set[anyio.CancelScope] = set()
+    # Cancel scopes of the receiver's waits (a receive, a wait for a free slot): a drain
+    # (SIGINT/SIGTERM) cancels only these.
+    receiving: set[anyio.CancelScope] = set()
+    running: dict[int, tuple[anyio.CancelScope, dict]] = {}  # handlers now: id(box) -> (scope, box)
     stopping = False
+    drain_asked = anyio.Event()
 
     def stop_serving(reason: str) -> None:
         nonlocal stopping
@@ -162,9 +323,32 @@ async def consume(
         for s in list(active):
             s.cancel()
 
+    def request_drain(signame: str) -> None:
+        """On the loop: a SIGINT/SIGTERM asked this loop to stop (idempotent)."""
+        nonlocal stopping
+        if stopping:
+            return
+        stats.stop_reason = signame
+        stopping = True
+        for s in list(receiving):
+            s.cancel()
+        drain_asked.set()
+
     def lost(d: Delivery) -> None:
         d.lost = True
         stats.lost += 1
+
+    async def release(d: Delivery) -> None:
+        """Give ``d`` back unfinished, the attempt not counted."""
+        try:
+            info = await d.release()
+        except (LeaseLostError, ScopeInactiveError):
+            lost(d)
+            return
+        if info.state == "QUEUED":
+            stats.released += 1
+        else:  # already finished or cancelled meanwhile: nothing changed
+            lost(d)
 
     async def give_back(d: Delivery, error: str, exc: BaseException | None = None) -> None:
         try:
@@ -298,9 +482,12 @@ async def consume(
     async def run_one(d: Delivery) -> None:
         box: dict[str, Any] = {}
         handler_scope = anyio.CancelScope()
-        if stopping:
+        if stopping:  # (the run stopped, or a signal came, while this delivery was on its way)
             handler_scope.cancel()
+            if stats.stop_reason in _INTERRUPTS_REASONS:
+                box["release"] = True
         active.add(handler_scope)
+        running[id(box)] = (handler_scope, box)
         entry = [0.0, 0, d, handler_scope, box, None, True]
         arm(entry, anyio.current_time() + period)
         try:
@@ -318,6 +505,7 @@ async def consume(
                 entry[5].cancel()
             entry[2] = entry[3] = entry[4] = None  # ... and holds no delivery meanwhile
             active.discard(handler_scope)
+            running.pop(id(box), None)
         if "fatal" in box:
             raise box["fatal"]
         if "value" in box:
@@ -338,6 +526,8 @@ async def consume(
             stats.completed += 1
         elif "error" in box:
             await give_back(d, _describe(box["error"]), box["error"])
+        elif box.get("release"):  # cancelled by a drain that ran out of time: give it back
+            await release(d)
         else:  # cancelled: a renewal was refused, or the run stopped
             lost(d)
 
@@ -372,10 +562,16 @@ async def consume(
             if free == 0:
                 slot_freed = anyio.Event()
                 if free == 0:
-                    await slot_freed.wait()
+                    with anyio.CancelScope() as slot_scope:
+                        receiving.add(slot_scope)
+                        try:
+                            await slot_freed.wait()
+                        finally:
+                            receiving.discard(slot_scope)
                 continue
             recv_scope = anyio.CancelScope()
             active.add(recv_scope)
+            receiving.add(recv_scope)
             ds: list[Delivery] = []
             try:
                 with recv_scope:
@@ -388,17 +584,54 @@ async def consume(
                         return
             finally:
                 active.discard(recv_scope)
+                receiving.discard(recv_scope)
             for d in ds:
                 stats.received += 1
                 free -= 1
-                tg.start_soon(handle, d, tg)
+                tg.start_soon(handle, d, tg)  # (a drain asked meanwhile: run_one releases it at once)
 
-    async with anyio.create_task_group() as outer:
-        outer.start_soon(completer)
-        outer.start_soon(renewer, outer)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(guarded, tg, receiver, tg)
-        outer.cancel_scope.cancel()  # every handler is done: nothing is left to complete
+    async def drainer() -> None:
+        """After a SIGINT/SIGTERM: wait ``drain_timeout`` s for running handlers, then
+        cancel those left, marked to be released."""
+        await drain_asked.wait()
+        log.warning("%s: stopping: no new work from %r; finishing %d running handler(s), giving back what is "
+                    "still running after %g s; %s again to exit now", stats.stop_reason, mbx.name, len(running),
+                    drain_timeout, "Ctrl-C" if stats.stop_reason == "SIGINT" else stats.stop_reason,
+                    extra={"event": "consume_interrupted", "signal": stats.stop_reason, "running": len(running)})
+        await anyio.sleep(drain_timeout)
+        for scope, box in list(running.values()):
+            box["release"] = True
+            scope.cancel()
+
+    token = None
+    if _stop is not None or handle_signals:
+        call_soon = _threadsafe_caller()
+
+        def notify(signame: str) -> None:  # from the signal handler (any thread)
+            call_soon(lambda: request_drain(signame))
+
+        if _stop is not None:
+            _stop.attach(notify)
+        else:
+            token = _INTERRUPTS.register(notify)
+    try:
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(completer)
+            outer.start_soon(renewer, outer)
+            outer.start_soon(drainer)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(guarded, tg, receiver, tg)
+            outer.cancel_scope.cancel()  # every handler is done: nothing is left to complete
+    except BaseExceptionGroup as eg:
+        ki = _bare_interrupt(eg)  # a second Ctrl-C: KeyboardInterrupt itself, not a group
+        if ki is None:
+            raise
+        raise ki from None
+    finally:
+        _INTERRUPTS.unregister(token)
     if fatal:
         raise fatal[0]
+    if stats.stop_reason in _INTERRUPTS_REASONS:
+        log.info("%s: stopped serving %r: %d completed, %d retried, %d given back, %d lost", stats.stop_reason,
+                 mbx.name, stats.completed, stats.retried, stats.released, stats.lost)
     return stats
