@@ -242,8 +242,12 @@ class Requirements(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
 
 
 class MailboxEnsure(_Op, tag="mailbox.ensure"):
-    """Create the queue, or check that it exists with these settings (CONFLICT naming
-    the first of ``mode``, ``max_attempts``, ``backlog_limit`` that differs).
+    """Create the queue, or check that it exists with the settings ``checked`` names
+    (CONFLICT naming the first of ``mode``, ``max_attempts``, ``backlog_limit`` that
+    differs). ``checked``: the settings the caller gave (``[]``: none -- an existing
+    queue is taken as it is, as a producer that only wants a handle asks); a setting not
+    in it only applies when the queue is made here (its value, by default WORK, 5
+    attempts, no backlog limit). None (clients from before the field): all three.
 
     ``mode``: WORK (tasks: ``task.submit``) or INBOX (plain messages:
     ``message.send``); both are received, renewed and settled the same way.
@@ -269,6 +273,7 @@ class MailboxEnsure(_Op, tag="mailbox.ensure"):
     #: shard adopts (the SDK's router sends it after the home shard's answer; the
     #: default requirements stay the home shard's)
     id: str | None = None
+    checked: list[str] | None = None  # of mode, max_attempts, backlog_limit; None: all
 
 
 class MailboxGet(_Op, tag="mailbox.get"):

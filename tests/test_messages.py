@@ -60,8 +60,9 @@ async def test_mailbox_modes_keep_tasks_and_messages_apart(ers):
     with pytest.raises(ConflictError):
         await run.groups.create(inbox, "ALL_TERMINAL")
     with pytest.raises(ConflictError) as ei:
-        await ers.mailboxes.ensure("in")  # WORK asked, INBOX exists
+        await ers.mailboxes.ensure("in", mode="WORK")  # WORK asked, INBOX exists
     assert ei.value.details["field"] == "mode"
+    assert (await ers.mailboxes.ensure("in")).info.mode == "INBOX"  # no mode asked: a handle on it
     with pytest.raises(ValidationError):
         await ers.mailboxes.ensure("odd", mode="FANOUT")
     t = await work.submit({"x": 1}, scope=run)

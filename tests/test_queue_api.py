@@ -41,8 +41,11 @@ async def test_ensure_creates_then_checks_settings(rs):
         await rs.mailboxes.ensure(name, max_attempts=4, backlog_limit=10)
     assert "max_attempts" in ei.value.message and ei.value.details["field"] == "max_attempts"
     with pytest.raises(ConflictError) as ei:
-        await rs.mailboxes.ensure(name, max_attempts=3)
+        await rs.mailboxes.ensure(name, max_attempts=3, backlog_limit=11)
     assert "backlog_limit" in ei.value.message
+    with pytest.raises(ConflictError) as ei:
+        await rs.mailboxes.ensure(name, mode="INBOX")
+    assert ei.value.details["field"] == "mode"
     got = await rs.mailboxes.get(name)
     assert (got.info.id, got.info.max_attempts, got.info.backlog_limit) == (m.info.id, 3, 10)
     assert name in {i.name for i in await rs.mailboxes.list()}
@@ -53,6 +56,25 @@ async def test_ensure_creates_then_checks_settings(rs):
     assert "mode" in ei.value.message
     with pytest.raises(ValidationError):
         await rs.mailboxes.ensure("bad name")
+
+
+async def test_ensure_without_settings_takes_the_existing_mailbox(rs):
+    # Issue 31 item 10: a producer's ensure(name) -- no settings -- on a mailbox its
+    # worker made with other settings is a handle on it, not CONFLICT; only the settings
+    # given are checked; a mailbox made by ensure(name) gets the defaults.
+    name = uniq()
+    made = await rs.mailboxes.ensure(name, max_attempts=3, backlog_limit=10)
+    handle = await rs.mailboxes.ensure(name)
+    assert (handle.info.id, handle.info.mode, handle.info.max_attempts, handle.info.backlog_limit) == (
+        made.info.id, "WORK", 3, 10)
+    assert (await rs.mailboxes.ensure(name, max_attempts=3)).info.id == made.info.id  # checked, equal
+    with pytest.raises(ConflictError) as ei:
+        await rs.mailboxes.ensure(name, max_attempts=5)  # given: checked
+    assert ei.value.details == {"field": "max_attempts", "existing": 3}
+    inbox = await rs.mailboxes.ensure(uniq(), mode="INBOX", max_attempts=2)
+    assert (await rs.mailboxes.ensure(inbox.name)).info.mode == "INBOX"
+    fresh = await rs.mailboxes.ensure(uniq())
+    assert (fresh.info.mode, fresh.info.max_attempts, fresh.info.backlog_limit) == ("WORK", 5, None)
 
 
 async def test_full_backlog_refuses_with_retry_after(rs):

@@ -126,6 +126,8 @@ __all__ = ["MailboxState", "TaskState", "WorkQueues", "TERMINAL", "MIN_LEASE_MS"
 
 TERMINAL = frozenset({"SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED"})
 MODES = ("WORK", "INBOX")
+#: The settings ``mailbox.ensure`` compares with an existing queue (those it was given).
+_ENSURE_SETTINGS = ("mode", "max_attempts", "backlog_limit")
 MIN_LEASE_MS = 5_000
 MAX_LEASE_MS = 600_000
 MAX_BATCH = 1000
@@ -310,9 +312,11 @@ class WorkQueues(Kind):
 
     @op(MailboxEnsure, route=SPACE, permission=C, resend=ALWAYS, shard=ALL)
     def op_mailbox_ensure(self, actor, session, op: MailboxEnsure) -> MailboxView:
-        """Create the queue, or check it exists with these settings (CONFLICT naming the
-        first of mode, max_attempts, backlog_limit that differs). Runs on the space's
-        actor (names are per space).
+        """Create the queue, or check it exists with the settings ``op.checked`` names
+        (the ones the caller gave; None: all three), CONFLICT naming the first of mode,
+        max_attempts, backlog_limit that differs; an existing queue is otherwise taken as
+        it is (``checked=[]``: a producer's handle). Runs on the space's actor (names are
+        per space).
 
         ``requirements`` (see :class:`~rallypoint.protocol.MailboxEnsure`): None leaves
         the queue's default requirements as they are; given, they are resolved like a
@@ -328,29 +332,37 @@ class WorkQueues(Kind):
         check_range("max_attempts", op.max_attempts, 1, 1000)
         if op.backlog_limit is not None:
             check_range("backlog_limit", op.backlog_limit, 1, 100_000_000)
+        checked = _ENSURE_SETTINGS if op.checked is None else op.checked
+        for field in checked:
+            if field not in _ENSURE_SETTINGS:
+                raise ValidationError(f"checked names {', '.join(_ENSURE_SETTINGS)} (got {short(field)})",
+                                      details={"field": "checked"})
         coord = self.coord
         self._check_adopt(session.space, op)
+        qid = self.by_name.get((session.space, op.name))
+        q = self.table[qid] if qid is not None else None
+        if q is not None:
+            for field in _ENSURE_SETTINGS:
+                have, want = getattr(q, field), getattr(op, field)
+                if field in checked and have != want:
+                    raise ConflictError(
+                        f"mailbox {short(op.name)} exists with {field}={have!r}, not {want!r}; leave {field} out "
+                        "to take the mailbox as it is",
+                        details={"field": field, "existing": have},
+                    )
+        mode = q.mode if q is not None else op.mode
         reqs = None
         if op.requirements is not None and op.id is None:
-            if op.mode != "WORK" and (op.requirements.pools or op.requirements.budgets):
+            if mode != "WORK" and (op.requirements.pools or op.requirements.budgets):
                 raise ValidationError("requirements apply to the tasks of a WORK mailbox; an INBOX mailbox's "
                                       "messages carry none", details={"field": "requirements"})
             reqs = coord.admission.prepare(session.space, op.requirements)  # None when empty: clears
-        qid = self.by_name.get((session.space, op.name))
-        if qid is not None:
-            q = self.table[qid]
-            for field in ("mode", "max_attempts", "backlog_limit"):
-                have, want = getattr(q, field), getattr(op, field)
-                if have != want:
-                    raise ConflictError(
-                        f"mailbox {short(op.name)} exists with {field}={have!r}, not {want!r}",
-                        details={"field": field, "existing": have},
-                    )
+        if q is not None:
             if op.requirements is not None and reqs != q.requirements:
                 coord.commit([MailboxRequirementsSet(id=q.id, at_ms=coord.now_ms(), requirements=reqs)])
             return self.queue_view(q)
         rec = MailboxCreated(
-            id=op.id or coord.new_id("mbx", space=session.space), space=session.space, name=op.name, mode=op.mode,
+            id=op.id or coord.new_id("mbx", space=session.space), space=session.space, name=op.name, mode=mode,
             max_attempts=op.max_attempts, backlog_limit=op.backlog_limit, at_ms=coord.now_ms(), requirements=reqs,
         )
         coord.commit([rec])

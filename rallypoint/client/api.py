@@ -562,11 +562,16 @@ class Mailboxes:
         self._rs = rs
 
     async def ensure(
-        self, name: str, mode: str = "WORK", max_attempts: int = 5, backlog_limit: int | None = None,
+        self, name: str, mode: str | None = None, max_attempts: int | None = None, backlog_limit: int | None = None,
         *, requirements: dict | None = None,
     ) -> "Mailbox":
-        """Create the mailbox, or check it exists with these settings (CONFLICT naming
-        the differing one of ``mode``, ``max_attempts``, ``backlog_limit``).
+        """Create the mailbox, or check it exists with the settings given (CONFLICT
+        naming the differing one of ``mode``, ``max_attempts``, ``backlog_limit``).
+
+        A setting left out (None) is not checked: ``ensure(name)`` on an existing
+        mailbox takes it as it is (a producer only wants a handle, whatever its worker
+        declared); a mailbox made here gets the defaults: ``mode="WORK"``,
+        ``max_attempts=5``, no backlog limit.
 
         ``requirements``: the mailbox's *default requirements* (a WORK mailbox only), in
         the form :meth:`Mailbox.submit` takes -- ``{"pools": {"gpu": 1}, "budgets":
@@ -583,9 +588,12 @@ class Mailboxes:
         name; None when nothing). VALIDATION_FAILED for a bad shape, the limits above,
         quota requirements, or requirements on an INBOX mailbox; NOT_FOUND for a pool or
         budget that does not exist (create those first)."""
+        given = {"mode": mode, "max_attempts": max_attempts, "backlog_limit": backlog_limit}
         info = await self._rs._call(
-            p.MailboxEnsure(name=name, mode=mode, max_attempts=max_attempts, backlog_limit=backlog_limit,
-                            requirements=_requirements(requirements)),
+            p.MailboxEnsure(name=name, mode="WORK" if mode is None else mode,
+                            max_attempts=5 if max_attempts is None else max_attempts, backlog_limit=backlog_limit,
+                            requirements=_requirements(requirements),
+                            checked=[k for k, v in given.items() if v is not None]),
             t.MailboxInfo,
         )
         return Mailbox(self._rs, info.name, info)

@@ -184,7 +184,9 @@ class ShardedTransport:
         home = self._shard_of_slot(home_slot(self.space, len(self.map.owners)))
         raw = await self._transport(home).call(op)
         view = msgspec.msgpack.decode(raw, type=p.MailboxView)
-        adopt = msgspec.structs.replace(op, id=view.id)
+        # the home shard's definition (an ensure may have left settings out: `checked`)
+        adopt = msgspec.structs.replace(op, id=view.id, mode=view.mode, max_attempts=view.max_attempts,
+                                        backlog_limit=view.backlog_limit, checked=None)
         for s in sorted(self.shards):
             if s != home:
                 await self._transport(s).call(adopt)

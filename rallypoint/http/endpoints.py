@@ -178,9 +178,7 @@ async def post_mailboxes(ctx: Ctx):
     """POST /mailboxes {name, mode?, maxAttempts?, backlogLimit?, requirements?}:
     ``mailbox.ensure``; ``requirements`` as for ``PUT /mailboxes/by-name``."""
     b = ctx.body
-    op = p.MailboxEnsure(name=s_(b, "name", required=True), mode=(s_(b, "mode") or "WORK").upper(),
-                         max_attempts=i_(b, "maxAttempts", default=5), backlog_limit=i_(b, "backlogLimit"),
-                         requirements=mailbox_requirements(b))
+    op = _mailbox_ensure(s_(b, "name", required=True), b, i_(b, "backlogLimit"))
     return sh.MAILBOX.json(await ctx.call(op))
 
 
@@ -196,25 +194,19 @@ async def put_mailbox(ctx: Ctx):
     (or empty lists) clears them. Without ``maxAttempts`` and ``mode`` the queue's own
     settings are kept (its defaults when it is made here). Quota requirements are
     VALIDATION_FAILED, an unknown pool or budget NOT_FOUND, as on ``POST /tasks``."""
-    name = ctx.params["name"]
-    b = ctx.body
-    attempts = i_(b, "maxAttempts")
-    req = mailbox_requirements(b)
-    if attempts is None and "mode" not in b:
-        try:
-            v = await ctx.call(p.MailboxGet(name=name))
-        except NotFoundError:
-            pass
-        else:
-            if req is None:
-                return sh.MAILBOX.json(v)
-            # declare requirements only: keep its settings (they never change once made)
-            op = p.MailboxEnsure(name=name, mode=v.mode, max_attempts=v.max_attempts, backlog_limit=v.backlog_limit,
-                                 requirements=req)
-            return sh.MAILBOX.json(await ctx.call(op))
-    op = p.MailboxEnsure(name=name, mode=(s_(b, "mode") or "WORK").upper(),
-                         max_attempts=attempts if attempts is not None else 5, requirements=req)
-    return sh.MAILBOX.json(await ctx.call(op))
+    # a setting left out is not checked (mailbox.ensure's `checked`): one op, no look-up first
+    return sh.MAILBOX.json(await ctx.call(_mailbox_ensure(ctx.params["name"], ctx.body, None)))
+
+
+def _mailbox_ensure(name: str, b: dict, backlog_limit: int | None) -> p.MailboxEnsure:
+    """``mailbox.ensure`` for a body's ``mode`` / ``maxAttempts`` / ``backlogLimit``:
+    those present are checked against an existing queue, the others only default a new
+    one (WORK, 5, none)."""
+    mode, attempts = s_(b, "mode"), i_(b, "maxAttempts")
+    given = {"mode": mode, "max_attempts": attempts, "backlog_limit": backlog_limit}
+    return p.MailboxEnsure(name=name, mode=mode.upper() if mode else "WORK",
+                           max_attempts=5 if attempts is None else attempts, backlog_limit=backlog_limit,
+                           requirements=mailbox_requirements(b), checked=[k for k, v in given.items() if v is not None])
 
 
 async def send_message(ctx: Ctx):
