@@ -694,10 +694,8 @@ def cmd_status(args) -> int:
     passive = sum(a.get("passive", 0) for a in st.actors.values())
     waiters = sum(a.get("waiters", 0) for a in st.actors.values())
     print(f"actors      {active} active, {passive} passive, {waiters} waiters parked; nursery tree depth {st.tree_depth}")
-    for kind, a in sorted(st.actors.items()):
-        if a.get("active") or a.get("passive") or a.get("waiters"):
-            print(f"  {kind:<10}{a.get('active', 0)} active  {a.get('passive', 0)} passive  "
-                  f"{a.get('inbox', 0)} queued  {a.get('waiters', 0)} waiters")
+    for line in _actor_lines(st.actors):
+        print(line)
     if st.cluster is not None:
         for line in _cluster_lines(st.cluster):
             print(line)
@@ -864,6 +862,19 @@ def cmd_cluster_status(args) -> int:
         for line in _cluster_lines(view)[3:]:
             print(line)
     return 0
+
+
+def _actor_lines(actors: dict) -> list[str]:
+    """``status``'s per-kind actor lines (kinds with any actor or waiter), in columns
+    sized to their widest value, so a kind name of any length (``idempotency``) lines up."""
+    shown = [(k, a) for k, a in sorted(actors.items()) if a.get("active") or a.get("passive") or a.get("waiters")]
+    rows = [[k, f"{a.get('active', 0)} active", f"{a.get('passive', 0)} passive", f"{a.get('inbox', 0)} queued",
+             f"{a.get('waiters', 0)} waiters"] for k, a in shown]
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return ["  " + "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+            for r in rows]
 
 
 #: The server's largest page for scope.list.
@@ -1071,22 +1082,36 @@ def _top_frame(ov, st, url: str, rates: dict, limit: int):
     tasks = "  ".join(f"{k} {v}" for k, v in sorted(ov.tasks.items())) or "no tasks"
     head.append(f"\nruns: {ov.runs_active} active   tasks: {tasks}")
 
+    # ids are never cut (they are what an operator copies into `runs show`): a narrow
+    # terminal shortens the names (ellipsis) instead
+    id_width = max([len(r.id) for r in ov.runs] + [len(g.id) for g in ov.groups] + [3])
     runs = Table(title=f"active runs (newest {limit})", title_justify="left", expand=True)
     for col in ("run", "name", "age", "queued", "running", "done", "failed", "children"):
-        runs.add_column(col, justify="right" if col not in ("run", "name") else "left")
+        if col == "run":
+            runs.add_column(col, no_wrap=True, min_width=id_width)
+        elif col == "name":
+            runs.add_column(col, no_wrap=True, overflow="ellipsis", ratio=1)
+        else:
+            runs.add_column(col, justify="right", no_wrap=True)
     for r in ov.runs:
         t = r.tasks
         runs.add_row(r.id, r.name or "", age(r.created_at), str(t.get("QUEUED", 0)), str(t.get("RUNNING", 0)),
                      str(t.get("SUCCEEDED", 0)), str(t.get("FAILED", 0) + t.get("CANCELLED", 0) + t.get("EXPIRED", 0)),
                      str(r.children))
-    queues = Table(title="work queues", title_justify="left", expand=True)
-    for col in ("queue", "depth", "in flight", "done/s", "done"):
-        queues.add_column(col, justify="left" if col == "queue" else "right")
-    for q in ov.queues:
+    queues = Table(title="work queues (busiest first)", title_justify="left", expand=True)
+    for col in ("queue", "depth", "in flight", "done/s", "done since start"):
+        if col == "queue":
+            queues.add_column(col, no_wrap=True, overflow="ellipsis", ratio=1)
+        else:
+            queues.add_column(col, justify="right", no_wrap=True)
+    for q in sorted(ov.queues, key=lambda q: (-(q.queued + q.running), -rates.get(q.name, 0.0), q.name)):
         queues.add_row(q.name, str(q.queued), str(q.running), f"{rates.get(q.name, 0.0):,.0f}", str(q.done))
     groups = Table(title=f"open groups ({ov.groups_open})", title_justify="left", expand=True)
     for col in ("group", "condition", "state", "members", "accepted", "age"):
-        groups.add_column(col, justify="left" if col in ("group", "condition", "state") else "right")
+        if col == "group":
+            groups.add_column(col, no_wrap=True, min_width=id_width)
+        else:
+            groups.add_column(col, justify="left" if col in ("condition", "state") else "right", no_wrap=True)
     for g in ov.groups:
         groups.add_row(g.id, g.condition, g.state, str(g.members), str(g.accepted), age(g.created_at))
     waits = Table(title="actors and waits", title_justify="left", expand=True)
@@ -1099,9 +1124,11 @@ def _top_frame(ov, st, url: str, rates: dict, limit: int):
 
 
 def cmd_top(args) -> int:
-    """``top``: a live, refreshing view of the space: active runs, work queues (depth,
-    in flight, completions per second), open groups, actors and parked waits. ``--once``
-    prints one frame (the default when stdout is not a terminal). Ctrl-C ends it."""
+    """``top``: a live, refreshing view of the space: active runs (full ids; names are
+    shortened to fit), work queues (busiest first: depth + in flight, then completions
+    per second; "done since start" counts since the daemon started), open groups, actors
+    and parked waits. ``--once`` prints one frame (the default when stdout is not a
+    terminal). ``q`` (on a terminal) or Ctrl-C ends it."""
     import rallypoint
     from rich.console import Console
     from rich.live import Live
@@ -1128,12 +1155,55 @@ def cmd_top(args) -> int:
             if once:
                 console.print(await frame())
                 return
-            with Live(await frame(), console=console, refresh_per_second=4, screen=False) as live:
-                while True:
-                    await trio.sleep(args.interval)
-                    live.update(await frame())
+            # keys first: a key typed while the first frame is drawn is kept, not flushed
+            with _keys_pressed() as keys, \
+                    Live(await frame(), console=console, refresh_per_second=4, screen=False) as live:
+                async with trio.open_nursery() as n:
+                    if keys is not None:
+                        n.start_soon(_quit_on_q, keys, n.cancel_scope)
+                    while True:
+                        await trio.sleep(args.interval)
+                        live.update(await frame())
 
     return _run_live(main, args)
+
+
+class _keys_pressed:
+    """stdin, key by key, while a live view runs (``q`` quits ``top``): the terminal in
+    cbreak mode (no line buffering, no echo; Ctrl-C still signals), restored on exit.
+    The fd, or None when stdin is not a terminal."""
+
+    def __enter__(self):
+        import termios
+        import tty
+
+        self._fd = None
+        try:
+            fd = sys.stdin.fileno()
+            if not os.isatty(fd):
+                return None
+            self._saved = termios.tcgetattr(fd)
+            tty.setcbreak(fd, termios.TCSANOW)  # (not TCSAFLUSH: keep what was typed already)
+        except (OSError, ValueError, termios.error):
+            return None
+        self._fd = fd
+        return fd
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            import termios
+
+            termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+
+
+async def _quit_on_q(fd: int, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` when ``q`` (or ``Q``) is typed, or stdin closes."""
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        ch = os.read(fd, 1)
+        if not ch or ch in (b"q", b"Q"):
+            scope.cancel()
+            return
 
 
 def _print_rows(header: list[str], rows: list[list[str]]) -> None:
