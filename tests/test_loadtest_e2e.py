@@ -50,3 +50,28 @@ def test_example_runs(script, expect):
     assert p.returncode == 0, p.stdout + p.stderr
     for s in expect:
         assert s in p.stdout, p.stdout
+
+
+def test_bench_never_writes_into_a_daemon_it_was_not_pointed_at(tmp_path):
+    # Issue 31 item 13: `rallypoint bench` without --connect spawns a throwaway daemon,
+    # even with $RALLYPOINT_URL naming a running one (which gets nothing); with
+    # --connect it says first, on stderr, what it is about to write there.
+    import rallypoint.sync
+    from conftest import Daemon
+
+    d = Daemon(None, "memory").start()
+    try:
+        short = ["--duration", "1", "--warmup", "0", "--producers", "1", "--workers", "1"]
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), RALLYPOINT_URL=d.url)
+        p = subprocess.run([sys.executable, "-m", "rallypoint", "bench", "--durability", "memory", *short], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "spawned daemon" in p.stderr and d.url not in p.stderr, p.stderr
+        with rallypoint.sync.connect(d.url) as rs:
+            assert "rallypoint-bench" not in {m.name for m in rs.mailboxes.list()}
+        p = _run(["-m", "rallypoint", "bench", "--connect", d.url, *short], 120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        first = p.stderr.splitlines()[0]
+        assert f"load-testing the daemon at {d.url}" in first and "rallypoint-bench" in first, p.stderr
+    finally:
+        assert d.stop() == 0

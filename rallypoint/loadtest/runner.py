@@ -177,6 +177,10 @@ def run_bench(args, argv: list[str] | None = None) -> int:
               f"(durability {daemon.durability}, data dir {daemon.data_dir})", file=err, flush=True)
     else:
         url = args.connect
+        print(f"rallypoint bench: load-testing the daemon at {url} for {args.warmup + args.duration:g} s: "
+              f"{args.producers} producers and {args.workers} workers write tasks (tens of thousands) into the "
+              f"mailbox {MAILBOX!r} under a run named 'bench', cancelled afterwards and left there; "
+              "without --connect it benches a throwaway daemon instead", file=err, flush=True)
     procs: list[mp.Process] = []
     try:
         from ..errors import RallypointError
@@ -319,9 +323,11 @@ def add_arguments(b) -> None:
     b.add_argument("--producers", type=int, default=4)
     b.add_argument("--workers", type=int, default=8)
     g = b.add_mutually_exclusive_group()
-    g.add_argument("--connect", default=os.environ.get("RALLYPOINT_URL", "tcp://127.0.0.1:7411"),
-                   help="daemon URL (default %(default)s)")
-    g.add_argument("--spawn", action="store_true", help="start a daemon with a fresh temp data dir, stop it after")
+    g.add_argument("--connect", metavar="URL", default=None,
+                   help="load-test this daemon: it writes tens of thousands of tasks (a run named 'bench' and the "
+                        "mailbox 'rallypoint-bench' are left there); never $RALLYPOINT_URL unless given here")
+    g.add_argument("--spawn", action="store_true",
+                   help="start a daemon with a fresh temp data dir and stop it after (the default)")
     b.add_argument("--api-key", default=os.environ.get("RALLYPOINT_API_KEY"),
                    help="API key for a daemon with keys (default $RALLYPOINT_API_KEY)")
     b.add_argument("--durability", choices=["fsync", "interval", "memory"], default=None,
@@ -344,6 +350,12 @@ def add_arguments(b) -> None:
 
 
 def cmd_bench(args) -> int:
+    """``rallypoint bench``: a throwaway daemon (``--spawn``, the default) or, only when
+    asked with ``--connect URL``, the daemon there -- after saying so on stderr, since
+    the load writes tens of thousands of tasks into it. Exit 0 ok, 1 errors during the
+    run, 2 bad usage or could not start."""
+    if args.connect is None:
+        args.spawn = True  # never the user's own daemon by default ($RALLYPOINT_URL included)
     if args.producers < 1 or args.workers < 1 or args.duration <= 0 or args.warmup < 0:
         print("rallypoint bench: --producers and --workers must be >= 1, --duration > 0", file=sys.stderr)
         return 2
