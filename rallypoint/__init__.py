@@ -306,12 +306,17 @@ async def open_embedded(
     if sync_helper not in SYNC_MODES:
         raise ValidationError(f"sync_helper must be one of {', '.join(SYNC_MODES)} (got {sync_helper!r})",
                               details={"field": "sync_helper"})
-    async with open_node(data_dir, durability, clock=clock, sync_helper=sync_helper,
-                         retention=retention_options(retain_finished, retain_events)) as node:
-        transport = EmbeddedTransport(node.service)
-        rs = Client(transport)
-        rs.node = node  # for tests and introspection
-        try:
-            yield rs
-        finally:
-            await transport.aclose()
+    from .persistence.errors import DataDirLocked
+
+    try:
+        async with open_node(data_dir, durability, clock=clock, sync_helper=sync_helper,
+                             retention=retention_options(retain_finished, retain_events)) as node:
+            transport = EmbeddedTransport(node.service)
+            rs = Client(transport)
+            rs.node = node  # for tests and introspection
+            try:
+                yield rs
+            finally:
+                await transport.aclose()
+    except DataDirLocked as e:  # the message in this API's words (the CLI's says --data-dir)
+        raise DataDirLocked(e.data_dir, e.pid, option="data_dir= (open_embedded)") from None

@@ -898,6 +898,43 @@ def _list_runs(args):
     return rows[: args.limit], more
 
 
+async def _resolve_run(rs, text: str, *, active_only: bool) -> str:
+    """``runs show|cancel RUN``: a run id as it is, or a root run's NAME (the runstate
+    SDK's named runs, ``scopes.create(name=...)``): the newest root run of that name
+    (``active_only``: of those still effectively ACTIVE, as ``PUT /runs/{name}`` joins).
+    NOT_FOUND (with a "did you mean" among the names seen) when there is none; CONFLICT
+    listing the ids when ``active_only`` finds several (cancel one by id)."""
+    from . import protocol as p
+    from .actors.common import did_you_mean
+    from .client import types as t
+    from .errors import ConflictError, NotFoundError
+    from .ids import is_id
+
+    if is_id(text, "scp"):
+        return text
+    found, names, before = [], set(), None
+    while True:  # every root run, newest first, a page at a time
+        page = (await rs._call(p.ScopeList(roots_only=True, state="ACTIVE" if active_only else None,
+                                           limit=_MAX_PAGE, before=before, order="desc"), t._RunList)).scopes
+        for r in page:
+            if active_only and r.effective != "ACTIVE":
+                continue
+            names.add(r.name or "")
+            if r.name == text:
+                found.append(r.id)
+        if len(page) < _MAX_PAGE or (found and not active_only):
+            break
+        before = page[-1].id
+    if not found:
+        what = "active root run" if active_only else "root run"
+        raise NotFoundError(f"no {what} named {text!r}{did_you_mean(text, names)}; give a run id (scp_...) or a "
+                            "name from `rallypoint runs ls`", details={"name": text})
+    if active_only and len(found) > 1:
+        raise ConflictError(f"{len(found)} active root runs are named {text!r} ({', '.join(found)}); give the id "
+                            "of the one to cancel", details={"name": text, "runs": found})
+    return found[0]
+
+
 def _next_page_command(args, last_id: str) -> str:
     """The ``rallypoint runs ls ...`` line that lists the page after ``last_id``."""
     words = ["rallypoint", "runs", "ls"]
@@ -935,8 +972,8 @@ def _print_run(st) -> None:
 
 
 def cmd_runs(args) -> int:
-    """``runs ls`` (newest first, paged with ``--before``), ``runs show ID`` (readable, or
-    ``--json``), ``runs cancel ID``."""
+    """``runs ls`` (newest first, paged with ``--before``), ``runs show RUN`` (readable, or
+    ``--json``), ``runs cancel RUN``; RUN is an id or a root run's name (:func:`_resolve_run`)."""
     from .errors import RallypointError
 
     try:
@@ -954,14 +991,20 @@ def cmd_runs(args) -> int:
                       f"{_next_page_command(args, rows[-1].id)}", file=sys.stderr)
             return 0
         if args.runs_cmd == "show":
-            st = _client_call(args, lambda rs: rs.scope(args.id).status())
+            async def show(rs):
+                return await rs.scope(await _resolve_run(rs, args.id, active_only=False)).status()
+
+            st = _client_call(args, show)
             if args.json:
                 print(json.dumps(st.to_dict(), default=str, indent=2))
             else:
                 _print_run(st)
             return 0
         if args.runs_cmd == "cancel":
-            st = _client_call(args, lambda rs: rs.scope(args.id).cancel(reason=args.reason))
+            async def cancel(rs):
+                return await rs.scope(await _resolve_run(rs, args.id, active_only=True)).cancel(reason=args.reason)
+
+            st = _client_call(args, cancel)
             print(f"{st.id} {st.stored_state} ({st.effective})")
             return 0
     except RallypointError as e:
@@ -1010,7 +1053,7 @@ def cmd_watch(args) -> int:
     from rich.console import Console
 
     from .errors import CursorExpiredError
-    from .events import unknown_types
+    from .events import closest_type, unknown_types
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:
@@ -1024,7 +1067,9 @@ def cmd_watch(args) -> int:
     if args.types is not None:
         unknown = unknown_types(x.strip() for x in args.types.split(","))
         if unknown:
-            print(f"rallypoint watch: unknown event type {unknown[0]!r} (see docs/events.md; a prefix is "
+            close = closest_type(unknown[0])
+            hint = f"did you mean {close!r}? " if close else ""
+            print(f"rallypoint watch: unknown event type {unknown[0]!r} ({hint}see docs/events.md; a prefix is "
                   f"written KIND.*, e.g. task.*)", file=sys.stderr)
             return 2
     if args.aggregate is not None and ":" in args.aggregate and not all(args.aggregate.split(":", 1)):
@@ -1718,10 +1763,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the next page: runs created before this one (the hint after a full page gives it)")
     ls.add_argument("--json", action="store_true", help="machine-readable output (a JSON array)")
     sh = rs.add_parser("show", parents=[client], help="one run, readable (or --json)")
-    sh.add_argument("id")
+    sh.add_argument("id", metavar="RUN", help="a run id, or a root run's name (the newest of that name)")
     sh.add_argument("--json", action="store_true", help="machine-readable output")
-    ca = rs.add_parser("cancel", parents=[client])
-    ca.add_argument("id")
+    ca = rs.add_parser("cancel", parents=[client], help="cancel a run and everything below it")
+    ca.add_argument("id", metavar="RUN", help="a run id, or the name of an active root run (a runstate named run)")
     ca.add_argument("--reason")
     r.set_defaults(fn=cmd_runs)
 

@@ -260,6 +260,19 @@ def unknown_types(types: Iterable[str]) -> list[str]:
     return out
 
 
+def closest_type(t: str) -> str | None:
+    """The catalogue's name (or ``kind.*`` prefix, for a ``prefix.*`` given) closest to
+    an unknown type ``t`` (difflib, similarity >= 0.6), or None: a "did you mean"."""
+    import difflib
+
+    if t.endswith(".*") or t.endswith("."):
+        prefixes = sorted({name.split(".", 1)[0] + ".*" for name in CATALOGUE})
+        close = difflib.get_close_matches(t.rstrip("*").rstrip(".") + ".*", prefixes, n=1, cutoff=0.6)
+    else:
+        close = difflib.get_close_matches(t, list(CATALOGUE), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 class EventFilter:
     """What a watch or a list asks for: ``types`` (exact names, or ``prefix.*``),
     ``scope`` (a run: events of it and of every run below it), ``aggregate`` (one
@@ -489,8 +502,9 @@ class EventLog:
             raise ValidationError(f"cursor must be >= 0 (got {cursor})", details={"field": "cursor"})
         if cursor < s.first_seq - 1:
             raise CursorExpiredError(
-                f"cursor {cursor} has expired: the oldest event kept is {s.first_seq} (events are kept "
-                f"for --retain-events); start again with cursor=None (the oldest kept) or from now",
+                f"cursor {cursor} has expired: the oldest event kept is {s.first_seq} (how many are kept: "
+                f"`rallypoint serve --retain-events`, open_embedded's retain_events); start again with "
+                f"cursor=None (the oldest kept) or from now",
                 details={"cursor": cursor, "oldest": s.first_seq, "newest": s.last_seq},
             )
         if cursor > s.last_seq:

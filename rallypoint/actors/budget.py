@@ -90,7 +90,7 @@ from ..protocol import (
 )
 from ..records import BudgetCreated, BudgetReserved, BudgetSettled, BudgetVoided, ReservationStale
 from ..events import emits, ev
-from .common import applies, check_key, check_name, check_range, data, parse_instant, short
+from .common import applies, check_key, check_name, check_range, data, did_you_mean, parse_instant, short
 from .kind import Kind, Links
 from .opmark import ALWAYS, C, R, SPACE, W, by, keyed, op
 
@@ -227,7 +227,8 @@ class Budgets(Kind):
         bid = name_or_id if is_id(name_or_id, "bdg") else self.by_name.get((space, name_or_id))
         b = self.table.get(bid) if bid else None
         if b is None or b.space != space:
-            raise NotFoundError(f"no budget {short(name_or_id)}; create it with budgets.ensure()",
+            hint = did_you_mean(name_or_id, (n for (sp, n) in self.by_name if sp == space))
+            raise NotFoundError(f"no budget {short(name_or_id)}{hint}; create it with budgets.ensure()",
                                 details={"budget": name_or_id})
         return b
 

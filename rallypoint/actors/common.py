@@ -8,7 +8,7 @@ another kind's module, for these.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import msgspec
 import trio
@@ -19,7 +19,7 @@ from ..wire import MAX_FRAME_BYTES, MAX_PAYLOAD_BYTES, too_large_message
 
 __all__ = [
     "MemoryJournal", "applies", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
-    "parse_instant", "short", "data", "check_label", "MAX_WAIT_MS", "MAX_KEY_LEN", "REPLY_BUDGET_BYTES",
+    "parse_instant", "short", "data", "check_label", "did_you_mean", "MAX_WAIT_MS", "MAX_KEY_LEN", "REPLY_BUDGET_BYTES",
     "fit_count",
 ]
 
@@ -71,6 +71,18 @@ def check_name(field: str, value: Any) -> str:
             details={"field": field},
         )
     return value
+
+
+def did_you_mean(name: Any, known: "Iterable[str]") -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``known`` to a ``name`` that was
+    not found (difflib, similarity >= 0.75), else ``""``: appended to a NOT_FOUND
+    message for a name a person typed (a mailbox, pool, quota, budget)."""
+    if not isinstance(name, str):
+        return ""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_label(field: str, value: Any, limit: int = 256) -> str:

@@ -77,7 +77,7 @@ from ..protocol import (
 from ..records import GrantExpired, GrantReleased, GrantRenewed, PoolCreated, PoolGranted, PoolWaiterEnded, PoolWaiterQueued
 from .claim import MAX_QUEUE_WAIT_MS, check_holder, check_request_id, new_token
 from ..events import emits, ev
-from .common import MAX_WAIT_MS, applies, check_name, check_payload, check_range, data, short
+from .common import MAX_WAIT_MS, applies, check_name, check_payload, check_range, data, did_you_mean, short
 from .kind import Kind, Links
 from .opmark import ALWAYS, C, R, SPACE, W, asked, by, keyed, op
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
@@ -201,7 +201,8 @@ class Pools(Kind):
         pid = name_or_id if is_id(name_or_id, "pol") else self.by_name.get((space, name_or_id))
         pool = self.table.get(pid) if pid else None
         if pool is None or pool.space != space:
-            raise NotFoundError(f"no pool {short(name_or_id)}; create it with pools.ensure()",
+            hint = did_you_mean(name_or_id, (n for (sp, n) in self.by_name if sp == space))
+            raise NotFoundError(f"no pool {short(name_or_id)}{hint}; create it with pools.ensure()",
                                 details={"pool": name_or_id})
         return pool
 

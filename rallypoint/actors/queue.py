@@ -116,7 +116,7 @@ from ..records import (
 from ..events import emits, ev
 from .common import (
     MAX_PAYLOAD_BYTES, REPLY_BUDGET_BYTES, applies, check_key, check_name, check_payload, check_range, clamp_wait,
-    data, fit_count, parse_instant, short,
+    data, did_you_mean, fit_count, parse_instant, short,
 )
 from .kind import Kind
 from .opmark import ALL, ALWAYS, C, R, SPACE, W, asked, by, by_run, in_slots, keyed, op, resend_if
@@ -302,8 +302,10 @@ class WorkQueues(Kind):
         qid = name_or_id if is_id(name_or_id, "mbx") else self.by_name.get((space, name_or_id))
         q = self.table.get(qid) if qid else None
         if q is None or q.space != space:
+            hint = did_you_mean(name_or_id, (n for (sp, n) in self.by_name if sp == space))
             raise NotFoundError(
-                f"no mailbox {short(name_or_id)}; create it with mailboxes.ensure()", details={"mailbox": name_or_id}
+                f"no mailbox {short(name_or_id)}{hint}; create it with mailboxes.ensure()",
+                details={"mailbox": name_or_id},
             )
         return q
 

@@ -88,7 +88,7 @@ from ..records import (
     QuotaWaitersGranted,
 )
 from ..events import emits, ev
-from .common import applies, check_key, check_name, check_range, clamp_wait, data, short
+from .common import applies, check_key, check_name, check_range, clamp_wait, data, did_you_mean, short
 from .kind import Kind, Links
 from .opmark import ALWAYS, C, R, SPACE, W, asked, by, keyed, op
 from .runtime import PRIO_WAIT_END, Park
@@ -189,7 +189,8 @@ class Quotas(Kind):
         qid = name_or_id if is_id(name_or_id, "quo") else self.by_name.get((space, name_or_id))
         q = self.table.get(qid) if qid else None
         if q is None or q.space != space:
-            raise NotFoundError(f"no quota {short(name_or_id)}; create it with quotas.ensure()",
+            hint = did_you_mean(name_or_id, (n for (sp, n) in self.by_name if sp == space))
+            raise NotFoundError(f"no quota {short(name_or_id)}{hint}; create it with quotas.ensure()",
                                 details={"quota": name_or_id})
         return q
 

@@ -252,8 +252,9 @@ class Retention(Kind):
             old = ms <= self.coord.mono_ms() - self.retain_ms
         if not old:
             return ""
-        return (" (it may have finished and been purged: finished runs and tasks are deleted "
-                "--retain-finished after they end)")
+        return (" (it may have finished and been purged: finished runs and tasks are deleted once the "
+                "retention time has passed after they ended: `rallypoint serve --retain-finished`, "
+                "open_embedded's retain_finished)")
 
     def statistics(self) -> dict:
         return {"retain_ms": self.retain_ms, "candidates": len(self.candidates), **self.purged}

@@ -104,15 +104,18 @@ class DataDirLocked(StartupError):
     Attributes:
         data_dir: the directory.
         pid: the pid recorded by the holder, or None if it could not be read.
+
+    ``option``: how the caller names the data directory in the message (``--data-dir``
+    for the CLI; ``open_embedded`` says ``data_dir=``).
     """
 
-    def __init__(self, data_dir: str, pid: int | None) -> None:
+    def __init__(self, data_dir: str, pid: int | None, option: str = "--data-dir") -> None:
         self.data_dir = str(data_dir)
         self.pid = pid
         holder = f"process {pid}" if pid is not None else "another process (pid unknown)"
         super().__init__(
             f"data directory {self.data_dir} is in use by {holder}; stop it first or use "
-            f"another --data-dir (only one rallypoint process may use a data directory)"
+            f"another {option} (only one rallypoint process may use a data directory)"
         )
 
 
