@@ -105,7 +105,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "task.completing": ("task", "its worker completed a task that owns a run; the run's join sets are closing",
                         "attempt, run"),
     "task.completed": ("task", "the task SUCCEEDED", "attempt"),
-    "task.retried": ("task", "its worker asked for a retry: back in the queue", "attempt, delay_ms"),
+    "task.retried": ("task", "its worker asked for a retry: back in the queue", "attempt"),
     "task.lease_expired": ("task", "the lease ran out: back in the queue for takeover", "attempt"),
     "task.released": ("task", "its worker gave it back unfinished: back in the queue, the attempt not counted",
                       "attempt"),
@@ -138,7 +138,7 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "joinset.child_done": ("joinset", "a child finished: its completion record (in completion order)",
                            "child, child_kind, ok, failure_kind"),
     "joinset.consumed": ("joinset", "join_next took a completion record (a step of the set's log)",
-                         "index, step, closing"),
+                         "index, step"),
     "joinset.closing": ("joinset", "the set was closed (by close(), its run's complete() or end)", ""),
     "joinset.closed": ("joinset", "every child of a closing set finished", ""),
     # claims (named, space-wide; never purged)
@@ -209,8 +209,9 @@ SILENT_RECORDS: dict[str, str] = {
     "IdempotencyRecorded": "the HTTP layer's stored answer to a request (its own bookkeeping; the request's "
                            "effect has its own events)",
     "IdempotencyExpired": "stored HTTP answers past their TTL forgotten (bookkeeping)",
-    "JoinSetAnswered": "a probe's 'pending' or 'exhausted' answer (a step of the set's replay log); "
-                       "records it hands over show as joinset.consumed",
+    "JoinSetAnswered": "a step of the set's replay log that took no record: a probe's 'pending' or "
+                       "'exhausted' answer, or a record a closing consume had already taken, handed to the "
+                       "await that waited for it (that close shows as joinset.closing)",
 }
 
 

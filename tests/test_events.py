@@ -282,6 +282,33 @@ def test_catalogue_covers_every_record_and_the_docs_list_it():
         assert f"`{name}`" in doc, f"docs/events.md does not list {name}"
     for name in re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \|", doc, re.M):
         assert name in CATALOGUE, f"docs/events.md lists {name}, which is not in the catalogue"
+    # issue 31 item 15: the docs say exactly what the catalogue says (kind, meaning, fields)
+    for name, kind, meaning, fields in re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \| ([^|]*) \| ([^|]*) \| ([^|]*) \|$",
+                                                  doc, re.M):
+        want = CATALOGUE[name]
+        assert (kind.strip(), meaning.strip(), fields.strip()) == (want[0], want[1], want[2] or "-"), name
+    for name, why in SILENT_RECORDS.items():
+        assert f"- `{name}`: {why}." in doc, f"docs/events.md does not say why {name} makes no event"
+
+
+def declared_fields(spec: str) -> set[str]:
+    """The field names of a catalogue entry's fields text ("reason (a, b), attempt")."""
+    parts, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    names = set()
+    for part in parts:
+        m = re.match(r"[a-z_]+", part.strip())
+        if m:
+            names.add(m.group(0))
+    return names
 
 
 async def test_every_emitted_type_is_in_the_catalogue(ers, autojump_clock):
@@ -306,11 +333,22 @@ async def test_every_emitted_type_is_in_the_catalogue(ers, autojump_clock):
     await js.join_next(timeout=5)
     await js.close()
     await t.complete()
-    types = {e.type for e in (await rs.events.list(limit=10_000)).events}
+    events = (await rs.events.list(limit=10_000)).events
+    types = {e.type for e in events}
     assert types <= set(CATALOGUE), types - set(CATALOGUE)
     for name in ("task.retried", "task.lease_expired", "timer.fired", "timer.acked", "barrier.released",
                  "barrier.next_epoch", "joinset.consumed", "scope.completed"):
         assert name in types
+    # issue 31 item 15: an event carries only the fields its catalogue entry (and the docs) name
+    seen: dict[str, set] = {}
+    for e in events:
+        extra = set(e.data or {}) - declared_fields(CATALOGUE[e.type][2])
+        assert not extra, f"{e.type} carries {sorted(extra)}, which the catalogue does not list"
+        seen.setdefault(e.type, set()).update(e.data or {})
+    # ... and those whose fields are always there carry every one (the docs promised
+    # joinset.consumed's `closing` and task.retried's `delay_ms`, which neither carried)
+    for typ in ("joinset.consumed", "task.retried", "task.delivered", "task.lease_expired"):
+        assert declared_fields(CATALOGUE[typ][2]) <= seen[typ], (typ, seen[typ])
 
 
 async def test_the_blocking_client_watches(daemon):
