@@ -1675,7 +1675,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections open at once, per listener (TCP, and HTTP with --http); one more is "
                         "answered UNAVAILABLE and closed. Also the HTTP requests in progress at once (then 429) "
                         "(default %(default)s)")
-    s.add_argument("--max-inflight", type=_bounded(int, 1), default=256, help="requests in flight per connection before backpressure")
+    s.add_argument("--max-inflight", type=_bounded(int, 1), default=256,
+                   help="requests in flight per connection before backpressure (default %(default)s)")
     s.add_argument("--handshake-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,
                    help="seconds a new connection has to send its hello (HTTP: its first request) before it is "
                         "dropped (default %(default)s)")
@@ -1685,7 +1686,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-outgoing-bytes", type=_bounded(int, 1), default=4 * 1024 * 1024,
                    help="replies buffered for a slow reader before the server stops reading its requests "
                         "(default %(default)s)")
-    s.add_argument("--drain-timeout", type=_bounded(float, 0), default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    s.add_argument("--drain-timeout", type=_bounded(float, 0), default=30.0,
+                   help="seconds to finish in-flight requests on SIGTERM (default %(default)s)")
     s.add_argument("--http", metavar="HOST:PORT", default=None,
                    help="also serve the HTTP API (the runstate SDK's, /v1/spaces/{spaceId}/...) on HOST:PORT "
                         "over the same coordinator: same keys, spaces and TLS (off by default)")
@@ -1716,7 +1718,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log requests slower than this (ms, 0: never; a wait the client asked for, such as a "
                         "result or an acquire with wait_ms, never is) (default %(default)s)")
     s.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="(default %(default)s)")
     s.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json: one JSON object a line (default %(default)s)")
     c = s.add_argument_group("cluster (a replicated shard: etcd decides who leads; README, Run two nodes)")
@@ -1785,7 +1787,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("top", help="a live view of runs, queues, groups and waits", parents=[_client_options()])
     tp.add_argument("--interval", type=_bounded(float, 0, inclusive=False), default=1.0,
                     help="seconds between refreshes (default %(default)s)")
-    tp.add_argument("--limit", type=_bounded(int, 1, maximum=1000), default=15, help="rows of runs and groups")
+    tp.add_argument("--limit", type=_bounded(int, 1, maximum=1000), default=15,
+                    help="rows of runs and groups (default %(default)s)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit (the default off a terminal)")
     tp.set_defaults(fn=cmd_top)
     c = sub.add_parser("claims", help="list and show claims (fenced leases on keys)", parents=[_client_options()])
@@ -1872,7 +1875,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(fn=cmd_keys)
 
     rp = sub.add_parser("repair", help="cut a damaged journal after its last intact record (says what first)")
-    rp.add_argument("--data-dir", default=DEFAULT_DATA_DIR)
+    rp.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="the stopped daemon's data dir (default %(default)s)")
     rp.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     rp.set_defaults(fn=cmd_repair)
 

@@ -769,3 +769,65 @@ def test_a_result_or_input_over_64_kib_is_too_large_for_the_sdk_at_once(daemon, 
     kind, code, message = out["input"]
     assert (kind, code) == ("ResultTooLargeError", "VALIDATION_FAILED"), out
     assert "exceeds 65536 bytes" in message and "input" in message, message
+
+
+def _readme_runstate_block() -> str:
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("## Using the runstate SDK with rallypoint")
+    return re.search(r"```sh\n(.*?)```", text[start:], re.S).group(1)
+
+
+README_PROGRAM = r'''
+import runstate
+rs = runstate.Runstate(run="readme-setup")
+print("RUN", rs.run_id())
+'''
+
+
+@pytest.mark.parametrize("with_keys", [False, True], ids=["open-mode", "with-keys"])
+def test_the_readme_runstate_setup_runs_as_written(tmp_path, py03, with_keys):
+    """Issue 31 item 15: the README's runstate set-up, as written (a free port instead of
+    8080, the test's SDK environment as ``sdk-env``), works in open mode -- where
+    RALLYPOINT_API_KEY is unset and the SDK refuses an empty key -- and with keys."""
+    import os
+    import subprocess
+    import sys
+
+    lines = [ln.split("  #")[0].strip() for ln in _readme_runstate_block().splitlines() if ln.strip()]
+    venv, serve, exports = lines[0], lines[1], lines[2:]
+    assert venv.startswith("python3 -m venv sdk-env") and "install runstate-sdk" in venv  # what sdk_compat does
+    assert serve == "rallypoint serve --http 127.0.0.1:8080" and all(x.startswith("export ") for x in exports)
+    os.makedirs(tmp_path / "sdk-env" / "bin")
+    wrapper = tmp_path / "sdk-env" / "bin" / "python"  # (a symlink would lose the venv's site-packages)
+    wrapper.write_text(f'#!/bin/sh\nexec "{py03}" "$@"\n')
+    wrapper.chmod(0o755)
+    (tmp_path / "your_program.py").write_text(README_PROGRAM)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLYPOINT_", "RUNSTATE_"))}
+    env.update(NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    data = str(tmp_path / "data")
+    if with_keys:
+        r = subprocess.run([sys.executable, "-m", "rallypoint", "keys", "create", "--data-dir", data, "--space",
+                            "default", "--permission", "operator", "--name", "ops", "--secret-only"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        env["RALLYPOINT_API_KEY"] = r.stdout.strip()
+    args = serve.replace("8080", str(port)).split()[1:]
+    d = subprocess.Popen([sys.executable, "-m", "rallypoint", *args, "--listen", "127.0.0.1:0", "--data-dir", data],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        while not d.stdout.readline().startswith("HTTP "):
+            assert d.poll() is None, "the daemon did not start"
+        script = "\n".join(x.replace("8080", str(port)) for x in exports) + "\nsdk-env/bin/python your_program.py\n"
+        r = subprocess.run(["bash", "-ec", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.startswith("RUN scp_"), r.stdout
+    finally:
+        d.terminate()
+        d.wait(30)

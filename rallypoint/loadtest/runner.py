@@ -317,11 +317,11 @@ def run_bench(args, argv: list[str] | None = None) -> int:
 
 def add_arguments(b) -> None:
     """The ``bench`` subcommand's options (used by rallypoint.cli)."""
-    b.add_argument("--scenario", choices=SCENARIOS, default="lifecycle")
+    b.add_argument("--scenario", choices=SCENARIOS, default="lifecycle", help="(default %(default)s)")
     b.add_argument("--duration", type=float, default=30.0, help="measured seconds (default %(default)s)")
     b.add_argument("--warmup", type=float, default=2.0, help="seconds before measuring (default %(default)s)")
-    b.add_argument("--producers", type=int, default=4)
-    b.add_argument("--workers", type=int, default=8)
+    b.add_argument("--producers", type=int, default=4, help="producer processes (default %(default)s)")
+    b.add_argument("--workers", type=int, default=8, help="worker processes (default %(default)s)")
     g = b.add_mutually_exclusive_group()
     g.add_argument("--connect", metavar="URL", default=None,
                    help="load-test this daemon: it writes tens of thousands of tasks (a run named 'bench' and the "
@@ -340,12 +340,15 @@ def add_arguments(b) -> None:
     b.add_argument("--pipeline", type=int, default=2,
                    help="concurrent batches (lifecycle) or rounds (others) per producer (default %(default)s)")
     b.add_argument("--max-messages", type=int, default=32, help="deliveries per receive (default %(default)s)")
-    b.add_argument("--worker-concurrency", type=int, default=2, help="receive loops per worker process")
-    b.add_argument("--group-size", type=int, default=12)
-    b.add_argument("--accept-n", type=int, default=5)
-    b.add_argument("--barrier-n", type=int, default=8)
-    b.add_argument("--joinset-size", type=int, default=8)
-    b.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines off a TTY")
+    b.add_argument("--worker-concurrency", type=int, default=2,
+                   help="receive loops per worker process (default %(default)s)")
+    b.add_argument("--group-size", type=int, default=12, help="groups scenario: members per group (default %(default)s)")
+    b.add_argument("--accept-n", type=int, default=5, help="groups scenario: accepts to decide (default %(default)s)")
+    b.add_argument("--barrier-n", type=int, default=8, help="barriers scenario: arrivals (default %(default)s)")
+    b.add_argument("--joinset-size", type=int, default=8,
+                   help="joinsets scenario: children per set (default %(default)s)")
+    b.add_argument("--progress-every", type=float, default=5.0,
+                   help="seconds between progress lines off a TTY (default %(default)s)")
     b.add_argument("--json", metavar="PATH", help="write the JSON report here")
 
 
