@@ -16,40 +16,64 @@ from __future__ import annotations
 
 import os
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from ._version import __version__
-from .client.api import (
-    Budget, ClaimLease, Client, Delivery, Grant, Group, Mailbox, Message, Pool, Quota, QuotaWaiter, Reservation, Run,
-    Ticket,
-)
-from .client.consume import ConsumeStats, consume
-from .client.reconnect import Reconnect
-from .client.types import (
-    BudgetInfo,
-    ClaimInfo,
-    GrantInfo,
-    GroupDecision,
-    GroupStatus,
-    MailboxInfo,
-    MessageInfo,
-    PoolInfo,
-    QuotaInfo,
-    QuotaTakeInfo,
-    ReservationInfo,
-    RunStatus,
-    ServerInfo,
-    SettleResult,
-    TaskInfo,
-    TaskOutcome,
-    VerdictResult,
-    WorkLimitInfo,
-)
-from .money import format_minor, minor_units
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .errors import ValidationError
-from . import sync  # noqa: E402  (rallypoint.sync.connect(url): the blocking client)
+
+# The client API is imported on first use (PEP 562 ``__getattr__`` below), not with the
+# package: ``python -m rallypoint serve`` binds its ports before the heavy imports (a
+# client connecting during a restart waits in the backlog instead of being refused),
+# and every CLI command starts faster. ``rallypoint.X`` and ``from rallypoint import X``
+# work as before.
+_LAZY: dict[str, str] = {
+    **{name: ".client.api" for name in (
+        "Budget", "ClaimLease", "Client", "Delivery", "Grant", "Group", "Mailbox", "Message", "Pool", "Quota",
+        "QuotaWaiter", "Reservation", "Run", "Ticket")},
+    "ConsumeStats": ".client.consume", "consume": ".client.consume",
+    "Reconnect": ".client.reconnect",
+    **{name: ".client.types" for name in (
+        "BudgetInfo", "ClaimInfo", "GrantInfo", "GroupDecision", "GroupStatus", "MailboxInfo", "MessageInfo",
+        "PoolInfo", "QuotaInfo", "QuotaTakeInfo", "ReservationInfo", "RunStatus", "ServerInfo", "SettleResult",
+        "TaskInfo", "TaskOutcome", "VerdictResult", "WorkLimitInfo")},
+    "format_minor": ".money", "minor_units": ".money",
+    "sync": ".sync",  # rallypoint.sync.connect(url): the blocking client (a module)
+}
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from . import sync  # noqa: F401
+    from .client.api import (  # noqa: F401
+        Budget, ClaimLease, Client, Delivery, Grant, Group, Mailbox, Message, Pool, Quota, QuotaWaiter, Reservation,
+        Run, Ticket,
+    )
+    from .client.consume import ConsumeStats, consume  # noqa: F401
+    from .client.reconnect import Reconnect  # noqa: F401
+    from .client.types import (  # noqa: F401
+        BudgetInfo, ClaimInfo, GrantInfo, GroupDecision, GroupStatus, MailboxInfo, MessageInfo, PoolInfo, QuotaInfo,
+        QuotaTakeInfo, ReservationInfo, RunStatus, ServerInfo, SettleResult, TaskInfo, TaskOutcome, VerdictResult,
+        WorkLimitInfo,
+    )
+    from .money import format_minor, minor_units  # noqa: F401
+
+
+def __getattr__(name: str):
+    """The client API's names, imported on first use (see ``_LAZY``)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rallypoint' has no attribute {name!r}")
+    import importlib
+
+    mod = importlib.import_module(module, __name__)
+    value = mod if name == "sync" else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "__version__",
@@ -117,6 +141,8 @@ CLUSTER_ATTEMPT_S = 2.0
 
 
 def _policy(reconnect: "Reconnect | bool | None") -> "Reconnect | None":
+    from .client.reconnect import Reconnect
+
     if reconnect is True:
         return Reconnect()
     if reconnect is None or reconnect is False:
@@ -173,6 +199,7 @@ async def connect(
         ValidationError (VALIDATION_FAILED): a bad URL, or a protocol version mismatch.
     An exception raised inside the ``async with`` block leaves it unchanged.
     """
+    from .client.api import Client
     from .client.follow import LeaderFollower, split_urls
     from .client.reconnect import ReconnectingTransport
     from .transport.connection import Connection
@@ -299,6 +326,7 @@ async def open_embedded(
     ``durability`` or ``sync_helper`` and the data dir's errors (e.g. another process holds its lock).
     """
     _require_trio("rallypoint.open_embedded()")
+    from .client.api import Client
     from .client.embedded import EmbeddedTransport
     from .node import open_node
     from .persistence.syncer import SYNC_MODES

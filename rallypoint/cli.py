@@ -26,9 +26,22 @@ import signal
 import sys
 import time
 
-import trio
-
 from ._version import __version__
+
+
+class _LazyTrio:
+    """``trio``, imported at its first use (then this module's ``trio`` is the module
+    itself): ``rallypoint serve`` binds its ports before it (``_bind_listeners``), and
+    a command that fails on its arguments never pays for it."""
+
+    def __getattr__(self, name: str):
+        import trio as module
+
+        globals()["trio"] = module
+        return getattr(module, name)
+
+
+trio = _LazyTrio()
 
 DEFAULT_LISTEN = "127.0.0.1:7411"
 DEFAULT_URL = "tcp://127.0.0.1:7411"
@@ -94,6 +107,87 @@ def _check_listen_free(host: str, port: int) -> None:
             if family == socket.AF_INET6:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             s.bind(addr)
+
+
+def _bind_listeners(host: str, port: int) -> list:
+    """Listening sockets on every address ``host`` resolves to (bound and listening, as
+    Trio's ``open_tcp_listeners`` makes them: SO_REUSEADDR, IPv6 only on IPv6), made
+    first thing by ``serve``, before the heavy imports and the data dir's recovery: a
+    client connecting while the daemon (re)starts then waits in the kernel's backlog
+    until it is served, instead of being refused (the runstate SDK gives up on a
+    refused connect after about 0.7 s, and a lease renewal it gave up on is lost).
+    ``[]`` when ``host`` does not resolve (the server's own bind reports it).
+
+    Raises OSError (EADDRINUSE, EADDRNOTAVAIL) when an address cannot be bound."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return []
+    socks = []
+    try:
+        for family, type_, proto, _, addr in infos:
+            s = socket.socket(family, type_, proto)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+            s.listen(min(0xFFFF, socket.SOMAXCONN))
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    return socks
+
+
+def _inherited_listeners() -> list:
+    """Listening TCP sockets handed down by a supervisor, which keeps them open across
+    restarts so that no connect is ever refused: systemd's socket activation
+    (``LISTEN_FDS`` sockets from fd 3; ``LISTEN_PID``, when set, must be this process) or
+    ``RALLYPOINT_LISTEN_FDS`` (fd numbers, comma-separated). Anything that is not a
+    listening TCP socket is left alone."""
+    import socket
+
+    fds: list[int] = []
+    n = os.environ.get("LISTEN_FDS", "")
+    if n.isdigit() and os.environ.get("LISTEN_PID", str(os.getpid())) == str(os.getpid()):
+        fds += range(3, 3 + int(n))
+    fds += [int(x) for x in os.environ.get("RALLYPOINT_LISTEN_FDS", "").split(",") if x.strip().isdigit()]
+    out = []
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        if s.type != socket.SOCK_STREAM or not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            s.detach()
+            continue
+        out.append(s)
+    return out
+
+
+def _take_inherited(inherited: list, host: str, port: int) -> list:
+    """The sockets of ``inherited`` bound to ``host:port`` (removed from it)."""
+    import socket
+
+    try:
+        wanted = {ai[4][:2] for ai in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)}
+    except socket.gaierror:
+        return []
+    mine = [s for s in inherited if s.getsockname()[:2] in wanted]
+    for s in mine:
+        inherited.remove(s)
+    return mine
+
+
+def _trio_listeners(socks: list):
+    """``trio.SocketListener`` for each of :func:`_bind_listeners`'s sockets (None: none
+    were made, the server binds by itself)."""
+    if not socks:
+        return None
+    return [trio.SocketListener(trio.socket.from_stdlib_socket(s)) for s in socks]
 
 
 def _setup_logging(level: str, fmt: str = "text") -> None:
@@ -163,6 +257,15 @@ async def _serve(args) -> int:
         return await _serve_cluster(args)
     host, port = _parse_listen(args.listen)
     data_dir = None if args.durability == "memory" else args.data_dir
+    pre_bound = getattr(args, "bound", {})  # (cmd_serve's sockets, bound before the imports)
+    if args.http:
+        # imported before the recovery: the clock resumes after it, so a restart's
+        # lease extension covers the time this takes (docs/architecture.md, "Time")
+        from .http import serve_http
+    if args.console:
+        from .console import serve_console
+    from .transport import server as _transport_server  # noqa: F401  (the same: before the clock)
+
     async with open_node(
         data_dir,
         args.durability,
@@ -196,7 +299,7 @@ async def _serve(args) -> int:
         server.metrics = metrics  # (also the slow-request log)
         http_stop = trio.Event()
         async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve, None, host, port)
+            await nursery.start(server.serve, _trio_listeners(pre_bound.get("--listen")), host, port)
             actual = server.port
             metrics_port = None
             if args.metrics:
@@ -210,8 +313,6 @@ async def _serve(args) -> int:
                          extra={"event": "metrics", "url": f"http://{mhost}:{metrics_port}/metrics"})
             http_url = None
             if args.http:
-                from .http import serve_http
-
                 hhost, hport = _parse_listen(args.http)
                 if coord.keys.open_mode and not _is_loopback(hhost) and not args.insecure:
                     raise ValidationError(
@@ -223,7 +324,7 @@ async def _serve(args) -> int:
                         serve_http, node.service, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
                         max_requests=args.max_connections, max_connections=args.max_connections,
                         first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, metrics=metrics,
-                        shutdown=http_stop))
+                        shutdown=http_stop, listeners=_trio_listeners(pre_bound.get("--http"))))
                 except OSError as e:  # the bind: name the HTTP address, not --listen
                     raise ValidationError(_listen_error(args.http, "--http", e)) from None
                 metrics.http = http_api.listener
@@ -231,8 +332,6 @@ async def _serve(args) -> int:
                 log.info("HTTP API (runstate SDK) on %s/v1/spaces/{spaceId}", http_url)
             console_url = None
             if args.console:
-                from .console import serve_console
-
                 chost, cport = _parse_listen(args.console)
                 if coord.keys.open_mode and not _is_loopback(chost) and not args.insecure:
                     raise ValidationError(
@@ -291,6 +390,8 @@ async def _serve(args) -> int:
                     log.info("received %s: draining (no new connections, finishing in-flight requests)",
                              signal.Signals(signum).name)
                     break
+            # from now on no renewal can be heard: the next start extends leases from here
+            node.stop_hearing()
             # drain() answers what is still in flight after the timeout UNAVAILABLE;
             # the outer bound is a safety net only.
             http_stop.set()
@@ -506,12 +607,24 @@ def cmd_serve(args) -> int:
     except ValidationError as e:
         print(f"rallypoint: {e.message}", file=sys.stderr)
         return 2
+    # A single node binds its client ports now, before the imports and the recovery
+    # (_bind_listeners: a client that connects during a restart waits, not refused), or
+    # takes the ones a supervisor kept open for it (_inherited_listeners).
+    args.bound = {}
+    inherited = [] if args.cluster else _inherited_listeners()
     for flag, addr in (("--listen", args.listen), ("--metrics", args.metrics), ("--http", args.http),
                        ("--console", args.console)):
         if addr:
             try:
-                _check_listen_free(*_parse_listen(addr))
+                if flag in ("--metrics", "--console") or args.cluster:
+                    _check_listen_free(*_parse_listen(addr))
+                else:
+                    args.bound[flag] = _take_inherited(inherited, *_parse_listen(addr)) or _bind_listeners(
+                        *_parse_listen(addr))
             except OSError as e:
+                for socks in args.bound.values():
+                    for s in socks:
+                        s.close()
                 print(f"rallypoint: {_listen_error(addr, flag, e)}", file=sys.stderr)
                 return 2
     try:

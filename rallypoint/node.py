@@ -45,6 +45,15 @@ class Node:
         self.data_dir = data_dir
         self.durability = durability
         self.recovery_info: dict = {}
+        self._stop_hearing = None
+
+    def stop_hearing(self) -> None:
+        """The node stops taking requests (a SIGTERM's drain begins): from now on no
+        lease holder can be heard, so the next start extends leases from this instant,
+        not from the last heartbeat (:class:`~rallypoint.persistence.clockfile.ClockFile`,
+        "Deaf since"). Idempotent; nothing to do without a data dir."""
+        if self._stop_hearing is not None:
+            self._stop_hearing()
 
 
 @asynccontextmanager
@@ -585,11 +594,13 @@ def recover_coordinator(data_dir: str, coordinator) -> tuple[object, dict]:
     return rec, info
 
 
-def _write_clock(clock_file, clock, mono_ms: int | None = None, wall_ms: int | None = None) -> None:
-    """The heartbeat pair, best effort: a full disk must not stop the node for it (an
-    older pair only makes the restart's lease extension larger)."""
+def _write_clock(clock_file, clock, mono_ms: int | None = None, wall_ms: int | None = None,
+                 deaf_since_ms: int | None = None) -> None:
+    """The heartbeat pair (and deaf mark), best effort: a full disk must not stop the
+    node for it (an older pair only makes the restart's lease extension larger)."""
     try:
-        clock_file.write(clock.mono_ms() if mono_ms is None else mono_ms, clock.now_ms() if wall_ms is None else wall_ms)
+        clock_file.write(clock.mono_ms() if mono_ms is None else mono_ms, clock.now_ms() if wall_ms is None else wall_ms,
+                         deaf_since_ms)
     except OSError as e:
         log.debug("clock heartbeat not written: %s", e)
 
@@ -601,7 +612,7 @@ class Recovery:
     (:mod:`rallypoint.cluster`) keeps it as a standby in between."""
 
     def __init__(self, data_dir: str, durability: str, coordinator, rec, info: dict, clock: Clock, clock_file,
-                 gap_ms: int, storage: "Storage") -> None:
+                 gap_ms: int, storage: "Storage", last_heard_ms: int | None = None) -> None:
         self.data_dir = data_dir
         self.durability = durability
         self.coordinator = coordinator
@@ -612,6 +623,11 @@ class Recovery:
         #: server time that passed since the last heartbeat of this data dir (ms): the
         #: time no lease holder could be heard (extended at start)
         self.gap_ms = gap_ms
+        #: server time (ms) when lease holders were last heard: the previous process's
+        #: deaf mark (its drain began), else its last heartbeat; None on a first start
+        self.last_heard_ms = last_heard_ms
+        #: this process's deaf mark (:meth:`stop_hearing`), carried by every later write
+        self.deaf_since_ms: int | None = None
         self.storage = storage
         self.snapshotter: Snapshotter | None = None
         #: the journal's options (mode, interval, disk space, sync helper), to open it
@@ -619,8 +635,23 @@ class Recovery:
         self.journal_options: dict = {}
 
     def write_clock(self, mono_ms: int | None = None, wall_ms: int | None = None) -> None:
-        """Persist a (server time, wall time) pair, best effort (the heartbeat)."""
-        _write_clock(self.clock_file, self.clock, mono_ms, wall_ms)
+        """Persist a (server time, wall time) pair, best effort (the heartbeat), with the
+        deaf mark once :meth:`stop_hearing` was called."""
+        _write_clock(self.clock_file, self.clock, mono_ms, wall_ms, self.deaf_since_ms)
+
+    def stop_hearing(self) -> None:
+        """Record that no lease holder can be heard from now (the drain began; see
+        :meth:`Node.stop_hearing`): written at once, and with every later heartbeat."""
+        if self.deaf_since_ms is None:
+            self.deaf_since_ms = self.clock.mono_ms()
+            self.write_clock()
+
+    def unheard_ms(self) -> int:
+        """Server time since lease holders were last heard (:attr:`last_heard_ms`),
+        ms: what a restart gives back to every outstanding lease (0 on a first start)."""
+        if self.last_heard_ms is None:
+            return 0
+        return max(0, self.clock.mono_ms() - self.last_heard_ms)
 
     async def reopen_journal(self) -> None:
         """Close the journal (flushed, fsynced, its clean end recorded) and open a new
@@ -672,11 +703,13 @@ async def recovered(
     clock_file = ClockFile(data_dir)
     try:
         clock = clock or Clock()
-        last = clock_file.read()
+        last = clock_file.read_full()
         gap_ms = 0
+        last_heard = None
         if last is not None:
-            clock.resume(*last)  # server time continues, never backward
+            clock.resume(last[0], last[1])  # server time continues, never backward
             gap_ms = clock.mono_ms() - last[0]
+            last_heard = last[2] if last[2] is not None and last[2] <= last[0] else last[0]
         coord = Coordinator(clock=clock, durability=durability, **(retention or {}))
         storage.on_coordinator(coord)
         rec, info = recover_coordinator(data_dir, coord)
@@ -689,7 +722,8 @@ async def recovered(
         except BaseException:
             rec.store.close()
             raise
-        recovery = Recovery(data_dir, durability, coord, rec, info, clock, clock_file, gap_ms, storage)
+        recovery = Recovery(data_dir, durability, coord, rec, info, clock, clock_file, gap_ms, storage,
+                            last_heard_ms=last_heard)
         recovery.journal_options = dict(mode=durability, interval_ms=interval_ms, min_free_bytes=min_free_bytes,
                                         ballast_bytes=ballast_bytes, space_poll_s=space_poll_s,
                                         preallocate_bytes=preallocate_bytes, sync=sync_helper,
@@ -737,24 +771,29 @@ async def serving(
     before_rearm=None,
 ) -> AsyncIterator[Node]:
     """Serve a recovered data dir: re-arm every activity, extend outstanding leases by
-    the time no holder could be heard (``gap_ms``, default the downtime since the data
-    dir's last heartbeat), run the coordinator and snapshots until the block ends; then
-    a final snapshot (on a clean exit) and the journal closed. ``before_rearm(coord)``
-    runs first (a new leader journals its epoch there)."""
+    the time no holder could be heard (``gap_ms``; default: from the previous process's
+    deaf mark -- its drain's start -- or else its last heartbeat, until now, so the
+    restart's exit, start-up and recovery all count: :meth:`Recovery.unheard_ms`), run
+    the coordinator and snapshots until the block ends; then a final snapshot (on a
+    clean exit) and the journal closed. ``before_rearm(coord)`` runs first (a new
+    leader journals its epoch there)."""
     coord = recovery.coordinator
     info = recovery.info
     if before_rearm is not None:
         before_rearm(coord)
     coord.rearm_all()
     # the server could not hear renewals while it was down: leases get that time back
-    info["leases_extended_ms"] = coord.extend_leases_after_restart(recovery.gap_ms if gap_ms is None else gap_ms)
+    if gap_ms is None:
+        gap_ms = recovery.unheard_ms()
+    info["leases_extended_ms"] = coord.extend_leases_after_restart(gap_ms)
     coord.heartbeat = lambda mono, wall: recovery.write_clock(mono, wall)
-    recovery.write_clock()
+    recovery.write_clock()  # (hearing again: the previous deaf mark is gone)
     info["entities"] = coord.entity_count()
-    info["downtime_s"] = recovery.gap_ms / 1000 if gap_ms is None else gap_ms / 1000
+    info["downtime_s"] = gap_ms / 1000
     _log_recovery(recovery)
     node = Node(coord, recovery.data_dir, recovery.durability)
     node.recovery_info = info
+    node._stop_hearing = recovery.stop_hearing
     snap = recovery.snapshotter_for(every_records=snapshot_every_records, every_s=snapshot_every_s,
                                     retry_s=snapshot_retry_s)
     coord.background.append(snap.run)

@@ -100,12 +100,15 @@ class HttpDaemon:
     listener of the same daemon."""
 
     def __init__(self, data_dir: str, space: str = "compat", durability: str = "interval",
-                 extra: list[str] | None = None, open_mode: bool = False) -> None:
+                 extra: list[str] | None = None, open_mode: bool = False, pass_fds: tuple = (),
+                 env: dict | None = None) -> None:
         self.data_dir = data_dir
         self.space = space
         self.durability = durability
         self.extra = extra or []
         self.open_mode = open_mode
+        self.pass_fds = pass_fds  # listening sockets it inherits (RALLYPOINT_LISTEN_FDS in env)
+        self.extra_env = env or {}
         self.secret = ""
         self.proc: subprocess.Popen | None = None
         self.base_url = ""
@@ -115,6 +118,7 @@ class HttpDaemon:
     def _env(self) -> dict:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(self.extra_env)
         return env
 
     def start(self, timeout: float = 30.0) -> "HttpDaemon":
@@ -128,7 +132,8 @@ class HttpDaemon:
         args = [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
                 "--data-dir", self.data_dir, "--durability", self.durability, *self.extra]
         self._logf = open(self.log, "a")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._logf, text=True, env=self._env())
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self._logf, text=True, env=self._env(),
+                                     pass_fds=self.pass_fds)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()

@@ -28,8 +28,11 @@ def test_serve_help_shows_the_connection_limits_defaults():
     out = subprocess.run([sys.executable, "-m", "rallypoint", "serve", "--help"], capture_output=True, text=True,
                          timeout=60, env={"COLUMNS": "200", "PATH": ""})
     assert out.returncode == 0, out.stderr
-    text = " ".join(out.stdout[out.stdout.index("options:"):].split())  # (past the usage lines)
+    import re
+
+    options = out.stdout[out.stdout.index("options:"):]
     for option, default in (("--max-connections", "1024"), ("--max-inflight", "256"), ("--drain-timeout", "30.0"),
                             ("--max-outgoing-bytes", "4194304"), ("--handshake-timeout", "10.0")):
-        after = text[text.index(option + " "):]
-        assert f"(default {default})" in after[: after.index(" --", 2)], option
+        # the option's own help: from its line to the next line that starts an option
+        m = re.search(rf"^  {option} [A-Z_]+\n?(.*?)(?=^  -)", options, re.M | re.S)
+        assert m and f"(default {default})" in " ".join(m.group(1).split()), (option, m and m.group(1))

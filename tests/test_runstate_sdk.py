@@ -831,3 +831,79 @@ def test_the_readme_runstate_setup_runs_as_written(tmp_path, py03, with_keys):
     finally:
         d.terminate()
         d.wait(30)
+
+
+RESTART_WORKER_03 = r'''
+import json, os, sys, threading, time
+import runstate
+marker = os.environ["MARKER"]
+rs = runstate.Runstate(run="restart-run", worker="restart-worker")
+starts = []
+@rs.queue("restart-q", lease="5s", attempts=3)
+def long_job(n):
+    starts.append(runstate.context().attempt)
+    print("START", len(starts), flush=True)
+    while not os.path.exists(marker):
+        time.sleep(0.02)
+    return n * 10
+threading.Thread(target=rs.serve, daemon=True).start()
+producer = runstate.Runstate(run="restart-run", worker="restart-producer")
+result = producer.queue("restart-q").send(7).result(timeout="120s")
+print(json.dumps({"result": result, "starts": starts}), flush=True)
+'''
+
+
+def test_a_runstate_worker_keeps_its_job_across_a_daemon_restart(tmp_path, py03):
+    """Issue 31 item 5: a 0.3 worker holding a job (5 s lease, renewed every ~1.7 s)
+    while the daemon restarts (SIGTERM, then the same command again) keeps it: its
+    renewals sent meanwhile wait in the listening socket's backlog (kept open by the
+    supervisor -- here this test -- across the restart, RALLYPOINT_LISTEN_FDS) and are
+    answered once the new process serves, and the lease was extended by everything the
+    server could not hear (drain, exit, start-up, recovery), so they are in time. The
+    job runs once, attempt 1, long after its first lease would have run out."""
+    import os
+    import subprocess
+
+    socks = []
+    for _ in range(2):  # the daemon's --listen and --http, held by the "supervisor"
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen(128)
+        s.set_inheritable(True)
+        socks.append(s)
+    (tcp_port, http_port) = (s.getsockname()[1] for s in socks)
+    fds = tuple(s.fileno() for s in socks)
+    d = HttpDaemon(str(tmp_path / "data"), durability="fsync", open_mode=True, space="default",
+                   extra=["--listen", f"127.0.0.1:{tcp_port}", "--http", f"127.0.0.1:{http_port}"],
+                   pass_fds=fds, env={"RALLYPOINT_LISTEN_FDS": ",".join(map(str, fds))}).start()
+    marker = tmp_path / "finish"
+    env = d.sdk_env()
+    env["MARKER"] = str(marker)
+    worker = subprocess.Popen([py03, "-c", RESTART_WORKER_03], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env)
+    try:
+        assert worker.stdout.readline().split() == ["START", "1"], worker.stderr.read()[-3000:]
+        base = f"{d.base_url}/v1/spaces/default"
+        (mbx,) = [m["id"] for m in httpx.get(f"{base}/mailboxes").json()["mailboxes"] if m["name"] == "restart-q"]
+        (task,) = httpx.get(f"{base}/mailboxes/{mbx}/messages").json()["messages"]
+        assert d.stop() == 0  # SIGTERM: drain, final snapshot, exit
+        d.start()  # the same command again (the held sockets: no connect is refused meanwhile)
+        ready = time.monotonic()
+        # one full lease and more after the restart, the job is still this worker's
+        while time.monotonic() < ready + 7:
+            v = httpx.get(f"{base}/tasks/{task['id']}").json()
+            assert (v["state"], v["attempt"]) == ("RUNNING", 1), v
+            time.sleep(0.2)
+        marker.touch()
+        out, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {"result": 70, "starts": [1]}, out + err[-2000:]
+        v = httpx.get(f"{base}/tasks/{task['id']}").json()
+        assert (v["state"], v["attempt"], v["outcome"]) == ("SUCCEEDED", 1, 70), v
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        assert d.stop() == 0, d.log.read_text()[-3000:]
+        for s in socks:
+            s.close()

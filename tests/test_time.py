@@ -162,6 +162,71 @@ async def test_a_restart_gives_leases_back_the_downtime(tmp_path, autojump_clock
             assert lease.token == held.token
 
 
+async def test_a_restart_gives_back_the_drain_and_the_start_up_too(tmp_path, autojump_clock):
+    # Issue 31 item 5: the server stops hearing renewals when its drain begins
+    # (Node.stop_hearing, at SIGTERM), not at its last heartbeat after the final
+    # snapshot; and it hears again only once it serves, after recovery and start-up.
+    # Given a 30 s lease, a 20 s drain, 5 s down and 12 s of recovery and start-up
+    # (slow, on a loaded machine), a renewal 2 s after the restart is in time: leases
+    # are extended by the 37 s in which no renewal could be heard.
+    from rallypoint.client.api import Client
+    from rallypoint.client.embedded import EmbeddedTransport
+    from rallypoint.node import recovered, serving
+
+    d = str(tmp_path / "data")
+    async with controlled_time() as tc:
+        clock = Clock()
+        async with rallypoint.open_embedded(d, durability="fsync", clock=clock) as rs:
+            mbx = await rs.mailboxes.ensure("w")
+            run = await rs.scopes.create()
+            await mbx.submit("x", scope=run)
+            held = await mbx.receive(run, lease_seconds=30, wait=0)
+            rs.node.stop_hearing()  # SIGTERM: the listeners close, the drain begins
+            await tc.advance(20)  # a long drain (in-flight requests finishing)
+        await tc.advance(5)  # down
+        async with recovered(d, "fsync", clock=clock, interval_ms=10) as recovery:
+            await tc.advance(12)  # recovery, imports, binding: no renewal is heard yet
+            async with serving(recovery, snapshot_every_records=100_000, snapshot_every_s=60) as node:
+                assert node.recovery_info["leases_extended_ms"] == pytest.approx(37_000, abs=5)
+                await tc.advance(2)  # 39 s after the lease was granted: its 30 s ran out long ago
+                rs = Client(EmbeddedTransport(node.service))
+                lease = await rs._call(p.DeliveryRenew(task_id=held.task_id, token=held.token, lease_ms=30_000),
+                                       t._LeaseReply)
+                assert lease.token == held.token
+                info = await rs.task(held.task_id).status()
+                assert (info.state, info.attempt) == ("RUNNING", 1)
+                await rs._transport.aclose()
+        # the mark is gone once the node serves again: a later restart counts from its own
+        from rallypoint.persistence.clockfile import ClockFile
+
+        assert ClockFile(d).read_full()[2] is None
+
+
+def test_the_clock_file_keeps_its_old_layout_readable():
+    # The deaf mark is a block after the original 24 bytes: a reader of those (an older
+    # rallypoint) reads the same pair, and an older file reads as "hearing".
+    import struct
+    import tempfile
+    import zlib
+
+    from rallypoint.persistence.clockfile import ClockFile
+
+    with tempfile.TemporaryDirectory() as d:
+        cf = ClockFile(d)
+        cf.write(1000, 2000, deaf_since_ms=900)
+        assert cf.read() == (1000, 2000) and cf.read_full() == (1000, 2000, 900)
+        with open(os.path.join(d, "CLOCK"), "rb") as f:
+            head = f.read(24)
+        magic, mono, wall, crc = struct.unpack(">4sqqI", head)
+        assert (magic, mono, wall) == (b"RPCK", 1000, 2000) and crc == zlib.crc32(head[:20])
+        with open(os.path.join(d, "CLOCK"), "r+b") as f:
+            f.truncate(24)  # as an older rallypoint wrote it
+        assert ClockFile(d).read_full() == (1000, 2000, None)
+        cf.write(1100, 2100)
+        assert cf.read_full() == (1100, 2100, None)
+        cf.close()
+
+
 # ------------------------------------------------------------------ stalls
 
 

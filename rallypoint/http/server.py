@@ -252,6 +252,7 @@ async def serve_http(
     metrics: Any = None,
     shutdown: trio.Event | None = None,
     api: Any = None,
+    listeners: list | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the HTTP API on ``host:port`` (0: any free port) until ``shutdown`` is set
@@ -267,7 +268,8 @@ async def serve_http(
     :class:`rallypoint.metrics.Metrics` that counts every operation (None: not counted);
     ``api``: another ASGI application with ``HttpApi``'s ``log_limiter``/``listener``/
     ``metrics`` attributes instead (a cluster node's, :mod:`rallypoint.cluster.forward`;
-    ``service`` is then unused).
+    ``service`` is then unused); ``listeners``: ``trio.SocketListener``s already bound
+    (``rallypoint serve`` binds before it recovers; None: bind ``host:port`` here).
 
     Raises OSError (EADDRINUSE...) if the address cannot be bound, before ``started``.
     """
@@ -285,7 +287,8 @@ async def serve_http(
         cfg.certfile = certfile
         cfg.keyfile = keyfile
         ssl_context = cfg.create_ssl_context()
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    if listeners is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
     scheme = "https" if ssl_context is not None else "http"
     urls = [_url(scheme, ln.socket.getsockname()) for ln in listeners]
     server = HttpListener(api, cfg, ssl_context=ssl_context, max_connections=max_connections,
