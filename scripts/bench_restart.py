@@ -98,12 +98,50 @@ class PortWatch(threading.Thread):
         return None
 
 
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) the process ``pid`` used so far, or None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuWatch(threading.Thread):
+    """Samples a process's CPU time every 2 ms: the last sample before it is gone, and
+    the first sample after each of the given moments (set later by the port pollers)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.samples: list[tuple[float, float]] = []
+
+    def run(self) -> None:
+        while True:
+            c = cpu_s(self.pid)
+            if c is None:
+                return
+            self.samples.append((time.monotonic(), c))
+            time.sleep(0.002)
+
+    def at(self, t: float | None) -> float | None:
+        if t is None:
+            return None
+        for ts, c in self.samples:
+            if ts >= t:
+                return c
+        return self.samples[-1][1] if self.samples else None
+
+
 def start_daemon(args: list[str], env: dict, log_path: str) -> tuple[subprocess.Popen, float, float]:
     """Start ``rallypoint serve`` (stderr into ``log_path``); (process, exec time, READY time)."""
     with open(log_path, "w") as log:
         t0 = time.monotonic()
         p = subprocess.Popen([sys.executable, "-m", "rallypoint", "serve", *args], stdout=subprocess.PIPE,
                              stderr=log, text=True, env=env)
+    p.cpu = CpuWatch(p.pid)
+    p.cpu.start()
     ready = None
     while True:
         line = p.stdout.readline()
@@ -140,6 +178,10 @@ def log_times(stderr_text: str) -> dict:
             out["startup"] = t
         elif "draining" in rec.get("msg", ""):
             out["signal_logged"] = t
+        elif "stopping the coordinator" in rec.get("msg", "") or "closing the coordinator" in rec.get("msg", ""):
+            out["closing"] = t
+        elif "stopped cleanly" in rec.get("msg", ""):
+            out["stopped"] = t
     return out
 
 
@@ -190,9 +232,12 @@ def main() -> int:
         for i in range(a.restarts):
             time.sleep(0.5)
             t_sig = time.monotonic()
+            p_old_cpu = p.cpu
             p.send_signal(sig)
             p.communicate(timeout=120)
             t_exit = time.monotonic()
+            wall_exit = time.time()
+            old_log = log_times((logs / f"{i}.log").read_text())
             p, t_exec, t_ready = start_daemon(args, env, str(logs / f"{i + 1}.log"))
             # (the pollers noticed the new ports meanwhile; give the last one a moment)
             time.sleep(0.05)
@@ -220,6 +265,15 @@ def main() -> int:
             if new_log.get("recovery_s") is not None:
                 row["start: recovery itself"] = new_log["recovery_s"]
                 row["leases extended by (s)"] = (new_log.get("leases_extended_ms") or 0) / 1000
+            old_cpu = p_old_cpu.samples
+            if old_cpu:
+                sig_cpu = p_old_cpu.at(t_sig)
+                row["stop CPU: signal -> exit (s of CPU)"] = old_cpu[-1][1] - (sig_cpu or 0)
+            row["start CPU: exec -> HTTP port takes connections (s of CPU)"] = p.cpu.at(http_back)
+            row["start CPU: exec -> READY (s of CPU)"] = p.cpu.at(t_ready)
+            if old_log.get("closing") and old_log.get("stopped"):
+                row["stop: listeners closed -> coordinator closed (log)"] = old_log["stopped"] - old_log["closing"]
+                row["stop: coordinator closed -> process exited"] = wall_exit - old_log["stopped"]
             if new_log.get("recovered") and new_log.get("startup"):
                 row["start: recovered -> listening (log)"] = new_log["startup"] - new_log["recovered"]
             rows.append(row)
@@ -237,7 +291,10 @@ def main() -> int:
     print(f"\nmedian of {len(rows)} restarts ({a.tasks} tasks, half leased; durability {a.durability}; "
           f"SIG{a.signal}; load average {load[0]:.1f} on {os.cpu_count()} cores, a shared machine):")
     for k, v in summary.items():
-        print(f"  {k:45} {v * 1000:9.0f} ms")
+        if "CPU" in k:
+            print(f"  {k:60} {v:9.2f} s")
+        else:
+            print(f"  {k:60} {v * 1000:9.0f} ms")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "median": summary, "load": load, "tasks": a.tasks}, f, indent=1)
