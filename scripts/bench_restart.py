@@ -134,12 +134,14 @@ class CpuWatch(threading.Thread):
         return self.samples[-1][1] if self.samples else None
 
 
-def start_daemon(args: list[str], env: dict, log_path: str) -> tuple[subprocess.Popen, float, float]:
-    """Start ``rallypoint serve`` (stderr into ``log_path``); (process, exec time, READY time)."""
+def start_daemon(args: list[str], env: dict, log_path: str, tree: str) -> tuple[subprocess.Popen, float, float]:
+    """Start ``rallypoint serve`` of ``tree`` (its directory as the working directory:
+    ``python -m`` looks there first); stderr into ``log_path``; (process, exec time,
+    READY time)."""
     with open(log_path, "w") as log:
         t0 = time.monotonic()
         p = subprocess.Popen([sys.executable, "-m", "rallypoint", "serve", *args], stdout=subprocess.PIPE,
-                             stderr=log, text=True, env=env)
+                             stderr=log, text=True, env=env, cwd=tree)
     p.cpu = CpuWatch(p.pid)
     p.cpu.start()
     ready = None
@@ -192,8 +194,11 @@ def populate(tcp_url: str, tasks: int) -> None:
 
     async def main():
         async with rallypoint.connect(tcp_url) as rs:
+            from rallypoint import protocol as p
+
             run = await rs.scopes.create(name="bench-restart")
-            m = await rs.mailboxes.ensure("bench-restart")
+            await rs._call(p.MailboxEnsure(name="bench-restart"), dict)  # (the op as any tree takes it)
+            m = rs.mailbox("bench-restart")
             for lo in range(0, tasks, 500):
                 await m.submit_many([{"i": i} for i in range(lo, min(tasks, lo + 500))], scope=run)
             left = tasks // 2
@@ -224,7 +229,7 @@ def main() -> int:
     rows = []
     logs = Path(data) / "logs"
     logs.mkdir()
-    p, _, _ = start_daemon(args, env, str(logs / "0.log"))
+    p, _, _ = start_daemon(args, env, str(logs / "0.log"), a.tree)
     populate(f"tcp://127.0.0.1:{tcp_port}", a.tasks)
     tcp_watch.start()
     http_watch.start()
@@ -238,7 +243,7 @@ def main() -> int:
             t_exit = time.monotonic()
             wall_exit = time.time()
             old_log = log_times((logs / f"{i}.log").read_text())
-            p, t_exec, t_ready = start_daemon(args, env, str(logs / f"{i + 1}.log"))
+            p, t_exec, t_ready = start_daemon(args, env, str(logs / f"{i + 1}.log"), a.tree)
             # (the pollers noticed the new ports meanwhile; give the last one a moment)
             time.sleep(0.05)
             wall_exec = time.time() - (time.monotonic() - t_exec)

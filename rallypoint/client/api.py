@@ -589,11 +589,12 @@ class Mailboxes:
         quota requirements, or requirements on an INBOX mailbox; NOT_FOUND for a pool or
         budget that does not exist (create those first)."""
         given = {"mode": mode, "max_attempts": max_attempts, "backlog_limit": backlog_limit}
+        checked = [k for k, v in given.items() if v is not None]
         info = await self._rs._call(
             p.MailboxEnsure(name=name, mode="WORK" if mode is None else mode,
                             max_attempts=5 if max_attempts is None else max_attempts, backlog_limit=backlog_limit,
                             requirements=_requirements(requirements),
-                            checked=[k for k, v in given.items() if v is not None]),
+                            checked=None if len(checked) == 3 else checked),  # (None: all, as before the field)
             t.MailboxInfo,
         )
         return Mailbox(self._rs, info.name, info)
