@@ -848,7 +848,8 @@ def long_job(n):
     return n * 10
 threading.Thread(target=rs.serve, daemon=True).start()
 producer = runstate.Runstate(run="restart-run", worker="restart-producer")
-result = producer.queue("restart-q").send(7).result(timeout="120s")
+# (the same attempts as the worker: whichever declares the queue first, the other agrees)
+result = producer.queue("restart-q", attempts=3).send(7).result(timeout="120s")
 print(json.dumps({"result": result, "starts": starts}), flush=True)
 '''
 
