@@ -76,6 +76,23 @@ def _bounded(cast, minimum, inclusive: bool = True, maximum=None):
     return parse
 
 
+def _event_cursor(text: str):
+    """``watch --cursor``: an event's seq (a single node) or the vector string a watch of
+    a cluster of several shards printed (``0:120,1:45,2:9``; the SDK checks its shards)."""
+    from .client.shardevents import _VECTOR
+
+    t = text.strip()
+    if t.isdigit():
+        return _bounded(int, 0, maximum=2**63 - 1)(t)
+    if _VECTOR.match(t):
+        return t
+    raise argparse.ArgumentTypeError(f"must be an event's seq, or SHARD:SEQ,... in a cluster of several shards "
+                                     f"(got {text})")
+
+
+_event_cursor.__name__ = "cursor"
+
+
 def _parse_listen(s: str) -> tuple[str, int]:
     """``HOST:PORT`` -> (host, port). Raises VALIDATION_FAILED on anything else."""
     from .errors import ValidationError
@@ -1142,7 +1159,7 @@ def _event_line(e):
     what = e.type.split(".", 1)[1]
     style = _STYLE.get(what, "")
     line = Text()
-    line.append(f"{e.seq:>8} ", style="dim")
+    line.append(f"{e.seq:>8} " if e.shard is None else f"{e.shard:>3}:{e.seq:<6} ", style="dim")
     line.append(e.at.strftime("%H:%M:%S.%f")[:-3] + " ", style="dim")
     line.append(f"{e.type:<24}", style=style)
     line.append(f" {e.kind}:{e.id}")
@@ -1153,9 +1170,15 @@ def _event_line(e):
     return line
 
 
-def _event_json(e) -> str:
-    return json.dumps({"seq": e.seq, "type": e.type, "kind": e.kind, "id": e.id, "run": e.run,
-                       "at": e.at.isoformat().replace("+00:00", "Z"), "data": e.data}, separators=(",", ":"))
+def _event_json(e, cursor=None) -> str:
+    """One event as a JSON line; in a cluster of several shards also its ``shard`` and
+    the watch's ``cursor`` after it (the vector ``--cursor`` resumes from)."""
+    out = {"seq": e.seq, "type": e.type, "kind": e.kind, "id": e.id, "run": e.run,
+           "at": e.at.isoformat().replace("+00:00", "Z"), "data": e.data}
+    if e.shard is not None:
+        out["shard"] = e.shard
+        out["cursor"] = cursor
+    return json.dumps(out, separators=(",", ":"))
 
 
 def cmd_watch(args) -> int:
@@ -1163,7 +1186,10 @@ def cmd_watch(args) -> int:
     now (default), after ``--cursor``, or from the oldest kept (``--from-start``);
     ``--types``, ``--run`` (and everything below it), ``--aggregate`` filter; ``--json``
     one object a line; ``--count N`` stops after N events. Resumes by itself across a
-    daemon restart. Ctrl-C ends it (exit 0)."""
+    daemon restart. Ctrl-C ends it (exit 0). Against a cluster of several shards it
+    merges every shard's events (docs/events.md): lines show ``shard:seq``, ``--json``
+    adds ``shard`` and ``cursor`` (the vector ``--cursor`` takes), and ``--count``
+    ends by printing the cursor to resume with."""
     import rallypoint
     from rich.console import Console
 
@@ -1203,12 +1229,15 @@ def cmd_watch(args) -> int:
                                                aggregate=args.aggregate, start=begin) as stream:
                         async for e in stream:
                             if args.json:
-                                sys.stdout.write(_event_json(e) + "\n")
+                                sys.stdout.write(_event_json(e, stream.cursor) + "\n")
                                 sys.stdout.flush()
                             else:
                                 console.print(_event_line(e))
                             printed[0] += 1
                             if args.count and printed[0] >= args.count:
+                                if isinstance(stream.cursor, str):  # several shards: a vector, not the last seq
+                                    print(f"rallypoint watch: resume with --cursor {stream.cursor}", file=sys.stderr,
+                                          flush=True)
                                 return
                     return
                 except CursorExpiredError as exc:
@@ -1893,7 +1922,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--run", metavar="RUN_ID", help="only this run and the runs below it")
     w.add_argument("--aggregate", metavar="KIND:ID", help="only this entity (task:tsk_..., or an id)")
     wpos = w.add_mutually_exclusive_group()
-    wpos.add_argument("--cursor", type=_bounded(int, 0, maximum=2**63 - 1), help="start after this event seq (resume)")
+    wpos.add_argument("--cursor", type=_event_cursor,
+                      help="start after this event seq (resume); in a cluster of several shards the position "
+                           "per shard as --json's cursor gives it (SHARD:SEQ,...)")
     wpos.add_argument("--from-start", action="store_true", help="start at the oldest event kept (default: now)")
     w.add_argument("--json", action="store_true", help="one JSON object a line")
     w.add_argument("--count", type=_bounded(int, 1), help="stop after this many events")

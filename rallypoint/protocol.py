@@ -1169,8 +1169,10 @@ class KeyListView(_View):
 
 class EventView(_View, omit_defaults=True):
     """One event (see docs/events.md). ``seq`` is the space-wide sequence number (the
-    cursor), ``kind``/``id`` the aggregate, ``run`` the run it happened in, ``at`` the
-    instant of the change (ISO 8601), ``data`` a small payload."""
+    cursor; in a sharded cluster, the sequence of the shard that numbered it),
+    ``kind``/``id`` the aggregate, ``run`` the run it happened in, ``at`` the instant of
+    the change (ISO 8601), ``data`` a small payload, ``shard`` the shard that numbered
+    it (a node of a sharded cluster sets it; None, and not sent, on a single node)."""
 
     seq: int
     type: str
@@ -1179,6 +1181,7 @@ class EventView(_View, omit_defaults=True):
     at: Instant
     run: str | None = None
     data: dict[str, Any] | None = None
+    shard: int | None = None
 
 
 class EventsList(_Op, tag="events.list"):

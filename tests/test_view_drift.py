@@ -47,6 +47,10 @@ def _expected_sdk_type(tp: Any, sdk_types: dict) -> Any:
 SDK_DECLARED = {
     (p.MailboxView, "requirements"): dict[str, dict[str, int]] | None,
     (p.EventPageView, "events"): list[t.Event],
+    # over several shards the SDK's merged page carries vector cursors (strings)
+    (p.EventPageView, "next_cursor"): int | str,
+    (p.EventPageView, "oldest"): int | str,
+    (p.EventPageView, "newest"): int | str,
 }
 
 

@@ -32,7 +32,7 @@ from .common import check_range
 from .kind import Kind
 from .opmark import ALL, ALWAYS, R, SPACE, in_slot, op
 from .runtime import Subscribe
-from .watch import durable_upto, encode_event
+from .watch import durable_upto, encode_event, shard_of
 
 __all__ = ["Spaces", "space_actor_id"]
 
@@ -104,7 +104,8 @@ class Spaces(Kind):
         log = self.coord.events
         s, cursor = log.check_cursor(session.space, op.cursor)
         evs, nxt = log.page(s, cursor, op.limit, flt, s.last_seq)
-        return EventPageView(events=[msgspec.Raw(encode_event(e)) for e in evs], next_cursor=nxt,
+        shard = shard_of(self.coord)
+        return EventPageView(events=[msgspec.Raw(encode_event(e, shard)) for e in evs], next_cursor=nxt,
                              oldest=s.first_seq, newest=s.last_seq)
 
     @op(EventsWatch, route=SPACE, permission=R, resend=ALWAYS, reply=WatchView,

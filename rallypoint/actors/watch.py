@@ -40,7 +40,7 @@ from ..errors import CursorExpiredError, SlowConsumerError, UnavailableError
 from ..events import EventFilter
 from ..protocol import EventView, encoder
 
-__all__ = ["Watcher", "Watchers", "MAX_PUSH_EVENTS", "PROGRESS_S", "encode_event"]
+__all__ = ["Watcher", "Watchers", "MAX_PUSH_EVENTS", "PROGRESS_S", "encode_event", "shard_of"]
 
 log = logging.getLogger("rallypoint.watch")
 
@@ -61,18 +61,19 @@ def _iso(ms: int) -> str:
     return memo[1]
 
 
-def view(e) -> EventView:
-    """The wire form of an event (positional: EventView(seq, type, kind, id, at, run, data))."""
+def view(e, shard: int | None = None) -> EventView:
+    """The wire form of an event (positional: EventView(seq, type, kind, id, at, run,
+    data, shard)); ``shard``: the shard that numbered it (None on a single node)."""
     memo = _iso_memo
     ms = e.at_ms
     if memo[0] != ms:
         memo[0], memo[1] = ms, to_iso(ms)
-    return EventView(e.seq, e.type, e.kind, e.id, memo[1], e.run, e.data)
+    return EventView(e.seq, e.type, e.kind, e.id, memo[1], e.run, e.data, shard)
 
 
-def views(entries) -> list:
+def views(entries, shard: int | None = None) -> list:
     """The wire forms of consecutive events (an instant rendered once per run of equal
-    ones: the events of a commit share it)."""
+    ones: the events of a commit share it) of the shard ``shard`` (None: a single node)."""
     out = []
     append = out.append
     last_ms = -1
@@ -82,16 +83,23 @@ def views(entries) -> list:
         if ms != last_ms:
             last_ms = ms
             iso = to_iso(ms)
-        append(EventView(e.seq, e.type, e.kind, e.id, iso, e.run, e.data))
+        append(EventView(e.seq, e.type, e.kind, e.id, iso, e.run, e.data, shard))
     return out
 
 
-def encode_event(e) -> bytes:
-    """The wire form of one event (an EventView), made once and cached on the event."""
+def encode_event(e, shard: int | None = None) -> bytes:
+    """The wire form of one event (an EventView), made once and cached on the event
+    (``shard``: the coordinator's, which never changes; None on a single node)."""
     raw = e.raw
     if raw is None:
-        raw = e.raw = _encode(view(e))
+        raw = e.raw = _encode(view(e, shard))
     return raw
+
+
+def shard_of(coord) -> int | None:
+    """The shard a coordinator's events carry: its own in a sharded cluster, else None."""
+    sharding = coord.sharding
+    return None if sharding is None else sharding.shard
 
 
 class Watcher:
@@ -222,6 +230,7 @@ class Watchers:
         """Push every watcher what is durable and new for it (as much as its sink takes)."""
         streams = self.coord.events.streams
         share = len(self.watchers) > 1
+        shard = shard_of(self.coord)
         for w in list(self.watchers):
             if w.closed:
                 self._drop(w)
@@ -229,9 +238,10 @@ class Watchers:
             s = streams.get(w.space)
             if s is None:
                 continue
-            self._serve_one(w, s, durable_lsn, now, share)
+            self._serve_one(w, s, durable_lsn, now, share, shard)
 
-    def _serve_one(self, w: Watcher, s, durable_lsn: int, now: float, share: bool = True) -> None:
+    def _serve_one(self, w: Watcher, s, durable_lsn: int, now: float, share: bool = True,
+                   shard: int | None = None) -> None:
         if w.cursor < s.first_seq - 1:
             self.expired += 1
             w.sink.end_stream(w.rid, CursorExpiredError(
@@ -273,9 +283,9 @@ class Watchers:
             w.cursor = cursor
             if picked:
                 if share:  # several watchers: each event encoded once, kept on it
-                    w.sink.push(w.rid, [e.raw or encode_event(e) for e in picked], cursor)
+                    w.sink.push(w.rid, [e.raw or encode_event(e, shard) for e in picked], cursor)
                 else:
-                    w.sink.push_encoded(w.rid, len(picked), _encode(views(picked)), cursor)
+                    w.sink.push_encoded(w.rid, len(picked), _encode(views(picked, shard)), cursor)
                 w.told, w.told_at = cursor, now
                 w.pushed += len(picked)
                 self.pushed_events += len(picked)

@@ -299,26 +299,48 @@ class Events:
 
     Every state change is an event with a space-wide, strictly increasing ``seq``; a
     *cursor* is the ``seq`` of the last event you processed. Events are kept for the
-    server's ``--retain-events``; a cursor older than that is CURSOR_EXPIRED."""
+    server's ``--retain-events``; a cursor older than that is CURSOR_EXPIRED.
+
+    In a cluster of several shards each shard numbers its own events: the cursor is then
+    a string naming a position per shard (``"0:120,1:45,2:9"``, opaque: pass back what a
+    stream or page gave), every shard is read and the answers merged, and each event
+    says its ``shard`` (:mod:`rallypoint.client.shardevents`)."""
 
     def __init__(self, rs: Client) -> None:
         self._rs = rs
 
-    async def list(self, cursor: int | None = None, limit: int = 100, *, types=None, scope=None,
+    def _sharded(self):
+        """The router when the client talks to a cluster of several shards, else None."""
+        tr = self._rs._transport
+        return tr if getattr(tr, "sharded", False) and hasattr(tr, "event_shards") else None
+
+    async def list(self, cursor: int | str | None = None, limit: int = 100, *, types=None, scope=None,
                    aggregate=None) -> t.EventPage:
         """One page of events after ``cursor`` (None: from the oldest kept), oldest
         first, at most ``limit`` (1-10000). Filters: ``types`` (names or ``"task.*"``,
         a list or a comma-separated string), ``scope`` (a run or its id: events of it
         and every run below it), ``aggregate`` (``"task:tsk_…"``, an id or a handle).
-        Continue with ``cursor=page.next_cursor``. CURSOR_EXPIRED, VALIDATION_FAILED."""
-        return await self._rs._call(
-            p.EventsList(cursor=cursor, limit=limit, types=_types_arg(types),
-                         scope_id=None if scope is None else _id_of(scope), aggregate=_aggregate_arg(aggregate)),
-            t.EventPage,
-        )
+        Continue with ``cursor=page.next_cursor``. CURSOR_EXPIRED, VALIDATION_FAILED.
 
-    def watch(self, cursor: int | None = None, types=None, scope=None, aggregate=None, *, start: str = "oldest",
-              buffer: int = 10_000) -> "EventStream":
+        Over several shards: ``cursor`` and ``page.next_cursor`` are vector strings, the
+        page merges every shard's (a run's shard only, with ``scope``) by the events'
+        instant then shard, and an error names the shard that gave it
+        (``details["shard"]``)."""
+        op = p.EventsList(cursor=None, limit=limit, types=_types_arg(types),
+                          scope_id=None if scope is None else _id_of(scope), aggregate=_aggregate_arg(aggregate))
+        router = self._sharded()
+        if router is not None:
+            from .shardevents import list_events
+
+            if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+                raise ValidationError(f"limit must be 1 to 10000 (got {limit!r})", details={"field": "limit"})
+            return await list_events(router, op, cursor)
+        if isinstance(cursor, str):
+            cursor = _single_cursor(cursor)
+        return await self._rs._call(msgspec.structs.replace(op, cursor=cursor), t.EventPage)
+
+    def watch(self, cursor: int | str | None = None, types=None, scope=None, aggregate=None, *,
+              start: str = "oldest", buffer: int = 10_000) -> "EventStream":
         """Events after ``cursor`` as they happen, pushed by the server: an async
         iterator (use ``async with rs.events.watch(...) as stream: async for ev in
         stream``; ``stream.cursor`` is where it resumes from: the seq of the last event
@@ -337,46 +359,79 @@ class Events:
         after the server cut it off for being slow (SLOW_CONSUMER), after its own buffer
         filled, and (over TCP, with reconnection) after a dropped connection or a daemon
         restart. It raises CURSOR_EXPIRED when its position is no longer kept, and
-        UnavailableError once the client gave up reconnecting."""
+        UnavailableError once the client gave up reconnecting.
+
+        Over several shards it subscribes to every shard (a run's shard only, with
+        ``scope``) and merges: ``stream.cursor`` is a vector string (``"0:120,1:45"``)
+        that ``watch(cursor=...)`` takes back, each shard resumes exactly from its own
+        position, events of one shard come in their order and those of several by
+        instant then shard (docs/events.md), and CURSOR_EXPIRED names its shard."""
         if start not in ("oldest", "now"):
             raise ValidationError("start must be 'oldest' or 'now'", details={"field": "start"})
-        return EventStream(self._rs, cursor, _types_arg(types), None if scope is None else _id_of(scope),
-                           _aggregate_arg(aggregate), start, buffer)
+        op = p.EventsWatch(start=start, types=_types_arg(types), scope_id=None if scope is None else _id_of(scope),
+                           aggregate=_aggregate_arg(aggregate))
+        router = self._sharded()
+        if router is not None:
+            from .shardevents import MergedWatch
+
+            return EventStream(self._rs, None, op, buffer, merged=MergedWatch(router, op, cursor, buffer))
+        if isinstance(cursor, str):
+            cursor = _single_cursor(cursor)
+        return EventStream(self._rs, cursor, op, buffer)
+
+
+def _single_cursor(cursor: str) -> int:
+    """A cursor string for a single shard: its digits (a vector string names shards,
+    which only a cluster of several has: VALIDATION_FAILED)."""
+    text = cursor.strip()
+    if text.isdigit():
+        return int(text)
+    raise ValidationError(f"cursor {cursor!r}: this server numbers its events with one sequence; a cursor is an "
+                          "event's seq (an integer)", details={"field": "cursor"})
 
 
 class EventStream:
     """An open watch (see :meth:`Events.watch`). ``cursor``: the position it resumes
     from -- the seq of the last event returned or, once every event it received was
     returned, the newest position the server scanned for it (``wire.Push.cursor``:
-    past events its filters skip); None before the subscription is made; ``resumed``:
-    how many times it re-subscribed."""
+    past events its filters skip); over several shards, a vector string of those
+    positions per shard (:class:`~rallypoint.client.shardevents.MergedWatch`); None
+    before the subscription is made; ``resumed``: how many times it re-subscribed."""
 
-    def __init__(self, rs: Client, cursor, types, scope_id, aggregate, start: str, buffer: int) -> None:
+    def __init__(self, rs: Client, cursor, op: p.EventsWatch, buffer: int, *, merged=None) -> None:
         self._rs = rs
-        self.cursor: int | None = cursor
-        self._types = types
-        self._scope_id = scope_id
-        self._aggregate = aggregate
-        self._start = start
+        self._cursor: int | None = cursor
+        self._op = op
         self._buffer = buffer
+        self._merged = merged
         self._sub = None
         self._batch: list = []
         self._pos = 0
         self._batch_end: int | None = None  # the position the server scanned up to past the batch
         self._closed = False
-        self.resumed = 0
+        self._resumed = 0
 
     def __repr__(self) -> str:
         return f"EventStream(cursor={self.cursor!r})"
 
+    @property
+    def cursor(self) -> int | str | None:
+        return self._merged.cursor if self._merged is not None else self._cursor
+
+    @property
+    def resumed(self) -> int:
+        return self._merged.resumed if self._merged is not None else self._resumed
+
     async def _open(self) -> None:
-        op = p.EventsWatch(cursor=self.cursor, start=self._start, types=self._types, scope_id=self._scope_id,
-                           aggregate=self._aggregate)
+        if self._merged is not None:
+            await self._merged.open()
+            return
+        op = msgspec.structs.replace(self._op, cursor=self._cursor)
         transport = self._rs._transport
         sub = await transport.subscribe(op, self._buffer)
-        if self.cursor is None:
+        if self._cursor is None:
             # an explicit position from here on: a re-subscription continues, never restarts
-            self.cursor = msgspec.msgpack.decode(sub.start, type=t.WatchStart).cursor
+            self._cursor = msgspec.msgpack.decode(sub.start, type=t.WatchStart).cursor
         self._sub = sub
 
     def __aiter__(self) -> "EventStream":
@@ -385,14 +440,16 @@ class EventStream:
     async def __anext__(self) -> t.Event:
         from ..errors import SlowConsumerError
 
+        if self._merged is not None:
+            return await self._merged.next()
         while True:
             if self._pos < len(self._batch):
                 e = self._batch[self._pos]
                 self._pos += 1
-                self.cursor = e.seq
+                self._cursor = e.seq
                 end = self._batch_end
                 if self._pos == len(self._batch) and end is not None and end > e.seq:
-                    self.cursor = end  # the filter skipped what came after it
+                    self._cursor = end  # the filter skipped what came after it
                 return e
             if self._closed:
                 raise StopAsyncIteration
@@ -408,17 +465,17 @@ class EventStream:
                 raws = await self._sub.next_batch()
             except SlowConsumerError:
                 self._sub = None  # cut off (server) or our own buffer filled: go on from our cursor
-                self.resumed += 1
+                self._resumed += 1
                 continue
             except UnavailableError:
                 self._sub = None
                 if self._closed or getattr(self._rs._transport, "closed", True):
                     raise
-                self.resumed += 1
+                self._resumed += 1
                 continue
             dec = _event_decoder.decode
             batch = []
-            cursor = self.cursor if self.cursor is not None else -1
+            cursor = self._cursor if self._cursor is not None else -1
             for raw in raws:
                 e = dec(raw)
                 if e.seq > cursor:  # (never otherwise; a guard against a duplicate on resume)
@@ -426,7 +483,7 @@ class EventStream:
             scanned = getattr(self._sub, "scanned", None)
             if not batch:
                 if scanned is not None and scanned > cursor:
-                    self.cursor = scanned  # nothing new passed the filter up to there
+                    self._cursor = scanned  # nothing new passed the filter up to there
                 continue
             self._batch, self._pos, self._batch_end = batch, 0, scanned
 
@@ -442,6 +499,8 @@ class EventStream:
         """End the subscription (events already received and not returned are dropped)."""
         self._closed = True
         self._batch, self._pos = [], 0
+        if self._merged is not None:
+            self._merged.close()
         sub, self._sub = self._sub, None
         if sub is not None:
             sub.close()
@@ -450,7 +509,10 @@ class EventStream:
         # subscribe here, not at the first iteration: ``start="now"`` is the moment the
         # block is entered, so what the caller does next is seen (a watch that is
         # iterated without ``async with`` subscribes at its first ``__anext__``)
-        if self._sub is None and not self._closed:
+        if self._merged is not None:
+            if not self._closed:
+                await self._merged.open()
+        elif self._sub is None and not self._closed:
             await self._open()
         return self
 

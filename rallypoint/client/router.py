@@ -21,8 +21,13 @@ where its declaration says (``@op(..., shard=...)``, :class:`rallypoint.actors.o
   runs).
 
 A node that does not own the request's slot answers WRONG_SHARD: the router reads the
-map again and sends it there. Watching a whole space's events is refused in a cluster
-of several shards (each shard numbers its own events; watch a run instead).
+map again and sends it there.
+
+Events are numbered per shard: the SDK's ``rs.events.list`` / ``rs.events.watch`` ask
+each shard (:meth:`ShardedTransport.event_shards`, :meth:`~ShardedTransport.call_shard`,
+:meth:`~ShardedTransport.subscribe_shard`) and merge, with a cursor per shard
+(:mod:`rallypoint.client.shardevents`); a bare ``events.list`` / ``events.watch`` over
+a whole space sent through :meth:`~ShardedTransport.call` is refused.
 """
 
 from __future__ import annotations
@@ -146,15 +151,42 @@ class ShardedTransport:
         return out
 
     async def subscribe(self, op: Any, max_events: int = 10_000) -> Any:
+        """One shard's subscription: the run's shard for a watch of a run. A watch over a
+        whole space is VALIDATION_FAILED here (each shard numbers its own events): the
+        SDK's ``rs.events.watch`` subscribes to every shard and merges."""
         if not self.sharded:
             return await self._transport(self._any_shard()).subscribe(op, max_events)
         if getattr(op, "scope_id", None) is None:
-            raise ValidationError("watching a whole space of a cluster of several shards is not supported yet (each "
-                                  "shard numbers its own events): watch a run, events.watch(scope=run)")
-        from ..actors.sharding import target
+            raise ValidationError("a watch over a whole space of a cluster of several shards is one subscription "
+                                  "per shard (each numbers its own events): use rs.events.watch(), which merges them")
+        (shard,) = self.event_shards(op)
+        return await self._transport(shard).subscribe(op, max_events)
 
+    def event_shards(self, op: Any) -> list[int]:
+        """The shards whose events ``op`` (``events.list`` / ``events.watch``) reads: the
+        shard of its run (``scope_id``), else every shard, in order."""
+        from ..actors.sharding import EVERY, target
+
+        if self.map is None:
+            return [self._any_shard()]
         slot = target(_table().shards[type(op)], op, self.space, len(self.map.owners))
-        return await self._transport(self._shard_of_slot(slot)).subscribe(op, max_events)
+        if slot == EVERY:
+            return sorted(set(self.map.owners))
+        return [self._shard_of_slot(slot)]
+
+    async def call_shard(self, shard: int, op: Any) -> bytes:
+        """``op`` sent to ``shard``'s leader as it is (no routing): the reply body."""
+        return await self._transport(shard).call(op)
+
+    async def subscribe_shard(self, shard: int, op: Any, max_events: int = 10_000) -> Any:
+        """A subscription (``events.watch``) on ``shard``'s leader: the subscription object
+        of that shard's transport (``start``, ``next_batch()``, ``scanned``, ``close()``)."""
+        return await self._transport(shard).subscribe(op, max_events)
+
+    def shard_closed(self, shard: int) -> bool:
+        """True once ``shard``'s transport gave up reconnecting (or was closed)."""
+        t = self.shards.get(shard)
+        return t is None or getattr(t, "closed", False)
 
     def _any_shard(self) -> int:
         return next(iter(self.shards)) if self.shards else 0
@@ -287,13 +319,23 @@ def _merge_every(op: Any, parts: list[bytes]) -> bytes:
         first = vs[0]
         waits: dict[str, dict[str, int]] = {}
         events: dict[str, int] = {}
+        tasks_by_state: dict[str, int] = {}
+        retention: dict[str, Any] = {}
         for v in vs:
             for kind, d in v.waits.items():
                 w = waits.setdefault(kind, {})
                 for k, x in d.items():
                     w[k] = w.get(k, 0) + x
+            # each shard numbers its own events: ``newest`` summed is how many the space
+            # has (the shards' oldest kept have no sum; the merged view leaves it out)
             for k, x in v.events.items():
-                events[k] = events.get(k, 0) + x
+                if k != "oldest":
+                    events[k] = events.get(k, 0) + x
+            for k, x in v.tasks.items():
+                tasks_by_state[k] = tasks_by_state.get(k, 0) + x
+            for k, x in v.retention.items():  # counts add up; the setting (retain_ms) is every shard's
+                num = isinstance(x, (int, float)) and not isinstance(x, bool) and k != "retain_ms"
+                retention[k] = retention.get(k, 0) + x if num else retention.get(k, x)
         runs_ = sorted((r for v in vs for r in v.runs), key=lambda r: r.id, reverse=True)[: op.limit]
         queues: dict[str, Any] = {}
         for v in vs:
@@ -303,7 +345,7 @@ def _merge_every(op: Any, parts: list[bytes]) -> bytes:
         return p.encoder.encode(msgspec.structs.replace(
             first, runs=runs_, runs_active=sum(v.runs_active for v in vs), queues=list(queues.values()),
             groups=[g for v in vs for g in v.groups], groups_open=sum(v.groups_open for v in vs), waits=waits,
-            events=events, entities=sum(v.entities for v in vs)))
+            events=events, entities=sum(v.entities for v in vs), tasks=tasks_by_state, retention=retention))
     if t is p.OpsWaits:
         vs = [msgspec.msgpack.decode(b, type=p.OpsWaitsView) for b in parts]
         parked: dict[str, int] = {}
@@ -314,8 +356,9 @@ def _merge_every(op: Any, parts: list[bytes]) -> bytes:
     if t in (p.ClusterMap, p.ClusterReleaseSlots):
         return parts[0]
     if t in (p.EventsList, p.EventsWatch):
-        raise ValidationError("listing a whole space's events in a cluster of several shards is not supported yet "
-                              "(each shard numbers its own events): list a run's, events.list(scope=run)")
+        raise ValidationError("the events of a whole space of a cluster of several shards are one list per shard "
+                              "(each numbers its own events): use rs.events.list(), which merges them with a "
+                              "cursor per shard")
     raise ValidationError(f"{op.__struct_config__.tag} cannot be merged over shards")
 
 

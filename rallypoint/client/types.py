@@ -406,7 +406,8 @@ class Event(_Info, view=p.EventView):
     """One event (see docs/events.md): ``seq`` is the space-wide sequence number -- the
     cursor to resume after it --, ``type`` e.g. ``task.completed``, ``kind``/``id`` the
     entity it is about (the *aggregate*), ``run`` the run it happened in, ``at`` the
-    instant of the change, ``data`` a small payload."""
+    instant of the change, ``data`` a small payload, ``shard`` the shard that numbered
+    it in a cluster of several (``seq`` is then that shard's; None on a single node)."""
 
     @property
     def cursor(self) -> int:
@@ -419,10 +420,15 @@ class Event(_Info, view=p.EventView):
 
 class EventPage(_Info, view=p.EventPageView):
     """A page of ``events.list``: ``next_cursor`` continues after every event examined;
-    ``oldest``/``newest``: the seqs the server keeps."""
+    ``oldest``/``newest``: the seqs the server keeps. Over several shards the three are
+    vector strings, one position per shard (``"0:120,1:45"``;
+    :mod:`rallypoint.client.shardevents`)."""
 
     #: the wire carries each event as an encoded EventView
     events: list[Event]
+    next_cursor: int | str
+    oldest: int | str
+    newest: int | str
 
 
 class WatchStart(_Info, view=p.WatchView):

@@ -462,6 +462,8 @@ EVENT = Shape(
     rename={"at": "createdAt", "kind": "aggregateType", "id": "aggregateId", "run": "scopeId", "data": "payload"},
     convert={"data": lambda d: d or {}},
     add={"eventId": lambda v: str(v.seq)},
+    hide={"shard": "runstate's events have no shard: the HTTP API serves the events of the node's own shard "
+                   "(the native SDK merges every shard's, docs/events.md)"},
     default=True,
 )
 _event_decode = msgspec.msgpack.Decoder(p.EventView).decode
