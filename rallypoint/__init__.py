@@ -240,23 +240,42 @@ async def connect(
 
         from .client.router import open_transport
 
-        async with anyio.create_task_group() as shards:
-            async def run_shard(shard: int, hint, *, task_status=anyio.TASK_STATUS_IGNORED):
-                # one shard's transport lives in a task of its own (entered and left there)
-                f = LeaderFollower(split_urls(url), open_one, shard=shard, hint=hint)
-                c = await f.open(connect_timeout)
-                async with ReconnectingTransport(url, c, f.open, policy, connect_timeout) as t:
-                    task_status.started(t)
-                    await anyio.sleep_forever()
+        try:
+            async with anyio.create_task_group() as shards:
+                async def run_shard(shard: int, hint, *, task_status=anyio.TASK_STATUS_IGNORED):
+                    # one shard's transport lives in a task of its own (entered and left there)
+                    f = LeaderFollower(split_urls(url), open_one, shard=shard, hint=hint)
+                    c = await f.open(connect_timeout)
+                    async with ReconnectingTransport(url, c, f.open, policy, connect_timeout) as t:
+                        task_status.started(t)
+                        await anyio.sleep_forever()
 
-            async def open_shard(shard: int, hint):
-                return await shards.start(run_shard, shard, hint)
+                async def open_shard(shard: int, hint):
+                    return await shards.start(run_shard, shard, hint)
 
-            routed = await open_transport(transport, split_urls(url), open_shard, info.space)
-            try:
-                yield Client(routed)
-            finally:
-                shards.cancel_scope.cancel()
+                routed = await open_transport(transport, split_urls(url), open_shard, info.space)
+                try:
+                    yield Client(routed)
+                finally:
+                    shards.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            # the shards' task group wraps what leaves it: the block's own exception (or
+            # a shard's, when opening it failed) leaves as itself, as on a single node
+            one = _single(eg, anyio.get_cancelled_exc_class())
+            if one is None:
+                raise
+            raise one from one.__cause__
+
+
+def _single(eg: BaseExceptionGroup, cancelled: type) -> BaseException | None:
+    """The one exception in ``eg`` (nested groups and cancellations aside), else None."""
+    leaves: list[BaseException] = []
+    stack = [eg]
+    while stack:
+        for e in stack.pop().exceptions:
+            (stack.append(e) if isinstance(e, BaseExceptionGroup) else leaves.append(e))
+    real = [e for e in leaves if not isinstance(e, cancelled)]
+    return real[0] if len(real) == 1 else None
 
 
 def retention_options(retain_finished: float | None, retain_events: "int | str | None") -> dict:

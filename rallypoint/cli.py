@@ -777,6 +777,19 @@ def _client_options(*, suppress: bool = False, connect_default: str | None = "en
     return parent
 
 
+def _key_store_options(*, suppress: bool = False) -> argparse.ArgumentParser:
+    """``keys``: ``--cluster`` / ``--cluster-name``, the etcd a cluster keeps its keys in
+    (as :func:`_client_options`, usable before or after the subcommand)."""
+    def d(value):
+        return argparse.SUPPRESS if suppress else value
+
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=d(None),
+                        help="a cluster's keys: read and write them in its etcd (every shard takes them)")
+    parent.add_argument("--cluster-name", default=d("rallypoint"), help="with --cluster (default rallypoint)")
+    return parent
+
+
 def _fmt_age(seconds: float) -> str:
     s = int(seconds)
     d, s = divmod(s, 86400)
@@ -1635,16 +1648,23 @@ class _OpenModeRefused(Exception):
 
 def cmd_keys(args) -> int:
     """``keys create|list|revoke``: over a connection (``--connect``, needs ``admin`` once
-    keys exist) or, by default, directly on a stopped daemon's ``--data-dir``.
+    keys exist), in a cluster's etcd (``--cluster etcd://...``: its key store, every
+    shard's leader takes the keys from there; rallypoint.cluster.keystore) or, by
+    default, directly on a stopped daemon's ``--data-dir``.
 
-    Creating the first key on a running daemon ends its open mode (every client without
-    a key is refused from then on): refused with exit 2 unless ``--force``."""
+    Creating the first key on a running daemon, or in the etcd of a cluster some shard
+    of which is running, ends open mode (every client without a key is refused from
+    then on): refused with exit 2 unless ``--force``."""
     import msgspec
 
     from . import protocol as p
     from .errors import RallypointError
 
     cmd = {"ls": "list"}.get(args.keys_cmd, args.keys_cmd)
+    if args.cluster and args.connect:
+        print("rallypoint: keys --cluster and --connect exclude each other (in a cluster, keys are made in etcd)",
+              file=sys.stderr)
+        return 2
 
     def op():
         if cmd == "create":
@@ -1671,23 +1691,52 @@ def cmd_keys(args) -> int:
             res = await Service(node.coordinator).call(Session(local=True), op())
             return msgspec.msgpack.decode(res)
 
+    async def in_etcd():
+        from .cluster import keystore
+        from .cluster.etcd import EtcdClient
+        from .cluster.shardmap import watch_leaders
+        from .clock import to_iso
+
+        def view(rec, secret=None) -> dict:
+            out = {"id": rec.id, "space": rec.space, "name": rec.name, "permissions": list(rec.permissions),
+                   "created_at": to_iso(rec.created_at_ms), "revoked_at": to_iso(rec.revoked_at_ms)}
+            if secret is not None:
+                out["secret"] = secret
+            return out
+
+        async with EtcdClient(_etcd_endpoints(args.cluster)) as etcd:
+            name = args.cluster_name
+            if cmd == "list":
+                return {"keys": [view(r) for r in await keystore.list_keys(etcd, name, args.space)]}
+            if cmd == "revoke":
+                return view(await keystore.revoke_key(etcd, name, args.id))
+            if not args.force and not await keystore.list_keys(etcd, name):
+                async for leaders in watch_leaders(etcd, name):
+                    if leaders:  # a shard is serving, in open mode
+                        raise _OpenModeRefused
+                    break
+            rec, secret = await keystore.create_key(etcd, name, args.space, args.permission, args.name)
+            return view(rec, secret)
+
     def line(view: dict) -> str:
         state = "revoked " + view["revoked_at"] if view.get("revoked_at") else "live"
         perms = ",".join(view["permissions"])
         return f"{view['id']}  space={view['space']}  permissions={perms}  name={view.get('name') or ''}  {state}"
 
     try:
-        if not args.connect and cmd != "create" and not os.path.exists(os.path.join(args.data_dir, "FORMAT")):
-            print(f"rallypoint: {args.data_dir} is not a rallypoint data dir (give --data-dir, or --connect URL)",
-                  file=sys.stderr)
+        if (not args.connect and not args.cluster and cmd != "create"
+                and not os.path.exists(os.path.join(args.data_dir, "FORMAT"))):
+            print(f"rallypoint: {args.data_dir} is not a rallypoint data dir (give --data-dir, --connect URL or "
+                  "--cluster etcd://HOST:PORT)", file=sys.stderr)
             return 2
-        out = trio.run(online if args.connect else offline)
+        out = trio.run(in_etcd if args.cluster else online if args.connect else offline)
     except _OpenModeRefused:
-        print(f"rallypoint: {args.connect} is in open mode (no API keys): a first key turns authentication on "
+        where = f"cluster {args.cluster_name!r} (its shards)" if args.cluster else args.connect
+        print(f"rallypoint: {where} is in open mode (no API keys): a first key turns authentication on "
               "and every client without a key is refused from then on; make it an admin key and rerun with "
               "--force", file=sys.stderr)
         return 2
-    except RallypointError as e:
+    except RallypointError as e:  # (etcd's errors too)
         return _fail(e, args)
     except Exception as e:
         from .persistence import StartupError
@@ -1707,7 +1756,8 @@ def cmd_keys(args) -> int:
     for v in views:
         print(line(v))
     if cmd == "list" and not views:
-        print("no API keys (open mode: the daemon serves without authentication on loopback)", file=sys.stderr)
+        print("no API keys (open mode: the daemon serves without authentication on loopback)" if not args.cluster
+              else f"no API keys in cluster {args.cluster_name!r} (open mode on loopback)", file=sys.stderr)
     if cmd == "create":
         print(f"secret: {out['secret']}")
         print("(shown once: only its SHA-256 is stored)", file=sys.stderr)
@@ -1999,19 +2049,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an operator key for the shards' leaders (default $RALLYPOINT_API_KEY; open mode: none)")
     ca.set_defaults(fn=cmd_cluster_add_shard)
 
-    k = sub.add_parser("keys", help="create, list and revoke API keys (offline on --data-dir, or --connect)",
-                       parents=[_client_options(connect_default=None, data_dir=True, json_flag=True)])
+    k = sub.add_parser("keys", help="create, list and revoke API keys (offline on --data-dir, --connect, or a "
+                                    "cluster's in etcd with --cluster)",
+                       parents=[_client_options(connect_default=None, data_dir=True, json_flag=True),
+                                _key_store_options()])
     ks = k.add_subparsers(dest="keys_cmd", required=True)
-    kopts = _client_options(suppress=True, connect_default=None, data_dir=True, json_flag=True)
+    kopts_client = _client_options(suppress=True, connect_default=None, data_dir=True, json_flag=True)
+    kopts = argparse.ArgumentParser(add_help=False, parents=[kopts_client, _key_store_options(suppress=True)])
     kc = ks.add_parser("create", parents=[kopts])
     kc.add_argument("--space", required=True)
     kc.add_argument("--permission", action="append", required=True,
                     choices=["resource_config", "coordination_write", "coordination_read", "admin", "operator"],
                     help="repeatable; admin: the keys of its own space; operator: the keys of every "
-                         "space (offline only, on --data-dir)")
+                         "space (offline only: on --data-dir, or in a cluster's etcd with --cluster)")
     kc.add_argument("--name")
     kc.add_argument("--force", action="store_true",
-                    help="create the first key on a running open-mode daemon (turns authentication on)")
+                    help="create the first key on a running open-mode daemon or cluster (turns authentication on)")
     kc.add_argument("--secret-only", action="store_true",
                     help="print only the secret (for $(...) in scripts)")
     kl = ks.add_parser("list", aliases=["ls"], parents=[kopts])

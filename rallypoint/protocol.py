@@ -1150,6 +1150,22 @@ class KeyRevoke(_Op, tag="key.revoke"):
     key_id: str
 
 
+class KeyAdopt(_Op, tag="key.adopt"):
+    """A key of the cluster's key store (etcd: ``rallypoint keys create --cluster``) that
+    this shard takes as it is there: its id, space, permissions, name, the SHA-256 of
+    its secret and its instants (ms since the epoch); ``revoked_at_ms`` revokes it here
+    too. The node's own step (its watch of the key store), made in-process: FORBIDDEN
+    over the wire. Idempotent: answers the key as this shard then holds it."""
+
+    id: str
+    space: str
+    permissions: list[str]
+    secret_sha256: str
+    created_at_ms: int
+    name: str | None = None
+    revoked_at_ms: int | None = None
+
+
 class KeyView(_View, omit_defaults=True):
     id: str
     space: str

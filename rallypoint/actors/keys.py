@@ -19,6 +19,13 @@ unless ``--insecure``). Once a key has been created, every connection must prese
 valid one, even after every key was revoked.
 
 Key operations run on the space's actor.
+
+**A cluster** (``rallypoint serve --cluster``) keeps its keys in etcd
+(:mod:`rallypoint.cluster.keystore`, ``rallypoint keys create|list|revoke --cluster``):
+each shard's leader takes every key record there as it is (``key.adopt``: the store's
+id and hash in a ``KeyCreated``, its revocation in a ``KeyRevoked``), so authentication
+stays local and replicated to the standby. On such a node (:attr:`Keys.store` set)
+``key.create`` and ``key.revoke`` over the wire are FORBIDDEN, naming the command.
 """
 
 from __future__ import annotations
@@ -32,17 +39,18 @@ import secrets
 import msgspec
 
 from ..clock import to_iso
-from ..errors import ForbiddenError, NotFoundError, UnauthenticatedError, ValidationError
-from ..protocol import KeyCreate, KeyList, KeyListView, KeyRevoke, KeyView
+from ..errors import ConflictError, ForbiddenError, NotFoundError, UnauthenticatedError, ValidationError
+from ..ids import is_id
+from ..protocol import KeyAdopt, KeyCreate, KeyList, KeyListView, KeyRevoke, KeyView
 from ..records import KeyCreated, KeyRevoked
 from .opmark import PERMISSIONS
 from .common import applies, check_name, short
 from .common import data
 from ..events import emits, ev
 from .kind import Kind
-from .opmark import A, ALWAYS, NEVER, SPACE, op
+from .opmark import A, ALL, ALWAYS, NEVER, SPACE, op
 
-__all__ = ["KeyState", "Keys", "hash_secret", "SECRET_PREFIX"]
+__all__ = ["KeyState", "Keys", "hash_secret", "new_secret", "check_key", "SECRET_PREFIX"]
 
 SECRET_PREFIX = "rpk_"
 
@@ -57,7 +65,43 @@ def _who(session) -> str:
 
 
 def hash_secret(secret: str) -> str:
+    """The SHA-256 of a key's secret, hex (what is stored)."""
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_secret() -> str:
+    """A new key's secret: ``rpk_`` and 32 random bytes (url-safe base64)."""
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def check_key(space: str, permissions: list[str], name: str | None = None, *,
+              allow_operator: bool = True) -> list[str]:
+    """Check a key's fields; returns its permissions, sorted and without repeats.
+
+    Raises VALIDATION_FAILED for a bad space or name, no permission or an unknown one,
+    FORBIDDEN for ``operator`` when ``allow_operator`` is False."""
+    check_name("space", space)
+    if name is not None:
+        check_name("name", name)
+    if not isinstance(permissions, list) or not all(isinstance(x, str) for x in permissions):
+        raise ValidationError("permissions must be a list of names", details={"field": "permissions"})
+    perms = sorted(set(permissions))
+    if not perms:
+        raise ValidationError("give at least one permission", details={"field": "permissions"})
+    for perm in perms:
+        if perm not in PERMISSIONS:
+            raise ValidationError(
+                f"unknown permission {perm!r}; use one of {', '.join(PERMISSIONS)}",
+                details={"field": "permissions"},
+            )
+    if "operator" in perms and not allow_operator:
+        raise ForbiddenError(
+            "the operator permission (keys of every space) can only be granted offline: "
+            "rallypoint keys create --data-dir DIR --permission operator (daemon stopped), or in a cluster "
+            "rallypoint keys create --cluster etcd://HOST:PORT",
+            details={"permission": "operator"},
+        )
+    return perms
 
 
 class KeyState(msgspec.Struct, gc=False, omit_defaults=True):
@@ -87,6 +131,9 @@ class Keys(Kind):
         super().__init__(coord)
         self.table: dict[str, KeyState] = {}
         self.by_hash: dict[str, str] = {}
+        #: on a node of a cluster: where its keys live, ``(etcd URL, cluster name)``
+        #: (``key.create``/``key.revoke`` over the wire are then refused, naming them)
+        self.store: tuple[str, str] | None = None
 
     def entity_tables(self):
         return {"key": (self.table, KeyState)}
@@ -112,26 +159,9 @@ class Keys(Kind):
 
         Raises VALIDATION_FAILED for an unknown permission or a bad space/name,
         FORBIDDEN for ``operator`` when ``allow_operator`` is False."""
-        check_name("space", space)
-        if name is not None:
-            check_name("name", name)
-        perms = sorted(set(permissions))
-        if not perms:
-            raise ValidationError("give at least one permission", details={"field": "permissions"})
-        for perm in perms:
-            if perm not in PERMISSIONS:
-                raise ValidationError(
-                    f"unknown permission {perm!r}; use one of {', '.join(PERMISSIONS)}",
-                    details={"field": "permissions"},
-                )
-        if "operator" in perms and not allow_operator:
-            raise ForbiddenError(
-                "the operator permission (keys of every space) can only be granted offline: "
-                "rallypoint keys create --data-dir DIR --permission operator (daemon stopped)",
-                details={"permission": "operator"},
-            )
+        perms = check_key(space, permissions, name, allow_operator=allow_operator)
         coord = self.coord
-        secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+        secret = new_secret()
         rec = KeyCreated(id=coord.new_id("key", space=space), space=space, permissions=perms,
                          secret_sha256=hash_secret(secret), at_ms=coord.now_ms(), name=name)
         coord.commit([rec])
@@ -172,11 +202,24 @@ class Keys(Kind):
             secret=secret,
         )
 
+    def _refuse_in_cluster(self, session, what: str) -> None:
+        """On a node of a cluster, keys are made and revoked in etcd: FORBIDDEN over the
+        wire (the local operator of a stopped node's data dir is not refused)."""
+        if self.store is None or getattr(session, "local", False):
+            return
+        url, cluster = self.store
+        raise ForbiddenError(
+            f"in a cluster API keys live in etcd, so every shard has them: {what} with `rallypoint keys "
+            f"{what.split()[0]} --cluster {url} --cluster-name {cluster}`",
+            details={"key_store": url, "cluster": cluster})
+
     # ------------------------------------------------------------------ ops (admin)
     @op(KeyCreate, route=SPACE, permission=A, resend=NEVER)
     def op_key_create(self, actor, session, op: KeyCreate) -> KeyView:
         """A key in the session's own space (any space for an operator). FORBIDDEN for
-        another space, or for ``operator`` over the wire."""
+        another space, for ``operator`` over the wire, and on a node of a cluster (its
+        keys live in etcd: ``rallypoint keys create --cluster``)."""
+        self._refuse_in_cluster(session, "create keys")
         if op.space != session.space and not _cross_space(session):
             raise ForbiddenError(
                 f"this key acts in space {session.space!r} only; it cannot create keys for space {short(op.space)}",
@@ -206,7 +249,9 @@ class Keys(Kind):
 
     @op(KeyRevoke, route=SPACE, permission=A, resend=NEVER)
     def op_key_revoke(self, actor, session, op: KeyRevoke) -> KeyView:
-        """Revoke a key of the session's space (NOT_FOUND for another space's)."""
+        """Revoke a key of the session's space (NOT_FOUND for another space's). FORBIDDEN
+        on a node of a cluster (``rallypoint keys revoke --cluster``)."""
+        self._refuse_in_cluster(session, "revoke keys")
         k = self.table.get(op.key_id) if isinstance(op.key_id, str) else None
         if k is None or (k.space != session.space and not _cross_space(session)):
             raise NotFoundError(f"no API key {short(op.key_id)} in this space", details={"key_id": short(op.key_id)})
@@ -214,6 +259,40 @@ class Keys(Kind):
         _log.info("API key %s of space %s revoked by %s", k.id, k.space, _who(session),
                   extra={"event": "key_revoked", "key_id": k.id, "space": k.space, "by": _who(session)})
         return view
+
+    @op(KeyAdopt, route=SPACE, permission="operator", resend=ALWAYS, shard=ALL)
+    def op_key_adopt(self, actor, session, op: KeyAdopt) -> KeyView:
+        """Take a key of the cluster's key store as it is there (``protocol.KeyAdopt``):
+        a ``KeyCreated`` with its id and hash if this shard lacks it, a ``KeyRevoked``
+        if the store revoked it and this shard has not. FORBIDDEN unless local (the
+        node's own key-store watch); VALIDATION_FAILED for a malformed record; CONFLICT
+        when this shard holds the id with another space or secret."""
+        if not getattr(session, "local", False):
+            raise ForbiddenError("key.adopt is a cluster node's own step (its watch of the key store in etcd); "
+                                 "make keys with `rallypoint keys create --cluster etcd://HOST:PORT`")
+        if not is_id(op.id, "key"):
+            raise ValidationError(f"id must be a key id (key_...), got {short(op.id)}", details={"field": "id"})
+        if not (isinstance(op.secret_sha256, str) and len(op.secret_sha256) == 64
+                and all(c in "0123456789abcdef" for c in op.secret_sha256)):
+            raise ValidationError("secret_sha256 must be 64 lowercase hex digits", details={"field": "secret_sha256"})
+        perms = check_key(op.space, op.permissions, op.name)
+        k = self.table.get(op.id)
+        recs: list = []
+        if k is None:
+            recs.append(KeyCreated(id=op.id, space=op.space, permissions=perms, secret_sha256=op.secret_sha256,
+                                   at_ms=op.created_at_ms, name=op.name))
+        elif k.space != op.space or k.secret_sha256 != op.secret_sha256:
+            raise ConflictError(f"key {short(op.id)} is held here with another space or secret than the key store's",
+                                details={"key_id": op.id})
+        if op.revoked_at_ms is not None and (k is None or k.revoked_at_ms is None):
+            recs.append(KeyRevoked(id=op.id, at_ms=op.revoked_at_ms))
+        if recs:
+            self.coord.commit(recs)
+            _log.info("API key %s of space %s %s from the cluster's key store", op.id, op.space,
+                      "revoked" if op.revoked_at_ms is not None else "taken",
+                      extra={"event": "key_adopted", "key_id": op.id, "space": op.space,
+                             "revoked": op.revoked_at_ms is not None})
+        return self.view(self.table[op.id])
 
     @applies(KeyCreated)
     def _apply_created(self, r: KeyCreated) -> None:

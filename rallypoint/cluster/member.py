@@ -14,7 +14,11 @@ until it is deposed or stopped, then a standby again.
                                       or SIGTERM (hand-over, then exit)
 
 Etcd decides who leads (:mod:`rallypoint.cluster.leader`): a node campaigns only while
-it is in the in-sync set, and the campaign is one transaction. The data path is ours
+it is in the in-sync set, and the campaign is one transaction. The cluster's API keys
+live in etcd too (:mod:`rallypoint.cluster.keystore`): a leader takes every key record
+before it serves a client, then watches them (``key.adopt``), so a key made or revoked
+there reaches every shard within one watch round trip; the standby has them through
+the journal. The data path is ours
 (:mod:`rallypoint.replication`). While a standby, the node's client port answers every
 handshake with NOT_LEADER naming the leader, and its HTTP port forwards to the
 leader's (:mod:`rallypoint.cluster.forward`).
@@ -30,7 +34,7 @@ from typing import Any, Callable
 import msgspec
 import trio
 
-from ..errors import NotLeaderError, UnavailableError, ValidationError
+from ..errors import NotLeaderError, RallypointError, UnavailableError, ValidationError
 from ..node import recovered, serving
 from ..replication import (
     LinkClosed,
@@ -47,6 +51,7 @@ from ..wire import PROTOCOL_VERSION
 from .etcd import EtcdClient, EtcdError
 from ..actors.sharding import Sharding
 from .leader import LeaderInfo, LeaderRecord, Leadership, LeadershipLostError, ShardElection
+from .keystore import KeyRecord, watch_keys
 from .shardmap import SlotMap, watch_leaders, watch_map
 
 log = logging.getLogger("rallypoint.cluster")
@@ -188,7 +193,8 @@ class ShardMember:
     Attributes: ``role`` (``starting``, ``standby``, ``leader``, ``stopped``), ``leader``
     (the current :class:`LeaderRecord` as last seen, or None), ``epoch`` (this node's,
     while it leads), ``standby`` / ``replication`` (the live objects of the role),
-    ``client_port`` / ``replication_port`` / ``http_port`` (bound ports)."""
+    ``client_port`` / ``replication_port`` / ``http_port`` (bound ports),
+    ``keys_adopted`` (key records of etcd this node journaled while leading)."""
 
     def __init__(self, config: MemberConfig, *, make_server: Callable[[Any], Any],
                  on_leader: Callable[[Any, "ShardMember"], Any] | None = None,
@@ -218,6 +224,9 @@ class ShardMember:
         self.slotmap: SlotMap | None = None
         self.leaders: dict[int, LeaderRecord] = {}
         self._map_seen = trio.Event()
+        self._etcd: EtcdClient | None = None
+        #: key records taken from etcd (``key.adopt``) while leading, for tests and status
+        self.keys_adopted = 0
         self._stop = trio.Event()
         self._role_changed = trio.Event()
         self._leader_changed = trio.Event()
@@ -314,6 +323,7 @@ class ShardMember:
             self.http_port = await _reserve(c.http)
         try:
             async with EtcdClient(c.etcd) as etcd, trio.open_nursery() as watches:
+                self._etcd = etcd
                 election = ShardElection(etcd, c.cluster, c.shard)
                 watches.start_soon(self._watch_map, etcd)
                 watches.start_soon(self._watch_leaders, etcd)
@@ -539,6 +549,7 @@ class ShardMember:
                 coord.sharding = Sharding(c.shard, self.slotmap.owners, self.slotmap.version,
                                           released=coord.epochs.released)
             coord.cluster_map_fn = self.cluster_map_view
+            coord.keys.store = (self._store_url(), c.cluster)  # keys are made in etcd, not over the wire
             box["gap"] = take_over(coord, epoch=lead.epoch, node=c.node, clock_pair=clock_pair,
                                    default_gap_ms=rec.gap_ms)
 
@@ -561,6 +572,9 @@ class ShardMember:
             self.server = server
             async with trio.open_nursery() as nursery:
                 await nursery.start(repl.serve, listeners)
+                # every key of etcd is this shard's before any client is served (a
+                # cluster with keys is never in open mode on a new leader), then watched
+                await nursery.start(self._keep_keys, node)
                 await nursery.start(server.serve, None, c.client[0], self.client_port)
                 extra = self.on_leader(node, self) if self.on_leader is not None else None
                 if extra is not None:
@@ -579,6 +593,59 @@ class ShardMember:
                              if handed else "no in-sync standby; resigning")
                 await lead.resign()
                 nursery.cancel_scope.cancel()
+
+
+    def _store_url(self) -> str:
+        """The cluster's etcd as ``rallypoint keys --cluster`` takes it (``etcd://h:p,...``)."""
+        hosts = [e.split("://", 1)[-1].rstrip("/") for e in self.config.etcd]
+        return "etcd://" + ",".join(hosts)
+
+    async def _keep_keys(self, node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """While leading: take every key record of etcd this shard lacks (or has live
+        while etcd revoked it), ``task_status.started()`` once all of them were taken,
+        then each change as etcd reports it. Etcd out of reach: tried again every 0.5 s
+        (the leader does not serve before the first read)."""
+        from ..protocol import KeyAdopt
+        from ..service import Session
+
+        c = self.config
+        session = Session(local=True)
+        keys = node.coordinator.keys
+
+        async def adopt(rec: KeyRecord) -> None:
+            k = keys.table.get(rec.id)
+            if k is not None and (rec.revoked_at_ms is None or k.revoked_at_ms is not None):
+                return  # this shard has it as etcd does
+            op = KeyAdopt(id=rec.id, space=rec.space, permissions=list(rec.permissions),
+                          secret_sha256=rec.secret_sha256, created_at_ms=rec.created_at_ms, name=rec.name,
+                          revoked_at_ms=rec.revoked_at_ms)
+            while True:
+                try:
+                    await node.service.call(session, op)
+                    self.keys_adopted += 1
+                    return
+                except UnavailableError as e:  # (a full disk, a stall): the key must not be skipped
+                    log.warning("shard %d could not take API key %s yet (%s); again", c.shard, rec.id, e.message)
+                    await trio.sleep(0.5)
+                except RallypointError as e:
+                    log.warning("key record %s in etcd was not taken by shard %d: %s", rec.id, c.shard, e)
+                    return
+
+        started = False
+        while True:
+            try:
+                async for records, deleted in watch_keys(self._etcd, c.cluster):
+                    for rec in records:
+                        await adopt(rec)
+                    for kid in deleted:
+                        log.warning("the record of API key %s was deleted from etcd by hand: shard %d keeps the key "
+                                    "as it has it; revoke it with `rallypoint keys revoke`", kid, c.shard)
+                    if not started:
+                        started = True
+                        task_status.started()
+            except EtcdError as e:
+                log.warning("reading the cluster's API keys from etcd failed (%s); again", e.message)
+                await trio.sleep(0.5)
 
 
 async def _wait_then_cancel(ev: trio.Event, scope: trio.CancelScope) -> None:
