@@ -1241,14 +1241,15 @@ def cmd_watch(args) -> int:
                     async with rs.events.watch(cursor=cursor, types=args.types, scope=args.run,
                                                aggregate=args.aggregate, start=begin) as stream:
                         async for e in stream:
+                            sharded = e.shard is not None  # (several shards: the cursor is a vector)
                             if args.json:
-                                sys.stdout.write(_event_json(e, stream.cursor) + "\n")
+                                sys.stdout.write(_event_json(e, stream.cursor if sharded else None) + "\n")
                                 sys.stdout.flush()
                             else:
                                 console.print(_event_line(e))
                             printed[0] += 1
                             if args.count and printed[0] >= args.count:
-                                if isinstance(stream.cursor, str):  # several shards: a vector, not the last seq
+                                if sharded:  # the vector to resume from, not the last seq
                                     print(f"rallypoint watch: resume with --cursor {stream.cursor}", file=sys.stderr,
                                           flush=True)
                                 return

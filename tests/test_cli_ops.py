@@ -249,7 +249,8 @@ def test_a_live_watch_that_falls_behind_goes_on_from_now(monkeypatch, capsys):
 
     def event(seq):
         return types.SimpleNamespace(seq=seq, type="scope.created", kind="run", id=f"scp_{seq}", run=f"scp_{seq}",
-                                     at=datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc), data=None)
+                                     at=datetime.datetime(2026, 11, 30, tzinfo=datetime.timezone.utc), data=None,
+                                     shard=None)
 
     class Stream:
         def __init__(self, first):
