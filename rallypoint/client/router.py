@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 import msgspec
@@ -145,7 +146,7 @@ class ShardedTransport:
             except RallypointError as e:
                 out[i] = e
 
-        async with anyio.create_task_group() as tg:
+        async with _one_error(), anyio.create_task_group() as tg:
             for i, o in enumerate(ops):
                 tg.start_soon(one, i, o)
         return out
@@ -239,7 +240,7 @@ class ShardedTransport:
             sub = msgspec.structs.replace(op, **{field: [items[i] for i in idx]})
             parts[s] = await self._transport(s).call(sub)
 
-        async with anyio.create_task_group() as tg:
+        async with _one_error(), anyio.create_task_group() as tg:
             for s, idx in by_shard.items():
                 tg.start_soon(send, s, idx)
         return _merge_split(op, by_shard, parts, len(items))
@@ -250,10 +251,29 @@ class ShardedTransport:
         async def send(s: int) -> None:
             parts[s] = await self._transport(s).call(op)
 
-        async with anyio.create_task_group() as tg:
+        async with _one_error(), anyio.create_task_group() as tg:
             for s in sorted(self.shards):
                 tg.start_soon(send, s)
         return _merge_every(op, [parts[s] for s in sorted(parts)])
+
+
+@asynccontextmanager
+async def _one_error() -> AsyncIterator[None]:
+    """The first error of a fan-out (a shard that failed mid-call) leaves as itself,
+    not wrapped in an ExceptionGroup: the caller gets the RallypointError it can act on
+    (a WRONG_SHARD refreshes the map; UNAVAILABLE is retried by its shard's transport)."""
+    try:
+        yield
+    except BaseExceptionGroup as eg:
+        leaves: list[BaseException] = []
+        stack = [eg]
+        while stack:
+            for e in stack.pop().exceptions:
+                (stack.append(e) if isinstance(e, BaseExceptionGroup) else leaves.append(e))
+        real = [e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())]
+        if real:
+            raise real[0] from real[0].__cause__
+        raise
 
 
 # ---------------------------------------------------------------------------- merging

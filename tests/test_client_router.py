@@ -1,0 +1,62 @@
+"""The SDK's router over fake shard transports (no servers): fan-out and split calls
+merge answers, and a shard that fails mid-call gives its error as itself."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from rallypoint import protocol as p
+from rallypoint.client.router import ShardedTransport
+from rallypoint.errors import UnavailableError
+from rallypoint.ids import IdGenerator
+
+
+class FakeShard:
+    def __init__(self, n, fail=False):
+        self.n = n
+        self.fail = fail
+        self.calls = []
+
+    async def call(self, op):
+        self.calls.append(op)
+        if self.fail:
+            raise UnavailableError(f"shard {self.n} is down")
+        if isinstance(op, p.ServerStatus):
+            return p.encoder.encode(p.ServerStatusView(
+                version="t", protocol_version=1, uptime_s=1.0, connections=1, durability="fsync",
+                runs={"ACTIVE": self.n + 1}, tasks={}, entities=10, last_lsn=1, durable_lsn=1))
+        if isinstance(op, p.TaskResults):
+            return p.encoder.encode(p.TaskListView(ids=[], outcomes=[
+                p.TaskOutcomeView(id=t, state="SUCCEEDED", attempt=1, outcome=msgspec.Raw(b"\xc0"),
+                                  outcome_reason=None, error=msgspec.Raw(b"\xc0")) for t in op.task_ids]))
+        raise AssertionError(op)
+
+
+def router(shards):
+    st = ShardedTransport(["tcp://x:1"], None, None, "default")
+    st.map = p.ClusterMapView(cluster="c", version=1, owners=[0, 1], shards=[p.ShardView(shard=0), p.ShardView(shard=1)])
+    st.shards = shards
+    return st
+
+
+async def test_a_fan_out_sums_every_shards_part():
+    st = router({0: FakeShard(0), 1: FakeShard(1)})
+    v = msgspec.msgpack.decode(await st.call(p.ServerStatus()), type=p.ServerStatusView)
+    assert v.runs == {"ACTIVE": 3} and v.entities == 20
+
+
+async def test_a_split_list_comes_back_in_the_requests_order():
+    g = IdGenerator()
+    ids = [g.new("tsk", slot) for slot in (1, 0, 1, 0)]
+    shards = {0: FakeShard(0), 1: FakeShard(1)}
+    st = router(shards)
+    v = msgspec.msgpack.decode(await st.call(p.TaskResults(task_ids=ids, brief=True)), type=p.TaskListView)
+    assert [o.id for o in v.outcomes] == ids
+    assert [len(s.calls[0].task_ids) for s in shards.values()] == [2, 2]
+
+
+async def test_a_shard_failing_mid_fan_out_raises_its_error_not_a_group():
+    st = router({0: FakeShard(0), 1: FakeShard(1, fail=True)})
+    with pytest.raises(UnavailableError, match="shard 1 is down"):
+        await st.call(p.ServerStatus())
