@@ -249,3 +249,18 @@ def until_sync(pred, timeout: float = 30.0, poll_s: float = 0.02, what: str = "t
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(poll_s)
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """Put the root logger's level and handlers back after each test: a test that runs
+    ``cli.main`` in this process (serve, repair) sets them as a daemon would, and a later
+    test's ``caplog`` would otherwise miss every record below that level (and the handler
+    would write to a captured stream that is already closed)."""
+    import logging
+
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
