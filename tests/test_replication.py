@@ -458,3 +458,37 @@ async def test_a_link_lost_in_both_directions_at_once_is_one_link_closed():
         async with unwrapped(), trio.open_nursery() as n:
             n.start_soon(fail, LinkClosed("closed"))
             n.start_soon(fail, ValueError("a bug"))
+
+
+async def test_a_deposed_leader_keeps_its_floor_when_a_later_catching_up_session_ends(tmp_path):
+    # split brain, found by the two-node simulator (rallypoint.testing.replsim): the
+    # standby connected again, the leader's fenced shrink of the in-sync set failed (it
+    # was deposed), and when that second, catching-up session ended the floor was lifted:
+    # the deposed leader acknowledged writes that only it held, in an epoch no longer its
+    from rallypoint.replication import Link, wire
+
+    log = []
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(tmp_path / "a", epoch=10, log=log, isr_timeout_s=60).run)
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                n.start_soon(follow_until_cut, sb, leader.port, 10)
+                await wait_until(lambda: leader.isr.isr == ["a", "b"])
+                await leader.client.scopes.create(name="replicated")
+                await wait_until(lambda: sb.applied_lsn == leader.coord.journal.last_lsn)
+                leader.isr.fenced = True  # etcd: the leader key of epoch 10 is gone
+                # the standby's second connection (a reconnect) replaces the first
+                link = Link(await trio.open_tcp_stream("127.0.0.1", leader.port), "standby")
+                last = rb.coordinator.journal.last_lsn
+                await link.send(wire.Hello(version=wire.LINK_VERSION, cluster="c", shard=0, node="b", last_lsn=last,
+                                           last_epoch=10, snapshot_lsn=0))
+                assert isinstance(await link.receive(), wire.Welcome)
+                await wait_until(lambda: leader.repl.deposed)
+                await link.aclose()  # the second session ends
+                await wait_until(lambda: leader.repl.peer is None)
+                assert leader.coord.journal.replica_floor is not None
+                with trio.move_on_after(1.5) as waited:  # a deposed leader acknowledges nothing
+                    await leader.client.scopes.create(name="split-brain")
+                assert waited.cancelled_caught
+                assert ("isr", ("a",)) not in log
+                n.cancel_scope.cancel()

@@ -298,6 +298,8 @@ class ReplicationLeader:
             old = self.peer
             if old is not None:
                 await self._drop(old, "replaced by a new connection of the standby")
+            if self.deposed:
+                raise LinkClosed("this node is no longer the leader (a fenced in-sync set update failed)")
             peer = _Peer(hello.node, link, start - 1)
             self.peer = peer
             log.info("replication: standby %s connected (from LSN %d, journal ends at %d)", hello.node, start,
@@ -488,11 +490,27 @@ class ReplicationLeader:
                 self.stats["isr_shrinks"] += 1
                 log.warning("replication: standby %s dropped from the in-sync set (%s); acknowledging without "
                             "it", peer.node, why)
-            if self.peer is None or self.peer.state not in ("joining", "in_sync"):
+            if self._may_lift_floor():
                 self.journal.set_replica_floor(None)
             self._update_gate()
         with trio.CancelScope(shield=True):
             await peer.link.aclose()
+
+    def _may_lift_floor(self) -> bool:
+        """Whether acknowledgement may go on without any standby: only while this node
+        is not deposed, no other session counts (joining or in sync), and the in-sync
+        set as last written names this node alone. A deposed leader (a fenced write
+        failed) and one whose ISR still names a standby (``min_insync=2``, or a shrink
+        that failed) keep the floor: the standby named there may take over, and it
+        lacks what the floor holds back. (A deposed leader whose second, catching-up
+        session ended used to lift it and acknowledge alone in an epoch that was no
+        longer its own: split brain, found by the two-node simulator.)"""
+        if self.deposed:
+            return False
+        peer = self.peer
+        if peer is not None and peer.state in ("joining", "in_sync"):
+            return False
+        return [n for n in self.isr_store.isr if n != self.node] == []
 
     async def _watchdog(self) -> None:
         """Drop a standby that stopped acknowledging while records wait for it; let one
