@@ -101,7 +101,9 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "mailbox.created": ("mailbox", "a work queue was created", "name, max_attempts, backlog_limit, requirements"),
     "mailbox.requirements_set": ("mailbox", "an ensure replaced the queue's default requirements", "name, requirements"),
     "task.submitted": ("task", "a task was queued", "mailbox, key, group, joinset, deadline"),
-    "task.delivered": ("task", "a worker leased the task (never its token: the lease's secret)", "attempt"),
+    "task.delivered": ("task", "a worker leased the task (never its token: the lease's secret); holder: who "
+                       "received it (the worker name the receive gave, else its connection's client@peer)",
+                       "attempt, holder"),
     "task.completing": ("task", "its worker completed a task that owns a run; the run's join sets are closing",
                         "attempt, run"),
     "task.completed": ("task", "the task SUCCEEDED", "attempt"),

@@ -401,6 +401,7 @@ class TaskView(_View):
     run_id: str | None = None  # the task's own run (``delivery.run``), once made
     completing: bool = False  # its worker completed it; its run's join sets are closing
     subscribers: list[str] = msgspec.field(default_factory=list)
+    holder: str | None = None  # who received its latest delivery (DeliveryView.holder); None: never delivered
 
 
 class TaskOutcomeView(_View, array_like=True, gc=False):
@@ -425,11 +426,16 @@ class TaskListView(_View):
 
 
 class Receive(_Op, tag="delivery.receive"):
+    """Lease ready tasks of ``mailbox`` in run ``scope_id``'s subtree. ``holder``: the
+    receiving worker's name (1-128 characters), recorded with each delivery; None: the
+    connection's identity (``client@peer``, see ``Session.holder``)."""
+
     mailbox: str
     scope_id: str
     lease_ms: int = 30_000
     wait_ms: int = 0
     max_messages: int = 1
+    holder: str | None = None
 
 
 class GrantView(_View):
@@ -468,6 +474,9 @@ class DeliveryView(_View):
     grants: list[GrantView] = []
     #: ids of the budget reservations made for this delivery (the task's requirements)
     reservations: list[str] = []
+    #: who received it: the worker name the receive gave, else the connection's
+    #: ``client@peer``; None when unknown (a delivery journaled before the field)
+    holder: str | None = None
 
 
 class ReceiveView(_View):

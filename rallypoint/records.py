@@ -115,13 +115,16 @@ class TaskSubmitted(_Rec, tag="task_submitted"):
 
 class TaskDelivered(_Rec, tag="task_delivered"):
     """A lease on the task was granted: QUEUED -> RUNNING with a new fencing token.
-    ``lease_expires_ms`` is server time."""
+    ``lease_expires_ms`` is server time. ``holder``: who received it -- the worker
+    name the receive gave, else its connection's ``client@peer`` (``Session.holder``);
+    None in journals older than the field (and for a session with no identity)."""
 
     task_id: str
     delivery_id: str
     token: int
     lease_expires_ms: int
     at_ms: int
+    holder: str | None = None
 
 
 class LeaseRenewed(_Rec, tag="lease_renewed"):

@@ -44,24 +44,40 @@ class Session:
     the only one that may grant the ``operator`` permission. ``idempotency``: set on the
     session of one step of an HTTP request with an ``Idempotency-Key`` -- ``(key,
     fingerprint, step)`` -- (:meth:`for_step`; the coordinator stores that step's answer in
-    the commit of its effect: ``actors/idempotency.py``); None otherwise."""
+    the commit of its effect: ``actors/idempotency.py``); None otherwise. ``peer``: the
+    other end's ``host:port`` (``"embedded"`` in process); ``client``: the client name
+    its handshake gave (``rallypoint.connect(client_name=)``), else ""."""
 
-    __slots__ = ("space", "permissions", "peer", "key_id", "local", "idempotency")
+    __slots__ = ("space", "permissions", "peer", "key_id", "local", "idempotency", "client")
 
     def __init__(self, space: str = "default", permissions: frozenset[str] | None = None, peer: str = "",
-                 key_id=None, local: bool = False):
+                 key_id=None, local: bool = False, client: str = ""):
         self.space = space
         self.permissions = permissions
         self.peer = peer
         self.key_id = key_id
         self.local = local
+        self.client = client
         self.idempotency: tuple[str, str, int] | None = None
+
+    @property
+    def holder(self) -> str | None:
+        """Who this session is, as a delivery's holder when the receive names no worker:
+        ``client@peer`` (the handshake's client name and the connection's address), the
+        peer alone without a client name, None with neither (a local session). At most
+        128 characters (a longer client name is cut, the peer kept)."""
+        peer, client = self.peer, self.client
+        if not client:
+            return peer[:128] or None
+        if not peer:
+            return client[:128]
+        return client[:max(1, 127 - len(peer))] + "@" + peer[-126:]
 
     def for_step(self, key: str, fingerprint: str, step: int) -> "Session":
         """A copy of this session for step ``step`` (0, 1, ...: the request's operations
         in order) of the HTTP request with Idempotency-Key ``key`` and ``fingerprint``
         (method, path, body)."""
-        s = Session(self.space, self.permissions, self.peer, self.key_id, self.local)
+        s = Session(self.space, self.permissions, self.peer, self.key_id, self.local, self.client)
         s.idempotency = (key, fingerprint, step)
         return s
 
@@ -216,9 +232,10 @@ class Service:
             )
         key = self.coordinator.keys.authenticate(hello.api_key)
         if key is None:  # open mode: the default space, every permission
-            session = Session(peer=peer)
+            session = Session(peer=peer, client=hello.client)
         else:
-            session = Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id)
+            session = Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id,
+                              client=hello.client)
         return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space,
                                 shard=self.shard, epoch=self.epoch)
 

@@ -283,9 +283,11 @@ def consume(
     wait: float = 20,
     drain_timeout: float = 30,
     handle_signals: bool = True,
+    holder: str | None = None,
 ):
     """Serve ``mailbox`` for ``scope`` (a run, or its id) until the run becomes inactive,
-    blocking: :func:`rallypoint.consume` for plain scripts, with the same semantics.
+    blocking: :func:`rallypoint.consume` for plain scripts, with the same semantics
+    (``holder``: the worker's name recorded with each delivery).
 
     ``handler(delivery) -> outcome`` is a plain function, called in a worker thread of
     the client (``concurrency`` at once), with a blocking delivery: ``delivery.input``,
@@ -328,7 +330,8 @@ def consume(
         return rs._run(
             aconsume, rs._obj, mailbox._obj if isinstance(mailbox, _Proxy) else mailbox,
             scope._obj if isinstance(scope, _Proxy) else scope, plain, concurrency=concurrency,
-            lease_seconds=lease_seconds, wait=wait, drain_timeout=drain_timeout, handle_signals=False, _stop=stop,
+            lease_seconds=lease_seconds, wait=wait, drain_timeout=drain_timeout, handle_signals=False, holder=holder,
+            _stop=stop,
         )
     finally:
         _INTERRUPTS.unregister(token)

@@ -38,7 +38,8 @@ def test_fit_count_takes_the_leading_items_that_fit_and_always_one():
 async def test_the_size_bounds_hold_for_the_largest_views(autojump_clock, ers):
     """The bounds the handlers size replies by are upper bounds of the real encodings,
     at their largest: 4-byte characters in a 256-character key, a 128-character
-    mailbox name, 4 pools with 128-character names and 2 budgets, subscribers."""
+    mailbox name, 4 pools with 128-character names and 2 budgets, subscribers, a
+    128-character holder."""
     rs = ers
     coord = rs.node.coordinator
     name = "m" * 128
@@ -56,10 +57,12 @@ async def test_the_size_bounds_hold_for_the_largest_views(autojump_clock, ers):
         await rs.node.service.call(Session(), p.TaskSubscribe(task_id=tk.id, subscriber_id=str(i) + "\u00e9" * 255))
     t = coord.queues.tasks[tk.id]
     q = coord.queues.table[t.mailbox_id]
-    bound = delivery_bytes(t, q)
-    reply = await rs.node.service.call(Session(), p.Receive(mailbox=name, scope_id=run.id, max_messages=1))
+    holder = "\U0001F600" * 128  # the longest holder, in 4-byte characters
+    bound = delivery_bytes(t, q, holder)
+    reply = await rs.node.service.call(Session(), p.Receive(mailbox=name, scope_id=run.id, max_messages=1,
+                                                            holder=holder))
     view = msgspec.msgpack.decode(reply, type=p.ReceiveView).deliveries[0]
-    assert len(view.grants) == 4 and len(view.reservations) == 2
+    assert len(view.grants) == 4 and len(view.reservations) == 2 and view.holder == holder
     assert len(msgspec.msgpack.encode(view)) <= bound
     d_outcome = "\U0001F600" * 10_000
     await rs.node.service.call(Session(), p.DeliveryComplete(task_id=t.id, token=t.token,

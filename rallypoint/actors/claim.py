@@ -84,7 +84,7 @@ from ..records import (
     ClaimWaiterQueued,
 )
 from ..events import emits, ev
-from .common import MAX_KEY_LEN, MAX_WAIT_MS, applies, check_payload, check_range, data, short
+from .common import MAX_KEY_LEN, MAX_WAIT_MS, applies, check_holder, check_payload, check_range, data, short
 from .kind import Kind
 from .opmark import ALWAYS, HOME, R, SPACE, W, asked, by, by_run, keyed, op
 from .queue import MAX_LEASE_MS, MIN_LEASE_MS
@@ -106,11 +106,6 @@ def new_token() -> int:
 def check_request_id(value) -> None:
     if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 64):
         raise ValidationError("request_id must be 1 to 64 characters", details={"field": "request_id"})
-
-
-def check_holder(value) -> None:
-    if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 128):
-        raise ValidationError("holder must be 1 to 128 characters", details={"field": "holder"})
 
 
 def check_claim_key(key) -> str:

@@ -18,7 +18,7 @@ from ..errors import ValidationError
 from ..wire import MAX_FRAME_BYTES, MAX_PAYLOAD_BYTES, too_large_message
 
 __all__ = [
-    "MemoryJournal", "applies", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
+    "MemoryJournal", "applies", "check_holder", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
     "parse_instant", "short", "data", "check_label", "did_you_mean", "MAX_WAIT_MS", "MAX_KEY_LEN", "REPLY_BUDGET_BYTES",
     "fit_count",
 ]
@@ -131,6 +131,13 @@ def check_key(field: str, key: Any) -> None:
     Raises VALIDATION_FAILED naming ``field``."""
     if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_LEN):
         raise ValidationError(f"{field} must be 1 to {MAX_KEY_LEN} characters", details={"field": field})
+
+
+def check_holder(value) -> None:
+    """A lease holder's name (claims, pools, quotas, deliveries): None or 1-128
+    characters; VALIDATION_FAILED (field ``holder``) otherwise."""
+    if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 128):
+        raise ValidationError("holder must be 1 to 128 characters", details={"field": "holder"})
 
 
 def check_range(field: str, value: int, lo: int, hi: int, unit: str = "") -> int:

@@ -115,8 +115,8 @@ from ..records import (
 )
 from ..events import emits, ev
 from .common import (
-    MAX_PAYLOAD_BYTES, REPLY_BUDGET_BYTES, applies, check_key, check_name, check_payload, check_range, clamp_wait,
-    data, did_you_mean, fit_count, parse_instant, short,
+    MAX_PAYLOAD_BYTES, REPLY_BUDGET_BYTES, applies, check_holder, check_key, check_name, check_payload, check_range,
+    clamp_wait, data, did_you_mean, fit_count, parse_instant, short,
 )
 from .kind import Kind
 from .opmark import ALL, ALWAYS, C, R, SPACE, W, asked, by, by_run, in_slots, keyed, op, resend_if
@@ -155,9 +155,10 @@ def _text(s: str | None) -> int:
     return 4 * len(s) if s else 0
 
 
-def delivery_bytes(t: "TaskState", q: "MailboxState") -> int:
-    """An upper bound of the encoded :class:`DeliveryView` of a delivery of ``t``."""
-    n = _DELIVERY_FIXED + len(q.name) + len(t.input) + _text(t.key)
+def delivery_bytes(t: "TaskState", q: "MailboxState", holder: str | None = None) -> int:
+    """An upper bound of the encoded :class:`DeliveryView` of a delivery of ``t`` to
+    ``holder``."""
+    n = _DELIVERY_FIXED + len(q.name) + len(t.input) + _text(t.key) + _text(holder)
     req = t.requirements
     if req is not None:
         n += _GRANT_VIEW * len(req.pools) + _RESERVATION_ID * len(req.budgets)
@@ -167,7 +168,7 @@ def delivery_bytes(t: "TaskState", q: "MailboxState") -> int:
 def task_view_bytes(t: "TaskState") -> int:
     """An upper bound of the encoded :class:`TaskView` of ``t``."""
     n = (_TASK_VIEW_FIXED + len(t.input) + len(t.outcome or b"") + len(t.error or b"") + _text(t.key)
-         + _text(t.outcome_reason))
+         + _text(t.outcome_reason) + _text(t.holder))
     if t.subscribers:
         n += sum(_text(x) + 8 for x in t.subscribers)
     return n
@@ -227,6 +228,7 @@ class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
     subscribers: list[str] | None = None  # task.subscribe (interest only; none cancels nothing)
     requirements: TaskRequirements | None = None
     work_limit_id: str | None = None
+    holder: str | None = None  # who received the latest delivery (TaskDelivered.holder)
 
 
 # Payloads of the hot task events: Structs without GC tracking (a dict per event is a
@@ -242,6 +244,11 @@ class _Submitted(msgspec.Struct, gc=False, omit_defaults=True):
 
 class _Attempt(msgspec.Struct, gc=False):
     attempt: int
+
+
+class _Delivered(msgspec.Struct, gc=False, omit_defaults=True):
+    attempt: int
+    holder: str | None = None
 
 
 class WorkQueues(Kind):
@@ -835,7 +842,11 @@ class WorkQueues(Kind):
         """Lease up to ``max_messages`` of the oldest ready tasks of the run's subtree --
         as many as one reply carries (``REPLY_BUDGET_BYTES``: never more leased than can
         be sent; the rest stays first in line) --; parks on the run's actor for up to
-        ``wait_ms`` when there are none."""
+        ``wait_ms`` when there are none. Each delivery records its holder: ``op.holder``,
+        else the session's ``client@peer`` (VALIDATION_FAILED: a holder not 1-128
+        characters)."""
+        check_holder(op.holder)
+        holder = op.holder or session.holder
         q = self.get_queue(session.space, op.mailbox)
         run = self.coord.runs.get(session.space, op.scope_id)
         check_range("lease_ms", op.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS, " ms")
@@ -843,20 +854,21 @@ class WorkQueues(Kind):
         wait_ms = clamp_wait(op.wait_ms)
         runs = self.coord.runs
         runs.require_active(run.id)
-        got = self._deliver(q, run.id, op.lease_ms, op.max_messages)
+        got = self._deliver(q, run.id, op.lease_ms, op.max_messages, holder)
         if got or wait_ms == 0:
             return ReceiveView(deliveries=got)
 
         def check():
             runs.require_active(run.id)
-            got = self._deliver(q, run.id, op.lease_ms, op.max_messages)
+            got = self._deliver(q, run.id, op.lease_ms, op.max_messages, holder)
             return ReceiveView(deliveries=got) if got else None
 
         return Park(("recv", q.id), check, wait_ms, lambda: ReceiveView(deliveries=[]))
 
-    def _deliver(self, q: MailboxState, run_id: str, lease_ms: int, n: int) -> list[DeliveryView]:
+    def _deliver(self, q: MailboxState, run_id: str, lease_ms: int, n: int,
+                 holder: str | None = None) -> list[DeliveryView]:
         self.coord.journal.check_writable()  # before the pop: a refused commit must not drop tasks
-        picked = self._pop_ready(q.id, run_id, n, REPLY_BUDGET_BYTES, lambda t: delivery_bytes(t, q))
+        picked = self._pop_ready(q.id, run_id, n, REPLY_BUDGET_BYTES, lambda t: delivery_bytes(t, q, holder))
         if not picked:
             return []
         coord = self.coord
@@ -865,7 +877,7 @@ class WorkQueues(Kind):
         new_id = coord.new_id
         recs = [
             TaskDelivered(task_id=t.id, delivery_id=new_id("dlv", under=t.id), token=t.token + 1, lease_expires_ms=expires,
-                          at_ms=now)
+                          at_ms=now, holder=holder)
             for t in picked
         ]
         for t in picked:
@@ -890,6 +902,7 @@ class WorkQueues(Kind):
             run_id=t.run_id,
             key=t.key,
             **(self.coord.admission.views(t) if t.requirements is not None else {}),
+            holder=t.holder,
         )
 
     @applies(TaskDelivered)
@@ -897,6 +910,7 @@ class WorkQueues(Kind):
         t = self.tasks[r.task_id]
         t.token = r.token
         t.delivery_id = r.delivery_id
+        t.holder = r.holder
         t.lease_expires_ms = r.lease_expires_ms
         t.available_at_ms = 0
         self.ready_set.discard(t.id)
@@ -1412,6 +1426,7 @@ class WorkQueues(Kind):
             run_id=t.run_id,
             completing=t.completing,
             subscribers=list(t.subscribers or ()),
+            holder=t.holder,
         )
 
     # ================================================================ activities
@@ -1575,7 +1590,8 @@ class WorkQueues(Kind):
     @emits(TaskDelivered)
     def _ev_delivered(self, r: TaskDelivered):
         t = self.tasks[r.task_id]
-        return ev(t.space, "task.delivered", "task", t.id, t.scope_id, r.at_ms, _Attempt(t.attempt))  # (never the token: it is the lease's secret)
+        # (never the token: it is the lease's secret)
+        return ev(t.space, "task.delivered", "task", t.id, t.scope_id, r.at_ms, _Delivered(t.attempt, r.holder))
 
     @emits(TaskCompleted, TaskRunCompleted)
     def _ev_completed(self, r):

@@ -827,12 +827,17 @@ class Mailbox:
         lease_seconds: float = 30,
         wait: float = 20,
         max_messages: int = 1,
+        *,
+        holder: str | None = None,
     ) -> "Delivery | list[Delivery] | None":
         """Lease the oldest eligible task(s) of ``scope`` and its descendants.
 
         Waits on the server up to ``wait`` seconds for work (re-issuing past 60 s).
         Returns a :class:`Delivery` or None when ``max_messages`` is 1, else a list
-        (possibly empty). ``lease_seconds`` 5-600. Refused (SCOPE_CANCELLED /
+        (possibly empty). ``lease_seconds`` 5-600. ``holder``: this worker's name
+        (1-128 characters), recorded with each delivery (``delivery.holder``, the
+        task's views, the ``task.delivered`` event); None: the server records the
+        connection's ``client_name@host:port``. Refused (SCOPE_CANCELLED /
         DEADLINE_EXCEEDED) when the run is inactive; NOT_FOUND for an unknown mailbox or
         run. Re-sent after a dropped connection (if the lost reply carried a lease, that
         task is delivered again once the lease runs out)."""
@@ -848,6 +853,7 @@ class Mailbox:
                     lease_ms=lease_ms,
                     wait_ms=_ms(chunk, "wait"),
                     max_messages=max_messages,
+                    holder=holder,
                 ),
                 t._ReceiveReply,
             )
@@ -859,16 +865,17 @@ class Mailbox:
             return ds[0] if ds else None
         return ds
 
-    async def admit(self, scope: "Run | str", lease_seconds: float = 30, wait: float = 0) -> "Delivery | None":
+    async def admit(self, scope: "Run | str", lease_seconds: float = 30, wait: float = 0, *,
+                    holder: str | None = None) -> "Delivery | None":
         """Admission (runstate's ``mailbox.admit``): lease the oldest *eligible* task of
         ``scope`` and its descendants -- one whose requirements can all be taken now --
         together with its requirements, in one step. Returns the :class:`Delivery`
         (``delivery.grants``: the pool grants it holds until it ends) or None when
         nothing could be admitted within ``wait`` seconds. A shortage of pool units is
         not an error: the task waits its turn. The lease is not renewed for you (call
-        ``delivery.renew()``, or use :func:`rallypoint.consume`, which does). Errors as
-        :meth:`receive`."""
-        return await self.receive(scope, lease_seconds=lease_seconds, wait=wait, max_messages=1)
+        ``delivery.renew()``, or use :func:`rallypoint.consume`, which does). ``holder``
+        and errors as :meth:`receive`."""
+        return await self.receive(scope, lease_seconds=lease_seconds, wait=wait, max_messages=1, holder=holder)
 
 
 async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]", *, details: bool = True) -> list:
@@ -1003,6 +1010,9 @@ class Delivery:
         self.key = info.key
         #: the task's own run, if one was made (by an earlier attempt, or ``run()``)
         self.run_id = info.run_id
+        #: who received it, as the server recorded it (the receive's ``holder``, else
+        #: the connection's ``client_name@host:port``)
+        self.holder = info.holder
         self.lease_seconds = lease_seconds
         self.lost = False
         #: pool grants this delivery holds (its task's requirements), given back when it ends

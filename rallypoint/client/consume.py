@@ -235,6 +235,7 @@ async def consume(
     wait: float = 20,
     drain_timeout: float = 30,
     handle_signals: bool = True,
+    holder: str | None = None,
     _stop: _Stopper | None = None,
 ) -> ConsumeStats:
     """Serve ``mailbox`` for ``scope`` (a run or its id) until the run becomes inactive.
@@ -253,6 +254,9 @@ async def consume(
             (seconds, >= 0) before they are cancelled and their deliveries given back.
         handle_signals: own SIGINT/SIGTERM while serving (only in the main thread;
             see the module docstring). False leaves the signals alone.
+        holder: this worker's name (1-128 characters), recorded with each delivery
+            (the task's ``holder``, the ``task.delivered`` event, the console); None:
+            the server records the connection's ``client_name@host:port``.
 
     What happens to each delivery:
 
@@ -290,7 +294,7 @@ async def consume(
 
     Raises (the error itself, never wrapped in an ExceptionGroup): NotFoundError
     (NOT_FOUND: no such mailbox or run), ValidationError (VALIDATION_FAILED: bad
-    ``concurrency``, ``lease_seconds`` or ``wait``), UnavailableError (UNAVAILABLE: the
+    ``concurrency``, ``lease_seconds``, ``wait`` or ``holder``), UnavailableError (UNAVAILABLE: the
     server could not be reached again within the client's reconnect timeout), AuthError
     (UNAUTHENTICATED / FORBIDDEN). Running handlers are cancelled first.
     """
@@ -300,6 +304,8 @@ async def consume(
     _ms(lease_seconds, "lease_seconds")
     _ms(wait, "wait")
     _ms(drain_timeout, "drain_timeout")
+    if holder is not None and (not isinstance(holder, str) or not 1 <= len(holder) <= 128):
+        raise ValidationError("holder must be 1 to 128 characters", details={"field": "holder"})
     mbx = rs.mailbox(_mailbox_name(mailbox))
     scope_id = _id_of(scope)
     is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
@@ -577,7 +583,8 @@ async def consume(
                 with recv_scope:
                     try:
                         n = min(free, 100)
-                        got = await mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait, max_messages=n)
+                        got = await mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait, max_messages=n,
+                                                holder=holder)
                         ds = got if isinstance(got, list) else ([got] if got is not None else [])
                     except ScopeInactiveError as e:
                         stop_serving(e.code)

@@ -211,7 +211,8 @@ class TaskInfo(_Info, view=p.TaskView):
     run (made by its worker with ``delivery.run()``), or None; ``completing``: its
     worker completed it and its run's join sets are closing (the task is SUCCEEDED, with
     that outcome, once the last awaited child finished); ``subscribers``: the ids
-    subscribed to it (``task.subscribe``, HTTP ``subscriberId``)."""
+    subscribed to it (``task.subscribe``, HTTP ``subscriberId``); ``holder``: who
+    received its latest delivery (None: never delivered)."""
 
     @property
     def finished(self) -> bool:
@@ -243,7 +244,8 @@ class DeliveryInfo(_Info, view=p.DeliveryView):
     """A delivery (what a receive hands out): the task's id, input, attempt, lease
     ``token`` and ``lease_expires_at``; ``key`` the task's idempotency key (None without
     one); ``run_id`` its own run, if an earlier attempt made it; ``grants`` and
-    ``reservations`` taken for the task's requirements."""
+    ``reservations`` taken for the task's requirements; ``holder`` who received it (the
+    receive's ``holder``, else the connection's ``client_name@host:port``)."""
 
 
 _ReceiveReply = sdk_type(p.ReceiveView, "_ReceiveReply")

@@ -376,14 +376,16 @@ class HttpApi:
         auth = request.headers.get("authorization", "")
         secret = auth[7:].strip() if auth[:7].lower() == "bearer " else None
         peer = f"{request.client.host}:{request.client.port}" if request.client else ""
+        client = request.headers.get("user-agent", "")  # the session's client name (Session.holder)
         if coord.keys.open_mode:
-            return Session(space=space, peer=peer)
+            return Session(space=space, peer=peer, client=client)
         if not secret:
             raise UnauthenticatedError("this server requires an API key: send authorization: Bearer <key>")
         key = coord.keys.authenticate(secret)
         if key.space != space:
             raise_not_found(f"no space {space!r} for this key")
-        return Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id)
+        return Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id,
+                       client=client)
 
     async def _run(self, handler: Handler, ctx: Ctx, rid: str):
         try:

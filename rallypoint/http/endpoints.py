@@ -235,7 +235,8 @@ async def list_messages(ctx: Ctx):
 async def _receive(ctx: Ctx, mailbox: str):
     b = ctx.body
     op = p.Receive(mailbox=mailbox, scope_id=s_(b, "scopeId", required=True),
-                   lease_ms=seconds_ms(b, "leaseSeconds", 30), wait_ms=wait_ms(b.get("waitMs")), max_messages=1)
+                   lease_ms=seconds_ms(b, "leaseSeconds", 30), wait_ms=wait_ms(b.get("waitMs")), max_messages=1,
+                   holder=s_(b, "holder"))  # runstate's worker id (both SDKs send it); else the session's
     v = await ctx.call(op)
     return v.deliveries[0] if v.deliveries else None
 
