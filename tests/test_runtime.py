@@ -377,3 +377,32 @@ async def test_the_run_end_step_wakes_nothing_in_the_ended_subtree(autojump_cloc
     # the kinds' own run-end hooks wake nothing (what remains is the task's generic
     # state-change wake-up, which serves result waits from outside the run too)
     assert all(actor_id == low.id and key == ticket.id for actor_id, key in notified), notified
+
+
+async def test_a_coordinator_cancelled_while_its_journal_starts_stops_at_once(autojump_clock):
+    # a standby promoted and killed while its journal was starting (the sync helper
+    # being spawned) never stopped: the journal task ran shielded, and a task cancelled
+    # before started() stays in nursery.start's own nursery, which waits for it
+    from rallypoint.actors import Coordinator
+
+    class SlowStartJournal:
+        """A journal whose run() takes a while before it is started, then serves until
+        cancelled (or for 1000 s)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+            await trio.sleep(1.0)
+            task_status.started()
+            await trio.sleep(1000.0)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    coord = Coordinator(durability="memory")
+    coord.journal = SlowStartJournal(coord.journal)
+    t0 = trio.current_time()
+    with trio.move_on_after(0.5):
+        await coord.run()
+    assert trio.current_time() - t0 < 10.0  # not the 1000 s of a journal nobody cancelled

@@ -693,7 +693,10 @@ class Coordinator:
         self.last_seen_valid = True
         self._tick()
         self.retention.rearm()
-        journal_scope = trio.CancelScope(shield=True)
+        # shielded once started (below), not while it starts: a task cancelled before it
+        # calls started() stays in nursery.start's own nursery, which waits for it --
+        # shielded, for ever (a standby promoted and killed while its journal started)
+        journal_scope = trio.CancelScope()
 
         async def journal_task(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
             with journal_scope:
@@ -702,6 +705,7 @@ class Coordinator:
         try:
             async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 await nursery.start(journal_task)
+                journal_scope.shield = True
                 try:
                     async with trio.open_nursery() as actors:
                         await actors.start(self.runtime.run)
