@@ -492,3 +492,34 @@ async def test_a_deposed_leader_keeps_its_floor_when_a_later_catching_up_session
                 assert waited.cancelled_caught
                 assert ("isr", ("a",)) not in log
                 n.cancel_scope.cancel()
+
+
+async def test_a_standby_ends_a_link_that_brings_nothing_and_can_follow_again(tmp_path):
+    # a partition TCP does not notice (the proxy holds the bytes): without frames and
+    # without heartbeats the standby ends the link, so it can connect again (before,
+    # it waited on the dead connection for ever and never caught up)
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(tmp_path / "a", epoch=10, isr_timeout_s=60).run)
+        proxy = Proxy("127.0.0.1", leader.port)
+        pport = await n.start(proxy.run)
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, silence_s=0.5, **SNAP) as sb:
+                ended = []
+
+                async def follow_once():
+                    try:
+                        await follow(sb, pport, 10)
+                    except LinkClosed as e:
+                        ended.append(str(e))
+
+                n.start_soon(follow_once)
+                await wait_until(lambda: leader.isr.isr == ["a", "b"])
+                proxy.set_mode("hold")
+                await wait_until(lambda: ended, timeout=10)
+                assert "nothing from the leader for 0.5 s" in ended[0]
+                proxy.set_mode("reset")
+                proxy.set_mode("pass")
+                n.start_soon(follow_once)
+                await leader.client.scopes.create(name="after")
+                await wait_until(lambda: sb.applied_lsn == leader.coord.journal.last_lsn)
+                n.cancel_scope.cancel()

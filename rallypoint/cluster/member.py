@@ -466,7 +466,9 @@ class ShardMember:
         o = self.config.serve_options
         return {"snapshot_every_records": o.get("snapshot_every_records", 100_000),
                 "snapshot_every_s": o.get("snapshot_every_s", 60.0),
-                "snapshot_retry_s": o.get("snapshot_retry_s", 5.0)}
+                "snapshot_retry_s": o.get("snapshot_retry_s", 5.0),
+                # a silent link ends (and is opened again) after twice the ISR timeout
+                "silence_s": max(2.0, 2 * self.config.isr_timeout_s)}
 
     async def _follow_leaders(self, sb, election: ShardElection) -> None:
         """Follow whoever leads (as etcd says), reconnecting as needed; stop taking

@@ -70,6 +70,10 @@ class Standby:
         node, cluster, shard: this node, what it tells the leader.
         snapshot_lsn: a callable returning the LSN of this node's snapshot.
         data_dir: where a downloaded snapshot copy is put (``<data_dir>/bootstrap``).
+        silence_s: a link that brings nothing (no frames, no heartbeat: the leader beats
+            every 0.1 s when idle) for this long, seconds, is ended (LinkClosed): a
+            partition that TCP does not notice must not keep the standby on a dead
+            connection, never reconnecting, after the leader dropped it.
 
     Attributes:
         clock_pair: the leader's latest ``(server time ms, wall ms)`` (None: none yet);
@@ -79,8 +83,9 @@ class Standby:
     """
 
     def __init__(self, coordinator, *, node: str, cluster: str, shard: int, snapshot_lsn, data_dir: str,
-                 on_clock=None) -> None:
+                 on_clock=None, silence_s: float = 2.0) -> None:
         self.coord = coordinator
+        self.silence_s = silence_s
         self.node = node
         self.cluster = cluster
         self.shard = shard
@@ -151,7 +156,11 @@ class Standby:
         journal = self.coord.journal
         coord = self.coord
         while True:
-            msg = await link.receive()
+            msg = None
+            with trio.move_on_after(self.silence_s):
+                msg = await link.receive()
+            if msg is None:
+                raise LinkClosed(f"nothing from the leader for {self.silence_s:g} s (no frames, no heartbeat)")
             t = type(msg)
             if t is wire.Frames:
                 if msg.epoch != epoch or msg.epoch < self.epoch_seen:
