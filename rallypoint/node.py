@@ -776,11 +776,15 @@ async def serving(
     restart's exit, start-up and recovery all count: :meth:`Recovery.unheard_ms`), run
     the coordinator and snapshots until the block ends; then a final snapshot (on a
     clean exit) and the journal closed. ``before_rearm(coord)`` runs first (a new
-    leader journals its epoch there)."""
+    leader journals its epoch there); an int it returns is the gap, ms, when
+    ``gap_ms`` is None (a promoted standby's: the time since the old leader's last
+    word, :func:`rallypoint.replication.take_over`)."""
     coord = recovery.coordinator
     info = recovery.info
     if before_rearm is not None:
-        before_rearm(coord)
+        said = before_rearm(coord)
+        if gap_ms is None and isinstance(said, int):
+            gap_ms = said
     coord.rearm_all()
     # the server could not hear renewals while it was down: leases get that time back
     if gap_ms is None:

@@ -84,6 +84,7 @@ class Leader:
         def before(coord):
             gap["ms"] = take_over(coord, epoch=self.epoch, node=self.node, clock_pair=clock_pair,
                                   default_gap_ms=rec.gap_ms)
+            return gap["ms"]
 
         # the ring must see the epoch record: attach replication to the journal first
         self.repl = None
@@ -94,7 +95,7 @@ class Leader:
                                           isr_timeout_s=self.isr_timeout_s, min_insync=self.min_insync,
                                           ring_bytes=self.ring_bytes)
             self.repl.attach()
-            before(coord)
+            return before(coord)  # the gap goes back to leases (as the member does)
 
         async with serving(rec, before_rearm=attach, **SNAP) as node:
             self.node_obj = node
@@ -523,3 +524,33 @@ async def test_a_standby_ends_a_link_that_brings_nothing_and_can_follow_again(tm
                 await leader.client.scopes.create(name="after")
                 await wait_until(lambda: sb.applied_lsn == leader.coord.journal.last_lsn)
                 n.cancel_scope.cancel()
+
+
+async def test_a_promoted_standby_gives_the_time_without_a_leader_back_to_every_lease(tmp_path):
+    # a standby's first start has no heartbeat of its own: the takeover extended leases
+    # by that (nothing) instead of by the time since the old leader's last word
+    a_path, b_path = tmp_path / "a", tmp_path / "b"
+    async with recovered(str(b_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+        async with trio.open_nursery() as n:
+            leader = await n.start(Leader(a_path, epoch=10).run)
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+                n.start_soon(follow_until_cut, sb, leader.port, 10)
+                await wait_until(lambda: leader.isr.isr == ["a", "b"])
+                rs = leader.client
+                run = await rs.scopes.create(name="leased")
+                jobs = await rs.mailboxes.ensure("jobs")
+                await jobs.submit({"i": 1}, scope=run)
+                got = await jobs.receive(scope=run, max_messages=1, lease_seconds=30, wait=0)
+                task_id = got.task_id
+                expires = leader.coord.queues.tasks[task_id].lease_expires_ms
+                await wait_until(lambda: sb.applied_lsn == leader.coord.journal.last_lsn)
+                n.cancel_scope.cancel()  # the leader dies
+                clock_pair = sb.clock_pair
+        await trio.sleep(1.0)  # a second without a leader
+        await rb.reopen_journal()
+        async with trio.open_nursery() as n:
+            b = await n.start(Leader(b_path, epoch=12, node="b").run_recovered, rb, clock_pair)
+            t = b.coord.queues.tasks[task_id]
+            assert t.state == "RUNNING"
+            assert t.lease_expires_ms - expires >= 1000
+            n.cancel_scope.cancel()

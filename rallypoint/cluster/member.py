@@ -554,6 +554,10 @@ class ShardMember:
             coord.keys.store = (self._store_url(), c.cluster)  # keys are made in etcd, not over the wire
             box["gap"] = take_over(coord, epoch=lead.epoch, node=c.node, clock_pair=clock_pair,
                                    default_gap_ms=rec.gap_ms)
+            # the time no leader heard a lease holder goes back to every lease (not this
+            # node's own last heartbeat: a standby's first start has none, and then
+            # leases were not extended at all)
+            return box["gap"]
 
         # the ISR becomes this node alone (fenced) before anything is acknowledged: the
         # old leader is gone, and a standby joins again once it has caught up
