@@ -554,3 +554,37 @@ async def test_a_promoted_standby_gives_the_time_without_a_leader_back_to_every_
             assert t.state == "RUNNING"
             assert t.lease_expires_ms - expires >= 1000
             n.cancel_scope.cancel()
+
+
+async def test_min_insync_2_holds_a_floor_at_takeover_until_a_standby_holds_the_new_term(tmp_path):
+    # the in-sync set still names the old leader: what the new term writes (its epoch
+    # record, extensions, activities) is not acknowledged -- no reply shows it -- until
+    # a standby holds it; before, it counted as durable on the new leader alone
+    log = []
+    async with trio.open_nursery() as n:
+        b = await n.start(Leader(tmp_path / "b", epoch=12, node="b", isr=FakeIsr(["a", "b"], log),
+                                 min_insync=2, log=log).run)
+        journal = b.coord.journal
+        assert journal.last_lsn >= 1  # the epoch record
+        assert journal.replica_floor == 0
+        assert journal.durable_lsn == 0 < journal.local_durable_lsn
+        async with recovered(str(tmp_path / "a"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
+            async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+                n.start_soon(follow, sa, b.port, 12)
+                await wait_until(lambda: b.repl.peer is not None and b.repl.peer.state == "in_sync")
+                assert journal.durable_lsn == journal.last_lsn
+                await b.client.scopes.create(name="replicated")
+                n.cancel_scope.cancel()
+
+
+async def test_a_takeover_with_min_insync_1_lifts_the_floor_once_the_isr_is_shrunk(tmp_path):
+    log = []
+    async with trio.open_nursery() as n:
+        b = await n.start(Leader(tmp_path / "b", epoch=12, node="b", isr=FakeIsr(["a", "b"], log), log=log).run)
+        journal = b.coord.journal
+        assert journal.replica_floor == 0  # set at attach: the ISR names a
+        assert await b.repl.shrink_isr_alone()
+        assert log == [("isr", ("b",))]
+        assert journal.replica_floor is None
+        await b.client.scopes.create(name="alone")
+        n.cancel_scope.cancel()

@@ -205,8 +205,16 @@ class ReplicationLeader:
     def attach(self) -> None:
         """Start seeing every record the journal appends (before the first commit of
         this epoch: the new leader's own records -- its epoch, the lease extension --
-        go in before :meth:`serve` refuses writes under ``min_insync``)."""
+        go in before :meth:`serve` refuses writes under ``min_insync``).
+
+        While the in-sync set still names another node (the old leader, at a
+        takeover), the replica floor is set at the journal's end: nothing this term
+        writes counts as acknowledged until a standby holds it or the set is shrunk to
+        this node (:meth:`shrink_isr_alone`; never under ``min_insync=2``, where the
+        node named there may still take over and would lack it)."""
         self.journal.set_tap(self.ring.tap)
+        if [n for n in self.isr_store.isr if n != self.node]:
+            self.journal.set_replica_floor(self.journal.last_lsn)
 
     def detach(self) -> None:
         self.journal.set_tap(None)
@@ -550,6 +558,8 @@ class ReplicationLeader:
             ok = await self.isr_store.set_isr([self.node])
             if ok:
                 self.stats["isr_shrinks"] += 1
+                if self._may_lift_floor():
+                    self.journal.set_replica_floor(None)
             return ok
 
     async def wait_standby_caught_up(self, lsn: int) -> bool:
