@@ -567,7 +567,8 @@ async def test_min_insync_2_holds_a_floor_at_takeover_until_a_standby_holds_the_
         journal = b.coord.journal
         assert journal.last_lsn >= 1  # the epoch record
         assert journal.replica_floor == 0
-        assert journal.durable_lsn == 0 < journal.local_durable_lsn
+        await wait_until(lambda: journal.local_durable_lsn == journal.last_lsn)  # fsynced here...
+        assert journal.durable_lsn == 0  # ...and still not acknowledged
         async with recovered(str(tmp_path / "a"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
             async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
                 n.start_soon(follow, sa, b.port, 12)
@@ -588,3 +589,71 @@ async def test_a_takeover_with_min_insync_1_lifts_the_floor_once_the_isr_is_shru
         assert journal.replica_floor is None
         await b.client.scopes.create(name="alone")
         n.cancel_scope.cancel()
+
+
+async def test_a_rejoining_node_truncates_to_the_last_epoch_both_histories_share(tmp_path):
+    # KIP-279: b led epoch 11 (alone), a led 12 (alone, more records), b leads 13. a's
+    # last epoch, 12, "ends" on b where 13 begins -- but b's records before that are
+    # epoch 11's, not a's: a must cut back to where the shared history ends (nothing
+    # here), or the two journals differ at the same LSNs
+    a_path, b_path = tmp_path / "a", tmp_path / "b"
+
+    async def lead(path, epoch, node, names):
+        async with trio.open_nursery() as n:
+            ldr = await n.start(Leader(path, epoch=epoch, node=node).run)
+            for name in names:
+                await ldr.client.scopes.create(name=name)
+            last = ldr.coord.journal.last_lsn
+            n.cancel_scope.cancel()
+        return last
+
+    b_11 = await lead(b_path, 11, "b", ["b11"])
+    a_12 = await lead(a_path, 12, "a", ["a12-1", "a12-2", "a12-3", "a12-4"])
+    assert a_12 > b_11
+    async with trio.open_nursery() as n:
+        b = await n.start(Leader(b_path, epoch=13, node="b").run)
+        await b.client.scopes.create(name="b13")
+        async with recovered(str(a_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
+            async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+                with pytest.raises(Rebuild) as rb_exc:
+                    await follow(sa, b.port, 13)
+        assert rb_exc.value.truncate_to == 0  # (the end of epoch 12 on b would be b_11)
+        truncate_after(str(a_path), rb_exc.value.truncate_to)
+        async with recovered(str(a_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
+            async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+                n.start_soon(follow, sa, b.port, 13)
+                await wait_until(lambda: b.repl.peer is not None and b.repl.peer.state == "in_sync")
+                await wait_until(lambda: sa.applied_lsn == b.coord.journal.last_lsn)
+                assert entities(ra.coordinator) == entities(b.coord)
+                assert [e.epoch for e in ra.coordinator.epochs.entries] == [11, 13]
+        n.cancel_scope.cancel()
+    a, b_ = journal_bytes(a_path), journal_bytes(b_path)
+    assert set(a) == set(b_) and all(a[lsn] == b_[lsn] for lsn in a)
+
+
+def test_the_shared_end_of_two_epoch_histories():
+    from types import SimpleNamespace as NS
+
+    from rallypoint.replication import wire
+
+    def leader(entries, last):
+        repl = ReplicationLeader.__new__(ReplicationLeader)
+        repl.coord = NS(epochs=NS(entries=[NS(epoch=e, first_lsn=f) for e, f in entries],
+                                  end_of=lambda ep: next((f - 1 for e, f in entries if e > ep), None)))
+        repl.journal = NS(last_lsn=last)
+        return repl
+
+    def hello(epochs, last, last_epoch=None):
+        return wire.Hello(version=1, cluster="c", shard=0, node="s", last_lsn=last,
+                          last_epoch=last_epoch if last_epoch is not None else (epochs[-1][0] if epochs else 0),
+                          snapshot_lsn=0, epochs=epochs)
+
+    ldr = leader([(10, 1), (11, 40), (13, 46)], 80)
+    assert ldr.shared_end(hello([(10, 1), (12, 40)], 60)) == 39  # diverged after epoch 10
+    assert ldr.shared_end(hello([(10, 1), (11, 40)], 45)) == 45  # a prefix: nothing to cut
+    assert ldr.shared_end(hello([(10, 1), (11, 40)], 50)) == 45  # epoch 11 ended at 45 here
+    assert ldr.shared_end(hello([(10, 1), (11, 40), (13, 46)], 90)) == 80  # past the leader's end
+    assert ldr.shared_end(hello([], 7)) == 0  # records before any epoch: not the leader's
+    assert leader([], 5).shared_end(hello([], 3)) == 3
+    # an older standby (no history sent): where its last epoch ends here
+    assert ldr.shared_end(hello([], 60, last_epoch=12)) == 45

@@ -338,15 +338,35 @@ class ReplicationLeader:
             return "this node is no longer the leader"
         return None
 
+    def shared_end(self, hello: wire.Hello) -> int:
+        """The last LSN up to which the standby's journal holds what this leader's does
+        (KIP-279): the two epoch histories agree up to some epoch E (the same epochs,
+        starting at the same LSNs; E = 0 before any); E's records end, on either side,
+        where that side's next epoch begins (or at its journal's end), and the two
+        journals agree up to the smaller of the two ends. (Where the standby's *last*
+        epoch ends on the leader is not enough: a node that led epoch 12 and a node that
+        led 11 and then 13 both have records at the LSNs after epoch 10 -- different
+        ones.) A standby that sends no history (an older version) is answered by the end
+        of its last epoch here."""
+        mine = [(e.epoch, e.first_lsn) for e in self.coord.epochs.entries]
+        theirs = [tuple(x) for x in hello.epochs]
+        my_last = self.journal.last_lsn
+        if not theirs and hello.last_epoch:
+            end = self.coord.epochs.end_of(hello.last_epoch)
+            return min(end if end is not None else my_last, my_last, hello.last_lsn)
+        k = 0
+        while k < len(mine) and k < len(theirs) and mine[k] == theirs[k]:
+            k += 1
+        my_end = mine[k][1] - 1 if k < len(mine) else my_last
+        their_end = theirs[k][1] - 1 if k < len(theirs) else hello.last_lsn
+        return min(my_end, their_end, my_last, hello.last_lsn)
+
     def _welcome(self, hello: wire.Hello) -> wire.Welcome:
-        epochs = self.coord.epochs
         last = hello.last_lsn
-        end = epochs.end_of(hello.last_epoch)
+        shared = self.shared_end(hello)
         truncate_to = None
-        if end is not None and last > end:
-            truncate_to = end  # records of its last epoch no one acknowledged
-        elif last > self.journal.last_lsn:
-            truncate_to = self.journal.last_lsn
+        if last > shared:
+            truncate_to = shared  # past it, records of epochs no one acknowledged
         if truncate_to is not None:
             if truncate_to < hello.snapshot_lsn:
                 return wire.Welcome(epoch=self.epoch, leader=self.node, from_lsn=0, snapshot=True)

@@ -125,7 +125,9 @@ class Standby:
             await link.send(wire.Hello(version=wire.LINK_VERSION, cluster=self.cluster, shard=self.shard,
                                        node=self.node, last_lsn=last,
                                        last_epoch=self.coord.epochs.epoch_of(last),
-                                       snapshot_lsn=self._snapshot_lsn()))
+                                       snapshot_lsn=self._snapshot_lsn(),
+                                       epochs=[(e.epoch, e.first_lsn) for e in self.coord.epochs.entries
+                                               if e.first_lsn <= last]))
             welcome = await link.receive()
             if isinstance(welcome, wire.Refuse):
                 raise LinkClosed(f"the leader refused: {welcome.message}")

@@ -5,7 +5,7 @@ address (the one in the shard's leader key in etcd). Each message is a frame -- 
 big-endian length and a msgpack body (:class:`~rallypoint.transport.framing.FrameParser`),
 at most :data:`MAX_MESSAGE_BYTES` -- tagged by the field ``t``::
 
-    standby: Hello(cluster, shard, node, last_lsn, last_epoch, snapshot_lsn)
+    standby: Hello(cluster, shard, node, last_lsn, last_epoch, snapshot_lsn, epochs)
     leader:  Welcome(epoch, leader, from_lsn, truncate_to, snapshot)   or Refuse(...) and close
     leader:  SnapshotChunk(...)*          only when Welcome.snapshot: the leader's LMDB copy
     leader:  Frames(epoch, first_lsn, count, data, mono_ms, wall_ms) | Beat(...)   ...
@@ -48,6 +48,10 @@ class Hello(msgspec.Struct, tag_field="t", tag="hello"):
     last_lsn: int
     last_epoch: int
     snapshot_lsn: int
+    #: the standby's epoch history, ``[epoch, first LSN]`` oldest first: the leader
+    #: finds the last epoch both share and where it ends on either (KIP-279), not only
+    #: where the standby's last epoch ends on the leader
+    epochs: list[tuple[int, int]] = []
 
 
 class Welcome(msgspec.Struct, tag_field="t", tag="welcome"):
