@@ -1724,6 +1724,7 @@ class OpsTaskRow(_View):
     group_id: str | None
     outcome_reason: str | None
     completing: bool
+    holder: str | None = None  # who received its latest delivery (TaskView.holder)
 
 
 class OpsGroupRow(_View):

@@ -24,7 +24,7 @@ def rp_popen(*args) -> subprocess.Popen:
 
 
 async def _work(url: str, n: int = 3) -> str:
-    async with rallypoint.connect(url) as rs:
+    async with rallypoint.connect(url, client_name="views-worker") as rs:
         run = await rs.scopes.create(name="cli-views")
         mbx = await rs.mailboxes.ensure("views")
         await run.groups.create(mbx, "ALL_TERMINAL")
@@ -52,6 +52,12 @@ async def test_watch_prints_events_live_and_as_json_lines():
         objs = [json.loads(ln) for ln in out.strip().splitlines()]
         assert [o["type"] for o in objs] == ["task.submitted", "task.delivered", "task.completed"]
         assert objs[0]["run"] == run_id and objs[0]["seq"] < objs[1]["seq"] < objs[2]["seq"]
+        # the delivery's holder: the worker's client name and address (issue 32 item 2)
+        assert objs[1]["data"]["holder"].startswith("views-worker@127.0.0.1:"), objs[1]
+        line = subprocess.run([sys.executable, "-m", "rallypoint", "watch", "--connect", d.url, "--from-start",
+                               "--types", "task.delivered", "--count", "1"], capture_output=True, text=True,
+                              timeout=30, env={**os.environ, "COLUMNS": "250"}).stdout
+        assert "task.delivered" in line and f"holder={objs[1]['data']['holder']}" in line, line
         # --from-start replays what is kept; --run filters the subtree
         old = subprocess.run([sys.executable, "-m", "rallypoint", "watch", "--connect", d.url, "--from-start", "--json",
                               "--run", run_id, "--count", "2"], capture_output=True, text=True, timeout=30)

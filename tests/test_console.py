@@ -181,7 +181,8 @@ async def _workload(url: str) -> dict:
         await c(p.MailboxEnsure(name="jobs", max_attempts=3))
         await c(p.MailboxEnsure(name="reviews"))
         tasks = [await c(p.TaskSubmit(mailbox="jobs", scope_id=agents[1].id, input=enc({"n": i}))) for i in range(6)]
-        got = (await c(p.Receive(mailbox="jobs", scope_id=agents[1].id, max_messages=3, lease_ms=600_000))).deliveries
+        got = (await c(p.Receive(mailbox="jobs", scope_id=agents[1].id, max_messages=3, lease_ms=600_000,
+                                 holder="researcher-1"))).deliveries
         await c(p.DeliveryComplete(task_id=got[0].task_id, token=got[0].token, outcome=enc({"answer": 42})))
         await c(p.DeliveryReject(task_id=got[1].task_id, token=got[1].token, error=enc("bad input")))
         out.update(root=root.id, wide=wide.id, agents=[a.id for a in agents], running=got[2].task_id,
@@ -310,9 +311,15 @@ def test_every_page_against_a_daemon_running_a_workload(chromium, swarm, shots):
         page.goto(base + f"/tasks/{ids['running']}")
         text = page.inner_text("main")
         assert "RUNNING" in text and "fencing token" in text and "task.delivered" in text
+        # the delivery's holder (issue 32 item 2): on the current delivery and its event's row
+        assert page.inner_text(".part-detail .holder") == "researcher-1"
+        delivered = page.locator('.part-history tr[data-event="task.delivered"] td')
+        assert delivered.nth(3).inner_text() == "1" and delivered.nth(4).inner_text() == "researcher-1"
         shots(page, "task")
         page.goto(base + f"/tasks/{ids['failed']}")
         assert "bad input" in page.inner_text(".part-detail") and "FAILED" in page.inner_text(".part-detail")
+        assert "last holder" in page.inner_text(".part-detail")
+        assert page.inner_text(".part-detail .holder") == "researcher-1"  # no lease now: the last one's holder
 
         # queues: depth, in flight, and done per second once two samples were read
         page.goto(base + "/queues")
@@ -323,6 +330,7 @@ def test_every_page_against_a_daemon_running_a_workload(chromium, swarm, shots):
         shots(page, "queues")
         page.goto(base + "/queues/jobs?state=FAILED")
         assert page.locator("tr[data-task]").count() == 1
+        assert page.locator("tr[data-task] td").nth(4).inner_text() == "researcher-1"  # its holder
 
         # groups: decided, with the late verdict marked
         page.goto(base + "/groups")

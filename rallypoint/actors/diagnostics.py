@@ -140,7 +140,7 @@ class Diagnostics(Kind):
         return [OpsTaskRow(id=t.id, mailbox=names.get(t.mailbox_id, t.mailbox_id), scope_id=t.scope_id, state=t.state,
                            attempt=t.attempt, key=t.key, created_at=to_iso(t.created_at_ms),
                            finished_at=to_iso(t.finished_at_ms), group_id=t.group_id, outcome_reason=t.outcome_reason,
-                           completing=t.completing) for t in picked]
+                           completing=t.completing, holder=t.holder) for t in picked]
 
     def _items_groups(self, space, run, op, n):
         coord = self.coord

@@ -354,11 +354,12 @@ async def run_children(ctx) -> Page:
 
 
 def task_table(tasks, empty: str) -> str:
-    return table(["Task", "Queue", "State", "Attempt", "Created", "Finished"], [
+    return table(["Task", "Queue", "State", "Attempt", "Holder", "Created", "Finished"], [
         tr(a("/tasks/" + quote(t.id, safe=""), t.id) + (f' <span class="muted">key {h(t.key)}</span>' if t.key else ""),
            a("/queues/" + quote(t.mailbox, safe=""), t.mailbox),
            badge(t.state, t.outcome_reason) + (' <span class="badge">completing</span>' if t.completing else ""),
-           h(t.attempt), when(t.created_at), when(t.finished_at), attrs=f' data-task="{h(t.id)}"') for t in tasks], empty)
+           h(t.attempt), h(t.holder) if t.holder else "—", when(t.created_at), when(t.finished_at),
+           attrs=f' data-task="{h(t.id)}"') for t in tasks], empty)
 
 
 def group_table(groups) -> str:
@@ -403,6 +404,8 @@ async def task_page(ctx) -> Page:
             facts.append(("its own run", a(run_url(t.run_id), t.run_id)))
         if t.subscribers:
             facts.append(("subscribers", h(", ".join(t.subscribers))))
+        if t.holder and (v.delivery is None):
+            facts.append(("last holder", f'<span class="holder">{h(t.holder)}</span>'))
         out = [f'<div class="state-line" data-state="{h(t.state)}">' + dl(facts) + "</div>", "<h3>Current delivery</h3>"]
         d = v.delivery
         if d is None:
@@ -410,6 +413,8 @@ async def task_page(ctx) -> Page:
         else:
             left_s = (v.lease_left_ms or 0) / 1000
             out.append(dl([("delivery", f"<code>{h(d.id)}</code>"), ("fencing token", h(d.token)),
+                           ("holder", f'<span class="holder">{h(d.holder)}</span>' if d.holder
+                            else '<span class="muted">not recorded</span>'),
                            ("attempt", h(d.attempt)),
                            ("lease expires", when(d.lease_expires_at) + f' <span class="left" data-deadline='
                             f'"{h(d.lease_expires_at)}">in {h(duration(left_s))}</span>'),
@@ -422,9 +427,12 @@ async def task_page(ctx) -> Page:
 
     async def history() -> str:
         evs = await _events_of(ctx, f"task:{tid}", 200)
-        rows = [tr(h(e.seq), when(e.at), badge(e.type), h(_brief(e.data))) for e in evs]
+        rows = [tr(h(e.seq), when(e.at), badge(e.type), h((e.data or {}).get("attempt", "")),
+                   h((e.data or {}).get("holder") or ""),
+                   h(_brief({k: v for k, v in (e.data or {}).items() if k not in ("attempt", "holder")})),
+                   attrs=f' data-event="{h(e.type)}"') for e in evs]
         return ("<h3>Attempts and deliveries (the task's events, while kept)</h3>"
-                + table(["#", "At", "Event", "Data"], rows, "no events kept for this task"))
+                + table(["#", "At", "Event", "Attempt", "Holder", "Data"], rows, "no events kept for this task"))
 
     return Page(f"Task {tid}", "queues", [Part("detail", detail, "changed"), Part("history", history, "changed")],
                 stream=urlencode({"aggregate": f"task:{tid}", "run": first.task.scope_id}))
