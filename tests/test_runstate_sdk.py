@@ -908,3 +908,39 @@ def test_a_runstate_worker_keeps_its_job_across_a_daemon_restart(tmp_path, py03)
         assert d.stop() == 0, d.log.read_text()[-3000:]
         for s in socks:
             s.close()
+
+
+HOLDER_03 = r'''
+import json, os, threading
+import runstate
+
+rs = runstate.Runstate(run=os.environ["RUN_NAME"], worker="holder-sdk-1")
+
+@rs.queue("holder-work")
+def work(doc):
+    return doc["n"] + 1
+
+stop = threading.Event()
+server = threading.Thread(target=rs.serve, kwargs={"signal": stop})
+server.start()
+try:
+    got = [work({"n": 1}), work({"n": 2})]
+finally:
+    stop.set(); server.join(30)
+print(json.dumps({"run_id": rs.run_id(), "got": got}))
+'''
+
+
+def test_sdk03_worker_id_is_each_deliverys_holder(daemon, py03):
+    """Issue 32 item 2: the worker id runstate 0.3 sends with its admits (``holder``) is
+    recorded as each delivery's holder: on the task and in its task.delivered event."""
+    out = run_script(py03, daemon, HOLDER_03, env={"RUN_NAME": "holder-03"})
+    assert out["got"] == [2, 3]
+    base = f"{daemon.base_url}/v1/spaces/{daemon.space}"
+    h = {"authorization": f"Bearer {daemon.secret}"}
+    evs = httpx.get(f"{base}/events", params={"types": "task.delivered", "scopeId": out["run_id"]}, headers=h,
+                    timeout=30).json()["events"]
+    assert len(evs) == 2 and {e["payload"]["holder"] for e in evs} == {"holder-sdk-1"}, evs
+    for e in evs:
+        task = httpx.get(f"{base}/tasks/{e['aggregateId']}", headers=h, timeout=30).json()
+        assert task["state"] == "SUCCEEDED" and task["holder"] == "holder-sdk-1"
