@@ -204,6 +204,10 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
 #: record type either has an emitter or is listed here).
 SILENT_RECORDS: dict[str, str] = {
     "SlotsReleased": "a change of the cluster's layout, not of any space's entities (rallypoint cluster status shows it)",
+    "RunLinked": "bookkeeping between shards (the run's end will be told to a home shard); the run's own events tell its story",
+    "RemoteRunAdopted": "bookkeeping between shards: the home shard's note of a run that lives on another shard (the run's events are that shard's)",
+    "RemoteRunEnded": "the end of a run of another shard, whose scope.cancelled / scope.completed / scope.deadline its own shard emitted; what it ends here has its own events (claim, pool and quota waiters)",
+    "OutboxAcked": "bookkeeping between shards (outbox entries another shard holds)",
     "LeaseRenewed": "a renewal only moves the lease's expiry; frequent, and no one waits on it",
     "ClaimRenewed": "a renewal only moves the lease's expiry (as LeaseRenewed)",
     "GrantRenewed": "a renewal only moves the lease's expiry (as LeaseRenewed)",

@@ -128,6 +128,73 @@ class SlotsReleasedView(_View):
     released: list[int]
 
 
+class RunLink(_Op, tag="run.link"):
+    """Between the shards of a sharded cluster (a node's own call, authenticated by the
+    cluster's node secret: FORBIDDEN to anyone else): the home ``shard`` of ``space``
+    asks the run's shard to tell it when run ``scope_id`` ends, before the run uses the
+    home shard's claims, pools, quotas or budgets. Answered once the run's shard has
+    journaled the link (idempotent), or with the run's refusal (NOT_FOUND,
+    SCOPE_CANCELLED, DEADLINE_EXCEEDED) when it takes no new work."""
+
+    scope_id: str
+    space: str
+    shard: int
+
+
+class RunLinkView(_View):
+    """``scope_id`` is linked to home shard ``shard``: its end will be delivered there."""
+
+    scope_id: str
+    shard: int
+
+
+class RemoteRunAdopt(_Op, tag="run.adopt_remote"):
+    """A home shard's own step (in-process only): keep run ``scope_id`` of ``space``,
+    which lives on ``shard`` and is linked (``run.link``), as a remote run here.
+    Idempotent."""
+
+    scope_id: str
+    space: str
+    shard: int
+
+
+class OutboxItem(msgspec.Struct, array_like=True, frozen=True):
+    """One outbox entry: run ``run_id`` of ``space`` ended at ``at_ms`` (``reason``:
+    cancelled, completed, deadline); ``seq`` numbers the entries from one shard to
+    another (1, 2, ...)."""
+
+    seq: int
+    run_id: str
+    space: str
+    reason: str
+    at_ms: int
+
+
+class OutboxDeliver(_Op, tag="outbox.deliver"):
+    """Between the shards of a sharded cluster (authenticated by the node secret:
+    FORBIDDEN to anyone else): shard ``source`` delivers its outbox ``items`` (in
+    ``seq`` order) to this shard; those already applied (``seq`` at or below what this
+    shard holds of ``source``) are skipped. Answers the highest ``seq`` held."""
+
+    source: int
+    items: list[OutboxItem]
+
+
+class OutboxDeliverView(_View):
+    """This shard holds every outbox entry of ``source`` up to ``received``."""
+
+    source: int
+    received: int
+
+
+class OutboxAck(_Op, tag="outbox.ack"):
+    """A node's own step (in-process only): shard ``shard`` holds this shard's outbox
+    entries up to ``seq``; they leave the outbox. Idempotent."""
+
+    shard: int
+    seq: int
+
+
 class ServerStatusView(_View):
     version: str
     protocol_version: int

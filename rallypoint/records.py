@@ -925,6 +925,55 @@ class SlotsReleased(_Rec, tag="slots_released"):
     at_ms: int
 
 
+# --- a sharded cluster: runs that use their space's home shard --------------------------
+
+
+class RunLinked(_Rec, tag="run_linked"):
+    """On the run's shard: run ``run_id`` uses entities of its space's home ``shard``
+    (a claim, a pool, a quota, a budget) there, through a *remote run* of that shard.
+    From this record on, the run's end (its own or an ancestor's: cancelled, completed,
+    deadline) puts one outbox entry for ``shard`` in the same apply (``Outbox``)."""
+
+    run_id: str
+    shard: int
+    at_ms: int
+
+
+class RemoteRunAdopted(_Rec, tag="remote_run_adopted"):
+    """On the home shard: the run ``run_id`` of ``space``, which lives on ``shard``, may
+    use this shard's space-wide entities: a *remote run* (the run's id and shard, no
+    tree) holds its claims, grants, waiters and reservations here. The run's shard
+    journaled ``RunLinked`` first."""
+
+    run_id: str
+    space: str
+    shard: int
+    at_ms: int
+
+
+class RemoteRunEnded(_Rec, tag="remote_run_ended"):
+    """On the home shard: outbox entry ``seq`` of shard ``shard`` says run ``run_id``
+    ended at ``at_ms`` (``reason``: cancelled, completed, deadline); the remote run ends
+    here in this one step, as a run does (its waiters answered, renewals refused). The
+    receiver keeps the highest ``seq`` applied per source shard: an entry delivered
+    again is not applied again."""
+
+    run_id: str
+    space: str
+    shard: int
+    seq: int
+    reason: str
+    at_ms: int
+
+
+class OutboxAcked(_Rec, tag="outbox_acked"):
+    """On the run's shard: shard ``shard`` holds every outbox entry up to ``seq``
+    (its answer to the delivery); they leave the outbox."""
+
+    shard: int
+    seq: int
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -1003,6 +1052,10 @@ Record = Union[
     Purged,
     LeaderEpoch,
     SlotsReleased,
+    RunLinked,
+    RemoteRunAdopted,
+    RemoteRunEnded,
+    OutboxAcked,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

@@ -17,6 +17,7 @@ validation, errors and durability rules:
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 
@@ -25,6 +26,9 @@ import trio
 
 from ._version import __version__
 from .actors.opmark import ANY_KEY
+from .actors.outbox import NODE_OPS as _NODE_OPS
+from .actors.outbox import REMOTE_RUN_OPS as _REMOTE_RUN_OPS
+from .ids import is_id, slot_of
 from .actors.runtime import ReplySink
 from .errors import ForbiddenError, RallypointError, UnauthenticatedError, UnavailableError, ValidationError
 from .protocol import encoder
@@ -46,18 +50,21 @@ class Session:
     fingerprint, step)`` -- (:meth:`for_step`; the coordinator stores that step's answer in
     the commit of its effect: ``actors/idempotency.py``); None otherwise. ``peer``: the
     other end's ``host:port`` (``"embedded"`` in process); ``client``: the client name
-    its handshake gave (``rallypoint.connect(client_name=)``), else ""."""
+    its handshake gave (``rallypoint.connect(client_name=)``), else "". ``node``: another
+    node of the sharded cluster, authenticated by the cluster's node secret (the only
+    session that may make the calls between shards: ``run.link``, ``outbox.deliver``)."""
 
-    __slots__ = ("space", "permissions", "peer", "key_id", "local", "idempotency", "client")
+    __slots__ = ("space", "permissions", "peer", "key_id", "local", "idempotency", "client", "node")
 
     def __init__(self, space: str = "default", permissions: frozenset[str] | None = None, peer: str = "",
-                 key_id=None, local: bool = False, client: str = ""):
+                 key_id=None, local: bool = False, client: str = "", node: bool = False):
         self.space = space
         self.permissions = permissions
         self.peer = peer
         self.key_id = key_id
         self.local = local
         self.client = client
+        self.node = node
         self.idempotency: tuple[str, str, int] | None = None
 
     @property
@@ -212,6 +219,12 @@ class Service:
         #: on a replicated shard's leader: its shard and epoch, given in every HelloOk
         self.shard: int | None = None
         self.epoch: int | None = None
+        #: a sharded cluster's node secret (etcd): a handshake with it is another node
+        self.node_secret: str | None = None
+        #: a sharded cluster's leader: ``link(session, body, sink, rid, run_id)`` links a
+        #: run of another shard, then submits the request again
+        #: (:class:`rallypoint.cluster.peers.RemoteRuns`)
+        self.remote_runs: Any = None
         # request Struct -> (handler, route, permission, tag): one dict lookup per request
         self._ops: dict[type, tuple[Any, Any, str, str]] = {
             t: (b.handler, b.route, b.permission, b.tag) for t, b in coordinator.ops.items()
@@ -230,6 +243,13 @@ class Service:
                 "upgrade the older side",
                 details={"field": "version", "client": hello.version, "server": PROTOCOL_VERSION},
             )
+        secret = self.node_secret
+        if secret is not None and isinstance(hello.api_key, str) and hmac.compare_digest(
+                hello.api_key.encode(), secret.encode()):
+            # another node of the sharded cluster (the node secret in etcd)
+            session = Session(peer=peer, client=hello.client, node=True)
+            return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space,
+                                    shard=self.shard, epoch=self.epoch)
         key = self.coordinator.keys.authenticate(hello.api_key)
         if key is None:  # open mode: the default space, every permission
             session = Session(peer=peer, client=hello.client)
@@ -264,6 +284,9 @@ class Service:
             if coord.failed is not None:
                 raise UnavailableError("the server stopped after an internal failure; retry once it restarted",
                                        retry_after=1.0)
+            if session.node and type(op) not in _NODE_OPS:
+                raise ForbiddenError(f"a node session (the cluster's node secret) makes only the calls between "
+                                     f"shards, not {tag}")
             perms = session.permissions
             if perms is not None:
                 if coord.keys.is_revoked(session.key_id):
@@ -277,6 +300,14 @@ class Service:
             sharding = coord.sharding
             if sharding is not None:  # a sharded cluster: only this shard's slots (WRONG_SHARD)
                 sharding.check_op(self._shards[type(op)], op, session.space)
+                if type(op) in _REMOTE_RUN_OPS and self.remote_runs is not None:
+                    run_id = op.scope_id
+                    if (is_id(run_id, "scp") and run_id not in coord.runs.table
+                            and not sharding.owned[slot_of(run_id) % sharding.slots]):
+                        # a run of another shard, unknown here: link it first (its shard
+                        # journals the link, this one the remote run), then run this op
+                        self.remote_runs.link(session, body, sink, rid, run_id)
+                        return
             actor_id = route(coord, session, op)
         except RallypointError as exc:
             sink.deliver(rid, exc, coord.journal.last_lsn)

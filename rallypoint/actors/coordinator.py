@@ -60,6 +60,7 @@ from .queue import WorkQueues
 from .quota import Quotas
 from .retention import Retention
 from .epochs import Epochs
+from .outbox import Outbox
 from .sharding import Sharding
 from .run import Runs
 from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, Subscribe, _FatalMarker, fatal_unwrapped, shutdown_error
@@ -76,7 +77,7 @@ __all__ = ["Coordinator", "FatalError", "STALL_S", "TICK_S", "KIND_CLASSES"]
 #: :data:`rallypoint.actors.api.TABLE`) is built from these classes' ``@op`` marks;
 #: ``tests/test_op_table.py`` checks a coordinator holds exactly these.
 KIND_CLASSES = (Runs, WorkQueues, Groups, Barriers, Timers, JoinSets, Keys, Spaces, Quotas, Budgets, Inboxes, Claims,
-                Pools, Admission, Onces, Idempotency, Diagnostics, Retention, Epochs)
+                Pools, Admission, Onces, Idempotency, Diagnostics, Retention, Epochs, Outbox)
 
 #: A gap longer than this (seconds) between two looks at the clock is an event-loop
 #: stall: outstanding leases are extended by it.
@@ -167,13 +168,15 @@ class Coordinator:
         self.diagnostics = Diagnostics(self)
         self.retention = Retention(self, retain_finished_ms)
         self.epochs = Epochs(self)  # a replicated shard's leader terms (rallypoint.cluster)
+        self.outbox = Outbox(self)  # a sharded cluster's remote runs, links and outbox
         #: on a replicated shard's leader: () -> protocol.ClusterView (server status)
         self.cluster_status_fn: Callable[[], Any] | None = None
         #: on a node of a sharded cluster: () -> protocol.ClusterMapView (cluster.map)
         self.cluster_map_fn: Callable[[], Any] | None = None
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
-                      self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs)
+                      self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs,
+                      self.outbox)
         self.task_linked_kinds = (self.pools, self.budgets)  # Kind.purge_task_links
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}

@@ -69,6 +69,12 @@ class ScopeState(msgspec.Struct, gc=False, omit_defaults=True):
     children: int = 0
     group_id: str | None = None
     task_id: str | None = None  # a task's own run: it ends with that task
+    #: a sharded cluster: set on a *remote run* of the home shard (the run lives on
+    #: that shard; here only its id, space and state: no tree, no deadline of its own)
+    remote_shard: int | None = None
+    #: a sharded cluster: the home shards this run uses entities of (``RunLinked``);
+    #: its end puts one outbox entry for each, then this is emptied
+    links: list[int] = []
 
 
 _REASON_OF_STATE = {"CANCELLED": "cancelled", "COMPLETED": "completed"}
@@ -353,7 +359,7 @@ class Runs(Kind):
             source = reversed(self.table.values()) if desc else iter(self.table.values())
         out = []
         for s in source:
-            if s.space != session.space:
+            if s.space != session.space or s.remote_shard is not None:
                 continue
             if op.roots_only and s.parent_id is not None:
                 continue
@@ -440,8 +446,10 @@ class Runs(Kind):
         c[new] = c.get(new, 0) + 1
 
     def _index(self, s: ScopeState) -> None:
-        self._count(s.space, None, s.state)
         self.table[s.id] = s
+        if s.remote_shard is not None:  # a remote run: no counts, lists or tree here
+            return
+        self._count(s.space, None, s.state)
         if s.parent_id is None:
             self.roots.setdefault(s.space, {})[s.id] = None
             if s.name is not None:
@@ -480,7 +488,13 @@ class Runs(Kind):
         coord = self.coord
         queues = coord.queues
         kind_of = coord._kind_by_prefix
+        table = self.table
         for rid in self.subtree(root_id):
+            s = table[rid]
+            if s.links:  # home shards hold things of this run: tell them (the outbox)
+                coord.outbox.note_end(s, reason, at_ms)
+                s.links = []
+                coord.touch(rid)
             owned = self.owned.get(rid)
             if owned:
                 for eid in reversed(owned):  # newest first: join sets close newest first
@@ -521,6 +535,8 @@ class Runs(Kind):
     def rebuild_indexes(self) -> None:
         self._init_indexes()
         for s in self.table.values():
+            if s.remote_shard is not None:
+                continue
             self._count(s.space, None, s.state)
             if s.parent_id is not None:
                 self.children.setdefault(s.parent_id, {})[s.id] = None
@@ -531,13 +547,47 @@ class Runs(Kind):
                 if k not in self.named_roots or self.named_roots[k] < s.id:
                     self.named_roots[k] = s.id
 
+    # ================================================================ remote runs
+    def add_remote(self, run_id: str, space: str, shard: int, at_ms: int) -> ScopeState:
+        """Install the remote run ``run_id`` (it lives on ``shard``): the apply of
+        ``RemoteRunAdopted``, and of a ``RemoteRunEnded`` that came first."""
+        s = ScopeState(id=run_id, space=space, parent_id=None, name=None, deadline_ms=None, child_limit=0,
+                       created_at_ms=at_ms, remote_shard=shard)
+        self._index(s)
+        self.coord.touch(run_id)
+        return s
+
+    def end_remote(self, run_id: str, space: str, shard: int, reason: str, at_ms: int) -> None:
+        """The remote run ``run_id`` ended on its shard (``reason``: cancelled,
+        completed, deadline): it ends here in this one step, as a run does -- what it
+        owns reacts (waiters leave their lines), its actor's nursery is cancelled
+        (its parked requests answer the run's code). Ending an ended one changes
+        nothing. Remote runs are kept (never purged: an id and a state each)."""
+        s = self.table.get(run_id)
+        if s is None:
+            s = self.add_remote(run_id, space, shard, at_ms)
+        elif s.remote_shard is None:
+            return  # (a local run: never named by another shard's outbox)
+        if self.inactive_error(run_id, at_ms) is not None:
+            return
+        if reason == "deadline":
+            s.deadline_ms = at_ms
+            s.deadline_fired = True
+        else:
+            s.state = "COMPLETED" if reason == "completed" else "CANCELLED"
+            s.ended_at_ms = at_ms
+            s.end_reason = "ended on shard %d (%s)" % (shard, reason)
+        self.coord.touch(run_id)
+        self._inactivate_subtree(run_id, at_ms, reason if reason in ("deadline", "completed") else "cancelled")
+
     # ================================================================ retention
     def purge_run(self, run_id: str) -> int:
         """Remove the run itself (its subtree and what it owns are gone already). Its
         parent keeps its ``children`` count (the child_limit counts runs created)."""
-        s = self.table.pop(run_id, None)
-        if s is None:
+        s = self.table.get(run_id)
+        if s is None or s.remote_shard is not None:
             return 0
+        del self.table[run_id]
         c = self.counts.get(s.space)
         if c is not None:
             c[s.state] -= 1

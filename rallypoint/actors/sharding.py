@@ -158,8 +158,7 @@ class Sharding:
         owner = self.owners[slot] if slot < self.slots else None
         raise ValidationError(
             f"{noun} {entity_id} lives on shard {owner}, not on shard {self.shard} where this step runs: a sharded "
-            "cluster does not make one step of two shards (a group joins tasks of its own run tree; claims, pools, "
-            "quotas, budgets and task requirements are used by runs on their space's home shard)",
+            "cluster does not make one step of two shards (a group joins tasks of its own run tree)",
             details={"cross_shard": True, "id": entity_id, "shard": owner, "this_shard": self.shard})
 
     def check_id(self, entity_id: str, what: str = "it") -> None:

@@ -227,6 +227,8 @@ class ShardMember:
         self._etcd: EtcdClient | None = None
         #: key records taken from etcd (``key.adopt``) while leading, for tests and status
         self.keys_adopted = 0
+        #: a sharded cluster's leader: the outbox's sender (rallypoint.cluster.peers)
+        self.outbox_sender = None
         self._stop = trio.Event()
         self._role_changed = trio.Event()
         self._leader_changed = trio.Event()
@@ -578,6 +580,8 @@ class ShardMember:
             self.server = server
             async with trio.open_nursery() as nursery:
                 await nursery.start(repl.serve, listeners)
+                if self.slotmap is not None:  # a sharded cluster: calls between the shards
+                    await nursery.start(self._serve_peers, node)
                 # every key of etcd is this shard's before any client is served (a
                 # cluster with keys is never in open mode on a new leader), then watched
                 await nursery.start(self._keep_keys, node)
@@ -600,6 +604,40 @@ class ShardMember:
                 await lead.resign()
                 nursery.cancel_scope.cancel()
 
+
+    async def _serve_peers(self, node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """While leading a shard of a sharded cluster: the node secret from etcd (so
+        the other shards' leaders are let in before the client port opens), the
+        linking of other shards' runs, and the outbox's sender."""
+        from .peers import OutboxSender, Peers, RemoteRuns
+        from .shardmap import node_secret
+
+        c = self.config
+        while True:
+            try:
+                secret = await node_secret(self._etcd, c.cluster)
+                break
+            except EtcdError as e:
+                log.warning("reading the cluster's node secret from etcd failed (%s); again", e.message)
+                await trio.sleep(0.5)
+
+        def address(shard: int) -> str | None:
+            rec = self.leaders.get(shard)
+            return rec.info.client_address if rec is not None else None
+
+        service = node.service
+        async with trio.open_nursery() as nursery:
+            peers = Peers(address, secret, nursery)
+            service.node_secret = secret
+            service.remote_runs = RemoteRuns(service, peers, nursery)
+            self.outbox_sender = OutboxSender(service, peers, c.shard)
+            await nursery.start(self.outbox_sender.run)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                service.remote_runs = None
+                peers.close()
 
     def _store_url(self) -> str:
         """The cluster's etcd as ``rallypoint keys --cluster`` takes it (``etcd://h:p,...``)."""

@@ -6,6 +6,7 @@ Keys, under ``/rallypoint/<cluster>/``:
 |---|---|
 | ``config`` | ``{"slots": N, "shards": K}``: the slot count, fixed when the cluster is created (``rallypoint cluster init``), and how many shards were made then |
 | ``slotmap`` | ``{"owners": [shard of slot 0, ..., shard of slot N-1]}``; its mod revision is the map's **version** |
+| ``node_secret`` | 43 URL-safe characters (256 random bits): what a node presents to another node's client port to make the calls between shards (``run.link``, ``outbox.deliver``); made with the cluster, or by the first leader of a cluster made before it (:func:`node_secret`) |
 
 ``cluster init --slots N --shards K`` deals the slots out round-robin (slot i to shard
 i mod K). ``cluster add-shard`` gives a new shard slots that hold nothing yet: each
@@ -32,7 +33,8 @@ from .etcd import Compare, EtcdClient, EtcdCompactedError, Put, Range
 
 log = logging.getLogger("rallypoint.cluster")
 
-__all__ = ["ClusterConfig", "SlotMap", "init_cluster", "read_map", "watch_map", "set_owners", "DEFAULT_SLOTS"]
+__all__ = ["ClusterConfig", "SlotMap", "init_cluster", "read_map", "watch_map", "set_owners", "node_secret",
+           "DEFAULT_SLOTS"]
 
 #: Slots of a new cluster (the most an id can name: 10 bits).
 DEFAULT_SLOTS = MAX_SLOTS
@@ -80,10 +82,33 @@ async def init_cluster(client: EtcdClient, cluster: str, *, slots: int = DEFAULT
         [Put(ck, msgspec.json.encode(ClusterConfig(slots=slots, shards=shards))),
          Put(mk, msgspec.json.encode(_MapValue(owners)))],
     )
+    if r.succeeded:
+        await node_secret(client, cluster)
     if not r.succeeded:
         raise ConflictError(f"cluster {cluster!r} already exists in this etcd (its slot count is fixed at creation)")
     log.info("cluster %r created: %d slots over %d shards", cluster, slots, shards)
     return SlotMap(owners=owners, version=r.revision)
+
+
+def _secret_key(cluster: str) -> str:
+    return f"/rallypoint/{cluster}/node_secret"
+
+
+async def node_secret(client: EtcdClient, cluster: str) -> str:
+    """The cluster's node secret (see the module docstring), made now if the cluster has
+    none (one transaction that fails if another node made it first: then theirs)."""
+    import secrets
+
+    key = _secret_key(cluster)
+    kv = await client.get(key)
+    if kv is not None:
+        return kv.value.decode()
+    r = await client.txn([Compare.create_revision(key, "==", 0)], [Put(key, secrets.token_urlsafe(32).encode())],
+                         [Range(key)])
+    if r.succeeded:
+        kv = await client.get(key)
+        return kv.value.decode()
+    return r.responses[0].kvs[0].value.decode()
 
 
 async def read_map(client: EtcdClient, cluster: str) -> SlotMap | None:

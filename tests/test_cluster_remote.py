@@ -1,0 +1,292 @@
+"""Runs that use their space's home shard, over two in-process shards (no etcd, no
+sockets): the home shard links a run of the other shard before its first claim, pool,
+quota or budget request (``run.link`` there, a remote run here), and the run's end
+comes back through the run shard's outbox, delivered at least once and applied once.
+
+The calls between the shards go straight to the other node's Service with a node
+session (what a connection authenticated by the node secret gets); the loopback tests
+with etcd are in tests/test_cluster_remote_etcd.py."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import trio
+
+from rallypoint import protocol as p
+from rallypoint.actors.sharding import Sharding, home_slot
+from rallypoint.cluster.peers import OutboxSender, RemoteRuns
+from rallypoint.errors import ForbiddenError, RallypointError, ScopeCancelledError, UnavailableError
+from rallypoint.ids import slot_of
+from rallypoint.node import open_node
+from rallypoint.records import RemoteRunEnded
+from rallypoint.service import Session
+from rallypoint.wire import PROTOCOL_VERSION, Hello
+
+SLOTS = 4
+SECRET = "node-secret-for-tests"
+
+
+def owners_with_home_on_0(space="default"):
+    h = home_slot(space, SLOTS)
+    return [0 if x == h else 1 for x in range(SLOTS)]
+
+
+class LoopPeers:
+    """Peers whose calls go to the other in-process node with a node session;
+    ``down`` shards answer UNAVAILABLE (a shard whose leader is unreachable)."""
+
+    def __init__(self, services):
+        self.services = services
+        self.down: set[int] = set()
+        self.calls: list[tuple[int, str]] = []
+
+    async def call(self, shard, op):
+        self.calls.append((shard, op.__struct_config__.tag))
+        if shard in self.down:
+            raise UnavailableError(f"shard {shard} is down")
+        return await self.services[shard].call(Session(node=True), op)
+
+
+class Two:
+    def __init__(self, nodes, peers, sender, nursery):
+        self.nodes = nodes
+        self.peers = peers
+        self.sender = sender
+        self.nursery = nursery
+        self.user = Session()
+
+    def coord(self, shard):
+        return self.nodes[shard].coordinator
+
+    async def call(self, shard, op, type_=None):
+        raw = await self.nodes[shard].service.call(self.user, op)
+        return msgspec.msgpack.decode(raw, type=type_) if type_ is not None else raw
+
+
+async def open_two(nursery, stack):
+    owners = owners_with_home_on_0()
+    nodes = {}
+    for s in (0, 1):
+        node = await stack.enter_async_context(open_node(None))
+        journal = node.coordinator.journal
+        journal.payloads = []  # every entry, for the replay test
+
+        def append(payload, _orig=journal.append, _keep=journal.payloads):
+            _keep.append(bytes(payload))
+            return _orig(payload)
+
+        journal.append = append
+        node.coordinator.sharding = Sharding(s, owners, version=1)
+        node.service.node_secret = SECRET
+        node.service.shard = s
+        nodes[s] = node
+    peers = LoopPeers({s: n.service for s, n in nodes.items()})
+    nodes[0].service.remote_runs = RemoteRuns(nodes[0].service, peers, nursery)
+    sender = OutboxSender(nodes[1].service, peers, 1, retry_s=0.05)
+    await nursery.start(sender.run)
+    return Two(nodes, peers, sender, nursery)
+
+
+async def wait_for(pred, what="", timeout=10):
+    with trio.fail_after(timeout):
+        while not pred():
+            await trio.sleep(0.005)
+
+
+@pytest.fixture
+async def two(nursery):
+    from contextlib import AsyncExitStack
+
+    async with AsyncExitStack() as stack:
+        yield await open_two(nursery, stack)
+        nursery.cancel_scope.cancel()
+
+
+async def new_run(two, shard=1):
+    v = await two.call(shard, p.ScopeCreate(), p.ScopeView)
+    assert two.coord(0).sharding.owners[slot_of(v.id)] == shard
+    return v.id
+
+
+async def test_a_claim_of_a_run_of_another_shard_links_it_and_its_end_answers_the_waiter(two):
+    r1 = await new_run(two)
+    r2 = await new_run(two)
+    lease = await two.call(0, p.ClaimAcquire(scope_id=r1, key="deploy"), p.ClaimLeaseView)
+    assert lease.status == "ACQUIRED" and lease.claim.scope_id == r1
+    # the run's shard journaled the link, the home shard holds a remote run (no tree)
+    assert two.coord(1).runs.table[r1].links == [0]
+    stub = two.coord(0).runs.table[r1]
+    assert stub.remote_shard == 1 and stub.state == "ACTIVE"
+    assert two.coord(0).runs.counts.get("default", {}).get("ACTIVE", 0) == 0  # not counted as a run here
+    listed = await two.call(0, p.ScopeList(), p.ScopeListView)
+    assert r1 not in [s.id for s in listed.scopes]
+
+    async def waiter():
+        with pytest.raises(ScopeCancelledError):
+            await two.call(0, p.ClaimAcquire(scope_id=r2, key="deploy", wait_ms=60_000, request_id="w2"))
+        done.set()
+
+    done = trio.Event()
+    two.nursery.start_soon(waiter)
+    await wait_for(lambda: len(two.coord(0).claims.line(two.coord(0).claims.get("default", "deploy"))) == 1)
+    await two.call(1, p.ScopeCancel(scope_id=r2))  # on the run's shard
+    with trio.fail_after(10):
+        await done.wait()  # the home shard's parked acquire answered with the run's code
+    assert len(two.coord(0).claims.line(two.coord(0).claims.get("default", "deploy"))) == 0
+    assert two.coord(0).runs.table[r2].state == "CANCELLED"
+    await wait_for(lambda: not two.coord(1).outbox.pending())  # acknowledged, out of the outbox
+    assert two.coord(1).outbox.acked(0) == 1 and two.coord(0).outbox.received(1) == 1
+
+
+async def test_a_pool_waiter_of_a_cancelled_remote_run_is_answered_and_its_grant_is_refused_renewal(two):
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    r1 = await new_run(two)
+    r2 = await new_run(two)
+    local = (await two.call(0, p.ScopeCreate(), p.ScopeView)).id  # a run of the home shard itself
+    got = await two.call(0, p.PoolAcquire(pool="gpu", scope_id=r1), p.PoolAcquireView)
+    assert got.status == "ACQUIRED"
+    grant = got.grant
+    answers = {}
+
+    async def acquire(name, run):
+        try:
+            answers[name] = await two.call(0, p.PoolAcquire(pool="gpu", scope_id=run, wait_ms=60_000,
+                                                            request_id=name), p.PoolAcquireView)
+        except RallypointError as e:
+            answers[name] = e
+
+    two.nursery.start_soon(acquire, "r2", r2)
+    pool = two.coord(0).pools.get("default", "gpu")
+    await wait_for(lambda: len(two.coord(0).pools.line(pool)) == 1)
+    two.nursery.start_soon(acquire, "local", local)
+    await wait_for(lambda: len(two.coord(0).pools.line(pool)) == 2)
+    await two.call(1, p.ScopeCancel(scope_id=r2))
+    await wait_for(lambda: "r2" in answers)
+    assert isinstance(answers["r2"], ScopeCancelledError)  # the waiter parked on the home shard
+    assert [w.request_id for w in two.coord(0).pools.line(pool)] == ["local"]
+    await two.call(1, p.ScopeCancel(scope_id=r1))
+    await wait_for(lambda: two.coord(0).runs.table[r1].state == "CANCELLED")
+    with pytest.raises(ScopeCancelledError):  # as on one node: the ended run's grant is not renewed
+        await two.call(0, p.GrantRenew(grant_id=grant.id, token=grant.token))
+    await two.call(0, p.GrantRelease(grant_id=grant.id, token=grant.token))  # release stays allowed
+    await wait_for(lambda: "local" in answers)
+    assert answers["local"].status == "ACQUIRED"  # the units went to the next in line
+
+
+async def test_quotas_and_budgets_take_a_remote_run_and_refuse_it_once_it_ended(two):
+    await two.call(0, p.QuotaEnsure(name="api", units_limit=5, window_ms=60_000))
+    await two.call(0, p.BudgetEnsure(name="spend", limit_minor=1000))
+    r1 = await new_run(two)
+    take = await two.call(0, p.QuotaTake(quota="api", scope_id=r1, units=2), p.QuotaTakeView)
+    assert take.state == "GRANTED" and take.scope_id == r1
+    res = await two.call(0, p.BudgetReserve(budget="spend", scope_id=r1, amount_minor=100), p.ReservationView)
+    assert res.state == "ACTIVE"
+    assert [tag for _s, tag in two.peers.calls].count("run.link") == 1  # linked once
+    await two.call(1, p.ScopeCancel(scope_id=r1))
+    await wait_for(lambda: two.coord(0).runs.table[r1].state == "CANCELLED")
+    with pytest.raises(ScopeCancelledError):
+        await two.call(0, p.QuotaTake(quota="api", scope_id=r1))
+    with pytest.raises(ScopeCancelledError):
+        await two.call(0, p.BudgetReserve(budget="spend", scope_id=r1, amount_minor=1))
+    # settling stays possible after the run's end, as on one node
+    await two.call(0, p.BudgetSettle(reservation_id=res.id, amount_minor=40, usage_key="u1"))
+
+
+async def test_an_ended_run_is_never_linked_and_a_child_ends_with_its_ancestor(two):
+    r1 = await new_run(two)
+    await two.call(1, p.ScopeCancel(scope_id=r1))
+    with pytest.raises(ScopeCancelledError):
+        await two.call(0, p.ClaimAcquire(scope_id=r1, key="k"))
+    assert r1 not in two.coord(0).runs.table and two.coord(1).runs.table[r1].links == []
+    root = await new_run(two)
+    child = (await two.call(1, p.ScopeCreate(parent_id=root), p.ScopeView)).id
+    await two.call(0, p.ClaimAcquire(scope_id=child, key="k2"))
+    await two.call(1, p.ScopeCancel(scope_id=root))  # the child ends in its ancestor's step
+    await wait_for(lambda: two.coord(0).runs.table[child].state == "CANCELLED")
+    assert two.coord(1).runs.table[child].links == []  # told once
+
+
+async def test_the_outbox_is_delivered_again_after_a_failure_and_applied_once(two):
+    r1 = await new_run(two)
+    r2 = await new_run(two)
+    for r in (r1, r2):
+        await two.call(0, p.ClaimAcquire(scope_id=r, key="k-" + r))
+    two.peers.down.add(0)  # the home shard's leader cannot be reached
+    await two.call(1, p.ScopeCancel(scope_id=r1))
+    await wait_for(lambda: two.sender.failures >= 2)
+    assert two.coord(1).outbox.pending() and two.coord(0).runs.table[r1].state == "ACTIVE"
+    two.peers.down.clear()
+    await wait_for(lambda: two.coord(0).runs.table[r1].state == "CANCELLED")
+    await wait_for(lambda: not two.coord(1).outbox.pending())
+    # a delivery repeated (an answer lost on the way back, a new leader sending again):
+    # nothing is applied twice
+    applied = []
+    coord0 = two.coord(0)
+    orig = coord0._apply[RemoteRunEnded]
+    coord0._apply[RemoteRunEnded] = lambda r: (applied.append(r.seq), orig(r))
+    item = p.OutboxItem(seq=1, run_id=r1, space="default", reason="cancelled", at_ms=0)
+    again = await two.nodes[0].service.call(Session(node=True), p.OutboxDeliver(source=1, items=[item]))
+    assert msgspec.msgpack.decode(again, type=p.OutboxDeliverView).received == 1 and applied == []
+    await two.call(1, p.ScopeCancel(scope_id=r2))
+    await wait_for(lambda: coord0.runs.table[r2].state == "CANCELLED")
+    assert applied == [2]
+
+
+async def test_an_end_that_arrives_before_the_link_leaves_the_remote_run_ended(two):
+    # the run ended between its link and the home shard's adoption: the outbox entry
+    # makes the remote run, ended; the adoption then changes nothing
+    r1 = await new_run(two)
+    await two.nodes[1].service.call(Session(node=True), p.RunLink(scope_id=r1, space="default", shard=0))
+    await two.call(1, p.ScopeCancel(scope_id=r1))
+    await wait_for(lambda: r1 in two.coord(0).runs.table)
+    assert two.coord(0).runs.table[r1].state == "CANCELLED"
+    await two.nodes[0].service.call(Session(local=True), p.RemoteRunAdopt(scope_id=r1, space="default", shard=1))
+    with pytest.raises(ScopeCancelledError):
+        await two.call(0, p.ClaimAcquire(scope_id=r1, key="late"))
+
+
+async def test_the_calls_between_shards_need_the_node_secret(two):
+    r1 = await new_run(two)
+    for shard, op in ((1, p.RunLink(scope_id=r1, space="default", shard=0)),
+                      (0, p.OutboxDeliver(source=1, items=[])),
+                      (0, p.RemoteRunAdopt(scope_id=r1, space="default", shard=1)),
+                      (1, p.OutboxAck(shard=0, seq=1))):
+        with pytest.raises(ForbiddenError):  # an open-mode session holds every permission, yet not these
+            await two.call(shard, op)
+    service = two.nodes[0].service
+    session, _ok = service.hello(Hello(PROTOCOL_VERSION, SECRET), "peer")
+    assert session.node
+    session, _ok = service.hello(Hello(PROTOCOL_VERSION, SECRET + "x"), "peer")
+    assert not session.node  # (open mode: any other key is an ordinary session)
+    with pytest.raises(ForbiddenError):  # the in-process steps are not taken from a node either
+        await service.call(Session(node=True), p.RemoteRunAdopt(scope_id=r1, space="default", shard=1))
+    with pytest.raises(ForbiddenError):  # and a node session makes nothing but those calls
+        await service.call(Session(node=True), p.ScopeCreate())
+
+
+async def test_a_link_to_an_unreachable_run_shard_answers_unavailable(two):
+    r1 = await new_run(two)
+    two.peers.down.add(1)
+    with pytest.raises(UnavailableError):
+        await two.call(0, p.ClaimAcquire(scope_id=r1, key="k"))
+    assert r1 not in two.coord(0).runs.table
+
+
+async def test_the_outbox_links_and_remote_runs_are_the_same_after_a_replay(two):
+    # what a standby or a restarted node has: the same outbox, links and remote runs
+    from rallypoint.actors.coordinator import Coordinator
+
+    r1 = await new_run(two)
+    await two.call(0, p.ClaimAcquire(scope_id=r1, key="k"))
+    two.peers.down.add(0)
+    await two.call(1, p.ScopeCancel(scope_id=r1))
+    await wait_for(lambda: two.sender.failures >= 1)
+    for shard in (0, 1):
+        coord = two.coord(shard)
+        fresh = Coordinator()
+        for payload in coord.journal.payloads:
+            fresh.replay(payload)
+        assert {k: msgspec.to_builtins(v) for k, v in fresh.outbox.table.items()} == \
+               {k: msgspec.to_builtins(v) for k, v in coord.outbox.table.items()}
+        assert msgspec.to_builtins(fresh.runs.table[r1]) == msgspec.to_builtins(coord.runs.table[r1])
