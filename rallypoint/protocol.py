@@ -1711,16 +1711,21 @@ class IdempotencyView(_View):
 
 
 class OpsRun(_Op, tag="ops.run"):
-    """Who holds what in run ``scope_id``'s subtree: lease holders (once keys, deliveries)
-    and waiters (quota waiters)."""
+    """Who holds what in run ``scope_id``'s subtree: lease holders (once and claim keys,
+    leased tasks by their delivery's holder) and waiters (pool and quota waiters)."""
 
     scope_id: str
 
 
 class OpsWorkerView(_View):
+    """A lease holder of a run's subtree: ``keys`` every once and claim key and leased
+    task id it holds (runstate counts them as what it holds), ``tasks`` which of them are
+    tasks (leased by deliveries to this holder)."""
+
     holder: str
     keys: list[str]
     earliest_lease_expiry: Instant | None
+    tasks: list[str] = []
 
 
 class OpsWaitView(_View):

@@ -290,6 +290,10 @@ def test_every_page_against_a_daemon_running_a_workload(chromium, swarm, shots):
         summary = page.inner_text(".part-summary")
         assert "6 runs in its subtree" in summary  # itself, 3 agents, a sub-agent, the group's gate run
         assert "leader" in summary and "agent-0" in summary  # the claim, held below
+        # the running task's delivery, by its holder, linked (issue 32 item 2)
+        leased = page.locator('.part-summary tr[data-holder="researcher-1"] td').nth(2)
+        assert leased.inner_text() == ids["running"]
+        assert leased.locator("a").get_attribute("href").endswith("/tasks/" + ids["running"])
         agent0 = page.locator(f'li[data-run="{ids["agents"][0]}"]')
         assert agent0.locator("ul.tree li").count() == 0  # not loaded before it is expanded
         agent0.locator("button.toggle").click()

@@ -72,6 +72,30 @@ async def test_embedded_receive_records_the_named_holder_everywhere(autojump_clo
     assert (await rs.task(tk.id).status()).holder == "embedded"  # the last holder stays on the finished task
 
 
+async def test_ops_run_lists_each_holders_leased_tasks(autojump_clock, ers):
+    rs = ers
+    root = await rs.scopes.create(name="tree")
+    kid = await root.child(name="kid")
+    q = await rs.mailboxes.ensure("ho")
+    a = await q.submit(1, scope=kid)
+    b = await q.submit(2, scope=kid)
+    c = await q.submit(3, scope=root)
+    da = await q.receive(kid, wait=0, holder="w-a")
+    await q.receive(kid, wait=0, holder="w-b")
+    dc = await q.receive(root, wait=0, holder="w-a")
+    assert {da.task_id, dc.task_id} == {a.id, c.id}
+    await dc.complete(None)  # finished: no longer held
+
+    async def ops(scope_id) -> p.OpsRunView:
+        return msgspec.msgpack.decode(await rs.node.service.call(Session(), p.OpsRun(scope_id=scope_id)),
+                                      type=p.OpsRunView)
+
+    v = await ops(root.id)
+    got = {w.holder: (w.keys, w.tasks) for w in v.workers}
+    assert got == {"w-a": ([a.id], [a.id]), "w-b": ([b.id], [b.id])}
+    assert v.workers[0].earliest_lease_expiry is not None
+
+
 async def test_a_holder_not_1_to_128_characters_is_refused_before_anything_is_leased(autojump_clock, ers):
     rs = ers
     run = await rs.scopes.create()

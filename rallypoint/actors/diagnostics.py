@@ -38,7 +38,8 @@ class Diagnostics(Kind):
     @op(OpsRun, route=by_run(), permission=R, resend=ALWAYS)
     def op_ops_run(self, actor, session, op: OpsRun) -> OpsRunView:
         """For run ``scope_id`` and its subtree: ``workers`` (per holder: the once and
-        claim keys it holds and its earliest lease expiry) and ``waiting`` (pool waiters,
+        claim keys and the ids of the leased tasks it holds -- a delivery's holder, see
+        ``TaskDelivered.holder`` -- and its earliest lease expiry) and ``waiting`` (pool waiters,
         then WAITING quota waiters), at most 1000 rows each; ``root_scope_id``: the top of
         its tree."""
         coord = self.coord
@@ -50,9 +51,11 @@ class Diagnostics(Kind):
         subtree = set(runs.subtree(run.id))
         workers: dict[str, list] = {}
 
-        def hold(holder, key, lease_mono):
-            w = workers.setdefault(holder or "", [[], None])
+        def hold(holder, key, lease_mono, task=False):
+            w = workers.setdefault(holder or "", [[], None, []])
             w[0].append(key)
+            if task:
+                w[2].append(key)
             exp = coord.clock.mono_to_wall(lease_mono)
             w[1] = exp if w[1] is None else min(w[1], exp)
 
@@ -64,12 +67,19 @@ class Diagnostics(Kind):
             c = claims.table[cid]
             if c.scope_id in subtree:
                 hold(c.holder, c.key, c.lease_expires_ms)
+        queues = coord.queues
+        unfinished, tasks = queues.run_unfinished, queues.tasks
+        for rid in subtree:
+            for tid in unfinished.get(rid, ()):
+                t = tasks[tid]
+                if t.state == "RUNNING" and not t.completing:
+                    hold(t.holder, t.id, t.lease_expires_ms, task=True)
         waiting = [v for v in self._pool_waiting(session.space) if v.scope_id in subtree]
         waiting += [v for v in self._quota_waiting(session.space) if v.scope_id in subtree]
         return OpsRunView(
             root_scope_id=root.id, scope_id=run.id, runs=len(subtree),
-            workers=[OpsWorkerView(holder=h, keys=sorted(k), earliest_lease_expiry=to_iso(e))
-                     for h, (k, e) in sorted(workers.items())][:MAX_ROWS],
+            workers=[OpsWorkerView(holder=h, keys=sorted(k), earliest_lease_expiry=to_iso(e), tasks=sorted(ts))
+                     for h, (k, e, ts) in sorted(workers.items())][:MAX_ROWS],
             waiting=waiting[:MAX_ROWS],
         )
 

@@ -280,13 +280,15 @@ async def run_page(ctx) -> Page:
             facts.append(("gate of group", a("/groups/" + quote(s.group_id, safe=""), s.group_id)))
         if s.task_id:
             facts.append(("own run of task", a("/tasks/" + quote(s.task_id, safe=""), s.task_id)))
-        holders = [tr(h(w.holder or "—"), h(", ".join(w.keys)), when(w.earliest_lease_expiry)) for w in ops.workers]
+        holders = [tr(h(w.holder or "—"), h(", ".join(k for k in w.keys if k not in w.tasks)) or "—",
+                      ", ".join(a("/tasks/" + quote(t, safe=""), t) for t in w.tasks) or "—",
+                      when(w.earliest_lease_expiry), attrs=f' data-holder="{h(w.holder)}"') for w in ops.workers]
         waiting = [tr(h(w.kind), h(w.name), h(w.units), h(w.holder or "—"), a(run_url(w.scope_id), w.scope_id))
                    for w in ops.waiting]
         return (f'<div class="state-line" data-state="{h(s.stored_state)}" data-effective="{h(s.effective)}">'
                 + dl(facts) + "</div>"
-                + "<h3>Lease holders in the subtree (claims, onces)</h3>"
-                + table(["Holder", "Keys", "Earliest lease expiry"], holders, "nobody holds a lease")
+                + "<h3>Lease holders in the subtree (claims, onces, deliveries)</h3>"
+                + table(["Holder", "Keys", "Leased tasks", "Earliest lease expiry"], holders, "nobody holds a lease")
                 + "<h3>Waiting in the subtree (pools, quotas)</h3>"
                 + table(["Kind", "Name", "Units", "Holder", "Run"], waiting, "nothing waits"))
 
