@@ -61,6 +61,7 @@ def indexes_of(coord) -> dict:
         "scope_children": {k: sorted(v) for k, v in coord.runs.children.items() if v},
         "scope_task_counts": {k: dict(v) for k, v in coord.queues.run_counts.items() if v},
         "scope_unfinished": {k: set(v) for k, v in coord.queues.run_unfinished.items() if v},
+        "scope_leased": {k: set(v) for k, v in coord.queues.run_leased.items()},
         "mailbox_counts": {k: list(v) for k, v in coord.queues.queue_counts.items() if any(v)},
         "group_members": {
             gid: {tid: msgspec.structs.asdict(m) for tid, m in idx.items()}

@@ -81,6 +81,13 @@ def check_structure(coord) -> None:
             assert pending_under(t.run_id) == [], f"task {t.id} {t.state} with {pending_under(t.run_id)} pending"
         if t.completing:
             assert t.state == "RUNNING" and t.id not in queues.leased
+    # the leased sets (node-wide, per run: ops.run's holders) are the leased tasks, no more
+    want: dict[str, set] = {}
+    for t in queues.tasks.values():
+        if t.state == "RUNNING" and not t.completing:
+            want.setdefault(t.scope_id, set()).add(t.id)
+    assert queues.run_leased == want
+    assert queues.leased == set().union(*want.values())
     for s in runs.table.values():
         if runs.inactive_error(s.id) is not None:
             assert pending_under(s.id) == [], f"run {s.id} ended with {pending_under(s.id)} pending"

@@ -67,13 +67,13 @@ class Diagnostics(Kind):
             c = claims.table[cid]
             if c.scope_id in subtree:
                 hold(c.holder, c.key, c.lease_expires_ms)
+        # Leased tasks: each run's leased set (as many as its leases, whatever waits)
         queues = coord.queues
-        unfinished, tasks = queues.run_unfinished, queues.tasks
+        run_leased, tasks = queues.run_leased, queues.tasks
         for rid in subtree:
-            for tid in unfinished.get(rid, ()):
+            for tid in run_leased.get(rid, ()):
                 t = tasks[tid]
-                if t.state == "RUNNING" and not t.completing:
-                    hold(t.holder, t.id, t.lease_expires_ms, task=True)
+                hold(t.holder, t.id, t.lease_expires_ms, task=True)
         waiting = [v for v in self._pool_waiting(session.space) if v.scope_id in subtree]
         waiting += [v for v in self._quota_waiting(session.space) if v.scope_id in subtree]
         return OpsRunView(

@@ -43,8 +43,9 @@ reservations held for it close in the same apply
 (:meth:`rallypoint.actors.budget.Budgets.on_delivery_ended`).
 
 Indexes (rebuilt after recovery, never snapshotted): a ready heap per (queue, run) of
-``(seq, task id)``, the idempotency-key index, unfinished tasks per run, leased tasks,
-and counts.
+``(seq, task id)``, the idempotency-key index, unfinished tasks per run, leased tasks
+(node-wide and per run: ``ops.run`` lists a subtree's by their delivery's holder), and
+counts.
 """
 
 from __future__ import annotations
@@ -278,7 +279,8 @@ class WorkQueues(Kind):
         self.task_keys: dict[tuple[str, str, str], str] = {}
         self.ready: dict[str, dict[str, list[tuple[int, str]]]] = {}  # queue -> run -> heap of (seq, id)
         self.ready_set: set[str] = set()
-        self.leased: set[str] = set()  # RUNNING tasks
+        self.leased: set[str] = set()  # RUNNING tasks (a completing one is no longer leased)
+        self.run_leased: dict[str, set[str]] = {}  # run -> its leased tasks (ops.run's holders)
         self.queue_counts: dict[str, list[int]] = {}  # queue -> [queued, running]
         self.run_counts: dict[str, dict[str, int]] = {}  # run -> state -> tasks
         self.run_unfinished: dict[str, set[str]] = {}
@@ -645,7 +647,23 @@ class WorkQueues(Kind):
                 qc = self.queue_counts[t.mailbox_id] = [0, 0]
             qc[0 if t.state == "QUEUED" else 1] += 1
             if t.state == "RUNNING" and not t.completing:
-                self.leased.add(t.id)
+                self._lease_add(t)
+
+    def _lease_add(self, t: TaskState) -> None:
+        self.leased.add(t.id)
+        s = self.run_leased.get(t.scope_id)
+        if s is None:
+            self.run_leased[t.scope_id] = {t.id}
+        else:
+            s.add(t.id)
+
+    def _lease_drop(self, t: TaskState) -> None:
+        self.leased.discard(t.id)
+        s = self.run_leased.get(t.scope_id)
+        if s is not None:
+            s.discard(t.id)
+            if not s:
+                del self.run_leased[t.scope_id]
 
     def _set_state(self, t: TaskState, new: str, at_ms: int = 0) -> None:
         """Move ``t`` to ``new`` and keep every index and hook in step: counts, the
@@ -669,11 +687,11 @@ class WorkQueues(Kind):
             qc[0 if old == "QUEUED" else 1] -= 1
         coord = self.coord
         if old == "RUNNING":
-            self.leased.discard(t.id)
+            self._lease_drop(t)
             # the delivery ended: reservations held for it close (settled or voided)
             coord.budgets.on_delivery_ended(t.id, t.token, new, t.finished_at_ms if new in TERMINAL else None)
         elif new == "RUNNING":
-            self.leased.add(t.id)
+            self._lease_add(t)
         if old == "RUNNING" and t.requirements is not None:
             coord.admission.on_delivery_ended(t, new, at_ms)
         if new in TERMINAL:
@@ -1096,7 +1114,7 @@ class WorkQueues(Kind):
         t = self.tasks[r.task_id]
         t.completing = True
         t.held_outcome = r.outcome
-        self.leased.discard(t.id)  # no lease counts any more: nothing to take over
+        self._lease_drop(t)  # no lease counts any more: nothing to take over
         if t.requirements is not None:  # its worker is done: what its delivery took goes back now
             # (for its requirements it succeeded: pool units return, budget reservations settle)
             self.coord.admission.on_delivery_ended(t, "SUCCEEDED", r.at_ms)
@@ -1550,7 +1568,7 @@ class WorkQueues(Kind):
             sc[t.state] -= 1
         if t.state not in TERMINAL:  # (never: only finished tasks are purged)
             self.ready_set.discard(t.id)
-            self.leased.discard(t.id)
+            self._lease_drop(t)
         self.coord.touch(t.id)
         return n + 1
 
