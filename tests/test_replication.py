@@ -657,3 +657,32 @@ def test_the_shared_end_of_two_epoch_histories():
     assert leader([], 5).shared_end(hello([], 3)) == 3
     # an older standby (no history sent): where its last epoch ends here
     assert ldr.shared_end(hello([], 60, last_epoch=12)) == 45
+
+
+async def test_a_leader_whose_standby_holds_less_than_it_wrote_stops_cleanly(tmp_path):
+    # found by the two-node simulator (seed 1): a leader under --min-insync 2 with no
+    # standby in sync, stopped gracefully, waited in its final snapshot for the standby
+    # to acknowledge what it wrote -- for ever
+    log = []
+    stop = trio.Event()
+
+    async def lead(rec):
+        def attach(coord):
+            repl = ReplicationLeader(coord, epoch=12, node="b", cluster="c", shard=0, isr=FakeIsr(["a", "b"], log),
+                                     min_insync=2)
+            repl.attach()
+            return take_over(coord, epoch=12, node="b", clock_pair=None, default_gap_ms=0)
+
+        async with serving(rec, before_rearm=attach, **SNAP) as node:
+            journal = node.coordinator.journal
+            assert journal.replica_floor is not None and journal.durable_lsn < journal.last_lsn
+            await stop.wait()
+
+    async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rec:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as n:
+                n.start_soon(lead, rec)
+                await trio.sleep(0.2)
+                stop.set()  # a clean exit of the serving block
+    async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rec:
+        assert rec.coordinator.epochs.current == 12  # the journal holds it: replayed

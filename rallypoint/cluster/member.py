@@ -229,6 +229,15 @@ class ShardMember:
         self.keys_adopted = 0
         #: a sharded cluster's leader: the outbox's sender (rallypoint.cluster.peers)
         self.outbox_sender = None
+        #: how the node reaches etcd, the leader's replication address and listens for
+        #: standbys (the two-node simulator, :mod:`rallypoint.testing.replsim`, replaces
+        #: them with an in-memory etcd and a seeded network)
+        self.make_etcd: Callable[[], Any] = lambda: EtcdClient(config.etcd)
+        self.connect: Callable[[str, int], Any] = trio.open_tcp_stream
+        self.listen: Callable[..., Any] = trio.open_tcp_listeners
+        #: ``await probe(point)`` at each step of a takeover and a rejoin (None: nothing;
+        #: the simulator crashes the node there)
+        self.probe: Callable[[str], Any] | None = None
         self._stop = trio.Event()
         self._role_changed = trio.Event()
         self._leader_changed = trio.Event()
@@ -324,7 +333,7 @@ class ShardMember:
         if c.http is not None:
             self.http_port = await _reserve(c.http)
         try:
-            async with EtcdClient(c.etcd) as etcd, trio.open_nursery() as watches:
+            async with self.make_etcd() as etcd, trio.open_nursery() as watches:
                 self._etcd = etcd
                 election = ShardElection(etcd, c.cluster, c.shard)
                 watches.start_soon(self._watch_map, etcd)
@@ -339,6 +348,7 @@ class ShardMember:
                     except Rebuild as rb:
                         started = True
                         self._rebuild(rb)
+                        await self._probe("rejoin.rebuilt")
                     except LeadershipLostError as e:
                         started = True
                         log.warning("node %s lost the leadership of shard %d (%s); rejoining as a standby",
@@ -415,8 +425,9 @@ class ShardMember:
         """Recover, stand by until this node wins the campaign, then lead until the
         leadership ends or the node stops."""
         c = self.config
-        async with recovered(c.data_dir, c.durability, clock=None, interval_ms=c.node_options.get("interval_ms", 10),
-                             **{k: v for k, v in c.node_options.items() if k != "interval_ms"}) as rec:
+        async with recovered(c.data_dir, c.durability, clock=c.node_options.get("clock"),
+                             interval_ms=c.node_options.get("interval_ms", 10),
+                             **{k: v for k, v in c.node_options.items() if k not in ("interval_ms", "clock")}) as rec:
             self.last_epoch_seen = max(self.last_epoch_seen, rec.coordinator.epochs.current)
             won = trio.Event()
             done = trio.Event()
@@ -512,7 +523,7 @@ class ShardMember:
         with scope:
             while True:
                 try:
-                    stream = await trio.open_tcp_stream(host, port)
+                    stream = await self.connect(host, port)
                 except OSError as e:
                     log.info("standby %s: cannot reach leader %s at %s (%s)", self.config.node, rec.info.node,
                              rec.info.replication_address, e)
@@ -535,8 +546,11 @@ class ShardMember:
 
     async def _lead(self, rec, lead: Leadership, clock_pair) -> None:
         c = self.config
+        await self._probe("takeover.won")
         await rec.reopen_journal()
+        await self._probe("takeover.journal_reopened")
         replicas = await lead.election.read_replicas()
+        await self._probe("takeover.replicas_read")
         members = list(replicas.replicas.members) if replicas else [c.node]
         isr_now = list(replicas.replicas.isr) if replicas else [c.node]
         isr = EtcdIsr(lead, members, isr_now)
@@ -569,19 +583,26 @@ class ShardMember:
             self.epoch = lead.epoch
             self.node = node
             node.snapshotter.hold_lsn = repl.hold_lsn
+            await self._probe("takeover.epoch_journaled")
             if not await repl.shrink_isr_alone():
                 raise LeadershipLostError(str(c.shard), lead.epoch, "the in-sync set could not be written")
-            await node.coordinator.journal.wait_durable(node.coordinator.journal.last_lsn)
+            await self._probe("takeover.isr_shrunk")
+            # the epoch record fsynced here before anything is served (not acknowledged:
+            # under --min-insync 2 that waits for a standby, which connects below)
+            journal = node.coordinator.journal
+            await journal.wait_synced(journal.last_lsn)
+            await self._probe("takeover.epoch_synced")
             node.service.shard = c.shard
             node.service.epoch = lead.epoch
             node.coordinator.cluster_status_fn = self.status
-            listeners = await trio.open_tcp_listeners(self.replication_port, host=c.replication[0])
+            listeners = await self.listen(self.replication_port, host=c.replication[0])
             server = self.make_server(_Fenced(node.service, lead, self))
             self.server = server
             async with trio.open_nursery() as nursery:
                 await nursery.start(repl.serve, listeners)
                 if self.slotmap is not None:  # a sharded cluster: calls between the shards
                     await nursery.start(self._serve_peers, node)
+                await self._probe("takeover.replicating")
                 # every key of etcd is this shard's before any client is served (a
                 # cluster with keys is never in open mode on a new leader), then watched
                 await nursery.start(self._keep_keys, node)
@@ -590,6 +611,7 @@ class ShardMember:
                 if extra is not None:
                     nursery.start_soon(extra)
                 self._set_role("leader")
+                await self._probe("takeover.serving")
                 await self._stop.wait()
                 # graceful stop: drain clients, let the in-sync standby hold every record,
                 # then resign so it campaigns at once (no lease-TTL wait)
@@ -638,6 +660,9 @@ class ShardMember:
             finally:
                 service.remote_runs = None
                 peers.close()
+    async def _probe(self, point: str) -> None:
+        if self.probe is not None:
+            await self.probe(point)
 
     def _store_url(self) -> str:
         """The cluster's etcd as ``rallypoint keys --cluster`` takes it (``etcd://h:p,...``)."""

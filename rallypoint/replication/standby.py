@@ -128,7 +128,11 @@ class Standby:
                                        snapshot_lsn=self._snapshot_lsn(),
                                        epochs=[(e.epoch, e.first_lsn) for e in self.coord.epochs.entries
                                                if e.first_lsn <= last]))
-            welcome = await link.receive()
+            welcome = None
+            with trio.move_on_after(self.silence_s):  # (a lost Hello or Welcome: connect again)
+                welcome = await link.receive()
+            if welcome is None:
+                raise LinkClosed(f"the leader did not answer the handshake within {self.silence_s:g} s")
             if isinstance(welcome, wire.Refuse):
                 raise LinkClosed(f"the leader refused: {welcome.message}")
             if not isinstance(welcome, wire.Welcome):
