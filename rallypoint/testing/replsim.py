@@ -806,25 +806,29 @@ class ReplSim:
                 node.etcd.heal()
         t0 = trio.current_time()
         acked_before = len(self.acks)
-        wrote = False
+        writing: set[int] = set()
         while True:
             for node in self.nodes.values():
                 if not node.alive and node.done.is_set():
                     self.start(node)
             lead = self.leader()
+            progress = "no leader"
             if lead is not None:
                 repl = lead.member.replication
                 other = next(n for n in self.nodes.values() if n is not lead)
                 sb = other.member.standby if other.alive and other.member is not None else None
                 peer = repl.peer if repl is not None else None
                 last = lead.member.node.coordinator.journal.last_lsn
+                progress = (f"{lead.name} leads, journal at LSN {last}; standby "
+                            f"{peer.state if peer else None}, acknowledged {peer.acked if peer else None}, applied "
+                            f"{sb.applied_lsn if sb else None}")
                 if (peer is not None and peer.state == "in_sync" and sb is not None
                         and sb.applied_lsn == last and peer.acked == last):
                     if len(self.acks) > acked_before:
                         return
-                    if not wrote:
-                        wrote = True
-                        self.nursery.start_soon(self.write)
+                    if not writing:  # (again if the last one was lost or refused)
+                        writing.add(1)
+                        self.nursery.start_soon(self._drain_write, writing)
             if trio.current_time() - t0 > DRAIN_S:
                 if self.tracing:
                     self.trace_lines += _task_tree()
@@ -832,9 +836,15 @@ class ReplSim:
                                    if n.alive and n.member and n.member.replication and n.member.replication.peer
                                    else None) for n in self.nodes.values()}
                 raise Violation("liveness", f"the healed cluster did not converge within {DRAIN_S:g} s "
-                                            f"(roles and standby states: {states}; writes acknowledged in the "
-                                            f"drain: {len(self.acks) - acked_before})", self.step_no)
+                                            f"(roles and standby states: {states}; {progress}; writes acknowledged "
+                                            f"in the drain: {len(self.acks) - acked_before})", self.step_no)
             await trio.sleep(0.1)
+
+    async def _drain_write(self, writing: set) -> None:
+        try:
+            await self.write()
+        finally:
+            writing.clear()
 
     async def final_check(self) -> None:
         """Every acknowledged write on the leader; both journals, as on disk, agree on
