@@ -686,3 +686,38 @@ async def test_a_leader_whose_standby_holds_less_than_it_wrote_stops_cleanly(tmp
                 stop.set()  # a clean exit of the serving block
     async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rec:
         assert rec.coordinator.epochs.current == 12  # the journal holds it: replayed
+
+
+async def test_a_standby_dropped_under_min_insync_2_has_its_connection_closed(tmp_path):
+    # found by the two-node simulator (seed 113): under --min-insync 2 the drop of the
+    # in-sync standby returned before closing its connection; the session went on
+    # streaming to a standby that counted for nothing, which never connected again, and
+    # writes were refused for ever
+    async with trio.open_nursery() as n:
+        leader = await n.start(Leader(tmp_path / "a", epoch=10, min_insync=2, isr_timeout_s=0.3).run)
+        proxy = Proxy("127.0.0.1", leader.port)
+        pport = await n.start(proxy.run)
+        async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, silence_s=30, **SNAP) as sb:
+                ended = []
+
+                async def follow_once():
+                    try:
+                        await follow(sb, pport, 10)
+                    except LinkClosed as e:
+                        ended.append(str(e))
+
+                n.start_soon(follow_once)
+                await wait_until(lambda: leader.repl.peer is not None and leader.repl.peer.state == "in_sync")
+                proxy.set_mode("hold")
+
+                async def held_write():
+                    await leader.client.scopes.create(name="held")
+
+                n.start_soon(held_write)
+                await wait_until(lambda: leader.repl.peer is None)  # dropped (it stays in the ISR)
+                proxy.set_mode("pass")
+                await wait_until(lambda: ended, timeout=10)
+                n.start_soon(follow_once)  # it connects again, catches up, and the write is acknowledged
+                await wait_until(lambda: leader.repl.peer is not None and leader.repl.peer.state == "in_sync")
+                n.cancel_scope.cancel()
