@@ -189,6 +189,12 @@ class Standby:
             elif t is wire.Beat:
                 if msg.epoch != epoch:
                     raise StaleLeader(f"a beat of epoch {msg.epoch} on a link of epoch {epoch}")
+                if msg.last_lsn > journal.last_lsn:
+                    # the leader beats only once it sent everything up to last_lsn: the
+                    # frames between were lost (and with nothing more to send, no later
+                    # frame would show the gap); connect again from here
+                    raise LinkClosed(f"a beat says the leader's journal ends at LSN {msg.last_lsn}; this one "
+                                     f"ends at {journal.last_lsn}: frames were lost")
                 self._clock(msg.mono_ms, msg.wall_ms)
             else:
                 raise LinkClosed(f"unexpected {t.__name__} from the leader")

@@ -293,7 +293,10 @@ class SimNet:
             return
         copies = 1
         prof, rng = self.prof, self.rng
-        if self.faults_on:
+        # the faults hit the replication frames (what the leader sends: frames, beats,
+        # the handshake's answer); acknowledgements only travel with a latency
+        faulty = self.faults_on and to == conn.ends[0]
+        if faulty:
             x = rng.random()
             if x < prof.drop_p:
                 self.stats["dropped"] += 1
@@ -306,7 +309,7 @@ class SimNet:
         pipe = conn.pipes[to]
         for _ in range(copies):
             delay = prof.latency_s * (0.5 + rng.random())
-            if self.faults_on and rng.random() < prof.reorder_p:
+            if faulty and rng.random() < prof.reorder_p:
                 delay += rng.choice((0.002, 0.02, 0.1))
                 self.stats["reordered"] += 1
             self.seq += 1
@@ -954,6 +957,23 @@ def _mutant_floor_lifted_early():
     return ReplicationLeader, "_may_lift_floor", may_lift
 
 
+def _mutant_floor_lifted_before_shrink():
+    from ..replication.leader import ReplicationLeader
+
+    async def drop_locked(self, peer, why):  # acknowledges without the standby first, asks etcd after
+        async with self._isr_lock:
+            if self.peer is peer:
+                self.peer = None
+            was = peer.state
+            peer.state = "dropped"
+            self.journal.set_replica_floor(None)
+            if was == "in_sync" and not await self.isr_store.set_isr([self.node]):
+                self._deposed()
+            self._update_gate()
+
+    return ReplicationLeader, "_drop_locked", drop_locked
+
+
 def _mutant_no_truncation():
     from ..replication.leader import ReplicationLeader
 
@@ -968,6 +988,7 @@ MUTANTS = {
     "standby_acks_early": _mutant_standby_acks_early,
     "leader_acks_alone": _mutant_leader_acks_alone,
     "floor_lifted_early": _mutant_floor_lifted_early,
+    "floor_lifted_before_shrink": _mutant_floor_lifted_before_shrink,
     "no_truncation": _mutant_no_truncation,
 }
 
