@@ -553,18 +553,21 @@ class ReplSim:
         return rest[:1]
 
     def start(self, node: _Node) -> None:
+        """Start a new incarnation of ``node`` (everything it is made of exists at once:
+        a kill right after this kills it, not the previous one)."""
         if node.alive:
             return
         node.incarnation += 1
         node.alive = True
         node.killed = False
         node.done = trio.Event()
+        self._make_member(node)
         self.nursery.start_soon(self._incarnation, node)
 
     def _on_coordinator(self, coord) -> None:
         coord.ids = _SeededIds(coord.clock.mono_ms, self.id_rng)
 
-    async def _incarnation(self, node: _Node) -> None:
+    def _make_member(self, node: _Node) -> None:
         storage = _Storage(node, self._on_coordinator)
         client = FakeEtcdClient(self.etcd)
         cfg = MemberConfig(
@@ -581,6 +584,9 @@ class ReplSim:
         member.probe = lambda point: self._probe(node, point)
         node.member, node.etcd, node.storage = member, client, storage
         node.scope = trio.CancelScope()
+
+    async def _incarnation(self, node: _Node) -> None:
+        member = node.member
         self.trace(f"node {node.name} #{node.incarnation} starts")
         try:
             with node.scope:
