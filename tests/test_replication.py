@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from rallypoint.client.api import Client
 from rallypoint.client.embedded import EmbeddedTransport
@@ -721,3 +722,27 @@ async def test_a_standby_dropped_under_min_insync_2_has_its_connection_closed(tm
                 n.start_soon(follow_once)  # it connects again, catches up, and the write is acknowledged
                 await wait_until(lambda: leader.repl.peer is not None and leader.repl.peer.state == "in_sync")
                 n.cancel_scope.cancel()
+
+
+async def test_a_standby_ends_the_link_when_a_beat_announces_records_it_never_got(tmp_path):
+    # the leader beats only once it sent everything up to the beat's LSN: frames before
+    # it were lost (the two-node simulator drops some), and with nothing more to send no
+    # later frame would show the gap -- the standby waited for ever, never in sync
+    from rallypoint.replication import Link, wire
+
+    async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
+        async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            left, right = trio.testing.memory_stream_pair()
+            fake = Link(right, "leader")
+
+            async def leader():
+                assert isinstance(await fake.receive(), wire.Hello)
+                await fake.send(wire.Welcome(epoch=10, leader="a", from_lsn=1))
+                await fake.send(wire.Beat(epoch=10, last_lsn=0, mono_ms=1, wall_ms=1))  # nothing missing
+                await fake.send(wire.Beat(epoch=10, last_lsn=5, mono_ms=2, wall_ms=2))  # 1..5 never came
+
+            async with trio.open_nursery() as n:
+                n.start_soon(leader)
+                with pytest.raises(LinkClosed, match="frames were lost"):
+                    with trio.fail_after(10):
+                        await sb.follow(left, 10)
