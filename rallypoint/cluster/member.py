@@ -660,6 +660,7 @@ class ShardMember:
             finally:
                 service.remote_runs = None
                 peers.close()
+
     async def _probe(self, point: str) -> None:
         if self.probe is not None:
             await self.probe(point)
