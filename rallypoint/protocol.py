@@ -168,6 +168,11 @@ class OutboxItem(msgspec.Struct, array_like=True, frozen=True):
     space: str
     reason: str
     at_ms: int
+    #: an entry about a delivery (``reason`` ``delivered`` or ``delivery_ended``): the
+    #: task, the delivery's token and (ended) the task's next state
+    task_id: str | None = None
+    token: int = 0
+    outcome: str | None = None
 
 
 class OutboxDeliver(_Op, tag="outbox.deliver"):
@@ -185,6 +190,50 @@ class OutboxDeliverView(_View):
 
     source: int
     received: int
+
+
+class AdmissionReserve(_Op, tag="admission.reserve"):
+    """Between the shards of a sharded cluster (the node secret; FORBIDDEN to anyone
+    else): reserve on this home shard what delivery ``token`` of task ``task_id`` (a
+    task of run ``scope_id`` of ``space``, on another shard) needs -- ``pools`` (name ->
+    units) and ``budgets`` (name -> minor units), all or nothing -- for ``lease_ms``
+    unless the delivery is confirmed. Idempotent per (task, token); an older token is
+    refused (STALE_CLAIM). Answers GRANTED with what was taken, or WAITING when it does
+    not fit now (nothing taken)."""
+
+    space: str
+    scope_id: str
+    task_id: str
+    token: int
+    pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+    lease_ms: int = 30_000
+
+
+class AdmissionReserveView(_View):
+    """``status`` GRANTED (``grants``, ``reservations`` held for the delivery) or
+    WAITING."""
+
+    status: str
+    task_id: str
+    token: int
+    grants: list[GrantView] = []
+    reservations: list[str] = []
+
+
+class AdmissionHold(_Op, tag="admission.hold"):
+    """A run shard's own step (in-process only): the home ``shard`` reserved what
+    delivery ``token`` of task ``task_id`` needs (``grants``, ``reservations``), usable
+    for ``usable_ms``; or refused it for good (``refused``: the message), which cancels
+    the task."""
+
+    task_id: str
+    token: int
+    shard: int
+    grants: list[GrantView] = []
+    reservations: list[str] = []
+    usable_ms: int = 15_000
+    refused: str | None = None
 
 
 class OutboxAck(_Op, tag="outbox.ack"):

@@ -61,6 +61,16 @@ class ScopeDeadlinePassed(_Rec, tag="scope_deadline"):
 # --- mailboxes, tasks, deliveries ------------------------------------------------------
 
 
+class RemoteRequirements(msgspec.Struct, gc=False, omit_defaults=True):
+    """A sharded cluster: requirements of a task whose run is not on its space's home
+    ``shard``, by *name* (the pools and budgets live there): a delivery of the task first
+    holds a reservation made on that shard (``actors/outbox.py``)."""
+
+    shard: int
+    pools: dict[str, int] = {}
+    budgets: dict[str, int] = {}
+
+
 class TaskRequirements(msgspec.Struct, gc=False, omit_defaults=True):
     """What a task needs to be handed out (admission), resolved at submission: one field
     per requirement type (``actors/admission.py``, ``REQUIREMENT_KINDS``). ``pools``:
@@ -70,6 +80,9 @@ class TaskRequirements(msgspec.Struct, gc=False, omit_defaults=True):
 
     pools: dict[str, int] = {}
     budgets: dict[str, int] = {}
+    #: a sharded cluster: what the task needs of its space's home shard (a reservation
+    #: there, then the delivery here), instead of ``pools`` / ``budgets``
+    remote: RemoteRequirements | None = None
 
 
 class MailboxCreated(_Rec, tag="mailbox_created"):
@@ -966,6 +979,73 @@ class RemoteRunEnded(_Rec, tag="remote_run_ended"):
     at_ms: int
 
 
+class AdmissionHeld(_Rec, tag="admission_held"):
+    """On the home shard: the reservation for delivery ``token`` of task ``task_id`` (a
+    task of ``shard``, in run ``scope_id``): ``grants`` and ``reservations`` were taken
+    in this commit (``PoolGranted`` / ``BudgetReserved`` with the task's id), held for
+    that delivery. Unless the delivery is confirmed (the run shard's outbox) before
+    server time ``expires_mono_ms``, it lapses (``AdmissionEnded``)."""
+
+    task_id: str
+    token: int
+    space: str
+    scope_id: str
+    shard: int
+    grants: list[str]
+    reservations: list[str]
+    expires_mono_ms: int
+    at_ms: int
+
+
+class AdmissionEnded(_Rec, tag="admission_ended"):
+    """On the home shard: the reservation of ``task_id``/``token`` ends unused
+    (``outcome`` ``lapsed``: no delivery confirmed in time; ``superseded``: a newer
+    token asked): its grants go back, its budget reservations are voided."""
+
+    task_id: str
+    token: int
+    outcome: str
+    at_ms: int
+
+
+class RemoteDeliveryNoted(_Rec, tag="remote_delivery_noted"):
+    """On the home shard: outbox entry ``seq`` of ``shard`` says delivery ``token`` of
+    task ``task_id`` started (``what`` ``delivered``: its reservation no longer lapses)
+    or ended (``ended``, the task's next state ``outcome``: grants back, budget
+    reservations settled in full on SUCCEEDED, voided otherwise)."""
+
+    shard: int
+    seq: int
+    task_id: str
+    token: int
+    what: str
+    at_ms: int
+    outcome: str | None = None
+
+
+class TaskReservationHeld(_Rec, tag="task_reservation_held"):
+    """On the run's shard: the home ``shard`` reserved what delivery ``token`` of task
+    ``task_id`` needs (``grants``: the encoded grant views; ``reservations``: budget
+    reservation ids); a receive may deliver it until server time ``until_mono_ms``."""
+
+    task_id: str
+    token: int
+    shard: int
+    grants: bytes
+    reservations: list[str]
+    until_mono_ms: int
+    at_ms: int
+
+
+class ReservationUsed(_Rec, tag="reservation_used"):
+    """On the run's shard, in the commit of the ``TaskDelivered`` of ``token``: the
+    delivery holds its reservation (an outbox entry tells the home shard)."""
+
+    task_id: str
+    token: int
+    at_ms: int
+
+
 class OutboxAcked(_Rec, tag="outbox_acked"):
     """On the run's shard: shard ``shard`` holds every outbox entry up to ``seq``
     (its answer to the delivery); they leave the outbox."""
@@ -1056,6 +1136,11 @@ Record = Union[
     RemoteRunAdopted,
     RemoteRunEnded,
     OutboxAcked,
+    AdmissionHeld,
+    AdmissionEnded,
+    RemoteDeliveryNoted,
+    TaskReservationHeld,
+    ReservationUsed,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

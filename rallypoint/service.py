@@ -52,7 +52,8 @@ class Session:
     other end's ``host:port`` (``"embedded"`` in process); ``client``: the client name
     its handshake gave (``rallypoint.connect(client_name=)``), else "". ``node``: another
     node of the sharded cluster, authenticated by the cluster's node secret (the only
-    session that may make the calls between shards: ``run.link``, ``outbox.deliver``)."""
+    session that may make the calls between shards: ``run.link``, ``outbox.deliver``,
+    ``admission.reserve``)."""
 
     __slots__ = ("space", "permissions", "peer", "key_id", "local", "idempotency", "client", "node")
 
@@ -284,9 +285,13 @@ class Service:
             if coord.failed is not None:
                 raise UnavailableError("the server stopped after an internal failure; retry once it restarted",
                                        retry_after=1.0)
-            if session.node and type(op) not in _NODE_OPS:
-                raise ForbiddenError(f"a node session (the cluster's node secret) makes only the calls between "
-                                     f"shards, not {tag}")
+            if session.node:
+                if type(op) not in _NODE_OPS:
+                    raise ForbiddenError(f"a node session (the cluster's node secret) makes only the calls between "
+                                         f"shards, not {tag}")
+                space = getattr(op, "space", None)
+                if isinstance(space, str) and space != session.space:  # a call about a run of that space
+                    session = Session(space=space, peer=session.peer, client=session.client, node=True)
             perms = session.permissions
             if perms is not None:
                 if coord.keys.is_revoked(session.key_id):

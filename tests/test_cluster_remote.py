@@ -15,7 +15,7 @@ import trio
 
 from rallypoint import protocol as p
 from rallypoint.actors.sharding import Sharding, home_slot
-from rallypoint.cluster.peers import OutboxSender, RemoteRuns
+from rallypoint.cluster.peers import OutboxSender, RemoteRuns, Reserver
 from rallypoint.errors import ForbiddenError, RallypointError, ScopeCancelledError, UnavailableError
 from rallypoint.ids import slot_of
 from rallypoint.node import open_node
@@ -85,7 +85,10 @@ async def open_two(nursery, stack):
     nodes[0].service.remote_runs = RemoteRuns(nodes[0].service, peers, nursery)
     sender = OutboxSender(nodes[1].service, peers, 1, retry_s=0.05)
     await nursery.start(sender.run)
-    return Two(nodes, peers, sender, nursery)
+    two = Two(nodes, peers, sender, nursery)
+    two.reserver = Reserver(nodes[1].service, peers, retry_s=0.05)
+    await nursery.start(two.reserver.run)
+    return two
 
 
 async def wait_for(pred, what="", timeout=10):
@@ -290,3 +293,86 @@ async def test_the_outbox_links_and_remote_runs_are_the_same_after_a_replay(two)
         assert {k: msgspec.to_builtins(v) for k, v in fresh.outbox.table.items()} == \
                {k: msgspec.to_builtins(v) for k, v in coord.outbox.table.items()}
         assert msgspec.to_builtins(fresh.runs.table[r1]) == msgspec.to_builtins(coord.runs.table[r1])
+
+
+# ---------------------------------------------------------------------------- admission
+
+
+async def jobs_on_both(two):
+    home = await two.call(0, p.MailboxEnsure(name="jobs"), p.MailboxView)
+    await two.call(1, p.MailboxEnsure(name="jobs", id=home.id))  # as the router adopts it
+
+
+async def test_a_task_of_another_shard_needing_pool_units_is_reserved_on_home_then_delivered(two):
+    await jobs_on_both(two)
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=2))
+    await two.call(0, p.BudgetEnsure(name="spend", limit_minor=1000))
+    r1 = await new_run(two)
+    t = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(
+        pools={"gpu": 2}, budgets={"spend": 40})), p.TaskView)
+    assert two.coord(1).queues.tasks[t.id].requirements.remote.pools == {"gpu": 2}  # kept by name here
+    got = await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=10_000), p.ReceiveView)
+    (d,) = got.deliveries
+    assert d.task_id == t.id and [g.units for g in d.grants] == [2] and len(d.reservations) == 1
+    home = two.coord(0)
+    pool = home.pools.get("default", "gpu")
+    assert home.pools.view(pool).units_used == 2  # the grant lives on the home shard
+    assert home.budgets.get("default", "spend").reserved_minor == 40
+    await wait_for(lambda: home.outbox.holds["adm:" + t.id].confirmed)  # the delivery was told: no lapse
+    await two.call(1, p.DeliveryComplete(task_id=t.id, token=d.token))
+    await wait_for(lambda: home.pools.view(pool).units_used == 0)  # the delivery's end, through the outbox
+    b = home.budgets.get("default", "spend")
+    assert b.reserved_minor == 0 and b.settled_minor == 40  # settled in full: the task succeeded
+    assert home.outbox.holds["adm:" + t.id].ended == "delivery_ended"
+
+
+async def test_a_second_task_waits_for_the_units_and_gets_them_when_the_first_delivery_ends(two):
+    await jobs_on_both(two)
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    r1 = await new_run(two)
+    a = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(pools={"gpu": 1})),
+                       p.TaskView)
+    b = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(pools={"gpu": 1})),
+                       p.TaskView)
+    (da,) = (await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=10_000), p.ReceiveView)).deliveries
+    assert da.task_id == a.id
+    nothing = await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=300), p.ReceiveView)
+    assert nothing.deliveries == [] and two.reserver.waiting >= 1  # b's reservation does not fit yet
+    await two.call(1, p.DeliveryReject(task_id=a.id, token=da.token, error=msgspec.Raw(b"\xc0")))
+    (db,) = (await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=10_000), p.ReceiveView)).deliveries
+    assert db.task_id == b.id and [g.units for g in db.grants] == [1]
+
+
+async def test_a_reservation_whose_delivery_never_happened_lapses(two):
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    await two.call(0, p.BudgetEnsure(name="spend", limit_minor=100))
+    r1 = await new_run(two)
+    home = two.coord(0)
+    op = p.AdmissionReserve(space="default", scope_id=r1, task_id="tsk_fake", token=1, pools={"gpu": 1},
+                            budgets={"spend": 30}, lease_ms=300)
+    v = msgspec.msgpack.decode(await two.nodes[0].service.call(Session(node=True), op), type=p.AdmissionReserveView)
+    assert v.status == "GRANTED"
+    again = msgspec.msgpack.decode(await two.nodes[0].service.call(Session(node=True), op),
+                                   type=p.AdmissionReserveView)
+    assert [g.id for g in again.grants] == [g.id for g in v.grants]  # idempotent per (task, token)
+    pool = home.pools.get("default", "gpu")
+    assert home.pools.view(pool).units_used == 1 and home.budgets.get("default", "spend").reserved_minor == 30
+    await wait_for(lambda: home.outbox.holds["adm:tsk_fake"].ended == "lapsed")  # nobody confirmed it
+    assert home.pools.view(pool).units_used == 0
+    b = home.budgets.get("default", "spend")
+    assert b.reserved_minor == 0 and b.settled_minor == 0  # voided
+    stale = op.__class__(**{**msgspec.structs.asdict(op), "token": 0})
+    with pytest.raises(RallypointError) as e:  # fenced: an older token than one that was held
+        await two.nodes[0].service.call(Session(node=True), stale)
+    assert e.value.code == "STALE_CLAIM"
+
+
+async def test_requirements_the_home_shard_can_never_grant_cancel_the_task(two):
+    await jobs_on_both(two)
+    r1 = await new_run(two)
+    t = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(
+        pools={"no-such-pool": 1})), p.TaskView)
+    got = await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=300), p.ReceiveView)
+    assert got.deliveries == []
+    await wait_for(lambda: two.coord(1).queues.tasks[t.id].state == "CANCELLED")
+    assert two.reserver.refused == 1

@@ -182,3 +182,25 @@ async def test_a_run_of_shard_1_cancelled_answers_its_pool_waiter_on_home_shard_
 async def test_the_same_across_a_kill_9_of_shard_1s_leader_before_its_outbox_was_delivered(cluster, nursery):
     await scenario(cluster, nursery, kill=True)
     nursery.cancel_scope.cancel()
+
+
+async def test_a_task_of_shard_1_needing_units_of_home_shard_0_is_reserved_there_then_delivered(cluster, nursery):
+    await cluster.start(nursery)
+    async with rallypoint.connect(cluster.urls) as rs:
+        pool = await rs.pools.ensure("gpu", 1)
+        jobs = await rs.mailboxes.ensure("jobs")
+        (run,) = await runs_on(rs, cluster, 1, 1)
+        first = await jobs.submit({"i": 1}, scope=run, requirements={"pools": {"gpu": 1}})
+        second = await jobs.submit({"i": 2}, scope=run, requirements={"pools": {"gpu": 1}})
+        d1 = await jobs.receive(scope=run, lease_seconds=30, wait=20)
+        assert d1 is not None and d1.task_id == first.id and [g.units for g in d1.grants] == [1]
+        assert (await pool.status()).units_used == 1  # the grant is the home shard's
+        assert await jobs.receive(scope=run, lease_seconds=30, wait=0.5) is None  # no units for the second
+        await d1.complete({"ok": 1})  # its end reaches shard 0 through shard 1's outbox: the unit goes back
+        d2 = await jobs.receive(scope=run, lease_seconds=30, wait=20)
+        assert d2 is not None and d2.task_id == second.id
+        await d2.complete({"ok": 2})
+        home = cluster.home().coordinator
+        await wait_until(lambda: home.pools.view(home.pools.get("default", "gpu")).units_used == 0,
+                         what="the second delivery's unit back")
+    nursery.cancel_scope.cancel()

@@ -236,19 +236,37 @@ class Admission(Kind):
             return None
         sh = self.coord.sharding
         if sh is not None and not sh.owned[sh.home_slot(space)]:
-            from ..errors import ValidationError
-
-            raise ValidationError(
-                f"task requirements (pools, budgets) are taken on the space's home shard "
-                f"({sh.owners[sh.home_slot(space)]}); this run lives on shard {sh.shard}: a sharded cluster does not "
-                "make one step of two shards -- run tasks that need pool units or budget in a run on the home shard",
-                details={"cross_shard": True, "shard": sh.owners[sh.home_slot(space)], "this_shard": sh.shard})
+            return self._prepare_remote(sh.owners[sh.home_slot(space)], req)
         out = {}
         for field, kind in self._kinds():
             value = getattr(req, field)
             if value:
                 out[field] = kind.requirement_prepare(space, value)
         return TaskRequirements(**out) if out else None
+
+    def _prepare_remote(self, home: int, req: Requirements) -> TaskRequirements | None:
+        """A sharded cluster, a run of another shard than the space's home: the
+        requirements are kept by name (the pools and budgets live on the home shard,
+        which resolves and checks them when a delivery reserves them; one it can never
+        grant cancels the task, reason ``requirements_refused``). Here only their shape
+        is checked: VALIDATION_FAILED for more than 4 pools or 2 budgets, or an amount
+        that is not a positive integer."""
+        from ..errors import ValidationError
+        from ..records import RemoteRequirements
+
+        pools, budgets = dict(req.pools or {}), dict(req.budgets or {})
+        if len(pools) > 4 or len(budgets) > 2:
+            raise ValidationError("requirements name at most 4 pools and 2 budgets",
+                                  details={"field": "requirements"})
+        for field, d in (("pools", pools), ("budgets", budgets)):
+            for name, v in d.items():
+                check_name(f"requirements.{field}", name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValidationError(f"requirements.{field}[{name}] must be a positive integer",
+                                          details={"field": f"requirements.{field}[{name}]"})
+        if not pools and not budgets:
+            return None
+        return TaskRequirements(remote=RemoteRequirements(shard=home, pools=pools, budgets=budgets))
 
     def describe(self, stored: TaskRequirements | None) -> Requirements | None:
         """Stored requirements (by id) -> the wire form (by name), or None when there are
@@ -270,6 +288,8 @@ class Admission(Kind):
             value = getattr(req, field)
             if value:
                 yield kind, value
+        if req.remote is not None:  # a sharded cluster: a reservation of the home shard
+            yield self.coord.outbox, req.remote
 
     def try_take(self, t, pending: dict) -> bool:
         """All or nothing: True (and counted in ``pending``) when every requirement of

@@ -29,20 +29,35 @@ run's end works unchanged -- once the home shard learns of the end.
   waiters answered with the run's code, renewals refused), and an entry that comes
   before the run was adopted leaves it ended (a late request is refused).
 
-Inter-shard calls (``run.link``, ``outbox.deliver``) are accepted only from a session
-authenticated with the cluster's node secret (``Session.node``); the in-process steps
-(``run.adopt_remote``, ``outbox.ack``) only from the node itself (``Session.local``).
+- **Admission** of a task whose requirements are the home shard's (``TaskRequirements.
+  remote``, by name): a receive that finds no reservation for the task's next delivery
+  skips it and lists it in ``wanted``; the run shard's leader asks the home shard
+  (``admission.reserve``: grants, budget reservations and ``AdmissionHeld`` in one
+  commit there, idempotent per (task, token), leased) and journals the answer here
+  (``admission.hold`` -> ``TaskReservationHeld``); the delivery's commit carries
+  ``ReservationUsed`` (outbox entry ``delivered``: the home shard's hold stops
+  lapsing), its end an outbox entry ``delivery_ended`` (units back, budget settled or
+  voided there). A reservation never confirmed lapses on the home shard.
+
+Inter-shard calls (``run.link``, ``outbox.deliver``, ``admission.reserve``) are accepted
+only from a session authenticated with the cluster's node secret (``Session.node``); the
+in-process steps (``run.adopt_remote``, ``outbox.ack``, ``admission.hold``) only from
+the node itself (``Session.local``).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from ..errors import ForbiddenError, NotFoundError, ValidationError
+from ..errors import ForbiddenError, LeaseLostError, NotFoundError, ValidationError
 from ..ids import is_id, slot_of
 from ..protocol import (
+    AdmissionHold,
+    AdmissionReserve,
+    AdmissionReserveView,
     BudgetReserve,
     ClaimAcquire,
+    GrantView,
     OutboxAck,
     OutboxDeliver,
     OutboxDeliverView,
@@ -53,19 +68,37 @@ from ..protocol import (
     RunLink,
     RunLinkView,
 )
-from ..records import OutboxAcked, RemoteRunAdopted, RemoteRunEnded, RunLinked
+from ..records import (
+    AdmissionEnded,
+    AdmissionHeld,
+    BudgetReserved,
+    OutboxAcked,
+    PoolGranted,
+    RemoteDeliveryNoted,
+    RemoteRunAdopted,
+    RemoteRunEnded,
+    ReservationUsed,
+    RunLinked,
+    TaskCancelled,
+    TaskReservationHeld,
+)
+from .claim import new_token
 from .common import applies, short
 from .kind import Kind
-from .opmark import ALL, ALWAYS, SPACE, by_op, in_slot, op
+from .opmark import ALL, ALWAYS, SPACE, by_op, by_run, in_slot, op
+from .runtime import PRIO_WAIT_END
 
 __all__ = ["Outbox", "OutboxState", "InboxState", "REMOTE_RUN_OPS", "NODE_OPS"]
 
 #: The ops a run of another shard may send to its space's home shard (their
 #: ``scope_id`` names the run): the home shard links the run first when it does not
 #: know it (``Service.submit``).
-REMOTE_RUN_OPS = (ClaimAcquire, PoolAcquire, QuotaTake, BudgetReserve)
+REMOTE_RUN_OPS = (ClaimAcquire, PoolAcquire, QuotaTake, BudgetReserve, AdmissionReserve)
 #: The only ops a node session (the cluster's node secret) may make.
-NODE_OPS = (RunLink, OutboxDeliver)
+NODE_OPS = (RunLink, OutboxDeliver, AdmissionReserve)
+#: Most pools and budgets a task's requirements name (as on one node).
+_MAX_POOLS, _MAX_BUDGETS = 4, 2
+_RUN_END_REASONS = ("cancelled", "completed", "deadline")
 
 
 
@@ -79,6 +112,54 @@ class OutboxState(msgspec.Struct, gc=False, omit_defaults=True):
     next_seq: int = 1
     acked: int = 0
     items: list[OutboxItem] = []
+
+
+class HoldState(msgspec.Struct, gc=False, omit_defaults=True):
+    """On the home shard (entity ``adm:<task id>``): the reservation for delivery
+    ``token`` of a task of ``shard``. ``confirmed``: that delivery started (it no
+    longer lapses); ``ended``: released, settled or lapsed."""
+
+    id: str
+    task_id: str
+    token: int
+    space: str
+    scope_id: str
+    shard: int
+    grants: list[str]
+    reservations: list[str]
+    expires_mono_ms: int
+    at_ms: int
+    confirmed: bool = False
+    ended: str | None = None
+
+
+class ReservedState(msgspec.Struct, gc=False, omit_defaults=True):
+    """On the run's shard (entity ``tsv:<task id>``): what the home ``shard`` reserved
+    for delivery ``token`` of the task (``grants``: encoded GrantViews), usable until
+    server time ``until_mono_ms``; ``used``: that delivery started."""
+
+    id: str
+    task_id: str
+    token: int
+    shard: int
+    grants: bytes
+    reservations: list[str]
+    until_mono_ms: int
+    used: bool = False
+
+
+class _Task:
+    """What the requirement kinds' release needs of a task that lives on another shard."""
+
+    __slots__ = ("id", "token")
+
+    def __init__(self, task_id: str, token: int) -> None:
+        self.id = task_id
+        self.token = token
+
+
+_grants_enc = msgspec.msgpack.Encoder()
+_grants_dec = msgspec.msgpack.Decoder(list[GrantView])
 
 
 class InboxState(msgspec.Struct, gc=False, omit_defaults=True):
@@ -113,10 +194,17 @@ class Outbox(Kind):
     def __init__(self, coord) -> None:
         super().__init__(coord)
         self.inbox: dict[str, InboxState] = {}
+        self.holds: dict[str, HoldState] = {}  # home shard: reservations for other shards' deliveries
+        self.reserved: dict[str, ReservedState] = {}  # run shard: reservations its tasks hold
         self.on_change = None
+        #: run shard: ready tasks a receive could not deliver for want of a reservation
+        #: (the leader's reserver asks the home shard), and its wake-up
+        self.wanted: dict[str, None] = {}
+        self.on_want = None
 
     def entity_tables(self):
-        return {"obx": (self.table, OutboxState), "obi": (self.inbox, InboxState)}
+        return {"obx": (self.table, OutboxState), "obi": (self.inbox, InboxState), "adm": (self.holds, HoldState),
+                "tsv": (self.reserved, ReservedState)}
 
     def statistics(self) -> dict:
         return {"outbox_pending": sum(len(o.items) for o in self.table.values()),
@@ -136,19 +224,23 @@ class Outbox(Kind):
         i = self.inbox.get(f"obi:{shard}")
         return 0 if i is None else i.received
 
+    def _append(self, shard: int, item_fn) -> None:
+        oid = f"obx:{shard}"
+        o = self.table.get(oid)
+        if o is None:
+            o = self.table[oid] = OutboxState(id=oid, shard=shard)
+        o.items = [*o.items, item_fn(o.next_seq)]
+        o.next_seq += 1
+        self.coord.touch(oid)
+        if self.on_change is not None and not self.coord.replaying:
+            self.on_change()
+
     def note_end(self, s, reason: str, at_ms: int) -> None:
         """Inside the apply that ends the linked run ``s`` (a ``ScopeState``): one entry
         for each home shard it is linked to."""
         for shard in s.links:
-            oid = f"obx:{shard}"
-            o = self.table.get(oid)
-            if o is None:
-                o = self.table[oid] = OutboxState(id=oid, shard=shard)
-            o.items = [*o.items, OutboxItem(seq=o.next_seq, run_id=s.id, space=s.space, reason=reason, at_ms=at_ms)]
-            o.next_seq += 1
-            self.coord.touch(oid)
-        if self.on_change is not None and not self.coord.replaying:
-            self.on_change()
+            self._append(shard, lambda seq: OutboxItem(seq=seq, run_id=s.id, space=s.space, reason=reason,
+                                                       at_ms=at_ms))
 
     @applies(OutboxAcked)
     def _apply_acked(self, r: OutboxAcked) -> None:
@@ -183,26 +275,279 @@ class Outbox(Kind):
         for it in op.items:
             if it.seq <= held:
                 continue  # delivered before: applied once
-            if not is_id(it.run_id, "scp") or it.reason not in ("cancelled", "completed", "deadline"):
+            if it.reason in ("delivered", "delivery_ended") and isinstance(it.task_id, str):
+                recs.append(RemoteDeliveryNoted(shard=op.source, seq=it.seq, task_id=it.task_id, token=it.token,
+                                                what="delivered" if it.reason == "delivered" else "ended",
+                                                at_ms=it.at_ms, outcome=it.outcome))
+            elif is_id(it.run_id, "scp") and it.reason in _RUN_END_REASONS:
+                recs.append(RemoteRunEnded(run_id=it.run_id, space=it.space, shard=op.source, seq=it.seq,
+                                           reason=it.reason, at_ms=it.at_ms))
+            else:
                 raise ValidationError(f"outbox entry {it.seq} of shard {op.source} is malformed "
                                       f"(run {short(it.run_id)}, reason {it.reason!r})")
-            recs.append(RemoteRunEnded(run_id=it.run_id, space=it.space, shard=op.source, seq=it.seq,
-                                       reason=it.reason, at_ms=it.at_ms))
             held = it.seq
         if recs:
             self.coord.commit(recs)
         return OutboxDeliverView(source=op.source, received=held)
 
-    @applies(RemoteRunEnded)
-    def _apply_remote_ended(self, r: RemoteRunEnded) -> None:
-        iid = f"obi:{r.shard}"
+    def _received(self, shard: int, seq: int) -> None:
+        iid = f"obi:{shard}"
         i = self.inbox.get(iid)
         if i is None:
-            i = self.inbox[iid] = InboxState(id=iid, shard=r.shard)
-        if r.seq > i.received:
-            i.received = r.seq
+            i = self.inbox[iid] = InboxState(id=iid, shard=shard)
+        if seq > i.received:
+            i.received = seq
             self.coord.touch(iid)
+
+    @applies(RemoteRunEnded)
+    def _apply_remote_ended(self, r: RemoteRunEnded) -> None:
+        self._received(r.shard, r.seq)
         self.coord.runs.end_remote(r.run_id, r.space, r.shard, r.reason, r.at_ms)
+
+    # ------------------------------------------------------------------ admission: the home shard
+    @op(AdmissionReserve, route=by_run(), permission="operator", resend=ALWAYS, shard=ALL,
+        reply=AdmissionReserveView)
+    def op_admission_reserve(self, actor, session, op: AdmissionReserve):
+        """Reserve what delivery ``op.token`` of task ``op.task_id`` needs (see
+        ``protocol.AdmissionReserve``), on the run's (remote) actor: one commit of the
+        grants (``PoolGranted`` with the task's id), the budget reservations
+        (``BudgetReserved`` with its id and token) and ``AdmissionHeld``; or WAITING.
+        FORBIDDEN without the node secret; NOT_FOUND (pool, budget), VALIDATION_FAILED
+        (units, amounts: as at a submission on one node), SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED (the run ended), STALE_CLAIM (a newer token holds)."""
+        _require_node(session, "admission.reserve")
+        coord = self.coord
+        space = session.space
+        run = coord.runs.get(space, op.scope_id)
+        hid = f"adm:{op.task_id}"
+        h = self.holds.get(hid)
+        if h is not None and h.token > op.token:
+            raise LeaseLostError(f"delivery {op.token} of task {op.task_id} is stale: token {h.token} holds a "
+                                 "reservation", details={"task_id": op.task_id, "token": h.token})
+        if h is not None and h.token == op.token and h.ended is None:
+            return self._reserve_view(h)  # a re-sent reserve: what it got
+        coord.runs.require_active(run.id)
+        if len(op.pools) > _MAX_POOLS or len(op.budgets) > _MAX_BUDGETS:
+            raise ValidationError(f"requirements name at most {_MAX_POOLS} pools and {_MAX_BUDGETS} budgets")
+        pools = coord.pools.requirement_prepare(space, op.pools) if op.pools else {}
+        budgets = coord.budgets.requirement_prepare(space, op.budgets) if op.budgets else {}
+        if not 100 <= op.lease_ms <= 600_000:
+            raise ValidationError("lease_ms must be 100 to 600000", details={"field": "lease_ms"})
+        pending: dict = {}
+        fits = (not pools or coord.pools.requirement_fits(pools, pending, None)) and \
+            (not budgets or coord.budgets.requirement_fits(budgets, pending, None))
+        if not fits:
+            return AdmissionReserveView(status="WAITING", task_id=op.task_id, token=op.token)
+        now = coord.now_ms()
+        recs: list = []
+        if h is not None and h.ended is None:  # an older token's reservation, never delivered: it goes
+            recs.append(AdmissionEnded(task_id=op.task_id, token=h.token, outcome="superseded", at_ms=now))
+        new_id = coord.new_id
+        grants = [PoolGranted(id=new_id("grt", space=space), pool_id=pid, space=space, scope_id=run.id, units=units,
+                              token=new_token(), at_ms=now, holder=f"task {op.task_id}", task_id=op.task_id)
+                  for pid, units in pools.items()]
+        reservations = [BudgetReserved(id=new_id("rsv", space=space), budget_id=bid, space=space, scope_id=run.id,
+                                       amount_minor=amount, at_ms=now, holder="admission", task_id=op.task_id,
+                                       token=op.token)
+                        for bid, amount in budgets.items()]
+        recs += grants + reservations
+        recs.append(AdmissionHeld(task_id=op.task_id, token=op.token, space=space, scope_id=run.id,
+                                  shard=run.remote_shard if run.remote_shard is not None else -1,
+                                  grants=[g.id for g in grants], reservations=[r.id for r in reservations],
+                                  expires_mono_ms=coord.mono_ms() + op.lease_ms, at_ms=now))
+        coord.commit(recs)
+        return self._reserve_view(self.holds[hid])
+
+    def _reserve_view(self, h: HoldState) -> AdmissionReserveView:
+        pools = self.coord.pools
+        return AdmissionReserveView(status="GRANTED", task_id=h.task_id, token=h.token,
+                                    grants=[pools.grant_view(pools.grants[g], True) for g in h.grants
+                                            if g in pools.grants],
+                                    reservations=list(h.reservations))
+
+    @applies(AdmissionHeld)
+    def _apply_held(self, r: AdmissionHeld) -> None:
+        hid = f"adm:{r.task_id}"
+        self.holds[hid] = HoldState(id=hid, task_id=r.task_id, token=r.token, space=r.space, scope_id=r.scope_id,
+                                    shard=r.shard, grants=list(r.grants), reservations=list(r.reservations),
+                                    expires_mono_ms=r.expires_mono_ms, at_ms=r.at_ms)
+        self.coord.touch(hid)
+        self.coord.arm_mono(r.expires_mono_ms, self._on_lapse, (r.task_id, r.token, r.expires_mono_ms),
+                            PRIO_WAIT_END)
+
+    def _on_lapse(self, arg) -> None:
+        task_id, token, expires = arg
+        h = self.holds.get(f"adm:{task_id}")
+        if h is None or h.token != token or h.confirmed or h.ended is not None or h.expires_mono_ms != expires:
+            return
+        self.coord.commit([AdmissionEnded(task_id=task_id, token=token, outcome="lapsed",
+                                          at_ms=self.coord.now_ms())])
+
+    def _end_hold(self, h: HoldState, outcome: str, new_state: str, at_ms: int) -> None:
+        """Apply: the reservation ends -- its grants back to their pools, its budget
+        reservations settled in full (``new_state`` SUCCEEDED) or voided."""
+        coord = self.coord
+        h.ended = outcome
+        coord.touch(h.id)
+        coord.pools.requirement_release(_Task(h.task_id, h.token), None, at_ms, new_state)
+        coord.budgets.on_delivery_ended(h.task_id, h.token, new_state, at_ms)
+
+    @applies(AdmissionEnded)
+    def _apply_admission_ended(self, r: AdmissionEnded) -> None:
+        h = self.holds.get(f"adm:{r.task_id}")
+        if h is not None and h.token == r.token and h.ended is None:
+            self._end_hold(h, r.outcome, "CANCELLED", r.at_ms)
+
+    @applies(RemoteDeliveryNoted)
+    def _apply_delivery_noted(self, r: RemoteDeliveryNoted) -> None:
+        self._received(r.shard, r.seq)
+        h = self.holds.get(f"adm:{r.task_id}")
+        if h is None or h.token != r.token or h.ended is not None:
+            return  # (lapsed before the delivery was told: see docs/architecture.md)
+        if r.what == "delivered":
+            h.confirmed = True
+            self.coord.touch(h.id)
+        else:
+            self._end_hold(h, "delivery_ended", r.outcome or "CANCELLED", r.at_ms)
+
+    def rearm(self) -> None:
+        for h in self.holds.values():
+            if h.ended is None and not h.confirmed:
+                self.coord.arm_mono(h.expires_mono_ms, self._on_lapse, (h.task_id, h.token, h.expires_mono_ms),
+                                    PRIO_WAIT_END)
+
+    def leases_outstanding(self) -> int:
+        return sum(1 for h in self.holds.values() if h.ended is None and not h.confirmed)
+
+    def extend_leases(self, by_ms: int) -> None:
+        for h in self.holds.values():
+            if h.ended is None and not h.confirmed:
+                h.expires_mono_ms += by_ms
+                self.coord.touch(h.id)
+                self.coord.arm_mono(h.expires_mono_ms, self._on_lapse, (h.task_id, h.token, h.expires_mono_ms),
+                                    PRIO_WAIT_END)
+
+    # ------------------------------------------------------------------ admission: the run's shard
+    # The requirement kind of ``TaskRequirements.remote`` (actors/admission.py): a ready
+    # task is delivered only with a reservation of the home shard for that delivery.
+    def requirement_fits(self, value, pending: dict, task=None) -> bool:
+        if task is None:
+            return False
+        r = self.reserved.get("tsv:" + task.id)
+        return (r is not None and not r.used and r.token == task.token + 1
+                and r.until_mono_ms > self.coord.mono_ms())
+
+    def requirement_skipped(self, task, value, pending: dict) -> None:
+        if self.coord.replaying:
+            return
+        if task.id not in self.wanted:
+            self.wanted[task.id] = None
+            if self.on_want is not None:
+                self.on_want()
+
+    def requirement_hold(self, value, pending: dict) -> None:
+        pass
+
+    def requirement_records(self, task, value, at_ms: int) -> list:
+        return [ReservationUsed(task_id=task.id, token=task.token + 1, at_ms=at_ms)]
+
+    def requirement_release(self, task, value, at_ms, new_state: str) -> None:
+        """Apply: the delivery ended: the home shard is told (its grants back, its budget
+        reservations settled or voided there). Idempotent."""
+        rid = "tsv:" + task.id
+        r = self.reserved.get(rid)
+        if r is None or not r.used or r.token != task.token:
+            return
+        del self.reserved[rid]
+        self.coord.touch(rid)
+        t = self.coord.queues.tasks.get(task.id)
+        space = t.space if t is not None else ""
+        run_id = t.scope_id if t is not None else ""
+        self._append(r.shard, lambda seq: OutboxItem(
+            seq=seq, run_id=run_id, space=space, reason="delivery_ended", at_ms=at_ms or self.coord.now_ms(),
+            task_id=task.id, token=r.token, outcome=new_state))
+
+    def requirement_track(self, task, value) -> None:
+        pass
+
+    def requirement_untrack(self, task, value) -> None:
+        """The task finished: a reservation it never used is forgotten here (the home
+        shard lets it lapse)."""
+        self.wanted.pop(task.id, None)
+        rid = "tsv:" + task.id
+        r = self.reserved.get(rid)
+        if r is not None and not r.used:
+            del self.reserved[rid]
+            self.coord.touch(rid)
+
+    def requirement_views(self, task) -> dict:
+        r = self.reserved.get("tsv:" + task.id)
+        if r is None or r.token != task.token:
+            return {}
+        return {"grants": _grants_dec.decode(r.grants), "reservations": list(r.reservations)}
+
+    @applies(ReservationUsed)
+    def _apply_used(self, r: ReservationUsed) -> None:
+        rid = "tsv:" + r.task_id
+        st = self.reserved.get(rid)
+        if st is None or st.token != r.token:
+            return
+        st.used = True
+        self.coord.touch(rid)
+        self.wanted.pop(r.task_id, None)
+        t = self.coord.queues.tasks.get(r.task_id)
+        self._append(st.shard, lambda seq: OutboxItem(
+            seq=seq, run_id=t.scope_id if t is not None else "", space=t.space if t is not None else "",
+            reason="delivered", at_ms=r.at_ms, task_id=r.task_id, token=r.token))
+
+    @op(AdmissionHold, route=by_op("route_hold"), permission="operator", resend=ALWAYS, shard=ALL,
+        reply=AdmissionReserveView)
+    def op_admission_hold(self, actor, session, op: AdmissionHold):
+        """Keep the home shard's reservation for delivery ``op.token`` of a QUEUED task
+        (``TaskReservationHeld``) and wake the receives parked for it; or, ``refused``,
+        cancel the task (its requirements can never be met). A task no longer QUEUED, or
+        past that token, changes nothing. FORBIDDEN unless local."""
+        _require_local(session, "admission.hold")
+        coord = self.coord
+        t = coord.queues.tasks.get(op.task_id)
+        if t is None or t.state != "QUEUED" or t.token + 1 != op.token:
+            return AdmissionReserveView(status="STALE", task_id=op.task_id, token=op.token)
+        now = coord.now_ms()
+        if op.refused is not None:
+            coord.commit([TaskCancelled(task_id=t.id, at_ms=now, reason="requirements_refused")])
+            return AdmissionReserveView(status="REFUSED", task_id=op.task_id, token=op.token)
+        coord.commit([TaskReservationHeld(task_id=t.id, token=op.token, shard=op.shard,
+                                          grants=_grants_enc.encode(op.grants), reservations=list(op.reservations),
+                                          until_mono_ms=coord.mono_ms() + op.usable_ms, at_ms=now)])
+        return AdmissionReserveView(status="GRANTED", task_id=op.task_id, token=op.token, grants=op.grants,
+                                    reservations=op.reservations)
+
+    def route_hold(self, session, op) -> str:
+        """``admission.hold`` runs on the task's run's actor."""
+        t = self.coord.queues.tasks.get(op.task_id) if isinstance(op.task_id, str) else None
+        if t is None:
+            raise NotFoundError(f"no task {short(op.task_id)} here", details={"task_id": short(op.task_id)})
+        return t.scope_id
+
+    @applies(TaskReservationHeld)
+    def _apply_reservation_held(self, r: TaskReservationHeld) -> None:
+        rid = "tsv:" + r.task_id
+        self.reserved[rid] = ReservedState(id=rid, task_id=r.task_id, token=r.token, shard=r.shard, grants=r.grants,
+                                           reservations=list(r.reservations), until_mono_ms=r.until_mono_ms)
+        self.coord.touch(rid)
+        self.wanted.pop(r.task_id, None)
+        coord = self.coord
+        if coord.replaying:
+            return
+        t = coord.queues.tasks.get(r.task_id)
+        if t is None:
+            return
+        key = ("recv", t.mailbox_id)  # the receives parked on the task's run and its ancestors
+        runs = coord.runs.table
+        s = runs.get(t.scope_id)
+        while s is not None:
+            coord.notify(s.id, key)
+            s = runs.get(s.parent_id) if s.parent_id else None
 
     # ------------------------------------------------------------------ links
     def route_link(self, session, op) -> str:

@@ -238,6 +238,8 @@ class ShardMember:
         #: ``await probe(point)`` at each step of a takeover and a rejoin (None: nothing;
         #: the simulator crashes the node there)
         self.probe: Callable[[str], Any] | None = None
+        #: a sharded cluster's leader: reservations on home shards (rallypoint.cluster.peers)
+        self.reserver = None
         self._stop = trio.Event()
         self._role_changed = trio.Event()
         self._leader_changed = trio.Event()
@@ -631,7 +633,7 @@ class ShardMember:
         """While leading a shard of a sharded cluster: the node secret from etcd (so
         the other shards' leaders are let in before the client port opens), the
         linking of other shards' runs, and the outbox's sender."""
-        from .peers import OutboxSender, Peers, RemoteRuns
+        from .peers import OutboxSender, Peers, RemoteRuns, Reserver
         from .shardmap import node_secret
 
         c = self.config
@@ -654,6 +656,8 @@ class ShardMember:
             service.remote_runs = RemoteRuns(service, peers, nursery)
             self.outbox_sender = OutboxSender(service, peers, c.shard)
             await nursery.start(self.outbox_sender.run)
+            self.reserver = Reserver(service, peers)
+            await nursery.start(self.reserver.run)
             task_status.started()
             try:
                 await trio.sleep_forever()

@@ -9,6 +9,11 @@
   a claim, a pool, a quota or a budget (``Service.submit``) waits while the run is
   linked -- ``run.link`` on the run's shard, ``run.adopt_remote`` here -- then is
   submitted again, and runs as any request of a local run.
+- :class:`Reserver` (the run's shard's side): a ready task whose requirements are its
+  space's home shard's, that a receive could not deliver, gets a reservation there
+  (``admission.reserve``, idempotent per (task, delivery token), leased) which this
+  shard journals (``admission.hold``); the receive then delivers it, and the delivery's
+  start and end reach the home shard through the outbox.
 - :class:`OutboxSender` (the run's shard's side): delivers the outbox to each home
   shard at least once, from its oldest entry, once what it sends is durable here;
   journals each answer (``outbox.ack``). A new leader starts it again from what its
@@ -29,11 +34,20 @@ import trio
 from ..errors import NotLeaderError, RallypointError, UnavailableError
 from ..ids import slot_of
 from ..logutil import RateLimitedLogger
-from ..protocol import OutboxAck, OutboxDeliver, OutboxDeliverView, RemoteRunAdopt, RunLink
+from ..protocol import (
+    AdmissionHold,
+    AdmissionReserve,
+    AdmissionReserveView,
+    OutboxAck,
+    OutboxDeliver,
+    OutboxDeliverView,
+    RemoteRunAdopt,
+    RunLink,
+)
 
 log = logging.getLogger("rallypoint.cluster")
 
-__all__ = ["Peers", "RemoteRuns", "OutboxSender"]
+__all__ = ["Peers", "RemoteRuns", "OutboxSender", "Reserver"]
 
 #: outbox entries sent in one call
 BATCH = 256
@@ -217,3 +231,91 @@ class OutboxSender:
         finally:
             if outbox.on_change == self.poke:
                 outbox.on_change = None
+
+
+#: codes of a reservation the home shard can never grant (the task is cancelled)
+_REFUSED = ("NOT_FOUND", "VALIDATION_FAILED")
+
+
+class Reserver:
+    """Reservations on the home shard for this shard's tasks (see the module
+    docstring), while this node leads. ``lease_ms``: how long a reservation waits for
+    its delivery on the home shard; a reservation is used here only within half of it
+    (``usable_ms``), so the delivery's confirmation has the other half to arrive.
+    ``retry_s``: how soon a reservation that did not fit (WAITING) or failed is asked
+    again. Attributes ``granted``, ``waiting``, ``refused`` count answers."""
+
+    def __init__(self, service, peers: Peers, *, lease_ms: int = 30_000, retry_s: float = 0.25) -> None:
+        self.service = service
+        self.peers = peers
+        self.lease_ms = lease_ms
+        self.retry_s = retry_s
+        self.granted = 0
+        self.waiting = 0
+        self.refused = 0
+        self._wake = trio.Event()
+        self.limiter = RateLimitedLogger(log, window_s=10.0, burst=3)
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        from ..service import Session
+
+        coord = self.service.coordinator
+        outbox = coord.outbox
+        outbox.on_want = self.poke
+        local = Session(local=True)
+        task_status.started()
+        try:
+            while True:
+                if not outbox.wanted:
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                again = False
+                for tid in list(outbox.wanted):
+                    t = coord.queues.tasks.get(tid)
+                    req = t.requirements.remote if t is not None and t.requirements is not None else None
+                    if t is None or t.state != "QUEUED" or req is None:
+                        outbox.wanted.pop(tid, None)
+                        continue
+                    if outbox.requirement_fits(req, {}, t):
+                        outbox.wanted.pop(tid, None)  # held already (a receive will take it)
+                        continue
+                    token = t.token + 1
+                    hold = AdmissionHold(task_id=t.id, token=token, shard=req.shard, usable_ms=self.lease_ms // 2)
+                    try:
+                        raw = await self.peers.call(req.shard, AdmissionReserve(
+                            space=t.space, scope_id=t.scope_id, task_id=t.id, token=token, pools=dict(req.pools),
+                            budgets=dict(req.budgets), lease_ms=self.lease_ms))
+                        got = msgspec.msgpack.decode(raw, type=AdmissionReserveView)
+                    except RallypointError as e:
+                        if e.code in _REFUSED:
+                            self.refused += 1
+                            hold.refused = e.message
+                            log.warning("shard %d: the home shard refused the requirements of task %s for good (%s): "
+                                        "the task is cancelled", self.service.shard or 0, t.id, e.message)
+                        else:
+                            again = True
+                            self.limiter.log(logging.WARNING, "reserve", "reserving task %s's requirements on shard "
+                                             "%d failed (%s); again", t.id, req.shard, e.message)
+                            continue
+                    else:
+                        if got.status != "GRANTED":
+                            self.waiting += 1
+                            again = True
+                            continue
+                        self.granted += 1
+                        hold.grants, hold.reservations = got.grants, got.reservations
+                    try:
+                        await self.service.call(local, hold)
+                    except RallypointError as e:
+                        again = True
+                        self.limiter.log(logging.WARNING, "hold", "keeping the reservation of task %s failed (%s)",
+                                         t.id, e.message)
+                if again:
+                    await trio.sleep(self.retry_s)
+        finally:
+            if outbox.on_want == self.poke:
+                outbox.on_want = None

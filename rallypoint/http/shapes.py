@@ -484,6 +484,7 @@ NOT_SERVED: dict[type, str] = {
     p.SlotsReleasedView: "rallypoint cluster add-shard's (an operator step over TCP)",
     p.RunLinkView: "between the shards of a cluster (their own TCP calls)",
     p.OutboxDeliverView: "between the shards of a cluster (their own TCP calls)",
+    p.AdmissionReserveView: "between the shards of a cluster (their own TCP calls)",
     p.StandbyView: "part of the server status (rallypoint status, rallypoint cluster status)",
     p.ScopeListView: "runstate lists no runs",
     p.TaskOutcomeView: "the brief task.results form is the native client's",
