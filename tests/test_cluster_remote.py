@@ -280,18 +280,26 @@ async def test_the_outbox_links_and_remote_runs_are_the_same_after_a_replay(two)
     # what a standby or a restarted node has: the same outbox, links and remote runs
     from rallypoint.actors.coordinator import Coordinator
 
+    await jobs_on_both(two)
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    r0 = await new_run(two)
+    await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r0, requirements=p.Requirements(pools={"gpu": 1})))
+    (d,) = (await two.call(1, p.Receive(mailbox="jobs", scope_id=r0, wait_ms=10_000), p.ReceiveView)).deliveries
+    await wait_for(lambda: two.coord(0).outbox.holds["adm:" + d.task_id].confirmed)
     r1 = await new_run(two)
     await two.call(0, p.ClaimAcquire(scope_id=r1, key="k"))
     two.peers.down.add(0)
     await two.call(1, p.ScopeCancel(scope_id=r1))
     await wait_for(lambda: two.sender.failures >= 1)
+    assert two.coord(0).outbox.inbox and two.coord(1).outbox.reserved and two.coord(1).outbox.table
     for shard in (0, 1):
         coord = two.coord(shard)
         fresh = Coordinator()
         for payload in coord.journal.payloads:
             fresh.replay(payload)
-        assert {k: msgspec.to_builtins(v) for k, v in fresh.outbox.table.items()} == \
-               {k: msgspec.to_builtins(v) for k, v in coord.outbox.table.items()}
+        for table in ("table", "inbox", "holds", "reserved"):
+            assert {k: msgspec.to_builtins(v) for k, v in getattr(fresh.outbox, table).items()} == \
+                   {k: msgspec.to_builtins(v) for k, v in getattr(coord.outbox, table).items()}, (shard, table)
         assert msgspec.to_builtins(fresh.runs.table[r1]) == msgspec.to_builtins(coord.runs.table[r1])
 
 

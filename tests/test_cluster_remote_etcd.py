@@ -1,5 +1,5 @@
 """A run on shard 1 uses a pool of its space's home shard 0, against a real etcd: 3
-shards, the home shard (0) and shard 2 as in-process members, shard 1 as two real
+shards, the home shard (0, two nodes) and shard 2 as in-process members, shard 1 as two real
 ``rallypoint serve --cluster --shard 1`` processes (so its leader can be killed -9).
 
 What each test shows: the SDK sends the acquire to the home shard, which links the run
@@ -8,7 +8,9 @@ the cluster's node secret; the run's cancellation on shard 1 answers its waiter
 parked on shard 0 (the outbox), and the units go to the next in line once the grant of
 the ended run is released (renewal refused, as on one node); and the same when shard
 1's leader is killed -9 after the cancellation was acknowledged and before its
-outbox entry reached shard 0: the standby, now leader, delivers it."""
+outbox entry reached shard 0: the standby, now leader, delivers it; and the same when
+home shard 0's leader hands over to its standby in that window (the receiver's side);
+tasks of shard 1 needing the home shard's units: reserved there, then delivered."""
 
 from __future__ import annotations
 
@@ -58,16 +60,17 @@ class Cluster:
         self.etcd = etcd
         self.tmp_path = tmp_path
         self.name = name
-        self.members: dict[int, ShardMember] = {}
+        self.members: dict[int, list[ShardMember]] = {}
         self.procs: list[ClusterNode] = []
 
     async def start(self, nursery):
         async with EtcdClient(self.etcd.endpoints) as client:
             await init_cluster(client, self.name, slots=SLOTS, shards=3)
-        for s in (0, 2):
-            m = member(self.etcd, self.tmp_path, f"n{s}", self.name, s)
-            await nursery.start(m.run)
-            self.members[s] = m
+        for s, names in ((0, ("n0a", "n0b")), (2, ("n2",))):
+            for name in names:
+                m = member(self.etcd, self.tmp_path, name, self.name, s)
+                await nursery.start(m.run)
+                self.members.setdefault(s, []).append(m)
         for x in "ab":
             n = ClusterNode(f"n1{x}", str(self.tmp_path), self.etcd.endpoints[0], self.name,
                             extra=["--shard", "1", "--sync-helper", "thread"])
@@ -77,24 +80,30 @@ class Cluster:
             if x == "a":
                 await n.wait_role("leader")
         await self.procs[1].wait_role("standby")
-        home = self.members[0]
-        await wait_until(lambda: home.role == "leader" and self.members[2].role == "leader"
-                         and len(home.leaders) == 3, what="three leaders")
+        def ready():
+            home, other = self.leader(0), self.leader(2)
+            return (home is not None and other is not None and len(home.leaders) == 3
+                    and home.replication is not None and len(home.replication.isr_store.isr) == 2)
+
+        await wait_until(ready, what="three leaders, home shard 0 with its standby in sync")
 
     def kill_all(self):
         for n in self.procs:
             n.kill()
 
+    def leader(self, shard):
+        return next((m for m in self.members[shard] if m.role == "leader"), None)
+
     @property
     def urls(self):
-        return "tcp://" + ",".join([f"127.0.0.1:{m.client_port}" for m in self.members.values()]
+        return "tcp://" + ",".join([f"127.0.0.1:{m.client_port}" for ms in self.members.values() for m in ms]
                                    + [n.address for n in self.procs])
 
     def home(self):
-        return self.members[0].node
+        return self.leader(0).node
 
     def shard_of(self, entity_id):
-        return self.members[0].slotmap.owners[slot_of(entity_id)]
+        return self.members[0][0].slotmap.owners[slot_of(entity_id)]
 
 
 @pytest.fixture
@@ -115,15 +124,16 @@ async def runs_on(rs, cluster, shard, n):
     return out
 
 
-async def scenario(cluster, nursery, *, kill: bool):
+async def scenario(cluster, nursery, *, kill: str | None):
+    """``kill``: None, ``"run"`` (kill -9 of shard 1's leader) or ``"home"`` (home
+    shard 0's leader hands over to its standby), while the run's end is undelivered."""
     await cluster.start(nursery)
     async with rallypoint.connect(cluster.urls) as rs:
         pool = await rs.pools.ensure("gpu", 1)
         holder, doomed = await runs_on(rs, cluster, 1, 2)
         (local,) = await runs_on(rs, cluster, 0, 1)
         grant = await pool.acquire(scope=holder, lease_seconds=60)  # the home shard links the run
-        home = cluster.home().coordinator
-        assert home.runs.table[holder.id].remote_shard == 1
+        assert cluster.home().coordinator.runs.table[holder.id].remote_shard == 1
         answers: dict[str, object] = {}
 
         async def acquire(name, run):
@@ -133,13 +143,17 @@ async def scenario(cluster, nursery, *, kill: bool):
                 answers[name] = e
 
         nursery.start_soon(acquire, "doomed", doomed)
-        line = lambda: [w.scope_id for w in home.pools.line(home.pools.get("default", "gpu"))]  # noqa: E731
+        def line():
+            home = cluster.home().coordinator
+            return [w.scope_id for w in home.pools.line(home.pools.get("default", "gpu"))]
+
         await wait_until(lambda: line() == [doomed.id], what=f"the doomed run's waiter ({line()})")
         nursery.start_soon(acquire, "local", local)
         await wait_until(lambda: line() == [doomed.id, local.id], what=f"the local waiter ({line()})")
 
         held = []
-        if kill:  # the home shard refuses deliveries until the run shard's leader is gone
+        if kill:  # the home shard refuses deliveries until one side's leader is gone
+            old_home = cluster.leader(0)
             service = cluster.home().service
             submit = service.submit
 
@@ -155,14 +169,19 @@ async def scenario(cluster, nursery, *, kill: bool):
         if kill:
             await wait_until(lambda: len(held) >= 2, what="a delivery tried and held")
             assert "doomed" not in answers and line() == [doomed.id, local.id]
-            old, standby = cluster.procs
-            old.kill()  # kill -9 of shard 1's leader, its outbox entry undelivered
-            await standby.wait_role("leader", timeout=60)
-            service.submit = submit  # the home shard takes deliveries again: from the new leader
+            if kill == "run":
+                old, standby = cluster.procs
+                old.kill()  # kill -9 of shard 1's leader, its outbox entry undelivered
+                await standby.wait_role("leader", timeout=60)
+                service.submit = submit  # the home shard takes deliveries again: from the new leader
+            else:
+                old_home.stop()  # the home shard's leader hands over; its standby has the remote runs
+                await wait_until(lambda: cluster.leader(0) not in (None, old_home), what="a new home leader")
         await wait_until(lambda: "doomed" in answers, what="the doomed waiter's answer")
         assert isinstance(answers["doomed"], ScopeCancelledError), answers["doomed"]
         assert line() == [local.id]
         await holder.cancel()  # (on the new leader after the kill: the link survived it)
+        home = cluster.home().coordinator
         await wait_until(lambda: home.runs.table[holder.id].state == "CANCELLED", what="the holder's end")
         with pytest.raises(ScopeCancelledError):
             await grant.renew()  # as on one node: an ended run's grant is not renewed
@@ -175,12 +194,17 @@ async def scenario(cluster, nursery, *, kill: bool):
 
 
 async def test_a_run_of_shard_1_cancelled_answers_its_pool_waiter_on_home_shard_0(cluster, nursery):
-    await scenario(cluster, nursery, kill=False)
+    await scenario(cluster, nursery, kill=None)
     nursery.cancel_scope.cancel()
 
 
 async def test_the_same_across_a_kill_9_of_shard_1s_leader_before_its_outbox_was_delivered(cluster, nursery):
-    await scenario(cluster, nursery, kill=True)
+    await scenario(cluster, nursery, kill="run")
+    nursery.cancel_scope.cancel()
+
+
+async def test_the_same_across_a_handover_of_home_shard_0s_leader_before_the_outbox_reached_it(cluster, nursery):
+    await scenario(cluster, nursery, kill="home")
     nursery.cancel_scope.cancel()
 
 
