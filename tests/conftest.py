@@ -1,5 +1,6 @@
-"""Shared fixtures: a real daemon subprocess, ``rs`` in both modes (embedded, TCP), and real
-etcd (one member, or three) for the cluster tests; and the helpers tests order events
+"""Shared fixtures: a real daemon subprocess, ``rs`` in its modes (embedded, TCP, and a
+3-shard cluster through the SDK's router for :data:`CLUSTER_FILES`), and real etcd (one
+member, or three) for the cluster tests; and the helpers tests order events
 with: wait for a condition (N waits parked, N watchers subscribed), never for a stretch
 of wall-clock time."""
 
@@ -40,11 +41,44 @@ QUICK_FILES = frozenset({
 })
 
 
+#: The single node's semantics suites that also run against a sharded cluster (the
+#: ``rs`` fixture's ``cluster3`` mode: etcd, 3 shards, reached through
+#: ``rallypoint.connect`` with every node's address, i.e. the SDK's router). Every test
+#: of these files that takes ``rs`` runs there unchanged; one that cannot hold in a
+#: cluster skips itself in that mode with the reason (:func:`skip_in_cluster`; the list is
+#: in docs/architecture.md "Many shards"). The default run (CI) takes
+#: :data:`CLUSTER_QUICK_FILES` only; ``RALLYPOINT_SLOW=1`` takes them all.
+CLUSTER_FILES = frozenset({
+    "test_scopes.py", "test_spine_scopes.py", "test_spine_errors.py", "test_queue_api.py", "test_queue_consume.py",
+    "test_groups_api.py", "test_groups_decision.py", "test_joinsets.py", "test_joinset_ends.py",
+    "test_joinset_steps.py", "test_barriers.py", "test_timers.py", "test_claims.py", "test_pools.py",
+    "test_quotas.py", "test_budgets.py", "test_events.py", "test_messages.py", "test_admission.py",
+    "test_mailbox_requirements.py", "test_task_runs.py", "test_consume_outcomes.py",
+})
+#: The short form run by default (CI): one file per family of kinds.
+CLUSTER_QUICK_FILES = frozenset({
+    "test_scopes.py", "test_queue_api.py", "test_groups_api.py", "test_joinset_steps.py", "test_barriers.py",
+    "test_claims.py", "test_pools.py", "test_events.py",
+})
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of :data:`QUICK_FILES` ``quick`` (not those marked ``slow``)."""
+    """Mark the tests of :data:`QUICK_FILES` ``quick`` (not those marked ``slow``); keep
+    the ``rs[cluster3]`` tests of :data:`CLUSTER_FILES` only (of :data:`CLUSTER_QUICK_FILES`
+    without ``RALLYPOINT_SLOW``), the others deselected."""
+    cluster_files = CLUSTER_FILES if SLOW else CLUSTER_QUICK_FILES
+    keep, dropped = [], []
     for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("rs") == "cluster3" and item.path.name not in cluster_files:
+            dropped.append(item)
+            continue
+        keep.append(item)
         if item.path.name in QUICK_FILES and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.quick)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 class Daemon:
@@ -103,22 +137,100 @@ def daemon():
     assert rc == 0, d.stderr()
 
 
-@pytest.fixture(params=["embedded", "tcp"])
+class ShardedCluster:
+    """A sharded cluster of real processes on loopback: one etcd member, ``shards``
+    shards of ``nodes`` nodes each (``rallypoint serve --cluster --shard S``, durability
+    ``interval``), made by ``rallypoint cluster init --slots 64 --shards K``. ``url`` names
+    every node (``tcp://a,b,...``): ``rallypoint.connect(url)`` reaches the cluster through
+    the SDK's router. Start and stop are blocking (for a session-scoped fixture)."""
+
+    SLOTS = 64
+
+    def __init__(self, root: str, shards: int = 3, nodes: int = 1, name: str = "rs-cluster") -> None:
+        from _cluster import ClusterNode
+
+        self.root = root
+        self.name = name
+        os.makedirs(os.path.join(root, "etcd"), exist_ok=True)
+        self.etcd = EtcdCluster(os.path.join(root, "etcd"), size=1)
+        self.nodes = [
+            ClusterNode(f"n{s}{'abc'[i]}", root, self.etcd.endpoints[0], name,
+                        extra=["--shard", str(s), "--durability", "interval", "--sync-helper", "thread"])
+            for s in range(shards) for i in range(nodes)
+        ]
+        self.shards = shards
+
+    @property
+    def url(self) -> str:
+        return "tcp://" + ",".join(n.address for n in self.nodes)
+
+    def start(self, timeout: float = 120.0) -> "ShardedCluster":
+        self.etcd.start()
+        endpoint = "etcd://" + self.etcd.endpoints[0].removeprefix("http://")
+        subprocess.run([sys.executable, "-m", "rallypoint", "cluster", "init", "--cluster", endpoint,
+                        "--cluster-name", self.name, "--slots", str(self.SLOTS), "--shards", str(self.shards)],
+                       check=True, capture_output=True, timeout=60)
+        for n in self.nodes:
+            n.start()
+
+        def ready():
+            for n in self.nodes:
+                if not n.running():
+                    raise RuntimeError(f"{n.name} exited {n.proc.returncode}:\n{n.log_tail()}")
+            leaders = {n.name[1] for n in self.nodes if n.role == "leader"}
+            return len(leaders) == self.shards and all(n.role in ("leader", "standby") for n in self.nodes)
+
+        until_sync(ready, timeout=timeout, what="a leader on every shard")
+        return self
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            if n.running():
+                n.signal(signal.SIGTERM)
+        for n in self.nodes:
+            if n.proc is not None:
+                try:
+                    n.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    n.kill()
+        self.etcd.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster3(tmp_path_factory):
+    """A 3-shard cluster shared by the session (1 node a shard; 2 under RALLYPOINT_SLOW)."""
+    c = ShardedCluster(str(tmp_path_factory.mktemp("cluster3")), shards=3, nodes=2 if SLOW else 1)
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+def skip_in_cluster(rs, reason: str) -> None:
+    """Skip the running test when ``rs`` reaches a sharded cluster (the ``cluster3``
+    mode), saying why the single node's behaviour it checks does not hold there."""
+    if getattr(rs._transport, "sharded", False):
+        pytest.skip(f"not in a sharded cluster: {reason}")
+
+
+@pytest.fixture(params=["embedded", "tcp", "cluster3"])
 async def rs(request):
-    """The same API suite runs against an embedded coordinator and a real daemon."""
+    """The same API suite runs against an embedded coordinator, a real daemon and (for
+    :data:`CLUSTER_FILES`) a 3-shard cluster through the SDK's router; the daemon and
+    the cluster are shared, so tests keep apart by names of their own."""
     if request.param == "embedded":
         async with rallypoint.open_embedded() as client:
             yield client
-    else:
-        d = request.getfixturevalue("daemon")
-        async with rallypoint.connect(d.url) as client:
-            yield client
-        # The shared daemon ends a closed connection's parked waits; let it finish that
-        # before the next test counts parked waits (wait_parked's baseline).
-        async with rallypoint.connect(d.url) as client:
-            with trio.move_on_after(5):
-                while await parked_waits(client):
-                    await trio.sleep(0.005)
+        return
+    url = request.getfixturevalue("daemon").url if request.param == "tcp" else request.getfixturevalue("cluster3").url
+    async with rallypoint.connect(url) as client:
+        yield client
+    # The shared daemon ends a closed connection's parked waits; let it finish that
+    # before the next test counts parked waits (wait_parked's baseline).
+    async with rallypoint.connect(url) as client:
+        with trio.move_on_after(5):
+            while await parked_waits(client):
+                await trio.sleep(0.005)
 
 
 @pytest.fixture

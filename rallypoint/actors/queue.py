@@ -400,11 +400,11 @@ class WorkQueues(Kind):
             raise ConflictError(f"mailbox {short(op.name)} exists here with another id ({qid}); it was made "
                                 "without its home shard", details={"field": "id", "existing": qid})
 
-    @op(MailboxGet, route=by("name", "route_queue"), permission=R, resend=ALWAYS)
+    @op(MailboxGet, route=by("name", "route_queue"), permission=R, resend=ALWAYS, shard=ALL)
     def op_mailbox_get(self, actor, session, op: MailboxGet) -> MailboxView:
         return self.queue_view(self.get_queue(session.space, op.name))
 
-    @op(MailboxList, route=SPACE, permission=R, resend=ALWAYS)
+    @op(MailboxList, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
     def op_mailbox_list(self, actor, session, op: MailboxList) -> MailboxListView:
         return MailboxListView(mailboxes=[self.queue_view(q) for q in self.table.values() if q.space == session.space])
 

@@ -201,6 +201,8 @@ class ShardedTransport:
         slots = len(self.map.owners)
         if type(op) is p.MailboxEnsure:
             return await self._mailbox_ensure(op)
+        if type(op) in (p.MailboxGet, p.MailboxList):
+            return await self._mailbox_read(op)
         if decl.kind == "slots":
             return await self._split(op, decl, item_slots(decl, op, self.space, slots))
         slot = target(decl, op, self.space, slots)
@@ -224,6 +226,43 @@ class ShardedTransport:
             if s != home:
                 await self._transport(s).call(adopt)
         return raw
+
+    async def _mailbox_read(self, op: p.MailboxGet | p.MailboxList) -> bytes:
+        """A work queue's view (or the space's list) over every shard: each shard counts
+        only the tasks of its own runs, so ``queued`` and ``running`` are summed; the
+        definition is the home shard's, whose NOT_FOUND is the answer (a shard that never
+        adopted the queue -- one added later -- has none of its tasks)."""
+        from ..actors.sharding import home_slot
+
+        home = self._shard_of_slot(home_slot(self.space, len(self.map.owners)))
+        parts: dict[int, bytes | None] = {}
+
+        async def send(s: int) -> None:
+            try:
+                parts[s] = await self._transport(s).call(op)
+            except RallypointError as e:
+                if s == home or e.code != "NOT_FOUND":
+                    raise
+                parts[s] = None
+
+        async with _one_error(), anyio.create_task_group() as tg:
+            for s in sorted(self.shards):
+                tg.start_soon(send, s)
+        others = [parts[s] for s in sorted(parts) if s != home and parts[s] is not None]
+        if type(op) is p.MailboxGet:
+            view = msgspec.msgpack.decode(parts[home], type=p.MailboxView)
+            for raw in others:
+                v = msgspec.msgpack.decode(raw, type=p.MailboxView)
+                view = msgspec.structs.replace(view, queued=view.queued + v.queued, running=view.running + v.running)
+            return p.encoder.encode(view)
+        base = msgspec.msgpack.decode(parts[home], type=p.MailboxListView).mailboxes
+        by_id = {q.id: q for q in base}
+        for raw in others:
+            for v in msgspec.msgpack.decode(raw, type=p.MailboxListView).mailboxes:
+                q = by_id.get(v.id)
+                if q is not None:
+                    by_id[v.id] = msgspec.structs.replace(q, queued=q.queued + v.queued, running=q.running + v.running)
+        return p.encoder.encode(p.MailboxListView(mailboxes=[by_id[q.id] for q in base]))
 
     async def _split(self, op: Any, decl: Any, slots: list[int]) -> bytes:
         by_shard: dict[int, list[int]] = {}
