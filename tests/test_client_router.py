@@ -60,3 +60,43 @@ async def test_a_shard_failing_mid_fan_out_raises_its_error_not_a_group():
     st = router({0: FakeShard(0), 1: FakeShard(1, fail=True)})
     with pytest.raises(UnavailableError, match="shard 1 is down"):
         await st.call(p.ServerStatus())
+
+
+class QueueShard:
+    """A shard holding ``queued`` / ``running`` tasks of queue ``jobs`` (or not knowing it)."""
+
+    def __init__(self, queued, running, known=True, backlog_limit=5):
+        self.view = p.MailboxView(id="mbx_1", name="jobs", mode="fifo", max_attempts=3, backlog_limit=backlog_limit,
+                                  created_at="2026-01-01T00:00:00Z", queued=queued, running=running)
+        self.known = known
+
+    async def call(self, op):
+        from rallypoint.errors import NotFoundError
+
+        if not self.known:
+            raise NotFoundError("no mailbox jobs")
+        if isinstance(op, p.MailboxGet):
+            return p.encoder.encode(self.view)
+        if isinstance(op, p.MailboxList):
+            return p.encoder.encode(p.MailboxListView(mailboxes=[self.view]))
+        raise AssertionError(op)
+
+
+async def test_a_queues_counts_are_summed_over_the_shards_and_its_definition_is_the_home_shards():
+    # each shard counts only the tasks of its own runs (a queue's status once said 0 for
+    # tasks of runs on other shards); the home shard of "default" (2 slots) is shard 1
+    from rallypoint.actors.sharding import home_slot
+    from rallypoint.errors import NotFoundError
+
+    assert home_slot("default", 2) == 1
+    st = router({0: QueueShard(2, 1, backlog_limit=99), 1: QueueShard(3, 4)})
+    v = msgspec.msgpack.decode(await st.call(p.MailboxGet(name="jobs")), type=p.MailboxView)
+    assert (v.queued, v.running, v.backlog_limit) == (5, 5, 5)
+    lv = msgspec.msgpack.decode(await st.call(p.MailboxList()), type=p.MailboxListView)
+    assert [(q.name, q.queued, q.running) for q in lv.mailboxes] == [("jobs", 5, 5)]
+    # a shard that never adopted the queue has none of its tasks; the home shard's NOT_FOUND is the answer
+    st = router({0: QueueShard(0, 0, known=False), 1: QueueShard(3, 4)})
+    assert msgspec.msgpack.decode(await st.call(p.MailboxGet(name="jobs")), type=p.MailboxView).queued == 3
+    st = router({0: QueueShard(2, 1), 1: QueueShard(0, 0, known=False)})
+    with pytest.raises(NotFoundError):
+        await st.call(p.MailboxGet(name="jobs"))

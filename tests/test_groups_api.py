@@ -11,6 +11,7 @@ from rallypoint.errors import (
 )
 
 from _groups_util import new_group, succeed_all, take, uniq
+from conftest import CROSS_TREE
 
 
 # --- create ----------------------------------------------------------------------------
@@ -26,6 +27,7 @@ async def test_gate_run_is_a_child_of_the_run_the_group_was_created_from(rs):
     assert (await run.status()).children == 1
 
 
+@pytest.mark.not_in_cluster(CROSS_TREE)
 async def test_gate_run_is_a_child_of_parent_scope_id_when_given(rs):
     mbx = await rs.mailboxes.ensure(uniq("mbx"))
     origin = await rs.scopes.create()
@@ -106,6 +108,7 @@ async def test_submit_adds_a_member_task_in_the_gate_run_delivered_through_the_m
     assert st.counts["members"] == 1
 
 
+@pytest.mark.not_in_cluster(CROSS_TREE)
 async def test_join_task_adds_an_existing_task_while_open(rs):
     mbx, run, g = await new_group(rs, "FIRST_ACCEPTED")
     other = await rs.scopes.create()

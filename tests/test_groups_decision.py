@@ -7,7 +7,7 @@ import trio
 import rallypoint
 from rallypoint.errors import ConflictError, LeaseLostError, ScopeCancelledError, ScopeInactiveError
 
-from conftest import parked_waits, until, wait_parked_remote
+from conftest import CROSS_TREE, parked_waits, until, wait_parked_remote
 from _groups_util import decision, in_, new_group, submit_n, succeed_all, take, UNFINISHED
 
 
@@ -217,6 +217,7 @@ async def test_the_submit_that_adds_the_last_expected_member_seals_the_group(rs)
         await g.submit("fourth")
 
 
+@pytest.mark.not_in_cluster(CROSS_TREE)
 async def test_the_sealing_join_is_evaluated_in_the_same_step(rs):
     # threshold 2, expected 2: one member failed while open (harmless), then the join
     # that seals adds an already-failed task: unreachable at once.

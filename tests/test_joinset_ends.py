@@ -19,7 +19,7 @@ from rallypoint.errors import (
 )
 
 from _joinset_util import child_error, in_, raw_record, records, take, uniq, until
-from conftest import Daemon
+from conftest import CROSS_TREE, Daemon
 
 ENDS = ["close", "complete", "cancel"]
 
@@ -278,6 +278,7 @@ async def test_group_submit_with_the_key_of_a_plain_task_of_the_gate_run_is_conf
     assert st.counts["members"] == 0 and st.members == []
 
 
+@pytest.mark.not_in_cluster(CROSS_TREE)
 async def test_groups_create_needs_the_calling_run_active_even_with_another_parent(rs):
     mbx = await rs.mailboxes.ensure(uniq("grp-edge"))
     cancelled = await rs.scopes.create()
