@@ -27,7 +27,9 @@ REGRESSION_SEEDS = {
        "waited for the standby); a standby whose Hello was lost waited for the Welcome for ever",
     21: "a standby too far behind installs the leader's snapshot copy (the copy and its pieces read in threads: "
         "the simulator runs them on the loop)",
-    92: "the drain's write lost with its node is written again",
+    92: "(the simulator) the drain's write lost with its node is written again",
+    62: "(the simulator) a kill right after a restart hit the previous incarnation: the new one could not be killed",
+    452: "(the simulator) a write was sent to a killed leader still unwinding, and never answered",
     113: "under --min-insync 2 a dropped standby's connection stayed open: the session streamed on to a standby "
          "that counted for nothing, which never connected again",
 }

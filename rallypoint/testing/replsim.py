@@ -448,7 +448,7 @@ class _Node:
 
     def leader(self) -> ShardMember | None:
         m = self.member
-        if (self.alive and m is not None and m.role == "leader" and m.server is not None
+        if (self.alive and not self.killed and m is not None and m.role == "leader" and m.server is not None
                 and m.leadership is not None and m.leadership.is_leader_now()):
             return m
         return None
