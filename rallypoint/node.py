@@ -25,6 +25,7 @@ import trio
 from .actors import Coordinator
 from .clock import Clock
 from .errors import ValidationError
+from .persistence.snapshot import PutBatch
 from .service import Service
 
 log = logging.getLogger("rallypoint.node")
@@ -165,38 +166,43 @@ async def open_node(
 
 
 # ------------------------------------------------------------------------ persistence
-#: GIL switch interval while a snapshot's LMDB write runs in its thread (seconds).
-SNAPSHOT_SWITCH_INTERVAL_S = 0.0005
-
-
 class Snapshotter:
     """Writes the entities changed since the last snapshot to LMDB, then truncates the
     journal below the snapshot's LSN.
 
-    The cut is consistent without stalling the event loop: the dirty set is encoded in
-    slices of at most ``SLICE_S`` seconds (yielding between them); entities touched
-    meanwhile are dirty again and are re-encoded, and the last round, small, runs without
-    a yield at LSN ``S`` = ``journal.last_lsn``. Every entity written then reflects the
-    state at ``S``. The LMDB transaction runs in a worker thread, after the journal is
-    synced past ``S``; it is handed the encoded pairs lazily, so nothing proportional to
-    the snapshot's size runs on the event loop in one go (no list copy of the dirty set,
-    no list of 1M pairs: both were 10-50 ms stalls at 1M entities).
+    The cut is consistent without stalling the event loop. The dirty set is encoded in
+    slices of at most ``SLICE_S`` seconds (yielding between them), each slice handed at
+    once to ONE LMDB write transaction open in a worker thread
+    (:meth:`SnapshotStore.writer <rallypoint.persistence.snapshot.SnapshotStore.writer>`):
+    entities touched meanwhile are dirty again and are encoded again in a later round
+    (the later put wins). The events not yet stored are encoded the same way, whole
+    chunks only. The last round, small (at most ``FINAL`` entities and the events'
+    partial chunks), runs without a yield at LSN ``S`` = ``journal.last_lsn``: every
+    entity and event written then reflects the state at ``S``. The transaction commits
+    after the journal is synced past ``S``.
+
+    Nothing proportional to the snapshot's size is held on the loop: a slice's encoded
+    pairs are packed into bytearrays (:class:`PutBatch`), which the garbage collector
+    never walks (a list of 1M encoded values was walked by a gen-0 collection: 50-80 ms
+    at 1M entities), and freed by the writer thread batch by batch.
 
     Triggers: ``every_records`` journal entries or ``every_s`` seconds since the last
     snapshot (if anything changed), and :meth:`snapshot` at graceful shutdown.
 
     Disk full: while the journal refuses writes no snapshot is attempted (it would take
     the space the journal needs; ``skipped`` counts these); nor is one whose LMDB write
-    would leave less than the journal's reserve free (estimated; it fails with ENOSPC
-    before writing). A snapshot that fails (that, or LMDB's own ENOSPC/EIO) changes
-    nothing -- the journal still holds every change and no segment is deleted -- and is
-    retried after ``retry_s`` seconds (``failures``, ``last_error``). Neither stops the
-    node.
+    would leave less than the journal's reserve free (estimated, every ``SPACE_CHECK``
+    encoded bytes and at the cut; it fails with ENOSPC before committing). A snapshot
+    that fails (that, or LMDB's own ENOSPC/EIO) changes nothing -- the journal still
+    holds every change and no segment is deleted -- and is retried after ``retry_s``
+    seconds (``failures``, ``last_error``). Neither stops the node.
     """
 
-    CHUNK = 2000  # a round with more dirty entities than this yields between slices
-    SLICE = 256  # entities encoded between two clock reads
-    SLICE_S = 0.002  # longest stretch of encoding without a yield, seconds
+    FINAL = 256  # at most this many dirty entities are left for the round without a yield
+    FINAL_EVENT_CHUNKS = 4  # ... and at most this many whole event chunks
+    SLICE = 32  # entities encoded between two clock reads
+    SLICE_S = 0.0005  # longest stretch of encoding without a yield, seconds
+    SPACE_CHECK = 16 << 20  # encoded bytes between two free-space checks
     POLL_S = 0.25  # how often run() checks whether a snapshot is due
 
     def __init__(self, coordinator, store, *, every_records: int, every_s: float, retry_s: float = 5.0) -> None:
@@ -222,7 +228,6 @@ class Snapshotter:
         self._tick: trio.Event | None = None
         self._lock = trio.Lock()
         self._encoder = msgspec.msgpack.Encoder()
-        self._encoded_bytes = 0
 
     async def wait_attempts(self, n: int) -> None:
         """Return once ``attempts >= n`` (for tests and monitoring)."""
@@ -237,20 +242,25 @@ class Snapshotter:
         if ev is not None:
             ev.set()
 
-    def _encode(self, ids, keys: list, values: list, tables: dict, deletes: list) -> None:
-        enc = self._encoder.encode
-        n = 0
+    def _encode(self, ids, tables: dict, b: PutBatch | None = None) -> PutBatch:
+        """The entities ``ids`` (an iterable of ids) added to batch ``b`` (a new one by
+        default): their encoded state, or a delete for an id whose kind no longer has it
+        (purged by retention)."""
+        if b is None:
+            b = PutBatch()
+        into = self._encoder.encode_into
+        keys, key_ends, values, value_ends = b.keys, b.key_ends, b.values, b.value_ends
         for eid in ids:
             t = tables.get(eid[:3])
             ent = None if t is None else t[0].get(eid)
             if ent is not None:
-                keys.append(eid.encode())
-                v = enc(ent)
-                n += len(v)
-                values.append(v)
-            elif t is not None:  # purged by retention: deleted from the store too
-                deletes.append(eid.encode())
-        self._encoded_bytes += n
+                keys += eid.encode()
+                key_ends.append(len(keys))
+                into(ent, values, -1)
+                value_ends.append(len(values))
+            elif t is not None:
+                b.deletes.append(eid.encode())
+        return b
 
     def _space_for(self, journal, nbytes: int) -> None:
         """Refuse (OSError ENOSPC) a snapshot whose LMDB write would eat into the
@@ -288,58 +298,68 @@ class Snapshotter:
                 return None
             t0 = time.perf_counter()
             tables = coord.entity_tables()
-            # Encoded pairs in order; an entity re-encoded in a later round appears again
-            # later and its last value wins in the store (one put after the other).
-            keys: list[bytes] = []
-            values: list[bytes] = []
-            deletes: list[bytes] = []
-            self._encoded_bytes = 0
-            # Time-sliced rounds while much is dirty, then the final round with no yield.
-            clock = time.perf_counter
-            while len(coord.dirty) > self.CHUNK:
-                batch, coord.dirty = coord.dirty, set()
-                # Popped, not iterated: the set is detached from coord.dirty, and freeing
-                # it once empty costs nothing (a full 1M-entry set is a ~20 ms free).
-                pop = batch.pop
-                slice_end = clock() + self.SLICE_S
-                while batch:
-                    ids = [pop() for _ in range(min(self.SLICE, len(batch)))]
-                    self._encode(ids, keys, values, tables, deletes)
-                    if clock() >= slice_end:
-                        await trio.sleep(0)
-                        slice_end = clock() + self.SLICE_S
-                del batch, pop
-                await trio.sleep(0)
-            batch, coord.dirty = coord.dirty, set()
-            t_final = time.perf_counter()
-            self._encode(batch, keys, values, tables, deletes)
-            lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
-            events, ev_done = _event_cut(coord.events)  # the events of every commit <= lsn
-            now = time.perf_counter()
-            self.last_stall_s = now - t_final  # the one stretch that does not yield
-            encoded_s = now - t0
-            try:
-                self._space_for(journal, self._encoded_bytes)
-                if not await _synced_unless_refused(journal, lsn):
-                    # The disk filled up meanwhile: the journal may never reach lsn.
-                    coord.dirty.update(k.decode() for k in keys)
-                    coord.dirty.update(k.decode() for k in deletes)
-                    self.skipped += 1
-                    await self._release(values, keys)
-                    return None
-                # zip: the pairs are made in the worker thread, not on the loop. While
-                # the writer thread runs, a shorter GIL switch interval (0.5 ms instead
-                # of 5 ms) keeps it from holding the loop off for long stretches.
-                previous = sys.getswitchinterval()
-                sys.setswitchinterval(min(previous, SNAPSHOT_SWITCH_INTERVAL_S))
+            sent: list[PutBatch] = []  # every batch sent: to mark its ids dirty again if the write fails
+            cut = _EventCut(coord.events)
+            counts = [0, 0]  # entities written, deleted
+            async with self.store.writer() as w:
+                def send(b: PutBatch) -> None:
+                    w.send(b)
+                    counts[0] += len(b)
+                    counts[1] += len(b.deletes)
+                    # (the writer thread frees the encoded bytes; keep only what names the ids)
+                    sent.append(b)
+
                 try:
-                    await self.store.write(lsn, zip(keys, values), deletes, events)
-                finally:
-                    sys.setswitchinterval(previous)
-            except BaseException:
-                coord.dirty.update(k.decode() for k in keys)  # try again next time
-                coord.dirty.update(k.decode() for k in deletes)
-                raise
+                    clock = time.perf_counter
+                    next_check = self.SPACE_CHECK
+                    # Time-sliced rounds while much is dirty, then the final round with no yield.
+                    while len(coord.dirty) > self.FINAL or cut.full_chunks() > self.FINAL_EVENT_CHUNKS:
+                        if len(coord.dirty) > self.FINAL:
+                            batch, coord.dirty = coord.dirty, set()
+                            # Popped, not iterated: the set is detached from coord.dirty, and
+                            # freeing it once empty costs nothing (a full 1M-entry set is a
+                            # ~20 ms free).
+                            pop = batch.pop
+                            slice_end = clock() + self.SLICE_S
+                            out: PutBatch | None = None
+                            while batch:
+                                out = self._encode([pop() for _ in range(min(self.SLICE, len(batch)))], tables, out)
+                                if clock() >= slice_end:
+                                    send(out)
+                                    out = None
+                                    if w.nbytes >= next_check:
+                                        self._space_for(journal, w.nbytes)
+                                        next_check = w.nbytes + self.SPACE_CHECK
+                                    await trio.sleep(0)
+                                    slice_end = clock() + self.SLICE_S
+                            if out is not None:
+                                send(out)
+                            del batch, pop
+                        while cut.full_chunks() > self.FINAL_EVENT_CHUNKS:
+                            b = cut.encode_chunks(clock() + self.SLICE_S)
+                            send(b)
+                            await trio.sleep(0)
+                        await trio.sleep(0)
+                    batch, coord.dirty = coord.dirty, set()
+                    t_final = time.perf_counter()
+                    last = self._encode(batch, tables)
+                    lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
+                    events, ev_done = cut.finish(last)  # the events of every commit <= lsn
+                    send(last)
+                    now = time.perf_counter()
+                    self.last_stall_s = now - t_final  # the one stretch that does not yield
+                    encoded_s = now - t0
+                    self._space_for(journal, w.nbytes)
+                    if not await _synced_unless_refused(journal, lsn):
+                        # The disk filled up meanwhile: the journal may never reach lsn.
+                        self.skipped += 1
+                        await self._mark_dirty(sent)
+                        return None
+                    await w.commit(lsn, events)
+                except BaseException as exc:
+                    await self._mark_dirty(sent, cancelled=not isinstance(exc, Exception))  # try again next time
+                    raise
+            sent.clear()
             ev_done()
             keep_from = lsn + 1
             hold = self.hold_lsn() if self.hold_lsn is not None else None
@@ -353,8 +373,8 @@ class Snapshotter:
             self.snapshots += 1
             self.last_stats = {
                 "lsn": lsn,
-                "entities": len(keys),
-                "deleted": len(deletes),
+                "entities": counts[0],
+                "deleted": counts[1],
                 "stall_s": self.last_stall_s,
                 "encode_s": encoded_s,
                 "total_s": time.perf_counter() - t0,
@@ -363,26 +383,28 @@ class Snapshotter:
             log.info(
                 "snapshot at LSN %d: %d entities written, %d deleted, in %.3f s (longest stall %.1f ms), "
                 "%d journal segments removed",
-                lsn, len(keys), len(deletes), self.last_stats["total_s"], self.last_stall_s * 1000,
+                lsn, counts[0], counts[1], self.last_stats["total_s"], self.last_stall_s * 1000,
                 self.last_stats["segments_removed"],
-                extra={"event": "snapshot", "lsn": lsn, "entities": len(keys), "deleted": len(deletes),
+                extra={"event": "snapshot", "lsn": lsn, "entities": counts[0], "deleted": counts[1],
                        "seconds": round(self.last_stats["total_s"], 4), "stall_ms": round(self.last_stall_s * 1000, 3),
                        "segments_removed": self.last_stats["segments_removed"]},
             )
             for hook in self.on_snapshot:
                 hook(self.last_stats)
-            await self._release(values, keys)
             return lsn
 
-    RELEASE = 16384  # objects freed between two yields
-
-    async def _release(self, *lists: list) -> None:
-        """Free the encoded pairs a slice at a time: dropping 1M bytes objects in one
-        go is a ~50 ms stall of the event loop."""
-        for lst in lists:
-            while lst:
-                del lst[-self.RELEASE :]
-                await trio.sleep(0)
+    async def _mark_dirty(self, sent: list[PutBatch], *, cancelled: bool = False) -> None:
+        """A snapshot that did not commit: every id it encoded is dirty again, marked a
+        batch at a time with a yield between (unless cancelled: then at once)."""
+        dirty_add = self.coordinator.dirty.update
+        with trio.CancelScope(shield=True):
+            while sent:
+                b = sent.pop()
+                dirty_add(k.decode() for k in b.key_list())
+                dirty_add(k.decode() for k in b.deletes)
+                if not cancelled:
+                    await trio.sleep(0)
+                    dirty_add = self.coordinator.dirty.update
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Take snapshots when due (see the class docstring) until cancelled. A failed
@@ -476,41 +498,108 @@ def _unlink_all(paths) -> None:
             pass
 
 
-def _event_cut(log):
-    """At a snapshot's cut: what to write of the event log -- the chunks holding events
-    not yet written (the last, partial one again), encoded lazily in the writer thread;
-    the chunks now wholly below what is kept, deleted -- and a function that records it
-    as written."""
-    from .events import CHUNK, chunk_start, encode_chunk, event_key
-    from .persistence.snapshot import EventWrite
+class _EventCut:
+    """The events part of a snapshot: the chunks holding events not yet stored, encoded
+    on the loop a few at a time (:meth:`encode_chunks`, whole chunks only: they no
+    longer change) and the rest at the cut (:meth:`finish`: the partial last chunk, and
+    the first chunk again if retention dropped events from it meanwhile); the chunks
+    now wholly below what is kept are deleted."""
 
-    parts: list[tuple[bytes, list]] = []
-    ranges: list[tuple[bytes, bytes]] = []
-    next_seqs: dict[str, int] = {}
-    marks = []
-    for space, s in log.streams.items():
-        next_seqs[space] = s.next_seq
+    def __init__(self, log) -> None:
+        self.log = log
+        self.sent: dict[str, int] = {}  # space -> last seq encoded (whole chunks) so far
+        self.first_sent: dict[str, int] = {}  # space -> first chunk start encoded so far
+
+    def _from(self, s) -> int:
+        """The first seq of ``s`` that this snapshot has not encoded yet."""
         lo = max(s.persisted_last + 1, s.first_seq)
-        if lo <= s.last_seq:
-            c = chunk_start(lo)
-            while c <= s.last_seq:
-                a, b = max(c, s.first_seq), min(c + CHUNK - 1, s.last_seq)
-                i = s.index_after(a - 1)
-                parts.append((event_key(space, c), s.entries[i: i + (b - a + 1)]))
+        done = self.sent.get(s.space)
+        return lo if done is None or done < lo else done + 1
+
+    def full_chunks(self) -> int:
+        """Whole chunks not encoded yet (every space)."""
+        from .events import CHUNK, chunk_start
+
+        n = 0
+        for s in self.log.streams.values():
+            c = chunk_start(self._from(s))
+            if s.last_seq >= c + CHUNK - 1:
+                n += (s.last_seq - c + 1) // CHUNK
+        return n
+
+    def _encode(self, s, c: int, out: list) -> int:
+        """Encode the chunk starting at seq ``c`` of ``s`` (the events it holds now);
+        returns its last seq."""
+        from .events import CHUNK, encode_chunk, event_key
+
+        a, b = max(c, s.first_seq), min(c + CHUNK - 1, s.last_seq)
+        i = s.index_after(a - 1)
+        out.append((event_key(s.space, c), encode_chunk(s.entries[i: i + (b - a + 1)])))
+        if s.space not in self.first_sent:
+            self.first_sent[s.space] = c
+        return b
+
+    def encode_chunks(self, until: float) -> PutBatch:
+        """Whole chunks encoded until ``time.perf_counter() >= until`` (one at least),
+        as a batch."""
+        from .events import CHUNK, chunk_start
+
+        out: list = []
+        for s in self.log.streams.values():
+            c = chunk_start(self._from(s))
+            while s.last_seq >= c + CHUNK - 1:
+                self.sent[s.space] = self._encode(s, c, out)
                 c += CHUNK
-        if s.persisted_first <= s.persisted_last and chunk_start(s.persisted_first) < chunk_start(s.first_seq):
-            ranges.append((event_key(space, chunk_start(s.persisted_first)), event_key(space, chunk_start(s.first_seq))))
-        marks.append((s, s.first_seq, s.last_seq))
+                if time.perf_counter() >= until:
+                    break
+            if time.perf_counter() >= until:
+                break
+        b = PutBatch()
+        b.events = out
+        return b
 
-    def puts():
-        for key, entries in parts:
-            yield key, encode_chunk(entries)
+    def finish(self, batch: PutBatch):
+        """At the cut: the remaining chunks into ``batch.events``; returns the
+        :class:`EventWrite` (delete ranges, next seqs) and a function that records the
+        events as stored."""
+        from .events import CHUNK, chunk_start, event_key
+        from .persistence.snapshot import EventWrite
 
-    def done():
-        for s, first, last in marks:
-            s.persisted_first, s.persisted_last = first, last
+        out: list = []
+        ranges: list[tuple[bytes, bytes]] = []
+        next_seqs: dict[str, int] = {}
+        marks = []
+        for space, s in self.log.streams.items():
+            next_seqs[space] = s.next_seq
+            first_chunk = chunk_start(s.first_seq)
+            done = self.sent.get(space)
+            if done is not None and done >= s.first_seq and first_chunk < s.first_seq and \
+                    self.first_sent[space] <= first_chunk:
+                self._encode(s, first_chunk, out)  # written again without the events dropped since
+            lo = self._from(s)
+            if lo <= s.last_seq:
+                c = chunk_start(lo)
+                while c <= s.last_seq:
+                    self._encode(s, c, out)
+                    c += CHUNK
+            # delete what is wholly below the first chunk kept: what the last snapshot
+            # stored, and what this one encoded before retention dropped it
+            low = None
+            if s.persisted_first <= s.persisted_last:
+                low = chunk_start(s.persisted_first)
+            fs = self.first_sent.get(space)
+            if fs is not None and (low is None or fs < low):
+                low = fs
+            if low is not None and low < first_chunk:
+                ranges.append((event_key(space, low), event_key(space, first_chunk)))
+            marks.append((s, s.first_seq, s.last_seq))
+        batch.events = out
 
-    return EventWrite(puts(), ranges, next_seqs), done
+        def done():
+            for s, first, last in marks:
+                s.persisted_first, s.persisted_last = first, last
+
+        return EventWrite((), ranges, next_seqs), done
 
 
 def load_events(coordinator, store) -> int:

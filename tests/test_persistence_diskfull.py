@@ -35,6 +35,7 @@ from rallypoint.persistence import (
     read_manifest,
     recover,
 )
+from rallypoint.persistence import snapshot as snapshot_mod
 from rallypoint.persistence.journal import list_segments, read_journal, scan_journal
 
 BIG = 1 << 40
@@ -421,23 +422,39 @@ async def test_a_refused_activity_is_retried_once_space_frees(tmp_path):
 
 # ------------------------------------------------------------------ snapshots
 class FlakyStore:
-    """Wraps a SnapshotStore: the next ``fail`` writes raise like LMDB on a full disk;
-    with ``break_env`` the failure also leaves the environment unusable (as LMDB's
-    MDB_PANIC does after a failed meta-page write), so only a reopen helps."""
+    """Wraps a SnapshotStore: the next ``fail`` writes (whole, or streamed: at the
+    commit) raise like LMDB on a full disk; with ``break_env`` the failure also leaves
+    the environment unusable (as LMDB's MDB_PANIC does after a failed meta-page write),
+    so only a reopen helps."""
 
     def __init__(self, store, fail: int, *, break_env: bool = False) -> None:
         self._store = store
         self.fail = fail
 
-        def write_txn(lsn, puts, deletes, events=None):
+        def failing() -> bool:
             if self.fail > 0:
                 self.fail -= 1
                 if break_env:
                     store._env.close()
+                return True
+            return False
+
+        def write_txn(lsn, puts, deletes, events=None):
+            if failing():
                 raise lmdb.DiskError("mdb_txn_commit: No space left on device")
             return type(store)._write_txn(store, lsn, puts, deletes, events)
 
+        def stream_txn(q):
+            if self.fail <= 0:
+                return type(store)._stream_txn(store, q)
+            item = q.get()
+            while type(item) is not tuple and item is not snapshot_mod._ABORT:  # every batch, up to the end
+                item = q.get()
+            failing()
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+
         store._write_txn = write_txn
+        store._stream_txn = stream_txn
 
 
 async def test_a_failed_snapshot_changes_nothing_and_the_next_one_succeeds(tmp_path):

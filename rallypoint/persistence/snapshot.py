@@ -29,17 +29,20 @@ from a backup then.)
 from __future__ import annotations
 
 import os
+import queue
 import struct
+from array import array
 from pathlib import Path
-from typing import Iterator
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Iterator
 
 import lmdb
 import trio
 
 from .errors import FormatVersionError, SnapshotCorruptError
 
-__all__ = ["SnapshotStore", "EventWrite", "FORMAT_VERSION", "check_format", "FormatVersionError", "open_store",
-           "check_data_file"]
+__all__ = ["SnapshotStore", "SnapshotWriter", "PutBatch", "EventWrite", "FORMAT_VERSION", "check_format",
+           "FormatVersionError", "open_store", "check_data_file"]
 
 FORMAT_VERSION = 1
 _LSN = struct.Struct(">Q")
@@ -156,8 +159,8 @@ def check_format(data_dir: str | os.PathLike[str]) -> int:
 
 class EventWrite:
     """The events part of a snapshot write: ``puts`` (an iterable of (key, value),
-    consumed in the worker thread), ``delete_ranges`` ([lo, hi) key ranges) and
-    ``next_seqs`` ({space: next seq})."""
+    consumed in the worker thread), ``delete_ranges`` ([lo, hi) key ranges, deleted
+    after the puts) and ``next_seqs`` ({space: next seq})."""
 
     __slots__ = ("puts", "delete_ranges", "next_seqs")
 
@@ -165,6 +168,137 @@ class EventWrite:
         self.puts = puts
         self.delete_ranges = delete_ranges
         self.next_seqs = next_seqs
+
+
+class PutBatch:
+    """One slice of a streamed snapshot (:meth:`SnapshotStore.writer`): encoded entities
+    packed end to end in two ``bytearray`` s with their end offsets in two ``array``
+    s, plus keys to delete. None of these is a container the garbage collector walks,
+    so a snapshot of any size leaves no young list of a million objects for a GC pass
+    to traverse on the event loop (that was a 50-80 ms stall at 1M entities).
+
+    Attributes:
+        keys, values: the packed key and value bytes.
+        key_ends, value_ends: ``array('L')`` of end offsets, one per entity.
+        deletes: keys to remove, after this batch's puts.
+        events: ``[(key, value)]`` event chunk puts (encoded), or None.
+    """
+
+    __slots__ = ("keys", "key_ends", "values", "value_ends", "deletes", "events")
+
+    def __init__(self) -> None:
+        self.keys = bytearray()
+        self.key_ends = array("L")
+        self.values = bytearray()
+        self.value_ends = array("L")
+        self.deletes: list[bytes] = []
+        self.events: list[tuple[bytes, bytes]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.key_ends)
+
+    @property
+    def nbytes(self) -> int:
+        """Encoded bytes (keys and values)."""
+        return len(self.keys) + len(self.values)
+
+    def pairs(self) -> Iterator[tuple[memoryview, memoryview]]:
+        """``(key, value)`` memoryviews in order (made at C speed: no bytecode runs
+        per pair, so a writer thread consuming them rarely holds the GIL)."""
+        return zip(_slices(self.keys, self.key_ends), _slices(self.values, self.value_ends))
+
+    def key_list(self) -> list[bytes]:
+        """The put keys as bytes (to mark them dirty again after a failed write)."""
+        return [bytes(m) for m in _slices(self.keys, self.key_ends)]
+
+
+def _slices(buf: bytearray, ends: array) -> Iterator[memoryview]:
+    starts = array("L", [0])
+    starts.extend(ends[:-1])
+    return map(memoryview(buf).__getitem__, map(slice, starts, ends))
+
+
+_ABORT = object()
+
+
+class SnapshotWriter:
+    """A snapshot written while it is encoded: ONE LMDB write transaction open in a
+    worker thread, fed :class:`PutBatch` es through a queue (:meth:`send` never
+    blocks), committed by :meth:`commit` once the cut's LSN is known. Get one from
+    :meth:`SnapshotStore.writer` (an async context manager: leaving it without a
+    commit aborts the transaction; the previous snapshot stands).
+
+    Batches are applied in order (a key put twice: the later value wins; a batch's
+    deletes after its puts)."""
+
+    def __init__(self, store: "SnapshotStore") -> None:
+        self._store = store
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = trio.Event()
+        self._outcome = None
+        self._ended = False  # commit or abort sent
+        self.nbytes = 0  # encoded bytes sent so far
+
+    def _start(self) -> None:
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(outcome) -> None:
+            try:
+                token.run_sync_soon(self._finished, outcome)
+            except trio.RunFinishedError:  # pragma: no cover - the run ended first
+                pass
+
+        trio.lowlevel.start_thread_soon(lambda: self._store._stream_sync(self._q), deliver,
+                                        name="rallypoint snapshot writer")
+
+    def _finished(self, outcome) -> None:
+        self._outcome = outcome
+        self._done.set()
+
+    def _check(self) -> None:
+        if self._done.is_set():
+            self._outcome.unwrap()  # the thread's error (e.g. lmdb.Error), if any
+            raise RuntimeError("the snapshot transaction has already ended")
+
+    def send(self, batch: PutBatch) -> None:
+        """Queue a batch for the transaction (never blocks).
+
+        Raises:
+            lmdb.Error: the transaction already failed (nothing will be written)."""
+        self._check()
+        self.nbytes += batch.nbytes
+        self._q.put(batch)
+
+    async def commit(self, lsn: int, events: "EventWrite | None" = None) -> None:
+        """Apply ``events`` (after every batch), set the LSN and commit (synced to disk);
+        returns once it is. Not cancellable once sent: a cancel waits for the commit to
+        finish, then Cancelled is raised.
+
+        Raises:
+            ValueError: ``lsn`` is below the stored LSN (nothing written).
+            lmdb.Error: the write failed; nothing was changed and the store is
+                reopened before the next write.
+        """
+        self._check()
+        self._ended = True
+        self._q.put((lsn, events))
+        try:
+            await self._done.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._done.wait()
+        self._outcome.unwrap()
+
+    async def _close(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._q.put(_ABORT)
+        with trio.CancelScope(shield=True):
+            await self._done.wait()
+
+
+class _Aborted(Exception):
+    pass
 
 
 class SnapshotStore:
@@ -277,6 +411,20 @@ class SnapshotStore:
         async with self._lock:
             await trio.to_thread.run_sync(self._write_sync, lsn, puts, deletes, events)
 
+    @asynccontextmanager
+    async def writer(self) -> AsyncIterator[SnapshotWriter]:
+        """A streamed write (:class:`SnapshotWriter`): the transaction opens now in a
+        worker thread and takes batches as they are encoded; serialized with
+        :meth:`write`. Leaving the block without :meth:`SnapshotWriter.commit` (an
+        error, a cancel) aborts it and waits for the thread."""
+        async with self._lock:
+            w = SnapshotWriter(self)
+            w._start()
+            try:
+                yield w
+            finally:
+                await w._close()
+
     async def copy_to(self, dest_dir: str | os.PathLike[str]) -> int:
         """Write a compacted copy of the store (``dest_dir/data.mdb``; the directory
         must exist and be empty) in a worker thread, and return the LSN it is valid
@@ -295,40 +443,80 @@ class SnapshotStore:
 
     def _write_sync(self, lsn: int, puts: list[tuple[bytes, bytes]], deletes: list[bytes],
                     events: "EventWrite | None" = None) -> None:
+        self._guarded(self._write_txn, lsn, puts, deletes, events)
+
+    def _stream_sync(self, q: queue.SimpleQueue) -> None:
+        """The writer thread of :class:`SnapshotWriter`."""
+        try:
+            self._guarded(self._stream_txn, q)
+        except _Aborted:
+            pass
+
+    def _guarded(self, fn, *args) -> None:
         if self._reopen:  # after a failed commit (LMDB may have flagged the env as broken)
             self._env.close()
             self._open_env()
             self._reopen = False
         try:
-            self._write_txn(lsn, puts, deletes, events)
+            fn(*args)
         except lmdb.Error:
             self._reopen = True
             self.failed_writes += 1
             raise
 
+    def _stream_txn(self, q: queue.SimpleQueue) -> None:
+        with self._env.begin(write=True) as txn:  # aborted by any exception
+            cur = txn.cursor(db=self._entities)
+            ecur = txn.cursor(db=self._events)
+            get = q.get
+            while True:
+                item = get()
+                if type(item) is PutBatch:
+                    if item.key_ends:
+                        cur.putmulti(item.pairs(), dupdata=False, overwrite=True)
+                    for key in item.deletes:
+                        txn.delete(key, db=self._entities)
+                    if item.events:
+                        ecur.putmulti(item.events, dupdata=False, overwrite=True)
+                    continue
+                if item is _ABORT:
+                    raise _Aborted
+                lsn, events = item
+                self._check_lsn(txn, lsn)
+                if events is not None:
+                    self._write_events(txn, events)
+                txn.put(b"lsn", _LSN.pack(lsn), db=self._meta)
+                return
+
+    def _check_lsn(self, txn, lsn: int) -> None:
+        raw = txn.get(b"lsn", db=self._meta)
+        old = 0 if raw is None else _LSN.unpack(raw)[0]
+        if lsn < old:
+            raise ValueError(f"snapshot LSN {lsn} is below the stored LSN {old}")
+
+    def _write_events(self, txn, events: "EventWrite") -> None:
+        ecur = txn.cursor(db=self._events)
+        for k, v in events.puts:
+            ecur.put(k, v, overwrite=True)
+        for lo, hi in events.delete_ranges:  # [lo, hi) key ranges, after the puts
+            cur = txn.cursor(db=self._events)
+            if cur.set_range(lo):
+                while cur.key() < hi:
+                    if not cur.delete():
+                        break
+        for space, next_seq in events.next_seqs.items():
+            txn.put(b"evseq:" + space.encode(), _LSN.pack(next_seq), db=self._meta)
+
     def _write_txn(self, lsn: int, puts, deletes: list[bytes], events: "EventWrite | None" = None) -> None:
         with self._env.begin(write=True) as txn:
-            raw = txn.get(b"lsn", db=self._meta)
-            old = 0 if raw is None else _LSN.unpack(raw)[0]
-            if lsn < old:
-                raise ValueError(f"snapshot LSN {lsn} is below the stored LSN {old}")
+            self._check_lsn(txn, lsn)
             if puts:
                 cur = txn.cursor(db=self._entities)
                 cur.putmulti(puts, dupdata=False, overwrite=True)
             for key in deletes:
                 txn.delete(key, db=self._entities)
             if events is not None:
-                for lo, hi in events.delete_ranges:  # [lo, hi) key ranges
-                    cur = txn.cursor(db=self._events)
-                    if cur.set_range(lo):
-                        while cur.key() < hi:
-                            if not cur.delete():
-                                break
-                ecur = txn.cursor(db=self._events)
-                for k, v in events.puts:
-                    ecur.put(k, v, overwrite=True)
-                for space, next_seq in events.next_seqs.items():
-                    txn.put(b"evseq:" + space.encode(), _LSN.pack(next_seq), db=self._meta)
+                self._write_events(txn, events)
             txn.put(b"lsn", _LSN.pack(lsn), db=self._meta)
 
     def close(self) -> None:

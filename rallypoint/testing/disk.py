@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import random
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -447,8 +449,44 @@ class SimSnapshotStore:
             d.on_snapshot(lsn)
         self._store._write_sync(lsn, list(puts), deletes, events)
 
+    @asynccontextmanager
+    async def writer(self):
+        """A streamed write (:meth:`SnapshotStore.writer`): the batches are kept, then
+        written on the loop at the commit, after the seeded latency (a crash before
+        then leaves the previous snapshot)."""
+        w = _SimWriter(self)
+        yield w
+
     def __getattr__(self, name):
         return getattr(self._store, name)
+
+
+class _SimWriter:
+    def __init__(self, store: SimSnapshotStore) -> None:
+        self._sim = store
+        self._batches: list = []
+        self.nbytes = 0
+
+    def send(self, batch) -> None:
+        self.nbytes += batch.nbytes
+        self._batches.append(batch)
+
+    async def commit(self, lsn: int, events=None) -> None:
+        sim = self._sim
+        d = sim._disk
+        dt = d.faults.snapshot_latency_s * d.rng.random()
+        if dt:
+            await trio.sleep(dt)  # a crash now leaves the previous snapshot (atomic commit)
+        if d.crashed:
+            await trio.sleep_forever()
+        if d.on_snapshot is not None:
+            d.on_snapshot(lsn)
+        q = queue.SimpleQueue()
+        for b in self._batches:
+            q.put(b)
+        q.put((lsn, events))
+        self._batches = []
+        sim._store._guarded(sim._store._stream_txn, q)
 
 
 class SimStorage(Storage):
