@@ -25,7 +25,7 @@ import trio
 from .actors import Coordinator
 from .clock import Clock
 from .errors import ValidationError
-from .persistence.snapshot import PutBatch
+from .persistence.snapshot import PutBatch, packed_items
 from .service import Service
 
 log = logging.getLogger("rallypoint.node")
@@ -200,6 +200,7 @@ class Snapshotter:
 
     FINAL = 256  # at most this many dirty entities are left for the round without a yield
     FINAL_EVENT_CHUNKS = 4  # ... and at most this many whole event chunks
+    MAX_ROUNDS = 100  # rounds before the final one regardless (writes that outpace the encoding)
     SLICE = 32  # entities encoded between two clock reads
     SLICE_S = 0.0005  # longest stretch of encoding without a yield, seconds
     SPACE_CHECK = 16 << 20  # encoded bytes between two free-space checks
@@ -298,7 +299,7 @@ class Snapshotter:
                 return None
             t0 = time.perf_counter()
             tables = coord.entity_tables()
-            sent: list[PutBatch] = []  # every batch sent: to mark its ids dirty again if the write fails
+            sent: list[tuple] = []  # every batch's keys: to mark its ids dirty again if the write fails
             cut = _EventCut(coord.events)
             counts = [0, 0]  # entities written, deleted
             async with self.store.writer() as w:
@@ -306,24 +307,27 @@ class Snapshotter:
                     w.send(b)
                     counts[0] += len(b)
                     counts[1] += len(b.deletes)
-                    # (the writer thread frees the encoded bytes; keep only what names the ids)
-                    sent.append(b)
+                    # only what names the ids: the writer thread frees the encoded values
+                    sent.append((b.keys, b.key_ends, b.deletes))
 
                 try:
                     clock = time.perf_counter
                     next_check = self.SPACE_CHECK
                     # Time-sliced rounds while much is dirty, then the final round with no yield.
-                    while len(coord.dirty) > self.FINAL or cut.full_chunks() > self.FINAL_EVENT_CHUNKS:
+                    rounds = 0
+                    while (len(coord.dirty) > self.FINAL or cut.full_chunks() > self.FINAL_EVENT_CHUNKS) \
+                            and rounds < self.MAX_ROUNDS:
+                        rounds += 1
                         if len(coord.dirty) > self.FINAL:
-                            batch, coord.dirty = coord.dirty, set()
-                            # Popped, not iterated: the set is detached from coord.dirty, and
-                            # freeing it once empty costs nothing (a full 1M-entry set is a
+                            batch, coord.dirty = coord.dirty, {}
+                            # Popped, not iterated: the dict is detached from coord.dirty, and
+                            # freeing it once empty costs nothing (a full 1M-entry one is a
                             # ~20 ms free).
-                            pop = batch.pop
+                            pop = batch.popitem
                             slice_end = clock() + self.SLICE_S
                             out: PutBatch | None = None
                             while batch:
-                                out = self._encode([pop() for _ in range(min(self.SLICE, len(batch)))], tables, out)
+                                out = self._encode([pop()[0] for _ in range(min(self.SLICE, len(batch)))], tables, out)
                                 if clock() >= slice_end:
                                     send(out)
                                     out = None
@@ -335,12 +339,14 @@ class Snapshotter:
                             if out is not None:
                                 send(out)
                             del batch, pop
-                        while cut.full_chunks() > self.FINAL_EVENT_CHUNKS:
+                        budget = cut.full_chunks()  # (bounded: commits may add chunks meanwhile)
+                        while budget > self.FINAL_EVENT_CHUNKS:
                             b = cut.encode_chunks(clock() + self.SLICE_S)
                             send(b)
+                            budget -= max(1, len(b.events))
                             await trio.sleep(0)
                         await trio.sleep(0)
-                    batch, coord.dirty = coord.dirty, set()
+                    batch, coord.dirty = coord.dirty, {}
                     t_final = time.perf_counter()
                     last = self._encode(batch, tables)
                     lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
@@ -393,18 +399,20 @@ class Snapshotter:
                 hook(self.last_stats)
             return lsn
 
-    async def _mark_dirty(self, sent: list[PutBatch], *, cancelled: bool = False) -> None:
+    async def _mark_dirty(self, sent: list[tuple], *, cancelled: bool = False) -> None:
         """A snapshot that did not commit: every id it encoded is dirty again, marked a
         batch at a time with a yield between (unless cancelled: then at once)."""
-        dirty_add = self.coordinator.dirty.update
+        coord = self.coordinator
         with trio.CancelScope(shield=True):
             while sent:
-                b = sent.pop()
-                dirty_add(k.decode() for k in b.key_list())
-                dirty_add(k.decode() for k in b.deletes)
+                keys, key_ends, deletes = sent.pop()
+                dirty = coord.dirty
+                for k in packed_items(keys, key_ends):
+                    dirty[bytes(k).decode()] = None
+                for k in deletes:
+                    dirty[k.decode()] = None
                 if not cancelled:
                     await trio.sleep(0)
-                    dirty_add = self.coordinator.dirty.update
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Take snapshots when due (see the class docstring) until cancelled. A failed

@@ -41,7 +41,7 @@ import trio
 
 from .errors import FormatVersionError, SnapshotCorruptError
 
-__all__ = ["SnapshotStore", "SnapshotWriter", "PutBatch", "EventWrite", "FORMAT_VERSION", "check_format",
+__all__ = ["SnapshotStore", "SnapshotWriter", "PutBatch", "packed_items", "EventWrite", "FORMAT_VERSION", "check_format",
            "FormatVersionError", "open_store", "check_data_file"]
 
 FORMAT_VERSION = 1
@@ -205,14 +205,12 @@ class PutBatch:
     def pairs(self) -> Iterator[tuple[memoryview, memoryview]]:
         """``(key, value)`` memoryviews in order (made at C speed: no bytecode runs
         per pair, so a writer thread consuming them rarely holds the GIL)."""
-        return zip(_slices(self.keys, self.key_ends), _slices(self.values, self.value_ends))
-
-    def key_list(self) -> list[bytes]:
-        """The put keys as bytes (to mark them dirty again after a failed write)."""
-        return [bytes(m) for m in _slices(self.keys, self.key_ends)]
+        return zip(packed_items(self.keys, self.key_ends), packed_items(self.values, self.value_ends))
 
 
-def _slices(buf: bytearray, ends: array) -> Iterator[memoryview]:
+def packed_items(buf: bytearray, ends: array) -> Iterator[memoryview]:
+    """The items packed end to end in ``buf`` whose end offsets are ``ends``, as
+    memoryviews (an iterator made at C speed)."""
     starts = array("L", [0])
     starts.extend(ends[:-1])
     return map(memoryview(buf).__getitem__, map(slice, starts, ends))
