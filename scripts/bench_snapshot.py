@@ -12,9 +12,15 @@ recovery time, RSS.
    coordinator's apply, ``recover_coordinator``), and the snapshotted dir (N entities
    loaded from LMDB); reports time and RSS.
 
-Targets: stall <= 10 ms, recovery of 1M records <= 5 s. The box is shared and has two
-cores: the baseline line (the same 1 ms sleeper with nothing else running) and the CPU
-seconds of recovery say how much of a figure is the machine rather than the code.
+Targets (issue 33): stall <= 2 ms, recovery of 1M records <= 2 s. The box is shared and
+has two cores: the baseline line (the same 1 ms sleeper with nothing else running), the
+longest single task step with its CPU time (wall far above CPU: the process was not
+running, the machine's doing) and the CPU seconds of recovery say how much of a figure
+is the machine rather than the code.
+
+A/B against another checkout in the same run: ``--code DIR`` imports rallypoint from DIR
+(this script and its measurements stay the same), e.g. a ``git worktree`` of the commit
+before a change; run both alternately.
 
 Usage::
 
@@ -53,6 +59,31 @@ def peak_rss_mb() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+class StepMeter:
+    """A Trio instrument: the longest task step (wall and the thread's CPU time)."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+        self.c = 0.0
+        self.max_wall = self.cpu_at_max = self.max_cpu = 0.0
+
+    def before_task_step(self, task) -> None:
+        self.t, self.c = time.perf_counter(), time.thread_time()
+
+    def after_task_step(self, task) -> None:
+        if self.t is None:  # the step that added this instrument
+            return
+        w, c = time.perf_counter() - self.t, time.thread_time() - self.c
+        self.t = None
+        if w > self.max_wall:
+            self.max_wall, self.cpu_at_max = w, c
+        self.max_cpu = max(self.max_cpu, c)
+
+    def summary(self) -> dict:
+        return {"max_step_ms": round(self.max_wall * 1000, 2), "its_cpu_ms": round(self.cpu_at_max * 1000, 2),
+                "max_step_cpu_ms": round(self.max_cpu * 1000, 2)}
 
 
 class StallMeter:
@@ -117,14 +148,18 @@ async def build_and_snapshot(n: int, data_dir: Path, copy_dir: Path) -> dict:
         out["baseline_stall"] = base.summary()
 
         meter = StallMeter()
+        steps = StepMeter()
         async with trio.open_nursery() as nursery:
             await nursery.start(meter.run)
             await trio.sleep(0.05)
+            trio.lowlevel.add_instrument(steps)
             t0 = time.perf_counter()
             lsn = await node.snapshotter.snapshot()
             out["snapshot_wall_s"] = round(time.perf_counter() - t0, 3)
             await trio.sleep(0.05)
+            trio.lowlevel.remove_instrument(steps)
             nursery.cancel_scope.cancel()
+        out["snapshot_steps"] = steps.summary()
         st = node.snapshotter.last_stats
         out["snapshot"] = {"lsn": lsn, "entities": st["entities"], "encode_s": round(st["encode_s"], 3),
                            "total_s": round(st["total_s"], 3)}
@@ -164,8 +199,9 @@ def recover_only(data_dir: str) -> dict:
     }
 
 
-def _recover_in_subprocess(d: Path) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--recover-only", str(d)], capture_output=True, text=True, cwd=ROOT)
+def _recover_in_subprocess(d: Path, code: str | None) -> dict:
+    argv = [sys.executable, __file__, "--recover-only", str(d)] + (["--code", code] if code else [])
+    p = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(p.stderr)
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -176,8 +212,15 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=1_000_000, help="entities / journal records (default 1M)")
     ap.add_argument("--dir", default=None, help="work dir (default: a temp dir, removed)")
     ap.add_argument("--json", default=None, help="also write the report here")
+    ap.add_argument("--code", default=None,
+                    help="import rallypoint from this checkout instead (A/B against another commit)")
     ap.add_argument("--recover-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.code:
+        sys.path.insert(0, str(Path(args.code).resolve()))
+        import rallypoint
+
+        print(f"code: {Path(rallypoint.__file__).parent.parent}", file=sys.stderr if args.recover_only else sys.stdout)
     if args.recover_only:
         print(json.dumps(recover_only(args.recover_only)))
         return 0
@@ -195,21 +238,25 @@ def main(argv=None) -> int:
               f"(encode {report['snapshot']['encode_s']} s); event-loop stall max "
               f"{report['snapshot_stall']['max_ms']} ms, p99 {report['snapshot_stall']['p99_ms']} ms, "
               f"{report['snapshot_stall']['over_10ms']} wake-ups over 10 ms "
-              f"(baseline max {report['baseline_stall']['max_ms']} ms)", flush=True)
-        r1 = _recover_in_subprocess(copy)
+              f"(baseline max {report['baseline_stall']['max_ms']} ms); longest task step "
+              f"{report['snapshot_steps']['max_step_ms']} ms (CPU {report['snapshot_steps']['its_cpu_ms']} ms), "
+              f"most CPU in one step {report['snapshot_steps']['max_step_cpu_ms']} ms", flush=True)
+        r1 = _recover_in_subprocess(copy, args.code)
         report["recovery_journal"] = r1
         print(f"recovery from the journal: {r1['replayed']:,} records replayed in {r1['recover_s']} s "
               f"(CPU {r1['recover_cpu_s']} s; journal scan {r1['storage_timing_s']['scan_s']} s) "
               f"(+ re-arm {r1['rearm_s']} s), RSS {r1['rss_mb']} MB", flush=True)
-        r2 = _recover_in_subprocess(data)
+        r2 = _recover_in_subprocess(data, args.code)
         report["recovery_snapshot"] = r2
         print(f"recovery from the snapshot: {r2['snapshot_entities']:,} entities loaded, {r2['replayed']} replayed, "
               f"in {r2['recover_s']} s (CPU {r2['recover_cpu_s']} s), RSS {r2['rss_mb']} MB", flush=True)
-        ok_stall = report["snapshot_stall"]["max_ms"] <= 10
-        ok_rec = r1["recover_s"] <= 5 * max(1, args.n / 1_000_000)
-        report["targets"] = {"stall_le_10ms": ok_stall, "recovery_le_5s_per_1M": ok_rec}
-        print(f"targets: stall <= 10 ms: {'OK' if ok_stall else 'MISSED'}; "
-              f"recovery <= 5 s per 1M records: {'OK' if ok_rec else 'MISSED'}")
+        ok_stall = report["snapshot_stall"]["max_ms"] <= 2
+        ok_rec = r1["recover_s"] <= 2 * max(1, args.n / 1_000_000)
+        report["targets"] = {"stall_le_2ms": ok_stall, "recovery_le_2s_per_1M": ok_rec}
+        report["loadavg"] = os.getloadavg()
+        print(f"targets: stall <= 2 ms: {'OK' if ok_stall else 'MISSED'}; "
+              f"recovery <= 2 s per 1M records: {'OK' if ok_rec else 'MISSED'}; "
+              f"load average {' '.join(f'{x:.2f}' for x in report['loadavg'])}")
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
         return 0 if ok_stall and ok_rec else 1
