@@ -64,7 +64,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import trio
@@ -467,12 +466,13 @@ class Ack:
     at: float
 
 
-class _Sink(CallSink):
-    pass
-
-
 @dataclass
 class Result:
+    """The outcome of one schedule: ``ok``, the first violation, the trace (with
+    ``trace=True``), counters (``acks``, ``takeovers``, ``crashes``, ``armed_crashes``,
+    the network's), and a digest of every answer and both journals (the same run, the
+    same digest)."""
+
     seed: int
     ok: bool
     violation: Violation | None = None
@@ -676,7 +676,7 @@ class ReplSim:
         epoch = m.epoch
         disp = m.server.dispatcher
         op = p.ScopeCreate(name=f"w{i}")
-        sink = _Sink(1)
+        sink = CallSink(1)
         with trio.CancelScope() as cs:
             node.calls.add(cs)
             try:
