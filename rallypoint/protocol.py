@@ -211,14 +211,16 @@ class AdmissionReserve(_Op, tag="admission.reserve"):
 
 
 class AdmissionReserveView(_View):
-    """``status`` GRANTED (``grants``, ``reservations`` held for the delivery) or
-    WAITING."""
+    """``status`` GRANTED (``grants``, ``reservations`` held for the delivery;
+    ``lease_left_ms``: how long the home shard keeps them unless the delivery is
+    confirmed) or WAITING."""
 
     status: str
     task_id: str
     token: int
     grants: list[GrantView] = []
     reservations: list[str] = []
+    lease_left_ms: int = 0
 
 
 class AdmissionHold(_Op, tag="admission.hold"):

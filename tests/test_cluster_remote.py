@@ -384,3 +384,24 @@ async def test_requirements_the_home_shard_can_never_grant_cancel_the_task(two):
     assert got.deliveries == []
     await wait_for(lambda: two.coord(1).queues.tasks[t.id].state == "CANCELLED")
     assert two.reserver.refused == 1
+
+
+async def test_an_old_reservation_with_too_little_lease_left_is_let_lapse_and_made_again(two):
+    # a reservation made earlier for the same delivery (a reserve whose answer was
+    # lost, say) holds 1.5 s: half of what is left is under the reserver's minimum (1 s),
+    # so it is not used; it lapses on the home shard, and the next reserve makes a new one
+    await jobs_on_both(two)
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    r1 = await new_run(two)
+    t = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(pools={"gpu": 1})),
+                       p.TaskView)
+    home = two.coord(0)
+    early = p.AdmissionReserve(space="default", scope_id=r1, task_id=t.id, token=1, pools={"gpu": 1}, lease_ms=1500)
+    await two.nodes[0].service.call(Session(node=True), early)
+    first = home.outbox.holds["adm:" + t.id]
+    got = await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=10_000), p.ReceiveView)
+    (d,) = got.deliveries
+    assert d.task_id == t.id and first.ended == "lapsed" and two.reserver.waiting >= 1
+    second = home.outbox.holds["adm:" + t.id]
+    assert second is not first and second.token == 1 and [g.id for g in d.grants] == second.grants
+    await wait_for(lambda: home.outbox.holds["adm:" + t.id].confirmed)

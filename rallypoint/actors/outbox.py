@@ -363,7 +363,8 @@ class Outbox(Kind):
         return AdmissionReserveView(status="GRANTED", task_id=h.task_id, token=h.token,
                                     grants=[pools.grant_view(pools.grants[g], True) for g in h.grants
                                             if g in pools.grants],
-                                    reservations=list(h.reservations))
+                                    reservations=list(h.reservations),
+                                    lease_left_ms=max(0, h.expires_mono_ms - self.coord.mono_ms()))
 
     @applies(AdmissionHeld)
     def _apply_held(self, r: AdmissionHeld) -> None:

@@ -240,15 +240,19 @@ _REFUSED = ("NOT_FOUND", "VALIDATION_FAILED")
 class Reserver:
     """Reservations on the home shard for this shard's tasks (see the module
     docstring), while this node leads. ``lease_ms``: how long a reservation waits for
-    its delivery on the home shard; a reservation is used here only within half of it
-    (``usable_ms``), so the delivery's confirmation has the other half to arrive.
+    its delivery on the home shard; a reservation is used here only within half of what
+    is left of it when the answer comes (``usable_ms``; a re-sent reserve finds the
+    same reservation, older), so the delivery's confirmation has the other half to
+    arrive; with less than ``min_usable_ms`` left it is let lapse and asked again.
     ``retry_s``: how soon a reservation that did not fit (WAITING) or failed is asked
     again. Attributes ``granted``, ``waiting``, ``refused`` count answers."""
 
-    def __init__(self, service, peers: Peers, *, lease_ms: int = 30_000, retry_s: float = 0.25) -> None:
+    def __init__(self, service, peers: Peers, *, lease_ms: int = 30_000, retry_s: float = 0.25,
+                 min_usable_ms: int = 1_000) -> None:
         self.service = service
         self.peers = peers
         self.lease_ms = lease_ms
+        self.min_usable_ms = min_usable_ms
         self.retry_s = retry_s
         self.granted = 0
         self.waiting = 0
@@ -284,7 +288,7 @@ class Reserver:
                         outbox.wanted.pop(tid, None)  # held already (a receive will take it)
                         continue
                     token = t.token + 1
-                    hold = AdmissionHold(task_id=t.id, token=token, shard=req.shard, usable_ms=self.lease_ms // 2)
+                    hold = AdmissionHold(task_id=t.id, token=token, shard=req.shard)
                     try:
                         raw = await self.peers.call(req.shard, AdmissionReserve(
                             space=t.space, scope_id=t.scope_id, task_id=t.id, token=token, pools=dict(req.pools),
@@ -302,12 +306,13 @@ class Reserver:
                                              "%d failed (%s); again", t.id, req.shard, e.message)
                             continue
                     else:
-                        if got.status != "GRANTED":
-                            self.waiting += 1
+                        if got.status != "GRANTED" or got.lease_left_ms // 2 < self.min_usable_ms:
+                            self.waiting += 1  # (or too little of an older reservation is left: it lapses)
                             again = True
                             continue
                         self.granted += 1
                         hold.grants, hold.reservations = got.grants, got.reservations
+                        hold.usable_ms = got.lease_left_ms // 2
                     try:
                         await self.service.call(local, hold)
                     except RallypointError as e:
