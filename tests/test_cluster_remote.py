@@ -405,3 +405,16 @@ async def test_an_old_reservation_with_too_little_lease_left_is_let_lapse_and_ma
     second = home.outbox.holds["adm:" + t.id]
     assert second is not first and second.token == 1 and [g.id for g in d.grants] == second.grants
     await wait_for(lambda: home.outbox.holds["adm:" + t.id].confirmed)
+
+
+async def test_a_budget_reservation_for_a_delivery_of_another_shard_is_refused_clearly(two):
+    from rallypoint.errors import ValidationError
+
+    await jobs_on_both(two)
+    await two.call(0, p.BudgetEnsure(name="spend", limit_minor=100))
+    r1 = await new_run(two)
+    t = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1), p.TaskView)
+    (d,) = (await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=10_000), p.ReceiveView)).deliveries
+    with pytest.raises(ValidationError) as e:
+        await two.call(0, p.BudgetReserve(budget="spend", scope_id=r1, amount_minor=5, task_id=t.id, token=d.token))
+    assert e.value.details.get("cross_shard")

@@ -324,6 +324,10 @@ class Budgets(Kind):
         settle_by = self._settle_by(op.settle_by, op.settle_within_ms)
         token = 0
         if op.task_id is not None:
+            sh = coord.sharding
+            if sh is not None and op.task_id not in coord.queues.tasks:
+                # a delivery of another shard's task: VALIDATION_FAILED (details.cross_shard)
+                sh.cross_shard(op.task_id, "task")
             t = coord.queues.get_task(session.space, op.task_id)
             if t.token != op.token or op.token <= 0 or t.state != "RUNNING" or t.lease_expires_ms <= coord.mono_ms():
                 raise LeaseLostError(

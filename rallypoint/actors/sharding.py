@@ -158,7 +158,8 @@ class Sharding:
         owner = self.owners[slot] if slot < self.slots else None
         raise ValidationError(
             f"{noun} {entity_id} lives on shard {owner}, not on shard {self.shard} where this step runs: a sharded "
-            "cluster does not make one step of two shards (a group joins tasks of its own run tree)",
+            "cluster does not make one step of two shards (a group joins tasks of its own run tree; a budget "
+            "reservation held for a delivery is made by admission there: give the task requirements)",
             details={"cross_shard": True, "id": entity_id, "shard": owner, "this_shard": self.shard})
 
     def check_id(self, entity_id: str, what: str = "it") -> None:
