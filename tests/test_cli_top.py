@@ -59,7 +59,9 @@ def test_q_quits_the_live_top(daemon):
                          stdin=slave, stdout=slave, stderr=slave, env={**os.environ, "COLUMNS": "120"})
     os.close(slave)
     try:
-        _wait_output(master, b"work queues")  # a live frame is on screen
+        # a live frame is on screen (its top: a daemon with many runs crops the queue
+        # table off a 24-row terminal)
+        _wait_output(master, b"active runs")
         os.write(master, b"q")
         deadline = time.monotonic() + 30
         while p.poll() is None:  # (reading what it draws meanwhile: a full pty would block it)
