@@ -418,3 +418,16 @@ async def test_a_budget_reservation_for_a_delivery_of_another_shard_is_refused_c
     with pytest.raises(ValidationError) as e:
         await two.call(0, p.BudgetReserve(budget="spend", scope_id=r1, amount_minor=5, task_id=t.id, token=d.token))
     assert e.value.details.get("cross_shard")
+
+
+async def test_a_queues_default_requirements_reach_the_tasks_of_another_shard(two):
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    reqs = p.Requirements(pools={"gpu": 1})
+    home = await two.call(0, p.MailboxEnsure(name="jobs", requirements=reqs), p.MailboxView)
+    await two.call(1, p.MailboxEnsure(name="jobs", id=home.id, requirements=reqs))  # as the router adopts it
+    r1 = await new_run(two)
+    t = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1), p.TaskView)  # none of its own
+    assert two.coord(1).queues.tasks[t.id].requirements.remote.pools == {"gpu": 1}
+    (d,) = (await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=10_000), p.ReceiveView)).deliveries
+    assert [g.units for g in d.grants] == [1]
+    assert two.coord(0).pools.view(two.coord(0).pools.get("default", "gpu")).units_used == 1

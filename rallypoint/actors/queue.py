@@ -363,7 +363,9 @@ class WorkQueues(Kind):
                     )
         mode = q.mode if q is not None else op.mode
         reqs = None
-        if op.requirements is not None and op.id is None:
+        # (on the home shard, or a shard adopting the home shard's queue: there its
+        # defaults are kept by name, reserved on the home shard: ``Admission.prepare``)
+        if op.requirements is not None and (op.id is None or coord.sharding is not None):
             if mode != "WORK" and (op.requirements.pools or op.requirements.budgets):
                 raise ValidationError("requirements apply to the tasks of a WORK mailbox; an INBOX mailbox's "
                                       "messages carry none", details={"field": "requirements"})
