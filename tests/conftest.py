@@ -74,7 +74,8 @@ def pytest_collection_modifyitems(config, items):
     """Mark the tests of :data:`QUICK_FILES` ``quick`` (not those marked ``slow``); keep
     the ``rs[cluster3]`` tests of :data:`CLUSTER_FILES` only (of :data:`CLUSTER_QUICK_FILES`
     without ``RALLYPOINT_SLOW``), the others deselected; skip those marked
-    ``not_in_cluster(reason)`` (or of a file in :data:`CLUSTER_SKIPPED_FILES`) with the reason."""
+    ``not_in_cluster(reason)`` (or of a file in :data:`CLUSTER_SKIPPED_FILES`) with the
+    reason; put the files holding a ``slow`` test first."""
     cluster_files = CLUSTER_FILES if SLOW else CLUSTER_QUICK_FILES
     keep, dropped = [], []
     for item in items:
@@ -93,6 +94,13 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    # the files that hold a ``slow`` test first (each file's order kept): under
+    # ``-n 2 --dist loadfile`` the long ones (the seed run, the soak) start at once
+    # instead of leaving one worker alone with them at the end
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    longest = ("test_sim.py", "test_soak.py")  # the two longest, each on its own worker first
+    items.sort(key=lambda item: (item.path not in slow_files,
+                                 longest.index(item.path.name) if item.path.name in longest else len(longest)))
 
 
 class Daemon:
