@@ -431,3 +431,19 @@ async def test_a_queues_default_requirements_reach_the_tasks_of_another_shard(tw
     (d,) = (await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=10_000), p.ReceiveView)).deliveries
     assert [g.units for g in d.grants] == [1]
     assert two.coord(0).pools.view(two.coord(0).pools.get("default", "gpu")).units_used == 1
+
+
+async def test_a_task_no_receive_asks_for_any_more_is_not_reserved_again(two):
+    await jobs_on_both(two)
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    r1 = await new_run(two)
+    holder = (await two.call(0, p.ScopeCreate(), p.ScopeView)).id
+    await two.call(0, p.PoolAcquire(pool="gpu", scope_id=holder))  # every unit taken: reserves wait
+    t = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(pools={"gpu": 1})),
+                       p.TaskView)
+    two.reserver.forget_after_ms = 300
+    got = await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=100), p.ReceiveView)
+    assert got.deliveries == [] and t.id in two.coord(1).outbox.wanted
+    # no receive asked for 0.3 s: the reserver forgets it (and asks the home shard nothing)
+    await wait_for(lambda: t.id not in two.coord(1).outbox.wanted)
+    assert two.reserver.waiting >= 1 and not two.coord(1).outbox.wanted

@@ -197,9 +197,11 @@ class Outbox(Kind):
         self.holds: dict[str, HoldState] = {}  # home shard: reservations for other shards' deliveries
         self.reserved: dict[str, ReservedState] = {}  # run shard: reservations its tasks hold
         self.on_change = None
-        #: run shard: ready tasks a receive could not deliver for want of a reservation
-        #: (the leader's reserver asks the home shard), and its wake-up
-        self.wanted: dict[str, None] = {}
+        #: run shard: ready tasks a receive could not deliver for want of a reservation,
+        #: with the server time a receive last asked for each (the leader's reserver
+        #: asks the home shard, and forgets a task no receive asked for lately), and its
+        #: wake-up
+        self.wanted: dict[str, int] = {}
         self.on_want = None
 
     def entity_tables(self):
@@ -441,10 +443,10 @@ class Outbox(Kind):
     def requirement_skipped(self, task, value, pending: dict) -> None:
         if self.coord.replaying:
             return
-        if task.id not in self.wanted:
-            self.wanted[task.id] = None
-            if self.on_want is not None:
-                self.on_want()
+        new = task.id not in self.wanted
+        self.wanted[task.id] = self.coord.mono_ms()
+        if new and self.on_want is not None:
+            self.on_want()
 
     def requirement_hold(self, value, pending: dict) -> None:
         pass

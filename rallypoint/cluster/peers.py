@@ -244,15 +244,18 @@ class Reserver:
     is left of it when the answer comes (``usable_ms``; a re-sent reserve finds the
     same reservation, older), so the delivery's confirmation has the other half to
     arrive; with less than ``min_usable_ms`` left it is let lapse and asked again.
+    A task no receive asked for in ``forget_after_ms`` (2 min, as a pool's admission
+    line on one node) is not asked for any more (until a receive asks again).
     ``retry_s``: how soon a reservation that did not fit (WAITING) or failed is asked
     again. Attributes ``granted``, ``waiting``, ``refused`` count answers."""
 
     def __init__(self, service, peers: Peers, *, lease_ms: int = 30_000, retry_s: float = 0.25,
-                 min_usable_ms: int = 1_000) -> None:
+                 min_usable_ms: int = 1_000, forget_after_ms: int = 120_000) -> None:
         self.service = service
         self.peers = peers
         self.lease_ms = lease_ms
         self.min_usable_ms = min_usable_ms
+        self.forget_after_ms = forget_after_ms
         self.retry_s = retry_s
         self.granted = 0
         self.waiting = 0
@@ -281,8 +284,10 @@ class Reserver:
                 for tid in list(outbox.wanted):
                     t = coord.queues.tasks.get(tid)
                     req = t.requirements.remote if t is not None and t.requirements is not None else None
-                    if t is None or t.state != "QUEUED" or req is None:
-                        outbox.wanted.pop(tid, None)
+                    asked = outbox.wanted.get(tid)
+                    if (t is None or t.state != "QUEUED" or req is None or asked is None
+                            or coord.mono_ms() - asked > self.forget_after_ms):
+                        outbox.wanted.pop(tid, None)  # gone, or no receive wants it any more
                         continue
                     if outbox.requirement_fits(req, {}, t):
                         outbox.wanted.pop(tid, None)  # held already (a receive will take it)
