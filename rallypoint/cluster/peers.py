@@ -221,6 +221,9 @@ class OutboxSender:
                         if upto >= batch[0].seq:
                             await self.service.call(local, OutboxAck(shard=dest, seq=upto))
                             self.delivered += upto - batch[0].seq + 1
+                            if outbox.on_want is not None and any(
+                                    x.reason == "delivery_ended" and x.seq <= upto for x in batch):
+                                outbox.on_want()  # units went back there: a waiting reservation may fit now
                     except RallypointError as e:
                         failed = True
                         self.failures += 1
@@ -324,8 +327,10 @@ class Reserver:
                         again = True
                         self.limiter.log(logging.WARNING, "hold", "keeping the reservation of task %s failed (%s)",
                                          t.id, e.message)
-                if again:
-                    await trio.sleep(self.retry_s)
+                if again:  # again after retry_s, or sooner when this shard gave units back
+                    self._wake = trio.Event()
+                    with trio.move_on_after(self.retry_s):
+                        await self._wake.wait()
         finally:
             if outbox.on_want == self.poke:
                 outbox.on_want = None
