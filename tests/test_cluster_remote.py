@@ -337,6 +337,9 @@ async def test_a_task_of_another_shard_needing_pool_units_is_reserved_on_home_th
 async def test_a_second_task_waits_for_the_units_and_gets_them_when_the_first_delivery_ends(two):
     await jobs_on_both(two)
     await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    # no polling: the reserve that did not fit is asked again when this shard's outbox
+    # has given the units back (the first delivery's end)
+    two.reserver.retry_s = 3600
     r1 = await new_run(two)
     a = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(pools={"gpu": 1})),
                        p.TaskView)
