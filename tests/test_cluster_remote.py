@@ -450,3 +450,29 @@ async def test_a_task_no_receive_asks_for_any_more_is_not_reserved_again(two):
     # no receive asked for 0.3 s: the reserver forgets it (and asks the home shard nothing)
     await wait_for(lambda: t.id not in two.coord(1).outbox.wanted)
     assert two.reserver.waiting >= 1 and not two.coord(1).outbox.wanted
+
+
+async def test_retention_purges_an_ended_remote_run_and_its_reservations_and_a_late_request_is_refused(two):
+    await jobs_on_both(two)
+    await two.call(0, p.PoolEnsure(name="gpu", units_total=1))
+    await two.call(0, p.BudgetEnsure(name="spend", limit_minor=100))
+    home = two.coord(0)
+    home.retention.retain_ms = 0  # (the daemon keeps finished runs 7 days by default)
+    r1 = await new_run(two)
+    lease = await two.call(0, p.ClaimAcquire(scope_id=r1, key="k"), p.ClaimLeaseView)
+    await two.call(0, p.ClaimRelease(key="k", token=lease.token))
+    t = await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(
+        pools={"gpu": 1}, budgets={"spend": 10})), p.TaskView)
+    (d,) = (await two.call(1, p.Receive(mailbox="jobs", scope_id=r1, wait_ms=10_000), p.ReceiveView)).deliveries
+    await two.call(1, p.DeliveryComplete(task_id=t.id, token=d.token))
+    await wait_for(lambda: home.outbox.holds["adm:" + t.id].ended == "delivery_ended")
+    grant_id, res_id = d.grants[0].id, d.reservations[0]
+    await two.call(1, p.ScopeCancel(scope_id=r1))
+    await wait_for(lambda: r1 in home.runs.table and home.runs.table[r1].state == "CANCELLED")
+    home.retention.purge_due(home.now_ms() + 1)
+    assert r1 not in home.runs.table  # the remote run went, with what it held here
+    assert "adm:" + t.id not in home.outbox.holds
+    assert grant_id not in home.pools.grants and res_id not in home.budgets.reservations
+    with pytest.raises(ScopeCancelledError):  # linked again: its shard says it ended
+        await two.call(0, p.ClaimAcquire(scope_id=r1, key="k2"))
+    assert r1 not in home.runs.table

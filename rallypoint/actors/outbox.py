@@ -195,6 +195,7 @@ class Outbox(Kind):
         super().__init__(coord)
         self.inbox: dict[str, InboxState] = {}
         self.holds: dict[str, HoldState] = {}  # home shard: reservations for other shards' deliveries
+        self.holds_of: dict[str, list[str]] = {}  # home shard: remote run -> its holds (retention)
         self.reserved: dict[str, ReservedState] = {}  # run shard: reservations its tasks hold
         self.on_change = None
         #: run shard: ready tasks a receive could not deliver for want of a reservation,
@@ -371,6 +372,8 @@ class Outbox(Kind):
     @applies(AdmissionHeld)
     def _apply_held(self, r: AdmissionHeld) -> None:
         hid = f"adm:{r.task_id}"
+        if hid not in self.holds:
+            self.holds_of.setdefault(r.scope_id, []).append(hid)
         self.holds[hid] = HoldState(id=hid, task_id=r.task_id, token=r.token, space=r.space, scope_id=r.scope_id,
                                     shard=r.shard, grants=list(r.grants), reservations=list(r.reservations),
                                     expires_mono_ms=r.expires_mono_ms, at_ms=r.at_ms)
@@ -412,6 +415,37 @@ class Outbox(Kind):
             self.coord.touch(h.id)
         else:
             self._end_hold(h, "delivery_ended", r.outcome or "CANCELLED", r.at_ms)
+
+    def rebuild_indexes(self) -> None:
+        self.holds_of = {}
+        for h in self.holds.values():
+            self.holds_of.setdefault(h.scope_id, []).append(h.id)
+
+    def purge_run(self, run_id: str) -> int:
+        """Retention purges the (remote) run ``run_id``: the ended reservations its
+        tasks' deliveries held here go, with their grants and budget reservations (on
+        its own shard those go with each task; here with the run)."""
+        hids = self.holds_of.pop(run_id, None)
+        if not hids:
+            return 0
+        coord = self.coord
+        n = 0
+        keep = []
+        for hid in hids:
+            h = self.holds.get(hid)
+            if h is None:
+                continue
+            if h.ended is None:
+                keep.append(hid)  # (still held: cannot be, the run ended)
+                continue
+            for k in coord.task_linked_kinds:
+                n += k.purge_task_links(h.task_id)
+            del self.holds[hid]
+            coord.touch(hid)
+            n += 1
+        if keep:
+            self.holds_of[run_id] = keep
+        return n
 
     def rearm(self) -> None:
         for h in self.holds.values():

@@ -562,7 +562,9 @@ class Runs(Kind):
         completed, deadline): it ends here in this one step, as a run does -- what it
         owns reacts (waiters leave their lines), its actor's nursery is cancelled
         (its parked requests answer the run's code). Ending an ended one changes
-        nothing. Remote runs are kept (never purged: an id and a state each)."""
+        nothing. Retention purges an ended remote run, and what it owns here, as it
+        does a run (a later request naming it is linked again, and refused by its
+        shard: the run ended)."""
         s = self.table.get(run_id)
         if s is None:
             s = self.add_remote(run_id, space, shard, at_ms)
@@ -578,17 +580,17 @@ class Runs(Kind):
             s.ended_at_ms = at_ms
             s.end_reason = "ended on shard %d (%s)" % (shard, reason)
         self.coord.touch(run_id)
+        self.coord.retention.note(run_id, at_ms)
         self._inactivate_subtree(run_id, at_ms, reason if reason in ("deadline", "completed") else "cancelled")
 
     # ================================================================ retention
     def purge_run(self, run_id: str) -> int:
         """Remove the run itself (its subtree and what it owns are gone already). Its
         parent keeps its ``children`` count (the child_limit counts runs created)."""
-        s = self.table.get(run_id)
-        if s is None or s.remote_shard is not None:
+        s = self.table.pop(run_id, None)
+        if s is None:
             return 0
-        del self.table[run_id]
-        c = self.counts.get(s.space)
+        c = self.counts.get(s.space) if s.remote_shard is None else None  # (remote runs are not counted)
         if c is not None:
             c[s.state] -= 1
         if s.parent_id is not None:
