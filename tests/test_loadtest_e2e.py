@@ -75,3 +75,29 @@ def test_bench_never_writes_into_a_daemon_it_was_not_pointed_at(tmp_path):
         assert f"load-testing the daemon at {d.url}" in first and "rallypoint-bench" in first, p.stderr
     finally:
         assert d.stop() == 0
+
+
+def test_bench_runs_spreads_the_load_over_that_many_root_runs(tmp_path):
+    # --runs N: N unnamed root runs (a sharded cluster's router gives its shards in
+    # turn; scripts/bench_shards.py), producer and worker i on run i mod N; the report
+    # counts every lifecycle finished (lifecycles_all: what a daemon's whole CPU served)
+    import rallypoint.sync
+    from conftest import Daemon
+
+    d = Daemon(None, "memory").start()
+    try:
+        out = tmp_path / "out.json"
+        p = _run(["-m", "rallypoint", "bench", "--connect", d.url, "--runs", "2", "--duration", "1", "--warmup", "0",
+                  "--producers", "2", "--workers", "2", "--json", str(out)], 120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        rep = json.loads(out.read_text())
+        assert rep["config"]["runs"] == 2
+        assert rep["throughput"]["lifecycles_all"] >= rep["throughput"]["lifecycles"] > 0
+        with rallypoint.sync.connect(d.url) as rs:
+            roots = [s for s in rs.scopes.list() if s.parent_id is None]
+            assert len(roots) == 2 and all(s.name is None for s in roots)
+            for s in roots:  # both took tasks, and both were cancelled at the end
+                st = rs.scope(s.id).status()
+                assert sum(st.tasks.values()) > 0 and st.state == "CANCELLED", st
+    finally:
+        assert d.stop() == 0

@@ -93,6 +93,8 @@ def build_report(*, command: str, config: dict, finals: list[dict], duration: fl
             "ops_per_s": round(ops / duration, 1),
             "lifecycles": lifecycles,
             "lifecycles_per_s": round(lifecycles / duration, 1),
+            # every lifecycle finished, warm-up and drain included (what a daemon's whole CPU served)
+            "lifecycles_all": sum(f.get("progress", {}).get("lifecycles", 0) for f in finals),
             "rounds": rounds,
             "rounds_per_s": {k: round(v / duration, 2) for k, v in rounds.items()},
         },

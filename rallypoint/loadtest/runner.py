@@ -90,21 +90,28 @@ class SpawnedDaemon:
         return rc
 
 
-async def _setup(url: str, api_key: str | None = None) -> tuple[str, str]:
+async def _setup(url: str, api_key: str | None = None, runs: int = 1) -> tuple[list[str], str]:
+    """The bench's root runs (one named ``bench``; with ``runs`` > 1 that many unnamed
+    ones, which a sharded cluster's router gives its shards in turn) and the server's
+    durability."""
     import rallypoint
 
     async with rallypoint.connect(url, api_key=api_key, client_name="bench") as rs:
         info = await rs.status()
-        run = await rs.scopes.create(name="bench", child_limit=1_000_000)
+        if runs == 1:
+            ids = [(await rs.scopes.create(name="bench", child_limit=1_000_000)).id]
+        else:
+            ids = [(await rs.scopes.create(child_limit=1_000_000)).id for _ in range(runs)]
         await rs.mailboxes.ensure(MAILBOX, max_attempts=5)
-        return run.id, info.durability
+        return ids, info.durability
 
 
-async def _teardown(url: str, run_id: str, api_key: str | None = None) -> None:
+async def _teardown(url: str, run_ids: list[str], api_key: str | None = None) -> None:
     import rallypoint
 
     async with rallypoint.connect(url, api_key=api_key, client_name="bench") as rs:
-        await rs.scope(run_id).cancel(reason="bench finished")
+        for run_id in run_ids:
+            await rs.scope(run_id).cancel(reason="bench finished")
 
 
 class Progress:
@@ -186,7 +193,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         from ..errors import RallypointError
 
         try:
-            run_id, durability = trio.run(_setup, url, args.api_key)
+            run_ids, durability = trio.run(_setup, url, args.api_key, args.runs)
         except RallypointError as e:
             print(f"rallypoint bench: cannot set up on {url}: {e}", file=err)
             return 2
@@ -197,7 +204,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         go, stop = ctx.Event(), ctx.Event()
         start_value = ctx.Value("d", 0.0)
         base = {
-            "url": url, "api_key": args.api_key, "run_id": run_id, "mailbox": MAILBOX, "scenario": args.scenario,
+            "url": url, "api_key": args.api_key, "run_ids": run_ids, "mailbox": MAILBOX, "scenario": args.scenario,
             "warmup": args.warmup, "duration": args.duration, "rate": args.rate, "producers": args.producers,
             "workers": args.workers, "batch": args.batch, "pipeline": args.pipeline,
             "max_messages": args.max_messages, "worker_concurrency": args.worker_concurrency,
@@ -291,12 +298,12 @@ def run_bench(args, argv: list[str] | None = None) -> int:
             "batch": args.batch, "pipeline": args.pipeline, "max_messages": args.max_messages,
             "worker_concurrency": args.worker_concurrency, "group_size": args.group_size,
             "accept_n": args.accept_n, "barrier_n": args.barrier_n, "joinset_size": args.joinset_size,
-            "coalesce_ms": args.coalesce_ms, "daemon_pid": daemon.proc.pid if daemon else None,
+            "coalesce_ms": args.coalesce_ms, "daemon_pid": daemon.proc.pid if daemon else None, "runs": args.runs,
         }
         report = build_report(command=command, config=config, finals=list(finals.values()),
                               duration=float(args.duration), crashed=crashed)
         try:
-            trio.run(_teardown, url, run_id, args.api_key)
+            trio.run(_teardown, url, run_ids, args.api_key)
         except Exception as e:  # noqa: BLE001 - the report matters more
             print(f"rallypoint bench: could not cancel the bench run: {e}", file=err)
         print(format_table(report))
@@ -347,6 +354,10 @@ def add_arguments(b) -> None:
     b.add_argument("--barrier-n", type=int, default=8, help="barriers scenario: arrivals (default %(default)s)")
     b.add_argument("--joinset-size", type=int, default=8,
                    help="joinsets scenario: children per set (default %(default)s)")
+    b.add_argument("--runs", type=int, default=1,
+                   help="root runs to spread the load over (producer and worker i use run i mod N): 1, the run "
+                        "named 'bench'; more, unnamed runs a sharded cluster spreads over its shards "
+                        "(default %(default)s)")
     b.add_argument("--progress-every", type=float, default=5.0,
                    help="seconds between progress lines off a TTY (default %(default)s)")
     b.add_argument("--json", metavar="PATH", help="write the JSON report here")

@@ -419,7 +419,8 @@ async def _child(spec: dict, q, go, start_value, stop) -> None:
     ctx = Ctx(spec, q)
     key = (ctx.role, ctx.index)
     async with rallypoint.connect(spec["url"], api_key=spec.get("api_key"), client_name=f"bench-{ctx.role}{ctx.index}") as rs:
-        ctx.rs, ctx.run = rs, rs.scope(spec["run_id"])
+        runs = spec["run_ids"]
+        ctx.rs, ctx.run = rs, rs.scope(runs[ctx.index % len(runs)])
         q.put(("ready", key, None))
         await trio.to_thread.run_sync(go.wait)
         ctx.set_window(start_value.value)
