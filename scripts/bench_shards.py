@@ -6,17 +6,19 @@ one etcd member (shared by the whole run), ``rallypoint cluster init --slots 64
 --shards K`` under a cluster name of its own, K ``rallypoint serve --cluster --shard S``
 nodes (one node a shard, loopback, ``--durability`` interval by default), then
 ``rallypoint bench --scenario lifecycle --connect tcp://<every node> --runs K`` with
-``--producers`` and ``--workers`` per shard (so K times as many clients): K unnamed root
+``--producers`` and ``--workers`` per shard (so K times as many clients), open loop at
+``--rate-per-shard`` lifecycles/s times K (the same load on each daemon whatever K, so
+each batches alike; ``0``: closed loop, as fast as the clients go): K unnamed root
 runs, which the SDK's router gives the shards in turn, producer and worker i on run
 i mod K -- run-local work on every shard, nothing crossing shards but the queue's
 definition. Each daemon's CPU (utime + stime, ``/proc/<pid>/stat``) is read before and
 after the bench; CPU per lifecycle is the daemons' sum over every lifecycle the bench
 finished (warm-up and drain included: ``lifecycles_all``). Each node's idle CPU
-(before the load: etcd keepalives and watches) is measured for ``--idle`` seconds and
-reported, not subtracted.
+(before the load: etcd keepalives and watches) is measured for ``--idle`` seconds;
+``daemon_cpu_us_per_lifecycle_net`` takes that rate over the bench's wall time out.
 
-    python scripts/bench_shards.py --json /tmp/shards.json
-    python scripts/bench_shards.py --shards 1,2,3 --rounds 2 --duration 10 --json FILE
+    python scripts/bench_shards.py --json /tmp/shards.json       # open loop, 1000/s a shard
+    python scripts/bench_shards.py --rounds 3 --rate-per-shard 0 --json FILE   # closed loop
 
 The JSON: ``{"machine", "loadavg_before", "loadavg_after", "command", "config",
 "shards": {"1": {"lifecycles_per_s", "daemon_cpu_us_per_lifecycle", "rounds": [...]},
@@ -94,6 +96,8 @@ def one(etcd: EtcdCluster, root: str, k: int, rnd: int, a: argparse.Namespace) -
                "--producers", str(a.producers * k), "--workers", str(a.workers * k), "--batch", str(a.batch),
                "--pipeline", str(a.pipeline), "--worker-concurrency", str(a.worker_concurrency),
                "--max-messages", str(a.max_messages), "--progress-every", "1000", "--json", report_path]
+        if a.rate_per_shard:
+            cmd += ["--rate", str(a.rate_per_shard * k), "--coalesce-ms", str(a.coalesce_ms)]
         load0 = loadavg()
         t0 = time.monotonic()
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.warmup + a.duration + 300)
@@ -118,11 +122,18 @@ def one(etcd: EtcdCluster, root: str, k: int, rnd: int, a: argparse.Namespace) -
     return {
         "shards": k, "round": rnd,
         "lifecycles_per_s": th["lifecycles_per_s"],
+        "offered_per_s": a.rate_per_shard * k if a.rate_per_shard else None,
         "lifecycles_measured": th["lifecycles"], "lifecycles_all": total,
         "daemon_cpu_s": cpu, "daemon_cpu_s_total": round(sum(cpu), 3),
         "daemon_cpu_us_per_lifecycle": round(1e6 * sum(cpu) / total, 1) if total else None,
         "daemon_cpu_share_pct": [round(100 * x / sum(cpu), 1) for x in cpu] if sum(cpu) else None,
         "bench_wall_s": round(wall, 2), "idle_cpu_pct_per_node": idle_pct,
+        # the nodes' idle rate over the bench's wall time taken out: the work's own cost
+        "daemon_cpu_us_per_lifecycle_net": (round(1e6 * (sum(cpu) - sum(idle_pct) / 100 * wall) / total, 1)
+                                            if total else None),
+        "unfinished": rep.get("unfinished_lifecycles", 0),
+        # requests per lifecycle in the window: the batching (a request's cost is shared by its batch)
+        "requests_per_lifecycle": round(rep["throughput"]["ops"] / th["lifecycles"], 3) if th["lifecycles"] else None,
         "errors": rep["errors"]["total"], "loadavg_at_start": load0,
         "latency_ms_results_p50": rep["latency_ms"].get("results", {}).get("p50"),
     }
@@ -131,17 +142,24 @@ def one(etcd: EtcdCluster, root: str, k: int, rnd: int, a: argparse.Namespace) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", default="1,2,3", help="shard counts, side by side (default %(default)s)")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds over the counts (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over the counts (default %(default)s)")
     ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per bench (default %(default)s)")
-    ap.add_argument("--warmup", type=float, default=1.0, help="(default %(default)s)")
+    ap.add_argument("--warmup", type=float, default=3.0,
+                    help="seconds before measuring: connections, first receives (default %(default)s)")
     ap.add_argument("--producers", type=int, default=1, help="producer processes per shard (default %(default)s)")
     ap.add_argument("--workers", type=int, default=1, help="worker processes per shard (default %(default)s)")
+    ap.add_argument("--rate-per-shard", type=float, default=1000.0,
+                    help="open loop: lifecycles/s offered to each shard (the same load on every daemon whatever "
+                         "the count); 0: closed loop, as fast as the clients go (default %(default)s)")
+    ap.add_argument("--coalesce-ms", type=float, default=50.0,
+                    help="open loop: arrivals due within this many ms share one submit_many, so a batch holds "
+                         "about rate x this whatever the machine's load (default %(default)s)")
     ap.add_argument("--batch", type=int, default=64, help="(default %(default)s)")
     ap.add_argument("--pipeline", type=int, default=2, help="(default %(default)s)")
     ap.add_argument("--worker-concurrency", type=int, default=2, help="(default %(default)s)")
     ap.add_argument("--max-messages", type=int, default=32, help="(default %(default)s)")
     ap.add_argument("--durability", choices=["fsync", "interval"], default="interval", help="(default %(default)s)")
-    ap.add_argument("--idle", type=float, default=2.0, help="seconds of idle CPU read per node (default %(default)s)")
+    ap.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU read per node (default %(default)s)")
     ap.add_argument("--json", metavar="FILE", help="write the figures here")
     a = ap.parse_args()
     if shutil.which("etcd") is None:
@@ -160,9 +178,10 @@ def main() -> int:
                 r = one(etcd, root, k, rnd, a)
                 rows.append(r)
                 print(f"round {rnd} shards {k}: {r['lifecycles_per_s']:,.0f} lifecycles/s, daemon CPU "
-                      f"{r['daemon_cpu_us_per_lifecycle']} us/lifecycle ({r['daemon_cpu_s_total']} s over "
+                      f"{r['daemon_cpu_us_per_lifecycle']} us/lifecycle (net of idle "
+                      f"{r['daemon_cpu_us_per_lifecycle_net']}) ({r['daemon_cpu_s_total']} s over "
                       f"{r['lifecycles_all']:,} lifecycles; per node {r['daemon_cpu_s']} s, idle "
-                      f"{r['idle_cpu_pct_per_node']} %), errors {r['errors']}, load {r['loadavg_at_start']}",
+                      f"{r['idle_cpu_pct_per_node']} %), {r['requests_per_lifecycle']} requests/lifecycle, errors {r['errors']}, load {r['loadavg_at_start']}",
                       flush=True)
     finally:
         etcd.stop()
@@ -174,15 +193,19 @@ def main() -> int:
         per[str(k)] = {
             "lifecycles_per_s": statistics.median(r["lifecycles_per_s"] for r in rs),
             "daemon_cpu_us_per_lifecycle": statistics.median(r["daemon_cpu_us_per_lifecycle"] for r in rs),
+            "daemon_cpu_us_per_lifecycle_net": statistics.median(r["daemon_cpu_us_per_lifecycle_net"] for r in rs),
             "rounds": rs,
         }
     base = per[str(counts[0])]["daemon_cpu_us_per_lifecycle"]
     print(f"\nload average {load_before} before, {load_after} after ({os.cpu_count()} cores)")
-    print(f"{'shards':>6} {'lifecycles/s':>13} {'daemon CPU us/lifecycle':>24} {'vs ' + str(counts[0]):>8}")
+    net0 = per[str(counts[0])]["daemon_cpu_us_per_lifecycle_net"]
+    print(f"{'shards':>6} {'lifecycles/s':>13} {'daemon CPU us/lifecycle':>24} {'vs ' + str(counts[0]):>8} "
+          f"{'net of idle':>12} {'vs ' + str(counts[0]):>8}")
     for k in counts:
         v = per[str(k)]
         print(f"{k:>6} {v['lifecycles_per_s']:>13,.0f} {v['daemon_cpu_us_per_lifecycle']:>24.1f} "
-              f"{100 * (v['daemon_cpu_us_per_lifecycle'] / base - 1):>+7.1f}%")
+              f"{100 * (v['daemon_cpu_us_per_lifecycle'] / base - 1):>+7.1f}% "
+              f"{v['daemon_cpu_us_per_lifecycle_net']:>12.1f} {100 * (v['daemon_cpu_us_per_lifecycle_net'] / net0 - 1):>+7.1f}%")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": shlex.join([sys.executable, *sys.argv]), "machine": {"cores": os.cpu_count()},
