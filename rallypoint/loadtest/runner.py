@@ -186,7 +186,8 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         url = args.connect
         print(f"rallypoint bench: load-testing the daemon at {url} for {args.warmup + args.duration:g} s: "
               f"{args.producers} producers and {args.workers} workers write tasks (tens of thousands) into the "
-              f"mailbox {MAILBOX!r} under a run named 'bench', cancelled afterwards and left there; "
+              f"mailbox {MAILBOX!r} under " + ("a run named 'bench'" if args.runs == 1 else f"{args.runs} root runs")
+              + ", cancelled afterwards and left there; "
               "without --connect it benches a throwaway daemon instead", file=err, flush=True)
     procs: list[mp.Process] = []
     try:
