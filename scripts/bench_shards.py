@@ -137,7 +137,8 @@ def one(etcd: EtcdCluster, root: str, k: int, rnd: int, a: argparse.Namespace) -
         "requests_per_lifecycle": round(rep["throughput"]["ops"] / th["lifecycles"], 3) if th["lifecycles"] else None,
         "errors": rep["errors"]["total"], "error_samples": rep["errors"]["samples"][:2],
         "loadavg_at_start": load0,
-        "latency_ms_results_p50": rep["latency_ms"].get("results", {}).get("p50"),
+        "lifecycle_p50_ms": rep["latency_ms"].get("lifecycle", {}).get("p50_ms"),
+        "lifecycle_p99_ms": rep["latency_ms"].get("lifecycle", {}).get("p99_ms"),
     }
 
 
