@@ -53,7 +53,8 @@ CLUSTER_FILES = frozenset({
     "test_groups_api.py", "test_groups_decision.py", "test_joinsets.py", "test_joinset_ends.py",
     "test_joinset_steps.py", "test_barriers.py", "test_timers.py", "test_claims.py", "test_pools.py",
     "test_quotas.py", "test_budgets.py", "test_events.py", "test_messages.py", "test_admission.py",
-    "test_mailbox_requirements.py", "test_task_runs.py", "test_consume_outcomes.py",
+    "test_mailbox_requirements.py", "test_task_runs.py", "test_consume_outcomes.py", "test_watch_cursor.py",
+    "test_did_you_mean.py", "test_seed_errors.py",
 })
 #: Files of :data:`CLUSTER_FILES` whose every ``rs`` test needs what a sharded cluster
 #: does not do yet, and why (a single test says it with ``@pytest.mark.not_in_cluster``).

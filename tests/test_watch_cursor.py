@@ -50,6 +50,8 @@ async def _until(cond, timeout: float = 20) -> None:
             await trio.sleep(0.02)
 
 
+@pytest.mark.not_in_cluster("a whole space's watch has a cursor per shard (a vector string), not one number "
+                             "(the per-shard form: tests/test_shard_events_merge.py)")
 async def test_a_filtered_watch_is_told_how_far_the_server_scanned(rs):
     """Caught up on ``task.failed``, it sees no event while 120 unrelated ones happen,
     yet its cursor moves to the newest; every event it does see comes exactly once."""
