@@ -373,7 +373,7 @@ class Snapshotter:
                 keep_from = min(keep_from, hold)
             removed = journal.truncate_below(keep_from, unlink=False) or []
             if removed:
-                await trio.to_thread.run_sync(_unlink_all, removed)
+                await journal.remove_segments(removed)  # off the loop (the Disk's thread)
             self.last_lsn = lsn
             self.last_at = trio.current_time()
             self.snapshots += 1
@@ -496,14 +496,6 @@ async def _final_snapshot(snap: Snapshotter) -> None:
     except (lmdb.Error, OSError) as exc:
         log.warning("snapshot at shutdown failed (%s: %s); the journal holds every change, the next start "
                     "replays it", type(exc).__name__, exc)
-
-
-def _unlink_all(paths) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
 
 
 class _EventCut:

@@ -141,6 +141,7 @@ from .errors import (
     JournalCorruptError,
     JournalWriteError,
 )
+from . import buggify
 from .manifest import Manifest, read_manifest, try_write_manifest
 from .syncer import MAX_OUTSTANDING, SYNC_MODES, Syncer, SyncHelperGone
 
@@ -215,6 +216,14 @@ def list_segments(data_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return out
 
 
+def _unlink_all(paths: list[Path]) -> None:
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -246,8 +255,11 @@ class Disk:
 
     Called by the flusher on the event loop, except :meth:`fdatasync`, which the sync
     helper process carries out (``os.fdatasync``) -- or, when a subclass overrides
-    it, a worker thread calls the subclass's method. Errors are ``OSError`` as from
-    ``os``: ENOSPC/EDQUOT from
+    it, a worker thread calls the subclass's method. :meth:`start_syncer` (where the
+    fdatasyncs run) and :meth:`run_blocking` (what runs off the loop) are the seams
+    the deterministic simulator's disk (:class:`rallypoint.testing.disk.SimDisk`)
+    replaces, so that the production flusher runs under its seeds unchanged. Errors
+    are ``OSError`` as from ``os``: ENOSPC/EDQUOT from
     :meth:`write` or :meth:`open_segment` stall and retry; any error from
     :meth:`preallocate` only stops preallocating in that segment; anything else, and
     any error from :meth:`fdatasync` or :meth:`truncate`, is fail-stop.
@@ -274,6 +286,17 @@ class Disk:
         end = offset + size
         while offset < end:
             offset += os.pwrite(fd, zeros[: end - offset], offset)
+
+    async def start_syncer(self, kind: str) -> Syncer:
+        """Start the sync helper that makes this disk's files durable (see
+        :mod:`.syncer`): ``kind`` ``"process"`` or ``"thread"`` (whose thread calls
+        :meth:`fdatasync`). Raises OSError when a process cannot be started."""
+        return await Syncer.start(kind, self.fdatasync)
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the blocking file operation ``fn(*args)`` (a manifest write, segment
+        deletions) off the event loop, in a worker thread; returns its result."""
+        return await trio.to_thread.run_sync(fn, *args)
 
     def truncate(self, fd: int, size: int) -> None:
         """``os.ftruncate``: drop the file's bytes from ``size`` on."""
@@ -976,7 +999,8 @@ class Journal:
         (:meth:`poll_answers`): a step that ends sees an fsync that ended during it.
         (After the write, so that a sync asked for on an answer covers this step's
         records too.)"""
-        self._write_now()
+        if not buggify.fires("journal.write_now.skip"):  # else the flusher's round writes it
+            self._write_now()
         if self._outstanding:
             self.poll_answers()
 
@@ -1146,11 +1170,11 @@ class Journal:
         if type(self._disk).fdatasync is not Disk.fdatasync:
             kind = "thread"
         try:
-            self._syncer = await Syncer.start(kind, self._disk.fdatasync)
+            self._syncer = await self._disk.start_syncer(kind)
         except OSError as exc:
             log.warning("journal: cannot start the sync helper process (%s); fdatasync runs in a "
                         "thread of this process instead (slower under load)", exc)
-            self._syncer = await Syncer.start("thread", self._disk.fdatasync)
+            self._syncer = await self._disk.start_syncer("thread")
         if self._fd is not None:
             self._key = self._syncer.register(self._fd)
 
@@ -1206,7 +1230,9 @@ class Journal:
     def _want_sync(self) -> None:
         """Have everything written so far synced: a request now, or as soon as one of
         the :data:`~.syncer.MAX_OUTSTANDING` in flight is answered."""
-        if len(self._outstanding) < MAX_OUTSTANDING and self._key is not None:  # None: mid-roll
+        out = self._outstanding
+        if (len(out) < MAX_OUTSTANDING and self._key is not None  # None: mid-roll
+                and not (out and buggify.fires("journal.sync.defer"))):  # (asked again on an answer)
             self._sync_wanted = False
             self._request(self._key, self._written)  # type: ignore[arg-type]
         else:
@@ -1348,6 +1374,8 @@ class Journal:
                     self._wake = None
                 if self._error is not None:
                     return
+                if not self._stop and buggify.fires("journal.round.delay"):
+                    await trio.sleep(buggify.delay())  # (nothing taken yet: cancellable here)
                 chunks, upto = self._take()
                 stop = self._stop
                 force = self._force_sync
@@ -1557,7 +1585,7 @@ class Journal:
                                    f"failed: {exc}") from exc
             assert self.data_dir is not None
             # a small file written, fsynced and renamed: off the loop
-            await trio.to_thread.run_sync(try_write_manifest, self.data_dir, Manifest(active_segment=first_lsn))
+            await self._disk.run_blocking(try_write_manifest, self.data_dir, Manifest(active_segment=first_lsn))
 
     def _preallocate_ahead(self) -> None:
         """Flusher, after a write: when less than half of ``preallocate_bytes`` of
@@ -1575,6 +1603,8 @@ class Journal:
         if size <= 0:
             return
         try:
+            if buggify.fires("journal.preallocate.fail", 0.1):
+                raise OSError(errno.ENOSPC, "buggify: preallocation fails")
             self._disk.preallocate(self._fd, start, size)  # type: ignore[arg-type]
         except OSError as exc:
             self._prealloc_ok = False
@@ -1630,6 +1660,13 @@ class Journal:
             del firsts[:i]
         return deleted
 
+    async def remove_segments(self, paths: list[Path]) -> None:
+        """Delete the segment files :meth:`truncate_below` returned with
+        ``unlink=False``, off the event loop (:meth:`Disk.run_blocking`). A file
+        already gone is skipped. Raises OSError from the deletion."""
+        if paths:
+            await self._disk.run_blocking(_unlink_all, list(paths))
+
     async def aclose(self) -> None:
         """Write and fdatasync everything buffered (in every disk mode), stop the
         flusher and close the segment file; then record the clean end in
@@ -1672,7 +1709,7 @@ class Journal:
             self._wake_all()
             if (not already and self._error is None and self._abandoned is None
                     and self._synced_lsn == self._next_lsn - 1 and self.data_dir is not None):
-                await trio.to_thread.run_sync(
+                await self._disk.run_blocking(
                     try_write_manifest, self.data_dir,
                     Manifest(active_segment=self._file_first, clean_end_lsn=self._next_lsn - 1))
         if self._error is not None:

@@ -1,32 +1,42 @@
-"""The simulator's disk: a data dir (on tmpfs) whose journal writes, fsyncs and crashes
-are decided by one seeded random source.
+"""The simulator's disk: the storage device under the PRODUCTION journal, driven by one
+seeded random source.
 
 What is simulated and what is real:
 
-- :class:`SimJournal` IS the production :class:`~rallypoint.persistence.journal.Journal`
-  (append, framing, segment rolls, the durable/synced LSNs, waiters, truncation, close)
-  with only its flusher (a Trio task and the sync helper) replaced by a Trio task that
-  the seed drives: each
-  group-commit round writes its bytes in one to three pieces with a (virtual) latency
-  between them (a crash in between leaves a short write: a torn record), then waits a
-  seeded fsync latency, then "fsyncs". A chosen write or fsync fails with ``EIO``; the
-  journal then stops exactly as the real one does (fail-stop, ``JournalWriteError``).
-- The bytes go to real segment files with real ``os.write``; :class:`SimDisk` remembers
-  how much of each file was fsynced. A **crash** freezes the disk (nothing more is
-  written), then cuts the files: a *process* crash (``kill -9``) keeps every byte
-  written (the page cache survives), a *machine* crash keeps the fsynced prefix plus a
-  random part of what was only written, sometimes with its last bytes damaged or a run
-  of zeros appended (a torn tail). Recovery is then the real code:
+- The journal is the production :class:`~rallypoint.persistence.journal.Journal`,
+  flusher included (group commit, the batch-end write, preallocation, segment rolls,
+  disk-full handling, the sync requests and their answers). The simulator swaps only
+  its :class:`~rallypoint.persistence.journal.Disk` for :class:`SimDisk`, and with it
+  the sync helper (:meth:`SimDisk.start_syncer`: :class:`SimSyncer`, which answers on
+  the event loop after a seeded virtual latency instead of in a process or a thread)
+  and what runs off the loop (:meth:`SimDisk.run_blocking`: inline, after a seeded
+  latency). A thread or a process would make the virtual clock's progress depend on
+  real time.
+- The seed decides: short writes; a write or an fdatasync that fails with ``EIO``
+  (the journal then stops exactly as on real hardware: fail-stop,
+  ``JournalWriteError``); fsync latencies (some 10-100x slower); windows of a full
+  disk (free space below the journal's reserve, ``ENOSPC`` from writes,
+  preallocations, segment creations and the ballast, which a deletion of the ballast
+  eases); the journal's preallocation, reserve and ballast sizes; and the fault points
+  of the production code (:mod:`rallypoint.persistence.buggify`).
+- The bytes go to real segment files (on tmpfs) with real ``os.write``. The disk
+  remembers, per file, which prefix is durable (fsynced and not written over since)
+  and the durable size. A **crash** freezes the disk (nothing more reaches it; the
+  dead process's syncs are answered at once so its shutdown ends), then cuts the
+  files: a *process* crash (``kill -9``) keeps every byte written (the page cache
+  survives), a *machine* crash keeps the durable prefix plus a random part of what was
+  only written, sometimes with its last bytes damaged or a run of zeros appended (a
+  torn tail), and zeros up to the durable size (a preallocated tail whose records had
+  not reached the disk). Recovery is then the real code:
   :func:`rallypoint.node.open_node` -> ``recover`` -> ``scan_journal`` (which cuts the
   torn tail) -> snapshot load -> replay -> re-arm -> lease extension.
 - The LMDB snapshot store is the real one; its write runs on the event loop after a
   seeded latency (a crash during the latency leaves the previous snapshot, which is
-  what LMDB's atomic commit guarantees), instead of in a worker thread (a thread would
-  make the virtual clock's progress depend on real time).
+  what LMDB's atomic commit guarantees), instead of in a worker thread.
 
-The disk keeps the layout of every record (segment, offset) so that the simulator
-knows, independently of the recovery code, which LSN a crash must leave as the last
-one (:meth:`SimDisk.crash` returns it).
+The disk keeps the layout of every record (segment, offset; from the journal's tap)
+so that the simulator knows, independently of the recovery code, which LSN a crash
+must leave as the last one (:meth:`SimDisk.crash` returns it).
 """
 
 from __future__ import annotations
@@ -35,17 +45,21 @@ import errno
 import os
 import queue
 import random
+from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import trio
 
 from ..node import Storage
-from ..persistence.journal import HEADER_SIZE, Journal, list_segments, segment_name
-from ..persistence.manifest import Manifest, try_write_manifest
+from ..persistence.journal import HEADER_SIZE, Disk, Journal, list_segments
 
-__all__ = ["DiskFaults", "SimDisk", "SimJournal", "SimSnapshotStore", "SimStorage"]
+__all__ = ["DiskFaults", "SimDisk", "SimSyncer", "SimSnapshotStore", "SimStorage"]
+
+#: free bytes the simulated disk reports outside a full-disk window
+ROOMY = 1 << 30
 
 
 @dataclass
@@ -54,19 +68,31 @@ class DiskFaults:
 
     Latencies are virtual seconds (Trio's MockClock). ``fail_fsync_at`` /
     ``fail_write_at``: the index (0-based, counted over the whole schedule) of the
-    fsync / write that fails with EIO, or None."""
+    fdatasync / write that fails with EIO, or None. ``full``: windows ``(start, length)``
+    of virtual seconds in which the disk is full (``full_free`` bytes free, ENOSPC).
+    The journal's ``segment_bytes``, ``preallocate_bytes``, ``min_free_bytes`` and
+    ``ballast_bytes`` are drawn here too."""
 
     write_latency_s: float = 0.0005
     fsync_latency_s: float = 0.002
-    slow_fsync_p: float = 0.1  # an fsync takes 50-500x longer
-    split_write_p: float = 0.3  # a round's bytes are written in 2-3 pieces
+    slow_fsync_p: float = 0.1  # an fsync takes 10-100x longer
+    split_write_p: float = 0.3  # a write() writes only part of its bytes
     fail_fsync_at: int | None = None
     fail_write_at: int | None = None
     snapshot_latency_s: float = 0.003
+    segment_bytes: int = 4096
+    preallocate_bytes: int = 0
+    min_free_bytes: int = 0
+    ballast_bytes: int = 0
+    full: tuple[tuple[float, float], ...] = ()
+    full_free: int = 0
 
     @classmethod
-    def draw(cls, rng: random.Random, *, allow_fsync_failure: bool) -> "DiskFaults":
-        """A random disk for one schedule."""
+    def draw(cls, rng: random.Random, *, allow_fsync_failure: bool,
+             space: random.Random | None = None) -> "DiskFaults":
+        """A random disk for one schedule. ``space`` draws the journal's sizes and the
+        full-disk windows (a source of their own: a new knob there does not move the
+        schedule's other draws)."""
         f = cls(
             write_latency_s=rng.choice((0.0, 0.0002, 0.001, 0.005)),
             fsync_latency_s=rng.choice((0.0005, 0.002, 0.01, 0.05)),
@@ -78,7 +104,29 @@ class DiskFaults:
             f.fail_fsync_at = rng.randrange(1, 60)
         if rng.random() < 0.04:
             f.fail_write_at = rng.randrange(1, 60)
+        if space is not None:
+            f.segment_bytes = space.choice((4096, 4096, 16384))
+            f.preallocate_bytes = space.choice((0, 0, 1024, 4096, 65536))
+            f.min_free_bytes = space.choice((0, 16384))
+            f.ballast_bytes = space.choice((0, 0, 8192))
+            if space.random() < 0.12:
+                f.full = tuple(sorted((space.uniform(1.0, 60.0), space.choice((0.3, 2.0, 8.0)))
+                                      for _ in range(space.randint(1, 2))))
+                f.full_free = space.choice((0, f.min_free_bytes // 2))
         return f
+
+    def describe(self) -> str:
+        """The knobs that differ from a plain disk, for a profile's one-line summary."""
+        bits = [f"seg={self.segment_bytes}"]
+        if self.preallocate_bytes:
+            bits.append(f"prealloc={self.preallocate_bytes}")
+        if self.min_free_bytes:
+            bits.append(f"reserve={self.min_free_bytes}")
+        if self.ballast_bytes:
+            bits.append(f"ballast={self.ballast_bytes}")
+        if self.full:
+            bits.append("full@" + ",".join(f"{a:.1f}+{b}s" for a, b in self.full))
+        return " ".join(bits)
 
 
 @dataclass
@@ -89,27 +137,41 @@ class _Loc:
 
 
 @dataclass
-class SimDisk:
-    """The disk of one simulated data dir (for a whole schedule, across restarts).
+class _File:
+    """What a crash keeps of one file: ``clean``, the prefix that is durable (fsynced
+    and not written over since); ``size``, the durable file size; ``low``: while an
+    fdatasync runs, the lowest offset written since it started (None: none runs)."""
+
+    clean: int
+    size: int
+    low: int | None = None
+
+
+@dataclass
+class SimDisk(Disk):
+    """The disk of one simulated data dir (for a whole schedule, across restarts): a
+    :class:`~rallypoint.persistence.journal.Disk` the production journal runs on.
 
     Args:
         data_dir: the directory (on tmpfs).
         rng: the disk's own random source (derived from the seed).
-        faults: latencies and injected failures.
-        segment_bytes: journal segment size (small, so segments roll and get truncated).
+        faults: latencies, sizes and injected failures.
     """
 
     data_dir: str
     rng: random.Random
     faults: DiskFaults
-    segment_bytes: int = 4096
     crashed: bool = False
-    synced: dict[str, int] = field(default_factory=dict)
+    #: per file (inode number): its durable prefix and size
+    files: dict[int, _File] = field(default_factory=dict)
     layout: dict[int, _Loc] = field(default_factory=dict)
-    #: first LSNs of the segments a snapshot's truncation deleted
-    truncated: set[int] = field(default_factory=set)
+    #: first LSNs of every segment file ever created (one missing now was deleted by a
+    #: snapshot's truncation: it held only records the snapshot has)
+    created: set[int] = field(default_factory=set)
     n_writes: int = 0
     n_fsyncs: int = 0
+    #: bytes of space a deleted ballast gave back inside a full-disk window
+    credit: int = 0
     #: called with (lsn, payload) for every record appended (the simulator's mirror)
     on_append: Callable[[int, bytes], None] | None = None
     #: called with the new durable LSN whenever it advances (the simulator's shadow)
@@ -117,40 +179,153 @@ class SimDisk:
     #: called before every snapshot write with its LSN (a check: never after fail-stop)
     on_snapshot: Callable[[int], None] | None = None
     log: list[str] = field(default_factory=list)
+    #: set by :meth:`crash`: the disk's own waits (fsync, write latencies) end at once
+    #: (a dead process waits for nothing; the simulator does not move time to stop it)
+    stopped: trio.Event | None = None
 
-    # ----------------------------------------------------------------- syscalls
-    def write(self, fd: int, path: str, data) -> None:
-        """``os.write`` all of ``data`` (raises OSError(EIO) when this is the failing write)."""
+    async def pause(self, seconds: float) -> None:
+        """Wait ``seconds`` of virtual time, or less if the disk crashes meanwhile."""
+        if self.stopped is None:
+            self.stopped = trio.Event()
+        with trio.move_on_after(seconds):
+            await self.stopped.wait()
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.faults.segment_bytes
+
+    # ----------------------------------------------------------------- space
+    def full_now(self) -> bool:
+        """Inside one of the schedule's full-disk windows (virtual time)?"""
+        if not self.faults.full:
+            return False
+        now = trio.current_time()
+        return any(a <= now < a + b for a, b in self.faults.full)
+
+    def _room(self, n: int, *, partial: bool = False) -> int:
+        """How many of ``n`` bytes fit now (all outside a full window); raises
+        OSError(ENOSPC) when none do (or, without ``partial``, not all)."""
+        if not self.full_now():
+            self.credit = 0
+            return n
+        if self.credit >= n or (partial and self.credit > 0):
+            m = min(n, self.credit)
+            self.credit -= m
+            return m
+        raise OSError(errno.ENOSPC, "simulated disk full")
+
+    # ----------------------------------------------------------------- the Disk
+    def _state(self, fd: int) -> _File:
+        st = os.fstat(fd)
+        f = self.files.get(st.st_ino)
+        if f is None:
+            f = self.files[st.st_ino] = _File(0, 0)
+        return f
+
+    def _wrote(self, fd: int, offset: int) -> None:
+        f = self._state(fd)
+        if offset < f.clean:
+            f.clean = offset
+        if f.low is not None and offset < f.low:
+            f.low = offset
+
+    def write(self, fd: int, data) -> int:
+        """``os.write`` of all or (seeded) part of ``data``; EIO when this is the
+        failing write, ENOSPC in a full window (part of it with some credit left)."""
+        if self.crashed:
+            return len(data)  # the process is dead: nothing reaches the disk
         i = self.n_writes
         self.n_writes += 1
         if self.faults.fail_write_at is not None and i == self.faults.fail_write_at:
             self.log.append(f"write #{i} fails (EIO)")
             raise OSError(errno.EIO, "simulated write failure")
-        mv = memoryview(data)
-        n = 0
-        while n < len(mv):
-            n += os.write(fd, mv[n:])
+        n = self._room(len(data), partial=True)
+        if n > 1 and self.rng.random() < self.faults.split_write_p:
+            n = self.rng.randint(1, n - 1)  # a short write: the journal writes the rest
+        self._wrote(fd, os.lseek(fd, 0, os.SEEK_CUR))
+        return os.write(fd, memoryview(data)[:n])
 
-    def fdatasync(self, fd: int, path: str) -> None:
-        """Mark ``path`` synced up to its current size (raises OSError(EIO) when this is
-        the failing fsync: nothing is marked)."""
+    def fdatasync(self, fd: int) -> None:
+        """Mark the file durable as it is now (the simulated sync helper does the
+        same in two halves, :meth:`sync_begin` / :meth:`sync_end`)."""
+        if not self.crashed:
+            f = self._state(fd)
+            f.clean = f.size = os.fstat(fd).st_size
+
+    def open_segment(self, path: Path) -> int:
+        if self.crashed:
+            return os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        self._room(1)
+        fd = super().open_segment(path)
+        self.files[os.fstat(fd).st_ino] = _File(0, 0)
+        self.created.add(int(Path(path).name.split(".")[0]))
+        return fd
+
+    def preallocate(self, fd: int, offset: int, size: int) -> None:
+        if self.crashed:
+            return
+        self._room(size)
+        self._wrote(fd, offset)
+        super().preallocate(fd, offset, size)
+
+    def truncate(self, fd: int, size: int) -> None:
+        if self.crashed:
+            return
+        self._wrote(fd, size)
+        os.ftruncate(fd, size)
+
+    def free_bytes(self, path: Path) -> int:
+        if self.full_now():
+            return self.faults.full_free + self.credit
+        return ROOMY
+
+    def remove(self, path: Path) -> None:
+        size = os.stat(path).st_size
+        os.unlink(path)
+        if self.full_now():
+            self.credit += size
+
+    def allocate(self, path: Path, size: int) -> None:
+        self._room(size)
+        with open(path, "wb") as f:
+            f.truncate(size)
+
+    async def start_syncer(self, kind: str) -> "SimSyncer":
+        """A :class:`SimSyncer` (whatever ``kind``): answers on the event loop."""
+        syncer = SimSyncer(self)
+        trio.lowlevel.spawn_system_task(syncer._serve, name="sim-sync-helper")
+        return syncer
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the loop after a seeded latency; nothing once crashed."""
+        dt = self.write_latency()
+        if dt and not self.crashed:
+            await self.pause(dt)
+        if self.crashed:
+            await trio.lowlevel.checkpoint()
+            return None
+        return fn(*args)
+
+    # ----------------------------------------------------------------- fsync, in halves
+    def sync_begin(self, fd: int) -> tuple[_File, int]:
+        """An fdatasync starts: it will make durable what the file holds now."""
+        f = self._state(fd)
+        f.low = size = os.fstat(fd).st_size
+        return f, size
+
+    def sync_end(self, started: tuple[_File, int]) -> None:
+        """The fdatasync returns (raises OSError(EIO) when it is the failing one):
+        what it covered is durable, except what was written over meanwhile."""
         i = self.n_fsyncs
         self.n_fsyncs += 1
+        f, size = started
+        low = f.low if f.low is not None else size
+        f.low = None
         if self.faults.fail_fsync_at is not None and i == self.faults.fail_fsync_at:
             self.log.append(f"fsync #{i} fails (EIO)")
             raise OSError(errno.EIO, "simulated fsync failure")
-        self.synced[path] = os.fstat(fd).st_size
-
-    def pieces(self, n: int) -> list[int]:
-        """Split ``n`` bytes into the sizes of 1-3 write() calls."""
-        if n < 2 or self.rng.random() >= self.faults.split_write_p:
-            return [n]
-        cuts = sorted(self.rng.sample(range(1, n), min(n - 1, self.rng.randint(1, 2))))
-        out, prev = [], 0
-        for c in cuts + [n]:
-            out.append(c - prev)
-            prev = c
-        return out
+        f.clean = max(f.clean, min(size, low))
+        f.size = size
 
     def write_latency(self) -> float:
         return self.faults.write_latency_s * self.rng.random()
@@ -163,43 +338,63 @@ class SimDisk:
 
     # ----------------------------------------------------------------- incarnations
     def start_incarnation(self) -> None:
-        """A node is opening the data dir: every byte on disk now counts as synced
-        (it survived the crash, or recovery fsynced its cut)."""
+        """A node opened the data dir: every byte on disk now counts as durable (it
+        survived the crash, or recovery fsynced its cut)."""
         self.crashed = False
-        self.synced = {str(p): p.stat().st_size for _, p in list_segments(self.data_dir)}
+        self.stopped = None
+        self.credit = 0
+        self.files = {}
+        for first, p in list_segments(self.data_dir):
+            st = p.stat()
+            self.files[st.st_ino] = _File(st.st_size, st.st_size)
+            self.created.add(first)
 
     def forget_after(self, last_lsn: int) -> None:
         """Recovery kept records up to ``last_lsn``: later LSNs will be written anew."""
         for lsn in [k for k in self.layout if k > last_lsn]:
             del self.layout[lsn]
 
+    def note_append(self, journal: Journal, lsn: int, payload) -> None:
+        """The journal's tap: where record ``lsn`` lies (the production append has
+        just placed it at the end of its segment), and the simulator's mirror."""
+        end = journal._seg_bytes
+        self.layout[lsn] = _Loc(journal._segment_firsts[-1], end - len(payload) - HEADER_SIZE, end)
+        if self.on_append is not None:
+            self.on_append(lsn, bytes(payload))
+
     def crash(self, machine: bool) -> int:
         """Freeze the disk and cut the journal like a crash would. Returns the last LSN
         the cut leaves intact (every LSN up to it survives, none after it)."""
         self.crashed = True
+        if self.stopped is not None:
+            self.stopped.set()
         rng = self.rng
         damage: dict[int, int] = {}  # segment first LSN -> first damaged byte offset
         for first, path in list_segments(self.data_dir):
-            size = path.stat().st_size
-            synced = self.synced.get(str(path), size)
-            keep = size
+            st = path.stat()
+            size = st.st_size
+            f = self.files.get(st.st_ino)
+            clean = size if f is None else min(f.clean, size)
             bad = size
-            if machine and size > synced:
-                keep = synced + rng.randint(0, size - synced)
+            if machine and size > clean:
+                keep = clean + rng.randint(0, size - clean)
                 bad = keep
-                with open(path, "r+b") as f:
-                    f.truncate(keep)
-                    if keep > synced and rng.random() < 0.3:  # the last bytes kept are damaged
-                        n = rng.randint(1, min(64, keep - synced))
-                        f.seek(keep - n)
-                        old = f.read(n)
-                        f.seek(keep - n)
-                        f.write(bytes(b ^ rng.randint(1, 255) for b in old))
+                with open(path, "r+b") as fh:
+                    fh.truncate(keep)
+                    if keep > clean and rng.random() < 0.3:  # the last bytes kept are damaged
+                        n = rng.randint(1, min(64, keep - clean))
+                        fh.seek(keep - n)
+                        old = fh.read(n)
+                        fh.seek(keep - n)
+                        fh.write(bytes(b ^ rng.randint(1, 255) for b in old))
                         bad = keep - n
-                    if rng.random() < 0.2:  # a run of zeros past the end (delayed allocation)
-                        f.seek(0, 2)
-                        f.write(b"\0" * rng.randint(1, 200))
-                self.log.append(f"machine crash: {path.name} cut from {size} to {keep} bytes (synced {synced})")
+                    durable_size = f.size if f is not None else 0
+                    if durable_size > keep:  # the size was durable: zeros where the writes went
+                        fh.truncate(durable_size)
+                    elif rng.random() < 0.2:  # a run of zeros past the end (delayed allocation)
+                        fh.seek(0, 2)
+                        fh.write(b"\0" * rng.randint(1, 200))
+                self.log.append(f"machine crash: {path.name} cut from {size} to {keep} bytes (durable {clean})")
             damage[first] = bad
         # which LSNs survive: contiguous from the start; a segment deleted by a snapshot's
         # truncation held only records below the snapshot (they count as surviving); a
@@ -212,220 +407,114 @@ class SimDisk:
             if loc.seg_first in damage:
                 if loc.end > damage[loc.seg_first]:
                     break
-            elif loc.seg_first not in self.truncated:
+            elif loc.seg_first not in self.created:
                 break
             last = lsn
         return last
 
 
-class SimJournal(Journal):
-    """The production journal with a seeded Trio flusher instead of its own (see the
-    module docstring). Same constructor as :class:`Journal` plus ``disk``."""
+class SimSyncer:
+    """The sync helper of a :class:`SimDisk` (the interface of
+    :class:`~rallypoint.persistence.syncer.Syncer`), on the event loop: a task takes
+    the requests waiting, in order, and does them with one fdatasync per file that
+    takes a seeded virtual latency (what it makes durable is what the file held when
+    it started), then answers with the last request's id -- as the real helper does.
+    Once the disk crashed it answers at once and nothing is made durable."""
 
-    def __init__(self, data_dir, *, mode: str, next_lsn: int, interval_ms: float, disk: SimDisk) -> None:
-        # no free-space reserve, no ballast: the simulated disk never fills up (the
-        # free space of the host's tmpfs must not decide anything)
-        super().__init__(data_dir, mode=mode, next_lsn=next_lsn, interval_ms=interval_ms,
-                         segment_bytes=disk.segment_bytes, min_free_bytes=0, ballast_bytes=0,
-                         preallocate_bytes=0)  # the seeded flusher below writes appends only
-        self._sim = disk
-        self._sim_kick = trio.Event()
-        self._round: list[list] = []
-        self._active = str(self._jdir / segment_name(next_lsn)) if self._jdir is not None else ""
+    kind = "sim"
+    pid = None
 
-    def free_bytes(self) -> int | None:
-        """None: the simulated disk has no size (snapshots skip their space check)."""
-        return None
+    def __init__(self, disk: SimDisk) -> None:
+        self._disk = disk
+        self._next_id = 1
+        self._next_key = 1
+        self._fds: dict[int, int] = {}
+        self._queue: deque[tuple[int, int, bool, bool]] = deque()  # (rid, key, full, unregister)
+        self._answers: deque[tuple[int, int, float]] = deque()  # (rid, errno, seconds)
+        self._work = trio.Event()
+        self._readable = trio.Event()
+        self._scope = trio.CancelScope()
+        self._closed = False
 
-    # ----------------------------------------------------------------- append
-    def append(self, payload) -> int:
-        lsn = super().append(payload)
-        d = self._sim
-        if not self._memory:
-            end = self._seg_bytes
-            d.layout[lsn] = _Loc(self._segment_firsts[-1], end - len(payload) - HEADER_SIZE, end)
-        if d.on_append is not None:
-            d.on_append(lsn, bytes(payload))
-        self._sim_kick.set()
-        return lsn
+    def register(self, fd: int) -> int:
+        key = self._next_key
+        self._next_key += 1
+        self._fds[key] = os.dup(fd)
+        return key
 
-    def write_now(self) -> None:
-        """Nothing: the seeded flusher writes (in pieces, with latencies)."""
+    def unregister(self, key: int) -> None:
+        self._queue.append((0, key, False, True))
+        self._work.set()
 
-    def _on_progress(self, durable: int, synced: int) -> None:
-        if self._sim.crashed:
-            return
-        before = self._durable_lsn
-        super()._on_progress(durable, synced)
-        if self._durable_lsn > before and self._sim.on_durable is not None:
-            self._sim.on_durable(self._durable_lsn)
+    def request(self, key: int, *, full: bool = False) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        self._queue.append((rid, key, full, False))
+        self._work.set()
+        return rid
 
-    async def wait_synced(self, lsn: int | None = None) -> None:
-        self._sim_kick.set()  # the flusher sees _force_sync once this call blocks
-        await super().wait_synced(lsn)
+    async def next_answer(self) -> tuple[int, float]:
+        while not self._answers:
+            self._readable = trio.Event()
+            await self._readable.wait()
+        return self._pop()
 
-    def truncate_below(self, lsn: int, *, unlink: bool = True) -> list:
-        for path in super().truncate_below(lsn, unlink=True):  # tmpfs: unlinked here, no thread
-            self._sim.truncated.add(int(path.name.split(".")[0]))
-        return []
+    def poll_answer(self) -> tuple[int, float] | None:
+        return self._pop() if self._answers else None
 
-    # ----------------------------------------------------------------- the flusher
-    def _roll_file(self, first_lsn: int) -> None:
-        d = self._sim
-        d.fdatasync(self._fd, self._active)  # the old segment is complete before a newer exists
-        self._n_fsyncs += 1
-        os.close(self._fd)
-        self._fd = None
-        path = self._jdir / segment_name(first_lsn)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        self._active = str(path)
-        self._file_first = first_lsn
-        d.synced[self._active] = 0
-        # as the production roll: the manifest names the newest segment (durably)
-        try_write_manifest(self.data_dir, Manifest(active_segment=first_lsn))
+    def _pop(self) -> tuple[int, float]:
+        rid, err, seconds = self._answers.popleft()
+        if err:
+            raise OSError(err, os.strerror(err))
+        return rid, seconds
 
-    async def _write_round(self, chunks, *, latency: bool) -> None:
-        """Write a round's chunks, in seeded pieces with latencies between them. What is
-        not written yet stays in ``_round`` (a cancelled flusher finishes it, as the
-        production flusher finishes its round before it stops)."""
-        d = self._sim
-        self._round = [[seg_first, data, 0] for seg_first, data in chunks]
-        while self._round:
-            item = self._round[0]
-            seg_first, data, off = item
-            if seg_first is not None:
-                self._roll_file(seg_first)
-                item[0] = None
-            for n in (d.pieces(len(data) - off) if latency else [len(data) - off]):
-                if n <= 0:
-                    continue
-                if latency:
-                    dt = d.write_latency()
-                    if dt:
-                        await trio.sleep(dt)
-                    if d.crashed:
-                        return
-                d.write(self._fd, self._active, memoryview(data)[item[2]:item[2] + n])
-                item[2] += n
-                self._n_writes += 1
-                self._n_bytes += n
-            self._round.pop(0)
-
-    def _has_work(self) -> bool:
-        return bool(self._chunks) or bool(self._buf) or self._buf_seg is not None
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """The flusher (a Trio task, driven by the seed): the same rounds as the
-        production flusher -- take everything appended, write it, fsync (every round in
-        ``fsync`` mode; at most every ``interval_ms`` in ``interval`` mode), report
-        progress -- with seeded latencies and failures."""
-        if self._running:
-            raise RuntimeError("Journal.run() was already started")
-        if self._memory:
-            await super().run(task_status=task_status)
-            return
-        self._running = True
-        self._done = trio.Event()
-        task_status.started()
-        d = self._sim
-        written = synced = self._synced_lsn
-        next_sync_at: float | None = None
-        try:
+    async def _serve(self) -> None:
+        d = self._disk
+        with self._scope:
             while True:
-                while not (self._has_work() or self._stop or self._force_sync):
-                    if next_sync_at is not None and trio.current_time() >= next_sync_at:
-                        break
-                    self._sim_kick = trio.Event()
-                    with trio.move_on_at(next_sync_at if next_sync_at is not None else float("inf")):
-                        await self._sim_kick.wait()
-                if d.crashed:
-                    await trio.sleep_forever()
-                chunks, upto = self._take()
-                stop = self._stop
-                force = self._force_sync
-                self._force_sync = False
-                if chunks:
-                    await self._write_round(chunks, latency=not stop)
-                    if d.crashed:
-                        await trio.sleep_forever()
-                    written = upto
-                if written > synced:
-                    now = trio.current_time()
-                    if self._fsync_each or stop or force:
-                        do_sync = True
-                    else:
-                        if next_sync_at is None:
-                            next_sync_at = now + self.interval_s
-                        do_sync = now >= next_sync_at
-                    if do_sync:
-                        if not stop:
-                            await trio.sleep(d.fsync_latency())
-                            if d.crashed:
-                                await trio.sleep_forever()
-                        d.fdatasync(self._fd, self._active)
-                        self._n_fsyncs += 1
-                        synced = written
-                        next_sync_at = None
-                if chunks or force or synced == written:
-                    self._on_progress(written, synced)
-                if stop:
-                    break
-        except trio.Cancelled:
-            # like the production run(): cancelled, it writes and fsyncs what is buffered
-            # first (shielded), unless the process "died" (the disk is frozen)
-            self._closed = True
-            if not d.crashed and self._error is None:
-                with trio.CancelScope(shield=True):
-                    try:
-                        chunks, upto = self._take()
-                        await self._write_round([(a, b[c:]) for a, b, c in self._round] + chunks, latency=False)
-                        d.fdatasync(self._fd, self._active)
-                        self._n_fsyncs += 1
-                        self._on_progress(upto, upto)
-                    except OSError as exc:
-                        self._on_error(exc)
-            raise
-        except OSError as exc:  # fail-stop, as the production flusher reports it
-            self._on_error(exc)
-        finally:
-            self._running = False
-            self._done.set()
-            self._wake_all()
-            self._closed = True
-        if self._error is not None:
-            self._raise_failed()
+                while not self._queue:
+                    self._work = trio.Event()
+                    await self._work.wait()
+                batch = list(self._queue)
+                self._queue.clear()
+                last = 0
+                started = []
+                for rid, key, full, unreg in batch:
+                    if unreg:
+                        continue
+                    last = rid
+                    if not full and not d.crashed and key in self._fds and \
+                            all(k != key for k, _ in started):
+                        started.append((key, d.sync_begin(self._fds[key])))
+                err = 0
+                dt = 0.0
+                if last:
+                    if not d.crashed:
+                        dt = d.fsync_latency()
+                        await d.pause(dt)
+                    if not d.crashed:
+                        try:
+                            for _, s in started:
+                                d.sync_end(s)
+                        except OSError as exc:
+                            err = exc.errno or errno.EIO
+                    self._answers.append((last, err, dt))
+                    self._readable.set()
+                for rid, key, full, unreg in batch:
+                    if unreg:
+                        fd = self._fds.pop(key, None)
+                        if fd is not None:
+                            os.close(fd)
 
     async def aclose(self) -> None:
-        if self._memory:
-            await super().aclose()
-            return
+        """Stop the task and close the descriptors. Never raises; shielded (as
+        :meth:`Syncer.aclose <rallypoint.persistence.syncer.Syncer.aclose>`)."""
+        self._scope.cancel()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         with trio.CancelScope(shield=True):
-            self._closed = True
-            if self._running:
-                self._stop = True
-                self._sim_kick.set()
-                await self._done.wait()
-            elif self._fd is not None and self._error is None and not self._sim.crashed:
-                chunks, upto = self._take()
-                try:
-                    await self._write_round(chunks, latency=False)
-                    self._sim.fdatasync(self._fd, self._active)
-                except OSError as exc:
-                    self._on_error(exc)
-                else:
-                    self._on_progress(upto, upto)
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-            self._wake_all()
-            # as the production close: a clean end (everything synced) is recorded in the
-            # manifest, which makes a torn tail past it damage at the next start
-            if (not self._sim.crashed and self._error is None and self._abandoned is None
-                    and self._synced_lsn == self._next_lsn - 1 and self.data_dir is not None):
-                try_write_manifest(self.data_dir, Manifest(active_segment=self._file_first,
-                                                           clean_end_lsn=self._next_lsn - 1))
-        if self._error is not None:
-            self._raise_failed()
+            await trio.lowlevel.checkpoint()
 
 
 class SimSnapshotStore:
@@ -498,16 +587,30 @@ class SimStorage(Storage):
     def __init__(self, disk: SimDisk, hook: Callable | None = None) -> None:
         self.disk = disk
         self.hook = hook
-        self.journal: SimJournal | None = None
+        self.journal: Journal | None = None
         self.recovered_next_lsn = 0
 
-    def open_journal(self, recovered, mode: str, interval_ms: int, **options) -> SimJournal:
-        """A :class:`SimJournal` at the recovered ``next_lsn`` (``options``, the
-        free-space arguments, are ignored: the simulated disk never fills up)."""
+    def open_journal(self, recovered, mode: str, interval_ms: int, **options) -> Journal:
+        """The production :class:`Journal` at the recovered ``next_lsn`` on the
+        simulated disk, its sizes (segment, preallocation, free-space reserve,
+        ballast) from the seed (``options``, the daemon's, are ignored). Its tap
+        tells the disk where each record lies; its durable listener feeds the
+        simulator's shadow (until the disk crashed: a dead process tells nobody)."""
+        d = self.disk
+        f = d.faults
         self.recovered_next_lsn = recovered.next_lsn
-        self.journal = SimJournal(recovered.data_dir, mode=mode, next_lsn=recovered.next_lsn,
-                                  interval_ms=interval_ms, disk=self.disk)
-        return self.journal
+        j = self.journal = Journal(
+            recovered.data_dir, mode=mode, next_lsn=recovered.next_lsn, interval_ms=interval_ms,
+            segment_bytes=f.segment_bytes, min_free_bytes=f.min_free_bytes, ballast_bytes=f.ballast_bytes,
+            space_poll_s=1.0, preallocate_bytes=f.preallocate_bytes, disk=d, sync="thread", slow_sync_s=5.0)
+        j.set_tap(lambda lsn, crc, payload: d.note_append(j, lsn, payload))
+
+        def durable(lsn: int, err) -> None:
+            if err is None and not d.crashed and d.on_durable is not None:
+                d.on_durable(lsn)
+
+        j.add_durable_listener(durable)
+        return j
 
     def snapshot_store(self, store) -> SimSnapshotStore:
         return SimSnapshotStore(store, self.disk)
