@@ -182,13 +182,19 @@ class SimDisk(Disk):
     #: set by :meth:`crash`: the disk's own waits (fsync, write latencies) end at once
     #: (a dead process waits for nothing; the simulator does not move time to stop it)
     stopped: trio.Event | None = None
+    #: how many of the disk's waits are in progress (an fsync, a file write)
+    waiting: int = 0
 
     async def pause(self, seconds: float) -> None:
         """Wait ``seconds`` of virtual time, or less if the disk crashes meanwhile."""
         if self.stopped is None:
             self.stopped = trio.Event()
-        with trio.move_on_after(seconds):
-            await self.stopped.wait()
+        self.waiting += 1
+        try:
+            with trio.move_on_after(seconds):
+                await self.stopped.wait()
+        finally:
+            self.waiting -= 1
 
     @property
     def segment_bytes(self) -> int:
