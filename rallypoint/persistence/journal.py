@@ -1186,11 +1186,25 @@ class Journal:
     async def _serve(self) -> None:
         """The flusher and the task that reads the helper's answers, until the flusher
         returns (stop, or fail-stop)."""
+        # The answers are read under a shield of their own, lifted only when the
+        # flusher returns: a cancellation that finds the flusher in a shielded step
+        # (a roll waiting for its fsync) must not take away the task that tells it the
+        # fsync is done (it did: the flusher waited forever and the daemon's shutdown
+        # hung -- found by the simulator once it ran this flusher, seed 127).
+        answers_scope = trio.CancelScope(shield=True)
+
+        async def answers() -> None:
+            with answers_scope:
+                await self._answers()
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._answers)
+            nursery.start_soon(answers)
             nursery.start_soon(self._watch_syncs)
-            await self._flusher()
-            nursery.cancel_scope.cancel()
+            try:
+                await self._flusher()
+            finally:
+                answers_scope.cancel()
+                nursery.cancel_scope.cancel()
 
     def _request_stop(self) -> None:
         self._stop = True

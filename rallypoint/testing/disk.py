@@ -139,11 +139,13 @@ class _Loc:
 @dataclass
 class _File:
     """What a crash keeps of one file: ``clean``, the prefix that is durable (fsynced
-    and not written over since); ``size``, the durable file size; ``low``: while an
-    fdatasync runs, the lowest offset written since it started (None: none runs)."""
+    and not written over since); ``size``, the durable file size; ``data_end``: the end
+    of the records written (the file may be longer: preallocated zeros); ``low``: while
+    an fdatasync runs, the lowest offset written since it started (None: none runs)."""
 
     clean: int
     size: int
+    data_end: int = 0
     low: int | None = None
 
 
@@ -248,8 +250,13 @@ class SimDisk(Disk):
         n = self._room(len(data), partial=True)
         if n > 1 and self.rng.random() < self.faults.split_write_p:
             n = self.rng.randint(1, n - 1)  # a short write: the journal writes the rest
-        self._wrote(fd, os.lseek(fd, 0, os.SEEK_CUR))
-        return os.write(fd, memoryview(data)[:n])
+        off = os.lseek(fd, 0, os.SEEK_CUR)
+        self._wrote(fd, off)
+        n = os.write(fd, memoryview(data)[:n])
+        f = self._state(fd)
+        if off + n > f.data_end:
+            f.data_end = off + n
+        return n
 
     def fdatasync(self, fd: int) -> None:
         """Mark the file durable as it is now (the simulated sync helper does the
@@ -352,7 +359,7 @@ class SimDisk(Disk):
         self.files = {}
         for first, p in list_segments(self.data_dir):
             st = p.stat()
-            self.files[st.st_ino] = _File(st.st_size, st.st_size)
+            self.files[st.st_ino] = _File(st.st_size, st.st_size, st.st_size)
             self.created.add(first)
 
     def forget_after(self, last_lsn: int) -> None:
@@ -381,10 +388,10 @@ class SimDisk(Disk):
             size = st.st_size
             f = self.files.get(st.st_ino)
             clean = size if f is None else min(f.clean, size)
-            bad = size
+            bad = size if f is None else min(size, f.data_end)  # (past it: preallocated zeros)
             if machine and size > clean:
                 keep = clean + rng.randint(0, size - clean)
-                bad = keep
+                bad = min(bad, keep)
                 with open(path, "r+b") as fh:
                     fh.truncate(keep)
                     if keep > clean and rng.random() < 0.3:  # the last bytes kept are damaged
@@ -393,7 +400,7 @@ class SimDisk(Disk):
                         old = fh.read(n)
                         fh.seek(keep - n)
                         fh.write(bytes(b ^ rng.randint(1, 255) for b in old))
-                        bad = keep - n
+                        bad = min(bad, keep - n)
                     durable_size = f.size if f is not None else 0
                     if durable_size > keep:  # the size was durable: zeros where the writes went
                         fh.truncate(durable_size)
