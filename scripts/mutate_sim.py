@@ -246,6 +246,27 @@ MUTANTS = [
         "        if True:\n            return park.expire()  # mutant: the time-out answer\n        exc = InternalError(",
         "a wait whose run ended gets its time-out answer, not the run's code",
     ),
+    # The production journal flusher under the simulator (issue 28 item 4): the
+    # simulator swaps only its Disk, so the flusher's own bugs are in reach
+    Mutant(
+        "flusher-write-lost-after-batch-end", "rallypoint/persistence/journal.py",
+        "            self._backlog.append([None, data, n])  # the flusher continues where this stopped\n",
+        "            pass  # mutant: what the batch-end write did not write is lost\n",
+        "what a short (or failed) batch-end write left unwritten is dropped, and the LSNs after it are synced",
+    ),
+    Mutant(
+        "flusher-sync-answer-wrong-lsn", "rallypoint/persistence/journal.py",
+        "        while out and out[0][0] <= rid:",
+        "        while out and out[0][0] <= rid + 1:  # mutant",
+        "a sync answer is taken for the next request's LSN too (records durable before their fsync ran)",
+    ),
+    Mutant(
+        "found-roll-answers-cancelled", "rallypoint/persistence/journal.py",
+        "        answers_scope = trio.CancelScope(shield=True)",
+        "        answers_scope = trio.CancelScope(shield=False)  # mutant",
+        "found bug: a cancel while a segment roll waited for its fsync took away the task reading the answer "
+        "(the shutdown hung)",
+    ),
     # The bugs the simulator found, re-introduced (their fixes reverted)
     # (seed 2's bug -- a failed journal write reached the embedded client as
     # JournalWriteError, not UNAVAILABLE -- has no mutant any more: main made
