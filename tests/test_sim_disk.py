@@ -23,6 +23,7 @@ def _journal(d, disk: SimDisk, mode: str = "fsync", **kw) -> Journal:
                 ballast_bytes=f.ballast_bytes, **kw)
     j.set_tap(lambda lsn, crc, payload: disk.note_append(j, lsn, payload))
     disk.start_incarnation()
+    disk.note_segment(j._fd, 1)
     return j
 
 

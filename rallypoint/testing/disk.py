@@ -367,6 +367,13 @@ class SimDisk(Disk):
         for lsn in [k for k in self.layout if k > last_lsn]:
             del self.layout[lsn]
 
+    def note_segment(self, fd: int, first_lsn: int) -> None:
+        """A journal opened (or reused) segment ``first_lsn`` at open, outside the
+        Disk: what it holds now is durable (recovery made it so, or it is new)."""
+        size = os.fstat(fd).st_size
+        self.files[os.fstat(fd).st_ino] = _File(size, size, size)
+        self.created.add(first_lsn)
+
     def note_append(self, journal: Journal, lsn: int, payload) -> None:
         """The journal's tap: where record ``lsn`` lies (the production append has
         just placed it at the end of its segment), and the simulator's mirror."""
@@ -616,7 +623,16 @@ class SimStorage(Storage):
             recovered.data_dir, mode=mode, next_lsn=recovered.next_lsn, interval_ms=interval_ms,
             segment_bytes=f.segment_bytes, min_free_bytes=f.min_free_bytes, ballast_bytes=f.ballast_bytes,
             space_poll_s=1.0, preallocate_bytes=f.preallocate_bytes, disk=d, sync="thread", slow_sync_s=5.0)
-        j.set_tap(lambda lsn, crc, payload: d.note_append(j, lsn, payload))
+        d.note_segment(j._fd, recovered.next_lsn)  # the segment it appends to (made just now, or empty)
+
+        def note(lsn: int, crc: int, payload) -> None:
+            d.note_append(j, lsn, payload)
+
+        def set_tap(fn) -> None:  # (a journal has one tap: a replication leader's sees every record too)
+            Journal.set_tap(j, note if fn is None else (lambda lsn, crc, p: (note(lsn, crc, p), fn(lsn, crc, p))))
+
+        j.set_tap = set_tap  # type: ignore[method-assign]
+        set_tap(None)
 
         def durable(lsn: int, err) -> None:
             if err is None and not d.crashed and d.on_durable is not None:
