@@ -35,6 +35,8 @@ REGRESSION_SEEDS = {
     2294: "clean shutdown: an actor committed after the journal closed (JournalClosedError out of a SIGTERM)",
     3609: "a receive's deadline expired in the same round as the lease that re-queued its task: answered empty",
     3974: "a fail-stop inside a parked waiter's re-check was answered INTERNAL and the node went on",
+    127: "a cancel while a segment roll waited for its fsync took away the reader of the sync answers: the "
+         "shutdown hung (the production flusher under the simulator, issue 28 item 4)",
     # not a new bug: since the mailbox-defaults ops (mailbox.declare) no seed of 0-9,999
     # reaches 2294's (requests arriving as a clean stop begins: ~1 seed in 10,000-20,000);
     # this one does (the found-journal-closed-first mutant, pinned=)
