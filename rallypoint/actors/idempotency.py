@@ -41,7 +41,7 @@ from ..protocol import IdempotencyLookup, IdempotencyRecord, IdempotencyView
 from ..records import IdempotencyExpired, IdempotencyRecorded
 from .common import applies
 from .kind import Kind
-from .opmark import ALWAYS, ANY_KEY, SPACE, op
+from .opmark import ALWAYS, ANY_KEY, HERE, SPACE, op
 
 __all__ = ["IdempotencyState", "Idempotency", "DEFAULT_TTL_MS"]
 
@@ -111,7 +111,7 @@ class Idempotency(Kind):
             return None
         return e
 
-    @op(IdempotencyLookup, route=SPACE, permission=ANY_KEY, resend=ALWAYS)
+    @op(IdempotencyLookup, route=SPACE, permission=ANY_KEY, resend=ALWAYS, shard=HERE)
     def op_idempotency_lookup(self, actor, session, op: IdempotencyLookup) -> IdempotencyView:
         """The stored answer, or ``found`` False (also while only steps are stored: the
         request runs again, its stored steps answered from the store).
@@ -154,7 +154,7 @@ class Idempotency(Kind):
                                    fingerprint=fingerprint, status=0, body=answer, at_ms=now_ms,
                                    step=_step_name(step, op))
 
-    @op(IdempotencyRecord, route=SPACE, permission=ANY_KEY, resend=ALWAYS)
+    @op(IdempotencyRecord, route=SPACE, permission=ANY_KEY, resend=ALWAYS, shard=HERE)
     def op_idempotency_record(self, actor, session, op: IdempotencyRecord) -> IdempotencyView:
         """Store the answer (the first one wins: a later record answers the stored one),
         and forget up to 256 entries past the TTL in the same commit."""

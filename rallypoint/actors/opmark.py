@@ -43,7 +43,7 @@ import msgspec
 
 __all__ = [
     "op", "Route", "SPACE", "by_run", "run_or_space", "by", "by_op", "Resend", "ALWAYS", "NEVER", "keyed",
-    "resend_if", "Waits", "asked", "waits_if", "Shard", "HOME", "NEW_ROOT", "ALL", "in_slot", "in_slots", "named",
+    "resend_if", "Waits", "asked", "waits_if", "Shard", "HOME", "NEW_ROOT", "ALL", "HERE", "in_slot", "in_slots", "named",
     "shard_of_route", "OpDecl", "OpTable", "BoundOp", "build_table", "PERMISSIONS",
     "ANY_KEY", "R", "W", "C", "A",
 ]
@@ -237,12 +237,14 @@ class Shard:
       router splits it by shard, a node takes only its own;
     - ``"home"``: the space's home slot; ``"named"``: the slot ``op.<field>`` (a root
       run's name) hashes to; ``"new_root"``: any shard (the router spreads new root runs);
-      ``"all"``: every shard (the router merges the answers)."""
+      ``"all"``: every shard (the router merges the answers); ``"here"``: whichever shard
+      the request reaches (a store each shard keeps of its own: the HTTP layer's
+      idempotency answers, which live on the shard that applied the request)."""
 
     __slots__ = ("describe", "kind", "field", "if_none", "fields")
 
     def __init__(self, kind: str, field: str | None = None, if_none: str = "home") -> None:
-        if kind not in ("slot", "slots", "home", "named", "new_root", "all"):
+        if kind not in ("slot", "slots", "home", "named", "new_root", "all", "here"):
             raise ValueError(f"unknown shard kind {kind!r}")
         self.kind = kind
         self.field = field
@@ -260,6 +262,8 @@ HOME = Shard("home")
 NEW_ROOT = Shard("new_root")
 #: Every shard: the answers are merged (lists, status, events).
 ALL = Shard("all")
+#: The shard the request reaches: a per-shard store (the HTTP idempotency answers).
+HERE = Shard("here")
 
 
 def in_slot(field: str, if_none: str = "home") -> Shard:

@@ -20,12 +20,15 @@ from zlib import crc32
 from ..errors import WrongShardError
 from ..ids import MAX_SLOTS, is_id, slot_of
 
-__all__ = ["Sharding", "WrongShardError", "home_slot", "named_slot", "target", "item_slots", "NEW_ROOT", "EVERY"]
+__all__ = ["Sharding", "WrongShardError", "home_slot", "named_slot", "target", "item_slots", "NEW_ROOT", "EVERY", "HERE"]
 
 #: :func:`target` of an op that any shard may take (a new root run) and of one every
 #: shard answers its part of (lists, status, events).
 NEW_ROOT = -1
 EVERY = -2
+#: :func:`target` of an op about a store every shard keeps of its own (``"here"``: the
+#: HTTP idempotency answers): the shard the request reaches takes it.
+HERE = -3
 
 
 def home_slot(space: str, slots: int) -> int:
@@ -45,7 +48,7 @@ def _value_slot(v, space: str, slots: int) -> int:
 def target(shard, op, space: str, slots: int) -> int:
     """The slot ``op`` belongs to under its declaration ``shard`` (an
     :class:`~rallypoint.actors.opmark.Shard`, not of kind ``slots``), or
-    :data:`NEW_ROOT` / :data:`EVERY`. An id names its slot; a name (a queue's, a
+    :data:`NEW_ROOT` / :data:`EVERY` / :data:`HERE`. An id names its slot; a name (a queue's, a
     pool's...) is its space's home slot."""
     kind = shard.kind
     if kind == "slot":
@@ -70,6 +73,8 @@ def target(shard, op, space: str, slots: int) -> int:
         return NEW_ROOT
     if kind == "all":
         return EVERY
+    if kind == "here":
+        return HERE
     raise ValueError(f"target() of a {kind!r} shard: use item_slots()")
 
 
@@ -177,5 +182,5 @@ class Sharding:
         slot = target(shard, op, space, self.slots)
         if slot == NEW_ROOT:
             self.root_slot()
-        elif slot != EVERY:
+        elif slot not in (EVERY, HERE):
             self.check(slot, tag)

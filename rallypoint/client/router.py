@@ -195,7 +195,7 @@ class ShardedTransport:
     async def _route(self, op: Any) -> Any:
         if not self.sharded:
             return await self._transport(self._any_shard()).call(op)
-        from ..actors.sharding import EVERY, NEW_ROOT, item_slots, target
+        from ..actors.sharding import EVERY, HERE, NEW_ROOT, item_slots, target
 
         decl = _table().shards[type(op)]
         slots = len(self.map.owners)
@@ -211,6 +211,8 @@ class ShardedTransport:
             return await self._transport(shards[next(self._roots) % len(shards)]).call(op)
         if slot == EVERY:
             return await self._every(op)
+        if slot == HERE:  # a store of whichever shard takes it (the HTTP layer's)
+            return await self._transport(self._any_shard()).call(op)
         return await self._transport(self._shard_of_slot(slot)).call(op)
 
     async def _mailbox_ensure(self, op: p.MailboxEnsure) -> bytes:

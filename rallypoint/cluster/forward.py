@@ -70,6 +70,7 @@ class ClusterHttpApp:
         self.log_limiter.flush()
 
     async def aclose(self) -> None:
+        self._drop_router()
         await self._client.aclose()
 
     def _leading(self):
@@ -77,11 +78,33 @@ class ClusterHttpApp:
         node = m.node
         if m.role == "leader" and node is not None:
             if self._local_node is not node:
+                self._drop_router()
                 self._local = self.make_local(node)
                 self._local.listener = self.listener
                 self._local_node = node
+            sharding = node.coordinator.sharding
+            if sharding is not None and getattr(self._local, "router", None) is None:
+                # a sharded cluster: any node serves every shard's requests (routing inside)
+                from .httproute import HttpRouter
+
+                self._local.router = HttpRouter(m, sharding)
             return self._local
+        self._drop_router()
         return None
+
+    def _drop_router(self) -> None:
+        """Close the routing pool of a term that ended (its connections are system tasks)."""
+        router = getattr(self._local, "router", None)
+        if router is not None:
+            self._local.router = None
+
+            async def close():
+                try:
+                    await router.aclose()
+                except Exception:
+                    log.debug("closing an HTTP router failed", exc_info=True)
+
+            trio.lowlevel.spawn_system_task(close)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":

@@ -181,9 +181,11 @@ class Ctx:
     """One request: its session, path parameters, JSON body and query, and
     :meth:`call` to run operations through the service."""
 
-    __slots__ = ("api", "request", "session", "params", "body", "query", "long_poll", "idempotency", "steps")
+    __slots__ = ("api", "request", "session", "params", "body", "query", "long_poll", "idempotency", "steps",
+                 "calls", "secret", "routed")
 
-    def __init__(self, api: "HttpApi", request: Request, session: Session, params: dict, body: dict, query: dict):
+    def __init__(self, api: "HttpApi", request: Request, session: Session, params: dict, body: dict, query: dict,
+                 secret: str | None = None):
         self.api = api
         self.request = request
         self.session = session
@@ -194,23 +196,54 @@ class Ctx:
         #: (Idempotency-Key, fingerprint) of a keyed request; its operations are its steps
         self.idempotency: tuple[str, str] | None = None
         self.steps = 0
+        #: operations run so far (a sharded cluster forwards a request whose first one
+        #: is another shard's)
+        self.calls = 0
+        #: the bearer key's secret (None in open mode): a call routed to another shard
+        #: is made under it
+        self.secret = secret
+        #: forwarded here by another node of a sharded cluster (never forwarded again)
+        self.routed = False
 
     async def call(self, op: msgspec.Struct):
         """Run ``op`` as this request's session; the decoded reply Struct (raises the
         RallypointError it answered). A long poll (``wait_ms`` > 0) ends when the client
         disconnects. In a request with an Idempotency-Key, each call is the request's
         next step: its answer is stored with its effect and answered from the store when
-        the request is retried (``actors/idempotency.py``)."""
+        the request is retried (``actors/idempotency.py``).
+
+        On a sharded cluster (``api.router``) an op of another shard is routed
+        (:mod:`rallypoint.cluster.httproute`): the request's first op raises
+        :class:`~rallypoint.cluster.httproute.Elsewhere` (the whole request is
+        forwarded to its shard), a later one -- or one every shard answers -- is sent
+        over the native protocol under the caller's key."""
         api = self.api
         session = self.session
+        first = self.calls == 0
+        self.calls += 1
+        router = api.router
+        where = None
+        if router is not None:
+            where = router.decide(op, session.space, self.idempotency[0] if self.idempotency else None,
+                                  routed=self.routed)
+            if where[0] == "local":
+                where = None
+            elif where[0] == "shard" and first and not self.routed:
+                from ..cluster.httproute import Elsewhere
+
+                raise Elsewhere(where[1])
         if self.idempotency is not None:
             session = session.for_step(*self.idempotency, self.steps)
             self.steps += 1
         wait = getattr(op, "wait_ms", 0) or 0
-        if wait > 0:
-            raw = await api.until_disconnect(self.request, api.call_op(session, op))
+        if where is not None:
+            call = router.call(self.secret, session.space, op)
         else:
-            raw = await api.call_op(session, op)
+            call = api.call_op(session, op)
+        if wait > 0:
+            raw = await api.until_disconnect(self.request, call)
+        else:
+            raw = await call
         rtype = REPLY_TYPES.get(type(op))
         return msgspec.msgpack.decode(raw, type=rtype) if rtype is not None else None
 
@@ -261,6 +294,9 @@ class HttpApi:
         self.listener: Any = None
         #: repeated log events of the HTTP listener (disconnects, accept failures)
         self.log_limiter = RateLimitedLogger(log, window_s=10.0, burst=5)
+        #: a sharded cluster's :class:`~rallypoint.cluster.httproute.HttpRouter` (None:
+        #: every op is this node's)
+        self.router: Any = None
         self._inflight_keys: dict[tuple[str, str], trio.Event] = {}
 
     def flush_logs(self) -> None:
@@ -337,15 +373,29 @@ class HttpApi:
         space = unquote(parts[0], errors="strict")
         rest = tuple(parts[1:])
         handler, params = self._match(method, rest)
-        session = self._session(request, space)
+        session, secret = self._session(request, space)
         query = {k: v for k, v in parse_qsl(request.url.query, keep_blank_values=True)}
         body: dict = {}
+        data = b""
         if method != "GET":
             data = await _read_body(request)
             if data.strip():
                 body = decode_body(data)
-        ctx = Ctx(self, request, session, params, body, query)
-        key = request.headers.get("idempotency-key") if method != "GET" else None
+        ctx = Ctx(self, request, session, params, body, query, secret)
+        if self.router is not None:
+            from ..cluster.httproute import ROUTED_HEADER, Elsewhere
+
+            ctx.routed = request.headers.get(ROUTED_HEADER) is not None
+            try:
+                return await self._dispatch(ctx, handler, method, raw, data, rid)
+            except Elsewhere as e:  # the request's first op is another shard's: run it there
+                status, headers, content = await self.until_disconnect(
+                    request, self.router.forward(request, data, e.shard))
+                return Response(content, status_code=status, headers=dict(headers))
+        return await self._dispatch(ctx, handler, method, raw, data, rid)
+
+    async def _dispatch(self, ctx: Ctx, handler: Handler, method: str, raw: str, data: bytes, rid: str) -> Response:
+        key = ctx.request.headers.get("idempotency-key") if method != "GET" else None
         if key:
             return await self._idempotent(ctx, handler, key, method, raw, data, rid)
         return self._respond(await self._run(handler, ctx, rid), rid)
@@ -371,21 +421,22 @@ class HttpApi:
                                   code="VALIDATION_FAILED", details={"allowed": sorted(other)})
         raise_not_found(f"no endpoint {method} /{'/'.join(rest)}")
 
-    def _session(self, request: Request, space: str) -> Session:
+    def _session(self, request: Request, space: str) -> tuple[Session, str | None]:
+        """The request's session and its bearer secret (None in open mode)."""
         coord = self.coordinator
         auth = request.headers.get("authorization", "")
         secret = auth[7:].strip() if auth[:7].lower() == "bearer " else None
         peer = f"{request.client.host}:{request.client.port}" if request.client else ""
         client = request.headers.get("user-agent", "")  # the session's client name (Session.holder)
         if coord.keys.open_mode:
-            return Session(space=space, peer=peer, client=client)
+            return Session(space=space, peer=peer, client=client), None
         if not secret:
             raise UnauthenticatedError("this server requires an API key: send authorization: Bearer <key>")
         key = coord.keys.authenticate(secret)
         if key.space != space:
             raise_not_found(f"no space {space!r} for this key")
         return Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id,
-                       client=client)
+                       client=client), secret
 
     async def _run(self, handler: Handler, ctx: Ctx, rid: str):
         try:

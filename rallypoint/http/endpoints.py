@@ -851,8 +851,27 @@ async def list_events(ctx: Ctx):
     filter it. ``nextCursor`` continues after every event examined. 410 CURSOR_EXPIRED
     for a cursor older than what is kept."""
     q = ctx.query
+    if _merged(ctx, q):
+        from ..cluster.httproute import events_page
+
+        op = p.EventsList(limit=_limit(q), **_filters(q))
+        page = await events_page(ctx.api.router, ctx.secret, ctx.session.space, op, q.get("cursor") or None)
+        return _merged_json(page.events, page.next_cursor, page.oldest, page.newest)
     v = await ctx.call(p.EventsList(cursor=_cursor(q), limit=_limit(q), **_filters(q)))
     return sh.EVENT_PAGE.json(v)
+
+
+def _merged(ctx: Ctx, q: dict) -> bool:
+    """A space-wide event read of a sharded cluster: every shard's events, merged
+    (a read of one run's events goes to the run's shard as any op)."""
+    router = ctx.api.router
+    return router is not None and router.sharded and not q.get("scopeId")
+
+
+def _merged_json(events: list, next_cursor: str, oldest: str, newest: str) -> dict:
+    """A merged page (SDK Event values, vector cursors) as GET /events answers it."""
+    raws = [msgspec.Raw(p.encoder.encode(p.EventView(**msgspec.structs.asdict(e)))) for e in events]
+    return sh.EVENT_PAGE.json(p.EventPageView(events=raws, next_cursor=next_cursor, oldest=oldest, newest=newest))
 
 
 def watch_hold_ms(q: dict) -> int:
@@ -883,6 +902,13 @@ async def watch_events(ctx: Ctx):
     limit = _limit(q)
     flt = _filters(q)
     hold_ms = watch_hold_ms(q)
+    if _merged(ctx, q):
+        from ..cluster.httproute import events_watch
+
+        got = await ctx.api.until_disconnect(ctx.request, events_watch(
+            ctx.api.router, ctx.secret, ctx.session.space, p.EventsList(limit=limit, **flt), q.get("cursor") or None,
+            hold_ms / 1000))
+        return _merged_json(*got)
     v = await ctx.call(p.EventsList(cursor=_cursor(q), limit=limit, **flt))
     if v.events or hold_ms == 0 or v.next_cursor < v.newest:  # something, or more to scan: at once
         return sh.EVENT_PAGE.json(v)

