@@ -166,3 +166,92 @@ async def test_the_runstate_sdk_through_one_node_reaches_every_shard(etcd, tmp_p
             assert r["id"] in leader(members[s]).node.coordinator.runs.table
         assert apps[0]._local.router.forwarded > 0  # (node 0 sent the other shards' requests there)
         n.cancel_scope.cancel()
+
+
+async def test_keys_replay_where_applied_events_merge_and_errors_keep_their_codes(etcd, tmp_path, cluster_name):
+    import re
+
+    async with trio.open_nursery() as n:
+        members, secret, apps = await start_http_cluster(etcd, tmp_path, cluster_name, n)
+        base = base_of(members, 0)
+        h = {"authorization": f"Bearer {secret}"}
+        async with httpx.AsyncClient(timeout=60) as c:
+            # new runs with an Idempotency-Key: spread by key, a retry replays the stored answer
+            runs: list[str] = []
+            for i in range(9):
+                kh = {**h, "idempotency-key": f"create-{i}"}
+                first = await c.post(f"{base}/scopes", json={"name": f"r{i}"}, headers=kh)
+                again = await c.post(f"{base}/scopes", json={"name": f"r{i}"}, headers=kh)
+                assert first.status_code == again.status_code == 200, first.text
+                assert again.json() == first.json() and again.headers.get("idempotent-replayed") == "true"
+                runs.append(first.json()["id"])
+                # the answer is stored on the shard that applied it, and only there
+                owner = shard_of(members, first.json()["id"])
+                for s, ms in members.items():
+                    stored = leader(ms).node.coordinator.idempotency._live(SPACE, f"create-{i}")
+                    assert (stored is not None) == (s == owner), (i, s, owner)
+            assert {shard_of(members, r) for r in runs} == {0, 1, 2}
+            # a work queue (defined on every shard through its home), a keyed task on each run
+            q = await c.put(f"{base}/mailboxes/by-name/jobs", json={"mode": "WORK"}, headers=h)
+            assert q.status_code == 200, q.text
+            qid = q.json()["id"]
+            for i, r in enumerate(runs):
+                kh = {**h, "idempotency-key": f"task-{i}"}
+                body = {"scopeId": r, "mailboxId": qid, "taskKey": f"t{i}", "input": {"i": i}}
+                t1 = await c.post(f"{base}/tasks", json=body, headers=kh)
+                t2 = await c.post(f"{base}/tasks", json=body, headers=kh)
+                assert t1.status_code == 200 and t2.json() == t1.json(), t1.text
+                assert t2.headers.get("idempotent-replayed") == "true"
+            lst = await c.get(f"{base}/mailboxes", headers=h)
+            (jobs,) = [m for m in lst.json()["mailboxes"] if m["id"] == qid]
+            # space-wide events: every shard's, merged, with an opaque cursor naming each shard
+            page = (await c.get(f"{base}/events", params={"limit": 1000}, headers=h)).json()
+            ids = [e["eventId"] for e in page["events"]]
+            assert {i.split(":")[0] for i in ids} == {"0", "1", "2"} and len(set(ids)) == len(ids)
+            assert re.fullmatch(r"0:\d+,1:\d+,2:\d+", page["nextCursor"])
+            paged, cursor = [], None
+            while True:  # small pages resume exactly: every event once
+                params = {"limit": 7, **({"cursor": cursor} if cursor else {})}
+                pg = (await c.get(f"{base}/events", params=params, headers=h)).json()
+                paged += [e["eventId"] for e in pg["events"]]
+                if not pg["events"]:
+                    break
+                cursor = pg["nextCursor"]
+            assert sorted(paged) == sorted(ids)
+            # a merged event reads as the run's shard itself gives it (a run's page: its shard's)
+            one = (await c.get(f"{base}/events", params={"scopeId": runs[1], "limit": 1000}, headers=h)).json()
+            merged = {e["eventId"]: e for e in page["events"]}
+            assert one["events"] and all(merged[e["eventId"]] == e for e in one["events"])
+            # a watch from the end holds until any shard has an event: a run of shard 2 cancelled
+            victim = next(r for r in runs if shard_of(members, r) == 2)
+            got: dict = {}
+
+            async def watch():
+                w = await c.get(f"{base}/watch", params={"cursor": page["nextCursor"], "waitSeconds": 30,
+                                                         "types": "scope.cancelled"}, headers=h)
+                got.update(w.json())
+
+            async with trio.open_nursery() as wn:
+                wn.start_soon(watch)
+                cancel = await c.post(f"{base}/scopes/{victim}/cancel", json={}, headers=h)
+                assert cancel.status_code == 200, cancel.text
+            assert [e["eventId"].split(":")[0] for e in got["events"]] == ["2"], got
+            assert got["events"][0]["scopeId"] == victim
+            before = dict(x.split(":") for x in page["nextCursor"].split(","))
+            after = dict(x.split(":") for x in got["nextCursor"].split(","))
+            assert int(after["2"]) > int(before["2"])
+            # errors keep their HTTP codes, wherever the request went
+            from rallypoint.ids import IdGenerator
+
+            gen = IdGenerator()
+            owners = leader(members[0]).slotmap.owners
+            missing = gen.new("scp", slot=owners.index(1))  # a run of shard 1 that does not exist
+            r = await c.get(f"{base}/scopes/{missing}", headers=h)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"
+            r = await c.get(f"{base}/events", params={"cursor": "17"}, headers=h)  # not a cursor of this cluster
+            assert r.status_code == 410 and r.json()["error"]["code"] == "CURSOR_EXPIRED"
+            r = await c.get(f"{base}/scopes/{runs[1]}", headers={"authorization": "Bearer nope"})
+            assert r.status_code == 401
+            r = await c.post(f"{base}/tasks", json={"scopeId": victim, "mailboxId": qid, "taskKey": "late"}, headers=h)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "SCOPE_CANCELLED", r.text
+        n.cancel_scope.cancel()

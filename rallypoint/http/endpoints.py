@@ -19,6 +19,7 @@ server's (path-safe). Tokens are decimal strings.
 from __future__ import annotations
 
 import math
+from datetime import timezone
 from typing import Any
 
 import msgspec
@@ -868,9 +869,18 @@ def _merged(ctx: Ctx, q: dict) -> bool:
     return router is not None and router.sharded and not q.get("scopeId")
 
 
+def _iso(at) -> str:
+    """An SDK event's instant (an aware datetime) as the wire writes it
+    (``2026-01-31T12:00:00.000Z``)."""
+    if isinstance(at, str):
+        return at
+    return at.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
 def _merged_json(events: list, next_cursor: str, oldest: str, newest: str) -> dict:
     """A merged page (SDK Event values, vector cursors) as GET /events answers it."""
-    raws = [msgspec.Raw(p.encoder.encode(p.EventView(**msgspec.structs.asdict(e)))) for e in events]
+    raws = [msgspec.Raw(p.encoder.encode(p.EventView(**{**msgspec.structs.asdict(e), "at": _iso(e.at)})))
+            for e in events]
     return sh.EVENT_PAGE.json(p.EventPageView(events=raws, next_cursor=next_cursor, oldest=oldest, newest=newest))
 
 
