@@ -45,7 +45,7 @@ import msgspec
 import trio
 
 from .. import protocol as p
-from ..errors import RallypointError, UnavailableError
+from ..errors import RallypointError, UnavailableError, ValidationError
 
 log = logging.getLogger("rallypoint.cluster")
 
@@ -242,6 +242,12 @@ class HttpRouter:
         opened on first use; at most :data:`MAX_KEYS` keys are kept."""
         from ..client.router import ShardedTransport
 
+        if secret is None and space != "default":
+            # a native connection in open mode is space "default" (its handshake names none)
+            raise ValidationError(
+                f"in open mode this sharded cluster answers reads over every shard (lists, events, a work queue's "
+                f"definition) for space 'default' only, not {space!r}: create an API key of the space "
+                "(rallypoint keys create --cluster ...) and send it as the bearer", details={"space": space})
         k = (secret, space)
         st = self._pools.get(k)
         if st is not None:
