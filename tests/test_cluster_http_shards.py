@@ -40,11 +40,13 @@ SPACE = "compat"
 
 async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3):
     """``shards`` one-node shards, each node with its HTTP port (as ``serve --cluster
-    --http``), and one admin key of space ``compat`` in the cluster's key store:
-    ``(members, secret, apps)`` (``apps``: each shard's ClusterHttpApp)."""
+    --http``), an admin key and a read-only key of space ``compat`` in the cluster's key
+    store: ``(members, secrets, apps)`` (``secrets``: ``admin``/``reader`` -> secret;
+    ``apps``: each shard's ClusterHttpApp)."""
     async with EtcdClient(etcd.endpoints) as client:
         await init_cluster(client, cluster, slots=SLOTS, shards=shards)
         _rec, secret = await keystore.create_key(client, cluster, SPACE, ["admin"])
+        _rec, reader = await keystore.create_key(client, cluster, SPACE, ["coordination_read"])
     members: dict[int, list[ShardMember]] = {}
     apps: dict[int, ClusterHttpApp] = {}
     for s in range(shards):
@@ -66,12 +68,12 @@ async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3):
             if any(rec.info.http_address is None for rec in lead.leaders.values()):
                 return False
             keys = lead.node.coordinator.keys
-            if keys.open_mode or not keys.by_hash:
+            if keys.open_mode or len(keys.by_hash) < 2:
                 return False
         return True
 
     await wait_until(ready, what=lambda: {s: [(m.role, sorted(m.leaders)) for m in ms] for s, ms in members.items()})
-    return members, secret, apps
+    return members, {"admin": secret, "reader": reader}, apps
 
 
 def base_of(members, shard=0) -> str:
@@ -149,7 +151,8 @@ def cluster_name():
 async def test_the_runstate_sdk_through_one_node_reaches_every_shard(etcd, tmp_path, cluster_name):
     py = await trio.to_thread.run_sync(sdk_python, "0.3.0")
     async with trio.open_nursery() as n:
-        members, secret, apps = await start_http_cluster(etcd, tmp_path, cluster_name, n)
+        members, secrets, apps = await start_http_cluster(etcd, tmp_path, cluster_name, n)
+        secret = secrets["admin"]
         base = base_of(members, 0)
         names = names_on_every_shard(members)
         out = await run_sdk(py, base, secret, SDK03, {"RUN_NAMES": json.dumps(names)})
@@ -172,7 +175,8 @@ async def test_keys_replay_where_applied_events_merge_and_errors_keep_their_code
     import re
 
     async with trio.open_nursery() as n:
-        members, secret, apps = await start_http_cluster(etcd, tmp_path, cluster_name, n)
+        members, secrets, apps = await start_http_cluster(etcd, tmp_path, cluster_name, n)
+        secret = secrets["admin"]
         base = base_of(members, 0)
         h = {"authorization": f"Bearer {secret}"}
         async with httpx.AsyncClient(timeout=60) as c:
@@ -254,4 +258,13 @@ async def test_keys_replay_where_applied_events_merge_and_errors_keep_their_code
             assert r.status_code == 401
             r = await c.post(f"{base}/tasks", json={"scopeId": victim, "mailboxId": qid, "taskKey": "late"}, headers=h)
             assert r.status_code == 409 and r.json()["error"]["code"] == "SCOPE_CANCELLED", r.text
+            # the caller's identity reaches the owning shard: a read-only key reads everywhere, writes nowhere
+            rh = {"authorization": "Bearer " + secrets["reader"]}
+            far = next(r for r in runs if shard_of(members, r) != 0 and r != victim)
+            assert (await c.get(f"{base}/scopes/{far}", headers=rh)).status_code == 200
+            assert (await c.get(f"{base}/mailboxes", headers=rh)).status_code == 200  # fan-out under that key
+            r = await c.post(f"{base}/scopes/{far}/cancel", json={}, headers=rh)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "FORBIDDEN", r.text
+            r = await c.put(f"{base}/mailboxes/by-name/other", json={"mode": "WORK"}, headers=rh)
+            assert r.status_code == 403, r.text
         n.cancel_scope.cancel()
