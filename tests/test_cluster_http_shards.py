@@ -3,7 +3,8 @@
 does (ClusterHttpApp); the unchanged runstate SDK 0.3 is pointed at one node's port only.
 
 What each test shows: runs the SDK makes land on every shard and their tasks are queued,
-received and completed through that one port, status read, a run's events watched
+received and completed through that one port, the space's limit and budget (its home
+shard) used by runs of every shard, status read, a run's events watched
 (routing inside the node: the whole request forwarded to the owning shard, under the
 caller's key); idempotency keys still replay (the answer stored on the shard that applied
 the request); a space-wide /events and /watch merge every shard's events with an opaque
@@ -117,6 +118,15 @@ for name in json.loads(os.environ["RUN_NAMES"]):
         r2 = job.result(timeout="20s")
     finally:
         stop.set(); server.join(60)
+    # the space's limit and budget (its home shard) used by a run of any shard
+    rs.setup(limits={"search": {"max": 100, "per": "60s"}})
+    @rs.limit("search", max=100, per="60s")
+    def search(q):
+        return q.upper()
+    @rs.budget("spend", reserve=0.10, limit=100)
+    def ask(p):
+        return p
+    used = [search("a"), ask("b")]
     st = rs.status()
     # the run's events (GET /watch?scopeId=...: the run's shard)
     seen = []
@@ -125,7 +135,7 @@ for name in json.loads(os.environ["RUN_NAMES"]):
         if len(seen) >= 2:
             break
     out["runs"][name] = {"id": rs.run_id(), "results": [r1["n"], r2["n"]], "status": [st.run.name, st.run.state],
-                         "events": seen, "stopped": not server.is_alive()}
+                         "events": seen, "stopped": not server.is_alive(), "used": used}
 print(json.dumps(out))
 '''
 
@@ -163,6 +173,7 @@ async def test_the_runstate_sdk_through_one_node_reaches_every_shard(etcd, tmp_p
             assert r["status"] == [name, "running"], (name, r)
             assert r["events"] == ["task.completed", "task.completed"], (name, r)
             assert r["stopped"]
+            assert r["used"] == ["A", "b"], (name, r)
         # each run's tasks were applied on its own shard, and the node routed the others
         for name, r in runs.items():
             s = shard_of(members, r["id"])
