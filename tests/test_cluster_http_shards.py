@@ -8,7 +8,9 @@ shard) used by runs of every shard, status read, a run's events watched
 (routing inside the node: the whole request forwarded to the owning shard, under the
 caller's key); idempotency keys still replay (the answer stored on the shard that applied
 the request); a space-wide /events and /watch merge every shard's events with an opaque
-cursor; errors keep their HTTP codes."""
+cursor; errors keep their HTTP codes; a standby of one shard serves as well (it forwards to
+its leader, which routes), and another shard's failover is waited out (503, then its
+new leader answers every run it had)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ pytestmark = pytest.mark.timeout(600)
 SPACE = "compat"
 
 
-async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3):
+async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3, nodes=1):
     """``shards`` one-node shards, each node with its HTTP port (as ``serve --cluster
     --http``), an admin key and a read-only key of space ``compat`` in the cluster's key
     store: ``(members, secrets, apps)`` (``secrets``: ``admin``/``reader`` -> secret;
@@ -51,20 +53,26 @@ async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3):
     members: dict[int, list[ShardMember]] = {}
     apps: dict[int, ClusterHttpApp] = {}
     for s in range(shards):
-        cfg = MemberConfig(etcd=etcd.endpoints, node=f"h{s}", data_dir=str(tmp_path / f"h{s}"), cluster=cluster,
-                           shard=s, client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                           node_options={"sync_helper": "thread"})
-        m = ShardMember(cfg, make_server=lambda d: Server(d))
-        app = apps[s] = ClusterHttpApp(m, lambda node: HttpApi(node.service))
-        _api, urls = await nursery.start(functools.partial(serve_http, None, "127.0.0.1", 0, api=app))
-        cfg.http = ("127.0.0.1", int(urls[0].rsplit(":", 1)[1]))
-        await nursery.start(m.run)
-        members[s] = [m]
+        for i in range(nodes):
+            nm = f"h{s}{'abc'[i]}"
+            cfg = MemberConfig(etcd=etcd.endpoints, node=nm, data_dir=str(tmp_path / nm), cluster=cluster,
+                               shard=s, client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
+                               node_options={"sync_helper": "thread"})
+            m = ShardMember(cfg, make_server=lambda d: Server(d))
+            app = ClusterHttpApp(m, lambda node: HttpApi(node.service))
+            if i == 0:
+                apps[s] = app
+            _api, urls = await nursery.start(functools.partial(serve_http, None, "127.0.0.1", 0, api=app))
+            cfg.http = ("127.0.0.1", int(urls[0].rsplit(":", 1)[1]))
+            await nursery.start(m.run)
+            members.setdefault(s, []).append(m)
 
     def ready():
         for ms in members.values():
             lead = next((m for m in ms if m.role == "leader"), None)
             if lead is None or len(lead.leaders) != shards:
+                return False
+            if lead.replication is not None and len(lead.replication.isr_store.isr) != nodes:
                 return False
             if any(rec.info.http_address is None for rec in lead.leaders.values()):
                 return False
@@ -278,4 +286,40 @@ async def test_keys_replay_where_applied_events_merge_and_errors_keep_their_code
             assert r.status_code == 403 and r.json()["error"]["code"] == "FORBIDDEN", r.text
             r = await c.put(f"{base}/mailboxes/by-name/other", json={"mode": "WORK"}, headers=rh)
             assert r.status_code == 403, r.text
+        n.cancel_scope.cancel()
+
+
+async def test_through_a_standby_and_across_another_shards_failover(etcd, tmp_path, cluster_name):
+    async with trio.open_nursery() as n:
+        members, secrets, _apps = await start_http_cluster(etcd, tmp_path, cluster_name, n, nodes=2)
+        h = {"authorization": "Bearer " + secrets["admin"]}
+        standby = next(m for m in members[0] if m.role != "leader")
+        base = f"http://127.0.0.1:{standby.config.http[1]}/v1/spaces/{SPACE}"  # a standby of shard 0
+        async with httpx.AsyncClient(timeout=60) as c:
+            runs = []
+            for i in range(9):  # a standby forwards to its leader, which routes
+                r = await c.post(f"{base}/scopes", json={"name": f"f{i}"}, headers={**h, "idempotency-key": f"f{i}"})
+                assert r.status_code == 200, r.text
+                runs.append(r.json()["id"])
+            assert {shard_of(members, r) for r in runs} == {0, 1, 2}
+            victim = 1
+            on_victim = [r for r in runs if shard_of(members, r) == victim]
+            others = [r for r in runs if shard_of(members, r) != victim]
+            old = leader(members[victim])
+            old.stop()  # shard 1 hands over to its standby
+            await wait_until(lambda: any(m.role == "leader" and m is not old for m in members[victim]))
+
+            async def answered(run: str) -> bool:
+                r = await c.get(f"{base}/scopes/{run}", headers=h)
+                if r.status_code == 503:  # the routing node has not seen the new leader yet: the SDK retries
+                    return False
+                assert r.status_code == 200, r.text
+                return True
+
+            for run in on_victim:  # every run of shard 1 is there after its failover
+                with trio.fail_after(60):
+                    while not await answered(run):
+                        await trio.sleep(0.05)
+            for run in others:  # the other shards answer as before
+                assert (await c.get(f"{base}/scopes/{run}", headers=h)).status_code == 200
         n.cancel_scope.cancel()

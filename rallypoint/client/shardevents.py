@@ -341,6 +341,11 @@ class MergedWatch:
             else:
                 self._received(w, *r)
 
+    def ready(self) -> t.Event | None:
+        """The next event in merge order if one can be returned without waiting, else
+        None (nothing received, or a shard still catching up has nothing to compare)."""
+        return self._take()
+
     async def next(self) -> t.Event:
         """The next event in merge order (waiting for one). Raises StopAsyncIteration
         once closed, CURSOR_EXPIRED naming its shard, UnavailableError once a shard's

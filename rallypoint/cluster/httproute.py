@@ -363,7 +363,7 @@ async def events_watch(router: HttpRouter, secret: str | None, space: str, op: p
         with trio.move_on_after(hold_s):
             out.append(await w.next())
             while len(out) < op.limit:
-                e = w._take()
+                e = w.ready()
                 if e is None:
                     break
                 out.append(e)
