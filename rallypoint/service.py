@@ -252,8 +252,9 @@ class Service:
             return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space,
                                     shard=self.shard, epoch=self.epoch)
         key = self.coordinator.keys.authenticate(hello.api_key)
-        if key is None:  # open mode: the default space, every permission
-            session = Session(peer=peer, client=hello.client)
+        if key is None:  # open mode: the space the hello names (else "default"), every permission
+            space = hello.space if isinstance(hello.space, str) and hello.space else "default"
+            session = Session(space=space, peer=peer, client=hello.client)
         else:
             session = Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id,
                               client=hello.client)

@@ -9,7 +9,7 @@ answer to and a message naming the bad field.
 
 Connection lifecycle::
 
-    client: Hello(version, api_key, client)      server: HelloOk(version, server_version)
+    client: Hello(version, api_key, client, space?) server: HelloOk(version, server_version)
                                                   or Err(id=0, ...) and close
     client: Request(id, body) | Batch(reqs)      server: Ok(id, body) | Err(id, ...)
     client: Cancel(id)                            (the server ends that request's wait,
@@ -76,12 +76,16 @@ NESTING_MESSAGE = (
 )
 
 
-class Hello(msgspec.Struct, tag_field="t", tag="hello", forbid_unknown_fields=False):
-    """First frame from the client."""
+class Hello(msgspec.Struct, tag_field="t", tag="hello", forbid_unknown_fields=False, omit_defaults=True):
+    """First frame from the client. ``space``: the space an open-mode server gives the
+    connection (default ``default``); a key's own space wins whenever keys exist (a
+    sharded cluster's HTTP router opens its open-mode connections with the request's
+    space). Fields left at their defaults are not sent (an older server reads them so)."""
 
     version: int
     api_key: str | None = None
     client: str = ""
+    space: str | None = None
 
 
 class HelloOk(msgspec.Struct, tag_field="t", tag="hello_ok"):

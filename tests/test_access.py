@@ -100,6 +100,17 @@ async def test_admin_implies_every_permission():
     assert submit_now(service, session, p.ScopeCreate(name="by-admin")) is None  # queued, not refused
 
 
+async def test_a_hello_names_its_space_in_open_mode_only():
+    # (a sharded cluster's HTTP router opens open-mode connections in the request's space)
+    coord = Coordinator()
+    service = Service(coord)
+    session, ok = service.hello(Hello(PROTOCOL_VERSION, None, "", "dev"), "t")
+    assert session.space == ok.space == "dev" and session.permissions is None
+    _, secret = coord.keys.create_key("s1", ["admin"])
+    session, ok = service.hello(Hello(PROTOCOL_VERSION, secret, "", "dev"), "t")
+    assert session.space == ok.space == "s1"  # a key's own space wins
+
+
 async def test_open_mode_until_a_key_exists_then_keys_required():
     coord = Coordinator()
     service = Service(coord)

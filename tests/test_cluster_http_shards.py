@@ -41,15 +41,17 @@ pytestmark = pytest.mark.timeout(600)
 SPACE = "compat"
 
 
-async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3, nodes=1):
+async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3, nodes=1, keys=True):
     """``shards`` one-node shards, each node with its HTTP port (as ``serve --cluster
     --http``), an admin key and a read-only key of space ``compat`` in the cluster's key
-    store: ``(members, secrets, apps)`` (``secrets``: ``admin``/``reader`` -> secret;
+    store (none with ``keys=False``: open mode): ``(members, secrets, apps)`` (``secrets``: ``admin``/``reader`` -> secret;
     ``apps``: each shard's ClusterHttpApp)."""
     async with EtcdClient(etcd.endpoints) as client:
         await init_cluster(client, cluster, slots=SLOTS, shards=shards)
-        _rec, secret = await keystore.create_key(client, cluster, SPACE, ["admin"])
-        _rec, reader = await keystore.create_key(client, cluster, SPACE, ["coordination_read"])
+        secret = reader = None
+        if keys:
+            _rec, secret = await keystore.create_key(client, cluster, SPACE, ["admin"])
+            _rec, reader = await keystore.create_key(client, cluster, SPACE, ["coordination_read"])
     members: dict[int, list[ShardMember]] = {}
     apps: dict[int, ClusterHttpApp] = {}
     for s in range(shards):
@@ -76,8 +78,7 @@ async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3, nodes=1
                 return False
             if any(rec.info.http_address is None for rec in lead.leaders.values()):
                 return False
-            keys = lead.node.coordinator.keys
-            if keys.open_mode or len(keys.by_hash) < 2:
+            if keys and (lead.node.coordinator.keys.open_mode or len(lead.node.coordinator.keys.by_hash) < 2):
                 return False
         return True
 
@@ -322,4 +323,27 @@ async def test_through_a_standby_and_across_another_shards_failover(etcd, tmp_pa
                         await trio.sleep(0.05)
             for run in others:  # the other shards answer as before
                 assert (await c.get(f"{base}/scopes/{run}", headers=h)).status_code == 200
+        n.cancel_scope.cancel()
+
+
+async def test_open_mode_serves_any_space_over_every_shard(etcd, tmp_path, cluster_name):
+    # no key: the path's space is used, also on the native connections a fan-out takes
+    async with trio.open_nursery() as n:
+        members, _secrets, _apps = await start_http_cluster(etcd, tmp_path, cluster_name, n, keys=False)
+        base = f"http://127.0.0.1:{leader(members[0]).config.http[1]}/v1/spaces/dev"
+        async with httpx.AsyncClient(timeout=60) as c:
+            q = await c.put(f"{base}/mailboxes/by-name/jobs", json={"mode": "WORK"})
+            assert q.status_code == 200, q.text
+            runs = [(await c.post(f"{base}/scopes", json={"name": f"d{i}"})).json()["id"] for i in range(6)]
+            assert {shard_of(members, r) for r in runs} == {0, 1, 2}
+            for i, r in enumerate(runs):
+                t = await c.post(f"{base}/tasks", json={"scopeId": r, "mailboxId": q.json()["id"], "taskKey": f"t{i}"})
+                assert t.status_code == 200, t.text
+            (jobs,) = (await c.get(f"{base}/mailboxes")).json()["mailboxes"]
+            assert jobs["name"] == "jobs"
+            page = (await c.get(f"{base}/events", params={"limit": 1000})).json()
+            assert {e["eventId"].split(":")[0] for e in page["events"]} == {"0", "1", "2"}
+            # the space "default" saw none of it
+            assert (await c.get(f"http://127.0.0.1:{leader(members[0]).config.http[1]}/v1/spaces/default/mailboxes"
+                                )).json()["mailboxes"] == []
         n.cancel_scope.cancel()

@@ -45,7 +45,7 @@ import msgspec
 import trio
 
 from .. import protocol as p
-from ..errors import RallypointError, UnavailableError, ValidationError
+from ..errors import RallypointError, UnavailableError
 
 log = logging.getLogger("rallypoint.cluster")
 
@@ -124,14 +124,15 @@ class Elsewhere(Exception):
 
 
 class _ShardLink:
-    """One shard's leader under one API key: ``call`` / ``subscribe`` over a native
+    """One shard's leader under one API key (and space): ``call`` / ``subscribe`` over a native
     connection opened on first use and again when it closed or the leader moved. A
     connection lost mid-call answers UNAVAILABLE (the HTTP client retries; with an
     Idempotency-Key that is safe)."""
 
-    def __init__(self, router: "HttpRouter", secret: str | None, shard: int) -> None:
+    def __init__(self, router: "HttpRouter", secret: str | None, shard: int, space: str) -> None:
         self.router = router
         self.secret = secret
+        self.space = space
         self.shard = shard
         self.closed = False
         self._conn: Any = None
@@ -152,8 +153,9 @@ class _ShardLink:
             if c is not None:
                 self._conn = None
                 await c.aclose()
+            # (open mode: the hello names the request's space; with keys the key's wins)
             conn = await Connection.open(f"tcp://{address}", api_key=self.secret, client_name="rallypoint-http-route",
-                                         connect_timeout=2.0)
+                                         connect_timeout=2.0, space=self.space)
             ready = trio.Event()
             trio.lowlevel.spawn_system_task(_hold, conn, ready)
             await ready.wait()
@@ -242,12 +244,6 @@ class HttpRouter:
         opened on first use; at most :data:`MAX_KEYS` keys are kept."""
         from ..client.router import ShardedTransport
 
-        if secret is None and space != "default":
-            # a native connection in open mode is space "default" (its handshake names none)
-            raise ValidationError(
-                f"in open mode this sharded cluster answers reads over every shard (lists, events, a work queue's "
-                f"definition) for space 'default' only, not {space!r}: create an API key of the space "
-                "(rallypoint keys create --cluster ...) and send it as the bearer", details={"space": space})
         k = (secret, space)
         st = self._pools.get(k)
         if st is not None:
@@ -258,7 +254,7 @@ class HttpRouter:
             st = self._pools.get(k)
             if st is None:
                 async def open_shard(shard: int, _hint):
-                    return _ShardLink(self, secret, shard)
+                    return _ShardLink(self, secret, shard, space)
 
                 st = ShardedTransport([], _LocalMap(self.member), open_shard, space)
                 await st.start()

@@ -293,13 +293,15 @@ class Connection:
         connect_timeout: float = 10.0,
         tls_ca: str | None = None,
         ssl_context: Any = None,
+        space: str | None = None,
     ) -> "Connection":
         """Connect and handshake. Use the result as ``async with conn:`` (that runs its
         reader and writer tasks). Raises UnavailableError if the server cannot be
         reached in ``connect_timeout`` seconds (or a TLS handshake fails), or the
         server's error (e.g. UnauthenticatedError, ValidationError on a version
         mismatch) if it refuses. ``tls://`` URLs verify the server against
-        ``ssl_context``, else the CA file ``tls_ca``, else the system's CAs."""
+        ``ssl_context``, else the CA file ``tls_ca``, else the system's CAs. ``space``:
+        the space an open-mode server gives this connection (ignored once keys exist)."""
         host, port = parse_url(url)
         use_tls = url.startswith("tls://")
         if use_tls and ssl_context is None:
@@ -322,7 +324,7 @@ class Connection:
                     )
                 except Exception:
                     pass
-                hello = wire.Hello(wire.PROTOCOL_VERSION, api_key, client_name)
+                hello = wire.Hello(wire.PROTOCOL_VERSION, api_key, client_name, space)
                 await stream.send(encode_frame(_encode(hello)))
                 parser = FrameParser()
                 frames: list[memoryview] = []
