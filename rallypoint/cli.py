@@ -497,6 +497,8 @@ async def _serve_cluster(args) -> int:
 
             hhost, hport = _parse_listen(args.http)
             http_app = ClusterHttpApp(member, local_http)
+            if cluster_metrics is not None:
+                cluster_metrics.http_app = http_app
             _api, urls = await nursery.start(functools.partial(
                 serve_http, None, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
                 max_requests=args.max_connections, max_connections=args.max_connections,

@@ -316,6 +316,8 @@ class ClusterMetrics:
     def __init__(self, member) -> None:
         self.member = member
         self.leader_metrics: Metrics | None = None
+        #: the node's :class:`~rallypoint.cluster.forward.ClusterHttpApp` (``--http``), if any
+        self.http_app: Any = None
 
     def registry(self):
         from prometheus_client import CollectorRegistry
@@ -358,6 +360,16 @@ class ClusterMetrics:
             yield GaugeMetricFamily(p + "applied_lsn", "The last LSN this standby applied", value=float(sb.applied_lsn))
             yield CounterMetricFamily(p + "records_received", "Journal records this standby received",
                                       value=float(sb.records))
+        app = self.http_app
+        if app is not None:
+            c = CounterMetricFamily(p + "http_routed", "HTTP requests forwarded to another shard's leader, and "
+                                    "operations sent there natively, by this node (a sharded cluster)", labels=["how"])
+            r = app.routed()
+            c.add_metric(["forwarded"], float(r["forwarded"]))
+            c.add_metric(["native"], float(r["native"]))
+            yield c
+            yield CounterMetricFamily(p + "http_route_connections", "Native connections opened to other shards' "
+                                      "leaders for routed HTTP operations", value=float(r["connections"]))
         if self.leader_metrics is not None and m.role == "leader":
             yield from self.leader_metrics.collect()
 

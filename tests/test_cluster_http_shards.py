@@ -287,6 +287,18 @@ async def test_keys_replay_where_applied_events_merge_and_errors_keep_their_code
             assert r.status_code == 403 and r.json()["error"]["code"] == "FORBIDDEN", r.text
             r = await c.put(f"{base}/mailboxes/by-name/other", json={"mode": "WORK"}, headers=rh)
             assert r.status_code == 403, r.text
+        # what node 0 routed is on its /metrics
+        from prometheus_client import generate_latest
+
+        from rallypoint.metrics import ClusterMetrics
+
+        cm = ClusterMetrics(leader(members[0]))
+        cm.http_app = apps[0]
+        text = generate_latest(cm.registry()).decode()
+        got = {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^rallypoint_cluster_http_routed_total\{how="(\w+)"\} (\S+)$', text, re.M)}
+        assert got["forwarded"] == apps[0].routed()["forwarded"] > 0 and got["native"] > 0, text
+        assert re.search(r"^rallypoint_cluster_http_route_connections_total [1-9]", text, re.M), text
         n.cancel_scope.cancel()
 
 

@@ -58,6 +58,8 @@ class ClusterHttpApp:
         self.max_body = max_body
         self._local: Any = None
         self._local_node: Any = None
+        #: routing counts of the terms that ended (see :meth:`routed`)
+        self._routed_before = {"forwarded": 0, "native": 0, "connections": 0}
         self.forwarded = 0
         self.failed = 0
         self.metrics: Any = None
@@ -97,6 +99,8 @@ class ClusterHttpApp:
         router = getattr(self._local, "router", None)
         if router is not None:
             self._local.router = None
+            for k in self._routed_before:
+                self._routed_before[k] += getattr(router, k)
 
             async def close():
                 try:
@@ -105,6 +109,18 @@ class ClusterHttpApp:
                     log.debug("closing an HTTP router failed", exc_info=True)
 
             trio.lowlevel.spawn_system_task(close)
+
+    def routed(self) -> dict[str, int]:
+        """Since start, on a sharded cluster: HTTP requests this node forwarded to
+        another shard's leader (``forwarded``), operations it sent there over the native
+        protocol (``native``) and native connections it opened for that
+        (``connections``); :mod:`rallypoint.cluster.httproute`."""
+        out = dict(self._routed_before)
+        router = getattr(self._local, "router", None)
+        if router is not None:
+            for k in out:
+                out[k] += getattr(router, k)
+        return out
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
