@@ -327,6 +327,18 @@ class Service:
     async def call(self, session: Session, op: msgspec.Struct) -> bytes:
         """One request in-process (the embedded client, the offline CLI): the encoded
         reply once durable, or the RallypointError it answered."""
+        reply, lsn = await self.call_applied(session, op)
+        await self.wait_durable(lsn)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    async def call_applied(self, session: Session, op: msgspec.Struct) -> tuple[Any, int]:
+        """:meth:`call` without its wait for durability: ``(reply, lsn)``, the encoded
+        reply or the exception it answered (returned, not raised), and the LSN the
+        answer depends on. Nothing may be shown to anyone before :meth:`wait_durable`
+        of that LSN (or of a later one) returned: the HTTP layer runs the steps of a
+        keyed request so, and waits once, for its last commit (``http/app.py``)."""
         sink = CallSink()
         self.submit(session, encode_op(op), sink, 1)
         try:
@@ -334,11 +346,7 @@ class Service:
         except BaseException:
             sink.abandon()
             raise
-        await self.wait_durable(sink.lsn)
-        reply = sink.replies[1]
-        if isinstance(reply, BaseException):
-            raise reply
-        return reply
+        return sink.replies[1], sink.lsn
 
     async def subscribe(self, session: Session, op: msgspec.Struct, max_bytes: int = 1 << 20) -> StreamSink:
         """Open a subscription in-process (the embedded client's ``events.watch``):

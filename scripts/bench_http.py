@@ -11,6 +11,19 @@ alternate HTTP and TCP so the shared machine's load swings hit both alike.
     python3 scripts/bench_http.py --tasks 400 --concurrency 8 --rounds 3
 
 Prints one line per round and the medians (tasks/s, and p50 lifecycle latency in ms).
+
+``--endpoint``: the HTTP layer's cost per request instead (issue 33). One run starts a
+bare hypercorn (Trio worker) + starlette app whose ``POST /v1/spaces/{space}/scopes``
+reads the body and answers a fixed ``{}`` (nothing else), and a ``rallypoint serve
+--http`` daemon (plus one per ``--code DIR``: another checkout, for A/B in the same
+run); the same raw-socket HTTP/1.1 client (asyncio protocols, one process,
+``--connections`` keep-alive connections, one request in flight on each) drives each for
+``--seconds`` in turn, ``--rounds`` times, alternating. Prints requests/s, the server's
+CPU per request (from /proc: user+system of its process), each rallypoint server's rate
+as a share of the bare endpoint's in the same round, the medians and the load average.
+
+    python3 scripts/bench_http.py --endpoint --connections 16 --seconds 2 --rounds 15 \
+        [--durability fsync,memory] [--code /tmp/old]
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -97,13 +111,188 @@ trio.run(main)
 '''
 
 
+BARE_SERVER = r'''
+import socket, sys
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+async def scopes(request):
+    await request.body()
+    return Response(b"{}", media_type="application/json")
+app = Starlette(routes=[Route("/v1/spaces/{space}/scopes", scopes, methods=["POST"])])
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.1", 0))
+port = sock.getsockname()[1]
+sock.close()
+cfg = Config()
+cfg.bind = [f"127.0.0.1:{port}"]
+cfg.accesslog = None
+cfg.include_server_header = False
+print(f"HTTP http://127.0.0.1:{port}", flush=True)
+trio.run(serve, app, cfg)
+'''
+
+LOAD_CLIENT = r'''
+import asyncio, json, sys, time
+host, port, path, auth, conns, seconds = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), float(sys.argv[6])
+body = b"{}"
+req = (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\nauthorization: Bearer {auth}\r\n"
+       f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+count = [0]
+statuses = {}
+lat = []
+clock = time.perf_counter
+class Conn(asyncio.Protocol):
+    def connection_made(self, t):
+        self.t = t; self.buf = b""; self.t0 = clock(); t.write(req)
+    def data_received(self, data):
+        buf = self.buf + data
+        while True:
+            i = buf.find(b"\r\n\r\n")
+            if i < 0:
+                break
+            head = buf[:i].lower()
+            j = head.find(b"content-length:")
+            if j >= 0:
+                k = head.find(b"\r\n", j)
+                n = int(head[j + 15:k if k > 0 else len(head)])
+            else:
+                n = 0
+            if len(buf) < i + 4 + n:
+                break
+            st = head[9:12]
+            statuses[st] = statuses.get(st, 0) + 1
+            buf = buf[i + 4 + n:]
+            count[0] += 1
+            now = clock()
+            lat.append(now - self.t0)
+            self.t0 = now
+            self.t.write(req)
+        self.buf = buf
+async def main():
+    loop = asyncio.get_running_loop()
+    ts = [(await loop.create_connection(Conn, host, port))[0] for _ in range(conns)]
+    await asyncio.sleep(0.5)  # warm-up
+    c0 = count[0]; t0 = loop.time(); del lat[:]
+    await asyncio.sleep(seconds)
+    n = count[0] - c0; dt = loop.time() - t0
+    got = sorted(lat[:n])
+    for t in ts:
+        t.close()
+    print(json.dumps({"requests": n, "seconds": dt, "statuses": {k.decode(): v for k, v in statuses.items()},
+                      "p50_ms": got[len(got) // 2] * 1e3 if got else 0}))
+asyncio.run(main())
+'''
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def endpoint_main(args) -> None:
+    """The ``--endpoint`` comparison (see the module doc)."""
+    from urllib.parse import urlsplit
+    servers: list[tuple[str, Any, str, str, str]] = []  # (name, process, url, path, secret)
+    tmp = tempfile.mkdtemp(prefix="bench-http-")
+    daemons = []
+    try:
+        bare = subprocess.Popen([sys.executable, "-c", BARE_SERVER], stdout=subprocess.PIPE, text=True)
+        line = bare.stdout.readline()
+        if not line.startswith("HTTP "):
+            raise SystemExit("the bare server did not start")
+        servers.append(("bare", bare, line.split()[1], "/v1/spaces/bench/scopes", "x"))
+        trees = [("rallypoint", str(REPO))] + [(f"code:{Path(c).name or c}", os.path.abspath(c)) for c in args.code]
+        durabilities = args.durability.split(",")
+        for name, tree in trees:
+            for dur in durabilities:
+                full = name if len(durabilities) == 1 else f"{name}:{dur}"
+                d = HttpDaemon(os.path.join(tmp, full.replace(":", "_")), space="bench", durability=dur,
+                               env={"PYTHONPATH": tree}).start()
+                daemons.append(d)
+                servers.append((full, d.proc, d.base_url, "/v1/spaces/bench/scopes", d.secret))
+        print(f"load average before: {_load()}; {args.connections} connections, {args.seconds:g} s a turn, "
+              f"durability {args.durability}", flush=True)
+        rates: dict[str, list[float]] = {s[0]: [] for s in servers}
+        cpus: dict[str, list[float]] = {s[0]: [] for s in servers}
+        p50s: dict[str, list[float]] = {s[0]: [] for s in servers}
+        shares: dict[str, list[float]] = {s[0]: [] for s in servers[1:]}
+        for r in range(args.rounds):
+            order = servers if r % 2 == 0 else [servers[0]] + servers[1:][::-1]
+            got = {}
+            for name, proc, url, path, secret in order:
+                u = urlsplit(url)
+                c0 = _cpu_s(proc.pid)
+                out = subprocess.run([sys.executable, "-c", LOAD_CLIENT, u.hostname, str(u.port), path, secret,
+                                      str(args.connections), str(args.seconds)],
+                                     capture_output=True, text=True, timeout=args.seconds + 60)
+                c1 = _cpu_s(proc.pid)
+                if out.returncode != 0:
+                    raise SystemExit(f"client against {name} failed:\n{out.stderr[-3000:]}")
+                m = json.loads(out.stdout.strip().splitlines()[-1])
+                bad = {k: v for k, v in m["statuses"].items() if k != "200"}
+                if bad:
+                    raise SystemExit(f"{name} answered {bad}")
+                rate = m["requests"] / m["seconds"]
+                cpu_us = (c1 - c0) / max(1, m["requests"]) * 1e6  # includes the warm-up's CPU: an upper bound
+                rates[name].append(rate)
+                cpus[name].append(cpu_us)
+                p50s[name].append(m["p50_ms"])
+                got[name] = rate
+            line = f"round {r:2}: " + "  ".join(f"{n} {got[n]:5.0f}/s" for n, *_ in servers)
+            for n in shares:
+                shares[n].append(got[n] / got["bare"])
+                line += f"  {got[n] / got['bare'] * 100:3.0f}%"
+            print(line + f"  (load {_load()})", flush=True)
+        for n, *_ in servers:
+            tail = f"  = {statistics.median(shares[n]) * 100:5.1f}% of bare (median of the rounds' ratios)" \
+                if n in shares else ""
+            print(f"median {n:24} {statistics.median(rates[n]):7.0f} req/s  p50 {statistics.median(p50s[n]):6.1f} ms  "
+                  f"server CPU <= {statistics.median(cpus[n]):5.0f} us/req{tail}")
+        print(f"load average after: {_load()}")
+    finally:
+        for d in daemons:
+            d.stop()
+        for name, proc, *_ in servers:
+            if name == "bare":
+                proc.terminate()
+                proc.wait(10)
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--endpoint", action="store_true",
+                    help="POST /scopes against a bare hypercorn+starlette endpoint (see the module doc)")
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=2.0,
+                    help="--endpoint: measured seconds per turn (after 0.5 s of warm-up)")
+    ap.add_argument("--code", action="append", default=[],
+                    help="--endpoint: also a daemon importing rallypoint from this checkout (A/B)")
     ap.add_argument("--tasks", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"])
+    ap.add_argument("--durability", default="fsync",
+                    help="fsync | interval | memory (--endpoint: a comma-separated list, one daemon each)")
     args = ap.parse_args()
+    for dur in args.durability.split(","):
+        if dur not in ("fsync", "interval", "memory") or ("," in args.durability and not args.endpoint):
+            ap.error(f"--durability {args.durability!r}: fsync, interval or memory (a list only with --endpoint)")
+    if args.endpoint:
+        endpoint_main(args)
+        return
     py03 = sdk_python("0.3.0")
     with tempfile.TemporaryDirectory() as tmp:
         d = HttpDaemon(os.path.join(tmp, "data"), durability=args.durability).start()

@@ -288,9 +288,10 @@ KEEP_ALIVE_S = 75.0
 
 
 @contextlib.asynccontextmanager
-async def connection(rs):
+async def connection(rs, writes: list | None = None):
     """One :class:`_Connection` of a listener over ``rs``'s coordinator, on an in-memory
-    stream; yields the client's end (time is the test's MockClock)."""
+    stream; yields the client's end (time is the test's MockClock). ``writes``: gets
+    the bytes of each ``send_all`` the server makes."""
     from hypercorn.config import Config
 
     cfg = Config()
@@ -299,6 +300,14 @@ async def connection(rs):
     listener = HttpListener(HttpApi(rs.node.service), cfg, first_request_s=FIRST_S)
     client, server = trio.testing.memory_stream_pair()
     server.socket = _Sock()
+    if writes is not None:
+        send_all = server.send_all
+
+        async def recorded(data):
+            writes.append(bytes(data))
+            await send_all(data)
+
+        server.send_all = recorded
     async with trio.open_nursery() as nursery:
         conn = _Connection(listener.app, cfg, listener.context, {}, server, first_request_s=FIRST_S)
         nursery.start_soon(conn.run)
@@ -340,6 +349,63 @@ async def test_peer_eof_ends_the_connection_at_once(autojump_clock, ers, request
         await client.send_eof()
         assert await client.receive_some() == b""
         assert trio.current_time() - t1 < 0.5  # was: the 75 s keep-alive timer
+
+
+@pytest.mark.parametrize("path", ["/v1/spaces/default/scopes/sc_nope", "/v1/spaces/default/scopes"])
+async def test_an_answer_is_one_write(autojump_clock, ers, path):
+    """hypercorn sends a response's head, body and end separately; the connection sends
+    a fixed-length answer (an error, a JSON view) in one write, request after request."""
+    writes: list[bytes] = []
+    async with connection(ers, writes) as client:
+        for status in (404, 404) if path.endswith("nope") else (200, 200):
+            del writes[:]
+            if status == 200:
+                await client.send_all(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{{}}".encode())
+                buf = b""
+                while not buf.endswith(b"}"):
+                    buf += await client.receive_some()
+                got = int(buf.split()[1])
+            else:
+                got = await request(client, path)
+            assert got == status
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(writes) == 1, writes
+            head, body = writes[0].split(b"\r\n\r\n", 1)
+            assert head.startswith(b"HTTP/1.1 %d " % status) and body.startswith(b"{") and body.endswith(b"}")
+            assert b"content-length: %d" % len(body) in head.lower()
+
+
+async def test_a_head_without_content_length_goes_out_at_once_and_a_held_one_before_any_other_event():
+    """A streamed (chunked) head is not held; a fixed-length head waits for the next
+    bytes, or goes out alone before an event that is no bytes (the connection idle)."""
+    from hypercorn.config import Config
+    from hypercorn.events import RawData, Updated
+
+    sent: list[bytes] = []
+
+    class Stream:
+        async def send_all(self, data):
+            sent.append(bytes(data))
+
+    from hypercorn.trio.worker_context import WorkerContext
+
+    conn = _Connection(None, Config(), WorkerContext(None), {}, Stream(), first_request_s=FIRST_S)
+    chunked = b"HTTP/1.1 200 \r\ntransfer-encoding: chunked\r\n\r\n"
+    await conn.protocol_send(RawData(data=chunked))
+    assert sent == [chunked]
+    fixed = b"HTTP/1.1 200 \r\nContent-Length: 5\r\n\r\n"
+    await conn.protocol_send(RawData(data=fixed))
+    assert sent == [chunked]  # held
+    await conn.protocol_send(RawData(data=b"hello"))
+    assert sent == [chunked, fixed + b"hello"]
+    await conn.protocol_send(RawData(data=b""))  # the end of a content-length response: nothing to send
+    assert len(sent) == 2
+    await conn.protocol_send(RawData(data=fixed))
+    await conn.protocol_send(Updated(idle=False))
+    assert sent == [chunked, fixed + b"hello", fixed]
+    cont = b"HTTP/1.1 100 \r\ncontent-length: 0\r\n\r\n"  # informational: never held
+    await conn.protocol_send(RawData(data=cont))
+    assert sent[-1] == cont
 
 
 async def test_stop_closes_connections_that_sent_nothing_at_once():

@@ -21,6 +21,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 import rallypoint
 from rallypoint import protocol as p
@@ -286,3 +287,72 @@ async def test_twenty_kill_9_cycles_under_keyed_requests_apply_each_exactly_once
     res = await _kill_loop(tmp_path, 20, seed=20)
     _check(res)
     assert res["resent"] > 0, res
+
+
+async def _counting_api(rs):
+    """An HttpApi over ``rs`` whose service records the LSN of every durability wait."""
+    service = rs.node.service
+    waits: list[int] = []
+    inner = service.wait_durable
+
+    async def wait_durable(lsn):
+        waits.append(lsn)
+        await inner(lsn)
+
+    service.wait_durable = wait_durable
+    return HttpApi(service), waits
+
+
+async def test_a_keyed_request_waits_for_durability_once_for_its_last_commit(autojump_clock, ers):
+    """The lookup, the step and the final record were three waits for the journal
+    (three fsyncs in series under --durability fsync); now one, for the record's LSN,
+    which is past the step's commit. Unkeyed requests still wait per operation."""
+    api, waits = await _counting_api(ers)
+    journal = ers.node.coordinator.journal
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://rp/v1/spaces/default") as c:
+        r = await c.post("/scopes", json={"name": "once"}, headers={"idempotency-key": "k-once"})
+        assert r.status_code == 200, r.text
+        assert waits == [journal.last_lsn]  # one wait, for the newest commit: the final record
+        del waits[:]
+        again = await c.post("/scopes", json={"name": "once"}, headers={"idempotency-key": "k-once"})
+        assert again.json() == r.json() and again.headers["idempotent-replayed"] == "true"
+        assert len(waits) == 1  # a stored answer: the lookup's LSN, before it is replayed
+        del waits[:]
+        conflict = await c.post("/scopes", json={"name": "other"}, headers={"idempotency-key": "k-once"})
+        assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "IDEMPOTENCY_CONFLICT"
+        assert len(waits) == 1
+        del waits[:]
+        plain = await c.post("/scopes", json={"name": "unkeyed"})
+        assert plain.status_code == 200 and len(waits) == 1
+
+
+async def test_a_keyed_answer_that_is_not_stored_still_waits_before_it_is_sent(autojump_clock, ers):
+    """A 204 (nothing to admit) is not stored: the request waits for the LSN its
+    operations depended on instead of the record's, and nothing is sent before."""
+    api, waits = await _counting_api(ers)
+    service = ers.node.service
+    gate = trio.Event()
+    counted = service.wait_durable
+
+    async def held(lsn):
+        await gate.wait()
+        await counted(lsn)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://rp/v1/spaces/default") as c:
+        run = (await c.post("/scopes", json={"name": "gate"})).json()["id"]
+        mbx = (await c.put("/mailboxes/by-name/gate-jobs", json={})).json()["id"]
+        del waits[:]
+        service.wait_durable = held
+        answers: list = []
+
+        async def admit():
+            answers.append(await c.post("/tasks/admit", json={"scopeId": run, "mailboxId": mbx, "waitMs": 0},
+                                        headers={"idempotency-key": "k-admit"}))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(admit)
+            await trio.testing.wait_all_tasks_blocked()
+            assert answers == []  # held at the journal's wait, not sent
+            gate.set()
+        assert answers[0].status_code == 204
+        assert waits == [ers.node.coordinator.journal.last_lsn]

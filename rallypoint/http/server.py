@@ -18,6 +18,13 @@ with hostile peers (issue 34, item 9):
   gets ``first_request_s`` too (hypercorn's default: 60 s).
 - **At most** ``max_connections`` **connections** (``--max-connections``, as on TCP): one
   more is answered ``503`` UNAVAILABLE with ``Retry-After: 1`` and closed.
+- **An answer is one write.** hypercorn writes an HTTP/1.1 response's head, its body
+  and its end (an empty write, with ``content-length``) separately: three sends, two
+  system calls, and a client woken to find half an answer. :class:`_Connection` holds a
+  fixed-length response's head until the next bytes of the connection (its body, or
+  the empty end of a response without one) and sends them together; any other event
+  (the connection idle, closed) sends what is held first. A head without
+  ``content-length`` (chunked, a stream) and every HTTP/2 frame go out at once.
 - **Running out of descriptors stops nothing**: an ``accept`` that fails (EMFILE,
   ENFILE, ENOBUFS...) is retried after 100 ms and logged as one rate-limited WARNING
   (trio's ``serve_listeners`` logged an ERROR with a traceback every 100 ms); every
@@ -34,7 +41,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Updated
+from hypercorn.events import RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
@@ -63,8 +70,22 @@ class _Connection(TCPServer):
         self.first_request_s = first_request_s
         self.requested = False  # a request arrived: later idle periods are keep-alive
         self.peer_gone = False  # the reading ended: nothing more will come
+        self.held = b""  # a fixed-length HTTP/1.1 response head, sent with the next bytes
 
     async def protocol_send(self, event) -> None:
+        if type(event) is RawData:
+            data = event.data
+            if self.held:
+                data, self.held = self.held + data, b""
+            elif _fixed_length_head(data):
+                self.held = data
+                return
+            if data:
+                await super().protocol_send(RawData(data=data))
+            return
+        if self.held:  # idle, closed...: what is held goes first
+            data, self.held = self.held, b""
+            await super().protocol_send(RawData(data=data))
         if isinstance(event, Updated):
             if not event.idle:
                 self.requested = True
@@ -86,6 +107,15 @@ class _Connection(TCPServer):
             await self.context.terminated.wait()
         with trio.CancelScope(shield=True):
             await self._initiate_server_close()
+
+
+def _fixed_length_head(data: bytes) -> bool:
+    """Whether ``data`` is the head of a final (status >= 200) HTTP/1.1 response that
+    declares a ``content-length``: its body (or, for none, the end of the response)
+    follows at once."""
+    if not data.startswith(b"HTTP/1.1 ") or data[9:10] == b"1" or not data.endswith(b"\r\n\r\n"):
+        return False
+    return b"\r\ncontent-length:" in data.lower()
 
 
 class HttpListener:
