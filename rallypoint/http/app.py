@@ -25,7 +25,13 @@ module only maps HTTP onto operations and back:
   journaled (``idempotency.record``) before it is sent. Each operation of a keyed
   request runs as a *step* (``Session.for_step``): its answer is journaled in the same
   entry as its effect, and a retry is answered from it instead of running it again, so
-  a crash before the final answer never applies the request twice. Concurrent requests
+  a crash before the final answer never applies the request twice. A keyed request
+  waits for durability once, not per operation: the lookup and the steps go on as
+  soon as they are applied (``Service.call_applied``), and the request waits for the
+  final record (a later LSN than every step's) or, when nothing is stored, for the
+  last LSN its operations depended on, before anything is sent; a stored answer or an
+  error of the lookup waits for the lookup's LSN first. (The journal is one sequence:
+  one fsync instead of up to three.) Concurrent requests
   with one key wait for the first. Answers that may change on a retry (contention,
   UNAVAILABLE, "nothing yet" 204) are not stored.
 - **Long polls** (receive, admit, task result, once, watch): the wait is parked on the
@@ -34,11 +40,13 @@ module only maps HTTP onto operations and back:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
 import secrets
 import time
+from random import getrandbits
 from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl, unquote
 
@@ -182,7 +190,7 @@ class Ctx:
     :meth:`call` to run operations through the service."""
 
     __slots__ = ("api", "request", "session", "params", "body", "query", "long_poll", "idempotency", "steps",
-                 "calls", "secret", "routed")
+                 "calls", "secret", "routed", "lsn")
 
     def __init__(self, api: "HttpApi", request: Request, session: Session, params: dict, body: dict, query: dict,
                  secret: str | None = None):
@@ -196,6 +204,9 @@ class Ctx:
         #: (Idempotency-Key, fingerprint) of a keyed request; its operations are its steps
         self.idempotency: tuple[str, str] | None = None
         self.steps = 0
+        #: a keyed request: the newest LSN an answer of its local operations depended on
+        #: (not waited for yet: the request waits once, before it answers)
+        self.lsn = 0
         #: operations run so far (a sharded cluster forwards a request whose first one
         #: is another shard's)
         self.calls = 0
@@ -236,14 +247,23 @@ class Ctx:
             session = session.for_step(*self.idempotency, self.steps)
             self.steps += 1
         wait = getattr(op, "wait_ms", 0) or 0
-        if where is not None:
-            call = router.call(self.secret, session.space, op)
+        if where is None and self.idempotency is not None:  # a local step: applied now, durable before the answer
+            call = api.call_op_applied(session, op)
+            reply, lsn = await (api.until_disconnect(self.request, call) if wait > 0 else call)
+            if lsn > self.lsn:
+                self.lsn = lsn
+            if isinstance(reply, BaseException):
+                raise reply
+            raw = reply
         else:
-            call = api.call_op(session, op)
-        if wait > 0:
-            raw = await api.until_disconnect(self.request, call)
-        else:
-            raw = await call
+            if where is not None:
+                call = router.call(self.secret, session.space, op)
+            else:
+                call = api.call_op(session, op)
+            if wait > 0:
+                raw = await api.until_disconnect(self.request, call)
+            else:
+                raw = await call
         rtype = REPLY_TYPES.get(type(op))
         return msgspec.msgpack.decode(raw, type=rtype) if rtype is not None else None
 
@@ -256,6 +276,37 @@ class NoContent:
 
 
 NO_CONTENT = NoContent()
+
+_JSON = b"application/json"
+
+
+class Answer:
+    """An HTTP answer: ``status_code``, ``body`` (bytes) and ``raw_headers`` (the ASGI
+    list), sent by calling it as an ASGI app. The headers are what starlette's
+    ``Response(body, status_code, headers=headers, media_type=...)`` makes, in the same
+    order (``headers``' own, then ``content-length`` unless the status has no body, then
+    ``content-type``), without its per-answer machinery."""
+
+    __slots__ = ("status_code", "body", "raw_headers")
+
+    def __init__(self, body: bytes, status_code: int, headers: dict[str, str], json: bool = True) -> None:
+        self.status_code = status_code
+        self.body = body
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        if not (status_code < 200 or status_code in (204, 304)):
+            raw.append((b"content-length", b"%d" % len(body)))
+        if json:
+            raw.append((b"content-type", _JSON))
+        self.raw_headers = raw
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def _request_id() -> str:
+    """A request's id: 16 random hex digits (not secret: no system call for it)."""
+    return "%016x" % getrandbits(64)
 
 
 async def lifespan(receive, send) -> None:
@@ -323,6 +374,23 @@ class HttpApi:
         metrics.observe(type(op).__struct_config__.tag, "OK", time.perf_counter() - t0, session.peer, op)
         return raw
 
+    async def call_op_applied(self, session: Session, op: msgspec.Struct) -> tuple[Any, int]:
+        """:meth:`call_op` without the wait for durability (``Service.call_applied``):
+        ``(encoded reply or the exception it answered, LSN)``; observed by
+        :attr:`metrics` until applied."""
+        metrics = self.metrics
+        if metrics is None:
+            return await self.service.call_applied(session, op)
+        t0 = time.perf_counter()
+        try:
+            reply, lsn = await self.service.call_applied(session, op)
+        except Exception:
+            metrics.observe(type(op).__struct_config__.tag, "INTERNAL", time.perf_counter() - t0, session.peer, op)
+            raise
+        code = "OK" if not isinstance(reply, BaseException) else getattr(reply, "code", "INTERNAL")
+        metrics.observe(type(op).__struct_config__.tag, code, time.perf_counter() - t0, session.peer, op)
+        return reply, lsn
+
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -334,8 +402,8 @@ class HttpApi:
         response = await self.handle(request)
         await response(scope, receive, send)
 
-    async def handle(self, request: Request) -> Response:
-        rid = secrets.token_hex(8)
+    async def handle(self, request: Request) -> Answer | Response:
+        rid = _request_id()
         self.requests += 1
         if self.in_progress >= self.max_requests:
             return self._error(RallypointError(
@@ -362,40 +430,58 @@ class HttpApi:
         finally:
             self.in_progress -= 1
 
-    async def _handle(self, request: Request, rid: str) -> Response:
-        method = request.method
-        raw_path: bytes = request.scope.get("raw_path") or request.scope["path"].encode()
+    async def _handle(self, request: Request, rid: str) -> Answer | Response:
+        scope = request.scope
+        method = scope["method"]
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         raw = raw_path.decode("latin-1").split("?", 1)[0]
         i = raw.find("/v1/spaces/")
         if i < 0:
             raise_not_found(f"no endpoint {method} {raw} (paths start with /v1/spaces/{{spaceId}})")
         parts = raw[i + len("/v1/spaces/"):].split("/")
-        space = unquote(parts[0], errors="strict")
+        space = unquote(parts[0], errors="strict") if "%" in parts[0] else parts[0]
         rest = tuple(parts[1:])
         handler, params = self._match(method, rest)
-        session, secret = self._session(request, space)
-        query = {k: v for k, v in parse_qsl(request.url.query, keep_blank_values=True)}
+        # the headers this layer reads, in one pass (the first of each, as starlette's Headers.get)
+        auth = agent = key = length = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                if auth is None:
+                    auth = value
+            elif name == b"user-agent":
+                if agent is None:
+                    agent = value
+            elif name == b"idempotency-key":
+                if key is None:
+                    key = value
+            elif name == b"content-length":
+                if length is None:
+                    length = value
+        session, secret = self._session(request, space, auth, agent)
+        qs = scope.get("query_string", b"")
+        query = {k: v for k, v in parse_qsl(qs.decode("latin-1"), keep_blank_values=True)} if qs else {}
         body: dict = {}
         data = b""
         if method != "GET":
-            data = await _read_body(request)
+            data = await _read_body(request, length.decode("latin-1") if length is not None else None)
             if data.strip():
                 body = decode_body(data)
         ctx = Ctx(self, request, session, params, body, query, secret)
+        ikey = key.decode("latin-1") if key is not None and method != "GET" else None
         if self.router is not None:
             from ..cluster.httproute import ROUTED_HEADER, Elsewhere
 
             ctx.routed = request.headers.get(ROUTED_HEADER) is not None
             try:
-                return await self._dispatch(ctx, handler, method, raw, data, rid)
+                return await self._dispatch(ctx, handler, ikey, method, raw, data, rid)
             except Elsewhere as e:  # the request's first op is another shard's: run it there
                 status, headers, content = await self.until_disconnect(
                     request, self.router.forward(request, data, e.shard))
                 return Response(content, status_code=status, headers=dict(headers))
-        return await self._dispatch(ctx, handler, method, raw, data, rid)
+        return await self._dispatch(ctx, handler, ikey, method, raw, data, rid)
 
-    async def _dispatch(self, ctx: Ctx, handler: Handler, method: str, raw: str, data: bytes, rid: str) -> Response:
-        key = ctx.request.headers.get("idempotency-key") if method != "GET" else None
+    async def _dispatch(self, ctx: Ctx, handler: Handler, key: str | None, method: str, raw: str, data: bytes,
+                        rid: str) -> Answer:
         if key:
             return await self._idempotent(ctx, handler, key, method, raw, data, rid)
         return self._respond(await self._run(handler, ctx, rid), rid)
@@ -409,7 +495,7 @@ class HttpApi:
                 if pat.startswith("{"):
                     if not got:
                         break
-                    params[pat[1:-1]] = unquote(got, errors="strict")
+                    params[pat[1:-1]] = unquote(got, errors="strict") if "%" in got else got
                 elif pat != got:
                     break
             else:
@@ -421,13 +507,17 @@ class HttpApi:
                                   code="VALIDATION_FAILED", details={"allowed": sorted(other)})
         raise_not_found(f"no endpoint {method} /{'/'.join(rest)}")
 
-    def _session(self, request: Request, space: str) -> tuple[Session, str | None]:
-        """The request's session and its bearer secret (None in open mode)."""
+    def _session(self, request: Request, space: str, authorization: bytes | None = None,
+                 user_agent: bytes | None = None) -> tuple[Session, str | None]:
+        """The request's session and its bearer secret (None in open mode): the key its
+        ``authorization`` header (raw bytes) names for ``space``; ``user_agent`` (raw) is
+        the session's client name."""
         coord = self.coordinator
-        auth = request.headers.get("authorization", "")
+        auth = authorization.decode("latin-1") if authorization is not None else ""
         secret = auth[7:].strip() if auth[:7].lower() == "bearer " else None
-        peer = f"{request.client.host}:{request.client.port}" if request.client else ""
-        client = request.headers.get("user-agent", "")  # the session's client name (Session.holder)
+        c = request.scope.get("client")
+        peer = f"{c[0]}:{c[1]}" if c else ""
+        client = user_agent.decode("latin-1") if user_agent is not None else ""  # Session.holder's client name
         if coord.keys.open_mode:
             return Session(space=space, peer=peer, client=client), None
         if not secret:
@@ -446,24 +536,37 @@ class HttpApi:
 
     # ------------------------------------------------------------------ idempotency
     async def _idempotent(self, ctx: Ctx, handler: Handler, key: str, method: str, path: str, data: bytes,
-                          rid: str) -> Response:
+                          rid: str) -> Answer:
         space = ctx.session.space
         fp = hashlib.sha256(b"%s %s\n" % (method.encode(), path.encode()) + data).hexdigest()[:32]
         slot = (space, key)
         while (ev := self._inflight_keys.get(slot)) is not None:  # the same key in flight: wait for it
             await self.until_disconnect(ctx.request, ev.wait())
         ev = self._inflight_keys[slot] = trio.Event()
+        service = self.service
         try:
-            stored = await self.service_call(ctx.session, IdempotencyLookup(key=key, fingerprint=fp))
+            reply, ctx.lsn = await self.call_op_applied(ctx.session, IdempotencyLookup(key=key, fingerprint=fp))
+            if isinstance(reply, BaseException):
+                await service.wait_durable(ctx.lsn)
+                raise reply
+            stored = msgspec.msgpack.decode(reply, type=REPLY_TYPES[IdempotencyLookup])
             if stored.found:
+                await service.wait_durable(ctx.lsn)
                 return self._replay(stored.status, stored.body, rid)
             ctx.idempotency = (key, fp)  # each step's answer is stored with its effect
-            result = await self._run(handler, ctx, rid)
-            response = self._respond(result, rid)
-            status, body = self._storable(result, response)
-            if status is not None:
-                await self.service_call(ctx.session, IdempotencyRecord(key=key, fingerprint=fp, status=status,
-                                                                       body=body))
+            try:
+                result = await self._run(handler, ctx, rid)
+                response = self._respond(result, rid)
+                status, body = self._storable(result, response)
+                if status is not None:  # durable: so is every local step before it (one journal)
+                    await self.service_call(ctx.session, IdempotencyRecord(key=key, fingerprint=fp, status=status,
+                                                                           body=body))
+                    return response
+            except Exception:  # a bug (INTERNAL) or the record's error: answered once durable, as before
+                with contextlib.suppress(Exception):
+                    await service.wait_durable(ctx.lsn)
+                raise
+            await service.wait_durable(ctx.lsn)
             return response
         finally:
             del self._inflight_keys[slot]
@@ -473,7 +576,7 @@ class HttpApi:
         raw = await self.call_op(session, op)
         return msgspec.msgpack.decode(raw, type=REPLY_TYPES[type(op)])
 
-    def _storable(self, result, response: Response) -> tuple[int | None, bytes]:
+    def _storable(self, result, response: Answer) -> tuple[int | None, bytes]:
         if isinstance(result, RallypointError):
             if result.code in _TRANSIENT:
                 return None, b""
@@ -482,21 +585,19 @@ class HttpApi:
             return None, b""
         return response.status_code, bytes(response.body)
 
-    def _replay(self, status: int, body: bytes, rid: str) -> Response:
-        headers = {"x-request-id": rid, "idempotent-replayed": "true"}
-        return Response(body, status_code=status, media_type="application/json", headers=headers)
+    def _replay(self, status: int, body: bytes, rid: str) -> Answer:
+        return Answer(body, status, {"x-request-id": rid, "idempotent-replayed": "true"})
 
     # ------------------------------------------------------------------ answers
-    def _respond(self, result, rid: str) -> Response:
+    def _respond(self, result, rid: str) -> Answer:
         if isinstance(result, RallypointError):
             return self._error(result, rid)
         _, value = result
         if value is NO_CONTENT:
-            return Response(status_code=204, headers={"x-request-id": rid})
-        return Response(_json_encode(value), status_code=200, media_type="application/json",
-                        headers={"x-request-id": rid})
+            return Answer(b"", 204, {"x-request-id": rid}, json=False)
+        return Answer(_json_encode(value), 200, {"x-request-id": rid})
 
-    def _error(self, e: RallypointError, rid: str) -> Response:
+    def _error(self, e: RallypointError, rid: str) -> Answer:
         code = e.code
         status = STATUS.get(code, 409)
         err: dict[str, Any] = {"code": code, "message": e.message or str(e), "requestId": rid}
@@ -505,8 +606,7 @@ class HttpApi:
         headers = {"x-request-id": rid}
         if e.retry_after is not None:
             headers["retry-after"] = f"{max(0.0, float(e.retry_after)):.3g}"
-        return Response(_json_encode({"error": err}), status_code=status, media_type="application/json",
-                        headers=headers)
+        return Answer(_json_encode({"error": err}), status, headers)
 
     # ------------------------------------------------------------------ long polls
     async def until_disconnect(self, request: Request, awaitable):
@@ -541,21 +641,38 @@ class HttpApi:
         return result[0]
 
 
-async def _read_body(request: Request) -> bytes:
+async def _read_body(request: Request, declared: str | None) -> bytes:
     """The request's body, at most :data:`MAX_BODY` bytes: VALIDATION_FAILED as soon as
-    ``content-length`` or what arrived says more (the rest is never buffered). Raises
-    starlette's ClientDisconnect if the client goes away first."""
-    declared = request.headers.get("content-length")
+    ``declared`` (its ``content-length`` header, or None) or what arrived says more (the
+    rest is never buffered). Raises starlette's ClientDisconnect if the client goes away
+    first. Reads the ASGI messages itself (``request.stream()``'s generator cost more
+    than the rest of a small request's reading)."""
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
         raise ValidationError(f"request body exceeds {MAX_BODY} bytes ({declared} declared)")
-    chunks: list[bytes] = []
+    receive = request.receive
+    first = b""
+    chunks: list[bytes] | None = None
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise ValidationError(f"request body exceeds {MAX_BODY} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    while True:
+        msg = await receive()
+        kind = msg["type"]
+        if kind == "http.request":
+            chunk = msg.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > MAX_BODY:
+                    raise ValidationError(f"request body exceeds {MAX_BODY} bytes")
+                if chunks is not None:
+                    chunks.append(chunk)
+                elif first:
+                    chunks = [first, chunk]
+                else:
+                    first = chunk
+            if not msg.get("more_body", False):
+                break
+        elif kind == "http.disconnect":
+            raise ClientDisconnect()
+    return b"".join(chunks) if chunks is not None else bytes(first)
 
 
 def raise_not_found(message: str):
