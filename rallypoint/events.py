@@ -399,6 +399,9 @@ class EventLog:
     def __init__(self, retain_count: int | None = DEFAULT_RETAIN_EVENTS, retain_ms: int | None = None) -> None:
         self.streams: dict[str, Stream] = {}
         self.pending: list[Entry] = []
+        #: where the commit being applied starts in ``pending`` (above 0 only while
+        #: :meth:`Coordinator.replay_many` holds several entries' events there)
+        self.mark = 0
         self.retain_count = retain_count or None
         self.retain_ms = retain_ms or None
         self.emitted = 0
@@ -498,7 +501,7 @@ class EventLog:
         """The instant for an event of a record that carries none (a waiter leaving a
         queue): that of the event before it in the same commit, else ``now_ms`` (so in
         replay it is the replay's time: such events' ``at`` is approximate)."""
-        return self.pending[-1].at_ms if self.pending else now_ms
+        return self.pending[-1].at_ms if len(self.pending) > self.mark else now_ms
 
     # ------------------------------------------------------------ reading
     def check_cursor(self, space: str, cursor: int | None) -> tuple[Stream, int]:

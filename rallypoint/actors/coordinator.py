@@ -372,6 +372,66 @@ class Coordinator:
             self.groups.touched.clear()
             self.queues.to_check.clear()
 
+    def replay_many(self, payloads, batch: int = 256) -> int:
+        """Apply journal entries (``payloads``: an iterable of bytes, in LSN order) during
+        recovery; returns how many. The same as :meth:`replay` on each, with less per
+        record: one loop with the dispatch tables at hand, no per-entry bookkeeping of the
+        live path (the reaction sets stay empty in replay), and the events of ``batch``
+        entries numbered and appended to their streams at once (the same numbers and
+        order as one entry at a time; :meth:`EventLog.instant` still sees only the
+        entry's own events).
+
+        Raises what an apply raises (msgspec.DecodeError for bytes that do not decode);
+        the events of the batch in progress are discarded then."""
+        from ..records import _dec
+
+        decode = _dec.decode
+        apply = self._apply
+        emit_get = self._emit.get
+        events = self.events
+        publish = events.publish
+        n = 0
+        left = batch
+        self.replaying = True
+        try:
+            for payload in payloads:
+                pending = events.pending
+                events.mark = len(pending)
+                for rec in decode(payload):
+                    t = type(rec)
+                    fn = emit_get(t)
+                    if fn is None:
+                        apply[t](rec)
+                        continue
+                    mark = len(pending)
+                    apply[t](rec)
+                    out = fn(rec)
+                    if out is not None:
+                        if len(pending) == mark:
+                            if type(out) is Entry:
+                                pending.append(out)
+                            else:
+                                pending += out
+                        else:  # the record's own events before what its step implied
+                            pending[mark:mark] = [out] if type(out) is Entry else out
+                n += 1
+                left -= 1
+                if not left:
+                    events.mark = 0
+                    publish(0)
+                    left = batch
+            events.mark = 0
+            publish(0)
+        except BaseException:
+            events.mark = 0
+            events.discard()
+            raise
+        finally:
+            self.replaying = False
+            self.groups.touched.clear()
+            self.queues.to_check.clear()
+        return n
+
     # ------------------------------------------------------------------ actors
     def parent_of(self, actor_id: str) -> tuple[Any, str | None]:
         """(kind, parent actor id) of an actor id: runs under their parent run, groups,

@@ -612,7 +612,7 @@ class Outbox(Kind):
     def _apply_linked(self, r: RunLinked) -> None:
         s = self.coord.runs.table[r.run_id]
         if r.shard not in s.links:
-            s.links = [*s.links, r.shard]
+            s.links = (*s.links, r.shard)
             self.coord.touch(s.id)
 
     @op(RemoteRunAdopt, route=SPACE, permission="operator", resend=ALWAYS, shard=ALL,

@@ -73,8 +73,9 @@ class ScopeState(msgspec.Struct, gc=False, omit_defaults=True):
     #: that shard; here only its id, space and state: no tree, no deadline of its own)
     remote_shard: int | None = None
     #: a sharded cluster: the home shards this run uses entities of (``RunLinked``);
-    #: its end puts one outbox entry for each, then this is emptied
-    links: list[int] = []
+    #: its end puts one outbox entry for each, then this is emptied (a tuple: an empty
+    #: list per run would be one GC-tracked object per run for every GC pass to walk)
+    links: tuple[int, ...] = ()
 
 
 _REASON_OF_STATE = {"CANCELLED": "cancelled", "COMPLETED": "completed"}
@@ -493,7 +494,7 @@ class Runs(Kind):
             s = table[rid]
             if s.links:  # home shards hold things of this run: tell them (the outbox)
                 coord.outbox.note_end(s, reason, at_ms)
-                s.links = []
+                s.links = ()
                 coord.touch(rid)
             owned = self.owned.get(rid)
             if owned:
