@@ -684,7 +684,7 @@ def recover_coordinator(data_dir: str, coordinator) -> tuple[object, dict]:
             raise SnapshotCorruptError(str(rec.store.path), str(exc), data_dir=str(data_dir)) from None
         rec.entities = []  # loaded: the 1M (key, value) pairs are not needed any more
         n_events = load_events(coordinator, rec.store)
-        replayed = coordinator.replay_many(payload for _lsn, payload in rec.records)
+        replayed = coordinator.replay_many(rec.records.iter_payloads())
         coordinator.events.recovered()
     finally:
         if gc_was_on:

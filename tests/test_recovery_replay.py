@@ -122,3 +122,17 @@ def test_a_run_state_holds_no_gc_tracked_object():
                    created_at_ms=0)
     assert not gc.is_tracked(s) and not gc.is_tracked(s.links)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=ScopeState) == s
+
+
+def test_iter_payloads_are_the_records_payloads(tmp_path):
+    """ScanResult.iter_payloads (what recovery replays) yields exactly the payloads of
+    iter_records, in order, past the snapshot's LSN."""
+    from rallypoint.persistence.journal import scan_journal
+
+    d = tmp_path / "d"
+    trio.run(_busy_journal, d)
+    for after in (0, 50):
+        scan = scan_journal(d, after, cut_torn_tail=False)
+        records = list(scan.iter_records())
+        assert records and records[0][0] == after + 1
+        assert list(scan.iter_payloads()) == [payload for _lsn, payload in records]

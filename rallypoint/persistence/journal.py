@@ -1861,6 +1861,20 @@ class ScanResult:
 
     __iter__ = iter_records
 
+    def iter_payloads(self) -> Iterator[bytes]:
+        """The payloads of :meth:`iter_records` alone (recovery's replay: no tuple per
+        record)."""
+        unpack = _HDR.unpack_from
+        for seg in self.segments:
+            with open(seg.path, "rb") as f:
+                data = f.read(seg.end_offset)
+            off = seg.start_offset
+            end = seg.end_offset
+            while off < end:
+                b = off + HEADER_SIZE
+                off = b + unpack(data, off)[0]
+                yield data[b:off]
+
     def __len__(self) -> int:
         return self.record_count
 
