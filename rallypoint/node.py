@@ -365,7 +365,6 @@ class Snapshotter:
                 except BaseException as exc:
                     await self._mark_dirty(sent, cancelled=not isinstance(exc, Exception))  # try again next time
                     raise
-            sent.clear()
             ev_done()
             keep_from = lsn + 1
             hold = self.hold_lsn() if self.hold_lsn is not None else None
@@ -397,6 +396,9 @@ class Snapshotter:
             )
             for hook in self.on_snapshot:
                 hook(self.last_stats)
+            while sent:  # a batch's keys each: freed a slice at a time (all at once: ~3 ms at 1M)
+                del sent[-1024:]
+                await trio.sleep(0)
             return lsn
 
     async def _mark_dirty(self, sent: list[tuple], *, cancelled: bool = False) -> None:
