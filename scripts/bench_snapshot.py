@@ -87,6 +87,27 @@ class StepMeter:
                 "max_step_cpu_ms": round(self.max_cpu * 1000, 2)}
 
 
+class GcMeter:
+    """Garbage-collector passes (any thread): count, and the longest with its generation."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.passes = 0
+        self.longest = (0.0, -1)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t = time.perf_counter()
+        else:
+            self.passes += 1
+            d = time.perf_counter() - self.t
+            if d > self.longest[0]:
+                self.longest = (d, info["generation"])
+
+    def summary(self) -> dict:
+        return {"passes": self.passes, "longest_ms": round(self.longest[0] * 1000, 2), "its_generation": self.longest[1]}
+
+
 class StallMeter:
     """A task that sleeps ``period`` in a loop and records how late each wake-up is."""
 
@@ -159,13 +180,17 @@ async def build_and_snapshot(n: int, data_dir: Path, copy_dir: Path) -> dict:
             await nursery.start(meter.run)
             await trio.sleep(0.05)
             trio.lowlevel.add_instrument(steps)
+            gcm = GcMeter()
+            gc.callbacks.append(gcm)
             t0 = time.perf_counter()
             lsn = await node.snapshotter.snapshot()
             out["snapshot_wall_s"] = round(time.perf_counter() - t0, 3)
             await trio.sleep(0.05)
             trio.lowlevel.remove_instrument(steps)
+            gc.callbacks.remove(gcm)
             nursery.cancel_scope.cancel()
         out["snapshot_steps"] = steps.summary()
+        out["snapshot_gc"] = gcm.summary()
         st = node.snapshotter.last_stats
         out["snapshot"] = {"lsn": lsn, "entities": st["entities"], "encode_s": round(st["encode_s"], 3),
                            "total_s": round(st["total_s"], 3)}
@@ -246,7 +271,9 @@ def main(argv=None) -> int:
               f"{report['snapshot_stall']['over_10ms']} wake-ups over 10 ms "
               f"(baseline max {report['baseline_stall']['max_ms']} ms); longest task step "
               f"{report['snapshot_steps']['max_step_ms']} ms (CPU {report['snapshot_steps']['its_cpu_ms']} ms), "
-              f"most CPU in one step {report['snapshot_steps']['max_step_cpu_ms']} ms", flush=True)
+              f"most CPU in one step {report['snapshot_steps']['max_step_cpu_ms']} ms; GC passes "
+              f"{report['snapshot_gc']['passes']}, longest {report['snapshot_gc']['longest_ms']} ms "
+              f"(generation {report['snapshot_gc']['its_generation']})", flush=True)
         r1 = _recover_in_subprocess(copy, args.code)
         report["recovery_journal"] = r1
         print(f"recovery from the journal: {r1['replayed']:,} records replayed in {r1['recover_s']} s "
