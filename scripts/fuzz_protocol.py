@@ -510,6 +510,10 @@ def _field_strategy(name: str, typ: Any, pool: dict[str, list[Any]]) -> st.Searc
         s = st.builds(typ, **{f.name: _field_strategy(f.name, f.type, pool) for f in msgspec.structs.fields(typ)})
     elif getattr(typ, "__origin__", None) is list and len(args or ()) == 1:
         s = st.lists(_field_strategy(name, args[0], pool), max_size=5)
+    elif getattr(typ, "__origin__", None) is dict and len(args or ()) == 2:
+        # e.g. admission.reserve's pools/budgets (name -> amount): values biased like a
+        # field of their type, so ints stay within the wire's 64 bits
+        s = st.dictionaries(_field_strategy(name, args[0], pool), _field_strategy(name, args[1], pool), max_size=5)
     else:
         s = st.from_type(typ)
     return st.one_of(st.none(), s) if nullable else s
@@ -525,8 +529,11 @@ def valid_ops(pool: dict[str, list[Any]], ops: Iterable[type] | None = None) -> 
             if f.required:
                 kwargs[f.name] = s
             else:
-                # a default (omitted on the wire) or a drawn value
-                kwargs[f.name] = st.one_of(st.just(f.default), s)
+                # a default (omitted on the wire) or a drawn value; a default made by a
+                # factory (a dict, a list) is made anew for each op
+                default = (st.builds(f.default_factory) if f.default is msgspec.NODEFAULT
+                           else st.just(f.default))
+                kwargs[f.name] = st.one_of(default, s)
         strategies.append(st.builds(cls, **kwargs))
     return st.one_of(strategies)
 
