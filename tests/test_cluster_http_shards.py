@@ -82,7 +82,14 @@ async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3, nodes=1
                 return False
         return True
 
-    await wait_until(ready, what=lambda: {s: [(m.role, sorted(m.leaders)) for m in ms] for s, ms in members.items()})
+    def state():
+        return {s: [(m.config.node, m.role, sorted(m.leaders),
+                     {k: r.info.http_address for k, r in m.leaders.items()},
+                     m.replication and sorted(m.replication.isr_store.isr),
+                     m.node is not None and len(m.node.coordinator.keys.by_hash)) for m in ms]
+                for s, ms in members.items()}
+
+    await wait_until(ready, what=state)
     return members, {"admin": secret, "reader": reader}, apps
 
 
@@ -322,17 +329,23 @@ async def test_through_a_standby_and_across_another_shards_failover(etcd, tmp_pa
             old.stop()  # shard 1 hands over to its standby
             await wait_until(lambda: any(m.role == "leader" and m is not old for m in members[victim]))
 
+            last: list = []
+
             async def answered(run: str) -> bool:
                 r = await c.get(f"{base}/scopes/{run}", headers=h)
+                last[:] = [r.status_code, r.text[:300]]
                 if r.status_code == 503:  # the routing node has not seen the new leader yet: the SDK retries
                     return False
                 assert r.status_code == 200, r.text
                 return True
 
             for run in on_victim:  # every run of shard 1 is there after its failover
-                with trio.fail_after(60):
-                    while not await answered(run):
-                        await trio.sleep(0.05)
+                try:
+                    with trio.fail_after(60):
+                        while not await answered(run):
+                            await trio.sleep(0.05)
+                except trio.TooSlowError:
+                    raise AssertionError(f"run {run} of shard {victim} not answered in 60 s: {last}") from None
             for run in others:  # the other shards answer as before
                 assert (await c.get(f"{base}/scopes/{run}", headers=h)).status_code == 200
         n.cancel_scope.cancel()
