@@ -55,6 +55,12 @@ blocks the loop and no Python thread has to win the GIL back after every system 
 docs/performance.md, "A sync helper process"). ``sync="thread"`` runs it in a worker
 thread instead (also the fallback when the helper cannot be started).
 
+The deterministic simulator runs this flusher as it is, on a seeded :class:`Disk`
+(``rallypoint.testing.disk.SimDisk``: its :meth:`Disk.start_syncer` answers fsyncs on
+the event loop, its :meth:`Disk.run_blocking` runs inline); fault points
+(:mod:`.buggify`: the batch-end write left to the next round, a round delayed, a sync
+request held back, a preallocation failed) fire only under its seed.
+
 Preallocation
 =============
 An ``fdatasync`` after an append that grew the file must also commit the file's new
