@@ -129,8 +129,9 @@ MUTANTS = [
     ),
     Mutant(
         "snapshot-before-sync", "rallypoint/node.py",
-        "            await sync(lsn)\n            done = True\n",
-        "            await trio.lowlevel.checkpoint()  # mutant: the journal is not synced first\n            done = True\n",
+        "            await sync(lsn)\n            if getattr(journal, \"replica_floor\", None) is not None:",
+        "            await trio.lowlevel.checkpoint()  # mutant: the journal is not synced first\n"
+        "            if getattr(journal, \"replica_floor\", None) is not None:",
         "a snapshot is written before the journal is synced past its LSN",
     ),
     Mutant(
