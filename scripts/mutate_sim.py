@@ -275,8 +275,8 @@ MUTANTS = [
     # Service.wait_durable changes nothing a client sees)
     Mutant(
         "found-store-left-open", "rallypoint/node.py",
-        "            try:\n                with trio.CancelScope(shield=True):\n                    await coord.journal.aclose()\n            finally:",
-        "            if True:\n                with trio.CancelScope(shield=True):\n                    await coord.journal.aclose()\n            if True:",
+        "        try:\n            yield recovery\n        finally:\n            rec.store.close()\n",
+        "        yield recovery\n        rec.store.close()  # mutant: not when the node's block raised\n",
         "found bug: a failed journal left the LMDB store open (the node could not be reopened in-process)",
     ),
     Mutant(
