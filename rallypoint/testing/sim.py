@@ -1068,6 +1068,11 @@ class Sim:
         if coord is None:
             chk.raise_first()
             return
+        if coord.journal.refusing is not None:
+            # a full disk: nothing due can be journaled (a lease expiry, a timer) until
+            # space is back; the checks of a node at rest wait for the window's end
+            chk.raise_first()
+            return
         if coord.failed is not None:
             if self.disk.waiting:  # on its way down: its last fsync (or file write) takes virtual time
                 return
