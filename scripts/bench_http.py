@@ -24,6 +24,15 @@ as a share of the bare endpoint's in the same round, the medians and the load av
 
     python3 scripts/bench_http.py --endpoint --connections 16 --seconds 2 --rounds 15 \
         [--durability fsync,memory] [--code /tmp/old]
+
+``--in-process``: the application layer alone, no sockets, no server: ``HttpApi`` called
+as an ASGI app with ``POST /v1/spaces/bench/scopes`` (a bearer key, ``{}``) over a
+service that answers a ``ScopeView`` at once (key lookup and hashing as the real
+``Keys.authenticate``), against the bare endpoint's starlette app on the same
+messages; µs per request, the best of ``--rounds`` passes of ``--requests``, each tree
+(``--code``) in its own process, alternating.
+
+    python3 scripts/bench_http.py --in-process --rounds 5 [--code /tmp/old]
 """
 
 from __future__ import annotations
@@ -189,6 +198,88 @@ asyncio.run(main())
 '''
 
 
+IN_PROCESS = r'''
+import sys, time
+import msgspec, trio
+from rallypoint import protocol as p
+from rallypoint.actors.keys import hash_secret
+mode, n = sys.argv[1], int(sys.argv[2])
+SECRET = "rpk_" + "x" * 43
+class Key:
+    space = "bench"; permissions = ["admin"]; id = "key_1"; secret_sha256 = hash_secret(SECRET)
+class Keys:
+    open_mode = False
+    def authenticate(self, secret):
+        h = hash_secret(secret)
+        if h != Key.secret_sha256:
+            raise ValueError("bad key")
+        return Key
+class Coordinator:
+    keys = Keys()
+REPLY = msgspec.msgpack.encode(p.ScopeView(
+    id="run_01m8vmvn1h0ks0d2px4r9vefgh", name=None, parent_id=None, stored_state="active", effective="active",
+    inactive_reason=None, deadline=None, created_at="2026-12-02T14:00:00.123Z", ended_at=None, child_limit=1000,
+    children=0, tasks={}))
+class Service:
+    coordinator = Coordinator()
+    async def call(self, session, op):
+        return REPLY
+    async def call_applied(self, session, op):
+        return REPLY, 0
+    async def wait_durable(self, lsn):
+        pass
+if mode == "bare":
+    ns = {}
+    exec(BARE.split("sock = socket")[0], ns)
+    app = ns["app"]
+else:
+    from rallypoint.http.app import HttpApi
+    app = HttpApi(Service())
+scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+         "path": "/v1/spaces/bench/scopes", "raw_path": b"/v1/spaces/bench/scopes", "query_string": b"",
+         "root_path": "", "headers": [(b"host", b"127.0.0.1:8080"), (b"authorization", b"Bearer " + SECRET.encode()),
+         (b"user-agent", b"bench"), (b"content-type", b"application/json"), (b"content-length", b"2")],
+         "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8080), "state": {}}
+async def main():
+    sent = []
+    send = sent.append
+    async def asend(m):
+        send(m)
+    async def one():
+        msgs = [{"type": "http.request", "body": b"{}", "more_body": False}]
+        async def receive():
+            return msgs.pop() if msgs else {"type": "http.disconnect"}
+        await app(dict(scope), receive, asend)
+    await one()
+    assert sent[0]["status"] == 200, sent
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await one()
+    return (time.perf_counter() - t0) / n * 1e6
+print(trio.run(main))
+'''
+
+
+def in_process_main(args) -> None:
+    """The ``--in-process`` comparison (see the module doc)."""
+    trees = [("rallypoint", str(REPO))] + [(f"code:{Path(c).name or c}", os.path.abspath(c)) for c in args.code]
+    sides = [("bare", "bare", str(REPO))] + [(name, "api", tree) for name, tree in trees]
+    code = IN_PROCESS.replace("BARE.split", repr(BARE_SERVER) + ".split")
+    got: dict[str, list[float]] = {name: [] for name, *_ in sides}
+    print(f"load average before: {_load()}; {args.requests} requests a pass", flush=True)
+    for r in range(args.rounds):
+        for name, mode, tree in (sides if r % 2 == 0 else sides[::-1]):
+            out = subprocess.run([sys.executable, "-c", code, mode, str(args.requests)], capture_output=True,
+                                 text=True, env=dict(os.environ) | {"PYTHONPATH": tree}, timeout=600)
+            if out.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+            got[name].append(float(out.stdout.strip().splitlines()[-1]))
+        print(f"round {r}: " + "  ".join(f"{n} {v[-1]:6.1f} us" for n, v in got.items()), flush=True)
+    for n, v in got.items():
+        print(f"best {n:24} {min(v):6.1f} us/request  (median {statistics.median(v):6.1f})")
+    print(f"load average after: {_load()}")
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (/proc/PID/stat)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -276,6 +367,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--endpoint", action="store_true",
                     help="POST /scopes against a bare hypercorn+starlette endpoint (see the module doc)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="the application layer alone against the bare starlette app (see the module doc)")
+    ap.add_argument("--requests", type=int, default=20000, help="--in-process: requests a pass")
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=2.0,
                     help="--endpoint: measured seconds per turn (after 0.5 s of warm-up)")
@@ -292,6 +386,9 @@ def main() -> None:
             ap.error(f"--durability {args.durability!r}: fsync, interval or memory (a list only with --endpoint)")
     if args.endpoint:
         endpoint_main(args)
+        return
+    if args.in_process:
+        in_process_main(args)
         return
     py03 = sdk_python("0.3.0")
     with tempfile.TemporaryDirectory() as tmp:
