@@ -118,7 +118,7 @@ async def test_a_claim_of_a_run_of_another_shard_links_it_and_its_end_answers_th
     lease = await two.call(0, p.ClaimAcquire(scope_id=r1, key="deploy"), p.ClaimLeaseView)
     assert lease.status == "ACQUIRED" and lease.claim.scope_id == r1
     # the run's shard journaled the link, the home shard holds a remote run (no tree)
-    assert two.coord(1).runs.table[r1].links == [0]
+    assert two.coord(1).runs.table[r1].links == (0,)
     stub = two.coord(0).runs.table[r1]
     assert stub.remote_shard == 1 and stub.state == "ACTIVE"
     assert two.coord(0).runs.counts.get("default", {}).get("ACTIVE", 0) == 0  # not counted as a run here
@@ -201,13 +201,13 @@ async def test_an_ended_run_is_never_linked_and_a_child_ends_with_its_ancestor(t
     await two.call(1, p.ScopeCancel(scope_id=r1))
     with pytest.raises(ScopeCancelledError):
         await two.call(0, p.ClaimAcquire(scope_id=r1, key="k"))
-    assert r1 not in two.coord(0).runs.table and two.coord(1).runs.table[r1].links == []
+    assert r1 not in two.coord(0).runs.table and two.coord(1).runs.table[r1].links == ()
     root = await new_run(two)
     child = (await two.call(1, p.ScopeCreate(parent_id=root), p.ScopeView)).id
     await two.call(0, p.ClaimAcquire(scope_id=child, key="k2"))
     await two.call(1, p.ScopeCancel(scope_id=root))  # the child ends in its ancestor's step
     await wait_for(lambda: two.coord(0).runs.table[child].state == "CANCELLED")
-    assert two.coord(1).runs.table[child].links == []  # told once
+    assert two.coord(1).runs.table[child].links == ()  # told once
 
 
 async def test_the_outbox_is_delivered_again_after_a_failure_and_applied_once(two):
