@@ -26,8 +26,11 @@ from rallypoint.cluster.etcd import (
 )
 from rallypoint.errors import CursorExpiredError, NotFoundError, UnavailableError, ValidationError
 
-# etcd's TTLs are real seconds; a test that hangs is a failure, quickly
-pytestmark = pytest.mark.timeout(30)
+# etcd's TTLs are real seconds; a test that hangs is a failure, quickly -- but not
+# sooner than a member restarted under load takes to be ready (wait_ready allows 30 s
+# itself), and a time-out inside a Trio run leaves the worker's Trio state broken for
+# the tests after it
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture

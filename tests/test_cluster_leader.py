@@ -29,7 +29,7 @@ def node(name: str) -> LeaderInfo:
     return LeaderInfo(name, f"{name}.host:7400", f"{name}.host:7401", f"{name}.host:7480")
 
 # etcd's TTLs are real seconds; a test that hangs is a failure, quickly
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(120)  # as test_cluster_etcd.py: not sooner than etcd under load
 
 
 @pytest.fixture
