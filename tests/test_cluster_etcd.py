@@ -202,13 +202,17 @@ async def test_watch_resumes_from_its_revision_after_the_connection_is_cut(etcd,
     async with EtcdClient(etcd.endpoints) as direct, TcpProxy(int(etcd.endpoints[0].rsplit(":", 1)[1])) as proxy:
         async with EtcdClient([proxy.url], timeout_s=1.0) as via_proxy, trio.open_nursery() as nursery:
             send, receive = trio.open_memory_channel(100)
-            watch = via_proxy.watch(key, prefix=True)
+            # from a known revision: a watch from "now" made after the marker's put
+            # would never see it (the watch connects in the background)
+            start = await direct.put(key + "/start", "s")
+            watch = via_proxy.watch(key, prefix=True, start_revision=start.revision + 1)
             nursery.start_soon(collect, watch, send)
-            await direct.put(key, "v1")  # may come before the watch exists: then it is not seen
+            await direct.put(key, "v1")
             await direct.put(key + "/x", "marker")
             seen = []
-            while not seen or seen[-1].kv.value != b"marker":
-                seen.append(await receive.receive())
+            with trio.fail_after(20):
+                while not seen or seen[-1].kv.value != b"marker":
+                    seen.append(await receive.receive())
             proxy.cut()
             # written while the watch cannot reach etcd: a watch that resumed from "now"
             # would never see them
@@ -277,15 +281,18 @@ async def test_three_members_the_client_and_its_watch_survive_the_loss_of_the_me
     key = prefix + "k"
     first = etcd3.members[0]
     async with EtcdClient(etcd3.endpoints, timeout_s=5.0) as client, trio.open_nursery() as nursery:
-        await client.put(key, "v1")
+        r1 = await client.put(key, "v1")
         in_use = (await client.status()).member_id
         assert in_use == int(member_status(first.client_url)["header"]["member_id"])
         send, receive = trio.open_memory_channel(100)
-        watch = client.watch(key)
+        # from v1's revision on: a watch from "now" that connected after v2's put would
+        # never see it (the full suite's timing: a hang until the time-out)
+        watch = client.watch(key, start_revision=r1.revision + 1)
         nursery.start_soon(collect, watch, send)
         await client.put(key, "v2")
-        while (await receive.receive()).kv.value != b"v2":
-            pass
+        with trio.fail_after(20):
+            while (await receive.receive()).kv.value != b"v2":
+                pass
         try:
             await trio.to_thread.run_sync(first.stop)
             r3 = await client.put(key, "v3")
