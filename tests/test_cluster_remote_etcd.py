@@ -124,9 +124,10 @@ async def runs_on(rs, cluster, shard, n):
     return out
 
 
-async def scenario(cluster, nursery, *, kill: str | None):
+async def scenario(cluster, nursery, *, kill: str | None) -> int:
     """``kill``: None, ``"run"`` (kill -9 of shard 1's leader) or ``"home"`` (home
-    shard 0's leader hands over to its standby), while the run's end is undelivered."""
+    shard 0's leader hands over to its standby), while the run's end is undelivered.
+    Returns how many of shard 1's outbox entries the home shard applied."""
     await cluster.start(nursery)
     async with rallypoint.connect(cluster.urls) as rs:
         pool = await rs.pools.ensure("gpu", 1)
@@ -191,20 +192,21 @@ async def scenario(cluster, nursery, *, kill: str | None):
         assert (await pool.status()).units_used == 1  # the local run's unit, the rest released
         # every outbox entry of shard 1 reached shard 0, applied once each
         assert home.outbox.received(1) == 2
+        return home.outbox.received(1)
 
 
 async def test_a_run_of_shard_1_cancelled_answers_its_pool_waiter_on_home_shard_0(cluster, nursery):
-    await scenario(cluster, nursery, kill=None)
+    assert await scenario(cluster, nursery, kill=None) == 2  # each entry of shard 1's outbox applied once
     nursery.cancel_scope.cancel()
 
 
 async def test_the_same_across_a_kill_9_of_shard_1s_leader_before_its_outbox_was_delivered(cluster, nursery):
-    await scenario(cluster, nursery, kill="run")
+    assert await scenario(cluster, nursery, kill="run") == 2  # each entry of shard 1's outbox applied once
     nursery.cancel_scope.cancel()
 
 
 async def test_the_same_across_a_handover_of_home_shard_0s_leader_before_the_outbox_reached_it(cluster, nursery):
-    await scenario(cluster, nursery, kill="home")
+    assert await scenario(cluster, nursery, kill="home") == 2  # each entry of shard 1's outbox applied once
     nursery.cancel_scope.cancel()
 
 

@@ -712,15 +712,20 @@ async def test_a_standby_dropped_under_min_insync_2_has_its_connection_closed(tm
                 await wait_until(lambda: leader.repl.peer is not None and leader.repl.peer.state == "in_sync")
                 proxy.set_mode("hold")
 
+                acked = []
+
                 async def held_write():
-                    await leader.client.scopes.create(name="held")
+                    acked.append(await leader.client.scopes.create(name="held"))
 
                 n.start_soon(held_write)
                 await wait_until(lambda: leader.repl.peer is None)  # dropped (it stays in the ISR)
                 proxy.set_mode("pass")
                 await wait_until(lambda: ended, timeout=10)
+                assert not acked  # under --min-insync 2 nothing is acknowledged without it
                 n.start_soon(follow_once)  # it connects again, catches up, and the write is acknowledged
-                await wait_until(lambda: leader.repl.peer is not None and leader.repl.peer.state == "in_sync")
+                await wait_until(lambda: acked, timeout=10)
+                assert leader.repl.peer is not None and leader.repl.peer.state == "in_sync"
+                assert len(acked) == 1
                 n.cancel_scope.cancel()
 
 

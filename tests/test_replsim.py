@@ -38,18 +38,21 @@ REGRESSION_SEEDS = {
 CI_SEEDS = 400 if os.environ.get("RALLYPOINT_SLOW") else 24
 
 
-def _batch(first: int, n: int) -> None:
+def _batch(first: int, n: int) -> dict:
+    """Run seeds ``first .. first+n``; fails with the first violation's seed and how to
+    replay it; returns run_seeds' summary."""
     out = run_seeds(range(first, first + n), processes=2, stop_after=1)
     if out["failures"]:
         seed, inv, msg, step = out["failures"][0]
         pytest.fail(f"seed {seed}: [{inv}] at step {step}: {msg}\nreplay: python -m rallypoint.testing.replsim "
                     f"--seed {seed} --trace", pytrace=False)
-    assert out["run"] == n
+    return out
 
 
 @pytest.mark.timeout(600)
 def test_a_short_batch_of_seeds_holds_every_invariant():
-    _batch(1000, CI_SEEDS)
+    out = _batch(1000, CI_SEEDS)
+    assert out["run"] == CI_SEEDS and not out["failures"]
 
 
 @pytest.mark.slow
@@ -57,7 +60,9 @@ def test_a_short_batch_of_seeds_holds_every_invariant():
                     reason="the long batch (2,000 seeds, minutes): RALLYPOINT_SLOW=1 or RALLYPOINT_REPLSIM_SEEDS=N")
 @pytest.mark.timeout(3600)
 def test_a_long_batch_of_seeds_holds_every_invariant():
-    _batch(0, int(os.environ.get("RALLYPOINT_REPLSIM_SEEDS", "2000")))
+    n = int(os.environ.get("RALLYPOINT_REPLSIM_SEEDS", "2000"))
+    out = _batch(0, n)
+    assert out["run"] == n and not out["failures"]
 
 
 @pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
