@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ sys.path.insert(0, ROOT)
 
 import httpx  # noqa: E402
 
-from _cluster import ClusterNode  # noqa: E402
+from _cluster import ClusterNode, stop_all  # noqa: E402
 from _etcd import EtcdCluster  # noqa: E402
 
 SLOTS = 64
@@ -135,15 +134,7 @@ def main() -> int:
                 json.dump(out, f, indent=1)
         return 0
     finally:
-        for n in nodes:
-            if n.running():
-                n.signal(signal.SIGTERM)
-        for n in nodes:
-            if n.proc is not None:
-                try:
-                    n.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    n.kill()
+        stop_all(nodes)
         etcd.stop()
         shutil.rmtree(root, ignore_errors=True)
 

@@ -33,7 +33,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, ROOT)
 
-from _cluster import ClusterNode  # noqa: E402
+from _cluster import ClusterNode, stop_all  # noqa: E402
 from _etcd import EtcdCluster  # noqa: E402
 
 SLOTS = 64
@@ -108,15 +107,7 @@ def one(etcd: EtcdCluster, root: str, k: int, rnd: int, a: argparse.Namespace) -
         # a report with errors (exit 1) is kept: its errors are in the row, and printed
         rep = json.load(open(report_path))
     finally:
-        for n in nodes:
-            if n.running():
-                n.signal(signal.SIGTERM)
-        for n in nodes:
-            if n.proc is not None:
-                try:
-                    n.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    n.kill()
+        stop_all(nodes)
     th = rep["throughput"]
     cpu = [round(y - x, 3) for x, y in zip(c0, c1)]
     total = th["lifecycles_all"]

@@ -35,6 +35,20 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def stop_all(nodes: "list[ClusterNode]", timeout: float = 30.0) -> None:
+    """SIGTERM every running node at once (leaders hand over), then reap each; one still
+    running after ``timeout`` seconds is killed (SIGKILL)."""
+    for n in nodes:
+        if n.running():
+            n.signal(signal.SIGTERM)
+    for n in nodes:
+        if n.proc is not None:
+            try:
+                n.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                n.kill()
+
+
 @dataclass(frozen=True)
 class RoleLine:
     """One ``ROLE`` line: ``at`` (``time.monotonic()`` when read, s), ``role``, ``epoch``,

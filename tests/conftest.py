@@ -208,15 +208,9 @@ class ShardedCluster:
         return self
 
     def stop(self) -> None:
-        for n in self.nodes:
-            if n.running():
-                n.signal(signal.SIGTERM)
-        for n in self.nodes:
-            if n.proc is not None:
-                try:
-                    n.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    n.kill()
+        from _cluster import stop_all
+
+        stop_all(self.nodes)
         self.etcd.stop()
 
 
