@@ -264,7 +264,7 @@ def rss_main(n: int) -> None:
         "ScopeState object": sys.getsizeof(s),
         "id string (scp_...)": sys.getsizeof(s.id),
         "scopes dict entry (amortized)": sys.getsizeof(coord.runs.table) / max(len(coord.runs.table), 1),
-        "dirty set entry (amortized)": sys.getsizeof(coord.dirty) / max(len(coord.dirty), 1),
+        "dirty set entry (amortized)": sum(map(sys.getsizeof, [coord.dirty, *coord._dirty_full])) / max(coord.dirty_count(), 1),
     }
     print(f"\n== memory: {n:,} idle runs via an embedded coordinator (created in {took:.2f} s, "
           f"{n / took:,.0f}/s) ==")
@@ -272,7 +272,7 @@ def rss_main(n: int) -> None:
           f"({delta * 100_000 / n / 2**20:.1f} MiB per 100k runs; target <= 2048 B/run)")
     for k, v in parts.items():
         print(f"    {k:<32} {v:>7.0f} B")
-    print(f"    (name strings are shared; dirty set holds {len(coord.dirty):,} ids in memory mode)")
+    print(f"    (name strings are shared; dirty set holds {coord.dirty_count():,} ids in memory mode)")
 
 
 # ------------------------------------------------------------------------ main

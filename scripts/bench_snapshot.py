@@ -157,7 +157,7 @@ async def build_and_snapshot(n: int, data_dir: Path, copy_dir: Path) -> dict:
         await journal.wait_durable(journal.last_lsn)
         out["create_s"] = round(time.perf_counter() - t0, 2)
         out["journal_records"] = journal.last_lsn
-        out["dirty"] = len(coord.dirty)
+        out["dirty"] = coord.dirty_count()
         out["rss_after_create_mb"] = round(rss_mb())
         shutil.copytree(data_dir, copy_dir)  # journal-only state for the recovery step
         # What a server that has been running has: its long-lived objects in the oldest

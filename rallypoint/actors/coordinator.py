@@ -82,6 +82,10 @@ KIND_CLASSES = (Runs, WorkQueues, Groups, Barriers, Timers, JoinSets, Keys, Spac
 #: A gap longer than this (seconds) between two looks at the clock is an event-loop
 #: stall: outstanding leases are extended by it.
 STALL_S = 2.0
+#: the dirty ids (changed since the last snapshot) are kept in dicts of at most this
+#: many: a dict's table is freed in one step on the loop, in time proportional to its
+#: size (2.4 ms for 1M ids; 0.2 ms for this many)
+DIRTY_CHUNK = 1 << 16
 #: The coordinator looks at the clock (and writes its heartbeat) at least this often.
 TICK_S = 0.5
 
@@ -132,10 +136,13 @@ class Coordinator:
         self.connections_fn: Callable[[], int] = lambda: 0
         self.heartbeat: Callable[[int, int], None] | None = None
         self.background: list[Callable] = []
-        #: ids of entities changed since the last snapshot, as the keys of a dict of
+        #: ids of entities changed since the last snapshot, as the keys of dicts of
         #: None: a dict of str -> None is never tracked by the garbage collector (a set
-        #: always is, and a young set of 1M ids made a GC pass walk it: 60 ms)
+        #: always is, and a young set of 1M ids made a GC pass walk it: 60 ms). The
+        #: current dict; filled ones (:data:`DIRTY_CHUNK` ids) move to ``_dirty_full``:
+        #: freeing one dict's table is a single step on the loop, 2.4 ms at 1M ids
         self.dirty: dict[str, None] = {}
+        self._dirty_full: list[dict[str, None]] = []
         self.track_dirty = durability != "memory"
         self.replaying = False
         self.failed: BaseException | None = None
@@ -243,7 +250,36 @@ class Coordinator:
         """Mark an entity changed since the last snapshot (only when snapshots are
         taken: ``track_dirty`` is off in memory mode)."""
         if self.track_dirty:
-            self.dirty[entity_id] = None
+            d = self.dirty
+            d[entity_id] = None
+            if len(d) >= DIRTY_CHUNK:
+                self._dirty_full.append(d)
+                self.dirty = {}
+
+    def dirty_count(self) -> int:
+        """How many entities are marked changed since the last snapshot (an id marked
+        again after its dict filled up counts twice: an upper bound)."""
+        return len(self.dirty) + sum(map(len, self._dirty_full))
+
+    def dirty_ids(self):
+        """Iterate the ids marked changed since the last snapshot (possibly repeated)."""
+        for d in self._dirty_full:
+            yield from d
+        yield from self.dirty
+
+    def take_dirty(self) -> list[dict[str, None]]:
+        """Detach every marked id for a snapshot: the dicts of ids (each at most
+        :data:`DIRTY_CHUNK`; an id may be in more than one), newest last; marking starts
+        afresh. Hand back what was not written with :meth:`give_back_dirty`."""
+        out = self._dirty_full
+        out.append(self.dirty)
+        self._dirty_full, self.dirty = [], {}
+        return out
+
+    def give_back_dirty(self, chunks: list[dict[str, None]]) -> None:
+        """Mark again the ids of ``chunks`` (dicts from :meth:`take_dirty` a snapshot
+        did not write: it failed or was cancelled part-way)."""
+        self._dirty_full[:0] = [d for d in chunks if d]
 
     def rebuild_indexes(self) -> None:
         """After loading a snapshot: every kind recomputes its derived indexes."""
@@ -832,7 +868,7 @@ class Coordinator:
             "stalls": self.stalls,
             "heap": len(self.heap),
             "heap_fired": self.heap.fired,
-            "dirty": len(self.dirty),
+            "dirty": self.dirty_count(),
             "runtime": self.runtime.statistics(),
             **self.server_status(),
         }
