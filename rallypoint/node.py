@@ -363,10 +363,16 @@ class Snapshotter:
                         await trio.sleep(0)
                     final = coord.take_dirty()
                     t_final = time.perf_counter()
-                    last = self._encode(final[0] if len(final) == 1 else itertools.chain.from_iterable(final), tables)
-                    lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
-                    events, ev_done = cut.finish(last)  # the events of every commit <= lsn
+                    try:
+                        last = self._encode(final[0] if len(final) == 1 else itertools.chain.from_iterable(final),
+                                            tables)
+                        lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
+                        events, ev_done = cut.finish(last)  # the events of every commit <= lsn
+                    except BaseException:
+                        coord.give_back_dirty(final)
+                        raise
                     send(last)
+                    del final
                     now = time.perf_counter()
                     self.last_stall_s = now - t_final  # the one stretch that does not yield
                     encoded_s = now - t0
