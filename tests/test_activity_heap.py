@@ -139,3 +139,36 @@ async def test_lease_expiry_of_a_batch_expires_only_the_tasks_still_held(autojum
     with pytest.raises(LeaseLostError):
         await ds[2].complete("late")
     assert (await ds[1].complete("kept")).state == "SUCCEEDED"  # its renewed lease was not touched
+
+
+async def test_a_refused_activity_is_held_until_its_retry_or_release_held_and_runs_once():
+    """An activity refused with UNAVAILABLE is held: tried again at the refusal's
+    retry_after, or as soon as release_held() says writes are accepted again; refused
+    again it keeps its place (one held entry), and once applied the other retry finds
+    nothing to do."""
+    from rallypoint.errors import UnavailableError
+
+    heap = ActivityHeap()
+    refuse = [2]
+    applied: list = []
+
+    class K:
+        def act(self, arg):
+            if refuse[0]:
+                refuse[0] -= 1
+                raise UnavailableError("disk full (test)", retry_after=60.0)
+            applied.append(arg)
+
+    k = K()
+    now = trio.current_time()
+    heap.arm(now, k.act, "x")
+    heap.fire_due(now)
+    assert applied == [] and len(heap._held) == 1
+    assert heap.release_held() == 1
+    heap.fire_due()  # released, refused again: still one held entry
+    assert applied == [] and len(heap._held) == 1 and refuse == [0]
+    heap.release_held()
+    heap.fire_due()
+    assert applied == ["x"] and heap._held == {}
+    heap.fire_due(trio.current_time() + 120)  # the timed retries, stale now
+    assert applied == ["x"] and len(heap) == 0

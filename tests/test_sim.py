@@ -45,6 +45,8 @@ REGRESSION_SEEDS = {
     # past the default run's 2,000 (scripts/mutate_sim.py pins them)
     3537: "a fail-stop inside a parked waiter's re-check was answered INTERNAL (the bug of 3974, in today's schedules)",
     4552: "a command arriving as the root nursery closed got Trio's RuntimeError (the bug of 122, in today's schedules)",
+    4333: "a run's deadline falling in a full-disk window fired up to a second after the window ended (the "
+          "refused activity waited for its retry_after; now the journal's lift releases it at once)",
 }
 
 

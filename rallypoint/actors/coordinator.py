@@ -804,6 +804,9 @@ class Coordinator:
             with journal_scope:
                 await self.journal.run(task_status=task_status)
 
+        listen = getattr(self.journal, "add_writable_listener", None)
+        if listen is not None:  # what was refused for a full disk is retried as space is back
+            listen(self.heap.release_held)
         try:
             async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 await nursery.start(journal_task)

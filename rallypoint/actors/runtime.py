@@ -216,7 +216,7 @@ class ActivityHeap:
     """
 
     __slots__ = ("_heap", "_seq", "_task", "fired", "_firing", "_codes", "_fns", "_stale", "_compact_at",
-                 "compacted")
+                 "compacted", "_held", "_held_seq")
 
     #: Never compact below this many entries.
     COMPACT_MIN = 4096
@@ -232,6 +232,11 @@ class ActivityHeap:
         self._stale: dict[int, Callable[[Any], bool]] = {}  # code -> "this arg is stale"
         self._compact_at = self.COMPACT_MIN
         self.compacted = 0  # stale entries dropped so far
+        #: activities refused with UNAVAILABLE (disk full, no in-sync standby): token ->
+        #: (fn, arg, prio), tried again at the refusal's ``retry_after`` or as soon as
+        #: :meth:`release_held` says writes are accepted again, whichever comes first
+        self._held: dict[int, tuple[Callable[[Any], None], Any, int]] = {}
+        self._held_seq = 0
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -288,6 +293,7 @@ class ActivityHeap:
 
     def clear(self) -> None:
         self._heap.clear()
+        self._held.clear()
 
     def next_due(self) -> float:
         return self._heap[0][0] if self._heap else math.inf
@@ -324,10 +330,37 @@ class ActivityHeap:
                 n += 1
         finally:
             self._firing = False
+            held = self._held
             for due, fn, (_, prio, _, _, arg) in retry:
-                self.arm(due, fn, arg, prio)
+                if fn != self._retry_held:  # (a held one refused again keeps its token)
+                    self._held_seq += 1
+                    held[self._held_seq] = (fn, arg, prio)
+                    arg = self._held_seq
+                self.arm(due, self._retry_held, arg, prio)
         self.fired += n
         return n
+
+    def _retry_held(self, token: int) -> None:
+        """Try a refused activity again (its timed retry, or :meth:`release_held`'s:
+        the first of the two runs it, the other finds the token gone)."""
+        item = self._held.pop(token, None)
+        if item is None:
+            return
+        try:
+            item[0](item[1])
+        except UnavailableError:
+            self._held[token] = item  # refused again: fire_due re-arms the token
+            raise
+
+    def release_held(self) -> int:
+        """Writes are accepted again (the journal's disk has space, an in-sync standby is
+        back): every activity refused meanwhile is due now instead of at its refusal's
+        ``retry_after`` (a deadline that fell in a full-disk window fires as the window
+        ends, not up to a poll interval later). Returns how many."""
+        now = trio.current_time()
+        for token, (_fn, _arg, prio) in list(self._held.items()):
+            self.arm(now, self._retry_held, token, prio)
+        return len(self._held)
 
     async def run(self, before: Callable[[], None], after: Callable[[], None], *,
                   task_status=trio.TASK_STATUS_IGNORED) -> None:

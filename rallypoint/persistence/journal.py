@@ -510,6 +510,9 @@ class Journal:
         self._replica_floor: int | None = None
         self._tap: Callable[[int, int, bytes], None] | None = None
         self._write_gate: Callable[[], Exception] | None = None
+        #: called (on the loop, synchronously) when writes are accepted again: the disk
+        #: has space again, or the write gate lifted (:meth:`add_writable_listener`)
+        self._writable_listeners: list[Callable[[], None]] = []
         # Appended, not yet taken by the flusher (all of this lives on the event loop).
         self._buf = bytearray()
         self._buf_seg: int | None = None  # first LSN of a new segment this chunk starts
@@ -801,6 +804,8 @@ class Journal:
         if kind is None:
             log.warning("journal: disk space at %s is back (%s bytes free): writes are accepted again "
                         "after %.1f s", self._jdir, free, time.monotonic() - self._refused_since)
+            if self.writable:
+                self._writable_again()
         else:
             if was is None:
                 self._refused_since = time.monotonic()
@@ -991,7 +996,20 @@ class Journal:
         """Make :meth:`check_writable` raise ``error()`` (an UNAVAILABLE error saying
         why) until called with None: the node refuses writes it cannot acknowledge,
         e.g. with no in-sync standby under ``--min-insync 2``."""
+        was = self._write_gate
         self._write_gate = error
+        if was is not None and error is None and self.writable:
+            self._writable_again()
+
+    def add_writable_listener(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` each time refused writes are accepted again (space freed after
+        a full disk, the write gate lifted): the coordinator retries at once what it
+        could not journal meanwhile (due deadlines, lease expiries, timers)."""
+        self._writable_listeners.append(fn)
+
+    def _writable_again(self) -> None:
+        for fn in self._writable_listeners:
+            fn()
 
     def write_now(self) -> None:
         """Write what was appended, and ask for its fsync, now (on the event loop, in
