@@ -699,15 +699,23 @@ def recover_coordinator(data_dir: str, coordinator) -> tuple[object, dict]:
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        rec = recover(data_dir)
+        rec = recover(data_dir, stream=True)
         try:
             n_entities = load_entities(coordinator, rec.entities)
         except ValueError as exc:
             rec.store.close()
             raise SnapshotCorruptError(str(rec.store.path), str(exc), data_dir=str(data_dir)) from None
         rec.entities = []  # loaded: the 1M (key, value) pairs are not needed any more
-        n_events = load_events(coordinator, rec.store)
-        replayed = coordinator.replay_many(rec.records.iter_payloads())
+        try:
+            n_events = load_events(coordinator, rec.store)
+            # One pass over the journal: each record is checked as it is read, and
+            # damage raises the JournalCorruptError a separate scan would have raised,
+            # after the records before it (this coordinator is then thrown away).
+            replayed = coordinator.replay_many(rec.records.iter_payloads())
+            rec.settle()
+        except BaseException:
+            rec.store.close()
+            raise
         coordinator.events.recovered()
     finally:
         if gc_was_on:

@@ -137,3 +137,76 @@ def test_iter_payloads_are_the_records_payloads(tmp_path):
         records = list(scan.iter_records())
         assert records and records[0][0] == after + 1
         assert list(scan.iter_payloads()) == [payload for _lsn, payload in records]
+
+
+def _journal_only(src, dst) -> None:
+    """``dst``: a data dir holding ``src``'s journal records and no snapshot (so that
+    recovery replays every one)."""
+    from rallypoint.persistence.journal import Journal
+
+    async def go():
+        j = Journal(dst, mode="fsync", next_lsn=1)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(j.run)
+            for _lsn, payload in read_journal(src):
+                j.append(payload)
+            await j.aclose()
+
+    trio.run(go)
+
+
+def _corrupt_middle(d) -> tuple:
+    """Damage a record in the middle of the journal (a bad CRC, good records after it):
+    returns (its LSN, the JournalCorruptError scan_journal raises, the payloads as
+    they were)."""
+    import pytest
+
+    from rallypoint.persistence.journal import HEADER_SIZE, JournalCorruptError, list_segments, scan_journal
+
+    records = list(read_journal(d))
+    (_, path), = list_segments(d)
+    mid = len(records) // 2
+    off = sum(HEADER_SIZE + len(payload) for _lsn, payload in records[: mid - 1])
+    data = bytearray(path.read_bytes())
+    data[off + HEADER_SIZE] ^= 0xFF  # record `mid`'s payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalCorruptError) as info:
+        scan_journal(d, 0, cut_torn_tail=False)
+    return mid, info.value, [payload for _lsn, payload in records]
+
+
+def test_recovery_refuses_a_corrupt_middle_with_the_scans_error(tmp_path):
+    """Recovery reads the journal once, checking each record as it replays it: damage
+    in the middle still fails recovery with the error a separate validation pass gives,
+    no record at or past the damage is applied, the snapshot store is closed, and the
+    data dir is left as it was."""
+    import pytest
+
+    from rallypoint.persistence.journal import JournalCorruptError
+
+    src, d = tmp_path / "src", tmp_path / "d"
+    trio.run(_busy_journal, src)
+    _journal_only(src, d)
+    mid, expected, payloads = _corrupt_middle(d)
+    before = {p: p.read_bytes() for p in d.rglob("*.wal")}
+    coord = Coordinator()
+    applied = []
+    real = coord.replay_many
+
+    def spy(payloads, **kw):
+        def seen():
+            for x in payloads:
+                applied.append(bytes(x))
+                yield x
+        return real(seen(), **kw)
+
+    coord.replay_many = spy
+    with pytest.raises(JournalCorruptError) as info:
+        recover_coordinator(str(d), coord)
+    assert str(info.value) == str(expected)
+    assert (info.value.path, info.value.offset, info.value.reason) == (expected.path, expected.offset, expected.reason)
+    assert applied == payloads[: mid - 1]  # LSN 1 .. mid - 1: none at or past the damage
+    assert {p: p.read_bytes() for p in d.rglob("*.wal")} == before
+    # The store was closed: the same data dir opens again (and refuses again).
+    with pytest.raises(JournalCorruptError):
+        recover_coordinator(str(d), Coordinator())

@@ -135,6 +135,7 @@ import math
 import struct
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 from zlib import crc32
@@ -163,6 +164,7 @@ __all__ = [
     "DiskFullError",
     "JournalStatistics",
     "ScanResult",
+    "JournalStream",
     "SegmentInfo",
     "TornTail",
     "read_journal",
@@ -1968,6 +1970,58 @@ def _validate(data: bytes, lsn: int, after_lsn: int, off: int = 0) -> tuple[int,
     return off, lsn, start, None, False
 
 
+def _validate_collect(data: bytes, mv: memoryview, lsn: int, after_lsn: int, off: int, start: int,
+                      out: list, limit: int) -> tuple[int, int, int, str | None, bool, bool]:
+    """:func:`_validate` that also appends the payload of every record with LSN >
+    ``after_lsn`` to ``out`` as it checks it (one pass: the replay's read), stopping
+    after ``limit`` payloads. ``start`` is the offset of the first such record found so
+    far (-1: none yet).
+
+    Returns ``(good_end, next_lsn, start_offset, problem, definite, more)``: the first
+    five as :func:`_validate` (``start_offset`` is -1 while ``more``); ``more`` is True
+    when it stopped at ``limit`` with bytes left (call again from ``good_end``)."""
+    size = len(data)
+    unpack = _HDR.unpack_from
+    append = out.append
+    limit_lsn = lsn + limit if lsn > after_lsn else after_lsn + 1 + limit
+    end_hdr = size - HEADER_SIZE
+    while off <= end_hdr:
+        n, crc, rlsn = unpack(data, off)
+        b = off + HEADER_SIZE
+        end = b + n
+        if end > size or n > MAX_PAYLOAD:
+            return off, lsn, (off if start < 0 else start), (
+                f"record header at LSN {lsn} claims {n} payload bytes past the end of the file"), False, False
+        if crc32(mv[off + 8:end]) != crc:
+            return off, lsn, (off if start < 0 else start), f"bad CRC in the record expected to be LSN {lsn}", False, False
+        if rlsn != lsn:
+            return off, lsn, (off if start < 0 else start), f"LSN gap: expected LSN {lsn}, found {rlsn}", True, False
+        if rlsn > after_lsn:
+            if start < 0:
+                start = off
+            append(data[b:end])
+        lsn += 1
+        off = end
+        if lsn == limit_lsn and off < size:
+            return off, lsn, start, None, False, True
+    if start < 0:
+        start = off
+    if off != size:
+        return off, lsn, start, f"{size - off} trailing bytes: a truncated record header", False, False
+    return off, lsn, start, None, False, False
+
+
+def _payloads_between(data: bytes, off: int, end: int) -> list[bytes]:
+    """The payloads of the (already validated) records in ``data[off:end]``."""
+    out = []
+    unpack = _HDR.unpack_from
+    while off < end:
+        b = off + HEADER_SIZE
+        off = b + unpack(data, off)[0]
+        out.append(data[b:off])
+    return out
+
+
 def _find_valid(data: bytes, from_off: int, lsns) -> tuple[int, int] | None:
     """``(offset, lsn)`` of the first (lowest offset) record at or after ``from_off``
     that has one of the LSNs ``lsns`` and a valid CRC, or None. Searches for the LSN
@@ -2063,6 +2117,25 @@ def _validate_segment(data: bytes, first: int, path: Path, after_lsn: int):
 
 def _analyse(data_dir: str | os.PathLike[str], after_lsn: int) -> _Analysis:
     """Validate without modifying anything (see :func:`scan_journal`)."""
+    g = _analyse_gen(data_dir, after_lsn, False)
+    while True:
+        try:
+            next(g)
+        except StopIteration as stop:
+            return stop.value
+
+
+#: payloads per batch a :class:`JournalStream` hands out (a segment is read whole; its
+#: payloads are cut and checked this many at a time)
+STREAM_BATCH = 4096
+
+
+def _analyse_gen(data_dir: str | os.PathLike[str], after_lsn: int, collect: bool):
+    """:func:`_analyse` as a generator: with ``collect``, it yields the payloads of the
+    records with LSN > ``after_lsn`` in batches (lists of bytes) as it validates them --
+    each record checked (length, CRC, LSN) before it is handed out, none after the first
+    damage -- and returns the same :class:`_Analysis` (``StopIteration.value``).
+    Without ``collect`` it yields nothing."""
     segs = list_segments(data_dir)
     jdir = Path(data_dir) / "journal"
     manifest = read_manifest(data_dir)
@@ -2107,7 +2180,25 @@ def _analyse(data_dir: str | os.PathLike[str], after_lsn: int) -> _Analysis:
                 after_lsn + 1, (after_lsn + 1, first - 1)), first)
         if data:
             records_present = True
-        info, nxt, problem, definite, plsn, cov = _validate_segment(data, first, path, after_lsn)
+        if collect:
+            mv = memoryview(data)
+            off, lsn, first_off, more = 0, first, -1, True
+            while more:
+                batch: list[bytes] = []
+                off, lsn, first_off, problem, definite, more = _validate_collect(
+                    data, mv, lsn, after_lsn, off, first_off, batch, STREAM_BATCH)
+                if batch:
+                    yield batch
+            del mv
+            if problem is None or lsn > after_lsn:  # what _validate_segment's first case returns
+                info = SegmentInfo(path, first, lsn - 1, off, first_off)
+                nxt, plsn, cov = lsn, lsn, None
+            else:  # damage in records the snapshot holds: nothing was handed out yet
+                info, nxt, problem, definite, plsn, cov = _validate_segment(data, first, path, after_lsn)
+                if info.start_offset < info.end_offset:
+                    yield _payloads_between(data, info.start_offset, info.end_offset)
+        else:
+            info, nxt, problem, definite, plsn, cov = _validate_segment(data, first, path, after_lsn)
         if cov is not None:
             covered.append(cov)
         infos.append(info)
@@ -2199,7 +2290,12 @@ def scan_journal(
             Nothing is modified.
         OSError: reading/truncating failed.
     """
-    a = _analyse(data_dir, after_lsn)
+    return _scan_result(data_dir, _analyse(data_dir, after_lsn), after_lsn, cut_torn_tail)
+
+
+def _scan_result(data_dir: str | os.PathLike[str], a: _Analysis, after_lsn: int, cut_torn_tail: bool) -> ScanResult:
+    """What :func:`scan_journal` makes of an analysis: raises for damage, cuts (or
+    reports) a torn tail, logs covered damage, builds the :class:`ScanResult`."""
     _log_covered(a.covered, after_lsn)
     problem = a.problem
     expected = a.expected
@@ -2236,6 +2332,53 @@ def scan_journal(
     return ScanResult(after_lsn=after_lsn, segments=infos, last_lsn=max(last, after_lsn),
                       next_lsn=next_lsn, record_count=a.count, torn_tail=torn,
                       skipped_segments=a.skipped, covered_damage=a.covered)
+
+
+class JournalStream:
+    """The records with LSN > ``after_lsn``, validated *as they are read*: one pass over
+    each segment (recovery's replay), where :func:`scan_journal` followed by
+    :meth:`ScanResult.iter_payloads` reads and walks every segment twice.
+
+    :meth:`iter_payloads` hands out each record's payload only once its frame checked
+    out (length, CRC, the LSN that must come next), never one past damage. The verdict
+    on the journal as a whole comes when the iteration ends, exactly as
+    :func:`scan_journal` gives it: a torn tail of the last segment is cut (with
+    ``cut_torn_tail``) and logged, and :attr:`result` is then the same
+    :class:`ScanResult`; any other damage (a bad record followed by good ones, a
+    missing segment, an LSN gap, a missing or shortened newest segment, a snapshot
+    ahead of the journal) raises the same :class:`JournalCorruptError` *at the end of
+    the records before it* -- so the caller has applied those, and only those, and must
+    throw that state away (recovery fails). Nothing is modified then.
+
+    Args:
+        data_dir: the data directory.
+        after_lsn: hand out the records past this LSN (the snapshot's).
+        cut_torn_tail: as :func:`scan_journal`.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], after_lsn: int = 0, *, cut_torn_tail: bool = True) -> None:
+        self.data_dir = data_dir
+        self.after_lsn = after_lsn
+        self.cut_torn_tail = cut_torn_tail
+        #: the :class:`ScanResult`, once :meth:`iter_payloads` ran to its end
+        self.result: ScanResult | None = None
+        self._started = False
+
+    def batches(self) -> Iterator[list[bytes]]:
+        """The payloads in LSN order, in lists of up to :data:`STREAM_BATCH`. Once only.
+
+        Raises: JournalCorruptError (after the last batch before the damage), OSError,
+        RuntimeError when iterated a second time."""
+        if self._started:
+            raise RuntimeError("a JournalStream is read once")
+        self._started = True
+        a = yield from _analyse_gen(self.data_dir, self.after_lsn, True)
+        self.result = _scan_result(self.data_dir, a, self.after_lsn, self.cut_torn_tail)
+
+    def iter_payloads(self) -> Iterator[bytes]:
+        """The payloads one by one (:meth:`batches` flattened, at C speed). Once only;
+        raises as :meth:`batches`."""
+        return chain.from_iterable(self.batches())
 
 
 def read_journal(data_dir: str | os.PathLike[str], after_lsn: int = 0) -> Iterator[tuple[int, bytes]]:

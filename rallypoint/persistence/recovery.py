@@ -22,7 +22,7 @@ from typing import Iterator
 import lmdb
 
 from .errors import SnapshotCorruptError
-from .journal import Journal, ScanResult, TornTail, scan_journal
+from .journal import Journal, JournalStream, ScanResult, TornTail, scan_journal
 from .snapshot import SnapshotStore, check_format, open_store
 
 __all__ = ["recover", "Recovered"]
@@ -39,8 +39,11 @@ class Recovered:
         entities: ``[(key, value), ...]`` from the snapshot, in key order.
         records: the journal records to replay, ``(lsn, payload)`` with
             lsn > snapshot_lsn in order; a lazy re-iterable (``len()`` works) that reads
-            one segment at a time, so 1M records do not sit in memory at once.
-        next_lsn: LSN for the journal to continue at.
+            one segment at a time, so 1M records do not sit in memory at once. With
+            ``recover(..., stream=True)`` a :class:`JournalStream` instead (read once,
+            validated as it is read) until :meth:`settle` replaces it by its result.
+        next_lsn: LSN for the journal to continue at (None in stream mode until
+            :meth:`settle`).
         torn_tail: the torn tail that was cut (file, offset, bytes), or None.
         store: the open SnapshotStore (the caller owns it; ``close()`` at shutdown).
         timing: seconds spent: ``{"snapshot_s", "scan_s", "total_s"}``.
@@ -50,11 +53,23 @@ class Recovered:
     format_version: int
     snapshot_lsn: int
     entities: list[tuple[bytes, bytes]]
-    records: ScanResult
-    next_lsn: int
+    records: ScanResult | JournalStream
+    next_lsn: int | None
     torn_tail: TornTail | None
     store: SnapshotStore
     timing: dict[str, float] = field(default_factory=dict)
+
+    def settle(self) -> None:
+        """Stream mode: after the :class:`JournalStream` was read to its end, take its
+        verdict (next LSN, torn tail) and make :attr:`records` its :class:`ScanResult`.
+        Raises RuntimeError when the stream was not read to its end."""
+        if isinstance(self.records, JournalStream):
+            scan = self.records.result
+            if scan is None:
+                raise RuntimeError("the journal stream was not read to its end")
+            self.records = scan
+            self.next_lsn = scan.next_lsn
+            self.torn_tail = scan.torn_tail
 
     @property
     def record_count(self) -> int:
@@ -74,13 +89,19 @@ class Recovered:
                        interval_ms=interval_ms, segment_bytes=segment_bytes, **options)
 
 
-def recover(data_dir: str | os.PathLike[str]) -> Recovered:
+def recover(data_dir: str | os.PathLike[str], *, stream: bool = False) -> Recovered:
     """Load the snapshot and validate the journal past it (sync; call before the
     journal is opened, with the data-dir lock held).
 
     Steps: :func:`check_format`; open the :class:`SnapshotStore`; read its LSN and
     entities; :func:`scan_journal` with ``after_lsn`` = snapshot LSN, which cuts a torn
     tail (logging a warning) and validates everything after the snapshot.
+
+    ``stream=True`` (recovery's replay): no separate validation pass; ``records`` is a
+    :class:`JournalStream` that checks each record as it hands it out and gives the
+    verdict (the same torn-tail cut, the same JournalCorruptError) when read to its
+    end; call :meth:`Recovered.settle` then (``next_lsn`` is None until then). The
+    caller must close ``store`` if reading the stream raises.
 
     Raises:
         FormatVersionError: data written by a newer format.
@@ -100,7 +121,10 @@ def recover(data_dir: str | os.PathLike[str]) -> Recovered:
         except lmdb.Error as exc:
             raise SnapshotCorruptError(str(store.path), str(exc), data_dir=str(d)) from None
         t1 = time.perf_counter()
-        scan = scan_journal(d, after_lsn=snapshot_lsn)
+        if stream:
+            records: ScanResult | JournalStream = JournalStream(d, snapshot_lsn)
+        else:
+            records = scan_journal(d, after_lsn=snapshot_lsn)
         t2 = time.perf_counter()
     except BaseException:
         store.close()
@@ -110,9 +134,10 @@ def recover(data_dir: str | os.PathLike[str]) -> Recovered:
         format_version=version,
         snapshot_lsn=snapshot_lsn,
         entities=entities,
-        records=scan,
-        next_lsn=scan.next_lsn,
-        torn_tail=scan.torn_tail,
+        records=records,
+        next_lsn=None if stream else records.next_lsn,
+        torn_tail=None if stream else records.torn_tail,
         store=store,
+        # stream mode: scan_s is 0, the journal is read (and checked) during the replay
         timing={"snapshot_s": t1 - t0, "scan_s": t2 - t1, "total_s": t2 - t0},
     )
