@@ -75,14 +75,20 @@ class Entry(msgspec.Struct, gc=False, array_like=True, omit_defaults=True):
 ev = Entry  # the constructor emitters use: ev(space, type, kind, id, run, at_ms, data)
 
 
-def emits(*rec_types: type) -> Callable:
+def emits(*rec_types: type, pure: bool = False) -> Callable:
     """Mark a kind's method as the event source of these record (or implied fact) types:
     ``fn(record) -> Entry | list[Entry] | None`` (one event, several, or none), called
     after the record was applied. At most one per type per kind; the coordinator builds
-    its table from the marks."""
+    its table from the marks.
+
+    ``pure=True`` promises that ``fn`` reads nothing but the record (no state, no
+    ``instant``) and returns exactly ONE event, in the record's own ``space``: recovery's
+    replay may then derive it later, only if retention keeps it
+    (:meth:`EventLog.publish_replayed`, :meth:`EventLog.recovered`)."""
 
     def deco(fn):
         fn._emits = rec_types
+        fn._emits_pure = pure
         return fn
 
     return deco
@@ -486,11 +492,72 @@ class EventLog:
         self.dropped += n
         return n
 
-    def recovered(self) -> None:
+    def publish_replayed(self, lsn: int = 0) -> None:
+        """Recovery's replay with deferred events (:meth:`Coordinator.replay_many`):
+        append what is pending to the streams as :meth:`publish` does with ``lsn`` 0
+        (replayed: durable; the argument is there for the same call shape),
+        where an item may be an event or a *record* whose one event (a ``pure``
+        emitter's, in the record's ``space``) is derived only if retention keeps it
+        (:meth:`recovered`). Its place in the stream is its sequence number; the count
+        limit trims as in :meth:`publish`."""
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        streams = self.streams
+        limit = self.retain_count
+        cap = None if limit is None else limit + (limit >> 4)
+        last = None
+        s = None
+        seq = 0
+        for e in pending:
+            if e.space != last:
+                if s is not None:
+                    s.next_seq = seq
+                    if cap is not None and len(s.entries) - s.start > cap:
+                        self.dropped += s.drop_before(seq - limit)
+                last = e.space
+                s = streams.get(last)
+                if s is None:
+                    s = streams[last] = Stream(last)
+                seq = s.next_seq
+                append = s.entries.append
+            if type(e) is Entry:
+                e.seq = seq
+                e.lsn = 0
+            seq += 1
+            append(e)
+        s.next_seq = seq
+        if cap is not None and len(s.entries) - s.start > cap:
+            self.dropped += s.drop_before(seq - limit)
+        self.emitted += len(pending)
+
+    def recovered(self, derive: Callable[[object], Entry] | None = None) -> None:
         """After recovery (snapshot events loaded, journal tail replayed): every event is
-        durable; apply the count limit."""
+        durable; apply the count limit. ``derive(record) -> Entry``: the event of a
+        record :meth:`publish_replayed` kept in its place -- called only for those
+        retention keeps, each given the sequence number of its place.
+
+        Raises RuntimeError when a deferred record is left and ``derive`` is None, or
+        when ``derive`` does not return one event in the record's space (an emitter
+        wrongly marked ``pure``)."""
         self.trim_count()
         for s in self.streams.values():
+            entries = s.entries
+            seq = s.first_seq
+            for i in range(s.start, len(entries)):
+                x = entries[i]
+                if type(x) is not Entry:
+                    if derive is None:
+                        raise RuntimeError("a replayed record's event was deferred and nothing derives it")
+                    e = derive(x)
+                    if type(e) is not Entry or e.space != s.space:
+                        raise RuntimeError(f"the pure event source of {type(x).__name__} did not return "
+                                           f"one event in space {s.space!r}: {e!r}")
+                    e.seq = seq
+                    e.lsn = 0
+                    entries[i] = e
+                seq += 1
             s.durable_seq = s.last_seq
 
     def discard(self) -> None:

@@ -711,12 +711,13 @@ def recover_coordinator(data_dir: str, coordinator) -> tuple[object, dict]:
             # One pass over the journal: each record is checked as it is read, and
             # damage raises the JournalCorruptError a separate scan would have raised,
             # after the records before it (this coordinator is then thrown away).
-            replayed = coordinator.replay_many(rec.records.iter_payloads())
+            replayed = coordinator.replay_many(rec.records.iter_payloads(), defer_events=True)
             rec.settle()
         except BaseException:
             rec.store.close()
             raise
-        coordinator.events.recovered()
+        # the events of records retention drops were never derived; the rest now
+        coordinator.events.recovered(coordinator.derive_deferred)
     finally:
         if gc_was_on:
             gc.enable()

@@ -27,8 +27,8 @@ def _events(coord) -> list:
             for space, s in sorted(coord.events.streams.items()) for e in s.entries[s.start:]]
 
 
-async def _busy_journal(data_dir) -> None:
-    """A journal of runs, tasks delivered, completed and cancelled."""
+async def _busy_journal(data_dir, more=None) -> None:
+    """A journal of runs, tasks delivered, completed and cancelled (then ``more(coord)``)."""
     async with rallypoint.open_embedded(str(data_dir), durability="fsync") as rs:
         coord, session = rs.node.coordinator, Session()
         roots = [await rs.scopes.create() for _ in range(4)]
@@ -46,6 +46,8 @@ async def _busy_journal(data_dir) -> None:
             got = direct(coord, session, p.Receive(mailbox="m", scope_id=r.id))
             for d in got.deliveries:
                 direct(coord, session, p.DeliveryComplete(task_id=d.task_id, token=d.token))
+        if more is not None:
+            more(coord)
         await coord.journal.wait_durable(coord.journal.last_lsn)
 
 
@@ -210,3 +212,78 @@ def test_recovery_refuses_a_corrupt_middle_with_the_scans_error(tmp_path):
     # The store was closed: the same data dir opens again (and refuses again).
     with pytest.raises(JournalCorruptError):
         recover_coordinator(str(d), Coordinator())
+
+
+async def _two_space_journal(data_dir) -> None:
+    """The busy journal, then runs (pure events) and tasks (not) interleaved in two
+    spaces."""
+
+    def more(coord):
+        a, b = Session(), Session(space="other")
+        for i in range(40):
+            if i % 3:
+                direct(coord, b, p.ScopeCreate())
+                continue
+            r = direct(coord, a, p.ScopeCreate())
+            direct(coord, a, p.ScopeCreate(parent_id=r.id))
+            if i % 2 == 0:
+                direct(coord, a, p.ScopeCancel(scope_id=r.id))  # the child's end: implied events
+
+    await _busy_journal(data_dir, more)
+
+
+def test_recovery_derives_only_the_events_retention_keeps(tmp_path):
+    """Recovery derives the event of a run's creation (a ``pure`` source: the record
+    alone says it) only if retention keeps it; the events it holds afterwards -- types,
+    ids, instants, payloads, sequence numbers, order, in every space -- and the counts
+    emitted and dropped are those of replaying every entry with every event derived."""
+    src, d = tmp_path / "src", tmp_path / "d"
+    trio.run(_two_space_journal, src)
+    _journal_only(src, d)
+    payloads = [payload for _lsn, payload in read_journal(d)]
+    derived = []
+    for retain in (1, 7, 60, 100_000):
+        one = Coordinator(retain_events=retain)
+        for payload in payloads:
+            one.replay(payload)
+        one.events.recovered()
+        coord = Coordinator(retain_events=retain)
+        real = coord.derive_deferred
+        coord.derive_deferred = lambda rec: derived.append(rec) or real(rec)
+        rec, info = recover_coordinator(str(d), coord)
+        rec.store.close()
+        assert info["replayed"] == len(payloads)
+        assert _events(coord) == _events(one), retain
+        assert {sp: (s.first_seq, s.next_seq, s.durable_seq) for sp, s in coord.events.streams.items()} == \
+            {sp: (s.first_seq, s.next_seq, s.durable_seq) for sp, s in one.events.streams.items()}
+        assert coord.events.statistics() == one.events.statistics()
+        assert set(coord.events.streams) == {"default", "other"}
+        assert all(type(e) is Entry and e.lsn == 0 for s in coord.events.streams.values() for e in s.entries[s.start:])
+        assert _state(coord) == _state(one)
+        kept = sum(len(s) for s in coord.events.streams.values())
+        assert 0 < len(derived) <= kept, (retain, len(derived), kept)  # derived: kept ones only
+        if retain < 100_000:
+            assert coord.events.statistics()["dropped"] > 0
+        derived.clear()
+
+
+def test_a_wrongly_pure_event_source_is_caught():
+    """An event source marked ``pure`` that returns anything but one event in the
+    record's space fails recovery loudly instead of keeping a wrong event."""
+    import pytest
+
+    from rallypoint.events import EventLog
+    from rallypoint.records import ScopeCreated
+
+    log = EventLog(retain_count=10)
+    r = ScopeCreated(id="scp_1", space="s", parent_id=None, name=None, deadline_ms=None, child_limit=1, at_ms=0)
+    log.pending.append(r)
+    log.publish_replayed(0)
+    with pytest.raises(RuntimeError):
+        log.recovered(lambda rec: Entry("elsewhere", "scope.created", "scope", rec.id, rec.id, 0))
+    log2 = EventLog(retain_count=10)
+    log2.pending.append(r)
+    log2.publish_replayed(0)
+    log2.recovered(lambda rec: Entry("s", "scope.created", "scope", rec.id, rec.id, 0))
+    (e,) = log2.streams["s"].entries
+    assert e.seq == 1 and e.id == "scp_1"

@@ -126,6 +126,16 @@ class Kind:
                 out[rec_type] = getattr(self, name)
         return out
 
+    def pure_emitters(self) -> set[type]:
+        """The record types whose event source is marked ``@emits(..., pure=True)`` (a
+        function of the record alone: one event, in its space)."""
+        out: set[type] = set()
+        for name in dir(type(self)):
+            fn = getattr(type(self), name, None)
+            if getattr(fn, "_emits_pure", False):
+                out.update(fn._emits)
+        return out
+
     def statistics(self) -> dict:
         """Entity counts (Trio-style introspection); kinds add their own figures."""
         return {name: len(table) for name, (table, _) in self.entity_tables().items()}

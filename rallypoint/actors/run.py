@@ -504,7 +504,7 @@ class Runs(Kind):
         coord.cancel_actor(root_id)
 
     # ================================================================ events
-    @emits(ScopeCreated)
+    @emits(ScopeCreated, pure=True)
     def _ev_created(self, r: ScopeCreated):
         return ev(r.space, "scope.created", "scope", r.id, r.id, r.at_ms,
                   data(parent=r.parent_id, name=r.name, deadline=to_iso(r.deadline_ms), group=r.group_id))
