@@ -434,25 +434,31 @@ class Coordinator:
         decode = _dec.decode
         apply = self._apply
         emit_get = self._emit.get
+        pure = self._emit_pure if defer_events else frozenset()
+        # record type -> (apply, event source or None, deferrable): one lookup a record
+        plan: dict[type, tuple] = {}
+        plan_get = plan.get
         events = self.events
         publish = events.publish_replayed if defer_events else events.publish
-        pure = self._emit_pure if defer_events else frozenset()
         n = 0
         left = batch
         self.replaying = True
         try:
+            pending = events.pending
             for payload in payloads:
-                pending = events.pending
                 events.mark = len(pending)
                 for rec in decode(payload):
                     t = type(rec)
-                    fn = emit_get(t)
+                    step = plan_get(t)
+                    if step is None:
+                        step = plan[t] = (apply[t], emit_get(t), t in pure)
+                    fn = step[1]
                     if fn is None:
-                        apply[t](rec)
+                        step[0](rec)
                         continue
                     mark = len(pending)
-                    apply[t](rec)
-                    if t in pure and len(pending) == mark:
+                    step[0](rec)
+                    if step[2] and len(pending) == mark:
                         pending.append(rec)  # its event, derived if retention keeps it
                         continue
                     out = fn(rec)
@@ -469,6 +475,7 @@ class Coordinator:
                 if not left:
                     events.mark = 0
                     publish(0)
+                    pending = events.pending
                     left = batch
             events.mark = 0
             publish(0)

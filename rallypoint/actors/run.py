@@ -406,18 +406,35 @@ class Runs(Kind):
     # ================================================================ apply
     @applies(ScopeCreated)
     def _apply_created(self, r: ScopeCreated) -> None:
-        self.add(
-            ScopeState(
-                id=r.id,
-                space=r.space,
-                parent_id=r.parent_id,
-                name=r.name,
-                deadline_ms=r.deadline_ms,
-                child_limit=r.child_limit,
-                created_at_ms=r.at_ms,
-                group_id=r.group_id,
-            )
-        )
+        """:meth:`add` of the record's run, written out (the most common record: a
+        recovery replays it a million times; one frame instead of four, and a new run
+        is never remote). Same effects in the same order as ``add``."""
+        sid, space, parent_id, name = r.id, r.space, r.parent_id, r.name
+        self.table[sid] = ScopeState(sid, space, parent_id, name, r.deadline_ms, r.child_limit, r.at_ms,
+                                     group_id=r.group_id)
+        c = self.counts.get(space)
+        if c is None:
+            c = self.counts[space] = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
+        c["ACTIVE"] = c.get("ACTIVE", 0) + 1
+        coord = self.coord
+        if parent_id is None:
+            roots = self.roots.get(space)
+            if roots is None:
+                roots = self.roots[space] = {}
+            roots[sid] = None
+            if name is not None:
+                self.named_roots[(space, name)] = sid
+        else:
+            kids = self.children.get(parent_id)
+            if kids is None:
+                kids = self.children[parent_id] = {}
+            kids[sid] = None
+            self.table[parent_id].children += 1
+            coord.touch(parent_id)
+        if coord.track_dirty:
+            coord.dirty[sid] = None
+        if r.deadline_ms is not None:
+            coord.arm_wall(r.deadline_ms, self._on_deadline, (sid, r.deadline_ms), PRIO_RUN_DEADLINE)
 
     def completing_task(self, run_id: str):
         """The task that owns ``run_id`` if its worker completed it and it waits for the
