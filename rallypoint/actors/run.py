@@ -431,8 +431,7 @@ class Runs(Kind):
             kids[sid] = None
             self.table[parent_id].children += 1
             coord.touch(parent_id)
-        if coord.track_dirty:
-            coord.dirty[sid] = None
+        coord.touch(sid)
         if r.deadline_ms is not None:
             coord.arm_wall(r.deadline_ms, self._on_deadline, (sid, r.deadline_ms), PRIO_RUN_DEADLINE)
 
