@@ -28,6 +28,8 @@ directly is CONFLICT): see :mod:`rallypoint.actors.queue`.
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 
 from ..clock import to_iso
@@ -79,6 +81,7 @@ class ScopeState(msgspec.Struct, gc=False, omit_defaults=True):
 
 
 _REASON_OF_STATE = {"CANCELLED": "cancelled", "COMPLETED": "completed"}
+_intern = sys.intern
 
 
 def _purged_error(run_id: str, gone_id: str) -> ScopeCancelledError:
@@ -409,7 +412,8 @@ class Runs(Kind):
         """:meth:`add` of the record's run, written out (the most common record: a
         recovery replays it a million times; one frame instead of four, and a new run
         is never remote). Same effects in the same order as ``add``."""
-        sid, space, parent_id, name = r.id, r.space, r.parent_id, r.name
+        sid, parent_id, name = r.id, r.parent_id, r.name
+        space = _intern(r.space)  # one str per space, not one per run (56 bytes a run)
         self.table[sid] = ScopeState(sid, space, parent_id, name, r.deadline_ms, r.child_limit, r.at_ms,
                                      group_id=r.group_id)
         c = self.counts.get(space)
