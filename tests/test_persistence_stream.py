@@ -177,3 +177,19 @@ def test_stream_is_read_once(tmp_path):
     assert s.result.next_lsn == 4 and s.result.record_count == 3
     with pytest.raises(RuntimeError):
         list(s.iter_payloads())
+
+
+def test_an_abandoned_stream_unmaps_its_segment(tmp_path):
+    """A replay that stops part-way (an apply raised) leaves no segment mapped: the
+    torn-tail cut or a repair may shorten the file next."""
+    import gc
+    import mmap
+
+    make_journal(tmp_path, 50)
+    s = JournalStream(tmp_path, 0)
+    it = s.batches()
+    next(it)
+    maps = [o for o in gc.get_objects() if type(o) is mmap.mmap and not o.closed]
+    assert maps  # the segment is mapped while it is read
+    it.close()
+    assert all(m.closed for m in maps)

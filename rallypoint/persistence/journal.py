@@ -132,6 +132,7 @@ import logging
 import os
 import re
 import math
+import mmap
 import struct
 import time
 from dataclasses import dataclass, field
@@ -2011,6 +2012,23 @@ def _validate_collect(data: bytes, mv: memoryview, lsn: int, after_lsn: int, off
     return off, lsn, start, None, False, False
 
 
+def _map_segment(f) -> "bytes | mmap.mmap":
+    """The segment file ``f`` mapped read-only, its pages populated at once (no copy,
+    no page fault a page); ``b""`` when empty. Only while the data-dir lock is held:
+    a file shortened under a mapping would fault the process. Close with
+    :func:`_unmap`."""
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+        return b""
+    return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                     prot=mmap.PROT_READ)
+
+
+def _unmap(data) -> None:
+    if type(data) is mmap.mmap:
+        data.close()
+
+
 def _payloads_between(data: bytes, off: int, end: int) -> list[bytes]:
     """The payloads of the (already validated) records in ``data[off:end]``."""
     out = []
@@ -2162,15 +2180,20 @@ def _analyse_gen(data_dir: str | os.PathLike[str], after_lsn: int, collect: bool
 
     for idx, (first, path) in enumerate(relevant):
         with open(path, "rb") as f:
-            data = f.read()
+            if collect:  # mapped, not copied: the stream reads each byte once
+                data = _map_segment(f)
+            else:
+                data = f.read()
         if expected is not None and first != expected:
             prev = infos[-1].path if infos else path
             records_present = records_present or bool(data)
+            _unmap(data)
             return result(_Problem(
                 "gap", idx, path, 0,
                 f"missing segment: {prev.name} ends before LSN {expected} but the next "
                 f"segment starts at LSN {first}", expected, (expected, first - 1)), expected)
         if expected is None and first > after_lsn + 1 and data:
+            _unmap(data)
             records_present = True
             return result(_Problem(
                 "start_gap", idx, path, 0,
@@ -2182,14 +2205,19 @@ def _analyse_gen(data_dir: str | os.PathLike[str], after_lsn: int, collect: bool
             records_present = True
         if collect:
             mv = memoryview(data)
-            off, lsn, first_off, more = 0, first, -1, True
-            while more:
-                batch: list[bytes] = []
-                off, lsn, first_off, problem, definite, more = _validate_collect(
-                    data, mv, lsn, after_lsn, off, first_off, batch, STREAM_BATCH)
-                if batch:
-                    yield batch
-            del mv
+            problem = None
+            try:
+                off, lsn, first_off, more = 0, first, -1, True
+                while more:
+                    batch: list[bytes] = []
+                    off, lsn, first_off, problem, definite, more = _validate_collect(
+                        data, mv, lsn, after_lsn, off, first_off, batch, STREAM_BATCH)
+                    if batch:
+                        yield batch
+            finally:
+                mv.release()
+                mapped, data = data, (data[:] if problem is not None else b"")  # (damage: looked at below)
+                _unmap(mapped)
             if problem is None or lsn > after_lsn:  # what _validate_segment's first case returns
                 info = SegmentInfo(path, first, lsn - 1, off, first_off)
                 nxt, plsn, cov = lsn, lsn, None
