@@ -93,8 +93,8 @@ MUTANTS = [
     ),
     Mutant(
         "replay-from-snapshot-lsn", "rallypoint/persistence/recovery.py",
-        "scan = scan_journal(d, after_lsn=snapshot_lsn)",
-        "scan = scan_journal(d, after_lsn=max(0, snapshot_lsn - 1))",
+        "JournalStream(d, snapshot_lsn)",
+        "JournalStream(d, max(0, snapshot_lsn - 1))",
         "recovery replays the record at the snapshot's LSN on top of the snapshot (applied twice)",
     ),
     Mutant(
