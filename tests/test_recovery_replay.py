@@ -287,3 +287,41 @@ def test_a_wrongly_pure_event_source_is_caught():
     log2.recovered(lambda rec: Entry("s", "scope.created", "scope", rec.id, rec.id, 0))
     (e,) = log2.streams["s"].entries
     assert e.seq == 1 and e.id == "scp_1"
+
+
+def test_scope_createds_written_out_apply_equals_add():
+    """``Runs._apply_created`` is :meth:`Runs.add` written out (the most common record,
+    replayed a million times in a recovery): for roots, named roots, children and runs
+    with deadlines it leaves exactly what ``add`` of the same run leaves -- the tables,
+    counts, tree, names, dirty ids and armed deadlines -- so the two cannot drift."""
+    from rallypoint.actors.run import ScopeState
+    from rallypoint.records import ScopeCreated
+
+    async def main():
+        a, b = Coordinator(durability="interval"), Coordinator(durability="interval")
+        now = a.now_ms()
+        recs = [ScopeCreated(id="scp_root1", space="default", parent_id=None, name="r", deadline_ms=None,
+                             child_limit=10, at_ms=now),
+                ScopeCreated(id="scp_root2", space="other", parent_id=None, name=None, deadline_ms=now + 5000,
+                             child_limit=3, at_ms=now),
+                ScopeCreated(id="scp_kid1", space="default", parent_id="scp_root1", name=None,
+                             deadline_ms=now + 1000, child_limit=2, at_ms=now, group_id="grp_x"),
+                ScopeCreated(id="scp_kid2", space="default", parent_id="scp_kid1", name="k", deadline_ms=None,
+                             child_limit=1, at_ms=now)]
+        for r in recs:
+            a.runs._apply_created(r)
+            b.runs.add(ScopeState(id=r.id, space=r.space, parent_id=r.parent_id, name=r.name,
+                                  deadline_ms=r.deadline_ms, child_limit=r.child_limit, created_at_ms=r.at_ms,
+                                  group_id=r.group_id))
+
+        def seen(c):
+            runs = c.runs
+            return ({k: msgspec.structs.asdict(v) for k, v in runs.table.items()}, runs.counts, runs.roots,
+                    runs.named_roots, runs.children, list(c.dirty_ids()),
+                    # (the due instants: each coordinator's own clock turns the deadline into Trio time)
+                    sorted((prio, f.__name__, arg) for _d, prio, _s, f, arg in c.heap.entries()))
+
+        assert seen(a) == seen(b)
+        assert len(seen(a)[6]) == 2  # the two deadlines armed
+
+    trio.run(main)
