@@ -384,21 +384,28 @@ class SimDisk(Disk):
 
     def crash(self, machine: bool) -> int:
         """Freeze the disk and cut the journal like a crash would. Returns the last LSN
-        the cut leaves intact (every LSN up to it survives, none after it)."""
+        the cut leaves intact (every LSN up to it survives, none after it).
+
+        A record survives when it was written whole and its bytes on disk after the cut
+        are the ones written: the cut is judged by the bytes, not by the offset, since
+        a cut inside a record's trailing zero bytes, followed by the zeros of a durable
+        file size, leaves that record exactly as written (seed 25723: recovery kept it,
+        rightly, and an offset rule called that a violation)."""
         self.crashed = True
         if self.stopped is not None:
             self.stopped.set()
         rng = self.rng
-        damage: dict[int, int] = {}  # segment first LSN -> first damaged byte offset
+        written: dict[int, int] = {}  # segment first LSN -> end of what was written whole
+        changed: dict[int, tuple[int, bytes, bytes]] = {}  # first LSN -> (durable, before, after)
         for first, path in list_segments(self.data_dir):
             st = path.stat()
             size = st.st_size
             f = self.files.get(st.st_ino)
             clean = size if f is None else min(f.clean, size)
-            bad = size if f is None else min(size, f.data_end)  # (past it: preallocated zeros)
+            written[first] = size if f is None else min(size, f.data_end)  # (past it: preallocated zeros)
             if machine and size > clean:
+                before = path.read_bytes()
                 keep = clean + rng.randint(0, size - clean)
-                bad = min(bad, keep)
                 with open(path, "r+b") as fh:
                     fh.truncate(keep)
                     if keep > clean and rng.random() < 0.3:  # the last bytes kept are damaged
@@ -407,15 +414,14 @@ class SimDisk(Disk):
                         old = fh.read(n)
                         fh.seek(keep - n)
                         fh.write(bytes(b ^ rng.randint(1, 255) for b in old))
-                        bad = min(bad, keep - n)
                     durable_size = f.size if f is not None else 0
                     if durable_size > keep:  # the size was durable: zeros where the writes went
                         fh.truncate(durable_size)
                     elif rng.random() < 0.2:  # a run of zeros past the end (delayed allocation)
                         fh.seek(0, 2)
                         fh.write(b"\0" * rng.randint(1, 200))
+                changed[first] = (clean, before, path.read_bytes())
                 self.log.append(f"machine crash: {path.name} cut from {size} to {keep} bytes (durable {clean})")
-            damage[first] = bad
         # which LSNs survive: contiguous from the start; a segment deleted by a snapshot's
         # truncation held only records below the snapshot (they count as surviving); a
         # segment never created holds nothing
@@ -424,8 +430,11 @@ class SimDisk(Disk):
             loc = self.layout[lsn]
             if lsn != last + 1 and last != 0:
                 break
-            if loc.seg_first in damage:
-                if loc.end > damage[loc.seg_first]:
+            if loc.seg_first in written:
+                if loc.end > written[loc.seg_first]:
+                    break
+                cut = changed.get(loc.seg_first)
+                if cut is not None and loc.end > cut[0] and cut[1][loc.start:loc.end] != cut[2][loc.start:loc.end]:
                     break
             elif loc.seg_first not in self.created:
                 break
