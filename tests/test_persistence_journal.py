@@ -337,3 +337,36 @@ def test_append_cost_is_small(tmp_path):
     assert per < 50e-6, per  # typically ~1-2 us; generous bound for slow CI
     trio.run(j.aclose)
     assert scan_journal(tmp_path, 0).record_count == n
+
+
+async def test_an_interval_fsync_armed_for_what_another_sync_covered_is_disarmed(tmp_path, autojump_clock):
+    """interval durability: when a sync asked for another reason (the re-ask when an
+    answer comes, a roll's) already covers what the interval's fdatasync was armed for,
+    the flusher disarms it. It kept the deadline, past from then on, so every wait for
+    work ended at once and the flusher looped without ever yielding: the event loop,
+    the daemon, hung at 100 % CPU (the simulator's seed 12625, interval mode with slow
+    fsyncs). Here the race is set up directly: synced, then the deadline armed."""
+    j = Journal(tmp_path, mode="interval", next_lsn=1, interval_ms=100)
+    rounds = 0
+    take = j._take
+
+    def counted():  # a spinning flusher fails the journal instead of hanging the test
+        nonlocal rounds
+        rounds += 1
+        if rounds > 10_000:
+            raise RuntimeError("the flusher loops without yielding")
+        return take()
+
+    j._take = counted
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        lsn = j.append(b"x")
+        await j.wait_synced(lsn)  # written and synced: nothing is left for an interval fsync
+        j._next_sync_at = trio.current_time() + 0.05  # ... armed for it all the same (the race)
+        j._kick()
+        await trio.sleep(1)  # (virtual) the deadline passes
+        assert j.failed is None and j._next_sync_at is None and rounds < 100
+        lsn = j.append(b"y")
+        await j.wait_synced(lsn)
+        await j.aclose()
+    assert [r for _, r in read_journal(tmp_path, 0)] == [b"x", b"y"]

@@ -47,6 +47,9 @@ REGRESSION_SEEDS = {
     4552: "a command arriving as the root nursery closed got Trio's RuntimeError (the bug of 122, in today's schedules)",
     4333: "a run's deadline falling in a full-disk window fired up to a second after the window ended (the "
           "refused activity waited for its retry_after; now the journal's lift releases it at once)",
+    12625: "interval durability: an fsync asked for on an answer covered what the interval's was armed for; "
+           "the armed deadline, past, ended every wait for work at once and the flusher looped without "
+           "yielding (the node hung at 100 % CPU)",
     # a bug of the simulator's own checks, not of the server: a machine crash cut inside
     # a record's trailing zero bytes and the durable file size put zeros back, so the
     # record was on disk exactly as written; recovery kept it (rightly) and the offset

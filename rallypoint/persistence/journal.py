@@ -1477,6 +1477,11 @@ class Journal:
                             self._request(self._key, written)  # type: ignore[arg-type]
                         else:
                             self._want_sync()
+                elif self._next_sync_at is not None:
+                    # a sync asked for meanwhile (a forced one, a roll's) covers what the
+                    # interval's was armed for: disarm it, or its past deadline would end
+                    # every wait for work at once and this loop would spin without yielding
+                    self._next_sync_at = None
                 if force and written <= self._synced_lsn and not self._outstanding:
                     self._on_progress(self._durable_lsn, self._synced_lsn)  # nothing to sync
                 if stop:
