@@ -648,3 +648,29 @@ async def test_an_entity_that_does_not_decode_is_a_corrupt_snapshot(tmp_path):
     with pytest.raises(SnapshotCorruptError, match="does not decode"):
         async with rallypoint.open_embedded(str(tmp_path)):
             pass
+
+
+async def test_a_stalls_lease_extension_refused_for_a_full_disk_is_owed_and_journaled_first(tmp_path):
+    """A stall's lease extension that the journal refuses (a full disk) is not lost and
+    does not escape the batch's start: it is owed, and journaled first thing when writes
+    are accepted again, before the expiries held meanwhile are tried (they are then
+    stale). It used to raise out of the batch's start -- the extension lost and, in the
+    activity heap's task, that task ended: a claim stayed HELD seconds past its lease
+    (the simulator's seed 12915)."""
+    disk = FaultyDisk()
+    async with faulty_node(tmp_path, disk) as rs:
+        coord = rs.node.coordinator
+        run = await rs.scopes.create(name="s")
+        lease = await run.claims.acquire("k", lease_seconds=30, holder="w1")
+        c = next(c for c in coord.claims.table.values() if c.state == "HELD")
+        expires = c.lease_expires_ms
+        await fill_disk(rs, disk, 50_000)
+        coord._on_stall(6.0)  # refused: owed, not raised
+        assert coord._stall_owed_ms == 6000 and c.lease_expires_ms == expires
+        disk.free = BIG
+        await coord.journal.wait_writable()
+        assert coord._stall_owed_ms == 0 and c.lease_expires_ms == expires + 6000
+        assert (await lease.status()).state == "HELD"
+    async with rallypoint.open_embedded(str(tmp_path)) as rs:  # the extension was journaled
+        c = next(c for c in rs.node.coordinator.claims.table.values() if c.key == "k")
+        assert c.lease_expires_ms >= expires + 6000

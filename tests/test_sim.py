@@ -50,6 +50,9 @@ REGRESSION_SEEDS = {
     12625: "interval durability: an fsync asked for on an answer covered what the interval's was armed for; "
            "the armed deadline, past, ended every wait for work at once and the flusher looped without "
            "yielding (the node hung at 100 % CPU)",
+    12915: "a stall's lease extension refused for a full disk raised out of the batch's start: lost, and the "
+           "activity heap's task ended (a claim stayed HELD past its lease); now owed and journaled first "
+           "when writes resume",
     # a bug of the simulator's own checks, not of the server: a machine crash cut inside
     # a record's trailing zero bytes and the durable file size put zeros back, so the
     # record was on disk exactly as written; recovery kept it (rightly) and the offset

@@ -151,6 +151,9 @@ class Coordinator:
         #: are journaled as ONE entry with the step's stored answer (:meth:`_handle_keyed`)
         self._deferred: list | None = None
         self.stalls = 0
+        #: a stall's lease extension the journal refused (a full disk), ms: owed, and
+        #: journaled first thing once writes are accepted again (:meth:`_writable_again`)
+        self._stall_owed_ms = 0
         self._to_flush: set = set()
         self.last_seen = 0.0
         #: every space's event stream (derived from the records: see rallypoint.events)
@@ -779,7 +782,27 @@ class Coordinator:
         if self.leases_outstanding():
             by_ms = int(gap_s * 1000)
             log.warning("event loop stalled for %.1f s: outstanding leases extended by that", gap_s)
-            self.commit([LeasesExtended(by_ms=by_ms, at_ms=self.now_ms(), reason="stall")])
+            try:
+                self.commit([LeasesExtended(by_ms=by_ms + self._stall_owed_ms, at_ms=self.now_ms(), reason="stall")])
+                self._stall_owed_ms = 0
+            except UnavailableError:
+                # Refused (a full disk: nothing applied). The expiries it is owed to are
+                # refused too, and held; the extension is journaled before them as soon as
+                # writes are accepted again. (Raising here lost it, and out of a batch's
+                # start it ended the activity heap's task: the simulator's seed 12915.)
+                self._stall_owed_ms += by_ms
+
+    def _writable_again(self) -> None:
+        """The journal accepts writes again: first a stall's lease extension that was
+        refused, then every activity the heap held (:meth:`ActivityHeap.release_held`)."""
+        owed = self._stall_owed_ms
+        if owed:
+            try:
+                self.commit([LeasesExtended(by_ms=owed, at_ms=self.now_ms(), reason="stall")])
+            except UnavailableError:
+                return  # refused again (another cause still holds): at the next lift
+            self._stall_owed_ms = 0
+        self.heap.release_held()
 
     def extend_leases_after_restart(self, gap_ms: int) -> int:
         """Recovery: the server could not hear renewals for ``gap_ms`` (it was down):
@@ -831,7 +854,7 @@ class Coordinator:
 
         listen = getattr(self.journal, "add_writable_listener", None)
         if listen is not None:  # what was refused for a full disk is retried as space is back
-            listen(self.heap.release_held)
+            listen(self._writable_again)
         try:
             async with fatal_unwrapped(), trio.open_nursery() as nursery:
                 await nursery.start(journal_task)
