@@ -27,8 +27,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys, time
+    import json, os, signal, sys, time
     url, mailbox, run_id, marker, mode, drain = sys.argv[1:7]
+    # Ctrl-C as in a terminal, however the suite was started: a process started in the
+    # background by a non-interactive shell (`cmd &`, nohup) inherits SIGINT ignored,
+    # and Python then leaves it ignored (the second SIGINT did nothing: a 30 s time-out)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def say(line):  # one write: lines from two handler threads never interleave
         sys.stdout.write(line + "\\n")
