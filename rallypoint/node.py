@@ -364,8 +364,7 @@ class Snapshotter:
                     final = coord.take_dirty()
                     t_final = time.perf_counter()
                     try:
-                        last = self._encode(final[0] if len(final) == 1 else itertools.chain.from_iterable(final),
-                                            tables)
+                        last = self._encode(itertools.chain.from_iterable(final), tables)
                         lsn = journal.last_lsn  # the cut: every entity encoded is at this LSN
                         events, ev_done = cut.finish(last)  # the events of every commit <= lsn
                     except BaseException:

@@ -780,29 +780,33 @@ class Coordinator:
     def _on_stall(self, gap_s: float) -> None:
         self.stalls += 1
         if self.leases_outstanding():
-            by_ms = int(gap_s * 1000)
             log.warning("event loop stalled for %.1f s: outstanding leases extended by that", gap_s)
-            try:
-                self.commit([LeasesExtended(by_ms=by_ms + self._stall_owed_ms, at_ms=self.now_ms(), reason="stall")])
-                self._stall_owed_ms = 0
-            except UnavailableError:
-                # Refused (a full disk: nothing applied). The expiries it is owed to are
-                # refused too, and held; the extension is journaled before them as soon as
-                # writes are accepted again. (Raising here lost it, and out of a batch's
-                # start it ended the activity heap's task: the simulator's seed 12915.)
-                self._stall_owed_ms += by_ms
+            # Owed until journaled: a full disk refuses the record (nothing applied), and
+            # the expiries it is owed to are refused too, and held; it is then journaled
+            # before them as soon as writes are accepted again. (Raising here lost it,
+            # and out of a batch's start it ended the activity heap's task: the
+            # simulator's seed 12915.)
+            self._stall_owed_ms += int(gap_s * 1000)
+            self._journal_owed_extension()
 
-    def _writable_again(self) -> None:
-        """The journal accepts writes again: first a stall's lease extension that was
-        refused, then every activity the heap held (:meth:`ActivityHeap.release_held`)."""
+    def _journal_owed_extension(self) -> bool:
+        """Journal the stall extension owed (one ``LeasesExtended``), if any; False when
+        the journal refuses it (it stays owed)."""
         owed = self._stall_owed_ms
         if owed:
             try:
                 self.commit([LeasesExtended(by_ms=owed, at_ms=self.now_ms(), reason="stall")])
             except UnavailableError:
-                return  # refused again (another cause still holds): at the next lift
+                return False
             self._stall_owed_ms = 0
-        self.heap.release_held()
+        return True
+
+    def _writable_again(self) -> None:
+        """The journal accepts writes again: first a stall's lease extension that was
+        refused, then every activity the heap held (:meth:`ActivityHeap.release_held`);
+        if the extension is refused again (another cause still holds), at the next lift."""
+        if self._journal_owed_extension():
+            self.heap.release_held()
 
     def extend_leases_after_restart(self, gap_ms: int) -> int:
         """Recovery: the server could not hear renewals for ``gap_ms`` (it was down):

@@ -1896,16 +1896,10 @@ class ScanResult:
     def iter_payloads(self) -> Iterator[bytes]:
         """The payloads of :meth:`iter_records` alone (recovery's replay: no tuple per
         record)."""
-        unpack = _HDR.unpack_from
         for seg in self.segments:
             with open(seg.path, "rb") as f:
                 data = f.read(seg.end_offset)
-            off = seg.start_offset
-            end = seg.end_offset
-            while off < end:
-                b = off + HEADER_SIZE
-                off = b + unpack(data, off)[0]
-                yield data[b:off]
+            yield from _payloads_between(data, seg.start_offset, seg.end_offset)
 
     def __len__(self) -> int:
         return self.record_count
@@ -1950,46 +1944,24 @@ def _validate(data: bytes, lsn: int, after_lsn: int, off: int = 0) -> tuple[int,
     when the rest of the buffer is good; ``definite`` is True when the problem cannot be
     a torn write (a record with a valid CRC but the wrong LSN).
     """
-    size = len(data)
-    mv = memoryview(data)
-    unpack = _HDR.unpack_from
-    start = -1
-    limit = size - HEADER_SIZE
-    while off <= limit:
-        n, crc, rlsn = unpack(data, off)
-        end = off + HEADER_SIZE + n
-        if end > size or n > MAX_PAYLOAD:
-            return off, lsn, (off if start < 0 else start), (
-                f"record header at LSN {lsn} claims {n} payload bytes past the end of the file"), False
-        if crc32(mv[off + 8:end]) != crc:
-            return off, lsn, (off if start < 0 else start), f"bad CRC in the record expected to be LSN {lsn}", False
-        if rlsn != lsn:
-            return off, lsn, (off if start < 0 else start), f"LSN gap: expected LSN {lsn}, found {rlsn}", True
-        if start < 0 and rlsn > after_lsn:
-            start = off
-        lsn += 1
-        off = end
-    if start < 0:
-        start = off
-    if off != size:
-        return off, lsn, start, f"{size - off} trailing bytes: a truncated record header", False
-    return off, lsn, start, None, False
+    return _validate_collect(data, memoryview(data), lsn, after_lsn, off, -1, None, 0)[:5]
 
 
 def _validate_collect(data: bytes, mv: memoryview, lsn: int, after_lsn: int, off: int, start: int,
-                      out: list, limit: int) -> tuple[int, int, int, str | None, bool, bool]:
+                      out: list | None, limit: int) -> tuple[int, int, int, str | None, bool, bool]:
     """:func:`_validate` that also appends the payload of every record with LSN >
     ``after_lsn`` to ``out`` as it checks it (one pass: the replay's read), stopping
-    after ``limit`` payloads. ``start`` is the offset of the first such record found so
-    far (-1: none yet).
+    after ``limit`` payloads (``out`` None: it collects nothing and never stops early).
+    ``start`` is the offset of the first such record found so far (-1: none yet).
 
     Returns ``(good_end, next_lsn, start_offset, problem, definite, more)``: the first
     five as :func:`_validate` (``start_offset`` is -1 while ``more``); ``more`` is True
     when it stopped at ``limit`` with bytes left (call again from ``good_end``)."""
     size = len(data)
     unpack = _HDR.unpack_from
-    append = out.append
-    limit_lsn = lsn + limit if lsn > after_lsn else after_lsn + 1 + limit
+    collect = out is not None
+    append = out.append if collect else None
+    limit_lsn = (lsn + limit if lsn > after_lsn else after_lsn + 1 + limit) if collect else -1  # (-1: never)
     end_hdr = size - HEADER_SIZE
     while off <= end_hdr:
         n, crc, rlsn = unpack(data, off)
@@ -2005,7 +1977,8 @@ def _validate_collect(data: bytes, mv: memoryview, lsn: int, after_lsn: int, off
         if rlsn > after_lsn:
             if start < 0:
                 start = off
-            append(data[b:end])
+            if collect:
+                append(data[b:end])
         lsn += 1
         off = end
         if lsn == limit_lsn and off < size:
@@ -2034,15 +2007,13 @@ def _unmap(data) -> None:
         data.close()
 
 
-def _payloads_between(data: bytes, off: int, end: int) -> list[bytes]:
+def _payloads_between(data: bytes, off: int, end: int) -> Iterator[bytes]:
     """The payloads of the (already validated) records in ``data[off:end]``."""
-    out = []
     unpack = _HDR.unpack_from
     while off < end:
         b = off + HEADER_SIZE
         off = b + unpack(data, off)[0]
-        out.append(data[b:off])
-    return out
+        yield data[b:off]
 
 
 def _find_valid(data: bytes, from_off: int, lsns) -> tuple[int, int] | None:
@@ -2229,7 +2200,7 @@ def _analyse_gen(data_dir: str | os.PathLike[str], after_lsn: int, collect: bool
             else:  # damage in records the snapshot holds: nothing was handed out yet
                 info, nxt, problem, definite, plsn, cov = _validate_segment(data, first, path, after_lsn)
                 if info.start_offset < info.end_offset:
-                    yield _payloads_between(data, info.start_offset, info.end_offset)
+                    yield list(_payloads_between(data, info.start_offset, info.end_offset))
         else:
             info, nxt, problem, definite, plsn, cov = _validate_segment(data, first, path, after_lsn)
         if cov is not None:
