@@ -133,7 +133,11 @@ async def check_nothing_pending(rs, top, sites) -> int:
     for c in checked[0][0].children:  # each site task's own run has a "pages" set
         run_id = (await rs.task(c.child_id).status()).run_id
         if run_id is not None:
-            checked.append((await (await rs.scope(run_id).join_sets.by_name("pages")).status(), c.child_id))
+            try:
+                pages = await rs.scope(run_id).join_sets.by_name("pages")
+            except rallypoint.NotFoundError:
+                continue  # cancelled after its run was made, before it made its set: nothing there
+            checked.append((await pages.status(), c.child_id))
     for js_st, owner in checked:
         sets += 1
         if js_st.state != "CLOSED" or not js_st.submitted == js_st.finished == js_st.consumed:

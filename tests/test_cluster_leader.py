@@ -215,8 +215,9 @@ async def test_losing_the_leader_key_cancels_the_block_promptly(etcd, cluster_na
         await election.bootstrap(["a"])
         with pytest.raises(LeadershipLostError) as info, trio.fail_after(2):
             async with election.campaign(node("a")) as la:
-                await client.lease_revoke(la.lease_id)  # an operator, or etcd expiring it
+                # (taken before: the watch may end the block while the revoke still waits for its answer)
                 revoked_at = trio.current_time()
+                await client.lease_revoke(la.lease_id)  # an operator, or etcd expiring it
                 await trio.sleep_forever()
         assert trio.current_time() - revoked_at < 0.5  # the watch saw it, not the fence deadline
         assert "leader key was deleted" in info.value.reason or "lease expired" in info.value.reason
