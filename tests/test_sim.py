@@ -37,10 +37,9 @@ REGRESSION_SEEDS = {
     3974: "a fail-stop inside a parked waiter's re-check was answered INTERNAL and the node went on",
     127: "a cancel while a segment roll waited for its fsync took away the reader of the sync answers: the "
          "shutdown hung (the production flusher under the simulator, issue 28 item 4)",
-    # not a new bug: since the mailbox-defaults ops (mailbox.declare) no seed of 0-9,999
-    # reaches 2294's (requests arriving as a clean stop begins: ~1 seed in 10,000-20,000);
-    # this one does (the found-journal-closed-first mutant, pinned=)
-    27394: "clean shutdown: an actor committed after the journal closed (the bug of seed 2294, in today's schedules)",
+    # not a new bug: a seed of today's schedules that reaches 2294's (a busy clean stop;
+    # the found-journal-closed-first mutant, pinned=)
+    221: "clean shutdown: an actor committed after the journal closed (the bug of seed 2294, in today's schedules)",
     # not new bugs either: the first seeds of 0-9,999 that catch the found-* mutants
     # past the default run's 2,000 (scripts/mutate_sim.py pins them)
     3537: "a fail-stop inside a parked waiter's re-check was answered INTERNAL (the bug of 3974, in today's schedules)",
@@ -143,9 +142,11 @@ def test_every_kind_and_fault_is_exercised():
             faults.add("apply")
         if prof.wide:
             faults.add("wide")
+        if prof.busy_stop:
+            faults.add("busy-stop")
     assert set(sim.OPS) <= ops
     assert crashes == {"process", "machine", "clean"}
-    assert faults == {"fsync", "write", "apply", "wide"}
+    assert faults == {"fsync", "write", "apply", "wide", "busy-stop"}
 
 
 def test_fail_stop_is_checked(monkeypatch):
@@ -227,3 +228,49 @@ def test_the_cli_runs_without_runpy_warning():
     out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "rallypoint.testing.sim", "--seed", "3"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and "RuntimeWarning" not in out.stderr, out.stderr
+
+
+def _mutate_sim():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import mutate_sim
+    finally:
+        sys.path.pop(0)
+    return mutate_sim
+
+
+def test_every_mutant_still_applies_to_todays_code():
+    """Each mutant's snippet occurs exactly once in its file: a refactor that changes a
+    mutated line must bring its mutant up to date (``skip-stall-extension`` silently
+    stopped applying once; the mutation run then stopped half-way)."""
+    ms = _mutate_sim()
+    stale = []
+    for m in ms.MUTANTS:
+        with open(os.path.join(ROOT, m.path)) as f:
+            n = f.read().count(m.old)
+        if n != 1:
+            stale.append(f"{m.name}: {n} occurrences in {m.path}")
+    assert not stale, stale
+
+
+def test_a_busy_clean_stop_catches_a_commit_after_the_journal_closed(tmp_path):
+    """``found-journal-closed-first`` (the journal cancelled with the actors on a clean
+    stop, not after them): a request landing as the shutdown cancels the actors is
+    applied in memory, then refused by the closed journal (UNAVAILABLE). The client
+    learns nothing wrong; the clean-stop replay check sees memory the journal never got.
+    The seed's profile has a busy stop (requests landing at every time step of a clean
+    stop); on today's code it passes."""
+    ms = _mutate_sim()
+    mutant = next(m for m in ms.MUTANTS if m.name == "found-journal-closed-first")
+    seed = mutant.pinned[0]
+    prof, steps = sim.generate(seed)
+    assert prof.busy_stop and (prof.final == "clean" or any(s[:2] == ("crash", "clean") for s in steps))
+    assert run_seed(seed).ok
+    ms.apply(mutant, str(tmp_path))
+    code = ("import sys; from rallypoint.testing.sim import run_seed; r = run_seed(int(sys.argv[1])); "
+            "print(r.headline())")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PYTHONHASHSEED="0")
+    out = subprocess.run([sys.executable, "-c", code, str(seed)], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "[replay]" in out.stdout and "after a clean stop" in out.stdout, out.stdout

@@ -35,9 +35,11 @@ The invariants (a failing one names itself; see ``docs/testing.md``):
   journal prefix: what a crash now would recover) -- so no acknowledged change is lost
   and nothing a client saw can be taken back; facts are re-checked after every step
   and after every restart;
-- **replay**: the live state always equals a replay of its journal; after a restart the
-  recovered state (snapshot + tail) equals a replay of exactly the records the crash
-  left intact (computed from the disk model, independently of the recovery code);
+- **replay**: the live state always equals a replay of its journal; after a clean stop
+  the stopped node's memory equals a replay of everything it journaled (nothing applied
+  after the journal closed); after a restart the recovered state (snapshot + tail)
+  equals a replay of exactly the records the crash left intact (computed from the disk
+  model, independently of the recovery code);
 - **audit**: every journal record is checked against the state before it: fencing
   (the token, a live lease), decide-once (a group finalizes once, a timer fires once),
   timing (nothing fires early; a lease never expires before the time owed to it after
@@ -60,6 +62,7 @@ The invariants (a failing one names itself; see ``docs/testing.md``):
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
@@ -101,6 +104,8 @@ DEFAULT_STEPS = 40
 #: after the last step: every request is answered within this after it was sent (a wait
 #: is <= 15 s here; a slow disk, a network delay and a restart add to it), seconds
 DRAIN_S = 40.0
+#: requests a busy stop sends (:attr:`Profile.busy_stop`), at most, per clean stop
+BUSY_STOP_REQUESTS = 40
 #: a schedule that needs more time steps than this is stuck (a guard, not a limit in use)
 MAX_MICRO_STEPS = 200_000
 
@@ -123,6 +128,10 @@ class Profile:
     wide: bool
     final: str  # how the schedule's last restart happens: clean, process, machine
     quantum: float  # time advances by at least this much at once, seconds
+    #: clients keep sending while a clean stop runs: a request lands with every time step
+    #: of the stop, the last one (the actors' cancel) included -- requests arriving as a
+    #: SIGTERM's shutdown begins
+    busy_stop: bool = False
 
     def describe(self) -> str:
         f = self.faults
@@ -136,6 +145,8 @@ class Profile:
             bits.append(f"apply#{self.apply_fault_at}{' of ' + self.apply_fault_type if self.apply_fault_type else ''} raises")
         if self.wide:
             bits.append("wide")
+        if self.busy_stop:
+            bits.append("busy-stop")
         bits.append(f.describe())
         return " ".join(bits)
 
@@ -186,10 +197,13 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS) -> tuple[Profile, list[tup
     wrng = random.Random(f"rallypoint-sim:weights:{seed}")
     emphasis = {k.name: wrng.choice((0.3, 1.0, 1.0, 2.5)) for k in KINDS}
     weights = {name: w * emphasis[kind] for name, (kind, w, _) in OPS.items()}
+    # (a source of its own: the profiles and steps of the seeds drawn before it stay)
+    busy_stop = random.Random(f"rallypoint-sim:busy-stop:{seed}").random() < 0.5
     prof = Profile(
         mode=mode, clients=clients, delays=delays, weights=weights, faults=faults, apply_fault_at=apply_fault_at,
         apply_fault_type=apply_fault_type,
         snapshot_every_records=snap_records, snapshot_every_s=snap_s, wide=wide, final=final, quantum=quantum,
+        busy_stop=busy_stop,
     )
     rng = random.Random(f"rallypoint-sim:steps:{seed}")
     names = list(weights)
@@ -596,6 +610,8 @@ class Sim:
         self.micro_steps = 0
         self.drain_from = 0.0
         self.mono_stop: int | None = None
+        self.stop_rng = random.Random(f"rallypoint-sim:busy-stop:ops:{seed}")
+        self.stop_sent = 0
 
     # ----------------------------------------------------------------- tracing
     def trace(self, text: str) -> None:
@@ -768,7 +784,10 @@ class Sim:
             self.mono_stop = coord.mono_ms()
             if how == "clean":
                 inc.stop_clean.set()
+                self.stop_sent = 0
                 while not inc.done.is_set():
+                    if self.profile.busy_stop:
+                        self._send_as_time_steps(self._next_step(5.0))
                     await self._advance_once(5.0)
                 self.mono_stop = coord.mono_ms()  # it heard renewals until it stopped
             else:
@@ -793,6 +812,14 @@ class Sim:
         elif what == "error":
             if not self._injected_disk_error(exc):
                 raise Violation("crash", f"the node stopped with an unexpected error: {exc!r}", self.step_no)
+        elif what == "clean" and coord is not None and coord.failed is None and self.mirror is not None:
+            # a clean stop flushed every entry; what the node held in memory then is exactly
+            # their replay (a commit applied after the journal closed is memory the journal
+            # never got: the actors must stop before the journal does)
+            msg = self._replay_differs(coord)
+            if msg:
+                raise Violation("replay", f"after a clean stop the node's memory differs from a replay of its "
+                                          f"journal at {msg}", self.step_no)
         for cs in list(inc.calls):
             cs.cancel()
         for scope in inc.wire_scopes:  # connections to a stopped node close
@@ -914,13 +941,14 @@ class Sim:
         return self.fact_owner[f[0]].check_fact(coord, f)
 
     # ----------------------------------------------------------------- requests
-    async def request(self, client: _Client, op, label: str = ""):
-        """Send ``op`` from ``client`` (after its network delay, in its order); returns
-        (view, error) once the reply is released, or (None, None) if it was lost."""
+    async def request(self, client: _Client, op, label: str = "", at: float | None = None):
+        """Send ``op`` from ``client`` (after its network delay, or to land at virtual time
+        ``at``; in its order); returns (view, error) once the reply is released, or
+        (None, None) if it was lost."""
         rid = self.next_rid
         self.next_rid += 1
         now = trio.current_time()
-        at = max(client.last_deliver, now + client.rng.choice(client.delays))
+        at = max(client.last_deliver, now + client.rng.choice(client.delays) if at is None else at)
         client.last_deliver = at
         req = _Req(rid, client.idx, op, now, label)
         self.pending[rid] = req
@@ -1047,11 +1075,15 @@ class Sim:
         self.micro_steps += 1
         if self.micro_steps > MAX_MICRO_STEPS:
             raise Violation("liveness", f"the simulation did not settle in {MAX_MICRO_STEPS} time steps", self.step_no)
-        nd = trio.lowlevel.current_statistics().seconds_to_next_deadline
-        dt = min(max(nd, self.quantum, 1e-6), limit)
+        dt = self._next_step(limit)
         self.clock.jump(dt)
         await self.settle()
         return dt
+
+    def _next_step(self, limit: float) -> float:
+        """The time :meth:`_advance_once` advances by now, seconds."""
+        nd = trio.lowlevel.current_statistics().seconds_to_next_deadline
+        return min(max(nd, self.quantum, 1e-6), limit)
 
     async def advance(self, seconds: float) -> None:
         """Let ``seconds`` of virtual time pass, stopping at due deadlines (every
@@ -1112,15 +1144,9 @@ class Sim:
         if not full:
             return
         # the live state is a replay of its journal
-        m = self.mirror
-        for prefix, (table, _) in coord.entity_tables().items():
-            mt = m.entity_tables()[prefix][0]
-            if table != mt:
-                diff = sorted(set(table) ^ set(mt)) or sorted(i for i in table if table[i] != mt.get(i))
-                eid = diff[0]
-                chk.fail("replay", f"the live state differs from a replay of its journal at {eid}: "
-                                   f"live {table.get(eid)!r} / replay {mt.get(eid)!r}")
-                break
+        msg = self._replay_differs(coord)
+        if msg:
+            chk.fail("replay", f"the live state differs from a replay of its journal at {msg}")
         chk.raise_first()
         for f in self.facts:
             msg = self.check_fact(coord, f)
@@ -1131,6 +1157,18 @@ class Sim:
         if self.shadow is not None:
             self._monotone(self.shadow, self.mono_durable, "monotone-durable")
         chk.raise_first()
+
+    def _replay_differs(self, coord) -> str | None:
+        """Where ``coord``'s entities differ from the mirror (a replay of every journal
+        entry written), as text; None when they are equal."""
+        m = self.mirror
+        for prefix, (table, _) in coord.entity_tables().items():
+            mt = m.entity_tables()[prefix][0]
+            if table != mt:
+                diff = sorted(set(table) ^ set(mt)) or sorted(i for i in table if table[i] != mt.get(i))
+                eid = diff[0]
+                return f"{eid}: live {table.get(eid)!r} / replay {mt.get(eid)!r}"
+        return None
 
     @staticmethod
     def _owner_run(coord, actor_id: str) -> str | None:
@@ -1167,23 +1205,11 @@ class Sim:
         if kind == "op":
             _, c, name, rnd = step
             client = self.clients[c % len(self.clients)]
-            coord = self.live()
-            now_ms = coord.now_ms() if coord is not None else int((WALL0 + trio.current_time() + self.wall_skew) * 1000)
-            gen = Gen(self.world, random.Random(rnd), now_ms)
-            if name == "fanout":
-                made = _fanout(gen)
-            else:
-                made = OPS[name][2](gen)
-                if not made:  # nothing to aim at yet: create what it needs instead
-                    kind = next(k for k in KINDS if k.name == OPS[name][0])
-                    for alt in kind.fallbacks(self.world) + ["scope.create"]:
-                        made = OPS[alt][2](Gen(self.world, random.Random(rnd + 1), now_ms))
-                        if made:
-                            break
+            made = self._make_op(name, rnd)
             if not made:
                 self.trace(f"c{c} {name}: nothing to aim at")
                 return
-            for one in (made if isinstance(made, list) else [made]):
+            for one in made:
                 self.nursery.start_soon(self._run_op, client, one)
         elif kind == "tick":
             self.trace(f"time passes: {step[1]} s")
@@ -1202,6 +1228,42 @@ class Sim:
             await self.start_node()
         else:  # pragma: no cover
             raise ValueError(f"unknown step {step!r}")
+
+    def _make_op(self, name: str, rnd: int) -> list:
+        """The request(s) op ``name`` makes from ``random.Random(rnd)`` against what the
+        clients know now (or what it needs first, when it has nothing to aim at yet)."""
+        coord = self.live()
+        now_ms = coord.now_ms() if coord is not None else int((WALL0 + trio.current_time() + self.wall_skew) * 1000)
+        gen = Gen(self.world, random.Random(rnd), now_ms)
+        if name == "fanout":
+            made = _fanout(gen)
+        else:
+            made = OPS[name][2](gen)
+            if not made:  # nothing to aim at yet: create what it needs instead
+                kind = next(k for k in KINDS if k.name == OPS[name][0])
+                for alt in kind.fallbacks(self.world) + ["scope.create"]:
+                    made = OPS[alt][2](Gen(self.world, random.Random(rnd + 1), now_ms))
+                    if made:
+                        break
+        if not made:
+            return []
+        return made if isinstance(made, list) else [made]
+
+    def _send_as_time_steps(self, dt: float) -> None:
+        """A busy stop (:attr:`Profile.busy_stop`): one client sends a request that lands
+        exactly ``dt`` seconds from now, with whatever the coming time step wakes (the
+        shutdown's next move included). At most :data:`BUSY_STOP_REQUESTS` per stop."""
+        if self.stop_sent >= BUSY_STOP_REQUESTS:
+            return
+        rng = self.stop_rng
+        names = list(self.profile.weights)
+        name = rng.choice(names)
+        made = [m for m in self._make_op(name, rng.getrandbits(32)) if not isinstance(m, Script)]
+        if not made:
+            return
+        self.stop_sent += 1
+        client = self.clients[rng.randrange(len(self.clients))]
+        self.nursery.start_soon(functools.partial(self.request, client, made[0], at=trio.current_time() + dt))
 
     async def run_schedule(self) -> None:
         trio._core._run._r.seed(self.trio_seed)
