@@ -93,13 +93,28 @@ def _event_cursor(text: str):
 _event_cursor.__name__ = "cursor"
 
 
+#: URL schemes a listen address may carry (the form clients are given: ``--connect
+#: tcp://HOST:PORT``, ``RALLYPOINT_URL``, an HTTP base URL); TLS is ``--tls-cert``
+_LISTEN_SCHEMES = ("tcp://", "http://")
+
+
 def _parse_listen(s: str) -> tuple[str, int]:
-    """``HOST:PORT`` -> (host, port). Raises VALIDATION_FAILED on anything else."""
+    """``HOST:PORT`` (or ``tcp://HOST:PORT`` / ``http://HOST:PORT``, as a client would
+    write it) -> (host, port); an empty host is 127.0.0.1. Raises VALIDATION_FAILED on
+    anything else (another scheme, a path, a port outside 0-65535)."""
     from .errors import ValidationError
 
-    host, sep, port = s.rpartition(":")
+    addr = s
+    for scheme in _LISTEN_SCHEMES:
+        if addr.lower().startswith(scheme):
+            addr = addr[len(scheme):].rstrip("/")
+            break
+    host, sep, port = addr.rpartition(":")
+    if "://" in addr or "/" in host:
+        raise ValidationError(f"a listen address is HOST:PORT, or tcp://HOST:PORT (got {s!r}; TLS is "
+                              f"--tls-cert/--tls-key)")
     if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValidationError(f"--listen must be HOST:PORT with a port 0-65535 (got {s!r})")
+        raise ValidationError(f"a listen address is HOST:PORT with a port 0-65535 (got {s!r})")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -1838,7 +1853,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("serve", help="run the daemon")
-    s.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT (default %(default)s; port 0 picks one)")
+    s.add_argument("--listen", default=DEFAULT_LISTEN, help="HOST:PORT or tcp://HOST:PORT (default %(default)s; port 0 picks one)")
     s.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the journal and snapshots live (default %(default)s)")
     s.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"],
                    help="fsync: every ack is on disk; interval: fsync every --interval-ms; memory: no files (default %(default)s)")

@@ -56,6 +56,8 @@ def test_status_and_runs_take_an_api_key(tmp_path):
     (["repair", "--data-dir", "/nonexistent/dir"], "not a rallypoint data dir"),
     (["keys", "--data-dir", "/nonexistent/dir", "list"], "not a rallypoint data dir"),
     (["status", "--connect", "tcp://127.0.0.1:99999"], "port 0-65535"),
+    (["serve", "--listen", "tls://127.0.0.1:0"], "TLS is --tls-cert/--tls-key"),
+    (["serve", "--listen", "unix:///tmp/rp.sock"], "a listen address is HOST:PORT, or tcp://HOST:PORT"),
 ])
 def test_usual_mistakes_get_one_line_and_exit_2_or_1(args, needle):
     r = rp(*args)
@@ -67,6 +69,21 @@ def test_address_in_use_is_one_line(daemon):
     port = daemon.url.rsplit(":", 1)[1]
     r = rp("serve", "--listen", f"127.0.0.1:{port}", "--durability", "memory")
     assert r.returncode == 2 and "already in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_listen_address_may_be_written_as_a_client_url(daemon):
+    """``--listen tcp://HOST:PORT`` (the form ``--connect`` and RALLYPOINT_URL take) is
+    the address HOST:PORT; it said "cannot start: [Errno -2] Name or service not known"
+    (and, without --insecure, called 127.0.0.1 a public address)."""
+    from rallypoint.cli import _parse_listen
+
+    assert _parse_listen("tcp://127.0.0.1:7411") == ("127.0.0.1", 7411)
+    assert _parse_listen("TCP://[::1]:0") == ("::1", 0)
+    assert _parse_listen("http://0.0.0.0:8080/") == ("0.0.0.0", 8080)
+    assert _parse_listen(":7411") == ("127.0.0.1", 7411)
+    port = daemon.url.rsplit(":", 1)[1]
+    r = rp("serve", "--listen", f"tcp://127.0.0.1:{port}", "--durability", "memory")
+    assert r.returncode == 2 and "already in use" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_address_in_use_is_refused_before_the_data_dir_is_touched(daemon, tmp_path):
