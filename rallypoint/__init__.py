@@ -335,8 +335,9 @@ async def open_embedded(
     ``retain_events``: events kept per space, a count (default 100,000) or an age such
     as ``"24h"`` (see ``rallypoint serve --retain-events``).
     ``sync_helper``: where the journal's fdatasync runs with a data dir: ``"process"``
-    (a small child process, the default; see ``rallypoint serve --sync-helper``) or
-    ``"thread"``.
+    (a small child process, the default; see ``rallypoint serve --sync-helper``),
+    ``"thread"`` or ``"inline"`` (on the event loop: faster on a reliably fast disk,
+    :mod:`rallypoint.persistence.syncer`).
 
     Embedded mode needs Trio (``trio.run``): the coordinator's background tasks are Trio
     tasks. Under asyncio (or outside any event loop) it raises RuntimeError saying so;

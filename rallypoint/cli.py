@@ -844,7 +844,8 @@ def cmd_status(args) -> int:
     print(f"durability  {st.durability}   LSN {st.last_lsn} (durable {st.durable_lsn})")
     if st.sync_helper:
         where = ("the sync helper process, pid " + st.sync_helper.split()[1]
-                 if st.sync_helper.startswith("process ") else "a thread of the daemon")
+                 if st.sync_helper.startswith("process ")
+                 else "the event loop (inline)" if st.sync_helper == "inline" else "a thread of the daemon")
         mean = f", mean {st.fsync_seconds / st.fsyncs * 1000:.2f} ms" if st.fsyncs else ""
         calls = "call" if st.fsyncs == 1 else "calls"
         print(f"fsync       in {where}; {st.fsyncs:,} fdatasync {calls}{mean}")
@@ -1876,9 +1877,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KiB of zeros the journal keeps written ahead of its records, so an fsync writes data "
                         "only, not also the file's new size (default %(default)s; 0: off, e.g. on copy-on-write "
                         "filesystems such as btrfs or ZFS, where it saves nothing)")
-    s.add_argument("--sync-helper", choices=("process", "thread"), default="process",
+    s.add_argument("--sync-helper", choices=("process", "thread", "inline"), default="process",
                    help="where the journal's fdatasync runs: a small helper process (default; the event loop "
-                        "waits for it like for a socket) or a worker thread of the daemon")
+                        "waits for it like for a socket), a worker thread of the daemon, or inline on the event "
+                        "loop (no wake-up of another process per fsync, as Redis's appendfsync always: faster "
+                        "on a disk whose fdatasync is reliably fast; every client waits while one runs, and a "
+                        "stuck disk stops the whole node)")
     s.add_argument("--slow-fsync-s", type=_bounded(float, 0, inclusive=False), default=1.0,
                    help="log an fdatasync of the journal that takes this many seconds or more (WARNING, at most "
                         "once per 10 s), and report one still running after ten times as long while it runs "

@@ -262,7 +262,7 @@ class ServerStatusView(_View):
     #: depth of the nursery tree (0: no actor active)
     tree_depth: int = 0
     #: where the journal's fdatasync runs: "process <pid>" (the sync helper process),
-    #: "thread", or "" (memory durability: no fsync)
+    #: "thread", "inline" (on the event loop), or "" (memory durability: no fsync)
     sync_helper: str = ""
     #: fdatasync calls of the journal since start, and their total duration (seconds)
     fsyncs: int = 0

@@ -94,6 +94,8 @@ def run_rallypoint(a) -> dict:
                "--durability", a.durability, "--duration", str(a.duration), "--warmup", str(a.warmup),
                "--producers", str(a.producers), "--workers", str(a.workers), "--batch", str(a.batch),
                "--pipeline", str(a.pipeline), "--json", out]
+        if a.sync_helper:
+            cmd += ["--sync-helper", a.sync_helper]
         if getattr(a, "open_rate", 0):
             cmd += ["--rate", str(a.open_rate), "--coalesce-ms", str(a.coalesce_ms)]
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -101,7 +103,7 @@ def run_rallypoint(a) -> dict:
             raise RuntimeError(f"rallypoint bench failed: {p.stderr[-2000:]}")
         r = json.load(open(out))
     return {"lifecycles_per_s": r["throughput"]["lifecycles_per_s"], "latency": r["latency_ms"]["lifecycle"],
-            "errors": r["errors"]["total"], "durability": f"{a.durability} (journal)",
+            "errors": r["errors"]["total"], "durability": f"{a.durability} (journal{', ' + a.sync_helper if a.sync_helper else ''})",
             "unfinished": r.get("unfinished_lifecycles", 0)}
 
 
@@ -326,6 +328,9 @@ def main() -> int:
     ap.add_argument("--pipeline", type=int, default=2)
     ap.add_argument("--durability", default="fsync", choices=["fsync", "interval", "memory"])
     ap.add_argument("--only", default="rallypoint,redis,dask")
+    ap.add_argument("--sync-helper", choices=["process", "thread", "inline"], default=None,
+                    help="where rallypoint's fdatasync runs (rallypoint serve --sync-helper; default process). "
+                         "inline is Redis's own choice under appendfsync always: the fsync on the event loop")
     ap.add_argument("--rate", type=float, default=5000.0,
                     help="open-loop comparison (rallypoint, redis) at this many lifecycles/s; 0 skips it")
     ap.add_argument("--coalesce-ms", type=float, default=2.0,

@@ -398,9 +398,12 @@ def run_crash_test(
     min_run_s: float = 0.1,
     max_run_s: float = 1.5,
     snapshot_every_records: int = 200,
+    daemon_args: tuple[str, ...] = (),
     out=print,
 ) -> dict:
-    """Run ``kills`` kill/restart cycles; returns the figures (see module doc)."""
+    """Run ``kills`` kill/restart cycles; returns the figures (see module doc).
+    ``daemon_args``: more ``rallypoint serve`` options for every start (say
+    ``("--sync-helper", "inline")``)."""
     import trio
 
     seed = random.randrange(1 << 30) if seed is None else seed
@@ -413,7 +416,7 @@ def run_crash_test(
               "snapshots_seen": 0, "torn_tails": 0, "zero_tails": 0, "workdir": str(workdir), "problems": []}
     t_start = time.monotonic()
     for cycle in range(kills):
-        extra = ["--snapshot-every-records", str(snapshot_every_records)] if cycle % 2 else []
+        extra = (["--snapshot-every-records", str(snapshot_every_records)] if cycle % 2 else []) + list(daemon_args)
         daemon = DaemonProc(data_dir, workdir / "daemon.log", extra).start()
         client = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "client", daemon.url, str(log_path), str(seed * 1000 + cycle)],
@@ -502,12 +505,15 @@ def main(argv=None) -> int:
     ap.add_argument("--min-run-s", type=float, default=0.1)
     ap.add_argument("--max-run-s", type=float, default=1.5)
     ap.add_argument("--snapshot-every-records", type=int, default=200)
+    ap.add_argument("--sync-helper", choices=["process", "thread", "inline"], default=None,
+                    help="the daemon's --sync-helper (default: its own default, process)")
     args = ap.parse_args(argv)
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     res = run_crash_test(
         args.kills, seed=args.seed, workdir=args.workdir, min_run_s=args.min_run_s, max_run_s=args.max_run_s,
         snapshot_every_records=args.snapshot_every_records,
+        daemon_args=("--sync-helper", args.sync_helper) if args.sync_helper else (),
     )
     return 0 if not res["problems"] and res["lost"] == 0 and res["violations"] == 0 else 1
 

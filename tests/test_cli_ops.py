@@ -229,7 +229,8 @@ def test_watch_and_bench_refuse_bad_arguments_before_connecting(tmp_path, capsys
     assert ei.value.code == 2 and "must be <=" in capsys.readouterr().err
     for bad, says in ((["--batch", "0"], "--batch must be 1 to 1000"), (["--batch", "5000"], "--batch must be 1 to 1000"),
                       (["--rate", "-5"], "--rate and --coalesce-ms must be >= 0"),
-                      (["--json", str(tmp_path / "no" / "x.json")], "no directory")):
+                      (["--json", str(tmp_path / "no" / "x.json")], "no directory"),
+                      (["--sync-helper", "inline"], "--sync-helper is the spawned daemon's")):
         assert main(["bench", "--connect", url, "--duration", "1", *bad]) == 2
         assert says in capsys.readouterr().err
 

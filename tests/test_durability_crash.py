@@ -35,6 +35,17 @@ def test_three_sigkills_lose_no_acknowledged_operation(tmp_path):
     assert res["snapshots_seen"] >= 1
 
 
+def test_sigkills_with_the_fdatasync_inline_lose_no_acknowledged_operation(tmp_path):
+    """``--sync-helper inline``: the event loop's own fdatasync answers in the same
+    step; an acknowledgement still leaves only after it (two kills, one recovering from
+    snapshot + tail)."""
+    res = crash_test.run_crash_test(
+        2, seed=20261202, workdir=tmp_path, min_run_s=0.4, max_run_s=0.9, snapshot_every_records=50,
+        daemon_args=("--sync-helper", "inline"), out=lambda *_: None,
+    )
+    _assert_nothing_lost(res)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("RALLYPOINT_SLOW"), reason="long form: set RALLYPOINT_SLOW=1")
 def test_twenty_sigkills_lose_no_acknowledged_operation(tmp_path):

@@ -35,6 +35,19 @@ def test_bench_lifecycle_spawned_memory(tmp_path):
     assert "lifecycles/s" in p.stdout and "p99.9" in p.stdout
 
 
+def test_bench_spawns_its_daemon_with_the_sync_helper_asked_for(tmp_path):
+    """``--sync-helper inline`` reaches the spawned daemon (what compare_baselines.py
+    --sync-helper uses); its fsync-durable lifecycles complete."""
+    out = tmp_path / "out.json"
+    p = _run(["-m", "rallypoint", "bench", "--scenario", "lifecycle", "--durability", "fsync", "--sync-helper",
+              "inline", "--duration", "2", "--warmup", "0.5", "--producers", "1", "--workers", "1", "--json",
+              str(out)], 90)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "(durability fsync, --sync-helper inline," in p.stderr, p.stderr
+    rep = json.loads(out.read_text())
+    assert rep["errors"]["total"] == 0 and rep["throughput"]["lifecycles"] > 0
+
+
 @pytest.mark.parametrize(
     "script, expect",
     [

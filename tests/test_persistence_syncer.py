@@ -62,7 +62,7 @@ def datafile(tmp_path):
     os.close(fd)
 
 
-@pytest.mark.parametrize("kind", ["process", "thread"])
+@pytest.mark.parametrize("kind", ["process", "thread", "inline"])
 async def test_a_request_is_answered_with_its_id(kind, datafile):
     s = await Syncer.start(kind)
     try:
@@ -101,8 +101,9 @@ async def test_requests_waiting_for_the_helper_are_done_by_one_call(datafile):
         await s.aclose()
 
 
-async def test_a_failed_call_answers_its_errno():
-    s = await Syncer.start("process")
+@pytest.mark.parametrize("kind", ["process", "inline"])
+async def test_a_failed_call_answers_its_errno(kind):
+    s = await Syncer.start(kind)
     r, w = os.pipe()
     try:
         key = s.register(r)  # fdatasync on a pipe: EINVAL
@@ -282,6 +283,56 @@ async def test_sync_thread_and_a_disk_with_its_own_fdatasync_get_the_thread(tmp_
     assert Counting.calls >= 1
     with pytest.raises(ValueError, match="sync must be one of"):
         Journal(tmp_path / "c", mode="fsync", next_lsn=1, sync="fork")
+
+
+async def test_inline_the_loop_itself_fdatasyncs_before_the_ack(tmp_path):
+    """``sync="inline"``: the fdatasync is the event loop's own call (its thread, a
+    Disk's method included), made after the record was written and before
+    ``wait_durable`` returns; its answer is taken in the same step (no other task or
+    process woken); no helper process runs."""
+    calls = []
+
+    class Recording(Disk):
+        def fdatasync(self, fd):
+            calls.append((threading.get_ident(), os.lseek(fd, 0, os.SEEK_CUR)))
+            os.fdatasync(fd)
+
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, preallocate_bytes=0, sync="inline", disk=Recording())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        assert j.sync_helper == "inline" and j._syncer.pid is None and _children(os.getpid()) == []
+        lsn = j.append(b"x" * 100)
+        j.write_now()  # the batch's end: written, synced, the answer taken in -- in this step
+        assert j.durable_lsn == lsn and calls
+        tid, synced_upto = calls[-1]
+        assert tid == threading.get_ident() and synced_upto == j._wpos
+        await j.wait_durable(j.append(b"y"))  # and through the flusher's round
+        assert calls[-1][1] == j._wpos
+        await j.aclose()
+    assert j.sync_helper == "" and j.stats()["fsyncs"] >= 2
+
+
+async def test_a_failed_inline_fdatasync_stops_the_journal(tmp_path):
+    fail = []
+
+    class FailingDisk(Disk):
+        def fdatasync(self, fd):
+            if fail:
+                raise OSError(errno.EIO, "I/O error")
+            os.fdatasync(fd)
+
+    j = Journal(tmp_path, mode="fsync", next_lsn=1, preallocate_bytes=0, sync="inline", disk=FailingDisk())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(j.run)
+        await j.wait_durable(j.append(b"a"))
+        fail.append(1)
+        lsn = j.append(b"b")
+        j.write_now()  # the EIO answer, taken in here: fail-stop, nothing acknowledged
+        assert isinstance(j._error, JournalWriteError)
+        with pytest.raises(JournalWriteError):
+            await j.wait_durable(lsn)
+        assert j.durable_lsn == lsn - 1
+        nursery.cancel_scope.cancel()
 
 
 async def test_the_flusher_asks_again_before_the_previous_answer(tmp_path):
@@ -515,7 +566,7 @@ async def test_open_embedded_takes_the_sync_helper_kind(tmp_path):
             pass
 
 
-@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("mode", ["process", "thread", "inline"])
 def test_status_says_where_the_fsync_runs(tmp_path, mode):
     """``rallypoint status`` names the sync helper (its pid: the daemon's child) or the
     thread, with the fdatasync count and mean, so an operator sees which one a daemon
@@ -540,6 +591,9 @@ def test_status_says_where_the_fsync_runs(tmp_path, mode):
         if mode == "process":
             (pid,) = _children(d.proc.pid)
             assert m.group(1) == f"the sync helper process, pid {pid}" and st["sync_helper"] == f"process {pid}"
+        elif mode == "inline":
+            assert m.group(1) == "the event loop (inline)" and st["sync_helper"] == "inline"
+            assert _children(d.proc.pid) == []
         else:
             assert m.group(1) == "a thread of the daemon" and st["sync_helper"] == "thread"
             assert _children(d.proc.pid) == []

@@ -174,14 +174,16 @@ def run_bench(args, argv: list[str] | None = None) -> int:
     err = sys.stderr
     daemon = None
     if args.spawn:
-        daemon = SpawnedDaemon(args.durability or "fsync")
+        extra = ["--sync-helper", args.sync_helper] if args.sync_helper else []
+        daemon = SpawnedDaemon(args.durability or "fsync", extra)
         try:
             url = daemon.start()
         except RuntimeError as e:
             print(f"rallypoint bench: {e}", file=err)
             return 2
+        helper = f", --sync-helper {args.sync_helper}" if args.sync_helper else ""
         print(f"rallypoint bench: spawned daemon pid {daemon.proc.pid} at {url} "
-              f"(durability {daemon.durability}, data dir {daemon.data_dir})", file=err, flush=True)
+              f"(durability {daemon.durability}{helper}, data dir {daemon.data_dir})", file=err, flush=True)
     else:
         url = args.connect
         print(f"rallypoint bench: load-testing the daemon at {url} for {args.warmup + args.duration:g} s: "
@@ -340,6 +342,9 @@ def add_arguments(b) -> None:
                    help="API key for a daemon with keys (default $RALLYPOINT_API_KEY)")
     b.add_argument("--durability", choices=["fsync", "interval", "memory"], default=None,
                    help="with --spawn: the daemon's durability (default fsync)")
+    b.add_argument("--sync-helper", choices=["process", "thread", "inline"], default=None,
+                   help="with --spawn: where the daemon's fdatasync runs (rallypoint serve --sync-helper; "
+                        "default process)")
     b.add_argument("--rate", type=float, default=0.0,
                    help="open loop: lifecycles per second across producers, latency from the intended send time")
     b.add_argument("--coalesce-ms", type=float, default=2.0,
@@ -392,6 +397,10 @@ def cmd_bench(args) -> int:
         return 2
     if args.durability and not args.spawn:
         pass  # checked against the daemon's status in run_bench
+    if args.sync_helper and not args.spawn:
+        print("rallypoint bench: --sync-helper is the spawned daemon's; a daemon given with --connect was "
+              "started with its own", file=sys.stderr)
+        return 2
     try:
         return run_bench(args)
     except KeyboardInterrupt:

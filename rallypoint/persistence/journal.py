@@ -298,8 +298,9 @@ class Disk:
 
     async def start_syncer(self, kind: str) -> Syncer:
         """Start the sync helper that makes this disk's files durable (see
-        :mod:`.syncer`): ``kind`` ``"process"`` or ``"thread"`` (whose thread calls
-        :meth:`fdatasync`). Raises OSError when a process cannot be started."""
+        :mod:`.syncer`): ``kind`` ``"process"``, ``"thread"`` (whose thread calls
+        :meth:`fdatasync`) or ``"inline"`` (the event loop calls it). Raises OSError
+        when a process cannot be started."""
         return await Syncer.start(kind, self.fdatasync)
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -1190,11 +1191,11 @@ class Journal:
 
     async def _start_syncer(self, kind: str | None = None) -> None:
         """Start the sync helper (``kind`` or ``self.sync``) and hand it the segment. A
-        Disk that overrides ``fdatasync`` gets the thread helper (its method must be the
-        one called); a process that cannot be started falls back to the thread, with a
-        warning."""
+        Disk that overrides ``fdatasync`` gets the thread helper instead of the process
+        (its method must be the one called; the inline one calls it too); a process that
+        cannot be started falls back to the thread, with a warning."""
         kind = kind or self.sync
-        if type(self._disk).fdatasync is not Disk.fdatasync:
+        if type(self._disk).fdatasync is not Disk.fdatasync and kind == "process":
             kind = "thread"
         try:
             self._syncer = await self._disk.start_syncer(kind)
@@ -1774,12 +1775,15 @@ class Journal:
     def sync_helper(self) -> str:
         """Where this journal's fdatasync runs now: ``"process <pid>"`` (the sync helper
         process), ``"thread"`` (a worker thread: ``sync="thread"``, a Disk that overrides
-        ``fdatasync``, or the fallback when no process could start), or ``""`` (none
-        running: not started yet, or stopped)."""
+        ``fdatasync``, or the fallback when no process could start), ``"inline"`` (on the
+        event loop: ``sync="inline"``), or ``""`` (none running: not started yet, or
+        stopped)."""
         syncer = self._syncer
         if syncer is None:
             return ""
-        return f"process {syncer.pid}" if syncer.pid is not None else "thread"
+        if syncer.pid is not None:
+            return f"process {syncer.pid}"
+        return "inline" if syncer.kind == "inline" else "thread"
 
     def statistics(self) -> JournalStatistics:
         """Trio-style statistics object (see :class:`JournalStatistics`)."""
