@@ -31,7 +31,7 @@ like any socket's (``wait_readable``).
     No helper: the request's own call does the ``fdatasync`` on the event loop and puts
     the answer in the socket, where the journal reads it in the same step
     (:meth:`Syncer.poll_answer`). What Redis's ``appendfsync always`` does. It saves the
-    two wake-ups of another process per sync (on the project's 2-core VM, +28 % closed
+    two wake-ups of another process per sync (on the project's 2-core VM, a median +21 % closed
     loop lifecycles/s with 1 producer and 1 worker, 0.18 ms fdatasyncs; equal when the
     cores are saturated: docs/performance.md, "An inline fdatasync"); the price is that
     the loop stands still for as long as each fdatasync takes: on a slow disk every
