@@ -304,6 +304,13 @@ MUTANTS = [
         pinned=(221,),
     ),
     Mutant(
+        "found-interval-never-synced", "rallypoint/persistence/journal.py",
+        "                self._next_sync_at = trio.current_time() + self.interval_s\n                self._kick()",
+        "                self._kick()",
+        "found bug: interval durability never fsynced what a batch's end wrote (only a snapshot, a roll or the "
+        "stop did)",
+    ),
+    Mutant(
         "found-fatal-swallowed", "rallypoint/actors/runtime.py",
         "                    if isinstance(exc, _FatalMarker.fatal_type):\n                        # a check",
         "                    if False:\n                        # a check",

@@ -698,6 +698,19 @@ class Journal:
         mode; == last_lsn in memory mode)."""
         return self._synced_lsn
 
+    @property
+    def sync_due(self) -> bool:
+        """Something written is not fdatasync-ed yet and nothing will sync it: no sync
+        request in flight, none wanted (a forced one, a roll's), no interval deadline
+        armed, no write waiting to be retried. Never true of a journal that works (the
+        deterministic simulator checks it at rest: an interval journal that stops
+        syncing loses more than ``--interval-ms`` to a machine crash); False while the
+        journal has failed or is not running."""
+        if self._memory or not self._running or self._error is not None or self._stop:
+            return False
+        return (self._written > self._synced_lsn and not self._outstanding and self._next_sync_at is None
+                and not self._force_sync and not self._backlog and self._retry_at is None)
+
     def _raise_failed(self) -> None:
         # A fresh instance per raise: one exception object must not travel through
         # several tasks' tracebacks at once.
@@ -1064,7 +1077,13 @@ class Journal:
         else:
             self._on_progress(upto, self._synced_lsn)  # interval: durable once written
             if self._next_sync_at is None:
-                self._kick()  # the flusher arms the interval's fsync
+                # Armed here, as the flusher's round arms it for what it writes, and the
+                # flusher woken to wait for it. (Only kicked, the flusher found nothing to
+                # take and slept on without a deadline: in interval mode a serving node
+                # never fsynced until a snapshot, a roll or the stop forced one -- a
+                # machine crash lost up to a snapshot interval, not --interval-ms.)
+                self._next_sync_at = trio.current_time() + self.interval_s
+                self._kick()
 
     # --- the flusher's reports (on the event loop)
 

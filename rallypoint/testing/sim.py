@@ -1111,6 +1111,9 @@ class Sim:
             chk.fail("fail-stop", f"the coordinator failed ({coord.failed!r}) but the node still runs (every task "
                                   "is blocked): fail-stop must end the actor tree and the node")
             chk.raise_first()
+        if coord.journal.sync_due:
+            chk.fail("sync", f"LSN {coord.journal.synced_lsn + 1}..{coord.journal.durable_lsn} are written but "
+                             f"nothing will fdatasync them (no request in flight, no interval armed)")
         rt = coord.runtime
         for a in list(rt.actors.values()):
             if a.inbox:
