@@ -93,29 +93,42 @@ def _event_cursor(text: str):
 _event_cursor.__name__ = "cursor"
 
 
-#: URL schemes a listen address may carry (the form clients are given: ``--connect
-#: tcp://HOST:PORT``, ``RALLYPOINT_URL``, an HTTP base URL); TLS is ``--tls-cert``
-_LISTEN_SCHEMES = ("tcp://", "http://")
+#: the URL scheme a listen address may carry, per flag (the form its clients are given:
+#: ``--connect tcp://HOST:PORT`` and RALLYPOINT_URL; an HTTP base URL); TLS is --tls-cert
+_LISTEN_SCHEMES = {"--listen": "tcp://", "--replication": "tcp://", "--http": "http://", "--metrics": "http://",
+                   "--console": "http://"}
 
 
-def _parse_listen(s: str) -> tuple[str, int]:
-    """``HOST:PORT`` (or ``tcp://HOST:PORT`` / ``http://HOST:PORT``, as a client would
-    write it) -> (host, port); an empty host is 127.0.0.1. Raises VALIDATION_FAILED on
-    anything else (another scheme, a path, a port outside 0-65535)."""
+def _parse_listen(s: str, flag: str | None = None) -> tuple[str, int]:
+    """``HOST:PORT`` (or, as a client would write it, ``tcp://HOST:PORT`` for
+    ``--listen``/``--replication`` and ``http://HOST:PORT`` for ``--http``,
+    ``--metrics``, ``--console``; any of the two when ``flag`` is None) -> (host, port);
+    an empty host is 127.0.0.1. Raises VALIDATION_FAILED, naming ``flag``, on anything
+    else (another scheme, a path, a port outside 0-65535)."""
     from .errors import ValidationError
 
+    name = f"{flag} " if flag else ""
+    allowed = (_LISTEN_SCHEMES[flag],) if flag in _LISTEN_SCHEMES else tuple(sorted(set(_LISTEN_SCHEMES.values())))
+    form = " or ".join(f"{a}HOST:PORT" for a in allowed)
     addr = s
-    for scheme in _LISTEN_SCHEMES:
+    for scheme in allowed:
         if addr.lower().startswith(scheme):
             addr = addr[len(scheme):].rstrip("/")
             break
     host, sep, port = addr.rpartition(":")
-    if "://" in addr or "/" in host:
-        raise ValidationError(f"a listen address is HOST:PORT, or tcp://HOST:PORT (got {s!r}; TLS is "
-                              f"--tls-cert/--tls-key)")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValidationError(f"a listen address is HOST:PORT with a port 0-65535 (got {s!r})")
+    if "://" in addr:
+        tls = " (TLS is --tls-cert/--tls-key)" if addr.lower().startswith(("tls://", "https://")) else ""
+        raise ValidationError(f"{name}takes HOST:PORT or {form} (got {s!r}){tls}")
+    if "/" in addr:
+        raise ValidationError(f"{name}takes an address, HOST:PORT or {form}, not a path (got {s!r})")
+    if not sep or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValidationError(f"{name}takes HOST:PORT with a port 0-65535 (got {s!r})")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it goes in a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _check_listen_free(host: str, port: int) -> None:
@@ -386,7 +399,7 @@ async def _serve(args) -> int:
                 "snapshot LSN %s, %s records replayed; finished runs kept %s, events kept %s)",
                 __version__,
                 "tls" if ssl_context is not None else "tcp",
-                host,
+                _url_host(host),
                 actual,
                 os.path.abspath(data_dir) if data_dir else "none",
                 node.durability,
@@ -412,8 +425,9 @@ async def _serve(args) -> int:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 # A line for scripts and test fixtures (stdout, flushed), printed only once
                 # SIGTERM/SIGINT drain the server rather than kill it.
-                print(f"READY {scheme}://{host}:{actual}" + (f" METRICS http://{mhost}:{metrics_port}/metrics"
-                                                            if metrics_port else ""), flush=True)
+                print(f"READY {scheme}://{_url_host(host)}:{actual}"
+                      + (f" METRICS http://{_url_host(mhost)}:{metrics_port}/metrics" if metrics_port else ""),
+                      flush=True)
                 if http_url:
                     print(f"HTTP {http_url}", flush=True)
                 if console_url:
@@ -446,8 +460,8 @@ async def _serve_cluster(args) -> int:
         raise ValidationError("--cluster needs a data dir: --durability fsync (default) or interval")
     if not args.node:
         raise ValidationError("--cluster needs --node NAME (this node's name, unique in its shard)")
-    host, port = _parse_listen(args.listen)
-    rhost, rport = _parse_listen(args.replication)
+    host, port = _parse_listen(args.listen, "--listen")
+    rhost, rport = _parse_listen(args.replication, "--replication")
     endpoints = _etcd_endpoints(args.cluster)
     ssl_context = _ssl_context(args)
     config = MemberConfig(
@@ -529,8 +543,10 @@ async def _serve_cluster(args) -> int:
                         "replication": f"{rhost}:{member.replication_port}"})
         tune_gc()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            print(f"READY {scheme}://{host}:{member.client_port} REPLICATION {rhost}:{member.replication_port}"
-                  + (f" HTTP http://{_parse_listen(args.http)[0]}:{member.http_port}" if args.http else ""), flush=True)
+            print(f"READY {scheme}://{_url_host(host)}:{member.client_port} REPLICATION "
+                  f"{_url_host(rhost)}:{member.replication_port}"
+                  + (f" HTTP http://{_url_host(_parse_listen(args.http)[0])}:{member.http_port}" if args.http else ""),
+                  flush=True)
             n = 0
             async for signum in signals:
                 n += 1
@@ -617,7 +633,7 @@ def cmd_serve(args) -> int:
     from .events import parse_duration_ms, parse_retain_events
 
     try:
-        _parse_listen(args.listen)
+        _parse_listen(args.listen, "--listen")
         try:
             retain_finished_ms = parse_duration_ms(args.retain_finished)
         except ValueError:
@@ -630,9 +646,9 @@ def cmd_serve(args) -> int:
                                   f"{args.retain_events!r})") from None
         args.retention = {"retain_finished_ms": retain_finished_ms or None, "retain_events": count or None,
                           "retain_events_ms": age_ms or None}
-        for addr in (args.metrics, args.http, args.console):
+        for flag, addr in (("--metrics", args.metrics), ("--http", args.http), ("--console", args.console)):
             if addr:
-                _parse_listen(addr)
+                _parse_listen(addr, flag)
         if args.console and args.cluster:
             raise ValidationError("--console is not served with --cluster yet; run it on a single node")
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
@@ -1905,7 +1921,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=_bounded(float, 0), default=30.0,
                    help="seconds to finish in-flight requests on SIGTERM (default %(default)s)")
     s.add_argument("--http", metavar="HOST:PORT", default=None,
-                   help="also serve the HTTP API (the runstate SDK's, /v1/spaces/{spaceId}/...) on HOST:PORT "
+                   help="also serve the HTTP API (the runstate SDK's, /v1/spaces/{spaceId}/...) on HOST:PORT (or http://HOST:PORT) "
                         "over the same coordinator: same keys, spaces and TLS (off by default)")
     s.add_argument("--console", metavar="HOST:PORT", default=None,
                    help="also serve the web console for operators (read-only pages: runs, queues, groups, join "
@@ -1929,7 +1945,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a watch may be unable to take events before it is cut off (SLOW_CONSUMER; the SDK "
                         "resumes from its cursor) (default %(default)s)")
     s.add_argument("--metrics", metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9411)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9411 or http://127.0.0.1:9411)")
     s.add_argument("--slow-request-ms", type=_bounded(float, 0), default=1000.0,
                    help="log requests slower than this (ms, 0: never; a wait the client asked for, such as a "
                         "result or an acquire with wait_ms, never is) (default %(default)s)")

@@ -57,7 +57,11 @@ def test_status_and_runs_take_an_api_key(tmp_path):
     (["keys", "--data-dir", "/nonexistent/dir", "list"], "not a rallypoint data dir"),
     (["status", "--connect", "tcp://127.0.0.1:99999"], "port 0-65535"),
     (["serve", "--listen", "tls://127.0.0.1:0"], "TLS is --tls-cert/--tls-key"),
-    (["serve", "--listen", "unix:///tmp/rp.sock"], "a listen address is HOST:PORT, or tcp://HOST:PORT"),
+    (["serve", "--listen", "unix:///tmp/rp.sock"], "--listen takes HOST:PORT or tcp://HOST:PORT"),
+    (["serve", "--listen", "http://127.0.0.1:0"], "--listen takes HOST:PORT or tcp://HOST:PORT"),
+    (["serve", "--listen", "127.0.0.1:\u00b2"], "--listen takes HOST:PORT with a port 0-65535"),
+    (["serve", "--listen", "127.0.0.1:0", "--metrics", "http://127.0.0.1:9411/metrics"], "--metrics takes an address"),
+    (["serve", "--listen", "127.0.0.1:0", "--http", "tcp://127.0.0.1:0"], "--http takes HOST:PORT or http://HOST:PORT"),
 ])
 def test_usual_mistakes_get_one_line_and_exit_2_or_1(args, needle):
     r = rp(*args)
@@ -77,6 +81,8 @@ def test_a_listen_address_may_be_written_as_a_client_url(daemon):
     (and, without --insecure, called 127.0.0.1 a public address)."""
     from rallypoint.cli import _parse_listen
 
+    assert _parse_listen("tcp://127.0.0.1:7411", "--listen") == ("127.0.0.1", 7411)
+    assert _parse_listen("http://127.0.0.1:8411/", "--http") == ("127.0.0.1", 8411)
     assert _parse_listen("tcp://127.0.0.1:7411") == ("127.0.0.1", 7411)
     assert _parse_listen("TCP://[::1]:0") == ("::1", 0)
     assert _parse_listen("http://0.0.0.0:8080/") == ("0.0.0.0", 8080)
@@ -84,6 +90,29 @@ def test_a_listen_address_may_be_written_as_a_client_url(daemon):
     port = daemon.url.rsplit(":", 1)[1]
     r = rp("serve", "--listen", f"tcp://127.0.0.1:{port}", "--durability", "memory")
     assert r.returncode == 2 and "already in use" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_an_ipv6_listen_address_is_printed_as_a_url(tmp_path):
+    """``--listen tcp://[::1]:0``: the READY line is a URL a client can use
+    (``tcp://[::1]:PORT``, not ``tcp://::1:PORT``)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    p = subprocess.Popen([sys.executable, "-m", "rallypoint", "serve", "--listen", "tcp://[::1]:0", "--durability",
+                          "memory"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("READY tcp://[::1]:"), line + p.stderr.read() if p.poll() is not None else line
+        url = line.split()[1]
+        st = rp("status", "--connect", url, "--json")
+        assert st.returncode == 0, st.stderr
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
 
 
 def test_address_in_use_is_refused_before_the_data_dir_is_touched(daemon, tmp_path):

@@ -46,6 +46,9 @@ def test_bench_spawns_its_daemon_with_the_sync_helper_asked_for(tmp_path):
     assert "(durability fsync, --sync-helper inline," in p.stderr, p.stderr
     rep = json.loads(out.read_text())
     assert rep["errors"]["total"] == 0 and rep["throughput"]["lifecycles"] > 0
+    assert rep["config"]["sync_helper"] == "inline"  # (from the daemon's own status)
+    p = _run(["-m", "rallypoint", "bench", "--durability", "memory", "--sync-helper", "inline"], 60)
+    assert p.returncode == 2 and "no fdatasync to place" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize(

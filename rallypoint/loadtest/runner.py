@@ -103,7 +103,7 @@ async def _setup(url: str, api_key: str | None = None, runs: int = 1) -> tuple[l
         else:
             ids = [(await rs.scopes.create(child_limit=1_000_000)).id for _ in range(runs)]
         await rs.mailboxes.ensure(MAILBOX, max_attempts=5)
-        return ids, info.durability
+        return ids, info.durability, info.sync_helper.split(" ")[0]
 
 
 async def _teardown(url: str, run_ids: list[str], api_key: str | None = None) -> None:
@@ -196,7 +196,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
         from ..errors import RallypointError
 
         try:
-            run_ids, durability = trio.run(_setup, url, args.api_key, args.runs)
+            run_ids, durability, sync_helper = trio.run(_setup, url, args.api_key, args.runs)
         except RallypointError as e:
             print(f"rallypoint bench: cannot set up on {url}: {e}", file=err)
             return 2
@@ -302,6 +302,8 @@ def run_bench(args, argv: list[str] | None = None) -> int:
             "worker_concurrency": args.worker_concurrency, "group_size": args.group_size,
             "accept_n": args.accept_n, "barrier_n": args.barrier_n, "joinset_size": args.joinset_size,
             "coalesce_ms": args.coalesce_ms, "daemon_pid": daemon.proc.pid if daemon else None, "runs": args.runs,
+            # where the daemon's fdatasync runs, from its status: process, thread, inline ("" in memory)
+            "sync_helper": sync_helper,
         }
         report = build_report(command=command, config=config, finals=list(finals.values()),
                               duration=float(args.duration), crashed=crashed)
@@ -397,6 +399,10 @@ def cmd_bench(args) -> int:
         return 2
     if args.durability and not args.spawn:
         pass  # checked against the daemon's status in run_bench
+    if args.sync_helper and args.durability == "memory":
+        print("rallypoint bench: --sync-helper with --durability memory: there is no fdatasync to place",
+              file=sys.stderr)
+        return 2
     if args.sync_helper and not args.spawn:
         print("rallypoint bench: --sync-helper is the spawned daemon's; a daemon given with --connect was "
               "started with its own", file=sys.stderr)
