@@ -470,7 +470,7 @@ async def _serve_cluster(args) -> int:
         http=_parse_listen(args.http) if args.http else None, advertise_host=args.advertise,
         advertise_replication=_advertised(args.advertise_replication),
         ttl_s=args.lease_ttl, isr_timeout_s=args.isr_timeout, min_insync=args.min_insync,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, peer_tls=_peer_tls(args), insecure=args.insecure,
         node_options=dict(interval_ms=args.interval_ms, retention=args.retention,
                           min_free_bytes=int(args.min_free_mb * (1 << 20)),
                           ballast_bytes=int(args.ballast_mb * (1 << 20)),
@@ -560,6 +560,42 @@ async def _serve_cluster(args) -> int:
                     nursery.cancel_scope.cancel()
                     break
     log.info("rallypoint stopped cleanly")
+    return 0
+
+
+def _peer_tls(args):
+    """``--peer-cert/--peer-key/--peer-ca`` -> a PeerTls (all three or none)."""
+    from .errors import ValidationError
+
+    given = [args.peer_cert, args.peer_key, args.peer_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValidationError("peer TLS needs all three of --peer-cert, --peer-key and --peer-ca")
+    from .cluster.peerauth import PeerTls
+
+    try:
+        return PeerTls(args.peer_cert, args.peer_key, args.peer_ca)
+    except ValueError as e:
+        raise ValidationError(str(e)) from None
+
+
+def cmd_cluster_certs(args) -> int:
+    """``rallypoint cluster certs --out DIR --nodes a,b [--hosts ...] [--etcd]``."""
+    from .cluster.pki import write_cluster_pki
+
+    nodes = [n for n in args.nodes.split(",") if n.strip()]
+    hosts = [h for h in args.hosts.split(",") if h.strip()]
+    try:
+        written = write_cluster_pki(args.out, nodes, hosts=hosts, etcd=args.etcd, days=args.days)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(f"serve each node with --peer-cert {os.path.join(args.out, 'NODE.pem')} --peer-key "
+          f"{os.path.join(args.out, 'NODE.key')} --peer-ca {os.path.join(args.out, 'ca.pem')}; keep ca.key offline",
+          file=sys.stderr)
     return 0
 
 
@@ -1972,6 +2008,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "listener's port)")
     c.add_argument("--min-insync", type=int, choices=(1, 2), default=1,
                    help="2: refuse writes while no standby is in sync, instead of running alone (default %(default)s)")
+    c.add_argument("--peer-cert", metavar="PEM", default=None,
+                   help="this node's certificate for the replication link's mutual TLS (it must name --node as a "
+                        "DNS subject alternative name; `rallypoint cluster certs` makes one); with --peer-key and "
+                        "--peer-ca. Without them the link is plaintext, allowed on loopback addresses only unless "
+                        "--insecure; it is authenticated by the cluster secret in etcd either way")
+    c.add_argument("--peer-key", metavar="PEM", default=None, help="the private key of --peer-cert")
+    c.add_argument("--peer-ca", metavar="PEM", default=None,
+                   help="the CA every peer's certificate must be signed by (the cluster's own CA)")
     c.add_argument("--lease-ttl", type=_bounded(int, 2), default=2,
                    help="seconds the leader's etcd lease lives without renewal; failover takes about this long "
                         "(default %(default)s, etcd's minimum)")
@@ -2077,6 +2121,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="slots, fixed for the cluster's life: the unit a shard owns (default %(default)s, the most)")
     ci.add_argument("--shards", type=_bounded(int, 1), default=1, help="shards to deal the slots to (default %(default)s)")
     ci.set_defaults(fn=cmd_cluster_init)
+    cc = cls_.add_parser("certs", help="make the cluster's peer certificates: a CA and one certificate per node "
+                                       "(the replication link's mutual TLS; --etcd: etcd's too)")
+    cc.add_argument("--out", required=True, metavar="DIR",
+                    help="where to write ca.pem/ca.key and NODE.pem/NODE.key (created; keys mode 0600; an "
+                         "existing ca.pem/ca.key there is reused, so nodes can be added later)")
+    cc.add_argument("--nodes", required=True, metavar="A,B,...", help="node names (--node of each serve)")
+    cc.add_argument("--hosts", default="", metavar="H1,H2,...",
+                    help="host names and IP addresses the nodes (and etcd) are reached at, added to every "
+                         "certificate (localhost, 127.0.0.1 and ::1 always are)")
+    cc.add_argument("--etcd", action="store_true",
+                    help="also etcd.pem/etcd.key (etcd's server certificate) and client.pem/client.key (for the "
+                         "CLI's --etcd-cert)")
+    cc.add_argument("--days", type=_bounded(int, 1), default=825, help="validity of the certificates (default %(default)s)")
+    cc.set_defaults(fn=cmd_cluster_certs)
     ca = cls_.add_parser("add-shard", help="give a new shard empty slots, so it takes new root runs")
     ca.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
                     required=os.environ.get("RALLYPOINT_CLUSTER") is None, help="(default $RALLYPOINT_CLUSTER)")
