@@ -690,6 +690,32 @@ def cmd_serve(args) -> int:
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             if path is not None and not os.path.isfile(path):
                 raise ValidationError(f"{flag}: no such file {path}")
+        if args.sync_helper is not None and args.durability == "memory":
+            raise ValidationError("--sync-helper chooses where the journal's fdatasync runs: --durability memory "
+                                  "has no journal (leave --sync-helper out, or use fsync or interval)")
+        if args.sync_helper is None:
+            args.sync_helper = "process"
+        data_dir = None if args.durability == "memory" else args.data_dir
+        if not args.cluster and data_dir is not None:
+            host = _parse_listen(args.listen)[0]
+            if not os.path.exists(data_dir) and not _is_loopback(host) and not args.insecure:
+                # a new data dir has no API key: open mode, refused here before anything is made
+                raise ValidationError(
+                    f"refusing to listen on {host} without API keys: {data_dir} does not exist yet, so no key does; "
+                    f"create one first with `rallypoint keys create --data-dir {data_dir} --space default "
+                    "--permission operator` (see README, API keys), or pass --insecure to serve this address "
+                    "without authentication")
+            if os.path.isdir(data_dir):
+                # in use by another daemon: say so before binding anything (its lock is
+                # taken for good by the recovery below)
+                from .persistence.lock import DataDirLock
+                from .persistence.errors import DataDirLocked
+
+                try:
+                    with DataDirLock(data_dir):
+                        pass
+                except DataDirLocked as e:
+                    raise ValidationError(str(e)) from None
     except ValidationError as e:
         print(f"rallypoint: {e.message}", file=sys.stderr)
         return 2
@@ -1118,7 +1144,8 @@ async def _resolve_run(rs, text: str, *, active_only: bool) -> str:
     SDK's named runs, ``scopes.create(name=...)``): the newest root run of that name
     (``active_only``: of those still effectively ACTIVE, as ``PUT /runs/{name}`` joins).
     NOT_FOUND (with a "did you mean" among the names seen) when there is none; CONFLICT
-    listing the ids when ``active_only`` finds several (cancel one by id)."""
+    listing the ids when ``active_only`` finds several (cancel one by id). Several of
+    that name otherwise: the newest, and a line on stderr listing them all."""
     from . import protocol as p
     from .actors.common import did_you_mean
     from .client import types as t
@@ -1137,7 +1164,7 @@ async def _resolve_run(rs, text: str, *, active_only: bool) -> str:
             names.add(r.name or "")
             if r.name == text:
                 found.append(r.id)
-        if len(page) < _MAX_PAGE or (found and not active_only):
+        if len(page) < _MAX_PAGE:
             break
         before = page[-1].id
     if not found:
@@ -1147,6 +1174,9 @@ async def _resolve_run(rs, text: str, *, active_only: bool) -> str:
     if active_only and len(found) > 1:
         raise ConflictError(f"{len(found)} active root runs are named {text!r} ({', '.join(found)}); give the id "
                             "of the one to cancel", details={"name": text, "runs": found})
+    if len(found) > 1:
+        print(f"{len(found)} root runs are named {text!r} (newest first: {', '.join(found)}); showing the newest, "
+              f"{found[0]}: give an id for another", file=sys.stderr)
     return found[0]
 
 
@@ -1929,7 +1959,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KiB of zeros the journal keeps written ahead of its records, so an fsync writes data "
                         "only, not also the file's new size (default %(default)s; 0: off, e.g. on copy-on-write "
                         "filesystems such as btrfs or ZFS, where it saves nothing)")
-    s.add_argument("--sync-helper", choices=("process", "thread", "inline"), default="process",
+    s.add_argument("--sync-helper", choices=("process", "thread", "inline"), default=None,
                    help="where the journal's fdatasync runs: a small helper process (default; the event loop "
                         "waits for it like for a socket), a worker thread of the daemon, or inline on the event "
                         "loop (no wake-up of another process per fsync, as Redis's appendfsync always: faster "
