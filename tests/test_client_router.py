@@ -100,3 +100,30 @@ async def test_a_queues_counts_are_summed_over_the_shards_and_its_definition_is_
     st = router({0: QueueShard(2, 1), 1: QueueShard(0, 0, known=False)})
     with pytest.raises(NotFoundError):
         await st.call(p.MailboxGet(name="jobs"))
+
+
+class RootShard:
+    def __init__(self, n):
+        self.n = n
+        self.created = 0
+
+    async def call(self, op):
+        assert isinstance(op, p.ScopeCreate)
+        self.created += 1
+        return b""
+
+
+async def test_clients_that_each_make_one_root_run_spread_it_over_the_shards():
+    # issue 42, item 6: every new client put its first root run on shard 0
+    shards = {0: RootShard(0), 1: RootShard(1)}
+    for _ in range(40):
+        st = router(shards)  # a new client each time
+        await st.call(p.ScopeCreate())
+    assert shards[0].created + shards[1].created == 40
+    assert shards[0].created >= 5 and shards[1].created >= 5  # (binomial(40, 1/2): fails with p < 1e-6)
+    # and one client goes round the shards in turn
+    one = router(shards)
+    before = [s.created for s in shards.values()]
+    for _ in range(10):
+        await one.call(p.ScopeCreate())
+    assert [s.created - b for s, b in zip(shards.values(), before)] == [5, 5]

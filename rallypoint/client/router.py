@@ -10,7 +10,8 @@ where its declaration says (``@op(..., shard=...)``, :class:`rallypoint.actors.o
 - an op about an id (a run, a task, a group...) to the shard of the id's slot; one
   about a space-wide entity by name (a work queue, a pool, a quota...) to the space's
   home shard;
-- a new root run to the shards in turn (so a shard added later takes new runs); a
+- a new root run to the shards in turn, from a random one per client (so a shard
+  added later takes new runs, and clients that make one run each spread out); a
   named root run (``ensure_named``) to the slot its name hashes to;
 - a list of ids (``task.results``, ``delivery.complete_many``) split by shard, the
   answers put back in order;
@@ -33,6 +34,7 @@ a whole space sent through :meth:`~ShardedTransport.call` is refused.
 from __future__ import annotations
 
 import itertools
+import random
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -71,7 +73,9 @@ class ShardedTransport:
         self.space = space
         self.map: p.ClusterMapView | None = None
         self.shards: dict[int, Any] = {}
-        self._roots = itertools.count()
+        # new root runs go to the shards in turn, from a random one: programs that each
+        # make one run spread over the shards instead of all landing on the first
+        self._roots = itertools.count(random.randrange(1 << 30))
         self._lock = anyio.Lock()
         self.refreshes = 0
         self.server_info = getattr(first, "server_info", None)
