@@ -133,8 +133,13 @@ def _resolve(url: str | None, api_key: str | None) -> tuple[str, str | None]:
 
 
 #: With several server addresses (a cluster): close a connection whose server sends
-#: nothing for this long while calls wait (it is pinged at half of it), seconds.
-CLUSTER_LIVENESS_S = 6.0
+#: nothing for this long while calls wait (it is pinged at half of it), seconds. Well
+#: inside the shortest lease (5 s) plus the failover's credit: a frozen leader (SIGSTOP,
+#: a VM pause) is left, and its lease holders renew on the new one, in time.
+CLUSTER_LIVENESS_S = 2.5
+#: With one server address: the same check, longer (a restart is what usually ends a
+#: link; a proxy or NAT that drops it silently is found within this), seconds.
+LIVENESS_S = 6.0
 #: With several server addresses: the longest one connection attempt may take, seconds
 #: (a stopped node must not hold the whole connect timeout while others answer).
 CLUSTER_ATTEMPT_S = 2.0
@@ -213,16 +218,18 @@ async def connect(
 
     urls = split_urls(url)
     # several nodes (a replicated or sharded cluster): a leader that stops answering
-    # behind a live TCP connection (SIGSTOP, a VM pause) is left after LIVENESS_S, and
-    # one address is tried for at most a part of the connect timeout
+    # behind a live TCP connection (SIGSTOP, a VM pause) is left after
+    # CLUSTER_LIVENESS_S (then tried last), and one address is tried for at most a part
+    # of the connect timeout
     several = len(urls) > 1
 
     async def open_one(u: str, timeout: float) -> Connection:
         c = await Connection.open(u, api_key=api_key, client_name=client_name,
                                   connect_timeout=min(timeout, CLUSTER_ATTEMPT_S) if several else timeout,
                                   tls_ca=tls_ca, ssl_context=ssl_context)
-        if several:
-            c.watch_liveness(CLUSTER_LIVENESS_S)
+        # a link that dies silently (a dropped NAT entry, a frozen node) is found and
+        # re-dialled, with one address too
+        c.watch_liveness(CLUSTER_LIVENESS_S if several else LIVENESS_S)
         return c
 
     follower = LeaderFollower(urls, open_one)

@@ -75,3 +75,44 @@ async def test_without_a_watch_a_silent_server_is_waited_for():
                 await conn.call(p.ServerStatus())
             assert waited.cancelled_caught and not conn.closed
         n.cancel_scope.cancel()
+
+
+async def test_one_address_through_a_silently_dead_link_returns_within_a_bound_and_redials(daemon, monkeypatch):
+    # issue 42, item 2: a client with ONE tcp:// address through a proxy that stops
+    # forwarding both ways but keeps both sockets open (a dropped NAT entry):
+    # task.result(timeout=3), receive(wait=3) and delivery.renew() did not return in 20 s
+    import rallypoint
+    from rallypoint.client import reconnect
+    from rallypoint.testing.proxy import Proxy
+
+    monkeypatch.setattr(rallypoint, "LIVENESS_S", 1.0)
+    monkeypatch.setattr(reconnect, "CALL_GRACE_S", 3.0)
+    host, port = daemon.url.removeprefix("tcp://").rsplit(":", 1)
+    async with trio.open_nursery() as n:
+        proxy = Proxy(host, int(port))
+        pport = await n.start(proxy.run)
+        async with rallypoint.connect(f"tcp://127.0.0.1:{pport}", reconnect=rallypoint.Reconnect(timeout=60),
+                                      connect_timeout=2) as rs:
+            run = await rs.scopes.create(name="dead-link")
+            jobs = await rs.mailboxes.ensure("dead-link")
+            ticket = await jobs.submit({"n": 1}, scope=run)
+            d = await jobs.receive(run, lease_seconds=60, wait=1)
+            proxy.set_mode("hold")
+            for call in (lambda: rs.task(ticket.id).result(timeout=3), lambda: jobs.receive(run, wait=3),
+                         lambda: d.renew()):
+                t0 = trio.current_time()
+                with trio.fail_after(15):  # its own timeout (<= 3 s) + the grace (3 s) + slack
+                    with pytest.raises((UnavailableError, rallypoint.WaitTimeout)):
+                        await call()
+                assert trio.current_time() - t0 <= 3 + 3 + 2
+            proxy.set_mode("pass")  # the link is back: the client re-dialled and goes on
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        await d.renew()
+                        break
+                    except UnavailableError:
+                        await trio.sleep(0.2)
+            await d.complete({"ok": True})
+            assert (await rs.task(ticket.id).result(timeout=10)).state == "SUCCEEDED"
+        n.cancel_scope.cancel()

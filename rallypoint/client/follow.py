@@ -78,6 +78,9 @@ class LeaderFollower:
         self.epochs: dict[int, int] = {}
         self.redirects = 0
         self.stale = 0
+        #: the connection :meth:`open` made last (a node that went silent on it is tried
+        #: last next time: a frozen leader keeps its socket open)
+        self._last_conn: Any = None
         self._scheme = urlsplit(self.urls[0]).scheme or "tcp"
 
     def _url_of(self, address: str) -> str:
@@ -103,16 +106,19 @@ class LeaderFollower:
         return True
 
     async def open(self, timeout_s: float) -> Any:
-        """A connection to the leader, trying the last one first, then NOT_LEADER hints,
-        then the rest; while a failover leaves no leader known (every node answered
+        """A connection to the leader, trying the last one first (last, when it went
+        silent: :attr:`Connection.went_silent`), then NOT_LEADER hints, then the rest; while a failover leaves no leader known (every node answered
         NOT_LEADER without a hint), again until ``timeout_s`` (seconds) pass. Raises the
         last UnavailableError (NotLeaderError included) when none could be made, or a
         refusal that trying again cannot help (e.g. UNAUTHENTICATED)."""
         deadline = anyio.current_time() + timeout_s
         pause = 0.05
         last: UnavailableError | None = None
+        silent = self._last_conn is not None and getattr(self._last_conn, "went_silent", False)
         while True:
             order = [self.current] + [u for u in self.urls if u != self.current]
+            if silent and len(order) > 1:  # it went silent (frozen?): the others first
+                order = order[1:] + order[:1]
             hinted = self._hint() if self._hint is not None else None
             if hinted:
                 hurl = self._url_of(hinted)
@@ -152,6 +158,7 @@ class LeaderFollower:
                                             "another shard's)", retry_after=0.5)
                     continue
                 self.current = url
+                self._last_conn = conn
                 return conn
             remaining = deadline - anyio.current_time()
             if not (leaderless or last is None or len(self.urls) > 1) or remaining <= 0:

@@ -52,6 +52,14 @@ What happens to a request when the connection drops:
   not applied, so always sent again, on a new connection to the shard's leader (this
   one is closed; :mod:`rallypoint.client.follow` finds the leader).
 
+**Bounded calls.** A call returns or raises within its own server-side wait
+(``wait_ms``, if it has one) plus :data:`CALL_GRACE_S`: a link that died without a word
+(a proxy or NAT that stops forwarding, a frozen node) is closed by the connection's
+liveness check (:meth:`~rallypoint.transport.connection.Connection.watch_liveness`:
+6 s, 2.5 s with several addresses) and re-dialled, and a call that has not been
+answered by then -- waiting for the new connection included -- raises UnavailableError
+(``maybe_applied`` unless it is safe to send again).
+
 If no connection can be made within :attr:`Reconnect.timeout` seconds of the drop, the
 client gives up: waiting and later calls raise UnavailableError (the client stays
 unusable; open a new one). A refusal at the handshake (e.g. UNAUTHENTICATED: the key
@@ -129,6 +137,17 @@ def _op_table() -> Any:
 
         _table = TABLE
     return _table
+
+
+#: How long past its own server-side wait a call may take before it raises
+#: UnavailableError (the module docstring, "Bounded calls"), seconds.
+CALL_GRACE_S = 15.0
+
+
+def _call_bound(op: Any) -> float:
+    """The longest ``op`` may take (seconds): its ``wait_ms`` (if any) + CALL_GRACE_S."""
+    wait_ms = getattr(op, "wait_ms", None)
+    return (wait_ms / 1000.0 if isinstance(wait_ms, (int, float)) and wait_ms > 0 else 0.0) + CALL_GRACE_S
 
 
 def reissue_safe(op: Any) -> bool:
@@ -324,7 +343,17 @@ class ReconnectingTransport:
     async def call(self, op: Any) -> Any:
         """Send ``op`` and return its reply body (see the module docstring for what a
         dropped connection does). Raises the server's error, UnavailableError when the
-        client gave up reconnecting or ``op`` was in flight and cannot be re-sent."""
+        client gave up reconnecting, ``op`` was in flight and cannot be re-sent, or no
+        answer came within its wait plus :data:`CALL_GRACE_S` seconds."""
+        bound = _call_bound(op)
+        with anyio.move_on_after(bound):
+            return await self._call(op)
+        raise UnavailableError(
+            f"{self.url}: no answer to `{_op_name(op)}` within {bound:g} s (its wait plus {CALL_GRACE_S:g} s): the "
+            "server is stopped or the link to it is dead", retry_after=1.0,
+            details={"op": _op_name(op), **({} if reissue_safe(op) else {"maybe_applied": True})})
+
+    async def _call(self, op: Any) -> Any:
         reissued = False
         while True:
             conn = self._conn
@@ -368,7 +397,17 @@ class ReconnectingTransport:
 
     async def call_many(self, ops: list) -> list:
         """Like :meth:`call` for a batch (one frame): a reply body or the error, per op.
-        The batch is re-sent after a drop only if every op in it may be."""
+        The batch is re-sent after a drop only if every op in it may be; bounded by its
+        longest wait plus :data:`CALL_GRACE_S`."""
+        bound = max((_call_bound(op) for op in ops), default=CALL_GRACE_S)
+        with anyio.move_on_after(bound):
+            return await self._call_many(ops)
+        unsafe = [op for op in ops if not reissue_safe(op)]
+        raise UnavailableError(
+            f"{self.url}: no answer to a batch of {len(ops)} within {bound:g} s: the server is stopped or the link "
+            "to it is dead", retry_after=1.0, details={"ops": len(ops), **({"maybe_applied": True} if unsafe else {})})
+
+    async def _call_many(self, ops: list) -> list:
         out: list = [None] * len(ops)
         todo = list(range(len(ops)))
         reissued = False

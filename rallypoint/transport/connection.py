@@ -410,6 +410,15 @@ class Connection:
         server answers pings while it parks a request. None: never."""
         self.liveness_s = seconds
 
+    #: the start of :attr:`close_reason` when the liveness check closed the connection
+    SILENT_REASON = "the server stopped answering"
+
+    @property
+    def went_silent(self) -> bool:
+        """True when :meth:`watch_liveness` closed this connection (the server sent
+        nothing while calls waited: stopped, frozen or cut off)."""
+        return (self._closed or "").startswith(self.SILENT_REASON)
+
     async def _liveness(self) -> None:
         limit = self.liveness_s
         assert limit is not None
@@ -425,7 +434,7 @@ class Connection:
             if quiet >= limit:
                 log.warning("%s: the server sent nothing for %.1f s while calls waited; closing the connection",
                             self.url, quiet)
-                self._shutdown(f"the server stopped answering ({quiet:.1f} s without a frame)")
+                self._shutdown(f"{self.SILENT_REASON} ({quiet:.1f} s without a frame)")
                 with anyio.CancelScope(shield=True):
                     await anyio.aclose_forcefully(self._stream)
                 return
