@@ -614,8 +614,12 @@ class ShardMember:
                                           released=coord.epochs.released)
             coord.cluster_map_fn = self.cluster_map_view
             coord.keys.store = (self._store_url(), c.cluster)  # keys are made in etcd, not over the wire
+            # without a leader's beat to continue from (this node led last, or nobody
+            # led since it recovered: an etcd outage), the gap is every moment since a
+            # lease holder was last heard here -- measured now, at the takeover, not
+            # when the data dir was recovered for this term
             box["gap"] = take_over(coord, epoch=lead.epoch, node=c.node, clock_pair=clock_pair,
-                                   default_gap_ms=rec.gap_ms)
+                                   default_gap_ms=rec.unheard_ms())
             # the time no leader heard a lease holder goes back to every lease (not this
             # node's own last heartbeat: a standby's first start has none, and then
             # leases were not extended at all)
