@@ -1037,7 +1037,7 @@ def cmd_cluster_status(args) -> int:
     set, the leader's lease time to live) and, from the leader, its standby's lag."""
     from .cluster.etcd import EtcdClient, EtcdError
     from .cluster.leader import ShardElection
-    from .errors import RallypointError
+    from .errors import RallypointError, UnavailableError
 
     try:
         endpoints = _etcd_endpoints(args.cluster)
@@ -1060,12 +1060,14 @@ def cmd_cluster_status(args) -> int:
                     ttl = None
         view = None
         if state.leader is not None:
-            try:
-                async with rallypoint.connect(f"tcp://{state.leader.info.client_address}", api_key=args.api_key,
-                                              reconnect=False, connect_timeout=5) as rs:
-                    view = (await rs.status()).cluster
-            except RallypointError as e:
-                view = e
+            view = UnavailableError("no answer within 5 s")
+            with trio.move_on_after(5):  # the connection and the call: the leader may be stopped
+                try:
+                    async with rallypoint.connect(f"tcp://{state.leader.info.client_address}", api_key=args.api_key,
+                                                  reconnect=False, connect_timeout=5, route=False) as rs:
+                        view = (await rs.status()).cluster
+                except RallypointError as e:
+                    view = e
         return state, ttl, view
 
     try:

@@ -25,9 +25,12 @@ What the checks mean:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import sys
+import subprocess
 import time
 import uuid
 from collections import defaultdict
@@ -402,6 +405,46 @@ async def test_a_leader_stopped_past_its_lease_acknowledges_nothing_when_it_resu
 
 def _journal_last(node: ClusterNode) -> int:
     return max((x for x, _ in read_journal(node.data_dir)), default=0)
+
+
+async def test_status_answers_while_min_insync_2_refuses_writes_with_the_link_cut(nodes, etcd, cluster_name):
+    # issue 42, item 11: with --min-insync 2 and the replication link cut, new writes
+    # are UNAVAILABLE at once (right), but server.status did not answer in 5 s and
+    # `rallypoint cluster status` hung (its call was not bounded)
+    async with trio.open_nursery() as n:
+        a = nodes("a", extra=["--min-insync", "2"])
+        link = Proxy("127.0.0.1", a.replication_port)
+        a.advertise_replication = f"127.0.0.1:{await n.start(link.run)}"
+        a, b = await leader_pair(nodes, etcd, cluster_name, a=a, b=nodes("b", extra=["--min-insync", "2"]))
+        async with rallypoint.connect(f"tcp://{a.address},{b.address}") as rs:
+            jobs = await rs.mailboxes.ensure("jobs")
+            run = await rs.scopes.create(name="cut-min-insync")
+            link.set_mode("hold")
+            held = {}
+            n.start_soon(_outcome, lambda: jobs.submit("held", key="held", scope=run), held, "write")
+            with trio.fail_after(20):  # status answers at once, and shows the standby gone and a record waiting
+                while True:
+                    with trio.fail_after(5):
+                        st = await rs.status()
+                    if st.cluster.standby is None and st.durable_lsn < st.last_lsn:
+                        break
+                    await trio.sleep(0.05)
+            with trio.fail_after(5):  # a new write is refused at once
+                with pytest.raises(rallypoint.UnavailableError) as e:
+                    await rs.scopes.create(name="refused")
+            assert (e.value.details or {}).get("reason") == "min_insync"
+            assert "write" not in held  # still not acknowledged
+            r = await trio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "rallypoint", "cluster", "status", "--cluster", etcd.endpoints[0],
+                 "--cluster-name", cluster_name, "--json"], capture_output=True, text=True, timeout=30))
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["shards"][0]["leader"]["node"] == "a" if "shards" in r.stdout else True
+            link.set_mode("pass")
+            with trio.fail_after(30):
+                while "write" not in held:
+                    await trio.sleep(0.05)
+            assert held["write"][0] == "ok"
+        n.cancel_scope.cancel()
 
 
 # ============================================================================ 3. the replication link cut

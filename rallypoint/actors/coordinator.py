@@ -63,7 +63,7 @@ from .epochs import Epochs
 from .outbox import Outbox
 from .sharding import Sharding
 from .run import Runs
-from .runtime import PRIO_DEFAULT, Park, ReplySink, Runtime, Subscribe, _FatalMarker, fatal_unwrapped, shutdown_error
+from .runtime import PRIO_DEFAULT, AtOnce, Park, ReplySink, Runtime, Subscribe, _FatalMarker, fatal_unwrapped, shutdown_error
 from .watch import Watchers
 from .space import Spaces
 from .timer import Timers
@@ -646,6 +646,9 @@ class Coordinator:
         if sink.closed:
             return
         self._to_flush.add(sink)
+        lsn = self.journal.last_lsn
+        if isinstance(reply, AtOnce):  # (server.status: no wait for durability)
+            reply, lsn = reply.value, 0
         if self.failed is not None:
             reply = UnavailableError("the server stopped after an internal failure; retry once it restarted",
                                      retry_after=1.0)
@@ -661,7 +664,7 @@ class Coordinator:
             # "could not do it now" (disk full, shutting down) reveals no state: at once
             sink.deliver(rid, reply, 0)
             return
-        sink.deliver(rid, reply, self.journal.last_lsn)
+        sink.deliver(rid, reply, lsn)
 
     def after_batch(self) -> None:
         """After an actor's batch (or the heap's): the batch's commits go to the journal

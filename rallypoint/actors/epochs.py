@@ -22,6 +22,7 @@ from ..protocol import ClusterMap, ClusterMapView, ClusterReleaseSlots, SlotsRel
 from ..records import LeaderEpoch, SlotsReleased
 from .common import applies, check_range
 from .kind import Kind
+from .runtime import AtOnce
 from .opmark import ALL, ALWAYS, NEVER, R, SPACE, op
 
 __all__ = ["Epochs", "EpochHistory", "EpochEntry", "ReleasedSlots", "HISTORY_ID", "RELEASED_ID"]
@@ -120,11 +121,12 @@ class Epochs(Kind):
     @op(ClusterMap, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
     def op_cluster_map(self, actor, session, op: ClusterMap) -> ClusterMapView:
         """The slot map and every shard's leader, as this node watches them in etcd (a
-        single node: an empty map)."""
+        single node: an empty map). Answered at once (etcd's, not the journal's: no wait
+        for durability, so a client can route while a shard's writes wait)."""
         fn = self.coord.cluster_map_fn
         if fn is None:
-            return ClusterMapView(cluster="", version=0, owners=[], shards=[])
-        return fn()
+            return AtOnce(ClusterMapView(cluster="", version=0, owners=[], shards=[]))
+        return AtOnce(fn())
 
     @op(ClusterReleaseSlots, route=SPACE, permission="operator", resend=NEVER, shard=ALL)
     def op_cluster_release_slots(self, actor, session, op: ClusterReleaseSlots) -> SlotsReleasedView:

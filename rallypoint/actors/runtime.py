@@ -136,6 +136,18 @@ class ReplySink:
         """The server ends subscription ``rid`` with ``error`` (a RallypointError)."""
 
 
+class AtOnce:
+    """What a handler returns for an answer that may leave before the journal is durable
+    past what it saw: an operator's view of the server (``server.status``), which must
+    answer while a shard refuses writes and its last records wait for a standby (its
+    ``durable_lsn < last_lsn`` tells the reader). Never for state a client acts on."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 # ---------------------------------------------------------------------------- waiters
 class Park:
     """What a handler returns to wait on the server instead of answering now.

@@ -30,6 +30,7 @@ from ..protocol import (
 from ..wire import PROTOCOL_VERSION
 from .common import check_range
 from .kind import Kind
+from .runtime import AtOnce
 from .opmark import ALL, ALWAYS, R, SPACE, in_slot, op
 from .runtime import Subscribe
 from .watch import durable_upto, encode_event, shard_of
@@ -55,13 +56,16 @@ class Spaces(Kind):
     @op(ServerStatus, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
     def op_server_status(self, actor, session, op: ServerStatus) -> ServerStatusView:
         """The server's version, uptime, connections, durability, counts of the session's
-        space, journal LSNs, and the actor runtime (actors by kind, tree depth)."""
+        space, journal LSNs, and the actor runtime (actors by kind, tree depth). Answered
+        at once (:class:`~rallypoint.actors.runtime.AtOnce`), also while writes wait for
+        a standby: its counts may then include changes not yet acknowledged
+        (``durable_lsn < last_lsn`` says so)."""
         coord = self.coord
         st = coord.server_status()
         runs = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
         runs.update(coord.runs.counts.get(session.space, {}))
         tasks = {k: v for k, v in coord.queues.space_counts.get(session.space, {}).items() if v}
-        return ServerStatusView(
+        return AtOnce(ServerStatusView(
             version=st["version"],
             protocol_version=PROTOCOL_VERSION,
             uptime_s=st["uptime_s"],
@@ -78,7 +82,7 @@ class Spaces(Kind):
             actors=st["actors"],
             tree_depth=st["tree_depth"],
             cluster=coord.cluster_status_fn() if coord.cluster_status_fn is not None else None,
-        )
+        ))
 
     # ================================================================ events
     def _filter(self, op) -> EventFilter:
