@@ -48,7 +48,7 @@ from ..replication import (
 )
 from ..replication.link import unwrapped
 from ..wire import PROTOCOL_VERSION
-from .etcd import EtcdClient, EtcdError
+from .etcd import EtcdAccess, EtcdClient, EtcdError
 from ..actors.sharding import Sharding
 from .leader import LeaderInfo, LeaderRecord, Leadership, LeadershipLostError, ShardElection
 from .keystore import KeyRecord, watch_keys
@@ -63,7 +63,9 @@ __all__ = ["MemberConfig", "ShardMember", "EtcdIsr"]
 class MemberConfig:
     """What a node of a replicated shard needs (``rallypoint serve --cluster``).
 
-    ``etcd``: endpoints (``http://host:port``); ``cluster``: the cluster's name (the
+    ``etcd``: endpoints (``http://host:port``); ``etcd_access``: the
+    :class:`~rallypoint.cluster.etcd.EtcdAccess` (TLS, user) when etcd needs more than
+    plaintext endpoints (it then wins over ``etcd``); ``cluster``: the cluster's name (the
     etcd key prefix ``/rallypoint/<cluster>/``); ``shard``; ``node``: this node's name,
     unique in the shard; ``data_dir``/``durability`` (``fsync`` or ``interval``);
     ``client``/``replication``/``http``: ``(host, port)`` to listen on (port 0: a free
@@ -93,6 +95,7 @@ class MemberConfig:
     isr_timeout_s: float = 1.0
     min_insync: int = 1
     drain_timeout_s: float = 10.0
+    etcd_access: EtcdAccess | None = None
     node_options: dict = field(default_factory=dict)
     serve_options: dict = field(default_factory=lambda: {"snapshot_every_records": 100_000,
                                                          "snapshot_every_s": 60.0})
@@ -232,7 +235,7 @@ class ShardMember:
         #: how the node reaches etcd, the leader's replication address and listens for
         #: standbys (the two-node simulator, :mod:`rallypoint.testing.replsim`, replaces
         #: them with an in-memory etcd and a seeded network)
-        self.make_etcd: Callable[[], Any] = lambda: EtcdClient(config.etcd)
+        self.make_etcd: Callable[[], Any] = lambda: (config.etcd_access or EtcdAccess(tuple(config.etcd))).client()
         self.connect: Callable[[str, int], Any] = trio.open_tcp_stream
         self.listen: Callable[..., Any] = trio.open_tcp_listeners
         #: ``await probe(point)`` at each step of a takeover and a rejoin (None: nothing;
@@ -670,9 +673,10 @@ class ShardMember:
             await self.probe(point)
 
     def _store_url(self) -> str:
-        """The cluster's etcd as ``rallypoint keys --cluster`` takes it (``etcd://h:p,...``)."""
-        hosts = [e.split("://", 1)[-1].rstrip("/") for e in self.config.etcd]
-        return "etcd://" + ",".join(hosts)
+        """The cluster's etcd as ``rallypoint keys --cluster`` takes it: ``etcd://h:p,...``,
+        or ``https://[user@]h:p,...`` followed by the ``--etcd-ca``/``--etcd-cert``/
+        ``--etcd-key`` this node uses (the password never)."""
+        return " ".join((self.config.etcd_access or EtcdAccess(tuple(self.config.etcd))).cli_args()[1:])
 
     async def _keep_keys(self, node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """While leading: take every key record of etcd this shard lacks (or has live
