@@ -113,6 +113,9 @@ _UNAUTHENTICATED_GRPC = 16
 #: etcd's answers that the token a request carried is no good (any more): authenticate
 #: again and retry once (what etcd's own clientv3 does, ``shouldRefreshToken``)
 _STALE_TOKEN = ("invalid auth token", "revision of auth store is old")
+#: a watch stream's error line that only says the member went away (its gateway's own
+#: gRPC stream broke: a stopping member over TLS says so with code 2 or 13): resume
+_STREAM_LOST = ("closed the stream without sending trailers", "transport is closing", "error reading from server")
 #: auth is on and the request carried no token
 _NO_USER = "user name is empty"
 #: etcd 3.4 with --client-cert-auth and auth on refuses a gateway request whose client
@@ -213,11 +216,11 @@ class EtcdTls:
             raise ValidationError(f"an etcd client key ({self.key_file}) needs its certificate too (the cert file)")
         try:
             ctx = ssl.create_default_context(cafile=self.ca_file)
-        except OSError as e:
-            raise ValidationError(f"cannot read the etcd CA file {self.ca_file}: {e.strerror or e}") from None
-        except ssl.SSLError as e:
+        except ssl.SSLError as e:  # (an OSError too: first)
             raise ValidationError(f"the etcd CA file {self.ca_file} holds no usable PEM certificate ({e.reason or e})"
                                   ) from None
+        except OSError as e:
+            raise ValidationError(f"cannot read the etcd CA file {self.ca_file}: {e.strerror or e}") from None
         if self.cert_file:
             try:
                 ctx.load_cert_chain(self.cert_file, self.key_file)
@@ -584,6 +587,8 @@ def _tls_reason(exc: BaseException) -> tuple[str, str] | None:
             reason = (e.reason or str(e)).lower()
             if "wrong_version_number" in reason or "record_layer_failure" in reason or "http_request" in reason:
                 return "plaintext", e.reason or str(e)
+            if "unexpected_eof" in reason or "eof occurred" in reason:
+                return "closed", e.reason or str(e)
             if "certificate" in reason or "alert" in reason:
                 return "refused", e.reason or str(e)
             return "tls", e.reason or str(e)
@@ -598,6 +603,8 @@ _TLS_HINTS = {
     "refused": "etcd refused this client's certificate, or wanted one and got none (--client-cert-auth): give a "
                "certificate signed by etcd's --trusted-ca-file (--etcd-cert/--etcd-key)",
     "plaintext": "the endpoint does not speak TLS: give http:// (or etcd://) for a plaintext etcd",
+    "closed": "the endpoint closed the connection in the TLS handshake, as a plaintext etcd does: give http:// (or "
+              "etcd://) if it serves no TLS",
     "tls": "the TLS handshake failed",
 }
 
@@ -999,6 +1006,10 @@ class _AuthenticateResponse(msgspec.Struct):
     token: str = ""
 
 
+_VERBS = {"/v3/kv/range": "read", "/v3/kv/put": "write", "/v3/kv/deleterange": "delete", "/v3/kv/txn": "write",
+          "/v3/watch": "watch", "/v3/kv/compaction": "compact", "/v3/lease/revoke": "revoke a lease of"}
+
+
 def _refusal(path: str, body: dict[str, Any], grpc_code: int, message: str, *, user: str | None = None) -> EtcdError:
     if grpc_code == _NOT_FOUND_GRPC and "lease not found" in message:
         lease = body.get("ID") or body.get("lease") or 0
@@ -1011,11 +1022,13 @@ def _refusal(path: str, body: dict[str, Any], grpc_code: int, message: str, *, u
         )
     if grpc_code == _PERMISSION_DENIED_GRPC or "permission denied" in message:
         key = body.get("key")
-        on = f" on key {key.decode('utf-8', 'replace')!r}" if isinstance(key, bytes) else ""
+        key_text = key.decode("utf-8", "replace") if isinstance(key, bytes) else None
+        verb = _VERBS.get(path, path)
         return EtcdPermissionError(
-            f"etcd user {user!r} may not {path}{on}: permission denied; grant its role readwrite on the "
-            "cluster's prefix (etcdctl role grant-permission ROLE --prefix=true readwrite /rallypoint/NAME/)",
-            details={"path": path, "user": user, "key": on[9:-1] or None, "grpc_code": grpc_code},
+            f"etcd user {user!r} may not {verb}{f' {key_text!r}' if key_text else ''} ({path}): permission denied; "
+            "grant its role readwrite on the cluster's prefix (etcdctl role grant-permission ROLE --prefix=true "
+            "readwrite /rallypoint/NAME/)",
+            details={"path": path, "user": user, "key": key_text, "grpc_code": grpc_code},
         )
     if grpc_code == _UNAUTHENTICATED_GRPC or _NO_USER in message:
         return EtcdAuthError(
@@ -1214,7 +1227,9 @@ class Watch:
             msg = msgspec.json.decode(line, type=_WatchLine, strict=False)
             if msg.error is not None:
                 await self._drop()
-                if msg.error.grpc_code in _UNAVAILABLE_GRPC:
+                if msg.error.grpc_code in _UNAVAILABLE_GRPC or any(m in msg.error.message for m in _STREAM_LOST):
+                    log.info("etcd watch on %r lost (%s); resuming from revision %d", self._key, msg.error.message,
+                             self._next_rev)
                     continue
                 if self._client._stale(msg.error.grpc_code, msg.error.message, self._token):
                     await self._renew(self._token, msg.error.message)
