@@ -385,3 +385,76 @@ class TcpProxy:
             pass
         finally:
             link.cancel()
+
+
+# ------------------------------------------------------------------ the benchmarks' etcd
+#: the password of the ``rallypoint`` user of a ``--secure-etcd`` benchmark etcd
+BENCH_NODE_PASSWORD = "bench-node-password"
+
+
+def add_bench_etcd_arguments(ap) -> None:
+    """The etcd options of scripts/bench_failover.py and scripts/bench_remote.py: the
+    same ``--cluster`` and ``--etcd-*`` flags as ``rallypoint serve`` (an etcd of yours),
+    or ``--secure-etcd`` (the benchmark starts one with TLS, client certificates and
+    authentication); neither: a plaintext one-member etcd, as the tests start it."""
+    from rallypoint.cli import _etcd_access_arguments
+
+    g = ap.add_argument_group("etcd (default: the benchmark starts a plaintext one-member etcd)")
+    g.add_argument("--cluster", metavar="URL", default=None,
+                   help="use this etcd (etcd://HOST:PORT or https://[USER@]HOST:PORT), with the flags below, as "
+                        "`rallypoint serve --cluster` takes them")
+    _etcd_access_arguments(g)
+    g.add_argument("--secure-etcd", action="store_true",
+                   help="start a one-member etcd with TLS (https://, --client-cert-auth, certificates made by "
+                        "rallypoint.cluster.pki) and authentication on (user rallypoint, readwrite on /rallypoint/)")
+
+
+class BenchEtcd:
+    """The etcd a benchmark runs on, from :func:`add_bench_etcd_arguments`'s options:
+    ``access`` (an :class:`EtcdAccess`), and ``node_args``/``node_env`` for a
+    :class:`_cluster.ClusterNode` (``--cluster`` URL, the TLS and user flags, the
+    password in ``RALLYPOINT_ETCD_PASSWORD``). ``with BenchEtcd(args, root) as etcd:``."""
+
+    def __init__(self, args, root: str) -> None:
+        self.args = args
+        self.root = root
+        self.cluster: EtcdCluster | None = None
+        self.access = None
+
+    def __enter__(self) -> "BenchEtcd":
+        from rallypoint.cli import _etcd_access
+
+        if self.args.cluster:
+            self.access = _etcd_access(self.args)
+        else:
+            data = os.path.join(self.root, "etcd")
+            os.makedirs(data, exist_ok=True)
+            secure = self.args.secure_etcd
+            self.cluster = EtcdCluster(data, tls_dir=os.path.join(self.root, "etcd-pki") if secure else None,
+                                       client_cert_auth=secure).start()
+            if secure:
+                self.cluster.enable_auth("bench-root-password")
+                self.cluster.add_user("rallypoint", BENCH_NODE_PASSWORD, readwrite="/rallypoint/")
+                self.access = self.cluster.access("rallypoint", BENCH_NODE_PASSWORD)
+            else:
+                self.access = self.cluster.access(None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+
+    def describe(self) -> str:
+        """What the benchmark ran on, for its report."""
+        a = self.access
+        what = "TLS" + (" + client certificate" if a.tls and a.tls.cert_file else "") if a.secure else "plaintext"
+        return f"{what}{' + auth' if a.auth else ''} ({a.url})"
+
+    @property
+    def node_args(self) -> list[str]:
+        """``[URL, --etcd-ca F, ...]``: ``ClusterNode(etcd=node_args[0], extra=node_args[1:])``."""
+        return self.access.cli_args()[1:]
+
+    @property
+    def node_env(self) -> dict[str, str]:
+        return {"RALLYPOINT_ETCD_PASSWORD": self.access.auth.password} if self.access.auth else {}
