@@ -755,8 +755,8 @@ class EtcdClient:
         if _GATEWAY_CN in message:
             raise EtcdTlsError(
                 "etcd (client certificates required and authentication on) refuses a client certificate that "
-                "carries a Common Name on its JSON gateway: use a certificate with an empty subject (rallypoint "
-                "cluster certs --etcd makes one) or none",
+                "carries a Common Name on its JSON gateway: use a certificate with an empty subject (as the "
+                "client.pem of rallypoint.cluster.pki) or none",
                 details={"endpoints": self.endpoints, "reason": message},
             )
 
@@ -827,15 +827,6 @@ class EtcdClient:
                 log.info("etcd: authenticated again as %r (the previous token expired or was invalidated)",
                          self.auth.user)
             return self._token
-
-    async def authenticate(self, *, timeout_s: float | None = None) -> None:
-        """Get a token now (the calls do it when they need one). Raises EtcdAuthError
-        for a wrong user or password, EtcdTlsError, EtcdUnavailableError; nothing
-        without :class:`EtcdAuth`."""
-        if self.auth is None:
-            return
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        await self._renew_token(self._token, trio.current_time() + timeout, timeout)
 
     async def check_access(self, prefix: str | bytes, *, write: bool = True, timeout_s: float | None = None) -> None:
         """Check that this client may read (and, with ``write``, write) every key under
