@@ -462,10 +462,11 @@ async def _serve_cluster(args) -> int:
         raise ValidationError("--cluster needs --node NAME (this node's name, unique in its shard)")
     host, port = _parse_listen(args.listen, "--listen")
     rhost, rport = _parse_listen(args.replication, "--replication")
-    endpoints = _etcd_endpoints(args.cluster)
+    access = _etcd_access(args)
+    endpoints = list(access.endpoints)
     ssl_context = _ssl_context(args)
     config = MemberConfig(
-        etcd=endpoints, node=args.node, data_dir=args.data_dir, cluster=args.cluster_name, shard=args.shard,
+        etcd=endpoints, etcd_access=access, node=args.node, data_dir=args.data_dir, cluster=args.cluster_name, shard=args.shard,
         durability=args.durability, client=(host, port), replication=(rhost, rport),
         http=_parse_listen(args.http) if args.http else None, advertise_host=args.advertise,
         advertise_replication=_advertised(args.advertise_replication),
@@ -509,6 +510,7 @@ async def _serve_cluster(args) -> int:
         api.metrics = cluster_metrics.leader_metrics if cluster_metrics is not None else None
         return api
 
+    await _etcd_preflight(access, args.cluster_name)
     member = ShardMember(config, make_server=_server_factory(args, ssl_context), on_leader=on_leader,
                          on_role=on_role)
     async with trio.open_nursery() as nursery:
@@ -619,27 +621,170 @@ async def _cancel_when_stopped(member, scope) -> None:
     scope.cancel()
 
 
-def _etcd_endpoints(spec: str) -> list[str]:
-    """``etcd://h1:p1,h2:p2`` (or ``http://...``) -> gateway URLs."""
+#: the environment variables the etcd access flags default to (``--help`` says them)
+ETCD_ENV = {"ca": "RALLYPOINT_ETCD_CA", "cert": "RALLYPOINT_ETCD_CERT", "key": "RALLYPOINT_ETCD_KEY",
+            "user": "RALLYPOINT_ETCD_USER", "password_file": "RALLYPOINT_ETCD_PASSWORD_FILE",
+            "password": "RALLYPOINT_ETCD_PASSWORD"}
+
+
+def _etcd_access_arguments(parser, *, suppress: bool = False) -> None:
+    """Add the flags of :func:`_etcd_access` (TLS files, user, password file) to
+    ``parser`` (a parser or an argument group; ``suppress``: a subcommand's copy of a
+    group's flags, so they work before or after the subcommand)."""
+    d = argparse.SUPPRESS if suppress else None
+    parser.add_argument("--etcd-ca", metavar="FILE", default=d,
+                        help="CA certificate (PEM) that signed etcd's certificate, for https:// endpoints (default "
+                             "$RALLYPOINT_ETCD_CA; none: the system's CAs)")
+    parser.add_argument("--etcd-cert", metavar="FILE", default=d,
+                        help="client certificate (PEM) for an etcd with --client-cert-auth (default "
+                             "$RALLYPOINT_ETCD_CERT); with etcd's auth on it must have no Common Name")
+    parser.add_argument("--etcd-key", metavar="FILE", default=d,
+                        help="the client certificate's key (default $RALLYPOINT_ETCD_KEY; none: in --etcd-cert)")
+    parser.add_argument("--etcd-user", metavar="NAME", default=d,
+                        help="etcd user, when etcd's authentication is on (default $RALLYPOINT_ETCD_USER, or "
+                             "USER in --cluster https://USER@HOST:PORT)")
+    parser.add_argument("--etcd-password-file", metavar="FILE", default=d,
+                        help="file whose first line is the etcd user's password (default "
+                             "$RALLYPOINT_ETCD_PASSWORD_FILE; else $RALLYPOINT_ETCD_PASSWORD)")
+
+
+def _etcd_access(args):
+    """The :class:`~rallypoint.cluster.etcd.EtcdAccess` of ``--cluster`` and the etcd
+    flags (``serve --cluster``, ``cluster ...``, ``keys ... --cluster``), each flag
+    defaulting to its environment variable (:data:`ETCD_ENV`).
+
+    ``--cluster``: ``etcd://``, ``http://`` (plaintext) or ``https://`` (TLS), then
+    ``HOST:PORT[,HOST:PORT...]`` (a later endpoint may repeat the scheme, not change
+    it); ``USER@`` names the etcd user; ``USER:PASSWORD@`` works but is warned about (the
+    password shows in ``ps`` and shell history). The password: ``--etcd-password-file``,
+    else ``$RALLYPOINT_ETCD_PASSWORD``, else the URL's. Warns when a password would cross a
+    non-loopback network in plaintext. Raises ValidationError (one line) for a bad
+    URL, mixed schemes, TLS files with a plaintext etcd, a user without a password (or
+    the reverse), two different users, an unreadable file."""
+    import re
+    from urllib.parse import unquote
+
+    from .cluster.etcd import EtcdAccess, EtcdAuth, EtcdTls
     from .errors import ValidationError
 
-    rest = spec
-    for scheme in ("etcd://", "http://"):
-        if rest.startswith(scheme):
-            rest = rest[len(scheme):]
-    out = []
-    for part in rest.split(","):
-        part = part.strip().rstrip("/")
+    def opt(name: str) -> tuple[str | None, str]:
+        """The flag's value, else the environment's, with where it came from."""
+        flag = "--etcd-" + name.replace("_", "-")
+        value = getattr(args, "etcd_" + name, None)
+        if value:
+            return value, flag
+        env = os.environ.get(ETCD_ENV[name]) or None
+        return env, f"${ETCD_ENV[name]}"
+
+    spec = (args.cluster or "").strip()
+    scheme = None
+    url_user = url_password = None
+    endpoints: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
+        m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", part)
+        given, rest = (m.group(1).lower(), m.group(2)) if m else (None, part)
+        if given is not None and given not in ("etcd", "http", "https"):
+            raise ValidationError(f"--cluster: {given}:// is not an etcd scheme (etcd:// or http:// for a plaintext "
+                                  "etcd, https:// for TLS)")
+        this = {"etcd": "http"}.get(given, given)
+        if this is not None and scheme is not None and this != scheme:
+            raise ValidationError(f"--cluster mixes plaintext and TLS endpoints ({spec!r}): one etcd cluster serves "
+                                  "one scheme; give https:// (or etcd://) for all of them")
+        scheme = scheme or this
+        if "@" in rest:
+            userinfo, rest = rest.rsplit("@", 1)
+            user, colon, password = userinfo.partition(":")
+            user = unquote(user)
+            if url_user is not None and user != url_user:
+                raise ValidationError(f"--cluster names two etcd users ({url_user!r}, {user!r})")
+            url_user = user or None
+            if colon:
+                url_password = unquote(password)
+        rest = rest.rstrip("/")
         try:
-            h, p = _parse_listen(part)
+            host, port = _parse_listen(rest)
         except ValidationError:
-            raise ValidationError(f"--cluster: {part!r} is not HOST:PORT (give etcd://HOST:PORT[,HOST:PORT...])")
-        out.append(f"http://{h}:{p}")
-    if not out:
-        raise ValidationError("--cluster needs at least one etcd endpoint: etcd://HOST:PORT")
-    return out
+            raise ValidationError(f"--cluster: {rest!r} is not HOST:PORT (give etcd://HOST:PORT[,HOST:PORT...] or "
+                                  "https://HOST:PORT[,...])") from None
+        if not port:
+            raise ValidationError(f"--cluster: {rest!r} needs a port (etcd's client port, 2379 by default)")
+        endpoints.append(f"{_url_host(host)}:{port}")
+    if not endpoints:
+        raise ValidationError("--cluster needs at least one etcd endpoint: etcd://HOST:PORT or https://HOST:PORT")
+    scheme = scheme or "http"
+
+    ca, ca_from = opt("ca")
+    cert, cert_from = opt("cert")
+    key, key_from = opt("key")
+    tls = None
+    if scheme == "https":
+        if key and not cert:
+            raise ValidationError(f"{key_from} (the etcd client key) needs --etcd-cert (its certificate)")
+        tls = EtcdTls(ca, cert, key)
+        tls.context()  # a file that cannot be read or does not match: refused now, in one line
+    else:
+        given = [src for value, src in ((ca, ca_from), (cert, cert_from), (key, key_from)) if value]
+        if given:
+            raise ValidationError(f"{', '.join(given)} set, but --cluster {spec} is plaintext: give https://HOST:PORT "
+                                  "for an etcd that serves TLS")
+
+    user, user_from = opt("user")
+    if user and url_user and user != url_user:
+        raise ValidationError(f"--cluster names etcd user {url_user!r} but {user_from} says {user!r}")
+    user = user or url_user
+    password_file, file_from = opt("password_file")
+    password = None
+    if password_file:
+        try:
+            with open(password_file, encoding="utf-8") as f:
+                password = f.readline().rstrip("\r\n")
+        except OSError as e:
+            raise ValidationError(f"{file_from}: cannot read the etcd password file {password_file}: "
+                                  f"{e.strerror or e}") from None
+        if not password:
+            raise ValidationError(f"{file_from}: the etcd password file {password_file} is empty")
+    elif os.environ.get(ETCD_ENV["password"]):
+        password = os.environ[ETCD_ENV["password"]]
+    elif url_password is not None:
+        password = url_password
+        print("rallypoint: warning: the etcd password in --cluster shows in `ps` and the shell's history; use "
+              "--etcd-password-file FILE or $RALLYPOINT_ETCD_PASSWORD", file=sys.stderr)
+    auth = None
+    if user:
+        if not password:
+            raise ValidationError(f"etcd user {user!r} needs a password: --etcd-password-file FILE or "
+                                  "$RALLYPOINT_ETCD_PASSWORD")
+        auth = EtcdAuth(user, password)
+        if scheme == "http" and not all(_is_loopback(e.rsplit(":", 1)[0].strip("[]")) for e in endpoints):
+            print(f"rallypoint: warning: etcd user {user!r}'s password and token cross the network in plaintext "
+                  "(http://): give https:// endpoints", file=sys.stderr)
+    elif password_file or url_password is not None:
+        raise ValidationError("an etcd password needs its user: --etcd-user NAME (or https://USER@HOST:PORT)")
+    return EtcdAccess(tuple(f"{scheme}://{e}" for e in endpoints), tls=tls, auth=auth)
+
+
+def _etcd_flags(args) -> str:
+    """``--cluster URL`` and the etcd TLS/user flags of ``args``, as a command line
+    shows them (never a password)."""
+    import shlex
+
+    return " ".join(shlex.quote(a) for a in _etcd_access(args).cli_args())
+
+
+async def _etcd_preflight(access, cluster: str) -> None:
+    """``serve --cluster`` before the node starts: may this node read and write its
+    cluster's keys in etcd? A refusal (wrong password, no permission, a TLS failure)
+    raises its one-line error; etcd out of reach is only logged (the node waits for
+    it, as it always did)."""
+    from .cluster.etcd import EtcdUnavailableError
+
+    async with access.client(timeout_s=5.0) as etcd:
+        try:
+            await etcd.check_access(f"/rallypoint/{cluster}/")
+        except EtcdUnavailableError as e:
+            log.warning("etcd is not reachable yet (%s); the node waits for it", e.message)
 
 
 #: The daemon's cyclic-GC thresholds (CPython's default: 700, 10, 10). A full
@@ -783,6 +928,10 @@ def _startup_error_message(e: BaseException, args) -> str | None:
 
     if isinstance(e, ValidationError):
         return e.message
+    from .cluster.etcd import EtcdError
+
+    if isinstance(e, EtcdError):  # (the etcd preflight: a refusal, a TLS failure)
+        return str(e)
     if isinstance(e, StartupError):
         return str(e)
     if isinstance(e, JournalWriteError):  # fail-stop at run time
@@ -818,6 +967,10 @@ def _error_line(e, args) -> str:
     messages speak Python: ``api_key=...``, ``tls_ca=...``)."""
     from .errors import UnauthenticatedError, UnavailableError
 
+    from .cluster.etcd import EtcdError
+
+    if isinstance(e, EtcdError):  # etcd's refusals say what to do in etcd's terms (not an API key's)
+        return str(e)
     if isinstance(e, UnauthenticatedError):
         if getattr(args, "api_key", None):
             return (f"{e.code}: the server refused this API key (unknown or revoked); check --api-key / "
@@ -879,9 +1032,11 @@ def _key_store_options(*, suppress: bool = False) -> argparse.ArgumentParser:
         return argparse.SUPPRESS if suppress else value
 
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=d(None),
-                        help="a cluster's keys: read and write them in its etcd (every shard takes them)")
+    parent.add_argument("--cluster", metavar="URL", default=d(None),
+                        help="a cluster's keys: read and write them in its etcd (every shard takes them): "
+                             "etcd://HOST:PORT[,...] or https://[USER@]HOST:PORT[,...]")
     parent.add_argument("--cluster-name", default=d("rallypoint"), help="with --cluster (default rallypoint)")
+    _etcd_access_arguments(parent, suppress=suppress)
     return parent
 
 
@@ -960,12 +1115,12 @@ def _cluster_lines(c) -> list[str]:
 
 def cmd_cluster_init(args) -> int:
     """``cluster init``: the slot map of a new sharded cluster (slot i to shard i mod K)."""
-    from .cluster.etcd import EtcdClient, EtcdError
+    from .cluster.etcd import EtcdError
     from .cluster.shardmap import init_cluster
     from .errors import RallypointError
 
     async def main():
-        async with EtcdClient(_etcd_endpoints(args.cluster)) as etcd:
+        async with _etcd_access(args).client() as etcd:
             return await init_cluster(etcd, args.cluster_name, slots=args.slots, shards=args.shards)
 
     try:
@@ -973,7 +1128,7 @@ def cmd_cluster_init(args) -> int:
     except (EtcdError, RallypointError) as e:
         return _fail(e, args)
     print(f"cluster {args.cluster_name}: {len(m.owners)} slots over {len(m.shards)} shard(s) (map version {m.version}); "
-          f"start each shard's nodes with `rallypoint serve --cluster {args.cluster} --cluster-name {args.cluster_name} "
+          f"start each shard's nodes with `rallypoint serve {_etcd_flags(args)} --cluster-name {args.cluster_name} "
           "--shard N --node NAME`")
     return 0
 
@@ -986,12 +1141,12 @@ def cmd_cluster_add_shard(args) -> int:
     import rallypoint
 
     from . import protocol as p
-    from .cluster.etcd import EtcdClient, EtcdError
+    from .cluster.etcd import EtcdError
     from .cluster.shardmap import read_map, set_owners, watch_leaders
     from .errors import RallypointError, ValidationError
 
     async def main():
-        async with EtcdClient(_etcd_endpoints(args.cluster)) as etcd:
+        async with _etcd_access(args).client() as etcd:
             m = await read_map(etcd, args.cluster_name)
             if m is None:
                 raise ValidationError(f"cluster {args.cluster_name!r} has no slot map: `rallypoint cluster init` first")
@@ -1028,28 +1183,29 @@ def cmd_cluster_add_shard(args) -> int:
     except (EtcdError, RallypointError) as e:
         return _fail(e, args)
     print(f"shard {new} owns {moved} slot(s) now (map version {m.version}); start its nodes with "
-          f"`rallypoint serve --cluster {args.cluster} --cluster-name {args.cluster_name} --shard {new} --node NAME`")
+          f"`rallypoint serve {_etcd_flags(args)} --cluster-name {args.cluster_name} --shard {new} --node NAME`")
     return 0
 
 
 def cmd_cluster_status(args) -> int:
     """``cluster status``: the shard as etcd holds it (leader, epoch, members, in-sync
     set, the leader's lease time to live) and, from the leader, its standby's lag."""
-    from .cluster.etcd import EtcdClient, EtcdError
+    from .cluster.etcd import EtcdError
     from .cluster.leader import ShardElection
     from .errors import RallypointError, UnavailableError
 
     try:
-        endpoints = _etcd_endpoints(args.cluster)
+        access = _etcd_access(args)
     except RallypointError as e:
         return _fail(e, args)
+    endpoints = access.endpoints
 
     import msgspec
 
     import rallypoint
 
     async def main():
-        async with EtcdClient(endpoints) as etcd:
+        async with access.client() as etcd:
             election = ShardElection(etcd, args.cluster_name, args.shard)
             state = await election.read()
             ttl = None
@@ -1075,7 +1231,7 @@ def cmd_cluster_status(args) -> int:
     except (EtcdError, RallypointError) as e:
         return _fail(e, args)
     if state.replicas is None:
-        print(f"rallypoint: no shard {args.shard} in cluster {args.cluster_name!r} at {args.cluster} (no node "
+        print(f"rallypoint: no shard {args.shard} in cluster {args.cluster_name!r} at {access.url} (no node "
               "has started with --cluster yet)", file=sys.stderr)
         return 1
     rep = state.replicas.replicas
@@ -1796,7 +1952,6 @@ def cmd_keys(args) -> int:
 
     async def in_etcd():
         from .cluster import keystore
-        from .cluster.etcd import EtcdClient
         from .cluster.shardmap import watch_leaders
         from .clock import to_iso
 
@@ -1807,7 +1962,7 @@ def cmd_keys(args) -> int:
                 out["secret"] = secret
             return out
 
-        async with EtcdClient(_etcd_endpoints(args.cluster)) as etcd:
+        async with _etcd_access(args).client() as etcd:
             name = args.cluster_name
             if cmd == "list":
                 return {"keys": [view(r) for r in await keystore.list_keys(etcd, name, args.space)]}
@@ -2022,9 +2177,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json: one JSON object a line (default %(default)s)")
     c = s.add_argument_group("cluster (a replicated shard: etcd decides who leads; README, Run two nodes)")
-    c.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=None,
+    c.add_argument("--cluster", metavar="URL", default=None,
                    help="run this node as one replica of a shard whose leadership lives in this etcd (off: a "
-                        "single node, the default)")
+                        "single node, the default): etcd://HOST:PORT[,...] (plaintext; http:// too) or "
+                        "https://[USER@]HOST:PORT[,...] (TLS, see --etcd-ca)")
+    _etcd_access_arguments(c)
     c.add_argument("--node", metavar="NAME", help="this node's name, unique in its shard (with --cluster)")
     c.add_argument("--cluster-name", default="rallypoint",
                    help="the cluster's name: its etcd keys live under /rallypoint/NAME/ (default %(default)s)")
@@ -2136,9 +2293,11 @@ def build_parser() -> argparse.ArgumentParser:
     cl = sub.add_parser("cluster", help="a replicated shard: who leads, at which epoch, the in-sync set")
     cls_ = cl.add_subparsers(dest="cluster_cmd", required=True)
     cst = cls_.add_parser("status", help="leader, epoch, members, in-sync set, lease time left, standby lag")
-    cst.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
+    cst.add_argument("--cluster", metavar="URL", default=os.environ.get("RALLYPOINT_CLUSTER"),
                      required=os.environ.get("RALLYPOINT_CLUSTER") is None,
-                     help="the etcd the shard's leadership lives in (default $RALLYPOINT_CLUSTER)")
+                     help="the etcd the shard's leadership lives in: etcd://HOST:PORT[,...] or "
+                          "https://[USER@]HOST:PORT[,...] (default $RALLYPOINT_CLUSTER)")
+    _etcd_access_arguments(cst)
     cst.add_argument("--cluster-name", default="rallypoint", help="(default %(default)s)")
     cst.add_argument("--shard", type=_bounded(int, 0), default=0, help="(default %(default)s)")
     cst.add_argument("--api-key", default=os.environ.get("RALLYPOINT_API_KEY"),
@@ -2146,8 +2305,10 @@ def build_parser() -> argparse.ArgumentParser:
     cst.add_argument("--json", action="store_true", help="machine-readable output")
     cst.set_defaults(fn=cmd_cluster_status)
     ci = cls_.add_parser("init", help="make a sharded cluster: its slot count (fixed) and its first shards")
-    ci.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
-                    required=os.environ.get("RALLYPOINT_CLUSTER") is None, help="(default $RALLYPOINT_CLUSTER)")
+    ci.add_argument("--cluster", metavar="URL", default=os.environ.get("RALLYPOINT_CLUSTER"),
+                    required=os.environ.get("RALLYPOINT_CLUSTER") is None,
+                    help="etcd://HOST:PORT[,...] or https://[USER@]HOST:PORT[,...] (default $RALLYPOINT_CLUSTER)")
+    _etcd_access_arguments(ci)
     ci.add_argument("--cluster-name", default="rallypoint", help="(default %(default)s)")
     ci.add_argument("--slots", type=_bounded(int, 1, maximum=1024), default=1024,
                     help="slots, fixed for the cluster's life: the unit a shard owns (default %(default)s, the most)")
@@ -2168,8 +2329,10 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--days", type=_bounded(int, 1), default=825, help="validity of the certificates (default %(default)s)")
     cc.set_defaults(fn=cmd_cluster_certs)
     ca = cls_.add_parser("add-shard", help="give a new shard empty slots, so it takes new root runs")
-    ca.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
-                    required=os.environ.get("RALLYPOINT_CLUSTER") is None, help="(default $RALLYPOINT_CLUSTER)")
+    ca.add_argument("--cluster", metavar="URL", default=os.environ.get("RALLYPOINT_CLUSTER"),
+                    required=os.environ.get("RALLYPOINT_CLUSTER") is None,
+                    help="etcd://HOST:PORT[,...] or https://[USER@]HOST:PORT[,...] (default $RALLYPOINT_CLUSTER)")
+    _etcd_access_arguments(ca)
     ca.add_argument("--cluster-name", default="rallypoint", help="(default %(default)s)")
     ca.add_argument("--shard", type=_bounded(int, 0), default=None,
                     help="the new shard's number (default: one more than the highest)")

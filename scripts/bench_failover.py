@@ -4,10 +4,14 @@ nothing; issue 29, SCALE-OUT.md §6).
 
     python scripts/bench_failover.py [--trials 20] [--json FILE] [--cost-duration 10]
                                      [--cost-rounds 2] [--acks 400] [--skip-cost]
+                                     [--secure-etcd | --cluster URL [--etcd-ca F ...]]
 
 Everything runs on this machine: a one-member etcd (Debian's ``etcd-server``, as the
 tests start it: tests/_etcd.py) and ``rallypoint serve --cluster`` processes
 (tests/_cluster.py), each with its own data dir, durability fsync, lease TTL 2 s.
+``--secure-etcd`` starts that etcd with TLS, client certificates and authentication
+(the nodes then run ``serve --cluster https://rallypoint@... --etcd-ca ...``);
+``--cluster URL`` and the ``--etcd-*`` flags of ``rallypoint serve`` use an etcd of yours.
 
 * **failover**: two nodes; one client that follows the leader (both addresses) submits
   tasks with idempotency keys back to back and logs every acknowledged one. Each trial
@@ -49,8 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import rallypoint  # noqa: E402
 from _cluster import ClusterNode  # noqa: E402
-from _etcd import EtcdCluster  # noqa: E402
-from rallypoint.cluster.etcd import EtcdClient  # noqa: E402
+from _etcd import BenchEtcd, add_bench_etcd_arguments  # noqa: E402
 from rallypoint.cluster.leader import ShardElection  # noqa: E402
 
 
@@ -59,8 +62,8 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-async def wait_isr(endpoints: list[str], cluster: str, isr: list[str], timeout: float = 120.0) -> None:
-    async with EtcdClient(endpoints) as client:
+async def wait_isr(etcd: BenchEtcd, cluster: str, isr: list[str], timeout: float = 120.0) -> None:
+    async with etcd.access.client() as client:
         election = ShardElection(client, cluster, 0)
         with trio.fail_after(timeout):
             while True:
@@ -71,10 +74,14 @@ async def wait_isr(endpoints: list[str], cluster: str, isr: list[str], timeout: 
 
 
 # ------------------------------------------------------------------------------ failover
-async def failover(endpoints: list[str], root: str, trials: int) -> dict:
+def node(name: str, root: str, etcd: BenchEtcd, cluster: str) -> ClusterNode:
+    return ClusterNode(name, root, etcd.node_args[0], cluster, extra=etcd.node_args[1:], env=etcd.node_env)
+
+
+async def failover(etcd: BenchEtcd, root: str, trials: int) -> dict:
     cluster = f"bench-{uuid.uuid4().hex[:8]}"
-    a = ClusterNode("a", root, endpoints[0], cluster)
-    b = ClusterNode("b", root, endpoints[0], cluster)
+    a = node("a", root, etcd, cluster)
+    b = node("b", root, etcd, cluster)
     nodes = [a, b]
     a.start()
     await a.wait_ready()
@@ -82,7 +89,7 @@ async def failover(endpoints: list[str], root: str, trials: int) -> dict:
     b.start()
     await b.wait_ready()
     await b.wait_role("standby")
-    await wait_isr(endpoints, cluster, ["a", "b"])
+    await wait_isr(etcd, cluster, ["a", "b"])
     acked: dict[str, str] = {}
     acks: list[tuple[float, int]] = []  # (monotonic s, epoch of the leader that acknowledged)
     times: list[float] = []
@@ -127,7 +134,7 @@ async def failover(endpoints: list[str], root: str, trials: int) -> dict:
                     leader.start()
                     await leader.wait_ready()
                     await leader.wait_role("standby")
-                    await wait_isr(endpoints, cluster, ["a", "b"])
+                    await wait_isr(etcd, cluster, ["a", "b"])
                     leader, standby = standby, leader
                 stop.set()
             await run.cancel()
@@ -183,10 +190,10 @@ async def measure(url: str, duration: float, acks: int) -> dict:
             "ack_p99_ms": round(pct(lat, 0.99), 3)}
 
 
-async def cost(endpoints: list[str], root: str, rounds: int, duration: float, acks: int) -> dict:
+async def cost(etcd: BenchEtcd, root: str, rounds: int, duration: float, acks: int) -> dict:
     cluster = f"cost-{uuid.uuid4().hex[:8]}"
-    a = ClusterNode("ca", root, endpoints[0], cluster)
-    b = ClusterNode("cb", root, endpoints[0], cluster)
+    a = node("ca", root, etcd, cluster)
+    b = node("cb", root, etcd, cluster)
     on: list[dict] = []
     off: list[dict] = []
     try:
@@ -197,13 +204,13 @@ async def cost(endpoints: list[str], root: str, rounds: int, duration: float, ac
             # off: the leader alone in the in-sync set
             if b.running():
                 b.kill()
-                await wait_isr(endpoints, cluster, ["ca"])
+                await wait_isr(etcd, cluster, ["ca"])
             off.append(await measure(a.url, duration, acks))
             print(f"cost round {r + 1}: standby off {off[-1]}", file=sys.stderr, flush=True)
             # on: the standby in sync
             b.start()
             await b.wait_ready()
-            await wait_isr(endpoints, cluster, ["ca", "cb"])
+            await wait_isr(etcd, cluster, ["ca", "cb"])
             on.append(await measure(a.url, duration, acks))
             print(f"cost round {r + 1}: standby on  {on[-1]}", file=sys.stderr, flush=True)
     finally:
@@ -242,19 +249,17 @@ async def main(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="rallypoint-failover-") as root:
         for sub in ("etcd", "failover", "cost"):
             os.makedirs(os.path.join(root, sub))
-        etcd = EtcdCluster(os.path.join(root, "etcd"), size=1).start()
-        try:
+        with BenchEtcd(args, root) as etcd:
             out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": os.getloadavg(),
-                         "cpu_count": os.cpu_count(), "command": " ".join(["scripts/bench_failover.py", *sys.argv[1:]])}
+                         "cpu_count": os.cpu_count(), "command": " ".join(["scripts/bench_failover.py", *sys.argv[1:]]),
+                         "etcd": etcd.describe()}
             if args.trials:
-                out.update(await failover(etcd.endpoints, os.path.join(root, "failover"), args.trials))
+                out.update(await failover(etcd, os.path.join(root, "failover"), args.trials))
             if not args.skip_cost:
-                out.update(await cost(etcd.endpoints, os.path.join(root, "cost"), args.cost_rounds,
+                out.update(await cost(etcd, os.path.join(root, "cost"), args.cost_rounds,
                                       args.cost_duration, args.acks))
             out["load_average_end"] = os.getloadavg()
             return out
-        finally:
-            etcd.stop()
 
 
 if __name__ == "__main__":
@@ -265,6 +270,7 @@ if __name__ == "__main__":
     ap.add_argument("--cost-rounds", type=int, default=2, help="off/on rounds (default %(default)s)")
     ap.add_argument("--acks", type=int, default=400, help="single submits per ack-latency run (default %(default)s)")
     ap.add_argument("--skip-cost", action="store_true", help="only the failover trials")
+    add_bench_etcd_arguments(ap)
     args = ap.parse_args()
     result = trio.run(main, args)
     text = json.dumps(result, indent=2)

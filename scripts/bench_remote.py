@@ -19,6 +19,10 @@ shares this process and the machine's cores: read the figures as the relative co
 the cross-shard steps, not as capacity.
 
     python scripts/bench_remote.py [--n 200] [--json out.json]
+                                   [--secure-etcd | --cluster URL [--etcd-ca F ...]]
+
+``--secure-etcd``: the etcd runs with TLS, client certificates and authentication;
+``--cluster`` and the ``--etcd-*`` flags of ``rallypoint serve``: an etcd of yours.
 """
 
 from __future__ import annotations
@@ -40,11 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from _etcd import EtcdCluster  # noqa: E402
+from _etcd import BenchEtcd, add_bench_etcd_arguments  # noqa: E402
 
 import rallypoint  # noqa: E402
 from rallypoint.actors.sharding import home_slot  # noqa: E402
-from rallypoint.cluster.etcd import EtcdClient  # noqa: E402
 from rallypoint.cluster.member import MemberConfig, ShardMember  # noqa: E402
 from rallypoint.cluster.shardmap import init_cluster  # noqa: E402
 from rallypoint.errors import ScopeCancelledError  # noqa: E402
@@ -58,27 +61,26 @@ def figures(xs: list[float]) -> dict:
             "p90_ms": round(xs[int(len(xs) * 0.9) - 1] * 1000, 3), "max_ms": round(xs[-1] * 1000, 3)}
 
 
-async def main(n: int, out: str | None) -> None:
+async def main(args) -> None:
     root = tempfile.mkdtemp(prefix="bench-remote-")
-    os.makedirs(os.path.join(root, "etcd"))
-    etcd = EtcdCluster(os.path.join(root, "etcd"), size=1).start()
     try:
-        await run(etcd, root, n, out)
+        with BenchEtcd(args, root) as etcd:
+            print(f"etcd: {etcd.describe()}")
+            await run(etcd.access, root, args.n, args.json)
     finally:
-        etcd.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
-async def run(etcd, root: str, n: int, out: str | None) -> None:
+async def run(access, root: str, n: int, out: str | None) -> None:
     cluster = f"b-{uuid.uuid4().hex[:8]}"
     slots = next(x for x in range(2, 200) if home_slot("default", x) % 2 == 0)  # home shard 0
-    async with EtcdClient(etcd.endpoints) as client:
+    async with access.client() as client:
         await init_cluster(client, cluster, slots=slots, shards=2)
     results: dict[str, dict] = {}
     async with trio.open_nursery() as nursery:
         members = []
         for s in (0, 1):
-            cfg = MemberConfig(etcd=etcd.endpoints, node=f"n{s}", data_dir=os.path.join(root, f"n{s}"),
+            cfg = MemberConfig(etcd=list(access.endpoints), etcd_access=access, node=f"n{s}", data_dir=os.path.join(root, f"n{s}"),
                                cluster=cluster, shard=s, client=("127.0.0.1", 0), replication=("127.0.0.1", 0),
                                node_options={"sync_helper": "thread"})
             m = ShardMember(cfg, make_server=lambda d: Server(d))
@@ -168,5 +170,5 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200, help="iterations per measure (default %(default)s)")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
-    a = ap.parse_args()
-    trio.run(main, a.n, a.json)
+    add_bench_etcd_arguments(ap)
+    trio.run(main, ap.parse_args())

@@ -64,16 +64,18 @@ class ClusterNode:
     """``python -m rallypoint serve --cluster etcd://...`` as a subprocess.
 
     ``etcd``: the etcd endpoint this node talks to (``http://host:port``, a proxy's in
-    the split-brain test); ``cluster``: the cluster name (one per test); ports are picked
-    free once (``client_port``, ``replication_port``, ``http_port`` with ``http=True``)
-    and kept across restarts. ``advertise_replication``: ``host:port`` to advertise for
-    the replication listener (a proxy in front of it). ``extra``: more ``serve`` options.
-    Logs (stderr) go to ``<data_dir>.log``.
+    the split-brain test; ``https://root@host:port`` for a TLS + auth etcd); ``cluster``: the
+    cluster name (one per test); ports are picked free once (``client_port``,
+    ``replication_port``, ``http_port`` with ``http=True``) and kept across restarts.
+    ``advertise_replication``: ``host:port`` to advertise for the replication listener (a
+    proxy in front of it). ``extra``: more ``serve`` options (``--etcd-ca FILE`` ...);
+    ``env``: more environment variables (``RALLYPOINT_ETCD_PASSWORD``). Logs (stderr) go
+    to ``<data_dir>.log``.
     """
 
     def __init__(self, name: str, root: str, etcd: str, cluster: str, *, lease_ttl: int = 2,
                  isr_timeout: float = 0.5, http: bool = False, advertise_replication: str | None = None,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.data_dir = os.path.join(root, name)
         self.log_path = self.data_dir + ".log"
@@ -86,6 +88,7 @@ class ClusterNode:
         self.isr_timeout = isr_timeout
         self.advertise_replication = advertise_replication
         self.extra = list(extra or [])
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.roles: list[RoleLine] = []
@@ -129,7 +132,8 @@ class ClusterNode:
         log = open(self.log_path, "a")
         log.write(f"===== start {self.starts}: {' '.join(self.args())}\n")
         log.flush()
-        self.proc = subprocess.Popen(self.args(), stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
+                                     env={**os.environ, **self.env} if self.env else None)
         log.close()
         threading.Thread(target=self._read, args=(self.proc, self.starts), daemon=True).start()
         return self

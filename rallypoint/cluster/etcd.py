@@ -22,8 +22,28 @@ Calls and their limits:
   revision after a lost connection or a restarted member; only its opening is bounded by
   ``timeout_s`` (a watch idles for as long as nothing changes).
 
+Security (:class:`EtcdAccess` bundles it with the endpoints):
+
+- TLS: ``https://`` endpoints are verified against :attr:`EtcdTls.ca_file` (the system's
+  CAs when None) including the host name, with a client certificate for etcd's
+  ``--client-cert-auth`` when :attr:`EtcdTls.cert_file` is set (an ``ssl.SSLContext`` given
+  to httpx). A handshake that fails on every endpoint is raised at once
+  (:class:`EtcdTlsError`), not retried: it is a configuration error;
+- authentication (:class:`EtcdAuth`, etcd's user/password RBAC): the client asks
+  ``/v3/auth/authenticate`` for a token before its first call and sends it as the
+  ``Authorization`` header of every request (unary calls, lease keepalives, watch
+  openings). etcd forgets a token (a simple token after ``--auth-token-ttl`` seconds
+  unused, or when the member restarts; a JWT when it expires): the call it fails is
+  retried once with a new token (the watch re-opens with one); the password is kept in
+  memory only and never logged. A wrong password is :class:`EtcdAuthError`, a missing
+  permission :class:`EtcdPermissionError`, both raised at once.
+
 Errors (all :class:`EtcdError`, a :class:`~rallypoint.errors.RallypointError`):
 :class:`EtcdUnavailableError` (UNAVAILABLE: no endpoint answered in time),
+:class:`EtcdAuthError` (UNAUTHENTICATED: wrong user or password, or etcd wants one),
+:class:`EtcdTlsError` (UNAUTHENTICATED: a TLS handshake failed: an untrusted server
+certificate, a refused or missing client certificate, TLS against a plaintext etcd),
+:class:`EtcdPermissionError` (FORBIDDEN: the user's roles do not grant the key),
 :class:`EtcdCompactedError` (CURSOR_EXPIRED: the revision asked for was compacted),
 :class:`EtcdLeaseNotFoundError` (NOT_FOUND: the lease expired or was revoked), and
 :class:`EtcdError` itself (INTERNAL: etcd refused the request; its message is etcd's).
@@ -32,18 +52,31 @@ Errors (all :class:`EtcdError`, a :class:`~rallypoint.errors.RallypointError`):
 from __future__ import annotations
 
 import logging
+import ssl
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 from typing import Any, Literal, Sequence
 
 import httpx
 import msgspec
 import trio
 
-from rallypoint.errors import CursorExpiredError, NotFoundError, RallypointError, UnavailableError, ValidationError
+from rallypoint.errors import (
+    CursorExpiredError,
+    ForbiddenError,
+    NotFoundError,
+    RallypointError,
+    UnauthenticatedError,
+    UnavailableError,
+    ValidationError,
+)
 
 __all__ = [
     "EtcdClient",
+    "EtcdAccess",
+    "EtcdTls",
+    "EtcdAuth",
     "Watch",
     "Compare",
     "Put",
@@ -63,6 +96,9 @@ __all__ = [
     "EtcdUnavailableError",
     "EtcdCompactedError",
     "EtcdLeaseNotFoundError",
+    "EtcdAuthError",
+    "EtcdTlsError",
+    "EtcdPermissionError",
     "prefix_end",
 ]
 
@@ -71,6 +107,20 @@ log = logging.getLogger("rallypoint.cluster")
 _UNAVAILABLE_GRPC = {1, 4, 14}  # CANCELLED (a closing member), DEADLINE_EXCEEDED, UNAVAILABLE
 _NOT_FOUND_GRPC = 5
 _OUT_OF_RANGE_GRPC = 11
+_PERMISSION_DENIED_GRPC = 7
+_FAILED_PRECONDITION_GRPC = 9
+_UNAUTHENTICATED_GRPC = 16
+#: etcd's answers that the token a request carried is no good (any more): authenticate
+#: again and retry once (what etcd's own clientv3 does, ``shouldRefreshToken``)
+_STALE_TOKEN = ("invalid auth token", "revision of auth store is old")
+#: a watch stream's error line that only says the member went away (its gateway's own
+#: gRPC stream broke: a stopping member over TLS says so with code 2 or 13): resume
+_STREAM_LOST = ("closed the stream without sending trailers", "transport is closing", "error reading from server")
+#: auth is on and the request carried no token
+_NO_USER = "user name is empty"
+#: etcd 3.4 with --client-cert-auth and auth on refuses a gateway request whose client
+#: certificate has a Common Name (it cannot pass the CN on as the user): HTTP 400
+_GATEWAY_CN = "CommonName of client sending a request against gateway"
 
 
 # -- errors -------------------------------------------------------------------------
@@ -115,6 +165,131 @@ class EtcdLeaseNotFoundError(EtcdError, NotFoundError):
             details={"lease_id": lease_id},
         )
         self.lease_id = lease_id
+
+
+class EtcdAuthError(EtcdError, UnauthenticatedError):
+    """UNAUTHENTICATED: etcd refused the user name or password (``details``: ``user``,
+    ``path``), or it has authentication on and the client has no user. Not retried:
+    fix the credentials."""
+
+    code = "UNAUTHENTICATED"
+
+
+class EtcdTlsError(EtcdError, UnauthenticatedError):
+    """UNAUTHENTICATED: the TLS handshake with every endpoint failed (``details``:
+    ``endpoints``, ``reason``): etcd's certificate is not signed by the CA given (or the
+    system's), etcd refused the client certificate or wanted one, or the endpoint does
+    not speak TLS. Not retried."""
+
+    code = "UNAUTHENTICATED"
+
+
+class EtcdPermissionError(EtcdError, ForbiddenError):
+    """FORBIDDEN: etcd's RBAC does not let the user do this (``details``: ``user``,
+    ``path``, ``key``): grant its role the cluster's key prefix."""
+
+    code = "FORBIDDEN"
+
+
+# -- settings ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS to etcd's ``https://`` client URLs.
+
+    ``ca_file``: PEM CA certificate(s) that signed etcd's server certificate (etcd's
+    ``--trusted-ca-file`` CA, usually); None: the system's CAs. ``cert_file``/``key_file``:
+    this client's certificate and key (PEM) for etcd's ``--client-cert-auth``; ``key_file``
+    None: the key is in ``cert_file``. With etcd's authentication on as well, etcd 3.4's
+    JSON gateway refuses a client certificate that carries a Common Name."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def context(self) -> ssl.SSLContext:
+        """A client ``ssl.SSLContext`` that verifies etcd's certificate and host name.
+        Raises ValidationError (VALIDATION_FAILED) naming the file that cannot be read,
+        is not PEM, or a certificate and key that do not match."""
+        if self.key_file and not self.cert_file:
+            raise ValidationError(f"an etcd client key ({self.key_file}) needs its certificate too (the cert file)")
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+        except ssl.SSLError as e:  # (an OSError too: first)
+            raise ValidationError(f"the etcd CA file {self.ca_file} holds no usable PEM certificate ({e.reason or e})"
+                                  ) from None
+        except OSError as e:
+            raise ValidationError(f"cannot read the etcd CA file {self.ca_file}: {e.strerror or e}") from None
+        if self.cert_file:
+            try:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+            except OSError as e:
+                if isinstance(e, ssl.SSLError):
+                    what = "do not match" if "KEY_VALUES_MISMATCH" in str(e) else f"are not PEM ({e.reason or e})"
+                    raise ValidationError(f"the etcd client certificate {self.cert_file} and key "
+                                          f"{self.key_file or '(in the same file)'} {what}") from None
+                raise ValidationError(f"cannot read the etcd client certificate/key {e.filename or self.cert_file}: "
+                                      f"{e.strerror or e}") from None
+        return ctx
+
+
+@dataclass(frozen=True)
+class EtcdAuth:
+    """etcd user/password authentication (``etcdctl user add``, ``auth enable``).
+    ``password`` stays out of ``repr`` and every message and log line."""
+
+    user: str
+    password: str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.user:
+            raise ValidationError("an etcd user name cannot be empty")
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How to reach one etcd cluster: ``endpoints`` (client URLs as :class:`EtcdClient`
+    takes them; all ``http://`` or all ``https://``), ``tls`` (None: system CAs for
+    ``https://``, nothing for ``http://``) and ``auth`` (None: no user). Raises
+    ValidationError as :class:`EtcdClient` does (checked here, before any connection)."""
+
+    endpoints: tuple[str, ...]
+    tls: EtcdTls | None = None
+    auth: EtcdAuth | None = None
+
+    def __post_init__(self) -> None:
+        eps = [self.endpoints] if isinstance(self.endpoints, str) else list(self.endpoints)
+        object.__setattr__(self, "endpoints", tuple(_endpoints(eps, self.tls)))
+
+    @property
+    def secure(self) -> bool:
+        """The endpoints are ``https://``."""
+        return self.endpoints[0].startswith("https://")
+
+    @property
+    def url(self) -> str:
+        """The endpoints as ``--cluster`` takes them, with the user and never a password:
+        ``etcd://h1:p1,h2:p2`` (plaintext) or ``https://user@h1:p1,h2:p2``."""
+        hosts = ",".join(e.split("://", 1)[1] for e in self.endpoints)
+        user = f"{self.auth.user}@" if self.auth is not None else ""
+        return ("https://" if self.secure else "etcd://") + user + hosts
+
+    def cli_args(self) -> list[str]:
+        """``--cluster URL`` and the TLS and user flags that reach this etcd (no
+        password: that comes from ``--etcd-password-file`` or the environment)."""
+        out = ["--cluster", self.url]
+        if self.tls is not None:
+            for flag, value in (("--etcd-ca", self.tls.ca_file), ("--etcd-cert", self.tls.cert_file),
+                                ("--etcd-key", self.tls.key_file)):
+                if value:
+                    out += [flag, value]
+        return out
+
+    def client(self, **kwargs: Any) -> "EtcdClient":
+        """An :class:`EtcdClient` for these settings (``kwargs``: its ``timeout_s``,
+        ``backoff_max_s``)."""
+        return EtcdClient(self.endpoints, tls=self.tls, auth=self.auth, **kwargs)
 
 
 # -- results (decoded straight from the gateway's JSON; int64 strings accepted) -----
@@ -370,7 +545,68 @@ def _endpoint(url: str) -> str:
         url = "http://" + url[len("etcd://") :]
     elif "://" not in url:
         url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValidationError(f"etcd endpoint {url!r}: the scheme must be http://, https:// or etcd://")
+    if "@" in parts.netloc:
+        raise ValidationError(f"etcd endpoint {parts.scheme}://...@{parts.netloc.rsplit('@', 1)[1]}: give the user "
+                              "and password as EtcdAuth, not in the URL (etcd reads no credentials there)")
+    if parts.path:
+        raise ValidationError(f"etcd endpoint {url!r}: a client URL has no path (http[s]://HOST:PORT)")
     return url
+
+
+def _endpoints(endpoints: Sequence[str] | str, tls: "EtcdTls | None") -> list[str]:
+    """Normalized client URLs; ValidationError for none, mixed schemes, TLS settings
+    with ``http://``."""
+    if isinstance(endpoints, str):
+        endpoints = endpoints.split(",")
+    out = [_endpoint(e) for e in endpoints if e.strip()]
+    if not out:
+        raise ValidationError("EtcdClient needs at least one etcd endpoint (http://host:port or https://host:port)")
+    schemes = {e.split("://", 1)[0] for e in out}
+    if len(schemes) > 1:
+        raise ValidationError(f"etcd endpoints mix http:// and https:// ({', '.join(out)}): one etcd cluster "
+                              "serves one scheme")
+    if tls is not None and schemes == {"http"}:
+        raise ValidationError(f"TLS settings (a CA, a client certificate) need https:// endpoints, not "
+                              f"{', '.join(out)}")
+    return out
+
+
+def _tls_reason(exc: BaseException) -> tuple[str, str] | None:
+    """``(kind, reason)`` if a transport error is a failed TLS handshake: ``verify``
+    (etcd's certificate not trusted), ``refused`` (etcd refused or wanted our
+    certificate), ``plaintext`` (the endpoint does not speak TLS), ``tls`` (another)."""
+    e: BaseException | None = exc
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return "verify", e.verify_message or e.reason or str(e)
+        if isinstance(e, ssl.SSLError):
+            reason = (e.reason or str(e)).lower()
+            if "wrong_version_number" in reason or "record_layer_failure" in reason or "http_request" in reason:
+                return "plaintext", e.reason or str(e)
+            if "unexpected_eof" in reason or "eof occurred" in reason:
+                return "closed", e.reason or str(e)
+            if "certificate" in reason or "alert" in reason:
+                return "refused", e.reason or str(e)
+            return "tls", e.reason or str(e)
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+_TLS_HINTS = {
+    "verify": "etcd's certificate is not signed by the CA given (or, without one, by a system CA), or does not "
+              "name this host: give the CA that signed it (--etcd-ca)",
+    "refused": "etcd refused this client's certificate, or wanted one and got none (--client-cert-auth): give a "
+               "certificate signed by etcd's --trusted-ca-file (--etcd-cert/--etcd-key)",
+    "plaintext": "the endpoint does not speak TLS: give http:// (or etcd://) for a plaintext etcd",
+    "closed": "the endpoint closed the connection in the TLS handshake, as a plaintext etcd does: give http:// (or "
+              "etcd://) if it serves no TLS",
+    "tls": "the TLS handshake failed",
+}
 
 
 # -- the client ----------------------------------------------------------------------
@@ -379,23 +615,47 @@ def _endpoint(url: str) -> str:
 class EtcdClient:
     """A client of one etcd cluster through its members' JSON gateways.
 
-    ``endpoints``: client URLs (``http://host:port``; ``etcd://`` and bare ``host:port``
-    are read as http), a list or one comma-separated string. ``timeout_s`` (seconds) bounds
-    every unary call (each call may pass its own); ``backoff_max_s`` caps the pause
-    between rounds of failed tries. Use as ``async with EtcdClient([...]) as etcd:`` or
-    call :meth:`aclose`. Calls may run concurrently from many tasks.
+    ``endpoints``: client URLs (``http://host:port`` or ``https://host:port``; ``etcd://``
+    and bare ``host:port`` are read as http), a list or one comma-separated string, all of
+    one scheme. ``tls``: :class:`EtcdTls` for ``https://`` (None: the system's CAs, no
+    client certificate). ``auth``: :class:`EtcdAuth` when etcd has authentication on.
+    ``timeout_s`` (seconds) bounds every unary call (each call may pass its own), the
+    authentication it may need included; ``backoff_max_s`` caps the pause between rounds
+    of failed tries. Use as ``async with EtcdClient([...]) as etcd:`` or call
+    :meth:`aclose`. Calls may run concurrently from many tasks (they share one token).
+
+    Raises ValidationError for no endpoint, mixed schemes, credentials in a URL, TLS
+    settings with ``http://`` endpoints or a CA/certificate file that cannot be loaded.
+    ``authentications``: how many tokens etcd granted this client so far.
     """
 
-    def __init__(self, endpoints: Sequence[str] | str, *, timeout_s: float = 2.0, backoff_max_s: float = 0.5) -> None:
-        if isinstance(endpoints, str):
-            endpoints = endpoints.split(",")
-        self.endpoints = [_endpoint(e) for e in endpoints if e.strip()]
-        if not self.endpoints:
-            raise ValidationError("EtcdClient needs at least one etcd endpoint (http://host:port)")
+    def __init__(
+        self,
+        endpoints: Sequence[str] | str,
+        *,
+        tls: EtcdTls | None = None,
+        auth: EtcdAuth | None = None,
+        timeout_s: float = 2.0,
+        backoff_max_s: float = 0.5,
+    ) -> None:
+        self.endpoints = _endpoints(endpoints, tls)
+        if self.endpoints[0].startswith("https://") and tls is None:
+            tls = EtcdTls()
+        self.tls = tls
+        self.auth = auth
         self.timeout_s = timeout_s
         self.backoff_max_s = backoff_max_s
+        self.authentications = 0
         self._preferred = 0
-        self._http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_keepalive_connections=8))
+        self._token: str | None = None
+        self._auth_lock = trio.Lock()
+        #: etcd said authentication is off: calls go without a token until it says otherwise
+        self._auth_off = False
+        #: (until, error): a refused password, not asked again before ``until`` (etcd
+        #: spends a bcrypt hash on each try)
+        self._auth_refused: tuple[float, EtcdError] | None = None
+        verify: ssl.SSLContext | bool = tls.context() if tls is not None else True
+        self._http = httpx.AsyncClient(timeout=None, verify=verify, limits=httpx.Limits(max_keepalive_connections=8))
 
     async def __aenter__(self) -> "EtcdClient":
         return self
@@ -413,14 +673,30 @@ class EtcdClient:
         return [(self._preferred + i) % n for i in range(n)]
 
     async def _post(self, path: str, body: dict[str, Any], timeout_s: float | None) -> bytes:
-        """POST ``body`` to ``path`` with endpoint failover; the 200 body, or raises."""
+        """POST ``body`` to ``path`` with endpoint failover and the auth token (renewed
+        once if etcd no longer takes it); the 200 body, or raises."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = trio.current_time() + timeout
+        token = await self._current_token(deadline, timeout)
+        try:
+            return await self._send(path, body, deadline, timeout, token)
+        except _StaleToken:
+            token = await self._renew_token(token, deadline, timeout)
+            try:
+                return await self._send(path, body, deadline, timeout, token)
+            except _StaleToken as e:
+                raise self._auth_refusal(path, e.message) from None
+
+    async def _send(self, path: str, body: dict[str, Any], deadline: float, timeout: float, token: str | None) -> bytes:
+        """One call with endpoint failover until ``deadline``; raises _StaleToken when
+        etcd does not take ``token`` (or wants one), the refusal otherwise."""
         content = msgspec.json.encode(body)
+        headers = {"Authorization": token} if token else None
         last_error = "no try made"
         backoff = 0.02
         while True:
             order = self._order()
+            tls_failures: list[tuple[str, str, str]] = []
             for n, i in enumerate(order):
                 remaining = deadline - trio.current_time()
                 if remaining <= 0:
@@ -428,9 +704,13 @@ class EtcdClient:
                 url = self.endpoints[i] + path
                 with trio.move_on_after(remaining / (len(order) - n)):
                     try:
-                        resp = await self._http.post(url, content=content)
+                        resp = await self._http.post(url, content=content, headers=headers)
                     except httpx.TransportError as e:
                         last_error = f"{url}: {type(e).__name__}: {e}"
+                        tls = _tls_reason(e)
+                        if tls is not None:
+                            tls_failures.append((self.endpoints[i], *tls))
+                            last_error = f"{url}: TLS: {tls[1]}"
                         continue
                     if resp.status_code == 200:
                         self._preferred = i
@@ -439,17 +719,124 @@ class EtcdClient:
                     if err.code in _UNAVAILABLE_GRPC or resp.status_code == 503:
                         last_error = f"{url}: {err.message or resp.status_code}"
                         continue
-                    raise _refusal(path, body, err.code, err.message)
+                    self._check_refusal(path, err.code, err.message, token)
+                    raise self._refusal(path, body, err.code, err.message)
                 last_error = f"{url}: no answer in {remaining / (len(order) - n):.2f} s"
+            if tls_failures and len(tls_failures) == len(order):
+                raise self._tls_error(tls_failures)
             remaining = deadline - trio.current_time()
             if remaining <= 0:
+                hint = ""
+                if "disconnected without sending a response" in last_error and not self.endpoints[0].startswith("https"):
+                    hint = " (an etcd serving TLS closes a plain http:// connection like this: give https://)"
                 raise EtcdUnavailableError(
                     f"etcd did not answer {path} within {timeout:g} s at {', '.join(self.endpoints)} "
-                    f"(last: {last_error}); check that etcd runs and the endpoints are right",
+                    f"(last: {last_error}){hint}; check that etcd runs and the endpoints are right",
                     details={"endpoints": self.endpoints, "path": path, "last_error": last_error},
                 )
             await trio.sleep(min(backoff, remaining))
             backoff = min(backoff * 2, self.backoff_max_s)
+
+    # -- authentication --------------------------------------------------------------
+
+    def _stale(self, grpc_code: int, message: str, token: str | None) -> bool:
+        """etcd refused the request for its token (or for having none) and a new token
+        may fix it."""
+        if self.auth is None:
+            return False
+        if any(m in message for m in _STALE_TOKEN):
+            return True
+        return token is None and (_NO_USER in message or grpc_code == _UNAUTHENTICATED_GRPC)
+
+    def _check_refusal(self, path: str, grpc_code: int, message: str, token: str | None) -> None:
+        """Raise _StaleToken or the auth/TLS error a refusal stands for (else return)."""
+        if self._stale(grpc_code, message, token):
+            raise _StaleToken(message)
+        if _GATEWAY_CN in message:
+            raise EtcdTlsError(
+                "etcd (client certificates required and authentication on) refuses a client certificate that "
+                "carries a Common Name on its JSON gateway: use a certificate with an empty subject (as the "
+                "client.pem of rallypoint.cluster.pki) or none",
+                details={"endpoints": self.endpoints, "reason": message},
+            )
+
+    def _auth_refusal(self, path: str, message: str) -> EtcdAuthError:
+        if self.auth is None:
+            return EtcdAuthError(
+                f"etcd has authentication on ({message}): give a user and password (rallypoint: --etcd-user, "
+                "--etcd-password-file or $RALLYPOINT_ETCD_PASSWORD)",
+                details={"path": path, "user": None},
+            )
+        return EtcdAuthError(
+            f"etcd refused a fresh token of user {self.auth.user!r} for {path} ({message})",
+            details={"path": path, "user": self.auth.user},
+        )
+
+    def _refusal(self, path: str, body: dict[str, Any], grpc_code: int, message: str) -> EtcdError:
+        return _refusal(path, body, grpc_code, message, user=self.auth.user if self.auth else None)
+
+    def _tls_error(self, failures: list[tuple[str, str, str]]) -> EtcdTlsError:
+        endpoint, kind, reason = failures[-1]
+        where = endpoint if len(failures) == 1 else f"{', '.join(f[0] for f in failures)}"
+        return EtcdTlsError(f"TLS with etcd at {where} failed ({reason}): {_TLS_HINTS[kind]}",
+                            details={"endpoints": [f[0] for f in failures], "reason": reason, "kind": kind})
+
+    async def _current_token(self, deadline: float, timeout: float) -> str | None:
+        """The token to send (None: no auth, or etcd has it off); authenticates first
+        if there is none yet."""
+        if self.auth is None or self._auth_off:
+            return None
+        if self._token is not None:
+            return self._token
+        return await self._renew_token(None, deadline, timeout)
+
+    async def _renew_token(self, stale: str | None, deadline: float, timeout: float) -> str | None:
+        """A token other than ``stale``: the one another task just got, or a new one
+        from ``/v3/auth/authenticate``. Raises EtcdAuthError for a refused password (and,
+        for a second, without asking etcd again), EtcdUnavailableError."""
+        assert self.auth is not None
+        async with self._auth_lock:
+            if self._token is not None and self._token != stale:
+                return self._token
+            self._token = None
+            now = trio.current_time()
+            if self._auth_refused is not None and now < self._auth_refused[0]:
+                raise self._auth_refused[1]
+            body = {"name": self.auth.user, "password": self.auth.password}
+            try:
+                try:
+                    raw = await self._send("/v3/auth/authenticate", body, deadline, timeout, None)
+                except _StaleToken as e:
+                    raise self._auth_refusal("/v3/auth/authenticate", e.message) from None
+            except EtcdAuthError as e:
+                self._auth_refused = (trio.current_time() + 1.0, e)
+                raise
+            except EtcdError as e:
+                if (e.details or {}).get("grpc_code") == _FAILED_PRECONDITION_GRPC and "not enabled" in e.message:
+                    if not self._auth_off:
+                        log.warning("etcd has authentication off: user %r is not used (turn it on: etcdctl auth "
+                                    "enable)", self.auth.user)
+                    self._auth_off = True
+                    return None
+                raise
+            self._auth_off = False
+            self._auth_refused = None
+            self._token = msgspec.json.decode(raw, type=_AuthenticateResponse, strict=False).token
+            self.authentications += 1
+            if self.authentications > 1:
+                log.info("etcd: authenticated again as %r (the previous token expired or was invalidated)",
+                         self.auth.user)
+            return self._token
+
+    async def check_access(self, prefix: str | bytes, *, write: bool = True, timeout_s: float | None = None) -> None:
+        """Check that this client may read (and, with ``write``, write) every key under
+        ``prefix``, writing nothing: a range of one key, and a transaction whose put is
+        behind a compare that never holds (etcd checks the permissions of both branches).
+        Raises EtcdAuthError, EtcdPermissionError, EtcdTlsError, EtcdUnavailableError."""
+        await self.range(prefix, prefix=True, limit=1, timeout_s=timeout_s)
+        if write:
+            probe = _b(prefix) + b"\0access-check"
+            await self.txn([Compare.create_revision(probe, "<", 0)], [Put(probe, b"")], timeout_s=timeout_s)
 
     async def _unary(self, path: str, body: dict[str, Any], type_: type, timeout_s: float | None) -> Any:
         return msgspec.json.decode(await self._post(path, body, timeout_s), type=type_, strict=False)
@@ -533,10 +920,19 @@ class EtcdClient:
     async def lease_keepalive(self, lease_id: int, *, timeout_s: float | None = None) -> int:
         """Renew the lease once; returns its TTL (seconds) restarted at etcd's receipt.
         Raises EtcdLeaseNotFoundError if the lease expired or was revoked."""
-        raw = await self._post("/v3/lease/keepalive", {"ID": str(lease_id)}, timeout_s)
-        line = msgspec.json.decode(raw.split(b"\n", 1)[0], type=_KeepAliveLine, strict=False)
+        for attempt in (0, 1):
+            token = self._token
+            raw = await self._post("/v3/lease/keepalive", {"ID": str(lease_id)}, timeout_s)
+            line = msgspec.json.decode(raw.split(b"\n", 1)[0], type=_KeepAliveLine, strict=False)
+            if line.error is not None and attempt == 0 and self._stale(line.error.grpc_code, line.error.message, token):
+                timeout = self.timeout_s if timeout_s is None else timeout_s
+                await self._renew_token(token, trio.current_time() + timeout, timeout)
+                continue
+            break
         if line.error is not None:
-            raise _refusal("/v3/lease/keepalive", {}, line.error.grpc_code, line.error.message)
+            if self._stale(line.error.grpc_code, line.error.message, token):
+                raise self._auth_refusal("/v3/lease/keepalive", line.error.message)
+            raise self._refusal("/v3/lease/keepalive", {}, line.error.grpc_code, line.error.message)
         if line.result is None or line.result.ttl_s <= 0:
             raise EtcdLeaseNotFoundError(lease_id)
         return line.result.ttl_s
@@ -583,10 +979,54 @@ def _decode_unary_error(content: bytes) -> _UnaryError:
         return _UnaryError(0, content[:200].decode("utf-8", "replace"))
 
 
-def _refusal(path: str, body: dict[str, Any], grpc_code: int, message: str) -> EtcdError:
+#: the gRPC status names etcd writes into a watch's ``cancel_reason``
+#: (``rpc error: code = Unauthenticated desc = ...``), as codes
+_CANCEL_CODES = {"Unauthenticated": _UNAUTHENTICATED_GRPC, "PermissionDenied": _PERMISSION_DENIED_GRPC,
+                 "InvalidArgument": 3}
+
+
+class _StaleToken(Exception):
+    """etcd did not take the request's token (or wants one): authenticate, retry once."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class _AuthenticateResponse(msgspec.Struct):
+    token: str = ""
+
+
+_VERBS = {"/v3/kv/range": "read", "/v3/kv/put": "write", "/v3/kv/deleterange": "delete", "/v3/kv/txn": "write",
+          "/v3/watch": "watch", "/v3/kv/compaction": "compact", "/v3/lease/revoke": "revoke a lease of"}
+
+
+def _refusal(path: str, body: dict[str, Any], grpc_code: int, message: str, *, user: str | None = None) -> EtcdError:
     if grpc_code == _NOT_FOUND_GRPC and "lease not found" in message:
         lease = body.get("ID") or body.get("lease") or 0
         return EtcdLeaseNotFoundError(int(lease))
+    if "authentication failed" in message or "invalid user ID or password" in message:
+        return EtcdAuthError(
+            f"etcd refused user {user!r}: wrong user name or password ({message}); check --etcd-user and the "
+            "password (--etcd-password-file or $RALLYPOINT_ETCD_PASSWORD)",
+            details={"path": path, "user": user, "grpc_code": grpc_code},
+        )
+    if grpc_code == _PERMISSION_DENIED_GRPC or "permission denied" in message:
+        key = body.get("key")
+        key_text = key.decode("utf-8", "replace") if isinstance(key, bytes) else None
+        verb = _VERBS.get(path, path)
+        return EtcdPermissionError(
+            f"etcd user {user!r} may not {verb}{f' {key_text!r}' if key_text else ''} ({path}): permission denied; "
+            "grant its role readwrite on the cluster's prefix (etcdctl role grant-permission ROLE --prefix=true "
+            "readwrite /rallypoint/NAME/)",
+            details={"path": path, "user": user, "key": key_text, "grpc_code": grpc_code},
+        )
+    if grpc_code == _UNAUTHENTICATED_GRPC or _NO_USER in message:
+        return EtcdAuthError(
+            f"etcd has authentication on and refused {path} ({message}): give a user and password "
+            "(rallypoint: --etcd-user, --etcd-password-file or $RALLYPOINT_ETCD_PASSWORD)",
+            details={"path": path, "user": user, "grpc_code": grpc_code},
+        )
     if grpc_code in _UNAVAILABLE_GRPC:
         return EtcdUnavailableError(f"etcd {path}: {message}", details={"path": path, "grpc_code": grpc_code})
     return EtcdError(f"etcd refused {path}: {message}", details={"path": path, "grpc_code": grpc_code})
@@ -634,6 +1074,9 @@ class Watch:
         self._lines: Any = None
         self._connects = 0
         self._closed = False
+        #: the token of the open stream, and whether this opening already renewed one
+        self._token: str | None = None
+        self._auth_retried = False
 
     async def __aenter__(self) -> "Watch":
         return self
@@ -673,15 +1116,27 @@ class Watch:
         backoff = 0.02
         last_error = ""
         while True:
-            for i in client._order():
+            try:
+                token = await client._current_token(trio.current_time() + client.timeout_s, client.timeout_s)
+            except EtcdUnavailableError as e:  # no token without etcd: the next round tries again
+                last_error = e.message
+                order = []
+            else:
+                order = client._order()
+            tls_failures: list[tuple[str, str, str]] = []
+            for i in order:
                 url = client.endpoints[i] + "/v3/watch"
                 resp = None
                 with trio.move_on_after(client.timeout_s):
                     try:
-                        req = client._http.build_request("POST", url, content=content)
+                        req = client._http.build_request(
+                            "POST", url, content=content, headers={"Authorization": token} if token else None)
                         resp = await client._http.send(req, stream=True)
                     except httpx.TransportError as e:
                         last_error = f"{url}: {type(e).__name__}: {e}"
+                        tls = _tls_reason(e)
+                        if tls is not None:
+                            tls_failures.append((client.endpoints[i], *tls))
                         continue
                 if resp is None:
                     last_error = f"{url}: no answer in {client.timeout_s:g} s"
@@ -693,19 +1148,40 @@ class Watch:
                     if err.code in _UNAVAILABLE_GRPC or resp.status_code == 503:
                         last_error = f"{url}: {err.message}"
                         continue
-                    raise _refusal("/v3/watch", {}, err.code, err.message)
+                    if client._stale(err.code, err.message, token):
+                        await self._renew(token, err.message)
+                        break  # open again, with the new token
+                    client._check_refusal("/v3/watch", err.code, err.message, token)
+                    raise client._refusal("/v3/watch", {}, err.code, err.message)
                 self._resp, self._lines = resp, resp.aiter_lines()
+                self._token = token
                 self._connects += 1
                 client._preferred = i
                 return
-            if self._give_up_after_s is not None and trio.current_time() - started >= self._give_up_after_s:
-                raise EtcdUnavailableError(
-                    f"could not open an etcd watch for {self._give_up_after_s:g} s at "
-                    f"{', '.join(client.endpoints)} (last: {last_error}); check that etcd runs",
-                    details={"endpoints": client.endpoints, "path": "/v3/watch", "last_error": last_error},
-                )
-            await trio.sleep(backoff)
-            backoff = min(backoff * 2, client.backoff_max_s)
+            else:
+                if order and len(tls_failures) == len(order):
+                    raise client._tls_error(tls_failures)
+                if self._give_up_after_s is not None and trio.current_time() - started >= self._give_up_after_s:
+                    raise EtcdUnavailableError(
+                        f"could not open an etcd watch for {self._give_up_after_s:g} s at "
+                        f"{', '.join(client.endpoints)} (last: {last_error}); check that etcd runs",
+                        details={"endpoints": client.endpoints, "path": "/v3/watch", "last_error": last_error},
+                    )
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, client.backoff_max_s)
+
+    async def _renew(self, token: str | None, message: str) -> None:
+        """etcd refused the opening's token: get a new one (once per opening: a fresh
+        token refused too is EtcdAuthError). etcd out of reach meanwhile: the next
+        opening authenticates."""
+        client = self._client
+        if self._auth_retried:
+            raise client._auth_refusal("/v3/watch", message)
+        self._auth_retried = True
+        try:
+            await client._renew_token(token, trio.current_time() + client.timeout_s, client.timeout_s)
+        except EtcdUnavailableError:
+            pass
 
     async def _check_not_compacted(self) -> None:
         """etcd accepts a watch from exactly its compaction point R, but compaction
@@ -742,9 +1218,14 @@ class Watch:
             msg = msgspec.json.decode(line, type=_WatchLine, strict=False)
             if msg.error is not None:
                 await self._drop()
-                if msg.error.grpc_code in _UNAVAILABLE_GRPC:
+                if msg.error.grpc_code in _UNAVAILABLE_GRPC or any(m in msg.error.message for m in _STREAM_LOST):
+                    log.info("etcd watch on %r lost (%s); resuming from revision %d", self._key, msg.error.message,
+                             self._next_rev)
                     continue
-                raise _refusal("/v3/watch", {}, msg.error.grpc_code, msg.error.message)
+                if self._client._stale(msg.error.grpc_code, msg.error.message, self._token):
+                    await self._renew(self._token, msg.error.message)
+                    continue
+                raise self._client._refusal("/v3/watch", {}, msg.error.grpc_code, msg.error.message)
             r = msg.result
             if r is None:
                 continue
@@ -757,8 +1238,16 @@ class Watch:
                         revision=self._next_rev,
                         compact_revision=r.compact_revision,
                     )
+                reason = r.cancel_reason
+                code = next((c for name, c in _CANCEL_CODES.items() if f"code = {name} " in reason), 0)
+                if code and self._client._stale(code, reason, self._token):
+                    await self._renew(self._token, reason)  # (an opening's token that etcd no longer takes)
+                    continue
+                if code:
+                    raise self._client._refusal("/v3/watch", {"key": self._key}, code, reason)
                 raise EtcdError(f"etcd cancelled the watch on {self._key!r}: {r.cancel_reason or 'no reason given'}")
             if r.created:
+                self._auth_retried = False
                 if not self._next_rev:
                     self._next_rev = r.header.revision + 1
                 continue

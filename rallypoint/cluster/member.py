@@ -50,7 +50,7 @@ from ..replication import (
 from ..replication.auth import LinkAuth, Unauthenticated
 from ..replication.link import unwrapped
 from ..wire import PROTOCOL_VERSION
-from .etcd import EtcdClient, EtcdError
+from .etcd import EtcdAccess, EtcdClient, EtcdError
 from ..actors.sharding import Sharding
 from .leader import LeaderInfo, LeaderRecord, Leadership, LeadershipLostError, ShardElection
 from .keystore import KeyRecord, watch_keys
@@ -65,7 +65,9 @@ __all__ = ["MemberConfig", "ShardMember", "EtcdIsr"]
 class MemberConfig:
     """What a node of a replicated shard needs (``rallypoint serve --cluster``).
 
-    ``etcd``: endpoints (``http://host:port``); ``cluster``: the cluster's name (the
+    ``etcd``: endpoints (``http://host:port``); ``etcd_access``: the
+    :class:`~rallypoint.cluster.etcd.EtcdAccess` (TLS, user) when etcd needs more than
+    plaintext endpoints (it then wins over ``etcd``); ``cluster``: the cluster's name (the
     etcd key prefix ``/rallypoint/<cluster>/``); ``shard``; ``node``: this node's name,
     unique in the shard; ``data_dir``/``durability`` (``fsync`` or ``interval``);
     ``client``/``replication``/``http``: ``(host, port)`` to listen on (port 0: a free
@@ -102,6 +104,7 @@ class MemberConfig:
     peer_tls: Any = None
     #: ``--insecure``: a plaintext replication link on a non-loopback address
     insecure: bool = False
+    etcd_access: EtcdAccess | None = None
     node_options: dict = field(default_factory=dict)
     serve_options: dict = field(default_factory=lambda: {"snapshot_every_records": 100_000,
                                                          "snapshot_every_s": 60.0})
@@ -255,7 +258,7 @@ class ShardMember:
         #: how the node reaches etcd, the leader's replication address and listens for
         #: standbys (the two-node simulator, :mod:`rallypoint.testing.replsim`, replaces
         #: them with an in-memory etcd and a seeded network)
-        self.make_etcd: Callable[[], Any] = lambda: EtcdClient(config.etcd)
+        self.make_etcd: Callable[[], Any] = lambda: (config.etcd_access or EtcdAccess(tuple(config.etcd))).client()
         self.connect: Callable[[str, int], Any] = trio.open_tcp_stream
         self.listen: Callable[..., Any] = trio.open_tcp_listeners
         #: ``await probe(point)`` at each step of a takeover and a rejoin (None: nothing;
@@ -714,9 +717,10 @@ class ShardMember:
             await self.probe(point)
 
     def _store_url(self) -> str:
-        """The cluster's etcd as ``rallypoint keys --cluster`` takes it (``etcd://h:p,...``)."""
-        hosts = [e.split("://", 1)[-1].rstrip("/") for e in self.config.etcd]
-        return "etcd://" + ",".join(hosts)
+        """The cluster's etcd as ``rallypoint keys --cluster`` takes it: ``etcd://h:p,...``,
+        or ``https://[user@]h:p,...`` followed by the ``--etcd-ca``/``--etcd-cert``/
+        ``--etcd-key`` this node uses (the password never)."""
+        return " ".join((self.config.etcd_access or EtcdAccess(tuple(self.config.etcd))).cli_args()[1:])
 
     async def _keep_keys(self, node, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """While leading: take every key record of etcd this shard lacks (or has live

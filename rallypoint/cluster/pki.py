@@ -7,6 +7,8 @@
                                       replication link), plus every --hosts name/IP
     DIR/etcd.pem  DIR/etcd.key        with --etcd: etcd's server certificate
     DIR/client.pem  DIR/client.key    with --etcd: for the CLI (`cluster ...`, `keys ...`)
+                                      and the nodes' etcd client; no Common Name
+                                      (etcd 3.4's gateway refuses one when auth is on)
 
 Each node certificate is good for both TLS roles (server and client authentication),
 as etcd's ``--peer-cert-file`` is: a node is a server to its standby and a client of its
@@ -82,11 +84,13 @@ def make_ca(common_name: str = "rallypoint cluster CA", *, days: int = 3650) -> 
     return Issued(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
-def issue(ca: Issued, common_name: str, names: list[str], *, days: int = 825) -> Issued:
+def issue(ca: Issued, common_name: str, names: list[str], *, days: int = 825, subject_cn: bool = True) -> Issued:
     """A leaf certificate signed by ``ca`` for ``common_name``, with every entry of
     ``names`` (and ``common_name``) as a subject alternative name -- an IP address
     literal as an IP entry, anything else as DNS -- usable for TLS server and client
-    authentication. Raises ValueError for an empty name."""
+    authentication. ``subject_cn=False``: an empty subject (the name in the critical
+    subject alternative name only), as etcd 3.4 wants of a client certificate on its
+    JSON gateway when its authentication is on. Raises ValueError for an empty name."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -109,7 +113,7 @@ def issue(ca: Issued, common_name: str, names: list[str], *, days: int = 825) ->
             sans.append(x509.DNSName(n))
     now = _now()
     cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)] if subject_cn else []))
             .issuer_name(ca_cert.subject).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - _dt.timedelta(minutes=5)).not_valid_after(now + _dt.timedelta(days=days))
@@ -120,7 +124,7 @@ def issue(ca: Issued, common_name: str, names: list[str], *, days: int = 825) ->
                            critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=not subject_cn)  # RFC 5280 4.2.1.6
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
     return Issued(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
@@ -165,12 +169,14 @@ def write_cluster_pki(out: str, nodes: list[str], *, hosts: list[str] = (), etcd
         _write(ca_key, ca.key_pem, True)
         written += [ca_cert, ca_key]
     base = ["localhost", "127.0.0.1", "::1", *hosts]
-    leaves = [(n, n, base) for n in nodes]
+    leaves = [(n, n, base, True) for n in nodes]
     if etcd:
-        leaves.append(("etcd", "etcd", base))
-        leaves.append(("client", "rallypoint-client", []))
-    for fname, cn, names in leaves:
-        leaf = issue(ca, cn, list(names), days=days)
+        leaves.append(("etcd", "etcd", base, True))
+        # no Common Name: etcd with --client-cert-auth and its authentication on refuses
+        # a gateway request whose client certificate has one (HTTP 400)
+        leaves.append(("client", "rallypoint-client", [], False))
+    for fname, cn, names, subject_cn in leaves:
+        leaf = issue(ca, cn, list(names), days=days, subject_cn=subject_cn)
         c, k = os.path.join(out, f"{fname}.pem"), os.path.join(out, f"{fname}.key")
         _write(c, leaf.cert_pem, False)
         _write(k, leaf.key_pem, True)
