@@ -415,13 +415,14 @@ async def test_the_console_stream_of_a_revoked_key_ends_signed_out():
             async def stream():
                 answer.append(await client.get("/stream?mode=events"))
 
-            async with trio.open_nursery() as n:
-                n.start_soon(stream)
-                await until(lambda: len(coord.watchers) == 1)
-                await node.service.call(writer, p.ScopeCreate(name="before"))
-                await revoke(node, kid)
-                for i in range(5):
-                    await node.service.call(writer, p.ScopeCreate(name=f"after-{i}"))
+            with trio.fail_after(20):  # (before: the stream never ended)
+                async with trio.open_nursery() as n:
+                    n.start_soon(stream)
+                    await until(lambda: len(coord.watchers) == 1)
+                    await node.service.call(writer, p.ScopeCreate(name="before"))
+                    await revoke(node, kid)
+                    for i in range(5):
+                        await node.service.call(writer, p.ScopeCreate(name=f"after-{i}"))
             text = answer[0].text
             assert "event: gone" in text and '"signedOut":true' in text, text
             assert "after-" not in text and "key.revoked" not in text
@@ -469,3 +470,54 @@ async def test_a_revocation_adopted_from_the_cluster_key_store_ends_the_keys_wai
             assert isinstance(e, UnauthenticatedError) and e.details["reason"] == "key_revoked", e
         assert coord.runtime.n_waiters == 0 and not coord.watchers
         await until(lambda: srv.statistics()["sessions_ended"] == 1)
+
+
+async def test_a_revocation_not_yet_durable_tells_the_revoked_key_nothing():
+    """The answers a revocation gives -- a parked receive's and a watch's UNAUTHENTICATED,
+    the connection's Err 0 and its close -- wait until the revocation is durable (a crash
+    could take it back): before, K's connection hears nothing and stays open; once
+    durable, all of them, then EOF."""
+    from rallypoint.actors import Coordinator
+    from rallypoint.service import Service
+
+    from test_reply_durability import HeldJournal, _answer
+
+    coord = Coordinator()
+    journal = coord.journal = HeldJournal()
+    body = lambda op: msgspec.msgpack.decode(p.encoder.encode(op))  # noqa: E731
+    async with trio.open_nursery() as n:
+        await n.start(coord.run)
+        service = Service(coord)
+        async with running_server(service) as srv:
+            k, secret = coord.keys.create_key("s", RW)
+            kid = k.id
+            journal.release()
+            c = await RawClient.connect(srv.port, api_key=secret)
+            await c.request(1, body(p.ScopeCreate()))
+            await c.request(2, body(p.MailboxEnsure(name="jobs")))
+            await trio.testing.wait_all_tasks_blocked()
+            journal.release()
+            run_id = msgspec.msgpack.decode((await _answer(c, 1, 5)).body)["id"]
+            assert isinstance(await _answer(c, 2, 5), wire.Ok)
+            await c.request(3, body(p.Receive(mailbox="jobs", scope_id=run_id, wait_ms=30_000)))
+            await c.request(4, body(p.EventsWatch(start="now")))
+            assert isinstance(await _answer(c, 4, 5), wire.Ok)  # subscribed (its Ok reveals nothing)
+            await wait_parked(coord, 1)
+            sink = CallSink()
+            service.submit(ADMIN, p.encoder.encode(p.KeyRevoke(key_id=kid)), sink, 1)
+            await until(lambda: coord.keys.is_revoked(kid))
+            assert coord.runtime.n_waiters == 0 and journal.durable_lsn < journal.last_lsn
+            await trio.testing.wait_all_tasks_blocked()
+            (conn,) = srv._conns  # nothing sent to K yet: the receive's answer held, the watch and connection open
+            assert conn.st.phase.name == "OPEN" and not conn.st.out and [r for _, r, _ in conn.st.deferred] == [3]
+            assert list(conn.st.streams) == [4] and not c.frames
+            journal.release()
+            got = {}
+            with trio.fail_after(5):
+                while (f := await c.recv()) is not None:
+                    got[f.id] = f
+            assert set(got) == {0, 3, 4}, got  # then EOF
+            for f in got.values():
+                assert isinstance(f, wire.Err) and f.code == "UNAUTHENTICATED", f
+                assert f.details == {"reason": "key_revoked", "key_id": kid}
+        n.cancel_scope.cancel()

@@ -15,7 +15,8 @@ event table and the chart) and server-sent events for what changes.
   POSTed (never in a URL, never logged); the server keeps ``sha256(token) -> login``
   and the browser an opaque random token in an ``HttpOnly``, ``SameSite=Strict`` cookie
   (``Secure`` and ``__Host-`` prefixed under TLS). A login sees its key's space only;
-  revoking the key ends its console sessions at their next request. In open mode (no key
+  revoking the key ends its console sessions at their next request, and its open
+  ``/stream`` at once (``gone`` with ``signedOut``: the page goes to the sign-in form). In open mode (no key
   ever created) no login is needed: the ``default`` space.
 - **Live**: ``GET /stream`` is an ``text/event-stream`` fed by an in-process
   subscription (``Service.subscribe``, the path ``GET /watch`` of the HTTP API uses) from
