@@ -525,11 +525,12 @@ class Coordinator:
     def handle_command(self, actor, item: tuple, cancelled: bool = False) -> None:
         """Run one command on ``actor``'s task: decide, reply or park."""
         handler, session, op, sink, rid = item
+        grant = grant_of(session)
         try:
-            if grant_of(session) is not None:
+            if grant is not None:
                 # rights are judged now, from the key table as it is (a request queued
                 # before its key's revocation is refused after it)
-                refused = self.keys.refusal(session)
+                refused = self.keys.grant_refusal(grant)
                 if refused is not None:
                     raise refused
             if getattr(session, "idempotency", None) is None:
@@ -552,9 +553,9 @@ class Coordinator:
             if cancelled:
                 self.reply(sink, rid, self.cancelled_answer(actor, result))
             else:
-                actor.park(result, sink, rid, grant_of(session))
+                actor.park(result, sink, rid, grant)
         elif t is Subscribe:
-            self.subscribe(result, sink, rid, grant_of(session))
+            self.subscribe(result, sink, rid, grant)
         else:
             self.reply(sink, rid, result)
 

@@ -204,10 +204,13 @@ class Keys(Kind):
         ``open_mode_ended``) -- returned, not raised -- or None while its grant
         (:func:`grant_of`) holds. A trusted session (no grant) is never refused."""
         grant = grant_of(session)
-        if grant is None:
-            return None
+        return None if grant is None else self.grant_refusal(grant)
+
+    def grant_refusal(self, grant: str) -> UnauthenticatedError | None:
+        """:meth:`refusal` of a session whose grant (a key id, :data:`OPEN_MODE`) is
+        ``grant``."""
         if grant == OPEN_MODE:
-            return None if not self.table else open_mode_ended()
+            return open_mode_ended() if self.table else None
         k = self.table.get(grant)
         if k is None or k.revoked_at_ms is not None:
             return key_revoked(grant)
