@@ -521,3 +521,44 @@ async def test_a_revocation_not_yet_durable_tells_the_revoked_key_nothing():
                 assert isinstance(f, wire.Err) and f.code == "UNAUTHENTICATED", f
                 assert f.details == {"reason": "key_revoked", "key_id": kid}
         n.cancel_scope.cancel()
+
+
+async def test_a_revoked_keys_tls_connection_is_told_why_and_closed(tmp_path):
+    """The same over TLS (``--tls-cert``): K's parked receive ends UNAUTHENTICATED, and
+    the connection's close carries the reason (``Err 0``: the client's next call says
+    "server said: UNAUTHENTICATED")."""
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    ca_pem = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    async with rallypoint.open_embedded() as rs:
+        node = rs.node
+        kid, secret = key(node, RW)
+        async with running_server(node.service, ssl_context=server_ctx) as srv:
+            url = f"tls://127.0.0.1:{srv.port}"
+            async with rallypoint.connect(url, api_key=secret, tls_ca=str(ca_pem), reconnect=False) as c:
+                run = await call(c, p.ScopeCreate())
+                await call(c, p.MailboxEnsure(name="jobs"))
+                got: list = []
+
+                async def receive():
+                    try:
+                        await call(c, p.Receive(mailbox="jobs", scope_id=run.id, wait_ms=30_000))
+                    except Exception as e:
+                        got.append(e)
+
+                async with trio.open_nursery() as n:
+                    n.start_soon(receive)
+                    await wait_parked(node.coordinator, 1)
+                    await revoke(node, kid)
+                    await until(lambda: got)
+                assert isinstance(got[0], UnauthenticatedError) and got[0].details["key_id"] == kid
+                await until(lambda: srv.statistics()["sessions_ended"] == 1)
+                with pytest.raises(Exception) as e:
+                    await call(c, p.ScopeCreate())
+                assert "server said: UNAUTHENTICATED" in str(e.value), e.value
