@@ -929,10 +929,11 @@ class ConnState:
     def end_session(self, error: RallypointError) -> int:
         """The session's rights ended (its key was revoked, open mode is over: the
         dispatcher refuses it now): every subscription ends with ``error``, ``Err(0,
-        error)`` says why, and the connection drains -- no more requests are read, those
-        in flight are answered (each refused with ``error`` by the dispatcher), waits
-        still parked after the grace get ``error`` too -- then closes. 0 (nothing) when
-        it is draining or closing already, or not open yet."""
+        error)`` says why, and the connection drains (DRAINING: the reader stops after
+        the chunk it holds; requests in flight are answered, each refused with ``error``
+        by the dispatcher; waits that are still parked when it closes get ``error``
+        too, :meth:`stop`); the socket loop closes it once that is written. 0 (nothing)
+        when it is draining or closing already, or not open yet."""
         if self.phase is not OPEN:
             return 0
         self.ended = error

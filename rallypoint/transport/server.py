@@ -405,19 +405,40 @@ class _Conn:
         if self.nursery is not None:
             self.nursery.cancel_scope.cancel()
 
+    #: After a session's end, what is in flight gets this long (seconds) to be
+    #: answered and written before the connection closes anyway.
+    SESSION_END_S = 5.0
+
     def end_session(self, error: RallypointError) -> None:
         """The session's rights ended (the dispatcher refuses it: its key revoked, open
-        mode over): its subscriptions end with ``error``, ``Err(0, error)`` says why, and
-        the connection drains and closes (:meth:`ConnState.end_session`)."""
+        mode over): its subscriptions end with ``error``, ``Err(0, error)`` says why, no
+        more requests are taken (:meth:`ConnState.end_session`), and once what is in
+        flight is answered and written the connection closes (:meth:`_end_when_idle`)."""
         act = self.st.end_session(error)
         if not act:
             return
-        if self.nursery is not None:  # wake the reader's receive, as a drain does
-            try:
-                self.raw.socket.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass
         self._act(act)
+        if self.nursery is not None:
+            self.nursery.start_soon(self._end_when_idle)
+
+    async def _end_when_idle(self) -> None:
+        """After :meth:`end_session`: wait until nothing is in flight and the output is
+        written (at most :attr:`SESSION_END_S`), then end the connection: waits still
+        parked are answered the session's error, the reader's receive is cancelled, what
+        is left is sent and the socket closed. (Not a drain's ``shutdown(SHUT_RD)``: a
+        TLS stream that reads that EOF is broken and sends nothing more -- the Err 0
+        was lost.)"""
+        st = self.st
+        with trio.move_on_after(self.SESSION_END_S):
+            while st.busy():
+                ev = self.idle_event = trio.Event()
+                if not st.busy():
+                    break
+                await ev.wait()
+        self._act(st.stop(st.ended or shutting_down_error()))
+        self.stop_sending(1.0)
+        if self.nursery is not None:
+            self.nursery.cancel_scope.cancel()
 
     def begin_drain(self) -> None:
         act = self.st.drain()
