@@ -24,7 +24,7 @@ import msgspec
 import trio
 
 from ._version import __version__
-from .actors.opmark import ANY_KEY
+from .actors.opmark import ANY_KEY, LOCAL
 from .actors.outbox import NODE_OPS as _NODE_OPS
 from .actors.outbox import REMOTE_RUN_OPS as _REMOTE_RUN_OPS
 from .ids import is_id, slot_of
@@ -53,12 +53,15 @@ class Session:
     its handshake gave (``rallypoint.connect(client_name=)``), else "". ``node``: another
     node of the sharded cluster, authenticated by the cluster's node secret (the only
     session that may make the calls between shards: ``run.link``, ``outbox.deliver``,
-    ``admission.reserve``)."""
+    ``admission.reserve``). ``open``: admitted by open mode (no key existed): every
+    permission until the first key is created, then refused (UNAUTHENTICATED) -- its
+    grant ends (``actors/keys.py``); a session with ``permissions`` None and ``open``
+    False is a trusted in-process one (the embedded client, the local operator, a node)."""
 
-    __slots__ = ("space", "permissions", "peer", "key_id", "local", "idempotency", "client", "node")
+    __slots__ = ("space", "permissions", "peer", "key_id", "local", "idempotency", "client", "node", "open")
 
     def __init__(self, space: str = "default", permissions: frozenset[str] | None = None, peer: str = "",
-                 key_id=None, local: bool = False, client: str = "", node: bool = False):
+                 key_id=None, local: bool = False, client: str = "", node: bool = False, open: bool = False):
         self.space = space
         self.permissions = permissions
         self.peer = peer
@@ -66,6 +69,7 @@ class Session:
         self.local = local
         self.client = client
         self.node = node
+        self.open = open
         self.idempotency: tuple[str, str, int] | None = None
 
     @property
@@ -85,9 +89,15 @@ class Session:
         """A copy of this session for step ``step`` (0, 1, ...: the request's operations
         in order) of the HTTP request with Idempotency-Key ``key`` and ``fingerprint``
         (method, path, body)."""
-        s = Session(self.space, self.permissions, self.peer, self.key_id, self.local, self.client)
+        s = Session(self.space, self.permissions, self.peer, self.key_id, self.local, self.client, open=self.open)
         s.idempotency = (key, fingerprint, step)
         return s
+
+    def as_local(self) -> "Session":
+        """The node's own session for a step it takes for this one (the HTTP layer's
+        ``idempotency.*`` bookkeeping, ops marked ``LOCAL``): local, in this space, and
+        still refused once this session's grant ends (its key id is kept)."""
+        return Session(self.space, None, self.peer, self.key_id, True, self.client, open=self.open)
 
 
 class CallSink(ReplySink):
@@ -263,7 +273,7 @@ class Service:
         key = self.coordinator.keys.authenticate(hello.api_key)
         if key is None:  # open mode: the space the hello names (else "default"), every permission
             space = hello.space if isinstance(hello.space, str) and hello.space else "default"
-            session = Session(space=space, peer=peer, client=hello.client)
+            session = Session(space=space, peer=peer, client=hello.client, open=True)
         else:
             session = Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id,
                               client=hello.client)
@@ -302,10 +312,16 @@ class Service:
                 space = getattr(op, "space", None)
                 if isinstance(space, str) and space != session.space:  # a call about a run of that space
                     session = Session(space=space, peer=session.peer, client=session.client, node=True)
+            if permission == LOCAL and not session.local:
+                raise ForbiddenError(
+                    f"{tag} is a step the node takes itself (the HTTP layer's Idempotency-Key bookkeeping), not a "
+                    "client's: send the request over HTTP with an Idempotency-Key header",
+                    details={"op": tag})
+            refused = coord.keys.refusal(session)  # rights from the key table as it is now
+            if refused is not None:
+                raise refused
             perms = session.permissions
             if perms is not None:
-                if coord.keys.is_revoked(session.key_id):
-                    raise UnauthenticatedError("this connection's API key was revoked")
                 if (permission not in perms and permission != ANY_KEY
                         and "admin" not in perms and "operator" not in perms):
                     raise ForbiddenError(
@@ -370,6 +386,24 @@ class Service:
             sink.close()
             raise
         return sink
+
+    def session_error(self, session: Session) -> UnauthenticatedError | None:
+        """Why ``session`` may no longer act (its key revoked, open mode over), from the
+        key table as it is now; None while it may (``Keys.refusal``)."""
+        return self.coordinator.keys.refusal(session)
+
+    def add_session_listener(self, fn) -> None:
+        """``fn(lsn)`` whenever a grant ends (a key revoked, open mode over) in the
+        commit of LSN ``lsn``: once that is durable, sessions may ask
+        :meth:`session_error` again (the TCP server closes the connections it refuses)."""
+        self.coordinator.grant_listeners.append(fn)
+
+    def remove_session_listener(self, fn) -> None:
+        """Undo :meth:`add_session_listener`."""
+        try:
+            self.coordinator.grant_listeners.remove(fn)
+        except ValueError:
+            pass
 
     def watch_wake(self) -> None:
         """A connection's output drained: watchers waiting for room may go on."""

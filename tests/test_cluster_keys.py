@@ -158,13 +158,33 @@ async def test_a_key_made_in_etcd_works_on_every_shard_and_its_revocation_everyw
             assert f"rallypoint keys create --cluster" in e.value.message
 
             # revoked in etcd: refused on every shard within a bounded wait (one watch
-            # round trip), by a new connection and by this open one alike
-            out = await trio.to_thread.run_sync(lambda: cli("keys", "revoke", *base, kid))
-            assert out.returncode == 0, out.stderr
-            with trio.fail_after(10):
-                while not all([isinstance(await try_status(a, secret), UnauthenticatedError)
-                               for a in addrs.values()]):
-                    await trio.sleep(0.05)
+            # round trip), by a new connection and by this open one alike; a receive the
+            # key had parked on a run's shard ends UNAUTHENTICATED (issue 41 item 3: the
+            # shard's key.adopt applies the revocation, and that apply ends its waits)
+            await rs._call(p.MailboxEnsure(name="jobs"), p.MailboxView)
+            parked: list = []
+
+            async def receive():
+                try:
+                    await rs._call(p.Receive(mailbox="jobs", scope_id=runs[0].id, wait_ms=60_000), p.ReceiveView)
+                except Exception as e:
+                    parked.append(e)
+
+            def waits() -> int:
+                return sum(leader(ms).node.coordinator.runtime.n_waiters for ms in members.values())
+
+            async with trio.open_nursery() as pn:
+                pn.start_soon(receive)
+                await wait_until(lambda: waits() == 1, timeout=10)
+                out = await trio.to_thread.run_sync(lambda: cli("keys", "revoke", *base, kid))
+                assert out.returncode == 0, out.stderr
+                with trio.fail_after(10):
+                    while not all([isinstance(await try_status(a, secret), UnauthenticatedError)
+                                   for a in addrs.values()]):
+                        await trio.sleep(0.05)
+                await wait_until(lambda: parked, timeout=10)
+            assert isinstance(parked[0], UnauthenticatedError) and parked[0].details["reason"] == "key_revoked", parked
+            assert waits() == 0
             for r in runs:
                 with pytest.raises(UnauthenticatedError):
                     await r.status()

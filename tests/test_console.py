@@ -404,14 +404,23 @@ def test_a_run_cancelled_from_the_cli_changes_the_open_page_without_a_reload(chr
         ctx.close()
 
 
-def _create_keys(url: str) -> tuple[str, str]:
-    async def main():
-        async with rallypoint.connect(url) as rs:  # open mode: the first keys end it
-            a = await rs._call(p.KeyCreate(space="a", permissions=["admin"], name="alice"), p.KeyView)
-            b = await rs._call(p.KeyCreate(space="b", permissions=["admin"], name="bob"), p.KeyView)
-            return a.secret, b.secret
+def _create_key(data_dir: str, space: str, *perms: str, name: str | None = None) -> str:
+    """A key made offline on ``data_dir`` before the daemon starts (``rallypoint keys
+    create --data-dir``): keys of several spaces need the operator's path -- an open-mode
+    connection loses its rights with the first key it makes (issue 41 item 1)."""
+    args = [sys.executable, "-m", "rallypoint", "keys", "create", "--data-dir", data_dir, "--space", space,
+            "--secret-only"]
+    for perm in perms:
+        args += ["--permission", perm]
+    if name:
+        args += ["--name", name]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
 
-    return trio.run(main)
+
+def _keyed_daemon(data_dir: str) -> "ConsoleDaemon":
+    return ConsoleDaemon(["--durability", "interval", "--data-dir", data_dir])
 
 
 async def _act(url: str, key: str, name: str) -> dict:
@@ -425,11 +434,12 @@ async def _act(url: str, key: str, name: str) -> dict:
         return {"run": run.id, "task": task.id}
 
 
-def test_a_key_of_space_b_sees_nothing_of_space_a(chromium, shots):
+def test_a_key_of_space_b_sees_nothing_of_space_a(chromium, shots, tmp_path):
     require_browser()
-    d = ConsoleDaemon()
+    secret_a = _create_key(str(tmp_path), "a", "admin", name="alice")
+    secret_b = _create_key(str(tmp_path), "b", "admin", name="bob")
+    d = _keyed_daemon(str(tmp_path))
     try:
-        secret_a, secret_b = _create_keys(d.url)
         a = trio.run(_act, d.url, secret_a, "alpha-secret")
         ctx, page, errors = _page(chromium)
         try:
@@ -468,6 +478,46 @@ def test_a_key_of_space_b_sees_nothing_of_space_a(chromium, shots):
         finally:
             ctx.close()
     finally:
+        d.stop()
+
+
+def test_a_revoked_keys_open_live_page_stops_streaming_and_signs_out(chromium, tmp_path):
+    """issue 41 item 3: the console's ``/stream`` of a login whose key is revoked (``keys
+    revoke --connect``) while its Live page is open. In the browser: the stream ends
+    with ``gone`` and ``signedOut``, the page leaves for the sign-in form, and no event
+    committed after the revocation reaches it (before: it kept streaming)."""
+    require_browser()
+    viewer = _create_key(str(tmp_path), "default", "coordination_read", name="viewer")
+    admin = _create_key(str(tmp_path), "default", "admin", name="ops")
+    d = _keyed_daemon(str(tmp_path))
+    ctx, page, errors = _page(chromium)
+    try:
+        page.goto(d.console + "/live")
+        page.fill("input[name=key]", viewer)
+        page.click("main button")
+        page.wait_for_url(re.compile(r"/live$"))
+        _live(page)
+        before = trio.run(_act, d.url, admin, "before")
+        page.wait_for_selector(f'#events tr >> text={before["task"]}')
+        listed = subprocess.run([sys.executable, "-m", "rallypoint", "keys", "list", "--connect", d.url, "--api-key",
+                                 admin, "--json"], capture_output=True, text=True, timeout=60)
+        (vid,) = [k["id"] for k in msgspec.json.decode(listed.stdout) if k["name"] == "viewer"]
+        shown: list[str] = []  # every event cell the page shows from here on (across the reload)
+        page.expose_function("rpShown", lambda text: shown.append(text))
+        page.evaluate("""() => new MutationObserver(() => {
+            for (const td of document.querySelectorAll('#events td')) window.rpShown(td.textContent); })
+          .observe(document.body, {subtree: true, childList: true})""")
+        cli = subprocess.run([sys.executable, "-m", "rallypoint", "keys", "revoke", vid, "--connect", d.url,
+                              "--api-key", admin], capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        after = trio.run(_act, d.url, admin, "after")
+        page.wait_for_url(re.compile(r"/login"), timeout=15_000)  # the stream said signedOut: reloaded, signed out
+        assert page.locator("input[name=key]").count() == 1
+        # nothing after the revocation was shown before the page left
+        assert not [t for t in shown if after["task"] in t or after["run"] in t], shown
+        assert not errors, errors
+    finally:
+        ctx.close()
         d.stop()
 
 

@@ -211,13 +211,15 @@ async def test_idempotency_answers_past_their_ttl_are_forgotten_without_new_requ
         coord = rs.node.coordinator
         coord.idempotency.ttl_ms = 10_000
         for i in range(3):
-            await call(rs, p.IdempotencyRecord(key=f"k{i}", fingerprint="f", status=200, body=b"{}"))
+            await rs.node.service.call(Session(local=True),  # (the HTTP layer's own step: LOCAL)
+                                       p.IdempotencyRecord(key=f"k{i}", fingerprint="f", status=200, body=b"{}"))
         assert len(coord.idempotency.table) == 3
         await trio.sleep(5)
         assert len(coord.idempotency.table) == 3
         await trio.sleep(10)
         assert len(coord.idempotency.table) == 0
-        assert not (await call(rs, p.IdempotencyLookup(key="k0", fingerprint="f"))).found
+        raw = await rs.node.service.call(Session(local=True), p.IdempotencyLookup(key="k0", fingerprint="f"))
+        assert not msgspec.msgpack.decode(raw, type=REPLY_TYPES[p.IdempotencyLookup]).found
 
 
 async def test_wait_timeouts_do_not_leak_events_out_of_order(autojump_clock):

@@ -196,19 +196,20 @@ async def test_once_acquire_held_done_and_failed(autojump_clock, ers):
 async def test_idempotency_answers_are_kept_for_the_ttl_then_forgotten(autojump_clock, ers):
     coord = ers.node.coordinator
     coord.idempotency.ttl_ms = 3_600_000
-    assert not (await call(ers, p.IdempotencyLookup(key="k1", fingerprint="f"))).found
-    await call(ers, p.IdempotencyRecord(key="k1", fingerprint="f", status=200, body=b'{"a":1}'))
-    first = await call(ers, p.IdempotencyRecord(key="k1", fingerprint="f", status=500, body=b"x"))
+    node = S.as_local()  # the HTTP layer's own steps (LOCAL ops)
+    assert not (await call(ers, p.IdempotencyLookup(key="k1", fingerprint="f"), node)).found
+    await call(ers, p.IdempotencyRecord(key="k1", fingerprint="f", status=200, body=b'{"a":1}'), node)
+    first = await call(ers, p.IdempotencyRecord(key="k1", fingerprint="f", status=500, body=b"x"), node)
     assert first.status == 200 and first.body == b'{"a":1}'  # the first record wins
-    got = await call(ers, p.IdempotencyLookup(key="k1", fingerprint="f"))
+    got = await call(ers, p.IdempotencyLookup(key="k1", fingerprint="f"), node)
     assert got.found and got.body == b'{"a":1}'
     with pytest.raises(ConflictError) as e:
-        await call(ers, p.IdempotencyLookup(key="k1", fingerprint="other"))
+        await call(ers, p.IdempotencyLookup(key="k1", fingerprint="other"), node)
     assert e.value.code == "IDEMPOTENCY_CONFLICT"
-    assert not (await call(ers, p.IdempotencyLookup(key="k1", fingerprint="f"), Session(space="s2"))).found
+    assert not (await call(ers, p.IdempotencyLookup(key="k1", fingerprint="f"), Session(space="s2").as_local())).found
     await trio.sleep(3601)
-    assert not (await call(ers, p.IdempotencyLookup(key="k1", fingerprint="f"))).found
-    await call(ers, p.IdempotencyRecord(key="k2", fingerprint="f", status=200, body=b"{}"))
+    assert not (await call(ers, p.IdempotencyLookup(key="k1", fingerprint="f"), node)).found
+    await call(ers, p.IdempotencyRecord(key="k2", fingerprint="f", status=200, body=b"{}"), node)
     assert len(coord.idempotency.table) == 1  # k1 forgotten in k2's commit
 
 
@@ -258,7 +259,7 @@ async def test_records_of_the_new_ops_replay_to_the_same_state(autojump_clock):
         o = await call(rs, p.OnceAcquire(scope_id=run.id, key="k", lease_ms=5000))
         await call(rs, p.OnceComplete(scope_id=run.id, key="k", token=o.token, result=enc([1])))
         await call(rs, p.OnceAcquire(scope_id=run.id, key="k2", lease_ms=5000))
-        await call(rs, p.IdempotencyRecord(key="i", fingerprint="f", status=200, body=b"{}"))
+        await call(rs, p.IdempotencyRecord(key="i", fingerprint="f", status=200, body=b"{}"), S.as_local())
         await call(rs, p.MailboxEnsure(name="q"))
         task = await call(rs, p.TaskSubmit(mailbox="q", scope_id=run.id))
         await call(rs, p.TaskSubscribe(task_id=task.id, subscriber_id="x"))

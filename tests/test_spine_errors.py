@@ -184,18 +184,29 @@ async def test_stale_claim_arrives_as_lease_lost(rs):
     assert type(ei.value) is LeaseLostError and d.lost
 
 
-async def test_an_idempotency_key_reused_for_another_request_is_idempotency_conflict(rs):
-    # The HTTP front end's idempotency ops, embedded and over TCP: the refusal's code is
-    # one of CODES (the protocol fuzzer found it outside them) and its class is a
-    # ConflictError, so `except ConflictError` still catches it.
+async def test_idempotency_record_and_lookup_from_a_client_are_forbidden(rs):
+    # issue 41 item 2: the HTTP front end's idempotency ops are the node's own steps
+    # (LOCAL): a client -- embedded or over TCP, open mode's every permission included --
+    # cannot store (forge, squat) or read an answer; the node's own step can, and a key
+    # reused for another request is IDEMPOTENCY_CONFLICT, a ConflictError whose code is
+    # one of CODES (the protocol fuzzer found it outside them).
     from rallypoint import protocol as p
     from rallypoint.actors.api import REPLY_TYPES
+    from rallypoint.service import Session
 
     record = p.IdempotencyRecord(key="spine-k", fingerprint="a", status=200, body=b"{}")
-    await rs._call(record, REPLY_TYPES[type(record)])
     lookup = p.IdempotencyLookup(key="spine-k", fingerprint="b")
+    for op in (record, lookup):
+        with pytest.raises(errors.ForbiddenError) as ei:
+            await rs._call(op, REPLY_TYPES[type(op)])
+        assert "not a client's" in ei.value.message and ei.value.details == {"op": type(op).__struct_config__.tag}
+    node = getattr(rs, "node", None)
+    if node is None:  # (over TCP: nothing more a client can reach)
+        return
+    local = Session(local=True)
+    await node.service.call(local, record)
     with pytest.raises(errors.IdempotencyConflictError) as ei:
-        await rs._call(lookup, REPLY_TYPES[type(lookup)])
+        await node.service.call(local, lookup)
     e = ei.value
     assert isinstance(e, ConflictError) and e.code == "IDEMPOTENCY_CONFLICT" and e.code in CODES
     assert e.details == {"key": "spine-k"}

@@ -52,7 +52,7 @@ from .diagnostics import Diagnostics
 from .idempotency import DEFAULT_TTL_MS, Idempotency
 from .inbox import Inboxes
 from .joinset import JoinSets
-from .keys import Keys
+from .keys import Keys, grant_of
 from .once import Onces
 from .opmark import BoundOp, OpTable, build_table
 from .pool import Pools
@@ -144,6 +144,13 @@ class Coordinator:
         self.dirty: dict[str, None] = {}
         self._dirty_full: list[dict[str, None]] = []
         self.track_dirty = durability != "memory"
+        #: ``fn(lsn)`` for each grant that ended (a key revoked, open mode over) in the
+        #: commit that will have LSN ``lsn``: the TCP server re-derives its connections'
+        #: rights once that is durable (:meth:`end_grant`)
+        self.grant_listeners: list[Callable[[int], None]] = []
+        #: answers to the waits a grant's end took out of their lines, sent by
+        #: :meth:`after_batch` once the commit is journaled: ``(sink, rid, error)``
+        self._grant_ended: list = []
         self.replaying = False
         self.failed: BaseException | None = None
         self.commits = 0
@@ -518,7 +525,14 @@ class Coordinator:
     def handle_command(self, actor, item: tuple, cancelled: bool = False) -> None:
         """Run one command on ``actor``'s task: decide, reply or park."""
         handler, session, op, sink, rid = item
+        grant = grant_of(session)
         try:
+            if grant is not None:
+                # rights are judged now, from the key table as it is (a request queued
+                # before its key's revocation is refused after it)
+                refused = self.keys.grant_refusal(grant)
+                if refused is not None:
+                    raise refused
             if getattr(session, "idempotency", None) is None:
                 result = handler(actor, session, op)
             else:
@@ -539,9 +553,9 @@ class Coordinator:
             if cancelled:
                 self.reply(sink, rid, self.cancelled_answer(actor, result))
             else:
-                actor.park(result, sink, rid)
+                actor.park(result, sink, rid, grant)
         elif t is Subscribe:
-            self.subscribe(result, sink, rid)
+            self.subscribe(result, sink, rid, grant)
         else:
             self.reply(sink, rid, result)
 
@@ -611,15 +625,16 @@ class Coordinator:
             raise
         self.events.publish(lsn)
 
-    def subscribe(self, sub: Subscribe, sink: ReplySink, rid: int) -> None:
+    def subscribe(self, sub: Subscribe, sink: ReplySink, rid: int, who: str | None = None) -> None:
         """Open a subscription on ``sink``: its Ok (a WatchView, sent at once: it reveals
-        only durable positions) and then pushes from :class:`Watchers`."""
+        only durable positions) and then pushes from :class:`Watchers`. ``who``: the
+        grant of the session that opened it (:meth:`end_grant` ends it by that)."""
         from ..protocol import WatchView
         from .watch import Watcher, durable_upto
 
         if sink.closed:
             return
-        w = Watcher(sub.space, sub.filter, sub.cursor, sink, rid)
+        w = Watcher(sub.space, sub.filter, sub.cursor, sink, rid, who)
         if not sink.add_stream(rid, w):
             from ..errors import ValidationError
 
@@ -639,6 +654,26 @@ class Coordinator:
         Struct, or a :class:`Park` for a wait; raises the RallypointError it answers.
         (Routing checks -- NOT_FOUND across spaces -- are the handler's own too.)"""
         return self.ops[type(op)].handler(None, session, op)
+
+    def end_grant(self, who: str, error: RallypointError) -> None:
+        """A grant ended (``who``: a key id whose ``KeyRevoked`` is being applied, or
+        ``keys.OPEN_MODE`` as the first key is created): called by that apply, so in the
+        same step, wherever the record came from (``key.revoke``, the offline CLI, a
+        cluster's ``key.adopt``). Every parked wait of the grant leaves its line now
+        (:meth:`Runtime.end_waiters`: no later commit hands it anything, a receive never
+        leases) and is answered ``error`` at the end of the batch, after this commit was
+        journaled (so the answer is held until it is durable); every subscription of it
+        ends with ``error`` once this commit is durable, nothing pushed after it
+        (:meth:`Watchers.end_grant`); each of :attr:`grant_listeners` is told this
+        commit's LSN. Nothing in replay (no waits or subscriptions exist then)."""
+        if self.replaying:
+            return
+        lsn = self.journal.last_lsn + 1  # the commit being applied (journaled right after its applies)
+        for w in self.runtime.end_waiters(who):
+            self._grant_ended.append((w.sink, w.rid, error))
+        self.watchers.end_grant(who, error, lsn)
+        for fn in list(self.grant_listeners):
+            fn(lsn)
 
     def reply(self, sink: ReplySink, rid: int, reply: Any) -> None:
         """Hand ``reply`` (a Struct, bytes or an exception) to ``sink`` with the LSN it
@@ -671,6 +706,10 @@ class Coordinator:
         file and the sync helper (:meth:`Journal.write_now`), and every sink that got
         answers sends them (a connection, in one write). The clock reads live again."""
         self.clock.unpin()
+        if self._grant_ended:  # (end_grant's: their commit is journaled now)
+            ended, self._grant_ended = self._grant_ended, []
+            for sink, rid, error in ended:
+                self.reply(sink, rid, error)
         self.journal.write_now()
         to_flush = self._to_flush
         if to_flush:

@@ -1,7 +1,7 @@
 """Stored answers of HTTP idempotency keys (runstate's ``Idempotency-Key`` header).
 
 The HTTP layer (:mod:`rallypoint.http`) sends every non-GET request that carries a key
-through two ops on the space's actor: ``idempotency.lookup`` before it runs the request
+through two node-local ops on the space's actor: ``idempotency.lookup`` before it runs the request
 (a stored answer is replayed as is; one stored for another method, path or body is
 IDEMPOTENCY_CONFLICT) and ``idempotency.record`` after it (the answer -- HTTP status and
 encoded body -- is journaled as ``IdempotencyRecorded`` and the reply waits until it is
@@ -25,6 +25,15 @@ wait's check answers with a commit (a long-poll receive leasing once a task come
 a step that committed nothing (a read) or failed stores nothing and runs again; an
 entry holding only steps (``status`` 0) is not a stored answer to a lookup.
 
+**No client's to forge.** Both ops are marked ``LOCAL`` (``actors/opmark.py``): only the
+node's own HTTP layer makes them, in process, under a local copy of the request's session
+(``Session.as_local``: still refused once the request's key is revoked); over TCP, from
+the embedded client or from an open-mode session they are FORBIDDEN, whatever the key
+holds. (A client that could record would answer another key's POST with a forged 200 and
+``idempotent-replayed``, squat its keys, and store 1 MB blobs without limit; one that
+could look up would read other requests' answers.) The answers the node stores are the
+answers it gave, at most one request body's size each (``MAX_BODY``).
+
 Old journals replay: an ``IdempotencyRecorded`` without ``step`` is a final answer,
 as it always was.
 """
@@ -41,7 +50,7 @@ from ..protocol import IdempotencyLookup, IdempotencyRecord, IdempotencyView
 from ..records import IdempotencyExpired, IdempotencyRecorded
 from .common import applies
 from .kind import Kind
-from .opmark import ALWAYS, ANY_KEY, HERE, SPACE, op
+from .opmark import ALWAYS, HERE, LOCAL, SPACE, op
 
 __all__ = ["IdempotencyState", "Idempotency", "DEFAULT_TTL_MS"]
 
@@ -111,7 +120,7 @@ class Idempotency(Kind):
             return None
         return e
 
-    @op(IdempotencyLookup, route=SPACE, permission=ANY_KEY, resend=ALWAYS, shard=HERE)
+    @op(IdempotencyLookup, route=SPACE, permission=LOCAL, resend=ALWAYS, shard=HERE)
     def op_idempotency_lookup(self, actor, session, op: IdempotencyLookup) -> IdempotencyView:
         """The stored answer, or ``found`` False (also while only steps are stored: the
         request runs again, its stored steps answered from the store).
@@ -154,7 +163,7 @@ class Idempotency(Kind):
                                    fingerprint=fingerprint, status=0, body=answer, at_ms=now_ms,
                                    step=_step_name(step, op))
 
-    @op(IdempotencyRecord, route=SPACE, permission=ANY_KEY, resend=ALWAYS, shard=HERE)
+    @op(IdempotencyRecord, route=SPACE, permission=LOCAL, resend=ALWAYS, shard=HERE)
     def op_idempotency_record(self, actor, session, op: IdempotencyRecord) -> IdempotencyView:
         """Store the answer (the first one wins: a later record answers the stored one),
         and forget up to 256 entries past the TTL in the same commit."""

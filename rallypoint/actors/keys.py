@@ -20,6 +20,22 @@ valid one, even after every key was revoked.
 
 Key operations run on the space's actor.
 
+**Rights are decided per request from the current key table, and a change reaches what
+is open.** A session carries its *grant*: the id of the key it presented, or
+:data:`OPEN_MODE` for one admitted because no key existed (:func:`grant_of`; a trusted
+in-process session -- the embedded client, the local operator, a cluster node -- has
+none). :meth:`Keys.refusal` says whether a grant still holds: the service asks it before
+queueing a request and the coordinator again before handling it (a request queued before
+a revocation is refused after it). When a grant ends -- ``KeyRevoked`` applied, or the
+first ``KeyCreated`` ending open mode -- the apply calls :meth:`Coordinator.end_grant
+<rallypoint.actors.coordinator.Coordinator.end_grant>`, which in that same step ends
+every parked wait of the grant (UNAUTHENTICATED, answered once the revocation is
+durable), ends its subscriptions (once the revocation is durable, with nothing pushed
+after it) and tells the listeners (the TCP server closes the grant's connections). It
+is one path for every way a key ends: ``key.revoke`` over the wire, ``keys revoke
+--data-dir``, and a cluster's ``key.adopt`` of etcd's revocation. Keys have no
+permission change: a key's permissions are fixed when it is made.
+
 **A cluster** (``rallypoint serve --cluster``) keeps its keys in etcd
 (:mod:`rallypoint.cluster.keystore`, ``rallypoint keys create|list|revoke --cluster``):
 each shard's leader takes every key record there as it is (``key.adopt``: the store's
@@ -50,9 +66,24 @@ from ..events import emits, ev
 from .kind import Kind
 from .opmark import A, ALL, ALWAYS, NEVER, SPACE, op
 
-__all__ = ["KeyState", "Keys", "hash_secret", "new_secret", "check_key", "SECRET_PREFIX"]
+__all__ = ["KeyState", "Keys", "hash_secret", "new_secret", "check_key", "SECRET_PREFIX", "OPEN_MODE", "grant_of"]
 
 SECRET_PREFIX = "rpk_"
+
+#: The grant of a session admitted by open mode (no key existed when it connected):
+#: it ends when the first key is created. Not a key id (those start with ``key_``).
+OPEN_MODE = "open-mode"
+
+
+def grant_of(session) -> str | None:
+    """What a session's rights rest on: its key's id, :data:`OPEN_MODE` for a session
+    admitted by open mode (``session.open``), None for a trusted in-process session
+    (the embedded client, the local operator, a cluster node: nothing a key change
+    ends). ``session`` may be None (an internal command)."""
+    kid = getattr(session, "key_id", None)
+    if kid is not None:
+        return kid
+    return OPEN_MODE if getattr(session, "open", False) else None
 
 
 _log = logging.getLogger("rallypoint.keys")
@@ -104,6 +135,20 @@ def check_key(space: str, permissions: list[str], name: str | None = None, *,
     return perms
 
 
+def key_revoked(key_id: str) -> UnauthenticatedError:
+    """The answer to a session whose key ``key_id`` was revoked (its connection closes)."""
+    return UnauthenticatedError(
+        f"API key {key_id} was revoked: this connection's rights ended; connect again with a live key",
+        details={"reason": "key_revoked", "key_id": key_id})
+
+
+def open_mode_ended() -> UnauthenticatedError:
+    """The answer to a session admitted by open mode once the first key exists."""
+    return UnauthenticatedError(
+        "open mode ended (an API key was created): every client must now present a key; connect again with "
+        "api_key=... (rallypoint.connect(url, api_key=KEY))", details={"reason": "open_mode_ended"})
+
+
 class KeyState(msgspec.Struct, gc=False, omit_defaults=True):
     id: str
     space: str
@@ -152,6 +197,24 @@ class Keys(Kind):
     def is_revoked(self, key_id: str) -> bool:
         k = self.table.get(key_id)
         return k is None or k.revoked_at_ms is not None
+
+    def refusal(self, session) -> UnauthenticatedError | None:
+        """Why ``session`` may no longer act, from the key table as it is now: an
+        UNAUTHENTICATED error (``details.reason`` ``key_revoked`` or
+        ``open_mode_ended``) -- returned, not raised -- or None while its grant
+        (:func:`grant_of`) holds. A trusted session (no grant) is never refused."""
+        grant = grant_of(session)
+        return None if grant is None else self.grant_refusal(grant)
+
+    def grant_refusal(self, grant: str) -> UnauthenticatedError | None:
+        """:meth:`refusal` of a session whose grant (a key id, :data:`OPEN_MODE`) is
+        ``grant``."""
+        if grant == OPEN_MODE:
+            return open_mode_ended() if self.table else None
+        k = self.table.get(grant)
+        if k is None or k.revoked_at_ms is not None:
+            return key_revoked(grant)
+        return None
 
     def create_key(self, space: str, permissions: list[str], name: str | None = None,
                    *, allow_operator: bool = True) -> tuple[KeyState, str]:
@@ -296,11 +359,14 @@ class Keys(Kind):
 
     @applies(KeyCreated)
     def _apply_created(self, r: KeyCreated) -> None:
+        was_open = not self.table
         k = KeyState(id=r.id, space=r.space, permissions=list(r.permissions), secret_sha256=r.secret_sha256,
                      created_at_ms=r.at_ms, name=r.name)
         self.table[k.id] = k
         self.by_hash[k.secret_sha256] = k.id
         self.coord.touch(k.id)
+        if was_open:  # the first key: open mode ends for every session it admitted
+            self.coord.end_grant(OPEN_MODE, open_mode_ended())
 
     @emits(KeyCreated)
     def _ev_created(self, r: KeyCreated):
@@ -318,6 +384,7 @@ class Keys(Kind):
         k.revoked_at_ms = r.at_ms
         self.by_hash.pop(k.secret_sha256, None)
         self.coord.touch(k.id)
+        self.coord.end_grant(k.id, key_revoked(k.id))  # what the key has open ends in this step
 
     def rebuild_indexes(self) -> None:
         self.by_hash = {k.secret_sha256: k.id for k in self.table.values() if k.revoked_at_ms is None}

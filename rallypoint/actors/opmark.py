@@ -10,8 +10,8 @@ handlers with everything the rest of the system needs to know about that operati
 - **reply**: the reply Struct; by default the handler's return annotation;
 - **route**: which actor the command runs on (:class:`Route`: :data:`SPACE`,
   :func:`by_run`, :func:`run_or_space`, :func:`by`, :func:`by_op`);
-- **permission**: :data:`R`, :data:`W`, :data:`C`, :data:`A` or :data:`ANY_KEY`
-  (SPEC §10);
+- **permission**: :data:`R`, :data:`W`, :data:`C`, :data:`A`, :data:`ANY_KEY` (SPEC
+  §10) or :data:`LOCAL` (no client's: the node's own in-process step);
 - **resend**: whether a client may send it again after its connection dropped with it
   in flight (:class:`Resend`: :data:`ALWAYS`, :data:`NEVER`, :func:`keyed`,
   :func:`resend_if`); read by :func:`rallypoint.client.reconnect.reissue_safe`;
@@ -45,7 +45,7 @@ __all__ = [
     "op", "Route", "SPACE", "by_run", "run_or_space", "by", "by_op", "Resend", "ALWAYS", "NEVER", "keyed",
     "resend_if", "Waits", "asked", "waits_if", "Shard", "HOME", "NEW_ROOT", "ALL", "HERE", "in_slot", "in_slots", "named",
     "shard_of_route", "OpDecl", "OpTable", "BoundOp", "build_table", "PERMISSIONS",
-    "ANY_KEY", "R", "W", "C", "A",
+    "ANY_KEY", "LOCAL", "R", "W", "C", "A",
 ]
 
 #: The permissions a key may hold (SPEC §10): ``resource_config`` (create and configure
@@ -54,10 +54,16 @@ __all__ = [
 #: its own space), ``operator`` (keys of every space; granted offline only).
 PERMISSIONS = ("resource_config", "coordination_write", "coordination_read", "admin", "operator")
 
-#: Not a permission: any live key may make the op (the HTTP layer's idempotency
-#: bookkeeping, which every request with an Idempotency-Key goes through, whatever the
-#: request's own permission; the request itself is checked as usual).
+#: Not a permission: any live key may make the op, whatever it holds (no op is marked
+#: so today: the HTTP layer's idempotency bookkeeping, which was, is :data:`LOCAL`).
 ANY_KEY = "any_key"
+
+#: Not a permission: no client may make the op, whatever its key holds (FORBIDDEN
+#: over TCP, from the embedded client, from an open-mode session): only a step the node
+#: takes itself in process, under a local session (``Session.local``; the HTTP layer's
+#: ``idempotency.*`` bookkeeping: the answers it stores are the node's, never a client's
+#: to forge).
+LOCAL = "local"
 
 R, W, C, A = "coordination_read", "coordination_write", "resource_config", "admin"
 
@@ -420,7 +426,7 @@ def build_table(kind_classes: tuple[type, ...], requests: tuple[type, ...] | Non
 
     Raises RuntimeError (naming the op and the handler) when a request has no handler or
     two, a mark lacks a route, a permission or a re-send rule, its permission is not
-    one of :data:`PERMISSIONS` / :data:`ANY_KEY`, its reply type is unknown, its route
+    one of :data:`PERMISSIONS` / :data:`ANY_KEY` / :data:`LOCAL`, its reply type is unknown, its route
     calls a method its kind does not have, or a rule reads a field the request does not
     have."""
     if requests is None:
@@ -457,9 +463,9 @@ def build_table(kind_classes: tuple[type, ...], requests: tuple[type, ...] | Non
             raise RuntimeError(f"op {tag!r} ({where}) has no route: give its @op a route= "
                                "(SPACE, by_run(field), run_or_space(field), by(field), by_op(method))")
         if m.permission is None:
-            raise RuntimeError(f"op {tag!r} ({where}) has no permission: give its @op a permission= (R, W, C, A "
-                               "or ANY_KEY)")
-        if m.permission not in PERMISSIONS and m.permission != ANY_KEY:
+            raise RuntimeError(f"op {tag!r} ({where}) has no permission: give its @op a permission= (R, W, C, A, "
+                               "ANY_KEY or LOCAL)")
+        if m.permission not in PERMISSIONS and m.permission not in (ANY_KEY, LOCAL):
             raise RuntimeError(f"op {tag!r} ({where}): unknown permission {m.permission!r}")
         if m.resend is None:
             raise RuntimeError(f"op {tag!r} ({where}) has no re-send rule: give its @op a resend= (ALWAYS, NEVER, "

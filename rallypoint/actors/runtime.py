@@ -184,16 +184,19 @@ class Subscribe:
 
 
 class Waiter:
-    """A parked server-side wait: its actor, its key, its sink and request id."""
+    """A parked server-side wait: its actor, its key, its sink and request id; ``who``:
+    the grant of the session that parked it (its API key's id, ``keys.OPEN_MODE``, or
+    None for a trusted session), which :meth:`Runtime.end_waiters` ends it by."""
 
-    __slots__ = ("actor", "park", "sink", "rid", "done")
+    __slots__ = ("actor", "park", "sink", "rid", "done", "who")
 
-    def __init__(self, actor: "Actor", park: Park, sink: ReplySink, rid: int) -> None:
+    def __init__(self, actor: "Actor", park: Park, sink: ReplySink, rid: int, who: str | None = None) -> None:
         self.actor = actor
         self.park = park
         self.sink = sink
         self.rid = rid
         self.done = False
+        self.who = who
 
     def cancel(self) -> None:
         """The client abandoned the wait (Cancel frame, connection closed): no answer."""
@@ -546,9 +549,10 @@ class Actor:
         )
 
     # -------------------------------------------------------------- waiters
-    def park(self, park: Park, sink: ReplySink, rid: int) -> None:
-        """Register a waiter (called by the runtime for a handler's :class:`Park`)."""
-        w = Waiter(self, park, sink, rid)
+    def park(self, park: Park, sink: ReplySink, rid: int, who: str | None = None) -> None:
+        """Register a waiter (called by the runtime for a handler's :class:`Park`);
+        ``who``: the grant of the session that parked it (:attr:`Waiter.who`)."""
+        w = Waiter(self, park, sink, rid, who)
         lst = self.waiters.get(park.key)
         if lst is None:
             self.waiters[park.key] = [w]
@@ -805,6 +809,28 @@ class Runtime:
         a._finish_waiter(w, reply)
         if not a.n_waiters:
             a._wake()  # may passivate
+
+    def end_waiters(self, who: str) -> list[Waiter]:
+        """Every parked waiter of grant ``who`` (:attr:`Waiter.who`) leaves its line now,
+        unanswered: no check of theirs runs again, so none is handed anything that
+        happens from here on (a receive never leases). Returns them (the caller answers
+        each: ``waiter.sink``, ``waiter.rid``). Cost: one pass over the actors that have
+        an activation."""
+        out: list[Waiter] = []
+        for a in list(self.actors.values()):
+            if not a.n_waiters:
+                continue
+            for lst in list(a.waiters.values()):
+                for w in [w for w in lst if w.who == who and not w.done]:
+                    a._unlist(w)
+                    w.done = True
+                    a.n_waiters -= 1
+                    self.n_waiters -= 1
+                    w.sink.untrack(w.rid)
+                    out.append(w)
+            if not a.n_waiters:
+                a._wake()  # may passivate
+        return out
 
     def cancel(self, actor_id: str) -> bool:
         """Cancel the nursery of ``actor_id`` (its task and every actor task below it).

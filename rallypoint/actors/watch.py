@@ -24,6 +24,12 @@ cursor to resume from) and it is dropped. A watcher whose position falls out of 
 log's retention is ended with CURSOR_EXPIRED. Either way the server's cost of a watcher
 that never reads is bounded (a buffer, a few seconds), and no other client waits for it.
 
+**A grant that ends** (its key revoked, open mode over: :meth:`Watchers.end_grant`)
+ends its watchers: each is marked in the apply that ends the grant, is pushed only what
+is durable before that commit (every later event has a later LSN), and is ended with
+UNAUTHENTICATED by the first round after that commit is durable -- never told of a
+revocation a crash could take back, never sent an event numbered after it.
+
 Cost: a commit with watchers attached adds one wake-up flag; the task then encodes each
 event once (cached on the event) and checks each watcher's filter.
 """
@@ -104,12 +110,14 @@ def shard_of(coord) -> int | None:
 
 class Watcher:
     """One subscription. ``cursor``: the last seq pushed or skipped (filtered out);
-    ``told``: the last cursor its sink was sent, at ``told_at`` (Trio time, s)."""
+    ``told``: the last cursor its sink was sent, at ``told_at`` (Trio time, s);
+    ``who``: the grant of the session that opened it (a key id, ``keys.OPEN_MODE``,
+    None); ``ending``: ``(lsn, error)`` once its grant ended in the commit of that LSN."""
 
     __slots__ = ("space", "filter", "cursor", "sink", "rid", "stalled_since", "closed", "pushed", "hub", "told",
-                 "told_at")
+                 "told_at", "who", "ending")
 
-    def __init__(self, space: str, flt: EventFilter, cursor: int, sink, rid: int) -> None:
+    def __init__(self, space: str, flt: EventFilter, cursor: int, sink, rid: int, who: str | None = None) -> None:
         self.space = space
         self.filter = flt
         self.cursor = cursor
@@ -121,6 +129,8 @@ class Watcher:
         self.hub: "Watchers | None" = None
         self.told = cursor  # (the subscription's Ok says where it starts)
         self.told_at = -math.inf
+        self.who = who
+        self.ending: tuple[int, Exception] | None = None
 
     def cancel(self) -> None:
         """The client ended it (Cancel frame, connection closed)."""
@@ -152,6 +162,7 @@ class Watchers:
         # statistics
         self.cut_off = 0
         self.expired = 0
+        self.ended_by_grant = 0
         self.pushed_events = 0
         self.push_frames = 0
 
@@ -178,6 +189,20 @@ class Watchers:
             pass
         if not self.watchers:
             self.coord.events.on_publish = None
+
+    def end_grant(self, who: str, error: Exception, lsn: int) -> int:
+        """Grant ``who`` ended in the commit of LSN ``lsn`` (being applied): each of its
+        watchers is pushed nothing from that commit on and is ended with ``error`` once
+        the journal is durable past ``lsn``. Returns how many."""
+        n = 0
+        for w in self.watchers:
+            if w.who == who and w.ending is None and not w.closed:
+                w.ending = (lsn, error)
+                n += 1
+        if n:
+            self.ended_by_grant += n
+            self.wake()
+        return n
 
     def end_all(self, error: Exception) -> None:
         """Shutting down: every watcher is ended with ``error``."""
@@ -233,6 +258,12 @@ class Watchers:
         shard = shard_of(self.coord)
         for w in list(self.watchers):
             if w.closed:
+                self._drop(w)
+                continue
+            ending = w.ending
+            if ending is not None and durable_lsn >= ending[0]:
+                # its grant's end is durable: what is durable now may be after it
+                w.sink.end_stream(w.rid, ending[1])
                 self._drop(w)
                 continue
             s = streams.get(w.space)
@@ -311,6 +342,7 @@ class Watchers:
 
     def statistics(self) -> dict:
         return {"watchers": len(self.watchers), "cut_off": self.cut_off, "expired": self.expired,
+                "ended_by_grant": self.ended_by_grant,
                 "pushed_events": self.pushed_events, "push_frames": self.push_frames}
 
 

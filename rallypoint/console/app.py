@@ -15,7 +15,8 @@ event table and the chart) and server-sent events for what changes.
   POSTed (never in a URL, never logged); the server keeps ``sha256(token) -> login``
   and the browser an opaque random token in an ``HttpOnly``, ``SameSite=Strict`` cookie
   (``Secure`` and ``__Host-`` prefixed under TLS). A login sees its key's space only;
-  revoking the key ends its console sessions at their next request. In open mode (no key
+  revoking the key ends its console sessions at their next request, and its open
+  ``/stream`` at once (``gone`` with ``signedOut``: the page goes to the sign-in form). In open mode (no key
   ever created) no login is needed: the ``default`` space.
 - **Live**: ``GET /stream`` is an ``text/event-stream`` fed by an in-process
   subscription (``Service.subscribe``, the path ``GET /watch`` of the HTTP API uses) from
@@ -303,7 +304,8 @@ class ConsoleApp:
             raise UnauthenticatedError("sign in with an API key")
         client = request.client
         session = Session(space=login.space, permissions=READ_ONLY if login.key_id is not None else None,
-                          peer=f"{client.host}:{client.port}" if client else "", key_id=login.key_id)
+                          peer=f"{client.host}:{client.port}" if client else "", key_id=login.key_id,
+                          open=login.key_id is None)  # (open mode's: refused once the first key exists)
         query = dict(parse_qsl(request.url.query, keep_blank_values=True))
         return Ctx(self, request, session, login, query, params)
 
@@ -424,7 +426,10 @@ class ConsoleApp:
         ``ready`` once subscribed; ``events`` (a JSON list of events, mode ``events``) or
         ``changed`` (mode ``notify``: something matching happened; at most every 0.5 s);
         ``stats`` each second with ``stats=1``; ``gone`` when the subscription ends
-        (SLOW_CONSUMER, the server stopping): the browser reconnects from now."""
+        (SLOW_CONSUMER, the server stopping): the browser reconnects from now -- or, with
+        ``signedOut`` true, when the login's key was revoked (or open mode ended): the
+        stream ends at once, nothing after the revocation sent, and the page reloads
+        (to the sign-in form)."""
         q = ctx.query
         types = [t.strip() for t in (q.get("types") or "").split(",") if t.strip()] or None
         run = q.get("run") or None
@@ -476,8 +481,11 @@ class ConsoleApp:
                 counter = [0]
                 if want_stats:
                     nursery.start_soon(self._stats_loop, ctx, emit, counter)
-                await self._events_loop(sink, mode, emit, counter)
-                await emit("gone", {"reason": "the subscription ended"})
+                ended = await self._events_loop(sink, mode, emit, counter)
+                if ended is not None and ended.code == "UNAUTHENTICATED":  # its key revoked
+                    await emit("gone", {"reason": ended.message, "signedOut": True})
+                else:
+                    await emit("gone", {"reason": "the subscription ended"})
                 nursery.cancel_scope.cancel()
         except OSError:  # the client went away mid-send
             pass
@@ -490,14 +498,14 @@ class ConsoleApp:
             except OSError:
                 pass
 
-    async def _events_loop(self, sink, mode: str, emit, counter: list) -> None:
-        """Forward the subscription's batches until it ends (its error: return)."""
+    async def _events_loop(self, sink, mode: str, emit, counter: list) -> RallypointError:
+        """Forward the subscription's batches until it ends; returns its error."""
         last_notify = 0.0
         while True:
             try:
                 batch = await sink.next_batch()
-            except RallypointError:
-                return
+            except RallypointError as e:
+                return e
             counter[0] += len(batch)
             if mode == "events":
                 evs = [_event_decode(bytes(b)) for b in batch[-MAX_EVENTS_MESSAGE:]]
@@ -512,14 +520,18 @@ class ConsoleApp:
     async def _stats_loop(self, ctx: Ctx, emit, counter: list) -> None:
         """Each second: tasks done per second (the space's queues), events per second
         (this stream's), and, from the metrics, requests per second and the p50/p99
-        latency of requests that do not wait (server-wide, ms)."""
+        latency of requests that do not wait (server-wide, ms). A read refused (the key
+        revoked: the events loop ends the stream too) stops the samples."""
         prev = self._request_totals()
         prev_t = trio.current_time()
         prev_events = counter[0]
         while True:
             await trio.sleep(1.0)
             now = trio.current_time()
-            queues = await pages.queue_rows(ctx)
+            try:
+                queues = await pages.queue_rows(ctx)
+            except RallypointError:
+                return
             totals = self._request_totals()
             dt = max(1e-3, now - prev_t)
             sample: dict[str, Any] = {

@@ -22,7 +22,9 @@ module only maps HTTP onto operations and back:
   :data:`STATUS`, and ``Retry-After`` (seconds) when the error has a ``retry_after``.
 - **Idempotency-Key** on a non-GET: the stored answer of an earlier request with that key
   is replayed (``idempotency.lookup``); otherwise the request runs and its answer is
-  journaled (``idempotency.record``) before it is sent. Each operation of a keyed
+  journaled (``idempotency.record``) before it is sent. Both are the node's own steps
+  (ops marked ``LOCAL``, run under ``Session.as_local``): no client can make them, so
+  no client can forge, squat or read a stored answer. Each operation of a keyed
   request runs as a *step* (``Session.for_step``): its answer is journaled in the same
   entry as its effect, and a retry is answered from it instead of running it again, so
   a crash before the final answer never applies the request twice. A keyed request
@@ -518,8 +520,8 @@ class HttpApi:
         c = request.scope.get("client")
         peer = f"{c[0]}:{c[1]}" if c else ""
         client = user_agent.decode("latin-1") if user_agent is not None else ""  # Session.holder's client name
-        if coord.keys.open_mode:
-            return Session(space=space, peer=peer, client=client), None
+        if coord.keys.open_mode:  # (refused, its long polls ended, once the first key exists)
+            return Session(space=space, peer=peer, client=client, open=True), None
         if not secret:
             raise UnauthenticatedError("this server requires an API key: send authorization: Bearer <key>")
         key = coord.keys.authenticate(secret)
@@ -545,7 +547,9 @@ class HttpApi:
         ev = self._inflight_keys[slot] = trio.Event()
         service = self.service
         try:
-            reply, ctx.lsn = await self.call_op_applied(ctx.session, IdempotencyLookup(key=key, fingerprint=fp))
+            # the node's own steps (LOCAL ops: no client may make them), under the request's grant
+            node = ctx.session.as_local()
+            reply, ctx.lsn = await self.call_op_applied(node, IdempotencyLookup(key=key, fingerprint=fp))
             if isinstance(reply, BaseException):
                 await service.wait_durable(ctx.lsn)
                 raise reply
@@ -559,8 +563,8 @@ class HttpApi:
                 response = self._respond(result, rid)
                 status, body = self._storable(result, response)
                 if status is not None:  # durable: so is every local step before it (one journal)
-                    await self.service_call(ctx.session, IdempotencyRecord(key=key, fingerprint=fp, status=status,
-                                                                           body=body))
+                    await self.service_call(node, IdempotencyRecord(key=key, fingerprint=fp, status=status,
+                                                                    body=body))
                     return response
             except Exception:  # a bug (INTERNAL) or the record's error: answered once durable, as before
                 with contextlib.suppress(Exception):

@@ -25,7 +25,8 @@ nothing to do):
 * durability advances: :meth:`release` (the journal is durable past an LSN, or never
   will be), :meth:`fail_held` (a durability wait failed);
 * drain and timer instants: :meth:`drain`, :meth:`grace_over` (the drain's grace for
-  parked waits ran out), :meth:`idle_tick` (a ping interval passed);
+  parked waits ran out), :meth:`idle_tick` (a ping interval passed); the session's
+  rights ending (its key revoked): :meth:`end_session` (a drain that says why);
 * the end: :meth:`stop` (answer the parked waits, then close), :meth:`close`,
   :meth:`finish`.
 
@@ -380,6 +381,9 @@ class ConnState:
         self.live: dict[int, Any] = {}
         # subscriptions (events.watch) of this connection: request id -> Watcher
         self.streams: dict[int, Any] = {}
+        #: the error that ended this connection's session (its key revoked, open mode
+        #: over: :meth:`end_session`), its last answer; None otherwise
+        self.ended: RallypointError | None = None
         # answers held until the journal is durable: (lsn, rid, reply), in LSN order
         self.deferred: deque[tuple[int, int, Any]] = deque()
         # metrics: request id -> (receipt time, op), while it is answered
@@ -783,7 +787,7 @@ class ConnState:
                 return 0
             act = 0
             if phase is REFUSING_WAITS:
-                self._queue_error(rid, shutting_down_error())
+                self._queue_error(rid, self._stop_answer())
                 act = self._wake()
             return act | self._done(1)
         if rid in live:
@@ -922,11 +926,34 @@ class ConnState:
             act |= IDLE
         return act
 
+    def end_session(self, error: RallypointError) -> int:
+        """The session's rights ended (its key was revoked, open mode is over: the
+        dispatcher refuses it now): every subscription ends with ``error``, ``Err(0,
+        error)`` says why, and the connection drains (DRAINING: the reader stops after
+        the chunk it holds; requests in flight are answered, each refused with ``error``
+        by the dispatcher; waits that are still parked when it closes get ``error``
+        too, :meth:`stop`); the socket loop closes it once that is written. 0 (nothing)
+        when it is draining or closing already, or not open yet."""
+        if self.phase is not OPEN:
+            return 0
+        self.ended = error
+        act = 0
+        for rid, w in list(self.streams.items()):
+            w.cancel()
+            act |= self.end_stream(rid, error)
+        self._queue_error(0, error)
+        return act | self.drain()
+
+    def _stop_answer(self) -> RallypointError:
+        """What waits ended by a drain or a close are told: the session's end
+        (:meth:`end_session`), else UNAVAILABLE (the server is stopping)."""
+        return self.ended if self.ended is not None else shutting_down_error()
+
     def grace_over(self) -> int:
-        """The drain's grace for parked waits ran out: answer them UNAVAILABLE; a wait
-        parked from now on is answered at once (REFUSING_WAITS)."""
+        """The drain's grace for parked waits ran out: answer them UNAVAILABLE (or the
+        session's end); a wait parked from now on is answered at once (REFUSING_WAITS)."""
         self._to(_GRACE_OVER)
-        return self._end_waits(shutting_down_error())
+        return self._end_waits(self._stop_answer())
 
     def stop(self, answer: RallypointError) -> int:
         """The connection ends (EOF, the drain done or out of time, a fatal error):

@@ -405,6 +405,41 @@ class _Conn:
         if self.nursery is not None:
             self.nursery.cancel_scope.cancel()
 
+    #: After a session's end, what is in flight gets this long (seconds) to be
+    #: answered and written before the connection closes anyway.
+    SESSION_END_S = 5.0
+
+    def end_session(self, error: RallypointError) -> None:
+        """The session's rights ended (the dispatcher refuses it: its key revoked, open
+        mode over): its subscriptions end with ``error``, ``Err(0, error)`` says why, no
+        more requests are taken (:meth:`ConnState.end_session`), and once what is in
+        flight is answered and written the connection closes (:meth:`_end_when_idle`)."""
+        act = self.st.end_session(error)
+        if not act:
+            return
+        self._act(act)
+        if self.nursery is not None:
+            self.nursery.start_soon(self._end_when_idle)
+
+    async def _end_when_idle(self) -> None:
+        """After :meth:`end_session`: wait until nothing is in flight and the output is
+        written (at most :attr:`SESSION_END_S`), then end the connection: waits still
+        parked are answered the session's error, the reader's receive is cancelled, what
+        is left is sent and the socket closed. (Not a drain's ``shutdown(SHUT_RD)``: a
+        TLS stream that reads that EOF is broken and sends nothing more -- the Err 0
+        was lost.)"""
+        st = self.st
+        with trio.move_on_after(self.SESSION_END_S):
+            while st.busy():
+                ev = self.idle_event = trio.Event()
+                if not st.busy():
+                    break
+                await ev.wait()
+        self._act(st.stop(st.ended or shutting_down_error()))
+        self.stop_sending(1.0)
+        if self.nursery is not None:
+            self.nursery.cancel_scope.cancel()
+
     def begin_drain(self) -> None:
         act = self.st.drain()
         if self.nursery is not None:  # past the handshake: wake the reader's receive
@@ -634,7 +669,7 @@ class _Conn:
                                 # a wait parked from now on is answered at once
                                 self._act(st.grace_over())
                 # Waits still parked are ended; a peer that can still hear is told so.
-                self._act(st.stop(shutting_down_error()))
+                self._act(st.stop(st.ended or shutting_down_error()))
                 self.stop_sending(1.0)
                 nursery.cancel_scope.cancel()
             # Replies of requests cancelled by the close (best effort), oversize error.
@@ -752,6 +787,12 @@ class Server:
         # Accepted connections whose task has not registered in _conns yet: a burst of
         # accepts must count them, else max_connections is overshot.
         self._starting = 0
+        # a grant ended (a key revoked, open mode over) in the commit of this LSN: the
+        # connections' rights are judged again once it is durable (_keep_sessions)
+        self._grants_lsn = 0
+        self._grants_event = trio.Event()
+        #: connections closed because their session's rights ended
+        self.sessions_ended = 0
 
     # ------------------------------------------------------------------ public
 
@@ -777,6 +818,9 @@ class Server:
         if listeners is None:
             listeners = await trio.open_tcp_listeners(port, host=host)
         self.listeners = list(listeners)
+        add_sessions = getattr(self.dispatcher, "add_session_listener", None)
+        if add_sessions is not None:
+            add_sessions(self._grant_ended)
         try:
             with trio.CancelScope() as serve_scope:
                 self._serve_scope = serve_scope
@@ -788,12 +832,16 @@ class Server:
                         async with trio.open_nursery() as accept_nursery:
                             for listener in self.listeners:
                                 accept_nursery.start_soon(self._accept_loop, listener, conn_nursery)
+                            if add_sessions is not None:
+                                accept_nursery.start_soon(self._keep_sessions)
                             task_status.started(self.listeners)
                     # Draining: no new connections; connections finish in conn_nursery.
                     for listener in self.listeners:
                         with trio.CancelScope(shield=True):
                             await listener.aclose()
         finally:
+            if add_sessions is not None:
+                self.dispatcher.remove_session_listener(self._grant_ended)  # type: ignore[attr-defined]
             for listener in self.listeners:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(listener)
@@ -822,7 +870,8 @@ class Server:
         requests, errors, internal_errors, bytes_in, bytes_out, inflight (now),
         outgoing_buffered (now), max_outgoing_buffered, max_inflight_per_conn_seen,
         max_parse_buffer, backpressure_pauses, discarded_bytes, peer_resets (connections
-        the peer reset or dropped), log_lines_suppressed, draining."""
+        the peer reset or dropped), log_lines_suppressed, sessions_ended (connections
+        closed because their key was revoked or open mode ended), draining."""
         requests = self._closed_requests
         errors = self._closed_errors
         bytes_in = self._closed_bytes_in
@@ -865,6 +914,7 @@ class Server:
             "discarded_bytes": self._discarded_bytes,
             "peer_resets": self._peer_resets,
             "log_lines_suppressed": self.log_limiter.suppressed,
+            "sessions_ended": self.sessions_ended,
             "draining": self._draining,
         }
 
@@ -903,6 +953,39 @@ class Server:
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         await trio.aclose_forcefully(stream)
+
+    def _grant_ended(self, lsn: int) -> None:
+        """The dispatcher's report: a grant ended (a key revoked, open mode over) in the
+        commit of LSN ``lsn`` (being applied: no I/O here)."""
+        if lsn > self._grants_lsn:
+            self._grants_lsn = lsn
+        self._grants_event.set()
+
+    async def _keep_sessions(self) -> None:
+        """Re-derive the connections' rights each time a grant ended, once its commit is
+        durable: every connection the dispatcher now refuses (``session_error``) is told
+        why and closed (:meth:`_Conn.end_session`) -- an idle one too, not only at its
+        next request."""
+        dispatcher = self.dispatcher
+        while True:
+            await self._grants_event.wait()
+            self._grants_event = trio.Event()
+            try:
+                await dispatcher.wait_durable(self._grants_lsn)
+            except Exception:  # the journal failed: the node stops, and so do its connections
+                return
+            for conn in list(self._conns):
+                session = conn.st.session
+                if session is None:
+                    continue  # (its hello is judged against the key table when it comes)
+                error = dispatcher.session_error(session)  # type: ignore[attr-defined]
+                if error is not None and conn.st.ended is None:
+                    self.sessions_ended += 1
+                    self.log_limiter.log(
+                        logging.INFO, "session-ended", "closing connection from %s: %s", conn.peer, error.message,
+                        extra={"event": "session_ended", "peer": conn.peer,
+                               "reason": (error.details or {}).get("reason")})
+                    conn.end_session(error)
 
     def _listen(self, on: bool) -> None:
         """A connection starts (``on``) or ends: hear the dispatcher's durability

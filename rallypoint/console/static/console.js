@@ -221,7 +221,12 @@
     es.addEventListener("changed", function () { schedule("changed"); });
     es.addEventListener("stats", function (e) { schedule("tick"); onStats(JSON.parse(e.data)); });
     es.addEventListener("events", function (e) { addEvents(JSON.parse(e.data)); });
-    es.addEventListener("gone", function () { setLive(false); });
+    es.addEventListener("gone", function (e) {
+      setLive(false);
+      var d = JSON.parse(e.data || "{}");
+      // the login's key was revoked: no reconnecting, back to the sign-in form
+      if (d.signedOut) { es.close(); body.dataset.signedOut = "yes"; window.location.reload(); }
+    });
     es.onerror = function () { setLive(false); };
   }
 
