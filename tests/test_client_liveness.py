@@ -116,3 +116,44 @@ async def test_one_address_through_a_silently_dead_link_returns_within_a_bound_a
             await d.complete({"ok": True})
             assert (await rs.task(ticket.id).result(timeout=10)).state == "SUCCEEDED"
         n.cancel_scope.cancel()
+
+
+async def test_the_server_hands_no_delivery_to_a_parked_receive_of_a_peer_gone_silent(daemon, monkeypatch):
+    # issue 42, item 2 (server side): with --idle-ping 30 a dead peer was dropped after
+    # about 90 s, and a task submitted meanwhile was leased to its parked receive for a
+    # whole lease, while a live worker's receive got nothing
+    import rallypoint
+    from rallypoint.testing.proxy import Proxy
+    from rallypoint.transport.server import GONE_AFTER_S
+
+    monkeypatch.setattr(rallypoint, "LIVENESS_S", 1.0)  # the dead one pings within 0.5 s, then goes silent
+    host, port = daemon.url.removeprefix("tcp://").rsplit(":", 1)
+    async with trio.open_nursery() as n:
+        proxy = Proxy(host, int(port))
+        pport = await n.start(proxy.run)
+        async with rallypoint.connect(daemon.url) as live, \
+                rallypoint.connect(f"tcp://127.0.0.1:{pport}", reconnect=False) as doomed:
+            run = await live.scopes.create(name="gone-peer")
+            jobs = await live.mailboxes.ensure("gone-peer")
+            d_jobs = await doomed.mailboxes.ensure("gone-peer")
+            got: dict = {}
+
+            async def receive(name, q, wait):
+                try:
+                    got[name] = await q.receive(run, wait=wait, lease_seconds=300, holder=name)
+                except rallypoint.RallypointError as e:
+                    got[name] = e
+
+            n.start_soon(receive, "doomed", d_jobs, 60)  # parked first: first in line
+            await trio.sleep(1.5)  # it pinged while its receive waited (LIVENESS_S / 2 of server silence)
+            proxy.set_mode("hold")  # then nothing more from it (nor its close): its socket stays open
+            silent_from = trio.current_time()
+            n.start_soon(receive, "live", jobs, 60)
+            await trio.sleep_until(silent_from + GONE_AFTER_S + 1)  # the scenario: gone longer than the bound
+            ticket = await jobs.submit({"n": 1}, scope=run)
+            with trio.fail_after(10):
+                while "live" not in got:
+                    await trio.sleep(0.02)
+            assert got["live"] is not None and got["live"].task_id == ticket.id
+            assert (await live.task(ticket.id).status()).holder == "live"
+        n.cancel_scope.cancel()

@@ -105,6 +105,17 @@ class ReplySink:
     def untrack(self, rid: int) -> None:
         return None
 
+    def gone(self) -> bool:
+        """Whether the peer behind this sink is taken as gone (a connection that brought
+        nothing for a while though its client pings): its waiters are dropped before
+        they are re-checked -- a parked receive is never handed a delivery for a dead
+        peer to hold for a whole lease."""
+        return False
+
+    def drop_gone(self) -> None:
+        """:meth:`gone` said so: close what is behind the sink."""
+        return None
+
     def flush(self) -> None:
         """The dispatcher delivered a batch: send what is queued (a connection writes
         its replies together here). Optional; a sink that sends in ``deliver`` needs
@@ -597,6 +608,13 @@ class Actor:
             keep = []
             for w in lst:
                 if w.done:
+                    continue
+                if w.sink.gone():  # a dead peer: it takes nothing (a receive would lease)
+                    w.done = True
+                    self.n_waiters -= 1
+                    rt.n_waiters -= 1
+                    w.sink.untrack(w.rid)
+                    w.sink.drop_gone()
                     continue
                 try:
                     reply = w.park.check()

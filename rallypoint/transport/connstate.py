@@ -393,7 +393,9 @@ class ConnState:
         self._log_limiter = log_limiter
         self._clock = clock
         self.t_rx = clock()
-        # pings (idle_tick)
+        # pings (idle_tick); the peer's own pings (a client that checks its link
+        # sends one while its calls wait: gone())
+        self.pings_in = 0
         self.rx_count = 0
         self._rx_seen = 0
         self.idle_ticks = 0
@@ -550,8 +552,7 @@ class ConnState:
                 self._read(_DATA)  # raises
             self.rx_count += 1
             self.bytes_in += len(data)
-            if self._metrics is not None:
-                self.t_rx = self._clock()
+            self.t_rx = self._clock()  # (also: is the peer still there? gone())
             pending.extend(self.parser.feed(data))
         else:
             inflight = self.inflight
@@ -653,6 +654,7 @@ class ConnState:
         elif t is _Cancel:
             self._cancel_wait(msg.id)
         elif t is _Ping:
+            self.pings_in += 1
             self._queue_msg(_Pong(msg.nonce))
         elif t is _Hello:
             self._queue_error(0, ValidationError("hello sent twice: the connection is already open; field `t`"))
@@ -977,6 +979,14 @@ class ConnState:
         for w in self.streams.values():
             w.cancel()
         self.streams.clear()
+
+    def gone(self, silent_s: float) -> bool:
+        """The peer is taken as gone: it pings while its calls wait (this SDK's clients
+        do: :meth:`rallypoint.transport.connection.Connection.watch_liveness`), yet
+        nothing came from it for ``silent_s`` seconds (a NAT entry dropped, a host gone:
+        TCP would notice only much later). A peer that never pinged is never taken as
+        gone here (the idle pinger finds it)."""
+        return self.pings_in > 0 and self._clock() - self.t_rx > silent_s
 
     def idle_tick(self) -> int:
         """A ping interval passed. Traffic since the last tick, or a reader paused by

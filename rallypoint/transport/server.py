@@ -78,6 +78,11 @@ HANDLING = Reading.HANDLING
 __all__ = ["Dispatcher", "Server"]
 
 log = logging.getLogger("rallypoint.transport")
+#: A client that pings while its calls wait (this SDK's: every 1.25-4.5 s) and sent
+#: nothing for this long is taken as gone: its parked waits take nothing -- a receive
+#: hands no delivery to a dead peer -- and its connection is closed, seconds.
+GONE_AFTER_S = 10.0
+_gone_log = RateLimitedLogger(log, window_s=30.0, burst=3)
 
 _RECEIVE_SIZE = 65536
 
@@ -180,6 +185,7 @@ class _Conn:
         # a plain TCP stream can be written with a non-blocking os.write from flush()
         self._fd: int | None = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
         self.peer = peer
+        self._gone_dropped = False
         dispatcher = server.dispatcher
         self.st = st = ConnState(
             peer=peer,
@@ -249,6 +255,20 @@ class _Conn:
             ev.set()
 
     # --------------------------------------------------------------- ReplySink
+
+    def gone(self) -> bool:
+        """(ReplySink) The client pings while its calls wait, yet sent nothing for
+        :data:`GONE_AFTER_S` seconds: taken as gone (:meth:`ConnState.gone`)."""
+        return self.st.gone(GONE_AFTER_S)
+
+    def drop_gone(self) -> None:
+        """(ReplySink) Close a connection taken as gone, once (logged, rate-limited)."""
+        if not self._gone_dropped:
+            self._gone_dropped = True
+            _gone_log.log(logging.INFO, "peer-gone", "connection from %s sent nothing for %g s though its client "
+                          "pings while it waits: taken as gone, closed (its parked waits take nothing)", self.peer,
+                          GONE_AFTER_S)
+            self.abort()
 
     def deliver(self, rid: int, reply: Any, lsn: int) -> None:
         """An actor's answer to request ``rid``: queued at once when the journal is
