@@ -19,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 import types
 
 import httpx
@@ -496,3 +497,160 @@ async def test_a_login_next_that_may_leave_the_origin_is_replaced_by_runs(nxt):
 def test_a_login_next_of_this_console_is_kept():
     for nxt in ("/runs", "/runs/sc_1?part=tree", "/queues/a%2Fb", "/runs/%E5%90%8D", "/live?types=a,b"):
         assert _safe_next(nxt) == nxt
+
+
+# ========================================================= a real daemon (issue 41, 5, 6)
+
+
+class _Daemon:
+    """``rallypoint serve --http 127.0.0.1:0 --console 127.0.0.1:0 --durability memory``
+    (open mode) with ``extra`` flags; ``lines``: its stderr, as it comes."""
+
+    def __init__(self, *extra: str) -> None:
+        import threading
+
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
+             "--console", "127.0.0.1:0", "--durability", "memory", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+        self._drain = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self._drain.start()
+        for line in self.proc.stdout:
+            if line.startswith("HTTP "):
+                self.http = int(line.split()[1].rsplit(":", 1)[1])
+            elif line.startswith("CONSOLE "):
+                self.console = int(line.split()[1].rsplit(":", 1)[1])
+                return
+        raise RuntimeError("the daemon did not start: " + "".join(self.lines))
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        rc = self.proc.wait(60)
+        self._drain.join(5)
+        return rc
+
+
+def _send(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except (ConnectionResetError, socket.timeout):
+            pass
+    return got
+
+
+def test_a_flood_of_malformed_requests_is_a_few_escaped_lines_a_window_and_no_traceback():
+    # before: GET /v1/spaces/%ff/x was a 500 and a 12-line ERROR traceback each time
+    # (~500 KB/s of log from one client); /static/x%00.js the same; a %0a forged lines
+    import re
+
+    d = _Daemon("--log-level", "DEBUG")
+    try:
+        floods = [
+            (d.http, b"GET /v1/spaces/%ff/x HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n", 400),
+            (d.console, b"GET /static/x%00.js HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n", 404),
+            (d.console, b"GET /runs/%ff%0a2026-01-01%20ERROR%20forged HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                        b"connection: close\r\n\r\n", 400),
+            (d.http, b"GET @127.0.0.1:9/%0a2026-01-01%20ERROR%20forged HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n", 400),
+            (d.http, b"GET /v1/spaces/default/scopes/x HTTP/1.1\r\nhost: evil\x85\x9b2J.example\r\n\r\n", 421),
+            (d.http, b"POST /v1/spaces/default/scopes HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: text/plain\r\n"
+                     b"connection: close\r\ncontent-length: 2\r\n\r\n{}", 415),
+        ]
+        before = sum(len(ln) for ln in d.lines)
+        for port, req, status in floods:
+            for _ in range(60):
+                got = _send(port, req)
+                assert got.startswith(b"HTTP/1.1 %d" % status), got[:200]
+    finally:
+        assert d.stop() == 0, "".join(d.lines)
+    logged = "".join(d.lines)
+    assert "Traceback" not in logged and " ERROR " not in logged.replace("%20ERROR%20", ""), logged[-3000:]
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ ")
+    assert all(stamp.match(ln) for ln in d.lines), [ln for ln in d.lines if not stamp.match(ln)]
+    refusals = [ln for ln in d.lines if "refused" in ln or "similar events suppressed" in ln]
+    assert len(refusals) <= 2 * len(floods), refusals  # a line and a count per kind
+    assert sum(len(ln) for ln in d.lines) - before < 8000, logged[-3000:]
+    assert "evil\\x85\\x9b2J.example" in logged
+
+
+def test_a_page_of_another_site_creates_no_run_and_a_rebound_name_reads_nothing(tmp_path):
+    # issue 41, item 6, in a real browser: a page of evil.example POSTs with no-cors fetch,
+    # a beacon and a text/plain form (no preflight for any of them); then evil.example
+    # "rebinds" to this host (Chromium's --host-resolver-rules) and the page reads the API
+    # and the console under its own name
+    import http.server
+    import threading
+
+    from _browser import CHROMIUM_ARGS, require_browser
+
+    path = require_browser()
+    from playwright.sync_api import sync_playwright
+
+    d = _Daemon()
+    page_html = b""
+    try:
+        api = f"http://127.0.0.1:{d.http}/v1/spaces/default"
+        page_html = f"""<!doctype html><html><body>
+<iframe name="sink"></iframe>
+<form id="f" method="post" enctype="text/plain" action="{api}/scopes" target="sink">
+<input name='{{"name": "csrf-form", "x": "' value='"}}'></form>
+<script>
+fetch("{api}/scopes", {{method: "POST", mode: "no-cors", body: '{{"name": "csrf-fetch"}}'}});
+fetch("{api}/runs/csrf-put", {{method: "PUT", mode: "no-cors", body: "{{}}",
+      headers: {{"content-type": "application/json"}}}});
+navigator.sendBeacon("{api}/scopes", '{{"name": "csrf-beacon"}}');
+document.getElementById("f").submit();
+</script></body></html>""".encode()
+
+        class Evil(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("content-type", "text/html")
+                self.send_header("content-length", str(len(page_html)))
+                self.end_headers()
+                self.wfile.write(page_html)
+
+            def log_message(self, *a):
+                pass
+
+        evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Evil)
+        threading.Thread(target=evil.serve_forever, daemon=True).start()
+        try:
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(
+                    executable_path=path,
+                    args=[*CHROMIUM_ARGS, "--host-resolver-rules=MAP evil.example 127.0.0.1"])
+                try:
+                    page = browser.new_page()
+                    page.goto(f"http://evil.example:{evil.server_address[1]}/")
+                    # the three POSTs and the PUT reached the daemon, and were refused
+                    deadline = time.monotonic() + 30
+                    while not _refused_writes(d):
+                        assert time.monotonic() < deadline, "".join(d.lines)
+                        time.sleep(0.05)
+                    page.wait_for_timeout(500)
+                    # DNS rebinding: the API and the console under the attacker's name
+                    for url in (f"http://evil.example:{d.http}/v1/spaces/default/ops/waits",
+                                f"http://evil.example:{d.console}/runs"):
+                        r = page.goto(url)
+                        assert r.status == 421, (url, r.status)
+                        assert "csrf" not in page.content()
+                finally:
+                    browser.close()
+        finally:
+            evil.shutdown()
+        with httpx.Client(base_url=api) as c:  # the daemon's own view: none of those runs
+            assert c.post("/scopes", json={"name": "legit"}).status_code == 200
+            html = httpx.get(f"http://127.0.0.1:{d.console}/runs").text
+            assert "legit" in html and "csrf" not in html, html
+    finally:
+        assert d.stop() == 0, "".join(d.lines)
+    assert any("http-not-json" in ln for ln in d.lines) or any("refused POST" in ln for ln in d.lines), d.lines
+
+
+def _refused_writes(d) -> list[str]:
+    return [ln for ln in d.lines if "refused POST" in ln or "refused PUT" in ln]
