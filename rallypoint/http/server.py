@@ -30,6 +30,15 @@ with hostile peers (issue 34, item 9):
   (trio's ``serve_listeners`` logged an ERROR with a traceback every 100 ms); every
   other listener of the process goes on by itself, and takes connections again once
   descriptors are free.
+- **Every request passes the guard first** (:class:`~rallypoint.http.guard.HttpGuard`:
+  origin-form targets only, no ``Content-Length`` with ``Transfer-Encoding``, a ``Host``
+  this server was named by, no WebSocket upgrade), whatever the app: the API, a cluster
+  node's forwarder, the console.
+- **One connection's failure is never the listener's**: an exception out of hypercorn's
+  connection server closes that connection and is logged (rate-limited); hypercorn's
+  HTTP/2 protocol no longer raises on DATA for a stream it already answered
+  (:class:`_H2`: such DATA is acknowledged and the stream reset with NO_ERROR), which
+  ended the whole daemon.
 """
 
 from __future__ import annotations
