@@ -11,6 +11,12 @@ module only maps HTTP onto operations and back:
 - **Auth**: ``authorization: Bearer <key>`` is an API key of this server; the path's
   ``{spaceId}`` must be the key's space (another is NOT_FOUND, as on TCP). In open mode
   (no key ever created) any bearer, or none, is accepted and the path's space is used.
+  A request that may change state (any method but GET, HEAD, OPTIONS) needs
+  ``content-type: application/json`` or an ``authorization`` header: else 415 (what a
+  page of another site can send without a CORS preflight: a form, ``text/plain``, a
+  no-cors fetch). A known path with another method is 405 with ``Allow``; a path
+  segment that is not UTF-8 once decoded is 400. (What every listener refuses before
+  this app sees a request: :mod:`rallypoint.http.guard`.)
 - **Bodies**: JSON objects (camelCase); an empty body is ``{}``. Read up to
   :data:`MAX_BODY` (refused as soon as more is declared or arrives) and decoded by
   :func:`decode_body` (nesting and 64-bit integers checked everywhere in the body).

@@ -65,6 +65,8 @@ DRAIN_BYTES = 64 * 1024
 DRAIN_S = 1.0
 
 _encode = msgspec.json.Encoder().encode
+#: Host answers a HostCheck remembers
+_CACHE = 1024
 
 
 def target_problem(raw_path: bytes) -> str | None:
@@ -72,6 +74,9 @@ def target_problem(raw_path: bytes) -> str | None:
     origin-form path starting with exactly one ``/``, or None when it is. Percent-encoded
     slashes and backslashes at the start count as what they decode to; ``%2F`` inside a
     segment (a name holding a slash) is fine."""
+    second = raw_path[1:2]
+    if raw_path[:1] == b"/" and second != b"/" and second != b"%" and b"\\" not in raw_path:
+        return None  # (the common case, in one test)
     if not raw_path.startswith(b"/"):
         if raw_path == b"*":
             return "the asterisk form (OPTIONS *) is not served; send a path starting with /"
@@ -129,6 +134,7 @@ class HostCheck:
     def __init__(self, names: Iterable[str] = (), listen_host: str | None = None) -> None:
         self.names: set[str] = set()
         self.ips: set[Any] = set()
+        self._seen: dict[tuple, bool] = {}
         given = list(names)
         for n in given:
             self._add(n, strict=True)
@@ -153,9 +159,19 @@ class HostCheck:
     def allows(self, value: str | None, server: tuple | None = None) -> bool:
         """Whether the ``Host`` header ``value`` (None or empty: none sent) names this
         server, for a connection that reached the local address ``server``
-        (``(host, port)``, ASGI's ``scope["server"]``)."""
+        (``(host, port)``, ASGI's ``scope["server"]``). Answers are remembered (at most
+        :data:`_CACHE` of them; then forgotten all at once)."""
         if not value:
             return True
+        key = (value, server[0] if server else None)
+        got = self._seen.get(key)
+        if got is None:
+            if len(self._seen) >= _CACHE:
+                self._seen.clear()
+            got = self._seen[key] = self._allows(value, server)
+        return got
+
+    def _allows(self, value: str, server: tuple | None) -> bool:
         host = _host_name(value)
         if host is None:
             return False
