@@ -259,6 +259,14 @@ def test_host_check_matches_the_listen_name_and_the_reached_address_not_a_wildca
         HostCheck(["rp.internal:8080"])
 
 
+def test_host_check_remembers_at_most_1024_answers_under_a_flood_of_distinct_hosts():
+    hc = HostCheck(["rp.internal"])
+    for i in range(3000):
+        assert not hc.allows(f"x{i}.evil.example")
+        assert len(hc._seen) <= 1024
+    assert hc.allows("rp.internal") and hc.allows("localhost:1") and not hc.allows("x1.evil.example")
+
+
 def test_serve_refuses_an_http_host_that_is_not_a_name():
     r = subprocess.run([sys.executable, "-m", "rallypoint", "serve", "--durability", "memory", "--http",
                         "127.0.0.1:0", "--http-host", "http://rp.internal/"], capture_output=True, text=True,
