@@ -236,13 +236,13 @@ def _trio_listeners(socks: list):
 
 
 def _setup_logging(level: str, fmt: str = "text") -> None:
-    from .logutil import JsonFormatter
+    from .logutil import JsonFormatter, TextFormatter
 
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    else:  # (control characters in a message escaped: one event, one line)
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
@@ -369,7 +369,8 @@ async def _serve(args) -> int:
                         serve_http, node.service, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
                         max_requests=args.max_connections, max_connections=args.max_connections,
                         first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, metrics=metrics,
-                        shutdown=http_stop, listeners=_trio_listeners(pre_bound.get("--http"))))
+                        shutdown=http_stop, listeners=_trio_listeners(pre_bound.get("--http")),
+                        hosts=args.http_host or ()))
                 except OSError as e:  # the bind: name the HTTP address, not --listen
                     raise ValidationError(_listen_error(args.http, "--http", e)) from None
                 metrics.http = http_api.listener
@@ -387,7 +388,8 @@ async def _serve(args) -> int:
                     _console, bound = await nursery.start(functools.partial(
                         serve_console, node.service, chost, cport, certfile=args.tls_cert, keyfile=args.tls_key,
                         max_connections=args.max_connections, first_request_s=args.handshake_timeout,
-                        graceful_s=args.drain_timeout, metrics=metrics, shutdown=http_stop))
+                        graceful_s=args.drain_timeout, metrics=metrics, shutdown=http_stop,
+                        hosts=args.http_host or ()))
                 except OSError as e:
                     raise ValidationError(_listen_error(args.console, "--console", e)) from None
                 console_url = bound[0] if bound else f"http://{chost}:{cport}"
@@ -533,7 +535,8 @@ async def _serve_cluster(args) -> int:
             _api, urls = await nursery.start(functools.partial(
                 serve_http, None, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
                 max_requests=args.max_connections, max_connections=args.max_connections,
-                first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, api=http_app))
+                first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, api=http_app,
+                hosts=[*(args.http_host or ()), *([args.advertise] if args.advertise else [])]))
             member.config.http = (hhost, int(urls[0].rsplit(":", 1)[1]))
         await nursery.start(member.run)
         scheme = "tls" if ssl_context is not None else "tcp"
@@ -830,6 +833,13 @@ def cmd_serve(args) -> int:
         for flag, addr in (("--metrics", args.metrics), ("--http", args.http), ("--console", args.console)):
             if addr:
                 _parse_listen(addr, flag)
+        if args.http_host:
+            from .http.guard import HostCheck
+
+            try:
+                HostCheck(args.http_host)
+            except ValueError as e:
+                raise ValidationError(f"--http-host: {e}") from None
         if args.console and args.cluster:
             raise ValidationError("--console is not served with --cluster yet; run it on a single node")
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
@@ -2150,6 +2160,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the web console for operators (read-only pages: runs, queues, groups, join "
                         "sets, live events, resources) on HOST:PORT: same keys (a key sees its space) and TLS "
                         "(off by default; not with --cluster)")
+    s.add_argument("--http-host", metavar="NAME", action="append", default=None,
+                   help="a name (or address) clients reach --http and --console by, besides localhost and the "
+                        "listen address; repeat for more. A request whose Host header names anything else is "
+                        "refused (421), so a web page cannot reach the daemon through a DNS name it controls "
+                        "(DNS rebinding)")
     s.add_argument("--http-idempotency-hours", type=_bounded(float, 0, inclusive=False), default=24.0,
                    help="how long answers to HTTP requests with an Idempotency-Key are kept (default %(default)s)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (clients use tls:// URLs)")

@@ -25,13 +25,52 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from typing import Any, Callable
 
-__all__ = ["RateLimitedLogger", "JsonFormatter"]
+__all__ = ["RateLimitedLogger", "JsonFormatter", "TextFormatter", "printable", "escape_controls"]
 
 #: LogRecord attributes that are not ``extra=`` fields.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+
+
+#: Characters a logged value may not carry as they are: C0 and C1 controls and DEL (a
+#: newline would start a forged line, ESC a terminal sequence) and the bidirectional
+#: formatting characters (which reorder what a reader sees, "Trojan Source").
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character (C0, DEL, C1) and bidirectional formatting
+    character written as an escape (``\\x0a``, ``\\u202e``); the rest unchanged. One
+    logged event is then one line, whatever a client sent."""
+    return _CONTROLS.sub(_escape, text) if _CONTROLS.search(text) is not None else text
+
+
+def printable(value: object, limit: int = 200) -> str:
+    """A value a client sent (str, or bytes read as Latin-1), fit for a log line:
+    :func:`escape_controls`, and cut to ``limit`` characters (``...(+N)`` says how many
+    more there were)."""
+    text = value.decode("latin-1") if isinstance(value, (bytes, bytearray)) else str(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}...(+{len(text) - limit})"
+    return escape_controls(text)
+
+
+class TextFormatter(logging.Formatter):
+    """``--log-format text``: ``logging.Formatter`` whose message part is
+    :func:`escape_controls` 'd, so no value inside a message can break the line or
+    forge another one (a traceback, added after the message, keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
 
 
 class JsonFormatter(logging.Formatter):

@@ -52,6 +52,9 @@ pytestmark = pytest.mark.timeout(300)
 #: What the listener's rate-limited log writes per kind of event and window (its default).
 BURST = 5
 HELLO = encode_frame(msgspec.msgpack.encode(wire.Hello(wire.PROTOCOL_VERSION)))
+#: what the runstate SDK sends in open mode (any bearer): a POST without a JSON body is
+#: then not a cross-site form (rallypoint.http.app.json_content_type)
+OPEN_KEY = {"authorization": "Bearer open-mode"}
 
 
 # ============================================================== a real daemon with --http
@@ -178,7 +181,7 @@ def test_a_connection_that_sends_no_request_is_dropped_after_the_handshake_timeo
     """``--handshake-timeout`` is also the time an HTTP connection has for its first
     request (hypercorn gave it the 75 s keep-alive timeout)."""
     with http_daemon("--handshake-timeout", "0.5") as d:
-        for sent in (b"", b"GET /v1/spaces/default/scopes/sc_x HTTP/1.1\r\nhost: x\r\n"):  # nothing; half a head
+        for sent in (b"", b"GET /v1/spaces/default/scopes/sc_x HTTP/1.1\r\nhost: localhost\r\n"):  # nothing; half a head
             s = socket.create_connection(("127.0.0.1", d.http_port))
             s.sendall(sent)
             s.settimeout(15)
@@ -315,7 +318,7 @@ async def connection(rs, writes: list | None = None):
 
 
 async def request(client, path: str = "/v1/spaces/default/scopes/sc_nope") -> int:
-    await client.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+    await client.send_all(f"GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n".encode())
     buf = b""
     while b"\r\n\r\n" not in buf or not buf.endswith(b"}"):
         chunk = await client.receive_some()
@@ -360,7 +363,7 @@ async def test_an_answer_is_one_write(autojump_clock, ers, path):
         for status in (404, 404) if path.endswith("nope") else (200, 200):
             del writes[:]
             if status == 200:
-                await client.send_all(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{{}}".encode())
+                await client.send_all(f"POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{{}}".encode())
                 buf = b""
                 while not buf.endswith(b"}"):
                     buf += await client.receive_some()
@@ -467,7 +470,7 @@ def _validation(r: httpx.Response, *words: str) -> dict:
 
 
 async def test_deep_json_is_validation_failed_even_in_an_ignored_field(http, caplog):
-    async with httpx.AsyncClient(base_url=http.base) as c:
+    async with httpx.AsyncClient(base_url=http.base, headers=OPEN_KEY) as c:
         for depth in (1_000, 5_000, 100_000, MAX_JSON_DEPTH):  # the body's depth is one more
             body = b'{"name": "x", "ignored": ' + _nested(depth) + b"}"
             r = await c.post("/scopes", content=body, headers={"content-type": "application/json"})
@@ -486,7 +489,7 @@ async def test_deep_json_is_validation_failed_even_in_an_ignored_field(http, cap
 
 async def test_integers_beyond_64_bits_are_validation_failed_naming_the_field(http, caplog):
     big = 10**26
-    async with httpx.AsyncClient(base_url=http.base) as c:
+    async with httpx.AsyncClient(base_url=http.base, headers=OPEN_KEY) as c:
         err = _validation(await c.put("/budgets/by-name/b", json={"limitMinor": big}), "limitMinor", "64-bit")
         assert err["details"]["field"] == "limitMinor"
         _validation(await c.put("/budgets/by-name/b", json={"limitMinor": str(big)}), "limitMinor")
@@ -548,11 +551,11 @@ async def test_a_body_over_the_limit_is_refused_before_it_is_all_sent(http):
         await s.aclose()
         return got
 
-    head = (b"POST /v1/spaces/default/scopes HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    head = (b"POST /v1/spaces/default/scopes HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % (100 * MAX_BODY))
     got = await refused(head, b" " * 65536)
     assert got.startswith(b"HTTP/1.1 400"), got[:200]
-    chunked = b"POST /v1/spaces/default/scopes HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+    chunked = b"POST /v1/spaces/default/scopes HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
     got = await refused(chunked, b"10000\r\n" + b" " * 65536 + b"\r\n")
     assert got.startswith(b"HTTP/1.1 400"), got[:200]
 
@@ -565,7 +568,7 @@ async def test_clients_gone_mid_body_are_one_rate_limited_debug_line(http, caplo
     n = 30
     for _ in range(n):
         s = await trio.open_tcp_stream("127.0.0.1", http.port)
-        await s.send_all(b"POST /v1/spaces/default/scopes HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"
+        await s.send_all(b"POST /v1/spaces/default/scopes HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
                          b'{"name": "cut')
         await s.aclose()
     with trio.fail_after(20):
@@ -591,7 +594,7 @@ async def test_every_http_request_is_counted_and_can_be_slow(http, caplog):
         return reg.get_sample_value(name, labels) or 0.0
 
     before = sample("rallypoint_requests_total", op="scope.create", code="OK")
-    async with httpx.AsyncClient(base_url=http.base) as c:
+    async with httpx.AsyncClient(base_url=http.base, headers=OPEN_KEY) as c:
         for i in range(4):
             assert (await c.post("/scopes", json={"name": f"m{i}"})).status_code == 200
         assert (await c.get("/scopes/sc_nope")).status_code == 404
@@ -605,7 +608,7 @@ async def test_every_http_request_is_counted_and_can_be_slow(http, caplog):
 async def test_http_listener_statistics_reach_the_metrics(http):
     http.metrics.http = http.api.listener
     reg = http.metrics.registry()
-    async with httpx.AsyncClient(base_url=http.base) as c:
+    async with httpx.AsyncClient(base_url=http.base, headers=OPEN_KEY) as c:
         assert (await c.get("/scopes/sc_nope")).status_code == 404
         assert reg.get_sample_value("rallypoint_http_connections") == 1
     assert reg.get_sample_value("rallypoint_http_accept_errors_total") == 0

@@ -636,9 +636,10 @@ def test_envelope_statuses_spaces_and_auth(daemon):
     # names with '/' and spaces route on the raw path
     r = httpx.put(f"{base}/runs/a%2Fb%20c", json={}, headers=_h(daemon))
     assert r.status_code == 200 and r.json()["name"] == "a/b c"
-    # a method the path does not take
+    # a method the path does not take: 405 naming the ones it takes (issue 41, item 10)
     r = httpx.delete(f"{base}/scopes/{run}", headers=_h(daemon))
-    assert r.status_code == 400
+    assert r.status_code == 405 and r.json()["error"]["code"] == "VALIDATION_FAILED"
+    assert r.headers["allow"] == "GET"
 
 
 def _parked_http(d: HttpDaemon) -> int:

@@ -16,6 +16,16 @@ working through a failover:
   on the next leader; one that failed *after* (the leader died mid-request) may or may
   not have been applied, so it is answered 503 UNAVAILABLE saying so -- the runstate
   SDK re-sends it, and with an ``Idempotency-Key`` that is safe.
+
+**What is forwarded** (:func:`peer_url`, :func:`forward_headers`; the same for
+:meth:`rallypoint.cluster.httproute.HttpRouter.forward`): the URL is built from the
+peer's address as etcd advertises it and the request's origin-form path and query
+alone, as ``httpx.URL`` components (never by joining strings), so no request-target
+(``@host:port/x``, ``http://host/x``, ``//host/x``) can name another host -- the
+listener's guard refused those already (:mod:`rallypoint.http.guard`), and this refuses
+them again. Hop-by-hop headers (RFC 9110 §7.6.1, and those the ``Connection`` header
+names), ``Host``, ``Content-Length`` and every internal ``x-rallypoint-*`` header a
+client sent are dropped; redirects are never followed (the answer is returned as it is).
 """
 
 from __future__ import annotations
@@ -26,19 +36,67 @@ from typing import Any, Callable
 import httpx
 import trio
 
-from ..errors import RallypointError, UnavailableError
+from ..errors import RallypointError, UnavailableError, ValidationError
 from ..http.app import lifespan
 from ..logutil import RateLimitedLogger
 from ..replication.link import unwrapped
 
 log = logging.getLogger("rallypoint.cluster")
 
-__all__ = ["ClusterHttpApp"]
+__all__ = ["ClusterHttpApp", "peer_url", "forward_headers", "response_headers", "INTERNAL_PREFIX"]
 
-#: hop-by-hop headers (RFC 9110 §7.6.1), never forwarded
-_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-                  b"transfer-encoding", b"upgrade", b"host", b"content-length"})
-_RESP_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "upgrade", "date", "server"})
+#: request headers never forwarded: hop-by-hop (RFC 9110 §7.6.1) and what the next hop
+#: is given anew (host, length, framing), besides :data:`INTERNAL_PREFIX` ones
+_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
+                  b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
+                  b"http2-settings", b"x-forwarded-by"})
+#: response headers never passed back
+_RESP_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "trailer",
+                       "date", "server"})
+#: headers only the nodes of a cluster set (``x-rallypoint-routed``): a client's are dropped
+INTERNAL_PREFIX = b"x-rallypoint-"
+
+
+def forward_headers(headers) -> list[tuple[bytes, bytes]]:
+    """The request ``headers`` (ASGI's ``[(name, value)]``, bytes or str, names lower
+    case) a forwarder sends on: without hop-by-hop headers (:data:`_HOP` and every name
+    the ``Connection`` header lists) and without internal ``x-rallypoint-*`` ones."""
+    items = [(k.encode("latin-1") if isinstance(k, str) else k, v.encode("latin-1") if isinstance(v, str) else v)
+             for k, v in headers]
+    named = {t.strip().lower() for k, v in items if k.lower() == b"connection" for t in v.split(b",")}
+    return [(k, v) for k, v in items
+            if (n := k.lower()) not in _HOP and n not in named and not n.startswith(INTERNAL_PREFIX)]
+
+
+def response_headers(headers, drop=_RESP_HOP) -> list[tuple[str, str]]:
+    """An answer's headers (httpx's ``multi_items()``) without ``drop`` and the names its
+    ``Connection`` header lists."""
+    items = list(headers)
+    named = {t.strip().lower() for k, v in items if k.lower() == "connection" for t in v.split(",")}
+    return [(k, v) for k, v in items if (n := k.lower()) not in drop and n not in named]
+
+
+def peer_url(address: str, scope) -> httpx.URL:
+    """``http://<address><path>?<query>`` for the ASGI request ``scope``: ``address`` is
+    a peer's ``host:port`` (``[v6]:port``) as etcd advertises it; the path is the
+    request's raw path, which must be origin-form. Raises ValueError for an address that
+    is not ``host:port`` or a request-target that is not a path starting with one ``/``
+    (:func:`rallypoint.http.guard.target_problem`)."""
+    from ..http.guard import target_problem
+
+    raw = scope.get("raw_path") or scope["path"].encode("latin-1")
+    problem = target_problem(raw)
+    if problem is not None:
+        raise ValueError(problem)
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()):
+        raise ValueError(f"not a host:port address: {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if any(c in host for c in "@/\\?#[] "):
+        raise ValueError(f"not a host:port address: {address!r}")
+    qs = scope.get("query_string") or b""
+    return httpx.URL(scheme="http", host=host, port=int(port), raw_path=raw + (b"?" + qs if qs else b""))
 
 
 class ClusterHttpApp:
@@ -65,6 +123,9 @@ class ClusterHttpApp:
         self.metrics: Any = None
         self.listener: Any = None
         self.log_limiter = RateLimitedLogger(log, window_s=10.0, burst=5)
+        #: the node's checkers of routed requests' tokens, by cluster secret (one for
+        #: every term: a token seen in one is not taken again in the next)
+        self._verifiers: dict = {}
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(connect=2.0, read=120.0, write=10.0, pool=10.0),
                                          follow_redirects=False)
 
@@ -89,7 +150,7 @@ class ClusterHttpApp:
                 # a sharded cluster: any node serves every shard's requests (routing inside)
                 from .httproute import HttpRouter
 
-                self._local.router = HttpRouter(m, sharding)
+                self._local.router = HttpRouter(m, sharding, verifiers=self._verifiers)
             return self._local
         self._drop_router()
         return None
@@ -184,11 +245,12 @@ class ClusterHttpApp:
                 await self._answer(send, self.member.not_leader_error(), 503)
                 return
             tried.add(address)
-            path = scope.get("raw_path") or scope["path"].encode()
-            url = f"http://{address}{path.decode('latin-1')}"
-            if scope.get("query_string"):
-                url += "?" + scope["query_string"].decode("latin-1")
-            headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
+            try:
+                url = peer_url(address, scope)
+            except ValueError as e:  # (the listener's guard refused such targets already)
+                await self._answer(send, ValidationError(f"not forwarded: {e}"), 400)
+                return
+            headers = forward_headers(scope["headers"])
             headers.append((b"x-forwarded-by", self.member.config.node.encode()))
             request = self._client.build_request(scope["method"], url, headers=headers, content=body)
             started = False
@@ -200,7 +262,7 @@ class ClusterHttpApp:
                     resp = await self._client.send(request, stream=True)
                     try:
                         out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
-                                       for k, v in resp.headers.multi_items() if k.lower() not in _RESP_HOP]
+                                       for k, v in response_headers(resp.headers.multi_items())]
                         await send({"type": "http.response.start", "status": resp.status_code,
                                     "headers": out_headers})
                         started = True

@@ -29,7 +29,19 @@ authenticates the key and checks its permissions and revocation itself, exactly 
 a native client; the cluster's node secret (which only makes the calls between shards)
 is never used on a caller's behalf. A forwarded HTTP request carries the caller's
 ``authorization`` header likewise, plus ``x-rallypoint-routed`` (a routed request is
-never forwarded again: its operations go native).
+never forwarded again: its operations go native, and a new root run stays where it was
+sent).
+
+**The routed mark is a node's signature**: ``x-rallypoint-routed`` holds a node token
+(:func:`rallypoint.cluster.peerauth.make_token`, purpose ``"http"``) over the cluster,
+the forwarding node, ``METHOD <raw path?query>`` as sent and the body, made with the
+cluster's node secret. The receiving leader honours it only when its
+:class:`~rallypoint.cluster.peerauth.TokenVerifier` (one per node, so a token is taken
+once, within 60 s of its making) accepts it (:meth:`HttpRouter.routed_by_peer`); a
+client's header -- forged, replayed, or signed for another request -- changes nothing
+(the request is served as the client's, one rate-limited WARNING) and is never passed
+on: a forwarder drops every ``x-rallypoint-*`` header it received
+(:func:`rallypoint.cluster.forward.forward_headers`).
 """
 
 from __future__ import annotations
@@ -60,10 +72,9 @@ MAX_KEYS = 256
 #: ops the native router answers over every shard whatever their declaration says
 _FANOUT_OPS = (p.MailboxEnsure, p.MailboxGet, p.MailboxList)
 
-_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "transfer-encoding", "upgrade", "host", "content-length"})
-_RESP_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "upgrade", "date", "server",
-                        "content-length", "content-encoding"})
+#: an answer's headers not passed back (the answer is rebuilt here: length, encoding)
+_RESP_DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "trailer",
+                        "date", "server", "content-length", "content-encoding"})
 
 
 def _decl(op: Any):
@@ -208,11 +219,15 @@ class HttpRouter:
     docstring). ``member``: the :class:`~rallypoint.cluster.member.ShardMember`;
     ``sharding``: the coordinator's :class:`~rallypoint.actors.sharding.Sharding`.
     Counters: ``forwarded`` (HTTP requests sent to another shard), ``native`` (ops sent
-    over the native protocol), ``connections`` (native connections opened)."""
+    over the native protocol), ``connections`` (native connections opened).
+    ``verifiers``: a dict the node keeps its :class:`~rallypoint.cluster.peerauth.TokenVerifier`
+    in, by cluster secret (None: this router's own)."""
 
-    def __init__(self, member, sharding) -> None:
+    def __init__(self, member, sharding, *, verifiers: dict | None = None) -> None:
         self.member = member
         self.sharding = sharding
+        #: the node's TokenVerifier by cluster secret (ClusterHttpApp keeps it across terms)
+        self._verifiers = verifiers if verifiers is not None else {}
         self._turn = itertools.count()
         self._pools: OrderedDict[tuple[str | None, str], Any] = OrderedDict()
         self._locks: dict[tuple[str | None, str], trio.Lock] = {}
@@ -273,22 +288,72 @@ class HttpRouter:
         st = await self.transport(secret, space)
         return bytes(await st.call(op))
 
+    def _secret(self) -> str | None:
+        node = self.member.node
+        service = getattr(node, "service", None)
+        return getattr(service, "node_secret", None)
+
+    def _verifier(self):
+        """The node's TokenVerifier for the cluster's secret (None: not known yet)."""
+        from .peerauth import TokenVerifier
+
+        secret = self._secret()
+        if secret is None:
+            return None
+        v = self._verifiers.get(secret)
+        if v is None:
+            v = self._verifiers[secret] = TokenVerifier(secret, self.member.config.cluster)
+        return v
+
+    def routed_token(self, method: str, target: bytes, body: bytes) -> str:
+        """The ``x-rallypoint-routed`` value of a request this node forwards: a node
+        token over ``METHOD target`` (``target``: raw path and query as sent) and
+        ``body``. UNAVAILABLE while the node secret is not read yet."""
+        from .peerauth import make_token
+
+        secret = self._secret()
+        if secret is None:
+            raise UnavailableError("this node has not read the cluster's node secret yet; retry shortly",
+                                   retry_after=0.5)
+        c = self.member.config
+        return make_token(secret, purpose="http", cluster=c.cluster, node=c.node,
+                          target=f"{method} {target.decode('latin-1')}", body=body)
+
+    def routed_by_peer(self, token: str, method: str, scope, body: bytes) -> bool:
+        """Whether ``token`` (a request's ``x-rallypoint-routed`` value) is a node
+        token of this cluster for this very request (``method``, the ASGI ``scope``'s raw
+        path and query, ``body``), not seen before (:class:`TokenVerifier`)."""
+        verifier = self._verifier()
+        if verifier is None:
+            return False
+        raw = scope.get("raw_path") or scope["path"].encode("latin-1")
+        qs = scope.get("query_string") or b""
+        target = raw + (b"?" + qs if qs else b"")
+        return verifier.verify(token, purpose="http", target=f"{method} {target.decode('latin-1')}",
+                               body=body) is not None
+
     async def forward(self, request, body: bytes, shard: int) -> tuple[int, list[tuple[str, str]], bytes]:
-        """The HTTP ``request`` (its ``body`` already read) sent as it is to ``shard``'s
-        leader's HTTP listener: ``(status, headers, body)`` of its answer. UNAVAILABLE
-        when no leader of that shard serves HTTP or it could not be reached (not sent),
-        UNAVAILABLE with ``details.maybe_applied`` when it went away mid-request."""
+        """The HTTP ``request`` (its ``body`` already read) sent to ``shard``'s leader's
+        HTTP listener: its method, origin-form path and query, body and end-to-end
+        headers (:func:`rallypoint.cluster.forward.forward_headers`), marked routed with
+        this node's signature (:meth:`routed_token`); ``(status, headers, body)`` of its
+        answer. UNAVAILABLE when no leader of that shard serves HTTP or it could not be
+        reached (not sent), UNAVAILABLE with ``details.maybe_applied`` when it went away
+        mid-request; VALIDATION_FAILED for a request-target that is not a path."""
+        from ..errors import ValidationError
+        from .forward import forward_headers, peer_url
+
         address = self.leader_http(shard)
         if address is None:
             raise UnavailableError(f"shard {shard} has no leader serving HTTP right now; retry shortly",
                                    retry_after=0.5, details={"shard": shard})
         scope = request.scope
-        path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-        url = f"http://{address}{path}"
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
-        headers.append((ROUTED_HEADER, str(self.member.config.shard)))
+        try:
+            url = peer_url(address, scope)
+        except ValueError as e:  # (the listener's guard refused such targets already)
+            raise ValidationError(f"not forwarded: {e}") from None
+        headers = forward_headers(scope["headers"])
+        headers.append((ROUTED_HEADER.encode(), self.routed_token(request.method, url.raw_path, body).encode()))
         self.forwarded += 1
         try:
             resp = await self._http.request(request.method, url, headers=headers, content=body)
@@ -300,8 +365,9 @@ class HttpRouter:
                 f"shard {shard}'s leader at {address} went away while handling this request ({type(e).__name__}); "
                 "it may or may not have been applied: retry it (with an Idempotency-Key that is safe)",
                 retry_after=0.5, details={"shard": shard, "maybe_applied": True}) from None
-        out = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _RESP_DROP]
-        return resp.status_code, out, resp.content
+        from .forward import response_headers
+
+        return resp.status_code, response_headers(resp.headers.multi_items(), _RESP_DROP), resp.content
 
     async def aclose(self) -> None:
         """Close every pooled connection and the HTTP client (the term ended)."""

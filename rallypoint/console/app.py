@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import msgspec
 import trio
@@ -51,7 +52,7 @@ from starlette.responses import Response
 from .. import protocol as p
 from ..actors.api import OPS, REPLY_TYPES
 from ..errors import ForbiddenError, RallypointError, UnauthenticatedError, ValidationError
-from ..logutil import RateLimitedLogger
+from ..logutil import RateLimitedLogger, printable
 from ..service import Session
 from . import pages
 
@@ -241,10 +242,13 @@ class ConsoleApp:
     async def handle(self, request: Request) -> Response:
         """Answer one request that is not a stream."""
         path = request.scope["path"]
+        # routed on the raw path, each segment decoded once (a queue "a/b" is /queues/a%2Fb)
+        raw = request.scope.get("raw_path")
+        raw_path = raw.decode("latin-1") if raw else quote(path)
         method = request.method
         try:
-            if path.startswith("/static/"):
-                return self._static_file(path[len("/static/"):], request.headers.get("if-none-match"))
+            if raw_path.startswith("/static/"):
+                return self._static_file(raw_path[len("/static/"):], request.headers.get("if-none-match"))
             if path == "/login":
                 return await self._login_post(request) if method == "POST" else self._login_form(request)
             if path == "/logout" and method == "POST":
@@ -255,7 +259,7 @@ class ConsoleApp:
                 return _redirect("/runs")
             if path == "/favicon.ico":
                 return Response(b"", status_code=204)
-            handler, params = self._match(path)
+            handler, params = self._match(raw_path)
             if handler is None:
                 raise RallypointError(f"no console page {path}", code="NOT_FOUND")
             ctx = self._ctx(request, params)
@@ -275,13 +279,20 @@ class ConsoleApp:
             status = {"NOT_FOUND": 404, "VALIDATION_FAILED": 400, "FORBIDDEN": 403, "UNAVAILABLE": 503,
                       "INTERNAL": 500}.get(e.code, 409)
             return _html(pages.error_page(e, self._maybe_login(request)), status)
-        except Exception as e:  # a bug: INTERNAL, keep serving
-            log.exception("console: internal error on %s %s", method, path)
+        except Exception as e:  # a bug: INTERNAL, keep serving (a traceback a window, then a count)
+            self.log_limiter.log(logging.ERROR, "console-internal", "console: internal error on %s %s",
+                                 printable(method, 20), printable(request.scope.get("raw_path") or path, 200),
+                                 exc_info=e)
             return _html(pages.error_page(RallypointError(f"internal error: {type(e).__name__}", code="INTERNAL"),
                                           None), 500)
 
     def _match(self, path: str):
-        segs = tuple(unquote(s, errors="strict") for s in path.strip("/").split("/"))
+        """The page handler and its parameters for ``path`` (raw: each segment is
+        percent-decoded here, once); VALIDATION_FAILED for a segment that is not UTF-8."""
+        try:
+            segs = tuple(unquote(s, errors="strict") for s in path.strip("/").split("/"))
+        except UnicodeDecodeError:
+            raise ValidationError("the path is not UTF-8 once percent-decoded") from None
         for pattern, handler in self.routes:
             if len(pattern) != len(segs):
                 continue
@@ -408,7 +419,7 @@ class ConsoleApp:
         if got is None:
             types = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
             ext = name.rsplit(".", 1)[-1]
-            if "/" in name or ext not in types:
+            if _STATIC_NAME.fullmatch(name) is None or ext not in types:  # (a NUL, a "..", a slash: no file)
                 return self._plain(404, "no such file")
             try:
                 data = resources.files(__package__).joinpath("static", name).read_bytes()
@@ -613,14 +624,29 @@ def _digest(token: str) -> str:
 
 
 def _safe_next(nxt: str | None) -> str:
-    """A local path to return to after signing in (never another site)."""
-    if not nxt or not nxt.startswith("/") or nxt.startswith("//") or "\\" in nxt or nxt.startswith("/login"):
+    """A path of this console to return to after signing in, or ``/runs``: only
+    printable ASCII without a backslash (a browser drops tabs and newlines from a
+    ``Location``, so ``/\\t/evil.example`` would be ``//evil.example``, another site),
+    starting with one ``/``, with neither scheme nor host once parsed, not the login."""
+    if not nxt or _SAFE_NEXT.fullmatch(nxt) is None or nxt.startswith(("//", "/login")):
+        return "/runs"
+    parts = urlsplit(nxt)
+    if parts.scheme or parts.netloc:
         return "/runs"
     return nxt
 
 
+#: a ``next`` path: printable ASCII but the backslash, from a single "/"
+_SAFE_NEXT = re.compile(r"/[\x21-\x5b\x5d-\x7e]*")
+#: a static file's name: no dot first, no slash, NUL or other control
+_STATIC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
 def _local_next(request: Request) -> str:
-    path = request.scope["path"]
+    """The request's own path and query, as sent (percent-encoded: what
+    :func:`_safe_next` takes back)."""
+    raw = request.scope.get("raw_path")
+    path = raw.decode("latin-1") if raw else quote(request.scope["path"])
     return path + ("?" + request.url.query if request.url.query else "")
 
 
@@ -634,13 +660,16 @@ def _redirect(location: str) -> Response:
 
 async def serve_console(service, host: str, port: int, *, shutdown: trio.Event | None = None, certfile=None,
                         keyfile=None, max_connections: int = 1024, first_request_s: float = 10.0,
-                        graceful_s: float = 5.0, metrics: Any = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        graceful_s: float = 5.0, metrics: Any = None, hosts=(),
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the console on ``host:port`` (0: a free port) until ``shutdown`` is set: the
     HTTP listener of the API (:func:`rallypoint.http.serve_http`: its accept loop,
     connection limit, timeouts, TLS with ``certfile``/``keyfile``) over a
     :class:`ConsoleApp`. ``task_status.started`` gets ``(app, urls)``. ``metrics``: the
     daemon's :class:`rallypoint.metrics.Metrics` (the console's reads are counted there,
-    and the Live page's chart reads it). Raises OSError if the address cannot be bound."""
+    and the Live page's chart reads it); ``hosts``: the names it is reached by besides
+    ``localhost`` and its address (``--http-host``: :mod:`rallypoint.http.guard`). Raises
+    OSError if the address cannot be bound."""
     import functools
 
     from ..http.server import serve_http
@@ -650,7 +679,8 @@ async def serve_console(service, host: str, port: int, *, shutdown: trio.Event |
     async with trio.open_nursery() as nursery:
         _api, urls = await nursery.start(functools.partial(
             serve_http, None, host, port, certfile=certfile, keyfile=keyfile, max_connections=max_connections,
-            first_request_s=first_request_s, graceful_s=graceful_s, metrics=metrics, shutdown=stop, api=app))
+            first_request_s=first_request_s, graceful_s=graceful_s, metrics=metrics, shutdown=stop, api=app,
+            hosts=hosts))
 
         async def end_streams():
             await stop.wait()

@@ -11,6 +11,12 @@ module only maps HTTP onto operations and back:
 - **Auth**: ``authorization: Bearer <key>`` is an API key of this server; the path's
   ``{spaceId}`` must be the key's space (another is NOT_FOUND, as on TCP). In open mode
   (no key ever created) any bearer, or none, is accepted and the path's space is used.
+  A request that may change state (any method but GET, HEAD, OPTIONS) needs
+  ``content-type: application/json`` or an ``authorization`` header: else 415 (what a
+  page of another site can send without a CORS preflight: a form, ``text/plain``, a
+  no-cors fetch). A known path with another method is 405 with ``Allow``; a path
+  segment that is not UTF-8 once decoded is 400. (What every listener refuses before
+  this app sees a request: :mod:`rallypoint.http.guard`.)
 - **Bodies**: JSON objects (camelCase); an empty body is ``{}``. Read up to
   :data:`MAX_BODY` (refused as soon as more is declared or arrives) and decoded by
   :func:`decode_body` (nesting and 64-bit integers checked everywhere in the body).
@@ -63,7 +69,7 @@ from ..errors import (
     ValidationError,
 )
 from ..actors.api import REPLY_TYPES
-from ..logutil import RateLimitedLogger
+from ..logutil import RateLimitedLogger, printable
 from ..protocol import IdempotencyLookup, IdempotencyRecord
 from ..service import Session
 
@@ -185,6 +191,44 @@ def reject_body(message: str, code: str = "UNAVAILABLE") -> bytes:
 
 class HttpError(Exception):
     """An answer made by the HTTP layer itself (bad route, body)."""
+
+
+class HttpRefusal(RallypointError):
+    """VALIDATION_FAILED answered with its own HTTP ``status`` (405, 415...) and extra
+    ``headers`` (``{"allow": "GET, POST"}``) instead of 400."""
+
+    code = "VALIDATION_FAILED"
+
+    def __init__(self, message: str, status: int, headers: dict[str, str] | None = None, **kw) -> None:
+        super().__init__(message, **kw)
+        self.http_status = status
+        self.http_headers = headers or {}
+
+
+#: Methods that change nothing (RFC 9110 §9.2.1): the only ones a browser may send
+#: cross-site without the JSON content type or key the others need.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def json_content_type(value: bytes | None) -> bool:
+    """Whether a ``content-type`` header value (raw, or None) is JSON: media type
+    ``application/json`` or ``application/*+json``, parameters (``; charset=utf-8``)
+    allowed. A browser can send no such type to another origin without asking it first
+    (a CORS preflight, which this server never grants)."""
+    if value is None:
+        return False
+    media = value.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
+def _unquote(segment: str, what: str) -> str:
+    """One path segment percent-decoded (UTF-8); VALIDATION_FAILED naming ``what`` when
+    the bytes it encodes are not UTF-8 (``%ff``)."""
+    try:
+        return unquote(segment, errors="strict")
+    except UnicodeDecodeError:
+        raise ValidationError(f"the path's {what} is not UTF-8 once percent-decoded; encode names as UTF-8",
+                              details={"field": what}) from None
 
 
 class Ctx:
@@ -347,6 +391,9 @@ class HttpApi:
         self.listener: Any = None
         #: repeated log events of the HTTP listener (disconnects, accept failures)
         self.log_limiter = RateLimitedLogger(log, window_s=10.0, burst=5)
+        #: malformed requests (a path that is not UTF-8, a cross-site form, a forged
+        #: routed header): one line per kind and 10 s, then a count
+        self.refusals = RateLimitedLogger(log, window_s=10.0, burst=1)
         #: a sharded cluster's :class:`~rallypoint.cluster.httproute.HttpRouter` (None:
         #: every op is this node's)
         self.router: Any = None
@@ -355,6 +402,7 @@ class HttpApi:
     def flush_logs(self) -> None:
         """Report what the rate-limited log suppressed (call on stop)."""
         self.log_limiter.flush()
+        self.refusals.flush()
 
     async def call_op(self, session: Session, op: msgspec.Struct) -> bytes:
         """``Service.call(session, op)``, observed by :attr:`metrics` (operation,
@@ -420,14 +468,13 @@ class HttpApi:
             return self._error(ValidationError(str(e)), rid)
         except ClientDisconnect:  # gone mid-body: routine (as a TCP reset), nobody to answer
             self.disconnects += 1
-            client = request.client
             self.log_limiter.log(logging.DEBUG, "http-disconnect",
                                  "HTTP client %s disconnected before its request body was read (%s %s)",
-                                 f"{client.host}:{client.port}" if client else "?", request.method,
-                                 request.url.path)
+                                 _peer(request), printable(request.method, 20), _logged_path(request))
             return self._error(RallypointError("the client disconnected", code="UNAVAILABLE"), rid)
-        except Exception as e:  # a bug: INTERNAL, keep serving
-            log.exception("internal error on %s %s", request.method, request.url.path)
+        except Exception as e:  # a bug: INTERNAL, keep serving (a traceback a window, then a count)
+            self.log_limiter.log(logging.ERROR, "http-internal", "internal error on %s %s",
+                                 printable(request.method, 20), _logged_path(request), exc_info=e)
             return self._error(RallypointError(f"internal error: {type(e).__name__}", code="INTERNAL"), rid)
         finally:
             self.in_progress -= 1
@@ -441,11 +488,16 @@ class HttpApi:
         if i < 0:
             raise_not_found(f"no endpoint {method} {raw} (paths start with /v1/spaces/{{spaceId}})")
         parts = raw[i + len("/v1/spaces/"):].split("/")
-        space = unquote(parts[0], errors="strict") if "%" in parts[0] else parts[0]
-        rest = tuple(parts[1:])
-        handler, params = self._match(method, rest)
+        try:
+            space = _unquote(parts[0], "spaceId") if "%" in parts[0] else parts[0]
+            rest = tuple(parts[1:])
+            handler, params = self._match(method, rest)
+        except ValidationError as e:  # (a segment that is not UTF-8: _unquote)
+            self.refusals.log(logging.INFO, "http-bad-path", "HTTP: refused %s %s from %s: %s",
+                              printable(method, 20), _logged_path(request), _peer(request), e.message)
+            raise
         # the headers this layer reads, in one pass (the first of each, as starlette's Headers.get)
-        auth = agent = key = length = None
+        auth = agent = key = length = ctype = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 if auth is None:
@@ -459,7 +511,19 @@ class HttpApi:
             elif name == b"content-length":
                 if length is None:
                     length = value
+            elif name == b"content-type":
+                if ctype is None:
+                    ctype = value
         session, secret = self._session(request, space, auth, agent)
+        if method not in SAFE_METHODS and auth is None and not json_content_type(ctype):
+            # a form or text/plain POST (or a no-cors fetch) from a page of another site:
+            # a browser sends it without asking; JSON or a key it cannot send so
+            self.refusals.log(logging.INFO, "http-not-json", "HTTP: refused %s %s from %s: content-type %s "
+                              "and no key", printable(method, 20), _logged_path(request), _peer(request),
+                              printable(ctype or b"(none)", 80))
+            raise HttpRefusal(f"a {method} needs content-type: application/json or an authorization header "
+                              f"(got {printable(ctype, 80) if ctype is not None else 'no content-type'}); "
+                              "a browser page of another site can send neither", 415)
         qs = scope.get("query_string", b"")
         query = {k: v for k, v in parse_qsl(qs.decode("latin-1"), keep_blank_values=True)} if qs else {}
         body: dict = {}
@@ -473,7 +537,15 @@ class HttpApi:
         if self.router is not None:
             from ..cluster.httproute import ROUTED_HEADER, Elsewhere
 
-            ctx.routed = request.headers.get(ROUTED_HEADER) is not None
+            token = request.headers.get(ROUTED_HEADER)
+            if token is not None:
+                # honoured only when another node of the cluster signed this very request
+                ctx.routed = self.router.routed_by_peer(token, method, scope, data)
+                if not ctx.routed:
+                    self.refusals.log(logging.WARNING, "http-routed-forged",
+                                      "HTTP: ignored a %s header that no node of the cluster signed (%s %s from "
+                                      "%s); the request is served as a client's", ROUTED_HEADER,
+                                      printable(method, 20), _logged_path(request), _peer(request))
             try:
                 return await self._dispatch(ctx, handler, ikey, method, raw, data, rid)
             except Elsewhere as e:  # the request's first op is another shard's: run it there
@@ -497,7 +569,7 @@ class HttpApi:
                 if pat.startswith("{"):
                     if not got:
                         break
-                    params[pat[1:-1]] = unquote(got, errors="strict") if "%" in got else got
+                    params[pat[1:-1]] = _unquote(got, pat[1:-1]) if "%" in got else got
                 elif pat != got:
                     break
             else:
@@ -505,8 +577,9 @@ class HttpApi:
         other = [m for m, rs in self.routes.items() if m != method and any(
             len(s) == len(rest) and all(p.startswith("{") or p == g for p, g in zip(s, rest)) for s, _ in rs)]
         if other:
-            raise RallypointError(f"{method} is not allowed here (use {', '.join(sorted(other))})",
-                                  code="VALIDATION_FAILED", details={"allowed": sorted(other)})
+            allowed = sorted(other)
+            raise HttpRefusal(f"{method} is not allowed here (use {', '.join(allowed)})", 405,
+                              {"allow": ", ".join(allowed)}, details={"allowed": allowed})
         raise_not_found(f"no endpoint {method} /{'/'.join(rest)}")
 
     def _session(self, request: Request, space: str, authorization: bytes | None = None,
@@ -603,11 +676,11 @@ class HttpApi:
 
     def _error(self, e: RallypointError, rid: str) -> Answer:
         code = e.code
-        status = STATUS.get(code, 409)
+        status = getattr(e, "http_status", None) or STATUS.get(code, 409)
         err: dict[str, Any] = {"code": code, "message": e.message or str(e), "requestId": rid}
         if e.details:
             err["details"] = _jsonable(e.details)
-        headers = {"x-request-id": rid}
+        headers = {"x-request-id": rid, **getattr(e, "http_headers", {})}
         if e.retry_after is not None:
             headers["retry-after"] = f"{max(0.0, float(e.retry_after)):.3g}"
         return Answer(_json_encode({"error": err}), status, headers)
@@ -677,6 +750,17 @@ async def _read_body(request: Request, declared: str | None) -> bytes:
         elif kind == "http.disconnect":
             raise ClientDisconnect()
     return b"".join(chunks) if chunks is not None else bytes(first)
+
+
+def _peer(request: Request) -> str:
+    c = request.scope.get("client")
+    return f"{c[0]}:{c[1]}" if c else "?"
+
+
+def _logged_path(request: Request) -> str:
+    """The request's raw path as a log line may hold it (escaped, cut)."""
+    scope = request.scope
+    return printable(scope.get("raw_path") or scope.get("path", ""), 200)
 
 
 def raise_not_found(message: str):

@@ -30,6 +30,15 @@ with hostile peers (issue 34, item 9):
   (trio's ``serve_listeners`` logged an ERROR with a traceback every 100 ms); every
   other listener of the process goes on by itself, and takes connections again once
   descriptors are free.
+- **Every request passes the guard first** (:class:`~rallypoint.http.guard.HttpGuard`:
+  origin-form targets only, no ``Content-Length`` with ``Transfer-Encoding``, a ``Host``
+  this server was named by, no WebSocket upgrade), whatever the app: the API, a cluster
+  node's forwarder, the console.
+- **One connection's failure is never the listener's**: an exception out of hypercorn's
+  connection server closes that connection and is logged (rate-limited); hypercorn's
+  HTTP/2 protocol no longer raises on DATA for a stream it already answered
+  (:class:`_H2`: such DATA is acknowledged and the stream reset with NO_ERROR), which
+  ended the whole daemon.
 """
 
 from __future__ import annotations
@@ -40,13 +49,18 @@ import ssl
 from typing import Any
 
 import trio
+import h2.events
 from hypercorn.config import Config
 from hypercorn.events import RawData, Updated
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
+from ..logutil import printable
 from .app import HttpApi, reject_body
+from .guard import HostCheck, HttpGuard
 
 log = logging.getLogger("rallypoint.http")
 
@@ -54,6 +68,38 @@ __all__ = ["serve_http", "HttpListener"]
 
 #: Seconds an accept waits after it failed (EMFILE & co) before it tries again.
 ACCEPT_RETRY_S = 0.1
+
+
+class _H2(H2Protocol):
+    """hypercorn's HTTP/2 protocol, and DATA for a stream it already closed (the client
+    still sends a body after an early answer, say a 401: RFC 9113 §8.1 allows it) is
+    acknowledged (flow control) and the stream reset with NO_ERROR; hypercorn's own
+    ``_handle_events`` raised KeyError there, which ended the connection's task group
+    and, through the listener's nursery, the whole daemon."""
+
+    async def _handle_events(self, events) -> None:
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                self.connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                try:
+                    self.connection.reset_stream(event.stream_id, 0)
+                except Exception:  # (already closed on h2's side: nothing to reset)
+                    pass
+                await self._flush()
+                continue
+            await super()._handle_events([event])
+
+
+class _Protocols(ProtocolWrapper):
+    """hypercorn's protocol switch, whose HTTP/2 protocol is :class:`_H2` (ALPN ``h2``,
+    or prior knowledge / ``h2c`` upgrade, from the next bytes on)."""
+
+    async def handle(self, event) -> None:
+        if type(self.protocol) is H2Protocol:
+            self.protocol.__class__ = _H2
+        await super().handle(event)
+        if type(self.protocol) is H2Protocol:
+            self.protocol.__class__ = _H2
 
 
 class _Connection(TCPServer):
@@ -71,6 +117,19 @@ class _Connection(TCPServer):
         self.requested = False  # a request arrived: later idle periods are keep-alive
         self.peer_gone = False  # the reading ended: nothing more will come
         self.held = b""  # a fixed-length HTTP/1.1 response head, sent with the next bytes
+
+    @property
+    def protocol(self):
+        return self._protocol
+
+    @protocol.setter
+    def protocol(self, value) -> None:
+        # (TCPServer.run builds hypercorn's ProtocolWrapper: made a _Protocols here)
+        if type(value) is ProtocolWrapper:
+            value.__class__ = _Protocols
+            if type(value.protocol) is H2Protocol:
+                value.protocol.__class__ = _H2
+        self._protocol = value
 
     async def protocol_send(self, event) -> None:
         if type(event) is RawData:
@@ -131,13 +190,23 @@ class HttpListener:
         first_request_s: seconds a new connection has to complete its TLS handshake
             and send the head of its first request (> 0).
         graceful_s: on stop, seconds the connections get to finish their requests.
+        hosts: the ``Host`` names and addresses answered
+            (:class:`~rallypoint.http.guard.HostCheck`; default: loopback names and
+            the address a connection reached).
+
+    A connection whose handling raises (a bug of ours or hypercorn's) is closed and
+    logged (rate-limited: a traceback for the first of a window); the listener and every
+    other connection go on.
     """
 
     def __init__(self, api: HttpApi, config, *, ssl_context: ssl.SSLContext | None = None,
-                 max_connections: int = 1024, first_request_s: float = 10.0, graceful_s: float = 5.0) -> None:
+                 max_connections: int = 1024, first_request_s: float = 10.0, graceful_s: float = 5.0,
+                 hosts: HostCheck | None = None) -> None:
         self.api = api
         self.config = config
-        self.app = wrap_app(api, config.wsgi_max_body_size, "asgi")
+        #: what every request passes before ``api`` sees it (rallypoint.http.guard)
+        self.guard = HttpGuard(api, hosts=hosts)
+        self.app = wrap_app(self.guard, config.wsgi_max_body_size, "asgi")
         self.context = WorkerContext(None)
         self.ssl_context = ssl_context
         self.max_connections = max_connections
@@ -151,13 +220,17 @@ class HttpListener:
         self.connections_total = 0
         self.rejected = 0
         self.accept_errors = 0
+        self.connection_errors = 0
 
     def statistics(self) -> dict[str, int]:
         """``connections`` (open now), ``connections_total`` (accepted and served),
         ``rejected_connections`` (over ``max_connections``), ``accept_errors`` (failed
-        accepts, e.g. EMFILE)."""
+        accepts, e.g. EMFILE), ``refused_requests`` (refused by the guard: a bad
+        request-target, framing, Host, a WebSocket upgrade), ``connection_errors``
+        (connections ended by an unexpected error)."""
         return {"connections": self.connections, "connections_total": self.connections_total,
-                "rejected_connections": self.rejected, "accept_errors": self.accept_errors}
+                "rejected_connections": self.rejected, "accept_errors": self.accept_errors,
+                "refused_requests": sum(self.guard.refused.values()), "connection_errors": self.connection_errors}
 
     async def serve(self, listeners: list[trio.SocketListener], stop: trio.Event) -> None:
         """Accept on ``listeners`` until ``stop`` is set (or cancelled); then stop
@@ -182,6 +255,7 @@ class HttpListener:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(listener)
             self.api.flush_logs()
+            self.guard.flush_logs()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         while True:
@@ -228,7 +302,18 @@ class HttpListener:
                 s = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
             conn = _Connection(self.app, self.config, self.context, {}, s,
                                first_request_s=max(0.0, deadline - trio.current_time()))
-            await conn.run()
+            try:
+                await conn.run()
+            except Exception as exc:  # one connection's failure is never the listener's
+                self.connection_errors += 1
+                peer = "?"
+                try:
+                    peer = "%s:%s" % stream.socket.getpeername()[:2]
+                except OSError:
+                    pass
+                self.log_limiter.log(logging.WARNING, "http-connection-error",
+                                     "HTTP listener: the connection from %s ended by an error: %s", peer,
+                                     printable(repr(exc), 300), exc_info=exc)
         finally:
             self.connections -= 1
             with trio.CancelScope(shield=True):
@@ -283,6 +368,7 @@ async def serve_http(
     shutdown: trio.Event | None = None,
     api: Any = None,
     listeners: list | None = None,
+    hosts: Any = (),
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the HTTP API on ``host:port`` (0: any free port) until ``shutdown`` is set
@@ -299,10 +385,15 @@ async def serve_http(
     ``api``: another ASGI application with ``HttpApi``'s ``log_limiter``/``listener``/
     ``metrics`` attributes instead (a cluster node's, :mod:`rallypoint.cluster.forward`;
     ``service`` is then unused); ``listeners``: ``trio.SocketListener``s already bound
-    (``rallypoint serve`` binds before it recovers; None: bind ``host:port`` here).
+    (``rallypoint serve`` binds before it recovers; None: bind ``host:port`` here);
+    ``hosts``: names (or addresses) the server is reached by besides ``localhost``,
+    ``host`` and the address a connection reached (``--http-host``; the ``Host`` check of
+    :mod:`rallypoint.http.guard`).
 
-    Raises OSError (EADDRINUSE...) if the address cannot be bound, before ``started``.
+    Raises OSError (EADDRINUSE...) if the address cannot be bound, before ``started``;
+    ValueError for a name of ``hosts`` that is not a host name or address.
     """
+    host_check = HostCheck(hosts, listen_host=host)
     if api is None:
         api = HttpApi(service, max_requests=max_requests)
     api.metrics = metrics
@@ -322,7 +413,7 @@ async def serve_http(
     scheme = "https" if ssl_context is not None else "http"
     urls = [_url(scheme, ln.socket.getsockname()) for ln in listeners]
     server = HttpListener(api, cfg, ssl_context=ssl_context, max_connections=max_connections,
-                          first_request_s=first_request_s, graceful_s=graceful_s)
+                          first_request_s=first_request_s, graceful_s=graceful_s, hosts=host_check)
     api.listener = server
     for u in urls:
         log.debug("HTTP listener on %s", u)
