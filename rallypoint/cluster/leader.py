@@ -69,7 +69,7 @@ from rallypoint.cluster.etcd import (
     Range,
     Watch,
 )
-from rallypoint.errors import ConflictError, InternalError, LeaseLostError, ValidationError
+from rallypoint.errors import ConflictError, InternalError, LeaseLostError, NotFoundError, ValidationError
 
 __all__ = [
     "DEFAULT_REPLICATION_FACTOR",
@@ -331,6 +331,60 @@ class ShardElection:
                          ", ".join(value.members))
                 return ReplicasRecord(replicas=value, mod_revision=r.revision)
         raise ConflictError(f"shard {self.shard}: the replicas key kept changing during 8 tries; try again")
+
+    async def remove_member(self, node: str) -> ReplicasRecord:
+        """Take ``node`` out of the shard's members (a dead node, or one whose name was
+        mistyped), so that the next new name to start joins in its place. One
+        transaction that holds only if the replicas key, the leader key and the node's
+        presence key are as read.
+
+        Refused (ConflictError, CONFLICT) while the node runs (its presence key is
+        live), while it leads, and while it is in the in-sync set with a live leader
+        (the leader drops a stopped standby within its ``--isr-timeout``: try again
+        then); without a leader, it leaves the in-sync set with it unless it is the only
+        node there (the others may lack acknowledged writes: refused). NotFoundError
+        (NOT_FOUND) if it is not a member or the shard does not exist."""
+        from .presence import presence_key
+
+        pkey = presence_key(self.cluster, self.shard, node)
+        r = await self.client.txn([], [Range(self.leader_key), Range(self.replicas_key), Range(pkey)])
+        lkvs, rkvs, pkvs = (x.kvs for x in r.responses)
+        if not rkvs:
+            raise NotFoundError(f"shard {self.shard} of cluster {self.cluster!r} does not exist (no node started it)")
+        current = _replicas_record(self.shard, rkvs[0])
+        rep = current.replicas
+        if node not in rep.members:
+            raise NotFoundError(f"{node!r} is not a member of shard {self.shard}: its members are "
+                                f"{', '.join(rep.members)}")
+        leader = _leader_record(self.shard, lkvs[0]) if lkvs else None
+        if leader is not None and leader.info.node == node:
+            raise ConflictError(f"node {node!r} leads shard {self.shard}; stop it (SIGTERM hands over) first")
+        if pkvs:
+            raise ConflictError(f"node {node!r} of shard {self.shard} is running (its presence key is live); stop it "
+                                "first")
+        isr = [n for n in rep.isr if n != node]
+        if node in rep.isr:
+            if leader is not None:
+                raise ConflictError(f"node {node!r} is still in the in-sync set of shard {self.shard}; its leader "
+                                    f"{leader.info.node} drops it within its --isr-timeout once it has stopped: try "
+                                    "again then")
+            if not isr:
+                raise ConflictError(f"node {node!r} is the only in-sync node of shard {self.shard}: without it no "
+                                    "node holds every acknowledged write, so none could lead; start it again instead")
+        value = Replicas(members=[n for n in rep.members if n != node], isr=isr,
+                         replication_factor=rep.replication_factor)
+        leader_cmp = (Compare.create_revision(self.leader_key, "==", leader.epoch) if leader is not None
+                      else Compare.create_revision(self.leader_key, "==", 0))
+        t = await self.client.txn(
+            [Compare.mod_revision(self.replicas_key, "==", current.mod_revision), leader_cmp,
+             Compare.create_revision(pkey, "==", 0)],
+            [Put(self.replicas_key, msgspec.json.encode(value))],
+        )
+        if not t.succeeded:
+            raise ConflictError(f"shard {self.shard} changed while its members were read; run it again")
+        log.warning("node %s removed from the members of shard %s of cluster %r (now %s)", node, self.shard,
+                    self.cluster, ", ".join(value.members))
+        return ReplicasRecord(replicas=value, mod_revision=t.revision)
 
     async def update_replicas_fenced(
         self,

@@ -130,6 +130,8 @@ class EtcdIsr:
             rec = await self.leadership.update_isr(isr)
         except LeadershipLostError:
             return False
+        except ValidationError as e:  # a standby removed from the members while linked: end its session
+            raise LinkClosed(f"the in-sync set {isr} was not written: {e.message}") from None
         except EtcdError as e:
             log.warning("in-sync set update failed (%s); treating this node as deposed", e.message)
             return False
@@ -408,6 +410,43 @@ class ShardMember:
             finally:
                 await presence.release()
 
+    def _recovered(self):
+        c = self.config
+        return recovered(c.data_dir, c.durability, clock=c.node_options.get("clock"),
+                         interval_ms=c.node_options.get("interval_ms", 10),
+                         **{k: v for k, v in c.node_options.items() if k not in ("interval_ms", "clock")})
+
+    def _check_not_stale(self, epoch: int) -> None:
+        """StaleDataError if ``epoch`` (the data dir's newest) predates the last
+        ``cluster init --force`` of this cluster's name (0: a node that never was in a
+        shard, or a single node's data: never stale)."""
+        c = self.config
+        if epoch and epoch < self._reinit_revision:
+            raise StaleDataError(
+                f"node {c.node}: its data dir {c.data_dir} holds the records of an earlier cluster named "
+                f"{c.cluster!r} (its newest epoch, {epoch}, is older than the `cluster init --force` that deleted "
+                f"that cluster at etcd revision {self._reinit_revision}): start the node on an empty data dir, "
+                "or move this one away", details={"node": c.node, "epoch": epoch,
+                                                  "reinit_revision": self._reinit_revision})
+
+    async def _check_data_before_joining(self, election: ShardElection) -> None:
+        """After a ``cluster init --force``, a node not yet a member that brings a data
+        dir with records is checked before it joins (it would otherwise create the shard
+        with itself as its only in-sync node, then be refused, and leave the shard
+        without a node that may lead): its data dir is opened once to read its newest
+        epoch. Fresh data dirs and members are not opened here."""
+        import os
+
+        c = self.config
+        if not self._reinit_revision or not os.path.isdir(c.data_dir) or not os.listdir(c.data_dir):
+            return
+        current = await election.read_replicas()
+        if current is not None and c.node in current.replicas.members:
+            return
+        async with self._recovered() as rec:
+            epoch = rec.coordinator.epochs.current
+        self._check_not_stale(epoch)
+
     async def _join(self, etcd, election: ShardElection) -> None:
         c = self.config
         backoff = 0.1
@@ -415,6 +454,7 @@ class ShardMember:
             try:
                 cfg = await read_config(etcd, c.cluster)
                 self._reinit_revision = await reinit_revision(etcd, c.cluster)
+                await self._check_data_before_joining(election)
                 self.replica_set = await election.join(
                     c.node, replication_factor=c.replicas,
                     create_with=cfg.replication_factor if cfg is not None else DEFAULT_REPLICATION_FACTOR)
@@ -433,7 +473,7 @@ class ShardMember:
         c = self.config
         started = False
         try:
-            async with trio.open_nursery() as admission:
+            async with unwrapped(), trio.open_nursery() as admission:
                 if not self._admit_started:
                     await admission.start(self.admit)
                 await self._admitted.wait()
@@ -520,17 +560,9 @@ class ShardMember:
         """Recover, stand by until this node wins the campaign, then lead until the
         leadership ends or the node stops."""
         c = self.config
-        async with recovered(c.data_dir, c.durability, clock=c.node_options.get("clock"),
-                             interval_ms=c.node_options.get("interval_ms", 10),
-                             **{k: v for k, v in c.node_options.items() if k not in ("interval_ms", "clock")}) as rec:
+        async with self._recovered() as rec:
             mine = rec.coordinator.epochs.current
-            if mine and mine < self._reinit_revision:
-                raise StaleDataError(
-                    f"node {c.node}: its data dir {c.data_dir} holds the records of an earlier cluster named "
-                    f"{c.cluster!r} (its newest epoch, {mine}, is older than the `cluster init --force` that deleted "
-                    f"that cluster at etcd revision {self._reinit_revision}): start the node on an empty data dir, "
-                    "or move this one away", details={"node": c.node, "epoch": mine,
-                                                      "reinit_revision": self._reinit_revision})
+            self._check_not_stale(mine)
             self.last_epoch_seen = max(self.last_epoch_seen, mine)
             won = trio.Event()
             done = trio.Event()

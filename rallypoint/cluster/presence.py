@@ -214,6 +214,8 @@ class NodePresence:
         with trio.CancelScope(shield=True), trio.move_on_after(self.ttl_s):
             try:
                 await self.client.lease_revoke(lease, timeout_s=min(self.client.timeout_s, self.ttl_s))
+            except EtcdLeaseNotFoundError:
+                pass  # lapsed already (a claim that waited, or etcd cut off): the key is gone with it
             except EtcdError as e:
                 log.info("node %s: could not revoke its presence lease (%s); it lapses by its TTL", self.node,
                          e.message)

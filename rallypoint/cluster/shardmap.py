@@ -114,14 +114,15 @@ class ClusterInventory(msgspec.Struct, frozen=True):
         return [s for s in self.shards if s.is_running]
 
     def describe(self) -> str:
-        """One line: what there is (the cluster, then each shard)."""
+        """One line: what there is, the cluster then each shard (``cluster 'c' (64
+        slots over 2 shard(s) of 2 node(s)); shard 0: members a, b (2 of 2), ...``)."""
         if self.config is not None:
-            head = (f"cluster {self.cluster!r} exists in this etcd: {self.config.slots} slots over "
-                    f"{self.config.shards} shard(s) of {self.config.replication_factor} node(s)")
+            head = (f"cluster {self.cluster!r} ({self.config.slots} slots over {self.config.shards} shard(s) of "
+                    f"{self.config.replication_factor} node(s))")
         elif self.has_slotmap:
-            head = f"cluster {self.cluster!r} exists in this etcd (a slot map without its config)"
+            head = f"cluster {self.cluster!r} (a slot map without its config)"
         else:
-            head = (f"etcd holds a replicated shard named {self.cluster!r} (started without `cluster init`)")
+            head = f"a replicated shard named {self.cluster!r} (started without `cluster init`)"
         shards = "; ".join(s.describe() for s in self.shards) or "no shard has started yet"
         return f"{head}; {shards}"
 
@@ -256,14 +257,15 @@ async def create_cluster(client: EtcdClient, cluster: str, *, slots: int = DEFAU
     if inv.occupied:
         if not force:
             raise ClusterExistsError(
-                f"{inv.describe()}. Refused: `cluster init` would lay a new slot map over it. Use another "
+                f"this etcd already holds {inv.describe()}. Refused: `cluster init` would lay a new slot map over "
+                "it. Use another "
                 "--cluster-name, or stop every node of it and add --force, which deletes its shards from etcd "
                 "(members, in-sync sets, epochs; their nodes' data dirs then belong to no cluster)", inv)
         if inv.running:
             names = ", ".join(s.shard for s in inv.running)
             raise ClusterExistsError(
-                f"{inv.describe()}. Refused even with --force: shard(s) {names} are running (a live leader or node); "
-                "stop their nodes (SIGTERM) first", inv)
+                f"this etcd already holds {inv.describe()}. Refused even with --force: shard(s) {names} are running "
+                "(a live leader or node); stop their nodes (SIGTERM) first", inv)
         replaced = inv
     shards_prefix = f"/rallypoint/{cluster}/shards/"
     ops = [Delete(shards_prefix, prefix=True)] if replaced is not None else []
