@@ -245,6 +245,27 @@ async def test_an_in_sync_set_update_keeps_the_members_etcd_holds(autojump_clock
         n.cancel_scope.cancel()
 
 
+async def test_a_leader_asked_to_put_a_removed_member_in_sync_ends_that_session_and_stays_leader(autojump_clock):
+    from rallypoint.cluster.leader import LeaderInfo
+    from rallypoint.cluster.member import EtcdIsr
+    from rallypoint.replication import LinkClosed
+
+    async with trio.open_nursery() as n:
+        store = await _fake(n)
+        election = ShardElection(FakeEtcdClient(store), "c", 0)
+        await election.join("a")
+        await election.join("b")
+        async with election.campaign(LeaderInfo("a", "h:1", "h:2")) as lead:
+            isr = EtcdIsr(lead, ["a", "b"], ["a"])  # b linked and catching up...
+            await ShardElection(FakeEtcdClient(store), "c", 0).remove_member("b")  # ...when it is removed
+            with pytest.raises(LinkClosed, match="not written"):
+                await isr.set_isr(["a", "b"])
+            assert lead.is_leader_now()
+            assert (await election.read_replicas()).replicas == Replicas(members=["a"], isr=["a"])
+            assert await isr.set_isr(["a"])
+        n.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("where", ["fake", "real"])
 async def test_a_compare_over_a_range_holds_only_if_every_key_of_it_holds(where, request):
     async def check(client, root):

@@ -74,6 +74,7 @@ from rallypoint.errors import ConflictError, InternalError, LeaseLostError, NotF
 __all__ = [
     "DEFAULT_REPLICATION_FACTOR",
     "MAX_REPLICATION_FACTOR",
+    "check_replication_factor",
     "NotAMemberError",
     "LeaderInfo",
     "Replicas",
