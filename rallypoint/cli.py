@@ -473,7 +473,8 @@ async def _serve_cluster(args) -> int:
         http=_parse_listen(args.http) if args.http else None, advertise_host=args.advertise,
         advertise_replication=_advertised(args.advertise_replication),
         ttl_s=args.lease_ttl, isr_timeout_s=args.isr_timeout, min_insync=args.min_insync,
-        drain_timeout_s=args.drain_timeout, peer_tls=_peer_tls(args), insecure=args.insecure,
+        replicas=args.replicas, drain_timeout_s=args.drain_timeout, peer_tls=_peer_tls(args),
+        insecure=args.insecure,
         node_options=dict(interval_ms=args.interval_ms, retention=args.retention,
                           min_free_bytes=int(args.min_free_mb * (1 << 20)),
                           ballast_bytes=int(args.ballast_mb * (1 << 20)),
@@ -516,6 +517,9 @@ async def _serve_cluster(args) -> int:
     member = ShardMember(config, make_server=_server_factory(args, ssl_context), on_leader=on_leader,
                          on_role=on_role)
     async with trio.open_nursery() as nursery:
+        # a member of the shard's replica set, and the only live process of this name,
+        # before any listener is bound or the data dir opened (else one line, exit 2)
+        await nursery.start(member.admit)
         if args.metrics:
             cluster_metrics = ClusterMetrics(member)
             mhost, mport = _parse_listen(args.metrics)
@@ -944,6 +948,13 @@ def _startup_error_message(e: BaseException, args) -> str | None:
         return str(e)
     if isinstance(e, StartupError):
         return str(e)
+    if getattr(args, "cluster", None):  # refused by the shard: not a member, a duplicate name, stale data
+        from .cluster.leader import NotAMemberError
+        from .cluster.member import StaleDataError
+        from .cluster.presence import DuplicateNodeError
+
+        if isinstance(e, (NotAMemberError, DuplicateNodeError, StaleDataError)):
+            return e.message
     if isinstance(e, JournalWriteError):  # fail-stop at run time
         return f"stopped: {e.message}"
     if isinstance(e, ssl.SSLError):
@@ -1124,22 +1135,50 @@ def _cluster_lines(c) -> list[str]:
 
 
 def cmd_cluster_init(args) -> int:
-    """``cluster init``: the slot map of a new sharded cluster (slot i to shard i mod K)."""
+    """``cluster init``: the slot map of a new sharded cluster (slot i to shard i mod K).
+    Refused over a cluster or shard of the same name (one line: what is there);
+    ``--force`` replaces a stopped one (rallypoint.cluster.shardmap.create_cluster)."""
     from .cluster.etcd import EtcdError
-    from .cluster.shardmap import init_cluster
+    from .cluster.shardmap import create_cluster
     from .errors import RallypointError
 
     async def main():
         async with _etcd_access(args).client() as etcd:
-            return await init_cluster(etcd, args.cluster_name, slots=args.slots, shards=args.shards)
+            return await create_cluster(etcd, args.cluster_name, slots=args.slots, shards=args.shards,
+                                        replication_factor=args.replicas, force=args.force)
 
     try:
-        m = trio.run(main)
+        m, replaced = trio.run(main)
     except (EtcdError, RallypointError) as e:
         return _fail(e, args)
-    print(f"cluster {args.cluster_name}: {len(m.owners)} slots over {len(m.shards)} shard(s) (map version {m.version}); "
-          f"start each shard's nodes with `rallypoint serve {_etcd_flags(args)} --cluster-name {args.cluster_name} "
-          "--shard N --node NAME`")
+    if replaced is not None:
+        print(f"cluster init --force: deleted {replaced.describe()}. What those nodes' data dirs hold is "
+              "part of no cluster now (a node started on one is refused): give the new cluster's nodes empty data "
+              "dirs. API keys and the node secret are kept.")
+    print(f"cluster {args.cluster_name}: {len(m.owners)} slots over {len(m.shards)} shard(s) of {args.replicas} "
+          f"node(s) (map version {m.version}); start each shard's nodes with `rallypoint serve "
+          f"{_etcd_flags(args)} --cluster-name {args.cluster_name} --shard N --node NAME`")
+    return 0
+
+
+def cmd_cluster_remove_node(args) -> int:
+    """``cluster remove-node``: take a dead node out of its shard's replica set, so a
+    node of another name can join in its place (rallypoint.cluster.leader.ShardElection.remove_member)."""
+    from .cluster.etcd import EtcdError
+    from .cluster.leader import ShardElection
+    from .errors import RallypointError
+
+    async def main():
+        async with _etcd_access(args).client() as etcd:
+            return await ShardElection(etcd, args.cluster_name, args.shard).remove_member(args.node)
+
+    try:
+        rec = trio.run(main)
+    except (EtcdError, RallypointError) as e:
+        return _fail(e, args)
+    rep = rec.replicas
+    print(f"shard {args.shard}: {args.node} removed; members now {', '.join(rep.members)} ({len(rep.members)} of "
+          f"{rep.replication_factor}); the next new node name to start joins (start it on an empty data dir)")
     return 0
 
 
@@ -1218,6 +1257,11 @@ def cmd_cluster_status(args) -> int:
         async with access.client() as etcd:
             election = ShardElection(etcd, args.cluster_name, args.shard)
             state = await election.read()
+            from .cluster.presence import nodes_prefix
+
+            prefix = nodes_prefix(args.cluster_name, args.shard)
+            running = [kv.key.decode(errors="replace")[len(prefix):]
+                       for kv in (await etcd.range(prefix, prefix=True)).kvs]
             ttl = None
             if state.leader is not None:
                 try:
@@ -1234,10 +1278,10 @@ def cmd_cluster_status(args) -> int:
                         view = (await rs.status()).cluster
                 except RallypointError as e:
                     view = e
-        return state, ttl, view
+        return state, ttl, view, running
 
     try:
-        state, ttl, view = trio.run(main)
+        state, ttl, view, running = trio.run(main)
     except (EtcdError, RallypointError) as e:
         return _fail(e, args)
     if state.replicas is None:
@@ -1247,6 +1291,7 @@ def cmd_cluster_status(args) -> int:
     rep = state.replicas.replicas
     if args.json:
         out = {"cluster": args.cluster_name, "shard": args.shard, "members": rep.members, "isr": rep.isr,
+               "replication_factor": rep.replication_factor, "running": running,
                "leader": None if state.leader is None else {
                    "node": state.leader.info.node, "epoch": state.leader.epoch,
                    "address": state.leader.info.client_address,
@@ -1263,8 +1308,9 @@ def cmd_cluster_status(args) -> int:
         print(f"leader      {li.node} at {li.client_address} (replication {li.replication_address}"
               + (f", HTTP {li.http_address}" if li.http_address else "") + f"), epoch {state.leader.epoch}"
               + ("" if ttl is None else f", lease {ttl} s to live at etcd"))
-    print(f"members     {' '.join(rep.members)}")
+    print(f"members     {' '.join(rep.members)} ({len(rep.members)} of {rep.replication_factor})")
     print(f"in sync     {' '.join(rep.isr)}")
+    print(f"running     {' '.join(running) or 'none'}")
     if isinstance(view, Exception):
         print(f"standby     unknown: the leader did not answer ({view})")
     elif view is not None:
@@ -2210,6 +2256,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the address standbys connect to for replication, when it is not the --replication "
                         "listener's (a proxy or port forward in front of it; default: --advertise host and the "
                         "listener's port)")
+    c.add_argument("--replicas", type=int, choices=(1, 2), default=None,
+                   help="how many nodes the shard has, for the node that creates it (a shard made without "
+                        "`cluster init`): its members are the first that many node names to start, then fixed "
+                        "(default: the cluster's `cluster init --replicas`, else 2)")
     c.add_argument("--min-insync", type=int, choices=(1, 2), default=1,
                    help="2: refuse writes while no standby is in sync, instead of running alone (default %(default)s)")
     c.add_argument("--peer-cert", metavar="PEM", default=None,
@@ -2328,6 +2378,13 @@ def build_parser() -> argparse.ArgumentParser:
     ci.add_argument("--slots", type=_bounded(int, 1, maximum=1024), default=1024,
                     help="slots, fixed for the cluster's life: the unit a shard owns (default %(default)s, the most)")
     ci.add_argument("--shards", type=_bounded(int, 1), default=1, help="shards to deal the slots to (default %(default)s)")
+    ci.add_argument("--replicas", type=int, choices=(1, 2), default=2,
+                    help="nodes per shard: each shard's members are the first that many names to start, then fixed "
+                         "(default %(default)s: a leader and a standby)")
+    ci.add_argument("--force", action="store_true",
+                    help="replace a cluster or shard of this name whose nodes are all stopped: deletes its shards' "
+                         "state in etcd (members, in-sync sets, epochs); their data dirs then belong to no cluster. "
+                         "Refused while any node of it runs")
     ci.set_defaults(fn=cmd_cluster_init)
     cc = cls_.add_parser("certs", help="make the cluster's peer certificates: a CA and one certificate per node "
                                        "(the replication link's mutual TLS; --etcd: etcd's too)")
@@ -2343,6 +2400,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "CLI's --etcd-cert)")
     cc.add_argument("--days", type=_bounded(int, 1), default=825, help="validity of the certificates (default %(default)s)")
     cc.set_defaults(fn=cmd_cluster_certs)
+    crm = cls_.add_parser("remove-node", help="take a dead node out of its shard's members, so another name can join")
+    crm.add_argument("node", metavar="NAME", help="the member to remove")
+    crm.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
+                     required=os.environ.get("RALLYPOINT_CLUSTER") is None, help="(default $RALLYPOINT_CLUSTER)")
+    crm.add_argument("--cluster-name", default="rallypoint", help="(default %(default)s)")
+    crm.add_argument("--shard", type=_bounded(int, 0), default=0, help="(default %(default)s)")
+    crm.set_defaults(fn=cmd_cluster_remove_node)
     ca = cls_.add_parser("add-shard", help="give a new shard empty slots, so it takes new root runs")
     ca.add_argument("--cluster", metavar="URL", default=os.environ.get("RALLYPOINT_CLUSTER"),
                     required=os.environ.get("RALLYPOINT_CLUSTER") is None,

@@ -472,20 +472,25 @@ _RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 class Compare(msgspec.Struct, frozen=True):
     """One compare of a transaction; build it with the class methods, e.g.
     ``Compare.create_revision("/k", "==", 0)`` (the key does not exist). ``op`` is one of
-    ``==``, ``!=``, ``<``, ``>``."""
+    ``==``, ``!=``, ``<``, ``>``. ``range_end`` (set by ``prefix=True``): the compare
+    holds only if it holds for *every* key in ``[key, range_end)`` (etcd 3.3+); over a
+    range holding no key it is judged against a key that does not exist (revisions and
+    version 0), so ``Compare.mod_revision(p, "<", r + 1, prefix=True)`` means "nothing
+    under ``p`` was written after revision ``r``"."""
 
     key: bytes
     target: Literal["CREATE", "MOD", "VERSION", "VALUE"]
     op: str
     operand: int | bytes
+    range_end: bytes | None = None
 
     @classmethod
-    def create_revision(cls, key: str | bytes, op: str, revision: int) -> "Compare":
-        return cls(_b(key), "CREATE", op, int(revision))
+    def create_revision(cls, key: str | bytes, op: str, revision: int, *, prefix: bool = False) -> "Compare":
+        return cls(_b(key), "CREATE", op, int(revision), prefix_end(key) if prefix else None)
 
     @classmethod
-    def mod_revision(cls, key: str | bytes, op: str, revision: int) -> "Compare":
-        return cls(_b(key), "MOD", op, int(revision))
+    def mod_revision(cls, key: str | bytes, op: str, revision: int, *, prefix: bool = False) -> "Compare":
+        return cls(_b(key), "MOD", op, int(revision), prefix_end(key) if prefix else None)
 
     @classmethod
     def version(cls, key: str | bytes, op: str, version: int) -> "Compare":
@@ -498,7 +503,10 @@ class Compare(msgspec.Struct, frozen=True):
     def to_json(self) -> dict[str, Any]:
         field = {"CREATE": "create_revision", "MOD": "mod_revision", "VERSION": "version", "VALUE": "value"}[self.target]
         operand = self.operand if isinstance(self.operand, bytes) else str(self.operand)
-        return {"key": self.key, "target": self.target, "result": _RESULTS[self.op], field: operand}
+        out = {"key": self.key, "target": self.target, "result": _RESULTS[self.op], field: operand}
+        if self.range_end is not None:
+            out["range_end"] = self.range_end
+        return out
 
 
 @dataclass(frozen=True, slots=True)

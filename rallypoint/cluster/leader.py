@@ -2,8 +2,13 @@
 
 Keys (``../shared/SCALE-OUT.md`` §4.4), under ``/rallypoint/<cluster>/shards/<shard>/``:
 
-- ``replicas``: JSON :class:`Replicas` ``{"members": [...], "isr": [...]}`` (node names);
-  only a node in ``isr`` (the in-sync set) may become leader;
+- ``replicas``: JSON :class:`Replicas` ``{"members": [...], "isr": [...],
+  "replication_factor": N}`` (node names); only a node in ``isr`` (the in-sync set) may
+  become leader. ``replication_factor`` is how many nodes the shard has (1 or 2; 2 by
+  default): ``members`` fills first come, first served, as each node starts the first
+  time (:meth:`ShardElection.join`, a compare-and-swap on the key's mod revision), and
+  once it holds that many names it is fixed: a node not named there is refused at start
+  (:class:`NotAMemberError`);
 - ``leader``: JSON :class:`LeaderInfo` ``{"node", "client_address",
   "replication_address", "http_address"}``, bound to the leader's lease (TTL 2 s by
   default, renewed every TTL/4). **The epoch is the leader key's create revision**: etcd
@@ -64,9 +69,13 @@ from rallypoint.cluster.etcd import (
     Range,
     Watch,
 )
-from rallypoint.errors import ConflictError, InternalError, LeaseLostError, ValidationError
+from rallypoint.errors import ConflictError, InternalError, LeaseLostError, NotFoundError, ValidationError
 
 __all__ = [
+    "DEFAULT_REPLICATION_FACTOR",
+    "MAX_REPLICATION_FACTOR",
+    "check_replication_factor",
+    "NotAMemberError",
     "LeaderInfo",
     "Replicas",
     "LeaderRecord",
@@ -93,12 +102,48 @@ class LeaderInfo(msgspec.Struct, frozen=True):
     http_address: str | None = None
 
 
+#: How many nodes a shard has unless told otherwise (``cluster init --replicas``, ``serve
+#: --replicas`` on the node that creates the shard): a leader and one standby.
+DEFAULT_REPLICATION_FACTOR = 2
+#: The most a shard can have: the replication link serves one standby at a time.
+MAX_REPLICATION_FACTOR = 2
+
+
+def check_replication_factor(n: int, flag: str = "--replicas") -> int:
+    """``n`` if it is a valid node count of a shard (1 to :data:`MAX_REPLICATION_FACTOR`);
+    else ValidationError (VALIDATION_FAILED) naming ``flag``."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_REPLICATION_FACTOR:
+        raise ValidationError(f"{flag} must be 1 or {MAX_REPLICATION_FACTOR} (a shard is a leader and at most one "
+                              f"standby), not {n!r}")
+    return n
+
+
 class Replicas(msgspec.Struct, frozen=True):
-    """The shard's ``replicas`` value: every ``members`` node, and the in-sync set
-    ``isr`` (a subset of members; the leader is always in it)."""
+    """The shard's ``replicas`` value: every ``members`` node, the in-sync set ``isr``
+    (a subset of members; the leader is always in it), and ``replication_factor``: how
+    many members the shard takes (the set is fixed once it holds that many; a key
+    written before this field existed reads as 2 and keeps whatever members it names)."""
 
     members: list[str]
     isr: list[str]
+    replication_factor: int = DEFAULT_REPLICATION_FACTOR
+
+
+class NotAMemberError(ConflictError):
+    """CONFLICT: ``node`` is not a member of the shard and the shard's replica set is
+    full (``details``: ``shard``, ``node``, ``members``, ``replication_factor``). The node
+    must not start: it would replace the real standby over and over. Start it under a
+    member's name, or replace a dead member (``rallypoint cluster remove-node``)."""
+
+    def __init__(self, cluster: str, shard: str, node: str, replicas: Replicas) -> None:
+        members = ", ".join(replicas.members)
+        super().__init__(
+            f"node {node!r} is not a member of shard {shard} of cluster {cluster!r}: its {replicas.replication_factor} "
+            f"node(s) are {members} (the set in etcd is full); start one of them, or remove a dead member with "
+            f"`rallypoint cluster remove-node --shard {shard} NAME` first",
+            details={"shard": shard, "node": node, "members": list(replicas.members),
+                     "replication_factor": replicas.replication_factor},
+        )
 
 
 class LeaderRecord(msgspec.Struct, frozen=True):
@@ -221,17 +266,126 @@ class ShardElection:
 
     # -- writing -------------------------------------------------------------------
 
-    async def bootstrap(self, members: Sequence[str], isr: Sequence[str] | None = None) -> bool:
+    async def bootstrap(self, members: Sequence[str], isr: Sequence[str] | None = None, *,
+                        replication_factor: int = DEFAULT_REPLICATION_FACTOR) -> bool:
         """Create the replicas key if it does not exist (``isr`` defaults to every
         member: new, empty nodes are all in sync). True if this call created it, False if
         it existed (then nothing changed). Raises ValidationError (VALIDATION_FAILED) if
-        ``isr`` is not a non-empty subset of ``members``."""
-        value = _replicas(members, members if isr is None else isr)
+        ``isr`` is not a non-empty subset of ``members``, or there are more members than
+        ``replication_factor`` (1 or 2)."""
+        check_replication_factor(replication_factor, "replication_factor")
+        if len(set(members)) > replication_factor:
+            raise ValidationError(f"{len(set(members))} members for a replication factor of {replication_factor}")
+        value = _replicas(members, members if isr is None else isr, replication_factor)
         r = await self.client.txn(
             [Compare.create_revision(self.replicas_key, "==", 0)],
             [Put(self.replicas_key, msgspec.json.encode(value))],
         )
         return r.succeeded
+
+    async def join(self, node: str, *, replication_factor: int | None = None,
+                   create_with: int = DEFAULT_REPLICATION_FACTOR) -> ReplicasRecord:
+        """Make ``node`` a member of the shard's replica set, or find it one already.
+
+        No replicas key yet: create it with ``node`` as its only member and in-sync
+        replica, and a replication factor of ``replication_factor`` if given, else
+        ``create_with`` (the cluster's, from ``cluster init``). A key that names
+        ``node``: nothing to do. A key with room (fewer members than its replication
+        factor): add ``node`` to ``members`` (not to the in-sync set: it joins that once
+        it has caught up), in a transaction that compares the key's mod revision with
+        the one read (a concurrent join or in-sync set update is read again: first come,
+        first served). Returns the record as it stands.
+
+        Raises NotAMemberError (CONFLICT) when the set is full without ``node``;
+        ValidationError when ``replication_factor`` is given and differs from the one the
+        shard records (it is fixed when the shard is created), or is not 1 or 2;
+        ConflictError if the key kept changing under 8 tries."""
+        if replication_factor is not None:
+            check_replication_factor(replication_factor)
+        check_replication_factor(create_with, "the cluster's replication factor")
+        for _ in range(8):
+            current = await self.read_replicas()
+            if current is None:
+                rf = replication_factor or create_with
+                if await self.bootstrap([node], replication_factor=rf):
+                    log.info("shard %s of cluster %r created with %s as its first member (%d node(s))",
+                             self.shard, self.cluster, node, rf)
+                continue  # read what is there now (ours, or a node that came first)
+            rep = current.replicas
+            if replication_factor is not None and replication_factor != rep.replication_factor:
+                raise ValidationError(
+                    f"--replicas {replication_factor}: shard {self.shard} of cluster {self.cluster!r} has "
+                    f"{rep.replication_factor} node(s), fixed when it was created (etcd {self.replicas_key}); "
+                    "leave --replicas out")
+            if node in rep.members:
+                return current
+            if len(rep.members) >= rep.replication_factor:
+                raise NotAMemberError(self.cluster, self.shard, node, rep)
+            value = Replicas(members=sorted({*rep.members, node}), isr=list(rep.isr),
+                             replication_factor=rep.replication_factor)
+            r = await self.client.txn(
+                [Compare.mod_revision(self.replicas_key, "==", current.mod_revision)],
+                [Put(self.replicas_key, msgspec.json.encode(value))],
+            )
+            if r.succeeded:
+                log.info("node %s joined shard %s of cluster %r (members now %s)", node, self.shard, self.cluster,
+                         ", ".join(value.members))
+                return ReplicasRecord(replicas=value, mod_revision=r.revision)
+        raise ConflictError(f"shard {self.shard}: the replicas key kept changing during 8 tries; try again")
+
+    async def remove_member(self, node: str) -> ReplicasRecord:
+        """Take ``node`` out of the shard's members (a dead node, or one whose name was
+        mistyped), so that the next new name to start joins in its place. One
+        transaction that holds only if the replicas key, the leader key and the node's
+        presence key are as read.
+
+        Refused (ConflictError, CONFLICT) while the node runs (its presence key is
+        live), while it leads, and while it is in the in-sync set with a live leader
+        (the leader drops a stopped standby within its ``--isr-timeout``: try again
+        then); without a leader, it leaves the in-sync set with it unless it is the only
+        node there (the others may lack acknowledged writes: refused). NotFoundError
+        (NOT_FOUND) if it is not a member or the shard does not exist."""
+        from .presence import presence_key
+
+        pkey = presence_key(self.cluster, self.shard, node)
+        r = await self.client.txn([], [Range(self.leader_key), Range(self.replicas_key), Range(pkey)])
+        lkvs, rkvs, pkvs = (x.kvs for x in r.responses)
+        if not rkvs:
+            raise NotFoundError(f"shard {self.shard} of cluster {self.cluster!r} does not exist (no node started it)")
+        current = _replicas_record(self.shard, rkvs[0])
+        rep = current.replicas
+        if node not in rep.members:
+            raise NotFoundError(f"{node!r} is not a member of shard {self.shard}: its members are "
+                                f"{', '.join(rep.members)}")
+        leader = _leader_record(self.shard, lkvs[0]) if lkvs else None
+        if leader is not None and leader.info.node == node:
+            raise ConflictError(f"node {node!r} leads shard {self.shard}; stop it (SIGTERM hands over) first")
+        if pkvs:
+            raise ConflictError(f"node {node!r} of shard {self.shard} is running (its presence key is live); stop it "
+                                "first")
+        isr = [n for n in rep.isr if n != node]
+        if node in rep.isr:
+            if leader is not None:
+                raise ConflictError(f"node {node!r} is still in the in-sync set of shard {self.shard}; its leader "
+                                    f"{leader.info.node} drops it within its --isr-timeout once it has stopped: try "
+                                    "again then")
+            if not isr:
+                raise ConflictError(f"node {node!r} is the only in-sync node of shard {self.shard}: without it no "
+                                    "node holds every acknowledged write, so none could lead; start it again instead")
+        value = Replicas(members=[n for n in rep.members if n != node], isr=isr,
+                         replication_factor=rep.replication_factor)
+        leader_cmp = (Compare.create_revision(self.leader_key, "==", leader.epoch) if leader is not None
+                      else Compare.create_revision(self.leader_key, "==", 0))
+        t = await self.client.txn(
+            [Compare.mod_revision(self.replicas_key, "==", current.mod_revision), leader_cmp,
+             Compare.create_revision(pkey, "==", 0)],
+            [Put(self.replicas_key, msgspec.json.encode(value))],
+        )
+        if not t.succeeded:
+            raise ConflictError(f"shard {self.shard} changed while its members were read; run it again")
+        log.warning("node %s removed from the members of shard %s of cluster %r (now %s)", node, self.shard,
+                    self.cluster, ", ".join(value.members))
+        return ReplicasRecord(replicas=value, mod_revision=t.revision)
 
     async def update_replicas_fenced(
         self,
@@ -255,7 +409,8 @@ class ShardElection:
         for _ in range(8):
             current = await self.read_replicas()
             keep = members if members is not None else (current.replicas.members if current else isr)
-            value = _replicas(keep, isr)
+            rf = current.replicas.replication_factor if current else DEFAULT_REPLICATION_FACTOR
+            value = _replicas(keep, isr, rf)
             r = await self.client.txn(
                 [
                     Compare.create_revision(self.leader_key, "==", epoch),
@@ -392,11 +547,11 @@ class ShardElection:
             return
 
 
-def _replicas(members: Sequence[str], isr: Sequence[str]) -> Replicas:
+def _replicas(members: Sequence[str], isr: Sequence[str], replication_factor: int) -> Replicas:
     m, i = sorted(set(members)), sorted(set(isr))
     if not i or not set(i) <= set(m):
         raise ValidationError(f"the in-sync set {i} must be a non-empty subset of the members {m}")
-    return Replicas(members=m, isr=i)
+    return Replicas(members=m, isr=i, replication_factor=replication_factor)
 
 
 async def _revoke_quietly(client: EtcdClient, lease_id: int, timeout_s: float) -> bool:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import msgspec
 import trio
 
-from ..errors import NotLeaderError, RallypointError, UnavailableError, ValidationError
+from ..errors import ConflictError, NotLeaderError, RallypointError, UnavailableError, ValidationError
 from ..logutil import RateLimitedLogger
 from ..node import recovered, serving
 from ..replication import (
@@ -52,13 +52,22 @@ from ..replication.link import unwrapped
 from ..wire import PROTOCOL_VERSION
 from .etcd import EtcdAccess, EtcdClient, EtcdError
 from ..actors.sharding import Sharding
-from .leader import LeaderInfo, LeaderRecord, Leadership, LeadershipLostError, ShardElection
+from .leader import (DEFAULT_REPLICATION_FACTOR, LeaderInfo, LeaderRecord, Leadership, LeadershipLostError,
+                     ReplicasRecord, ShardElection, check_replication_factor)
 from .keystore import KeyRecord, watch_keys
-from .shardmap import SlotMap, watch_leaders, watch_map
+from .presence import NodePresence
+from .shardmap import SlotMap, read_config, reinit_revision, watch_leaders, watch_map
 
 log = logging.getLogger("rallypoint.cluster")
 
-__all__ = ["MemberConfig", "ShardMember", "EtcdIsr"]
+__all__ = ["MemberConfig", "ShardMember", "EtcdIsr", "StaleDataError"]
+
+
+class StaleDataError(ConflictError):
+    """CONFLICT: the node's data dir holds records of a cluster of the same name that
+    ``cluster init --force`` deleted (its newest epoch is older than the re-creation);
+    ``details``: ``node``, ``epoch``, ``reinit_revision``. Start the node on an empty
+    data dir (or move the old one away)."""
 
 
 @dataclass
@@ -79,6 +88,9 @@ class MemberConfig:
     2); ``isr_timeout_s``: a standby silent this long (s) leaves the in-sync set;
     ``min_insync``: 2 refuses writes rather than run without a standby;
     ``peer_tls``/``insecure``: the replication link's TLS (see the fields);
+    ``replicas``: how many nodes the shard has (1 or 2), given only to the node that
+    creates the shard (None: the cluster's ``cluster init --replicas``, else 2; a value
+    that differs from the one the shard records refuses the node);
     ``node_options``: the keyword arguments of :func:`rallypoint.node.recovered`
     (journal and disk-space options); ``serve_options``: those of
     :func:`rallypoint.node.serving` (snapshot triggers)."""
@@ -97,6 +109,7 @@ class MemberConfig:
     ttl_s: int = 2
     isr_timeout_s: float = 1.0
     min_insync: int = 1
+    replicas: int | None = None
     drain_timeout_s: float = 10.0
     #: the replication link's mutual TLS (``--peer-cert/--peer-key/--peer-ca``,
     #: :class:`~rallypoint.cluster.peerauth.PeerTls`); None: plaintext (loopback only
@@ -111,26 +124,48 @@ class MemberConfig:
 
 
 class EtcdIsr:
-    """The in-sync set of a leadership, written through etcd (fenced by its epoch);
-    ``members`` grows with every node that joins."""
+    """The in-sync set of a leadership, written through etcd (fenced by its epoch).
+    ``members`` (the shard's configured replica set) is etcd's: nodes join it at their
+    first start (:meth:`ShardElection.join`), never through an in-sync set update."""
+
+    #: :meth:`members_now` reads etcd at most this often (seconds)
+    MEMBERS_REFRESH_S = 0.5
 
     def __init__(self, leadership: Leadership, members: list[str], isr: list[str]) -> None:
         self.leadership = leadership
         self.members = list(members)
         self.isr = list(isr)
+        self._members_read_at = -math.inf
 
     async def set_isr(self, isr: list[str]) -> bool:
-        members = sorted(set(self.members) | set(isr))
         try:
-            rec = await self.leadership.update_isr(isr, members=members)
+            rec = await self.leadership.update_isr(isr)
         except LeadershipLostError:
             return False
+        except ValidationError as e:  # a standby removed from the members while linked: end its session
+            raise LinkClosed(f"the in-sync set {isr} was not written: {e.message}") from None
         except EtcdError as e:
             log.warning("in-sync set update failed (%s); treating this node as deposed", e.message)
             return False
         self.members = list(rec.replicas.members)
         self.isr = list(rec.replicas.isr)
         return True
+
+    async def members_now(self) -> list[str]:
+        """The shard's members as etcd holds them (read again at most every
+        :attr:`MEMBERS_REFRESH_S`; the last list read while etcd does not answer): the
+        replication listener lets in only these (``ReplicationLeader(members=...)``)."""
+        now = trio.current_time()
+        if now - self._members_read_at >= self.MEMBERS_REFRESH_S:
+            self._members_read_at = now
+            try:
+                rec = await self.leadership.election.read_replicas()
+            except EtcdError as e:
+                log.info("reading the shard's members failed (%s); using the last ones read", e.message)
+            else:
+                if rec is not None:
+                    self.members = list(rec.replicas.members)
+        return list(self.members)
 
 
 class _Redirect:
@@ -206,7 +241,15 @@ class ShardMember:
     (the current :class:`LeaderRecord` as last seen, or None), ``epoch`` (this node's,
     while it leads), ``standby`` / ``replication`` (the live objects of the role),
     ``client_port`` / ``replication_port`` / ``http_port`` (bound ports),
-    ``keys_adopted`` (key records of etcd this node journaled while leading)."""
+    ``keys_adopted`` (key records of etcd this node journaled while leading),
+    ``replica_set`` / ``presence`` (what :meth:`admit` found and holds).
+
+    Before it binds a port or opens its data dir, a node is admitted (:meth:`admit`):
+    it must be a member of the shard's configured replica set (or join it while it has
+    room) and no other live process may hold its name. Otherwise :meth:`run` raises
+    NotAMemberError or DuplicateNodeError (CONFLICT), whose message is the one line the
+    daemon prints; a data dir of a cluster deleted by ``cluster init --force`` raises
+    StaleDataError once it is opened."""
 
     def __init__(self, config: MemberConfig, *, make_server: Callable[[Any], Any],
                  on_leader: Callable[[Any, "ShardMember"], Any] | None = None,
@@ -215,6 +258,8 @@ class ShardMember:
             raise ValidationError("a replicated shard needs a data dir: --durability fsync or interval")
         if config.min_insync not in (1, 2):
             raise ValidationError(f"--min-insync must be 1 or 2 (got {config.min_insync})")
+        if config.replicas is not None:
+            check_replication_factor(config.replicas)
         if config.peer_tls is not None and config.node not in config.peer_tls.names:
             raise ValidationError(f"--peer-cert {config.peer_tls.cert} does not name node {config.node!r} (its "
                                   f"names: {', '.join(sorted(config.peer_tls.names)) or 'none'}): a peer is "
@@ -270,6 +315,13 @@ class ShardMember:
         self.secret: str | None = None
         self.link_auth: LinkAuth | None = None
         self._link_refusals = RateLimitedLogger(log, window_s=30.0, burst=1)
+        #: admission (:meth:`admit`): the shard's replica set as this node joined it,
+        #: and this process's presence key
+        self.replica_set: ReplicasRecord | None = None
+        self.presence: NodePresence | None = None
+        self._admit_started = False
+        self._admitted = trio.Event()
+        self._reinit_revision = 0
         self._stop = trio.Event()
         self._role_changed = trio.Event()
         self._leader_changed = trio.Event()
@@ -353,43 +405,138 @@ class ShardMember:
         record, resigns (the standby campaigns at once), then the node exits."""
         self._stop.set()
 
+    # ------------------------------------------------------------------ admission
+    async def admit(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Admit this node to its shard, then hold its presence key until cancelled.
+
+        1. Join the shard's configured replica set (:meth:`ShardElection.join`): a
+           member already, or added while the set has room, or the shard created with
+           this node as its first member (its replication factor: ``config.replicas``,
+           else the cluster's from ``cluster init``, else 2). Raises NotAMemberError
+           (CONFLICT) when the set is full without this node, ValidationError when
+           ``config.replicas`` differs from the shard's.
+        2. Claim the node's presence key (:class:`~rallypoint.cluster.presence.NodePresence`):
+           waits out the lease of a process of this name killed a moment ago (at most
+           its TTL plus 1 s); raises DuplicateNodeError (CONFLICT) if another process of
+           this name is alive.
+
+        ``task_status.started()`` once both hold; then the lease is renewed until
+        cancelled (revoked on the way out) -- DuplicateNodeError if the name was lost
+        to another process meanwhile. Etcd out of reach: waited for. Binds nothing and
+        opens no data dir, so the daemon runs it before its listeners (:meth:`run`
+        runs it itself when nobody did)."""
+        self._admit_started = True
+        c = self.config
+        async with self.make_etcd() as etcd:
+            election = ShardElection(etcd, c.cluster, c.shard)
+            presence = NodePresence(etcd, c.cluster, c.shard, c.node, ttl_s=c.ttl_s)
+            try:
+                await self._join(etcd, election)
+                await presence.claim()
+                self.presence = presence
+                self._admitted.set()
+                task_status.started()
+                await presence.keep()
+            finally:
+                await presence.release()
+
+    def _recovered(self):
+        c = self.config
+        return recovered(c.data_dir, c.durability, clock=c.node_options.get("clock"),
+                         interval_ms=c.node_options.get("interval_ms", 10),
+                         **{k: v for k, v in c.node_options.items() if k not in ("interval_ms", "clock")})
+
+    def _check_not_stale(self, epoch: int) -> None:
+        """StaleDataError if ``epoch`` (the data dir's newest) predates the last
+        ``cluster init --force`` of this cluster's name (0: a node that never was in a
+        shard, or a single node's data: never stale)."""
+        c = self.config
+        if epoch and epoch < self._reinit_revision:
+            raise StaleDataError(
+                f"node {c.node}: its data dir {c.data_dir} holds the records of an earlier cluster named "
+                f"{c.cluster!r} (its newest epoch, {epoch}, is older than the `cluster init --force` that deleted "
+                f"that cluster at etcd revision {self._reinit_revision}): start the node on an empty data dir, "
+                "or move this one away", details={"node": c.node, "epoch": epoch,
+                                                  "reinit_revision": self._reinit_revision})
+
+    async def _check_data_before_joining(self, election: ShardElection) -> None:
+        """After a ``cluster init --force``, a node not yet a member that brings a data
+        dir with records is checked before it joins (it would otherwise create the shard
+        with itself as its only in-sync node, then be refused, and leave the shard
+        without a node that may lead): its data dir is opened once to read its newest
+        epoch. Fresh data dirs and members are not opened here."""
+        import os
+
+        c = self.config
+        if not self._reinit_revision or not os.path.isdir(c.data_dir) or not os.listdir(c.data_dir):
+            return
+        current = await election.read_replicas()
+        if current is not None and c.node in current.replicas.members:
+            return
+        async with self._recovered() as rec:
+            epoch = rec.coordinator.epochs.current
+        self._check_not_stale(epoch)
+
+    async def _join(self, etcd, election: ShardElection) -> None:
+        c = self.config
+        backoff = 0.1
+        while True:
+            try:
+                cfg = await read_config(etcd, c.cluster)
+                self._reinit_revision = await reinit_revision(etcd, c.cluster)
+                await self._check_data_before_joining(election)
+                self.replica_set = await election.join(
+                    c.node, replication_factor=c.replicas,
+                    create_with=cfg.replication_factor if cfg is not None else DEFAULT_REPLICATION_FACTOR)
+                return
+            except EtcdError as e:
+                log.warning("node %s waits for etcd to join shard %d (%s)", c.node, c.shard, e.message)
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
     # ------------------------------------------------------------------ main loop
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run until :meth:`stop` or cancelled. ``task_status.started()`` once the
-        client port is bound and the node knows its role."""
+        client port is bound and the node knows its role. Admits the node first
+        (:meth:`admit`, unless the caller runs it): NotAMemberError,
+        DuplicateNodeError, StaleDataError (CONFLICT) end it."""
         c = self.config
         started = False
-        # the ports are reserved once (the leader key advertises them)
-        self.client_port = await _reserve(c.client)
-        self.replication_port = await _reserve(c.replication)
-        if c.http is not None:
-            self.http_port = await _reserve(c.http)
         try:
-            async with self.make_etcd() as etcd, trio.open_nursery() as watches:
-                self._etcd = etcd
-                election = ShardElection(etcd, c.cluster, c.shard)
-                watches.start_soon(self._watch_map, etcd)
-                watches.start_soon(self._watch_leaders, etcd)
-                await self._map_seen.wait()
-                await self._bootstrap(election)
-                self.secret = await self._read_secret(etcd)
-                self.link_auth = LinkAuth(self.secret, cluster=c.cluster, shard=c.shard, tls=c.peer_tls)
-                while not self._stop.is_set():
-                    try:
-                        async with unwrapped():
-                            await self._one_term(election, task_status if not started else None)
-                        started = True
-                    except Rebuild as rb:
-                        started = True
-                        self._rebuild(rb)
-                        await self._probe("rejoin.rebuilt")
-                    except LeadershipLostError as e:
-                        started = True
-                        log.warning("node %s lost the leadership of shard %d (%s); rejoining as a standby",
-                                    c.node, c.shard, e)
-                    if not started:
-                        started = True
-                watches.cancel_scope.cancel()
+            async with unwrapped(), trio.open_nursery() as admission:
+                if not self._admit_started:
+                    await admission.start(self.admit)
+                await self._admitted.wait()
+                # the ports are reserved once (the leader key advertises them)
+                self.client_port = await _reserve(c.client)
+                self.replication_port = await _reserve(c.replication)
+                if c.http is not None:
+                    self.http_port = await _reserve(c.http)
+                async with self.make_etcd() as etcd, trio.open_nursery() as watches:
+                    self._etcd = etcd
+                    election = ShardElection(etcd, c.cluster, c.shard)
+                    watches.start_soon(self._watch_map, etcd)
+                    watches.start_soon(self._watch_leaders, etcd)
+                    await self._map_seen.wait()
+                    self.secret = await self._read_secret(etcd)
+                    self.link_auth = LinkAuth(self.secret, cluster=c.cluster, shard=c.shard, tls=c.peer_tls)
+                    while not self._stop.is_set():
+                        try:
+                            async with unwrapped():
+                                await self._one_term(election, task_status if not started else None)
+                            started = True
+                        except Rebuild as rb:
+                            started = True
+                            self._rebuild(rb)
+                            await self._probe("rejoin.rebuilt")
+                        except LeadershipLostError as e:
+                            started = True
+                            log.warning("node %s lost the leadership of shard %d (%s); rejoining as a standby",
+                                        c.node, c.shard, e)
+                        if not started:
+                            started = True
+                    watches.cancel_scope.cancel()
+                admission.cancel_scope.cancel()
         finally:
             self._set_role("stopped")
             self._stopped.set()
@@ -433,20 +580,6 @@ class ShardMember:
         return ClusterMapView(cluster=self.config.cluster, version=m.version if m else 0,
                               owners=list(m.owners) if m else [], shards=out)
 
-    async def _bootstrap(self, election: ShardElection) -> None:
-        """A new cluster: the first node creates the replicas key with itself as the
-        only member and in-sync replica (an existing key is left alone)."""
-        while True:
-            try:
-                created = await election.bootstrap([self.config.node])
-                if created:
-                    log.info("shard %d of cluster %r created with %s as its first member", self.config.shard,
-                             self.config.cluster, self.config.node)
-                return
-            except EtcdError as e:
-                log.warning("waiting for etcd (%s)", e.message)
-                await trio.sleep(0.5)
-
     async def _read_secret(self, etcd) -> str:
         """The cluster secret (made now if the cluster has none), waiting for etcd."""
         from .shardmap import node_secret
@@ -470,10 +603,10 @@ class ShardMember:
         """Recover, stand by until this node wins the campaign, then lead until the
         leadership ends or the node stops."""
         c = self.config
-        async with recovered(c.data_dir, c.durability, clock=c.node_options.get("clock"),
-                             interval_ms=c.node_options.get("interval_ms", 10),
-                             **{k: v for k, v in c.node_options.items() if k not in ("interval_ms", "clock")}) as rec:
-            self.last_epoch_seen = max(self.last_epoch_seen, rec.coordinator.epochs.current)
+        async with self._recovered() as rec:
+            mine = rec.coordinator.epochs.current
+            self._check_not_stale(mine)
+            self.last_epoch_seen = max(self.last_epoch_seen, mine)
             won = trio.Event()
             done = trio.Event()
             holder: dict[str, Leadership] = {}
@@ -609,7 +742,7 @@ class ShardMember:
             repl = ReplicationLeader(coord, epoch=lead.epoch, node=c.node, cluster=c.cluster, shard=c.shard,
                                      isr=isr, snapshot_store=rec.rec.store, isr_timeout_s=c.isr_timeout_s,
                                      min_insync=c.min_insync, auth=self.link_auth, on_deposed=lambda: lead._lose(
-                                         "a fenced in-sync set update was refused"))
+                                         "a fenced in-sync set update was refused"), members=isr.members_now)
             repl.attach()
             box["repl"] = repl
             if self.slotmap is not None:  # a sharded cluster: ids name slots, requests are checked

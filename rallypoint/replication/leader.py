@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import shutil
 import struct
 import tempfile
 import time
 from collections import deque
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import trio
 
@@ -201,6 +202,9 @@ class ReplicationLeader:
         on_deposed: called when a fenced ISR write fails (the node must stop serving).
         auth: how a connecting standby must prove itself (:class:`~.auth.LinkAuth`:
             the cluster secret, peer TLS); a peer that does not is sent nothing.
+        members: ``await members()`` -> the shard's configured replica set (node names,
+            as etcd holds it now); a standby whose Hello names a node not in it is
+            refused before anything is sent (None: every node is let in).
 
     Use: ``journal.set_tap(leader.ring.tap)`` is done by :meth:`attach`; run
     :meth:`serve` with a listener in the node's nursery.
@@ -209,7 +213,8 @@ class ReplicationLeader:
     def __init__(self, coordinator, *, epoch: int, node: str, cluster: str, shard: int, isr: IsrStore,
                  snapshot_store=None, isr_timeout_s: float = 1.0,
                  min_insync: int = 1, ring_bytes: int = 64 << 20,
-                 on_deposed: Callable[[], None] | None = None, auth: LinkAuth) -> None:
+                 on_deposed: Callable[[], None] | None = None, auth: LinkAuth,
+                 members: Callable[[], Awaitable[Sequence[str]]] | None = None) -> None:
         if min_insync not in (1, 2):
             raise ValueError(f"min_insync must be 1 or 2 (got {min_insync})")
         self.coord = coordinator
@@ -228,6 +233,8 @@ class ReplicationLeader:
         self._handshakes: dict[str, int] = {}
         #: refused connections, for a rate-limited warning (an impostor loops)
         self.refusals = RateLimitedLogger(log, window_s=30.0, burst=1)
+        self.members = members
+        self._refused_logged: dict[str, float] = {}
         self.peer: _Peer | None = None
         self.deposed = False
         self._isr_lock = trio.Lock()
@@ -346,6 +353,8 @@ class ReplicationLeader:
         hello = accepted.hello
         try:
             refusal = self._check_hello(hello)
+            if refusal is None:
+                refusal = await self._check_member(hello)
             if refusal is not None:
                 await link.send(wire.Refuse(code="REFUSED", message=refusal))
                 return
@@ -391,6 +400,25 @@ class ReplicationLeader:
         if self.deposed:
             return "this node is no longer the leader"
         return None
+
+    async def _check_member(self, hello: wire.Hello) -> str | None:
+        """A standby must be one of the shard's configured members (``members``): a
+        node outside the set gets no frame and never joins the in-sync set. Logged once
+        a minute per node name."""
+        if self.members is None:
+            return None
+        members = list(await self.members())
+        if hello.node in members:
+            return None
+        now = trio.current_time()
+        if now - self._refused_logged.get(hello.node, -math.inf) >= 60.0:
+            if len(self._refused_logged) >= 1000:  # (names made up by a peer: bounded)
+                self._refused_logged.clear()
+            self._refused_logged[hello.node] = now
+            log.warning("replication: refused standby %r: not a member of shard %d (members: %s)", hello.node,
+                        self.shard, ", ".join(members))
+        return (f"node {hello.node!r} is not a member of shard {self.shard} of cluster {self.cluster!r} "
+                f"(its members: {', '.join(members)})")
 
     def shared_end(self, hello: wire.Hello) -> int:
         """The last LSN up to which the standby's journal holds what this leader's does

@@ -6,7 +6,8 @@ It keeps etcd's semantics as far as :mod:`rallypoint.cluster` relies on them, on
 - one store revision, raised by one for every write (a transaction's writes share it);
   a key's ``create_revision`` (0 once deleted: the epoch of a leader key),
   ``mod_revision``, ``version`` and ``lease``;
-- transactions with compares on CREATE / MOD / VERSION / VALUE, then the success or
+- transactions with compares on CREATE / MOD / VERSION / VALUE (of one key, or of every
+  key of a range: ``Compare(..., prefix=True)``), then the success or
   the failure ops (put, range, delete), atomically; a put naming a lease that is gone
   fails the whole call (``EtcdLeaseNotFoundError``);
 - leases with a TTL (at least 2 s, etcd's minimum), restarted by each keepalive *when
@@ -84,7 +85,14 @@ class FakeEtcd:
         return [self.kv[k] for k in sorted(self.kv) if key <= k and (end == b"\0" or k < end)]
 
     def _compare(self, c: Compare) -> bool:
-        kv = self.kv.get(c.key)
+        if c.range_end is not None:  # every key of the range (none: judged as a missing key)
+            kvs = [kv for k, kv in sorted(self.kv.items()) if c.key <= k and (c.range_end == b"\0" or k < c.range_end)]
+            if not kvs:
+                return c.target != "VALUE" and self._compare_kv(c, None)
+            return all(self._compare_kv(c, kv) for kv in kvs)
+        return self._compare_kv(c, self.kv.get(c.key))
+
+    def _compare_kv(self, c: Compare, kv: KeyValue | None) -> bool:
         if c.target == "CREATE":
             have = kv.create_revision if kv else 0
         elif c.target == "MOD":
