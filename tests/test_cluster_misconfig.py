@@ -411,9 +411,13 @@ async def test_the_leaders_replication_port_refuses_a_standby_that_is_not_a_memb
     async with trio.open_nursery() as n:
         a, b = await two_nodes(n, etcd, tmp_path, cluster_name)
         sessions = a.replication.stats["sessions"]
-        link = Link(await trio.open_tcp_stream("127.0.0.1", a.replication_port), "standby")
-        await link.send(wire.Hello(version=wire.LINK_VERSION, cluster=cluster_name, shard=0, node="c", last_lsn=0,
-                                   last_epoch=0, snapshot_lsn=0))
+        # a peer with the cluster secret (it authenticates) but not a member
+        from rallypoint.replication.auth import LinkAuth
+
+        auth = LinkAuth(a.secret, cluster=cluster_name, shard=0)
+        link = await auth.connect(await trio.open_tcp_stream("127.0.0.1", a.replication_port), wire.Hello(
+            version=wire.LINK_VERSION, cluster=cluster_name, shard=0, node="c", last_lsn=0, last_epoch=0,
+            snapshot_lsn=0), leader="a", epoch=a.epoch)
         answer = await link.receive()
         await link.aclose()
         assert isinstance(answer, wire.Refuse)
