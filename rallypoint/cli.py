@@ -650,7 +650,7 @@ def cmd_serve(args) -> int:
                           "retain_events_ms": age_ms or None}
         from .limits import parse_limit
 
-        args.limits = dict(parse_limit(x) for x in args.limit)
+        args.limits = dict(parse_limit(x) for x in args.limit or ())
         for flag, addr in (("--metrics", args.metrics), ("--http", args.http), ("--console", args.console)):
             if addr:
                 _parse_listen(addr, flag)
@@ -1992,7 +1992,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "list with an older cursor gets CURSOR_EXPIRED (default %(default)s)")
     from .limits import DEFAULTS as _LIMITS, DESCRIPTIONS as _LIMIT_TEXT, NAMES as _LIMIT_NAMES
 
-    s.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+    s.add_argument("--limit", action="append", default=None, metavar="NAME=VALUE",
                    help="a limit per space, every space the same (repeatable; VALUE a positive integer, for "
                         "payload_bytes also 512MiB or 2GiB, or none); a space at its limit is refused what would "
                         "pass it, LIMIT_EXCEEDED (README, Limits; per shard in a sharded cluster). The limits, "

@@ -69,7 +69,7 @@ DEFAULTS: dict[str, int | None] = {
     "runs": 250_000,
     "tasks": 500_000,
     "timers": 250_000,
-    "stored": 3_000_000,
+    "stored": 1_500_000,
     "payload_bytes": 1 << 30,
     "watchers": 256,
     "connections": 256,
@@ -211,10 +211,9 @@ class Limits:
         self.refused[name] += 1
         value = self.values[name]
         what = DESCRIPTIONS[name].split(" (")[0].split(":")[0]
-        more = f" (this step adds {adding:,})" if adding > 1 else ""
         return LimitError(
-            f"space {space!r} is at its limit of {value:,} {what} ({name}: {use:,} in use){more}; "
-            f"{_HOW[name]} (the operator sets it: rallypoint serve --limit {name}=N)",
+            f"space {space!r} would pass its limit of {value:,} {what} ({name}: {use:,} in use, this adds "
+            f"{adding:,}); {_HOW[name]} (the operator sets the limit: rallypoint serve --limit {name}=N)",
             retry_after=_RETRY_AFTER[name],
             details={"limit": name, "value": value, "use": use, "adding": adding},
         )
