@@ -326,6 +326,7 @@ async def _serve(args) -> int:
         slow_sync_s=args.slow_fsync_s,
     ) as node:
         coord = node.coordinator
+        coord.limits.configure(args.limits)
         coord.watchers.stall_s = args.watch_stall
         coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
         if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
@@ -496,6 +497,7 @@ async def _serve_cluster(args) -> int:
 
     def on_leader(node, member):
         coord = node.coordinator
+        coord.limits.configure(args.limits)
         coord.watchers.stall_s = args.watch_stall
         coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
         server = member.server
@@ -834,6 +836,9 @@ def cmd_serve(args) -> int:
                                   f"{args.retain_events!r})") from None
         args.retention = {"retain_finished_ms": retain_finished_ms or None, "retain_events": count or None,
                           "retain_events_ms": age_ms or None}
+        from .limits import parse_limit
+
+        args.limits = dict(parse_limit(x) for x in args.limit or ())
         for flag, addr in (("--metrics", args.metrics), ("--http", args.http), ("--console", args.console)):
             if addr:
                 _parse_listen(addr, flag)
@@ -1081,8 +1086,9 @@ def _fmt_time(dt) -> str:
 
 def cmd_status(args) -> int:
     """``status``: version, uptime, durability and LSNs, connections, runs and tasks by
-    state, actors active/passive per kind and the depth of the nursery tree (``--json``:
-    the server's view as JSON)."""
+    state, each space's use of its limits, actors active/passive per kind and the depth
+    of the nursery tree (``--json``: the server's view as JSON). With a key of one space
+    (not ``operator``): that space's figures only."""
     from .errors import RallypointError
 
     try:
@@ -1095,18 +1101,27 @@ def cmd_status(args) -> int:
     print(f"server      {args.connect}")
     print(f"version     {st.version} (protocol {st.protocol_version})")
     print(f"uptime      {_fmt_age(st.uptime_s)}")
-    print(f"durability  {st.durability}   LSN {st.last_lsn} (durable {st.durable_lsn})")
-    if st.sync_helper:
+    space_view = st.view == "space"  # a key of one space: its own figures only
+    if space_view:
+        print(f"durability  {st.durability}")
+    else:
+        print(f"durability  {st.durability}   LSN {st.last_lsn} (durable {st.durable_lsn})")
+    if st.sync_helper and not space_view:
         where = ("the sync helper process, pid " + st.sync_helper.split()[1]
                  if st.sync_helper.startswith("process ")
                  else "the event loop (inline)" if st.sync_helper == "inline" else "a thread of the daemon")
         mean = f", mean {st.fsync_seconds / st.fsyncs * 1000:.2f} ms" if st.fsyncs else ""
         calls = "call" if st.fsyncs == 1 else "calls"
         print(f"fsync       in {where}; {st.fsyncs:,} fdatasync {calls}{mean}")
-    print(f"connections {st.connections}")
+    mine = " (this key's space)" if space_view else ""
+    print(f"connections {st.connections}{mine}")
     print("runs        " + "  ".join(f"{k} {v}" for k, v in sorted(st.runs.items())))
     print("tasks       " + ("  ".join(f"{k} {v}" for k, v in sorted(st.tasks.items())) or "none"))
-    print(f"entities    {st.entities}")
+    print(f"entities    {st.entities}{mine}")
+    for line in _limit_lines(st.limits, st.space_use):
+        print(line)
+    if space_view:
+        return 0
     active = sum(a.get("active", 0) for a in st.actors.values())
     passive = sum(a.get("passive", 0) for a in st.actors.values())
     waiters = sum(a.get("waiters", 0) for a in st.actors.values())
@@ -1117,6 +1132,42 @@ def cmd_status(args) -> int:
         for line in _cluster_lines(st.cluster):
             print(line)
     return 0
+
+
+def _limit_lines(limits: dict, space_use: dict) -> list[str]:
+    """``status``'s limits per space: one line per space with the use of each limit
+    against its value (``use/limit``, ``-`` for no limit) and the highest fraction."""
+    if not limits:
+        return []
+    from .limits import NAMES
+
+    def fmt(n: int, name: str) -> str:
+        if name == "payload_bytes":
+            return _fmt_bytes(n)
+        return f"{n:,}"
+
+    out = ["limits      per space: " + "  ".join(
+        f"{n} {fmt(limits[n], n) if limits.get(n) else '-'}" for n in NAMES if n in limits)]
+    for space, use in space_use.items():
+        cells = []
+        top = 0.0
+        for n in NAMES:
+            if n not in use:
+                continue
+            lim = limits.get(n) or 0
+            cells.append(f"{n} {fmt(use[n], n)}/{fmt(lim, n) if lim else '-'}")
+            if lim:
+                top = max(top, use[n] / lim)
+        out.append(f"  {space:<10} " + "  ".join(cells) + f"   (highest {top:.0%})")
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            v = n / size
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return f"{n}B"
 
 
 def _cluster_lines(c) -> list[str]:
@@ -2223,6 +2274,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retain-events", default="100000", metavar="COUNT|AGE",
                    help="events kept per space: a count, or an age such as 24h; 0 keeps every event; a watch or "
                         "list with an older cursor gets CURSOR_EXPIRED (default %(default)s)")
+    from .limits import DEFAULTS as _LIMITS, DESCRIPTIONS as _LIMIT_TEXT, NAMES as _LIMIT_NAMES
+
+    s.add_argument("--limit", action="append", default=None, metavar="NAME=VALUE",
+                   help="a limit per space, every space the same (repeatable; VALUE a positive integer, for "
+                        "payload_bytes also 512MiB or 2GiB, or none); a space at its limit is refused what would "
+                        "pass it, LIMIT_EXCEEDED (README, Limits; per shard in a sharded cluster). The limits, "
+                        "with their defaults: " + "; ".join(f"{n}={_LIMITS[n]}: {_LIMIT_TEXT[n]}" for n in _LIMIT_NAMES))
     s.add_argument("--watch-buffer-bytes", type=_bounded(int, 4096), default=1 << 20,
                    help="unsent output a connection may hold before its watches wait (default %(default)s)")
     s.add_argument("--watch-stall", type=_bounded(float, 0, inclusive=False), default=10.0,

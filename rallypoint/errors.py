@@ -278,7 +278,11 @@ class ClaimHeldError(ContentionError):
 
 
 class LimitError(RallypointError):
-    """LIMIT_EXCEEDED: a structural limit (100 members, child limit, backlog)."""
+    """LIMIT_EXCEEDED (HTTP 429): a structural limit (100 members, child limit, backlog,
+    a work limit), or a limit per space (``rallypoint serve --limit``; README "Limits"):
+    then ``details`` are ``limit`` (its name: runs, tasks, timers, stored, payload_bytes,
+    watchers, connections), ``value``, ``use`` and ``adding`` (what the refused operation
+    would have added), and ``retry_after`` is set where waiting helps."""
 
     code = "LIMIT_EXCEEDED"
 

@@ -41,6 +41,11 @@ events_emitted_total, events_retained          counter / gauge
 watchers                                       gauge      open subscriptions
 watch_cut_off_total                            counter    SLOW_CONSUMER
 retention_purged_entities_total                counter
+space_limit                                    gauge      limit: the value of each limit per
+                                                          space (README, Limits)
+space_limit_use                                gauge      space, limit: a space's use of it
+space_limit_refused_total                      counter    limit: operations refused
+                                                          LIMIT_EXCEEDED by it
 =============================================  =========  =========================================
 """
 
@@ -294,6 +299,33 @@ class Metrics:
         yield c
         c = CounterMetricFamily(p + "retention_purged_entities", "Entities deleted by --retain-finished")
         c.add_metric([], coord.retention.purged["entities"])
+        yield c
+        yield from self._limit_metrics(GaugeMetricFamily, CounterMetricFamily)
+
+    def _limit_metrics(self, GaugeMetricFamily, CounterMetricFamily):
+        """The limits per space (``rallypoint/limits.py``): each limit's value, every
+        space's use of each (spaces with no use left out), refusals by limit."""
+        from .limits import NAMES
+
+        p = "rallypoint_"
+        limits = self.coord.limits
+        g = GaugeMetricFamily(p + "space_limit", "The limit per space, by limit (absent: no limit)", labels=["limit"])
+        for n in NAMES:
+            v = limits.values[n]
+            if v is not None:
+                g.add_metric([n], v)
+        yield g
+        g = GaugeMetricFamily(p + "space_limit_use", "A space's use of a limit", labels=["space", "limit"])
+        for space, u in limits.use.items():
+            if u.idle():
+                continue
+            for n in NAMES:
+                g.add_metric([space, n], getattr(u, n))
+        yield g
+        c = CounterMetricFamily(p + "space_limit_refused", "Operations refused LIMIT_EXCEEDED by a limit per space",
+                                labels=["limit"])
+        for n in NAMES:
+            c.add_metric([n], limits.refused[n])
         yield c
 
     def registry(self):

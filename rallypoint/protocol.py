@@ -270,6 +270,16 @@ class ServerStatusView(_View):
     #: a node of a replicated shard: its role, epoch, in-sync set, standby (None: a
     #: single node)
     cluster: ClusterView | None = None
+    #: ``server``: the figures are the whole server's (open mode, an ``operator`` key);
+    #: ``space``: a key's own space's -- ``connections`` and ``entities`` count that
+    #: space only, and the server-wide ones (LSNs, fsyncs, actors, cluster) are left
+    #: empty (``actors/space.py``)
+    view: str = "server"
+    #: the limits per space, name -> value (0: no limit; ``rallypoint/limits.py``)
+    limits: dict[str, int] = msgspec.field(default_factory=dict)
+    #: space -> limit name -> use: the key's own space (``view`` space), or every space
+    #: with any use, the 100 nearest a limit first (``view`` server)
+    space_use: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
 
 
 # --- runs (scopes) --------------------------------------------------------------------

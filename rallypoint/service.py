@@ -247,11 +247,16 @@ class Service:
         }
         self._shards = coordinator.op_table.shards
         self._decoder = coordinator.op_table.decoder
+        #: the sessions of open connections counted against their space's connections
+        #: limit (:meth:`hello`, :meth:`goodbye`)
+        self._counted: dict[Session, None] = {}
 
     # -------------------------------------------------------------- handshake
     def hello(self, hello: Hello, peer: str = "") -> tuple[Session, HelloOk]:
         """Authenticate a connection: ``(session, HelloOk)``. VALIDATION_FAILED for another
-        protocol version, UNAUTHENTICATED for a missing, unknown or revoked key."""
+        protocol version, UNAUTHENTICATED for a missing, unknown or revoked key,
+        LIMIT_EXCEEDED when its space has its ``connections`` limit open already
+        (``rallypoint/limits.py``; the connection counts until :meth:`goodbye`)."""
         if hello.version != PROTOCOL_VERSION:
             raise ValidationError(
                 f"protocol version mismatch: the client speaks version {hello.version}, "
@@ -277,8 +282,17 @@ class Service:
         else:
             session = Session(space=key.space, permissions=frozenset(key.permissions), peer=peer, key_id=key.id,
                               client=hello.client)
+        self.coordinator.limits.connection_opened(session.space)
+        self._counted[session] = None
         return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space,
                                 shard=self.shard, epoch=self.epoch)
+
+    def goodbye(self, session: Session) -> None:
+        """The connection :meth:`hello` authenticated as ``session`` closed: it stops
+        counting against its space's connections limit (a session not counted: no-op)."""
+        if session in self._counted:
+            del self._counted[session]
+            self.coordinator.limits.connection_closed(session.space)
 
     # -------------------------------------------------------------- requests
     def decode(self, body: msgspec.Raw | bytes):

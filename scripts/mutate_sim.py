@@ -324,6 +324,18 @@ MUTANTS = [
         "                if self.cancelled_by(a)",
         "found bug: a wait's deadline answered before what fell due in the same round",
     ),
+    Mutant(
+        "limits-deadline-uncounted", "rallypoint/actors/run.py",
+        "        s.deadline_fired = True\n        if was_live:\n            self._count_ended(s)",
+        "        s.deadline_fired = True",
+        "a run's deadline does not take it (and its live subtree) out of the space's runs limit count",
+    ),
+    Mutant(
+        "limits-not-rebuilt", "rallypoint/actors/coordinator.py",
+        "        self.limits.rebuild(self)",
+        "        pass  # mutant: the limits' use is not recounted after a snapshot is loaded",
+        "the limits per space keep no use after a snapshot is loaded (only the journal's tail counts)",
+    ),
 ]
 
 

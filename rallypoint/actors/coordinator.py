@@ -53,6 +53,7 @@ from .idempotency import DEFAULT_TTL_MS, Idempotency
 from .inbox import Inboxes
 from .joinset import JoinSets
 from .keys import Keys, grant_of
+from ..limits import Limits
 from .once import Onces
 from .opmark import BoundOp, OpTable, build_table
 from .pool import Pools
@@ -112,6 +113,9 @@ class Coordinator:
         retain_events_ms: events kept this long, ms (None: no age limit).
         retain_finished_ms: finished runs and tasks are deleted this long after they
             ended, ms (None or 0: kept forever). See :mod:`rallypoint.actors.retention`.
+        limits: the limits per space to change from their defaults (name -> value,
+            None: no limit); :mod:`rallypoint.actors.limits`. VALIDATION_FAILED for an
+            unknown name or a bad value.
     """
 
     def __init__(
@@ -125,8 +129,12 @@ class Coordinator:
         retain_events_ms: int | None = None,
         retain_finished_ms: int | None = None,
         idempotency_ttl_ms: int = DEFAULT_TTL_MS,
+        limits: dict | None = None,
     ) -> None:
         self.clock = clock or Clock()
+        #: the limits per space and every space's use (counted by the kinds' apply
+        #: functions, checked by their decide handlers): rallypoint.actors.limits
+        self.limits = Limits(limits)
         self.ids = IdGenerator(self.clock.mono_ms)
         #: a sharded cluster's slot map as this shard sees it (None: ids name no slot)
         self.sharding: Sharding | None = None
@@ -295,9 +303,11 @@ class Coordinator:
         self._dirty_full[:0] = [d for d in chunks if d]
 
     def rebuild_indexes(self) -> None:
-        """After loading a snapshot: every kind recomputes its derived indexes."""
+        """After loading a snapshot: every kind recomputes its derived indexes (and the
+        limits per space their uses)."""
         for k in self.kinds:
             k.rebuild_indexes()
+        self.limits.rebuild(self)
 
     # ------------------------------------------------------------------ commit
     def commit(self, records: list) -> int:

@@ -131,7 +131,8 @@ class Groups(Kind):
     def op_group_create(self, actor, session, op: GroupCreate) -> GroupView:
         """A group and its gate run (a child of ``parent_scope_id``, default the run the
         call is made on), in one record. Runs on the calling run's actor. Both the calling
-        run and the parent must be active (SCOPE_CANCELLED / DEADLINE_EXCEEDED)."""
+        run and the parent must be active (SCOPE_CANCELLED / DEADLINE_EXCEEDED); the gate
+        run counts against the space's ``runs`` limit (LIMIT_EXCEEDED)."""
         coord = self.coord
         runs = coord.runs
         space = session.space
@@ -173,6 +174,7 @@ class Groups(Kind):
                     f"the group's parent run {parent.id} is in another run tree than run {origin.id}: a sharded "
                     "cluster keeps a group, its gate and its members in one tree", details={"cross_tree": True})
         runs.check_child_limit(parent, "; the group's gate run would exceed it")
+        coord.limits.check_runs(space)  # its gate run (the space's runs limit)
         rec = GroupCreated(
             id=coord.new_id("grp", under=origin.id),
             space=space,

@@ -50,6 +50,7 @@ from ..protocol import IdempotencyLookup, IdempotencyRecord, IdempotencyView
 from ..records import IdempotencyExpired, IdempotencyRecorded
 from .common import applies
 from .kind import Kind
+from ..limits import entry_bytes
 from .opmark import ALWAYS, HERE, LOCAL, SPACE, op
 
 __all__ = ["IdempotencyState", "Idempotency", "DEFAULT_TTL_MS"]
@@ -125,13 +126,17 @@ class Idempotency(Kind):
         """The stored answer, or ``found`` False (also while only steps are stored: the
         request runs again, its stored steps answered from the store).
         IDEMPOTENCY_CONFLICT when the key was used for another request (method, path or
-        body)."""
+        body). LIMIT_EXCEEDED, when the request is to run, while the space's
+        ``payload_bytes`` limit is reached: a keyed request is refused at its start,
+        never between its effect and its stored answer (``rallypoint/limits.py``)."""
         self._check(op.key)
         e = self._live(session.space, op.key)
         if e is None:
+            self.coord.limits.check_payload(session.space, 1)
             return IdempotencyView(found=False)
         self._same_request(e, op.key, op.fingerprint)
         if not e.status:
+            self.coord.limits.check_payload(session.space, 1)
             return IdempotencyView(found=False)
         return IdempotencyView(found=True, status=e.status, body=e.body)
 
@@ -209,25 +214,34 @@ class Idempotency(Kind):
         steps are no longer needed). Anything else -- no entry, an expired one, another
         request's -- starts a new entry, last in line for expiry."""
         e = self.table.get(r.id)
+        limits = self.coord.limits
         if (e is not None and e.fingerprint == r.fingerprint and not e.status and e.key == r.key
                 and r.at_ms < e.at_ms + self.ttl_ms):
+            before = entry_bytes(e)
             if r.step is not None:
                 e.steps[r.step] = r.body
             else:
                 e.status, e.body, e.steps = r.status, r.body, {}
+            limits.bytes_changed(e.space, entry_bytes(e) - before)
         else:
-            self.table.pop(r.id, None)  # an expired entry of the same key: the new one goes last
+            old = self.table.pop(r.id, None)  # an expired entry of the same key: the new one goes last
+            if old is not None:
+                limits.bytes_changed(old.space, -entry_bytes(old))
             e = self.table[r.id] = IdempotencyState(id=r.id, space=r.space, key=r.key, fingerprint=r.fingerprint,
                                                     status=r.status, body=r.body, at_ms=r.at_ms)
             if r.step is not None:
                 e.body = b""
                 e.steps[r.step] = r.body
+            limits.bytes_changed(e.space, entry_bytes(e))
         self.coord.touch(r.id)
 
     @applies(IdempotencyExpired)
     def _apply_expired(self, r: IdempotencyExpired) -> None:
+        limits = self.coord.limits
         for eid in r.ids:
-            if self.table.pop(eid, None) is not None:
+            e = self.table.pop(eid, None)
+            if e is not None:
+                limits.bytes_changed(e.space, -entry_bytes(e))
                 self.coord.touch(eid)
 
     def rebuild_indexes(self) -> None:

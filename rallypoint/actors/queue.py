@@ -477,6 +477,7 @@ class WorkQueues(Kind):
         field_prefix: str = "",
         pending: dict | None = None,
         extra_backlog: int = 0,
+        extra_bytes: int = 0,
         requirements=None,
         work_limit=None,
         mode: str = "WORK",
@@ -488,7 +489,9 @@ class WorkQueues(Kind):
         WORK for a task, INBOX for a message (``msg_`` id, its payload named
         ``payload``). ``requirements``: the wire :class:`~rallypoint.protocol.Requirements`
         (resolved here); ``work_limit``: a resolved work limit, checked for
-        ``extra_backlog + 1`` more unfinished tasks. ``now``: the step's wall instant
+        ``extra_backlog + 1`` more unfinished tasks -- and the space's ``tasks``,
+        ``stored`` and ``payload_bytes`` limits for them with ``extra_bytes`` more input
+        (``rallypoint/limits.py``). ``now``: the step's wall instant
         (ms), given by a batch whose caller already checked that the run is active.
 
         A submission without requirements of its own (None, or empty) gets the queue's
@@ -499,7 +502,7 @@ class WorkQueues(Kind):
         Raises VALIDATION_FAILED (bad key, payload, deadline, requirements), CONFLICT (key
         reused with other input; a task to an INBOX queue or a message to a WORK queue),
         NOT_FOUND (a pool or budget of the requirements), SCOPE_CANCELLED /
-        DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog, work limit)."""
+        DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog, work limit, the space's limits)."""
         if q.mode != mode:
             how = "send messages with mailbox.send()" if q.mode == "INBOX" else "submit tasks with mailbox.submit()"
             raise ConflictError(f"mailbox {q.name!r} is a {q.mode} mailbox: {how}",
@@ -544,6 +547,7 @@ class WorkQueues(Kind):
             reqs = q.requirements  # the queue's defaults (resolved at ensure; pools and budgets are never purged)
         if work_limit is not None:
             coord.admission.check_work_limit(work_limit, extra_backlog + 1)
+        coord.limits.check_tasks(space, extra_backlog + 1, extra_bytes + len(data))
         seq = self.next_seq + extra_backlog
         return TaskSubmitted(
             id=coord.new_id("msg" if mode == "INBOX" else "tsk", under=run_id), space=space, mailbox_id=q.id, scope_id=run_id,
@@ -581,17 +585,19 @@ class WorkQueues(Kind):
         recs: list = []
         ids: list[str] = []
         pending: dict = {}
+        nbytes = 0  # the inputs of ``recs`` (the space's payload_bytes limit)
         # one instant for the step; the run is checked once (nothing below changes it)
         self.coord.runs.require_active(run.id)
         now = self.coord.now_ms()
         for i, item in enumerate(op.items):
             r = self.prepare_submit(
                 session.space, q, run.id, item.input, item.key, item.deadline,
-                field_prefix=f"items[{i}].", pending=pending, extra_backlog=len(recs),
+                field_prefix=f"items[{i}].", pending=pending, extra_backlog=len(recs), extra_bytes=nbytes,
                 requirements=item.requirements, work_limit=wl, now=now,
             )
             if isinstance(r, TaskSubmitted) and not (r.key is not None and pending.get((run.id, q.id, r.key)) is r):
                 recs.append(r)  # (a key repeated within the batch returns the pending record: add it once)
+                nbytes += len(r.input)
                 if r.key is not None:
                     pending[(run.id, q.id, r.key)] = r
             ids.append(r.id)
@@ -617,6 +623,7 @@ class WorkQueues(Kind):
             self.next_seq = r.seq + 1
         self.tasks[t.id] = t
         self._index_task(t)
+        self.coord.limits.task_added(t)
         if r.requirements is not None or r.work_limit_id is not None:
             self.coord.admission.on_task_submitted(t)
         self.coord.touch(t.id)
@@ -697,6 +704,8 @@ class WorkQueues(Kind):
         if old == "RUNNING" and t.requirements is not None:
             coord.admission.on_delivery_ended(t, new, at_ms)
         if new in TERMINAL:
+            if old not in TERMINAL:
+                coord.limits.task_finished(t)
             if t.requirements is not None or t.work_limit_id is not None:
                 coord.admission.on_task_terminal(t)
             s = self.run_unfinished.get(t.scope_id)
@@ -1172,6 +1181,7 @@ class WorkQueues(Kind):
         if not self._lease_live(t):
             raise self._lost(t)
         runs.check_child_limit(runs.table[t.scope_id], "; the task's own run would exceed it")
+        self.coord.limits.check_runs(t.space)
         rec = TaskRunCreated(task_id=t.id, run_id=self.coord.new_id("scp", under=t.id), at_ms=self.coord.now_ms())
         self.coord.commit([rec])
         return runs.view(runs.table[rec.run_id])
@@ -1551,6 +1561,7 @@ class WorkQueues(Kind):
         for k in coord.task_linked_kinds:  # what its deliveries held (grants, reservations)
             n += k.purge_task_links(t.id)
         del self.tasks[t.id]
+        coord.limits.task_purged(t)
         if t.key is not None and self.task_keys.get((t.scope_id, t.mailbox_id, t.key)) == t.id:
             del self.task_keys[(t.scope_id, t.mailbox_id, t.key)]
         rt = self.run_tasks.get(t.scope_id)

@@ -231,12 +231,14 @@ class Runs(Kind):
         ``named``: the root of ``scope.ensure_named`` (in a sharded cluster its id names
         the slot its name hashes to). VALIDATION_FAILED (name, deadline in the past,
         child_limit), NOT_FOUND (parent),
-        SCOPE_CANCELLED / DEADLINE_EXCEEDED (parent inactive), LIMIT_EXCEEDED (child_limit)."""
+        SCOPE_CANCELLED / DEADLINE_EXCEEDED (parent inactive), LIMIT_EXCEEDED (child_limit; the
+        space's ``runs`` or ``stored`` limit: ``rallypoint/limits.py``)."""
         space = session.space
         if op.parent_id is not None:
             parent = self.get(space, op.parent_id)
             self.require_active(parent.id)
             self.check_child_limit(parent)
+        self.coord.limits.check_runs(space)
         if op.name is not None:
             check_label("name", op.name)
         check_range("child_limit", op.child_limit, 0, 1_000_000)
@@ -423,6 +425,7 @@ class Runs(Kind):
             c = self.counts[space] = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
         c["ACTIVE"] = c.get("ACTIVE", 0) + 1
         coord = self.coord
+        coord.limits.run_added(space)
         if parent_id is None:
             roots = self.roots.get(space)
             if roots is None:
@@ -453,6 +456,8 @@ class Runs(Kind):
     def add(self, s: ScopeState) -> None:
         """Install a new run (its own record, or a group's gate run in GroupCreated)."""
         self._index(s)
+        if s.remote_shard is None:
+            self.coord.limits.run_added(s.space)
         if s.parent_id is not None:
             self.table[s.parent_id].children += 1
             self.coord.touch(s.parent_id)
@@ -488,6 +493,7 @@ class Runs(Kind):
         """The run's own state becomes ``state`` (CANCELLED or COMPLETED) and its subtree
         goes inactive, in this one synchronous step. ``implied``: another record's step
         ends it (a group's gate, a task's own run): its event is an implied fact."""
+        was_live = self.live(s.id)
         self._count(s.space, s.state, state)
         s.state = state
         s.ended_at_ms = at_ms
@@ -497,17 +503,54 @@ class Runs(Kind):
         self.coord.retention.note(s.id, at_ms)
         if implied:
             self.coord.implied(ScopeEnded(id=s.id, state=state, at_ms=at_ms, reason=reason))
+        if was_live:
+            self._count_ended(s)
         self._inactivate_subtree(s.id, at_ms, _REASON_OF_STATE[state])
 
     @applies(ScopeDeadlinePassed)
     def _apply_deadline(self, r: ScopeDeadlinePassed) -> None:
         s = self.table[r.id]
+        was_live = self.live(s.id)
         s.deadline_fired = True
         self._unname(s)
+        if was_live:
+            self._count_ended(s)
         self.coord.touch(s.id)
         if s.state == "ACTIVE":
             self.coord.retention.note(s.id, r.at_ms)
         self._inactivate_subtree(s.id, r.at_ms, "deadline")
+
+    def live(self, run_id: str) -> bool:
+        """The run has not ended by any record: it and every ancestor ACTIVE with no
+        deadline fired (what the ``runs`` limit counts: ``rallypoint/limits.py``; a deadline
+        that passed but has not fired yet still counts). A remote run is never live
+        here (its own shard counts it)."""
+        table = self.table
+        s = table.get(run_id)
+        while s is not None:
+            if s.state != "ACTIVE" or s.deadline_fired or s.remote_shard is not None:
+                return False
+            if s.parent_id is None:
+                return True
+            s = table.get(s.parent_id)
+        return False
+
+    def _count_ended(self, s: ScopeState) -> None:
+        """``s``, live until this step, ended: it and every run below it still live
+        (ACTIVE, no deadline fired: a run that ended before took its subtree with it)
+        leave the space's ``runs`` count. Apply only; O(the live part of the subtree)."""
+        n = 1
+        table, children = self.table, self.children
+        stack = list(children.get(s.id, ()))
+        while stack:
+            c = table.get(stack.pop())
+            if c is None or c.state != "ACTIVE" or c.deadline_fired:
+                continue
+            n += 1
+            kids = children.get(c.id)
+            if kids:
+                stack.extend(kids)
+        self.coord.limits.runs_ended(s.space, n)
 
     def _inactivate_subtree(self, root_id: str, at_ms: int, reason: str) -> None:
         coord = self.coord
@@ -618,6 +661,8 @@ class Runs(Kind):
         c = self.counts.get(s.space) if s.remote_shard is None else None  # (remote runs are not counted)
         if c is not None:
             c[s.state] -= 1
+        if s.remote_shard is None:
+            self.coord.limits.run_purged(s.space)
         if s.parent_id is not None:
             kids = self.children.get(s.parent_id)
             if kids is not None:

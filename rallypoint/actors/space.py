@@ -8,8 +8,11 @@ creates belongs to the runs, work-queue and keys kinds.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
+from .._version import __version__
 from ..clock import to_iso
 from ..errors import ValidationError
 from ..events import EventFilter
@@ -55,16 +58,32 @@ class Spaces(Kind):
 
     @op(ServerStatus, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
     def op_server_status(self, actor, session, op: ServerStatus) -> ServerStatusView:
-        """The server's version, uptime, connections, durability, counts of the session's
-        space, journal LSNs, and the actor runtime (actors by kind, tree depth). Answered
-        at once (:class:`~rallypoint.actors.runtime.AtOnce`), also while writes wait for
-        a standby: its counts may then include changes not yet acknowledged
+        """The server's version, uptime, durability, the session's space's runs and tasks
+        and its use of every limit. The whole server's figures -- connections, entities,
+        journal LSNs, fsyncs, the actor runtime (actors by kind, tree depth), the
+        cluster, every space's use -- only to a session that sees every space (open
+        mode, an ``operator`` key: ``view`` server); a key of one space gets its
+        space's connections and entities and nothing of the others (``view`` space).
+        Answered at once (:class:`~rallypoint.actors.runtime.AtOnce`), also while writes
+        wait for a standby: its counts may then include changes not yet acknowledged
         (``durable_lsn < last_lsn`` says so)."""
         coord = self.coord
-        st = coord.server_status()
+        space = session.space
         runs = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
-        runs.update(coord.runs.counts.get(session.space, {}))
-        tasks = {k: v for k, v in coord.queues.space_counts.get(session.space, {}).items() if v}
+        runs.update(coord.runs.counts.get(space, {}))
+        tasks = {k: v for k, v in coord.queues.space_counts.get(space, {}).items() if v}
+        limits = coord.limits
+        perms = session.permissions
+        if perms is not None and "operator" not in perms:
+            use = limits.report([space])
+            return AtOnce(ServerStatusView(
+                version=__version__, protocol_version=PROTOCOL_VERSION, uptime_s=time.monotonic() - coord.started_at,
+                connections=use[space]["connections"], durability=coord.durability, runs=runs, tasks=tasks,
+                entities=use[space]["stored"], last_lsn=0, durable_lsn=0,
+                sync_helper=getattr(coord.journal, "sync_helper", ""),
+                view="space", limits=limits.wire_values(), space_use=use,
+            ))
+        st = coord.server_status()
         return AtOnce(ServerStatusView(
             version=st["version"],
             protocol_version=PROTOCOL_VERSION,
@@ -82,6 +101,9 @@ class Spaces(Kind):
             actors=st["actors"],
             tree_depth=st["tree_depth"],
             cluster=coord.cluster_status_fn() if coord.cluster_status_fn is not None else None,
+            view="server",
+            limits=limits.wire_values(),
+            space_use=limits.report(),
         ))
 
     # ================================================================ events
@@ -117,10 +139,12 @@ class Spaces(Kind):
     def op_events_watch(self, actor, session, op: EventsWatch) -> Subscribe:
         """Subscribe to the space's events after ``cursor`` (None: from the oldest kept,
         or from now with ``start="now"``). CURSOR_EXPIRED / VALIDATION_FAILED as
-        :meth:`op_events_list`."""
+        :meth:`op_events_list`; LIMIT_EXCEEDED when the space has its ``watchers`` limit
+        of subscriptions open (``rallypoint/limits.py``)."""
         if op.start not in ("oldest", "now"):
             raise ValidationError("start must be 'oldest' or 'now'", details={"field": "start"})
         flt = self._filter(op)
+        self.coord.limits.check_watchers(session.space)
         log = self.coord.events
         if op.cursor is None and op.start == "now":
             s = log.stream(session.space)

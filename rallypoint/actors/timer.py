@@ -97,7 +97,8 @@ class Timers(Kind):
         """Exactly one of ``at`` (wall instant) or ``after_ms`` (server-time duration).
         SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run. With ``name``: the run's
         timer of that name, created by the first call and returned unchanged by every
-        later one (whatever its state: ``fire_at`` is never reset)."""
+        later one (whatever its state: ``fire_at`` is never reset). LIMIT_EXCEEDED at the
+        space's ``timers`` or ``stored`` limit (``rallypoint/limits.py``)."""
         coord = self.coord
         run = coord.runs.get(session.space, op.scope_id)
         if op.name is not None:
@@ -116,6 +117,7 @@ class Timers(Kind):
         else:
             fire_at = parse_instant("at", op.at)
         coord.runs.require_active(run.id)
+        coord.limits.check_timers(session.space)
         rec = TimerCreated(id=coord.new_id("tmr", under=run.id), space=session.space, scope_id=run.id, fire_at_ms=fire_at,
                            at_ms=now, fire_mono_ms=fire_mono, name=op.name)
         coord.commit([rec])
@@ -128,6 +130,7 @@ class Timers(Kind):
         self.table[t.id] = t
         if t.name is not None:
             self.by_name[(t.scope_id, t.name)] = t.id
+        self.coord.limits.timer_added(t.space)
         self.coord.runs.own(t.scope_id, t.id)
         self.coord.touch(t.id)
         self._arm(t)
@@ -149,6 +152,8 @@ class Timers(Kind):
     @applies(TimerFired)
     def _apply_fired(self, r: TimerFired) -> None:
         t = self.table[r.id]
+        if t.state == "ARMED":
+            self.coord.limits.timer_ended(t.space)
         t.state = "FIRED"
         t.fired_at_ms = r.at_ms
         self.coord.touch(t.id)
@@ -233,6 +238,8 @@ class Timers(Kind):
         self.coord.notify(t.id, "t")  # waits on a timer cancelled by timer.cancel()
 
     def _cancel(self, t: TimerState, reason: str) -> None:
+        if t.state == "ARMED":
+            self.coord.limits.timer_ended(t.space)
         t.state = "CANCELLED"
         t.cancel_reason = reason
         self.coord.touch(t.id)
@@ -248,10 +255,16 @@ class Timers(Kind):
     # ================================================================ retention
     def purge_run(self, run_id: str) -> int:
         n = 0
+        limits = self.coord.limits
         for tid in self.coord.runs.owned.get(run_id, ()):
-            if tid.startswith("tmr") and self.table.pop(tid, None) is not None:
-                self.coord.touch(tid)
-                n += 1
+            if tid.startswith("tmr"):
+                t = self.table.pop(tid, None)
+                if t is not None:
+                    self.coord.touch(tid)
+                    limits.timers_purged(t.space, 1)
+                    if t.state == "ARMED":  # (never: its run ended, which cancelled it)
+                        limits.timer_ended(t.space)
+                    n += 1
         return n
 
     # ================================================================ events

@@ -176,8 +176,11 @@ class Watchers:
             self._wake.set()
 
     def add(self, w: Watcher) -> None:
+        """Serve ``w`` from now on; it counts against its space's ``watchers`` limit
+        until it is dropped (``rallypoint/limits.py``; the decide checked it)."""
         w.hub = self
         self.watchers.append(w)
+        self.coord.limits.watcher_added(w.space)
         self.coord.events.on_publish = self.wake
         self.wake()
 
@@ -187,6 +190,8 @@ class Watchers:
             self.watchers.remove(w)
         except ValueError:
             pass
+        else:
+            self.coord.limits.watcher_removed(w.space)
         if not self.watchers:
             self.coord.events.on_publish = None
 

@@ -365,8 +365,15 @@ def _merge_every(op: Any, parts: list[bytes]) -> bytes:
                 d = actors.setdefault(kind, {})
                 for k, x in a.items():
                     d[k] = d.get(k, 0) + x
+        # limits are per shard per space: the use nearest its limit is the highest of any shard
+        space_use: dict[str, dict[str, int]] = {}
+        for v in vs:
+            for sp, d in v.space_use.items():
+                m = space_use.setdefault(sp, {})
+                for k, x in d.items():
+                    m[k] = max(m.get(k, 0), x)
         merged = msgspec.structs.replace(
-            first, runs=runs, tasks=tasks, actors=actors, entities=sum(v.entities for v in vs),
+            first, runs=runs, tasks=tasks, actors=actors, entities=sum(v.entities for v in vs), space_use=space_use,
             connections=sum(v.connections for v in vs), fsyncs=sum(v.fsyncs for v in vs),
             fsync_seconds=sum(v.fsync_seconds for v in vs), tree_depth=max(v.tree_depth for v in vs))
         return p.encoder.encode(merged)

@@ -35,6 +35,9 @@ The invariants (a failing one names itself; see ``docs/testing.md``):
   journal prefix: what a crash now would recover) -- so no acknowledged change is lost
   and nothing a client saw can be taken back; facts are re-checked after every step
   and after every restart;
+- **limits**: the use of each limit per space, counted by the apply functions, equals
+  a recount of the state and what a replay counted (after a restart: from the snapshot
+  and the journal's tail);
 - **replay**: the live state always equals a replay of its journal; after a clean stop
   the stopped node's memory equals a replay of everything it journaled (nothing applied
   after the journal closed); after a restart the recovered state (snapshot + tail)
@@ -86,6 +89,7 @@ from ..actors import pool as _pool_mod
 from ..clock import Clock
 from ..errors import RallypointError
 from ..ids import IdGenerator, _b32
+from ..limits import Limits
 from ..node import open_node
 from ..persistence import buggify
 from ..persistence.errors import PersistenceError
@@ -820,6 +824,9 @@ class Sim:
             if msg:
                 raise Violation("replay", f"after a clean stop the node's memory differs from a replay of its "
                                           f"journal at {msg}", self.step_no)
+            msg = self._limits_differ(coord)
+            if msg:
+                raise Violation("limits", f"after a clean stop: {msg}", self.step_no)
         for cs in list(inc.calls):
             cs.cancel()
         for scope in inc.wire_scopes:  # connections to a stopped node close
@@ -1150,6 +1157,9 @@ class Sim:
         msg = self._replay_differs(coord)
         if msg:
             chk.fail("replay", f"the live state differs from a replay of its journal at {msg}")
+        msg = self._limits_differ(coord)
+        if msg:
+            chk.fail("limits", msg)
         chk.raise_first()
         for f in self.facts:
             msg = self.check_fact(coord, f)
@@ -1171,6 +1181,20 @@ class Sim:
                 diff = sorted(set(table) ^ set(mt)) or sorted(i for i in table if table[i] != mt.get(i))
                 eid = diff[0]
                 return f"{eid}: live {table.get(eid)!r} / replay {mt.get(eid)!r}"
+        return None
+
+    def _limits_differ(self, coord) -> str | None:
+        """Where the uses of the limits per space (``rallypoint/limits.py``) as the
+        apply functions counted them differ from a recount of the live state, or from
+        what the mirror's replay counted; None when all three agree. (A recovered node
+        counted from its snapshot and its journal's tail: this checks that too.)"""
+        live = coord.limits.derived()
+        counted = {s: d for s, d in Limits.recount(coord).items() if any(d.values())}
+        if live != counted:
+            return f"the limits' use counted in apply {live} differs from a recount of the state {counted}"
+        replayed = self.mirror.limits.derived() if self.mirror is not None else live
+        if live != replayed:
+            return f"the limits' use {live} differs from a replay's {replayed}"
         return None
 
     @staticmethod

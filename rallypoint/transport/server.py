@@ -109,6 +109,7 @@ class Dispatcher(Protocol):
         """Return once the journal is durable up to and including ``lsn``."""
         ...
 
+    # Optional: ``goodbye(session)`` -- the connection ``hello`` authenticated closed.
     # Optional: ``add_durable_listener(fn)`` / ``remove_durable_listener(fn)`` -- call
     # ``fn(durable_lsn, None)`` whenever the durable LSN advances and ``fn(durable_lsn,
     # error)`` once it never will again. With it the server (while a connection runs)
@@ -715,6 +716,9 @@ class _Conn:
             # held answers dropped, parked waits and subscriptions ended unanswered
             st.finish()
             self.closed = True
+            bye = getattr(server.dispatcher, "goodbye", None)
+            if bye is not None and st.session is not None:  # (its space's connections limit)
+                bye(st.session)
             if server._held is not None:
                 server._held.pop(self, None)
             server._listen(False)
