@@ -49,8 +49,8 @@ class Mutant:
 MUTANTS = [
     Mutant(
         "reply-before-durable", "rallypoint/actors/coordinator.py",
-        "sink.deliver(rid, reply, self.journal.last_lsn)",
-        "sink.deliver(rid, reply, self.journal.durable_lsn)",
+        "        lsn = self.journal.last_lsn\n        if isinstance(reply, AtOnce)",
+        "        lsn = self.journal.durable_lsn\n        if isinstance(reply, AtOnce)",
         "a reply depends only on what is already durable: it may leave before the change it shows",
     ),
     Mutant(
@@ -326,8 +326,8 @@ MUTANTS = [
     ),
     Mutant(
         "limits-deadline-uncounted", "rallypoint/actors/run.py",
-        "        s.deadline_fired = True\n        if was_live:\n            self._count_ended(s)",
-        "        s.deadline_fired = True",
+        "        s.deadline_fired = True\n        self._unname(s)\n        if was_live:\n            self._count_ended(s)",
+        "        s.deadline_fired = True\n        self._unname(s)",
         "a run's deadline does not take it (and its live subtree) out of the space's runs limit count",
     ),
     Mutant(
