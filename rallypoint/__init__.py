@@ -163,6 +163,7 @@ async def connect(
     tls_ca: str | None = None,
     ssl_context=None,
     reconnect: "Reconnect | bool" = True,
+    route: bool = True,
 ) -> AsyncIterator[Client]:
     """Connect to a rallypoint daemon; yields the ``rs`` client.
 
@@ -180,6 +181,9 @@ async def connect(
         reconnect: ``True`` (default: :class:`Reconnect` defaults, giving up after
             60 s), a :class:`Reconnect` (timeout, backoff), or ``False`` (a dropped
             connection fails pending and later calls with UnavailableError).
+        route: on a sharded cluster, send each request to the shard that owns it
+            (default; with or without reconnection). False: everything goes to the node
+            connected to, which answers WRONG_SHARD for what another shard owns.
 
     With reconnection, a dropped connection (e.g. a daemon restart) is re-opened with
     exponential backoff (logged on the ``rallypoint.client`` logger); calls made
@@ -229,42 +233,67 @@ async def connect(
     conn = await open_connection(connect_timeout)
     if policy is None:
         async with conn:
-            yield Client(conn)
+            if not route:
+                yield Client(conn)
+                return
+            async with _routed(conn, url, open_one, None, connect_timeout) as client:
+                yield client
         return
     async with ReconnectingTransport(url, conn, open_connection, policy, connect_timeout) as transport:
-        info = transport.server_info
-        if getattr(info, "shard", None) is None:  # not a cluster node: one transport for everything
+        if not route:
             yield Client(transport)
             return
-        import anyio
+        async with _routed(transport, url, open_one, policy, connect_timeout) as client:
+            yield client
 
-        from .client.router import open_transport
 
-        try:
-            async with anyio.create_task_group() as shards:
-                async def run_shard(shard: int, hint, *, task_status=anyio.TASK_STATUS_IGNORED):
-                    # one shard's transport lives in a task of its own (entered and left there)
-                    f = LeaderFollower(split_urls(url), open_one, shard=shard, hint=hint)
-                    c = await f.open(connect_timeout)
-                    async with ReconnectingTransport(url, c, f.open, policy, connect_timeout) as t:
-                        task_status.started(t)
+@asynccontextmanager
+async def _routed(transport, url: str, open_one, policy, connect_timeout: float):
+    """A Client over ``transport``; on a sharded cluster's node (its HelloOk names a
+    shard), one routing the requests to every shard's leader -- each shard's connection
+    reconnecting under ``policy``, or, with ``policy`` None (``reconnect=False``), a plain
+    one (routing works without reconnection)."""
+    from .client.api import Client
+    from .client.follow import LeaderFollower, split_urls
+    from .client.reconnect import ReconnectingTransport
+
+    info = transport.server_info
+    if getattr(info, "shard", None) is None:  # not a cluster node: one transport for everything
+        yield Client(transport)
+        return
+    import anyio
+
+    from .client.router import open_transport
+
+    try:
+        async with anyio.create_task_group() as shards:
+            async def run_shard(shard: int, hint, *, task_status=anyio.TASK_STATUS_IGNORED):
+                # one shard's transport lives in a task of its own (entered and left there)
+                f = LeaderFollower(split_urls(url), open_one, shard=shard, hint=hint)
+                c = await f.open(connect_timeout)
+                if policy is None:
+                    async with c:
+                        task_status.started(c)
                         await anyio.sleep_forever()
+                async with ReconnectingTransport(url, c, f.open, policy, connect_timeout) as t:
+                    task_status.started(t)
+                    await anyio.sleep_forever()
 
-                async def open_shard(shard: int, hint):
-                    return await shards.start(run_shard, shard, hint)
+            async def open_shard(shard: int, hint):
+                return await shards.start(run_shard, shard, hint)
 
-                routed = await open_transport(transport, split_urls(url), open_shard, info.space)
-                try:
-                    yield Client(routed)
-                finally:
-                    shards.cancel_scope.cancel()
-        except BaseExceptionGroup as eg:
-            # the shards' task group wraps what leaves it: the block's own exception (or
-            # a shard's, when opening it failed) leaves as itself, as on a single node
-            one = _single(eg, anyio.get_cancelled_exc_class())
-            if one is None:
-                raise
-            raise one from one.__cause__
+            routed = await open_transport(transport, split_urls(url), open_shard, info.space)
+            try:
+                yield Client(routed)
+            finally:
+                shards.cancel_scope.cancel()
+    except BaseExceptionGroup as eg:
+        # the shards' task group wraps what leaves it: the block's own exception (or
+        # a shard's, when opening it failed) leaves as itself, as on a single node
+        one = _single(eg, anyio.get_cancelled_exc_class())
+        if one is None:
+            raise
+        raise one from one.__cause__
 
 
 def _single(eg: BaseExceptionGroup, cancelled: type) -> BaseException | None:

@@ -470,7 +470,7 @@ async def _serve_cluster(args) -> int:
         http=_parse_listen(args.http) if args.http else None, advertise_host=args.advertise,
         advertise_replication=_advertised(args.advertise_replication),
         ttl_s=args.lease_ttl, isr_timeout_s=args.isr_timeout, min_insync=args.min_insync,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, peer_tls=_peer_tls(args), insecure=args.insecure,
         node_options=dict(interval_ms=args.interval_ms, retention=args.retention,
                           min_free_bytes=int(args.min_free_mb * (1 << 20)),
                           ballast_bytes=int(args.ballast_mb * (1 << 20)),
@@ -560,6 +560,42 @@ async def _serve_cluster(args) -> int:
                     nursery.cancel_scope.cancel()
                     break
     log.info("rallypoint stopped cleanly")
+    return 0
+
+
+def _peer_tls(args):
+    """``--peer-cert/--peer-key/--peer-ca`` -> a PeerTls (all three or none)."""
+    from .errors import ValidationError
+
+    given = [args.peer_cert, args.peer_key, args.peer_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValidationError("peer TLS needs all three of --peer-cert, --peer-key and --peer-ca")
+    from .cluster.peerauth import PeerTls
+
+    try:
+        return PeerTls(args.peer_cert, args.peer_key, args.peer_ca)
+    except ValueError as e:
+        raise ValidationError(str(e)) from None
+
+
+def cmd_cluster_certs(args) -> int:
+    """``rallypoint cluster certs --out DIR --nodes a,b [--hosts ...] [--etcd]``."""
+    from .cluster.pki import write_cluster_pki
+
+    nodes = [n for n in args.nodes.split(",") if n.strip()]
+    hosts = [h for h in args.hosts.split(",") if h.strip()]
+    try:
+        written = write_cluster_pki(args.out, nodes, hosts=hosts, etcd=args.etcd, days=args.days)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    print(f"serve each node with --peer-cert {os.path.join(args.out, 'NODE.pem')} --peer-key "
+          f"{os.path.join(args.out, 'NODE.key')} --peer-ca {os.path.join(args.out, 'ca.pem')}; keep ca.key offline",
+          file=sys.stderr)
     return 0
 
 
@@ -654,6 +690,32 @@ def cmd_serve(args) -> int:
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             if path is not None and not os.path.isfile(path):
                 raise ValidationError(f"{flag}: no such file {path}")
+        if args.sync_helper is not None and args.durability == "memory":
+            raise ValidationError("--sync-helper chooses where the journal's fdatasync runs: --durability memory "
+                                  "has no journal (leave --sync-helper out, or use fsync or interval)")
+        if args.sync_helper is None:
+            args.sync_helper = "process"
+        data_dir = None if args.durability == "memory" else args.data_dir
+        if not args.cluster and data_dir is not None:
+            host = _parse_listen(args.listen)[0]
+            if not os.path.exists(data_dir) and not _is_loopback(host) and not args.insecure:
+                # a new data dir has no API key: open mode, refused here before anything is made
+                raise ValidationError(
+                    f"refusing to listen on {host} without API keys: {data_dir} does not exist yet, so no key does; "
+                    f"create one first with `rallypoint keys create --data-dir {data_dir} --space default "
+                    "--permission operator` (see README, API keys), or pass --insecure to serve this address "
+                    "without authentication")
+            if os.path.isdir(data_dir):
+                # in use by another daemon: say so before binding anything (its lock is
+                # taken for good by the recovery below)
+                from .persistence.lock import DataDirLock
+                from .persistence.errors import DataDirLocked
+
+                try:
+                    with DataDirLock(data_dir):
+                        pass
+                except DataDirLocked as e:
+                    raise ValidationError(str(e)) from None
     except ValidationError as e:
         print(f"rallypoint: {e.message}", file=sys.stderr)
         return 2
@@ -1082,7 +1144,8 @@ async def _resolve_run(rs, text: str, *, active_only: bool) -> str:
     SDK's named runs, ``scopes.create(name=...)``): the newest root run of that name
     (``active_only``: of those still effectively ACTIVE, as ``PUT /runs/{name}`` joins).
     NOT_FOUND (with a "did you mean" among the names seen) when there is none; CONFLICT
-    listing the ids when ``active_only`` finds several (cancel one by id)."""
+    listing the ids when ``active_only`` finds several (cancel one by id). Several of
+    that name otherwise: the newest, and a line on stderr listing them all."""
     from . import protocol as p
     from .actors.common import did_you_mean
     from .client import types as t
@@ -1101,7 +1164,7 @@ async def _resolve_run(rs, text: str, *, active_only: bool) -> str:
             names.add(r.name or "")
             if r.name == text:
                 found.append(r.id)
-        if len(page) < _MAX_PAGE or (found and not active_only):
+        if len(page) < _MAX_PAGE:
             break
         before = page[-1].id
     if not found:
@@ -1111,6 +1174,9 @@ async def _resolve_run(rs, text: str, *, active_only: bool) -> str:
     if active_only and len(found) > 1:
         raise ConflictError(f"{len(found)} active root runs are named {text!r} ({', '.join(found)}); give the id "
                             "of the one to cancel", details={"name": text, "runs": found})
+    if len(found) > 1:
+        print(f"{len(found)} root runs are named {text!r} (newest first: {', '.join(found)}); showing the newest, "
+              f"{found[0]}: give an id for another", file=sys.stderr)
     return found[0]
 
 
@@ -1893,7 +1959,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KiB of zeros the journal keeps written ahead of its records, so an fsync writes data "
                         "only, not also the file's new size (default %(default)s; 0: off, e.g. on copy-on-write "
                         "filesystems such as btrfs or ZFS, where it saves nothing)")
-    s.add_argument("--sync-helper", choices=("process", "thread", "inline"), default="process",
+    s.add_argument("--sync-helper", choices=("process", "thread", "inline"), default=None,
                    help="where the journal's fdatasync runs: a small helper process (default; the event loop "
                         "waits for it like for a socket), a worker thread of the daemon, or inline on the event "
                         "loop (no wake-up of another process per fsync, as Redis's appendfsync always: faster "
@@ -1972,6 +2038,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "listener's port)")
     c.add_argument("--min-insync", type=int, choices=(1, 2), default=1,
                    help="2: refuse writes while no standby is in sync, instead of running alone (default %(default)s)")
+    c.add_argument("--peer-cert", metavar="PEM", default=None,
+                   help="this node's certificate for the replication link's mutual TLS (it must name --node as a "
+                        "DNS subject alternative name; `rallypoint cluster certs` makes one); with --peer-key and "
+                        "--peer-ca. Without them the link is plaintext, allowed on loopback addresses only unless "
+                        "--insecure; it is authenticated by the cluster secret in etcd either way")
+    c.add_argument("--peer-key", metavar="PEM", default=None, help="the private key of --peer-cert")
+    c.add_argument("--peer-ca", metavar="PEM", default=None,
+                   help="the CA every peer's certificate must be signed by (the cluster's own CA)")
     c.add_argument("--lease-ttl", type=_bounded(int, 2), default=2,
                    help="seconds the leader's etcd lease lives without renewal; failover takes about this long "
                         "(default %(default)s, etcd's minimum)")
@@ -2077,6 +2151,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="slots, fixed for the cluster's life: the unit a shard owns (default %(default)s, the most)")
     ci.add_argument("--shards", type=_bounded(int, 1), default=1, help="shards to deal the slots to (default %(default)s)")
     ci.set_defaults(fn=cmd_cluster_init)
+    cc = cls_.add_parser("certs", help="make the cluster's peer certificates: a CA and one certificate per node "
+                                       "(the replication link's mutual TLS; --etcd: etcd's too)")
+    cc.add_argument("--out", required=True, metavar="DIR",
+                    help="where to write ca.pem/ca.key and NODE.pem/NODE.key (created; keys mode 0600; an "
+                         "existing ca.pem/ca.key there is reused, so nodes can be added later)")
+    cc.add_argument("--nodes", required=True, metavar="A,B,...", help="node names (--node of each serve)")
+    cc.add_argument("--hosts", default="", metavar="H1,H2,...",
+                    help="host names and IP addresses the nodes (and etcd) are reached at, added to every "
+                         "certificate (localhost, 127.0.0.1 and ::1 always are)")
+    cc.add_argument("--etcd", action="store_true",
+                    help="also etcd.pem/etcd.key (etcd's server certificate) and client.pem/client.key (for the "
+                         "CLI's --etcd-cert)")
+    cc.add_argument("--days", type=_bounded(int, 1), default=825, help="validity of the certificates (default %(default)s)")
+    cc.set_defaults(fn=cmd_cluster_certs)
     ca = cls_.add_parser("add-shard", help="give a new shard empty slots, so it takes new root runs")
     ca.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
                     required=os.environ.get("RALLYPOINT_CLUSTER") is None, help="(default $RALLYPOINT_CLUSTER)")

@@ -15,6 +15,8 @@ from typing import Any
 
 __all__ = [
     "CODES",
+    "TRANSIENT_REASONS",
+    "is_transient_refusal",
     "shutting_down_error",
     "RallypointError",
     "ValidationError",
@@ -391,6 +393,29 @@ _BY_CODE: dict[str, type[RallypointError]] = {
 #: Every wire code, in SPEC §1 order, then IDEMPOTENCY_CONFLICT (the HTTP front end's),
 #: NOT_LEADER (a replicated shard's) and WRONG_SHARD (a sharded cluster's).
 CODES: tuple[str, ...] = tuple(_BY_CODE)
+
+
+#: ``details["reason"]`` of the UNAVAILABLE refusals that change nothing and pass by
+#: themselves: a full disk (``low``: below the reserve, ``stalled``: a write waits for
+#: space) and a shard under ``--min-insync 2`` without its standby
+TRANSIENT_REASONS = frozenset({"low", "stalled", "min_insync"})
+
+
+def is_transient_refusal(e: BaseException) -> bool:
+    """Whether ``e`` is a server's refusal that applied nothing and that waiting (its
+    ``retry_after``, seconds) can get past: UNAVAILABLE for a reason in
+    :data:`TRANSIENT_REASONS`, NOT_LEADER (a failover under way), or LIMIT_EXCEEDED with
+    a ``retry_after``. Not: a client that gave up reconnecting, a request that may have
+    been applied (``details["maybe_applied"]``), or a server shutting down (its
+    connection is closed and the client reconnects)."""
+    if not isinstance(e, RallypointError) or e.retry_after is None:
+        return False
+    details = e.details or {}
+    if details.get("maybe_applied"):
+        return False
+    if isinstance(e, (NotLeaderError, LimitError)):
+        return True
+    return isinstance(e, UnavailableError) and details.get("reason") in TRANSIENT_REASONS
 
 
 def error_from_wire(

@@ -792,8 +792,12 @@ class BarrierCreate(_Op, tag="barrier.create"):
 
 
 class BarrierArrive(_Op, tag="barrier.arrive"):
+    """``epoch``: the epoch this arrival is for (None: the current one; the next one
+    while the current is RELEASED: an early arrival, counted when it begins)."""
+
     barrier_id: str
     key: str
+    epoch: int | None = None
 
 
 class BarrierStatus(_Op, tag="barrier.status"):
@@ -823,6 +827,8 @@ class BarrierView(_View):
     created_at: Instant
     released_at: Instant | None
     name: str | None = None
+    #: early arrivals for the next epoch (held until next_epoch starts it)
+    next_keys: list[str] = []
 
 
 # --- timers ---------------------------------------------------------------------------

@@ -17,7 +17,6 @@ validation, errors and durability rules:
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
@@ -30,6 +29,7 @@ from .actors.outbox import NODE_OPS as _NODE_OPS
 from .actors.outbox import REMOTE_RUN_OPS as _REMOTE_RUN_OPS
 from .ids import is_id, slot_of
 from .actors.runtime import ReplySink
+from .cluster.peerauth import is_token as is_node_token
 from .errors import ForbiddenError, RallypointError, UnauthenticatedError, UnavailableError, ValidationError
 from .protocol import encoder
 from .wire import NESTING_MESSAGE
@@ -220,8 +220,13 @@ class Service:
         #: on a replicated shard's leader: its shard and epoch, given in every HelloOk
         self.shard: int | None = None
         self.epoch: int | None = None
-        #: a sharded cluster's node secret (etcd): a handshake with it is another node
+        #: a sharded cluster's node secret (etcd): what this node signs its calls to
+        #: other nodes with (it is never accepted as a key itself)
         self.node_secret: str | None = None
+        #: a sharded cluster's leader: checks the node tokens other nodes' handshakes
+        #: carry (:class:`rallypoint.cluster.peerauth.TokenVerifier`; None: no node
+        #: session is accepted)
+        self.node_tokens: Any = None
         #: a sharded cluster's leader: ``link(session, body, sink, rid, run_id)`` links a
         #: run of another shard, then submits the request again
         #: (:class:`rallypoint.cluster.peers.RemoteRuns`)
@@ -244,10 +249,14 @@ class Service:
                 "upgrade the older side",
                 details={"field": "version", "client": hello.version, "server": PROTOCOL_VERSION},
             )
-        secret = self.node_secret
-        if secret is not None and isinstance(hello.api_key, str) and hmac.compare_digest(
-                hello.api_key.encode(), secret.encode()):
-            # another node of the sharded cluster (the node secret in etcd)
+        if is_node_token(hello.api_key):
+            # another node of the sharded cluster: a one-use token of the node secret,
+            # made for this shard (rallypoint.cluster.peerauth)
+            tokens = self.node_tokens
+            node = None if tokens is None else tokens.verify(hello.api_key, purpose="session", target=str(self.shard))
+            if node is None:
+                raise UnauthenticatedError("a node token that does not check (another cluster's, expired, replayed, "
+                                           "or this node takes no calls between shards)")
             session = Session(peer=peer, client=hello.client, node=True)
             return session, HelloOk(version=PROTOCOL_VERSION, server_version=__version__, space=session.space,
                                     shard=self.shard, epoch=self.epoch)

@@ -223,3 +223,90 @@ async def test_status_and_validation(rs):
             await run.barriers.create(bad)
     with pytest.raises(ValidationError):
         await b.arrive("")
+
+
+# ---------------------------------------------------------------------------- reuse (issue 42, item 3)
+async def test_a_reused_barrier_does_not_lose_an_arrival_whose_wait_comes_after_next_epoch(rs):
+    # target 3; A arrives and waits; B arrives; C arrives (epoch 1 released); A's wait
+    # returns and A calls next_epoch(); only then does B call wait(timeout=20): it used
+    # to pin epoch 2 and time out ("0/3 arrivals") though its own epoch was released
+    run = await rs.scopes.create()
+    b = await run.barriers.create(3)
+    a_h, b_h, c_h = (run.barriers.get(b.id) for _ in range(3))
+    base = await parked_waits(rs)
+    async with trio.open_nursery() as n:
+        got = {}
+
+        async def a():
+            await a_h.arrive("A")
+            got["A"] = await a_h.wait(timeout=20)
+
+        n.start_soon(a)
+        await wait_parked_remote(rs, 1, base=base)
+        assert (await b_h.arrive("B")).epoch == 1
+        await c_h.arrive("C")
+    assert got["A"].state == "RELEASED" and got["A"].epoch == 1
+    assert (await a_h.next_epoch()).epoch == 2
+    st = await b_h.wait(timeout=20)  # B's own arrival's epoch: released, now past
+    assert st.epoch == 2 and b_h.arrived_epoch == 1
+    # the epoch can be named explicitly too, and a wait for the current epoch still waits
+    assert (await c_h.wait(timeout=5, epoch=1)).epoch == 2
+    with pytest.raises(WaitTimeout):
+        await run.barriers.get(b.id).wait(timeout=0.1)
+
+
+async def test_an_early_arrival_for_the_next_epoch_is_held_and_counted_when_it_begins(rs):
+    # an arrival for the next round that lands before next_epoch() used to be taken as a
+    # repeat of the old round's arrival and not counted
+    run = await rs.scopes.create()
+    b = await run.barriers.create(2)
+    await b.arrive("A", epoch=1)
+    await b.arrive("B", epoch=1)
+    st = await b.arrive("A", epoch=2)  # early: epoch 1 is RELEASED, epoch 2 not begun
+    assert (st.epoch, st.state, st.keys, st.next_keys) == (1, "RELEASED", ["A", "B"], ["A"])
+    assert (await b.arrive("A", epoch=2)).next_keys == ["A"]  # idempotent
+    st = await b.next_epoch()
+    assert (st.epoch, st.state, st.keys, st.next_keys) == (2, "WAITING", ["A"], [])
+    st = await b.arrive("B", epoch=2)
+    assert (st.epoch, st.state, st.keys) == (2, "RELEASED", ["A", "B"])
+    # every key early: the next epoch is released as it begins
+    await b.arrive("A", epoch=3)
+    await b.arrive("B", epoch=3)
+    st = await b.next_epoch()
+    assert (st.epoch, st.state, st.keys) == (3, "RELEASED", ["A", "B"]) and st.released_at is not None
+    assert (await b.wait(timeout=1, epoch=3)).state == "RELEASED"
+
+
+async def test_an_arrival_for_an_epoch_that_is_over_or_not_next_is_refused(rs):
+    run = await rs.scopes.create()
+    b = await run.barriers.create(1)
+    await b.arrive("A")
+    await b.next_epoch()  # epoch 2, WAITING
+    with pytest.raises(BarrierReleasedError, match="epoch 1 .* is over"):
+        await b.arrive("A", epoch=1)
+    with pytest.raises(ConflictError, match="WAITING in epoch 2"):
+        await b.arrive("A", epoch=3)  # the next epoch, but the current one still waits
+    await b.arrive("A", epoch=2)
+    with pytest.raises(ConflictError):
+        await b.arrive("A", epoch=4)  # not the next one
+    with pytest.raises(ValidationError):
+        await b.arrive("A", epoch=0)
+    assert (await b.status()).next_keys == []
+
+
+async def test_early_arrivals_survive_a_restart(tmp_path):
+    import rallypoint
+
+    async with rallypoint.open_embedded(str(tmp_path), durability="fsync") as rs:
+        run = await rs.scopes.create()
+        b = await run.barriers.create(2)
+        await b.arrive("A")
+        await b.arrive("B")
+        await b.arrive("B", epoch=2)
+        bid, rid = b.id, run.id
+    async with rallypoint.open_embedded(str(tmp_path), durability="fsync") as rs:
+        b = rs.scope(rid).barriers.get(bid)
+        st = await b.status()
+        assert (st.epoch, st.state, st.next_keys) == (1, "RELEASED", ["B"])
+        st = await b.next_epoch()
+        assert (st.epoch, st.keys) == (2, ["B"])

@@ -127,6 +127,48 @@ def test_address_in_use_is_refused_before_the_data_dir_is_touched(daemon, tmp_pa
     assert not data.exists()
 
 
+def test_sync_helper_with_memory_durability_is_refused():
+    # issue 42: `serve --durability memory --sync-helper inline` was accepted silently
+    r = rp("serve", "--durability", "memory", "--sync-helper", "inline", "--listen", "127.0.0.1:0")
+    assert r.returncode == 2 and "--durability memory has no journal" in r.stderr, r.stderr
+
+
+def test_a_public_listen_address_without_keys_is_refused_before_the_data_dir_is_made(tmp_path):
+    # issue 42: `serve --listen 0.0.0.0` without keys created the data directory before refusing
+    data = tmp_path / "new"
+    r = rp("serve", "--listen", "0.0.0.0:0", "--data-dir", str(data))
+    assert r.returncode == 2 and "without API keys" in r.stderr, r.stderr
+    assert not data.exists()
+
+
+def test_a_data_dir_in_use_is_refused_before_the_second_daemon_binds_its_port(tmp_path):
+    # issue 42: a second daemon on a data directory in use accepted TCP connections on
+    # its own port for about 1.5 s before it exited "in use by process N"
+    import socket
+
+    from _cluster import free_ports
+
+    data = str(tmp_path / "d")
+    first = subprocess.Popen([sys.executable, "-m", "rallypoint", "serve", "--listen", "127.0.0.1:0", "--data-dir",
+                              data], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().startswith("READY"), first.stderr.read()
+        (port,) = free_ports(1)
+        second = subprocess.Popen([sys.executable, "-m", "rallypoint", "serve", "--listen", f"127.0.0.1:{port}",
+                                   "--data-dir", data], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        accepted = 0
+        while second.poll() is None:  # until it exits: its port never takes a connection
+            with socket.socket() as c:
+                c.settimeout(0.2)
+                if c.connect_ex(("127.0.0.1", port)) == 0:
+                    accepted += 1
+        assert second.returncode == 2 and "is in use by process" in second.stderr.read()
+        assert accepted == 0
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
+
+
 @pytest.fixture
 def taken_port():
     """A loopback port another program listens on."""

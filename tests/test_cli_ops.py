@@ -87,6 +87,23 @@ def test_runs_show_is_readable_and_json_on_request(daemon):
     assert json.loads(j.stdout)["id"] == rid
 
 
+def test_runs_show_of_a_name_with_several_runs_says_so_and_lists_them(daemon):
+    # issue 42: `runs show NAME` silently picked the newest of two runs with that name
+    import uuid
+
+    name = f"twice-{uuid.uuid4().hex[:6]}"
+
+    async def make():
+        async with rallypoint.connect(daemon.url) as rs:
+            return [(await rs.scopes.create(name=name)).id for _ in range(2)]
+
+    older, newer = trio.run(make)
+    r = rp("runs", "show", name, "--connect", daemon.url)
+    assert r.returncode == 0, r.stderr
+    assert f"2 root runs are named {name!r}" in r.stderr and newer in r.stderr and older in r.stderr
+    assert newer in r.stdout
+
+
 def test_output_into_a_closed_pipe_prints_no_traceback(daemon):
     """``rallypoint ... | head``: the reader is gone before we write."""
     make_runs(daemon.url, 3)

@@ -118,3 +118,25 @@ def test_bench_draws_a_progress_bar_on_a_terminal_and_plain_lines_otherwise():
     assert plain.returncode == 0, plain.stderr
     assert "━" not in plain.stderr and "\x1b[" not in plain.stderr
     assert "lifecycles+rounds/s" in plain.stderr  # the plain progress lines
+
+
+def test_status_json_of_a_cluster_node_has_its_cluster_field_as_an_object_not_a_repr():
+    # issue 42, item 5: `rallypoint status --json` printed "_ClusterInfo(cluster='rallypoint', ...)"
+    import json
+
+    import msgspec
+
+    from rallypoint import protocol as p
+    from rallypoint.client import types as t
+
+    view = p.ServerStatusView(
+        version="x", protocol_version=1, uptime_s=1.0, connections=1, durability="fsync", runs={}, tasks={},
+        entities=0, last_lsn=1, durable_lsn=1, actors={}, tree_depth=0,
+        cluster=p.ClusterView(cluster="rallypoint", shard=0, node="a", role="leader", epoch=7, members=["a", "b"],
+                              isr=["a", "b"], lease_time_left_s=1.5,
+                              standby=p.StandbyView(node="b", state="in_sync", acked_lsn=1, lag_records=0,
+                                                    since_progress_s=0.1)))
+    info = msgspec.convert(msgspec.to_builtins(view), t.ServerInfo)
+    out = json.loads(json.dumps(info.to_dict(), default=str))
+    assert out["cluster"]["epoch"] == 7 and out["cluster"]["isr"] == ["a", "b"]
+    assert out["cluster"]["standby"]["state"] == "in_sync"

@@ -32,6 +32,9 @@ def test_split_urls():
     assert split_urls("tls://a:1, b:2/") == ["tls://a:1", "tls://b:2"]
     with pytest.raises(ValidationError):
         split_urls("tcp://a:1,,b:2")
+    # issue 42: --connect refused a bare HOST:PORT that --listen and the address list accept
+    assert split_urls("127.0.0.1:7411") == ["tcp://127.0.0.1:7411"]
+    assert split_urls("a:1,b:2") == ["tcp://a:1", "tcp://b:2"]
 
 
 async def test_a_not_leader_hint_is_followed_and_the_leader_is_tried_first_next_time():

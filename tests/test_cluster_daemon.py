@@ -209,16 +209,24 @@ class Load:
 
 
 # ============================================================================ 1. kill -9 of the leader
-async def _kill_leader_under_load(nodes, etcd, cluster_name, cycles: int) -> int:
+async def _kill_leader_under_load(nodes, etcd, cluster_name, cycles: int, impostor: bool = False) -> int:
     """``cycles`` kill -9s of the leader under producers and a worker; fails on any
-    acknowledged op missing on the last leader; returns how many were acknowledged."""
+    acknowledged op missing on the last leader; returns how many were acknowledged.
+    ``impostor``: meanwhile an attacker without the cluster secret loops on both nodes'
+    replication ports, naming the other node (:mod:`rallypoint.testing.impostor`)."""
+    from rallypoint.testing.impostor import Impostor
+
     a, b = await leader_pair(nodes, etcd, cluster_name)
     url = f"tcp://{a.address},{b.address}"
+    impostors = [Impostor("127.0.0.1", x.replication_port, cluster=cluster_name, shard=0, node=y.name)
+                 for x, y in ((a, b), (b, a))] if impostor else []
     async with rallypoint.connect(url, reconnect=rallypoint.Reconnect(timeout=60)) as rs:
         jobs = await rs.mailboxes.ensure("jobs")
         run = await rs.scopes.create(name="under-load")
         load = Load(rs, jobs, run)
         async with trio.open_nursery() as n:
+            for imp in impostors:
+                n.start_soon(imp.run)
             for p in range(load.producers):
                 n.start_soon(load.producer, p)
             n.start_soon(load.worker)
@@ -243,6 +251,7 @@ async def _kill_leader_under_load(nodes, etcd, cluster_name, cycles: int) -> int
                     leader, standby = standby, leader
             await load.stop_producers()
             await load.finish()
+            n.cancel_scope.cancel()  # (the impostors)
         assert rs._transport.reconnects >= cycles
     # every acknowledged op is on the node that leads now, seen through its own port
     async with rallypoint.connect(standby.url, reconnect=False) as direct:
@@ -251,12 +260,25 @@ async def _kill_leader_under_load(nodes, etcd, cluster_name, cycles: int) -> int
         bad = [(k, i.state, i.outcome) for k, i in zip(keys, infos) if i.state != "SUCCEEDED"]
         assert not bad, bad[:5]
     assert not [e for e in load.errors if not isinstance(e, rallypoint.UnavailableError)], load.errors[:3]
+    for imp in impostors:  # it got nothing (a standby's port is not open; a leader's challenges it)
+        assert imp.frames == 0 and imp.welcomes == 0, (imp.got[:10], imp.errors)
+    if impostors:
+        assert impostors[0].challenges > 0  # it reached the first leader the whole time  # the leaders said so, rate-limited
+        logs = "".join(open(x.log_path).read() for x in (a, b))
+        assert "replication: refused a connection" in logs
+        assert logs.count("replication: refused a connection") < sum(i.connections for i in impostors)
     return len(load.acked)
 
 
 async def test_kill_9_of_the_leader_under_load_loses_no_acknowledged_op(nodes, etcd, cluster_name):
     # at least the 20 before the kill and the 20 after it, every one found SUCCEEDED
     assert await _kill_leader_under_load(nodes, etcd, cluster_name, cycles=1) >= 40
+
+
+async def test_kill_9_of_the_leader_under_load_with_an_impostor_on_the_replication_port_loses_nothing(
+        nodes, etcd, cluster_name):
+    # issue 40: an impostor naming the standby took 149 of 2,402 acknowledged runs with it
+    assert await _kill_leader_under_load(nodes, etcd, cluster_name, cycles=1, impostor=True) >= 40
 
 
 @pytest.mark.slow

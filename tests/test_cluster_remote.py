@@ -16,7 +16,8 @@ import trio
 from rallypoint import protocol as p
 from rallypoint.actors.sharding import Sharding, home_slot
 from rallypoint.cluster.peers import OutboxSender, RemoteRuns, Reserver
-from rallypoint.errors import ForbiddenError, RallypointError, ScopeCancelledError, UnavailableError
+from rallypoint.cluster.peerauth import TokenVerifier, make_token
+from rallypoint.errors import ForbiddenError, RallypointError, ScopeCancelledError, UnauthenticatedError, UnavailableError
 from rallypoint.ids import slot_of
 from rallypoint.node import open_node
 from rallypoint.records import RemoteRunEnded
@@ -79,6 +80,7 @@ async def open_two(nursery, stack):
         journal.append = append
         node.coordinator.sharding = Sharding(s, owners, version=1)
         node.service.node_secret = SECRET
+        node.service.node_tokens = TokenVerifier(SECRET, "c")
         node.service.shard = s
         nodes[s] = node
     peers = LoopPeers({s: n.service for s, n in nodes.items()})
@@ -249,7 +251,7 @@ async def test_an_end_that_arrives_before_the_link_leaves_the_remote_run_ended(t
         await two.call(0, p.ClaimAcquire(scope_id=r1, key="late"))
 
 
-async def test_the_calls_between_shards_need_the_node_secret(two):
+async def test_the_calls_between_shards_need_a_node_token_of_the_node_secret(two):
     r1 = await new_run(two)
     for shard, op in ((1, p.RunLink(scope_id=r1, space="default", shard=0)),
                       (0, p.OutboxDeliver(source=1, items=[])),
@@ -258,10 +260,14 @@ async def test_the_calls_between_shards_need_the_node_secret(two):
         with pytest.raises(ForbiddenError):  # an open-mode session holds every permission, yet not these
             await two.call(shard, op)
     service = two.nodes[0].service
-    session, _ok = service.hello(Hello(PROTOCOL_VERSION, SECRET), "peer")
+    token = make_token(SECRET, purpose="session", cluster="c", node="n1", target=str(service.shard))
+    session, _ok = service.hello(Hello(PROTOCOL_VERSION, token), "peer")
     assert session.node
-    session, _ok = service.hello(Hello(PROTOCOL_VERSION, SECRET + "x"), "peer")
-    assert not session.node  # (open mode: any other key is an ordinary session)
+    session, _ok = service.hello(Hello(PROTOCOL_VERSION, SECRET), "peer")
+    assert not session.node  # the secret itself is never a credential (open mode: an ordinary session)
+    with pytest.raises(UnauthenticatedError):  # a token of another secret
+        service.hello(Hello(PROTOCOL_VERSION, make_token(SECRET + "x", purpose="session", cluster="c", node="n1",
+                                                          target=str(service.shard))), "peer")
     with pytest.raises(ForbiddenError):  # the in-process steps are not taken from a node either
         await service.call(Session(node=True), p.RemoteRunAdopt(scope_id=r1, space="default", shard=1))
     with pytest.raises(ForbiddenError):  # and a node session makes nothing but those calls

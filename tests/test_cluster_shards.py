@@ -134,12 +134,17 @@ async def test_a_node_refuses_another_shards_request_and_the_sdk_goes_there(etcd
             other = next(s for s in members if s != home)
             # straight to a node of another shard: WRONG_SHARD naming the owner
             async with rallypoint.connect(f"tcp://127.0.0.1:{leader(members[other]).client_port}",
-                                          reconnect=False) as direct:
+                                          reconnect=False, route=False) as direct:
                 with pytest.raises(WrongShardError) as e:
                     await direct.scope(run.id).status()
                 assert e.value.details["shard"] == home
             # through the router: fine, wherever it connected first
             assert (await rs.scope(run.id).status()).state == "ACTIVE"
+            # issue 42, item 13: without reconnection too (it used to turn routing off)
+            async with rallypoint.connect(f"tcp://127.0.0.1:{leader(members[other]).client_port}",
+                                          reconnect=False) as plain:
+                assert (await plain.scope(run.id).status()).state == "ACTIVE"
+                assert (await (await plain.scopes.create(name="plain")).status()).state == "ACTIVE"
         n.cancel_scope.cancel()
 
 

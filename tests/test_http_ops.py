@@ -55,6 +55,37 @@ async def test_named_runs_join_the_live_run_and_start_anew_after_it_ended(autoju
         await call(ers, p.ScopeEnsureNamed(name="bad\nname"))
 
 
+async def test_a_named_run_join_does_not_fork_when_a_newer_run_of_that_name_ended(autojump_clock, ers):
+    # issue 42, item 4: PUT /runs/shared gave run A; a native client made run B with the
+    # same name and cancelled it; PUT /runs/shared made a new run C while A was ACTIVE
+    a = await call(ers, p.ScopeEnsureNamed(name="shared"))
+    b = await call(ers, p.ScopeCreate(name="shared"))
+    assert b.id != a.id
+    await call(ers, p.ScopeCancel(scope_id=b.id))
+    assert (await call(ers, p.ScopeEnsureNamed(name="shared"))).id == a.id  # the newest ACTIVE one
+    # a newer ACTIVE one is the one joined; once it ends, the older ACTIVE one again
+    c = await call(ers, p.ScopeCreate(name="shared"))
+    assert (await call(ers, p.ScopeEnsureNamed(name="shared"))).id == c.id
+    await call(ers, p.ScopeComplete(scope_id=c.id))
+    assert (await call(ers, p.ScopeEnsureNamed(name="shared"))).id == a.id
+    await call(ers, p.ScopeCancel(scope_id=a.id))
+    new = await call(ers, p.ScopeEnsureNamed(name="shared"))
+    assert new.id not in (a.id, b.id, c.id)
+
+
+async def test_a_named_run_join_finds_the_same_run_after_a_restart(tmp_path):
+    import rallypoint
+
+    async with rallypoint.open_embedded(str(tmp_path), durability="fsync", sync_helper="thread") as rs:
+        a = await call(rs, p.ScopeEnsureNamed(name="shared"))
+        b = await call(rs, p.ScopeCreate(name="shared"))
+        await call(rs, p.ScopeCancel(scope_id=b.id))
+        c = await call(rs, p.ScopeCreate(name="shared"))
+        await call(rs, p.ScopeComplete(scope_id=c.id))
+    async with rallypoint.open_embedded(str(tmp_path), durability="fsync", sync_helper="thread") as rs:
+        assert (await call(rs, p.ScopeEnsureNamed(name="shared"))).id == a.id
+
+
 def _in(rs, seconds: float) -> str:
     from rallypoint.clock import to_iso
 

@@ -28,11 +28,17 @@ from rallypoint.replication import (
     take_over,
     truncate_after,
 )
+from rallypoint.replication.auth import LinkAuth
 from rallypoint.testing.proxy import Proxy
 
 pytestmark = pytest.mark.timeout(120)
 
 SNAP = dict(snapshot_every_records=10**9, snapshot_every_s=10**6)
+#: both ends of every link here prove the same cluster secret (tests/test_replication_auth.py: what a
+#: peer without it gets)
+AUTH = LinkAuth("test-cluster-secret", cluster="c", shard=0)
+#: the node name of the leader listening on a port (a standby checks it is the one "etcd" names)
+PORT_NODES: dict[int, str] = {}
 
 
 class FakeIsr:
@@ -94,7 +100,7 @@ class Leader:
             self.repl = ReplicationLeader(coord, epoch=self.epoch, node=self.node, cluster="c", shard=0,
                                           isr=self.isr, snapshot_store=rec.rec.store,
                                           isr_timeout_s=self.isr_timeout_s, min_insync=self.min_insync,
-                                          ring_bytes=self.ring_bytes)
+                                          ring_bytes=self.ring_bytes, auth=AUTH)
             self.repl.attach()
             return before(coord)  # the gap goes back to leases (as the member does)
 
@@ -105,15 +111,16 @@ class Leader:
             self.client = Client(EmbeddedTransport(node.service))
             listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
             self.port = listeners[0].socket.getsockname()[1]
+            PORT_NODES[self.port] = self.node
             async with trio.open_nursery() as n:
                 await n.start(self.repl.serve, listeners)
                 task_status.started(self)
                 await trio.sleep_forever()
 
 
-async def follow(standby, port, epoch, *, task_status=trio.TASK_STATUS_IGNORED):
+async def follow(standby, port, epoch, *, leader=None, task_status=trio.TASK_STATUS_IGNORED):
     stream = await trio.open_tcp_stream("127.0.0.1", port)
-    await standby.follow(stream, epoch, task_status=task_status)
+    await standby.follow(stream, epoch, leader=leader or PORT_NODES.get(port, "a"), task_status=task_status)
 
 
 async def follow_until_cut(standby, port, epoch):
@@ -154,7 +161,7 @@ async def test_a_standby_holds_the_same_bytes_and_state_and_acknowledgement_wait
         leader = await n.start(Leader(tmp_path / "a", epoch=10, log=log).run)
         await workload(leader.client)
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 n.start_soon(follow, sb, leader.port, 10)
                 await wait_until(lambda: leader.isr.isr == ["a", "b"], what="standby in sync")
                 assert log == [("isr", ("a", "b"))]
@@ -183,7 +190,7 @@ async def test_a_silent_standby_leaves_the_isr_in_etcd_before_anything_is_acknow
         proxy = Proxy("127.0.0.1", leader.port)
         pport = await n.start(proxy.run)
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 n.start_soon(follow_until_cut, sb, pport, 10)
                 await wait_until(lambda: leader.isr.isr == ["a", "b"])
                 rs = leader.client
@@ -207,7 +214,7 @@ async def test_min_insync_2_refuses_writes_without_a_standby_and_resumes_when_it
             await rs.scopes.create(name="alone")
         assert "min-insync" in e.value.message
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 proxy = Proxy("127.0.0.1", leader.port)
                 pport = await n.start(proxy.run)
                 n.start_soon(follow_until_cut, sb, pport, 10)
@@ -239,7 +246,7 @@ async def test_a_deposed_leader_truncates_what_it_wrote_past_its_epoch_and_rejoi
         proxy = Proxy("127.0.0.1", leader.port)
         pport = await n.start(proxy.run)
         async with recovered(str(b_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 n.start_soon(follow_until_cut, sb, pport, 10)
                 await wait_until(lambda: leader.isr.isr == ["a", "b"])
                 await workload(leader.client, 6)
@@ -258,7 +265,7 @@ async def test_a_deposed_leader_truncates_what_it_wrote_past_its_epoch_and_rejoi
             await b.client.scopes.create(name="b-leads")
             # a comes back as a standby: it must cut what it wrote past epoch 10's end
             async with recovered(str(a_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
-                async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+                async with running_as_standby(ra, node="a", cluster="c", shard=0, auth=AUTH, **SNAP) as sa:
                     with pytest.raises(Rebuild) as rb_exc:
                         await follow(sa, b.port, 12)
             assert rb_exc.value.truncate_to == b_last
@@ -266,7 +273,7 @@ async def test_a_deposed_leader_truncates_what_it_wrote_past_its_epoch_and_rejoi
             async with recovered(str(a_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
                 assert ra.coordinator.journal.last_lsn == b_last
                 assert not any(r.name == "only-on-a" for r in ra.coordinator.runs.table.values())
-                async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+                async with running_as_standby(ra, node="a", cluster="c", shard=0, auth=AUTH, **SNAP) as sa:
                     n.start_soon(follow, sa, b.port, 12)
                     await wait_until(lambda: b.repl.peer is not None and b.repl.peer.state == "in_sync")
                     await b.client.scopes.create(name="replicated-again")
@@ -290,13 +297,13 @@ async def test_a_standby_too_far_behind_gets_a_snapshot_copy(tmp_path):
         await leader.node_obj.snapshotter.snapshot()
         assert leader.coord.journal.oldest_lsn > 1  # the start of the journal is gone
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 with pytest.raises(Rebuild) as exc:
                     await follow(sb, leader.port, 10)
         assert exc.value.snapshot_lsn == leader.node_obj.snapshotter.last_lsn
         install_snapshot(str(tmp_path / "b"), exc.value.snapshot_dir)
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 n.start_soon(follow, sb, leader.port, 10)
                 await wait_until(lambda: leader.isr.isr == ["a", "b"])
                 await workload(leader.client, 4)
@@ -309,7 +316,7 @@ async def test_a_standby_refuses_a_leader_of_an_older_epoch(tmp_path):
     async with trio.open_nursery() as n:
         leader = await n.start(Leader(tmp_path / "a", epoch=10).run)
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 # etcd says the leader is at epoch 11: the peer at 10 is a deposed one
                 with pytest.raises(StaleLeader):
                     await follow(sb, leader.port, 11)
@@ -425,7 +432,7 @@ async def test_an_acknowledgement_that_arrives_while_the_frames_are_still_being_
         port = listeners[0].socket.getsockname()[1]
         await n.start(trio.serve_listeners, session, listeners)
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 n.start_soon(follow_until_cut, sb, port, 10)
                 await wait_until(lambda: leader.isr.isr == ["a", "b"])
                 slow[0].hold = True
@@ -467,23 +474,23 @@ async def test_a_deposed_leader_keeps_its_floor_when_a_later_catching_up_session
     # standby connected again, the leader's fenced shrink of the in-sync set failed (it
     # was deposed), and when that second, catching-up session ended the floor was lifted:
     # the deposed leader acknowledged writes that only it held, in an epoch no longer its
-    from rallypoint.replication import Link, wire
+    from rallypoint.replication import wire
 
     log = []
     async with trio.open_nursery() as n:
         leader = await n.start(Leader(tmp_path / "a", epoch=10, log=log, isr_timeout_s=60).run)
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 n.start_soon(follow_until_cut, sb, leader.port, 10)
                 await wait_until(lambda: leader.isr.isr == ["a", "b"])
                 await leader.client.scopes.create(name="replicated")
                 await wait_until(lambda: sb.applied_lsn == leader.coord.journal.last_lsn)
                 leader.isr.fenced = True  # etcd: the leader key of epoch 10 is gone
                 # the standby's second connection (a reconnect) replaces the first
-                link = Link(await trio.open_tcp_stream("127.0.0.1", leader.port), "standby")
                 last = rb.coordinator.journal.last_lsn
-                await link.send(wire.Hello(version=wire.LINK_VERSION, cluster="c", shard=0, node="b", last_lsn=last,
-                                           last_epoch=10, snapshot_lsn=0))
+                link = await AUTH.connect(await trio.open_tcp_stream("127.0.0.1", leader.port), wire.Hello(
+                    version=wire.LINK_VERSION, cluster="c", shard=0, node="b", last_lsn=last, last_epoch=10,
+                    snapshot_lsn=0), leader="a", epoch=10)
                 assert isinstance(await link.receive(), wire.Welcome)
                 await wait_until(lambda: leader.repl.deposed)
                 await link.aclose()  # the second session ends
@@ -505,7 +512,7 @@ async def test_a_standby_ends_a_link_that_brings_nothing_and_can_follow_again(tm
         proxy = Proxy("127.0.0.1", leader.port)
         pport = await n.start(proxy.run)
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, silence_s=0.5, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, silence_s=0.5, **SNAP) as sb:
                 ended = []
 
                 async def follow_once():
@@ -534,7 +541,7 @@ async def test_a_promoted_standby_gives_the_time_without_a_leader_back_to_every_
     async with recovered(str(b_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
         async with trio.open_nursery() as n:
             leader = await n.start(Leader(a_path, epoch=10).run)
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
                 n.start_soon(follow_until_cut, sb, leader.port, 10)
                 await wait_until(lambda: leader.isr.isr == ["a", "b"])
                 rs = leader.client
@@ -571,7 +578,7 @@ async def test_min_insync_2_holds_a_floor_at_takeover_until_a_standby_holds_the_
         await wait_until(lambda: journal.local_durable_lsn == journal.last_lsn)  # fsynced here...
         assert journal.durable_lsn == 0  # ...and still not acknowledged
         async with recovered(str(tmp_path / "a"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
-            async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+            async with running_as_standby(ra, node="a", cluster="c", shard=0, auth=AUTH, **SNAP) as sa:
                 n.start_soon(follow, sa, b.port, 12)
                 await wait_until(lambda: b.repl.peer is not None and b.repl.peer.state == "in_sync")
                 assert journal.durable_lsn == journal.last_lsn
@@ -615,13 +622,13 @@ async def test_a_rejoining_node_truncates_to_the_last_epoch_both_histories_share
         b = await n.start(Leader(b_path, epoch=13, node="b").run)
         await b.client.scopes.create(name="b13")
         async with recovered(str(a_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
-            async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+            async with running_as_standby(ra, node="a", cluster="c", shard=0, auth=AUTH, **SNAP) as sa:
                 with pytest.raises(Rebuild) as rb_exc:
                     await follow(sa, b.port, 13)
         assert rb_exc.value.truncate_to == 0  # (the end of epoch 12 on b would be b_11)
         truncate_after(str(a_path), rb_exc.value.truncate_to)
         async with recovered(str(a_path), "fsync", clock=None, interval_ms=10, sync_helper="thread") as ra:
-            async with running_as_standby(ra, node="a", cluster="c", shard=0, **SNAP) as sa:
+            async with running_as_standby(ra, node="a", cluster="c", shard=0, auth=AUTH, **SNAP) as sa:
                 n.start_soon(follow, sa, b.port, 13)
                 await wait_until(lambda: b.repl.peer is not None and b.repl.peer.state == "in_sync")
                 await wait_until(lambda: sa.applied_lsn == b.coord.journal.last_lsn)
@@ -670,7 +677,7 @@ async def test_a_leader_whose_standby_holds_less_than_it_wrote_stops_cleanly(tmp
     async def lead(rec):
         def attach(coord):
             repl = ReplicationLeader(coord, epoch=12, node="b", cluster="c", shard=0, isr=FakeIsr(["a", "b"], log),
-                                     min_insync=2)
+                                     min_insync=2, auth=AUTH)
             repl.attach()
             return take_over(coord, epoch=12, node="b", clock_pair=None, default_gap_ms=0)
 
@@ -699,7 +706,7 @@ async def test_a_standby_dropped_under_min_insync_2_has_its_connection_closed(tm
         proxy = Proxy("127.0.0.1", leader.port)
         pport = await n.start(proxy.run)
         async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-            async with running_as_standby(rb, node="b", cluster="c", shard=0, silence_s=30, **SNAP) as sb:
+            async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, silence_s=30, **SNAP) as sb:
                 ended = []
 
                 async def follow_once():
@@ -736,12 +743,11 @@ async def test_a_standby_ends_the_link_when_a_beat_announces_records_it_never_go
     from rallypoint.replication import Link, wire
 
     async with recovered(str(tmp_path / "b"), "fsync", clock=None, interval_ms=10, sync_helper="thread") as rb:
-        async with running_as_standby(rb, node="b", cluster="c", shard=0, **SNAP) as sb:
+        async with running_as_standby(rb, node="b", cluster="c", shard=0, auth=AUTH, **SNAP) as sb:
             left, right = trio.testing.memory_stream_pair()
-            fake = Link(right, "leader")
 
             async def leader():
-                assert isinstance(await fake.receive(), wire.Hello)
+                fake = (await AUTH.accept(right, node="a", epoch=10)).link
                 await fake.send(wire.Welcome(epoch=10, leader="a", from_lsn=1))
                 await fake.send(wire.Beat(epoch=10, last_lsn=0, mono_ms=1, wall_ms=1))  # nothing missing
                 await fake.send(wire.Beat(epoch=10, last_lsn=5, mono_ms=2, wall_ms=2))  # 1..5 never came
@@ -750,4 +756,4 @@ async def test_a_standby_ends_the_link_when_a_beat_announces_records_it_never_go
                 n.start_soon(leader)
                 with pytest.raises(LinkClosed, match="frames were lost"):
                     with trio.fail_after(10):
-                        await sb.follow(left, 10)
+                        await sb.follow(left, 10, leader="a")

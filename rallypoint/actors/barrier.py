@@ -6,6 +6,17 @@ key within an epoch; arriving after the release is BARRIER_RELEASED. ``wait`` re
 on RELEASED in the epoch it pinned, or when the epoch has moved past it (a waiter is not
 fooled by reuse); on a cancelled barrier it raises BARRIER_CANCELLED.
 
+**Reuse without races** (issue 42, item 3). An arrival may name its ``epoch``: the
+current one counts as usual; the *next* one, while the current is RELEASED, is an
+**early arrival** -- held (``next_keys``) and counted into the next epoch the moment
+``next_epoch`` starts it (which releases at once if enough arrived early); an older
+epoch is BARRIER_RELEASED, a later one or the next while the current still waits is
+CONFLICT. Without ``epoch`` an arrival counts in the current epoch (a repeat of a key
+that already arrived there, RELEASED or not, changes nothing). A waiter names the epoch
+of its own arrival (the SDK's ``wait`` does that by itself after ``arrive``), so the
+arrive-then-wait loop of a reused barrier cannot miss its own release however late it
+waits.
+
 The barrier's actor lives in its run's nursery; waits park there, so the run's end
 answers them (BARRIER_CANCELLED) through the nursery's cancellation.
 """
@@ -36,6 +47,8 @@ class BarrierState(msgspec.Struct, gc=False, omit_defaults=True):
     state: str = "WAITING"  # WAITING | RELEASED | CANCELLED
     epoch: int = 1
     keys: list[str] = msgspec.field(default_factory=list)
+    #: early arrivals: keys that arrived for ``epoch + 1`` while this epoch is RELEASED
+    next_keys: list[str] = msgspec.field(default_factory=list)
     released_at_ms: int | None = None
     cancel_reason: str | None = None  # cancelled | completed | deadline
     name: str | None = None  # a named barrier: one per (run, name)
@@ -73,6 +86,7 @@ class Barriers(Kind):
             created_at=to_iso(b.created_at_ms),
             released_at=to_iso(b.released_at_ms),
             name=b.name,
+            next_keys=list(b.next_keys),
         )
 
     def _cancelled(self, b: BarrierState) -> BarrierCancelledError:
@@ -121,14 +135,19 @@ class Barriers(Kind):
 
     @op(BarrierArrive, route=by("barrier_id"), permission=W, resend=NEVER)
     def op_barrier_arrive(self, actor, session, op: BarrierArrive) -> BarrierView:
-        """Arrive with ``key`` (idempotent per key within the epoch). BARRIER_RELEASED
-        after the release; SCOPE_CANCELLED / DEADLINE_EXCEEDED on an inactive run."""
+        """Arrive with ``key`` (idempotent per key within the epoch) in ``op.epoch``
+        (None: the current one; the next one while the current is RELEASED: an early
+        arrival, see the module docstring). BARRIER_RELEASED after the release (or for
+        an epoch that is over), CONFLICT for an epoch not next; SCOPE_CANCELLED /
+        DEADLINE_EXCEEDED on an inactive run."""
         coord = self.coord
         b = self.get(session.space, op.barrier_id)
         check_key("key", op.key)
         if b.state == "CANCELLED":
             coord.runs.require_active(b.scope_id)  # SPEC §2: arrivals on an inactive run
             raise self._cancelled(b)
+        if op.epoch is not None and op.epoch != b.epoch:
+            return self._arrive_other_epoch(b, op)
         if op.key in b.keys:
             return self.view(b)
         if b.state == "RELEASED":
@@ -141,9 +160,33 @@ class Barriers(Kind):
         coord.commit([BarrierArrived(id=b.id, key=op.key, epoch=b.epoch, at_ms=coord.now_ms(), releases=releases)])
         return self.view(b)
 
+    def _arrive_other_epoch(self, b: BarrierState, op: BarrierArrive) -> BarrierView:
+        epoch = op.epoch
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 1:
+            from ..errors import ValidationError
+
+            raise ValidationError("epoch must be an integer >= 1", details={"field": "epoch"})
+        if epoch < b.epoch:
+            raise BarrierReleasedError(f"epoch {epoch} of barrier {b.id} is over (it is at epoch {b.epoch})",
+                                       details={"epoch": b.epoch})
+        if epoch > b.epoch + 1 or b.state != "RELEASED":
+            raise ConflictError(
+                f"barrier {b.id} is {b.state} in epoch {b.epoch}: an arrival may name its current epoch, or the "
+                "next one once the current is released (an early arrival, counted when next_epoch starts it)",
+                details={"epoch": b.epoch, "state": b.state})
+        if op.key in b.next_keys:
+            return self.view(b)
+        self.coord.runs.require_active(b.scope_id)
+        self.coord.commit([BarrierArrived(id=b.id, key=op.key, epoch=epoch, at_ms=self.coord.now_ms())])
+        return self.view(b)
+
     @applies(BarrierArrived)
     def _apply_arrived(self, r: BarrierArrived) -> None:
         b = self.table[r.id]
+        if r.epoch == b.epoch + 1:  # an early arrival: counted when next_epoch starts that epoch
+            b.next_keys.append(r.key)
+            self.coord.touch(b.id)
+            return
         b.keys.append(r.key)
         if r.releases:
             b.state = "RELEASED"
@@ -174,7 +217,8 @@ class Barriers(Kind):
 
     @op(BarrierNextEpochOp, route=by("barrier_id"), permission=W, resend=NEVER)
     def op_barrier_next_epoch(self, actor, session, op: BarrierNextEpochOp) -> BarrierView:
-        """Start a new epoch with no arrivals; only from RELEASED (CONFLICT otherwise)."""
+        """Start a new epoch with the early arrivals as its first (releasing at once if
+        they reach the target); only from RELEASED (CONFLICT otherwise)."""
         coord = self.coord
         b = self.get(session.space, op.barrier_id)
         if b.state == "CANCELLED":
@@ -191,9 +235,13 @@ class Barriers(Kind):
     def _apply_next_epoch(self, r: BarrierNextEpoch) -> None:
         b = self.table[r.id]
         b.epoch = r.epoch
-        b.state = "WAITING"
-        b.keys = []
-        b.released_at_ms = None
+        b.keys, b.next_keys = b.next_keys, []
+        if len(b.keys) >= b.target:  # enough arrived early: released as it begins
+            b.state = "RELEASED"
+            b.released_at_ms = r.at_ms
+        else:
+            b.state = "WAITING"
+            b.released_at_ms = None
         self.coord.touch(b.id)
         self.coord.notify(b.id, "b")
 
@@ -225,8 +273,11 @@ class Barriers(Kind):
     @emits(BarrierArrived)
     def _ev_arrived(self, r: BarrierArrived):
         b = self.table[r.id]
-        out = [ev(b.space, "barrier.arrived", "barrier", b.id, b.scope_id, r.at_ms,
-                  {"key": r.key, "epoch": r.epoch, "arrived": len(b.keys), "target": b.target})]
+        early = r.epoch == b.epoch + 1
+        data = {"key": r.key, "epoch": r.epoch, "arrived": len(b.next_keys if early else b.keys), "target": b.target}
+        if early:
+            data["early"] = True
+        out = [ev(b.space, "barrier.arrived", "barrier", b.id, b.scope_id, r.at_ms, data)]
         if r.releases:
             out.append(ev(b.space, "barrier.released", "barrier", b.id, b.scope_id, r.at_ms, {"epoch": r.epoch}))
         return out
@@ -234,7 +285,11 @@ class Barriers(Kind):
     @emits(BarrierNextEpoch)
     def _ev_next_epoch(self, r: BarrierNextEpoch):
         b = self.table[r.id]
-        return ev(b.space, "barrier.next_epoch", "barrier", b.id, b.scope_id, r.at_ms, {"epoch": r.epoch})
+        out = [ev(b.space, "barrier.next_epoch", "barrier", b.id, b.scope_id, r.at_ms,
+                  {"epoch": r.epoch, "arrived": len(b.keys)})]
+        if b.state == "RELEASED":
+            out.append(ev(b.space, "barrier.released", "barrier", b.id, b.scope_id, r.at_ms, {"epoch": r.epoch}))
+        return out
 
     @emits(BarrierCancelled)
     def _ev_cancelled(self, r: BarrierCancelled):

@@ -110,7 +110,9 @@ class Runs(Kind):
         self.children: dict[str, dict[str, None]] = {}  # run id -> its child run ids (ordered)
         self.owned: dict[str, list[str]] = {}  # run id -> ids of the groups/barriers/timers/join sets it owns
         self.counts: dict[str, dict[str, int]] = {}  # space -> stored_state -> runs
-        self.named_roots: dict[tuple[str, str], str] = {}  # (space, name) -> newest root run so named
+        #: (space, name) -> the root runs of that name not yet ended, oldest first
+        #: (``scope.ensure_named`` joins the newest effectively ACTIVE one)
+        self.named_roots: dict[tuple[str, str], dict[str, None]] = {}
         self.roots: dict[str, dict[str, None]] = {}  # space -> its root runs (creation order)
 
     def entity_tables(self):
@@ -264,9 +266,9 @@ class Runs(Kind):
         join makes a new one. ``deadline`` applies only when creating.
         VALIDATION_FAILED (name, deadline)."""
         check_label("name", op.name)
-        rid = self.named_roots.get((session.space, op.name))
-        if rid is not None and self.inactive_error(rid) is None:
-            return self.view(self.table[rid])
+        for rid in reversed(self.named_roots.get((session.space, op.name), ())):
+            if self.inactive_error(rid) is None:  # (a newer one that ended does not hide it)
+                return self.view(self.table[rid])
         return self.op_scope_create(actor, session, ScopeCreate(name=op.name, deadline=op.deadline), named=True)
 
     def check_child_limit(self, parent: ScopeState, what: str = "") -> None:
@@ -427,7 +429,7 @@ class Runs(Kind):
                 roots = self.roots[space] = {}
             roots[sid] = None
             if name is not None:
-                self.named_roots[(space, name)] = sid
+                self.named_roots.setdefault((space, name), {})[sid] = None
         else:
             kids = self.children.get(parent_id)
             if kids is None:
@@ -473,8 +475,8 @@ class Runs(Kind):
         self._count(s.space, None, s.state)
         if s.parent_id is None:
             self.roots.setdefault(s.space, {})[s.id] = None
-            if s.name is not None:
-                self.named_roots[(s.space, s.name)] = s.id
+            if s.name is not None and s.state == "ACTIVE" and not s.deadline_fired:
+                self.named_roots.setdefault((s.space, s.name), {})[s.id] = None
         if s.parent_id is not None:
             self.children.setdefault(s.parent_id, {})[s.id] = None
 
@@ -490,6 +492,7 @@ class Runs(Kind):
         s.state = state
         s.ended_at_ms = at_ms
         s.end_reason = reason
+        self._unname(s)
         self.coord.touch(s.id)
         self.coord.retention.note(s.id, at_ms)
         if implied:
@@ -500,6 +503,7 @@ class Runs(Kind):
     def _apply_deadline(self, r: ScopeDeadlinePassed) -> None:
         s = self.table[r.id]
         s.deadline_fired = True
+        self._unname(s)
         self.coord.touch(s.id)
         if s.state == "ACTIVE":
             self.coord.retention.note(s.id, r.at_ms)
@@ -563,10 +567,10 @@ class Runs(Kind):
                 self.children.setdefault(s.parent_id, {})[s.id] = None
                 continue
             self.roots.setdefault(s.space, {})[s.id] = None
-            if s.name is not None:
-                k = (s.space, s.name)
-                if k not in self.named_roots or self.named_roots[k] < s.id:
-                    self.named_roots[k] = s.id
+            if s.name is not None and s.state == "ACTIVE" and not s.deadline_fired:
+                self.named_roots.setdefault((s.space, s.name), {})[s.id] = None
+        for k, ids in self.named_roots.items():  # oldest first (ids are time-ordered)
+            self.named_roots[k] = dict.fromkeys(sorted(ids))
 
     # ================================================================ remote runs
     def add_remote(self, run_id: str, space: str, shard: int, at_ms: int) -> ScopeState:
@@ -628,10 +632,19 @@ class Runs(Kind):
                 roots.pop(run_id, None)
                 if not roots:
                     del self.roots[s.space]
-        if s.parent_id is None and s.name is not None and self.named_roots.get((s.space, s.name)) == run_id:
-            del self.named_roots[(s.space, s.name)]
+        self._unname(s)
         self.coord.touch(run_id)
         return 1
+
+    def _unname(self, s: ScopeState) -> None:
+        """``s`` ended (or is gone): no join by name finds it again."""
+        if s.parent_id is None and s.name is not None:
+            k = (s.space, s.name)
+            ids = self.named_roots.get(k)
+            if ids is not None:
+                ids.pop(s.id, None)
+                if not ids:
+                    del self.named_roots[k]
 
     def statistics(self) -> dict:
         return {"runs": len(self.table)}

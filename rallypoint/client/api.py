@@ -1483,28 +1483,43 @@ class Barrier:
         self._rs = rs
         self.id = barrier_id
         self.last_status = status
+        #: the epoch this handle's last arrival counted in (None: it has not arrived)
+        self.arrived_epoch: int | None = None
 
     def __repr__(self) -> str:
         return f"Barrier({self.id!r})"
 
-    async def arrive(self, key: str) -> t.BarrierStatus:
-        """Arrive as ``key`` (idempotent per key within an epoch). BarrierReleasedError
-        after the release; SCOPE_CANCELLED / DEADLINE_EXCEEDED once its run is inactive."""
-        self.last_status = await self._rs._call(p.BarrierArrive(barrier_id=self.id, key=key), t.BarrierStatus)
+    async def arrive(self, key: str, *, epoch: int | None = None) -> t.BarrierStatus:
+        """Arrive as ``key`` (idempotent per key within an epoch) in ``epoch`` (None:
+        the current one). Naming the epoch makes a reused barrier's loop race-free: an
+        arrival for the next epoch while the current one is RELEASED is an *early
+        arrival*, held and counted the moment ``next_epoch()`` starts that epoch
+        (``status.next_keys`` lists them). BarrierReleasedError (BARRIER_RELEASED) after
+        the release, or for an epoch that is over; ConflictError (CONFLICT) for an epoch
+        not yet next; SCOPE_CANCELLED / DEADLINE_EXCEEDED once its run is inactive.
+        :meth:`wait` then waits for the epoch of this arrival."""
+        self.last_status = await self._rs._call(p.BarrierArrive(barrier_id=self.id, key=key, epoch=epoch),
+                                                t.BarrierStatus)
+        self.arrived_epoch = epoch if epoch is not None else self.last_status.epoch
         return self.last_status
 
-    async def wait(self, timeout: float | None = 60) -> t.BarrierStatus:
-        """Wait on the server for RELEASED (in the epoch current at the call, or a later
-        one). BarrierCancelledError (BARRIER_CANCELLED, a ConflictError) once the
-        barrier is cancelled (its run cancelled, completed or past its deadline);
-        WaitTimeout after ``timeout`` s."""
-        # Pin the epoch current at the call: a reply cannot tell it (the server returns
-        # the status of the epoch it woke in, which is later if the barrier was reused).
-        epoch = (await self.status()).epoch
+    async def wait(self, timeout: float | None = 60, *, epoch: int | None = None) -> t.BarrierStatus:
+        """Wait on the server for RELEASED in ``epoch`` (or once a later epoch began):
+        by default the epoch of this handle's last :meth:`arrive` -- so a wait that
+        starts after the barrier was released and reused still returns for the caller's
+        own round -- else the epoch current at the call. BarrierCancelledError
+        (BARRIER_CANCELLED, a ConflictError) once the barrier is cancelled (its run
+        cancelled, completed or past its deadline); WaitTimeout after ``timeout`` s."""
+        # Pin the epoch: a reply cannot tell it (the server returns the status of the
+        # epoch it woke in, which is later if the barrier was reused).
+        if epoch is None:
+            epoch = self.arrived_epoch
+        if epoch is None:
+            epoch = (await self.status()).epoch
 
         def done(st: t.BarrierStatus) -> bool:
             self.last_status = st
-            return st.epoch > epoch or st.state == "RELEASED"
+            return st.epoch > epoch or (st.epoch == epoch and st.state == "RELEASED")
 
         return await self._rs._wait(
             lambda ms: p.BarrierWait(barrier_id=self.id, wait_ms=ms, epoch=epoch), t.BarrierStatus, done, timeout,

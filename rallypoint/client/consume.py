@@ -38,12 +38,45 @@ from typing import Any, Awaitable, Callable
 
 import anyio
 
-from ..errors import LeaseLostError, ScopeInactiveError, ValidationError
+from ..errors import LeaseLostError, RallypointError, ScopeInactiveError, ValidationError, is_transient_refusal
+from ..logutil import RateLimitedLogger
 from .api import Client, Delivery, Mailbox, _id_of, _mailbox_name, _ms, complete_many, encode_payload
 
 log = logging.getLogger("rallypoint.consume")
 
 __all__ = ["consume", "ConsumeStats"]
+
+#: Longest wait between two tries of a refused call (seconds): a refusal's
+#: ``retry_after`` is waited, doubling from there up to this.
+RIDE_OUT_MAX_S = 10.0
+_ride_log = RateLimitedLogger(log, window_s=30.0, burst=1)
+
+
+async def _ridden(call: Callable[[], Awaitable[Any]], what: str, kind: str, stats: "ConsumeStats") -> Any:
+    """``await call()``; a refusal that applied nothing and passes by itself (a full
+    disk, no in-sync standby under ``--min-insync 2``, a failover, a limit: see
+    :func:`rallypoint.errors.is_transient_refusal`) is waited out -- its ``retry_after``
+    seconds, then twice that, up to :data:`RIDE_OUT_MAX_S` -- and ``call`` made again,
+    for as long as it takes (the caller's cancel scope ends it); ``stats.refused``
+    counts the refusals. Anything else is raised. ``kind`` groups the WARNING lines
+    (``receive``, ``renew``, ``complete``, ``retry``, ``release``: one per kind and code
+    every 30 s)."""
+    delay: float | None = None
+    while True:
+        try:
+            return await call()
+        except RallypointError as e:
+            if not is_transient_refusal(e):
+                raise
+            ra = max(0.05, float(e.retry_after or 0))
+            delay = ra if delay is None else min(RIDE_OUT_MAX_S, max(ra, delay * 2))
+            stats.refused += 1
+            _ride_log.log(logging.WARNING, f"ride-out-{kind}-{e.code}",
+                          "%s refused (%s: %s); trying again in %.2g s, for as long as it is refused",
+                          what, e.code, e.message, delay,
+                          extra={"event": "consume_refused", "code": e.code, "kind": kind})
+            await anyio.sleep(delay)
+
 
 #: Longest error text sent with a retry (characters; at most 4 bytes each in UTF-8,
 #: so the payload stays under the 64 KiB limit).
@@ -69,6 +102,8 @@ class ConsumeStats:
             nothing), or the handler was cancelled because the run stopped.
         stop_reason: SCOPE_CANCELLED or DEADLINE_EXCEEDED once the run stopped;
             ``SIGINT`` or ``SIGTERM`` when a signal stopped it.
+        refused: calls refused for a passing reason (a full disk, no in-sync
+            standby, a failover, a limit) and made again after waiting.
     """
 
     def __init__(self) -> None:
@@ -78,12 +113,14 @@ class ConsumeStats:
         self.failed = 0
         self.released = 0
         self.lost = 0
+        self.refused = 0
         self.stop_reason: str | None = None
 
     def __repr__(self) -> str:
         return (
             f"ConsumeStats(received={self.received}, completed={self.completed}, retried={self.retried}, "
-            f"failed={self.failed}, released={self.released}, lost={self.lost}, stop_reason={self.stop_reason!r})"
+            f"failed={self.failed}, released={self.released}, lost={self.lost}, refused={self.refused}, "
+            f"stop_reason={self.stop_reason!r})"
         )
 
 
@@ -292,6 +329,14 @@ async def consume(
         :class:`ConsumeStats`, once a receive is refused with SCOPE_CANCELLED or
         DEADLINE_EXCEEDED, or once a SIGINT/SIGTERM drain is done.
 
+    A refusal that applied nothing and passes by itself -- a full disk, no in-sync
+    standby under ``--min-insync 2``, a failover under way, a limit with
+    ``retry_after`` (:func:`rallypoint.errors.is_transient_refusal`) -- is waited out:
+    the receive, renewal, complete, retry or release is made again after its
+    ``retry_after`` (doubling, at most 10 s between tries), handlers keep running and
+    their leases are kept (the server holds lease expiries while it refuses writes).
+    One WARNING per kind of refusal every 30 s says so.
+
     Raises (the error itself, never wrapped in an ExceptionGroup): NotFoundError
     (NOT_FOUND: no such mailbox or run), ValidationError (VALIDATION_FAILED: bad
     ``concurrency``, ``lease_seconds``, ``wait`` or ``holder``), UnavailableError (UNAVAILABLE: the
@@ -347,7 +392,7 @@ async def consume(
     async def release(d: Delivery) -> None:
         """Give ``d`` back unfinished, the attempt not counted."""
         try:
-            info = await d.release()
+            info = await _ridden(d.release, f"releasing task {d.task_id}", "release", stats)
         except (LeaseLostError, ScopeInactiveError):
             lost(d)
             return
@@ -358,7 +403,8 @@ async def consume(
 
     async def give_back(d: Delivery, error: str, exc: BaseException | None = None) -> None:
         try:
-            info = await d.retry(error=_clip(error))
+            info = await _ridden(lambda: d.retry(error=_clip(error)), f"retrying task {d.task_id}", "retry",
+                                 stats)
         except (LeaseLostError, ScopeInactiveError) as e:
             lost(d)
             log.warning("task %s attempt %d: %s; not recorded: %s", d.task_id, d.attempt, _clip(error), e.code,
@@ -420,12 +466,14 @@ async def consume(
                 batch = items[k:k + n]
                 k += n
                 try:
-                    out = await complete_many(rs, [(d, o) for d, o, _ in batch], details=False)
+                    out = await _ridden(lambda: complete_many(rs, [(d, o) for d, o, _ in batch], details=False),
+                                        "a complete", "complete", stats)
                 except ValidationError:  # over the frame limit after all: each alone
                     out = []
                     for d, o, _ in batch:
                         try:
-                            out += await complete_many(rs, [(d, o)], details=False)
+                            out += await _ridden(lambda: complete_many(rs, [(d, o)], details=False), "a complete", "complete",
+                                                 stats)
                         except ValidationError as e:
                             out.append(e)
                 for (_, _, box), r in zip(batch, out):
@@ -457,7 +505,9 @@ async def consume(
         with anyio.CancelScope() as scope:
             entry[5] = scope
             try:
-                await d.renew()
+                # (a refused renewal is tried again: the server holds lease expiries while
+                # it refuses writes, so the lease is kept; a lost one answers STALE_CLAIM)
+                await _ridden(d.renew, f"renewing task {d.task_id}'s lease", "renew", stats)
             except (LeaseLostError, ScopeInactiveError):
                 handler_scope.cancel()
                 return
@@ -583,8 +633,8 @@ async def consume(
                 with recv_scope:
                     try:
                         n = min(free, 100)
-                        got = await mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait, max_messages=n,
-                                                holder=holder)
+                        got = await _ridden(lambda: mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait,
+                                                                max_messages=n, holder=holder), "a receive", "receive", stats)
                         ds = got if isinstance(got, list) else ([got] if got is not None else [])
                     except ScopeInactiveError as e:
                         stop_serving(e.code)

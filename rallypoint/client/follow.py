@@ -37,8 +37,11 @@ log = logging.getLogger("rallypoint.client")
 
 def split_urls(url: str) -> list[str]:
     """``tcp://a:7411,b:7411`` -> ``["tcp://a:7411", "tcp://b:7411"]`` (the scheme of
-    the first applies to all; each part is ``host:port``). One address stays one.
-    Raises ValidationError for an empty part."""
+    the first applies to all; each part is ``host:port``). One address stays one. A bare
+    ``host:port[,host:port...]`` (as ``--listen`` takes it) is ``tcp://``. Raises
+    ValidationError for an empty part."""
+    if "://" not in url and url.strip():
+        url = "tcp://" + url.strip()
     scheme, sep, rest = url.partition("://")
     if not sep or "," not in rest:
         return [url]

@@ -143,7 +143,19 @@ class _Info(msgspec.Struct, frozen=True, metaclass=_FromView):
             raise KeyError(name) from None
 
     def to_dict(self) -> dict[str, Any]:
-        return msgspec.structs.asdict(self)
+        """The fields as a dict, nested SDK types as dicts too (lists and dicts of them
+        included); other values (datetimes, ...) as they are."""
+        return _plain(self)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, msgspec.Struct):
+        return {k: _plain(x) for k, x in msgspec.structs.asdict(v).items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
 
 
 def sdk_type(view: type, name: str | None = None) -> type:

@@ -35,6 +35,7 @@ import msgspec
 import trio
 
 from ..errors import NotLeaderError, RallypointError, UnavailableError, ValidationError
+from ..logutil import RateLimitedLogger
 from ..node import recovered, serving
 from ..replication import (
     LinkClosed,
@@ -46,6 +47,7 @@ from ..replication import (
     take_over,
     truncate_after,
 )
+from ..replication.auth import LinkAuth, Unauthenticated
 from ..replication.link import unwrapped
 from ..wire import PROTOCOL_VERSION
 from .etcd import EtcdClient, EtcdError
@@ -74,6 +76,7 @@ class MemberConfig:
     port); ``ttl_s``: the leader lease's TTL (s, etcd's minimum is
     2); ``isr_timeout_s``: a standby silent this long (s) leaves the in-sync set;
     ``min_insync``: 2 refuses writes rather than run without a standby;
+    ``peer_tls``/``insecure``: the replication link's TLS (see the fields);
     ``node_options``: the keyword arguments of :func:`rallypoint.node.recovered`
     (journal and disk-space options); ``serve_options``: those of
     :func:`rallypoint.node.serving` (snapshot triggers)."""
@@ -93,6 +96,12 @@ class MemberConfig:
     isr_timeout_s: float = 1.0
     min_insync: int = 1
     drain_timeout_s: float = 10.0
+    #: the replication link's mutual TLS (``--peer-cert/--peer-key/--peer-ca``,
+    #: :class:`~rallypoint.cluster.peerauth.PeerTls`); None: plaintext (loopback only
+    #: unless ``insecure``), authenticated by the cluster secret all the same
+    peer_tls: Any = None
+    #: ``--insecure``: a plaintext replication link on a non-loopback address
+    insecure: bool = False
     node_options: dict = field(default_factory=dict)
     serve_options: dict = field(default_factory=lambda: {"snapshot_every_records": 100_000,
                                                          "snapshot_every_s": 60.0})
@@ -203,6 +212,20 @@ class ShardMember:
             raise ValidationError("a replicated shard needs a data dir: --durability fsync or interval")
         if config.min_insync not in (1, 2):
             raise ValidationError(f"--min-insync must be 1 or 2 (got {config.min_insync})")
+        if config.peer_tls is not None and config.node not in config.peer_tls.names:
+            raise ValidationError(f"--peer-cert {config.peer_tls.cert} does not name node {config.node!r} (its "
+                                  f"names: {', '.join(sorted(config.peer_tls.names)) or 'none'}): a peer is "
+                                  "accepted only under a name its certificate carries; `rallypoint cluster certs "
+                                  f"--nodes {config.node}` makes one")
+        if config.peer_tls is None and not config.insecure:
+            for what, host in (("--replication", config.replication[0]),
+                               ("--advertise-replication", _host_of(config.advertise_replication)),
+                               ("--advertise", config.advertise_host)):
+                if host is not None and not _loopback(host):
+                    raise ValidationError(
+                        f"{what} {host} is not a loopback address and the replication link has no TLS: give "
+                        "--peer-cert, --peer-key and --peer-ca (`rallypoint cluster certs` makes them), or "
+                        "--insecure for a plaintext link on a network you trust")
         self.config = config
         self.make_server = make_server
         self.on_leader = on_leader
@@ -240,6 +263,10 @@ class ShardMember:
         self.probe: Callable[[str], Any] | None = None
         #: a sharded cluster's leader: reservations on home shards (rallypoint.cluster.peers)
         self.reserver = None
+        #: the cluster secret (etcd), read at start; the replication link's credentials
+        self.secret: str | None = None
+        self.link_auth: LinkAuth | None = None
+        self._link_refusals = RateLimitedLogger(log, window_s=30.0, burst=1)
         self._stop = trio.Event()
         self._role_changed = trio.Event()
         self._leader_changed = trio.Event()
@@ -342,6 +369,8 @@ class ShardMember:
                 watches.start_soon(self._watch_leaders, etcd)
                 await self._map_seen.wait()
                 await self._bootstrap(election)
+                self.secret = await self._read_secret(etcd)
+                self.link_auth = LinkAuth(self.secret, cluster=c.cluster, shard=c.shard, tls=c.peer_tls)
                 while not self._stop.is_set():
                     try:
                         async with unwrapped():
@@ -415,6 +444,17 @@ class ShardMember:
                 log.warning("waiting for etcd (%s)", e.message)
                 await trio.sleep(0.5)
 
+    async def _read_secret(self, etcd) -> str:
+        """The cluster secret (made now if the cluster has none), waiting for etcd."""
+        from .shardmap import node_secret
+
+        while True:
+            try:
+                return await node_secret(etcd, self.config.cluster)
+            except EtcdError as e:
+                log.warning("reading the cluster secret from etcd failed (%s); again", e.message)
+                await trio.sleep(0.5)
+
     def _rebuild(self, rb: Rebuild) -> None:
         c = self.config
         if rb.truncate_to is not None:
@@ -445,7 +485,7 @@ class ShardMember:
                 term.start_soon(campaigner)
                 # ---- standby
                 async with running_as_standby(rec, node=c.node, cluster=c.cluster, shard=c.shard,
-                                              **self._snap_opts()) as sb:
+                                              auth=self.link_auth, **self._snap_opts()) as sb:
                     self.standby = sb
                     async with unwrapped(), trio.open_nursery() as standing:
                         await standing.start(self._serve_redirect)
@@ -531,9 +571,13 @@ class ShardMember:
                              rec.info.replication_address, e)
                 else:
                     try:
-                        await sb.follow(stream, rec.epoch)
+                        await sb.follow(stream, rec.epoch, leader=rec.info.node)
                     except StaleLeader as e:
                         log.warning("standby %s: %s", self.config.node, e)
+                    except Unauthenticated as e:
+                        self._link_refusals.log(logging.WARNING, "link-unauthenticated", "standby %s: the link to "
+                                                "%s at %s is not authenticated: %s", self.config.node, rec.info.node,
+                                                rec.info.replication_address, e)
                     except LinkClosed as e:
                         log.info("standby %s: replication link to %s ended: %s", self.config.node, rec.info.node, e)
                     else:
@@ -561,7 +605,7 @@ class ShardMember:
         def before(coord) -> None:
             repl = ReplicationLeader(coord, epoch=lead.epoch, node=c.node, cluster=c.cluster, shard=c.shard,
                                      isr=isr, snapshot_store=rec.rec.store, isr_timeout_s=c.isr_timeout_s,
-                                     min_insync=c.min_insync, on_deposed=lambda: lead._lose(
+                                     min_insync=c.min_insync, auth=self.link_auth, on_deposed=lambda: lead._lose(
                                          "a fenced in-sync set update was refused"))
             repl.attach()
             box["repl"] = repl
@@ -633,17 +677,11 @@ class ShardMember:
         """While leading a shard of a sharded cluster: the node secret from etcd (so
         the other shards' leaders are let in before the client port opens), the
         linking of other shards' runs, and the outbox's sender."""
+        from .peerauth import TokenVerifier
         from .peers import OutboxSender, Peers, RemoteRuns, Reserver
-        from .shardmap import node_secret
 
         c = self.config
-        while True:
-            try:
-                secret = await node_secret(self._etcd, c.cluster)
-                break
-            except EtcdError as e:
-                log.warning("reading the cluster's node secret from etcd failed (%s); again", e.message)
-                await trio.sleep(0.5)
+        secret = self.secret
 
         def address(shard: int) -> str | None:
             rec = self.leaders.get(shard)
@@ -651,8 +689,9 @@ class ShardMember:
 
         service = node.service
         async with trio.open_nursery() as nursery:
-            peers = Peers(address, secret, nursery)
+            peers = Peers(address, secret, nursery, cluster=c.cluster, node=c.node)
             service.node_secret = secret
+            service.node_tokens = TokenVerifier(secret, c.cluster)
             service.remote_runs = RemoteRuns(service, peers, nursery)
             self.outbox_sender = OutboxSender(service, peers, c.shard)
             await nursery.start(self.outbox_sender.run)
@@ -663,6 +702,7 @@ class ShardMember:
                 await trio.sleep_forever()
             finally:
                 service.remote_runs = None
+                service.node_tokens = None
                 peers.close()
 
     async def _probe(self, point: str) -> None:
@@ -730,6 +770,22 @@ async def _wait_then_cancel(ev: trio.Event, scope: trio.CancelScope) -> None:
 async def _set_when(ev: trio.Event, out: trio.Event) -> None:
     await ev.wait()
     out.set()
+
+
+def _host_of(address: str | None) -> str | None:
+    return None if address is None else _split(address)[0]
+
+
+def _loopback(host: str) -> bool:
+    """``localhost`` or a loopback IP literal."""
+    import ipaddress
+
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _split(address: str) -> tuple[str, int]:

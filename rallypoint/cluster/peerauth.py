@@ -42,7 +42,7 @@ import ssl
 import time
 from collections import OrderedDict
 
-__all__ = ["link_proof", "make_token", "TokenVerifier", "server_context", "client_context", "names_of",
+__all__ = ["link_proof", "make_token", "TokenVerifier", "server_context", "client_context", "names_of", "cert_names",
            "new_nonce", "PeerTls", "TOKEN_PREFIX"]
 
 #: what a node token starts with (so a client key can never be taken for one)
@@ -87,18 +87,16 @@ def verify_link_proof(proof: bytes, secret: str | bytes, **fields) -> bool:
 
 def make_token(secret: str | bytes, *, purpose: str, cluster: str, node: str, target: str, body: bytes = b"",
                now_ms: int | None = None) -> str:
-    """A node token: ``rpnode1.<node>.<ms>.<nonce hex>.<mac hex>`` -- the MAC covers the
-    purpose (``"session"``: a handshake on a client port; ``"http"``: a routed HTTP
-    request), the cluster, the caller ``node``, the ``target`` (the callee's shard, or
-    ``METHOD path`` for HTTP), the time and nonce, and ``body`` (hashed). A node name
-    holds no dot."""
-    if "." in node:
-        raise ValueError(f"a node name holds no dot: {node!r}")
+    """A node token: ``rpnode1.<node, hex of UTF-8>.<ms>.<nonce hex>.<mac hex>`` -- the
+    MAC covers the purpose (``"session"``: a handshake on a client port; ``"http"``: a
+    routed HTTP request), the cluster, the caller ``node``, the ``target`` (the callee's
+    shard, or ``METHOD path`` for HTTP), the time (ms since the epoch) and nonce, and
+    ``body`` (hashed)."""
     ms = int(time.time() * 1000) if now_ms is None else now_ms
     nonce = os.urandom(12).hex()
     mac = _mac(secret, "rallypoint-token-v1", purpose, cluster, node, target, ms, nonce,
                hashlib.sha256(body).digest()).hex()
-    return f"{TOKEN_PREFIX}{node}.{ms}.{nonce}.{mac}"
+    return f"{TOKEN_PREFIX}{node.encode().hex()}.{ms}.{nonce}.{mac}"
 
 
 def is_token(value: object) -> bool:
@@ -135,8 +133,12 @@ class TokenVerifier:
         parts = token[len(TOKEN_PREFIX):].split(".")
         if len(parts) != 4:
             return None
-        node, ms_s, nonce, mac = parts
-        if not (ms_s.isascii() and ms_s.isdigit()) or len(nonce) != 24 or len(mac) != 64:
+        node_hex, ms_s, nonce, mac = parts
+        if not (ms_s.isascii() and ms_s.isdigit()) or len(nonce) != 24 or len(mac) != 64 or len(ms_s) > 16:
+            return None
+        try:
+            node = bytes.fromhex(node_hex).decode()
+        except ValueError:
             return None
         now = self._clock()
         ms = int(ms_s)
@@ -165,6 +167,8 @@ class PeerTls:
         self.cert, self.key, self.ca = cert, key, ca
         self.server = server_context(cert, key, ca)
         self.client = client_context(cert, key, ca)
+        #: the node names this certificate carries (DNS subject alternative names)
+        self.names = cert_names(cert)
 
 
 def _load(ctx: ssl.SSLContext, cert: str, key: str, ca: str) -> None:
@@ -197,6 +201,23 @@ def client_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
     ctx.verify_mode = ssl.CERT_REQUIRED
     _load(ctx, cert, key, ca)
     return ctx
+
+
+def cert_names(path: str) -> set[str]:
+    """The DNS subject alternative names of the (first) certificate in the PEM file
+    ``path``. Raises ValueError if it does not load."""
+    from cryptography import x509
+
+    try:
+        with open(path, "rb") as f:
+            cert = x509.load_pem_x509_certificate(f.read())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a PEM certificate: {e}") from None
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return set(san.get_values_for_type(x509.DNSName))
 
 
 def names_of(peercert: dict | None) -> set[str]:

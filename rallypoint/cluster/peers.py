@@ -1,8 +1,10 @@
 """Calls between the shards of a sharded cluster, made by each shard's leader.
 
 - :class:`Peers`: one connection per other shard, to that shard's leader's client port
-  (as etcd advertises it), authenticated by the cluster's **node secret** (etcd,
-  ``/rallypoint/<cluster>/node_secret``: :func:`rallypoint.cluster.shardmap.node_secret`);
+  (as etcd advertises it), authenticated by a one-use token of the cluster's **node
+  secret** (etcd, ``/rallypoint/<cluster>/node_secret``:
+  :func:`rallypoint.cluster.shardmap.node_secret`; the token:
+  :func:`rallypoint.cluster.peerauth.make_token`, the secret itself is never sent);
   a call follows a failover (it waits for the next leader and sends again: every call
   made here is idempotent).
 - :class:`RemoteRuns` (the home shard's side): a request of a run of another shard for
@@ -56,13 +58,17 @@ BATCH = 256
 class Peers:
     """Connections to the other shards' leaders. ``leader_address(shard)``: the
     shard's leader's client address as etcd says now (None: none known); ``secret``:
-    the node secret; ``nursery``: where the connections run (the leader's term);
-    ``timeout_s``: how long a call may wait for a leader that answers (seconds)."""
+    the node secret (each connection's handshake carries a fresh token of it for
+    ``cluster``, this ``node`` and the callee's shard); ``nursery``: where the
+    connections run (the leader's term); ``timeout_s``: how long a call may wait for a
+    leader that answers (seconds)."""
 
     def __init__(self, leader_address: Callable[[int], str | None], secret: str, nursery: trio.Nursery, *,
-                 timeout_s: float = 10.0) -> None:
+                 cluster: str, node: str, timeout_s: float = 10.0) -> None:
         self.leader_address = leader_address
         self.secret = secret
+        self.cluster = cluster
+        self.node = node
         self.nursery = nursery
         self.timeout_s = timeout_s
         self._conns: dict[int, tuple[str, Any, trio.CancelScope]] = {}
@@ -100,7 +106,7 @@ class Peers:
                 return conn
             self._drop(shard)
         self.reconnects += 1
-        conn, scope = await self.nursery.start(self._hold, f"tcp://{address}")
+        conn, scope = await self.nursery.start(self._hold, f"tcp://{address}", shard)
         self._conns[shard] = (address, conn, scope)
         return conn
 
@@ -109,11 +115,13 @@ class Peers:
         if have is not None:
             have[2].cancel()
 
-    async def _hold(self, url: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _hold(self, url: str, shard: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         from ..transport.connection import Connection
+        from .peerauth import make_token
 
         with trio.CancelScope() as scope:
-            conn = await Connection.open(url, api_key=self.secret, client_name="rallypoint-peer", connect_timeout=2.0)
+            token = make_token(self.secret, purpose="session", cluster=self.cluster, node=self.node, target=str(shard))
+            conn = await Connection.open(url, api_key=token, client_name="rallypoint-peer", connect_timeout=2.0)
             try:
                 async with conn:
                     task_status.started((conn, scope))

@@ -38,8 +38,10 @@ from typing import Any, Callable, Protocol
 import trio
 
 from ..errors import UnavailableError
+from ..logutil import RateLimitedLogger
 from ..persistence.journal import read_journal
 from . import wire
+from .auth import LinkAuth, Unauthenticated
 from .link import Link, LinkClosed, unwrapped
 
 log = logging.getLogger("rallypoint.replication")
@@ -56,6 +58,11 @@ BATCH_BYTES = 1 << 20
 BEAT_S = 0.1
 #: Snapshot copies travel in pieces of this many bytes.
 SNAPSHOT_CHUNK = 4 << 20
+#: Connections in their handshake at once, in all and from one peer address; one more
+#: is closed at once (a flood of unauthenticated connections costs a socket each,
+#: briefly; one address cannot take every slot from the real standby's).
+MAX_HANDSHAKES = 64
+MAX_HANDSHAKES_PER_HOST = 4
 
 
 class Deposed(Exception):
@@ -143,6 +150,26 @@ class RecordRing:
         return out
 
 
+async def _close(stream) -> None:
+    with trio.CancelScope(shield=True):
+        try:
+            await stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+
+def _peer_of(stream) -> str:
+    """``host:port`` of a stream's peer, for logs (``?`` when unknown)."""
+    s = stream
+    while s is not None and not hasattr(s, "socket"):
+        s = getattr(s, "transport_stream", None)
+    try:
+        host, port = s.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except (AttributeError, OSError, TypeError, ValueError):
+        return "?"
+
+
 class _Peer:
     """One connected standby."""
 
@@ -172,6 +199,8 @@ class ReplicationLeader:
         min_insync: 2: never run alone -- refuse writes while no standby is in sync.
         ring_bytes: payload bytes of recent records kept in memory for the standby.
         on_deposed: called when a fenced ISR write fails (the node must stop serving).
+        auth: how a connecting standby must prove itself (:class:`~.auth.LinkAuth`:
+            the cluster secret, peer TLS); a peer that does not is sent nothing.
 
     Use: ``journal.set_tap(leader.ring.tap)`` is done by :meth:`attach`; run
     :meth:`serve` with a listener in the node's nursery.
@@ -180,7 +209,7 @@ class ReplicationLeader:
     def __init__(self, coordinator, *, epoch: int, node: str, cluster: str, shard: int, isr: IsrStore,
                  snapshot_store=None, isr_timeout_s: float = 1.0,
                  min_insync: int = 1, ring_bytes: int = 64 << 20,
-                 on_deposed: Callable[[], None] | None = None) -> None:
+                 on_deposed: Callable[[], None] | None = None, auth: LinkAuth) -> None:
         if min_insync not in (1, 2):
             raise ValueError(f"min_insync must be 1 or 2 (got {min_insync})")
         self.coord = coordinator
@@ -195,11 +224,15 @@ class ReplicationLeader:
         self.min_insync = min_insync
         self.ring = RecordRing(self.journal.last_lsn + 1, ring_bytes)
         self.on_deposed = on_deposed
+        self.auth = auth
+        self._handshakes: dict[str, int] = {}
+        #: refused connections, for a rate-limited warning (an impostor loops)
+        self.refusals = RateLimitedLogger(log, window_s=30.0, burst=1)
         self.peer: _Peer | None = None
         self.deposed = False
         self._isr_lock = trio.Lock()
         self.stats = {"frames_sent": 0, "bytes_sent": 0, "snapshots_sent": 0, "isr_shrinks": 0, "isr_expands": 0,
-                      "sessions": 0}
+                      "sessions": 0, "refused": 0}
 
     # ------------------------------------------------------------------ wiring
     def attach(self) -> None:
@@ -272,6 +305,10 @@ class ReplicationLeader:
     async def _session_guarded(self, stream) -> None:
         try:
             await self.session(stream)
+        except Unauthenticated as exc:
+            self.stats["refused"] += 1
+            self.refusals.log(logging.WARNING, "link-unauthenticated",
+                              "replication: refused a connection from %s: %s", _peer_of(stream), exc)
         except LinkClosed as exc:
             log.info("replication: standby connection ended: %s", exc)
         except Deposed:
@@ -285,12 +322,29 @@ class ReplicationLeader:
                 self.on_deposed()
 
     async def session(self, stream) -> None:
-        """One standby connection: handshake, then stream records and read acks."""
-        link = Link(stream, "leader")
+        """One standby connection: the authenticated handshake (:meth:`LinkAuth.accept`:
+        nothing is sent to a peer that did not prove itself), then stream records and
+        read acks. Raises Unauthenticated for a peer that did not prove itself."""
+        host = _peer_of(stream).rpartition(":")[0]
+        pending = self._handshakes
+        if sum(pending.values()) >= MAX_HANDSHAKES or pending.get(host, 0) >= MAX_HANDSHAKES_PER_HOST:
+            await _close(stream)
+            raise Unauthenticated(f"too many connections in their handshake at once (from {host or '?'}: "
+                                  f"{pending.get(host, 0)}, in all: {sum(pending.values())})")
+        pending[host] = pending.get(host, 0) + 1
         try:
-            hello = await link.receive()
-            if not isinstance(hello, wire.Hello):
-                raise LinkClosed(f"expected Hello, got {type(hello).__name__}")
+            try:
+                accepted = await self.auth.accept(stream, node=self.node, epoch=self.epoch)
+            finally:
+                pending[host] -= 1
+                if not pending[host]:
+                    del pending[host]
+        except BaseException:
+            await _close(stream)
+            raise
+        link = accepted.link
+        hello = accepted.hello
+        try:
             refusal = self._check_hello(hello)
             if refusal is not None:
                 await link.send(wire.Refuse(code="REFUSED", message=refusal))

@@ -14,7 +14,7 @@ import trio
 from ..transport.framing import FrameParser
 from .wire import MAX_MESSAGE_BYTES, LeaderMessage, StandbyMessage
 
-__all__ = ["Link", "LinkClosed", "unwrapped"]
+__all__ = ["Link", "LinkClosed", "StaleLeader", "unwrapped"]
 
 _HEADER = struct.Struct(">I")
 
@@ -22,6 +22,11 @@ _HEADER = struct.Struct(">I")
 class LinkClosed(Exception):
     """The peer closed the replication connection, reset it, or sent a frame that does
     not decode (framing is then lost, so the connection is closed too)."""
+
+
+class StaleLeader(LinkClosed):
+    """The peer sent frames of an epoch older than one this standby has seen, or not the
+    epoch etcd named: a deposed leader. The standby drops the connection."""
 
 
 @asynccontextmanager
@@ -53,14 +58,23 @@ class Link:
     standby's messages) or ``"standby"``. ``send`` and ``receive`` may run in two tasks
     at once (one each); neither may run in two."""
 
-    def __init__(self, stream: trio.abc.Stream, side: str) -> None:
+    def __init__(self, stream: trio.abc.Stream, side: str, *, max_message: int = MAX_MESSAGE_BYTES) -> None:
         self.stream = stream
-        self._parser = FrameParser(max_frame=MAX_MESSAGE_BYTES)
+        self._parser = FrameParser(max_frame=max_message)
         self._decoder = msgspec.msgpack.Decoder(StandbyMessage if side == "leader" else LeaderMessage)
         self._encoder = msgspec.msgpack.Encoder()
         self._ready: deque[Any] = deque()
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    @property
+    def max_message(self) -> int:
+        """The largest message body taken, bytes (small until the peer proved itself)."""
+        return self._parser.max_frame
+
+    @max_message.setter
+    def max_message(self, n: int) -> None:
+        self._parser.max_frame = n
 
     async def send(self, msg: msgspec.Struct) -> None:
         """Send one message. Raises LinkClosed when the connection is gone."""
@@ -85,7 +99,7 @@ class Link:
             frames = self._parser.feed(data)
             if self._parser.oversize is not None:
                 raise LinkClosed(f"a replication message of {self._parser.oversize} bytes is over the "
-                                 f"{MAX_MESSAGE_BYTES}-byte limit")
+                                 f"{self._parser.max_frame}-byte limit")
             for f in frames:
                 try:
                     self._ready.append(self._decoder.decode(f))

@@ -27,15 +27,17 @@ __all__ = ["running_as_standby", "take_over"]
 @asynccontextmanager
 async def running_as_standby(recovery, *, node: str, cluster: str, shard: int, snapshot_every_records: int,
                              snapshot_every_s: float, snapshot_retry_s: float = 5.0,
-                             silence_s: float = 2.0) -> AsyncIterator[Standby]:
+                             silence_s: float = 2.0, auth) -> AsyncIterator[Standby]:
     """Run ``recovery``'s journal and snapshots (not its coordinator) and yield a
     :class:`Standby` to follow leaders with (``silence_s``: see :class:`Standby`). At the end the journal is closed (a
-    promotion opens a new one: :meth:`rallypoint.node.Recovery.reopen_journal`)."""
+    promotion opens a new one: :meth:`rallypoint.node.Recovery.reopen_journal`). ``auth``: the
+    node's :class:`~.auth.LinkAuth`."""
     coord = recovery.coordinator
     snap = recovery.snapshotter_for(every_records=snapshot_every_records, every_s=snapshot_every_s,
                                     retry_s=snapshot_retry_s)
     standby = Standby(coord, node=node, cluster=cluster, shard=shard, snapshot_lsn=lambda: snap.last_lsn,
-                      data_dir=recovery.data_dir, on_clock=recovery.write_clock, silence_s=silence_s)
+                      data_dir=recovery.data_dir, on_clock=recovery.write_clock, silence_s=silence_s,
+                      auth=auth)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(coord.journal.run)

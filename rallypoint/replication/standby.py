@@ -33,7 +33,8 @@ import trio
 from ..persistence.journal import HEADER_SIZE, _validate, list_segments
 from ..persistence.manifest import Manifest, try_write_manifest
 from . import wire
-from .link import Link, LinkClosed, unwrapped
+from .auth import LinkAuth
+from .link import Link, LinkClosed, StaleLeader, unwrapped
 
 log = logging.getLogger("rallypoint.replication")
 
@@ -57,11 +58,6 @@ class Rebuild(Exception):
         super().__init__(what)
 
 
-class StaleLeader(LinkClosed):
-    """The peer sent frames of an epoch older than one this standby has seen, or not the
-    epoch etcd named: a deposed leader. The standby drops the connection."""
-
-
 class Standby:
     """Follows the shard's leader into this node's coordinator and journal.
 
@@ -74,6 +70,8 @@ class Standby:
             every 0.1 s when idle) for this long, seconds, is ended (LinkClosed): a
             partition that TCP does not notice must not keep the standby on a dead
             connection, never reconnecting, after the leader dropped it.
+        auth: how this standby and its leader prove themselves (:class:`~.auth.LinkAuth`);
+            nothing is taken from a peer that did not prove itself.
 
     Attributes:
         clock_pair: the leader's latest ``(server time ms, wall ms)`` (None: none yet);
@@ -83,8 +81,9 @@ class Standby:
     """
 
     def __init__(self, coordinator, *, node: str, cluster: str, shard: int, snapshot_lsn, data_dir: str,
-                 on_clock=None, silence_s: float = 2.0) -> None:
+                 on_clock=None, silence_s: float = 2.0, auth: LinkAuth) -> None:
         self.coord = coordinator
+        self.auth = auth
         self.silence_s = silence_s
         self.node = node
         self.cluster = cluster
@@ -107,27 +106,30 @@ class Standby:
     def _on_durable(self, lsn: int, err) -> None:
         self._durable.set()
 
-    async def follow(self, stream: trio.abc.Stream, epoch: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Follow the leader of ``epoch`` over ``stream`` (a connection to its replication
-        address) until the connection ends (LinkClosed) or the caller cancels.
-        ``task_status.started()`` once the handshake is done and frames flow.
+    async def follow(self, stream: trio.abc.Stream, epoch: int, *, leader: str,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Follow ``leader`` (the node etcd names), of ``epoch``, over ``stream`` (a
+        connection to its replication address) until the connection ends (LinkClosed)
+        or the caller cancels. The handshake authenticates both ends first
+        (:meth:`LinkAuth.connect`). ``task_status.started()`` once it is done and frames
+        flow.
 
         Raises:
             Rebuild: the files must change first (see the class docstring).
-            LinkClosed: the connection ended (StaleLeader: a deposed leader's frames).
+            LinkClosed: the connection ended (StaleLeader: a deposed leader's frames;
+                Unauthenticated: the peer did not prove itself).
         """
         if epoch < self.epoch_seen:
             raise StaleLeader(f"epoch {epoch} is older than epoch {self.epoch_seen} this standby has seen")
         journal = self.coord.journal
-        link = Link(stream, "standby")
+        link = None
         try:
             last = journal.last_lsn
-            await link.send(wire.Hello(version=wire.LINK_VERSION, cluster=self.cluster, shard=self.shard,
-                                       node=self.node, last_lsn=last,
-                                       last_epoch=self.coord.epochs.epoch_of(last),
-                                       snapshot_lsn=self._snapshot_lsn(),
-                                       epochs=[(e.epoch, e.first_lsn) for e in self.coord.epochs.entries
-                                               if e.first_lsn <= last]))
+            link = await self.auth.connect(stream, wire.Hello(
+                version=wire.LINK_VERSION, cluster=self.cluster, shard=self.shard, node=self.node, last_lsn=last,
+                last_epoch=self.coord.epochs.epoch_of(last), snapshot_lsn=self._snapshot_lsn(),
+                epochs=[(e.epoch, e.first_lsn) for e in self.coord.epochs.entries if e.first_lsn <= last]),
+                leader=leader, epoch=epoch)
             welcome = None
             with trio.move_on_after(self.silence_s):  # (a lost Hello or Welcome: connect again)
                 welcome = await link.receive()
@@ -156,7 +158,14 @@ class Standby:
                 await self._receive(link, epoch)
         finally:
             self.following_epoch = None
-            await link.aclose()
+            if link is not None:
+                await link.aclose()
+            else:
+                with trio.CancelScope(shield=True):
+                    try:
+                        await stream.aclose()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
 
     async def _receive(self, link: Link, epoch: int) -> None:
         journal = self.coord.journal

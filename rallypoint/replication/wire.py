@@ -5,7 +5,9 @@ address (the one in the shard's leader key in etcd). Each message is a frame -- 
 big-endian length and a msgpack body (:class:`~rallypoint.transport.framing.FrameParser`),
 at most :data:`MAX_MESSAGE_BYTES` -- tagged by the field ``t``::
 
-    standby: Hello(cluster, shard, node, last_lsn, last_epoch, snapshot_lsn, epochs)
+    standby: Hello(cluster, shard, node, last_lsn, last_epoch, snapshot_lsn, epochs, nonce)
+    leader:  Challenge(leader, epoch, nonce, proof)       the leader proves the cluster secret
+    standby: Proof(proof)                                 the standby proves it (or: closed)
     leader:  Welcome(epoch, leader, from_lsn, truncate_to, snapshot)   or Refuse(...) and close
     leader:  SnapshotChunk(...)*          only when Welcome.snapshot: the leader's LMDB copy
     leader:  Frames(epoch, first_lsn, count, data, mono_ms, wall_ms) | Beat(...)   ...
@@ -18,6 +20,15 @@ appends them at the same LSNs, so the replicas of a shard hold the same bytes at
 LSN. ``mono_ms``/``wall_ms`` are the leader's server time and wall time when it sent
 them (a :class:`Beat` carries them when there is nothing to send): the standby continues
 the shard's server time from the latest pair when it takes over.
+
+**Authentication** (every connection, no way to turn it off;
+:mod:`rallypoint.cluster.peerauth`): ``Hello.nonce`` and ``Challenge.nonce`` are 16
+fresh random bytes each; ``Challenge.proof`` is the leader's HMAC of the cluster secret
+over both nonces, the cluster, shard, its node name and its epoch, ``Proof.proof`` the
+standby's over the same fields with its own node name and the other role's label. Until
+both proofs checked, neither side sends or takes anything else, and a message of more
+than :data:`HANDSHAKE_MAX_BYTES` ends the connection. With peer TLS the whole link runs
+inside mutual TLS and each claimed node name must be one its certificate carries.
 """
 
 from __future__ import annotations
@@ -26,14 +37,16 @@ from typing import Union
 
 import msgspec
 
-__all__ = ["Hello", "Welcome", "Refuse", "SnapshotChunk", "Frames", "Beat", "Ack", "LeaderMessage",
-           "StandbyMessage", "MAX_MESSAGE_BYTES", "LINK_VERSION"]
+__all__ = ["Hello", "Challenge", "Proof", "Welcome", "Refuse", "SnapshotChunk", "Frames", "Beat", "Ack",
+           "LeaderMessage", "StandbyMessage", "MAX_MESSAGE_BYTES", "HANDSHAKE_MAX_BYTES", "LINK_VERSION"]
 
 #: Largest message body, bytes: a batch of frames is cut well below it (a single
 #: record larger than the batch target travels alone).
 MAX_MESSAGE_BYTES = 64 << 20
-#: Bumped on any incompatible change of these messages.
-LINK_VERSION = 1
+#: Largest message either side takes before the other proved itself, bytes.
+HANDSHAKE_MAX_BYTES = 64 << 10
+#: Bumped on any incompatible change of these messages (2: the authenticated handshake).
+LINK_VERSION = 2
 
 
 class Hello(msgspec.Struct, tag_field="t", tag="hello"):
@@ -52,6 +65,24 @@ class Hello(msgspec.Struct, tag_field="t", tag="hello"):
     #: finds the last epoch both share and where it ends on either (KIP-279), not only
     #: where the standby's last epoch ends on the leader
     epochs: list[tuple[int, int]] = []
+    #: 16 fresh random bytes: the leader's proof covers them
+    nonce: bytes = b""
+
+
+class Challenge(msgspec.Struct, tag_field="t", tag="challenge"):
+    """The leader's answer to a Hello: who it is (``leader``, ``epoch``: what etcd must
+    name), a fresh ``nonce`` and its ``proof`` of the cluster secret over both nonces."""
+
+    leader: str
+    epoch: int
+    nonce: bytes
+    proof: bytes
+
+
+class Proof(msgspec.Struct, tag_field="t", tag="proof"):
+    """The standby's proof of the cluster secret over both nonces (its role, its node)."""
+
+    proof: bytes
 
 
 class Welcome(msgspec.Struct, tag_field="t", tag="welcome"):
@@ -113,5 +144,5 @@ class Ack(msgspec.Struct, tag_field="t", tag="ack"):
     lsn: int
 
 
-LeaderMessage = Union[Welcome, Refuse, SnapshotChunk, Frames, Beat]
-StandbyMessage = Union[Hello, Ack]
+LeaderMessage = Union[Challenge, Welcome, Refuse, SnapshotChunk, Frames, Beat]
+StandbyMessage = Union[Hello, Proof, Ack]

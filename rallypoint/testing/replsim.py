@@ -72,6 +72,7 @@ import trio.testing
 from .. import protocol as p
 from ..actors import claim as _claim_mod
 from ..actors import pool as _pool_mod
+from ..cluster import peerauth as _peerauth
 from ..actors.api import REPLY_TYPES
 from ..clock import Clock
 from ..cluster.member import MemberConfig, ShardMember
@@ -574,6 +575,9 @@ class ReplSim:
             etcd=["fake"], node=node.name, data_dir=node.data_dir, cluster="sim", shard=0, durability="fsync",
             client=(node.name, 7411), replication=(node.name, 7412), ttl_s=2, isr_timeout_s=self.prof.isr_timeout_s,
             min_insync=self.prof.min_insync, drain_timeout_s=2.0,
+            # the simulated network's hosts are names, not loopback addresses; the link is
+            # authenticated by the cluster secret as on a real one (no TLS in the simulator)
+            insecure=True,
             node_options={"storage": storage, "clock": Clock(wall_start=WALL0 + trio.current_time()),
                           "interval_ms": 10},
             serve_options={"snapshot_every_records": 10**9, "snapshot_every_s": 10**6})
@@ -1044,6 +1048,8 @@ def run_seed(seed: int, *, trace: bool = False, n_steps: int = DEFAULT_STEPS, st
     real_token = _claim_mod.new_token
     real_thread = trio.to_thread.run_sync
     _claim_mod.new_token = _pool_mod.new_token = lambda: token_rng.getrandbits(62) + 1
+    real_nonce = _peerauth.new_nonce
+    _peerauth.new_nonce = lambda: token_rng.getrandbits(128).to_bytes(16, "big")  # (the link's handshake)
     trio.to_thread.run_sync = _inline  # (snapshot copies, journal reads: on the loop)
     try:
         with mutant(mutant_name):
@@ -1071,6 +1077,7 @@ def run_seed(seed: int, *, trace: bool = False, n_steps: int = DEFAULT_STEPS, st
     finally:
         trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = det
         _claim_mod.new_token = _pool_mod.new_token = real_token
+        _peerauth.new_nonce = real_nonce
         trio.to_thread.run_sync = real_thread
         quiet()
         shutil.rmtree(root, ignore_errors=True)
