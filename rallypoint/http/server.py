@@ -48,8 +48,8 @@ Against clients that hold connections without using them (issue 41, item 7):
   (:class:`_BodyDeadline`, around the application: it sees a disconnect).
 - **An idle keep-alive connection** is kept ``keep_alive_s`` (``--http-keep-alive``,
   hypercorn's ``keep_alive_timeout``) between requests; and when every connection slot
-  is taken, the one idle longest is closed to make room for the new connection (idle
-  keep-alives can no longer take every slot).
+  is taken, the one idle longest (for at least :data:`EVICT_MIN_IDLE_S`) is closed to
+  make room for the new connection (idle keep-alives can no longer take every slot).
 """
 
 from __future__ import annotations
@@ -80,6 +80,9 @@ ACCEPT_RETRY_MAX_S = 1.0
 #: The largest request head (request line and headers), bytes: hypercorn's
 #: ``h11_max_incomplete_size`` (a longer one is answered 400 and the connection closed).
 MAX_HEAD_BYTES = 16 * 1024
+#: An idle keep-alive connection may be closed to make room once it has been idle this
+#: long, seconds (not one between two requests of a busy client).
+EVICT_MIN_IDLE_S = 1.0
 
 
 class _Connection(TCPServer):
@@ -308,8 +311,8 @@ class HttpListener:
                                               max_s=ACCEPT_RETRY_MAX_S)
         #: connections not handed to hypercorn yet (no bytes yet): ended on stop
         self._waiting: set[trio.CancelScope] = set()
-        #: idle keep-alive connections, the one idle longest first (_make_room)
-        self._idle: dict[_Connection, None] = {}
+        #: idle keep-alive connections -> since when (trio time), the one idle longest first
+        self._idle: dict[_Connection, float] = {}
         self.connections = 0
         self.connections_total = 0
         self.rejected = 0
@@ -340,13 +343,16 @@ class HttpListener:
     def _idle_since(self, conn: _Connection) -> None:
         """``conn`` became an idle keep-alive connection (the newest idle)."""
         self._idle.pop(conn, None)
-        self._idle[conn] = None
+        self._idle[conn] = trio.current_time()
 
     def _make_room(self) -> bool:
-        """Every slot is taken: close the connection idle longest, if any; True when one
-        was (its slot is free at once)."""
+        """Every slot is taken: close the connection idle longest, if it has been idle
+        :data:`EVICT_MIN_IDLE_S` at least; True when one was (its slot is free at once)."""
+        now = trio.current_time()
         while self._idle:
-            conn = next(iter(self._idle))
+            conn, since = next(iter(self._idle.items()))
+            if now - since < EVICT_MIN_IDLE_S:
+                return False
             del self._idle[conn]
             if conn.evict():
                 self.evicted += 1
