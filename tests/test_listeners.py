@@ -570,40 +570,46 @@ def test_non_reading_client_past_twice_the_bound_is_answered_slow_consumer_and_c
 
 
 async def test_non_reading_client_is_paused_at_the_bound_end_to_end():
-    """A client pipelining 4 KB echoes and never reading: the server stops reading it
-    with at most the bound (64 KiB) plus about a reply of output held, queued or in a
-    send (it held up to twice the bound before); once the client reads, every reply
-    arrives."""
+    """A client pipelining ``events.list`` (about 10 KB a reply, answered by the actors
+    of a real coordinator) and never reading: the server stops reading it with at most
+    the bound (64 KiB) plus a reply of output held, queued or in a send (twice the
+    bound before: the writer's send held one bound while the reader queued another);
+    once the client reads, every reply arrives and the connection was never cut."""
     limit = 64 * 1024
-    payload = "p" * 4000
-    n = 3000
-    async with running_server(max_outgoing_bytes=limit) as srv:
-        c = await RawClient.connect(srv.port)
-        reply = len(_frame(wire.Request(1, msgspec.Raw(enc({"op": "echo", "p": payload}))))) + 16
-        sent = 0
+    n = 2000
+    async with rallypoint.open_embedded() as rs:
+        for i in range(60):
+            await rs.scopes.create(name=f"run-{i:03d}")
+        async with running_server(rs.node.service, max_outgoing_bytes=limit) as srv:
+            c = await RawClient.connect(srv.port)
+            body = msgspec.Raw(enc({"op": "events.list", "limit": 100}))
+            sent = 0
 
-        async def sender():
-            nonlocal sent
-            for i in range(1, n + 1):
-                await c.send_raw(_frame(wire.Request(i, msgspec.Raw(enc({"op": "echo", "p": payload})))))
-                sent = i
+            async def sender():
+                nonlocal sent
+                for i in range(1, n + 1):
+                    await c.send_raw(_frame(wire.Request(i, body)))
+                    sent = i
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sender)
-            last = -1
-            while sent != last:  # until the sender is stuck: the server stopped reading
-                last = sent
-                await trio.sleep(0.3)
-            assert sent < n
-            st = srv.statistics()
-            assert st["outgoing_buffered"] <= limit + 2 * reply, st
-            assert st["max_outgoing_buffered"] <= limit + 2 * reply, st
-            seen = set()
-            while len(seen) < n:
-                r = await c.recv(10)
-                assert isinstance(r, wire.Ok), r
-                seen.add(r.id)
-        assert srv.statistics()["slow_consumer_closes"] == 0
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender)
+                last = -1
+                while sent != last:  # until the sender is stuck: the server stopped reading
+                    last = sent
+                    await trio.sleep(0.3)
+                assert sent < n
+                first = await c.recv(10)
+                reply = len(_frame(first))
+                assert reply > 4000, reply
+                st = srv.statistics()
+                assert st["max_outgoing_buffered"] <= limit + 2 * reply, (st, reply)
+                seen = {first.id}
+                while len(seen) < n:
+                    r = await c.recv(10)
+                    assert isinstance(r, wire.Ok), r
+                    seen.add(r.id)
+            assert srv.statistics()["slow_consumer_closes"] == 0
+            await c.aclose()
 
 
 # ============================================================== idle keep-alives, console streams
