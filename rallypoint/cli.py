@@ -284,6 +284,7 @@ def _server_factory(args, ssl_context):
             dispatcher,
             ssl_context=ssl_context,
             max_connections=args.max_connections,
+            max_connections_per_peer=args.max_connections_per_peer,
             max_inflight_per_conn=args.max_inflight,
             handshake_timeout=args.handshake_timeout,
             idle_ping_interval=args.idle_ping or None,
@@ -292,6 +293,60 @@ def _server_factory(args, ssl_context):
         )
 
     return make
+
+
+# --------------------------------------------------------------- listeners' limits
+def _listener_flags(s) -> None:
+    """The serve flags that bound what one client may hold on the listeners (issue 41)."""
+    s.add_argument("--max-connections-per-peer", type=_bounded(int, 0), default=128,
+                   help="connections one peer address (IP) may hold open at once, per listener (TCP, HTTP, "
+                        "console); one more from it is refused (UNAVAILABLE / 503) while other addresses still "
+                        "connect; 0: no cap (e.g. every client behind one proxy) (default %(default)s)")
+    s.add_argument("--header-timeout", type=_bounded(float, 0, inclusive=False), default=10.0,
+                   help="HTTP: seconds a request's head (request line and headers, at most 16 KiB) may take from "
+                        "its first byte; then the connection is closed (default %(default)s)")
+    s.add_argument("--body-timeout", type=_bounded(float, 0, inclusive=False), default=30.0,
+                   help="HTTP: seconds a request's body may take once its head arrived; then 408 and the "
+                        "connection is closed (default %(default)s)")
+    s.add_argument("--http-keep-alive", type=_bounded(float, 0, inclusive=False), default=30.0,
+                   help="HTTP: seconds an idle keep-alive connection is kept between requests; when every "
+                        "connection slot is taken, the one idle longest is closed for a new one "
+                        "(default %(default)s)")
+
+
+def _http_listener_options(args) -> dict:
+    """``serve_http`` keywords from the flags of :func:`_listener_flags`."""
+    return {"max_connections_per_peer": args.max_connections_per_peer, "header_s": args.header_timeout,
+            "body_s": args.body_timeout, "keep_alive_s": args.http_keep_alive}
+
+
+def _metrics_authorize(args, mhost: str, keys):
+    """How scrapes of ``--metrics`` on ``mhost`` are authorized: None (everyone) on a
+    loopback address or with ``--insecure``; else an operator key
+    (``Authorization: Bearer``), from ``keys`` (the node's key table). Raises
+    VALIDATION_FAILED when no key can be checked (open mode; a cluster node)."""
+    from .errors import ValidationError
+    from .metrics import key_authorizer
+
+    if _is_loopback(mhost) or args.insecure:
+        return None
+    if keys is None or keys.open_mode:
+        raise ValidationError(
+            f"refusing to serve metrics on {mhost} without authentication: a non-loopback --metrics address "
+            "needs an operator API key on every scrape (Authorization: Bearer), and "
+            + ("a cluster node cannot check one" if keys is None else "no key exists yet (open mode)")
+            + "; serve metrics on 127.0.0.1, or pass --insecure to serve them to anyone who connects")
+    return key_authorizer(keys)
+
+
+def _raise_descriptor_limit() -> None:
+    """The soft RLIMIT_NOFILE up to the hard limit (one line at INFO when it changed)."""
+    from .transport.guard import raise_nofile_limit
+
+    before, after = raise_nofile_limit()
+    if after != before:
+        log.info("raised the open-file limit (RLIMIT_NOFILE) from %d to %d", before, after,
+                 extra={"event": "nofile", "before": before, "after": after})
 
 
 async def _serve(args) -> int:
@@ -351,8 +406,10 @@ async def _serve(args) -> int:
             if args.metrics:
                 mhost, mport = _parse_listen(args.metrics)
                 await nursery.start(metrics.lag_probe)
+                authorize = _metrics_authorize(args, mhost, coord.keys)
                 try:
-                    metrics_port = await nursery.start(serve_metrics, metrics, mhost, mport)
+                    metrics_port = await nursery.start(functools.partial(
+                        serve_metrics, metrics, mhost, mport, authorize=authorize))
                 except OSError as e:
                     raise ValidationError(_listen_error(args.metrics, "--metrics", e)) from None
                 log.info("metrics at http://%s:%d/metrics", mhost, metrics_port,
@@ -371,7 +428,7 @@ async def _serve(args) -> int:
                         max_requests=args.max_connections, max_connections=args.max_connections,
                         first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, metrics=metrics,
                         shutdown=http_stop, listeners=_trio_listeners(pre_bound.get("--http")),
-                        hosts=args.http_host or ()))
+                        hosts=args.http_host or (), **_http_listener_options(args)))
                 except OSError as e:  # the bind: name the HTTP address, not --listen
                     raise ValidationError(_listen_error(args.http, "--http", e)) from None
                 metrics.http = http_api.listener
@@ -390,7 +447,7 @@ async def _serve(args) -> int:
                         serve_console, node.service, chost, cport, certfile=args.tls_cert, keyfile=args.tls_key,
                         max_connections=args.max_connections, first_request_s=args.handshake_timeout,
                         graceful_s=args.drain_timeout, metrics=metrics, shutdown=http_stop,
-                        hosts=args.http_host or ()))
+                        hosts=args.http_host or (), listener_options=_http_listener_options(args)))
                 except OSError as e:
                     raise ValidationError(_listen_error(args.console, "--console", e)) from None
                 console_url = bound[0] if bound else f"http://{chost}:{cport}"
@@ -525,7 +582,8 @@ async def _serve_cluster(args) -> int:
         if args.metrics:
             cluster_metrics = ClusterMetrics(member)
             mhost, mport = _parse_listen(args.metrics)
-            metrics_port = await nursery.start(serve_metrics, cluster_metrics, mhost, mport)
+            metrics_port = await nursery.start(functools.partial(
+                serve_metrics, cluster_metrics, mhost, mport, authorize=_metrics_authorize(args, mhost, None)))
             log.info("metrics at http://%s:%d/metrics", mhost, metrics_port)
         http_app = None
         if args.http:
@@ -542,7 +600,8 @@ async def _serve_cluster(args) -> int:
                 serve_http, None, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
                 max_requests=args.max_connections, max_connections=args.max_connections,
                 first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, api=http_app,
-                hosts=[*(args.http_host or ()), *([args.advertise] if args.advertise else [])]))
+                hosts=[*(args.http_host or ()), *([args.advertise] if args.advertise else [])],
+                **_http_listener_options(args)))
             member.config.http = (hhost, int(urls[0].rsplit(":", 1)[1]))
         await nursery.start(member.run)
         scheme = "tls" if ssl_context is not None else "tcp"
@@ -819,6 +878,7 @@ def tune_gc() -> None:
 
 def cmd_serve(args) -> int:
     _setup_logging(args.log_level, args.log_format)
+    _raise_descriptor_limit()
     from .errors import ValidationError
     from .events import parse_duration_ms, parse_retain_events
 
@@ -2246,8 +2306,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ping a connection idle this many seconds, drop it after 3 silent intervals; 0 disables "
                         "(default %(default)s)")
     s.add_argument("--max-outgoing-bytes", type=_bounded(int, 1), default=4 * 1024 * 1024,
-                   help="replies buffered for a slow reader before the server stops reading its requests "
-                        "(default %(default)s)")
+                   help="bytes of replies waiting for a slow reader (queued or being sent) before the server stops "
+                        "reading its requests; a connection that lets twice this wait (at least this plus 1 MiB) "
+                        "is closed (SLOW_CONSUMER) (default %(default)s)")
+    _listener_flags(s)
     s.add_argument("--drain-timeout", type=_bounded(float, 0), default=30.0,
                    help="seconds to finish in-flight requests on SIGTERM (default %(default)s)")
     s.add_argument("--http", metavar="HOST:PORT", default=None,
@@ -2267,7 +2329,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (clients use tls:// URLs)")
     s.add_argument("--tls-key", help="PEM private key for --tls-cert")
     s.add_argument("--insecure", action="store_true",
-                   help="allow serving a non-loopback address without API keys")
+                   help="allow serving a non-loopback address without API keys (and --metrics without a key)")
     s.add_argument("--retain-finished", default="7d", metavar="DURATION",
                    help="delete finished runs (with their tasks, groups, barriers, timers, join sets) and finished "
                         "tasks this long after they ended: 30s, 15m, 12h, 7d; 0 keeps everything (default %(default)s)")
@@ -2287,7 +2349,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a watch may be unable to take events before it is cut off (SLOW_CONSUMER; the SDK "
                         "resumes from its cursor) (default %(default)s)")
     s.add_argument("--metrics", metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9411 or http://127.0.0.1:9411)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9411 or "
+                        "http://127.0.0.1:9411); on a non-loopback address every scrape needs an operator key "
+                        "(Authorization: Bearer), unless --insecure; at most 64 connections, 8 per address")
     s.add_argument("--slow-request-ms", type=_bounded(float, 0), default=1000.0,
                    help="log requests slower than this (ms, 0: never; a wait the client asked for, such as a "
                         "result or an acquire with wait_ms, never is) (default %(default)s)")

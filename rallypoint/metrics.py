@@ -58,7 +58,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["Metrics", "ClusterMetrics", "serve_metrics", "LATENCY_BOUNDS"]
+__all__ = ["Metrics", "ClusterMetrics", "serve_metrics", "key_authorizer", "LATENCY_BOUNDS"]
 
 log = logging.getLogger("rallypoint.metrics")
 
@@ -406,48 +406,156 @@ class ClusterMetrics:
             yield from self.leader_metrics.collect()
 
 
+#: The metrics listener's own limits: connections open at once, and per peer address
+#: (a scraper needs one at a time); seconds and bytes a request's head may take.
+METRICS_MAX_CONNECTIONS = 64
+METRICS_MAX_PER_PEER = 8
+METRICS_HEAD_S = 5.0
+METRICS_HEAD_BYTES = 16384
+
+
+def key_authorizer(keys, permission: str = "operator"):
+    """``authorize`` for :func:`serve_metrics` from the daemon's key table (``coord.keys``):
+    a scrape must send ``Authorization: Bearer <secret>`` of a live key holding
+    ``permission`` (``operator``: the figures are server-wide). Returns ``(header) ->
+    None`` (allowed) or the reason it is refused (a str)."""
+
+    def authorize(header: str | None) -> str | None:
+        from .errors import RallypointError
+
+        if keys.open_mode:
+            return "this metrics address needs an operator API key and none exists yet"
+        scheme, _, secret = (header or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            return "send the API key of an operator as `Authorization: Bearer <secret>`"
+        try:
+            key = keys.authenticate(secret.strip())
+        except RallypointError as e:
+            return e.message
+        if key is None or permission not in key.permissions:
+            return f"this API key lacks the {permission} permission the server-wide metrics need"
+        return None
+
+    return authorize
+
+
 async def serve_metrics(metrics: "Metrics | ClusterMetrics", host: str, port: int, *,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        authorize=None, max_connections: int = METRICS_MAX_CONNECTIONS,
+                        max_connections_per_peer: int = METRICS_MAX_PER_PEER, head_s: float = METRICS_HEAD_S,
+                        listeners: list | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``GET /metrics`` (Prometheus text) on ``host:port`` until cancelled; the
     bound port is passed to ``task_status.started``. One request per connection; a
-    request line and headers of at most 16 KiB within 5 s."""
+    request line and headers of at most :data:`METRICS_HEAD_BYTES` within ``head_s``
+    seconds (else the connection is closed). At most ``max_connections`` connections
+    (one more is answered 503 and closed) and ``max_connections_per_peer`` from one
+    address (503 too). ``authorize``: ``(Authorization header or None) -> None`` to
+    serve, or a reason for ``401`` (see :func:`key_authorizer`); None serves everyone.
+    An ``accept`` that fails (EMFILE...) backs off and is logged once per 10 s with a
+    count (:class:`~rallypoint.transport.guard.AcceptFailures`), never a traceback.
+    ``listeners``: ``trio.SocketListener``s already bound (None: bind here; OSError if
+    the address cannot be bound, before ``started``)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    registry = metrics.registry()
+    from .logutil import RateLimitedLogger
+    from .transport.guard import AcceptFailures, PeerSlots, peer_address
 
-    async def handle(stream: trio.SocketStream) -> None:
+    registry = metrics.registry()
+    limited = RateLimitedLogger(log, window_s=10.0, burst=5)
+    failures = AcceptFailures(log, "metrics listener")
+    slots = PeerSlots(max_connections_per_peer)
+    open_now = [0]
+
+    def answer(status: str, body: bytes, ctype: str = "text/plain; charset=utf-8", extra: str = "") -> bytes:
+        return (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n{extra}Content-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n").encode() + body
+
+    async def handle(stream: trio.SocketStream, addr: str) -> None:
         try:
             data = b""
-            with trio.move_on_after(5):
-                while b"\r\n\r\n" not in data and len(data) < 16384:
+            with trio.move_on_after(head_s):
+                while b"\r\n\r\n" not in data and len(data) < METRICS_HEAD_BYTES:
                     chunk = await stream.receive_some(4096)
                     if not chunk:
                         break
                     data += chunk
-            line = data.split(b"\r\n", 1)[0].decode("latin-1", "replace").split()
+            if b"\r\n\r\n" not in data:
+                return  # no complete head in time (or too long): close, answer nothing
+            head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1", "replace").split("\r\n")
+            line = head[0].split()
+            auth = None
+            for h in head[1:]:
+                name, _, value = h.partition(":")
+                if name.strip().lower() == "authorization":
+                    auth = value.strip()
             if len(line) >= 2 and line[0] == "GET" and line[1].split("?")[0] == "/metrics":
-                body = generate_latest(registry)
-                head = f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE_LATEST}\r\n"
+                refused = authorize(auth) if authorize is not None else None
+                if refused is not None:
+                    limited.log(logging.WARNING, "metrics-auth", "metrics scrape from %s refused: %s", addr, refused,
+                                extra={"event": "auth_failed", "peer": addr, "listener": "metrics"})
+                    out = answer("401 Unauthorized", f"unauthorized: {refused}\n".encode(),
+                                 extra='WWW-Authenticate: Bearer realm="rallypoint metrics"\r\n')
+                else:
+                    out = answer("200 OK", generate_latest(registry), CONTENT_TYPE_LATEST)
             elif len(line) >= 2 and line[0] == "GET" and line[1] == "/":
-                body = b"rallypoint metrics: GET /metrics\n"
-                head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                out = answer("200 OK", b"rallypoint metrics: GET /metrics\n")
             else:
-                body = b"not found: GET /metrics\n"
-                head = "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                out = answer("404 Not Found", b"not found: GET /metrics\n")
             with trio.move_on_after(10):
-                await stream.send_all(head.encode() + body)
+                await stream.send_all(out)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         except Exception:  # never let a scrape take the daemon down
-            log.exception("metrics request failed")
+            limited.log(logging.ERROR, "metrics-failed", "metrics request failed", exc_info=True)
+        finally:
+            open_now[0] -= 1
+            slots.give(addr)
+            await trio.aclose_forcefully(stream)
+
+    async def refuse(stream: trio.SocketStream, why: str) -> None:
+        try:
+            with trio.move_on_after(1.0):
+                await stream.send_all(answer("503 Service Unavailable", f"{why}\n".encode(), extra="Retry-After: 1\r\n"))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
         finally:
             await trio.aclose_forcefully(stream)
 
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    async with trio.open_nursery() as nursery:
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(handle, listeners, handler_nursery=nursery)
+    async def accept_loop(listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE & co: back off, one line per window
+                await failures.failed(exc)
+                continue
+            failures.succeeded()
+            addr = peer_address(stream.socket)
+            if open_now[0] >= max_connections:
+                limited.log(logging.WARNING, "metrics-limit", "metrics listener: %d connections open; refused one",
+                            open_now[0])
+                nursery.start_soon(refuse, stream, f"more than {max_connections} metrics connections are open")
+                continue
+            if not slots.take(addr):
+                limited.log(logging.WARNING, "metrics-peer-limit", "metrics listener: %s has %d connections open; "
+                            "refused one", addr, max_connections_per_peer)
+                nursery.start_soon(refuse, stream, f"this address has {max_connections_per_peer} metrics "
+                                                   "connections open")
+                continue
+            open_now[0] += 1
+            nursery.start_soon(handle, stream, addr)
+
+    if listeners is None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        async with trio.open_nursery() as nursery:
+            for ln in listeners:
+                nursery.start_soon(accept_loop, ln, nursery)
+            task_status.started(listeners[0].socket.getsockname()[1])
+    finally:
+        limited.flush()
+        failures.flush()
+        for ln in listeners:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(ln)
 
 
 def observe_hook(metrics: Metrics | None) -> Any:

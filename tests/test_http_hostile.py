@@ -193,15 +193,17 @@ def test_a_connection_that_sends_no_request_is_dropped_after_the_handshake_timeo
 
 
 def test_max_connections_holds_for_http():
-    """``--max-connections 3``: three keep-alive connections are served, a fourth is
-    answered 503 UNAVAILABLE (the error envelope, Retry-After: 1) and closed; once one
-    of the three closes, a new connection is served again."""
+    """``--max-connections 3``: three connections are served and each has begun its next
+    request (not idle: none can be closed to make room), a fourth is answered 503
+    UNAVAILABLE (the error envelope, Retry-After: 1) and closed; once one of the three
+    closes, a new connection is served again."""
     with http_daemon("--max-connections", "3") as d:
         held = []
         for _ in range(3):
             s = socket.create_connection(("127.0.0.1", d.http_port))
             s.sendall(http_get(d.http_port))
             assert read_response(s)[0] == 404  # accepted and served: it counts
+            s.sendall(b"GET /v1/spaces/default/scopes/sc_next HTTP/1.1\r\n")  # the next head, begun
             held.append(s)
         with socket.create_connection(("127.0.0.1", d.http_port)) as s:
             s.sendall(http_get(d.http_port))

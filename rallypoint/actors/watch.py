@@ -44,6 +44,7 @@ import trio
 from ..clock import to_iso
 from ..errors import CursorExpiredError, SlowConsumerError, UnavailableError
 from ..events import EventFilter
+from ..logutil import RateLimitedLogger
 from ..protocol import EventView, encoder
 
 __all__ = ["Watcher", "Watchers", "MAX_PUSH_EVENTS", "PROGRESS_S", "encode_event", "shard_of"]
@@ -161,6 +162,9 @@ class Watchers:
         self._woken = False
         # statistics
         self.cut_off = 0
+        #: the cut-off WARNINGs: at most 5 per 10 s, then a count (a flood of slow
+        #: watchers cannot flood the log)
+        self.log_limiter = RateLimitedLogger(log, window_s=10.0, burst=5)
         self.expired = 0
         self.ended_by_grant = 0
         self.pushed_events = 0
@@ -210,7 +214,9 @@ class Watchers:
         return n
 
     def end_all(self, error: Exception) -> None:
-        """Shutting down: every watcher is ended with ``error``."""
+        """Shutting down: every watcher is ended with ``error`` (and the cut-offs not
+        logged yet are reported)."""
+        self.log_limiter.flush()
         for w in list(self.watchers):
             if not w.closed:
                 w.sink.end_stream(w.rid, error)
@@ -336,9 +342,10 @@ class Watchers:
     def _cut_off(self, w: Watcher, now: float) -> None:
         self.cut_off += 1
         stalled = now - (w.stalled_since or now)
-        log.warning("a watch of space %s was cut off: it took no events for %.1f s (cursor %d)",
-                    w.space, stalled, w.cursor,
-                    extra={"event": "watch_cut_off", "space": w.space, "cursor": w.cursor})
+        self.log_limiter.log(logging.WARNING, "watch-cut-off",
+                             "a watch of space %s was cut off: it took no events for %.1f s (cursor %d)",
+                             w.space, stalled, w.cursor,
+                             extra={"event": "watch_cut_off", "space": w.space, "cursor": w.cursor})
         w.sink.end_stream(w.rid, SlowConsumerError(
             f"this watch was cut off: it could take no events for {stalled:.1f} s while more were waiting "
             f"(its buffer holds {self.buffer_bytes} bytes); resume with watch(cursor={w.cursor})",

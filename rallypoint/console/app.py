@@ -153,10 +153,12 @@ class ConsoleApp:
         session_idle_s: a login not used for this long (seconds) is forgotten.
         max_sessions: logins kept at once (the oldest is forgotten first).
         max_streams: ``/stream`` connections at once (one more is 503 UNAVAILABLE).
+        max_streams_per_client: ``/stream`` connections one peer address, and one API
+            key, may hold at once (one more is 503): one client cannot take them all.
     """
 
     def __init__(self, service, *, secure_cookie: bool = False, session_idle_s: float = 8 * 3600,
-                 max_sessions: int = 10_000, max_streams: int = 100) -> None:
+                 max_sessions: int = 10_000, max_streams: int = 100, max_streams_per_client: int = 20) -> None:
         self.service = service
         self.coordinator = service.coordinator
         #: a rallypoint.metrics.Metrics: the console's reads are observed like any request,
@@ -170,6 +172,9 @@ class ConsoleApp:
         self.session_idle_s = session_idle_s
         self.max_sessions = max_sessions
         self.max_streams = max_streams
+        self.max_streams_per_client = max_streams_per_client
+        #: open streams per peer address ("peer:HOST") and per API key ("key:ID")
+        self.client_streams: dict[str, int] = {}
         self.logins: dict[str, Login] = {}  # sha256(token) hex -> login (insertion order: oldest first)
         self.streams = 0
         self.requests = 0
@@ -451,6 +456,14 @@ class ConsoleApp:
             await self._finish(self._plain(503, f"more than {self.max_streams} console streams are open"), scope,
                                receive, send)
             return
+        owners = [f"peer:{(scope.get('client') or ('?',))[0]}"]
+        if ctx.login.key_id is not None:
+            owners.append(f"key:{ctx.login.key_id}")
+        counts = self.client_streams
+        if any(counts.get(o, 0) >= self.max_streams_per_client for o in owners):
+            await self._finish(self._plain(503, f"this client (its address or its key) has {self.max_streams_per_client} "
+                                                "console streams open already; close a page"), scope, receive, send)
+            return
         try:
             sink = await self.service.subscribe(ctx.session, p.EventsWatch(start="now", types=types, scope_id=run,
                                                                             aggregate=aggregate),
@@ -460,6 +473,8 @@ class ConsoleApp:
             await self._finish(self._plain(status, e.message or str(e)), scope, receive, send)
             return
         self.streams += 1
+        for o in owners:
+            counts[o] = counts.get(o, 0) + 1
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"x-accel-buffering", b"no")]
         headers += [(k.encode(), v.encode()) for k, v in _HEADERS.items()]
         lock = trio.Lock()
@@ -502,6 +517,11 @@ class ConsoleApp:
             pass
         finally:
             self.streams -= 1
+            for o in owners:
+                if counts.get(o, 0) <= 1:
+                    counts.pop(o, None)
+                else:
+                    counts[o] -= 1
             sink.close()
         with trio.CancelScope(shield=True):
             try:
@@ -661,6 +681,7 @@ def _redirect(location: str) -> Response:
 async def serve_console(service, host: str, port: int, *, shutdown: trio.Event | None = None, certfile=None,
                         keyfile=None, max_connections: int = 1024, first_request_s: float = 10.0,
                         graceful_s: float = 5.0, metrics: Any = None, hosts=(),
+                        listener_options: dict | None = None,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the console on ``host:port`` (0: a free port) until ``shutdown`` is set: the
     HTTP listener of the API (:func:`rallypoint.http.serve_http`: its accept loop,
@@ -668,7 +689,9 @@ async def serve_console(service, host: str, port: int, *, shutdown: trio.Event |
     :class:`ConsoleApp`. ``task_status.started`` gets ``(app, urls)``. ``metrics``: the
     daemon's :class:`rallypoint.metrics.Metrics` (the console's reads are counted there,
     and the Live page's chart reads it); ``hosts``: the names it is reached by besides
-    ``localhost`` and its address (``--http-host``: :mod:`rallypoint.http.guard`). Raises
+    ``localhost`` and its address (``--http-host``: :mod:`rallypoint.http.guard`).
+    ``listener_options``: more keyword arguments of ``serve_http``
+    (``max_connections_per_peer``, ``header_s``, ``body_s``, ``keep_alive_s``). Raises
     OSError if the address cannot be bound."""
     import functools
 
@@ -680,7 +703,7 @@ async def serve_console(service, host: str, port: int, *, shutdown: trio.Event |
         _api, urls = await nursery.start(functools.partial(
             serve_http, None, host, port, certfile=certfile, keyfile=keyfile, max_connections=max_connections,
             first_request_s=first_request_s, graceful_s=graceful_s, metrics=metrics, shutdown=stop, api=app,
-            hosts=hosts))
+            hosts=hosts, **(listener_options or {})))
 
         async def end_streams():
             await stop.wait()

@@ -26,8 +26,9 @@ with hostile peers (issue 34, item 9):
   (the connection idle, closed) sends what is held first. A head without
   ``content-length`` (chunked, a stream) and every HTTP/2 frame go out at once.
 - **Running out of descriptors stops nothing**: an ``accept`` that fails (EMFILE,
-  ENFILE, ENOBUFS...) is retried after 100 ms and logged as one rate-limited WARNING
-  (trio's ``serve_listeners`` logged an ERROR with a traceback every 100 ms); every
+  ENFILE, ENOBUFS...) is retried after a back-off (100 ms doubling to 1 s) and logged as
+  one WARNING per 10 s with the count (:class:`rallypoint.transport.guard.AcceptFailures`;
+  trio's ``serve_listeners`` logged an ERROR with a traceback every 100 ms); every
   other listener of the process goes on by itself, and takes connections again once
   descriptors are free.
 - **Every request passes the guard first** (:class:`~rallypoint.http.guard.HttpGuard`:
@@ -39,6 +40,25 @@ with hostile peers (issue 34, item 9):
   HTTP/2 protocol no longer raises on DATA for a stream it already answered
   (:class:`_H2`: such DATA is acknowledged and the stream reset with NO_ERROR), which
   ended the whole daemon.
+
+Against clients that hold connections without using them (issue 41, item 7):
+
+- **At most** ``max_connections_per_peer`` **connections per peer address**
+  (``--max-connections-per-peer``), counted from the accept (silent ones too): one more
+  from that address is answered 503 naming the limit, while other addresses connect.
+- **A request's head has** ``header_s`` **seconds** (``--header-timeout``) from its first
+  byte (the first request: from the accept, within ``first_request_s``), whatever the
+  pace of the bytes (a slowloris client trickling a header every few seconds is cut; a
+  per-read timeout, hypercorn's ``read_timeout``, would not cut it and would cut
+  long polls and event streams, so it stays off). Its size is hypercorn's
+  ``h11_max_incomplete_size`` (:data:`MAX_HEAD_BYTES`; past it: 400).
+- **A request's body has** ``body_s`` **seconds** (``--body-timeout``) from its head:
+  then it is answered ``408`` REQUEST_TIMEOUT and the connection is closed
+  (:class:`_BodyDeadline`, around the application: it sees a disconnect).
+- **An idle keep-alive connection** is kept ``keep_alive_s`` (``--http-keep-alive``,
+  hypercorn's ``keep_alive_timeout``) between requests; and when every connection slot
+  is taken, the one idle longest (for at least :data:`EVICT_MIN_IDLE_S`) is closed to
+  make room for the new connection (idle keep-alives can no longer take every slot).
 """
 
 from __future__ import annotations
@@ -51,23 +71,32 @@ from typing import Any
 import trio
 import h2.events
 from hypercorn.config import Config
-from hypercorn.events import RawData, Updated
+from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.h2 import H2Protocol
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
 from ..logutil import printable
+from ..transport.guard import AcceptFailures, PeerSlots, peer_address
 from .app import HttpApi, reject_body
 from .guard import HostCheck, HttpGuard
 
 log = logging.getLogger("rallypoint.http")
 
-__all__ = ["serve_http", "HttpListener"]
+__all__ = ["serve_http", "HttpListener", "MAX_HEAD_BYTES"]
 
-#: Seconds an accept waits after it failed (EMFILE & co) before it tries again.
+#: Seconds an accept waits after it failed (EMFILE & co) before it tries again (the
+#: first time: it doubles while it keeps failing, up to ACCEPT_RETRY_MAX_S).
 ACCEPT_RETRY_S = 0.1
+ACCEPT_RETRY_MAX_S = 1.0
+#: The largest request head (request line and headers), bytes: hypercorn's
+#: ``h11_max_incomplete_size`` (a longer one is answered 400 and the connection closed).
+MAX_HEAD_BYTES = 16 * 1024
+#: An idle keep-alive connection may be closed to make room once it has been idle this
+#: long, seconds (not one between two requests of a busy client).
+EVICT_MIN_IDLE_S = 1.0
 
 
 class _H2(H2Protocol):
@@ -105,18 +134,27 @@ class _Protocols(ProtocolWrapper):
 class _Connection(TCPServer):
     """hypercorn's per-connection server (as of hypercorn 0.18: ``_read_data``,
     ``_idle_timeout``, ``protocol_send`` and ``idle_task`` are its; the tests in
-    tests/test_http_hostile.py pin what this relies on), changed in two ways (see the module
-    doc): the reading's end (EOF, reset, closed) stops the idle timer and lets no later
-    "idle" restart it, so the connection closes once what is in progress is answered;
-    and until its first request the idle timer is ``first_request_s``, not the
-    keep-alive timeout."""
+    tests/test_http_hostile.py pin what this relies on), changed in these ways (see the
+    module doc): the reading's end (EOF, reset, closed) stops the idle timer and lets no
+    later "idle" restart it, so the connection closes once what is in progress is
+    answered; until its first request the idle timer is ``first_request_s``, not the
+    keep-alive timeout; the head of a request must be complete ``header_s`` seconds
+    after its first byte arrived (HTTP/1.1; the idle timer is shortened to that); an
+    idle keep-alive connection is known to ``listener`` (which may :meth:`evict` it)."""
 
-    def __init__(self, app, config, context, state, stream, *, first_request_s: float) -> None:
+    def __init__(self, app, config, context, state, stream, *, first_request_s: float,
+                 header_s: float | None = None, listener: "HttpListener | None" = None) -> None:
         super().__init__(app, config, context, state, stream)
         self.first_request_s = first_request_s
+        self.header_s = header_s  # None: no head deadline but the idle timers
+        self.listener = listener
         self.requested = False  # a request arrived: later idle periods are keep-alive
         self.peer_gone = False  # the reading ended: nothing more will come
         self.held = b""  # a fixed-length HTTP/1.1 response head, sent with the next bytes
+        self.idle = True  # no request in progress (hypercorn's Updated(idle=...))
+        self.head_at: float | None = None  # when the first byte of the head in progress came
+        self.evicted = False  # closed to make room (HttpListener._make_room)
+        self._idle_scope: trio.CancelScope | None = None  # the idle timer's, while it runs
 
     @property
     def protocol(self):
@@ -146,24 +184,76 @@ class _Connection(TCPServer):
             data, self.held = self.held, b""
             await super().protocol_send(RawData(data=data))
         if isinstance(event, Updated):
+            self.idle = event.idle
+            self.head_at = None
             if not event.idle:
                 self.requested = True
+                self._not_idle()
             elif self.peer_gone:
                 return  # no idle timer for a connection that can get no more requests
+            elif self.listener is not None and self.requested:
+                self.listener._idle_since(self)  # an idle keep-alive connection
         await super().protocol_send(event)
 
+    def _not_idle(self) -> None:
+        if self.listener is not None:
+            self.listener._idle.pop(self, None)
+
+    def _head_started(self) -> None:
+        """Bytes arrived while no request is in progress: the head of the next one has
+        ``header_s`` seconds from now (HTTP/1.1; an HTTP/2 connection sends frames of
+        its own while idle)."""
+        self.head_at = now = trio.current_time()
+        self._not_idle()
+        scope = self._idle_scope
+        if scope is not None and self.header_s is not None and self.protocol_is_h11():
+            scope.deadline = min(scope.deadline, now + self.header_s)
+
+    def protocol_is_h11(self) -> bool:
+        return type(getattr(self.protocol, "protocol", None)).__name__ == "H11Protocol"
+
+    def evict(self) -> bool:
+        """Close this idle keep-alive connection now (its slot is wanted). False when it
+        is no longer idle (nothing done)."""
+        scope = self._idle_scope
+        if scope is None or not self.idle or self.head_at is not None:
+            return False
+        self.evicted = True
+        scope.cancel()
+        return True
+
     async def _read_data(self) -> None:
+        # hypercorn's TCPServer._read_data (no read timeout: see the module doc), telling
+        # when the head of a request begins
         try:
-            await super()._read_data()
+            while True:
+                try:
+                    data = await self.stream.receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                if data and self.idle and self.head_at is None:
+                    self._head_started()
+                await self.protocol.handle(RawData(bytes(data)))
+                if data == b"":
+                    break
+            await self.protocol.handle(Closed())
         finally:
             self.peer_gone = True
+            self._not_idle()
             with trio.CancelScope(shield=True):
                 await self.idle_task.stop()
 
     async def _idle_timeout(self) -> None:
         timeout = self.config.keep_alive_timeout if self.requested else self.first_request_s
-        with trio.move_on_after(timeout):
-            await self.context.terminated.wait()
+        with trio.move_on_after(timeout) as scope:
+            if self.head_at is not None and self.header_s is not None and self.protocol_is_h11():
+                scope.deadline = min(scope.deadline, self.head_at + self.header_s)
+            self._idle_scope = scope
+            try:
+                await self.context.terminated.wait()
+            finally:
+                self._idle_scope = None
+        self._not_idle()
         with trio.CancelScope(shield=True):
             await self._initiate_server_close()
 
@@ -177,6 +267,65 @@ def _fixed_length_head(data: bytes) -> bool:
     return b"\r\ncontent-length:" in data.lower()
 
 
+class _BodyDeadline:
+    """ASGI middleware: a request's body must have arrived ``body_s`` seconds after the
+    application was called (its head complete). Past that, the request is answered
+    ``408`` REQUEST_TIMEOUT with ``connection: close`` (hypercorn then closes the
+    connection: the rest of the body is never read) and the application's pending and
+    later ``receive()`` get ``http.disconnect`` (it ends as for a client gone); whatever
+    it sends after that is dropped. ``on_timeout(scope)`` is called once per such
+    request (logging, counting)."""
+
+    def __init__(self, app, body_s: float, on_timeout=None) -> None:
+        self.app = app
+        self.body_s = body_s
+        self.on_timeout = on_timeout
+        # what the listener reads from the application it serves
+        self.log_limiter = getattr(app, "log_limiter", None)
+
+    def __getattr__(self, name: str):  # listener, metrics, flush_logs... of the app
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = trio.current_time() + self.body_s
+        state = {"body_done": False, "timed_out": False, "started": False}
+
+        async def timed_receive():
+            if state["timed_out"]:
+                return {"type": "http.disconnect"}
+            if state["body_done"]:
+                return await receive()
+            with trio.move_on_at(deadline):
+                msg = await receive()
+                if msg.get("type") != "http.request" or not msg.get("more_body", False):
+                    state["body_done"] = True
+                return msg
+            state["timed_out"] = True
+            if self.on_timeout is not None:
+                self.on_timeout(scope)
+            if not state["started"]:
+                state["started"] = True
+                body = reject_body(f"the request body did not arrive within {self.body_s:g} s of its head "
+                                   "(--body-timeout); closing the connection", code="REQUEST_TIMEOUT")
+                await send({"type": "http.response.start", "status": 408, "headers": [
+                    (b"content-type", b"application/json"), (b"connection", b"close"),
+                    (b"content-length", b"%d" % len(body))]})
+                await send({"type": "http.response.body", "body": body})
+            return {"type": "http.disconnect"}
+
+        async def guarded_send(msg):
+            if state["timed_out"]:
+                return  # answered 408 already
+            if msg.get("type") == "http.response.start":
+                state["started"] = True
+            await send(msg)
+
+        await self.app(scope, timed_receive, guarded_send)
+
+
 class HttpListener:
     """The HTTP listener: accepts on ``listeners`` and runs each connection with
     hypercorn's protocol handling over ``api``.
@@ -186,9 +335,15 @@ class HttpListener:
         config: a ``hypercorn.config.Config`` (keep-alive timeout, h11/h2 limits, the
             error log).
         ssl_context: wrap accepted sockets in TLS (ALPN h2 and http/1.1), or None.
-        max_connections: connections open at once; one more is answered 503.
+        max_connections: connections open at once; one more is answered 503, unless an
+            idle keep-alive connection can be closed to make room (the oldest idle).
+        max_connections_per_peer: connections one peer address may hold open at once
+            (one more from it is answered 503; 0 or None: no cap).
         first_request_s: seconds a new connection has to complete its TLS handshake
             and send the head of its first request (> 0).
+        header_s: seconds a request's head has from its first byte (HTTP/1.1; None:
+            only the idle timers).
+        body_s: seconds a request's body has from its head (then 408; None: no limit).
         graceful_s: on stop, seconds the connections get to finish their requests.
         hosts: the ``Host`` names and addresses answered
             (:class:`~rallypoint.http.guard.HostCheck`; default: loopback names and
@@ -200,37 +355,84 @@ class HttpListener:
     """
 
     def __init__(self, api: HttpApi, config, *, ssl_context: ssl.SSLContext | None = None,
-                 max_connections: int = 1024, first_request_s: float = 10.0, graceful_s: float = 5.0,
-                 hosts: HostCheck | None = None) -> None:
+                 max_connections: int = 1024, max_connections_per_peer: int | None = None,
+                 first_request_s: float = 10.0, header_s: float | None = None, body_s: float | None = None,
+                 graceful_s: float = 5.0, hosts: HostCheck | None = None) -> None:
         self.api = api
         self.config = config
         #: what every request passes before ``api`` sees it (rallypoint.http.guard)
         self.guard = HttpGuard(api, hosts=hosts)
-        self.app = wrap_app(self.guard, config.wsgi_max_body_size, "asgi")
+        self.body_s = body_s
+        self.body_timeouts = 0
+        served = _BodyDeadline(self.guard, body_s, self._body_timed_out) if body_s is not None else self.guard
+        self.app = wrap_app(served, config.wsgi_max_body_size, "asgi")
         self.context = WorkerContext(None)
         self.ssl_context = ssl_context
         self.max_connections = max_connections
+        self.peer_slots = PeerSlots(max_connections_per_peer)
         self.first_request_s = first_request_s
+        self.header_s = header_s
         self.graceful_s = graceful_s
         #: accept failures and refused connections: a few lines and a count per 10 s
         self.log_limiter = api.log_limiter
+        self.accept_failures = AcceptFailures(log, "HTTP listener", first_s=ACCEPT_RETRY_S,
+                                              max_s=ACCEPT_RETRY_MAX_S)
         #: connections not handed to hypercorn yet (no bytes yet): ended on stop
         self._waiting: set[trio.CancelScope] = set()
+        #: idle keep-alive connections -> since when (trio time), the one idle longest first
+        self._idle: dict[_Connection, float] = {}
         self.connections = 0
         self.connections_total = 0
         self.rejected = 0
-        self.accept_errors = 0
         self.connection_errors = 0
+        self.evicted = 0
+
+    @property
+    def accept_errors(self) -> int:
+        return self.accept_failures.total
 
     def statistics(self) -> dict[str, int]:
         """``connections`` (open now), ``connections_total`` (accepted and served),
-        ``rejected_connections`` (over ``max_connections``), ``accept_errors`` (failed
-        accepts, e.g. EMFILE), ``refused_requests`` (refused by the guard: a bad
-        request-target, framing, Host, a WebSocket upgrade), ``connection_errors``
-        (connections ended by an unexpected error)."""
+        ``rejected_connections`` (over ``max_connections`` or the cap per peer),
+        ``accept_errors`` (failed accepts, e.g. EMFILE), ``idle_closed`` (idle keep-alive
+        connections closed to make room), ``body_timeouts`` (408s), and the per-peer
+        counts (``peers``, ``max_per_peer``, ``refused_per_peer``), ``refused_requests``
+        (refused by the guard: a bad request-target, framing, Host, a WebSocket upgrade),
+        ``connection_errors`` (connections ended by an unexpected error)."""
         return {"connections": self.connections, "connections_total": self.connections_total,
                 "rejected_connections": self.rejected, "accept_errors": self.accept_errors,
-                "refused_requests": sum(self.guard.refused.values()), "connection_errors": self.connection_errors}
+                "idle_closed": self.evicted, "body_timeouts": self.body_timeouts,
+                "refused_requests": sum(self.guard.refused.values()), "connection_errors": self.connection_errors,
+                **self.peer_slots.statistics()}
+
+    def _body_timed_out(self, scope) -> None:
+        self.body_timeouts += 1
+        client = scope.get("client") or ("?", 0)
+        self.log_limiter.log(logging.INFO, "http-body-timeout",
+                             "HTTP client %s:%s sent its request body too slowly (%s %s): answered 408 after %g s",
+                             client[0], client[1], scope.get("method"), scope.get("path"), self.body_s)
+
+    def _idle_since(self, conn: _Connection) -> None:
+        """``conn`` became an idle keep-alive connection (the newest idle)."""
+        self._idle.pop(conn, None)
+        self._idle[conn] = trio.current_time()
+
+    def _make_room(self) -> bool:
+        """Every slot is taken: close the connection idle longest, if it has been idle
+        :data:`EVICT_MIN_IDLE_S` at least; True when one was (its slot is free at once)."""
+        now = trio.current_time()
+        while self._idle:
+            conn, since = next(iter(self._idle.items()))
+            if now - since < EVICT_MIN_IDLE_S:
+                return False
+            del self._idle[conn]
+            if conn.evict():
+                self.evicted += 1
+                release = getattr(conn, "release", None)
+                if release is not None:
+                    release()
+                return True
+        return False
 
     async def serve(self, listeners: list[trio.SocketListener], stop: trio.Event) -> None:
         """Accept on ``listeners`` until ``stop`` is set (or cancelled); then stop
@@ -256,29 +458,42 @@ class HttpListener:
                     await trio.aclose_forcefully(listener)
             self.api.flush_logs()
             self.guard.flush_logs()
+            self.accept_failures.flush()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        failures = self.accept_failures
+        slots = self.peer_slots
         while True:
             try:
                 stream = await listener.accept()
             except OSError as exc:  # EMFILE & co: back off rather than spin; never stop
-                self.accept_errors += 1
-                self.log_limiter.log(logging.WARNING, "http-accept",
-                                     "HTTP listener: accept failed: %s; retrying in %d ms",
-                                     exc, ACCEPT_RETRY_S * 1000)
-                await trio.sleep(ACCEPT_RETRY_S)
+                await failures.failed(exc)
                 continue
-            if self.connections >= self.max_connections:
+            failures.succeeded()
+            addr = peer_address(stream.socket)
+            if slots.cap and slots.count(addr) >= slots.cap:
+                slots.take(addr)  # (refused: counted)
+                self.rejected += 1
+                self.log_limiter.log(logging.WARNING, "http-peer-limit",
+                                     "HTTP listener: %s has %d connections open (--max-connections-per-peer); "
+                                     "refused one", addr, slots.cap)
+                nursery.start_soon(self._reject, stream, (
+                    f"this address ({addr}) has {slots.cap} HTTP connections open, the limit per peer address "
+                    "(--max-connections-per-peer); close one or retry shortly"))
+                continue
+            if self.connections >= self.max_connections and not self._make_room():
                 self.rejected += 1
                 self.log_limiter.log(logging.WARNING, "http-limit",
                                      "HTTP listener: %d connections open (--max-connections); refused one",
                                      self.connections)
                 nursery.start_soon(self._reject, stream)
                 continue
+            slots.take(addr)
             self.connections += 1  # counted before the task starts: a burst cannot overshoot
-            nursery.start_soon(self._run, stream)
+            nursery.start_soon(self._run, stream, addr)
 
-    async def _run(self, stream: trio.SocketStream) -> None:
+    async def _run(self, stream: trio.SocketStream, addr: str = "?") -> None:
+        counted = [True]  # the slot is still this connection's (an eviction gives it back first)
         try:
             self.connections_total += 1
             # Wait for the first bytes (peeked: they stay for hypercorn) before building
@@ -301,7 +516,9 @@ class HttpListener:
             if self.ssl_context is not None:
                 s = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
             conn = _Connection(self.app, self.config, self.context, {}, s,
-                               first_request_s=max(0.0, deadline - trio.current_time()))
+                               first_request_s=max(0.0, deadline - trio.current_time()),
+                               header_s=self.header_s, listener=self)
+            conn.release = lambda: self._release(counted, addr)
             try:
                 await conn.run()
             except Exception as exc:  # one connection's failure is never the listener's
@@ -315,13 +532,21 @@ class HttpListener:
                                      "HTTP listener: the connection from %s ended by an error: %s", peer,
                                      printable(repr(exc), 300), exc_info=exc)
         finally:
-            self.connections -= 1
+            self._release(counted, addr)
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
 
-    async def _reject(self, stream: trio.SocketStream) -> None:
+    def _release(self, counted: list, addr: str) -> None:
+        """Give back a connection's slot (once: an evicted connection gives it back as it
+        is evicted, so the new one can take it at once)."""
+        if counted[0]:
+            counted[0] = False
+            self.connections -= 1
+            self.peer_slots.give(addr)
+
+    async def _reject(self, stream: trio.SocketStream, why: str | None = None) -> None:
         """Answer 503 UNAVAILABLE (``Retry-After: 1``) and close; at most ~2 s."""
-        body = reject_body(f"the server has reached its limit of {self.max_connections} HTTP connections "
+        body = reject_body(why or f"the server has reached its limit of {self.max_connections} HTTP connections "
                            "(--max-connections); retry shortly")
         head = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
                 b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
@@ -361,8 +586,11 @@ async def serve_http(
     keyfile: str | None = None,
     max_requests: int = 1024,
     max_connections: int = 1024,
+    max_connections_per_peer: int | None = None,
     first_request_s: float = 10.0,
-    keep_alive_s: float = 75.0,
+    header_s: float | None = 10.0,
+    body_s: float | None = 30.0,
+    keep_alive_s: float = 30.0,
     graceful_s: float = 5.0,
     metrics: Any = None,
     shutdown: trio.Event | None = None,
@@ -378,8 +606,12 @@ async def serve_http(
     (``["http://127.0.0.1:8080"]``). TLS with ``ssl_context``, or ``certfile``/``keyfile``
     (the TCP listener's ``--tls-cert``/``--tls-key``). ``max_requests``: requests in
     progress at once (then 429); ``max_connections``: connections open at once (then
-    503); ``first_request_s``: seconds a connection has to send its first request;
-    ``keep_alive_s``: seconds an idle connection is kept between requests;
+    503, unless an idle keep-alive connection is closed to make room);
+    ``max_connections_per_peer``: connections one peer address may hold (then 503; None:
+    no cap); ``first_request_s``: seconds a connection has to send its first request;
+    ``header_s``: seconds a request's head has from its first byte (None: no limit but
+    the idle timers); ``body_s``: seconds its body has from its head (then 408; None: no
+    limit); ``keep_alive_s``: seconds an idle connection is kept between requests;
     ``graceful_s``: seconds in-flight requests get on shutdown; ``metrics``: a
     :class:`rallypoint.metrics.Metrics` that counts every operation (None: not counted);
     ``api``: another ASGI application with ``HttpApi``'s ``log_limiter``/``listener``/
@@ -399,6 +631,7 @@ async def serve_http(
     api.metrics = metrics
     cfg = Config()
     cfg.keep_alive_timeout = keep_alive_s
+    cfg.h11_max_incomplete_size = MAX_HEAD_BYTES
     cfg.graceful_timeout = graceful_s
     cfg.ssl_handshake_timeout = first_request_s
     cfg.accesslog = None
@@ -413,7 +646,8 @@ async def serve_http(
     scheme = "https" if ssl_context is not None else "http"
     urls = [_url(scheme, ln.socket.getsockname()) for ln in listeners]
     server = HttpListener(api, cfg, ssl_context=ssl_context, max_connections=max_connections,
-                          first_request_s=first_request_s, graceful_s=graceful_s, hosts=host_check)
+                          max_connections_per_peer=max_connections_per_peer, first_request_s=first_request_s,
+                          header_s=header_s, body_s=body_s, graceful_s=graceful_s, hosts=host_check)
     api.listener = server
     for u in urls:
         log.debug("HTTP listener on %s", u)

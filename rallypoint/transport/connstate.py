@@ -90,6 +90,7 @@ from ..errors import (
     InternalError,
     LimitError,
     RallypointError,
+    SlowConsumerError,
     UnavailableError,
     ValidationError,
     shutting_down_error,
@@ -332,8 +333,13 @@ class ConnState:
             answer whose LSN is above it is held (:data:`HOLD`).
         max_inflight: requests in flight (admitted, not yet answered; each request of a
             batch frame counts) before :meth:`next_request` says :data:`PAUSED`.
-        max_out_bytes: bytes of output, queued plus what the requests in flight will
-            add (in flight x the average reply size), before it says :data:`PAUSED`.
+        max_out_bytes: bytes of output, queued or being sent plus what the requests in
+            flight will add (in flight x the reply size estimate: the largest recent
+            reply, decaying towards the average), before it says :data:`PAUSED`. The
+            replies of requests already in flight may take the unsent output past it;
+            past :attr:`hard_out_bytes` (twice it, and at least it plus one frame) the
+            peer is not reading what it asked for: the queued replies are dropped, the
+            connection is answered ``Err(0, SLOW_CONSUMER)`` and closed (:data:`ABORT`).
         watch_buffer_bytes: unsent output up to which subscriptions may push
             (:meth:`push_room`).
         metrics: a :class:`rallypoint.metrics.Metrics` (latency per operation), or None.
@@ -374,8 +380,10 @@ class ConnState:
         self.inflight = 0
         self.max_inflight = max_inflight
         self.max_out_bytes = max_out_bytes
+        #: unsent output past which the connection is closed (see max_out_bytes)
+        self.hard_out_bytes = max(2 * max_out_bytes, max_out_bytes + _MAX_FRAME)
         self.watch_buffer_bytes = watch_buffer_bytes
-        self.reply_size = 4096  # moving average of this connection's reply sizes, bytes (a cautious start)
+        self.reply_size = 4096  # estimate of this connection's reply sizes, bytes (a cautious start; _queue_ok)
         # request id -> None (queued or being handled), its parked Waiter, or _CANCELLED
         # (the client sent Cancel before it parked): every request not yet answered
         self.live: dict[int, Any] = {}
@@ -410,6 +418,7 @@ class ConnState:
         self.max_inflight_seen = 0
         self.pauses = 0
         self.pushes = 0
+        self.overflowed = 0  # bytes of unsent output when closed past hard_out_bytes (0: never)
 
     def __repr__(self) -> str:
         return (f"<ConnState {self.peer} {self.phase.name} reading={self.reading.name} inflight={self.inflight} "
@@ -556,7 +565,7 @@ class ConnState:
             pending.extend(self.parser.feed(data))
         else:
             inflight = self.inflight
-            if inflight >= self.max_inflight or len(self.out) + inflight * self.reply_size > self.max_out_bytes:
+            if inflight >= self.max_inflight or len(self.out) + self.sending + inflight * self.reply_size > self.max_out_bytes:
                 return self._pause()
         while True:
             if not pending:
@@ -599,7 +608,7 @@ class ConnState:
                     return req
             # handled without a request to submit: the limits, as after a request
             inflight = self.inflight
-            if inflight >= self.max_inflight or len(self.out) + inflight * self.reply_size > self.max_out_bytes:
+            if inflight >= self.max_inflight or len(self.out) + self.sending + inflight * self.reply_size > self.max_out_bytes:
                 return self._pause()
 
     def _pause(self) -> Any:
@@ -620,7 +629,7 @@ class ConnState:
         """A paused reader must stay paused: over a limit, and not draining."""
         inflight = self.inflight
         return self.phase not in DRAINING_PHASES and (
-            inflight >= self.max_inflight or len(self.out) + inflight * self.reply_size > self.max_out_bytes)
+            inflight >= self.max_inflight or len(self.out) + self.sending + inflight * self.reply_size > self.max_out_bytes)
 
     def submit_failed(self, rid: int, exc: BaseException) -> int:
         """The dispatcher raised while taking request ``rid`` (it answers its own errors,
@@ -772,6 +781,8 @@ class ConnState:
             act = RESUME if self.reading is PAUSED_READING else 0
             if inflight == 0 and self.phase in DRAINING_PHASES:
                 act |= IDLE
+            if len(self.out) + self.sending > self.hard_out_bytes:
+                return act | self._overflow()
             return act
         self.deferred.append((lsn, rid, reply))
         return HOLD
@@ -894,8 +905,30 @@ class ConnState:
             if self.req_meta:
                 self._observe(rid, reply)
         if n:
-            return self._done(n) | FLUSH
+            act = self._done(n) | FLUSH
+            if len(self.out) + self.sending > self.hard_out_bytes:
+                act |= self._overflow()
+            return act
         return 0
+
+    def _overflow(self) -> int:
+        """The unsent output passed :attr:`hard_out_bytes`: the peer does not read the
+        replies it asked for. Drop the queued ones (not what is being sent), queue
+        ``Err(0, SLOW_CONSUMER)`` and close: :data:`ABORT`."""
+        n = len(self.out) + self.sending
+        self.overflowed = n
+        self.out = bytearray()
+        self._queue_error(0, SlowConsumerError(
+            f"closing the connection: {n} bytes of replies were waiting for it to read them (the limit is "
+            f"{self.hard_out_bytes}; the server stops reading requests at {self.max_out_bytes}, "
+            "--max-outgoing-bytes): read replies as they come, or pipeline fewer large requests",
+            details={"unsent_bytes": n, "limit": self.hard_out_bytes}))
+        if self._log_limiter is not None:
+            self._log_limiter.log(logging.WARNING, "slow-consumer-conn",
+                                  "closing connection from %s: %d bytes of replies unread (limit %d)",
+                                  self.peer, n, self.hard_out_bytes)
+        self._to(_CLOSE)
+        return ABORT
 
     def fail_held(self, n: int, exc: BaseException) -> int:
         """Waiting for the durability of the first ``n`` held answers failed with
@@ -1047,7 +1080,11 @@ class ConnState:
         out = self.out
         out += head
         out += reply
-        self.reply_size = (self.reply_size * 7 + size) >> 3  # moving average, bytes
+        est = self.reply_size
+        # up at once to a larger reply, down slowly (a moving average): requests admitted
+        # after a large reply are counted at its size, so a client pipelining large
+        # replies it never reads is paused near max_out_bytes, not at many times it
+        self.reply_size = size if size > est else (est * 7 + size) >> 3
         n = len(out) + self.sending
         if n > self.max_out:
             self.max_out = n

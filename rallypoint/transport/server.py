@@ -29,9 +29,20 @@ server-side wait is parked in its actor, not in this connection: a Cancel frame,
 connection closing, ends it (and its answer is dropped).
 
 Backpressure: when ``max_inflight_per_conn`` requests are in flight (submitted, not yet
-answered; every request of a batch frame counts), or more than ``max_outgoing_bytes`` of replies are
-waiting for the peer to read them, the reader stops reading the socket until that
-drops again, so a client can never make the server buffer without bound.
+answered; every request of a batch frame counts), or more than ``max_outgoing_bytes`` of
+replies are waiting for the peer to read them (queued or in a send that has not
+finished, plus the estimated replies of the requests in flight), the reader stops
+reading the socket until that drops again. Replies of requests already in flight may
+take it further; a connection whose unread replies pass twice ``max_outgoing_bytes``
+(at least that plus one frame) is answered ``Err(0, SLOW_CONSUMER)`` and closed. So a
+client that never reads holds about ``max_outgoing_bytes`` of the server's memory, and
+never more than twice that (``scripts/soak_hostile.py`` measures it).
+
+Hostile peers: a connection has ``handshake_timeout`` seconds to send its Hello; one
+peer address may hold at most ``max_connections_per_peer`` connections (silent ones
+included), so it cannot take every one of ``max_connections``; an ``accept`` that fails
+(EMFILE...) backs off and logs one line per window with a count
+(:class:`~rallypoint.transport.guard.AcceptFailures`).
 
 Logging: a peer that resets or drops its connection is routine (one DEBUG line); a
 frame the server cannot decode is answered VALIDATION_FAILED and logs nothing; only
@@ -71,6 +82,7 @@ from .connstate import (
     ConnState,
     Reading,
 )
+from .guard import AcceptFailures, PeerSlots, peer_address
 from .sockio import receive_plain
 
 HANDLING = Reading.HANDLING
@@ -732,6 +744,9 @@ class Server:
     Args:
         dispatcher: the coordinator side (see :class:`Dispatcher`).
         max_connections: connections beyond this get ``Err(0, UNAVAILABLE)`` and are closed.
+        max_connections_per_peer: connections one peer address (IP) may hold open at
+            once; one more from it gets ``Err(0, UNAVAILABLE)`` naming this limit and is
+            closed, while other addresses still connect. 0 or None: no cap.
         max_inflight_per_conn: requests in flight (submitted, not yet answered; each
             request of a batch frame counts) per connection before the server stops
             reading that connection.
@@ -756,6 +771,7 @@ class Server:
         dispatcher: Dispatcher,
         *,
         max_connections: int = 1024,
+        max_connections_per_peer: int | None = None,
         max_inflight_per_conn: int = 256,
         handshake_timeout: float = 10.0,
         idle_ping_interval: float | None = 30.0,
@@ -775,6 +791,9 @@ class Server:
         self._listening = 0  # connections running: the reports are heard while any is
         self.ssl_context = ssl_context  # an ssl.SSLContext: serve TLS
         self.max_connections = max_connections
+        #: connections open per peer address (the accept loop takes a slot, the
+        #: connection's end gives it back)
+        self.peer_slots = PeerSlots(max_connections_per_peer)
         self.max_inflight_per_conn = max_inflight_per_conn
         self.handshake_timeout = handshake_timeout
         self.idle_ping_interval = idle_ping_interval
@@ -785,6 +804,9 @@ class Server:
         self.metrics: Any = None
         #: Every repeated log event of the server goes through this (see the module doc).
         self.log_limiter = RateLimitedLogger(log, window_s=log_window_s, burst=log_burst)
+        #: failed accepts (EMFILE & co): back-off, one line per window with a count
+        self.accept_failures = AcceptFailures(log, "TCP listener", window_s=log_window_s)
+        self._slow_consumer_closes = 0
         self.listeners: list[trio.SocketListener] = []
         self._conns: set[_Conn] = set()
         self._accept_scope: trio.CancelScope | None = None
@@ -870,6 +892,7 @@ class Server:
                 with trio.CancelScope(shield=True):
                     await trio.aclose_forcefully(listener)
             self.log_limiter.flush()  # report what was suppressed: no count is lost
+            self.accept_failures.flush()
             self._stopped.set()
 
     async def drain(self, timeout: float = 30.0) -> None:
@@ -895,7 +918,10 @@ class Server:
         outgoing_buffered (now), max_outgoing_buffered, max_inflight_per_conn_seen,
         max_parse_buffer, backpressure_pauses, discarded_bytes, peer_resets (connections
         the peer reset or dropped), log_lines_suppressed, sessions_ended (connections
-        closed because their key was revoked or open mode ended), draining."""
+        closed because their key was revoked or open mode ended), draining; accept_errors
+        (failed accepts: EMFILE...), peers / max_per_peer / refused_per_peer (see
+        :class:`~rallypoint.transport.guard.PeerSlots`), slow_consumer_closes
+        (connections closed with replies unread past twice ``max_outgoing_bytes``)."""
         requests = self._closed_requests
         errors = self._closed_errors
         bytes_in = self._closed_bytes_in
@@ -940,18 +966,23 @@ class Server:
             "log_lines_suppressed": self.log_limiter.suppressed,
             "sessions_ended": self.sessions_ended,
             "draining": self._draining,
+            "accept_errors": self.accept_failures.total,
+            **self.peer_slots.statistics(),
+            "slow_consumer_closes": self._slow_consumer_closes,
         }
 
     # ---------------------------------------------------------------- internal
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        failures = self.accept_failures
+        slots = self.peer_slots
         while True:
             try:
                 stream = await listener.accept()
-            except OSError as exc:  # EMFILE & co: back off rather than spin
-                self.log_limiter.log(logging.WARNING, "accept", "accept failed: %s; retrying in 100 ms", exc)
-                await trio.sleep(0.1)
+            except OSError as exc:  # EMFILE & co: back off rather than spin, one line per window
+                await failures.failed(exc)
                 continue
+            failures.succeeded()
             try:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
@@ -960,14 +991,24 @@ class Server:
                 self._rejected += 1
                 nursery.start_soon(self._reject, stream)
                 continue
+            addr = peer_address(stream.socket)
+            if not slots.take(addr):
+                self._rejected += 1
+                self.log_limiter.log(
+                    logging.WARNING, "peer-limit", "refused a connection from %s: it has %d open "
+                    "(--max-connections-per-peer)", addr, slots.cap)
+                nursery.start_soon(self._reject, stream, (
+                    f"this address ({addr}) has {slots.cap} connections open, the limit per peer address "
+                    "(--max-connections-per-peer); close one or retry later"))
+                continue
             self._starting += 1
-            nursery.start_soon(self._run_conn, stream)
+            nursery.start_soon(self._run_counted, stream, addr)
 
-    async def _reject(self, stream: trio.SocketStream) -> None:
+    async def _reject(self, stream: trio.SocketStream, why: str | None = None) -> None:
         err = wire.Err(
             0,
             "UNAVAILABLE",
-            f"the server has reached its limit of {self.max_connections} connections; retry later",
+            why or f"the server has reached its limit of {self.max_connections} connections; retry later",
             1.0,
         )
         body = _encode(err)
@@ -1037,6 +1078,13 @@ class Server:
             if conn.release_held(durable, error):
                 del held[conn]
 
+    async def _run_counted(self, stream: trio.SocketStream, addr: str) -> None:
+        """:meth:`_run_conn`, then the connection's slot of its peer address is given back."""
+        try:
+            await self._run_conn(stream)  # (no checkpoint before it: see _run_conn)
+        finally:
+            self.peer_slots.give(addr)
+
     async def _run_conn(self, stream: trio.SocketStream) -> None:
         # No checkpoint from here to _conns.add(conn): the connection stays counted.
         self._starting -= 1
@@ -1070,5 +1118,7 @@ class Server:
             self._max_inflight = max(self._max_inflight, c.max_inflight_seen)
             self._max_parse_buffer = max(self._max_parse_buffer, c.parser.buffered_max)
             self._pauses += c.pauses
+            if c.overflowed:
+                self._slow_consumer_closes += 1
             if not self._conns:
                 self._no_conns.set()
