@@ -650,6 +650,88 @@ def _peer_tls(args):
         raise ValidationError(str(e)) from None
 
 
+def cmd_cluster_etcd_auth(args) -> int:
+    """``rallypoint cluster etcd-auth``: turn on etcd's authentication for a cluster --
+    user ``root`` (role root), a role with read and write on ``/rallypoint/`` only, and
+    the user the nodes and the CLI use (``--etcd-user``, default ``rallypoint``) -- then
+    ``auth enable``. A step already done (a user that exists, auth already on) is
+    passed over, so it can be run again. The passwords come from files (never the
+    command line)."""
+    from .cluster.etcd import EtcdAuth, EtcdError, prefix_end
+    from .errors import RallypointError
+    import base64
+    import dataclasses
+
+    def b64(x: str) -> str:
+        return base64.b64encode(x.encode()).decode()
+
+    try:
+        access = _etcd_access(args)
+        root_pw = _read_secret_file(args.root_password_file, "--root-password-file")
+        user = access.auth.user if access.auth is not None else (args.etcd_user or "rallypoint")
+        user_pw = access.auth.password if access.auth is not None else _read_secret_file(
+            args.etcd_password_file or os.environ.get("RALLYPOINT_ETCD_PASSWORD_FILE"), "--etcd-password-file")
+    except RallypointError as e:
+        return _fail(e, args)
+    if user == "root":
+        print("rallypoint: the nodes' etcd user must not be root (give --etcd-user NAME)", file=sys.stderr)
+        return 2
+    role = "rallypoint"
+    steps = [("/v3/auth/user/add", {"name": "root", "password": root_pw}),
+             ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+             ("/v3/auth/role/add", {"name": role}),
+             ("/v3/auth/role/grant", {"name": role, "perm": {"permType": "READWRITE", "key": b64("/rallypoint/"),
+                                                             "range_end": b64(prefix_end("/rallypoint/").decode())}}),
+             ("/v3/auth/user/add", {"name": user, "password": user_pw}),
+             ("/v3/auth/user/grant", {"user": user, "role": role}),
+             ("/v3/auth/enable", {})]
+
+    async def main():
+        done = []
+        # before auth is on, calls need no token; once it is (a second run), root's
+        plain = dataclasses.replace(access, auth=None)
+        as_root = dataclasses.replace(access, auth=EtcdAuth("root", root_pw))
+        for path, body in steps:
+            for acc in (plain, as_root):
+                try:
+                    async with acc.client() as etcd:
+                        await etcd.auth_step(path, body)
+                    done.append(path.removeprefix("/v3/auth/"))
+                    break
+                except EtcdError as e:
+                    msg = e.message.lower()
+                    if "already exist" in msg or "already granted" in msg or "already enabled" in msg:
+                        break
+                    if acc is plain and ("user name is empty" in msg or "token" in msg
+                                         or "permission denied" in msg or e.code in ("UNAUTHENTICATED", "FORBIDDEN")):
+                        continue  # auth is on already: as root
+                    raise
+        return done
+
+    try:
+        done = trio.run(main)
+    except RallypointError as e:
+        return _fail(e, args)
+    print(f"etcd authentication is on: user {user!r} may read and write /rallypoint/ only; root's password is in "
+          f"{args.root_password_file} (keep it off the nodes){'' if done else ' (nothing was left to do)'}")
+    return 0
+
+
+def _read_secret_file(path: str | None, flag: str) -> str:
+    from .errors import ValidationError
+
+    if not path:
+        raise ValidationError(f"give {flag} FILE (a file holding the password on its first line)")
+    try:
+        with open(path) as f:
+            pw = f.readline().strip()
+    except OSError as e:
+        raise ValidationError(f"{flag}: {path}: {e.strerror}") from None
+    if not pw:
+        raise ValidationError(f"{flag}: {path} is empty")
+    return pw
+
+
 def cmd_cluster_certs(args) -> int:
     """``rallypoint cluster certs --out DIR --nodes a,b [--hosts ...] [--etcd]``."""
     from .cluster.pki import write_cluster_pki
@@ -1348,86 +1430,158 @@ def cmd_cluster_add_shard(args) -> int:
 
 
 def cmd_cluster_status(args) -> int:
-    """``cluster status``: the shard as etcd holds it (leader, epoch, members, in-sync
-    set, the leader's lease time to live) and, from the leader, its standby's lag."""
+    """``cluster status``: every shard as etcd holds it (leader, epoch, members, in-sync
+    set, the leader's lease time to live, the nodes running) and, from each leader, its
+    standby's lag and how long it has led (since the shard's last failover);
+    ``--shard N``: that shard alone, in detail. Each leader gets 5 s to answer."""
     from .cluster.etcd import EtcdError
-    from .cluster.leader import ShardElection
-    from .errors import RallypointError, UnavailableError
+    from .errors import RallypointError
 
     try:
         access = _etcd_access(args)
     except RallypointError as e:
         return _fail(e, args)
-    endpoints = access.endpoints
-
-    import msgspec
-
-    import rallypoint
 
     async def main():
         async with access.client() as etcd:
-            election = ShardElection(etcd, args.cluster_name, args.shard)
-            state = await election.read()
-            from .cluster.presence import nodes_prefix
-
-            prefix = nodes_prefix(args.cluster_name, args.shard)
-            running = [kv.key.decode(errors="replace")[len(prefix):]
-                       for kv in (await etcd.range(prefix, prefix=True)).kvs]
-            ttl = None
-            if state.leader is not None:
-                try:
-                    ttl = (await etcd.lease_time_to_live(state.leader.lease_id)).ttl_s
-                except EtcdError:
-                    ttl = None
-        view = None
-        if state.leader is not None:
-            view = UnavailableError("no answer within 5 s")
-            with trio.move_on_after(5):  # the connection and the call: the leader may be stopped
-                try:
-                    async with rallypoint.connect(f"tcp://{state.leader.info.client_address}", api_key=args.api_key,
-                                                  reconnect=False, connect_timeout=5, route=False) as rs:
-                        view = (await rs.status()).cluster
-                except RallypointError as e:
-                    view = e
-        return state, ttl, view, running
+            shards = [args.shard] if args.shard is not None else await _cluster_shards(etcd, args.cluster_name)
+            reports = []
+            for shard in shards:
+                reports.append(await _shard_report(etcd, args.cluster_name, shard, args.api_key))
+            return reports
 
     try:
-        state, ttl, view, running = trio.run(main)
+        reports = trio.run(main)
     except (EtcdError, RallypointError) as e:
         return _fail(e, args)
-    if state.replicas is None:
+    if args.shard is not None and reports[0] is None:
         print(f"rallypoint: no shard {args.shard} in cluster {args.cluster_name!r} at {access.url} (no node "
               "has started with --cluster yet)", file=sys.stderr)
         return 1
-    rep = state.replicas.replicas
+    if not reports:
+        print(f"rallypoint: no shard in cluster {args.cluster_name!r} at {access.url} (no node has started with "
+              "--cluster yet, and no `cluster init`)", file=sys.stderr)
+        return 1
     if args.json:
-        out = {"cluster": args.cluster_name, "shard": args.shard, "members": rep.members, "isr": rep.isr,
-               "replication_factor": rep.replication_factor, "running": running,
-               "leader": None if state.leader is None else {
-                   "node": state.leader.info.node, "epoch": state.leader.epoch,
-                   "address": state.leader.info.client_address,
-                   "replication_address": state.leader.info.replication_address,
-                   "http_address": state.leader.info.http_address, "lease_ttl_s": ttl},
-               "node": None if view is None or isinstance(view, Exception) else msgspec.to_builtins(view)}
-        print(json.dumps(out, indent=2))
+        if args.shard is not None:
+            print(json.dumps(_report_json(reports[0]), indent=2))
+        else:
+            print(json.dumps({"cluster": args.cluster_name, "etcd": access.url,
+                              "shards": [_report_json(r) for r in reports if r is not None]}, indent=2))
         return 0
-    print(f"cluster     {args.cluster_name}, shard {args.shard} (etcd {','.join(endpoints)})")
-    if state.leader is None:
+    if args.shard is not None or len(reports) == 1:
+        _print_shard(reports[0], args.cluster_name, access.url)
+        return 0
+    print(f"cluster {args.cluster_name} (etcd {access.url}): {len(reports)} shard(s)")
+    rows = [["shard", "leader", "epoch", "in sync", "members", "running", "standby", "leading for"]]
+    for r in reports:
+        if r is None:
+            continue
+        lead, view = r["leader"], r["view"]
+        standby = "-"
+        led = "-"
+        if isinstance(view, Exception):
+            standby = "no answer"
+        elif view is not None:
+            sb = view.standby
+            standby = "none" if sb is None else f"{sb.node} {sb.state}, {sb.lag_records} behind"
+            if view.leading_for_s is not None:
+                led = f"{view.leading_for_s:.0f} s"
+        rows.append([str(r["shard"]), lead["node"] if lead else "NONE", str(lead["epoch"]) if lead else "-",
+                     ",".join(r["isr"]), f"{','.join(r['members'])} ({len(r['members'])}/{r['replication_factor']})",
+                     ",".join(r["running"]) or "none", standby, led])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    return 0
+
+
+async def _cluster_shards(etcd, cluster: str) -> list[int]:
+    """Every shard of the cluster: the slot map's, and every shard that has keys."""
+    from .cluster.shardmap import read_map
+
+    m = await read_map(etcd, cluster)
+    found = set(m.shards) if m is not None else set()
+    prefix = f"/rallypoint/{cluster}/shards/"
+    for kv in (await etcd.range(prefix, prefix=True)).kvs:
+        part = kv.key.decode(errors="replace")[len(prefix):].split("/", 1)[0]
+        if part.isdigit():
+            found.add(int(part))
+    return sorted(found)
+
+
+async def _shard_report(etcd, cluster: str, shard: int, api_key) -> dict | None:
+    """One shard as etcd holds it, and its leader's own view (a ClusterView, an error,
+    or None without a leader); None when the shard has no replicas key."""
+    from .cluster.etcd import EtcdError
+    from .cluster.leader import ShardElection
+    from .cluster.presence import nodes_prefix
+    from .errors import RallypointError, UnavailableError
+
+    import rallypoint
+
+    state = await ShardElection(etcd, cluster, shard).read()
+    if state.replicas is None:
+        return None
+    prefix = nodes_prefix(cluster, shard)
+    running = [kv.key.decode(errors="replace")[len(prefix):] for kv in (await etcd.range(prefix, prefix=True)).kvs]
+    ttl = None
+    if state.leader is not None:
+        try:
+            ttl = (await etcd.lease_time_to_live(state.leader.lease_id)).ttl_s
+        except EtcdError:
+            ttl = None
+    view = None
+    if state.leader is not None:
+        view = UnavailableError("no answer within 5 s")
+        with trio.move_on_after(5):  # the connection and the call: the leader may be stopped
+            try:
+                async with rallypoint.connect(f"tcp://{state.leader.info.client_address}", api_key=api_key,
+                                              reconnect=False, connect_timeout=5, route=False) as rs:
+                    view = (await rs.status()).cluster
+            except RallypointError as e:
+                view = e
+    rep = state.replicas.replicas
+    li = state.leader.info if state.leader is not None else None
+    return {"shard": shard, "members": list(rep.members), "isr": list(rep.isr),
+            "replication_factor": rep.replication_factor, "running": running,
+            "leader": None if li is None else {
+                "node": li.node, "epoch": state.leader.epoch, "address": li.client_address,
+                "replication_address": li.replication_address, "http_address": li.http_address,
+                "lease_ttl_s": ttl},
+            "view": view}
+
+
+def _report_json(r: dict) -> dict:
+    import msgspec
+
+    view = r["view"]
+    out = {k: v for k, v in r.items() if k != "view"}
+    out["node"] = None if view is None or isinstance(view, Exception) else msgspec.to_builtins(view)
+    if isinstance(view, Exception):
+        out["node_error"] = str(view)
+    return out
+
+
+def _print_shard(r: dict, cluster: str, url: str) -> None:
+    """``cluster status --shard N``: one shard, readable."""
+    print(f"cluster     {cluster}, shard {r['shard']} (etcd {url})")
+    lead = r["leader"]
+    if lead is None:
         print("leader      none (a failover is under way, or no in-sync node is running)")
     else:
-        li = state.leader.info
-        print(f"leader      {li.node} at {li.client_address} (replication {li.replication_address}"
-              + (f", HTTP {li.http_address}" if li.http_address else "") + f"), epoch {state.leader.epoch}"
-              + ("" if ttl is None else f", lease {ttl} s to live at etcd"))
-    print(f"members     {' '.join(rep.members)} ({len(rep.members)} of {rep.replication_factor})")
-    print(f"in sync     {' '.join(rep.isr)}")
-    print(f"running     {' '.join(running) or 'none'}")
+        print(f"leader      {lead['node']} at {lead['address']} (replication {lead['replication_address']}"
+              + (f", HTTP {lead['http_address']}" if lead["http_address"] else "") + f"), epoch {lead['epoch']}"
+              + ("" if lead["lease_ttl_s"] is None else f", lease {lead['lease_ttl_s']} s to live at etcd"))
+    print(f"members     {' '.join(r['members'])} ({len(r['members'])} of {r['replication_factor']})")
+    print(f"in sync     {' '.join(r['isr'])}")
+    print(f"running     {' '.join(r['running']) or 'none'}")
+    view = r["view"]
     if isinstance(view, Exception):
         print(f"standby     unknown: the leader did not answer ({view})")
     elif view is not None:
         for line in _cluster_lines(view)[3:]:
             print(line)
-    return 0
 
 
 def _actor_lines(actors: dict) -> list[str]:
@@ -2486,7 +2640,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "https://[USER@]HOST:PORT[,...] (default $RALLYPOINT_CLUSTER)")
     _etcd_access_arguments(cst)
     cst.add_argument("--cluster-name", default="rallypoint", help="(default %(default)s)")
-    cst.add_argument("--shard", type=_bounded(int, 0), default=0, help="(default %(default)s)")
+    cst.add_argument("--shard", type=_bounded(int, 0), default=None,
+                     help="one shard, in detail (default: every shard, a line each)")
     cst.add_argument("--api-key", default=os.environ.get("RALLYPOINT_API_KEY"),
                      help="API key for the leader (default $RALLYPOINT_API_KEY); not needed in open mode")
     cst.add_argument("--json", action="store_true", help="machine-readable output")
@@ -2522,6 +2677,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "CLI's --etcd-cert)")
     cc.add_argument("--days", type=_bounded(int, 1), default=825, help="validity of the certificates (default %(default)s)")
     cc.set_defaults(fn=cmd_cluster_certs)
+    cea = cls_.add_parser("etcd-auth", help="turn on etcd's authentication: root, and a user for the nodes that may "
+                                            "read and write /rallypoint/ only")
+    cea.add_argument("--cluster", metavar="https://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),
+                     required=os.environ.get("RALLYPOINT_CLUSTER") is None, help="(default $RALLYPOINT_CLUSTER)")
+    cea.add_argument("--root-password-file", required=True, metavar="FILE", help="root's password (first line)")
+    _etcd_access_arguments(cea)
+    cea.set_defaults(fn=cmd_cluster_etcd_auth)
     crm = cls_.add_parser("remove-node", help="take a dead node out of its shard's members, so another name can join")
     crm.add_argument("node", metavar="NAME", help="the member to remove")
     crm.add_argument("--cluster", metavar="etcd://HOST:PORT[,...]", default=os.environ.get("RALLYPOINT_CLUSTER"),

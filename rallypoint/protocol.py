@@ -85,6 +85,8 @@ class ClusterView(_View):
     lease_time_left_s: float
     min_insync: int = 1
     standby: StandbyView | None = None
+    #: seconds this node has led the shard (since the shard's last failover); None: not leading
+    leading_for_s: float | None = None
 
 
 class ClusterMap(_Op, tag="cluster.map"):

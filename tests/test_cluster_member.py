@@ -190,8 +190,9 @@ async def test_cluster_status_and_server_status_show_leader_epoch_isr_and_the_st
         assert "in sync     a b" in out.stdout and "standby     b: in_sync" in out.stdout
         out = await trio.to_thread.run_sync(
             lambda: subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=60))
-        doc = json.loads(out.stdout)
+        (doc,) = json.loads(out.stdout)["shards"]  # every shard (one here)
         assert doc["leader"]["node"] == "a" and doc["isr"] == ["a", "b"] and doc["node"]["standby"]["node"] == "b"
+        assert doc["node"]["leading_for_s"] >= 0
         # Prometheus: each node's role, epoch and its side of replication
         from prometheus_client import generate_latest
         from rallypoint.metrics import ClusterMetrics

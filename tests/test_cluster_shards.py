@@ -222,3 +222,34 @@ async def test_adding_a_shard_gives_it_empty_slots_and_new_root_runs(etcd, tmp_p
             for r in before + after:
                 assert (await rs.scope(r.id).status()).state == "ACTIVE"
         n.cancel_scope.cancel()
+
+
+async def test_cluster_status_without_a_shard_shows_every_shard(etcd, tmp_path, cluster_name):
+    # issue 42, item 7: `rallypoint status` over a cluster showed shard 0's cluster lines
+    # whichever node you asked; no command showed every shard's health at once
+    import json
+    import subprocess
+    import sys
+
+    async with trio.open_nursery() as n:
+        members = await start_cluster(etcd, tmp_path, cluster_name, n)
+        base = [sys.executable, "-m", "rallypoint", "cluster", "status", "--cluster", etcd.endpoints[0],
+                "--cluster-name", cluster_name]
+        out = await trio.to_thread.run_sync(lambda: subprocess.run(base + ["--json"], capture_output=True,
+                                                                   text=True, timeout=60))
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        assert [s["shard"] for s in doc["shards"]] == [0, 1, 2]
+        for s in doc["shards"]:
+            lead = leader(members[s["shard"]])
+            assert s["leader"]["node"] == lead.config.node and s["leader"]["epoch"] == lead.epoch
+            assert sorted(s["isr"]) == sorted(m.config.node for m in members[s["shard"]])
+            assert s["node"]["standby"]["state"] == "in_sync" and s["node"]["leading_for_s"] >= 0
+        human = await trio.to_thread.run_sync(lambda: subprocess.run(base, capture_output=True, text=True,
+                                                                     timeout=60))
+        assert human.returncode == 0, human.stderr
+        lines = human.stdout.splitlines()
+        assert lines[0].endswith("3 shard(s)") and lines[1].split()[:3] == ["shard", "leader", "epoch"]
+        assert [ln.split()[0] for ln in lines[2:]] == ["0", "1", "2"]
+        assert all("in_sync" in ln for ln in lines[2:])
+        n.cancel_scope.cancel()

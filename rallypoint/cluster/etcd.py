@@ -966,6 +966,14 @@ class EtcdClient:
         """``/v3/maintenance/status`` of the first member that answers."""
         return await self._unary("/v3/maintenance/status", {}, Status, timeout_s)
 
+    async def auth_step(self, path: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict:
+        """One of etcd's ``/v3/auth/...`` administration calls (``user/add``,
+        ``role/grant``, ``enable``...) with this client's TLS and token: its JSON answer.
+        Raises the EtcdError etcd answered (e.g. "user name already exists")."""
+        if not path.startswith("/v3/auth/"):
+            raise ValueError(f"not an auth call: {path}")
+        return msgspec.json.decode(await self._post(path, body, timeout_s))
+
     def watch(
         self,
         key: str | bytes,

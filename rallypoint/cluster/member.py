@@ -279,6 +279,7 @@ class ShardMember:
         self.on_leader = on_leader
         self.on_role = on_role
         self.role = "starting"
+        self._led_since: float | None = None
         self.leader: LeaderRecord | None = None
         self.epoch: int | None = None
         self.standby = None
@@ -375,10 +376,13 @@ class ShardMember:
         left = lead.statistics().fence_time_left_s if lead is not None else 0.0
         return ClusterView(cluster=c.cluster, shard=c.shard, node=c.node, role=self.role,
                            epoch=self.epoch or self.last_epoch_seen, members=members, isr=isr,
-                           lease_time_left_s=round(left, 3), min_insync=c.min_insync, standby=standby)
+                           lease_time_left_s=round(left, 3), min_insync=c.min_insync, standby=standby,
+                           leading_for_s=None if self._led_since is None or self.role != "leader"
+                           else round(trio.current_time() - self._led_since, 1))
 
     def _set_role(self, role: str) -> None:
         if role != self.role:
+            self._led_since = trio.current_time() if role == "leader" else None
             self.role = role
             self.changes += 1
             log.info("node %s of shard %d is now %s", self.config.node, self.config.shard, role,
