@@ -5,10 +5,16 @@ nothing; issue 29, SCALE-OUT.md §6).
     python scripts/bench_failover.py [--trials 20] [--json FILE] [--cost-duration 10]
                                      [--cost-rounds 2] [--acks 400] [--skip-cost]
                                      [--secure-etcd | --cluster URL [--etcd-ca F ...]]
+                                     [--peer-tls] [--impostor] [--peer-tls-cost]
 
 Everything runs on this machine: a one-member etcd (Debian's ``etcd-server``, as the
 tests start it: tests/_etcd.py) and ``rallypoint serve --cluster`` processes
 (tests/_cluster.py), each with its own data dir, durability fsync, lease TTL 2 s.
+``--peer-tls``: the nodes' replication links run mutual TLS (``cluster certs`` made
+for the run); ``--impostor``: an attacker without the cluster secret loops on both
+replication ports during the trials (``impostor_*`` figures: it must receive nothing);
+``--peer-tls-cost``: a plaintext-link shard and a peer-TLS shard measured in turn, side
+by side (``ack_p50_ms_plaintext`` / ``..._peer_tls``...).
 ``--secure-etcd`` starts that etcd with TLS, client certificates and authentication
 (the nodes then run ``serve --cluster https://rallypoint@... --etcd-ca ...``);
 ``--cluster URL`` and the ``--etcd-*`` flags of ``rallypoint serve`` use an etcd of yours.
@@ -74,11 +80,35 @@ async def wait_isr(etcd: BenchEtcd, cluster: str, isr: list[str], timeout: float
 
 
 # ------------------------------------------------------------------------------ failover
-def node(name: str, root: str, etcd: BenchEtcd, cluster: str) -> ClusterNode:
-    return ClusterNode(name, root, etcd.node_args[0], cluster, extra=etcd.node_args[1:], env=etcd.node_env)
+#: the certificates of --peer-tls (made once per run: rallypoint cluster certs)
+PKI: dict[str, str] = {}
 
 
-async def failover(etcd: BenchEtcd, root: str, trials: int) -> dict:
+def make_pki(root: str) -> None:
+    from rallypoint.cluster.pki import write_cluster_pki
+
+    d = os.path.join(root, "pki")
+    write_cluster_pki(d, ["a", "b", "ca", "cb", "pa", "pb", "ta", "tb"])
+    PKI["dir"] = d
+
+
+def peer_args(name: str) -> list[str]:
+    d = PKI["dir"]
+    return ["--peer-cert", os.path.join(d, f"{name}.pem"), "--peer-key", os.path.join(d, f"{name}.key"),
+            "--peer-ca", os.path.join(d, "ca.pem")]
+
+
+def node(name: str, root: str, etcd: BenchEtcd, cluster: str, *, tls: bool | None = None) -> ClusterNode:
+    """A node of the benchmark; with peer TLS when ``tls`` (None: as --peer-tls says)."""
+    if tls is None:
+        tls = PKI.get("use") == "yes"
+    extra = list(etcd.node_args[1:]) + (peer_args(name) if tls else [])
+    return ClusterNode(name, root, etcd.node_args[0], cluster, extra=extra, env=etcd.node_env)
+
+
+async def failover(etcd: BenchEtcd, root: str, trials: int, impostor: bool = False) -> dict:
+    from rallypoint.testing.impostor import Impostor
+
     cluster = f"bench-{uuid.uuid4().hex[:8]}"
     a = node("a", root, etcd, cluster)
     b = node("b", root, etcd, cluster)
@@ -113,8 +143,14 @@ async def failover(etcd: BenchEtcd, root: str, trials: int) -> dict:
                     acks.append((time.monotonic(), rs._transport.server_info.epoch))
                     n += 1
 
+            # an attacker without the cluster secret on both replication ports, naming the
+            # other node, all along (issue 40)
+            impostors = [Impostor("127.0.0.1", x.replication_port, cluster=cluster, shard=0, node=y.name)
+                         for x, y in ((a, b), (b, a))] if impostor else []
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(writer)
+                for imp in impostors:
+                    nursery.start_soon(imp.run)
                 leader, standby = a, b
                 for i in range(trials):
                     n0 = len(acks)
@@ -137,6 +173,7 @@ async def failover(etcd: BenchEtcd, root: str, trials: int) -> dict:
                     await wait_isr(etcd, cluster, ["a", "b"])
                     leader, standby = standby, leader
                 stop.set()
+                nursery.cancel_scope.cancel()  # (the impostors loop until cancelled)
             await run.cancel()
         # every acknowledged write, looked up on the node that leads now
         lost = 0
@@ -151,7 +188,13 @@ async def failover(etcd: BenchEtcd, root: str, trials: int) -> dict:
     finally:
         for n in nodes:
             n.kill()
-    return {"failover_trials": trials, "failover_s": [round(x, 3) for x in times],
+    extra = {}
+    if impostor:
+        extra = {"impostor_connections": sum(i.connections for i in impostors),
+                 "impostor_challenged": sum(i.challenges for i in impostors),
+                 "impostor_frames_received": sum(i.frames for i in impostors),
+                 "impostor_welcomes": sum(i.welcomes for i in impostors)}
+    return {**extra, "failover_trials": trials, "failover_s": [round(x, 3) for x in times],
             "failover_p50_s": round(statistics.median(times), 3), "failover_max_s": round(max(times), 3),
             "failover_min_s": round(min(times), 3), "acked_ops": len(acked), "acked_lost": lost}
 
@@ -245,6 +288,47 @@ async def cost(etcd: BenchEtcd, root: str, rounds: int, duration: float, acks: i
     return res
 
 
+async def peer_tls_cost(etcd: BenchEtcd, root: str, rounds: int, duration: float, acks: int) -> dict:
+    """Two shards of two nodes, both standbys in sync, side by side in this run: one with
+    a plaintext replication link, one with peer TLS; measured in turn ``rounds`` times
+    (ack latency p50/p99 and lifecycles/s, as in :func:`cost`)."""
+    pairs = {}
+    for label, tls in (("plaintext", False), ("peer_tls", True)):
+        cluster = f"tls-{label}-{uuid.uuid4().hex[:6]}"
+        x = node(("t" if tls else "p") + "a", root, etcd, cluster, tls=tls)
+        y = node(("t" if tls else "p") + "b", root, etcd, cluster, tls=tls)
+        pairs[label] = (cluster, x, y)
+    got: dict[str, list[dict]] = {"plaintext": [], "peer_tls": []}
+    try:
+        for label, (cluster, x, y) in pairs.items():
+            x.start()
+            await x.wait_ready()
+            await x.wait_role("leader")
+            y.start()
+            await y.wait_ready()
+            await wait_isr(etcd, cluster, [x.name, y.name])
+        for r in range(rounds):
+            for label, (_c, x, _y) in pairs.items():
+                got[label].append(await measure(x.url, duration, acks))
+                print(f"peer TLS round {r + 1}: {label} {got[label][-1]}", file=sys.stderr, flush=True)
+    finally:
+        for _c, x, y in pairs.values():
+            x.kill()
+            y.kill()
+
+    def med(xs: list[dict], k: str) -> float:
+        return round(statistics.median(v[k] for v in xs), 3 if k.endswith("_ms") else 1)
+
+    out = {}
+    for label in got:
+        for k in ("ack_p50_ms", "ack_p99_ms", "lifecycles_per_s"):
+            out[f"{k}_{label}"] = med(got[label], k)
+    out["peer_tls_ack_p50_added_ms"] = round(out["ack_p50_ms_peer_tls"] - out["ack_p50_ms_plaintext"], 3)
+    out["peer_tls_ack_p99_added_ms"] = round(out["ack_p99_ms_peer_tls"] - out["ack_p99_ms_plaintext"], 3)
+    out["peer_tls_rounds"] = got
+    return out
+
+
 async def main(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="rallypoint-failover-") as root:
         for sub in ("etcd", "failover", "cost"):
@@ -253,8 +337,17 @@ async def main(args) -> dict:
             out: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average_start": os.getloadavg(),
                          "cpu_count": os.cpu_count(), "command": " ".join(["scripts/bench_failover.py", *sys.argv[1:]]),
                          "etcd": etcd.describe()}
+            if args.peer_tls or args.peer_tls_cost:
+                make_pki(root)
+                PKI["use"] = "yes" if args.peer_tls else "no"
+            out["peer_tls"] = bool(args.peer_tls)
             if args.trials:
-                out.update(await failover(etcd, os.path.join(root, "failover"), args.trials))
+                out.update(await failover(etcd, os.path.join(root, "failover"), args.trials, args.impostor))
+            if args.peer_tls_cost:
+                os.makedirs(os.path.join(root, "tls"))
+                out.update(await peer_tls_cost(etcd, os.path.join(root, "tls"), args.cost_rounds,
+                                               args.cost_duration, args.acks))
+
             if not args.skip_cost:
                 out.update(await cost(etcd, os.path.join(root, "cost"), args.cost_rounds,
                                       args.cost_duration, args.acks))
@@ -270,6 +363,13 @@ if __name__ == "__main__":
     ap.add_argument("--cost-rounds", type=int, default=2, help="off/on rounds (default %(default)s)")
     ap.add_argument("--acks", type=int, default=400, help="single submits per ack-latency run (default %(default)s)")
     ap.add_argument("--skip-cost", action="store_true", help="only the failover trials")
+    ap.add_argument("--peer-tls", action="store_true",
+                    help="the nodes' replication links run mutual TLS (certificates made for the run)")
+    ap.add_argument("--impostor", action="store_true",
+                    help="an attacker without the cluster secret loops on both replication ports during the trials")
+    ap.add_argument("--peer-tls-cost", action="store_true",
+                    help="also: ack latency p50/p99 and lifecycles/s of a shard with a plaintext link and one with "
+                         "peer TLS, side by side")
     add_bench_etcd_arguments(ap)
     args = ap.parse_args()
     result = trio.run(main, args)
