@@ -131,9 +131,10 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "group.finalized": ("group", "the group decided (its gate run is cancelled with it)", "outcome, reason"),
     # barriers
     "barrier.created": ("barrier", "a barrier was created", "target"),
-    "barrier.arrived": ("barrier", "a distinct key arrived", "key, epoch, arrived, target"),
+    "barrier.arrived": ("barrier", "a distinct key arrived (`early`: for the next epoch, held until it begins)",
+                        "key, epoch, arrived, target, early"),
     "barrier.released": ("barrier", "the target-th key arrived: waiters released", "epoch"),
-    "barrier.next_epoch": ("barrier", "the barrier was reset for reuse", "epoch"),
+    "barrier.next_epoch": ("barrier", "the barrier was reset for reuse, with its early arrivals", "epoch, arrived"),
     "barrier.cancelled": ("barrier", "the barrier's run ended before it released", "reason"),
     # timers
     "timer.created": ("timer", "a durable timer was armed", "fire_at"),

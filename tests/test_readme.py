@@ -68,6 +68,8 @@ def test_readme_block_runs_as_written(index, readme_daemon, monkeypatch, capsys)
         assert out.strip() == "nested: SUCCEEDED ['/', '/GROUPS', '/QUEUES']"
     elif embedded:
         assert out.startswith("the delay won: True - timer fired at ")
+    elif "barrier.next_epoch" in code:
+        assert out.strip() == "three rounds; the barrier waits in epoch 4"
     elif "events.watch" in code:
         assert out.split() == ["task.submitted", "scope.cancelled"]
     else:

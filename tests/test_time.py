@@ -252,7 +252,9 @@ def test_a_real_daemon_paused_with_sigstop_keeps_a_lease_renewed_in_time(tmp_pat
     d = Daemon(str(tmp_path / "data"), "fsync").start()
     try:
         async def main():
-            async with rallypoint.connect(d.url, reconnect=False) as rs:
+            # (reconnecting: a client leaves a connection silent for 6 s -- the liveness check,
+            # with one address too -- and sends the renewal again once the daemon answers)
+            async with rallypoint.connect(d.url) as rs:
                 mbx = await rs.mailboxes.ensure("sigstop")
                 run = await rs.scopes.create()
                 await mbx.submit("x", scope=run)
