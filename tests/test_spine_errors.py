@@ -131,6 +131,19 @@ async def test_validation_error_arrives_as_validation_error(rs):
     assert type(ei.value) is ValidationError and "child_limit" in ei.value.message
 
 
+@pytest.mark.parametrize("name", ["invoice\u202egpj.exe", "a\u2066b\u2069", "c1\x85control", "lrm\u200e"])
+async def test_a_name_with_bidirectional_or_c1_control_characters_is_refused(rs, name):
+    # issue 41, item 10: bidi-override characters were allowed in names (a run that
+    # reads "invoiceexe.jpg" in the console and the CLI)
+    with pytest.raises(ValidationError, match="bidirectional formatting"):
+        await rs.scopes.create(name=name)
+    run = await rs.scopes.create(name="fine")
+    jobs = await rs.mailboxes.ensure("bidi-names")
+    await jobs.submit({}, scope=run)
+    with pytest.raises(ValidationError, match="holder"):
+        await jobs.receive(run, wait=0, holder=name)
+
+
 async def test_not_found_arrives_as_not_found(rs):
     with pytest.raises(NotFoundError) as ei:
         await rs.scope("scp_doesnotexist").status()

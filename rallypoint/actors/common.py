@@ -85,15 +85,22 @@ def did_you_mean(name: Any, known: "Iterable[str]") -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+#: Characters no label may hold: C0 and C1 controls, DEL, and the bidirectional
+#: formatting characters (Trojan Source, CVE-2021-42574: a name that reads one way in a
+#: console, a log or a terminal and is another).
+_UNSAFE_LABEL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
 def check_label(field: str, value: Any, limit: int = 256) -> str:
     """A label (a run's name, a named timer or barrier): 1 to ``limit`` characters, any
-    but control characters (runstate names may hold spaces and ``/``).
+    but control characters and bidirectional formatting characters (runstate names may
+    hold spaces and ``/``).
 
     Raises VALIDATION_FAILED naming ``field``."""
-    if (not isinstance(value, str) or not 1 <= len(value) <= limit
-            or any(ord(c) < 32 or ord(c) == 127 for c in value)):
+    if not isinstance(value, str) or not 1 <= len(value) <= limit or _UNSAFE_LABEL.search(value):
         raise ValidationError(
-            f"{field} must be 1 to {limit} characters without control characters (got {short(value)})",
+            f"{field} must be 1 to {limit} characters without control or bidirectional formatting characters "
+            f"(got {short(value)})",
             details={"field": field},
         )
     return value
@@ -136,8 +143,10 @@ def check_key(field: str, key: Any) -> None:
 def check_holder(value) -> None:
     """A lease holder's name (claims, pools, quotas, deliveries): None or 1-128
     characters; VALIDATION_FAILED (field ``holder``) otherwise."""
-    if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 128):
-        raise ValidationError("holder must be 1 to 128 characters", details={"field": "holder"})
+    if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 128
+                              or _UNSAFE_LABEL.search(value)):
+        raise ValidationError("holder must be 1 to 128 characters without control or bidirectional formatting "
+                              "characters", details={"field": "holder"})
 
 
 def check_range(field: str, value: int, lo: int, hi: int, unit: str = "") -> int:
