@@ -1186,8 +1186,8 @@ def _client_options(*, suppress: bool = False, connect_default: str | None = "en
                         help="API key (default $RALLYPOINT_API_KEY); not needed in open mode")
     parent.add_argument("--tls-ca", default=d(None), help="CA file to verify a tls:// server")
     if data_dir:
-        parent.add_argument("--data-dir", default=d(DEFAULT_DATA_DIR),
-                            help="a stopped daemon's data dir (default ./rallypoint-data)")
+        parent.add_argument("--data-dir", default=d(None),
+                            help="a stopped daemon's data dir (default ./rallypoint-data, if it is one)")
     if json_flag:
         parent.add_argument("--json", action="store_true", default=d(False), help="machine-readable output")
     return parent
@@ -2226,6 +2226,24 @@ class _OpenModeRefused(Exception):
     """``keys create`` on a running open-mode daemon without ``--force``."""
 
 
+def _something_listens(url: str) -> bool:
+    """Whether a TCP connection to the first address of ``url`` is accepted (0.3 s)."""
+    import socket
+
+    from .client.follow import split_urls
+    from .transport.connection import parse_url
+
+    try:
+        host, port = parse_url(split_urls(url)[0])
+    except Exception:
+        return False
+    try:
+        with socket.create_connection((host, port), timeout=0.3):
+            return True
+    except OSError:
+        return False
+
+
 def cmd_keys(args) -> int:
     """``keys create|list|revoke``: over a connection (``--connect``, needs ``admin`` once
     keys exist), in a cluster's etcd (``--cluster etcd://...``: its key store, every
@@ -2302,7 +2320,21 @@ def cmd_keys(args) -> int:
         perms = ",".join(view["permissions"])
         return f"{view['id']}  space={view['space']}  permissions={perms}  name={view.get('name') or ''}  {state}"
 
+    explicit = args.data_dir is not None
+    if not explicit:
+        args.data_dir = DEFAULT_DATA_DIR
     try:
+        if not args.connect and not args.cluster and cmd == "create" and not explicit:
+            # (made silently before, while a daemon ran elsewhere: a key it never saw)
+            url = os.environ.get("RALLYPOINT_URL") or DEFAULT_URL
+            if _something_listens(url):
+                print(f"rallypoint: a daemon answers at {url}, and a key made in {args.data_dir} would not reach "
+                      f"it: give --connect {url} (with an admin --api-key, or --force in open mode), or the "
+                      "--data-dir of a stopped daemon", file=sys.stderr)
+                return 2
+            if not os.path.exists(os.path.join(args.data_dir, "FORMAT")):
+                print(f"rallypoint: no data dir at {args.data_dir} yet: making one for this key; start the daemon "
+                      f"on it (rallypoint serve --data-dir {args.data_dir})", file=sys.stderr)
         if (not args.connect and not args.cluster and cmd != "create"
                 and not os.path.exists(os.path.join(args.data_dir, "FORMAT"))):
             print(f"rallypoint: {args.data_dir} is not a rallypoint data dir (give --data-dir, --connect URL or "

@@ -309,3 +309,21 @@ def test_runs_ls_before_must_be_a_run_id_and_keys_list_says_when_there_are_none(
     assert r.returncode == 2 and "expected a run id" in r.stderr
     r = rp("keys", "list", "--connect", daemon.url)
     assert r.returncode == 0 and r.stdout == "" and "no API keys (open mode" in r.stderr
+
+
+def test_keys_create_without_connect_or_data_dir_does_not_write_a_key_a_running_daemon_never_sees(daemon, tmp_path):
+    # issue 41, item 10: `keys create` without --connect or --data-dir silently wrote
+    # ./rallypoint-data, and the key it printed was then refused by the running daemon
+    env = dict(os.environ, RALLYPOINT_URL=daemon.url)
+    r = subprocess.run([sys.executable, "-m", "rallypoint", "keys", "create", "--space", "default", "--permission",
+                        "admin"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"a daemon answers at {daemon.url}" in r.stderr, r.stderr
+    assert not (tmp_path / "rallypoint-data").exists()
+    # no daemon there: it makes the data dir, and says so
+    from _cluster import free_ports
+
+    env["RALLYPOINT_URL"] = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    r = subprocess.run([sys.executable, "-m", "rallypoint", "keys", "create", "--space", "default", "--permission",
+                        "operator"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "making one for this key" in r.stderr, r.stderr
+    assert (tmp_path / "rallypoint-data" / "FORMAT").exists()
