@@ -1871,8 +1871,8 @@ def _top_frame(ov, st, url: str, rates: dict, limit: int):
     for col in ("run", "name", "age", "queued", "running", "done", "failed", "children"):
         if col == "run":
             runs.add_column(col, no_wrap=True, min_width=id_width)
-        elif col == "name":
-            runs.add_column(col, no_wrap=True, overflow="ellipsis", ratio=1)
+        elif col == "name":  # (shortened, never dropped: at least 12 characters)
+            runs.add_column(col, no_wrap=True, overflow="ellipsis", ratio=1, min_width=12)
         else:
             runs.add_column(col, justify="right", no_wrap=True)
     for r in ov.runs:
@@ -1917,6 +1917,10 @@ def cmd_top(args) -> int:
 
     console = Console(highlight=False)
     once = args.once or not console.is_terminal
+    if args.width or not console.is_terminal:
+        # off a terminal rich assumes 80 columns: the real width ($COLUMNS), else wide
+        # enough for every column, ids and names whole
+        console = Console(highlight=False, width=args.width or int(os.environ.get("COLUMNS") or 0) or 200)
 
     async def main():
         async with rallypoint.connect(args.connect, api_key=args.api_key, tls_ca=args.tls_ca) as rs:
@@ -2630,6 +2634,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--limit", type=_bounded(int, 1, maximum=1000), default=15,
                     help="rows of runs and groups (default %(default)s)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit (the default off a terminal)")
+    tp.add_argument("--width", type=_bounded(int, 40), default=None,
+                    help="columns to draw in (default: the terminal's; off a terminal $COLUMNS, else 200)")
     tp.set_defaults(fn=cmd_top)
     c = sub.add_parser("claims", help="list and show claims (fenced leases on keys)", parents=[_client_options()])
     cs = c.add_subparsers(dest="claims_cmd", required=True)

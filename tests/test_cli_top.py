@@ -89,3 +89,23 @@ def test_status_aligns_every_kind_line():
     assert [ln.split()[0] for ln in lines] == ["idempotency", "runs", "spaces"]  # idle kinds left out
     for word in ("active", "passive", "queued", "waiters"):
         assert len({ln.index(word) for ln in lines}) == 1, lines  # each column starts at one place
+
+
+def test_top_off_a_terminal_draws_wide_and_width_sets_the_columns(daemon):
+    # issue 42: piped without $COLUMNS rich drew 80 columns and the run name column vanished
+    run_id, _ = _setup(daemon.url)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    wide = subprocess.run([sys.executable, "-m", "rallypoint", "top", "--connect", daemon.url, "--once"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert wide.returncode == 0, wide.stderr
+    widest = max(len(line) for line in wide.stdout.splitlines())
+    assert 80 < widest <= 200, widest
+    assert run_id in wide.stdout and LONG_NAME[:40] in wide.stdout, wide.stdout
+    narrow = subprocess.run([sys.executable, "-m", "rallypoint", "top", "--connect", daemon.url, "--once",
+                             "--width", "110"], capture_output=True, text=True, timeout=60, env=env)
+    assert narrow.returncode == 0, narrow.stderr
+    assert max(len(line) for line in narrow.stdout.splitlines()) <= 110, narrow.stdout
+    assert LONG_NAME[:11] in narrow.stdout, narrow.stdout  # the name shortened, never dropped
+    bad = subprocess.run([sys.executable, "-m", "rallypoint", "top", "--connect", daemon.url, "--width", "10"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "--width" in bad.stderr, bad.stderr
