@@ -88,7 +88,7 @@ def make_pki(root: str) -> None:
     from rallypoint.cluster.pki import write_cluster_pki
 
     d = os.path.join(root, "pki")
-    write_cluster_pki(d, ["a", "b", "ca", "cb", "pa", "pb", "ta", "tb"])
+    write_cluster_pki(d, ["a", "b", "c1", "c2", "pa", "pb", "ta", "tb"])
     PKI["dir"] = d
 
 
@@ -235,8 +235,8 @@ async def measure(url: str, duration: float, acks: int) -> dict:
 
 async def cost(etcd: BenchEtcd, root: str, rounds: int, duration: float, acks: int) -> dict:
     cluster = f"cost-{uuid.uuid4().hex[:8]}"
-    a = node("ca", root, etcd, cluster)
-    b = node("cb", root, etcd, cluster)
+    a = node("c1", root, etcd, cluster)
+    b = node("c2", root, etcd, cluster)
     on: list[dict] = []
     off: list[dict] = []
     try:
@@ -247,13 +247,13 @@ async def cost(etcd: BenchEtcd, root: str, rounds: int, duration: float, acks: i
             # off: the leader alone in the in-sync set
             if b.running():
                 b.kill()
-                await wait_isr(etcd, cluster, ["ca"])
+                await wait_isr(etcd, cluster, ["c1"])
             off.append(await measure(a.url, duration, acks))
             print(f"cost round {r + 1}: standby off {off[-1]}", file=sys.stderr, flush=True)
             # on: the standby in sync
             b.start()
             await b.wait_ready()
-            await wait_isr(etcd, cluster, ["ca", "cb"])
+            await wait_isr(etcd, cluster, ["c1", "c2"])
             on.append(await measure(a.url, duration, acks))
             print(f"cost round {r + 1}: standby on  {on[-1]}", file=sys.stderr, flush=True)
     finally:

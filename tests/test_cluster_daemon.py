@@ -768,3 +768,21 @@ async def test_an_etcd_outage_credits_every_lease_with_the_whole_time_the_shard_
     log = open(a.log_path).read()
     extended = [float(x) for x in re.findall(r"by the ([0-9.]+) s (?:the server was down|gap)", log)]
     assert extended and max(extended) >= 7, extended[-3:]
+
+
+async def test_a_failover_logs_one_reconnect_warning_with_two_addresses(nodes, etcd, cluster_name, caplog):
+    # issue 42: with two node addresses each reconnect warning was logged twice (the
+    # router opened a second connection to the one shard, and it reconnected too)
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="rallypoint.client")
+    a, b = await leader_pair(nodes, etcd, cluster_name)
+    async with rallypoint.connect(f"tcp://{a.address},{b.address}", reconnect=rallypoint.Reconnect(timeout=60)) as rs:
+        run = await rs.scopes.create(name="one-warning")
+        before = len(b.role_lines(b.starts))
+        a.kill()
+        await b.wait_role("leader", after=before)
+        assert (await rs.scope(run.id).status()).state == "ACTIVE"
+    lost = [r for r in caplog.records if "connection lost" in r.getMessage()]
+    back = [r for r in caplog.records if "reconnected after" in r.getMessage()]
+    assert len(lost) == 1 and len(back) == 1, [r.getMessage() for r in caplog.records]

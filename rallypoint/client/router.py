@@ -99,8 +99,10 @@ class ShardedTransport:
             self.refreshes += 1
             leaders = {s.shard: s for s in m.shards}
             # every shard gets a transport of its own that follows only that shard's
-            # leader (the first one, opened to any node, only reads the map)
-            for s in leaders:
+            # leader (the first one, opened to any node, only reads the map); a cluster of
+            # one shard needs none (the first one is it: no second connection, no second
+            # reconnection and its warnings, through a failover)
+            for s in leaders if self.sharded else ():
                 if s not in self.shards:
                     self.shards[s] = await self._open_shard(s, lambda s=s: self._leader_address(s))
             self.server_info = getattr(self._first, "server_info", self.server_info)
