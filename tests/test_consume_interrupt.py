@@ -32,7 +32,7 @@ WORKER = textwrap.dedent(
     # Ctrl-C as in a terminal, however the suite was started: a process started in the
     # background by a non-interactive shell (`cmd &`, nohup) inherits SIGINT ignored,
     # and Python then leaves it ignored (the second SIGINT did nothing: a 30 s time-out)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if os.environ.get("SIGINT_IGNORED") else signal.default_int_handler)
 
     def say(line):  # one write: lines from two handler threads never interleave
         sys.stdout.write(line + "\\n")
@@ -75,8 +75,11 @@ class Worker:
     """The worker subprocess; stdout and stderr read by threads into lists (so the test
     can wait for a line without blocking on a pipe)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, sigint_ignored: bool = False) -> None:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("SIGINT_IGNORED", None)
+        if sigint_ignored:
+            env["SIGINT_IGNORED"] = "1"
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER, *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
         self.out: list[str] = []
@@ -180,3 +183,27 @@ def test_second_ctrl_c_exits_at_once(daemon, tmp_path, mode):
     assert "ExceptionGroup" not in text, text
     with rallypoint.sync.connect(daemon.url) as rs:
         rs.scope(run_id).cancel()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_worker_started_with_sigint_ignored_leaves_ctrl_c_alone_and_drains_on_sigterm(daemon, tmp_path, mode):
+    # issue 42: a worker a script started in the background (`worker.py &`: SIGINT
+    # ignored) drained on the first Ctrl-C and then ignored the second. The shell's
+    # intent holds now: Ctrl-C is not for it, twice; SIGTERM drains it as always.
+    run_id, mailbox, ids = _setup(daemon, f"ignored-{mode}", ["finish"])
+    marker = tmp_path / "go"
+    w = Worker(daemon.url, mailbox, run_id, str(marker), mode, "600", sigint_ignored=True)
+    w.wait_for(w.out, lambda ls: any(ln.startswith("HOLDING") for ln in ls), "a running handler")
+    w.proc.send_signal(signal.SIGINT)
+    w.proc.send_signal(signal.SIGINT)
+    # the SIGINTs are delivered (the process has them ignored) before the SIGTERM is
+    w.proc.send_signal(signal.SIGTERM)
+    w.wait_for(w.err, lambda ls: any("SIGTERM" in ln for ln in ls), "the SIGTERM's drain line")
+    assert not any("SIGINT" in ln for ln in w.err), w.err
+    marker.write_text("1")  # the running handler may finish: the drain records it
+    rc = w.finish(timeout=60)
+    assert rc == 0, "\n".join(w.out + w.err)
+    stats = json.loads(w.out[-1])
+    assert stats["stop_reason"] == "SIGTERM" and stats["completed"] == 1, stats
+    (state,), _ = _tasks(daemon, ids)
+    assert state == ("SUCCEEDED", 1), state

@@ -23,6 +23,10 @@ still running after ``drain_timeout`` seconds, logs one WARNING line, and return
 second one is handed to whoever had the signal before (Trio's or Python's Ctrl-C:
 KeyboardInterrupt, raised out of ``consume`` bare, never in an ExceptionGroup; SIGTERM's
 default: the process ends). The previous handlers are back once the last loop returns.
+A signal that is ignored (SIG_IGN) when the first loop starts is left ignored: a worker
+a shell started in the background (``worker.py &`` in a script) inherits SIGINT
+ignored, so the terminal's Ctrl-C is not for it (it neither drains nor exits on it; it
+used to drain on the first and then ignore the second); stop it with SIGTERM.
 The runstate SDK's ``serve()`` behaves the same way.
 """
 
@@ -155,6 +159,11 @@ class _Interrupts:
             self._previous = {}
             for sig in self.SIGNALS:
                 try:
+                    if signal.getsignal(sig) == signal.SIG_IGN:
+                        # ignored on purpose (a job a shell started in the background with
+                        # `cmd &` inherits SIGINT ignored, so the terminal's Ctrl-C is not
+                        # for it): it stays ignored; SIGTERM stops such a worker
+                        continue
                     self._previous[sig] = signal.signal(sig, self._on_signal)
                 except (ValueError, OSError):  # (not settable here)
                     pass
