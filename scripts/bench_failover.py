@@ -6,6 +6,7 @@ nothing; issue 29, SCALE-OUT.md §6).
                                      [--cost-rounds 2] [--acks 400] [--skip-cost]
                                      [--secure-etcd | --cluster URL [--etcd-ca F ...]]
                                      [--peer-tls] [--impostor] [--peer-tls-cost]
+                                     [--handover N]
 
 Everything runs on this machine: a one-member etcd (Debian's ``etcd-server``, as the
 tests start it: tests/_etcd.py) and ``rallypoint serve --cluster`` processes
@@ -26,6 +27,10 @@ by side (``ack_p50_ms_plaintext`` / ``..._peer_tls``...).
   as a standby and catches up into the in-sync set before the next trial. At the end,
   every acknowledged task is looked up on the node that leads: ``acked_lost`` counts
   those missing.
+* **hand-over** (``--handover N``): N SIGTERMs of the leader (it drains, lets its
+  standby catch up, resigns) under a producer and a ``consume()`` worker; from each
+  SIGTERM to the producer's first acknowledgement and the worker's first delivery from
+  the new leader (p50, max).
 * **cost**: the same shard with its standby **off** (the leader alone in the in-sync
   set) and **on** (a standby in sync), alternately ``--cost-rounds`` times each:
   ``rallypoint bench --scenario lifecycle`` (closed loop, 2 producers, 2 workers) for
@@ -199,6 +204,95 @@ async def failover(etcd: BenchEtcd, root: str, trials: int, impostor: bool = Fal
             "failover_min_s": round(min(times), 3), "acked_ops": len(acked), "acked_lost": lost}
 
 
+# ------------------------------------------------------------------------------ hand-over
+async def handover(etcd: BenchEtcd, root: str, trials: int) -> dict:
+    """SIGTERM of the leader (a graceful hand-over) under a producer and a ``consume()``
+    worker, each on its own connection given both addresses (issue 42 item 8). Per
+    trial: from the SIGTERM to the producer's first submit acknowledged by the new
+    leader (``handover_producer_s``) and to the worker's first delivery from it
+    (``handover_worker_s``: the handler called on a connection that names the new
+    epoch); then the stopped node is started again and catches up."""
+    from rallypoint.client.consume import consume
+
+    cluster = f"ho-{uuid.uuid4().hex[:8]}"
+    a = node("a", root, etcd, cluster)
+    b = node("b", root, etcd, cluster)
+    nodes = [a, b]
+    a.start()
+    await a.wait_ready()
+    await a.wait_role("leader")
+    b.start()
+    await b.wait_ready()
+    await b.wait_role("standby")
+    await wait_isr(etcd, cluster, ["a", "b"])
+    acks: list[tuple[float, int]] = []
+    handled: list[tuple[float, int]] = []
+    producer_s: list[float] = []
+    worker_s: list[float] = []
+    addresses = f"tcp://{a.address},{b.address}"
+    try:
+        async with rallypoint.connect(addresses, reconnect=rallypoint.Reconnect(timeout=60)) as rs, \
+                rallypoint.connect(addresses, reconnect=rallypoint.Reconnect(timeout=60)) as ws:
+            jobs = await rs.mailboxes.ensure("handover")
+            run = await rs.scopes.create(name="handover")
+
+            async def producer() -> None:
+                n = 0
+                while True:
+                    try:
+                        await jobs.submit(n, key=f"h{n}", scope=run)
+                    except rallypoint.RallypointError:
+                        await trio.sleep(0.01)
+                        continue
+                    acks.append((time.monotonic(), rs._transport.server_info.epoch))
+                    n += 1
+                    if n % 4 == 0:
+                        await trio.sleep(0.005)  # ~ a few hundred tasks/s: the worker keeps up
+
+            async def handler(delivery) -> int:
+                handled.append((time.monotonic(), ws._transport.server_info.epoch))
+                return 0
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer)
+                nursery.start_soon(lambda: consume(ws, "handover", run.id, handler, concurrency=4,
+                                                   lease_seconds=10, wait=5, handle_signals=False))
+                leader, standby = a, b
+                for i in range(trials):
+                    n0, h0 = len(acks), len(handled)
+                    with trio.fail_after(60):
+                        while len(acks) < n0 + 20 or len(handled) < h0 + 20:
+                            await trio.sleep(0.01)
+                    old_epoch = acks[-1][1]
+                    at = time.monotonic()
+                    rc = await leader.terminate(timeout=60)
+                    with trio.fail_after(60):
+                        while not (any(e > old_epoch for _t, e in acks[n0:])
+                                   and any(e > old_epoch for _t, e in handled[h0:])):
+                            await trio.sleep(0.005)
+                    p_s = min(t for t, e in acks[n0:] if e > old_epoch) - at
+                    w_s = min(t for t, e in handled[h0:] if e > old_epoch) - at
+                    producer_s.append(p_s)
+                    worker_s.append(w_s)
+                    print(f"hand-over {i + 1}/{trials}: {leader.name} SIGTERM (exit {rc}); producer "
+                          f"{p_s:.3f} s, worker {w_s:.3f} s", file=sys.stderr, flush=True)
+                    leader.start()
+                    await leader.wait_ready()
+                    await leader.wait_role("standby")
+                    await wait_isr(etcd, cluster, ["a", "b"])
+                    leader, standby = standby, leader
+                nursery.cancel_scope.cancel()
+    finally:
+        for n in nodes:
+            n.kill()
+    return {"handover_trials": trials, "handover_producer_s": [round(x, 3) for x in producer_s],
+            "handover_worker_s": [round(x, 3) for x in worker_s],
+            "handover_producer_p50_s": round(statistics.median(producer_s), 3),
+            "handover_producer_max_s": round(max(producer_s), 3),
+            "handover_worker_p50_s": round(statistics.median(worker_s), 3),
+            "handover_worker_max_s": round(max(worker_s), 3)}
+
+
 # ------------------------------------------------------------------------------ cost
 def lifecycle_bench(url: str, duration: float) -> float:
     with tempfile.TemporaryDirectory() as d:
@@ -343,6 +437,9 @@ async def main(args) -> dict:
             out["peer_tls"] = bool(args.peer_tls)
             if args.trials:
                 out.update(await failover(etcd, os.path.join(root, "failover"), args.trials, args.impostor))
+            if args.handover:
+                os.makedirs(os.path.join(root, "handover"))
+                out.update(await handover(etcd, os.path.join(root, "handover"), args.handover))
             if args.peer_tls_cost:
                 os.makedirs(os.path.join(root, "tls"))
                 out.update(await peer_tls_cost(etcd, os.path.join(root, "tls"), args.cost_rounds,
@@ -363,6 +460,8 @@ if __name__ == "__main__":
     ap.add_argument("--cost-rounds", type=int, default=2, help="off/on rounds (default %(default)s)")
     ap.add_argument("--acks", type=int, default=400, help="single submits per ack-latency run (default %(default)s)")
     ap.add_argument("--skip-cost", action="store_true", help="only the failover trials")
+    ap.add_argument("--handover", type=int, default=0, metavar="N",
+                    help="N SIGTERM hand-overs under a producer and a consume() worker (default 0: none)")
     ap.add_argument("--peer-tls", action="store_true",
                     help="the nodes' replication links run mutual TLS (certificates made for the run)")
     ap.add_argument("--impostor", action="store_true",

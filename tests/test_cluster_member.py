@@ -395,3 +395,45 @@ async def test_http_forwarding_answers_503_json_when_the_leader_resets_or_refuse
         assert status == 503 and json.loads(data)["error"]["code"] == "NOT_LEADER"
         await app.aclose()
         n.cancel_scope.cancel()
+
+
+async def test_a_graceful_stop_answers_parked_waits_without_the_grace(etcd, tmp_path, cluster_name):
+    # issue 42 item 8: a SIGTERM hand-over drained with the single node's 1 s grace for
+    # parked waits: a consume() worker (a parked receive) held the resignation back and
+    # workers and producers paused 1.2 s (scripts/bench_failover.py --handover measures
+    # it). The leader's drain passes wait_grace=0: the wait is answered at once.
+    drains: list = []
+
+    class Recording(Server):
+        async def drain(self, timeout=30.0, wait_grace=None):
+            drains.append(wait_grace)
+            await super().drain(timeout, wait_grace)
+
+    cfg = MemberConfig(etcd=etcd.endpoints, node="a", data_dir=str(tmp_path / "a"), cluster=cluster_name,
+                       client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
+                       node_options={"sync_helper": "thread"})
+    a = ShardMember(cfg, make_server=lambda d: Recording(d, drain_wait_grace=30.0))
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await a.wait_role("leader")
+        async with rallypoint.connect(f"tcp://127.0.0.1:{a.client_port}", reconnect=False) as rs:
+            run = await rs.scopes.create(name="parked")
+            jobs = await rs.mailboxes.ensure("jobs")
+            got: list = []
+
+            async def parked() -> None:
+                try:
+                    await jobs.receive(run, wait=60)
+                except UnavailableError as e:
+                    got.append(e)
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(parked)
+                with trio.fail_after(10):
+                    while a.server.statistics()["inflight"] < 1:
+                        await trio.sleep(0.01)
+                a.stop()
+                with trio.fail_after(10):  # (the server's own grace here: 30 s)
+                    await a.wait_role("stopped")
+        assert drains == [0.0] and len(got) == 1, (drains, got)
+        n.cancel_scope.cancel()

@@ -487,6 +487,24 @@ async def test_drain_timeout_cancels_long_waits_with_unavailable():
         assert [(f.id, f.code) for f in frames] == [(1, "UNAVAILABLE")]
 
 
+async def test_a_drain_without_grace_answers_parked_waits_at_once():
+    """A leader's hand-over drains with ``wait_grace=0`` (issue 42 item 8: its 1 s grace
+    held the resignation back and paused workers 1.2 s): a parked wait is answered
+    UNAVAILABLE at once, whatever the server's own grace (30 s here)."""
+    async with running_server(drain_wait_grace=30.0) as srv:
+        c = await RawClient.connect(srv.port)
+        await c.request(1, {"op": "sleep", "s": 60})
+        await until_requests(srv, 1)
+        frames = await c.drain_server(srv, 60.0, within=10, wait_grace=0.0)
+        assert [(f.id, f.code) for f in frames] == [(1, "UNAVAILABLE")]
+
+
+async def until_requests(srv, n: int) -> None:
+    with trio.fail_after(10):
+        while srv.statistics()["requests"] < n:
+            await trio.sleep(0.01)
+
+
 async def test_drain_of_a_connection_paused_at_its_inflight_limit_keeps_the_grace():
     """A connection paused at max_inflight (its next request read but not admitted)
     when the drain starts: the reader stops waiting for capacity, the parked waits get

@@ -804,10 +804,13 @@ class ShardMember:
                 await self._probe("takeover.serving")
                 await self._stop.wait()
                 # graceful stop: drain clients, let the in-sync standby hold every record,
-                # then resign so it campaigns at once (no lease-TTL wait)
+                # then resign so it campaigns at once (no lease-TTL wait). Parked waits
+                # (workers' long-poll receives) are answered UNAVAILABLE at once, with no
+                # grace: they are re-issued to the new leader, and the single node's 1 s
+                # grace held the resignation back (workers paused 1.2 s; issue 42 item 8)
                 self._set_role("stopping")
                 with trio.move_on_after(c.drain_timeout_s + 5.0):
-                    await server.drain(timeout=c.drain_timeout_s)
+                    await server.drain(timeout=c.drain_timeout_s, wait_grace=0.0)
                 last = node.coordinator.journal.last_lsn
                 with trio.move_on_after(c.drain_timeout_s):
                     handed = await repl.wait_standby_caught_up(last)

@@ -371,7 +371,7 @@ class _Server:
         task_status.started()
         await trio.sleep_forever()
 
-    async def drain(self, timeout: float | None = None) -> None:
+    async def drain(self, timeout: float | None = None, wait_grace: float | None = None) -> None:
         await trio.lowlevel.checkpoint()
 
 

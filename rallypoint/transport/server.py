@@ -895,10 +895,17 @@ class Server:
             self.accept_failures.flush()
             self._stopped.set()
 
-    async def drain(self, timeout: float = 30.0) -> None:
+    async def drain(self, timeout: float = 30.0, wait_grace: float | None = None) -> None:
         """Graceful stop: stop accepting, let every connection finish its in-flight
         requests (up to ``timeout`` seconds; then they are cancelled and answered
-        UNAVAILABLE), then close the connections. Returns when :meth:`serve` ends."""
+        UNAVAILABLE), then close the connections. Returns when :meth:`serve` ends.
+
+        ``wait_grace``: seconds parked waits (long-poll receives, results, acquires)
+        get to end on their own before they are answered UNAVAILABLE (None: the
+        server's ``drain_wait_grace``). A leader handing its shard over passes 0: the
+        waits are re-issued to the new leader, and a grace would only delay it."""
+        if wait_grace is not None:
+            self.drain_wait_grace = wait_grace
         self._draining = True
         self._drain_timeout = timeout
         if self._accept_scope is not None:

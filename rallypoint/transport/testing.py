@@ -228,12 +228,13 @@ class RawClient:
                 return got
             got.append(f)
 
-    async def drain_server(self, server: Server, drain_timeout: float = 30.0, within: float = 5.0) -> list[Any]:
-        """Drain ``server`` (``Server.drain(drain_timeout)``) while reading this
-        connection until EOF; returns the frames received on the way. Fails with
+    async def drain_server(self, server: Server, drain_timeout: float = 30.0, within: float = 5.0,
+                           wait_grace: float | None = None) -> list[Any]:
+        """Drain ``server`` (``Server.drain(drain_timeout, wait_grace)``) while reading
+        this connection until EOF; returns the frames received on the way. Fails with
         TooSlowError unless the EOF comes within ``within`` seconds."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.drain, drain_timeout)
+            nursery.start_soon(server.drain, drain_timeout, wait_grace)
             with trio.fail_after(within):
                 return await self.expect_eof()
 
