@@ -55,6 +55,7 @@ from ..actors.sharding import Sharding
 from .leader import (DEFAULT_REPLICATION_FACTOR, LeaderInfo, LeaderRecord, Leadership, LeadershipLostError,
                      ReplicasRecord, ShardElection, check_replication_factor)
 from .keystore import KeyRecord, watch_keys
+from .noderole import NodeRole, RoleMachine
 from .presence import NodePresence
 from .shardmap import SlotMap, read_config, reinit_revision, watch_leaders, watch_map
 
@@ -237,7 +238,8 @@ class ShardMember:
     lead (the daemon starts metrics and the HTTP API there) and may return an async
     callable run while it leads.
 
-    Attributes: ``role`` (``starting``, ``standby``, ``leader``, ``stopped``), ``leader``
+    Attributes: ``role`` (a :class:`~rallypoint.cluster.noderole.NodeRole`: starting,
+    standby, leader, stopping, stopped; moved only along its table), ``leader``
     (the current :class:`LeaderRecord` as last seen, or None), ``epoch`` (this node's,
     while it leads), ``standby`` / ``replication`` (the live objects of the role),
     ``client_port`` / ``replication_port`` / ``http_port`` (bound ports),
@@ -278,8 +280,7 @@ class ShardMember:
         self.make_server = make_server
         self.on_leader = on_leader
         self.on_role = on_role
-        self.role = "starting"
-        self._led_since: float | None = None
+        self._roles = RoleMachine()  # the role, moved only along noderole.ROLE_MOVES
         self.leader: LeaderRecord | None = None
         self.epoch: int | None = None
         self.standby = None
@@ -377,13 +378,17 @@ class ShardMember:
         return ClusterView(cluster=c.cluster, shard=c.shard, node=c.node, role=self.role,
                            epoch=self.epoch or self.last_epoch_seen, members=members, isr=isr,
                            lease_time_left_s=round(left, 3), min_insync=c.min_insync, standby=standby,
-                           leading_for_s=None if self._led_since is None or self.role != "leader"
-                           else round(trio.current_time() - self._led_since, 1))
+                           leading_for_s=None if (t := self._roles.leading_for(trio.current_time())) is None
+                           else round(t, 1))
 
-    def _set_role(self, role: str) -> None:
-        if role != self.role:
-            self._led_since = trio.current_time() if role == "leader" else None
-            self.role = role
+    @property
+    def role(self) -> NodeRole:
+        """This node's :class:`~rallypoint.cluster.noderole.NodeRole` (a str enum)."""
+        return self._roles.role
+
+    def _set_role(self, role: NodeRole) -> None:
+        # raises IllegalTransition for a move noderole.ROLE_MOVES does not list
+        if self._roles.move(role, trio.current_time()):
             self.changes += 1
             log.info("node %s of shard %d is now %s", self.config.node, self.config.shard, role,
                      extra={"event": "role", "role": role, "node": self.config.node})
@@ -542,7 +547,7 @@ class ShardMember:
                     watches.cancel_scope.cancel()
                 admission.cancel_scope.cancel()
         finally:
-            self._set_role("stopped")
+            self._set_role(NodeRole.STOPPED)
             self._stopped.set()
 
     async def _watch_map(self, etcd: EtcdClient) -> None:
@@ -629,7 +634,7 @@ class ShardMember:
                     self.standby = sb
                     async with unwrapped(), trio.open_nursery() as standing:
                         await standing.start(self._serve_redirect)
-                        self._set_role("standby")
+                        self._set_role(NodeRole.STANDBY)
                         if task_status is not None:
                             task_status.started()
                             task_status = None
@@ -800,7 +805,7 @@ class ShardMember:
                 extra = self.on_leader(node, self) if self.on_leader is not None else None
                 if extra is not None:
                     nursery.start_soon(extra)
-                self._set_role("leader")
+                self._set_role(NodeRole.LEADER)
                 await self._probe("takeover.serving")
                 await self._stop.wait()
                 # graceful stop: drain clients, let the in-sync standby hold every record,
@@ -808,7 +813,7 @@ class ShardMember:
                 # (workers' long-poll receives) are answered UNAVAILABLE at once, with no
                 # grace: they are re-issued to the new leader, and the single node's 1 s
                 # grace held the resignation back (workers paused 1.2 s; issue 42 item 8)
-                self._set_role("stopping")
+                self._set_role(NodeRole.STOPPING)
                 with trio.move_on_after(c.drain_timeout_s + 5.0):
                     await server.drain(timeout=c.drain_timeout_s, wait_grace=0.0)
                 last = node.coordinator.journal.last_lsn

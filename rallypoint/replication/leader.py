@@ -25,6 +25,7 @@ ISR). With ``min_insync=2`` it is never removed: writes are refused instead
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import math
@@ -39,6 +40,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 import trio
 
 from ..errors import UnavailableError
+from ..fsm import Transitions
 from ..logutil import RateLimitedLogger
 from ..persistence.journal import read_journal
 from . import wire
@@ -47,7 +49,7 @@ from .link import Link, LinkClosed, unwrapped
 
 log = logging.getLogger("rallypoint.replication")
 
-__all__ = ["ReplicationLeader", "RecordRing", "IsrStore", "Deposed", "frame_records"]
+__all__ = ["ReplicationLeader", "RecordRing", "IsrStore", "Deposed", "PeerState", "PEER_MOVES", "frame_records"]
 
 _II = struct.Struct("<II")
 _Q = struct.Struct("<Q")
@@ -171,18 +173,46 @@ def _peer_of(stream) -> str:
         return "?"
 
 
+class PeerState(enum.StrEnum):
+    """A connected standby as its leader sees it (issue 43: these were strings)."""
+
+    CATCHING_UP = "catching_up"  # receiving what it lacks; replies do not wait for it
+    JOINING = "joining"  # caught up: replies wait for it; not in the in-sync set yet
+    IN_SYNC = "in_sync"  # in the in-sync set in etcd: may take over
+    DROPPED = "dropped"  # out (its link closed); a reconnection is a new peer
+
+
+#: the moves of :class:`PeerState` (a dropped peer stays dropped: the standby connects
+#: again as a new peer and catches up)
+PEER_MOVES: Transitions[PeerState] = Transitions("replication peer", PeerState, {
+    PeerState.CATCHING_UP: {PeerState.JOINING, PeerState.DROPPED},
+    PeerState.JOINING: {PeerState.IN_SYNC, PeerState.DROPPED},
+    PeerState.IN_SYNC: {PeerState.DROPPED},
+    PeerState.DROPPED: set(),
+})
+
+
 class _Peer:
-    """One connected standby."""
+    """One connected standby; :attr:`state` moves only along :data:`PEER_MOVES`."""
 
     def __init__(self, node: str, link: Link, acked: int) -> None:
         self.node = node
         self.link = link
         self.acked = acked
-        self.state = "catching_up"  # -> joining -> in_sync; -> dropped
+        self._state = PeerState.CATCHING_UP
         self.join_target: int | None = None
         self.last_progress = trio.current_time()
         self.connected_at = time.time()
         self.sent_lsn = acked
+
+    @property
+    def state(self) -> PeerState:
+        return self._state
+
+    @state.setter
+    def state(self, to: PeerState) -> None:
+        PEER_MOVES.check(self._state, to)  # IllegalTransition for a move not in the table
+        self._state = to
 
 
 class ReplicationLeader:
@@ -266,7 +296,7 @@ class ReplicationLeader:
             self.journal.set_write_gate(None)
             return
         peer = self.peer
-        if peer is not None and peer.state == "in_sync":
+        if peer is not None and peer.state == PeerState.IN_SYNC:
             self.journal.set_write_gate(None)
         else:
             self.journal.set_write_gate(lambda: UnavailableError(
@@ -559,22 +589,22 @@ class ReplicationLeader:
     # ------------------------------------------------------------------ the ISR
     async def _on_ack(self, peer: _Peer) -> None:
         journal = self.journal
-        if peer.state in ("joining", "in_sync"):
+        if peer.state in (PeerState.JOINING, PeerState.IN_SYNC):
             journal.set_replica_floor(peer.acked)
-        if peer.state == "catching_up" and peer.acked >= journal.last_lsn:
+        if peer.state == PeerState.CATCHING_UP and peer.acked >= journal.last_lsn:
             # caught up: from now on replies wait for it; everything acknowledged
             # before must be on it too before it may take over
-            peer.state = "joining"
+            peer.state = PeerState.JOINING
             peer.join_target = journal.durable_lsn
             journal.set_replica_floor(peer.acked)
-        if peer.state == "joining" and peer.join_target is not None and peer.acked >= peer.join_target:
+        if peer.state == PeerState.JOINING and peer.join_target is not None and peer.acked >= peer.join_target:
             async with self._isr_lock:
-                if self.peer is not peer or peer.state != "joining":
+                if self.peer is not peer or peer.state != PeerState.JOINING:
                     return
                 isr = [self.node, peer.node]
                 if not await self.isr_store.set_isr(isr):
                     raise Deposed()
-                peer.state = "in_sync"
+                peer.state = PeerState.IN_SYNC
                 self.stats["isr_expands"] += 1
                 log.info("replication: standby %s is in sync at LSN %d: the in-sync set is now %s", peer.node,
                          peer.acked, isr)
@@ -598,8 +628,8 @@ class ReplicationLeader:
             if self.peer is peer:
                 self.peer = None
             was = peer.state
-            peer.state = "dropped"
-            if was == "in_sync":
+            peer.state = PeerState.DROPPED
+            if was == PeerState.IN_SYNC:
                 if self.min_insync >= 2:
                     log.warning("replication: standby %s is out (%s); --min-insync 2: writes are refused "
                                 "until it is back", peer.node, why)
@@ -627,7 +657,7 @@ class ReplicationLeader:
         if self.deposed:
             return False
         peer = self.peer
-        if peer is not None and peer.state in ("joining", "in_sync"):
+        if peer is not None and peer.state in (PeerState.JOINING, PeerState.IN_SYNC):
             return False
         return [n for n in self.isr_store.isr if n != self.node] == []
 
@@ -646,10 +676,10 @@ class ReplicationLeader:
             peer = self.peer
             if peer is None:
                 continue
-            if peer.state == "catching_up":
+            if peer.state == PeerState.CATCHING_UP:
                 await self._on_ack(peer)  # caught up with nothing left to acknowledge
                 continue
-            if peer.state not in ("joining", "in_sync"):
+            if peer.state not in (PeerState.JOINING, PeerState.IN_SYNC):
                 continue
             waiting = self.journal.local_durable_lsn > peer.acked or self.journal.last_lsn > peer.acked
             if not waiting:
@@ -678,7 +708,7 @@ class ReplicationLeader:
         False when there is no in-sync standby."""
         while True:
             peer = self.peer
-            if peer is None or peer.state != "in_sync":
+            if peer is None or peer.state != PeerState.IN_SYNC:
                 return False
             if peer.acked >= lsn:
                 return True
