@@ -24,8 +24,7 @@ import msgspec
 import trio
 
 from ._version import __version__
-from .actors.opmark import ANY_KEY, LOCAL
-from .actors.outbox import NODE_OPS as _NODE_OPS
+from .actors.opmark import ANY_KEY, LOCAL, NODE
 from .actors.outbox import REMOTE_RUN_OPS as _REMOTE_RUN_OPS
 from .ids import is_id, slot_of
 from .actors.runtime import ReplySink
@@ -320,17 +319,19 @@ class Service:
                 raise UnavailableError("the server stopped after an internal failure; retry once it restarted",
                                        retry_after=1.0)
             if session.node:
-                if type(op) not in _NODE_OPS:
+                if permission != NODE:
                     raise ForbiddenError(f"a node session (the cluster's node secret) makes only the calls between "
                                          f"shards, not {tag}")
                 space = getattr(op, "space", None)
                 if isinstance(space, str) and space != session.space:  # a call about a run of that space
                     session = Session(space=space, peer=session.peer, client=session.client, node=True)
+            elif permission == NODE:
+                raise ForbiddenError(f"{tag} is a call between the shards of a cluster, made only by its nodes (the "
+                                     "cluster's node secret): no client's key may make it", details={"op": tag})
             if permission == LOCAL and not session.local:
-                raise ForbiddenError(
-                    f"{tag} is a step the node takes itself (the HTTP layer's Idempotency-Key bookkeeping), not a "
-                    "client's: send the request over HTTP with an Idempotency-Key header",
-                    details={"op": tag})
+                hint = (": send the request over HTTP with an Idempotency-Key header" if tag.startswith("idempotency.")
+                        else "")
+                raise ForbiddenError(f"{tag} is a step the node takes itself, not a client's{hint}", details={"op": tag})
             refused = coord.keys.refusal(session)  # rights from the key table as it is now
             if refused is not None:
                 raise refused

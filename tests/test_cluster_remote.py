@@ -482,3 +482,18 @@ async def test_retention_purges_an_ended_remote_run_and_its_reservations_and_a_l
     with pytest.raises(ScopeCancelledError):  # linked again: its shard says it ended
         await two.call(0, p.ClaimAcquire(scope_id=r1, key="k2"))
     assert r1 not in home.runs.table
+
+
+async def test_no_clients_key_makes_a_call_between_shards_not_even_an_operators(two):
+    # issue 43: the calls between shards were declared with the "operator" permission, so
+    # an operator's key could forge an outbox delivery or a remote run's admission; they
+    # are NODE now (a node session only), the node's own steps LOCAL
+    r1 = await new_run(two)
+    service = two.nodes[0].service
+    operator = Session(permissions=frozenset({"operator", "admin"}))
+    for op in (p.OutboxDeliver(source=1, items=[]), p.RunLink(scope_id=r1, space="default", shard=0),
+               p.AdmissionReserve(space="default", scope_id=r1, task_id="tsk_x", token=1),
+               p.OutboxAck(shard=1, seq=1), p.KeyAdopt(id="key_x", space="default", permissions=["admin"],
+                                                          secret_sha256="x" * 64, created_at_ms=0)):
+        with pytest.raises(ForbiddenError, match="made only by its nodes|a step the node takes itself"):
+            await service.call(operator, op)

@@ -96,7 +96,7 @@ class Diagnostics(Kind):
                                        holder=w.holder, scope_id=w.scope_id))
         return out
 
-    @op(OpsWaits, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
+    @op(OpsWaits, route=SPACE, permission=R, resend=ALWAYS, shard=ALL, merge="ops.waits")
     def op_ops_waits(self, actor, session, op: OpsWaits) -> OpsWaitsView:
         """Parked server-side waits by actor kind (the whole server's runtime) and the
         space's durable waiters (quota waiters), at most 1000 rows."""
@@ -105,7 +105,8 @@ class Diagnostics(Kind):
         return OpsWaitsView(parked=parked, waiting=waiting[:MAX_ROWS])
 
     # ================================================================ the console's lists
-    @op(OpsItems, route=run_or_space("scope_id"), permission=R, resend=ALWAYS, shard=in_slot("scope_id", "all"))
+    @op(OpsItems, route=run_or_space("scope_id"), permission=R, resend=ALWAYS, shard=in_slot("scope_id", "all"),
+        merge="ops.items")
     def op_ops_items(self, actor, session, op: OpsItems) -> OpsItemsView:
         """For each of ``op.kinds``, what run ``op.scope_id`` holds (None: the space),
         at most ``op.limit`` rows (see :class:`~rallypoint.protocol.OpsItems`).

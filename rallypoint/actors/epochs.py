@@ -118,7 +118,7 @@ class Epochs(Kind):
         if sh is not None:
             sh.release(r.slots)
 
-    @op(ClusterMap, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
+    @op(ClusterMap, route=SPACE, permission=R, resend=ALWAYS, shard=ALL, merge="any")
     def op_cluster_map(self, actor, session, op: ClusterMap) -> ClusterMapView:
         """The slot map and every shard's leader, as this node watches them in etcd (a
         single node: an empty map). Answered at once (etcd's, not the journal's: no wait
@@ -128,7 +128,7 @@ class Epochs(Kind):
             return AtOnce(ClusterMapView(cluster="", version=0, owners=[], shards=[]))
         return AtOnce(fn())
 
-    @op(ClusterReleaseSlots, route=SPACE, permission="operator", resend=NEVER, shard=ALL)
+    @op(ClusterReleaseSlots, route=SPACE, permission="operator", resend=NEVER, shard=ALL, merge="any")
     def op_cluster_release_slots(self, actor, session, op: ClusterReleaseSlots) -> SlotsReleasedView:
         """Give up to ``count`` empty slots (see ``protocol.ClusterReleaseSlots``): one
         scan of every entity id (O(entities), on the loop: an operator step), then one

@@ -64,7 +64,7 @@ from .common import applies, check_name, short
 from .common import data
 from ..events import emits, ev
 from .kind import Kind
-from .opmark import A, ALL, ALWAYS, NEVER, SPACE, op
+from .opmark import A, ALWAYS, LOCAL, NEVER, PEER, SPACE, op
 
 __all__ = ["KeyState", "Keys", "hash_secret", "new_secret", "check_key", "SECRET_PREFIX", "OPEN_MODE", "grant_of"]
 
@@ -323,7 +323,7 @@ class Keys(Kind):
                   extra={"event": "key_revoked", "key_id": k.id, "space": k.space, "by": _who(session)})
         return view
 
-    @op(KeyAdopt, route=SPACE, permission="operator", resend=ALWAYS, shard=ALL)
+    @op(KeyAdopt, route=SPACE, permission=LOCAL, resend=ALWAYS, shard=PEER)
     def op_key_adopt(self, actor, session, op: KeyAdopt) -> KeyView:
         """Take a key of the cluster's key store as it is there (``protocol.KeyAdopt``):
         a ``KeyCreated`` with its id and hash if this shard lacks it, a ``KeyRevoked``

@@ -11,13 +11,19 @@ handlers with everything the rest of the system needs to know about that operati
 - **route**: which actor the command runs on (:class:`Route`: :data:`SPACE`,
   :func:`by_run`, :func:`run_or_space`, :func:`by`, :func:`by_op`);
 - **permission**: :data:`R`, :data:`W`, :data:`C`, :data:`A`, :data:`ANY_KEY` (SPEC
-  §10) or :data:`LOCAL` (no client's: the node's own in-process step);
+  §10), :data:`LOCAL` (no client's: the node's own in-process step) or :data:`NODE`
+  (no client's: another node's call between shards);
 - **resend**: whether a client may send it again after its connection dropped with it
   in flight (:class:`Resend`: :data:`ALWAYS`, :data:`NEVER`, :func:`keyed`,
   :func:`resend_if`); read by :func:`rallypoint.client.reconnect.reissue_safe`;
 - **shard**: which shard of a sharded cluster it belongs to (:class:`Shard`; derived
   from the route when not given: the slot of the id it routes by, the home shard for
   the space's actor);
+- **merge**: for an op every shard answers its part of (``shard=ALL``, or a field that
+  may be None with ``if_none="all"``), the name of how the router merges the parts
+  into one answer (:data:`rallypoint.client.router.MERGES` holds one merge per name:
+  a merge must be declared before such an op can be; tests/test_op_facts.py checks
+  every name has one);
 - **waits**: whether the request is a server-side wait the client asked for (:class:`Waits`:
   :func:`asked`, :func:`waits_if`; default: never). Such a request is never logged as a
   slow request (:class:`rallypoint.metrics.Metrics`).
@@ -43,9 +49,10 @@ import msgspec
 
 __all__ = [
     "op", "Route", "SPACE", "by_run", "run_or_space", "by", "by_op", "Resend", "ALWAYS", "NEVER", "keyed",
-    "resend_if", "Waits", "asked", "waits_if", "Shard", "HOME", "NEW_ROOT", "ALL", "HERE", "in_slot", "in_slots", "named",
+    "resend_if", "Waits", "asked", "waits_if", "Shard", "HOME", "NEW_ROOT", "ALL", "HERE", "PEER", "in_slot", "in_slots",
+    "named",
     "shard_of_route", "OpDecl", "OpTable", "BoundOp", "build_table", "PERMISSIONS",
-    "ANY_KEY", "LOCAL", "R", "W", "C", "A",
+    "ANY_KEY", "LOCAL", "NODE", "R", "W", "C", "A",
 ]
 
 #: The permissions a key may hold (SPEC §10): ``resource_config`` (create and configure
@@ -64,6 +71,13 @@ ANY_KEY = "any_key"
 #: ``idempotency.*`` bookkeeping: the answers it stores are the node's, never a client's
 #: to forge).
 LOCAL = "local"
+
+#: Not a permission: only another node of the cluster may make the op (a node session,
+#: authenticated by the cluster's node secret, ``Session.node``): a call between shards
+#: (``run.link``, ``outbox.deliver``, ``admission.reserve``). A client's key, whatever it
+#: holds (``operator`` included), and open mode get FORBIDDEN; a node session may make
+#: nothing else (``Service.submit``).
+NODE = "node"
 
 R, W, C, A = "coordination_read", "coordination_write", "resource_config", "admin"
 
@@ -243,14 +257,17 @@ class Shard:
       router splits it by shard, a node takes only its own;
     - ``"home"``: the space's home slot; ``"named"``: the slot ``op.<field>`` (a root
       run's name) hashes to; ``"new_root"``: any shard (the router spreads new root runs);
-      ``"all"``: every shard (the router merges the answers); ``"here"``: whichever shard
-      the request reaches (a store each shard keeps of its own: the HTTP layer's
-      idempotency answers, which live on the shard that applied the request)."""
+      ``"all"``: every shard (the router merges the answers, as the op's ``merge=``
+      names); ``"here"``: whichever shard the request reaches (a store each shard keeps
+      of its own: the HTTP layer's idempotency answers, which live on the shard that
+      applied the request); ``"peer"``: a call between shards, sent by a node point to
+      point to the shard it chose (the outbox, cross-shard admission, adopted runs and
+      keys): accepted by the shard it reaches, never fanned out, nothing to merge."""
 
     __slots__ = ("describe", "kind", "field", "if_none", "fields")
 
     def __init__(self, kind: str, field: str | None = None, if_none: str = "home") -> None:
-        if kind not in ("slot", "slots", "home", "named", "new_root", "all", "here"):
+        if kind not in ("slot", "slots", "home", "named", "new_root", "all", "here", "peer"):
             raise ValueError(f"unknown shard kind {kind!r}")
         self.kind = kind
         self.field = field
@@ -270,6 +287,13 @@ NEW_ROOT = Shard("new_root")
 ALL = Shard("all")
 #: The shard the request reaches: a per-shard store (the HTTP idempotency answers).
 HERE = Shard("here")
+#: A call between shards: the node that makes it sends it to the shard it chose.
+PEER = Shard("peer")
+
+
+def fans_out(shard: Shard) -> bool:
+    """Whether an op of this shard fact may be answered by every shard (merged)."""
+    return shard.kind == "all" or (shard.kind == "slot" and shard.if_none == "all")
 
 
 def in_slot(field: str, if_none: str = "home") -> Shard:
@@ -305,15 +329,17 @@ class _Mark(NamedTuple):
     resend: Resend | None
     waits: Waits
     shard: Shard | None
+    merge: str | None
 
 
 def op(request: type, *, route: Route | None = None, permission: str | None = None, resend: Resend | None = None,
-       waits: Waits | None = None, reply: type | None = None, shard: Shard | None = None) -> Callable:
+       waits: Waits | None = None, reply: type | None = None, shard: Shard | None = None,
+       merge: str | None = None) -> Callable:
     """Mark a kind's method as THE handler of the operation ``request`` (see the module
     docstring for what each argument declares). Nothing is checked here: a mark that is
     incomplete, or a second handler for the same op, stops :func:`build_table` (and so
     the coordinator's construction) with RuntimeError."""
-    mark = _Mark(request, reply, route, permission, resend, waits if waits is not None else _NO_WAIT, shard)
+    mark = _Mark(request, reply, route, permission, resend, waits if waits is not None else _NO_WAIT, shard, merge)
 
     def deco(fn):
         fn._op = mark
@@ -337,6 +363,7 @@ class OpDecl(NamedTuple):
     resend: Resend
     waits: Waits
     shard: Shard
+    merge: str | None  # how every shard's part merges (fan-out ops only)
 
 
 class BoundOp(NamedTuple):
@@ -368,6 +395,7 @@ class OpTable:
         self._resend = {t: d.resend for t, d in decls.items()}
         self._waits = {t: d.waits for t, d in decls.items()}
         self.shards: dict[type, Shard] = {t: d.shard for t, d in decls.items()}
+        self.merges: dict[type, str | None] = {t: d.merge for t, d in decls.items()}
 
     def resend_safe(self, op: Any) -> bool:
         """Whether ``op`` may be sent again after a dropped connection (False for
@@ -425,7 +453,8 @@ def build_table(kind_classes: tuple[type, ...], requests: tuple[type, ...] | Non
     :mod:`rallypoint.protocol`, ``protocol.ALL_OPS``).
 
     Raises RuntimeError (naming the op and the handler) when a request has no handler or
-    two, a mark lacks a route, a permission or a re-send rule, its permission is not
+    two, a mark lacks a route, a permission or a re-send rule, an op every shard answers
+    declares no merge (or one answered by one shard declares one), its permission is not
     one of :data:`PERMISSIONS` / :data:`ANY_KEY` / :data:`LOCAL`, its reply type is unknown, its route
     calls a method its kind does not have, or a rule reads a field the request does not
     have."""
@@ -465,7 +494,7 @@ def build_table(kind_classes: tuple[type, ...], requests: tuple[type, ...] | Non
         if m.permission is None:
             raise RuntimeError(f"op {tag!r} ({where}) has no permission: give its @op a permission= (R, W, C, A, "
                                "ANY_KEY or LOCAL)")
-        if m.permission not in PERMISSIONS and m.permission not in (ANY_KEY, LOCAL):
+        if m.permission not in PERMISSIONS and m.permission not in (ANY_KEY, LOCAL, NODE):
             raise RuntimeError(f"op {tag!r} ({where}): unknown permission {m.permission!r}")
         if m.resend is None:
             raise RuntimeError(f"op {tag!r} ({where}) has no re-send rule: give its @op a resend= (ALWAYS, NEVER, "
@@ -495,5 +524,19 @@ def build_table(kind_classes: tuple[type, ...], requests: tuple[type, ...] | Non
             raise RuntimeError(f"op {tag!r} ({where}): its route reads the whole op, so its shard cannot be "
                                "derived: give its @op a shard= (in_slot(field), in_slots(field), HOME, ALL...)")
         _check_fields(tag, where, "shard", shard.fields, t)
-        decls[t] = OpDecl(t, tag, reply, cls, name, m.route, m.permission, m.resend, m.waits, shard)
+        if m.permission == NODE and shard.kind not in ("peer", "slot"):
+            raise RuntimeError(f"op {tag!r} ({where}) is a node's call ({NODE}) but is declared {shard!r}: a call "
+                               "between shards is sent to one shard (PEER, or the slot of the run it names)")
+        if shard.kind == "peer" and m.permission not in (NODE, LOCAL):
+            raise RuntimeError(f"op {tag!r} ({where}) is declared PEER (a call between shards) but a client may "
+                               f"make it (permission {m.permission!r}): give it permission=NODE (another node "
+                               "sends it) or LOCAL (the node's own step)")
+        if fans_out(shard) and not m.merge:
+            raise RuntimeError(f"op {tag!r} ({where}) is answered by every shard ({shard!r}) but declares no merge: "
+                               "give its @op a merge= naming how the parts merge (rallypoint/client/router.py "
+                               "MERGES), or a shard= it belongs to (PEER for a call between shards)")
+        if m.merge and not fans_out(shard):
+            raise RuntimeError(f"op {tag!r} ({where}) declares merge={m.merge!r} but one shard answers it "
+                               f"({shard!r}): drop the merge")
+        decls[t] = OpDecl(t, tag, reply, cls, name, m.route, m.permission, m.resend, m.waits, shard, m.merge)
     return OpTable(decls)

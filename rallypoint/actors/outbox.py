@@ -85,17 +85,15 @@ from ..records import (
 from .claim import new_token
 from .common import applies, short
 from .kind import Kind
-from .opmark import ALL, ALWAYS, SPACE, by_op, by_run, in_slot, op
+from .opmark import ALWAYS, LOCAL, NODE, PEER, SPACE, by_op, by_run, in_slot, op
 from .runtime import PRIO_WAIT_END
 
-__all__ = ["Outbox", "OutboxState", "InboxState", "REMOTE_RUN_OPS", "NODE_OPS"]
+__all__ = ["Outbox", "OutboxState", "InboxState", "REMOTE_RUN_OPS"]
 
 #: The ops a run of another shard may send to its space's home shard (their
 #: ``scope_id`` names the run): the home shard links the run first when it does not
 #: know it (``Service.submit``).
 REMOTE_RUN_OPS = (ClaimAcquire, PoolAcquire, QuotaTake, BudgetReserve, AdmissionReserve)
-#: The only ops a node session (the cluster's node secret) may make.
-NODE_OPS = (RunLink, OutboxDeliver, AdmissionReserve)
 #: Most pools and budgets a task's requirements name (as on one node).
 _MAX_POOLS, _MAX_BUDGETS = 4, 2
 _RUN_END_REASONS = ("cancelled", "completed", "deadline")
@@ -254,7 +252,7 @@ class Outbox(Kind):
         o.items = [x for x in o.items if x.seq > r.seq]
         self.coord.touch(o.id)
 
-    @op(OutboxAck, route=SPACE, permission="operator", resend=ALWAYS, shard=ALL,
+    @op(OutboxAck, route=SPACE, permission=LOCAL, resend=ALWAYS, shard=PEER,
         reply=OutboxDeliverView)
     def op_outbox_ack(self, actor, session, op: OutboxAck):
         """Shard ``op.shard`` holds this shard's entries up to ``op.seq`` (the answer of
@@ -267,7 +265,7 @@ class Outbox(Kind):
         return OutboxDeliverView(source=op.shard, received=self.acked(op.shard))
 
     # ------------------------------------------------------------------ inbox
-    @op(OutboxDeliver, route=SPACE, permission="operator", resend=ALWAYS, shard=ALL)
+    @op(OutboxDeliver, route=SPACE, permission=NODE, resend=ALWAYS, shard=PEER)
     def op_outbox_deliver(self, actor, session, op: OutboxDeliver) -> OutboxDeliverView:
         """Apply the entries of ``op.source``'s outbox this shard does not hold yet (one
         ``RemoteRunEnded`` each, in ``seq`` order) and answer the highest held.
@@ -308,7 +306,7 @@ class Outbox(Kind):
         self.coord.runs.end_remote(r.run_id, r.space, r.shard, r.reason, r.at_ms)
 
     # ------------------------------------------------------------------ admission: the home shard
-    @op(AdmissionReserve, route=by_run(), permission="operator", resend=ALWAYS, shard=ALL,
+    @op(AdmissionReserve, route=by_run(), permission=NODE, resend=ALWAYS, shard=PEER,
         reply=AdmissionReserveView)
     def op_admission_reserve(self, actor, session, op: AdmissionReserve):
         """Reserve what delivery ``op.token`` of task ``op.task_id`` needs (see
@@ -537,7 +535,7 @@ class Outbox(Kind):
             seq=seq, run_id=t.scope_id if t is not None else "", space=t.space if t is not None else "",
             reason="delivered", at_ms=r.at_ms, task_id=r.task_id, token=r.token))
 
-    @op(AdmissionHold, route=by_op("route_hold"), permission="operator", resend=ALWAYS, shard=ALL,
+    @op(AdmissionHold, route=by_op("route_hold"), permission=LOCAL, resend=ALWAYS, shard=PEER,
         reply=AdmissionReserveView)
     def op_admission_hold(self, actor, session, op: AdmissionHold):
         """Keep the home shard's reservation for delivery ``op.token`` of a QUEUED task
@@ -595,7 +593,7 @@ class Outbox(Kind):
             raise NotFoundError(f"no run {short(op.scope_id)} in this space", details={"scope_id": short(op.scope_id)})
         return s.id
 
-    @op(RunLink, route=by_op("route_link"), permission="operator", resend=ALWAYS, shard=in_slot("scope_id"))
+    @op(RunLink, route=by_op("route_link"), permission=NODE, resend=ALWAYS, shard=in_slot("scope_id"))
     def op_run_link(self, actor, session, op: RunLink) -> RunLinkView:
         """Link run ``op.scope_id`` to home shard ``op.shard`` (``RunLinked``, once).
         FORBIDDEN without the node secret; SCOPE_CANCELLED / DEADLINE_EXCEEDED when the
@@ -615,7 +613,7 @@ class Outbox(Kind):
             s.links = (*s.links, r.shard)
             self.coord.touch(s.id)
 
-    @op(RemoteRunAdopt, route=SPACE, permission="operator", resend=ALWAYS, shard=ALL,
+    @op(RemoteRunAdopt, route=SPACE, permission=LOCAL, resend=ALWAYS, shard=PEER,
         reply=RunLinkView)
     def op_run_adopt_remote(self, actor, session, op: RemoteRunAdopt):
         """Keep run ``op.scope_id`` (linked on its shard ``op.shard``) as a remote run

@@ -321,7 +321,7 @@ class WorkQueues(Kind):
     def route_queue(self, session, name_or_id) -> str:
         return self.get_queue(session.space, name_or_id).id
 
-    @op(MailboxEnsure, route=SPACE, permission=C, resend=ALWAYS, shard=ALL)
+    @op(MailboxEnsure, route=SPACE, permission=C, resend=ALWAYS, shard=ALL, merge="mailbox.ensure")
     def op_mailbox_ensure(self, actor, session, op: MailboxEnsure) -> MailboxView:
         """Create the queue, or check it exists with the settings ``op.checked`` names
         (the ones the caller gave; None: all three), CONFLICT naming the first of mode,
@@ -402,15 +402,17 @@ class WorkQueues(Kind):
             raise ConflictError(f"mailbox {short(op.name)} exists here with another id ({qid}); it was made "
                                 "without its home shard", details={"field": "id", "existing": qid})
 
-    @op(MailboxGet, route=by("name", "route_queue"), permission=R, resend=ALWAYS, shard=ALL)
+    @op(MailboxGet, route=by("name", "route_queue"), permission=R, resend=ALWAYS, shard=ALL,
+        merge="mailbox.read")
     def op_mailbox_get(self, actor, session, op: MailboxGet) -> MailboxView:
         return self.queue_view(self.get_queue(session.space, op.name))
 
-    @op(MailboxList, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
+    @op(MailboxList, route=SPACE, permission=R, resend=ALWAYS, shard=ALL, merge="mailbox.read")
     def op_mailbox_list(self, actor, session, op: MailboxList) -> MailboxListView:
         return MailboxListView(mailboxes=[self.queue_view(q) for q in self.table.values() if q.space == session.space])
 
-    @op(MailboxMessages, route=by("name", "route_queue"), permission=R, resend=ALWAYS, shard=ALL)
+    @op(MailboxMessages, route=by("name", "route_queue"), permission=R, resend=ALWAYS, shard=ALL,
+        merge="mailbox.messages")
     def op_mailbox_messages(self, actor, session, op: MailboxMessages) -> TaskListView:
         """The queue's tasks (or messages), newest first: at most ``limit`` (1-1000),
         older than ``before`` (an id) when given. A diagnostic read: it walks the

@@ -341,7 +341,8 @@ class Runs(Kind):
             return self.view(s)
         return None
 
-    @op(ScopeList, route=run_or_space("parent_id"), permission=R, resend=ALWAYS, shard=in_slot("parent_id", "all"))
+    @op(ScopeList, route=run_or_space("parent_id"), permission=R, resend=ALWAYS, shard=in_slot("parent_id", "all"),
+        merge="scope.list")
     def op_scope_list(self, actor, session, op: ScopeList) -> ScopeListView:
         """Runs of the space (or the children of ``parent_id``) in creation order:
         ``order="asc"`` oldest first, ``"desc"`` newest first; ``after`` / ``before``

@@ -73,7 +73,7 @@ def target(shard, op, space: str, slots: int) -> int:
         return NEW_ROOT
     if kind == "all":
         return EVERY
-    if kind == "here":
+    if kind in ("here", "peer"):  # (peer: the node that sent it chose this shard)
         return HERE
     raise ValueError(f"target() of a {kind!r} shard: use item_slots()")
 

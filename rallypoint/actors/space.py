@@ -56,7 +56,7 @@ class Spaces(Kind):
     def route(self, session, _op=None) -> str:
         return "spc:" + session.space
 
-    @op(ServerStatus, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
+    @op(ServerStatus, route=SPACE, permission=R, resend=ALWAYS, shard=ALL, merge="server.status")
     def op_server_status(self, actor, session, op: ServerStatus) -> ServerStatusView:
         """The server's version, uptime, durability, the session's space's runs and tasks
         and its use of every limit. The whole server's figures -- connections, entities,
@@ -119,7 +119,8 @@ class Spaces(Kind):
             raise ValidationError("aggregate must be 'kind:id' or an id", details={"field": "aggregate"})
         return EventFilter(op.types, op.scope_id, op.aggregate, self.coord.runs)
 
-    @op(EventsList, route=SPACE, permission=R, resend=ALWAYS, shard=in_slot("scope_id", "all"))
+    @op(EventsList, route=SPACE, permission=R, resend=ALWAYS, shard=in_slot("scope_id", "all"),
+        merge="events")
     def op_events_list(self, actor, session, op: EventsList) -> EventPageView:
         """A page of the space's events after ``cursor`` (oldest first). CURSOR_EXPIRED
         for a cursor older than what is kept; VALIDATION_FAILED for a bad limit
@@ -135,7 +136,7 @@ class Spaces(Kind):
                              oldest=s.first_seq, newest=s.last_seq)
 
     @op(EventsWatch, route=SPACE, permission=R, resend=ALWAYS, reply=WatchView,
-        shard=in_slot("scope_id", "all"))
+        shard=in_slot("scope_id", "all"), merge="events")
     def op_events_watch(self, actor, session, op: EventsWatch) -> Subscribe:
         """Subscribe to the space's events after ``cursor`` (None: from the oldest kept,
         or from now with ``start="now"``). CURSOR_EXPIRED / VALIDATION_FAILED as
@@ -154,7 +155,7 @@ class Spaces(Kind):
         return Subscribe(session.space, flt, cursor)
 
     # ================================================================ operator view
-    @op(OpsOverview, route=SPACE, permission=R, resend=ALWAYS, shard=ALL)
+    @op(OpsOverview, route=SPACE, permission=R, resend=ALWAYS, shard=ALL, merge="ops.overview")
     def op_ops_overview(self, actor, session, op: OpsOverview) -> OverviewView:
         """The newest ``limit`` active runs, every work queue, the newest ``limit`` open
         groups, parked waits and inbox depth per kind, the event positions and counts.

@@ -45,7 +45,7 @@ import msgspec
 from .. import protocol as p
 from ..errors import RallypointError, ValidationError, WrongShardError
 
-__all__ = ["ShardedTransport", "open_transport"]
+__all__ = ["MERGES", "ShardedTransport", "open_transport"]
 
 log = logging.getLogger("rallypoint.client")
 
@@ -205,9 +205,10 @@ class ShardedTransport:
 
         decl = _table().shards[type(op)]
         slots = len(self.map.owners)
-        if type(op) is p.MailboxEnsure:
+        merge = _table().merges[type(op)]
+        if merge == "mailbox.ensure":
             return await self._mailbox_ensure(op)
-        if type(op) in (p.MailboxGet, p.MailboxList):
+        if merge == "mailbox.read":
             return await self._mailbox_read(op)
         if decl.kind == "slots":
             return await self._split(op, decl, item_slots(decl, op, self.space, slots))
@@ -349,91 +350,157 @@ def _merge_split(op: Any, by_shard: dict[int, list[int]], parts: dict[int, bytes
     raise ValidationError(f"{op.__struct_config__.tag} cannot be split over shards")
 
 
+def _merge_server_status(op: p.ServerStatus, parts: list[bytes]) -> bytes:
+    vs = [msgspec.msgpack.decode(b, type=p.ServerStatusView) for b in parts]
+    first = vs[0]
+    runs: dict[str, int] = {}
+    tasks: dict[str, int] = {}
+    actors: dict[str, dict[str, int]] = {}
+    for v in vs:
+        for k, x in v.runs.items():
+            runs[k] = runs.get(k, 0) + x
+        for k, x in v.tasks.items():
+            tasks[k] = tasks.get(k, 0) + x
+        for kind, a in v.actors.items():
+            d = actors.setdefault(kind, {})
+            for k, x in a.items():
+                d[k] = d.get(k, 0) + x
+    # limits are per shard per space: the use nearest its limit is the highest of any shard
+    space_use: dict[str, dict[str, int]] = {}
+    for v in vs:
+        for sp, d in v.space_use.items():
+            m = space_use.setdefault(sp, {})
+            for k, x in d.items():
+                m[k] = max(m.get(k, 0), x)
+    merged = msgspec.structs.replace(
+        first, runs=runs, tasks=tasks, actors=actors, entities=sum(v.entities for v in vs), space_use=space_use,
+        connections=sum(v.connections for v in vs), fsyncs=sum(v.fsyncs for v in vs),
+        fsync_seconds=sum(v.fsync_seconds for v in vs), tree_depth=max(v.tree_depth for v in vs))
+    return p.encoder.encode(merged)
+
+
+def _merge_scope_list(op: p.ScopeList, parts: list[bytes]) -> bytes:
+    vs = [msgspec.msgpack.decode(b, type=p.ScopeListView) for b in parts]
+    scopes = [s for v in vs for s in v.scopes]
+    scopes.sort(key=lambda s: s.id, reverse=op.order == "desc")
+    return p.encoder.encode(p.ScopeListView(scopes=scopes[: op.limit]))
+
+
+def _merge_messages(op: p.MailboxMessages, parts: list[bytes]) -> bytes:
+    vs = [msgspec.msgpack.decode(b, type=p.TaskListView) for b in parts]
+    tasks_ = sorted((x for v in vs for x in v.tasks), key=lambda x: x.id, reverse=True)
+    return p.encoder.encode(p.TaskListView(tasks=tasks_[: op.limit]))
+
+
+def _merge_overview(op: p.OpsOverview, parts: list[bytes]) -> bytes:
+    vs = [msgspec.msgpack.decode(b, type=p.OverviewView) for b in parts]
+    first = vs[0]
+    waits: dict[str, dict[str, int]] = {}
+    events: dict[str, int] = {}
+    tasks_by_state: dict[str, int] = {}
+    retention: dict[str, Any] = {}
+    for v in vs:
+        for kind, d in v.waits.items():
+            w = waits.setdefault(kind, {})
+            for k, x in d.items():
+                w[k] = w.get(k, 0) + x
+        # each shard numbers its own events: ``newest`` summed is how many the space
+        # has (the shards' oldest kept have no sum; the merged view leaves it out)
+        for k, x in v.events.items():
+            if k != "oldest":
+                events[k] = events.get(k, 0) + x
+        for k, x in v.tasks.items():
+            tasks_by_state[k] = tasks_by_state.get(k, 0) + x
+        for k, x in v.retention.items():  # counts add up; the setting (retain_ms) is every shard's
+            num = isinstance(x, (int, float)) and not isinstance(x, bool) and k != "retain_ms"
+            retention[k] = retention.get(k, 0) + x if num else retention.get(k, x)
+    runs_ = sorted((r for v in vs for r in v.runs), key=lambda r: r.id, reverse=True)[: op.limit]
+    queues: dict[str, Any] = {}
+    for v in vs:
+        for q in v.queues:
+            cur = queues.get(q.name)
+            queues[q.name] = q if cur is None else _sum_struct(cur, q)
+    return p.encoder.encode(msgspec.structs.replace(
+        first, runs=runs_, runs_active=sum(v.runs_active for v in vs), queues=list(queues.values()),
+        groups=[g for v in vs for g in v.groups], groups_open=sum(v.groups_open for v in vs), waits=waits,
+        events=events, entities=sum(v.entities for v in vs), tasks=tasks_by_state, retention=retention))
+
+
+def _merge_waits(op: p.OpsWaits, parts: list[bytes]) -> bytes:
+    vs = [msgspec.msgpack.decode(b, type=p.OpsWaitsView) for b in parts]
+    parked: dict[str, int] = {}
+    for v in vs:
+        for k, x in v.parked.items():
+            parked[k] = parked.get(k, 0) + x
+    return p.encoder.encode(p.OpsWaitsView(parked=parked, waiting=[w for v in vs for w in v.waiting]))
+
+
+def _merge_items(op: p.OpsItems, parts: list[bytes]) -> bytes:
+    """The console's lists of a whole space over every shard: each list in the order
+    one shard gives it (tasks, groups, join sets newest first; barriers and timers
+    oldest first; ids sort by creation), at most ``op.limit`` rows; a work queue's
+    counts summed over the shards, its oldest ready task the oldest of any."""
+    vs = [msgspec.msgpack.decode(b, type=p.OpsItemsView) for b in parts]
+    out: dict[str, list] = {}
+    for f, newest_first in (("tasks", True), ("groups", True), ("joinsets", True), ("barriers", False),
+                            ("timers", False), ("claims", False), ("grants", False)):
+        rows = sorted((r for v in vs for r in getattr(v, f)), key=lambda r: r.id, reverse=newest_first)
+        out[f] = rows[: op.limit]
+    queues: dict[str, Any] = {}
+    for v in vs:
+        for q in v.queues:
+            cur = queues.get(q.name)
+            if cur is None:
+                queues[q.name] = q
+                continue
+            ready = [x for x in (cur.oldest_ready_at, q.oldest_ready_at) if x is not None]
+            queues[q.name] = msgspec.structs.replace(cur, queued=cur.queued + q.queued, running=cur.running + q.running,
+                                                     done=cur.done + q.done,
+                                                     oldest_ready_at=min(ready) if ready else None)
+    return p.encoder.encode(p.OpsItemsView(**out, queues=sorted(queues.values(), key=lambda q: q.name)[: op.limit]))
+
+
+def _merge_any(op: Any, parts: list[bytes]) -> bytes:
+    """Every shard gives the same answer (the slot map; a release every shard applies)."""
+    return parts[0]
+
+
+def _merge_events(op: Any, parts: list[bytes]) -> bytes:
+    raise ValidationError("the events of a whole space of a cluster of several shards are one list per shard "
+                          "(each numbers its own events): use rs.events.list(), which merges them with a "
+                          "cursor per shard")
+
+
+def _merge_by_the_router(op: Any, parts: list[bytes]) -> bytes:
+    # (the router sends these itself, before any fan-out: ShardedTransport._route)
+    raise AssertionError(f"{op.__struct_config__.tag} is merged by ShardedTransport, not from parts")
+
+
+#: How the parts of an op every shard answers merge into one answer, by the name its
+#: ``@op(..., merge=NAME)`` declares (:mod:`rallypoint.actors.opmark`). An op cannot be
+#: declared to fan out without a merge (``build_table`` refuses it), and
+#: tests/test_op_facts.py checks that every declared name is here.
+MERGES: dict[str, Callable[[Any, list[bytes]], bytes]] = {
+    "server.status": _merge_server_status,
+    "scope.list": _merge_scope_list,
+    "mailbox.messages": _merge_messages,
+    "ops.overview": _merge_overview,
+    "ops.waits": _merge_waits,
+    "ops.items": _merge_items,
+    "any": _merge_any,
+    "events": _merge_events,
+    "mailbox.ensure": _merge_by_the_router,  # the home shard first, then adopted by the others
+    "mailbox.read": _merge_by_the_router,  # the home shard's view, counts summed
+}
+
+
 def _merge_every(op: Any, parts: list[bytes]) -> bytes:
-    """One answer from every shard's part."""
-    t = type(op)
-    if t is p.ServerStatus:
-        vs = [msgspec.msgpack.decode(b, type=p.ServerStatusView) for b in parts]
-        first = vs[0]
-        runs: dict[str, int] = {}
-        tasks: dict[str, int] = {}
-        actors: dict[str, dict[str, int]] = {}
-        for v in vs:
-            for k, x in v.runs.items():
-                runs[k] = runs.get(k, 0) + x
-            for k, x in v.tasks.items():
-                tasks[k] = tasks.get(k, 0) + x
-            for kind, a in v.actors.items():
-                d = actors.setdefault(kind, {})
-                for k, x in a.items():
-                    d[k] = d.get(k, 0) + x
-        # limits are per shard per space: the use nearest its limit is the highest of any shard
-        space_use: dict[str, dict[str, int]] = {}
-        for v in vs:
-            for sp, d in v.space_use.items():
-                m = space_use.setdefault(sp, {})
-                for k, x in d.items():
-                    m[k] = max(m.get(k, 0), x)
-        merged = msgspec.structs.replace(
-            first, runs=runs, tasks=tasks, actors=actors, entities=sum(v.entities for v in vs), space_use=space_use,
-            connections=sum(v.connections for v in vs), fsyncs=sum(v.fsyncs for v in vs),
-            fsync_seconds=sum(v.fsync_seconds for v in vs), tree_depth=max(v.tree_depth for v in vs))
-        return p.encoder.encode(merged)
-    if t is p.ScopeList:
-        vs = [msgspec.msgpack.decode(b, type=p.ScopeListView) for b in parts]
-        scopes = [s for v in vs for s in v.scopes]
-        scopes.sort(key=lambda s: s.id, reverse=op.order == "desc")
-        return p.encoder.encode(p.ScopeListView(scopes=scopes[: op.limit]))
-    if t is p.MailboxMessages:
-        vs = [msgspec.msgpack.decode(b, type=p.TaskListView) for b in parts]
-        tasks_ = sorted((x for v in vs for x in v.tasks), key=lambda x: x.id, reverse=True)
-        return p.encoder.encode(p.TaskListView(tasks=tasks_[: op.limit]))
-    if t is p.OpsOverview:
-        vs = [msgspec.msgpack.decode(b, type=p.OverviewView) for b in parts]
-        first = vs[0]
-        waits: dict[str, dict[str, int]] = {}
-        events: dict[str, int] = {}
-        tasks_by_state: dict[str, int] = {}
-        retention: dict[str, Any] = {}
-        for v in vs:
-            for kind, d in v.waits.items():
-                w = waits.setdefault(kind, {})
-                for k, x in d.items():
-                    w[k] = w.get(k, 0) + x
-            # each shard numbers its own events: ``newest`` summed is how many the space
-            # has (the shards' oldest kept have no sum; the merged view leaves it out)
-            for k, x in v.events.items():
-                if k != "oldest":
-                    events[k] = events.get(k, 0) + x
-            for k, x in v.tasks.items():
-                tasks_by_state[k] = tasks_by_state.get(k, 0) + x
-            for k, x in v.retention.items():  # counts add up; the setting (retain_ms) is every shard's
-                num = isinstance(x, (int, float)) and not isinstance(x, bool) and k != "retain_ms"
-                retention[k] = retention.get(k, 0) + x if num else retention.get(k, x)
-        runs_ = sorted((r for v in vs for r in v.runs), key=lambda r: r.id, reverse=True)[: op.limit]
-        queues: dict[str, Any] = {}
-        for v in vs:
-            for q in v.queues:
-                cur = queues.get(q.name)
-                queues[q.name] = q if cur is None else _sum_struct(cur, q)
-        return p.encoder.encode(msgspec.structs.replace(
-            first, runs=runs_, runs_active=sum(v.runs_active for v in vs), queues=list(queues.values()),
-            groups=[g for v in vs for g in v.groups], groups_open=sum(v.groups_open for v in vs), waits=waits,
-            events=events, entities=sum(v.entities for v in vs), tasks=tasks_by_state, retention=retention))
-    if t is p.OpsWaits:
-        vs = [msgspec.msgpack.decode(b, type=p.OpsWaitsView) for b in parts]
-        parked: dict[str, int] = {}
-        for v in vs:
-            for k, x in v.parked.items():
-                parked[k] = parked.get(k, 0) + x
-        return p.encoder.encode(p.OpsWaitsView(parked=parked, waiting=[w for v in vs for w in v.waiting]))
-    if t in (p.ClusterMap, p.ClusterReleaseSlots):
-        return parts[0]
-    if t in (p.EventsList, p.EventsWatch):
-        raise ValidationError("the events of a whole space of a cluster of several shards are one list per shard "
-                              "(each numbers its own events): use rs.events.list(), which merges them with a "
-                              "cursor per shard")
-    raise ValidationError(f"{op.__struct_config__.tag} cannot be merged over shards")
+    """One answer from every shard's part, as the op's declared merge says."""
+    name = _table().merges.get(type(op))
+    merge = MERGES.get(name) if name is not None else None
+    if merge is None:
+        raise ValidationError(f"{op.__struct_config__.tag} cannot be merged over shards")
+    return merge(op, parts)
 
 
 def _sum_struct(a: Any, b: Any) -> Any:

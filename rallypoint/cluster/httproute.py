@@ -69,8 +69,6 @@ FANOUT = ("fanout",)
 ROUTED_HEADER = "x-rallypoint-routed"
 #: API keys a node keeps native connections for (least recently used dropped first)
 MAX_KEYS = 256
-#: ops the native router answers over every shard whatever their declaration says
-_FANOUT_OPS = (p.MailboxEnsure, p.MailboxGet, p.MailboxList)
 
 #: an answer's headers not passed back (the answer is rebuilt here: length, encoding)
 _RESP_DROP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "trailer",
@@ -98,9 +96,7 @@ def decide(op: Any, space: str, sharding: Any, *, key: str | None = None, turn: 
     shards = sorted(set(owners))
     if len(shards) <= 1:
         return LOCAL
-    if isinstance(op, _FANOUT_OPS):
-        return FANOUT
-    decl = _decl(op)
+    decl = _decl(op)  # (an op every shard answers is FANOUT: its declared merge joins the parts)
     n = sharding.slots
     if decl.kind == "slots":
         slots = item_slots(decl, op, space, n)
