@@ -1,27 +1,41 @@
 #!/usr/bin/env python
 """Soak a spawned daemon with hostile peers, for a bounded time, and report what it cost.
 
-Two phases, each half of ``--seconds``:
+Up to four phases (``--phases``, default all), ``--seconds`` split between them:
 
 1. **connect/reset storm**: ``--storm-procs`` processes loop "connect, (hello,
    (20 requests never read)), close with a TCP RST (SO_LINGER 0)", in three equal
    flavours: before the hello, after it, with unread replies.
-2. **never-reading flood**: ``--flooders`` connections handshake, then send
+2. **never-reading flood**: ``--flooders`` connections (from 127.0.5.2-, 100 an address)
+   handshake, then send
    ``scope.list`` requests (about 15 KB of reply each) as fast as the server reads them
    and never read a reply; at the end they are reset too.
+3. **silent** (issue 41 item 7): ``--holders`` connections a process (``--storm-procs``),
+   spread over eight loopback source addresses a process (127.0.P.2-9, as from a
+   botnet), that never send their Hello; the daemon's ``--handshake-timeout`` (10 s)
+   drops each, and each is reopened at once.
+4. **per peer**: one address (127.0.0.9) opens ``--holders`` connections that send their
+   Hello and then sit idle (answering pings: as a real idle client would) and holds
+   them; past ``--max-connections-per-peer`` (128) it is refused UNAVAILABLE.
 
-Meanwhile a well-behaved client does ``server.status`` round trips every 10 ms. Before
-and after each phase the script prints the daemon's RSS (VmRSS; VmHWM = peak), the size
-of its log, the log's ERROR and traceback lines, and the probe's latency. The daemon is
+Meanwhile well-behaved clients, from 127.0.0.1 (an address of their own), probe: a
+``server.status`` round trip every 10 ms on one connection, and every 100 ms a new
+connection (connect, Hello, ``server.status``, close): this is the one that waits
+behind, or is refused by, whatever the attackers hold. Before and after each phase the
+script prints the daemon's RSS (VmRSS; VmHWM = peak), the size of its log, the log's
+ERROR and traceback lines, the probes' latency and their p99 as a multiple of the idle
+p99 (the probes alone for ``--idle`` seconds first; issue 41 asks within 2x), and any
+probe failure. The daemon is
 ``rallypoint serve --durability memory`` on a free loopback port with its stderr in a
 temporary file (deleted at the end; ``--keep-log`` keeps it), stopped with SIGTERM at the
 end (its exit code is printed). Exit status: 0 if the daemon logged no ERROR and no
-traceback and exited 0, else 1.
+traceback, no probe failed and it exited 0, else 1 (the ratios are reported, not judged).
 
 Usage::
 
-    python scripts/soak_hostile.py [--seconds 30] [--storm-procs 2] [--flooders 20]
-                                   [--log-level INFO] [--keep-log]
+    python scripts/soak_hostile.py [--seconds 60] [--storm-procs 2] [--flooders 20]
+                                   [--phases storm,flood,silent,perpeer] [--holders 600]
+                                   [--idle 5] [--log-level INFO] [--keep-log]
 
 Run it with ``PYTHONPATH`` pointing at the checkout to measure (the daemon inherits it).
 """
@@ -29,8 +43,10 @@ Run it with ``PYTHONPATH`` pointing at the checkout to measure (the daemon inher
 from __future__ import annotations
 
 import argparse
+import collections
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -48,7 +64,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import rallypoint  # noqa: E402
 from rallypoint import wire  # noqa: E402
-from rallypoint.transport.framing import encode_frame  # noqa: E402
+from rallypoint.transport.framing import FrameParser, encode_frame  # noqa: E402
 
 _enc = msgspec.msgpack.encode
 HELLO = encode_frame(_enc(wire.Hello(wire.PROTOCOL_VERSION, None, "soak")))
@@ -139,8 +155,10 @@ async def _flood(port: int, flooders: int, seconds: float) -> tuple[int, int]:
     chunk = LIST * 200
     sent = [0] * flooders
     streams: list[trio.SocketStream] = []
-    for _ in range(flooders):
-        s = await trio.open_tcp_stream("127.0.0.1", port)
+    for i in range(flooders):
+        # from addresses of their own (100 connections each, under the cap per peer
+        # address): the probes' 127.0.0.1 is not theirs
+        s = await trio.open_tcp_stream("127.0.0.1", port, local_address=f"127.0.5.{2 + i // 100}")
         await s.send_all(HELLO)
         await s.receive_some(4096)  # hello_ok; nothing is read after this
         streams.append(s)
@@ -163,28 +181,122 @@ async def _flood(port: int, flooders: int, seconds: float) -> tuple[int, int]:
     return sum(sent), flooders
 
 
+def _holder_worker(kind: str, port: int, seconds: float, holders: int, proc: int, out) -> None:
+    """One process holding ``holders`` connections: ``silent`` ones (no Hello) from
+    eight addresses, or ``perpeer`` idle ones (Hello sent) from one; each reopened when
+    the daemon closes it. Puts a Counter of what happened on ``out``."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+    got: collections.Counter = collections.Counter()
+    sources = ["127.0.0.9"] if kind == "perpeer" else [f"127.0.{proc + 1}.{i}" for i in range(2, 10)]
+
+    async def one(i: int) -> None:
+        src = sources[i % len(sources)]
+        while True:
+            s = trio.socket.socket()
+            try:
+                await s.bind((src, 0))
+                await s.connect(("127.0.0.1", port))
+            except OSError as e:
+                s.close()
+                got[f"connect failed: {e.__class__.__name__}"] += 1
+                await trio.sleep(0.5)
+                continue
+            stream = trio.SocketStream(s)
+            got["connections"] += 1
+            first = b""
+            frames = FrameParser()
+            try:
+                if kind == "perpeer":
+                    await stream.send_all(HELLO)
+                while True:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        break
+                    if not first:
+                        first = data
+                    for body in frames.feed(data):  # answer the server's pings, as a live client does
+                        msg = msgspec.msgpack.decode(body)
+                        if isinstance(msg, dict) and msg.get("t") == "ping":
+                            await stream.send_all(encode_frame(_enc(wire.Pong(msg.get("nonce", 0)))))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            finally:
+                await trio.aclose_forcefully(stream)
+            refused = b"UNAVAILABLE" in first
+            got["refused UNAVAILABLE (the cap)" if refused else "closed by the daemon"] += 1
+            await trio.sleep(0.2 if refused else 0.05)
+
+    async def main() -> None:
+        with trio.move_on_after(seconds):
+            async with trio.open_nursery() as n:
+                for i in range(holders):
+                    n.start_soon(one, i)
+                    if i % 50 == 49:
+                        await trio.sleep(0.01)
+
+    trio.run(main)
+    out.put(dict(got))
+
+
 class Probe:
-    """The well-behaved client: ``server.status`` every 10 ms."""
+    """The well-behaved clients: ``server.status`` every 10 ms on one connection, and a
+    new connection (Hello, ``server.status``, close) every 100 ms."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.samples: list[float] = []
+        self.samples: dict[str, list[float]] = {"tcp": [], "new tcp": []}
+        self.failures: collections.Counter = collections.Counter()
+        self.idle: dict[str, float] = {}
+        self.ratios: dict[str, dict[str, float]] = {}
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with rallypoint.connect(self.url) as rs:
-            task_status.started()
-            while True:
-                t0 = time.perf_counter()
-                await rs.status()
-                self.samples.append(time.perf_counter() - t0)
-                await trio.sleep(0.01)
+        async with trio.open_nursery() as n:
+            await n.start(self._fresh)
+            async with rallypoint.connect(self.url) as rs:
+                task_status.started()
+                while True:
+                    t0 = time.perf_counter()
+                    await rs.status()
+                    self.samples["tcp"].append(time.perf_counter() - t0)
+                    await trio.sleep(0.01)
 
-    def take(self) -> str:
-        xs, self.samples = sorted(self.samples), []
-        if not xs:
-            return "no round trip"
-        p = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3  # noqa: E731
-        return f"n={len(xs)} p50={p(0.5):.1f} ms p99={p(0.99):.1f} ms max={xs[-1] * 1e3:.1f} ms"
+    async def _fresh(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            t0 = time.perf_counter()
+            try:
+                with trio.fail_after(30):
+                    async with rallypoint.connect(self.url, reconnect=False) as rs:
+                        await rs.status()
+            except Exception as e:  # a refusal, a timeout: each is a failure of the probe
+                self.failures[f"new tcp {type(e).__name__}: {str(e)[:80]}"] += 1
+            self.samples["new tcp"].append(time.perf_counter() - t0)
+            await trio.sleep(0.1)
+
+    def take(self, phase: str | None = None, idle: bool = False) -> str:
+        """The samples since the last take, summarized (and dropped); ``idle``: they are
+        the baseline; ``phase``: record their p99 against it under that name."""
+        parts = []
+        for name, xs in self.samples.items():
+            xs = sorted(xs)
+            self.samples[name] = []
+            if not xs:
+                parts.append(f"{name}: no round trip")
+                continue
+            p = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+            text = f"{name} n={len(xs)} p50={p(0.5) * 1e3:.1f} p99={p(0.99) * 1e3:.1f} max={xs[-1] * 1e3:.1f} ms"
+            if idle:
+                self.idle[name] = p(0.99)
+            elif phase is not None and self.idle.get(name):
+                ratio = p(0.99) / self.idle[name]
+                self.ratios.setdefault(phase, {})[name] = ratio
+                text += f" (p99 {ratio:.2f}x idle)"
+            parts.append(text)
+        return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------ report
@@ -201,60 +313,101 @@ def row(label: str, s: dict, work: str = "", probe: str = "") -> None:
           f"{s['lines']:>8,} lines  ERROR {s['errors']:>7,}  tracebacks {s['tracebacks']:>7,}  {work}  {probe}".rstrip())
 
 
-async def soak(args, d: Daemon) -> bool:
-    half = args.seconds / 2
+async def soak(args, d: Daemon) -> dict:
+    phase_s = args.seconds / len(args.phases)
     probe = Probe(d.url)
+    result: dict = {}
     async with trio.open_nursery() as nursery:
         await nursery.start(probe.run)
         await trio.sleep(0.5)
         probe.take()
-        row("start", snapshot(d))
-
-        counter = multiprocessing.Value("q", 0)
-        procs = [multiprocessing.Process(target=_storm_worker, args=(d.port, half, counter))
-                 for _ in range(args.storm_procs)]
-        t0 = time.monotonic()
-        for p in procs:
-            p.start()
-        await trio.to_thread.run_sync(lambda: [p.join() for p in procs])
-        took = time.monotonic() - t0
-        row("after reset storm", snapshot(d),
-            f"{counter.value:,} connect/reset cycles in {took:.1f} s ({counter.value / took:,.0f}/s)", probe.take())
-
-        sent, conns = await _flood(d.port, args.flooders, half)
-        await trio.sleep(0.5)  # let the daemon tear the flood connections down
-        row("after flood", snapshot(d),
-            f"{conns} never-reading connections sent {sent:,} requests ({sent * len(LIST) / MIB:.1f} MiB)",
-            probe.take())
+        await trio.sleep(args.idle)
+        row("idle", snapshot(d), f"probes alone for {args.idle:g} s", probe.take(idle=True))
+        for kind in args.phases:
+            failed = sum(probe.failures.values())
+            t0 = time.monotonic()
+            if kind == "storm":
+                counter = multiprocessing.Value("q", 0)
+                procs = [multiprocessing.Process(target=_storm_worker, args=(d.port, phase_s, counter))
+                         for _ in range(args.storm_procs)]
+                for p in procs:
+                    p.start()
+                await trio.to_thread.run_sync(lambda: [p.join() for p in procs])
+                took = time.monotonic() - t0
+                work = f"{counter.value:,} connect/reset cycles in {took:.1f} s ({counter.value / took:,.0f}/s)"
+            elif kind == "flood":
+                before = snapshot(d)
+                sent, conns = await _flood(d.port, args.flooders, phase_s)
+                during = snapshot(d)  # (the peak, VmHWM, is the flood's if it is above the start's)
+                await trio.sleep(0.5)  # let the daemon tear the flood connections down
+                per = (during["hwm"] - before["rss"]) / conns / MIB
+                work = (f"{conns} never-reading connections sent {sent:,} requests ({sent * len(LIST) / MIB:.1f} MiB); "
+                        f"peak RSS over the start {per:.2f} MiB a connection")
+                result["flood_peak_mib_per_conn"] = per
+            else:
+                ctx = multiprocessing.get_context("spawn")  # (a child forked inside trio.run cannot trio.run)
+                out = ctx.Queue()
+                n = 1 if kind == "perpeer" else args.storm_procs
+                procs = [ctx.Process(target=_holder_worker,
+                                                 args=(kind, d.port, phase_s, args.holders, i, out))
+                         for i in range(n)]
+                for p in procs:
+                    p.start()
+                got: collections.Counter = collections.Counter()
+                for _ in procs:
+                    got.update(await trio.to_thread.run_sync(out.get))
+                await trio.to_thread.run_sync(lambda: [p.join() for p in procs])
+                took = time.monotonic() - t0
+                work = ", ".join(f"{k} {v:,}" for k, v in sorted(got.items())) + f" in {took:.1f} s"
+            row(f"after {kind}", snapshot(d), work, probe.take(phase=kind))
+            if sum(probe.failures.values()) > failed:
+                print(f"{'':<22} probe failures so far: {dict(probe.failures)}")
         nursery.cancel_scope.cancel()
-    return True
+    result["ratios"] = probe.ratios
+    result["probe_failures"] = dict(probe.failures)
+    return result
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=30.0, help="total attack time, split between the phases")
+    phases = ("storm", "flood", "silent", "perpeer")
+    ap.add_argument("--seconds", type=float, default=60.0, help="total attack time, split between the phases")
+    ap.add_argument("--phases", type=lambda v: tuple(x for x in v.split(",") if x), default=phases,
+                    help=f"comma-separated, in order (default all: {','.join(phases)})")
+    ap.add_argument("--holders", type=int, default=600,
+                    help="connections each process holds in the silent and perpeer phases (default %(default)s)")
+    ap.add_argument("--idle", type=float, default=5.0, help="seconds the probes run alone first (the baseline)")
     ap.add_argument("--storm-procs", type=int, default=2, help="processes running the connect/reset storm")
     ap.add_argument("--flooders", type=int, default=20, help="never-reading connections in the flood")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                     help="the daemon's --log-level (default %(default)s, the daemon's default)")
     ap.add_argument("--keep-log", action="store_true", help="keep the daemon's log and print its path")
     args = ap.parse_args()
+    unknown = [x for x in args.phases if x not in phases]
+    if unknown or not args.phases:
+        ap.error(f"--phases: unknown {unknown} (known: {','.join(phases)})")
     workdir = tempfile.mkdtemp(prefix="rallypoint-soak-")
     d = Daemon(args.log_level, workdir)
     print(f"daemon {d.url} pid {d.proc.pid}, rallypoint {rallypoint.__version__} from "
           f"{os.path.dirname(rallypoint.__file__)}, log level {args.log_level}, {args.seconds:g} s")
+    result: dict = {}
     try:
-        trio.run(soak, args, d)
+        result = trio.run(soak, args, d)
     finally:
         rc = d.stop()
     final = snapshot_after_stop(d)
     print(f"{'after SIGTERM':<22} log {final['log']:>11,} B {final['lines']:>8,} lines  ERROR {final['errors']:>7,}  "
           f"tracebacks {final['tracebacks']:>7,}  daemon exit code {rc}")
+    for phase, ratios in result.get("ratios", {}).items():
+        print(f"{'p99 / idle':<22} {phase:<8} " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    if result.get("probe_failures"):
+        print(f"{'probe failures':<22} {result['probe_failures']}")
     if args.keep_log:
         print(f"log: {d.log_path}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if rc == 0 and final["errors"] == 0 and final["tracebacks"] == 0 else 1
+    ok = rc == 0 and final["errors"] == 0 and final["tracebacks"] == 0 and not result.get("probe_failures")
+    return 0 if ok else 1
 
 
 def snapshot_after_stop(d: Daemon) -> dict:

@@ -645,6 +645,45 @@ def test_idle_keep_alive_connections_are_closed_to_make_room_at_the_limit():
             s.close()
 
 
+@pytest.mark.parametrize("how", ["silent", "slow head"])
+def test_silent_and_slowloris_connections_are_closed_to_make_room_at_the_limit(how):
+    """``--max-connections 3`` taken by connections that send nothing (or a request
+    head a line at a time), from addresses each under the cap per peer: a new client is
+    served once the oldest has held its slot a second (it is closed for it). Before,
+    every new connection was 503 until the holders' header time-out (issue 41 item 7:
+    slowloris from 16 addresses took every slot)."""
+    from test_http_hostile import http_daemon, read_response, wait_for
+
+    with http_daemon("--max-connections", "3", "--header-timeout", "60", "--handshake-timeout", "60") as d:
+        get = f"GET /v1/spaces/default/scopes/sc_nope HTTP/1.1\r\nhost: 127.0.0.1:{d.http_port}\r\n\r\n".encode()
+        held = []
+        for i in range(3):
+            s = socket.socket()
+            s.bind((f"127.0.7.{i + 2}", 0))  # (three addresses: the cap per peer is not what bites)
+            s.connect(("127.0.0.1", d.http_port))
+            if how == "slow head":
+                s.sendall(get[:20])  # a head begun, never finished
+            held.append(s)
+
+        def served() -> bool:
+            with socket.create_connection(("127.0.0.1", d.http_port)) as s:
+                s.sendall(get)
+                try:
+                    return read_response(s)[0] == 404
+                except (ConnectionError, OSError):
+                    return False
+
+        wait_for(served, 20, "a new connection served (a holder closed for it)")
+        held[0].settimeout(10)  # the oldest holder was closed (EOF or a reset; never a time-out)
+        try:
+            while held[0].recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+        for s in held:
+            s.close()
+
+
 async def _stream(app: ConsoleApp, source: str, nursery, cookie: str | None = None) -> int:
     """Open ``GET /stream`` on ``app`` from ``source`` (ASGI, in process): its status; a
     200 stream stays open until the nursery ends."""

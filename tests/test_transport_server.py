@@ -403,6 +403,39 @@ async def test_max_connections():
         assert srv.statistics()["rejected_connections"] == 1
 
 
+async def test_a_full_server_closes_the_oldest_silent_connection_for_a_new_one():
+    # issue 41 item 7: connections that never send their Hello, from many addresses each
+    # under its cap, took every slot for the whole Hello time-out (10 s) and every new
+    # client was refused; a full server now closes the one silent longest
+    async with running_server(max_connections=2, handshake_timeout=60) as srv:
+        srv.evict_silent_after_s = 0.0
+        silent = [await RawClient.connect(srv.port, hello=False) for _ in range(2)]
+        with trio.fail_after(10):
+            while srv.statistics()["connections"] < 2:
+                await trio.sleep(0.01)
+        c = await RawClient.connect(srv.port)  # (asserts its HelloOk)
+        await c.request(1, {"op": "echo"})
+        assert (await c.recv()).id == 1
+        frames = await silent[0].expect_eof()  # the oldest, told why
+        assert frames and frames[0].code in ("UNAVAILABLE", "VALIDATION_FAILED", "UNAUTHENTICATED"), frames
+        st = srv.statistics()
+        assert st["silent_evicted"] == 1 and st["rejected_connections"] == 0, st
+        # only a silent one gives way: the next silent one takes the other silent slot...
+        d = await RawClient.connect(srv.port, hello=False)
+        await silent[1].expect_eof()
+        f = await RawClient.connect(srv.port)  # ...and a client with its Hello takes d's
+        await d.expect_eof()
+        # c and f sent their Hello: never closed for another; the next one is refused
+        g = await RawClient.connect(srv.port, hello=False)
+        frames = await g.expect_eof()
+        assert frames[0].code == "UNAVAILABLE" and "2 connections" in frames[0].message, frames
+        for i, x in enumerate((c, f), start=2):
+            await x.request(i, {"op": "echo"})
+            assert (await x.recv()).id == i
+        st = srv.statistics()
+        assert st["silent_evicted"] == 3 and st["rejected_connections"] == 1, st
+
+
 # ------------------------------------------------------------ backpressure
 
 async def test_client_that_never_reads_cannot_grow_server_memory():

@@ -58,7 +58,11 @@ Against clients that hold connections without using them (issue 41, item 7):
 - **An idle keep-alive connection** is kept ``keep_alive_s`` (``--http-keep-alive``,
   hypercorn's ``keep_alive_timeout``) between requests; and when every connection slot
   is taken, the one idle longest (for at least :data:`EVICT_MIN_IDLE_S`) is closed to
-  make room for the new connection (idle keep-alives can no longer take every slot).
+  make room for the new connection (idle keep-alives can no longer take every slot);
+  failing that, the one silent longest since its accept, then the one whose request
+  head has been coming longest (slowloris), each after :data:`EVICT_MIN_IDLE_S`: so
+  holders from many addresses, each under its cap, cannot keep new clients out until
+  their time-outs. A request (or its body) in progress is never closed for another.
 """
 
 from __future__ import annotations
@@ -198,6 +202,7 @@ class _Connection(TCPServer):
     def _not_idle(self) -> None:
         if self.listener is not None:
             self.listener._idle.pop(self, None)
+            self.listener._heads.pop(self, None)
 
     def _head_started(self) -> None:
         """Bytes arrived while no request is in progress: the head of the next one has
@@ -205,6 +210,8 @@ class _Connection(TCPServer):
         its own while idle)."""
         self.head_at = now = trio.current_time()
         self._not_idle()
+        if self.listener is not None and not self.peer_gone:
+            self.listener._heads[self] = now
         scope = self._idle_scope
         if scope is not None and self.header_s is not None and self.protocol_is_h11():
             scope.deadline = min(scope.deadline, now + self.header_s)
@@ -212,11 +219,12 @@ class _Connection(TCPServer):
     def protocol_is_h11(self) -> bool:
         return type(getattr(self.protocol, "protocol", None)).__name__ == "H11Protocol"
 
-    def evict(self) -> bool:
-        """Close this idle keep-alive connection now (its slot is wanted). False when it
-        is no longer idle (nothing done)."""
+    def evict(self, head: bool = False) -> bool:
+        """Close this idle keep-alive connection now (its slot is wanted); ``head``: also
+        when a request head is in progress (not complete: no request yet). False when
+        it is no longer idle (nothing done)."""
         scope = self._idle_scope
-        if scope is None or not self.idle or self.head_at is not None:
+        if scope is None or not self.idle or (self.head_at is not None and not head):
             return False
         self.evicted = True
         scope.cancel()
@@ -378,14 +386,21 @@ class HttpListener:
         self.accept_failures = AcceptFailures(log, "HTTP listener", first_s=ACCEPT_RETRY_S,
                                               max_s=ACCEPT_RETRY_MAX_S)
         #: connections not handed to hypercorn yet (no bytes yet): ended on stop
-        self._waiting: set[trio.CancelScope] = set()
+        #: (-> since when, trio time, and the slot's release: the oldest first)
+        self._waiting: dict[trio.CancelScope, tuple[float, Any]] = {}
         #: idle keep-alive connections -> since when (trio time), the one idle longest first
         self._idle: dict[_Connection, float] = {}
+        #: connections whose request head is in progress -> since its first byte (the oldest
+        #: first): a head is one packet for a real client, so one still coming after
+        #: EVICT_MIN_IDLE_S when every slot is taken is a slowloris client's, and makes room
+        self._heads: dict[_Connection, float] = {}
         self.connections = 0
         self.connections_total = 0
         self.rejected = 0
         self.connection_errors = 0
         self.evicted = 0
+        self.evicted_silent = 0
+        self.evicted_slow_heads = 0
 
     @property
     def accept_errors(self) -> int:
@@ -395,13 +410,16 @@ class HttpListener:
         """``connections`` (open now), ``connections_total`` (accepted and served),
         ``rejected_connections`` (over ``max_connections`` or the cap per peer),
         ``accept_errors`` (failed accepts, e.g. EMFILE), ``idle_closed`` (idle keep-alive
-        connections closed to make room), ``body_timeouts`` (408s), and the per-peer
+        connections closed to make room), ``silent_closed`` / ``slow_heads_closed``
+        (connections silent since their accept, or whose request head was still coming,
+        closed to make room), ``body_timeouts`` (408s), and the per-peer
         counts (``peers``, ``max_per_peer``, ``refused_per_peer``), ``refused_requests``
         (refused by the guard: a bad request-target, framing, Host, a WebSocket upgrade),
         ``connection_errors`` (connections ended by an unexpected error)."""
         return {"connections": self.connections, "connections_total": self.connections_total,
                 "rejected_connections": self.rejected, "accept_errors": self.accept_errors,
-                "idle_closed": self.evicted, "body_timeouts": self.body_timeouts,
+                "idle_closed": self.evicted, "silent_closed": self.evicted_silent,
+                "slow_heads_closed": self.evicted_slow_heads, "body_timeouts": self.body_timeouts,
                 "refused_requests": sum(self.guard.refused.values()), "connection_errors": self.connection_errors,
                 **self.peer_slots.statistics()}
 
@@ -415,12 +433,41 @@ class HttpListener:
     def _idle_since(self, conn: _Connection) -> None:
         """``conn`` became an idle keep-alive connection (the newest idle)."""
         self._idle.pop(conn, None)
+        self._heads.pop(conn, None)
         self._idle[conn] = trio.current_time()
 
     def _make_room(self) -> bool:
-        """Every slot is taken: close the connection idle longest, if it has been idle
-        :data:`EVICT_MIN_IDLE_S` at least; True when one was (its slot is free at once)."""
+        """Every slot is taken: close, to make room for a new connection, the one idle
+        longest between requests, else the one silent longest since its accept, else the
+        one whose request head has been coming longest (a slowloris client), each only if
+        that has lasted :data:`EVICT_MIN_IDLE_S` at least; True when one was (its slot is
+        free at once). A connection with a request or its body in progress is never
+        closed for another (the body has ``--body-timeout``)."""
         now = trio.current_time()
+        if self._make_room_idle(now):
+            return True
+        for scope, (since, release) in self._waiting.items():  # (the oldest first)
+            if now - since < EVICT_MIN_IDLE_S:
+                break
+            del self._waiting[scope]
+            scope.cancel()
+            release()
+            self.evicted_silent += 1
+            return True
+        while self._heads:
+            conn, since = next(iter(self._heads.items()))
+            if now - since < EVICT_MIN_IDLE_S:
+                return False
+            del self._heads[conn]
+            if conn.evict(head=True):
+                self.evicted_slow_heads += 1
+                release = getattr(conn, "release", None)
+                if release is not None:
+                    release()
+                return True
+        return False
+
+    def _make_room_idle(self, now: float) -> bool:
         while self._idle:
             conn, since = next(iter(self._idle.items()))
             if now - since < EVICT_MIN_IDLE_S:
@@ -503,13 +550,13 @@ class HttpListener:
             deadline = trio.current_time() + self.first_request_s
             first = b""
             with trio.move_on_at(deadline) as waiting:
-                self._waiting.add(waiting)
+                self._waiting[waiting] = (trio.current_time(), lambda: self._release(counted, addr))
                 try:
                     first = await stream.socket.recv(1, socket.MSG_PEEK)
                 except OSError:  # reset by the peer
                     pass
                 finally:
-                    self._waiting.discard(waiting)
+                    self._waiting.pop(waiting, None)
             if not first or self.context.terminated.is_set():
                 return
             s: Any = stream

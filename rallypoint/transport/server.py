@@ -40,7 +40,10 @@ never more than twice that (``scripts/soak_hostile.py`` measures it).
 
 Hostile peers: a connection has ``handshake_timeout`` seconds to send its Hello; one
 peer address may hold at most ``max_connections_per_peer`` connections (silent ones
-included), so it cannot take every one of ``max_connections``; an ``accept`` that fails
+included), so it cannot take every one of ``max_connections``; a full server closes
+the connection that has waited longest (at least ``evict_silent_after_s``, 1 s) for its
+Hello to admit a new one, so silent connections from many addresses cannot hold every
+slot until their Hello time-out; an ``accept`` that fails
 (EMFILE...) backs off and logs one line per window with a count
 (:class:`~rallypoint.transport.guard.AcceptFailures`).
 
@@ -199,6 +202,11 @@ class _Conn:
         self._fd: int | None = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
         self.peer = peer
         self._gone_dropped = False
+        #: while waiting for the Hello: its time-out's scope (the server, full, cancels
+        #: the oldest one's to make room: Server._evict_silent); the accept instant
+        self.hello_scope: trio.CancelScope | None = None
+        self.accepted_at = trio.current_time()
+        self.evicted = False
         dispatcher = server.dispatcher
         self.st = st = ConnState(
             peer=peer,
@@ -608,9 +616,10 @@ class _Conn:
         server = self.server
         st = self.st
         hello: Any = NEED_DATA
-        with trio.move_on_after(server.handshake_timeout):
+        with trio.move_on_after(server.handshake_timeout) as self.hello_scope:
             while hello is NEED_DATA:
                 hello = st.receive_hello(await self.stream.receive_some(_RECEIVE_SIZE))
+        self.hello_scope = None
         if hello is NEED_DATA:
             st.hello_timeout(server.handshake_timeout)
             return False
@@ -833,6 +842,11 @@ class Server:
         # Accepted connections whose task has not registered in _conns yet: a burst of
         # accepts must count them, else max_connections is overshot.
         self._starting = 0
+        self._evicting = 0  # evicted connections not closed yet (their slots are taken)
+        self._silent_evicted = 0
+        #: seconds a connection must have waited for its Hello before a full server may
+        #: close it for a new one (:meth:`_evict_silent`)
+        self.evict_silent_after_s = 1.0
         # a grant ended (a key revoked, open mode over) in the commit of this LSN: the
         # connections' rights are judged again once it is durable (_keep_sessions)
         self._grants_lsn = 0
@@ -928,7 +942,9 @@ class Server:
         closed because their key was revoked or open mode ended), draining; accept_errors
         (failed accepts: EMFILE...), peers / max_per_peer / refused_per_peer (see
         :class:`~rallypoint.transport.guard.PeerSlots`), slow_consumer_closes
-        (connections closed with replies unread past twice ``max_outgoing_bytes``)."""
+        (connections closed with replies unread past twice ``max_outgoing_bytes``),
+        silent_evicted (connections that had sent no Hello, closed by a full server for a
+        new one)."""
         requests = self._closed_requests
         errors = self._closed_errors
         bytes_in = self._closed_bytes_in
@@ -957,6 +973,7 @@ class Server:
             "connections": len(self._conns),
             "connections_total": self._connections_total,
             "rejected_connections": self._rejected,
+            "silent_evicted": self._silent_evicted,
             "requests": requests,
             "errors": errors,
             "internal_errors": internal_errors,
@@ -994,7 +1011,8 @@ class Server:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            if len(self._conns) + self._starting >= self.max_connections:
+            if (len(self._conns) - self._evicting + self._starting >= self.max_connections
+                    and not self._evict_silent()):
                 self._rejected += 1
                 nursery.start_soon(self._reject, stream)
                 continue
@@ -1010,6 +1028,28 @@ class Server:
                 continue
             self._starting += 1
             nursery.start_soon(self._run_counted, stream, addr)
+
+    def _evict_silent(self) -> bool:
+        """The server is full: close the connection that has waited longest for its
+        Hello, if one has for at least :attr:`evict_silent_after_s`, to make room for
+        the one just accepted (issue 41 item 7: silent connections from many addresses,
+        each address under its cap, took every slot until their Hello time-out, and
+        every new client was refused). True when one was closed."""
+        now = trio.current_time()
+        oldest: _Conn | None = None
+        for c in self._conns:
+            if c.hello_scope is not None and not c.evicted and now - c.accepted_at >= self.evict_silent_after_s:
+                if oldest is None or c.accepted_at < oldest.accepted_at:
+                    oldest = c
+        if oldest is None:
+            return False
+        oldest.evicted = True
+        self._evicting += 1
+        self._silent_evicted += 1
+        oldest.hello_scope.cancel()
+        self.log_limiter.log(logging.INFO, "evict-silent", "connections full: closed %s, which sent no Hello in "
+                             "%.1f s, for a new one", oldest.peer, now - oldest.accepted_at)
+        return True
 
     async def _reject(self, stream: trio.SocketStream, why: str | None = None) -> None:
         err = wire.Err(
@@ -1115,6 +1155,8 @@ class Server:
             await conn.run()
         finally:
             self._conns.discard(conn)
+            if conn.evicted:
+                self._evicting -= 1
             c = conn.st
             self._closed_requests += c.requests
             self._closed_errors += c.errors
