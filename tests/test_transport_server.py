@@ -762,3 +762,31 @@ async def test_receive_plain_on_a_closed_socket_is_closed_resource_error():
     for ready in (False, True):
         with pytest.raises(trio.ClosedResourceError):
             await sockio.receive_plain(-1, 65536, ready=ready)
+
+
+async def test_a_limit_refusal_pauses_reading_that_connection_for_its_retry_after(autojump_clock):
+    # issue 41: a noisy tenant re-sending at once at its limits (ignoring retry_after)
+    # doubled a quiet tenant's p99 (scripts/bench_noisy_tenant.py); the server now does
+    # not read a refused connection again for its retry_after (virtual time here)
+    async with running_server() as srv:
+        noisy = await RawClient.connect(srv.port)
+        quiet = await RawClient.connect(srv.port)
+        await noisy.request(1, {"op": "limit", "retry_after": 0.8})
+        refused = await noisy.recv(60)
+        assert refused.code == "LIMIT_EXCEEDED"
+        t0 = trio.current_time()
+        await noisy.request(2, {"op": "echo"})
+        await quiet.request(3, {"op": "echo"})
+        assert (await quiet.recv(60)).id == 3
+        quiet_at = trio.current_time() - t0
+        assert (await noisy.recv(60)).id == 2  # answered, after the pause
+        noisy_at = trio.current_time() - t0
+        assert noisy_at >= 0.8 > quiet_at, (noisy_at, quiet_at)
+        # no retry_after: a short pause still (LIMIT_PAUSE_S), never more than LIMIT_PAUSE_MAX_S
+        await noisy.request(4, {"op": "limit"})
+        assert (await noisy.recv(60)).code == "LIMIT_EXCEEDED"
+        t1 = trio.current_time()
+        await noisy.request(5, {"op": "echo"})
+        assert (await noisy.recv(60)).id == 5
+        assert 0.25 <= trio.current_time() - t1 < 0.8
+        assert srv.statistics()["limit_pauses"] == 2

@@ -43,7 +43,9 @@ peer address may hold at most ``max_connections_per_peer`` connections (silent o
 included), so it cannot take every one of ``max_connections``; a full server closes
 the connection that has waited longest (at least ``evict_silent_after_s``, 1 s) for its
 Hello to admit a new one, so silent connections from many addresses cannot hold every
-slot until their Hello time-out; an ``accept`` that fails
+slot until their Hello time-out; a connection answered LIMIT_EXCEEDED is not read again
+for its ``retry_after`` (:data:`LIMIT_PAUSE_S`, at most :data:`LIMIT_PAUSE_MAX_S`); an
+``accept`` that fails
 (EMFILE...) backs off and logs one line per window with a count
 (:class:`~rallypoint.transport.guard.AcceptFailures`).
 
@@ -68,7 +70,7 @@ import msgspec
 import trio
 
 from .. import wire
-from ..errors import RallypointError, UnavailableError, shutting_down_error
+from ..errors import LimitError, RallypointError, UnavailableError, shutting_down_error
 from ..logutil import RateLimitedLogger
 from .connstate import (
     ABORT,
@@ -100,6 +102,11 @@ GONE_AFTER_S = 10.0
 _gone_log = RateLimitedLogger(log, window_s=30.0, burst=3)
 
 _RECEIVE_SIZE = 65536
+#: after a LIMIT_EXCEEDED answer a connection is not read for its ``retry_after``, at most
+#: LIMIT_PAUSE_MAX_S seconds, LIMIT_PAUSE_S when it has none: a client that re-sends at
+#: once is slowed to what the answer asked (the requests it already sent still run)
+LIMIT_PAUSE_S = 0.25
+LIMIT_PAUSE_MAX_S = 1.0
 
 
 class Dispatcher(Protocol):
@@ -202,6 +209,9 @@ class _Conn:
         self._fd: int | None = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else None
         self.peer = peer
         self._gone_dropped = False
+        #: the reader reads nothing more before this instant (trio time; 0: no pause):
+        #: set by a LIMIT_EXCEEDED answer (see :meth:`deliver`)
+        self.penalty_until = 0.0
         #: while waiting for the Hello: its time-out's scope (the server, full, cancels
         #: the oldest one's to make room: Server._evict_silent); the accept instant
         self.hello_scope: trio.CancelScope | None = None
@@ -295,6 +305,14 @@ class _Conn:
         """An actor's answer to request ``rid``: queued at once when the journal is
         durable past ``lsn`` (and written by :meth:`flush`, which the dispatcher calls
         at the end of its batch), else held until it is (:meth:`release_held`)."""
+        if reply.__class__ is LimitError:
+            # a client refused at a limit is not read again for its retry_after (at most
+            # LIMIT_PAUSE_MAX_S): one that ignores it is slowed to it, and the other
+            # tenants keep the server's time (issue 41: a noisy tenant re-sending at its
+            # limits doubled a quiet tenant's p99)
+            pause = min(reply.retry_after or LIMIT_PAUSE_S, LIMIT_PAUSE_MAX_S)
+            self.penalty_until = max(self.penalty_until, trio.current_time() + pause)
+            self.server._limit_pauses += 1
         act = self._deliver(rid, reply, lsn)
         if act:
             if act == HOLD and self._held is not None:
@@ -549,6 +567,11 @@ class _Conn:
             if st.phase in DRAINING_PHASES:
                 st.stop_reading()
                 return
+            if self.penalty_until:  # refused at a limit: not read for a while (see deliver)
+                until, self.penalty_until = self.penalty_until, 0.0
+                if until > trio.current_time():
+                    self._wake_writer()  # (the answers so far go out meanwhile)
+                    await trio.sleep_until(until)  # (at most 1 s: a drain waits that much more)
             # No cancel scope here (it would cost more than the rest of a request):
             # drain wakes this receive with shutdown(SHUT_RD), which makes it return b"".
             if fd is None:
@@ -843,6 +866,7 @@ class Server:
         # accepts must count them, else max_connections is overshot.
         self._starting = 0
         self._evicting = 0  # evicted connections not closed yet (their slots are taken)
+        self._limit_pauses = 0
         self._silent_evicted = 0
         #: seconds a connection must have waited for its Hello before a full server may
         #: close it for a new one (:meth:`_evict_silent`)
@@ -944,7 +968,8 @@ class Server:
         :class:`~rallypoint.transport.guard.PeerSlots`), slow_consumer_closes
         (connections closed with replies unread past twice ``max_outgoing_bytes``),
         silent_evicted (connections that had sent no Hello, closed by a full server for a
-        new one)."""
+        new one), limit_pauses (LIMIT_EXCEEDED answers after which the connection was not
+        read for a while: :data:`LIMIT_PAUSE_S`)."""
         requests = self._closed_requests
         errors = self._closed_errors
         bytes_in = self._closed_bytes_in
@@ -974,6 +999,7 @@ class Server:
             "connections_total": self._connections_total,
             "rejected_connections": self._rejected,
             "silent_evicted": self._silent_evicted,
+            "limit_pauses": self._limit_pauses,
             "requests": requests,
             "errors": errors,
             "internal_errors": internal_errors,

@@ -21,7 +21,7 @@ import msgspec
 import trio
 
 from .. import wire
-from ..errors import ConflictError, UnauthenticatedError
+from ..errors import ConflictError, LimitError, UnauthenticatedError
 
 _decode = msgspec.msgpack.decode
 _encode = msgspec.msgpack.Encoder().encode
@@ -102,6 +102,9 @@ class TestDispatcher:
         elif op == "fail":
             sink.deliver(rid, ConflictError("the group is closed; open a new one", retry_after=1.5,
                                             details={"group": "g1"}), 0)
+        elif op == "limit":  # a refusal at a limit, with the retry_after asked
+            sink.deliver(rid, LimitError("at the limit", retry_after=req.get("retry_after"),
+                                         details={"limit": "runs"}), 0)
         elif op == "crash":
             raise ValueError("secret internal text: password=hunter2")
         elif op == "crash_async":
