@@ -111,13 +111,11 @@ def node(name: str, root: str, etcd: BenchEtcd, cluster: str, *, tls: bool | Non
     return ClusterNode(name, root, etcd.node_args[0], cluster, extra=extra, env=etcd.node_env)
 
 
-async def failover(etcd: BenchEtcd, root: str, trials: int, impostor: bool = False) -> dict:
-    from rallypoint.testing.impostor import Impostor
-
-    cluster = f"bench-{uuid.uuid4().hex[:8]}"
+async def leader_and_standby(etcd: BenchEtcd, root: str, cluster: str) -> tuple[ClusterNode, ClusterNode]:
+    """Nodes ``a`` (started first: it leads) and ``b`` (its standby), once ``b`` is in
+    the in-sync set."""
     a = node("a", root, etcd, cluster)
     b = node("b", root, etcd, cluster)
-    nodes = [a, b]
     a.start()
     await a.wait_ready()
     await a.wait_role("leader")
@@ -125,6 +123,23 @@ async def failover(etcd: BenchEtcd, root: str, trials: int, impostor: bool = Fal
     await b.wait_ready()
     await b.wait_role("standby")
     await wait_isr(etcd, cluster, ["a", "b"])
+    return a, b
+
+
+async def rejoin(etcd: BenchEtcd, cluster: str, n: ClusterNode) -> None:
+    """Start ``n`` (the leader a trial stopped) again, until it is back in sync."""
+    n.start()
+    await n.wait_ready()
+    await n.wait_role("standby")
+    await wait_isr(etcd, cluster, ["a", "b"])
+
+
+async def failover(etcd: BenchEtcd, root: str, trials: int, impostor: bool = False) -> dict:
+    from rallypoint.testing.impostor import Impostor
+
+    cluster = f"bench-{uuid.uuid4().hex[:8]}"
+    a, b = await leader_and_standby(etcd, root, cluster)
+    nodes = [a, b]
     acked: dict[str, str] = {}
     acks: list[tuple[float, int]] = []  # (monotonic s, epoch of the leader that acknowledged)
     times: list[float] = []
@@ -172,10 +187,7 @@ async def failover(etcd: BenchEtcd, root: str, trials: int, impostor: bool = Fal
                     times.append(first - killed_at)
                     print(f"trial {i + 1}/{trials}: {leader.name} killed, first write acknowledged by "
                           f"{standby.name} after {first - killed_at:.3f} s", file=sys.stderr, flush=True)
-                    leader.start()
-                    await leader.wait_ready()
-                    await leader.wait_role("standby")
-                    await wait_isr(etcd, cluster, ["a", "b"])
+                    await rejoin(etcd, cluster, leader)
                     leader, standby = standby, leader
                 stop.set()
                 nursery.cancel_scope.cancel()  # (the impostors loop until cancelled)
@@ -215,16 +227,8 @@ async def handover(etcd: BenchEtcd, root: str, trials: int) -> dict:
     from rallypoint.client.consume import consume
 
     cluster = f"ho-{uuid.uuid4().hex[:8]}"
-    a = node("a", root, etcd, cluster)
-    b = node("b", root, etcd, cluster)
+    a, b = await leader_and_standby(etcd, root, cluster)
     nodes = [a, b]
-    a.start()
-    await a.wait_ready()
-    await a.wait_role("leader")
-    b.start()
-    await b.wait_ready()
-    await b.wait_role("standby")
-    await wait_isr(etcd, cluster, ["a", "b"])
     acks: list[tuple[float, int]] = []
     handled: list[tuple[float, int]] = []
     producer_s: list[float] = []
@@ -276,10 +280,7 @@ async def handover(etcd: BenchEtcd, root: str, trials: int) -> dict:
                     worker_s.append(w_s)
                     print(f"hand-over {i + 1}/{trials}: {leader.name} SIGTERM (exit {rc}); producer "
                           f"{p_s:.3f} s, worker {w_s:.3f} s", file=sys.stderr, flush=True)
-                    leader.start()
-                    await leader.wait_ready()
-                    await leader.wait_role("standby")
-                    await wait_isr(etcd, cluster, ["a", "b"])
+                    await rejoin(etcd, cluster, leader)
                     leader, standby = standby, leader
                 nursery.cancel_scope.cancel()
     finally:

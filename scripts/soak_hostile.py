@@ -46,7 +46,6 @@ import argparse
 import collections
 import multiprocessing
 import os
-import resource
 import shutil
 import signal
 import socket
@@ -63,6 +62,7 @@ import trio
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import rallypoint  # noqa: E402
+from _soakprobe import ProbeSamples, connect_from, hold, raise_nofile, sources  # noqa: E402
 from rallypoint import wire  # noqa: E402
 from rallypoint.transport.framing import FrameParser, encode_frame  # noqa: E402
 
@@ -185,28 +185,15 @@ def _holder_worker(kind: str, port: int, seconds: float, holders: int, proc: int
     """One process holding ``holders`` connections: ``silent`` ones (no Hello) from
     eight addresses, or ``perpeer`` idle ones (Hello sent) from one; each reopened when
     the daemon closes it. Puts a Counter of what happened on ``out``."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass
+    raise_nofile()
     got: collections.Counter = collections.Counter()
-    sources = ["127.0.0.9"] if kind == "perpeer" else [f"127.0.{proc + 1}.{i}" for i in range(2, 10)]
+    srcs = sources(kind, proc)
 
     async def one(i: int) -> None:
-        src = sources[i % len(sources)]
         while True:
-            s = trio.socket.socket()
-            try:
-                await s.bind((src, 0))
-                await s.connect(("127.0.0.1", port))
-            except OSError as e:
-                s.close()
-                got[f"connect failed: {e.__class__.__name__}"] += 1
-                await trio.sleep(0.5)
+            stream = await connect_from(srcs[i % len(srcs)], port, got)
+            if stream is None:
                 continue
-            stream = trio.SocketStream(s)
-            got["connections"] += 1
             first = b""
             frames = FrameParser()
             try:
@@ -230,28 +217,17 @@ def _holder_worker(kind: str, port: int, seconds: float, holders: int, proc: int
             got["refused UNAVAILABLE (the cap)" if refused else "closed by the daemon"] += 1
             await trio.sleep(0.2 if refused else 0.05)
 
-    async def main() -> None:
-        with trio.move_on_after(seconds):
-            async with trio.open_nursery() as n:
-                for i in range(holders):
-                    n.start_soon(one, i)
-                    if i % 50 == 49:
-                        await trio.sleep(0.01)
-
-    trio.run(main)
+    hold(one, holders, seconds)
     out.put(dict(got))
 
 
-class Probe:
+class Probe(ProbeSamples):
     """The well-behaved clients: ``server.status`` every 10 ms on one connection, and a
     new connection (Hello, ``server.status``, close) every 100 ms."""
 
     def __init__(self, url: str) -> None:
+        super().__init__("tcp", "new tcp")
         self.url = url
-        self.samples: dict[str, list[float]] = {"tcp": [], "new tcp": []}
-        self.failures: collections.Counter = collections.Counter()
-        self.idle: dict[str, float] = {}
-        self.ratios: dict[str, dict[str, float]] = {}
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
@@ -277,26 +253,6 @@ class Probe:
             self.samples["new tcp"].append(time.perf_counter() - t0)
             await trio.sleep(0.1)
 
-    def take(self, phase: str | None = None, idle: bool = False) -> str:
-        """The samples since the last take, summarized (and dropped); ``idle``: they are
-        the baseline; ``phase``: record their p99 against it under that name."""
-        parts = []
-        for name, xs in self.samples.items():
-            xs = sorted(xs)
-            self.samples[name] = []
-            if not xs:
-                parts.append(f"{name}: no round trip")
-                continue
-            p = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
-            text = f"{name} n={len(xs)} p50={p(0.5) * 1e3:.1f} p99={p(0.99) * 1e3:.1f} max={xs[-1] * 1e3:.1f} ms"
-            if idle:
-                self.idle[name] = p(0.99)
-            elif phase is not None and self.idle.get(name):
-                ratio = p(0.99) / self.idle[name]
-                self.ratios.setdefault(phase, {})[name] = ratio
-                text += f" (p99 {ratio:.2f}x idle)"
-            parts.append(text)
-        return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------ report

@@ -12,7 +12,7 @@ import pytest
 import rallypoint
 from rallypoint import protocol as p
 from rallypoint.actors import Coordinator
-from rallypoint.actors.api import ANY_KEY, LOCAL, OPS, PERMISSIONS
+from rallypoint.actors.api import ANY_KEY, LOCAL, NODE, OPS, PERMISSIONS
 from rallypoint.errors import ForbiddenError, NotFoundError, RallypointError, UnauthenticatedError
 from rallypoint.service import CallSink, Service, Session
 from rallypoint.wire import PROTOCOL_VERSION, Hello
@@ -76,6 +76,17 @@ async def test_permission_matrix(op_type):
             assert isinstance(refused, ForbiddenError) and "not a client's" in refused.message, refused
         assert isinstance(submit_now(service, Session(space="s1", peer="embedded"), build_op(op_type)), ForbiddenError)
         assert not isinstance(submit_now(service, Session(space="s1", local=True), build_op(op_type)), ForbiddenError)
+        return
+    if needed == NODE:  # another node's call between shards: no client's, no local step either
+        for perm in PERMISSIONS[:4]:
+            _, secret = coord.keys.create_key("s1", [perm])
+            s_key, _ = service.hello(Hello(PROTOCOL_VERSION, secret), "t")
+            refused = submit_now(service, s_key, build_op(op_type))
+            assert isinstance(refused, ForbiddenError) and "made only by its nodes" in refused.message, refused
+        for session in (Session(space="s1", peer="embedded"), Session(space="s1", local=True),
+                        Session(space="s1", permissions=frozenset({"operator"}))):
+            assert isinstance(submit_now(service, session, build_op(op_type)), ForbiddenError)
+        assert not isinstance(submit_now(service, Session(space="s1", node=True), build_op(op_type)), ForbiddenError)
         return
     if needed == ANY_KEY:  # any live key passes, whatever it holds
         for perm in PERMISSIONS[:3]:

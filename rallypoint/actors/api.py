@@ -24,9 +24,9 @@ RuntimeError naming it (``tests/test_op_table.py``).
 from __future__ import annotations
 
 from .coordinator import KIND_CLASSES
-from .opmark import ANY_KEY, LOCAL, PERMISSIONS, OpDecl, OpTable, build_table
+from .opmark import ANY_KEY, LOCAL, NODE, PERMISSIONS, OpDecl, OpTable, build_table
 
-__all__ = ["TABLE", "OPS", "REPLY_TYPES", "Op", "op_decoder", "OpDecl", "PERMISSIONS", "ANY_KEY", "LOCAL"]
+__all__ = ["TABLE", "OPS", "REPLY_TYPES", "Op", "op_decoder", "OpDecl", "PERMISSIONS", "ANY_KEY", "LOCAL", "NODE"]
 
 #: The table of every kind's marks.
 TABLE: OpTable = build_table(KIND_CLASSES)
