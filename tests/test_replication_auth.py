@@ -240,6 +240,8 @@ async def test_peer_tls_takes_a_standby_whose_certificate_names_it(tmp_path, pki
                 n.start_soon(functools.partial(follow, sb, leader.port, 10, leader="a"))
                 await wait_until(lambda: leader.isr.isr == ["a", "b"])
                 await wait_until(lambda: sb.applied_lsn == leader.coord.journal.last_lsn)
+                assert leader.repl.peer is not None and leader.repl.peer.node == "b"
+                assert leader.repl.stats["refused"] == 0 and log == [("isr", ("a", "b"))]
         n.cancel_scope.cancel()
 
 
@@ -290,7 +292,8 @@ def test_a_plaintext_link_on_a_public_address_is_refused_unless_insecure(tmp_pat
 def test_a_peer_tls_set_up_serves_a_public_address(tmp_path, pki):
     cfg = MemberConfig(etcd=["x"], node="a", data_dir=str(tmp_path), replication=("0.0.0.0", 0),
                        peer_tls=_tls(pki, "a"))
-    ShardMember(cfg, make_server=lambda d: None)
+    m = ShardMember(cfg, make_server=lambda d: None)  # (without TLS: refused, the test above)
+    assert m.config.replication == ("0.0.0.0", 0) and m.config.peer_tls is cfg.peer_tls
 
 
 def test_a_peer_certificate_that_does_not_name_the_node_is_refused_at_start(tmp_path, pki):
