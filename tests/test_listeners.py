@@ -65,17 +65,7 @@ OTHER = "127.0.0.2"  # another peer address on loopback (Linux routes 127/8 to l
 # ============================================================== HTTP: head and body timers
 
 
-class _Sock:
-    """What hypercorn reads from a connection's socket (the addresses)."""
-
-    family = socket.AF_INET
-
-    def getpeername(self):
-        return ("127.0.0.1", 40000)
-
-    def getsockname(self):
-        return ("127.0.0.1", 8080)
-
+from test_http_hostile import _Sock  # noqa: E402  (what hypercorn reads from a socket)
 
 HEADER_S = 5.0
 BODY_S = 7.0

@@ -82,12 +82,8 @@ class LinkAuth:
     async def _accept(self, stream, node: str, epoch: int) -> Accepted:
         names: set[str] | None = None
         if self.tls is not None:
-            stream = trio.SSLStream(stream, self.tls.server, server_side=True)
-            try:
-                await stream.do_handshake()
-            except (trio.BrokenResourceError, ssl.SSLError, OSError) as e:
-                raise Unauthenticated(f"the peer's TLS handshake failed (no certificate of the cluster's CA?): "
-                                      f"{_cause(e)}") from None
+            stream = await _tls_handshake(trio.SSLStream(stream, self.tls.server, server_side=True),
+                                          "the peer's TLS handshake failed (no certificate of the cluster's CA?)")
             names = names_of(stream.getpeercert())
         link = Link(stream, "leader", max_message=wire.HANDSHAKE_MAX_BYTES)
         hello = await link.receive()
@@ -130,12 +126,9 @@ class LinkAuth:
 
     async def _connect(self, stream, hello: wire.Hello, leader: str, epoch: int) -> Link:
         if self.tls is not None:
-            stream = trio.SSLStream(stream, self.tls.client, server_hostname=leader)
-            try:
-                await stream.do_handshake()
-            except (trio.BrokenResourceError, ssl.SSLError, OSError) as e:
-                raise Unauthenticated(f"TLS to the leader {leader!r} failed (its certificate must be of the "
-                                      f"cluster's CA and name {leader!r}): {_cause(e)}") from None
+            stream = await _tls_handshake(trio.SSLStream(stream, self.tls.client, server_hostname=leader),
+                                          f"TLS to the leader {leader!r} failed (its certificate must be of the "
+                                          f"cluster's CA and name {leader!r})")
         link = Link(stream, "standby", max_message=wire.HANDSHAKE_MAX_BYTES)
         hello.nonce = mine = peerauth.new_nonce()
         await link.send(hello)
@@ -165,6 +158,15 @@ async def _refuse(link: Link, message: str) -> None:
         await link.send(wire.Refuse(code="UNAUTHENTICATED", message=message))
     except LinkClosed:
         pass
+
+
+async def _tls_handshake(stream: trio.SSLStream, failed: str) -> trio.SSLStream:
+    """``stream`` once its TLS handshake is done; Unauthenticated (``failed: cause``) if it fails."""
+    try:
+        await stream.do_handshake()
+    except (trio.BrokenResourceError, ssl.SSLError, OSError) as e:
+        raise Unauthenticated(f"{failed}: {_cause(e)}") from None
+    return stream
 
 
 def _cause(e: BaseException) -> str:

@@ -639,9 +639,14 @@ class _Conn:
         server = self.server
         st = self.st
         hello: Any = NEED_DATA
+        waiting = server._hello_waits
         with trio.move_on_after(server.handshake_timeout) as self.hello_scope:
-            while hello is NEED_DATA:
-                hello = st.receive_hello(await self.stream.receive_some(_RECEIVE_SIZE))
+            waiting[self] = None  # (in accept order: Server._evict_silent takes the first)
+            try:
+                while hello is NEED_DATA:
+                    hello = st.receive_hello(await self.stream.receive_some(_RECEIVE_SIZE))
+            finally:
+                waiting.pop(self, None)
         self.hello_scope = None
         if hello is NEED_DATA:
             st.hello_timeout(server.handshake_timeout)
@@ -866,6 +871,8 @@ class Server:
         # accepts must count them, else max_connections is overshot.
         self._starting = 0
         self._evicting = 0  # evicted connections not closed yet (their slots are taken)
+        #: connections waiting for their Hello, in accept order (a dict as an ordered set)
+        self._hello_waits: dict[_Conn, None] = {}
         self._limit_pauses = 0
         self._silent_evicted = 0
         #: seconds a connection must have waited for its Hello before a full server may
@@ -1062,13 +1069,10 @@ class Server:
         each address under its cap, took every slot until their Hello time-out, and
         every new client was refused). True when one was closed."""
         now = trio.current_time()
-        oldest: _Conn | None = None
-        for c in self._conns:
-            if c.hello_scope is not None and not c.evicted and now - c.accepted_at >= self.evict_silent_after_s:
-                if oldest is None or c.accepted_at < oldest.accepted_at:
-                    oldest = c
-        if oldest is None:
+        oldest = next(iter(self._hello_waits), None)  # (the one accepted first)
+        if oldest is None or now - oldest.accepted_at < self.evict_silent_after_s:
             return False
+        del self._hello_waits[oldest]
         oldest.evicted = True
         self._evicting += 1
         self._silent_evicted += 1
