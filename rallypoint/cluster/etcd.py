@@ -735,7 +735,11 @@ class EtcdClient:
             remaining = deadline - trio.current_time()
             if remaining <= 0:
                 hint = ""
-                if "disconnected without sending a response" in last_error and not self.endpoints[0].startswith("https"):
+                # an etcd serving TLS closes a plaintext connection unanswered: a FIN, or an
+                # RST when the request is still unread (seen on a loaded machine)
+                closed = ("disconnected without sending a response" in last_error
+                          or "Connection reset by peer" in last_error)
+                if closed and not self.endpoints[0].startswith("https"):
                     hint = " (an etcd serving TLS closes a plain http:// connection like this: give https://)"
                 raise EtcdUnavailableError(
                     f"etcd did not answer {path} within {timeout:g} s at {', '.join(self.endpoints)} "
