@@ -225,8 +225,8 @@ class Probe(ProbeSamples):
     """The well-behaved clients: ``server.status`` every 10 ms on one connection, and a
     new connection (Hello, ``server.status``, close) every 100 ms."""
 
-    def __init__(self, url: str) -> None:
-        super().__init__("tcp", "new tcp")
+    def __init__(self, url: str, ramp_s: float = 0.0) -> None:
+        super().__init__("tcp", "new tcp", ramp_s=ramp_s)
         self.url = url
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -237,7 +237,7 @@ class Probe(ProbeSamples):
                 while True:
                     t0 = time.perf_counter()
                     await rs.status()
-                    self.samples["tcp"].append(time.perf_counter() - t0)
+                    self.sample("tcp", t0)
                     await trio.sleep(0.01)
 
     async def _fresh(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -250,7 +250,7 @@ class Probe(ProbeSamples):
                         await rs.status()
             except Exception as e:  # a refusal, a timeout: each is a failure of the probe
                 self.failures[f"new tcp {type(e).__name__}: {str(e)[:80]}"] += 1
-            self.samples["new tcp"].append(time.perf_counter() - t0)
+            self.sample("new tcp", t0)
             await trio.sleep(0.1)
 
 
@@ -271,17 +271,19 @@ def row(label: str, s: dict, work: str = "", probe: str = "") -> None:
 
 async def soak(args, d: Daemon) -> dict:
     phase_s = args.seconds / len(args.phases)
-    probe = Probe(d.url)
+    probe = Probe(d.url, args.ramp)
     result: dict = {}
     async with trio.open_nursery() as nursery:
         await nursery.start(probe.run)
         await trio.sleep(0.5)
         probe.take()
+        probe.mark()
         await trio.sleep(args.idle)
         row("idle", snapshot(d), f"probes alone for {args.idle:g} s", probe.take(idle=True))
         for kind in args.phases:
             failed = sum(probe.failures.values())
             t0 = time.monotonic()
+            probe.mark()
             if kind == "storm":
                 counter = multiprocessing.Value("q", 0)
                 procs = [multiprocessing.Process(target=_storm_worker, args=(d.port, phase_s, counter))
@@ -320,6 +322,7 @@ async def soak(args, d: Daemon) -> dict:
                 print(f"{'':<22} probe failures so far: {dict(probe.failures)}")
         nursery.cancel_scope.cancel()
     result["ratios"] = probe.ratios
+    result["ramp_max_s"] = probe.ramps
     result["probe_failures"] = dict(probe.failures)
     return result
 
@@ -333,6 +336,9 @@ def main() -> int:
     ap.add_argument("--holders", type=int, default=600,
                     help="connections each process holds in the silent and perpeer phases (default %(default)s)")
     ap.add_argument("--idle", type=float, default=5.0, help="seconds the probes run alone first (the baseline)")
+    ap.add_argument("--ramp", type=float, default=2.0,
+                    help="a phase's first seconds (the attackers starting and opening their connections), "
+                         "summarized apart: the ratios judge the attack held")
     ap.add_argument("--storm-procs", type=int, default=2, help="processes running the connect/reset storm")
     ap.add_argument("--flooders", type=int, default=20, help="never-reading connections in the flood")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -355,7 +361,8 @@ def main() -> int:
     print(f"{'after SIGTERM':<22} log {final['log']:>11,} B {final['lines']:>8,} lines  ERROR {final['errors']:>7,}  "
           f"tracebacks {final['tracebacks']:>7,}  daemon exit code {rc}")
     for phase, ratios in result.get("ratios", {}).items():
-        print(f"{'p99 / idle':<22} {phase:<8} " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        print(f"{'p99 / idle':<22} {phase:<8} " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+              + "   ramp max " + "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in result.get("ramp_max_s", {}).get(phase, {}).items()))
     if result.get("probe_failures"):
         print(f"{'probe failures':<22} {result['probe_failures']}")
     if args.keep_log:

@@ -344,8 +344,8 @@ class Probe(ProbeSamples):
     """The well-behaved clients: an HTTP GET (keep-alive) and a TCP ``server.status``,
     each every 10 ms."""
 
-    def __init__(self, d: Daemon) -> None:
-        super().__init__("http", "new http", "tcp")
+    def __init__(self, d: Daemon, ramp_s: float = 0.0) -> None:
+        super().__init__("http", "new http", "tcp", ramp_s=ramp_s)
         self.d = d
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -366,7 +366,7 @@ class Probe(ProbeSamples):
                         self.failures[f"http {r.status_code}"] += 1
                 except httpx.HTTPError as e:
                     self.failures[f"http {type(e).__name__}"] += 1
-                self.samples["http"].append(time.perf_counter() - t0)
+                self.sample("http", t0)
                 await trio.sleep(0.01)
 
     async def _fresh(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -394,7 +394,7 @@ class Probe(ProbeSamples):
                     self.failures[f"new http {got[:12]!r}"] += 1
             except (OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
                 self.failures[f"new http {type(e).__name__}"] += 1
-            self.samples["new http"].append(time.perf_counter() - t0)
+            self.sample("new http", t0)
             await trio.sleep(0.1)
 
     async def _tcp(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -403,7 +403,7 @@ class Probe(ProbeSamples):
             while True:
                 t0 = time.perf_counter()
                 await rs.status()
-                self.samples["tcp"].append(time.perf_counter() - t0)
+                self.sample("tcp", t0)
                 await trio.sleep(0.01)
 
 
@@ -423,16 +423,18 @@ def row(d: Daemon, label: str) -> dict:
 
 async def soak(args, d: Daemon) -> dict:
     phase_s = args.seconds / len(args.phases)
-    probe = Probe(d)
+    probe = Probe(d, args.ramp)
     result: dict = {"answers": collections.Counter(), "holders": collections.Counter()}
     async with trio.open_nursery() as nursery:
         await nursery.start(probe.run)
         await trio.sleep(0.5)
         probe.take()
+        probe.mark()
         await trio.sleep(args.idle)
         print(f"{'idle':<14} probes alone for {args.idle:g} s: {probe.take(idle=True)}")
         base = row(d, "start")
         for kind in args.phases:
+            probe.mark()
             out = multiprocessing.get_context("spawn").Queue() if kind in HOLDERS else multiprocessing.Queue()
             if kind in HOLDERS:  # (spawned: a child forked from inside trio.run cannot trio.run)
                 procs = [multiprocessing.get_context("spawn").Process(target=_holder_worker,
@@ -473,6 +475,7 @@ async def soak(args, d: Daemon) -> dict:
         print(f"{'':<14} descriptors back to the start's {base['fds']}: {back}")
         result["probe_failures"] = dict(probe.failures)
         result["ratios"] = probe.ratios
+        result["ramp_max_s"] = probe.ramps
         if probe.failures:
             print(f"{'':<14} probe failures: {dict(probe.failures)}")
         nursery.cancel_scope.cancel()
@@ -489,6 +492,9 @@ def main() -> int:
     ap.add_argument("--holders", type=int, default=600,
                     help="connections each process holds in the slowloris, keepalive, slowbody, perpeer phases")
     ap.add_argument("--idle", type=float, default=5.0, help="seconds the probes run alone first (the baseline)")
+    ap.add_argument("--ramp", type=float, default=2.0,
+                    help="a phase's first seconds (the attackers starting and opening their connections), "
+                         "summarized apart: the ratios judge the attack held")
     ap.add_argument("--nofile", type=int, default=0, help="the daemon's RLIMIT_NOFILE (0: inherited)")
     ap.add_argument("--max-connections", type=int, default=0, help="the daemon's --max-connections (0: its default)")
     ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -517,7 +523,8 @@ def main() -> int:
     if result.get("holders"):
         print(f"{'holders':<14} {json.dumps(dict(sorted(result['holders'].items())))}")
     for phase, ratios in result.get("ratios", {}).items():
-        print(f"{'p99 / idle':<14} {phase:<10} " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        print(f"{'p99 / idle':<14} {phase:<10} " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+              + "   ramp max " + "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in result.get("ramp_max_s", {}).get(phase, {}).items()))
     if args.keep_log:
         print(f"log: {d.log_path}")
     else:

@@ -50,7 +50,7 @@ from rallypoint.http.server import HttpListener, _Connection
 from rallypoint.metrics import Metrics, key_authorizer, serve_metrics
 from rallypoint.transport.connstate import ABORT, NEED_DATA, PAUSED, ConnState, Phase
 from rallypoint.transport.framing import FrameParser, encode_frame
-from rallypoint.transport.guard import AcceptFailures, PeerSlots, raise_nofile_limit
+from rallypoint.transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, raise_nofile_limit
 from rallypoint.transport.server import Server
 from rallypoint.transport.testing import RawClient, TestDispatcher, running_server
 
@@ -277,6 +277,114 @@ def test_peer_slots_count_per_address_and_give_back():
     assert PeerSlots(0).take("a") and PeerSlots(None).take("a")  # no cap
     with pytest.raises(ValueError):
         PeerSlots(-1)
+
+
+def test_peer_slots_largest_holders_first_as_counts_change():
+    slots = PeerSlots(None)
+    for addr, n in (("a", 3), ("b", 1), ("c", 2)):
+        for _ in range(n):
+            slots.take(addr)
+    assert slots.largest() == [("a", 3), ("c", 2), ("b", 1)]
+    assert slots.largest(2) == [("a", 3), ("c", 2)]
+    for _ in range(3):
+        slots.give("a")
+    assert slots.largest() == [("c", 2), ("b", 1)] and slots.statistics()["max_per_peer"] == 2
+    slots.give("c"), slots.give("c"), slots.give("b")
+    assert slots.largest() == [] and slots.statistics() == {"peers": 0, "max_per_peer": 0, "refused_per_peer": 0}
+
+
+def _close_into(closed: list, slots: PeerSlots, room: Evictable):
+    def close(item, rank):
+        closed.append(item)
+        slots.give(item[0])
+        return True
+    return close
+
+
+def test_a_full_listener_evicts_from_the_biggest_holder_not_the_oldest_connection():
+    """Max-min fair: the victim is the biggest holder's oldest, though another
+    address's connection is older; a newcomer holding its share already evicts no one."""
+    slots = PeerSlots(None)
+    room = Evictable(slots, 2, min_age_s=1.0)
+    for addr, item, since in (("a", "a-old", -100.0), ("b", "b0", 0.0), ("a", "a1", 1.0), ("b", "b1", 1.0),
+                              ("a", "a2", 2.0), ("b", "b2", 2.0), ("b", "b3", 3.0)):
+        slots.take(addr)
+        room.add(addr, item, 0, since)  # a: 3 (its oldest the oldest of all), b: 4
+    closed: list = []
+    close = _close_into(closed, slots, room)
+    assert room.pick("n", 50.0, close) and closed == ["b0"]  # b holds the most
+    assert room.pick("n", 50.0, close) and closed == ["b0", "a-old"]  # a now the biggest: its oldest
+    closed.clear()
+    assert not room.pick("a", 50.0, close) and closed == []  # a (2) vs b (3): a neutral swap, but a lost one
+
+
+def test_a_neutral_swap_is_refused_to_an_address_that_just_lost_a_connection():
+    """Addresses each holding one connection (a botnet's shape): a new address gets in by
+    closing the oldest; the address it closed cannot close another's in turn (the
+    reconnect-evict cascade) until ``recent_s`` has passed."""
+    slots = PeerSlots(None)
+    room = Evictable(slots, 1, min_age_s=1.0, recent_s=10.0)
+    for i, addr in enumerate("abc"):
+        slots.take(addr)
+        room.add(addr, f"{addr}0", 0, float(i))
+    closed: list = []
+    close = _close_into(closed, slots, room)
+    assert room.pick("n", 5.0, close) and closed == ["a0"]  # the oldest of equal holders
+    slots.take("n")
+    assert not room.pick("a", 5.1, close) and closed == ["a0"]  # a lost one: no swap for it
+    assert room.pick("a", 15.1, close) and closed == ["a0", "b0"]  # recent_s later it may again
+
+
+def test_only_connections_in_their_class_long_enough_are_closed_the_lowest_class_first():
+    slots = PeerSlots(None)
+    room = Evictable(slots, 2, min_age_s=1.0)
+    for _ in range(3):
+        slots.take("a")
+    room.add("a", "head", 1, 0.0)
+    room.add("a", "idle", 0, 9.5)
+    closed: list = []
+    close = _close_into(closed, slots, room)
+    assert room.pick("n", 10.0, close) and closed == ["head"]  # the idle one is too young
+    room.add("a", "idle2", 0, 9.8)
+    assert room.pick("n", 11.0, close) and closed == ["head", "idle"]  # class 0 before class 1
+    declined: list = []
+    assert not room.pick("n", 11.0, lambda item, rank: declined.append(item) or False)
+    assert declined == ["idle2"] and len(room) == 0  # a declined one leaves the set
+    with pytest.raises(ValueError):
+        Evictable(slots, 0, 1.0)
+
+
+def test_a_repeat_refusal_is_held_and_past_the_hold_cap_dropped():
+    """An address refused again within ``window_s`` is held ``hold_s`` before its answer
+    (reconnecting attackers come back once a second, not as fast as the listener can
+    refuse them); with ``max_held`` held, the next is closed at once (None)."""
+    pacer = RefusalPacer(hold_s=1.0, window_s=2.0, max_held=2)
+    assert pacer.hold("a", 0.0) == 0.0  # a first refusal: at once
+    assert pacer.hold("a", 0.5) == 1.0 and pacer.hold("a", 0.6) == 1.0  # repeats: held
+    assert pacer.hold("a", 0.7) is None  # two held already: dropped
+    assert pacer.hold("b", 0.7) == 0.0  # another address's first: at once
+    pacer.release()
+    assert pacer.hold("b", 0.8) == 1.0
+    assert pacer.hold("a", 3.0) == 0.0  # past window_s: a first refusal again
+    assert pacer.statistics() == {"refusals_held": 2, "refusals_held_total": 3, "refusals_dropped": 1}
+    with pytest.raises(ValueError):
+        RefusalPacer(hold_s=0)
+
+
+async def test_a_full_tcp_server_holds_an_address_refused_again():
+    """End to end: a full TCP server answers a second refused connection of the same
+    address after a second, the first at once (counted apart: held or not)."""
+    async with running_server(max_connections=1) as srv:
+        c1 = await RawClient.connect(srv.port)
+        first = await RawClient.connect(srv.port, hello=False, source="127.0.9.2")
+        assert (await first.expect_eof())[0].code == "UNAVAILABLE"
+        assert srv.statistics()["refusals_held_total"] == 0
+        again = await RawClient.connect(srv.port, hello=False, source="127.0.9.2")
+        t0 = trio.current_time()
+        assert (await again.expect_eof())[0].code == "UNAVAILABLE"
+        assert trio.current_time() - t0 >= 0.9  # held (a lower bound: a loaded machine only adds)
+        assert srv.statistics()["refusals_held_total"] == 1
+        await c1.aclose()
 
 
 # ============================================================== the metrics listener
@@ -614,8 +722,8 @@ def test_idle_keep_alive_connections_are_closed_to_make_room_at_the_limit():
     with http_daemon("--max-connections", "3") as d:
         get = f"GET /v1/spaces/default/scopes/sc_nope HTTP/1.1\r\nhost: 127.0.0.1:{d.http_port}\r\n\r\n".encode()
         held = []
-        for _ in range(3):
-            s = socket.create_connection(("127.0.0.1", d.http_port))
+        for _ in range(3):  # (from one address: the newcomer, from another, holds fewer)
+            s = socket.create_connection(("127.0.0.1", d.http_port), source_address=("127.0.7.2", 0))
             s.sendall(get)
             assert read_response(s)[0] == 404
             held.append(s)
@@ -635,13 +743,73 @@ def test_idle_keep_alive_connections_are_closed_to_make_room_at_the_limit():
             s.close()
 
 
-@pytest.mark.parametrize("how", ["silent", "slow head"])
+def test_attackers_holding_their_share_cannot_close_one_anothers_connections_in_a_loop():
+    """``--max-connections 4`` held idle by two addresses, two each. A third connection
+    from one of them is refused (it holds its share: closing the other's would only
+    trade places); a client from a new address gets in (the oldest idle one is closed
+    for it); the address that lost a connection is then refused too, where before it
+    closed the other's, which closed the next...: the reconnect-evict cascade that had a
+    full listener accept 1,100 connections a second under the soak's keep-alive attack
+    and a new client wait 120x its idle p99 (issue 41 item 7)."""
+    from test_http_hostile import http_daemon, read_response, wait_for
+
+    with http_daemon("--max-connections", "4") as d:
+        get = f"GET /v1/spaces/default/scopes/sc_nope HTTP/1.1\r\nhost: 127.0.0.1:{d.http_port}\r\n\r\n".encode()
+
+        def connect(src: str) -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", d.http_port), source_address=(src, 0))
+            s.settimeout(10)
+            return s
+
+        held = {}
+        for src in ("127.0.7.2", "127.0.7.3", "127.0.7.2", "127.0.7.3"):
+            s = connect(src)
+            s.sendall(get)
+            assert read_response(s)[0] == 404
+            held.setdefault(src, []).append(s)
+
+        def status_from(src: str) -> int:
+            with connect(src) as s:
+                s.sendall(get)
+                try:
+                    return read_response(s)[0]
+                except (ConnectionError, OSError):
+                    return 0
+
+        newcomer = []
+
+        def new_address_served() -> bool:  # (kept open: the listener stays full)
+            s = connect("127.0.0.1")
+            s.sendall(get)
+            try:
+                if read_response(s)[0] == 404:
+                    newcomer.append(s)
+                    return True
+            except (ConnectionError, OSError):
+                pass
+            s.close()
+            return False
+
+        wait_for(new_address_served, 20, "a new address served (an idle one closed for it)")
+        first = held["127.0.7.2"][0]
+        assert first.recv(1) == b""  # the oldest idle one (127.0.7.2's first) was closed for it
+        assert status_from("127.0.7.2") == 503  # 1 vs 2: a swap, refused to the one that just lost
+        assert status_from("127.0.7.3") == 503  # holds its share (2 vs 1 and 1)
+        for s in held["127.0.7.2"][1:] + held["127.0.7.3"]:
+            s.sendall(get)
+            assert read_response(s)[0] == 404  # nobody else was closed
+        for s in newcomer + [s for group in held.values() for s in group]:
+            s.close()
+
+
+@pytest.mark.parametrize("how", ["silent", "slow head", "slow body"])
 def test_silent_and_slowloris_connections_are_closed_to_make_room_at_the_limit(how):
     """``--max-connections 3`` taken by connections that send nothing (or a request
-    head a line at a time), from addresses each under the cap per peer: a new client is
-    served once the oldest has held its slot a second (it is closed for it). Before,
-    every new connection was 503 until the holders' header time-out (issue 41 item 7:
-    slowloris from 16 addresses took every slot)."""
+    head a line at a time, or a request body that never ends), from addresses each
+    under the cap per peer: a new client is served once the oldest has held its slot a
+    second (it is closed for it; a slow body answered 503). Before, every new
+    connection was 503 until the holders' header (body) time-out (issue 41 item 7:
+    slowloris or slow bodies from 16 addresses took every slot)."""
     from test_http_hostile import http_daemon, read_response, wait_for
 
     with http_daemon("--max-connections", "3", "--header-timeout", "60", "--handshake-timeout", "60") as d:
@@ -653,6 +821,9 @@ def test_silent_and_slowloris_connections_are_closed_to_make_room_at_the_limit(h
             s.connect(("127.0.0.1", d.http_port))
             if how == "slow head":
                 s.sendall(get[:20])  # a head begun, never finished
+            elif how == "slow body":  # a body begun, never finished
+                s.sendall(f"POST /v1/spaces/default/scopes HTTP/1.1\r\nhost: 127.0.0.1:{d.http_port}\r\n"
+                          "content-type: application/json\r\ncontent-length: 100000\r\n\r\n{".encode())
             held.append(s)
 
         def served() -> bool:
@@ -668,6 +839,8 @@ def test_silent_and_slowloris_connections_are_closed_to_make_room_at_the_limit(h
         try:
             while chunk := held[0].recv(65536):
                 assert not chunk.startswith(b"HTTP/1.1 2"), chunk  # (never served: at most an error)
+                if how == "slow body":
+                    assert chunk.startswith(b"HTTP/1.1 503"), chunk  # told why (UNAVAILABLE), not a 408
             closed = True
         except ConnectionResetError:
             closed = True

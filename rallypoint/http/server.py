@@ -83,7 +83,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
 from ..logutil import printable
-from ..transport.guard import AcceptFailures, PeerSlots, peer_address
+from ..transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, drop, peer_address
 from .app import HttpApi, reject_body
 from .guard import HostCheck, HttpGuard
 
@@ -101,6 +101,22 @@ MAX_HEAD_BYTES = 16 * 1024
 #: An idle keep-alive connection may be closed to make room once it has been idle this
 #: long, seconds (not one between two requests of a busy client).
 EVICT_MIN_IDLE_S = 1.0
+#: the classes of connections a full listener may close, in the order it does (Evictable ranks)
+_IDLE, _SILENT, _HEAD, _BODY = 0, 1, 2, 3
+#: the connection, in each request's ``scope["state"]`` (hypercorn copies the
+#: connection's state dict into it): what _BodyDeadline registers a body wait under
+_CONN_KEY = "rallypoint.connection"
+
+
+class _BodyWait:
+    """A request's body being waited for (registered as evictable, rank _BODY)."""
+
+    __slots__ = ("scope", "conn", "evicted")
+
+    def __init__(self, scope: trio.CancelScope, conn: "_Connection") -> None:
+        self.scope = scope
+        self.conn = conn
+        self.evicted = False
 
 
 class _H2(H2Protocol):
@@ -158,6 +174,7 @@ class _Connection(TCPServer):
         self.idle = True  # no request in progress (hypercorn's Updated(idle=...))
         self.head_at: float | None = None  # when the first byte of the head in progress came
         self.evicted = False  # closed to make room (HttpListener._make_room)
+        self.addr = "?"  # the peer's address (its PeerSlots key), set by the listener
         self._idle_scope: trio.CancelScope | None = None  # the idle timer's, while it runs
 
     @property
@@ -201,8 +218,7 @@ class _Connection(TCPServer):
 
     def _not_idle(self) -> None:
         if self.listener is not None:
-            self.listener._idle.pop(self, None)
-            self.listener._heads.pop(self, None)
+            self.listener._evictable.discard(self)
 
     def _head_started(self) -> None:
         """Bytes arrived while no request is in progress: the head of the next one has
@@ -211,7 +227,7 @@ class _Connection(TCPServer):
         self.head_at = now = trio.current_time()
         self._not_idle()
         if self.listener is not None and not self.peer_gone:
-            self.listener._heads[self] = now
+            self.listener._evictable.add(self.addr, self, _HEAD, now)
         scope = self._idle_scope
         if scope is not None and self.header_s is not None and self.protocol_is_h11():
             scope.deadline = min(scope.deadline, now + self.header_s)
@@ -298,29 +314,49 @@ class _BodyDeadline:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
-        deadline = trio.current_time() + self.body_s
+        began = trio.current_time()
+        deadline = began + self.body_s
         state = {"body_done": False, "timed_out": False, "started": False}
+        conn = (scope.get("state") or {}).get(_CONN_KEY)
+        listener = conn.listener if conn is not None else None
 
         async def timed_receive():
             if state["timed_out"]:
                 return {"type": "http.disconnect"}
             if state["body_done"]:
                 return await receive()
-            with trio.move_on_at(deadline):
-                msg = await receive()
+            wait = None
+            with trio.move_on_at(deadline) as cancel:
+                if listener is not None:  # a full listener may close it for another (oldest first)
+                    wait = _BodyWait(cancel, conn)
+                    listener._evictable.add(conn.addr, wait, _BODY, began)
+                try:
+                    msg = await receive()
+                finally:
+                    if wait is not None:
+                        listener._evictable.discard(wait)
                 if msg.get("type") != "http.request" or not msg.get("more_body", False):
                     state["body_done"] = True
                 return msg
             state["timed_out"] = True
-            if self.on_timeout is not None:
+            evicted = wait is not None and wait.evicted
+            if self.on_timeout is not None and not evicted:
                 self.on_timeout(scope)
             if not state["started"]:
                 state["started"] = True
-                body = reject_body(f"the request body did not arrive within {self.body_s:g} s of its head "
-                                   "(--body-timeout); closing the connection", code="REQUEST_TIMEOUT")
-                await send({"type": "http.response.start", "status": 408, "headers": [
-                    (b"content-type", b"application/json"), (b"connection", b"close"),
-                    (b"content-length", b"%d" % len(body))]})
+                if evicted:
+                    status, body = 503, reject_body(
+                        "the server has reached its limit of HTTP connections and this request's body was "
+                        "still coming: closed to make room; retry", code="UNAVAILABLE")
+                else:
+                    status, body = 408, reject_body(
+                        f"the request body did not arrive within {self.body_s:g} s of its head "
+                        "(--body-timeout); closing the connection", code="REQUEST_TIMEOUT")
+                headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                           (b"content-length", b"%d" % len(body))]
+                if evicted:
+                    headers.append((b"retry-after", b"1"))
+                await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
             return {"type": "http.disconnect"}
 
@@ -378,6 +414,8 @@ class HttpListener:
         self.ssl_context = ssl_context
         self.max_connections = max_connections
         self.peer_slots = PeerSlots(max_connections_per_peer)
+        #: refusals of an address refused again held a second (RefusalPacer)
+        self.pacer = RefusalPacer()
         self.first_request_s = first_request_s
         self.header_s = header_s
         self.graceful_s = graceful_s
@@ -386,14 +424,14 @@ class HttpListener:
         self.accept_failures = AcceptFailures(log, "HTTP listener", first_s=ACCEPT_RETRY_S,
                                               max_s=ACCEPT_RETRY_MAX_S)
         #: connections not handed to hypercorn yet (no bytes yet): ended on stop
-        #: (-> since when, trio time, and the slot's release: the oldest first)
-        self._waiting: dict[trio.CancelScope, tuple[float, Any]] = {}
-        #: idle keep-alive connections -> since when (trio time), the one idle longest first
-        self._idle: dict[_Connection, float] = {}
-        #: connections whose request head is in progress -> since its first byte (the oldest
-        #: first): a head is one packet for a real client, so one still coming after
-        #: EVICT_MIN_IDLE_S when every slot is taken is a slowloris client's, and makes room
-        self._heads: dict[_Connection, float] = {}
+        #: (-> the slot's release)
+        self._waiting: dict[trio.CancelScope, Any] = {}
+        #: what may be closed to make room, per peer address (max-min fair: Evictable):
+        #: idle keep-alive connections (since when idle), connections silent since their
+        #: accept (their wait's scope), connections whose request head is in progress
+        #: (since its first byte: a head is one packet for a real client, so one still
+        #: coming after EVICT_MIN_IDLE_S when every slot is taken is a slowloris client's)
+        self._evictable = Evictable(self.peer_slots, 4, EVICT_MIN_IDLE_S)
         self.connections = 0
         self.connections_total = 0
         self.rejected = 0
@@ -401,6 +439,7 @@ class HttpListener:
         self.evicted = 0
         self.evicted_silent = 0
         self.evicted_slow_heads = 0
+        self.evicted_slow_bodies = 0
 
     @property
     def accept_errors(self) -> int:
@@ -412,16 +451,18 @@ class HttpListener:
         ``accept_errors`` (failed accepts, e.g. EMFILE), ``idle_closed`` (idle keep-alive
         connections closed to make room), ``silent_closed`` / ``slow_heads_closed``
         (connections silent since their accept, or whose request head was still coming,
-        closed to make room), ``body_timeouts`` (408s), and the per-peer
+        closed to make room), ``slow_bodies_closed`` (requests whose body was still
+        coming, answered 503 to make room), ``body_timeouts`` (408s), and the per-peer
         counts (``peers``, ``max_per_peer``, ``refused_per_peer``), ``refused_requests``
         (refused by the guard: a bad request-target, framing, Host, a WebSocket upgrade),
         ``connection_errors`` (connections ended by an unexpected error)."""
         return {"connections": self.connections, "connections_total": self.connections_total,
                 "rejected_connections": self.rejected, "accept_errors": self.accept_errors,
                 "idle_closed": self.evicted, "silent_closed": self.evicted_silent,
-                "slow_heads_closed": self.evicted_slow_heads, "body_timeouts": self.body_timeouts,
+                "slow_heads_closed": self.evicted_slow_heads, "slow_bodies_closed": self.evicted_slow_bodies,
+                "body_timeouts": self.body_timeouts,
                 "refused_requests": sum(self.guard.refused.values()), "connection_errors": self.connection_errors,
-                **self.peer_slots.statistics()}
+                **self.peer_slots.statistics(), **self.pacer.statistics()}
 
     def _body_timed_out(self, scope) -> None:
         self.body_timeouts += 1
@@ -432,54 +473,49 @@ class HttpListener:
 
     def _idle_since(self, conn: _Connection) -> None:
         """``conn`` became an idle keep-alive connection (the newest idle)."""
-        self._idle.pop(conn, None)
-        self._heads.pop(conn, None)
-        self._idle[conn] = trio.current_time()
+        self._evictable.add(conn.addr, conn, _IDLE, trio.current_time())
 
-    def _make_room(self) -> bool:
-        """Every slot is taken: close, to make room for a new connection, the one idle
-        longest between requests, else the one silent longest since its accept, else the
-        one whose request head has been coming longest (a slowloris client), each only if
+    def _make_room(self, addr: str) -> bool:
+        """Every slot is taken: close, to make room for a new connection from ``addr``,
+        one of the connections of the address holding the most (and at least two more
+        than ``addr``: max-min fair, :class:`~rallypoint.transport.guard.Evictable`):
+        the one idle longest between requests, else the one silent longest since its
+        accept, else the one whose request head has been coming longest (a slowloris
+        client), else the one whose request body has been coming longest (answered 503:
+        a slow body, from the biggest holder, past ``EVICT_MIN_IDLE_S``: without it, slow
+        bodies from many addresses held every slot for ``--body-timeout``), each only if
         that has lasted :data:`EVICT_MIN_IDLE_S` at least; True when one was (its slot is
-        free at once). A connection with a request or its body in progress is never
-        closed for another (the body has ``--body-timeout``)."""
-        now = trio.current_time()
-        if self._make_room_idle(now):
+        free at once). A request being handled (its body in) is never closed for
+        another."""
+        return self._evictable.pick(addr, trio.current_time(), self._evict)
+
+    def _evict(self, item: Any, rank: int) -> bool:
+        if rank == _BODY:  # answered 503 by _BodyDeadline, then closed
+            item.evicted = True
+            item.scope.cancel()
+            self.evicted_slow_bodies += 1
+            release = getattr(item.conn, "release", None)
+            if release is not None:
+                release()
             return True
-        for scope, (since, release) in self._waiting.items():  # (the oldest first)
-            if now - since < EVICT_MIN_IDLE_S:
-                break
-            del self._waiting[scope]
-            scope.cancel()
+        if rank == _SILENT:
+            release = self._waiting.pop(item, None)
+            if release is None:
+                return False
+            item.cancel()
             release()
             self.evicted_silent += 1
             return True
-        while self._heads:
-            conn, since = next(iter(self._heads.items()))
-            if now - since < EVICT_MIN_IDLE_S:
-                return False
-            del self._heads[conn]
-            if conn.evict(head=True):
-                self.evicted_slow_heads += 1
-                release = getattr(conn, "release", None)
-                if release is not None:
-                    release()
-                return True
-        return False
-
-    def _make_room_idle(self, now: float) -> bool:
-        while self._idle:
-            conn, since = next(iter(self._idle.items()))
-            if now - since < EVICT_MIN_IDLE_S:
-                return False
-            del self._idle[conn]
-            if conn.evict():
-                self.evicted += 1
-                release = getattr(conn, "release", None)
-                if release is not None:
-                    release()
-                return True
-        return False
+        if not item.evict(head=rank == _HEAD):
+            return False
+        if rank == _IDLE:
+            self.evicted += 1
+        else:
+            self.evicted_slow_heads += 1
+        release = getattr(item, "release", None)
+        if release is not None:
+            release()
+        return True
 
     async def serve(self, listeners: list[trio.SocketListener], stop: trio.Event) -> None:
         """Accept on ``listeners`` until ``stop`` is set (or cancelled); then stop
@@ -524,16 +560,16 @@ class HttpListener:
                 self.log_limiter.log(logging.WARNING, "http-peer-limit",
                                      "HTTP listener: %s has %d connections open (--max-connections-per-peer); "
                                      "refused one", addr, slots.cap)
-                nursery.start_soon(self._reject, stream, (
+                self._refuse(nursery, stream, addr, (
                     f"this address ({addr}) has {slots.cap} HTTP connections open, the limit per peer address "
                     "(--max-connections-per-peer); close one or retry shortly"))
                 continue
-            if self.connections >= self.max_connections and not self._make_room():
+            if self.connections >= self.max_connections and not self._make_room(addr):
                 self.rejected += 1
                 self.log_limiter.log(logging.WARNING, "http-limit",
                                      "HTTP listener: %d connections open (--max-connections); refused one",
                                      self.connections)
-                nursery.start_soon(self._reject, stream)
+                self._refuse(nursery, stream, addr)
                 continue
             slots.take(addr)
             self.connections += 1  # counted before the task starts: a burst cannot overshoot
@@ -550,22 +586,27 @@ class HttpListener:
             deadline = trio.current_time() + self.first_request_s
             first = b""
             with trio.move_on_at(deadline) as waiting:
-                self._waiting[waiting] = (trio.current_time(), lambda: self._release(counted, addr))
+                self._waiting[waiting] = lambda: self._release(counted, addr)
+                self._evictable.add(addr, waiting, _SILENT, trio.current_time())
                 try:
                     first = await stream.socket.recv(1, socket.MSG_PEEK)
                 except OSError:  # reset by the peer
                     pass
                 finally:
                     self._waiting.pop(waiting, None)
+                    self._evictable.discard(waiting)
             if not first or self.context.terminated.is_set():
                 return
             s: Any = stream
             if self.ssl_context is not None:
                 s = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
-            conn = _Connection(self.app, self.config, self.context, {}, s,
+            state: dict = {}  # (hypercorn copies it into each request's scope["state"])
+            conn = _Connection(self.app, self.config, self.context, state, s,
                                first_request_s=max(0.0, deadline - trio.current_time()),
                                header_s=self.header_s, listener=self)
             conn.release = lambda: self._release(counted, addr)
+            conn.addr = addr
+            state[_CONN_KEY] = conn
             try:
                 await conn.run()
             except Exception as exc:  # one connection's failure is never the listener's
@@ -591,8 +632,24 @@ class HttpListener:
             self.connections -= 1
             self.peer_slots.give(addr)
 
-    async def _reject(self, stream: trio.SocketStream, why: str | None = None) -> None:
-        """Answer 503 UNAVAILABLE (``Retry-After: 1``) and close; at most ~2 s."""
+    def _refuse(self, nursery: trio.Nursery, stream: trio.SocketStream, addr: str, why: str | None = None) -> None:
+        """Refuse ``stream`` (from ``addr``): a 503 at once, or after the pacer's hold for
+        an address refused again, or a reset at once when the hold is full
+        (:class:`~rallypoint.transport.guard.RefusalPacer`)."""
+        hold = self.pacer.hold(addr, trio.current_time())
+        if hold is None:
+            drop(stream)
+            return
+        nursery.start_soon(self._reject, stream, why, hold)
+
+    async def _reject(self, stream: trio.SocketStream, why: str | None = None, hold: float = 0.0) -> None:
+        """Answer 503 UNAVAILABLE (``Retry-After: 1``) after ``hold`` seconds (nothing is
+        read meanwhile) and close; at most ~2 s more."""
+        if hold:
+            try:
+                await trio.sleep(hold)
+            finally:
+                self.pacer.release()
         body = reject_body(why or f"the server has reached its limit of {self.max_connections} HTTP connections "
                            "(--max-connections); retry shortly")
         head = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"

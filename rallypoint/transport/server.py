@@ -87,7 +87,7 @@ from .connstate import (
     ConnState,
     Reading,
 )
-from .guard import AcceptFailures, PeerSlots, peer_address
+from .guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, drop, peer_address
 from .sockio import receive_plain
 
 HANDLING = Reading.HANDLING
@@ -217,6 +217,7 @@ class _Conn:
         self.hello_scope: trio.CancelScope | None = None
         self.accepted_at = trio.current_time()
         self.evicted = False
+        self.addr = "?"  # the peer's address: its key in the server's PeerSlots
         dispatcher = server.dispatcher
         self.st = st = ConnState(
             peer=peer,
@@ -641,12 +642,12 @@ class _Conn:
         hello: Any = NEED_DATA
         waiting = server._hello_waits
         with trio.move_on_after(server.handshake_timeout) as self.hello_scope:
-            waiting[self] = None  # (in accept order: Server._evict_silent takes the first)
+            waiting.add(self.addr, self, 0, self.accepted_at)  # (Server._evict_silent)
             try:
                 while hello is NEED_DATA:
                     hello = st.receive_hello(await self.stream.receive_some(_RECEIVE_SIZE))
             finally:
-                waiting.pop(self, None)
+                waiting.discard(self)
         self.hello_scope = None
         if hello is NEED_DATA:
             st.hello_timeout(server.handshake_timeout)
@@ -831,6 +832,8 @@ class Server:
         #: connections open per peer address (the accept loop takes a slot, the
         #: connection's end gives it back)
         self.peer_slots = PeerSlots(max_connections_per_peer)
+        #: refusals of an address refused again held a second (RefusalPacer)
+        self.pacer = RefusalPacer()
         self.max_inflight_per_conn = max_inflight_per_conn
         self.handshake_timeout = handshake_timeout
         self.idle_ping_interval = idle_ping_interval
@@ -871,8 +874,9 @@ class Server:
         # accepts must count them, else max_connections is overshot.
         self._starting = 0
         self._evicting = 0  # evicted connections not closed yet (their slots are taken)
-        #: connections waiting for their Hello, in accept order (a dict as an ordered set)
-        self._hello_waits: dict[_Conn, None] = {}
+        #: connections waiting for their Hello, per peer address in accept order: the
+        #: ones a full server may close for a new one (max-min fair: Evictable)
+        self._hello_waits = Evictable(self.peer_slots, 1, 1.0)
         self._limit_pauses = 0
         self._silent_evicted = 0
         #: seconds a connection must have waited for its Hello before a full server may
@@ -1025,6 +1029,7 @@ class Server:
             "draining": self._draining,
             "accept_errors": self.accept_failures.total,
             **self.peer_slots.statistics(),
+            **self.pacer.statistics(),
             "slow_consumer_closes": self._slow_consumer_closes,
         }
 
@@ -1044,44 +1049,66 @@ class Server:
                 stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            if (len(self._conns) - self._evicting + self._starting >= self.max_connections
-                    and not self._evict_silent()):
-                self._rejected += 1
-                nursery.start_soon(self._reject, stream)
-                continue
             addr = peer_address(stream.socket)
+            if (len(self._conns) - self._evicting + self._starting >= self.max_connections
+                    and not self._evict_silent(addr)):
+                self._rejected += 1
+                self._refuse(nursery, stream, addr)
+                continue
             if not slots.take(addr):
                 self._rejected += 1
                 self.log_limiter.log(
                     logging.WARNING, "peer-limit", "refused a connection from %s: it has %d open "
                     "(--max-connections-per-peer)", addr, slots.cap)
-                nursery.start_soon(self._reject, stream, (
+                self._refuse(nursery, stream, addr, (
                     f"this address ({addr}) has {slots.cap} connections open, the limit per peer address "
                     "(--max-connections-per-peer); close one or retry later"))
                 continue
             self._starting += 1
             nursery.start_soon(self._run_counted, stream, addr)
 
-    def _evict_silent(self) -> bool:
-        """The server is full: close the connection that has waited longest for its
-        Hello, if one has for at least :attr:`evict_silent_after_s`, to make room for
-        the one just accepted (issue 41 item 7: silent connections from many addresses,
-        each address under its cap, took every slot until their Hello time-out, and
-        every new client was refused). True when one was closed."""
-        now = trio.current_time()
-        oldest = next(iter(self._hello_waits), None)  # (the one accepted first)
-        if oldest is None or now - oldest.accepted_at < self.evict_silent_after_s:
+    def _evict_silent(self, addr: str) -> bool:
+        """The server is full: close a connection that has waited for its Hello for at
+        least :attr:`evict_silent_after_s` to make room for the one just accepted from
+        ``addr`` -- the oldest of the address holding the most connections, if that is at
+        least two more than ``addr`` holds (max-min fair:
+        :class:`~rallypoint.transport.guard.Evictable`; issue 41 item 7: silent
+        connections from many addresses, each under its cap, took every slot until their
+        Hello time-out, and every new client was refused; closing the oldest of any
+        address then let the attackers close one another's in a loop). True when one
+        was closed."""
+        waits = self._hello_waits
+        waits.min_age_s = self.evict_silent_after_s
+        return waits.pick(addr, trio.current_time(), self._close_silent)
+
+    def _close_silent(self, conn: "_Conn", _rank: int) -> bool:
+        if conn.hello_scope is None:
             return False
-        del self._hello_waits[oldest]
-        oldest.evicted = True
+        now = trio.current_time()
+        conn.evicted = True
         self._evicting += 1
         self._silent_evicted += 1
-        oldest.hello_scope.cancel()
+        conn.hello_scope.cancel()
         self.log_limiter.log(logging.INFO, "evict-silent", "connections full: closed %s, which sent no Hello in "
-                             "%.1f s, for a new one", oldest.peer, now - oldest.accepted_at)
+                             "%.1f s, for a new one", conn.peer, now - conn.accepted_at)
         return True
 
-    async def _reject(self, stream: trio.SocketStream, why: str | None = None) -> None:
+    def _refuse(self, nursery: trio.Nursery, stream: trio.SocketStream, addr: str, why: str | None = None) -> None:
+        """Refuse ``stream`` (from ``addr``): ``Err(0, UNAVAILABLE)`` at once, or after the
+        pacer's hold for an address refused again, or a reset at once when the hold is
+        full (:class:`~rallypoint.transport.guard.RefusalPacer`)."""
+        hold = self.pacer.hold(addr, trio.current_time())
+        if hold is None:
+            drop(stream)
+            return
+        nursery.start_soon(self._reject, stream, why, hold)
+
+    async def _reject(self, stream: trio.SocketStream, why: str | None = None, hold: float = 0.0) -> None:
+        if hold:  # (nothing read meanwhile)
+            try:
+                await trio.sleep(hold)
+            finally:
+                self.pacer.release()
         err = wire.Err(
             0,
             "UNAVAILABLE",
@@ -1158,11 +1185,11 @@ class Server:
     async def _run_counted(self, stream: trio.SocketStream, addr: str) -> None:
         """:meth:`_run_conn`, then the connection's slot of its peer address is given back."""
         try:
-            await self._run_conn(stream)  # (no checkpoint before it: see _run_conn)
+            await self._run_conn(stream, addr)  # (no checkpoint before it: see _run_conn)
         finally:
             self.peer_slots.give(addr)
 
-    async def _run_conn(self, stream: trio.SocketStream) -> None:
+    async def _run_conn(self, stream: trio.SocketStream, addr: str = "?") -> None:
         # No checkpoint from here to _conns.add(conn): the connection stays counted.
         self._starting -= 1
         try:
@@ -1176,6 +1203,7 @@ class Server:
             stream = trio.SSLStream(raw, self.ssl_context, server_side=True, https_compatible=False)
         conn = _Conn(self, stream, peer)
         conn.raw = raw
+        conn.addr = addr
         self._conns.add(conn)
         self._connections_total += 1
         self._no_conns = trio.Event() if self._no_conns.is_set() else self._no_conns

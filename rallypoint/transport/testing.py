@@ -192,8 +192,12 @@ class RawClient:
         self.frames: list[Any] = []
 
     @classmethod
-    async def connect(cls, port: int, hello: bool = True, **hello_kw: Any) -> "RawClient":
-        c = cls(await trio.open_tcp_stream("127.0.0.1", port))
+    async def connect(cls, port: int, hello: bool = True, source: str | None = None,
+                      **hello_kw: Any) -> "RawClient":
+        """A connection to 127.0.0.1:``port`` (from the loopback address ``source``, e.g.
+        ``127.0.8.2``, to be another peer address), with its Hello answered HelloOk
+        unless ``hello`` is false."""
+        c = cls(await trio.open_tcp_stream("127.0.0.1", port, local_address=source))
         if hello:
             await c.send(wire.Hello(hello_kw.pop("version", wire.PROTOCOL_VERSION), **hello_kw))
             ok = await c.recv()
