@@ -363,7 +363,9 @@ class Probe(ProbeSamples):
                 try:
                     r = await c.get(f"{SCOPES}/sc_probe")
                     if r.status_code != 404:
-                        self.failures[f"http {r.status_code}"] += 1
+                        code = r.headers.get("content-type", "").startswith("application/json") and \
+                            (r.json().get("error") or {}).get("code") if r.content else None
+                        self.failures[f"http {r.status_code} {code or ''}".rstrip()] += 1
                 except httpx.HTTPError as e:
                     self.failures[f"http {type(e).__name__}"] += 1
                 self.sample("http", t0)

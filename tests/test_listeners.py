@@ -182,6 +182,33 @@ async def test_authenticated_slow_body_is_answered_408_after_the_body_timeout(au
     assert msgspec.msgpack.decode(runs)["scopes"] == []
 
 
+async def test_a_send_racing_the_connections_close_ends_the_connection_quietly(autojump_clock, ers):
+    """hypercorn sends the EOF of a closing connection outside its send lock; an answer
+    sent meanwhile (the reading task's error answer while a slow body closed to make
+    room is answered 503, its client gone) got BusyResourceError, which ended the
+    connection with a logged traceback (seen in scripts/soak_http.py's slow-body phase).
+    It now ends the connection as closed: no error out of ``run``."""
+    from hypercorn.config import Config
+
+    cfg = Config()
+    cfg.errorlog = logging.getLogger("rallypoint.http.hypercorn")
+    listener = HttpListener(HttpApi(ers.node.service), cfg, first_request_s=FIRST_S, header_s=HEADER_S,
+                            body_s=BODY_S)
+    client, server = trio.testing.memory_stream_pair()
+    server.socket = _Sock()
+
+    async def busy(data) -> None:  # (what trio raises when another task is sending: send_eof)
+        await trio.lowlevel.checkpoint()
+        raise trio.BusyResourceError("another task is currently sending data on this SocketStream")
+
+    server.send_all = busy
+    conn = _Connection(listener.app, cfg, listener.context, {}, server, first_request_s=FIRST_S,
+                       header_s=HEADER_S, listener=listener)
+    await client.send_all(b"NOT HTTP AT ALL\r\n\r\n")  # (the reading task answers 400 itself)
+    with trio.fail_after(30):
+        await conn.run()  # (raised BusyResourceError in an ExceptionGroup before)
+
+
 async def test_a_body_sent_in_time_is_served(autojump_clock, ers):
     """The body timeout is the whole body's: one sent a byte every 50 ms (100 bytes in
     5 s, under BODY_S) is served."""

@@ -366,6 +366,10 @@ async def lifespan(receive, send) -> None:
             return
 
 
+#: the ASGI scope's key of a callable that stops a request counting as in progress
+UNCOUNT_KEY = "rallypoint.uncount"
+
+
 class HttpApi:
     """The ASGI application. ``service``: the coordinator's
     :class:`~rallypoint.service.Service`; ``max_requests``: requests in progress at once
@@ -460,6 +464,10 @@ class HttpApi:
                 f"more than {self.max_requests} HTTP requests in progress; retry shortly",
                 retry_after=0.2, code="CONCURRENCY_LIMITED"), rid)
         self.in_progress += 1
+        counted = [True]
+        # (a request closed to make room while its body was coming stops counting as it
+        # is closed: rallypoint.http.server._BodyDeadline, before its handler unwinds)
+        request.scope[UNCOUNT_KEY] = lambda: self._uncount(counted)
         try:
             return await self._handle(request, rid)
         except RallypointError as e:
@@ -477,6 +485,11 @@ class HttpApi:
                                  printable(request.method, 20), _logged_path(request), exc_info=e)
             return self._error(RallypointError(f"internal error: {type(e).__name__}", code="INTERNAL"), rid)
         finally:
+            self._uncount(counted)
+
+    def _uncount(self, counted: list) -> None:
+        if counted[0]:
+            counted[0] = False
             self.in_progress -= 1
 
     async def _handle(self, request: Request, rid: str) -> Answer | Response:

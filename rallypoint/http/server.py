@@ -84,7 +84,7 @@ from hypercorn.utils import wrap_app
 
 from ..logutil import printable
 from ..transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, drop, peer_address
-from .app import HttpApi, reject_body
+from .app import UNCOUNT_KEY, HttpApi, reject_body
 from .guard import HostCheck, HttpGuard
 
 log = logging.getLogger("rallypoint.http")
@@ -111,12 +111,13 @@ _CONN_KEY = "rallypoint.connection"
 class _BodyWait:
     """A request's body being waited for (registered as evictable, rank _BODY)."""
 
-    __slots__ = ("scope", "conn", "evicted")
+    __slots__ = ("scope", "conn", "evicted", "asgi_scope")
 
-    def __init__(self, scope: trio.CancelScope, conn: "_Connection") -> None:
+    def __init__(self, scope: trio.CancelScope, conn: "_Connection", asgi_scope: dict) -> None:
         self.scope = scope
         self.conn = conn
         self.evicted = False
+        self.asgi_scope = asgi_scope
 
 
 class _H2(H2Protocol):
@@ -199,11 +200,11 @@ class _Connection(TCPServer):
                 self.held = data
                 return
             if data:
-                await super().protocol_send(RawData(data=data))
+                await self._send_raw(data)
             return
         if self.held:  # idle, closed...: what is held goes first
             data, self.held = self.held, b""
-            await super().protocol_send(RawData(data=data))
+            await self._send_raw(data)
         if isinstance(event, Updated):
             self.idle = event.idle
             self.head_at = None
@@ -215,6 +216,18 @@ class _Connection(TCPServer):
             elif self.listener is not None and self.requested:
                 self.listener._idle_since(self)  # an idle keep-alive connection
         await super().protocol_send(event)
+
+    async def _send_raw(self, data: bytes) -> None:
+        """hypercorn's send of ``data`` (under its send lock), where the connection being
+        closed meanwhile ends the send: hypercorn's ``_close`` sends EOF outside that
+        lock, and a send racing it (an error answer of the reading task while the
+        application's answer closes the connection: a slow body closed to make room,
+        its client gone) raised BusyResourceError out of the connection, a traceback
+        in the log. The bytes are moot: the connection is closing."""
+        try:
+            await super().protocol_send(RawData(data=data))
+        except trio.BusyResourceError:
+            await self.protocol.handle(Closed())
 
     def _not_idle(self) -> None:
         if self.listener is not None:
@@ -328,7 +341,7 @@ class _BodyDeadline:
             wait = None
             with trio.move_on_at(deadline) as cancel:
                 if listener is not None:  # a full listener may close it for another (oldest first)
-                    wait = _BodyWait(cancel, conn)
+                    wait = _BodyWait(cancel, conn, scope)
                     listener._evictable.add(conn.addr, wait, _BODY, began)
                 try:
                     msg = await receive()
@@ -497,6 +510,9 @@ class HttpListener:
             release = getattr(item.conn, "release", None)
             if release is not None:
                 release()
+            uncount = item.asgi_scope.get(UNCOUNT_KEY)  # (its request slot too: HttpApi.max_requests)
+            if uncount is not None:
+                uncount()
             return True
         if rank == _SILENT:
             release = self._waiting.pop(item, None)
