@@ -227,6 +227,15 @@ def _take_inherited(inherited: list, host: str, port: int) -> list:
     return mine
 
 
+def _http_max_requests(args) -> int:
+    """HTTP requests in progress at once (then 429 CONCURRENCY_LIMITED): twice
+    ``--max-connections``. HTTP/1.1 carries one request a connection, so the connection
+    limit binds first; the margin is for HTTP/2 streams and for a connection closed to
+    make room while its request is still unwinding (at equal limits, the well-behaved got
+    429 under scripts/soak_http.py's slow-body attack)."""
+    return 2 * args.max_connections
+
+
 def _trio_listeners(socks: list):
     """``trio.SocketListener`` for each of :func:`_bind_listeners`'s sockets (None: none
     were made, the server binds by itself)."""
@@ -425,7 +434,7 @@ async def _serve(args) -> int:
                 try:
                     http_api, bound = await nursery.start(functools.partial(
                         serve_http, node.service, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
-                        max_requests=args.max_connections, max_connections=args.max_connections,
+                        max_requests=_http_max_requests(args), max_connections=args.max_connections,
                         first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, metrics=metrics,
                         shutdown=http_stop, listeners=_trio_listeners(pre_bound.get("--http")),
                         hosts=args.http_host or (), **_http_listener_options(args)))
@@ -568,7 +577,7 @@ async def _serve_cluster(args) -> int:
     def local_http(node):
         from .http.app import HttpApi
 
-        api = HttpApi(node.service, max_requests=args.max_connections)
+        api = HttpApi(node.service, max_requests=_http_max_requests(args))
         api.metrics = cluster_metrics.leader_metrics if cluster_metrics is not None else None
         return api
 
@@ -598,7 +607,7 @@ async def _serve_cluster(args) -> int:
                 cluster_metrics.http_app = http_app
             _api, urls = await nursery.start(functools.partial(
                 serve_http, None, hhost, hport, certfile=args.tls_cert, keyfile=args.tls_key,
-                max_requests=args.max_connections, max_connections=args.max_connections,
+                max_requests=_http_max_requests(args), max_connections=args.max_connections,
                 first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout, api=http_app,
                 hosts=[*(args.http_host or ()), *([args.advertise] if args.advertise else [])],
                 **_http_listener_options(args)))
