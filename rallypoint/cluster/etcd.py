@@ -62,6 +62,7 @@ import httpx
 import msgspec
 import trio
 
+from rallypoint.backoff import Backoff
 from rallypoint.errors import (
     CursorExpiredError,
     ForbiddenError,
@@ -701,7 +702,7 @@ class EtcdClient:
         content = msgspec.json.encode(body)
         headers = {"Authorization": token} if token else None
         last_error = "no try made"
-        backoff = 0.02
+        backoff = Backoff(0.02, max(0.02, self.backoff_max_s))
         while True:
             order = self._order()
             tls_failures: list[tuple[str, str, str]] = []
@@ -746,8 +747,7 @@ class EtcdClient:
                     f"(last: {last_error}){hint}; check that etcd runs and the endpoints are right",
                     details={"endpoints": self.endpoints, "path": path, "last_error": last_error},
                 )
-            await trio.sleep(min(backoff, remaining))
-            backoff = min(backoff * 2, self.backoff_max_s)
+            await backoff.sleep(at_most=remaining)
 
     # -- authentication --------------------------------------------------------------
 
@@ -1133,7 +1133,7 @@ class Watch:
         client = self._client
         started = trio.current_time()
         await self._check_not_compacted()
-        backoff = 0.02
+        backoff = Backoff(0.02, max(0.02, client.backoff_max_s))
         last_error = ""
         while True:
             try:
@@ -1187,8 +1187,7 @@ class Watch:
                         f"{', '.join(client.endpoints)} (last: {last_error}); check that etcd runs",
                         details={"endpoints": client.endpoints, "path": "/v3/watch", "last_error": last_error},
                     )
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, client.backoff_max_s)
+                await backoff.sleep()
 
     async def _renew(self, token: str | None, message: str) -> None:
         """etcd refused the opening's token: get a new one (once per opening: a fresh

@@ -57,6 +57,8 @@ from typing import AsyncIterator, Sequence
 import msgspec
 import trio
 
+from ..backoff import Backoff
+
 from rallypoint.cluster.etcd import (
     Compare,
     EtcdClient,
@@ -491,7 +493,7 @@ class ShardElection:
 
     async def _acquire(self, me: LeaderInfo, ttl_s: int, margin_s: float, interval_s: float) -> "Leadership":
         value = msgspec.json.encode(me)
-        backoff = 0.05
+        backoff = Backoff(0.05, 1.0)
         while True:
             try:
                 state = await self.read()
@@ -502,13 +504,12 @@ class ShardElection:
                         return lead
                     continue
                 await self._wait_for_change(state.revision)
-                backoff = 0.05
+                backoff.reset()
             except EtcdLeaseNotFoundError:
                 continue  # the fresh lease expired before the transaction ran (a stall): again
             except EtcdUnavailableError as e:
                 log.warning("shard %s: campaign of %s waits for etcd: %s", self.shard, me.node, e.message)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                await backoff.sleep()
 
     async def _try_acquire(
         self, me: LeaderInfo, value: bytes, state: ShardState, ttl_s: int, margin_s: float, interval_s: float

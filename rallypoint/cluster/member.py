@@ -34,6 +34,7 @@ from typing import Any, Callable
 import msgspec
 import trio
 
+from ..backoff import Backoff
 from ..errors import ConflictError, NotLeaderError, RallypointError, UnavailableError, ValidationError
 from ..logutil import RateLimitedLogger
 from ..node import recovered, serving
@@ -488,7 +489,7 @@ class ShardMember:
 
     async def _join(self, etcd, election: ShardElection) -> None:
         c = self.config
-        backoff = 0.1
+        backoff = Backoff(0.1, 1.0)
         while True:
             try:
                 cfg = await read_config(etcd, c.cluster)
@@ -500,8 +501,7 @@ class ShardMember:
                 return
             except EtcdError as e:
                 log.warning("node %s waits for etcd to join shard %d (%s)", c.node, c.shard, e.message)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                await backoff.sleep()
 
     # ------------------------------------------------------------------ main loop
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -678,12 +678,12 @@ class ShardMember:
         c = self.config
         async with trio.open_nursery() as nursery:
             scope: trio.CancelScope | None = None
-            backoff = 0.1
+            backoff = Backoff(0.1, 2.0)
             while True:
                 try:
                     async with election.watch_leader() as leaders:
                         async for rec in leaders:
-                            backoff = 0.1
+                            backoff.reset()
                             if rec == self.leader and (scope is not None or rec is None):
                                 continue  # the same leader, read again after a new watch
                             self.leader = rec
@@ -700,13 +700,12 @@ class ShardMember:
                             nursery.start_soon(self._follow_one, sb, rec, scope)
                 except EtcdError as e:
                     log.warning("node %s cannot watch the leader of shard %d in etcd (%s); trying again in %g s",
-                                c.node, c.shard, e.message, backoff)
-                    await trio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                                c.node, c.shard, e.message, backoff.current)
+                    await backoff.sleep()
 
     async def _follow_one(self, sb, rec: LeaderRecord, scope: trio.CancelScope) -> None:
         host, port = _split(rec.info.replication_address)
-        backoff = 0.05
+        backoff = Backoff(0.05, 1.0)
         with scope:
             while True:
                 try:
@@ -726,9 +725,8 @@ class ShardMember:
                     except LinkClosed as e:
                         log.info("standby %s: replication link to %s ended: %s", self.config.node, rec.info.node, e)
                     else:
-                        backoff = 0.05
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                        backoff.reset()
+                await backoff.sleep()
 
     async def _serve_redirect(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         server = self.make_server(_Redirect(self))

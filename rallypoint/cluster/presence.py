@@ -37,6 +37,7 @@ import time
 import msgspec
 import trio
 
+from ..backoff import Backoff
 from ..errors import ConflictError
 from .etcd import Compare, EtcdClient, EtcdError, EtcdLeaseNotFoundError, EtcdUnavailableError, Put, Range
 
@@ -132,7 +133,7 @@ class NodePresence:
     async def _claim(self, *, wait: bool) -> None:
         deadline: float | None = None
         started = trio.current_time()
-        backoff = 0.05
+        backoff = Backoff(0.05, 1.0)
         while True:
             try:
                 if self.lease_id is None:
@@ -170,14 +171,13 @@ class NodePresence:
                                              waited_s=round(now - started, 1))
                 with trio.move_on_at(deadline):
                     await self._wait_for_change(kv.mod_revision)
-                backoff = 0.05
+                backoff.reset()
             except EtcdLeaseNotFoundError:
                 self.lease_id = None  # our fresh lease lapsed before the put (a stall): a new one
             except EtcdUnavailableError as e:
                 log.warning("node %s: waiting for etcd to register this node (%s)", self.node, e.message)
                 deadline = None  # judged again once etcd answers: the holder's lease ran on meanwhile
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                await backoff.sleep()
 
     async def _wait_for_change(self, mod_revision: int) -> None:
         async with self.client.watch(self.key, start_revision=mod_revision + 1) as events:
