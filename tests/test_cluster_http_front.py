@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trio
 
-from rallypoint.cluster.forward import ClusterHttpApp, forward_headers, peer_url
+from rallypoint.cluster.forward import ClusterHttpApp, fenced_send, forward_headers, peer_url
 from rallypoint.cluster.httproute import ROUTED_HEADER
 from rallypoint.cluster.peerauth import make_token
 from rallypoint.errors import NotLeaderError
@@ -266,3 +266,40 @@ async def test_a_forged_x_rallypoint_routed_from_a_client_changes_nothing_and_a_
                                                                 body=body)})
             assert r.status_code == 200 and v0.refused == refused + 2
         n.cancel_scope.cancel()
+
+
+async def test_an_answer_started_past_the_self_fence_is_503_and_a_stream_past_it_ends():
+    """The leader's HTTP answers ask the self-fence before they start and before each
+    chunk of a stream (SCALE-OUT §4.4 layer 2): a GET answered after the lapse is 503
+    NOT_LEADER, a POST 503 UNAVAILABLE maybe_applied, an event stream ends; while the
+    fence holds, everything passes as sent."""
+    leading = [True]
+    sent: list = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    ok = fenced_send(send, lambda: leading[0], "GET")
+    await ok({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await ok({"type": "http.response.body", "body": b"{}"})
+    assert [m.get("status") for m in sent] == [200, None] and sent[1]["body"] == b"{}"
+
+    for method, code, detail in (("GET", "NOT_LEADER", "leader"), ("POST", "UNAVAILABLE", "maybe_applied")):
+        sent.clear()
+        leading[0] = False
+        late = fenced_send(send, lambda: leading[0], method)
+        await late({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"12")]})
+        await late({"type": "http.response.body", "body": b'{"stale": 1}'})
+        assert sent[0]["status"] == 503 and len(sent) == 2, sent
+        err = json.loads(sent[1]["body"])["error"]
+        assert err["code"] == code and detail in err["details"], err
+        leading[0] = True
+
+    sent.clear()
+    stream = fenced_send(send, lambda: leading[0], "GET")
+    await stream({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await stream({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    leading[0] = False
+    await stream({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+    await stream({"type": "http.response.body", "body": b"data: 3\n\n", "more_body": True})
+    assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b""] and sent[-1]["more_body"] is False

@@ -3,6 +3,7 @@
 import itertools
 import logging
 import struct
+import types
 
 import msgspec
 import pytest
@@ -796,3 +797,71 @@ async def test_a_limit_refusal_pauses_reading_that_connection_for_its_retry_afte
         assert (await noisy.recv(60)).id == 5
         assert 0.25 <= trio.current_time() - t1 < 0.8
         assert srv.statistics()["limit_pauses"] == 2
+
+
+# ------------------------------------------------------------ the reply gate (a leader's self-fence)
+
+
+class _GatedDispatcher(TestDispatcher):
+    """``may_reply`` as a cluster leader's self-fence answers it; ``park`` requests wait
+    for the test to answer them (a read admitted in time, answered later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.leading = True
+        self.parked: list = []
+
+    def may_reply(self) -> bool:
+        return self.leading
+
+    def refusal(self):
+        from rallypoint.errors import NotLeaderError
+
+        return NotLeaderError("no longer leads", retry_after=0.5)
+
+    def submit(self, session, body, sink, rid) -> None:
+        req = msgspec.msgpack.decode(bytes(body))
+        if isinstance(req, dict) and req.get("op") == "park":
+            self.parked.append((sink, rid, req.get("lsn", 0)))
+            return
+        super().submit(session, body, sink, rid)
+
+
+async def test_a_reply_computed_past_the_reply_gate_is_refused_not_sent():
+    """SCALE-OUT §4.4 layer 2 ("re-checks before each reply batch"): a request admitted
+    while the node led and answered after its leadership lapsed (a SIGSTOP past the
+    lease, then resumed) gets NOT_LEADER, not the answer (a read: nothing applied) --
+    or UNAVAILABLE maybe_applied for a change with a journal record (a standby that has
+    not seen the lapse may still commit it) -- and a watch's next push ends the stream;
+    the gate was checked at admission only before."""
+    d = _GatedDispatcher()
+    async with running_server(d) as srv:
+        c = await RawClient.connect(srv.port)
+        await c.request(1, {"op": "echo"})
+        assert isinstance(await c.recv(), wire.Ok)
+        await c.request(2, {"op": "park"})
+        await c.request(3, {"op": "park", "lsn": 7})
+        await c.request(4, {"op": "park"})
+        with trio.fail_after(10):
+            while len(d.parked) < 3:
+                await trio.sleep(0.01)
+        d.leading = False  # the lease lapsed meanwhile
+        (s2, r2, _), (s3, r3, _), (s4, r4, _) = d.parked
+        s2.deliver(r2, msgspec.msgpack.encode({"stale": "read"}), 0)
+        s2.flush()
+        got = await c.recv()
+        assert isinstance(got, wire.Err) and got.id == 2 and got.code == "NOT_LEADER", got
+        s3.deliver(r3, msgspec.msgpack.encode({"applied": "maybe"}), 7)
+        s3.flush()
+        got = await c.recv()
+        assert isinstance(got, wire.Err) and got.id == 3 and got.code == "UNAVAILABLE", got
+        assert got.details == {"maybe_applied": True}
+        assert s4.add_stream(r4, types.SimpleNamespace(cancel=lambda: None))  # (a watch)
+        s4.push(r4, [], 0)  # a watch's push past the gate: the stream ends, nothing pushed
+        got = await c.recv()
+        assert isinstance(got, wire.Err) and got.id == 4 and got.code == "NOT_LEADER", got
+        assert srv.statistics()["fenced_replies"] == 3
+        d.leading = True
+        await c.request(5, {"op": "echo"})
+        assert (await c.recv()).id == 5  # the gate is asked each time, not latched
+        await c.aclose()

@@ -191,6 +191,9 @@ class ClusterHttpApp:
             return
         local = self._leading()
         if local is not None:
+            lead = self.member.leadership
+            if lead is not None:  # (the self-fence before each answer, not only here)
+                send = fenced_send(send, lead.is_leader_now, scope.get("method", "GET"))
             await local(scope, receive, send)
             return
         body = await self._read_body(receive)
@@ -306,6 +309,51 @@ class ClusterHttpApp:
             headers.append((b"retry-after", f"{max(0.0, float(e.retry_after)):.3g}".encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def fenced_send(send, leading: Callable[[], bool], method: str):
+    """An ASGI ``send`` that asks ``leading()`` (the leader's self-fence,
+    :meth:`~rallypoint.cluster.leader.Leadership.is_leader_now`) before the answer
+    starts and before each chunk of an answer without ``content-length`` (an event
+    stream, a long poll): SCALE-OUT §4.4 layer 2, "re-checks before each reply batch".
+    A request admitted while the node led and answered after its leadership lapsed (a
+    SIGSTOP past the lease, then resumed) gets 503 instead -- NOT_LEADER for a GET or
+    HEAD (a read: nothing applied), UNAVAILABLE with ``maybe_applied`` for anything
+    else (a standby that has not seen the lapse may still commit the change) -- and a
+    stream past it ends (its client resumes from its cursor elsewhere). What the
+    application sends after that is dropped."""
+    state = {"refused": False, "sized": True}
+
+    async def gated(msg) -> None:
+        if state["refused"]:
+            return
+        kind = msg.get("type")
+        if kind == "http.response.start":
+            if not leading():
+                state["refused"] = True
+                if method in ("GET", "HEAD"):
+                    code, text, details = "NOT_LEADER", ("this node's leadership lapsed before it answered; retry "
+                                                         "on the shard's leader"), {"leader": None}
+                else:
+                    code, text, details = "UNAVAILABLE", (
+                        "this node's leadership lapsed before it answered; the change may or may not have been "
+                        "applied: check on the shard's leader"), {"maybe_applied": True}
+                import json
+
+                body = json.dumps({"error": {"code": code, "message": text, "details": details}}).encode()
+                await send({"type": "http.response.start", "status": 503, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", b"0.5")]})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return
+            state["sized"] = any(k.lower() == b"content-length" for k, _ in msg.get("headers") or ())
+        elif kind == "http.response.body" and not state["sized"] and not leading():
+            state["refused"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await send(msg)
+
+    return gated
 
 
 def _replay(body: bytes):

@@ -195,7 +195,8 @@ class _Fenced:
     :class:`~rallypoint.service.Service` behind the self-fence (SCALE-OUT.md §4.4, layer
     2). Every handshake and every request first asks :meth:`Leadership.is_leader_now`
     (the Trio clock against the last answered keepalive's deadline); once it is false
-    they are answered NOT_LEADER, before the service sees them. So a leader stopped past
+    they are answered NOT_LEADER, before the service sees them; and every batch of
+    replies asks it again before it is written (:meth:`may_reply`). So a leader stopped past
     its lease (SIGSTOP, a VM stall) answers nothing from its stale state when it runs
     again -- not even in the first batch after it resumes, before its fence task has run
     and torn the port down. (Writes are fenced anyway: no in-sync standby acknowledges
@@ -224,6 +225,14 @@ class _Fenced:
             sink.deliver(rid, self.refusal(), 0)
             return
         self._service.submit(session, body, sink, rid)
+
+    def may_reply(self) -> bool:
+        """The server's reply gate: asked before every batch of replies is written, so a
+        reply computed before the deadline (a read admitted in time, a parked receive,
+        a watch's push) is not sent after it: the connection closes instead (SCALE-OUT
+        §4.4 layer 2: "re-checks before each reply batch"). A refusal built by
+        :meth:`submit` goes out with the batch it is in only while the fence holds."""
+        return self._lead.is_leader_now()
 
     def __getattr__(self, name: str):
         return getattr(self._service, name)

@@ -314,6 +314,17 @@ class _Conn:
             pause = min(reply.retry_after or LIMIT_PAUSE_S, LIMIT_PAUSE_MAX_S)
             self.penalty_until = max(self.penalty_until, trio.current_time() + pause)
             self.server._limit_pauses += 1
+        if not isinstance(reply, BaseException):
+            refusal = self._fenced()
+            if refusal is not None:
+                # a read (no record: nothing applied) gets the refusal; a change applied
+                # past the gate may still be committed by a standby that has not seen
+                # the lapse yet, so its client is told it may have been applied
+                reply = refusal if not lsn else UnavailableError(
+                    "this node's leadership lapsed before this answer was sent; the change may or may not "
+                    "have been applied: check on the shard's leader", retry_after=0.5,
+                    details={"maybe_applied": True})
+                lsn = 0
         act = self._deliver(rid, reply, lsn)
         if act:
             if act == HOLD and self._held is not None:
@@ -354,13 +365,19 @@ class _Conn:
 
     def push(self, rid: int, events: list, cursor: int) -> None:
         """Queue one Push frame (hand-built: the events are already encoded; ``cursor``:
-        the seq scanned up to) and send it."""
-        if self.st.push(rid, events, cursor):
+        the seq scanned up to) and send it (or, past the reply gate, end the stream)."""
+        refusal = self._fenced()
+        if refusal is not None:
+            self.end_stream(rid, refusal)
+        elif self.st.push(rid, events, cursor):
             self.flush()
 
     def push_encoded(self, rid: int, n: int, array: bytes, cursor: int) -> None:
         """One Push frame whose ``n`` events are already one encoded msgpack array."""
-        if self.st.push_encoded(rid, n, array, cursor):
+        refusal = self._fenced()
+        if refusal is not None:
+            self.end_stream(rid, refusal)
+        elif self.st.push_encoded(rid, n, array, cursor):
             self.flush()
 
     def end_stream(self, rid: int, error: Any) -> None:
@@ -373,6 +390,8 @@ class _Conn:
         further): send every held reply it covers, in order, and ``error`` for the rest.
         True when nothing is held any more. (With a dispatcher that has
         ``add_durable_listener``; otherwise the :meth:`durability` task does this.)"""
+        # (not gated: a held reply passed the gate when it was delivered, and what it
+        # waited for is durable: a write acknowledged by the in-sync set is committed)
         act = self.st.release(durable, error)
         if act:
             self._act(act)
@@ -458,6 +477,21 @@ class _Conn:
         scope = self.send_scope
         if scope is not None:
             scope.deadline = min(scope.deadline, trio.current_time() + grace)
+
+    def _fenced(self) -> Any:
+        """The dispatcher's reply gate (``may_reply``, e.g. a cluster leader's self-fence:
+        SCALE-OUT.md §4.4, layer 2, "re-checks before each reply batch"), asked as each
+        reply, push or released held reply is queued: None while it holds (or without
+        a gate), else the error to answer instead (``gate_refusal()``: NOT_LEADER). A
+        leader stopped past its lease (SIGSTOP, a VM stall) that resumes computes
+        answers from state another leader has moved on from: a read admitted before
+        the deadline is not answered after it."""
+        server = self.server
+        gate = server.reply_gate
+        if gate is None or gate():
+            return None
+        server._fenced_replies += 1
+        return server.gate_refusal()
 
     def abort(self) -> None:
         self.st.close()
@@ -821,6 +855,13 @@ class Server:
         log_burst: int = 5,
     ) -> None:
         self.dispatcher = dispatcher
+        #: asked before each reply batch is written: the dispatcher's ``may_reply`` (a
+        #: cluster leader's self-fence) or None (always)
+        self.reply_gate = getattr(dispatcher, "may_reply", None)
+        #: the error answered instead, past the gate (the dispatcher's ``refusal()``)
+        self.gate_refusal = getattr(dispatcher, "refusal", None) or (
+            lambda: UnavailableError("this node may not answer now; retry", retry_after=0.5))
+        self._fenced_replies = 0
         # connections holding replies until the journal is durable past them, when the
         # dispatcher reports durability (add_durable_listener): released in the step
         # that learns of it; without it, each connection's durability task waits
@@ -1031,6 +1072,7 @@ class Server:
             **self.peer_slots.statistics(),
             **self.pacer.statistics(),
             "slow_consumer_closes": self._slow_consumer_closes,
+            "fenced_replies": self._fenced_replies,
         }
 
     # ---------------------------------------------------------------- internal
