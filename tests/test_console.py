@@ -77,6 +77,19 @@ async def test_open_mode_needs_no_sign_in_and_every_answer_is_hardened():
         assert (await client.get("/static/../app.py")).status_code == 404
 
 
+async def test_an_empty_payload_shows_a_dash_not_nil():
+    """Issue 46: a queued task's page showed ``nil`` for its result (msgpack's name for
+    none); every empty field shows a muted dash."""
+    async with rallypoint.open_embedded() as rs:
+        app, client = await _console(rs)
+        run = await rs.scopes.create(name="empty")
+        jobs = await rs.mailboxes.ensure("jobs")
+        task = await jobs.submit(None, scope=run)
+        r = await client.get(f"/tasks/{task.id}")
+        assert r.status_code == 200
+        assert "nil" not in r.text and '<span class="muted">—</span>' in r.text
+
+
 async def test_the_console_only_reads_even_in_open_mode():
     async with rallypoint.open_embedded() as rs:
         app = ConsoleApp(rs.node.service)
@@ -339,6 +352,11 @@ def test_every_page_against_a_daemon_running_a_workload(chromium, swarm, shots):
         # groups: decided, with the late verdict marked
         page.goto(base + "/groups")
         assert "SUCCESS" in page.inner_text(".part-list")
+        # an instant is one line, not wrapped onto three (issue 46), in a narrow window too
+        page.set_viewport_size({"width": 700, "height": 900})
+        lines = page.locator(".part-list time").first.evaluate("e => e.getClientRects().length")
+        assert lines == 1, lines
+        page.set_viewport_size({"width": 1280, "height": 900})
         page.goto(base + f"/groups/{ids['group']}")
         assert page.locator("tr.late").count() == 1 and "SUCCESS" in page.inner_text(".part-group")
         shots(page, "group")
@@ -376,6 +394,9 @@ def test_live_page_streams_events_and_draws_the_charts(chromium, swarm, shots):
 
         tid = trio.run(submit)
         page.wait_for_selector(f'#events tr[data-type="task.submitted"] >> text={tid}')
+        page.set_viewport_size({"width": 700, "height": 900})  # (issue 46: dates wrapped onto three lines)
+        assert page.locator("#events .when").first.evaluate("e => e.getClientRects().length") == 1
+        page.set_viewport_size({"width": 1280, "height": 900})
         assert page.locator('#events tr[data-type^="scope."]').count() == 0  # filtered by type
         assert page.locator("#chart-rate polyline").count() == 3
         assert page.locator("#chart-latency polyline").count() == 2

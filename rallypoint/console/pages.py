@@ -136,10 +136,11 @@ def counts(d: dict[str, int] | None) -> str:
 
 def payload(raw) -> str:
     """A stored payload (msgpack) as indented JSON text, cut after
-    :data:`MAX_PAYLOAD_CHARS`."""
+    :data:`MAX_PAYLOAD_CHARS`; none (absent or msgpack nil) as a muted dash, like every
+    other empty field (issue 46: task pages showed ``nil``)."""
     b = bytes(raw) if raw is not None else b""
     if b in (b"", b"\xc0"):
-        return '<span class="muted">nil</span>'
+        return '<span class="muted">—</span>'  # (none: msgpack's nil, never the word)
     try:
         text = json.dumps(msgspec.msgpack.decode(b), indent=2, ensure_ascii=False, default=repr)
     except Exception:

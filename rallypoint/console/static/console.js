@@ -140,7 +140,7 @@
       tr.dataset.type = e.type;
       if (e.run) { tr.dataset.run = e.run; }
       cell(tr, String(e.seq));
-      cell(tr, String(e.at).slice(0, 19).replace("T", " "));
+      cell(tr, String(e.at).slice(0, 19).replace("T", " "), "when");
       cell(tr, e.type, "badge s-" + e.type.replace(/[^a-z0-9_-]/gi, "-"));
       cell(tr, e.kind + ":" + e.id);
       var td = cell(tr, "");
