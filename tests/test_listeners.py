@@ -50,7 +50,7 @@ from rallypoint.http.server import HttpListener, _Connection
 from rallypoint.metrics import Metrics, key_authorizer, serve_metrics
 from rallypoint.transport.connstate import ABORT, NEED_DATA, PAUSED, ConnState, Phase
 from rallypoint.transport.framing import FrameParser, encode_frame
-from rallypoint.transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, raise_nofile_limit
+from rallypoint.transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, raise_nofile_limit, spread
 from rallypoint.transport.server import Server
 from rallypoint.transport.testing import RawClient, TestDispatcher, running_server
 
@@ -412,6 +412,18 @@ async def test_a_full_tcp_server_holds_an_address_refused_again():
         assert trio.current_time() - t0 >= 0.9  # held (a lower bound: a loaded machine only adds)
         assert srv.statistics()["refusals_held_total"] == 1
         await c1.aclose()
+
+
+def test_holder_time_outs_are_spread_never_longer_than_configured():
+    """A thousand holders opened together are cut over the last 10 % of the time-out, not
+    in one instant (issue 41: those instants were every probe's worst samples)."""
+    cuts = [spread(10.0) for _ in range(1000)]
+    assert all(9.0 <= c <= 10.0 for c in cuts)
+    assert max(cuts) - min(cuts) > 0.5  # spread over the window
+    conns = [_Connection(None, types.SimpleNamespace(), None, {}, None, first_request_s=60.0, header_s=10.0)
+             for _ in range(50)]
+    heads = {c._head_s for c in conns}
+    assert len(heads) > 1 and all(9.0 <= x <= 10.0 for x in heads)
 
 
 # ============================================================== the metrics listener

@@ -83,7 +83,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
 from ..logutil import printable
-from ..transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, drop, peer_address
+from ..transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, drop, peer_address, spread
 from .app import UNCOUNT_KEY, HttpApi, reject_body
 from .guard import HostCheck, HttpGuard
 
@@ -168,6 +168,9 @@ class _Connection(TCPServer):
         super().__init__(app, config, context, state, stream)
         self.first_request_s = first_request_s
         self.header_s = header_s  # None: no head deadline but the idle timers
+        #: this connection's head deadline, seconds: ``header_s`` shortened by up to 10 %
+        #: (guard.spread: holders admitted together are not all cut in one instant)
+        self._head_s = spread(header_s) if header_s is not None else None
         self.listener = listener
         self.requested = False  # a request arrived: later idle periods are keep-alive
         self.peer_gone = False  # the reading ended: nothing more will come
@@ -243,7 +246,7 @@ class _Connection(TCPServer):
             self.listener._evictable.add(self.addr, self, _HEAD, now)
         scope = self._idle_scope
         if scope is not None and self.header_s is not None and self.protocol_is_h11():
-            scope.deadline = min(scope.deadline, now + self.header_s)
+            scope.deadline = min(scope.deadline, now + self._head_s)
 
     def protocol_is_h11(self) -> bool:
         return type(getattr(self.protocol, "protocol", None)).__name__ == "H11Protocol"
@@ -284,7 +287,7 @@ class _Connection(TCPServer):
         timeout = self.config.keep_alive_timeout if self.requested else self.first_request_s
         with trio.move_on_after(timeout) as scope:
             if self.head_at is not None and self.header_s is not None and self.protocol_is_h11():
-                scope.deadline = min(scope.deadline, self.head_at + self.header_s)
+                scope.deadline = min(scope.deadline, self.head_at + self._head_s)
             self._idle_scope = scope
             try:
                 await self.context.terminated.wait()

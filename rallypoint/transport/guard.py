@@ -33,13 +33,14 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import random
 import socket
 import struct
 from typing import Any, Callable
 
 import trio
 
-__all__ = ["PeerSlots", "Evictable", "RefusalPacer", "drop", "AcceptFailures", "raise_nofile_limit", "peer_address"]
+__all__ = ["PeerSlots", "Evictable", "RefusalPacer", "drop", "spread", "AcceptFailures", "raise_nofile_limit", "peer_address"]
 
 
 def peer_address(sock: Any) -> str:
@@ -326,6 +327,20 @@ class RefusalPacer:
         (closed without an answer: the hold was full)."""
         return {"refusals_held": self.held, "refusals_held_total": self.held_total,
                 "refusals_dropped": self.dropped}
+
+
+#: the share of a hostile-holder time-out by which each connection's is shortened at
+#: random (:func:`spread`)
+SPREAD = 0.1
+
+
+def spread(seconds: float, fraction: float = SPREAD) -> float:
+    """``seconds`` shortened by a random share of at most ``fraction`` (a time-out between
+    90 % and 100 % of the configured one, by default): connections opened together --
+    a thousand slowloris or silent holders -- are not all cut in one instant, with their
+    thousand reconnections behind it (issue 41: those instants were the worst samples
+    of every well-behaved probe). Never longer than configured."""
+    return seconds * (1.0 - fraction * random.random())
 
 
 def drop(stream: Any) -> None:
