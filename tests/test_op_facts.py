@@ -8,9 +8,9 @@ import pytest
 
 from rallypoint import protocol as p
 from rallypoint.actors.api import TABLE
-from rallypoint.actors.opmark import (ALL, ALWAYS, LOCAL, NODE, PEER, R, SPACE, W, build_table, fans_out,
-                                      in_slot, op)
-from rallypoint.client import router
+from rallypoint.actors.opmark import (ALL, ALWAYS, LOCAL, NODE, PEER, R, RECONCILE_RULES, SPACE, W, Resend,
+                                      build_table, fans_out, fenced, in_slot, op)
+from rallypoint.client import reconnect, router
 
 
 def test_every_declared_merge_has_its_merge_in_the_router_and_none_is_unused():
@@ -22,6 +22,31 @@ def test_every_declared_merge_has_its_merge_in_the_router_and_none_is_unused():
 def test_every_op_answered_by_every_shard_declares_a_merge_and_no_other_does():
     for t, d in TABLE.decls.items():
         assert bool(d.merge) == fans_out(d.shard), (d.tag, d.shard, d.merge)
+
+
+def test_every_reconcile_rule_is_implemented_by_the_client_and_used_by_an_op():
+    declared = {d.resend.reconcile for d in TABLE.decls.values() if d.resend.reconcile}
+    assert set(reconnect.RECONCILERS) == set(RECONCILE_RULES), "a rule without its implementation, or the reverse"
+    assert declared == set(RECONCILE_RULES), "a reconcile rule no op declares"
+    fenced_ops = {d.tag: d.resend.reconcile for d in TABLE.decls.values() if d.resend.fenced}
+    assert fenced_ops == {"delivery.complete": "task_settled", "delivery.complete_many": "tasks_settled",
+                          "delivery.retry": "task_requeued", "delivery.release": "task_requeued",
+                          "scope.complete": "run_completed"}, fenced_ops
+
+
+def test_a_fenced_op_without_a_reconcile_rule_cannot_be_declared():
+    """issue 43: how a re-sent op is reconciled is the op's declared fact; a fenced op
+    (its second sending refused when the first applied) that names no rule, or one the
+    client does not implement, is refused at build time (it was a type switch in the
+    client: a new fenced op silently got its first sending's refusal)."""
+    with pytest.raises(RuntimeError, match=r"re-sent fenced but names no reconcile rule"):
+        _table_with("op_x", op(p.ServerStatus, route=SPACE, permission=W, resend=Resend("fenced", True, fenced=True),
+                               reply=p.ServerStatusView))
+    with pytest.raises(ValueError, match=r"no reconcile rule 'nope'"):
+        fenced("nope")
+    with pytest.raises(RuntimeError, match=r"names no reconcile rule \('nope'\)"):
+        _table_with("op_x", op(p.ServerStatus, route=SPACE, permission=W,
+                               resend=Resend("fenced", True, fenced=True, reconcile="nope"), reply=p.ServerStatusView))
 
 
 def test_the_calls_between_shards_are_no_clients():

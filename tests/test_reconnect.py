@@ -20,6 +20,7 @@ import trio.testing
 import rallypoint
 from rallypoint import protocol as p
 from rallypoint.client.reconnect import Reconnect, ReconnectingTransport, reissue_safe
+from rallypoint.client import reconnect as reconnect_mod
 from rallypoint.errors import NotFoundError, UnauthenticatedError, UnavailableError, ValidationError
 from rallypoint.actors.api import op_decoder
 from rallypoint.transport.server import Server
@@ -327,7 +328,7 @@ async def test_complete_refused_for_another_outcome_stays_refused(node):
             tr = rs._transport
             e = LeaseLostError("lost", details={"state": "SUCCEEDED", "task_id": d.task_id})
             op = p.DeliveryComplete(task_id=d.task_id, token=d.token, outcome=msgspec.Raw(msgspec.msgpack.encode("ours")))
-            assert await tr._reconcile(tr._conn, op, e) is None
+            assert await reconnect_mod._reconcile(tr._conn, op, e) is None
         n.cancel_scope.cancel()
 
 

@@ -15,7 +15,9 @@ handlers with everything the rest of the system needs to know about that operati
   (no client's: another node's call between shards);
 - **resend**: whether a client may send it again after its connection dropped with it
   in flight (:class:`Resend`: :data:`ALWAYS`, :data:`NEVER`, :func:`keyed`,
-  :func:`resend_if`); read by :func:`rallypoint.client.reconnect.reissue_safe`;
+  :func:`resend_if`, :func:`fenced` with its reconcile rule); read by
+  :func:`rallypoint.client.reconnect.reissue_safe`, which reconciles a fenced op's
+  refused second sending by its rule (:data:`RECONCILE_RULES`);
 - **shard**: which shard of a sharded cluster it belongs to (:class:`Shard`; derived
   from the route when not given: the slot of the id it routes by, the home shard for
   the space's actor);
@@ -48,7 +50,8 @@ from typing import Any, Callable, NamedTuple, Union
 import msgspec
 
 __all__ = [
-    "op", "Route", "SPACE", "by_run", "run_or_space", "by", "by_op", "Resend", "ALWAYS", "NEVER", "keyed",
+    "op", "Route", "SPACE", "by_run", "run_or_space", "by", "by_op", "Resend", "ALWAYS", "NEVER", "keyed", "fenced",
+    "RECONCILE_RULES",
     "resend_if", "Waits", "asked", "waits_if", "Shard", "HOME", "NEW_ROOT", "ALL", "HERE", "PEER", "in_slot", "in_slots",
     "named",
     "shard_of_route", "OpDecl", "OpTable", "BoundOp", "build_table", "PERMISSIONS",
@@ -170,14 +173,21 @@ class Resend:
     ``advice``: what the client's UNAVAILABLE (``maybe_applied``) says to do when it is
     not safe; ``fields``: the request fields the rule reads."""
 
-    __slots__ = ("describe", "safe", "advice", "fields")
+    __slots__ = ("describe", "safe", "advice", "fields", "fenced", "reconcile")
 
     def __init__(self, describe: str, safe: bool | Callable[[Any], bool], advice: str | None = None,
-                 fields: tuple[str, ...] = ()) -> None:
+                 fields: tuple[str, ...] = (), *, fenced: bool = False, reconcile: str | None = None) -> None:
         self.describe = describe
         self.safe = safe
         self.advice = advice
         self.fields = fields
+        #: a write fenced by a token or a state, whose second sending is refused when
+        #: the first was applied (STALE_CLAIM, CONFLICT...): it must name how the client
+        #: turns that refusal back into the first one's answer (``reconcile``)
+        self.fenced = fenced
+        #: the name of that rule (:data:`RECONCILE_RULES`; implemented by
+        #: ``rallypoint.client.reconnect.RECONCILERS``), or None
+        self.reconcile = reconcile
 
     def __call__(self, op: Any) -> bool:
         s = self.safe
@@ -191,6 +201,33 @@ class Resend:
 ALWAYS = Resend("always", True)
 #: Never sent again: the client answers UNAVAILABLE with ``maybe_applied``.
 NEVER = Resend("never", False)
+
+
+#: How a client reconciles a fenced op it sent again (after a dropped connection) whose
+#: second sending was refused because the first was applied: name -> what it does. The
+#: client implements each (``rallypoint.client.reconnect.RECONCILERS``; tests/test_op_facts.py
+#: checks both sides agree).
+RECONCILE_RULES: dict[str, str] = {
+    "task_settled": "refused STALE_CLAIM (the task SUCCEEDED) or the run inactive: the task's status, if it "
+                    "SUCCEEDED with this outcome",
+    "tasks_settled": "per item of a batch, as task_settled",
+    "task_requeued": "refused STALE_CLAIM with the task QUEUED again: the task's status",
+    "run_completed": "refused CONFLICT: the run's status, if it is COMPLETED",
+}
+
+
+def fenced(reconcile: str, describe: str = "fenced") -> Resend:
+    """Always safe to send again (a token or a state fences it), and a second sending
+    refused because the first was applied is reconciled by the rule ``reconcile`` (a
+    name of :data:`RECONCILE_RULES`).
+
+    Raises:
+        ValueError: ``reconcile`` is not a rule of :data:`RECONCILE_RULES`.
+    """
+    if reconcile not in RECONCILE_RULES:
+        raise ValueError(f"no reconcile rule {reconcile!r}: one of {sorted(RECONCILE_RULES)} (add a rule there and "
+                         "its implementation in rallypoint/client/reconnect.py RECONCILERS)")
+    return Resend(f"{describe}, reconciled by {reconcile}", True, fenced=True, reconcile=reconcile)
 
 
 def keyed(field: str = "key", advice: str | None = None) -> Resend:
@@ -403,6 +440,11 @@ class OpTable:
         r = self._resend.get(type(op))
         return False if r is None else r(op)
 
+    def reconcile_rule(self, op: Any) -> str | None:
+        """The reconcile rule of a fenced op (:func:`fenced`), or None."""
+        r = self._resend.get(type(op))
+        return None if r is None else r.reconcile
+
     def resend_advice(self, op: Any) -> str | None:
         """What to do instead, when ``op`` may not be sent again (None: no advice)."""
         r = self._resend.get(type(op))
@@ -505,6 +547,11 @@ def build_table(kind_classes: tuple[type, ...], requests: tuple[type, ...] | Non
                                "which does not exist")
         _check_fields(tag, where, "route", m.route.fields, t)
         _check_fields(tag, where, "re-send rule", m.resend.fields, t)
+        if m.resend.fenced and m.resend.reconcile not in RECONCILE_RULES:
+            raise RuntimeError(f"op {tag!r} ({where}) is re-sent fenced but names no reconcile rule "
+                               f"({m.resend.reconcile!r}): declare resend=fenced(rule), rule one of "
+                               f"{sorted(RECONCILE_RULES)}; a client re-sending it after a dropped connection must "
+                               "turn a refusal of the second sending (the first applied) into the first's answer")
         _check_fields(tag, where, "wait rule", m.waits.fields, t)
         hints = _hints(getattr(cls, name))
         arg = hints.get("op")

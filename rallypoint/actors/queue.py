@@ -120,7 +120,7 @@ from .common import (
     clamp_wait, data, did_you_mean, fit_count, parse_instant, short,
 )
 from .kind import Kind
-from .opmark import ALL, ALWAYS, C, R, SPACE, W, asked, by, by_run, in_slots, keyed, op, resend_if
+from .opmark import ALL, ALWAYS, C, R, SPACE, W, asked, by, by_run, fenced, in_slots, keyed, op, resend_if
 from .runtime import Park
 
 __all__ = ["MailboxState", "TaskState", "WorkQueues", "TERMINAL", "MIN_LEASE_MS", "MAX_LEASE_MS"]
@@ -1020,7 +1020,7 @@ class WorkQueues(Kind):
             self.coord.touch(t.id)
             self.coord.arm_mono(t.lease_expires_ms, self._on_lease, (t.id, t.token, t.lease_expires_ms))
 
-    @op(DeliveryComplete, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
+    @op(DeliveryComplete, route=by("task_id", "route_task"), permission=W, resend=fenced("task_settled"))
     def op_delivery_complete(self, actor, session, op: DeliveryComplete) -> TaskView:
         """Record the outcome (exactly once). STALE_CLAIM for a stale token, a lost lease
         or a task past its deadline; SCOPE_CANCELLED / DEADLINE_EXCEEDED on a stopped run.
@@ -1065,7 +1065,7 @@ class WorkQueues(Kind):
             raise ValidationError(f"items must hold 1 to {MAX_BATCH} completes", details={"field": "items"})
         return self.get_task(session.space, items[0].task_id).scope_id
 
-    @op(DeliveryCompleteMany, route=by("items", "route_complete_many"), permission=W, resend=ALWAYS,
+    @op(DeliveryCompleteMany, route=by("items", "route_complete_many"), permission=W, resend=fenced("tasks_settled"),
         shard=in_slots("items"))
     def op_delivery_complete_many(self, actor, session, op: DeliveryCompleteMany) -> SettledListView:
         """Complete several deliveries of one run in ONE commit: each item is judged as
@@ -1210,7 +1210,7 @@ class WorkQueues(Kind):
         """Retry/reject on an inactive run are answered without a change (SPEC §2.4)."""
         return t.state in TERMINAL or self.coord.runs.inactive_error(t.scope_id) is not None
 
-    @op(DeliveryRetry, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
+    @op(DeliveryRetry, route=by("task_id", "route_task"), permission=W, resend=fenced("task_requeued"))
     def op_delivery_retry(self, actor, session, op: DeliveryRetry) -> TaskView:
         """Back to the queue after ``delay_ms`` (server time), or FAILED once
         ``max_attempts`` attempts were made. Allowed (a no-op) on a stopped run."""
@@ -1267,7 +1267,7 @@ class WorkQueues(Kind):
         t.error = r.error
         self.finish(t, "FAILED", r.at_ms, "rejected")
 
-    @op(DeliveryRelease, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
+    @op(DeliveryRelease, route=by("task_id", "route_task"), permission=W, resend=fenced("task_requeued"))
     def op_delivery_release(self, actor, session, op: DeliveryRelease) -> TaskView:
         """Give the task back unfinished without counting an attempt (a worker that is
         stopping hands back what it holds): QUEUED at once, at its FIFO place, with the

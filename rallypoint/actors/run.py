@@ -48,7 +48,7 @@ from ..events import emits, ev
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
 from .common import applies, check_label, check_range, clamp_wait, data, parse_instant
 from .kind import Kind
-from .opmark import ALWAYS, NEVER, R, SPACE, W, asked, by_run, in_slot, named, op, run_or_space
+from .opmark import ALWAYS, NEVER, R, SPACE, W, asked, by_run, fenced, in_slot, named, op, run_or_space
 from .runtime import PRIO_RUN_DEADLINE, Park
 
 __all__ = ["ScopeState", "Runs"]
@@ -299,7 +299,7 @@ class Runs(Kind):
         self.coord.commit([ScopeEnded(id=s.id, state="CANCELLED", at_ms=self.coord.now_ms(), reason=op.reason)])
         return self.view(s)
 
-    @op(ScopeComplete, route=by_run(), permission=W, resend=ALWAYS, waits=asked("wait_ms"), reply=ScopeView)
+    @op(ScopeComplete, route=by_run(), permission=W, resend=fenced("run_completed"), waits=asked("wait_ms"), reply=ScopeView)
     def op_scope_complete(self, actor, session, op: ScopeComplete):
         """Complete the run: first close its open join sets (newest first); the run is
         COMPLETED only once every child of those sets finished (SPEC §5 structured end).

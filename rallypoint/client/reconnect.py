@@ -379,12 +379,12 @@ class ReconnectingTransport:
                 continue
             except RallypointError as e:
                 if reissued:
-                    fixed = await self._reconcile(conn, op, e)
+                    fixed = await _reconcile(conn, op, e)
                     if fixed is not None:
                         return fixed
                 raise
-            if reissued and type(op) is p.DeliveryCompleteMany:
-                return await self._reconcile_many(conn, op, raw)
+            if reissued:
+                return await _reconcile_answer(conn, op, raw)
             return raw
 
     async def subscribe(self, op: Any, max_events: int = 10_000) -> Any:
@@ -437,11 +437,11 @@ class ReconnectingTransport:
                     again.append(i)  # ended by a draining server: send it again
                     continue
                 if reissued and isinstance(r, RallypointError):
-                    fixed = await self._reconcile(conn, ops[i], r)
+                    fixed = await _reconcile(conn, ops[i], r)
                     if fixed is not None:
                         r = fixed
-                elif reissued and type(ops[i]) is p.DeliveryCompleteMany and not isinstance(r, Exception):
-                    r = await self._reconcile_many(conn, ops[i], r)
+                elif reissued and not isinstance(r, Exception):
+                    r = await _reconcile_answer(conn, ops[i], r)
                 out[i] = r
             if again:
                 await (self._leave(conn) if leave else self._drop(conn))
@@ -449,50 +449,88 @@ class ReconnectingTransport:
             todo = again
         return out
 
-    async def _reconcile_many(self, conn: Any, op: Any, raw: bytes) -> bytes:
-        """A re-sent ``delivery.complete_many``: an item refused because the first
-        sending already completed it (the task is SUCCEEDED with this item's outcome) is
-        answered with the task, as the first sending would have been."""
-        reply = msgspec.msgpack.decode(raw, type=p.SettledListView)
-        changed = False
-        for i, (item, res) in enumerate(zip(op.items, reply.items)):
-            e = res.error
-            if e is None or e.code not in ("STALE_CLAIM", "SCOPE_CANCELLED", "DEADLINE_EXCEEDED"):
-                continue
-            if e.code == "STALE_CLAIM" and (e.details or {}).get("state") not in ("SUCCEEDED", "ACKED"):
-                continue
-            try:
-                st = await conn.call(p.TaskStatus(task_id=item.task_id))
-            except RallypointError:
-                continue
-            v = _task_view.decode(st)
-            if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(item.outcome):
-                reply.items[i] = p.SettledView(task=msgspec.msgpack.decode(st, type=p.TaskView))
-                changed = True
-        return p.encoder.encode(reply) if changed else raw
 
-    async def _reconcile(self, conn: Any, op: Any, e: RallypointError) -> Any:
-        """``op`` was re-sent and refused: if the refusal shows that the first sending
-        was applied, the reply it would have had; else None (the refusal stands)."""
-        t = type(op)
+
+# ------------------------------------------------------------------ reconcile rules
+# How a fenced op sent again is reconciled when its second sending was refused because
+# the first was applied: one implementation per rule its @op mark names
+# (rallypoint.actors.opmark.RECONCILE_RULES; ``resend=fenced(rule)``).
+
+
+async def _task_settled(conn: Any, op: Any, e: RallypointError) -> Any:
+    if isinstance(e, ScopeInactiveError) or (
+            isinstance(e, LeaseLostError) and (e.details or {}).get("state") in ("SUCCEEDED", "ACKED")):
+        raw = await conn.call(p.TaskStatus(task_id=op.task_id))
+        v = _task_view.decode(raw)
+        if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(op.outcome):
+            return raw
+    return None
+
+
+async def _task_requeued(conn: Any, op: Any, e: RallypointError) -> Any:
+    if isinstance(e, LeaseLostError) and (e.details or {}).get("state") == "QUEUED":
+        # Our token is still the task's, and it is queued again: our retry (or release)
+        # was applied (or, indistinguishably, the lease ran out meanwhile).
+        return await conn.call(p.TaskStatus(task_id=op.task_id))
+    return None
+
+
+async def _run_completed(conn: Any, op: Any, e: RallypointError) -> Any:
+    if isinstance(e, ConflictError):
+        raw = await conn.call(p.ScopeStatus(scope_id=op.scope_id))
+        if _scope_view.decode(raw).stored_state == "COMPLETED":
+            return raw
+    return None
+
+
+async def _tasks_settled_answer(conn: Any, op: Any, raw: bytes) -> bytes:
+    """A re-sent ``delivery.complete_many``: an item refused because the first sending
+    already completed it (the task is SUCCEEDED with this item's outcome) is answered
+    with the task, as the first sending would have been."""
+    reply = msgspec.msgpack.decode(raw, type=p.SettledListView)
+    changed = False
+    for i, (item, res) in enumerate(zip(op.items, reply.items)):
+        e = res.error
+        if e is None or e.code not in ("STALE_CLAIM", "SCOPE_CANCELLED", "DEADLINE_EXCEEDED"):
+            continue
+        if e.code == "STALE_CLAIM" and (e.details or {}).get("state") not in ("SUCCEEDED", "ACKED"):
+            continue
         try:
-            if t is p.DeliveryComplete and (
-                isinstance(e, ScopeInactiveError)
-                or (isinstance(e, LeaseLostError) and (e.details or {}).get("state") in ("SUCCEEDED", "ACKED"))
-            ):
-                raw = await conn.call(p.TaskStatus(task_id=op.task_id))
-                v = _task_view.decode(raw)
-                if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(op.outcome):
-                    return raw
-            elif (t is p.DeliveryRetry or t is p.DeliveryRelease) and isinstance(e, LeaseLostError) and (
-                    e.details or {}).get("state") == "QUEUED":
-                # Our token is still the task's, and it is queued again: our retry (or
-                # release) was applied (or, indistinguishably, the lease ran out meanwhile).
-                return await conn.call(p.TaskStatus(task_id=op.task_id))
-            elif t is p.ScopeComplete and isinstance(e, ConflictError):
-                raw = await conn.call(p.ScopeStatus(scope_id=op.scope_id))
-                if _scope_view.decode(raw).stored_state == "COMPLETED":
-                    return raw
+            st = await conn.call(p.TaskStatus(task_id=item.task_id))
         except RallypointError:
-            return None
+            continue
+        v = _task_view.decode(st)
+        if v.state in ("SUCCEEDED", "ACKED") and bytes(v.outcome) == bytes(item.outcome):
+            reply.items[i] = p.SettledView(task=msgspec.msgpack.decode(st, type=p.TaskView))
+            changed = True
+    return p.encoder.encode(reply) if changed else raw
+
+
+#: rule name -> (reconcile a refusal of the second sending, reconcile its answer): each
+#: returns the first sending's answer, or None / the answer unchanged
+RECONCILERS: dict[str, tuple[Callable | None, Callable | None]] = {
+    "task_settled": (_task_settled, None),
+    "tasks_settled": (None, _tasks_settled_answer),
+    "task_requeued": (_task_requeued, None),
+    "run_completed": (_run_completed, None),
+}
+
+
+async def _reconcile(conn: Any, op: Any, e: RallypointError) -> Any:
+    """``op`` was re-sent and refused: if the refusal shows that the first sending was
+    applied, the reply it would have had (by the op's declared rule); else None (the
+    refusal stands)."""
+    fn = RECONCILERS.get(_op_table().reconcile_rule(op) or "", (None, None))[0]
+    if fn is None:
         return None
+    try:
+        return await fn(conn, op, e)
+    except RallypointError:
+        return None
+
+
+async def _reconcile_answer(conn: Any, op: Any, raw: bytes) -> bytes:
+    """``op`` was re-sent and answered: the answer, with any part of it refused because
+    the first sending applied it reconciled (by the op's declared rule)."""
+    fn = RECONCILERS.get(_op_table().reconcile_rule(op) or "", (None, None))[1]
+    return raw if fn is None else await fn(conn, op, raw)
