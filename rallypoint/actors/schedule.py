@@ -300,6 +300,8 @@ class Schedules(Kind):
 
         def given(name):
             v = getattr(op, name)
+            if name == "input":
+                return bytes(v) != bytes(NIL)
             return v is not None
 
         if not upd or given("cron"):
@@ -344,8 +346,7 @@ class Schedules(Kind):
             else:
                 cfg.mailbox = None
         if not upd or given("input"):
-            raw = op.input if op.input is not None else NIL
-            b = check_payload("input", raw)
+            b = check_payload("input", op.input)
             cfg.input = None if b == bytes(NIL) else b
         if not upd or given("overlap"):
             cfg.overlap = self._check_overlap(op.overlap)
@@ -769,7 +770,7 @@ class Schedules(Kind):
             if s is not None and s.buffer and not pause and not s.paused and [r for r in s.running if r != aid] == []:
                 bt, borigin = s.buffer[0]
                 try:
-                    more += self._fire_records(s, bt, borigin, False, now, buffered=True)
+                    more += self._fire_records(s, bt, "buffered", False, now, buffered=True)
                 except RallypointError as e:
                     log.warning("schedule %s: the buffered action for %s was refused: %s", s.name, to_iso(bt), e)
         return more

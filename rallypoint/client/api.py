@@ -1645,7 +1645,7 @@ def _schedule_fields(cron, every, offset, timezone, start, end, jitter, run_name
         "run_deadline_ms": _opt_ms(run_deadline, "run_deadline"),
         "metadata": dict(metadata) if metadata is not None else None,
         "mailbox": _name_of(mailbox, "mailbox") if mailbox is not None else None,
-        "input": encode_payload(input) if input is not _UNSET else None,
+        "input": encode_payload(input) if input is not _UNSET and input is not None else None,
         "overlap": overlap,
         "catchup_window_ms": _opt_ms(catchup_window, "catchup_window"),
         "pause_on_failure": pause_on_failure,
