@@ -67,3 +67,46 @@ def test_each_scheduled_time_fires_exactly_once_across_a_sigkill(tmp_path):
         phase(d.url, after)
     finally:
         d.kill()
+
+
+def test_the_schedules_cli(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    d = Daemon(str(tmp_path / "data"), "fsync").start()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "rallypoint", "schedules", *args, "--connect", d.url],
+                           capture_output=True, text=True, env=env, timeout=60)
+        return r.returncode, r.stdout, r.stderr
+
+    try:
+        rc, out, err = cli("create", "nightly", "--cron", "0 3 * * *", "--timezone", "Europe/Berlin", "--json")
+        assert rc == 0, err
+        info = json.loads(out)
+        assert info["name"] == "nightly" and info["cron"] == ["0 3 * * *"] and len(info["next_fires"]) == 5
+        rc, out, err = cli("create", "bad", "--cron", "0 3 * *  * * *")
+        assert rc != 0 and "VALIDATION_FAILED" in (out + err)
+        rc, out, err = cli("trigger", "nightly")
+        assert rc == 0 and "trigger" in out
+        rc, out, err = cli("pause", "nightly", "--note", "freeze")
+        assert rc == 0 and "PAUSED (freeze)" in out
+        rc, out, err = cli("unpause", "nightly")
+        assert rc == 0 and "active" in out
+        rc, out, err = cli("ls")
+        assert rc == 0 and "nightly" in out and "0 3 * * *" in out
+        rc, out, err = cli("describe", "nightly", "--json")
+        assert rc == 0 and json.loads(out)["actions"] == 1
+        rc, out, err = cli("backfill", "nightly", "--start", "2026-01-01T00:00:00Z", "--end", "2026-01-03T00:00:00Z",
+                           "--overlap", "allow_all", "--json")
+        assert rc == 0, err
+        assert json.loads(out)["actions"] == 3  # 1 and 2 Jan 03:00 Berlin, plus the trigger
+        rc, out, err = cli("delete", "nightly")
+        assert rc == 0
+        rc, out, err = cli("describe", "nightly")
+        assert rc != 0 and "NOT_FOUND" in (out + err)
+    finally:
+        d.kill()
