@@ -65,6 +65,7 @@ Every schedule is one entry of the coordinator's activity heap at its next fire 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import logging
@@ -110,6 +111,8 @@ MAX_NOTE = 1_024
 #: scheduled times one activity step deals with (the rest in the next step, at once)
 STEP_TIMES = 10_000
 STEP_FIRES = 1_000
+#: the fire-lag histogram's bucket bounds, seconds (rallypoint_schedule_fire_lag_seconds)
+LAG_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
 _TASK_OUTCOME = {"SUCCEEDED": "succeeded", "ACKED": "succeeded", "FAILED": "failed", "CANCELLED": "cancelled",
                  "EXPIRED": "timed_out"}
@@ -252,6 +255,7 @@ class Schedules(Kind):
         #: fire lag (seconds: the real instant of the fire's commit minus its fire time),
         #: the most recent samples (metrics: ``rallypoint_schedule_fire_lag_seconds``)
         self.lag_samples: list[float] = []
+        self.lag_counts = [0] * (len(LAG_BOUNDS_S) + 1)  # histogram over LAG_BOUNDS_S (+Inf last)
         self.lag_sum_s = 0.0
         self.fires = 0
         self.skips = 0
@@ -708,13 +712,11 @@ class Schedules(Kind):
         lag_s = max(0.0, lag_s)
         self.fires += 1
         self.lag_sum_s += lag_s
+        self.lag_counts[bisect.bisect_left(LAG_BOUNDS_S, lag_s)] += 1
         samples = self.lag_samples
         samples.append(lag_s)
         if len(samples) > 200_000:
             del samples[:100_000]
-        m = getattr(self.coord, "metrics", None)
-        if m is not None and hasattr(m, "schedule_fire_lag"):
-            m.schedule_fire_lag(lag_s)
 
     # ================================================================ outcomes (a reaction)
     def note_task_end(self, task) -> None:
