@@ -66,6 +66,7 @@ Every schedule is one entry of the coordinator's activity heap at its next fire 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import heapq
 import logging
@@ -162,7 +163,9 @@ class ScheduleActionState(msgspec.Struct, gc=False, omit_defaults=True):
 
 # ---------------------------------------------------------------------------- the spec
 
+@functools.lru_cache(maxsize=1024)
 def _zone(name: str):
+    """The ZoneInfo of an IANA name; VALIDATION_FAILED (field ``timezone``) for an unknown one."""
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
     try:
@@ -172,7 +175,14 @@ def _zone(name: str):
                               "America/New_York or UTC)", details={"field": "timezone"}) from None
 
 
-def _cron_times(expr: str, tz, after_ms: int) -> Iterator[int]:
+#: (cron expression, time zone, after ms) -> the next time (ms): schedules sharing an
+#: expression and a cursor (every "* * * * *" at the top of the minute) compute it once;
+#: cleared when it holds :data:`_NEXT_CACHE_MAX` entries (it is only a cache)
+_NEXT_CACHE: dict[tuple[str, str, int], int] = {}
+_NEXT_CACHE_MAX = 100_000
+
+
+def _cron_iter(expr: str, tz, after_ms: int) -> Iterator[int]:
     from cronsim import CronSim
 
     start = datetime.fromtimestamp(after_ms // 1000, tz)
@@ -180,6 +190,26 @@ def _cron_times(expr: str, tz, after_ms: int) -> Iterator[int]:
         ms = int(dt.timestamp()) * 1000
         if ms > after_ms:
             yield ms
+
+
+def _cron_times(expr: str, tz_name: str, after_ms: int) -> Iterator[int]:
+    """The times of one cron expression in ``tz_name`` strictly after ``after_ms``,
+    through :data:`_NEXT_CACHE` until the first miss, then one cronsim iterator."""
+    cache = _NEXT_CACHE
+    t = after_ms
+    while True:
+        nxt = cache.get((expr, tz_name, t))
+        if nxt is None:
+            break
+        yield nxt
+        t = nxt
+    it = _cron_iter(expr, _zone(tz_name), t)
+    for nxt in it:
+        if len(cache) >= _NEXT_CACHE_MAX:
+            cache.clear()
+        cache[(expr, tz_name, t)] = nxt
+        yield nxt
+        t = nxt
 
 
 def _interval_times(interval_ms: int, offset_ms: int, after_ms: int) -> Iterator[int]:
@@ -197,8 +227,8 @@ def spec_times(cfg: ScheduleConfig, after_ms: int) -> Iterator[int]:
         after_ms = cfg.start_ms - 1
     gens = []
     if cfg.cron:
-        tz = _zone(cfg.timezone)
-        gens += [_cron_times(e, tz, after_ms) for e in cfg.cron]
+        _zone(cfg.timezone)
+        gens += [_cron_times(e, cfg.timezone, after_ms) for e in cfg.cron]
     if cfg.interval_ms:
         gens.append(_interval_times(cfg.interval_ms, cfg.offset_ms, after_ms))
     it = gens[0] if len(gens) == 1 else heapq.merge(*gens)
