@@ -124,7 +124,7 @@ class ScheduleState(msgspec.Struct, gc=False, omit_defaults=True):
     """What a snapshot stores of a schedule. Instants are wall ms. ``cursor_ms``: the last
     scheduled time the spec has dealt with (fired, skipped or buffered) or the instant of
     its creation/last update; ``resume_ms``: the unpause instant (unhandled times up to it
-    are skipped, reason ``paused``); ``buffer``: (scheduled ms, origin) waiting for the
+    are skipped, reason ``paused``); ``buffer``: the scheduled times (ms) waiting for the
     running action; ``running``: the RUNNING action ids; ``recent``: the last action ids."""
 
     id: str
@@ -140,7 +140,7 @@ class ScheduleState(msgspec.Struct, gc=False, omit_defaults=True):
     actions: int = 0
     skipped: int = 0
     running: list[str] = []
-    buffer: list[tuple[int, str]] = []
+    buffer: list[int] = []
     recent: list[str] = []
 
 
@@ -467,7 +467,7 @@ class Schedules(Kind):
             mailbox=c.mailbox, overlap=c.overlap, catchup_window_ms=c.catchup_window_ms,
             pause_on_failure=c.pause_on_failure, remaining_actions=s.remaining, created_at=to_iso(s.created_at_ms),
             actions=s.actions, skipped=s.skipped, running=list(s.running),
-            buffered=[to_iso(t) for t, _ in s.buffer], next_fires=[to_iso(t) for t in self.next_times(s, next_n)],
+            buffered=[to_iso(t) for t in s.buffer], next_fires=[to_iso(t) for t in self.next_times(s, next_n)],
             recent=[self.action_view(a) for a in acts],
         )
 
@@ -549,7 +549,7 @@ class Schedules(Kind):
         self._require_remaining(s)
         now = self.coord.now_ms()
         t = now
-        while (s.id, t) in self.by_key or any(b == t for b, _ in s.buffer):
+        while (s.id, t) in self.by_key or t in s.buffer:
             t += 1
         self.coord.commit(self._policy_records(s, t, "trigger", False, overlap, now))
         return self.view(s)
@@ -578,7 +578,7 @@ class Schedules(Kind):
             if len(times) > MAX_BACKFILL:
                 raise ValidationError(f"the range holds more than {MAX_BACKFILL} scheduled times; backfill a "
                                       "shorter range", details={"field": "end"})
-        buffered = {b for b, _ in s.buffer}
+        buffered = set(s.buffer)
         todo = [t for t in times if (s.id, t) not in self.by_key and t not in buffered]
         if todo:
             self._require_remaining(s)
@@ -702,7 +702,7 @@ class Schedules(Kind):
             seen += 1
             if s.resume_ms is not None and t <= s.resume_ms:
                 reason = "paused"
-            elif (sid, t) in self.by_key or any(b == t for b, _ in s.buffer):
+            elif (sid, t) in self.by_key or t in s.buffer:
                 reason = "already_fired"  # a backfill took it first (within its jitter)
             elif now - f > c.catchup_window_ms:
                 reason = "catchup_window"
@@ -800,7 +800,7 @@ class Schedules(Kind):
             pause = (s is not None and s.config.pause_on_failure and outcome in _FAILURES and not s.paused)
             more.append(ScheduleActionEnded(id=aid, outcome=outcome, at_ms=now, pause=pause))
             if s is not None and s.buffer and not pause and not s.paused and [r for r in s.running if r != aid] == []:
-                bt, borigin = s.buffer[0]
+                bt = s.buffer[0]
                 try:
                     more += self._fire_records(s, bt, "buffered", False, now, buffered=True)
                 except RallypointError as e:
@@ -867,7 +867,7 @@ class Schedules(Kind):
         self.by_key[(s.id, a.scheduled_ms)] = a.id
         self.by_run[a.run_id] = a.id
         self.coord.runs.own(a.run_id, a.id)
-        if r.buffered and s.buffer and s.buffer[0][0] == r.scheduled_ms:
+        if r.buffered and s.buffer and s.buffer[0] == r.scheduled_ms:
             s.buffer = s.buffer[1:]
         s.running = s.running + [a.id]
         s.recent = (s.recent + [a.id])[-MAX_RECENT:]
@@ -893,7 +893,7 @@ class Schedules(Kind):
     @applies(ScheduleBuffered)
     def _apply_buffered(self, r: ScheduleBuffered) -> None:
         s = self.table[r.schedule_id]
-        s.buffer = s.buffer + [(r.scheduled_ms, r.origin)]
+        s.buffer = s.buffer + [r.scheduled_ms]
         if r.advance:
             self._advance(s, r.scheduled_ms)
         self.coord.touch(s.id)
