@@ -56,3 +56,23 @@ async def test_the_schedule_routes_end_to_end():
                 r = await c.get("/schedules/h")
                 assert r.status_code == 404
             stop.set()
+
+
+async def test_the_console_resources_page_shows_schedules_with_next_fires_and_recent_runs():
+    from rallypoint.console.app import ConsoleApp
+
+    async with rallypoint.open_embedded() as rs:
+        app = ConsoleApp(rs.node.service)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://console.test")
+        s = await rs.schedules.create("nightly", cron="0 3 * * *", timezone="Europe/Berlin", overlap="allow_all")
+        d = await s.trigger()
+        await (await rs.schedules.get("nightly")).pause("<i>freeze</i>")
+        r = await client.get("/resources?part=schedules")
+        assert r.status_code == 200
+        assert "nightly" in r.text and "<i>freeze</i>" not in r.text  # the note is escaped
+        assert "cron 0 3 * * * (Europe/Berlin)" in r.text and "PAUSED · &lt;i&gt;freeze&lt;/i&gt;" in r.text
+        assert d.recent[0].run_id in r.text and "trigger" in r.text
+        await (await rs.schedules.get("nightly")).unpause()
+        r = await client.get("/resources?part=schedules")
+        assert r.text.count("data-deadline=") == 3  # the next three fires, counted down
+        await client.aclose()
