@@ -505,3 +505,26 @@ async def test_a_crash_in_the_minute_of_a_fire_fires_that_time_exactly_once(tmp_
                 a = acts[0]
                 st = await rs.scope(a.run_id).status()
                 assert st.tasks == {"QUEUED": 1}  # the run and its task with the record
+
+
+async def test_a_wall_clock_stepped_back_across_a_restart_fires_no_time_twice(tmp_path, autojump_clock):
+    """The node restarts with its wall clock 5 minutes behind (an NTP step back): the
+    times already fired are not fired again when the clock passes them a second time;
+    the next new time fires once."""
+    d = str(tmp_path / "data")
+    async with controlled_time() as tc:
+        clock = Clock()
+        async with rallypoint.open_embedded(d, durability="fsync", clock=clock) as rs:
+            s = await rs.schedules.create("ntp", every=60, overlap="allow_all")
+            nxt = s.info.next_fires
+            await tc.advance((nxt[2] - now(rs)).total_seconds() + 0.01)
+            first = fired_times(rs, "ntp")
+            assert first == [int(f.timestamp() * 1000) for f in nxt[:3]]
+            wall = coord(rs).now_ms()
+        back = Clock(wall_start=(wall - 300_000) / 1000)  # the wall clock was stepped back 5 minutes
+        async with rallypoint.open_embedded(d, durability="fsync", clock=back) as rs:
+            assert now(rs) < nxt[0]
+            await tc.advance(300 + 60 + 0.5)  # the clock passes the fired times again, then one new time
+            times = fired_times(rs, "ntp")
+            assert times == first + [int(nxt[3].timestamp() * 1000)]  # each once
+            assert (await rs.schedules.get("ntp")).info.skipped == 0
