@@ -289,7 +289,8 @@ class Schedules(Kind):
         self.lag_sum_s = 0.0
         self.fires = 0
         self.skips = 0
-        self._gone: dict[str, tuple[str, str]] = {}  # deleted in this apply: (space, name), for its event
+        self._gone: dict[str, tuple[str, str]] = {}
+        self._due_now: str | None = None  # the schedule _on_due is dealing with  # deleted in this apply: (space, name), for its event
 
     def _init_indexes(self) -> None:
         self.by_name: dict[tuple[str, str], str] = {}
@@ -654,7 +655,11 @@ class Schedules(Kind):
 
     # ================================================================ the activity
     def _arm(self, s: ScheduleState) -> None:
-        """Compute the next fire of ``s`` (derived state) and put it on the heap."""
+        """Compute the next fire of ``s`` (derived state) and put it on the heap. Not in
+        replay (``rearm`` arms every schedule after it), nor for the schedule whose due
+        times :meth:`_on_due` is dealing with (it arms it once, at its end)."""
+        if self.coord.replaying or s.id == self._due_now:
+            return
         nxt = None
         if not s.paused and s.remaining != 0:
             for t in spec_times(s.config, s.cursor_ms):
@@ -678,12 +683,19 @@ class Schedules(Kind):
         s = self.table.get(sid)
         if s is None or self.next_due.get(sid) != due:
             return
+        self._due_now = sid
+        try:
+            self._deal_with_due(s, self.coord.now_ms(), s.config)
+        finally:
+            self._due_now = None
+
+    def _deal_with_due(self, s: ScheduleState, now: int, c: ScheduleConfig) -> None:
+        sid = s.id
         coord = self.coord
-        now = coord.now_ms()
-        c = s.config
         pend: list | None = None  # [first, last, count, reason] of skips not yet committed
         seen = fires = 0
         more = False
+        upcoming = None  # the first time not due yet: the next heap entry
 
         def flush():
             nonlocal pend
@@ -695,6 +707,7 @@ class Schedules(Kind):
         for t in spec_times(c, s.cursor_ms):
             f = self.fire_ms(s, t)
             if f > now:
+                upcoming = (t, f)
                 break
             if seen >= STEP_TIMES or fires >= STEP_FIRES:
                 more = True
@@ -732,10 +745,18 @@ class Schedules(Kind):
                 lag = trio.current_time() - coord.clock.trio_time_at(f)
                 self._note_lag(lag)
         flush()
-        if more and sid in self.table:  # the rest in the next step, at once
+        self._due_now = None
+        if sid not in self.table:
+            return
+        if more:  # the rest in the next step, at once
             self.next_due[sid] = (s.cursor_ms, now)
             coord.arm_wall(now, self._on_due, (sid, (s.cursor_ms, now)))
-        elif sid in self.table:
+        elif upcoming is not None and not s.paused and s.remaining != 0:
+            # every time before ``upcoming`` was dealt with (each moved the cursor): it is next
+            if self.next_due.get(sid) != upcoming:
+                self.next_due[sid] = upcoming
+                coord.arm_wall(upcoming[1], self._on_due, (sid, upcoming))
+        else:
             self._arm(s)
 
     def _note_lag(self, lag_s: float) -> None:
