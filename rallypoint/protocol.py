@@ -1257,8 +1257,8 @@ class ScheduleBackfill(_Op, tag="schedule.backfill"):
 
 
 class ScheduleDelete(_Op, tag="schedule.delete"):
-    """Delete the schedule (its runs are left as they are). Idempotent by name: NOT_FOUND
-    the second time."""
+    """Delete the schedule (its runs are left as they are); NOT_FOUND the second time (so
+    it is not re-sent after a dropped connection)."""
 
     schedule: str
 

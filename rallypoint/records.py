@@ -1107,6 +1107,7 @@ class ScheduleUpdated(_Rec, tag="schedule_updated"):
     config: ScheduleConfig
     at_ms: int
     cursor_ms: int
+    reset_remaining: bool = False  # the remaining actions start again at config.remaining_actions
 
 
 class SchedulePaused(_Rec, tag="schedule_paused"):

@@ -298,6 +298,10 @@ async def test_remaining_actions_stop_the_schedule(autojump_clock, ers):
     await s.update(remaining_actions=1)
     await s.trigger()
     assert (await s.describe()).actions == 3
+    d = await s.update(remaining_actions=1)  # the same value again: the count starts again
+    assert d.remaining_actions == 1
+    await s.trigger()
+    assert (await s.describe()).remaining_actions == 0
 
 
 async def test_pause_and_unpause_with_a_note_skips_what_fell_due_meanwhile(autojump_clock, ers):

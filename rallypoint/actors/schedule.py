@@ -507,10 +507,12 @@ class Schedules(Kind):
         given resets the count. VALIDATION_FAILED / NOT_FOUND as create."""
         s = self.get(session.space, op.schedule)
         cfg = self._config(session.space, op, s.config)
-        if cfg == s.config:
+        reset = op.remaining_actions is not None
+        if cfg == s.config and not (reset and s.remaining != cfg.remaining_actions):
             return self.view(s)
         now = self.coord.now_ms()
-        self.coord.commit([ScheduleUpdated(id=s.id, config=cfg, at_ms=now, cursor_ms=max(now, s.cursor_ms))])
+        self.coord.commit([ScheduleUpdated(id=s.id, config=cfg, at_ms=now, cursor_ms=max(now, s.cursor_ms),
+                                           reset_remaining=reset)])
         return self.view(s)
 
     @op(ScheduleGet, route=by("schedule"), permission=R, resend=ALWAYS)
@@ -589,7 +591,7 @@ class Schedules(Kind):
             self.coord.commit(self._policy_records(s, t, "backfill", False, overlap, now))
         return self.view(s)
 
-    @op(ScheduleDelete, route=by("schedule"), permission=C, resend=ALWAYS)
+    @op(ScheduleDelete, route=by("schedule"), permission=C, resend=NEVER)
     def op_schedule_delete(self, actor, session, op: ScheduleDelete) -> ScheduleView:
         """Delete the schedule; its runs are left as they are (end them yourself). The
         reply is its last view."""
@@ -843,11 +845,10 @@ class Schedules(Kind):
     @applies(ScheduleUpdated)
     def _apply_updated(self, r: ScheduleUpdated) -> None:
         s = self.table[r.id]
-        old = s.config
         s.config = r.config
         s.cursor_ms = r.cursor_ms
         s.resume_ms = None
-        if r.config.remaining_actions != old.remaining_actions:
+        if r.reset_remaining or r.config.remaining_actions is None:
             s.remaining = r.config.remaining_actions
         self.coord.touch(s.id)
         self._arm(s)
