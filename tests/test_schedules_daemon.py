@@ -110,3 +110,28 @@ def test_the_schedules_cli(tmp_path):
         assert rc != 0 and "NOT_FOUND" in (out + err)
     finally:
         d.kill()
+
+
+def test_the_blocking_and_asyncio_clients_make_and_read_schedules(tmp_path):
+    import asyncio
+
+    d = Daemon(None, "memory").start()
+    try:
+        with rallypoint.sync.connect(d.url) as rs:  # the blocking client
+            s = rs.schedules.create("sync-made", every=3600, overlap="allow_all")
+            info = s.trigger()
+            assert info.actions == 1 and info.recent[0].origin == "trigger"
+            assert [x.name for x in rs.schedules.list()] == ["sync-made"]
+            assert s.pause("by sync").paused
+
+        async def under_asyncio():
+            async with rallypoint.connect(d.url) as rs:
+                s = await rs.schedules.get("sync-made")
+                info = await s.describe()
+                assert info.paused and info.note == "by sync" and info.actions == 1
+                await s.unpause()
+                return (await s.trigger()).actions
+
+        assert asyncio.run(under_asyncio()) == 2
+    finally:
+        d.kill()
