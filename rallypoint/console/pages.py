@@ -687,7 +687,7 @@ async def resources_page(ctx) -> Page:
     async def schedules() -> str:
         v = await ctx.call(p.ScheduleList())
         out = []
-        for x in v.schedules:
+        for x in v.schedules[:50]:  # (each a describe: the first 50 by name)
             d = await ctx.call(p.ScheduleGet(schedule=x.id, next_n=3, recent=5))
             spec = " + ".join([f"cron {c}" for c in d.cron] + ([f"every {duration(d.interval_ms / 1000)}"]
                                                               if d.interval_ms else []))
@@ -697,7 +697,8 @@ async def resources_page(ctx) -> Page:
                                  f"{badge(r.state if r.outcome is None else r.outcome.upper())}" for r in d.recent) or "—"
             out.append(tr(h(d.name), h(f"{spec} ({d.timezone})"), state, h(d.overlap), h(d.actions), h(d.skipped),
                           nxt, recent))
-        return "<h2>Schedules</h2>" + table(["Schedule", "Spec", "State", "Overlap", "Actions", "Skipped",
+        more = f'<p class="muted">the first 50 of {len(v.schedules)}</p>' if len(v.schedules) > 50 else ""
+        return "<h2>Schedules</h2>" + more + table(["Schedule", "Spec", "State", "Overlap", "Actions", "Skipped",
                                              "Next fires", "Recent actions (run, outcome)"], out, "no schedules")
 
     return Page("Resources", "resources", [Part("quotas", quotas, "tick"), Part("pools", pools, "tick"),
