@@ -1246,8 +1246,8 @@ class ScheduleTrigger(_Op, tag="schedule.trigger"):
 
 
 class ScheduleBackfill(_Op, tag="schedule.backfill"):
-    """Take the action for every time of the spec in [``start``, ``end``] (both past;
-    at most 10,000 times) that has no action yet, under ``overlap`` (default: the
+    """Take the action for every time of the spec in [``start``, ``end``] (cut at now; an
+    end more than 5 minutes ahead is refused; at most 10,000 times) that has no action yet, under ``overlap`` (default: the
     schedule's). Each time is still fired at most once: safe to send again."""
 
     schedule: str

@@ -108,6 +108,9 @@ MAX_METADATA = 64
 MAX_BUFFER = 1_000
 MAX_RECENT = 100  # action ids a schedule keeps for describe (newest last)
 MAX_BACKFILL = 10_000
+#: a backfill's end may be this far past now (ms): a client's clock a little ahead of the
+#: server's; the range is cut at now
+BACKFILL_FUTURE_MS = 300_000
 MAX_NOTE = 1_024
 #: scheduled times one activity step deals with (the rest in the next step, at once)
 STEP_TIMES = 10_000
@@ -560,9 +563,9 @@ class Schedules(Kind):
     @op(ScheduleBackfill, route=by("schedule"), permission=W, resend=ALWAYS)
     def op_schedule_backfill(self, actor, session, op: ScheduleBackfill) -> ScheduleView:
         """Take the action for every spec time in [start, end] that has none yet, in
-        order, under ``overlap`` (default: the schedule's). VALIDATION_FAILED for an end in
-        the future, an end before start, more than 10,000 times; CONFLICT when no actions
-        remain."""
+        order, under ``overlap`` (default: the schedule's). The range is cut at now; an end
+        more than 5 minutes in the future, an end before start or more than 10,000 times
+        are VALIDATION_FAILED; CONFLICT when no actions remain."""
         s = self.get(session.space, op.schedule)
         overlap = self._check_overlap(op.overlap) if op.overlap is not None else s.config.overlap
         start = parse_instant("start", op.start)
@@ -570,9 +573,10 @@ class Schedules(Kind):
         now = self.coord.now_ms()
         if end < start:
             raise ValidationError(f"end {op.end} is before start {op.start}", details={"field": "end"})
-        if end > now:
+        if end > now + BACKFILL_FUTURE_MS:
             raise ValidationError(f"end {op.end} is in the future (now {to_iso(now)}); a backfill takes past times",
                                   details={"field": "end"})
+        end = min(end, now)  # (a client clock a little ahead: the times after now are the spec's to fire)
         times = []
         for t in spec_times(s.config, start - 1):
             if t > end:
