@@ -31,13 +31,13 @@ from .errors import ValidationError
 _LAZY: dict[str, str] = {
     **{name: ".client.api" for name in (
         "Budget", "ClaimLease", "Client", "Delivery", "Grant", "Group", "Mailbox", "Message", "Pool", "Quota",
-        "QuotaWaiter", "Reservation", "Run", "Ticket")},
+        "QuotaWaiter", "Reservation", "Run", "Schedule", "Ticket")},
     "ConsumeStats": ".client.consume", "consume": ".client.consume",
     "Reconnect": ".client.reconnect",
     **{name: ".client.types" for name in (
         "BudgetInfo", "ClaimInfo", "GrantInfo", "GroupDecision", "GroupStatus", "MailboxInfo", "MessageInfo",
         "PoolInfo", "QuotaInfo", "QuotaTakeInfo", "ReservationInfo", "RunStatus", "ServerInfo", "SettleResult",
-        "TaskInfo", "TaskOutcome", "VerdictResult", "WorkLimitInfo")},
+        "TaskInfo", "TaskOutcome", "VerdictResult", "WorkLimitInfo", "ScheduleInfo", "ScheduleActionInfo")},
     "format_minor": ".money", "minor_units": ".money",
     "sync": ".sync",  # rallypoint.sync.connect(url): the blocking client (a module)
 }
@@ -46,14 +46,14 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from . import sync  # noqa: F401
     from .client.api import (  # noqa: F401
         Budget, ClaimLease, Client, Delivery, Grant, Group, Mailbox, Message, Pool, Quota, QuotaWaiter, Reservation,
-        Run, Ticket,
+        Run, Schedule, Ticket,
     )
     from .client.consume import ConsumeStats, consume  # noqa: F401
     from .client.reconnect import Reconnect  # noqa: F401
     from .client.types import (  # noqa: F401
         BudgetInfo, ClaimInfo, GrantInfo, GroupDecision, GroupStatus, MailboxInfo, MessageInfo, PoolInfo, QuotaInfo,
         QuotaTakeInfo, ReservationInfo, RunStatus, ServerInfo, SettleResult, TaskInfo, TaskOutcome, VerdictResult,
-        WorkLimitInfo,
+        WorkLimitInfo, ScheduleInfo, ScheduleActionInfo,
     )
     from .money import format_minor, minor_units  # noqa: F401
 
@@ -115,6 +115,9 @@ __all__ = [
     "BudgetInfo",
     "ReservationInfo",
     "SettleResult",
+    "Schedule",
+    "ScheduleInfo",
+    "ScheduleActionInfo",
     "minor_units",
     "format_minor",
     *_errors_all,

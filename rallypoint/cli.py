@@ -1,4 +1,4 @@
-"""The ``rallypoint`` command: ``serve | status | runs | watch | top | claims | pools | quotas | budgets |
+"""The ``rallypoint`` command: ``serve | status | runs | watch | top | claims | pools | quotas | budgets | schedules |
 keys | repair | bench``.
 
 ``rallypoint serve`` runs the daemon: it logs its address, version, data dir, durability
@@ -2100,6 +2100,86 @@ def cmd_quotas(args) -> int:
     )
 
 
+def _print_schedule(d) -> None:
+    """``schedules describe``: the settings, the next fires, the recent actions."""
+    spec = " + ".join([f"cron {c!r}" for c in d.cron] + ([f"every {d.interval_ms / 1000:g}s (+{d.offset_ms / 1000:g}s)"]
+                                                         if d.interval_ms else []))
+    for label, value in (
+        ("schedule", d.id), ("name", d.name), ("spec", f"{spec} in {d.timezone}"),
+        ("window", f"{_fmt_time(d.start) if d.start else '-'} .. {_fmt_time(d.end) if d.end else '-'}"),
+        ("jitter", f"{d.jitter_ms / 1000:g}s"), ("overlap", d.overlap),
+        ("catch-up", f"{d.catchup_window_ms / 1000:g}s"), ("on failure", "pause" if d.pause_on_failure else "go on"),
+        ("remaining", "unlimited" if d.remaining_actions is None else str(d.remaining_actions)),
+        ("action", f"run {d.run_name!r}" + (f" + task to {d.mailbox}" if d.mailbox else "")),
+        ("state", ("PAUSED" + (f" ({d.note})" if d.note else "")) if d.paused else "active"),
+        ("taken", f"{d.actions} action(s), {d.skipped} time(s) skipped, {len(d.running)} running"),
+    ):
+        print(f"{label:<10}  {value}")
+    if d.next_fires:
+        print()
+        _print_rows(["NEXT_FIRE"], [[_fmt_time(f)] for f in d.next_fires])
+    if d.recent:
+        print()
+        _print_rows(["SCHEDULED", "FIRED", "ORIGIN", "RUN", "STATE", "OUTCOME"],
+                    [[_fmt_time(a.scheduled_at), _fmt_time(a.fired_at), a.origin, a.run_id, a.state,
+                      a.outcome or "-"] for a in d.recent])
+
+
+def cmd_schedules(args) -> int:
+    """``schedules create NAME (--cron EXPR | --every S) ...``, ``ls``, ``describe NAME``,
+    ``pause NAME [--note]``, ``unpause NAME``, ``trigger NAME``, ``backfill NAME --start
+    --end``, ``delete NAME``: one line per error, ``--json`` for scripts."""
+    from .errors import RallypointError
+
+    sc = args.sub_cmd
+    try:
+        if sc in ("ls", "list"):
+            rows = _client_call(args, lambda rs: rs.schedules.list())
+            if args.json:
+                print(json.dumps([r.to_dict() for r in rows], default=str, indent=2))
+            else:
+                _print_rows(["NAME", "SPEC", "OVERLAP", "STATE", "ACTIONS", "SKIPPED", "NEXT_FIRE"],
+                            [[r.name, " + ".join(r.cron + ([f"every {r.interval_ms / 1000:g}s"] if r.interval_ms
+                                                          else [])), r.overlap, "PAUSED" if r.paused else "active",
+                              str(r.actions), str(r.skipped), _fmt_time(r.next_fires[0]) if r.next_fires else "-"]
+                             for r in rows])
+            return 0
+
+        async def one(rs):
+            if sc == "create":
+                s = await rs.schedules.create(
+                    args.name, cron=args.cron or None, every=args.every, offset=args.offset, timezone=args.timezone,
+                    start=args.start, end=args.end, jitter=args.jitter, run_name=args.run_name,
+                    run_deadline=args.run_deadline, mailbox=args.mailbox,
+                    input=json.loads(args.input) if args.input is not None else None, overlap=args.overlap,
+                    catchup_window=args.catchup_window, pause_on_failure=args.pause_on_failure,
+                    remaining_actions=args.remaining_actions, paused=args.paused)
+                return await s.describe()
+            h = await rs.schedules.get(args.name)
+            if sc == "describe":
+                return await h.describe(next_n=args.next, recent=args.recent)
+            if sc == "pause":
+                return await h.pause(args.note)
+            if sc == "unpause":
+                return await h.unpause(args.note)
+            if sc == "trigger":
+                return await h.trigger(args.overlap)
+            if sc == "backfill":
+                return await h.backfill(args.start, args.end, args.overlap)
+            if sc == "delete":
+                return await h.delete()
+            raise AssertionError(sc)
+
+        d = _client_call(args, one)
+        if args.json:
+            print(json.dumps(d.to_dict(), default=str, indent=2))
+        else:
+            _print_schedule(d)
+        return 0
+    except RallypointError as e:
+        return _fail(e, args)
+
+
 def cmd_budgets(args) -> int:
     """``budgets ls`` (every budget of the space: limit, settled, reserved, available)
     and ``budgets show NAME`` (readable, with the open reservations; ``--json``)."""
@@ -2667,6 +2747,48 @@ def build_parser() -> argparse.ArgumentParser:
     psh.add_argument("name")
     psh.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(fn=cmd_pools)
+
+    sch = sub.add_parser("schedules", help="recurring actions: create, list, describe, pause, trigger, backfill",
+                         parents=[_client_options()])
+    schs = sch.add_subparsers(dest="sub_cmd", required=True)
+    scc = schs.add_parser("create", parents=[client], help="a schedule: --cron and/or --every, an action, policies")
+    scc.add_argument("name")
+    scc.add_argument("--cron", action="append", default=[], help="a cron expression (repeatable), e.g. '*/5 * * * *'")
+    scc.add_argument("--every", type=float, default=None, help="an interval, seconds")
+    scc.add_argument("--offset", type=float, default=0, help="the interval's offset, seconds")
+    scc.add_argument("--timezone", default="UTC", help="IANA time zone the cron is read in (default %(default)s)")
+    scc.add_argument("--start", default=None, help="ISO 8601: no fire before")
+    scc.add_argument("--end", default=None, help="ISO 8601: no fire after")
+    scc.add_argument("--jitter", type=float, default=0, help="max jitter, seconds (deterministic per time)")
+    scc.add_argument("--run-name", default="{schedule} {time}", help="the run's name ({schedule} {time} {local})")
+    scc.add_argument("--run-deadline", type=float, default=None, help="the run's deadline after the fire, seconds")
+    scc.add_argument("--mailbox", default=None, help="also submit a task to this work queue in the run")
+    scc.add_argument("--input", default=None, help="the task's input, JSON")
+    scc.add_argument("--overlap", default="skip", help="skip | buffer_one | buffer_all | cancel_other | allow_all")
+    scc.add_argument("--catchup-window", type=float, default=60.0, help="seconds (default %(default)s)")
+    scc.add_argument("--pause-on-failure", action="store_true")
+    scc.add_argument("--remaining-actions", type=int, default=None)
+    scc.add_argument("--paused", action="store_true", help="create it paused")
+    scl = schs.add_parser("ls", aliases=["list"], parents=[client], help="every schedule of the space")
+    scd = schs.add_parser("describe", parents=[client], help="settings, next fires, recent actions")
+    scd.add_argument("--next", type=int, default=5)
+    scd.add_argument("--recent", type=int, default=10)
+    scp = schs.add_parser("pause", parents=[client])
+    scu = schs.add_parser("unpause", parents=[client])
+    for x in (scp, scu):
+        x.add_argument("--note", default=None)
+    sct = schs.add_parser("trigger", parents=[client], help="fire the action now")
+    scb = schs.add_parser("backfill", parents=[client], help="fire every past time of [--start, --end] not yet fired")
+    scb.add_argument("--start", required=True)
+    scb.add_argument("--end", required=True)
+    for x in (sct, scb):
+        x.add_argument("--overlap", default=None)
+    scx = schs.add_parser("delete", parents=[client])
+    for x in (scd, scp, scu, sct, scb, scx):
+        x.add_argument("name", help="the schedule's name or id")
+    for x in (scc, scl, scd, scp, scu, sct, scb, scx):
+        x.add_argument("--json", action="store_true", help="machine-readable output")
+    sch.set_defaults(fn=cmd_schedules)
 
     for what, fn, noun in (("quotas", cmd_quotas, "quota"), ("budgets", cmd_budgets, "budget")):
         g = sub.add_parser(what, help=f"list and show {what}", parents=[_client_options()])

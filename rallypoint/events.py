@@ -141,6 +141,21 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "timer.fired": ("timer", "the timer fired", ""),
     "timer.acked": ("timer", "a waiter acknowledged the fire", ""),
     "timer.cancelled": ("timer", "the timer was disarmed (timer.cancel() or its run ended)", "reason"),
+    # schedules
+    "schedule.created": ("schedule", "a schedule was made", "name"),
+    "schedule.updated": ("schedule", "its settings changed", "name"),
+    "schedule.deleted": ("schedule", "the schedule was deleted (its runs stay)", "name"),
+    "schedule.paused": ("schedule", "paused (by hand, or by pause on failure)", "name, note"),
+    "schedule.unpaused": ("schedule", "unpaused: the times due meanwhile are skipped", "name, note"),
+    "schedule.fired": ("schedule", "an action for one scheduled time, its run (and task) in the same commit",
+                       "name, scheduled_at, origin (scheduled, catchup, buffered, trigger, backfill), action, task"),
+    "schedule.skipped": ("schedule", "scheduled times not fired (a range of count)",
+                         "name, scheduled_at, last, count, reason (overlap, buffer_full, catchup_window, paused, "
+                         "already_fired, or a refusal's code)"),
+    "schedule.buffered": ("schedule", "a time waits for the running action (buffer_one, buffer_all)",
+                          "name, scheduled_at"),
+    "schedule.action_ended": ("schedule", "an action's run or task ended",
+                              "action, scheduled_at, outcome (succeeded, failed, cancelled, timed_out), paused"),
     # join sets
     "joinset.created": ("joinset", "a join set was created", "name"),
     "joinset.delay_submitted": ("joinset", "a durable delay child was added", "child, fire_at"),

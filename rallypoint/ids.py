@@ -53,6 +53,8 @@ PREFIXES = {
     "onc": "once (one execution per run and key)",
     "idm": "stored answer of an HTTP idempotency key",
     "msg": "message (in an INBOX mailbox)",
+    "sch": "schedule (recurring actions)",
+    "sca": "schedule action (one fire of a schedule)",
 }
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"

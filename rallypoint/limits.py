@@ -18,6 +18,7 @@ name               what counts (per space)                                      
 ``watchers``       open event subscriptions (``events.watch``, the HTTP         it ends
                    watch's long poll, the console's live stream)
 ``connections``    open TCP connections authenticated into the space            it closes
+``schedules``      schedules (recurring actions)                                it is deleted
 =================  ==========================================================  =========
 
 **Refusals.** An operation that would take a use past its limit is refused, before
@@ -57,9 +58,10 @@ from .errors import LimitError, ValidationError
 __all__ = ["Limits", "SpaceUse", "NAMES", "DERIVED", "DEFAULTS", "DESCRIPTIONS", "parse_limit", "task_bytes"]
 
 #: Every limit's name, in the order they are shown.
-NAMES: tuple[str, ...] = ("runs", "tasks", "timers", "stored", "payload_bytes", "watchers", "connections")
+NAMES: tuple[str, ...] = ("runs", "tasks", "timers", "stored", "payload_bytes", "watchers", "connections",
+                          "schedules")
 #: The uses derived from journaled state (the rest are what this process has open).
-DERIVED: tuple[str, ...] = ("runs", "tasks", "timers", "stored", "payload_bytes")
+DERIVED: tuple[str, ...] = ("runs", "tasks", "timers", "stored", "payload_bytes", "schedules")
 
 #: The default limits (per space; per shard in a sharded cluster), sized for a 2-core,
 #: 24 GiB node so that ten spaces at every limit at once fit in memory
@@ -73,6 +75,7 @@ DEFAULTS: dict[str, int | None] = {
     "payload_bytes": 1 << 30,
     "watchers": 256,
     "connections": 256,
+    "schedules": 200_000,
 }
 
 #: One line per limit (``serve --help``, ``rallypoint status``).
@@ -84,11 +87,12 @@ DESCRIPTIONS: dict[str, str] = {
     "payload_bytes": "bytes of stored payloads: inputs, messages, outcomes and errors, stored HTTP answers",
     "watchers": "open event subscriptions (events.watch, HTTP watch, console streams)",
     "connections": "open TCP connections of the space",
+    "schedules": "schedules (recurring actions)",
 }
 
 _RETRY_AFTER: dict[str, float | None] = {
     "runs": 1.0, "tasks": 1.0, "timers": 1.0, "stored": None, "payload_bytes": None, "watchers": None,
-    "connections": 1.0,
+    "connections": 1.0, "schedules": None,
 }
 _HOW: dict[str, str] = {
     "runs": "end some runs, or retry once some have ended",
@@ -99,6 +103,7 @@ _HOW: dict[str, str] = {
                      "stored HTTP answers expire (--http-idempotency-hours)",
     "watchers": "close a subscription first",
     "connections": "close a connection first",
+    "schedules": "delete schedules that are no longer needed",
 }
 
 #: No limit (``--limit NAME=none``): larger than any use.
@@ -245,6 +250,12 @@ class Limits:
         if u.stored + adding > self.max_stored:
             raise self.refuse(space, "stored", u.stored, adding)
 
+    def check_schedules(self, space: str, adding: int = 1) -> None:
+        """LIMIT_EXCEEDED unless ``adding`` more schedules fit (``schedules``)."""
+        u = self.use.get(space) or _ZERO
+        if u.schedules + adding > self.max_schedules:
+            raise self.refuse(space, "schedules", u.schedules, adding)
+
     def check_payload(self, space: str, adding_bytes: int) -> None:
         """LIMIT_EXCEEDED unless ``adding_bytes`` more stored payload bytes fit."""
         u = self.use.get(space) or _ZERO
@@ -292,6 +303,12 @@ class Limits:
         u = self.of(space)
         u.timers += 1
         u.stored += 1
+
+    def schedule_added(self, space: str) -> None:
+        self.of(space).schedules += 1
+
+    def schedule_removed(self, space: str) -> None:
+        self.of(space).schedules -= 1
 
     def timer_ended(self, space: str) -> None:
         self.of(space).timers -= 1
@@ -356,6 +373,10 @@ class Limits:
                 d["timers"] += 1
         for e in coord.idempotency.table.values():
             u(e.space)["payload_bytes"] += entry_bytes(e)
+        schedules = getattr(coord, "schedules", None)
+        if schedules is not None:
+            for sc in schedules.table.values():
+                u(sc.space)["schedules"] += 1
         return out
 
     def derived(self) -> dict[str, dict[str, int]]:

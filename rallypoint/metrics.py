@@ -216,6 +216,14 @@ class Metrics:
                                   "Age of the oldest fdatasync request not yet answered (0: none)")
             g.add_metric([], pending)
             yield g
+        sch = getattr(coord, "schedules", None)
+        if sch is not None:
+            from .actors.schedule import LAG_BOUNDS_S
+
+            h = HistogramMetricFamily(p + "schedule_fire_lag_seconds",
+                                      "A schedule's fire: its commit's real instant minus the time it was due")
+            h.add_metric([], _buckets(LAG_BOUNDS_S, sch.lag_counts), sch.lag_sum_s)
+            yield h
         g = GaugeMetricFamily(p + "journal_last_lsn", "The journal's last LSN")
         g.add_metric([], journal.last_lsn)
         yield g

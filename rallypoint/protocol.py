@@ -1155,6 +1155,168 @@ class QuotaListView(_View):
     quotas: list[QuotaView]
 
 
+# --- schedules (recurring actions) ---------------------------------------------------------
+
+
+class ScheduleCreate(_Op, tag="schedule.create"):
+    """A schedule named ``name`` (unique in the space; the same settings again return it,
+    others are CONFLICT). The spec: ``cron`` expressions (5 fields, or 6 with seconds
+    first) read in ``timezone`` (an IANA name), and/or every ``interval_ms`` shifted by
+    ``offset_ms``; fired only within [``start``, ``end``]; each time delayed by a
+    deterministic jitter in [0, ``jitter_ms``). The action: a root run named by the
+    template ``run_name`` (``{schedule}``, ``{time}``: the scheduled time, ISO UTC,
+    ``{local}``: in ``timezone``), with a deadline ``run_deadline_ms`` after the fire and
+    ``metadata``; with ``mailbox``, a task of ``input`` submitted to it in that run.
+    Policies: ``overlap`` skip | buffer_one | buffer_all | cancel_other | allow_all;
+    ``catchup_window_ms`` (a time that fell due longer ago -- while the server was
+    down -- is skipped); ``pause_on_failure``; ``remaining_actions`` (None: no limit)."""
+
+    name: str
+    cron: list[str] = []
+    interval_ms: int | None = None
+    offset_ms: int = 0
+    timezone: str = "UTC"
+    start: str | None = None
+    end: str | None = None
+    jitter_ms: int = 0
+    run_name: str = "{schedule} {time}"
+    run_deadline_ms: int | None = None
+    metadata: dict[str, str] = {}
+    mailbox: str | None = None
+    input: msgspec.Raw = NIL
+    overlap: str = "skip"
+    catchup_window_ms: int = 60_000
+    pause_on_failure: bool = False
+    remaining_actions: int | None = None
+    paused: bool = False
+    note: str | None = None
+
+
+class ScheduleUpdate(_Op, tag="schedule.update"):
+    """Change the given settings (None keeps one; ``interval_ms`` 0 removes the interval,
+    ``cron`` [] the cron expressions, ``end`` "" the end, ``mailbox`` "" the task).
+    Times already past are never fired by the new spec."""
+
+    schedule: str
+    cron: list[str] | None = None
+    interval_ms: int | None = None
+    offset_ms: int | None = None
+    timezone: str | None = None
+    start: str | None = None
+    end: str | None = None
+    jitter_ms: int | None = None
+    run_name: str | None = None
+    run_deadline_ms: int | None = None
+    metadata: dict[str, str] | None = None
+    mailbox: str | None = None
+    input: msgspec.Raw = NIL  # nil: unchanged
+    overlap: str | None = None
+    catchup_window_ms: int | None = None
+    pause_on_failure: bool | None = None
+    remaining_actions: int | None = None
+
+
+class ScheduleGet(_Op, tag="schedule.describe"):
+    """By name or id: the settings, the next ``next_n`` fire times (0 to 100) and the last
+    ``recent`` actions (0 to 1000), newest first."""
+
+    schedule: str
+    next_n: int = 5
+    recent: int = 10
+
+
+class ScheduleList(_Op, tag="schedule.list"):
+    pass
+
+
+class SchedulePause(_Op, tag="schedule.pause"):
+    """Pause (``paused``) or unpause, with a ``note`` (at most 1024 characters). Idempotent."""
+
+    schedule: str
+    paused: bool = True
+    note: str | None = None
+
+
+class ScheduleTrigger(_Op, tag="schedule.trigger"):
+    """Fire the action now (scheduled time: now), under ``overlap`` (default: the
+    schedule's). Counts against ``remaining_actions``."""
+
+    schedule: str
+    overlap: str | None = None
+
+
+class ScheduleBackfill(_Op, tag="schedule.backfill"):
+    """Take the action for every time of the spec in [``start``, ``end``] (cut at now; an
+    end more than 5 minutes ahead is refused; at most 10,000 times) that has no action yet, under ``overlap`` (default: the
+    schedule's). Each time is still fired at most once: safe to send again."""
+
+    schedule: str
+    start: str
+    end: str
+    overlap: str | None = None
+
+
+class ScheduleDelete(_Op, tag="schedule.delete"):
+    """Delete the schedule (its runs are left as they are); NOT_FOUND the second time (so
+    it is not re-sent after a dropped connection)."""
+
+    schedule: str
+
+
+class ScheduleActionView(_View):
+    """One action: the scheduled time (its key), when it fired, why (``origin``:
+    scheduled, catchup, buffered, trigger, backfill), its run and task, ``state``
+    RUNNING or ENDED, and ``outcome`` (succeeded, failed, cancelled, timed_out)."""
+
+    id: str
+    scheduled_at: Instant
+    fired_at: Instant
+    origin: str
+    run_id: str
+    task_id: str | None
+    state: str
+    outcome: str | None
+    ended_at: Instant | None
+
+
+class ScheduleView(_View):
+    """A schedule: its settings (durations in ms), ``paused`` with its ``note``,
+    ``next_fires`` (the next scheduled times, jitter added), ``buffered`` times waiting
+    for the running action, ``recent`` actions (newest first), counts of actions taken
+    and of times skipped."""
+
+    id: str
+    name: str
+    paused: bool
+    note: str | None
+    cron: list[str]
+    interval_ms: int | None
+    offset_ms: int
+    timezone: str
+    start: Instant | None
+    end: Instant | None
+    jitter_ms: int
+    run_name: str
+    run_deadline_ms: int | None
+    metadata: dict[str, str]
+    mailbox: str | None
+    overlap: str
+    catchup_window_ms: int
+    pause_on_failure: bool
+    remaining_actions: int | None
+    created_at: Instant
+    actions: int
+    skipped: int
+    running: list[str]
+    buffered: list[Instant]
+    next_fires: list[Instant]
+    recent: list[ScheduleActionView]
+
+
+class ScheduleListView(_View):
+    schedules: list[ScheduleView]
+
+
 # --- budgets -------------------------------------------------------------------------------
 # Amounts are integer minor units (``*_minor``): at ``scale`` 2, 250 means 2.50.
 

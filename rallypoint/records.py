@@ -1054,6 +1054,134 @@ class OutboxAcked(_Rec, tag="outbox_acked"):
     seq: int
 
 
+
+# --- schedules (recurring actions) ----------------------------------------------------------
+
+
+class ScheduleConfig(msgspec.Struct, gc=False, omit_defaults=True, forbid_unknown_fields=True):
+    """A schedule's whole configuration, as stored and journaled (durations in ms,
+    instants wall ms). The spec: the union of ``cron`` expressions in ``timezone`` and
+    an ``interval_ms`` grid shifted by ``offset_ms`` (from the epoch), bounded by
+    ``start_ms``/``end_ms``, each time delayed by a jitter in [0, ``jitter_ms``) that is a
+    function of (schedule, time). The action: a root run named by ``run_name`` (a
+    template), with ``run_deadline_ms`` after the fire and ``metadata``; and a task
+    with ``input`` to ``mailbox`` in it when ``mailbox`` is set."""
+
+    cron: list[str] = []
+    interval_ms: int | None = None
+    offset_ms: int = 0
+    timezone: str = "UTC"
+    start_ms: int | None = None
+    end_ms: int | None = None
+    jitter_ms: int = 0
+    run_name: str = "{schedule} {time}"
+    run_deadline_ms: int | None = None
+    metadata: dict[str, str] = {}
+    mailbox: str | None = None
+    input: bytes | None = None
+    overlap: str = "skip"
+    catchup_window_ms: int = 60_000
+    pause_on_failure: bool = False
+    remaining_actions: int | None = None
+
+
+class ScheduleCreated(_Rec, tag="schedule_created"):
+    """A schedule named ``name`` exists; times at or before ``cursor_ms`` are never
+    fired by the spec (the creation instant)."""
+
+    id: str
+    space: str
+    name: str
+    config: ScheduleConfig
+    at_ms: int
+    cursor_ms: int
+    paused: bool = False
+    note: str | None = None
+
+
+class ScheduleUpdated(_Rec, tag="schedule_updated"):
+    """The configuration is replaced; the spec's times are judged from ``cursor_ms`` on
+    (the instant of the update: an updated spec never fires times already past)."""
+
+    id: str
+    config: ScheduleConfig
+    at_ms: int
+    cursor_ms: int
+    reset_remaining: bool = False  # the remaining actions start again at config.remaining_actions
+
+
+class SchedulePaused(_Rec, tag="schedule_paused"):
+    """Paused (``paused``) or unpaused, with the operator's (or pause on failure's)
+    ``note``. An unpause moves the cursor to ``cursor_ms``: the times that fell due while
+    paused are recorded skipped (``ScheduleSkipped``, reason ``paused``) in the same commit."""
+
+    id: str
+    paused: bool
+    at_ms: int
+    note: str | None = None
+    cursor_ms: int | None = None
+
+
+class ScheduleDeleted(_Rec, tag="schedule_deleted"):
+    id: str
+    at_ms: int
+
+
+class ScheduleFired(_Rec, tag="schedule_fired"):
+    """The action for (``schedule_id``, ``scheduled_ms``), keyed by that pair: its run
+    ``run_id`` (created by the ``ScopeCreated`` of this same commit) and task
+    ``task_id`` (its ``TaskSubmitted``, same commit). ``origin``: scheduled, catchup,
+    buffered, trigger or backfill. ``cancel_run``: the previous action's run this fire
+    cancels (overlap ``cancel_other``; its ``ScopeEnded`` is in the same commit).
+    ``advance``: the fire moves the schedule's cursor to ``scheduled_ms``."""
+
+    id: str
+    schedule_id: str
+    scheduled_ms: int
+    at_ms: int
+    run_id: str
+    origin: str
+    advance: bool
+    task_id: str | None = None
+    buffered: bool = False  # taken from the buffer (remove its head)
+
+
+class ScheduleSkipped(_Rec, tag="schedule_skipped"):
+    """``count`` scheduled times from ``scheduled_ms`` to ``last_ms`` (inclusive) were not
+    fired, for ``reason``: overlap (a previous action still running), catchup_window
+    (fell due longer ago than the catch-up window: downtime), paused, or
+    buffer_full. ``advance``: the cursor moves to ``last_ms``."""
+
+    schedule_id: str
+    scheduled_ms: int
+    last_ms: int
+    count: int
+    reason: str
+    at_ms: int
+    advance: bool = True
+
+
+class ScheduleBuffered(_Rec, tag="schedule_buffered"):
+    """The time ``scheduled_ms`` waits in the buffer (overlap buffer_one / buffer_all)
+    until the running action ends; ``advance`` as in ``ScheduleFired``."""
+
+    schedule_id: str
+    scheduled_ms: int
+    at_ms: int
+    origin: str = "scheduled"
+    advance: bool = True
+
+
+class ScheduleActionEnded(_Rec, tag="schedule_action_ended"):
+    """The action ``id`` ended with ``outcome`` (succeeded, failed, cancelled,
+    timed_out); ``pause``: it pauses the schedule (pause on failure)."""
+
+    id: str
+    outcome: str
+    at_ms: int
+    pause: bool = False
+
+
 Record = Union[
     ScopeCreated,
     ScopeEnded,
@@ -1141,6 +1269,14 @@ Record = Union[
     RemoteDeliveryNoted,
     TaskReservationHeld,
     ReservationUsed,
+    ScheduleCreated,
+    ScheduleUpdated,
+    SchedulePaused,
+    ScheduleDeleted,
+    ScheduleFired,
+    ScheduleSkipped,
+    ScheduleBuffered,
+    ScheduleActionEnded,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

@@ -39,10 +39,11 @@ __all__ = ["connect", "consume", "SyncClient"]
 from .client.api import Barrier, Barriers, Events, EventStream, JoinSet, JoinSets, Timer, Timers
 from .client.api import Budget, Budgets, Message, Quota, Quotas, QuotaWaiter, Reservation
 from .client.api import ClaimLease, Claims, Grant, Pool, Pools, RunPools, SpaceClaims, WorkLimits
+from .client.api import Schedule, Schedules
 
 _HANDLES = (Client, Run, Mailbox, Ticket, Delivery, Group, Groups, Scopes, Mailboxes, JoinSet, JoinSets, Barrier, Barriers,
             Timer, Timers, Events, Message, Quotas, Quota, QuotaWaiter, Budgets, Budget, Reservation, Claims, SpaceClaims,
-            ClaimLease, Pools, Pool, RunPools, Grant, WorkLimits)
+            ClaimLease, Pools, Pool, RunPools, Grant, WorkLimits, Schedules, Schedule)
 
 
 class SyncEventStream:

@@ -468,6 +468,7 @@ def _field_strategy(name: str, typ: Any, pool: dict[str, list[Any]]) -> st.Searc
         nullable = True
         rest = [a for a in args if a is not type(None)]
         typ = rest[0] if len(rest) == 1 else typ
+        args = getattr(typ, "__args__", None)  # (the optional type's own: dict[str, str] | None -> str, str)
     if typ is str:
         if name.endswith("_id") or name in ("mailbox", "quota", "budget", "pool"):
             s = st.one_of(_id_strategy(pool), st.sampled_from(pool["names"]), _names)

@@ -70,6 +70,8 @@ def test_readme_block_runs_as_written(index, readme_daemon, monkeypatch, capsys)
         assert out.startswith("the delay won: True - timer fired at ")
     elif "barrier.next_epoch" in code:
         assert out.strip() == "three rounds; the barrier waits in epoch 4"
+    elif "rs.schedules.create" in code:
+        assert out.splitlines() == ["['03:00', '03:00', '03:00']", "2 1 ['backfill', 'backfill']"]
     elif "events.watch" in code:
         assert out.split() == ["task.submitted", "scope.cancelled"]
     else:

@@ -192,6 +192,9 @@ def _same(wire_value: Any, tp: Any, sdk_value: Any, where: str) -> None:
         check_decoded(wire_value, sdk_value)
     elif isinstance(wire_value, msgspec.Struct):  # Requirements: a dict by name
         assert sdk_value == msgspec.to_builtins(wire_value), where
+    elif (isinstance(wire_value, list) and get_origin(tp) is list and get_origin(get_args(tp)[0]) is Annotated
+          and any(isinstance(m, p.InstantMark) for m in get_args(get_args(tp)[0])[1:])):  # list[Instant]
+        assert sdk_value == [datetime.fromisoformat(w.replace("Z", "+00:00")) for w in wire_value], where
     elif isinstance(wire_value, list) and wire_value and isinstance(wire_value[0], (p._View, msgspec.Raw)):
         (item,) = get_args(_unoptional(tp))
         for w, s in zip(wire_value, sdk_value, strict=True):

@@ -68,6 +68,7 @@ from .runtime import PRIO_DEFAULT, AtOnce, Park, ReplySink, Runtime, Subscribe, 
 from .watch import Watchers
 from .space import Spaces
 from .timer import Timers
+from .schedule import Schedules
 
 log = logging.getLogger("rallypoint.coordinator")
 
@@ -78,7 +79,7 @@ __all__ = ["Coordinator", "FatalError", "STALL_S", "TICK_S", "KIND_CLASSES"]
 #: :data:`rallypoint.actors.api.TABLE`) is built from these classes' ``@op`` marks;
 #: ``tests/test_op_table.py`` checks a coordinator holds exactly these.
 KIND_CLASSES = (Runs, WorkQueues, Groups, Barriers, Timers, JoinSets, Keys, Spaces, Quotas, Budgets, Inboxes, Claims,
-                Pools, Admission, Onces, Idempotency, Diagnostics, Retention, Epochs, Outbox)
+                Pools, Admission, Onces, Idempotency, Diagnostics, Retention, Epochs, Outbox, Schedules)
 
 #: A gap longer than this (seconds) between two looks at the clock is an event-loop
 #: stall: outstanding leases are extended by it.
@@ -197,6 +198,7 @@ class Coordinator:
         self.retention = Retention(self, retain_finished_ms)
         self.epochs = Epochs(self)  # a replicated shard's leader terms (rallypoint.cluster)
         self.outbox = Outbox(self)  # a sharded cluster's remote runs, links and outbox
+        self.schedules = Schedules(self)  # recurring actions (rallypoint.actors.schedule)
         #: on a replicated shard's leader: () -> protocol.ClusterView (server status)
         self.cluster_status_fn: Callable[[], Any] | None = None
         #: on a node of a sharded cluster: () -> protocol.ClusterMapView (cluster.map)
@@ -204,7 +206,7 @@ class Coordinator:
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
                       self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs,
-                      self.outbox)
+                      self.outbox, self.schedules)
         self.task_linked_kinds = (self.pools, self.budgets)  # Kind.purge_task_links
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}
@@ -354,6 +356,7 @@ class Coordinator:
                     i += 1
                 more = self.groups.react()
                 more += self.queues.react()
+                more += self.schedules.react()
                 if not more:
                     break
                 records.extend(more)
@@ -430,6 +433,7 @@ class Coordinator:
             self.replaying = False
             self.groups.touched.clear()
             self.queues.to_check.clear()
+            self.schedules.to_check.clear()
 
     def replay_many(self, payloads, batch: int = 256, *, defer_events: bool = False) -> int:
         """Apply journal entries (``payloads``: an iterable of bytes, in LSN order) during
@@ -507,6 +511,7 @@ class Coordinator:
             self.replaying = False
             self.groups.touched.clear()
             self.queues.to_check.clear()
+            self.schedules.to_check.clear()
         return n
 
     def derive_deferred(self, rec) -> Entry:

@@ -708,6 +708,8 @@ class WorkQueues(Kind):
         if new in TERMINAL:
             if old not in TERMINAL:
                 coord.limits.task_finished(t)
+                if coord.schedules.by_run:  # a scheduled action's task: its outcome (actors/schedule.py)
+                    coord.schedules.note_task_end(t)
             if t.requirements is not None or t.work_limit_id is not None:
                 coord.admission.on_task_terminal(t)
             s = self.run_unfinished.get(t.scope_id)

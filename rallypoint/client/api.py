@@ -151,6 +151,7 @@ class Client:
         self.mailboxes = Mailboxes(self)
         self.events = Events(self)
         self.quotas = Quotas(self)
+        self.schedules = Schedules(self)
         self.budgets = Budgets(self)
         self.claims = SpaceClaims(self)
         self.pools = Pools(self)
@@ -1619,6 +1620,150 @@ class Message:
 # ---------------------------------------------------------------------------- quotas
 
 _MAX_TTL_S = 86_400.0
+
+
+# ============================================================================ schedules
+
+
+def _opt_ms(seconds: float | None, field: str) -> int | None:
+    return None if seconds is None else _ms(seconds, field)
+
+
+def _schedule_fields(cron, every, offset, timezone, start, end, jitter, run_name, run_deadline, metadata,
+                     mailbox, input, overlap, catchup_window, pause_on_failure, remaining_actions) -> dict:
+    """The wire fields of a schedule's settings from the SDK's arguments (seconds ->
+    ms, datetimes -> ISO); None entries are left out (update: unchanged)."""
+    out = {
+        "cron": [cron] if isinstance(cron, str) else (list(cron) if cron is not None else None),
+        "interval_ms": _opt_ms(every, "every"),
+        "offset_ms": _opt_ms(offset, "offset"),
+        "timezone": timezone,
+        "start": _iso(start, "start"),
+        "end": _iso(end, "end"),
+        "jitter_ms": _opt_ms(jitter, "jitter"),
+        "run_name": run_name,
+        "run_deadline_ms": _opt_ms(run_deadline, "run_deadline"),
+        "metadata": dict(metadata) if metadata is not None else None,
+        "mailbox": _name_of(mailbox, "mailbox") if mailbox is not None else None,
+        "input": encode_payload(input) if input is not _UNSET and input is not None else None,
+        "overlap": overlap,
+        "catchup_window_ms": _opt_ms(catchup_window, "catchup_window"),
+        "pause_on_failure": pause_on_failure,
+        "remaining_actions": remaining_actions,
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+_UNSET: Any = object()
+
+
+class Schedules:
+    """``rs.schedules``: recurring actions the server takes itself, exactly once per
+    scheduled time (see :mod:`rallypoint.actors.schedule`)."""
+
+    def __init__(self, rs: Client) -> None:
+        self._rs = rs
+
+    async def create(
+        self, name: str, *, cron: str | list[str] | None = None, every: float | None = None, offset: float = 0,
+        timezone: str = "UTC", start: datetime | str | None = None, end: datetime | str | None = None,
+        jitter: float = 0, run_name: str = "{schedule} {time}", run_deadline: float | None = None,
+        metadata: dict[str, str] | None = None, mailbox: "Mailbox | str | None" = None, input: Any = _UNSET,
+        overlap: str = "skip", catchup_window: float = 60.0, pause_on_failure: bool = False,
+        remaining_actions: int | None = None, paused: bool = False, note: str | None = None,
+    ) -> "Schedule":
+        """Create the schedule ``name`` (the same settings again return it; others are
+        CONFLICT). When: ``cron`` (one expression or a list, read in ``timezone``) and/or
+        ``every`` seconds shifted by ``offset`` seconds, within [``start``, ``end``], each
+        fire delayed by a deterministic jitter below ``jitter`` seconds. What: a root run
+        named by ``run_name`` ({schedule}, {time}, {local}) with a deadline
+        ``run_deadline`` seconds after the fire and ``metadata``; with ``mailbox``, a task
+        of ``input`` in it. Policies: ``overlap`` (skip, buffer_one, buffer_all,
+        cancel_other, allow_all), ``catchup_window`` seconds, ``pause_on_failure``,
+        ``remaining_actions``. Needs ``resource_config``. Raises ValidationError (bad
+        cron, unknown time zone, end before start...), NotFoundError (mailbox),
+        LimitError (the space's ``schedules`` limit)."""
+        fields = _schedule_fields(cron if cron is not None else [], every, offset, timezone, start, end, jitter,
+                                  run_name, run_deadline, metadata, mailbox, input, overlap, catchup_window,
+                                  pause_on_failure, remaining_actions)
+        info = await self._rs._call(p.ScheduleCreate(name=name, paused=paused, note=note, **fields), t.ScheduleInfo)
+        return Schedule(self._rs, info.name, info)
+
+    async def get(self, name: str) -> "Schedule":
+        """The schedule ``name`` (or id); NotFoundError if there is none."""
+        info = await self._rs._call(p.ScheduleGet(schedule=_name_of(name, "schedule")), t.ScheduleInfo)
+        return Schedule(self._rs, info.name, info)
+
+    async def list(self) -> list[t.ScheduleInfo]:
+        """The space's schedules by name (each with its next fire and last action)."""
+        return (await self._rs._call(p.ScheduleList(), t._ScheduleList)).schedules
+
+
+class Schedule:
+    """A handle on a schedule (by name)."""
+
+    def __init__(self, rs: Client, name: str, info: t.ScheduleInfo | None = None) -> None:
+        self._rs = rs
+        self.name = name
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.name!r})"
+
+    async def describe(self, next_n: int = 5, recent: int = 10) -> t.ScheduleInfo:
+        """The settings, the next ``next_n`` fire times and the last ``recent`` actions
+        (with their runs and outcomes), newest first."""
+        self.info = await self._rs._call(p.ScheduleGet(schedule=self.name, next_n=next_n, recent=recent),
+                                         t.ScheduleInfo)
+        return self.info
+
+    async def update(
+        self, *, cron: str | list[str] | None = None, every: float | None = None, offset: float | None = None,
+        timezone: str | None = None, start: datetime | str | None = None, end: datetime | str | None = None,
+        jitter: float | None = None, run_name: str | None = None, run_deadline: float | None = None,
+        metadata: dict[str, str] | None = None, mailbox: "Mailbox | str | None" = None, input: Any = _UNSET,
+        overlap: str | None = None, catchup_window: float | None = None, pause_on_failure: bool | None = None,
+        remaining_actions: int | None = None,
+    ) -> t.ScheduleInfo:
+        """Change the given settings (None: unchanged; ``every=0`` removes the interval,
+        ``cron=[]`` the cron expressions, ``end=""`` the end, ``mailbox=""`` the task).
+        The new spec counts from now. Raises as :meth:`Schedules.create`."""
+        fields = _schedule_fields(cron, every, offset, timezone, start, end, jitter, run_name, run_deadline,
+                                  metadata, mailbox, input, overlap, catchup_window, pause_on_failure,
+                                  remaining_actions)
+        self.info = await self._rs._call(p.ScheduleUpdate(schedule=self.name, **fields), t.ScheduleInfo)
+        return self.info
+
+    async def pause(self, note: str | None = None) -> t.ScheduleInfo:
+        """Pause (idempotent): nothing fires until :meth:`unpause`."""
+        self.info = await self._rs._call(p.SchedulePause(schedule=self.name, paused=True, note=note), t.ScheduleInfo)
+        return self.info
+
+    async def unpause(self, note: str | None = None) -> t.ScheduleInfo:
+        """Unpause: the times that fell due while paused are recorded skipped (reason
+        ``paused``); the next time of the spec fires."""
+        self.info = await self._rs._call(p.SchedulePause(schedule=self.name, paused=False, note=note),
+                                         t.ScheduleInfo)
+        return self.info
+
+    async def trigger(self, overlap: str | None = None) -> t.ScheduleInfo:
+        """Take the action now (under ``overlap``, default the schedule's). Not re-sent
+        after a dropped connection (it would fire again). ConflictError when no actions
+        remain."""
+        self.info = await self._rs._call(p.ScheduleTrigger(schedule=self.name, overlap=overlap), t.ScheduleInfo)
+        return self.info
+
+    async def backfill(self, start: datetime | str, end: datetime | str, overlap: str | None = None) -> t.ScheduleInfo:
+        """Take the action for every time of the spec in [``start``, ``end``] (past) that
+        has none yet (at most 10,000 times; safe to send again)."""
+        self.info = await self._rs._call(
+            p.ScheduleBackfill(schedule=self.name, start=_iso(start, "start"), end=_iso(end, "end"), overlap=overlap),
+            t.ScheduleInfo)
+        return self.info
+
+    async def delete(self) -> t.ScheduleInfo:
+        """Delete the schedule (its runs stay); returns its last view."""
+        return await self._rs._call(p.ScheduleDelete(schedule=self.name), t.ScheduleInfo)
 
 
 class Quotas:

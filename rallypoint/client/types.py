@@ -54,6 +54,8 @@ __all__ = [
     "PoolInfo",
     "GrantInfo",
     "WorkLimitInfo",
+    "ScheduleInfo",
+    "ScheduleActionInfo",
     "sdk_type",
     "SDK_TYPES",
 ]
@@ -350,6 +352,29 @@ class QuotaInfo(_Info, view=p.QuotaView):
 
 
 _QuotaList = sdk_type(p.QuotaListView, "_QuotaList")
+
+
+# ============================================================================ schedules
+
+
+class ScheduleActionInfo(_Info, view=p.ScheduleActionView):
+    """One action of a schedule, keyed by its ``scheduled_at``: when it ``fired_at``,
+    why (``origin``: scheduled, catchup, buffered, trigger, backfill), its run and task,
+    ``state`` RUNNING or ENDED with ``outcome`` (succeeded, failed, cancelled, timed_out)."""
+
+    @property
+    def running(self) -> bool:
+        return self.state == "RUNNING"
+
+
+class ScheduleInfo(_Info, view=p.ScheduleView):
+    """A schedule: its spec, action and policies (durations in ms on the view),
+    ``paused`` and ``note``, ``next_fires`` (datetimes, jitter included), ``buffered``
+    times, the ``recent`` actions (``ScheduleActionInfo``, newest first), ``actions``
+    taken and ``skipped`` times."""
+
+
+_ScheduleList = sdk_type(p.ScheduleListView, "_ScheduleList")
 
 
 # ============================================================================ budgets

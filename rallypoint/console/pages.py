@@ -685,9 +685,27 @@ async def resources_page(ctx) -> Page:
         return "<h2>Budgets</h2>" + table(["Budget", "Spent + held", "Settled", "Reserved", "Available", "Limit",
                                            "Overrun", "Open reservations"], rows, "no budgets")
 
+    async def schedules() -> str:
+        v = await ctx.call(p.ScheduleList())
+        out = []
+        for x in v.schedules[:50]:  # (each a describe: the first 50 by name)
+            d = await ctx.call(p.ScheduleGet(schedule=x.id, next_n=3, recent=5))
+            spec = " + ".join([f"cron {c}" for c in d.cron] + ([f"every {duration(d.interval_ms / 1000)}"]
+                                                              if d.interval_ms else []))
+            state = badge("PAUSED", d.note) if d.paused else badge("ACTIVE")
+            nxt = "<br>".join(left(f) for f in d.next_fires) or "—"
+            recent = "<br>".join(f"{when(r.scheduled_at)} {h(r.origin)} {_run_cell(r.run_id)} "
+                                 f"{badge(r.state if r.outcome is None else r.outcome.upper())}" for r in d.recent) or "—"
+            out.append(tr(h(d.name), h(f"{spec} ({d.timezone})"), state, h(d.overlap), h(d.actions), h(d.skipped),
+                          nxt, recent))
+        more = f'<p class="muted">the first 50 of {len(v.schedules)}</p>' if len(v.schedules) > 50 else ""
+        return "<h2>Schedules</h2>" + more + table(["Schedule", "Spec", "State", "Overlap", "Actions", "Skipped",
+                                             "Next fires", "Recent actions (run, outcome)"], out, "no schedules")
+
     return Page("Resources", "resources", [Part("quotas", quotas, "tick"), Part("pools", pools, "tick"),
-                                           Part("budgets", budgets, "tick")],
-                stream=urlencode({"types": "quota.created,pool.created,budget.created", "stats": "1"}))
+                                           Part("budgets", budgets, "tick"), Part("schedules", schedules, "tick")],
+                stream=urlencode({"types": "quota.created,pool.created,budget.created,schedule.fired,schedule.skipped",
+                                  "stats": "1"}))
 
 
 # ============================================================================ layout

@@ -388,6 +388,91 @@ async def group_join_task(ctx: Ctx):
     return sh.MEMBER_ADDED.json(v)
 
 
+# ====================================================================== schedules (rallypoint's own)
+def _schedule_fields(b: dict, update: bool) -> dict:
+    """The settings of a schedule from a JSON body (camelCase; durations in seconds,
+    ``everySeconds`` etc.; instants ISO 8601). ``update``: only the keys given."""
+    out: dict = {}
+    cron = b.get("cron")
+    if cron is not None:
+        if isinstance(cron, str):
+            cron = [cron]
+        if not isinstance(cron, list) or not all(isinstance(c, str) for c in cron):
+            raise ValidationError("cron must be a string or a list of strings", details={"field": "cron"})
+        out["cron"] = cron
+    for key, field in (("everySeconds", "interval_ms"), ("offsetSeconds", "offset_ms"),
+                       ("jitterSeconds", "jitter_ms"), ("runDeadlineSeconds", "run_deadline_ms"),
+                       ("catchupWindowSeconds", "catchup_window_ms")):
+        v = seconds_ms(b, key)
+        if v is not None:
+            out[field] = v
+    for key, field in (("timezone", "timezone"), ("start", "start"), ("end", "end"), ("runName", "run_name"),
+                       ("mailbox", "mailbox"), ("overlap", "overlap")):
+        v = s_(b, key)
+        if v is not None:
+            out[field] = v
+    md = b.get("metadata")
+    if md is not None:
+        if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
+            raise ValidationError("metadata must be an object of strings", details={"field": "metadata"})
+        out["metadata"] = md
+    if "input" in b:
+        out["input"] = raw(b["input"])
+    if b.get("pauseOnFailure") is not None:
+        out["pause_on_failure"] = b_(b, "pauseOnFailure")
+    if b.get("remainingActions") is not None:
+        out["remaining_actions"] = i_(b, "remainingActions")
+    return out
+
+
+async def post_schedule(ctx: Ctx):
+    """POST /schedules: ``{name, cron | everySeconds, ...}`` (see docs/http.md)."""
+    b = ctx.body
+    op = p.ScheduleCreate(name=s_(b, "name", required=True), paused=b_(b, "paused"), note=s_(b, "note"),
+                          **_schedule_fields(b, False))
+    return sh.SCHEDULE.json(await ctx.call(op))
+
+
+async def list_schedules(ctx: Ctx):
+    return sh.SCHEDULE_LIST.json(await ctx.call(p.ScheduleList()))
+
+
+async def get_schedule(ctx: Ctx):
+    """GET /schedules/{id}?nextN=5&recent=10 (by id or name)."""
+    op = p.ScheduleGet(schedule=ctx.params["id"], next_n=_int_query(ctx.query, "nextN", 5),
+                       recent=_int_query(ctx.query, "recent", 10))
+    return sh.SCHEDULE.json(await ctx.call(op))
+
+
+async def update_schedule(ctx: Ctx):
+    return sh.SCHEDULE.json(await ctx.call(p.ScheduleUpdate(schedule=ctx.params["id"],
+                                                            **_schedule_fields(ctx.body, True))))
+
+
+def _pause(paused: bool):
+    async def handler(ctx: Ctx):
+        op = p.SchedulePause(schedule=ctx.params["id"], paused=paused, note=s_(ctx.body, "note"))
+        return sh.SCHEDULE.json(await ctx.call(op))
+
+    return handler
+
+
+async def trigger_schedule(ctx: Ctx):
+    op = p.ScheduleTrigger(schedule=ctx.params["id"], overlap=s_(ctx.body, "overlap"))
+    return sh.SCHEDULE.json(await ctx.call(op))
+
+
+async def backfill_schedule(ctx: Ctx):
+    b = ctx.body
+    op = p.ScheduleBackfill(schedule=ctx.params["id"], start=s_(b, "start", required=True),
+                            end=s_(b, "end", required=True), overlap=s_(b, "overlap"))
+    return sh.SCHEDULE.json(await ctx.call(op))
+
+
+async def delete_schedule(ctx: Ctx):
+    return sh.SCHEDULE.json(await ctx.call(p.ScheduleDelete(schedule=ctx.params["id"])))
+
+
 # ====================================================================== allowances (quotas)
 async def post_allowance(ctx: Ctx):
     b = ctx.body
@@ -976,6 +1061,16 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "task-groups/{id}/tasks/{task}/accept", _verdict("ACCEPTED")),
     ("POST", "task-groups/{id}/tasks/{task}/reject", _verdict("REJECTED")),
     ("POST", "task-groups/{id}/join-task", group_join_task),
+    # schedules (rallypoint's own)
+    ("POST", "schedules", post_schedule),
+    ("GET", "schedules", list_schedules),
+    ("GET", "schedules/{id}", get_schedule),
+    ("POST", "schedules/{id}/update", update_schedule),
+    ("POST", "schedules/{id}/pause", _pause(True)),
+    ("POST", "schedules/{id}/unpause", _pause(False)),
+    ("POST", "schedules/{id}/trigger", trigger_schedule),
+    ("POST", "schedules/{id}/backfill", backfill_schedule),
+    ("POST", "schedules/{id}/delete", delete_schedule),
     # allowances (quotas)
     ("POST", "allowances", post_allowance),
     ("GET", "allowances", list_allowances),

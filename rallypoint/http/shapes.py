@@ -370,6 +370,14 @@ QUOTA = Shape(
 QUOTA_LIST = Shape(p.QuotaListView, rename={"quotas": "allowances"}, default=True)
 
 
+# ============================================================================ schedules (rallypoint's own)
+
+
+SCHEDULE_ACTION = Shape(p.ScheduleActionView, default=True)
+SCHEDULE = Shape(p.ScheduleView, default=True)
+SCHEDULE_LIST = Shape(p.ScheduleListView, default=True)
+
+
 # ============================================================================ budgets
 
 
