@@ -61,6 +61,7 @@ from ..protocol import (
     MailboxEnsure, MailboxGet, MailboxList, MailboxListView, MailboxMessages, MailboxView, TaskListView,
 )
 from ..records import (
+    MailboxSchedulingSet, TaskPrioritySet,
     TaskRequirements, LeaseExpired, LeasesExtended, MailboxCreated, MailboxRequirementsSet, TaskCancelled,
     TaskCompleted, TaskDelivered, TaskExpired, TaskRejected, TaskReleased, TaskRetried, TaskRunCompleted,
     TaskRunCreated, TaskCompleting, TaskDetached, TaskSubmitted, TaskSubscribed,
@@ -70,6 +71,7 @@ from .common import applies, check_name, check_range, data, did_you_mean, short
 from .kind import Kind
 from .opmark import ALL, ALWAYS, C, R, SPACE, by, op
 from .queue_state import (
+    MIN_AGING_MS, MAX_AGING_MS, check_weights,
     TERMINAL, MODES, _ENSURE_SETTINGS, MIN_LEASE_MS, MAX_LEASE_MS, MAX_BATCH, MailboxState, TaskState,
     _Submitted, _Attempt, _Delivered, TaskPhase, DeliveryState,
 )
@@ -181,7 +183,12 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
         stored ones -- in the ``MailboxCreated`` of a new queue, else by a
         ``MailboxRequirementsSet`` when they differ (nothing is journaled when they do
         not); empty clears them. VALIDATION_FAILED on an INBOX queue (messages carry no
-        requirements)."""
+        requirements).
+
+        ``aging_ms`` (0: off) and ``weights`` (issue 44): None leaves them as they are;
+        given, they replace the queue's (in ``MailboxCreated``, else one
+        ``MailboxSchedulingSet`` when either differs). VALIDATION_FAILED: ``aging_ms``
+        outside 1,000 .. 604,800,000 (and not 0); weights as :func:`check_weights`."""
         check_name("name", op.name)
         if op.mode not in MODES:
             raise ValidationError(f"mode must be WORK (tasks) or INBOX (messages) (got {short(op.mode)})",
@@ -194,6 +201,9 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
             if field not in _ENSURE_SETTINGS:
                 raise ValidationError(f"checked names {', '.join(_ENSURE_SETTINGS)} (got {short(field)})",
                                       details={"field": "checked"})
+        if op.aging_ms is not None and op.aging_ms != 0:
+            check_range("aging_ms", op.aging_ms, MIN_AGING_MS, MAX_AGING_MS, " ms (0: no aging)")
+        weights = check_weights(op.weights) if op.weights is not None else None
         coord = self.coord
         self._check_adopt(session.space, op)
         qid = self.by_name.get((session.space, op.name))
@@ -216,13 +226,23 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
                 raise ValidationError("requirements apply to the tasks of a WORK mailbox; an INBOX mailbox's "
                                       "messages carry none", details={"field": "requirements"})
             reqs = coord.admission.prepare(session.space, op.requirements)  # None when empty: clears
+        aging = (op.aging_ms or None) if op.aging_ms is not None else (q.aging_ms if q is not None else None)
+        if weights is None:
+            weights = q.weights if q is not None else None
+        weights = weights or None
         if q is not None:
+            recs: list = []
             if op.requirements is not None and reqs != q.requirements:
-                coord.commit([MailboxRequirementsSet(id=q.id, at_ms=coord.now_ms(), requirements=reqs)])
+                recs.append(MailboxRequirementsSet(id=q.id, at_ms=coord.now_ms(), requirements=reqs))
+            if aging != q.aging_ms or weights != q.weights:
+                recs.append(MailboxSchedulingSet(id=q.id, at_ms=coord.now_ms(), aging_ms=aging, weights=weights))
+            if recs:
+                coord.commit(recs)
             return self.queue_view(q)
         rec = MailboxCreated(
             id=op.id or coord.new_id("mbx", space=session.space), space=session.space, name=op.name, mode=mode,
             max_attempts=op.max_attempts, backlog_limit=op.backlog_limit, at_ms=coord.now_ms(), requirements=reqs,
+            aging_ms=aging, weights=weights,
         )
         coord.commit([rec])
         return self.queue_view(self.table[rec.id])
@@ -276,19 +296,35 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
 
     def queue_view(self, q: MailboxState) -> MailboxView:
         queued, running = self.queue_counts.get(q.id, (0, 0))
+        by_prio, by_key = self.ready_index.backlog(q.id)
+        keys = sorted(by_key.items(), key=lambda kv: (-kv[1], kv[0] or ""))[:100]
         return MailboxView(
             id=q.id, name=q.name, mode=q.mode, max_attempts=q.max_attempts, backlog_limit=q.backlog_limit,
             created_at=to_iso(q.created_at_ms), queued=queued, running=running,
             requirements=self.coord.admission.describe(q.requirements),
+            aging_ms=q.aging_ms, weights=dict(q.weights or {}),
+            ready_by_priority={str(p): n for p, n in sorted(by_prio.items())},
+            ready_by_key={(k or ""): n for k, n in keys},
         )
 
     @applies(MailboxCreated)
     def _apply_queue_created(self, r: MailboxCreated) -> None:
         q = MailboxState(id=r.id, space=r.space, name=r.name, mode=r.mode, max_attempts=r.max_attempts,
-                         backlog_limit=r.backlog_limit, created_at_ms=r.at_ms, requirements=r.requirements)
+                         backlog_limit=r.backlog_limit, created_at_ms=r.at_ms, requirements=r.requirements,
+                         aging_ms=r.aging_ms, weights=r.weights)
         self.table[q.id] = q
         self.by_name[(q.space, q.name)] = q.id
         self.coord.touch(q.id)
+
+    @applies(MailboxSchedulingSet)
+    def _apply_scheduling_set(self, r: MailboxSchedulingSet) -> None:
+        """The queue's aging and weights change: its ready tasks are indexed again (the
+        aging heaps, the keys' weights) -- not in replay (recovery rebuilds the index)."""
+        q = self.table[r.id]
+        q.aging_ms, q.weights = r.aging_ms, r.weights
+        self.coord.touch(q.id)
+        if not self.coord.replaying:
+            self.ready_index.reindex_queue(q.id)
 
     @applies(MailboxRequirementsSet)
     def _apply_requirements_set(self, r: MailboxRequirementsSet) -> None:
@@ -350,7 +386,20 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
     def _ev_queue_created(self, r: MailboxCreated):
         return ev(r.space, "mailbox.created", "mailbox", r.id, None, r.at_ms,
                   data(name=r.name, max_attempts=r.max_attempts, backlog_limit=r.backlog_limit,
-                       requirements=self._requirements_data(r.requirements)))
+                       requirements=self._requirements_data(r.requirements), aging_ms=r.aging_ms,
+                       weights=r.weights))
+
+    @emits(MailboxSchedulingSet)
+    def _ev_scheduling_set(self, r: MailboxSchedulingSet):
+        q = self.table[r.id]
+        return ev(q.space, "mailbox.scheduling_set", "mailbox", q.id, None, r.at_ms,
+                  {"name": q.name, "aging_ms": r.aging_ms, "weights": r.weights or {}})
+
+    @emits(TaskPrioritySet)
+    def _ev_priority_set(self, r: TaskPrioritySet):
+        t = self.tasks[r.task_id]
+        return ev(t.space, "task.priority_set", "task", t.id, t.scope_id, r.at_ms,
+                  {"priority": r.priority, "fair_key": t.fair_key})
 
     @emits(MailboxRequirementsSet)
     def _ev_requirements_set(self, r: MailboxRequirementsSet):
@@ -375,14 +424,14 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
     @emits(TaskSubmitted)
     def _ev_submitted(self, r: TaskSubmitted):
         d = _Submitted(self.table[r.mailbox_id].name, r.key, r.group_id, r.joinset_id,
-                       None if r.deadline_ms is None else to_iso(r.deadline_ms))
+                       None if r.deadline_ms is None else to_iso(r.deadline_ms), r.priority, r.fair_key)
         return ev(r.space, "task.submitted", "task", r.id, r.scope_id, r.at_ms, d)
 
     @emits(TaskDelivered)
     def _ev_delivered(self, r: TaskDelivered):
         t = self.tasks[r.task_id]
         # (never the token: it is the lease's secret)
-        return ev(t.space, "task.delivered", "task", t.id, t.scope_id, r.at_ms, _Delivered(t.attempt, r.holder))
+        return ev(t.space, "task.delivered", "task", t.id, t.scope_id, r.at_ms, _Delivered(t.attempt, r.holder, t.priority, t.fair_key))
 
     @emits(TaskCompleted, TaskRunCompleted)
     def _ev_completed(self, r):

@@ -46,7 +46,8 @@ class Batches:
             r = self.prepare_submit(
                 session.space, q, run.id, item.input, item.key, item.deadline,
                 field_prefix=f"items[{i}].", pending=pending, extra_backlog=len(recs), extra_bytes=nbytes,
-                requirements=item.requirements, work_limit=wl, now=now,
+                requirements=item.requirements, work_limit=wl, now=now, priority=item.priority,
+                fair_key=item.fair_key, fair_weight=item.fair_weight,
             )
             if isinstance(r, TaskSubmitted) and not (r.key is not None and pending.get((run.id, q.id, r.key)) is r):
                 recs.append(r)  # (a key repeated within the batch returns the pending record: add it once)

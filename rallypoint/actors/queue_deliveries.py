@@ -190,6 +190,8 @@ class Deliveries:
             key=t.key,
             **(self.coord.admission.views(t) if t.requirements is not None else {}),
             holder=t.holder,
+            priority=t.priority,
+            fair_key=t.fair_key,
         )
 
     @applies(TaskDelivered)
@@ -387,6 +389,7 @@ class Deliveries:
         self.coord.runs.add(ScopeState(
             id=r.run_id, space=t.space, parent_id=t.scope_id, name=f"task:{t.id}", deadline_ms=None,
             child_limit=1000, created_at_ms=r.at_ms, task_id=t.id,
+            priority=t.priority,  # what it submits inherits the task's priority (issue 44)
         ))
         self.coord.touch(t.id)
 

@@ -11,12 +11,14 @@ import enum
 
 import msgspec
 
+from ..errors import ValidationError
 from ..fsm import Transitions
+from .common import check_range
 from ..records import TaskRequirements
 
 __all__ = [
     'PRIORITY_MIN', 'PRIORITY_MAX', 'DEFAULT_PRIORITY', 'MAX_WEIGHT', 'MAX_FAIR_KEY', 'MAX_QUEUE_WEIGHTS',
-    'MIN_AGING_MS', 'MAX_AGING_MS', 'TERMINAL', 'MODES', 'MIN_LEASE_MS', 'MAX_LEASE_MS', 'MAX_BATCH', 'MAX_SKIPPED', 'delivery_bytes', 'task_view_bytes', 'outcome_view_bytes', 'MailboxState', 'TaskState', 'TaskPhase', 'TASK_MOVES', 'DeliveryState', 'DELIVERY_MOVES', 'delivery_state', 'check_task_move',
+    'MIN_AGING_MS', 'MAX_AGING_MS', 'TERMINAL', 'MODES', 'MIN_LEASE_MS', 'MAX_LEASE_MS', 'MAX_BATCH', 'MAX_SKIPPED', 'delivery_bytes', 'task_view_bytes', 'outcome_view_bytes', 'MailboxState', 'TaskState', 'TaskPhase', 'TASK_MOVES', 'DeliveryState', 'DELIVERY_MOVES', 'delivery_state', 'check_task_move', 'check_fair_key', 'check_scheduling', 'check_weights',
 ]
 
 #: task priorities: 1 (most urgent) .. PRIORITY_MAX; a task without one (and whose run
@@ -153,6 +155,8 @@ class _Submitted(msgspec.Struct, gc=False, omit_defaults=True):
     group: str | None = None
     joinset: str | None = None
     deadline: str | None = None
+    priority: int | None = None  # (always given: shown even at the default)
+    fair_key: str | None = None
 
 
 class _Attempt(msgspec.Struct, gc=False):
@@ -162,6 +166,8 @@ class _Attempt(msgspec.Struct, gc=False):
 class _Delivered(msgspec.Struct, gc=False, omit_defaults=True):
     attempt: int
     holder: str | None = None
+    priority: int | None = None  # (always given: shown even at the default)
+    fair_key: str | None = None
 
 
 class TaskPhase(enum.StrEnum):
@@ -222,3 +228,40 @@ def delivery_state(t: "TaskState") -> DeliveryState:
     if t.state == "RUNNING":
         return _D.COMPLETING if t.completing else _D.LEASED
     return _D.NONE if t.token == 0 and t.state == "QUEUED" else _D.ENDED
+
+
+def check_fair_key(field: str, key) -> str:
+    """A fairness key: a string of 1 .. :data:`MAX_FAIR_KEY` characters
+    (VALIDATION_FAILED otherwise)."""
+    if not isinstance(key, str) or not 1 <= len(key) <= MAX_FAIR_KEY:
+        raise ValidationError(f"{field} must be a string of 1 to {MAX_FAIR_KEY} characters (a tenant, an agent...)",
+                              details={"field": field})
+    return key
+
+
+def check_scheduling(prefix: str, priority: int | None, fair_key: str | None, fair_weight: int | None) -> int | None:
+    """Validate a submission's priority (1 .. :data:`PRIORITY_MAX`), fairness key and
+    weight (1 .. :data:`MAX_WEIGHT`, only with a key); returns ``priority``.
+    VALIDATION_FAILED naming the field (``prefix``: ``items[3].`` in a batch)."""
+    if priority is not None:
+        check_range(prefix + "priority", priority, PRIORITY_MIN, PRIORITY_MAX, " (1 is the most urgent)")
+    if fair_key is not None:
+        check_fair_key(prefix + "fair_key", fair_key)
+    if fair_weight is not None:
+        if fair_key is None:
+            raise ValidationError(f"{prefix}fair_weight is the weight of a fairness key: give fair_key too",
+                                  details={"field": prefix + "fair_weight"})
+        check_range(prefix + "fair_weight", fair_weight, 1, MAX_WEIGHT)
+    return priority
+
+
+def check_weights(weights: dict) -> dict[str, int]:
+    """A queue's fair-share weights: at most :data:`MAX_QUEUE_WEIGHTS` keys, each a
+    fairness key with a weight of 1 .. :data:`MAX_WEIGHT` (VALIDATION_FAILED)."""
+    if len(weights) > MAX_QUEUE_WEIGHTS:
+        raise ValidationError(f"weights holds at most {MAX_QUEUE_WEIGHTS} keys (got {len(weights)})",
+                              details={"field": "weights"})
+    for k, w in weights.items():
+        check_fair_key("weights", k)
+        check_range(f"weights[{k!r}]", w, 1, MAX_WEIGHT)
+    return dict(sorted(weights.items()))

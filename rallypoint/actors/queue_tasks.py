@@ -10,17 +10,17 @@ import msgspec
 
 from ..clock import to_iso
 from ..errors import ConflictError, LimitError, NotFoundError, ValidationError
-from ..protocol import (
+from ..protocol import (TaskSetPriority, 
     NIL, TaskCancel, TaskListView, TaskResult, TaskDetach, TaskResults, TaskOutcomeView, TaskStatus, TaskSubmit,
     TaskSubscribe, TaskView,
 )
-from ..records import TaskCancelled, TaskExpired, TaskDetached, TaskSubmitted, TaskSubscribed
+from ..records import TaskPrioritySet, TaskCancelled, TaskExpired, TaskDetached, TaskSubmitted, TaskSubscribed
 from .common import (
-    MAX_PAYLOAD_BYTES, applies, check_key, check_payload, clamp_wait, data, fit_count, parse_instant, short,
+    MAX_PAYLOAD_BYTES, applies, check_range, check_key, check_payload, clamp_wait, data, fit_count, parse_instant, short,
 )
 from .opmark import ALWAYS, R, W, asked, by, by_run, in_slots, keyed, op
 from .runtime import Park
-from .queue_state import (
+from .queue_state import (DEFAULT_PRIORITY, PRIORITY_MAX, PRIORITY_MIN, check_scheduling, 
     _RUN_REASON, check_task_move, DELIVERY_MOVES, delivery_state, DeliveryState, MailboxState, MAX_BATCH, outcome_view_bytes, task_view_bytes, TaskState, TERMINAL,
 )
 
@@ -64,6 +64,9 @@ class Tasks:
         work_limit=None,
         mode: str = "WORK",
         now: int | None = None,
+        priority: int | None = None,
+        fair_key: str | None = None,
+        fair_weight: int | None = None,
         **extra,
     ) -> TaskSubmitted | TaskState:
         """Validate one submission. Returns the existing task for an idempotent
@@ -84,7 +87,13 @@ class Tasks:
         Raises VALIDATION_FAILED (bad key, payload, deadline, requirements), CONFLICT (key
         reused with other input; a task to an INBOX queue or a message to a WORK queue),
         NOT_FOUND (a pool or budget of the requirements), SCOPE_CANCELLED /
-        DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog, work limit, the space's limits)."""
+        DEADLINE_EXCEEDED, LIMIT_EXCEEDED (backlog, work limit, the space's limits).
+
+        Issue 44: ``priority`` (1 .. :data:`PRIORITY_MAX`; None: the run's default,
+        :meth:`~rallypoint.actors.run.Runs.default_priority`, else
+        :data:`DEFAULT_PRIORITY`), ``fair_key`` (1 .. :data:`MAX_FAIR_KEY` characters) and
+        ``fair_weight`` (1 .. :data:`MAX_WEIGHT`): VALIDATION_FAILED outside them (a
+        weight without a key too)."""
         if q.mode != mode:
             how = "send messages with mailbox.send()" if q.mode == "INBOX" else "submit tasks with mailbox.submit()"
             raise ConflictError(f"mailbox {q.name!r} is a {q.mode} mailbox: {how}",
@@ -130,11 +139,15 @@ class Tasks:
         if work_limit is not None:
             coord.admission.check_work_limit(work_limit, extra_backlog + 1)
         coord.limits.check_tasks(space, extra_backlog + 1, extra_bytes + len(data))
+        priority = check_scheduling(field_prefix, priority, fair_key, fair_weight)
+        if priority is None:
+            priority = coord.runs.default_priority(run_id) or DEFAULT_PRIORITY
         seq = self.next_seq + extra_backlog
         return TaskSubmitted(
             id=coord.new_id("msg" if mode == "INBOX" else "tsk", under=run_id), space=space, mailbox_id=q.id, scope_id=run_id,
             input=data, at_ms=now, key=key, deadline_ms=deadline_ms, seq=seq, requirements=reqs,
-            work_limit_id=work_limit.id if work_limit is not None else None, **extra,
+            work_limit_id=work_limit.id if work_limit is not None else None, priority=priority,
+            fair_key=fair_key, fair_weight=fair_weight, **extra,
         )
 
     @op(TaskSubmit, route=by_run(), permission=W,
@@ -145,7 +158,8 @@ class Tasks:
         run = self.coord.runs.get(session.space, op.scope_id)
         wl = self.coord.admission.resolve_work_limit(run.id, op.work_limit) if op.work_limit is not None else None
         rec = self.prepare_submit(session.space, q, run.id, op.input, op.key, op.deadline,
-                                  requirements=op.requirements, work_limit=wl)
+                                  requirements=op.requirements, work_limit=wl, priority=op.priority,
+                                  fair_key=op.fair_key, fair_weight=op.fair_weight)
         if isinstance(rec, TaskState):
             return self.task_view(rec)
         self.coord.commit([rec])
@@ -157,7 +171,7 @@ class Tasks:
             id=r.id, space=r.space, mailbox_id=r.mailbox_id, scope_id=r.scope_id, input=r.input,
             created_at_ms=r.at_ms, key=r.key, deadline_ms=r.deadline_ms, group_id=r.group_id,
             joinset_id=r.joinset_id, cancellable=r.cancellable, seq=r.seq, requirements=r.requirements,
-            work_limit_id=r.work_limit_id,
+            work_limit_id=r.work_limit_id, priority=r.priority, fair_key=r.fair_key, fair_weight=r.fair_weight,
         )
         if r.seq >= self.next_seq:
             self.next_seq = r.seq + 1
@@ -366,6 +380,30 @@ class Tasks:
 
         return Park(key, check, wait_ms, expire)
 
+    @op(TaskSetPriority, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
+    def op_task_set_priority(self, actor, session, op: TaskSetPriority) -> TaskView:
+        """Change a QUEUED task's priority (``TaskPrioritySet``); a ready one moves to its
+        new level at once (its FIFO place there is its submission order). The same
+        priority changes nothing (nothing journaled). VALIDATION_FAILED outside
+        1..PRIORITY_MAX; CONFLICT when the task is not QUEUED (it is being worked on or
+        finished: a priority only orders the waiting)."""
+        t = self.get_task(session.space, op.task_id)
+        check_range("priority", op.priority, PRIORITY_MIN, PRIORITY_MAX)
+        if t.state != "QUEUED":
+            raise ConflictError(f"task {t.id} is {t.state}: only a QUEUED task's priority can change",
+                                details={"task_id": t.id, "state": t.state})
+        if t.priority != op.priority:
+            self.coord.commit([TaskPrioritySet(task_id=t.id, priority=op.priority, at_ms=self.coord.now_ms())])
+        return self.task_view(t)
+
+    @applies(TaskPrioritySet)
+    def _apply_priority_set(self, r: TaskPrioritySet) -> None:
+        t = self.tasks[r.task_id]
+        t.priority = r.priority
+        self.coord.touch(t.id)
+        if t.id in self.ready_index:  # (a delayed retry takes its new level when due)
+            self._make_ready(t)
+
     @op(TaskCancel, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_task_cancel(self, actor, session, op: TaskCancel) -> TaskView:
         t = self.get_task(session.space, op.task_id)
@@ -437,6 +475,8 @@ class Tasks:
             completing=t.completing,
             subscribers=list(t.subscribers or ()),
             holder=t.holder,
+            priority=t.priority,
+            fair_key=t.fair_key,
         )
 
     def _deadline_stale(self, arg) -> bool:
