@@ -20,7 +20,7 @@ tasks are, when producers submit under the run their workers receive for).
 one level per ``aging_ms`` waited since it was submitted (``created_at_ms``, wall ms),
 never past 1. Within a level the oldest task has aged most, so each level keeps one more
 heap by ``seq`` (only on an aging queue) and the level whose oldest task is most urgent
-(effective priority, then its own level) is served; a task that aged past its level is
+(effective priority, then the older task: FIFO among equal effective levels) is served; a task that aged past its level is
 served first in line, else the level's stride turn is taken.
 
 Entries are dropped lazily: ``members`` maps every ready task to the generation of its
@@ -240,8 +240,8 @@ class ReadyIndex:
                 continue
             age = max(0, now_ms - self.tasks[oldest[2]].created_at_ms)
             eff = max(1, p - age // aging)
-            if best is None or (eff, p) < best[0]:
-                best = ((eff, p), lv, oldest)
+            if best is None or (eff, oldest[0]) < best[0]:  # (equal effective levels: the older first)
+                best = ((eff, oldest[0]), lv, oldest, p)
         if empty:
             for p in empty:
                 del rr.levels[p]
@@ -249,7 +249,7 @@ class ReadyIndex:
             heapq.heapify(rr.prios)
         if best is None:
             return None
-        (eff, p), lv, oldest = best
+        (eff, _seq), lv, oldest, p = best
         if eff < p:  # aged past its level: first in line
             return (eff, oldest[0]), oldest, p, _OLDEST
         got = self._level_pick(lv)

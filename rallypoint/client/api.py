@@ -1050,6 +1050,9 @@ class Delivery:
         #: who received it, as the server recorded it (the receive's ``holder``, else
         #: the connection's ``client_name@host:port``)
         self.holder = info.holder
+        #: the task's priority (1 most urgent .. 5) and fairness key (None: none)
+        self.priority = info.priority
+        self.fair_key = info.fair_key
         self.lease_seconds = lease_seconds
         self.lost = False
         #: pool grants this delivery holds (its task's requirements), given back when it ends
