@@ -42,7 +42,7 @@ __all__ = ["ReadyIndex", "STRIDE"]
 #: the pass a key of weight 1 advances by per delivery (a key of weight w: STRIDE // w)
 STRIDE = 1 << 20
 
-_heappush, _heappop = heapq.heappush, heapq.heappop
+_heappush, _heappop, _heapreplace = heapq.heappush, heapq.heappop, heapq.heapreplace
 
 
 class _Level:
@@ -268,14 +268,15 @@ class ReadyIndex:
         if not served and more:
             return
         turns = lv.turns
-        pass_, order, _k = _heappop(turns)
+        pass_, order, _k = turns[0]
         if served:
             lv.vtime = pass_
-        if more:
+        if more:  # (one sift: the key's next turn replaces this one)
             new = pass_ + STRIDE // max(1, lv.weights.get(key, 1))
             lv.passes[key] = new
-            _heappush(turns, (new, order, key))
+            _heapreplace(turns, (new, order, key))
         else:
+            _heappop(turns)
             del lv.keys[key]
             del lv.passes[key]
 
