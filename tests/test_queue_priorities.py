@@ -262,3 +262,41 @@ async def test_priorities_keys_and_weights_survive_a_sigkill(tmp_path):
             assert Counter(x.fair_key for x in got) == {"big": 30, "small": 10}
     finally:
         d.stop()
+
+
+def test_http_and_cli_take_priority_and_key_and_status_shows_the_backlog(tmp_path):
+    """HTTP ``POST /tasks`` takes the extension fields ``priority``/``fairKey``/
+    ``fairWeight`` and shows ``priority``/``fairKey``; ``rallypoint tasks submit`` takes
+    ``--priority``/``--fair-key``; ``rallypoint status`` shows the ready backlog per
+    priority and per key; a bad priority is VALIDATION_FAILED over HTTP."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    from sdk_compat import HttpDaemon
+
+    d = HttpDaemon(str(tmp_path / "h"), durability="fsync", open_mode=True).start()
+    try:
+        with httpx.Client(base_url=f"{d.base_url}/v1/spaces/default", timeout=30) as c:
+            run = c.post("/scopes", json={"name": "prio-http"}).json()["id"]
+            mbx = c.put("/mailboxes/by-name/prio-http", json={}).json()["id"]
+            r = c.post("/tasks", json={"scopeId": run, "mailboxId": mbx, "input": {"n": 1}, "priority": 1,
+                                       "fairKey": "tenant-a", "fairWeight": 2})
+            assert r.status_code == 200, r.text
+            assert (r.json()["priority"], r.json()["fairKey"]) == (1, "tenant-a")
+            bad = c.post("/tasks", json={"scopeId": run, "mailboxId": mbx, "priority": 0})
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "VALIDATION_FAILED", bad.text
+        env_cmd = [sys.executable, "-m", "rallypoint"]
+        out = subprocess.run([*env_cmd, "tasks", "submit", "prio-http", '{"n": 2}', "--run", run, "--priority", "4",
+                              "--fair-key", "tenant-b", "--connect", d.tcp_url, "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        view = json.loads(out.stdout)
+        assert (view["priority"], view["fair_key"]) == (4, "tenant-b")
+        st = subprocess.run([*env_cmd, "status", "--connect", d.tcp_url], capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0, st.stderr
+        assert "mailbox     prio-http: ready p1 1  p4 1; by key tenant-a 1  tenant-b 1" in st.stdout, st.stdout
+    finally:
+        d.stop()
