@@ -66,7 +66,7 @@ async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
             await until(snapshot_and_lag_seen, poll_s=0.1)
     finally:
         assert d.stop() == 0
-    assert _value(fams["rallypoint_requests"], op="task.submit_many", code="OK") == 1
+    assert _value(fams["rallypoint_requests"], op="task.submit_many", code="OK") == 2  # (one for the backlog)
     assert _value(fams["rallypoint_requests"], op="delivery.complete", code="OK") == 10
     assert _value(fams["rallypoint_requests"], op="scope.status", code="NOT_FOUND") == 1
     lat = fams["rallypoint_request_duration_seconds"]

@@ -86,10 +86,13 @@ class ReadyIndex:
         self.by_prio: dict[str, dict[int, int]] = {}  # queue -> priority -> ready tasks
         self.by_key: dict[str, dict[str | None, int]] = {}  # queue -> key -> ready tasks
         self.gen = 0
+        self.aside: set[str] = set()  # tasks set aside by the pop under way (see pop)
 
     # ------------------------------------------------------------------ membership
     def __contains__(self, task_id: str) -> bool:
-        return task_id in self.members
+        # (a task set aside by the receive under way is still ready: admission's lines
+        # keep its place while the receive looks at the younger ones)
+        return task_id in self.members or task_id in self.aside
 
     def __len__(self) -> int:
         return len(self.members)
@@ -311,6 +314,7 @@ class ReadyIndex:
                 self._take(rr, entry, p, key, served=False)
                 skipped.append(t)
                 self.discard(t.id)
+                self.aside.add(t.id)
                 if len(skipped) >= MAX_SKIPPED:
                     break
                 continue
@@ -319,6 +323,7 @@ class ReadyIndex:
             out.append(t)
             if room is not None:
                 room -= need
+        self.aside.clear()
         for t in skipped:  # back first in line (same seq: the same FIFO place)
             self.add(t)
         per_run = self.queues.get(queue_id)
