@@ -1242,12 +1242,20 @@ def cmd_status(args) -> int:
     (not ``operator``): that space's figures only."""
     from .errors import RallypointError
 
+    async def both(rs):
+        return await rs.status(), await rs.mailboxes.list()
+
     try:
-        st = _client_call(args, lambda rs: rs.status())
+        st, mailboxes = _client_call(args, both)
     except RallypointError as e:
         return _fail(e, args)
     if args.json:
-        print(json.dumps(st.to_dict(), default=str, indent=2))
+        out = st.to_dict()
+        # issue 44: each work queue's ready backlog per priority and per fairness key
+        out["mailboxes"] = {m.name: {"queued": m.queued, "running": m.running,
+                                     "ready_by_priority": m.ready_by_priority, "ready_by_key": m.ready_by_key}
+                            for m in mailboxes}
+        print(json.dumps(out, default=str, indent=2))
         return 0
     print(f"server      {args.connect}")
     print(f"version     {st.version} (protocol {st.protocol_version})")
@@ -1269,6 +1277,8 @@ def cmd_status(args) -> int:
     print("runs        " + "  ".join(f"{k} {v}" for k, v in sorted(st.runs.items())))
     print("tasks       " + ("  ".join(f"{k} {v}" for k, v in sorted(st.tasks.items())) or "none"))
     print(f"entities    {st.entities}{mine}")
+    for line in _backlog_lines(mailboxes):
+        print(line)
     for line in _limit_lines(st.limits, st.space_use):
         print(line)
     if space_view:
@@ -1282,6 +1292,52 @@ def cmd_status(args) -> int:
     if st.cluster is not None:
         for line in _cluster_lines(st.cluster):
             print(line)
+    return 0
+
+
+def _backlog_lines(mailboxes, keys: int = 5) -> list[str]:
+    """``status``'s work queues with ready tasks (issue 44): the ready backlog per
+    priority (``p1 12  p3 4``) and the ``keys`` largest per fairness key (``-``: no key)."""
+    out = []
+    for m in sorted(mailboxes, key=lambda m: m.name):
+        if not m.ready_by_priority:
+            continue
+        prios = "  ".join(f"p{p} {n:,}" for p, n in sorted(m.ready_by_priority.items(), key=lambda kv: int(kv[0])))
+        line = f"mailbox     {m.name}: ready {prios}"
+        if len(m.ready_by_key) > 1 or "" not in m.ready_by_key:
+            top = list(m.ready_by_key.items())[:keys]
+            more = f" (+{len(m.ready_by_key) - keys} keys)" if len(m.ready_by_key) > keys else ""
+            line += "; by key " + "  ".join(f"{k or '-'} {n:,}" for k, n in top) + more
+        out.append(line)
+    return out
+
+
+def cmd_task_submit(args) -> int:
+    """``tasks submit MAILBOX INPUT --run RUN``: submit one task (``INPUT``: JSON) with
+    ``--priority`` (1 most urgent .. 5), ``--fair-key``, ``--fair-weight`` and ``--key``;
+    prints the task's id (``--json``: its view). VALIDATION_FAILED etc. as the server
+    says (exit 1)."""
+    from .errors import RallypointError
+
+    try:
+        value = json.loads(args.input)
+    except ValueError:
+        print(f"INPUT must be JSON (got {args.input!r}); quote a string: '\"text\"'", file=sys.stderr)
+        return 2
+
+    async def submit(rs):
+        m = await rs.mailboxes.ensure(args.mailbox)
+        return await m.submit(value, args.key, scope=args.run, priority=args.priority, fair_key=args.fair_key,
+                              fair_weight=args.fair_weight)
+
+    try:
+        ticket = _client_call(args, submit)
+    except RallypointError as e:
+        return _fail(e, args)
+    if args.json:
+        print(json.dumps(ticket.info.to_dict(), default=str, indent=2))
+    else:
+        print(ticket.id)
     return 0
 
 
@@ -2682,6 +2738,19 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="server version, uptime, connections, runs by state",
                         parents=[_client_options(json_flag=True)])
     st.set_defaults(fn=cmd_status)
+
+    tk = sub.add_parser("tasks", help="submit a task (priority, fairness key)", parents=[_client_options()])
+    tks = tk.add_subparsers(dest="tasks_cmd", required=True)
+    tsub = tks.add_parser("submit", parents=[_client_options(suppress=True, json_flag=True)],
+                          help="submit one task to a mailbox (made if missing) under a run")
+    tsub.add_argument("mailbox")
+    tsub.add_argument("input", help="the task's input, JSON")
+    tsub.add_argument("--run", required=True, help="the run (scp_...) the task belongs to")
+    tsub.add_argument("--key", help="idempotency key (the same key and input: the same task)")
+    tsub.add_argument("--priority", type=int, help="1 (most urgent) .. 5; default: the run's, else 3")
+    tsub.add_argument("--fair-key", help="fairness key (a tenant, an agent): shares within a priority")
+    tsub.add_argument("--fair-weight", type=int, help="the fairness key's weight, 1 .. 1000 (default 1)")
+    tsub.set_defaults(fn=cmd_task_submit)
 
     r = sub.add_parser("runs", help="list, show and cancel runs", parents=[_client_options()])
     rs = r.add_subparsers(dest="runs_cmd", required=True)

@@ -104,12 +104,16 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "scope.completed": ("scope", "the run completed", "reason"),
     "scope.deadline": ("scope", "the run passed its deadline (its subtree stops)", "deadline"),
     # work queues and tasks
-    "mailbox.created": ("mailbox", "a work queue was created", "name, max_attempts, backlog_limit, requirements"),
+    "mailbox.created": ("mailbox", "a work queue was created", "name, max_attempts, backlog_limit, requirements, aging_ms, "
+                        "weights"),
+    "mailbox.scheduling_set": ("mailbox", "an ensure changed the queue's aging or fair-share weights",
+                               "name, aging_ms, weights"),
     "mailbox.requirements_set": ("mailbox", "an ensure replaced the queue's default requirements", "name, requirements"),
-    "task.submitted": ("task", "a task was queued", "mailbox, key, group, joinset, deadline"),
+    "task.submitted": ("task", "a task was queued", "mailbox, key, group, joinset, deadline, priority, fair_key"),
+    "task.priority_set": ("task", "a queued task's priority changed (task.set_priority)", "priority, fair_key"),
     "task.delivered": ("task", "a worker leased the task (never its token: the lease's secret); holder: who "
                        "received it (the worker name the receive gave, else its connection's client@peer)",
-                       "attempt, holder"),
+                       "attempt, holder, priority, fair_key"),
     "task.completing": ("task", "its worker completed a task that owns a run; the run's join sets are closing",
                         "attempt, run"),
     "task.completed": ("task", "the task SUCCEEDED", "attempt"),

@@ -262,6 +262,23 @@ class Metrics:
         for state in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"):
             g.add_metric([state], tasks.get(state, 0))
         yield g
+        # issue 44: each work queue's ready backlog per priority, and how many fairness
+        # keys have ready tasks (per key would be a label per tenant: unbounded)
+        qs = coord.queues
+        g = GaugeMetricFamily(p + "ready_tasks", "Ready tasks per work queue and priority (1 most urgent)",
+                              labels=["space", "mailbox", "priority"])
+        gk = GaugeMetricFamily(p + "ready_fair_keys", "Fairness keys with ready tasks per work queue",
+                               labels=["space", "mailbox"])
+        for qid in sorted(qs.ready_index.by_prio):
+            q = qs.table.get(qid)
+            if q is None:
+                continue
+            by_prio, by_key = qs.ready_index.backlog(qid)
+            for prio, n in sorted(by_prio.items()):
+                g.add_metric([q.space, q.name, str(prio)], n)
+            gk.add_metric([q.space, q.name], len(by_key))
+        yield g
+        yield gk
         runs: dict[str, int] = {}
         for counts in coord.runs.counts.values():
             for state, n in counts.items():

@@ -288,10 +288,15 @@ class ServerStatusView(_View):
 
 
 class ScopeCreate(_Op, tag="scope.create"):
+    """``priority``: the default priority (1 most urgent .. 5) of every task submitted
+    under the run and its descendants without one of its own; None: the parent's (a root
+    run's: the queue default, 3). VALIDATION_FAILED outside 1..5."""
+
     parent_id: str | None = None
     name: str | None = None
     deadline: str | None = None  # ISO 8601
     child_limit: int = 1000
+    priority: int | None = None
 
 
 class ScopeStatus(_Op, tag="scope.status"):
@@ -350,6 +355,8 @@ class ScopeView(_View):
     tasks: dict[str, int]
     group_id: str | None = None
     task_id: str | None = None  # a task's own run: that task (it ends with the task)
+    #: the default priority of the tasks submitted under it (its own, else inherited)
+    priority: int | None = None
 
 
 class ScopeListView(_View):
@@ -404,6 +411,12 @@ class MailboxEnsure(_Op, tag="mailbox.ensure"):
     #: default requirements stay the home shard's)
     id: str | None = None
     checked: list[str] | None = None  # of mode, max_attempts, backlog_limit; None: all
+    #: aging (issue 44): a waiting task gains one priority level per ``aging_ms`` (ms,
+    #: 1,000 .. 604,800,000); 0 turns it off; None leaves the queue's setting as it is
+    aging_ms: int | None = None
+    #: fair-share weights: fairness key -> weight (1 .. 1000), over the tasks' own; None
+    #: leaves them as they are, given REPLACES them ({}: none). At most 10,000 keys.
+    weights: dict[str, int] | None = None
 
 
 class MailboxGet(_Op, tag="mailbox.get"):
@@ -427,6 +440,12 @@ class MailboxView(_View):
     queued: int
     running: int
     requirements: Requirements | None = None
+    aging_ms: int | None = None  # None: no aging
+    weights: dict[str, int] = msgspec.field(default_factory=dict)
+    #: ready tasks per priority ("1".."5") and per fairness key ("" : no key; the 100
+    #: largest backlogs)
+    ready_by_priority: dict[str, int] = msgspec.field(default_factory=dict)
+    ready_by_key: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class MailboxListView(_View):
@@ -437,16 +456,28 @@ class MailboxListView(_View):
 
 
 class SubmitItem(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One submission of a batch; ``priority``, ``fair_key``, ``fair_weight`` as in
+    :class:`TaskSubmit`."""
+
     input: msgspec.Raw = NIL
     key: str | None = None
     deadline: str | None = None
     requirements: Requirements | None = None
+    priority: int | None = None
+    fair_key: str | None = None
+    fair_weight: int | None = None
 
 
 class TaskSubmit(_Op, tag="task.submit"):
     """``work_limit``: the name of a work limit of the run or an ancestor (nearest
     first); the submission is LIMIT_EXCEEDED while the limit's unfinished tasks number
-    ``max_outstanding``."""
+    ``max_outstanding``.
+
+    Issue 44: ``priority`` 1 (most urgent) .. 5, None: the run's default (``ScopeCreate.priority``,
+    inherited), else 3; ``fair_key`` (1-128 characters): the task's fairness key (a tenant,
+    an agent...), within one priority level deliveries go to the keys in proportion to
+    their weights; ``fair_weight`` (1 .. 1000): the key's weight when the queue sets none
+    for it (default 1). VALIDATION_FAILED outside those ranges."""
 
     mailbox: str
     scope_id: str
@@ -455,6 +486,9 @@ class TaskSubmit(_Op, tag="task.submit"):
     deadline: str | None = None
     requirements: Requirements | None = None
     work_limit: str | None = None
+    priority: int | None = None
+    fair_key: str | None = None
+    fair_weight: int | None = None
 
 
 class TaskSubmitMany(_Op, tag="task.submit_many"):
@@ -495,6 +529,15 @@ class TaskCancel(_Op, tag="task.cancel"):
     task_id: str
 
 
+class TaskSetPriority(_Op, tag="task.set_priority"):
+    """Change a QUEUED task's priority (1 .. 5): a ready task moves to its new level (at
+    its FIFO place there, by submission order). CONFLICT when the task is not QUEUED
+    (running or finished); VALIDATION_FAILED outside 1..5; the same priority: no change."""
+
+    task_id: str
+    priority: int
+
+
 class TaskSubscribe(_Op, tag="task.subscribe"):
     """Subscribe ``subscriber_id`` (1-256 chars) to the task: idempotent. ``scope_id``: the
     subscriber's run, which must be active (SCOPE_CANCELLED / DEADLINE_EXCEEDED). A
@@ -532,6 +575,8 @@ class TaskView(_View):
     completing: bool = False  # its worker completed it; its run's join sets are closing
     subscribers: list[str] = msgspec.field(default_factory=list)
     holder: str | None = None  # who received its latest delivery (DeliveryView.holder); None: never delivered
+    priority: int = 3  # 1 (most urgent) .. 5
+    fair_key: str | None = None  # its fairness key
 
 
 class TaskOutcomeView(_View, array_like=True, gc=False):
@@ -607,6 +652,8 @@ class DeliveryView(_View):
     #: who received it: the worker name the receive gave, else the connection's
     #: ``client@peer``; None when unknown (a delivery journaled before the field)
     holder: str | None = None
+    priority: int = 3  # the task's priority (1 most urgent .. 5)
+    fair_key: str | None = None  # the task's fairness key
 
 
 class ReceiveView(_View):

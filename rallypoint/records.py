@@ -38,6 +38,7 @@ class ScopeCreated(_Rec, tag="scope_created"):
     child_limit: int
     at_ms: int
     group_id: str | None = None
+    priority: int | None = None  # the tasks' default priority under it (resolved: own or the parent's)
 
 
 class ScopeEnded(_Rec, tag="scope_ended"):
@@ -97,6 +98,26 @@ class MailboxCreated(_Rec, tag="mailbox_created"):
     backlog_limit: int | None
     at_ms: int
     requirements: TaskRequirements | None = None
+    aging_ms: int | None = None  # None: no aging
+    weights: dict[str, int] | None = None  # fairness key -> weight
+
+
+class MailboxSchedulingSet(_Rec, tag="mailbox_scheduling_set"):
+    """A ``mailbox.ensure`` changed the queue's aging (``aging_ms``, None: off) and/or its
+    fair-share weights (``weights``, None: none); both are the queue's settings after it."""
+
+    id: str
+    at_ms: int
+    aging_ms: int | None = None
+    weights: dict[str, int] | None = None
+
+
+class TaskPrioritySet(_Rec, tag="task_priority_set"):
+    """``task.set_priority``: the QUEUED task's priority becomes ``priority``."""
+
+    task_id: str
+    priority: int
+    at_ms: int
 
 
 class MailboxRequirementsSet(_Rec, tag="mailbox_requirements_set"):
@@ -124,6 +145,9 @@ class TaskSubmitted(_Rec, tag="task_submitted"):
     seq: int = 0  # FIFO position: submission order, whatever the wall clock says
     requirements: TaskRequirements | None = None
     work_limit_id: str | None = None
+    priority: int = 3  # 1 (most urgent) .. 5 (queue_state.DEFAULT_PRIORITY; omitted when 3)
+    fair_key: str | None = None
+    fair_weight: int | None = None
 
 
 class TaskDelivered(_Rec, tag="task_delivered"):
@@ -1188,6 +1212,8 @@ Record = Union[
     ScopeDeadlinePassed,
     MailboxCreated,
     MailboxRequirementsSet,
+    MailboxSchedulingSet,
+    TaskPrioritySet,
     TaskSubmitted,
     TaskDelivered,
     LeaseRenewed,

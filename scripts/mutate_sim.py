@@ -54,13 +54,13 @@ MUTANTS = [
         "a reply depends only on what is already durable: it may leave before the change it shows",
     ),
     Mutant(
-        "skip-wakeup-result", "rallypoint/actors/queue.py",
+        "skip-wakeup-result", "rallypoint/actors/queue_tasks.py",
         "coord.notify(t.scope_id, t.id)  # result waiters (on the task's run)",
         "pass  # mutant: result waiters are not woken",
         "a task becoming terminal does not wake the waits for its result",
     ),
     Mutant(
-        "skip-wakeup-receive", "rallypoint/actors/queue.py",
+        "skip-wakeup-receive", "rallypoint/actors/queue_deliveries.py",
         "            notify(s.id, key)\n",
         "            pass  # mutant: receivers are not woken\n",
         "a task becoming ready does not wake the receives parked on its run and ancestors",
@@ -72,13 +72,13 @@ MUTANTS = [
         "a barrier's release does not wake its waiters",
     ),
     Mutant(
-        "skip-fencing", "rallypoint/actors/queue.py",
+        "skip-fencing", "rallypoint/actors/queue_deliveries.py",
         "if t.token != token or token <= 0:",
         "if token <= 0:",
         "settle calls do not check the fencing token",
     ),
     Mutant(
-        "drop-64-branch", "rallypoint/actors/queue.py",
+        "drop-64-branch", "rallypoint/actors/queue_deliveries.py",
         "for rid in runs.subtree(run_id):",
         "for rid in ():  # mutant",
         "a receive over more than 64 runs with ready work finds nothing (the subtree walk)",
@@ -202,7 +202,7 @@ MUTANTS = [
         "a budget reserves up to 100 minor units more than it has available",
     ),
     Mutant(
-        "results-skip-wakeup", "rallypoint/actors/queue.py",
+        "results-skip-wakeup", "rallypoint/actors/queue_tasks.py",
         "                    for actor_id, key in watchers:  # waits for many tasks, maybe on another run\n"
         "                        coord.notify(actor_id, key)",
         "                    for actor_id, key in watchers:  # waits for many tasks, maybe on another run\n"
@@ -210,20 +210,20 @@ MUTANTS = [
         "a task becoming terminal does not wake task.results waits",
     ),
     Mutant(
-        "complete-many-twice", "rallypoint/actors/queue.py",
+        "complete-many-twice", "rallypoint/actors/queue_batches.py",
         "                if t.id in seen:",
         "                if False:  # mutant",
         "delivery.complete_many accepts the same delivery twice in one batch",
     ),
     # Mailbox default requirements (mailbox.ensure(requirements=), c7e624f)
     Mutant(
-        "mailbox-defaults-dropped", "rallypoint/actors/queue.py",
+        "mailbox-defaults-dropped", "rallypoint/actors/queue_tasks.py",
         "            reqs = q.requirements  # the queue's defaults",
         "            pass  # mutant: the queue's defaults are not applied",
         "a task submitted without requirements does not get its mailbox's default requirements",
     ),
     Mutant(
-        "mailbox-defaults-override", "rallypoint/actors/queue.py",
+        "mailbox-defaults-override", "rallypoint/actors/queue_tasks.py",
         "        if reqs is None:\n            reqs = q.requirements  # the queue's defaults",
         "        if q.requirements is not None:  # mutant\n            reqs = q.requirements  # the queue's defaults",
         "a task's own requirements are replaced by its mailbox's default requirements",

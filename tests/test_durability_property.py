@@ -51,10 +51,9 @@ def indexes_of(coord) -> dict:
         },
         "ready_in_heaps": {
             (mbx, sid, tid)
-            for mbx, per in coord.queues.ready.items()
-            for sid, heap in per.items()
-            for tid in heap
-            if tid in coord.queues.ready_set
+            for mbx, per in coord.queues.ready_index.entries().items()
+            for sid, ids in per.items()
+            for tid in ids
         },
         "task_keys": dict(coord.queues.task_keys),
         "mailbox_by_name": dict(coord.queues.by_name),

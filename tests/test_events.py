@@ -328,6 +328,10 @@ async def test_every_emitted_type_is_in_the_catalogue(ers, autojump_clock):
     await tm.wait(timeout=5)
     await mbx.submit({"a": 1}, scope=run, deadline="2099-01-01T00:00:00Z")
     await mbx.submit({"b": 1}, scope=run)
+    # issue 44: priority and fairness key on submit, delivery, a priority change; aging and weights
+    await rs.mailboxes.ensure("more", aging_seconds=60, weights={"tenant-a": 2})
+    tk = await mbx.submit({"c": 1}, scope=run, priority=1, fair_key="tenant-a")
+    await tk.set_priority(2)
     d = await mbx.receive(run)
     await d.retry(delay=0)
     d = await mbx.receive(run, lease_seconds=5)

@@ -50,6 +50,9 @@ async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
             for _ in range(10):
                 dl = await mbx.receive(run)
                 await dl.complete(1)
+            # issue 44: the ready backlog per priority and the keys with ready tasks
+            await mbx.submit_many([1, 2], scope=run, priority=1, fair_key="a")
+            await mbx.submit(3, scope=run, fair_key="b")
             with pytest.raises(NotFoundError):
                 await rs.scope("scp_01m8p6k63gq5b40a5mf0wxyjsz").status()
             fams: dict = {}
@@ -63,7 +66,7 @@ async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
             await until(snapshot_and_lag_seen, poll_s=0.1)
     finally:
         assert d.stop() == 0
-    assert _value(fams["rallypoint_requests"], op="task.submit_many", code="OK") == 1
+    assert _value(fams["rallypoint_requests"], op="task.submit_many", code="OK") == 2  # (one for the backlog)
     assert _value(fams["rallypoint_requests"], op="delivery.complete", code="OK") == 10
     assert _value(fams["rallypoint_requests"], op="scope.status", code="NOT_FOUND") == 1
     lat = fams["rallypoint_request_duration_seconds"]
@@ -77,6 +80,9 @@ async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
     sum_wait = [s for s in wait.samples if s.name.endswith("_sum")][0].value
     assert n_wait > 0 and sum_wait > 0
     assert _value(fams["rallypoint_tasks"], state="SUCCEEDED") == 10
+    assert _value(fams["rallypoint_ready_tasks"], mailbox="m", priority="1") == 2
+    assert _value(fams["rallypoint_ready_tasks"], mailbox="m", priority="3") == 1
+    assert _value(fams["rallypoint_ready_fair_keys"], mailbox="m") == 2
     assert _value(fams["rallypoint_actors"], kind="runs", state="active") + \
         _value(fams["rallypoint_actors"], kind="runs", state="passive") == 1
     assert _value(fams["rallypoint_connections"]) >= 0

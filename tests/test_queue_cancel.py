@@ -54,9 +54,9 @@ async def test_cancel_reaches_queued_leased_delayed_and_completed(autojump_clock
         res = await t.status()
         assert (res.state, res.attempt) == ("CANCELLED", before[t.id].attempt)
     assert not any(tid in coord.queues.ready_set for tid in (delayed.id, leased.id, queued.id))
-    for heaps in coord.queues.ready.values():
-        for h in heaps.values():
-            assert not (set(h) & coord.queues.ready_set & {delayed.id, leased.id, queued.id})
+    for per_run in coord.queues.ready_index.entries().values():
+        for ids in per_run.values():
+            assert not (set(ids) & {delayed.id, leased.id, queued.id})
     with pytest.raises(ScopeCancelledError):
         await m.receive(child, wait=0)
     # another run on the same mailbox sees none of them

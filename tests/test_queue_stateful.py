@@ -261,9 +261,10 @@ class QueueMachine(RuleBasedStateMachine):
             m = self.tasks[t.id]
             if m.state == "QUEUED" and m.avail <= self.fired_at:
                 assert t.id in ready  # eligible work is findable
-        for heaps in self.c.queues.ready.values():
-            for h in heaps.values():
-                assert len(set(h)) == len(h)
+        for per_run in self.c.queues.ready_index.entries().values():
+            for ids in per_run.values():
+                assert len(set(ids)) == len(ids)  # each ready task indexed once
+                assert all(tid in ready for tid in ids)
 
     @invariant()
     def tokens_only_grow(self):

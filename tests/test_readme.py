@@ -64,6 +64,8 @@ def test_readme_block_runs_as_written(index, readme_daemon, monkeypatch, capsys)
         assert out.strip() == "4.77 USD left"
     elif 'mode="INBOX"' in code:
         assert out.strip() == "start with the docs"
+    elif "fair_key=" in code:  # issue 44: priority first, then the keys' shares (3:1)
+        assert out.strip() == "[(1, None), (4, 'tenant-a'), (4, 'tenant-b'), (4, 'tenant-a'), (4, 'tenant-a')]"
     elif "delivery.run()" in code:
         assert out.strip() == "nested: SUCCEEDED ['/', '/GROUPS', '/QUEUES']"
     elif embedded:

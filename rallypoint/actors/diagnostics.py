@@ -234,22 +234,15 @@ class Diagnostics(Kind):
 
     def _items_queues(self, space, run, op, n):
         queues = self.coord.queues
-        tasks, ready_set = queues.tasks, queues.ready_set
         out = []
         for q in queues.table.values():
             if q.space != space:
                 continue
             queued, running = queues.queue_counts.get(q.id, (0, 0))
-            oldest = None
-            for heap in queues.ready.get(q.id, {}).values():
-                # the heap's head, unless it is stale (a task cancelled while ready)
-                seq_id = heap[0] if heap and heap[0][1] in ready_set else min(
-                    (e for e in heap if e[1] in ready_set), default=None)
-                if seq_id is not None and (oldest is None or seq_id < oldest):
-                    oldest = seq_id
+            oldest = queues.ready_index.oldest(q.id)
             out.append(OpsQueueView(
                 id=q.id, name=q.name, mode=q.mode, queued=queued, running=running, done=queues.queue_done.get(q.id, 0),
-                oldest_ready_at=to_iso(tasks[oldest[1]].created_at_ms) if oldest is not None else None,
+                oldest_ready_at=to_iso(oldest.created_at_ms) if oldest is not None else None,
                 backlog_limit=q.backlog_limit))
             if len(out) >= n:
                 break

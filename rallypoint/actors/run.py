@@ -46,6 +46,7 @@ from ..protocol import (
 )
 from ..events import emits, ev
 from ..records import ScopeCreated, ScopeDeadlinePassed, ScopeEnded
+from .queue_state import PRIORITY_MAX, PRIORITY_MIN
 from .common import applies, check_label, check_range, clamp_wait, data, parse_instant
 from .kind import Kind
 from .opmark import ALWAYS, NEVER, R, SPACE, W, asked, by_run, fenced, in_slot, named, op, run_or_space
@@ -78,6 +79,9 @@ class ScopeState(msgspec.Struct, gc=False, omit_defaults=True):
     #: its end puts one outbox entry for each, then this is emptied (a tuple: an empty
     #: list per run would be one GC-tracked object per run for every GC pass to walk)
     links: tuple[int, ...] = ()
+    #: issue 44: the default priority of tasks submitted under it and its descendants
+    #: (None: its parent's; a task's own run: that task's priority)
+    priority: int | None = None
 
 
 _REASON_OF_STATE = {"CANCELLED": "cancelled", "COMPLETED": "completed"}
@@ -242,6 +246,8 @@ class Runs(Kind):
         if op.name is not None:
             check_label("name", op.name)
         check_range("child_limit", op.child_limit, 0, 1_000_000)
+        if op.priority is not None:
+            check_range("priority", op.priority, PRIORITY_MIN, PRIORITY_MAX)
         now = self.coord.now_ms()
         deadline_ms = parse_instant("deadline", op.deadline)
         if deadline_ms is not None and deadline_ms <= now:
@@ -256,6 +262,7 @@ class Runs(Kind):
             deadline_ms=deadline_ms,
             child_limit=op.child_limit,
             at_ms=now,
+            priority=op.priority,
         )
         self.coord.commit([rec])
         return self.view(self.table[rec.id])
@@ -409,6 +416,7 @@ class Runs(Kind):
             tasks=self.coord.queues.run_task_counts(s.id),
             group_id=s.group_id,
             task_id=s.task_id,
+            priority=self.default_priority(s.id),
         )
 
     # ================================================================ apply
@@ -420,7 +428,7 @@ class Runs(Kind):
         sid, parent_id, name = r.id, r.parent_id, r.name
         space = _intern(r.space)  # one str per space, not one per run (56 bytes a run)
         self.table[sid] = ScopeState(sid, space, parent_id, name, r.deadline_ms, r.child_limit, r.at_ms,
-                                     group_id=r.group_id)
+                                     group_id=r.group_id, priority=r.priority)
         c = self.counts.get(space)
         if c is None:
             c = self.counts[space] = {"ACTIVE": 0, "CANCELLED": 0, "COMPLETED": 0}
@@ -453,6 +461,17 @@ class Runs(Kind):
             return None
         t = self.coord.queues.tasks.get(s.task_id)
         return t if t is not None and t.completing else None
+
+    def default_priority(self, run_id: str) -> int | None:
+        """The priority tasks submitted under ``run_id`` get by default: the nearest
+        priority set on the run or an ancestor; None when none is (issue 44)."""
+        table = self.table
+        s = table.get(run_id)
+        while s is not None:
+            if s.priority is not None:
+                return s.priority
+            s = table.get(s.parent_id) if s.parent_id else None
+        return None
 
     def add(self, s: ScopeState) -> None:
         """Install a new run (its own record, or a group's gate run in GroupCreated)."""

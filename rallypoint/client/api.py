@@ -526,14 +526,19 @@ class Scopes:
         self._rs = rs
 
     async def create(
-        self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000
+        self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000,
+        *, priority: int | None = None,
     ) -> "Run":
         """Create a root run. ``deadline``: aware datetime or ISO 8601, must be in the
         future (VALIDATION_FAILED). ``child_limit`` caps direct children (LIMIT_EXCEEDED).
+        ``priority`` (1 most urgent .. 5): the default priority of every task submitted
+        under the run and its descendants (a task's own ``priority`` overrides it; a
+        child run's own replaces it for its subtree); None: 3.
         Not re-sent after a dropped connection (two creates make two runs):
         UnavailableError with ``details["maybe_applied"]``."""
         st = await self._rs._call(
-            p.ScopeCreate(name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit), t.RunStatus
+            p.ScopeCreate(name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit,
+                          priority=priority), t.RunStatus
         )
         return Run(self._rs, st.id, st)
 
@@ -574,13 +579,16 @@ class Run:
         return hash(self.id)
 
     async def child(
-        self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000
+        self, name: str | None = None, deadline: datetime | str | None = None, child_limit: int = 1000,
+        *, priority: int | None = None,
     ) -> "Run":
         """A child run. SCOPE_CANCELLED / DEADLINE_EXCEEDED if this run is inactive,
-        LIMIT_EXCEEDED past ``child_limit``. Not re-sent after a dropped connection
+        LIMIT_EXCEEDED past ``child_limit``. ``priority``: as for ``scopes.create``
+        (None: this run's default is inherited). Not re-sent after a dropped connection
         (UnavailableError, ``details["maybe_applied"]``)."""
         st = await self._rs._call(
-            p.ScopeCreate(parent_id=self.id, name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit),
+            p.ScopeCreate(parent_id=self.id, name=name, deadline=_iso(deadline, "deadline"), child_limit=child_limit,
+                          priority=priority),
             t.RunStatus,
         )
         return Run(self._rs, st.id, st)
@@ -626,7 +634,7 @@ class Mailboxes:
 
     async def ensure(
         self, name: str, mode: str | None = None, max_attempts: int | None = None, backlog_limit: int | None = None,
-        *, requirements: dict | None = None,
+        *, requirements: dict | None = None, aging_seconds: float | None = None, weights: dict[str, int] | None = None,
     ) -> "Mailbox":
         """Create the mailbox, or check it exists with the settings given (CONFLICT
         naming the differing one of ``mode``, ``max_attempts``, ``backlog_limit``).
@@ -650,13 +658,19 @@ class Mailboxes:
         theirs); ``{}`` clears them. ``info.requirements`` shows what is stored (by
         name; None when nothing). VALIDATION_FAILED for a bad shape, the limits above,
         quota requirements, or requirements on an INBOX mailbox; NOT_FOUND for a pool or
-        budget that does not exist (create those first)."""
+        budget that does not exist (create those first).
+
+        ``aging_seconds`` (issue 44): a waiting task gains one priority level per this
+        many seconds (1 .. 604,800; 0 turns aging off); ``weights``: fairness key ->
+        weight (1 .. 1000) of the mailbox's fair shares (over the tasks' own
+        ``fair_weight``). None leaves each as the mailbox has it; given, it replaces it."""
         given = {"mode": mode, "max_attempts": max_attempts, "backlog_limit": backlog_limit}
         checked = [k for k, v in given.items() if v is not None]
         info = await self._rs._call(
             p.MailboxEnsure(name=name, mode="WORK" if mode is None else mode,
                             max_attempts=5 if max_attempts is None else max_attempts, backlog_limit=backlog_limit,
                             requirements=_requirements(requirements),
+                            aging_ms=None if aging_seconds is None else round(aging_seconds * 1000), weights=weights,
                             checked=None if len(checked) == 3 else checked),  # (None: all, as before the field)
             t.MailboxInfo,
         )
@@ -694,6 +708,9 @@ class Mailbox:
         deadline: datetime | str | None = None,
         requirements: dict | None = None,
         work_limit: str | None = None,
+        priority: int | None = None,
+        fair_key: str | None = None,
+        fair_weight: int | None = None,
     ) -> "Ticket":
         """Submit a task to this mailbox, bound to ``scope``. With ``key``, idempotent
         within the run and mailbox (same input: the existing task; other input:
@@ -713,6 +730,13 @@ class Mailbox:
         of a work limit of the run or an ancestor (``run.work_limits.ensure``);
         LIMIT_EXCEEDED while it has ``max_outstanding`` unfinished tasks.
 
+        ``priority`` (1 most urgent .. 5; None: the run's default, else 3): a receive
+        always gets the most urgent ready task, first in, first out within a priority;
+        ``fair_key`` (1-128 characters: a tenant, an agent...): within a priority,
+        deliveries go to the keys with ready tasks in proportion to their weights
+        (``fair_weight`` 1 .. 1000, default 1; a weight the mailbox sets for the key wins).
+        VALIDATION_FAILED outside those ranges.
+
         After a dropped connection a submit **with** a ``key`` is sent again (it returns
         the task the first one made, if it was applied); one **without** a key is not
         (it may have been applied): UnavailableError with ``details["maybe_applied"]``."""
@@ -725,6 +749,9 @@ class Mailbox:
                 deadline=_iso(deadline, "deadline"),
                 requirements=_requirements(requirements),
                 work_limit=work_limit,
+                priority=priority,
+                fair_key=fair_key,
+                fair_weight=fair_weight,
             ),
             t.TaskInfo,
         )
@@ -733,11 +760,13 @@ class Mailbox:
     async def submit_many(
         self, inputs: Iterable[Any], *, scope: "Run | str", keys: Iterable[str | None] | None = None,
         deadline: datetime | str | None = None, requirements: dict | None = None, work_limit: str | None = None,
-        details: bool = True,
+        details: bool = True, priority: int | None = None, fair_key: str | None = None,
+        fair_weight: int | None = None,
     ) -> list["Ticket"]:
         """Submit several tasks in one request and one commit: all or none. ``keys``:
-        one idempotency key (or None) per input; ``requirements`` and ``work_limit`` (as
-        for :meth:`submit`) apply to every task. ``details=False`` asks only for the
+        one idempotency key (or None) per input; ``requirements``, ``work_limit``,
+        ``priority``, ``fair_key`` and ``fair_weight`` (as for :meth:`submit`) apply to
+        every task. ``details=False`` asks only for the
         ids (the tickets' ``info`` is then None; cheaper for the server and the client).
         Re-sent after a dropped connection only if every input has a key (else
         UnavailableError, ``maybe_applied``). An empty ``inputs`` submits nothing and
@@ -764,7 +793,8 @@ class Mailbox:
         dl = _iso(deadline, "deadline")
         req = _requirements(requirements)
         items = [
-            p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl, requirements=req)
+            p.SubmitItem(input=encode_payload(x, f"inputs[{i}]"), key=k, deadline=dl, requirements=req,
+                         priority=priority, fair_key=fair_key, fair_weight=fair_weight)
             for i, (x, k) in enumerate(zip(inputs, keys))
         ]
         sizes = [len(_item_encoder.encode(it)) + 8 for it in items]
@@ -971,6 +1001,13 @@ class Ticket:
             lambda info: f"task {self.id} is still {info.state} after {timeout} s",
         )
 
+    async def set_priority(self, priority: int) -> t.TaskInfo:
+        """Change the QUEUED task's priority (1 most urgent .. 5): it moves to that level at
+        once (in submission order there). CONFLICT once it is running or finished;
+        VALIDATION_FAILED outside 1..5."""
+        self.info = await self._rs._call(p.TaskSetPriority(task_id=self.id, priority=priority), t.TaskInfo)
+        return self.info
+
     async def cancel(self) -> t.TaskInfo:
         """Cancel the task (no-op on a finished one); its lease holder loses the lease."""
         self.info = await self._rs._call(p.TaskCancel(task_id=self.id), t.TaskInfo)
@@ -1014,6 +1051,9 @@ class Delivery:
         #: who received it, as the server recorded it (the receive's ``holder``, else
         #: the connection's ``client_name@host:port``)
         self.holder = info.holder
+        #: the task's priority (1 most urgent .. 5) and fairness key (None: none)
+        self.priority = info.priority
+        self.fair_key = info.fair_key
         self.lease_seconds = lease_seconds
         self.lost = False
         #: pool grants this delivery holds (its task's requirements), given back when it ends

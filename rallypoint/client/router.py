@@ -58,6 +58,20 @@ def _table():
     return TABLE
 
 
+def _sum_queue(view: p.MailboxView, v: p.MailboxView) -> p.MailboxView:
+    """A queue's view with another shard's counts added: queued, running and the ready
+    backlog per priority and per key (issue 44)."""
+    def add(a: dict, b: dict) -> dict:
+        out = dict(a)
+        for k, n in b.items():
+            out[k] = out.get(k, 0) + n
+        return out
+
+    return msgspec.structs.replace(view, queued=view.queued + v.queued, running=view.running + v.running,
+                                   ready_by_priority=add(view.ready_by_priority, v.ready_by_priority),
+                                   ready_by_key=add(view.ready_by_key, v.ready_by_key))
+
+
 class ShardedTransport:
     """``call`` / ``call_many`` / ``subscribe`` over one transport per shard (see the
     module docstring). ``open_shard(shard, leader_hint)`` opens a transport (already
@@ -230,7 +244,9 @@ class ShardedTransport:
         view = msgspec.msgpack.decode(raw, type=p.MailboxView)
         # the home shard's definition (an ensure may have left settings out: `checked`)
         adopt = msgspec.structs.replace(op, id=view.id, mode=view.mode, max_attempts=view.max_attempts,
-                                        backlog_limit=view.backlog_limit, checked=None)
+                                        backlog_limit=view.backlog_limit, checked=None,
+                                        # issue 44: the home shard's aging and weights on every shard
+                                        aging_ms=view.aging_ms or 0, weights=dict(view.weights))
         for s in sorted(self.shards):
             if s != home:
                 await self._transport(s).call(adopt)
@@ -262,7 +278,7 @@ class ShardedTransport:
             view = msgspec.msgpack.decode(parts[home], type=p.MailboxView)
             for raw in others:
                 v = msgspec.msgpack.decode(raw, type=p.MailboxView)
-                view = msgspec.structs.replace(view, queued=view.queued + v.queued, running=view.running + v.running)
+                view = _sum_queue(view, v)
             return p.encoder.encode(view)
         base = msgspec.msgpack.decode(parts[home], type=p.MailboxListView).mailboxes
         by_id = {q.id: q for q in base}
@@ -270,7 +286,7 @@ class ShardedTransport:
             for v in msgspec.msgpack.decode(raw, type=p.MailboxListView).mailboxes:
                 q = by_id.get(v.id)
                 if q is not None:
-                    by_id[v.id] = msgspec.structs.replace(q, queued=q.queued + v.queued, running=q.running + v.running)
+                    by_id[v.id] = _sum_queue(q, v)
         return p.encoder.encode(p.MailboxListView(mailboxes=[by_id[q.id] for q in base]))
 
     async def _split(self, op: Any, decl: Any, slots: list[int]) -> bytes:

@@ -288,12 +288,16 @@ async def nack_message(ctx: Ctx):
 # ====================================================================== tasks
 async def post_task(ctx: Ctx):
     """POST /tasks {scopeId, mailboxId, taskKey, input?, deadline?}: idempotent per (run,
-    mailbox, taskKey): the same key returns the existing task."""
+    mailbox, taskKey): the same key returns the existing task. Extension fields (issue
+    44; the runstate SDK neither sends nor reads them): ``priority`` (1 most urgent .. 5),
+    ``fairKey``, ``fairWeight`` (1 .. 1000); the task's JSON shows ``priority`` and
+    ``fairKey``."""
     b = ctx.body
     scope = s_(b, "scopeId", required=True)
     op = p.TaskSubmit(mailbox=s_(b, "mailboxId", required=True), scope_id=scope,
                       input=raw(b.get("input")), key=s_(b, "taskKey"), deadline=s_(b, "deadline"),
-                      requirements=requirements(b), work_limit=s_(b, "workLimit"))
+                      requirements=requirements(b), work_limit=s_(b, "workLimit"), priority=i_(b, "priority"),
+                      fair_key=s_(b, "fairKey"), fair_weight=i_(b, "fairWeight"))
     v = await ctx.call(op)
     sub = s_(b, "subscriberId")
     if sub is not None:  # the first subscriber (a second call: idempotent)

@@ -48,6 +48,7 @@ from ..errors import RallypointError
 
 __all__ = ["KINDS", "SimKind", "World", "Gen", "Script", "ended", "SLACK_MS"]
 
+from ..actors.queue_state import DEFAULT_PRIORITY
 TERMINAL = frozenset({"SUCCEEDED", "ACKED", "FAILED", "CANCELLED", "EXPIRED"})
 DONE = frozenset({"SUCCEEDED", "ACKED"})  # a task / a message completed
 #: timing tolerance of the checks, ms (ms rounding between Trio time and wall/server ms)
@@ -345,6 +346,16 @@ class SimRuns(SimKind):
 MAILBOXES = ("q0", "q1")
 
 
+def _scheduling(mailbox: str, n: int) -> dict:
+    """Issue 44: the tasks of ``q1`` carry a priority (1..5) and a fairness key (one of
+    three, or none) derived from their input's number (no draw of the generator: the
+    schedules of every seed stay what they were up to the order of deliveries); ``q0``
+    stays plain first in, first out."""
+    if mailbox != "q1":
+        return {}
+    return {"priority": 1 + n % 5, "fair_key": ("ta", "tb", None)[(n // 5) % 3]}
+
+
 class SimQueues(SimKind):
     """Work queues, tasks and deliveries; the lease model (``sim.leases``)."""
 
@@ -403,18 +414,25 @@ class SimQueues(SimKind):
             if run is None:
                 return None
             key = g.rng.choice((None, None, "k0", "k1", "k2"))
+            name = mailbox(g)
+            n = g.rng.randrange(3) if key else g.rng.randrange(10**6)
             return p.TaskSubmit(
-                mailbox=mailbox(g), scope_id=run, input=_raw({"n": g.rng.randrange(3) if key else g.rng.randrange(10**6)}),
+                mailbox=name, scope_id=run, input=_raw({"n": n}),
                 key=key, deadline=g.iso_in(1, 60) if g.rng.random() < 0.15 else None, requirements=requirements(g),
+                **_scheduling(name, n),
             )
 
         def submit_many(g: Gen):
             run = g.world.pick(g.rng, "scp")
             if run is None:
                 return None
-            items = [p.SubmitItem(input=_raw({"m": g.rng.randrange(10**6)}), key=g.rng.choice((None, None, "k0", "k3")),
-                                  requirements=requirements(g, p_none=0.75)) for _ in range(g.rng.randint(1, 4))]
-            return p.TaskSubmitMany(mailbox=mailbox(g), scope_id=run, items=items)
+            name = mailbox(g)
+            items = []
+            for _ in range(g.rng.randint(1, 4)):
+                n = g.rng.randrange(10**6)
+                items.append(p.SubmitItem(input=_raw({"m": n}), key=g.rng.choice((None, None, "k0", "k3")),
+                                          requirements=requirements(g, p_none=0.75), **_scheduling(name, n)))
+            return p.TaskSubmitMany(mailbox=name, scope_id=run, items=items)
 
         def receive(g: Gen):
             run = g.world.pick(g.rng, "scp", recent=0.4)
@@ -596,9 +614,7 @@ class SimQueues(SimKind):
                         chk.fail("receive", f"receive for run {op.scope_id} got task {t.id} of run {t.scope_id}")
                     if t.state != "RUNNING" or t.token != d.token:
                         chk.fail("receive", f"delivered task {t.id} is {t.state} with token {t.token}, not {d.token}")
-                if eligible and max(seqs) > min(coord.queues.tasks[e].seq for e in eligible):
-                    chk.fail("fifo", f"receive delivered seq {max(seqs)} while seq "
-                                     f"{min(coord.queues.tasks[e].seq for e in eligible)} was ready (not oldest first)")
+                self._check_order(chk, coord, op, reply, eligible)
         elif isinstance(op, p.DeliveryCompleteMany) and err is None and reply is not None:
             for it, item in zip(op.items, reply.items):
                 t = coord.queues.tasks.get(it.task_id)
@@ -619,6 +635,34 @@ class SimQueues(SimKind):
             if op.requirements is not None and wire_req_key(op.requirements) != have:
                 chk.fail("defaults", f"mailbox.ensure({op.name}) declared {wire_req_key(op.requirements)} and succeeded; "
                                      f"the mailbox holds {have} (given requirements replace the stored ones)")
+
+    @staticmethod
+    def _check_order(chk, coord, op, reply, eligible: list[str]) -> None:
+        """Issue 44's order invariant: no task left ready (and eligible) in the receive's
+        subtree is more urgent than one it delivered; within one run, priority and
+        fairness key, first in, first out; a queue whose tasks carry no priority or key
+        is strictly oldest first."""
+        tasks = coord.queues.tasks
+        got = [tasks[d.task_id] for d in reply.deliveries]
+        left = [tasks[e] for e in eligible]
+        if not left:
+            return
+        worst = max(t.priority for t in got)
+        best = min(u.priority for u in left)
+        if best < worst:
+            u = min(left, key=lambda u: u.priority)
+            chk.fail("order", f"receive delivered a priority-{worst} task while task {u.id} of priority {best} "
+                              "was ready in its subtree")
+        for t in got:
+            for u in left:
+                if (u.scope_id, u.priority, u.fair_key) == (t.scope_id, t.priority, t.fair_key) and u.seq < t.seq:
+                    chk.fail("fifo", f"receive delivered seq {t.seq} while seq {u.seq} of the same run, priority "
+                                     f"{t.priority} and key {t.fair_key} was ready (not oldest first)")
+                    return
+        if all(t.priority == DEFAULT_PRIORITY and t.fair_key is None for t in got + left):
+            if max(t.seq for t in got) > min(u.seq for u in left):
+                chk.fail("fifo", f"receive delivered seq {max(t.seq for t in got)} while seq "
+                                 f"{min(u.seq for u in left)} was ready (not oldest first)")
 
     @staticmethod
     def _eligible(coord, q_id: str, run_id: str) -> list[str]:
