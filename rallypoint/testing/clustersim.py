@@ -125,6 +125,8 @@ LEASE_MS = 20_000
 #: after the drain: every run end reaches the home shard within this, seconds
 DELIVER_S = 30.0
 SPACE = "default"
+#: virtual seconds between a client's step and the next step
+CLIENT_GAP_S = 0.05
 
 
 # ============================================================================ schedule
@@ -169,7 +171,8 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS, shards: int = DEFAULT_SHAR
                    reset_p=rng.choice((0.0, 0.05, 0.2, 0.4)))
     rng = random.Random(f"rallypoint-clustersim:steps:{seed}")
     sh = lambda: rng.randrange(shards)  # noqa: E731
-    steps: list[tuple] = [("run", 2), ("acquire", "pool"), ("acquire", f"claim:{CLAIM_KEYS[0]}"), ("tick", 0.5)]
+    steps: list[tuple] = [("tick", 1.0), ("run", 2), ("tick", 0.3), ("acquire", "pool"),
+                          ("acquire", f"claim:{CLAIM_KEYS[0]}"), ("tick", 0.3)]
     while len(steps) < n_steps:
         x = rng.random()
         if x < 0.12:
@@ -657,7 +660,7 @@ class ClusterSim:
         else:
             known = [r for r, s in sorted(self.runs.items()) if s == shard] or [None]
             run_id = self.pick_rng.choice(known)
-            op = p.ScopeGet(scope_id=run_id) if run_id is not None else p.ScopeList(limit=5)
+            op = p.ScopeStatus(scope_id=run_id) if run_id is not None else p.ScopeList(limit=5)
         await self.request(self.shards[shard], op, read=True)
 
     # ----------------------------------------------------------------- steps
@@ -668,22 +671,24 @@ class ClusterSim:
     async def do(self, step: tuple) -> None:
         kind = step[0]
         n = self.nursery
+        # a client's step runs on (its answer may wait out a failover); the next step
+        # comes CLIENT_GAP_S later
         if kind == "run":
             for _ in range(step[1]):
                 n.start_soon(self.new_run)
-            await trio.sleep(0)
+            await trio.sleep(CLIENT_GAP_S)
         elif kind == "acquire":
             n.start_soon(self.acquire, step[1])
-            await trio.sleep(0)
+            await trio.sleep(CLIENT_GAP_S)
         elif kind == "release":
             n.start_soon(self.release)
-            await trio.sleep(0)
+            await trio.sleep(CLIENT_GAP_S)
         elif kind == "end":
             n.start_soon(self.end_run)
-            await trio.sleep(0)
+            await trio.sleep(CLIENT_GAP_S)
         elif kind == "read":
             n.start_soon(self.read, step[1])
-            await trio.sleep(0)
+            await trio.sleep(CLIENT_GAP_S)
         elif kind == "tick":
             await trio.sleep(step[1])
         elif kind in ("crash", "handover", "etcd_cut"):

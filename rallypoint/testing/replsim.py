@@ -718,7 +718,7 @@ class ReplSim:
             return
         if isinstance(reply, BaseException):
             self.stats["refused"] += 1
-            self.trace(f"w{i} -> {node.name}: {getattr(reply, 'code', type(reply).__name__)}")
+            self.trace(f"w{i} -> {node.name}: {getattr(reply, 'code', type(reply).__name__)} ({str(reply)[:160]})")
             self.answers.update(b"%d %s;" % (i, str(getattr(reply, "code", "error")).encode()))
             return
         view = msgspec.msgpack.decode(reply, type=REPLY_TYPES[type(op)])
