@@ -112,7 +112,7 @@ from .sim import Violation
 
 __all__ = ["Profile", "Result", "generate", "run_seed", "run_seeds", "main", "MUTANTS", "home_shard"]
 
-DEFAULT_STEPS = 40
+DEFAULT_STEPS = 60
 DEFAULT_SHARDS = 2
 #: slots of the simulated cluster's map (slot i -> shard i mod shards)
 SLOTS = 8

@@ -1,0 +1,145 @@
+"""The cluster simulator (issue 43, rallypoint.testing.clustersim): two or three
+replicated shards of one cluster in one Trio run on virtual time -- replsim's two real
+nodes per shard, and between the shards the real peers, remote runs and outbox over
+seeded in-memory connections -- with a workload of runs using their space's home shard.
+
+The suite runs a short batch of seeds (``RALLYPOINT_SLOW=1``: the long one, 10,000
+seeds, or ``RALLYPOINT_CLUSTERSIM_SEEDS=N``), a few over three shards, replays a seed
+exactly, checks the workload reaches the cross-shard paths, and that each deliberate
+bug of :data:`rallypoint.testing.clustersim.MUTANTS` is caught.
+``python -m rallypoint.testing.clustersim --seed N --trace`` replays a seed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rallypoint.testing import clustersim
+from rallypoint.testing.clustersim import home_shard, run_seed, run_seeds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: the default batch (about 0.5 s a seed); RALLYPOINT_SLOW=1 runs the long one
+CI_SEEDS = 12
+
+
+def _batch(first: int, n: int, shards: int = 2) -> dict:
+    """Run seeds ``first .. first+n``; fails with the first violation's seed and how to
+    replay it; returns run_seeds' summary."""
+    out = run_seeds(range(first, first + n), processes=1, shards=shards, stop_after=1)
+    if out["failures"]:
+        seed, inv, msg, step = out["failures"][0]
+        pytest.fail(f"seed {seed}: [{inv}] at step {step}: {msg}\nreplay: python -m rallypoint.testing.clustersim "
+                    f"--seed {seed} --shards {shards} --trace", pytrace=False)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_short_batch_of_seeds_holds_every_invariant():
+    out = _batch(1000, CI_SEEDS)
+    assert out["run"] == CI_SEEDS and not out["failures"]
+
+
+@pytest.mark.timeout(300)
+def test_a_few_seeds_over_three_shards_hold_every_invariant():
+    out = _batch(2000, 2, shards=3)
+    assert out["run"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (os.environ.get("RALLYPOINT_SLOW") or os.environ.get("RALLYPOINT_CLUSTERSIM_SEEDS")),
+                    reason="the long batch (10,000 seeds, about an hour of CPU): RALLYPOINT_SLOW=1 or "
+                           "RALLYPOINT_CLUSTERSIM_SEEDS=N")
+@pytest.mark.timeout(6 * 3600)
+def test_a_long_batch_of_seeds_holds_every_invariant():
+    n = int(os.environ.get("RALLYPOINT_CLUSTERSIM_SEEDS", "10000"))
+    out = run_seeds(range(0, n), processes=int(os.environ.get("RALLYPOINT_CLUSTERSIM_PROCESSES", "1")),
+                    stop_after=1)
+    if out["failures"]:
+        seed, inv, msg, step = out["failures"][0]
+        pytest.fail(f"seed {seed}: [{inv}] at step {step}: {msg}", pytrace=False)
+    assert out["run"] == n
+
+
+def test_the_same_seed_gives_the_same_run_twice():
+    a, b = run_seed(7, trace=True), run_seed(7, trace=True)
+    assert a.digest == b.digest and a.trace == b.trace
+    assert run_seed(7).digest == a.digest  # tracing changes nothing
+    assert run_seed(8).digest != a.digest
+
+
+def test_the_workload_reaches_the_paths_between_shards():
+    # over a few seeds: grants of the home shard to runs of another, run ends carried by
+    # the outbox, connections between shards reset after their call was applied (the
+    # re-sent delivery the receiver must apply once), reads answered
+    tot = {"grants": 0, "remote_ends": 0, "peer_resets": 0, "peer_calls": 0, "reads": 0, "takeovers": 0}
+    for seed in range(9, 12):
+        res = run_seed(seed)
+        assert res.ok, res.headline()
+        for k in tot:
+            tot[k] += res.stats[k]
+    assert all(v > 0 for v in tot.values()), tot
+
+
+# ---------------------------------------------------------------------------- mutants
+def _leader_cut_from_etcd(shards):
+    """The home shard's leader cannot reach etcd for 5 s (its standby can, and takes
+    over once the lease lapsed); a read goes to every node that believes it leads every
+    0.1 s: the old leader must stop answering before the new one answers."""
+    home = home_shard(shards)
+    return [("tick", 1.0), ("run", 1), ("read", home), ("etcd_cut", home, "leader", 5.0)] + \
+        [("read", home), ("tick", 0.1)] * 40
+
+
+def _two_failovers(shards):
+    """A run shard's leader is killed and stays down while its standby takes over and
+    acknowledges writes alone; the new leader is killed before the old one is back,
+    which then must not lead (it lacks what was acknowledged)."""
+    s = (home_shard(shards) + 1) % shards
+    return [("tick", 1.0), ("run", 1), ("tick", 0.5), ("crash", s, "leader", "process", 6.0), ("tick", 4.0),
+            ("run", 1), ("run", 1), ("tick", 0.5), ("crash", s, "leader", "process", 10.0), ("tick", 8.0), ("run", 1),
+            ("tick", 2.0)]
+
+
+#: mutant -> (scenario: None for the generator's schedules, seeds to try, invariants it must break)
+MUTANT_CASES = {
+    # (seed 9 is the first of 0-19 that catches it: deliveries re-sent after resets)
+    "outbox_no_dedup": (None, range(5, 25), {"outbox-once"}),
+    # (the journal refuses the second LeaderEpoch of one epoch: the node stops)
+    "campaign_ignores_epoch": (None, range(0, 5), {"node-error", "one-leader-per-epoch", "one-leader-answering"}),
+    "no_self_fence": (_leader_cut_from_etcd, range(0, 3), {"one-leader-answering"}),
+    "isr_not_shrunk": (_two_failovers, range(0, 6), {"lost-ack"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTANT_CASES))
+def test_every_mutant_is_caught(name):
+    assert set(MUTANT_CASES) == set(clustersim.MUTANTS)
+    scenario, seeds, invariants = MUTANT_CASES[name]
+    steps = scenario(2) if scenario is not None else None
+    for seed in seeds:
+        res = run_seed(seed, mutant_name=name, steps=steps)
+        if not res.ok:
+            assert res.violation.invariant in invariants, res.headline()
+            break
+    else:
+        pytest.fail(f"mutant {name} survived seeds {seeds.start}..{seeds.stop - 1}")
+    # and without the mutant that schedule holds
+    res = run_seed(seed, steps=steps)
+    assert res.ok, res.headline()
+
+
+def test_the_cli_replays_a_seed_and_exits_1_on_a_violation():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    ok = subprocess.run([sys.executable, "-m", "rallypoint.testing.clustersim", "--seed", "5", "--trace"], env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "seed 5: ok" in ok.stdout and "is leader" in ok.stdout and "pool.acquire" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "rallypoint.testing.clustersim", "--seed", "9", "--mutant",
+                          "outbox_no_dedup"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "VIOLATION [outbox-once]" in bad.stdout
+    assert "replay: python -m rallypoint.testing.clustersim --seed 9" in bad.stdout
