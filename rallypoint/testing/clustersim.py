@@ -41,7 +41,8 @@ The seed decides the profile (replsim's, plus the peer latency and reset rate) a
 schedule: runs created on the shards that are not the space's home shard, pool units
 and claims of the home shard acquired by those runs (the first request of a run links
 it: ``run.link`` on its shard), released, runs ended (the outbox carries each end to the
-home shard, which frees what the run held there), reads sent to every node that
+home shard, which frees what the run held there), pages of the space's events merged
+over the shards, reads sent to every node that
 believes it leads (as a client with stale routing would), and faults: kill -9 or power
 loss of either node of any shard, a shard's replication link cut, a node cut off from
 etcd, a leader isolated from etcd and every node, the leaders of two shards partitioned
@@ -63,6 +64,10 @@ The invariants (a failing one names itself):
   (``RemoteRunEnded`` / ``RemoteDeliveryNoted`` with ``seq`` 1, 2, 3, ...);
 - **outbox-delivered**: after the drain, every run whose end was acknowledged and that
   the home shard had linked is ended on the home shard's leader;
+- **events-once**: the space's events, paged by the SDK's own merge over the shards
+  (:func:`~rallypoint.client.shardevents.list_events`, the client's vector cursor kept
+  from page to page, and paged to the end after the drain), give each shard's events
+  once, in ``seq`` order, without a gap;
 - **over-granted**: at no moment do the home shard's grants of the pool, as clients hold
   them, exceed its units, nor two runs hold one claim key. A client counts a grant held
   from its answer until the earliest of its lease's end as the client can bound it (the
@@ -72,8 +77,8 @@ The invariants (a failing one names itself):
 
 :data:`MUTANTS` are deliberate bugs the simulator must catch (``tests/test_clustersim.py``
 runs each against a few seeds and expects a violation). Not covered yet: budgets,
-quotas and admission holds of tasks (``admission.reserve``), the merged events of a
-space over shards (the client router), HTTP.
+quotas and admission holds of tasks (``admission.reserve``), ``events.watch`` (the
+merged stream), the router's other merges, HTTP.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ from ..actors import pool as _pool_mod
 from ..actors.api import REPLY_TYPES
 from ..actors.sharding import home_slot
 from ..cluster import peerauth as _peerauth
-from ..cluster.shardmap import create_cluster
+from ..cluster.shardmap import SlotMap, create_cluster
 from ..errors import NotLeaderError, RallypointError, UnavailableError
 from ..ids import slot_of
 from ..records import RemoteDeliveryNoted, RemoteRunEnded, decode_commit
@@ -125,6 +130,8 @@ LEASE_MS = 20_000
 #: after the drain: every run end reaches the home shard within this, seconds
 DELIVER_S = 30.0
 SPACE = "default"
+#: events a page of the client's ``events.list`` asks for
+EVENTS_PAGE = 20
 #: virtual seconds between a client's step and the next step
 CLIENT_GAP_S = 0.05
 
@@ -161,6 +168,7 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS, shards: int = DEFAULT_SHAR
     - ``("end",)``: a live run is cancelled on its shard (its end reaches the home
       shard through the outbox);
     - ``("read", sh)``: a read sent to every node of ``sh`` that believes it leads;
+    - ``("events",)``: the client's next page of the space's events over every shard;
     - ``("tick", s)``: s virtual seconds pass;
     - ``("crash", sh, who, how, downtime)``: replsim's crash, in shard ``sh``;
     - ``("cut", sh, s)``: shard ``sh``'s replication link cut for s seconds;
@@ -189,8 +197,10 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS, shards: int = DEFAULT_SHAR
             steps.append(("release",))
         elif x < 0.46:
             steps.append(("end",))
-        elif x < 0.54:
+        elif x < 0.50:
             steps.append(("read", sh()))
+        elif x < 0.54:
+            steps.append(("events",))
         elif x < 0.66:
             steps.append(("tick", rng.choice((0.01, 0.1, 0.5, 1.0, 2.0, 4.0))))
         elif x < 0.74:
@@ -344,6 +354,27 @@ class _PeerConn:
         return msgspec.Raw(reply)
 
 
+class _EventsTransport:
+    """What :func:`~rallypoint.client.shardevents.list_events` needs of the SDK's
+    :class:`~rallypoint.client.router.ShardedTransport`: the map, the shards, and one
+    call to a shard's leader (here: to the node of the shard that believes it leads)."""
+
+    def __init__(self, sim: "ClusterSim") -> None:
+        self.sim = sim
+        self.map = SlotMap(owners=[i % len(sim.shards) for i in range(SLOTS)])
+
+    def event_shards(self, op) -> list[int]:
+        return list(range(len(self.sim.shards)))
+
+    async def call_shard(self, shard: int, op) -> bytes:
+        got = await self.sim.request(self.sim.shards[shard], op, read=True, raw=True)
+        if got is None:
+            raise UnavailableError(f"shard {shard}: no leader answered", details={"shard": shard})
+        if isinstance(got, RallypointError):
+            raise got
+        return got[0]
+
+
 # ============================================================================ one shard
 class ShardSim(_rs.ReplSim):
     """One shard of the cluster: replsim's two-node simulator, on the cluster's etcd,
@@ -472,7 +503,9 @@ class ClusterSim:
         self.epoch_node: dict[tuple[int, int], str] = {}
         self.top_answer: dict[int, tuple[int, float, str]] = {}
         self.answers = hashlib.sha256()
-        self.stats = {"peer_calls": 0, "peer_resets": 0, "grants": 0, "refused": 0, "answers": 0,
+        self.events_cursor: str | None = None  # the client's vector cursor over the shards
+        self.events_seen: dict[int, int] = {}  # shard -> the last seq the client was given
+        self.stats = {"events": 0, "peer_calls": 0, "peer_resets": 0, "grants": 0, "refused": 0, "answers": 0,
                       "remote_ends": 0, "reads": 0}
 
     # ----------------------------------------------------------------- reporting
@@ -540,7 +573,7 @@ class ClusterSim:
                                       f"{sum(x.units for x in held)} of {cap}")
 
     # ----------------------------------------------------------------- clients
-    async def request(self, sh: ShardSim, op, *, read: bool = False):
+    async def request(self, sh: ShardSim, op, *, read: bool = False, raw: bool = False):
         """``op`` to the node of ``sh`` that believes it leads (a read: to every one).
         Returns the decoded answer of the last node that answered, a RallypointError, or
         None (no leader, lost); records each answer."""
@@ -551,12 +584,12 @@ class ClusterSim:
             targets = targets[:1]
         out = None
         for node in targets:
-            got = await self._one(sh, node, op, read)
+            got = await self._one(sh, node, op, read, raw)
             if got is not None:
                 out = got
         return out
 
-    async def _one(self, sh: ShardSim, node, op, read: bool):
+    async def _one(self, sh: ShardSim, node, op, read: bool, raw: bool = False):
         m = node.member
         epoch = m.epoch
         disp = m.server.dispatcher
@@ -590,8 +623,10 @@ class ClusterSim:
             self.answers.update(f"{tag} {code};".encode())
             return reply if isinstance(reply, RallypointError) else None
         self.answers.update(f"{tag} ok {epoch};".encode())
-        view = msgspec.msgpack.decode(reply, type=REPLY_TYPES[type(op)])
         self.trace(f"{tag} -> {node.host}: ok (epoch {epoch}, admitted at {admitted:.4f})")
+        if raw:
+            return bytes(reply), admitted
+        view = msgspec.msgpack.decode(reply, type=REPLY_TYPES[type(op)])
         return view, admitted
 
     def _run_shards(self) -> list[ShardSim]:
@@ -669,6 +704,33 @@ class ClusterSim:
             op = p.ScopeStatus(scope_id=run_id) if run_id is not None else p.ScopeList(limit=5)
         await self.request(self.shards[shard], op, read=True)
 
+    async def events(self, *, to_end: bool = False) -> bool:
+        """One page of the space's events merged over the shards by the SDK's own
+        :func:`~rallypoint.client.shardevents.list_events`, after the client's vector
+        cursor (every page: ``to_end``); events-once on what it returns. False when a
+        shard did not answer."""
+        from ..client.shardevents import list_events
+
+        while True:
+            try:
+                page = await list_events(_EventsTransport(self), p.EventsList(limit=EVENTS_PAGE), self.events_cursor)
+            except RallypointError as e:
+                self.trace(f"events.list over the shards: {e.code}")
+                return False
+            for ev in page.events:
+                last = self.events_seen.get(ev.shard, 0)
+                if ev.seq <= last or (last and ev.seq != last + 1):
+                    what = "again" if ev.seq <= last else f"after {last} (a gap)"
+                    self.fail("events-once", f"the merged events of space {SPACE!r} gave event {ev.seq} of shard "
+                                             f"{ev.shard} {what} (cursor {self.events_cursor})")
+                    return True
+                self.events_seen[ev.shard] = ev.seq
+            self.stats["events"] += len(page.events)
+            self.trace(f"events.list over the shards: {len(page.events)} events, cursor {page.next_cursor}")
+            self.events_cursor = page.next_cursor
+            if not to_end or not page.events:
+                return True
+
     # ----------------------------------------------------------------- steps
     async def _heal_after(self, s: float, fn) -> None:
         await trio.sleep(s)
@@ -694,6 +756,9 @@ class ClusterSim:
             await trio.sleep(CLIENT_GAP_S)
         elif kind == "read":
             n.start_soon(self.read, step[1])
+            await trio.sleep(CLIENT_GAP_S)
+        elif kind == "events":
+            n.start_soon(self.events)
             await trio.sleep(CLIENT_GAP_S)
         elif kind == "tick":
             await trio.sleep(step[1])
@@ -810,7 +875,7 @@ class ClusterSim:
             if lead is not None:
                 table = lead.member.node.coordinator.runs.table
                 missing = [r for r in self.ended if r in self.linked and (r not in table or table[r].state == "ACTIVE")]
-                if not missing:
+                if not missing and await self.events(to_end=True):
                     self.stats["remote_ends"] = sum(1 for r in self.ended if r in self.linked)
                     return
             if trio.current_time() - t0 > DELIVER_S:
