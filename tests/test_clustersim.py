@@ -104,6 +104,13 @@ def _two_failovers(shards):
             ("tick", 2.0)]
 
 
+def _more_events_than_a_page(shards):
+    """24 runs made on the run shards (an event each), then the client pages the space's
+    events: the first page is full and leaves events of a shard for the next one."""
+    return [("tick", 1.0)] + [("run", 2)] * 12 + [("tick", 0.5), ("events",), ("tick", 0.5), ("run", 1),
+                                                  ("tick", 0.5), ("events",), ("tick", 0.5)]
+
+
 #: mutant -> (scenario: None for the generator's schedules, seeds to try, invariants it must break)
 MUTANT_CASES = {
     # (seeds 12, 15 and 26 of 0-29 catch it: a delivery re-sent after a reset or a failover)
@@ -112,6 +119,7 @@ MUTANT_CASES = {
     "campaign_ignores_epoch": (None, range(0, 5), {"node-error", "one-leader-per-epoch", "one-leader-answering"}),
     "no_self_fence": (_leader_cut_from_etcd, range(0, 3), {"one-leader-answering"}),
     "isr_not_shrunk": (_two_failovers, range(0, 6), {"lost-ack"}),
+    "events_cursor_to_newest": (_more_events_than_a_page, range(0, 3), {"events-once"}),
 }
 
 

@@ -963,6 +963,18 @@ def _mutant_isr_not_shrunk():
     return ReplicationLeader, "shrink_isr_alone", shrink_isr_alone
 
 
+def _mutant_events_cursor_to_newest():
+    from ..client import shardevents
+
+    orig = shardevents.list_events
+
+    async def list_events(transport, op, cursor):  # a page's cursor jumps to what each shard keeps newest
+        page = await orig(transport, op, cursor)
+        return msgspec.structs.replace(page, next_cursor=page.newest)
+
+    return shardevents, "list_events", list_events
+
+
 #: deliberate bugs the simulator must catch: name -> () -> (class, attribute, replacement[, (attribute, replacement)...])
 MUTANTS = {
     # the receiver of the outbox applies an entry it already holds (dedup by seq gone)
@@ -973,6 +985,8 @@ MUTANTS = {
     "campaign_ignores_epoch": _mutant_campaign_ignores_epoch,
     # a new leader does not shrink the in-sync set to itself before acknowledging alone
     "isr_not_shrunk": _mutant_isr_not_shrunk,
+    # the merged events' next cursor skips what a full page left of each shard
+    "events_cursor_to_newest": _mutant_events_cursor_to_newest,
 }
 
 
@@ -982,9 +996,9 @@ def mutant(name: str | None):
     if name is None:
         yield
         return
-    cls, attr, fn, *more = MUTANTS[name]()
+    cls, attr, fn, *more = MUTANTS[name]()  # (cls: a class, or a module)
     patches = [(attr, fn), *more]
-    olds = [(a, cls.__dict__[a]) for a, _ in patches]
+    olds = [(a, vars(cls)[a]) for a, _ in patches]
     for a, f in patches:
         setattr(cls, a, f)
     try:
