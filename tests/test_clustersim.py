@@ -111,6 +111,12 @@ def _more_events_than_a_page(shards):
                                                   ("tick", 0.5), ("events",), ("tick", 0.5)]
 
 
+def _more_asked_than_the_pool_has(shards):
+    """Three runs of a run shard ask the home shard's pool (2 units) for a unit each,
+    and once more: two are granted, the others refused."""
+    return [("tick", 1.0), ("run", 3), ("tick", 0.5)] + [("acquire", "pool"), ("tick", 0.3)] * 4
+
+
 #: mutant -> (scenario: None for the generator's schedules, seeds to try, invariants it must break)
 MUTANT_CASES = {
     # (seeds 12, 15 and 26 of 0-29 catch it: a delivery re-sent after a reset or a failover)
@@ -120,6 +126,7 @@ MUTANT_CASES = {
     "no_self_fence": (_leader_cut_from_etcd, range(0, 3), {"one-leader-answering"}),
     "isr_not_shrunk": (_two_failovers, range(0, 6), {"lost-ack"}),
     "events_cursor_to_newest": (_more_events_than_a_page, range(0, 3), {"events-once"}),
+    "pool_one_unit_more": (_more_asked_than_the_pool_has, range(0, 3), {"over-granted"}),
 }
 
 

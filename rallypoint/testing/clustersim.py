@@ -565,7 +565,8 @@ class ClusterSim:
     def over_granted(self, g: Grant) -> None:
         at = g.answered_at
         held = [x for x in self.grants if x.what == g.what and x is not g and x.answered_at <= at
-                and at < x.until and (x.ended_at is None or at < x.ended_at)]
+                and at < x.until and (x.ended_at is None or at < x.ended_at)
+                and not (x.run_id == g.run_id and x.token == g.token)]  # (the same lease answered again)
         cap = POOL_UNITS if g.what == "pool" else 1
         if sum(x.units for x in held) + g.units > cap:
             self.fail("over-granted", f"{g.what}: run {g.run_id[-6:]} was granted {g.units} at {at:.4f} while "
@@ -975,6 +976,15 @@ def _mutant_events_cursor_to_newest():
     return shardevents, "list_events", list_events
 
 
+def _mutant_pool_one_unit_more():
+    from ..actors.pool import Pools
+
+    def free(self, pool):  # a unit more than the pool has
+        return pool.units_total + 1 - self.used.get(pool.id, 0)
+
+    return Pools, "free", free
+
+
 #: deliberate bugs the simulator must catch: name -> () -> (class, attribute, replacement[, (attribute, replacement)...])
 MUTANTS = {
     # the receiver of the outbox applies an entry it already holds (dedup by seq gone)
@@ -987,6 +997,8 @@ MUTANTS = {
     "isr_not_shrunk": _mutant_isr_not_shrunk,
     # the merged events' next cursor skips what a full page left of each shard
     "events_cursor_to_newest": _mutant_events_cursor_to_newest,
+    # the home shard's pool grants one unit more than it has
+    "pool_one_unit_more": _mutant_pool_one_unit_more,
 }
 
 
