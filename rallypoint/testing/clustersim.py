@@ -107,7 +107,6 @@ from ..actors.sharding import home_slot
 from ..cluster import peerauth as _peerauth
 from ..cluster.shardmap import SlotMap, create_cluster
 from ..errors import NotLeaderError, RallypointError, UnavailableError
-from ..ids import slot_of
 from ..records import RemoteDeliveryNoted, RemoteRunEnded, decode_commit
 from ..service import CallSink, Session
 from ..wire import PROTOCOL_VERSION, Hello
@@ -985,7 +984,8 @@ def _mutant_pool_one_unit_more():
     return Pools, "free", free
 
 
-#: deliberate bugs the simulator must catch: name -> () -> (class, attribute, replacement[, (attribute, replacement)...])
+#: deliberate bugs the simulator must catch:
+#: name -> () -> (class or module, attribute, replacement[, (attribute, replacement)...])
 MUTANTS = {
     # the receiver of the outbox applies an entry it already holds (dedup by seq gone)
     "outbox_no_dedup": _mutant_outbox_no_dedup,
