@@ -23,7 +23,7 @@ from rallypoint.testing.clustersim import home_shard, run_seed, run_seeds
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: the default batch (about 0.5 s a seed); RALLYPOINT_SLOW=1 runs the long one
-CI_SEEDS = 12
+CI_SEEDS = 10
 
 
 def _batch(first: int, n: int, shards: int = 2) -> dict:
