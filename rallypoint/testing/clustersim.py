@@ -22,7 +22,8 @@ slot map (``cluster init``'s :func:`~rallypoint.cluster.shardmap.create_cluster`
 sharded ids. The fakes:
 
 - **etcd**: one :class:`~rallypoint.testing.fake_etcd.FakeEtcd` for the cluster (leases
-  expiring on the virtual clock, watches, a node cut off from it);
+  expiring on the virtual clock, watches -- delayed for one node at times --, a node cut
+  off from it);
 - **the replication network** of each shard: replsim's :class:`~rallypoint.testing.
   replsim.SimNet` (link messages dropped, duplicated, delayed, reordered; the link cut);
 - **the connections between shards** (:class:`_PeerConn`, given to ``Peers`` through
@@ -42,13 +43,13 @@ schedule: runs created on the shards that are not the space's home shard, pool u
 and claims of the home shard acquired by those runs (the first request of a run links
 it: ``run.link`` on its shard), released, runs ended (the outbox carries each end to the
 home shard, which frees what the run held there), pages of the space's events merged
-over the shards, reads sent to every node that
-believes it leads (as a client with stale routing would), and faults: kill -9 or power
-loss of either node of any shard, a shard's replication link cut, a node cut off from
-etcd, a leader isolated from etcd and every node, the leaders of two shards partitioned
-from each other, one direction between them lost, a graceful hand-over. At the end
-everything heals, each shard converges (replsim's drain), and every run end told by the
-outbox must have reached the home shard.
+over the shards, reads sent to every node that believes it leads (as a client with
+stale routing would), and faults: kill -9 or power loss of either node of any shard, a
+shard's replication link cut, a node cut off from etcd, a leader isolated from etcd and
+every node, the leaders of two shards partitioned from each other, one direction between
+them lost, a node's etcd watches delayed, a graceful hand-over. At the end everything
+heals, each shard converges (replsim's drain), and every run end told by the outbox must
+have reached the home shard.
 
 The invariants (a failing one names itself):
 
@@ -176,7 +177,9 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS, shards: int = DEFAULT_SHAR
       every other shard;
     - ``("partition", a, b, s)``: the nodes of shards a and b cannot reach each other;
     - ``("oneway", a, b, s)``: what shard a's nodes send to shard b's is lost (held);
-    - ``("handover", sh, downtime)``: the leader of ``sh`` stops gracefully.
+    - ``("handover", sh, downtime)``: the leader of ``sh`` stops gracefully;
+    - ``("watch_lag", sh, who, delay, s)``: every etcd watch event reaches the leader or
+      the standby of ``sh`` ``delay`` seconds late, for s seconds.
     """
     rs_prof, _ = _rs.generate(seed)
     rng = random.Random(f"rallypoint-clustersim:profile:{seed}")
@@ -219,6 +222,12 @@ def generate(seed: int, n_steps: int = DEFAULT_STEPS, shards: int = DEFAULT_SHAR
             steps.append(("oneway", a, (a + 1 + rng.randrange(shards - 1)) % shards, rng.choice((0.5, 2.0, 5.0))))
         else:
             steps.append(("handover", sh(), rng.choice((0.1, 1.0))))
+    # watches delayed: from a stream of its own, so the other steps stay as they were
+    lag = random.Random(f"rallypoint-clustersim:lag:{seed}")
+    for _ in range(lag.choice((0, 0, 1, 2))):
+        steps.insert(lag.randrange(4, len(steps) + 1), ("watch_lag", lag.randrange(shards),
+                                                        lag.choice(("leader", "standby")),
+                                                        lag.choice((0.2, 0.5, 1.5)), lag.choice((2.0, 5.0, 10.0))))
     return prof, steps
 
 
@@ -782,6 +791,17 @@ class ClusterSim:
                     self.isolated.discard(node.host)
 
                 n.start_soon(self._heal_after, step[2], heal)
+        elif kind == "watch_lag":
+            _, shard, who, delay, s = step
+            for node in self.shards[shard].pick(who):
+                self.trace(f"{node.host}'s etcd watches lag {delay} s for {s} s")
+                client = node.etcd
+                client.watch_delay_s = delay
+
+                def heal(client=client):
+                    client.watch_delay_s = 0.0
+
+                n.start_soon(self._heal_after, s, heal)
         elif kind == "partition":
             _, a, b, s = step
             pair = frozenset((a, b))
@@ -864,6 +884,10 @@ class ClusterSim:
         self.cut.clear()
         self.oneway.clear()
         self.isolated.clear()
+        for sh in self.shards:
+            for node in sh.nodes.values():
+                if node.etcd is not None:
+                    node.etcd.watch_delay_s = 0.0
         for sh in self.shards:
             await sh.drain()
             sh.check()
