@@ -20,7 +20,8 @@ Each node has its own :class:`FakeEtcdClient`. :meth:`FakeEtcdClient.cut` models
 cut off from etcd (every call waits out its timeout and raises
 ``EtcdUnavailableError``, watches deliver nothing until :meth:`heal`); :meth:`kill` a
 dead process (every call fails at once and changes nothing: a kill -9 revokes no
-lease); :attr:`FakeEtcdClient.watch_delay_s` delays each watch event it delivers. The client API is :class:`rallypoint.cluster.etcd.EtcdClient`'s.
+lease); :attr:`FakeEtcdClient.watch_delay_s` delays each watch event it delivers.
+The client API is :class:`rallypoint.cluster.etcd.EtcdClient`'s.
 """
 
 from __future__ import annotations
