@@ -129,6 +129,8 @@ MUTANT_CASES = {
     "isr_not_shrunk": (_two_failovers, range(0, 6), {"lost-ack"}),
     "events_cursor_to_newest": (_more_events_than_a_page, range(0, 3), {"events-once"}),
     "pool_one_unit_more": (_more_asked_than_the_pool_has, range(0, 3), {"over-granted"}),
+    # (seed 0 catches it)
+    "outbox_never_sent": (None, range(0, 5), {"outbox-delivered"}),
 }
 
 

@@ -1008,6 +1008,15 @@ def _mutant_pool_one_unit_more():
     return Pools, "free", free
 
 
+def _mutant_outbox_never_sent():
+    from ..actors.outbox import Outbox
+
+    def pending(self):  # the sender finds nothing to send: a run's end never leaves its shard
+        return {}
+
+    return Outbox, "pending", pending
+
+
 #: deliberate bugs the simulator must catch:
 #: name -> () -> (class or module, attribute, replacement[, (attribute, replacement)...])
 MUTANTS = {
@@ -1021,6 +1030,8 @@ MUTANTS = {
     "isr_not_shrunk": _mutant_isr_not_shrunk,
     # the merged events' next cursor skips what a full page left of each shard
     "events_cursor_to_newest": _mutant_events_cursor_to_newest,
+    # the outbox's sender finds nothing to send
+    "outbox_never_sent": _mutant_outbox_never_sent,
     # the home shard's pool grants one unit more than it has
     "pool_one_unit_more": _mutant_pool_one_unit_more,
 }
