@@ -22,6 +22,12 @@ from rallypoint.testing.clustersim import home_shard, run_seed, run_seeds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: seeds that found bugs, with what they found (each passes since its fix)
+REGRESSION_SEEDS = {
+    106: "(the simulator) a read was answered before the journal was durable past it, which the server never "
+         "does: the client's events cursor ran past what the shard kept after a failover (VALIDATION_FAILED)",
+}
+
 #: the default batch (about 0.5 s of CPU a seed); RALLYPOINT_SLOW=1 runs the long one (10,000 seeds;
 #: RALLYPOINT_CLUSTERSIM_PROCESSES=2 spreads it over two processes)
 CI_SEEDS = 10
@@ -63,6 +69,13 @@ def test_a_long_batch_of_seeds_holds_every_invariant():
         seed, inv, msg, step = out["failures"][0]
         pytest.fail(f"seed {seed}: [{inv}] at step {step}: {msg}", pytrace=False)
     assert out["run"] == n
+
+
+@pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS))
+def test_regression_seed(seed):
+    res = run_seed(seed)
+    assert res.ok, f"{REGRESSION_SEEDS[seed]}\n{res.headline()}"
+    assert res.stats["events"] > 0
 
 
 def test_the_same_seed_gives_the_same_run_twice():

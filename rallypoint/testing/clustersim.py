@@ -130,6 +130,8 @@ LEASE_MS = 20_000
 #: after the drain: every run end reaches the home shard within this, seconds
 DELIVER_S = 30.0
 SPACE = "default"
+#: a client gives up on an answer the server holds (not yet durable) this long, seconds
+READ_WAIT_S = 10.0
 #: events a page of the client's ``events.list`` asks for
 EVENTS_PAGE = 20
 #: virtual seconds between a client's step and the next step
@@ -590,12 +592,19 @@ class ClusterSim:
         if not targets:
             return None
         if not read:
-            targets = targets[:1]
+            return await self._one(sh, targets[0], op, read, raw)
+        got: dict[int, object] = {}
+
+        async def one(i, node):
+            got[i] = await self._one(sh, node, op, read, raw)
+
+        async with trio.open_nursery() as nursery:
+            for i, node in enumerate(targets):
+                nursery.start_soon(one, i, node)
         out = None
-        for node in targets:
-            got = await self._one(sh, node, op, read, raw)
-            if got is not None:
-                out = got
+        for i in range(len(targets)):
+            if got.get(i) is not None:
+                out = got[i]
         return out
 
     async def _one(self, sh: ShardSim, node, op, read: bool, raw: bool = False):
@@ -611,8 +620,16 @@ class ClusterSim:
                 disp.submit(sh.session, p.encoder.encode(op), sink, 1)
                 await sink._event.wait()
                 reply = sink.replies[1]
-                if not isinstance(reply, BaseException) and not read:
-                    await disp.wait_durable(sink.lsn)
+                if not isinstance(reply, BaseException):
+                    # the server holds every reply, reads included, until the journal is
+                    # durable past what it saw (transport/server.py, ``durability``); a
+                    # client gives up on one held longer than READ_WAIT_S
+                    with trio.move_on_after(READ_WAIT_S) as held:
+                        await disp.wait_durable(sink.lsn)
+                    if held.cancelled_caught:
+                        self.trace(f"{op.__struct_config__.tag} -> {node.host}: held past {READ_WAIT_S:g} s "
+                                   "(not durable); given up")
+                        return None
             except RallypointError as exc:
                 reply = exc
             finally:
@@ -893,20 +910,28 @@ class ClusterSim:
             sh.check()
         home = self.shards[self.home]
         t0 = trio.current_time()
+        delivered = False
         while True:
             lead = home.leader()
             missing = []
-            if lead is not None:
+            if lead is not None and not delivered:
                 table = lead.member.node.coordinator.runs.table
                 missing = [r for r in self.ended if r in self.linked and (r not in table or table[r].state == "ACTIVE")]
-                if not missing and await self.events(to_end=True):
-                    self.stats["remote_ends"] = sum(1 for r in self.ended if r in self.linked)
-                    return
+                delivered = not missing
+            if delivered and await self.events(to_end=True):
+                self.stats["remote_ends"] = sum(1 for r in self.ended if r in self.linked)
+                return
             if trio.current_time() - t0 > DELIVER_S:
-                self.fail("outbox-delivered", f"{len(missing) if lead else 'every'} run end(s) the clients had "
-                                              f"acknowledged never reached the home shard (shard {self.home}) within "
-                                              f"{DELIVER_S:g} s of the drain: "
-                                              f"{', '.join(r[-6:] for r in missing[:5]) or 'no leader'}")
+                if delivered:
+                    self.fail("liveness", f"the space's events could not be paged to the end within {DELIVER_S:g} s "
+                                          f"of the drain (cursor {self.events_cursor})")
+                elif lead is None:
+                    self.fail("liveness", f"the home shard (shard {self.home}) had no leader {DELIVER_S:g} s after "
+                                          "the drain")
+                else:
+                    self.fail("outbox-delivered", f"{len(missing)} run end(s) the clients had acknowledged never "
+                                                  f"reached the home shard (shard {self.home}) within {DELIVER_S:g} s "
+                                                  f"of the drain: {', '.join(r[-6:] for r in missing[:5])}")
                 return
             await trio.sleep(0.1)
 
