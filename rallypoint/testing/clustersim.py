@@ -36,7 +36,9 @@ sharded ids. The fakes:
   crashed machine's hear nothing until it is back), and may be **reset** after the
   callee applied the request (the caller sends it again: the idempotency of every call
   between shards is exercised). The client port itself is no TCP server: clients call
-  the member's dispatcher in process, as replsim's do.
+  the member's dispatcher in process, as replsim's do, and take an answer -- a read's
+  too -- only once the journal is durable past it, as the server sends it (a client
+  gives up after :data:`READ_WAIT_S`).
 
 The seed decides the profile (replsim's, plus the peer latency and reset rate) and a
 schedule: runs created on the shards that are not the space's home shard, pool units
