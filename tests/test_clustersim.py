@@ -26,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REGRESSION_SEEDS = {
     106: "(the simulator) a read was answered before the journal was durable past it, which the server never "
          "does: the client's events cursor ran past what the shard kept after a failover (VALIDATION_FAILED)",
+    33: "(the simulator) two pages of the one client's events were asked at once, from one cursor: both gave the "
+        "same events",
 }
 
 #: the default batch (about 0.5 s of CPU a seed); RALLYPOINT_SLOW=1 runs the long one (10,000 seeds;

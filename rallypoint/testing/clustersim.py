@@ -517,6 +517,7 @@ class ClusterSim:
         self.answers = hashlib.sha256()
         self.events_cursor: str | None = None  # the client's vector cursor over the shards
         self.events_seen: dict[int, int] = {}  # shard -> the last seq the client was given
+        self.events_lock = trio.Lock()
         self.stats = {"events": 0, "peer_calls": 0, "peer_resets": 0, "grants": 0, "refused": 0, "answers": 0,
                       "remote_ends": 0, "reads": 0}
 
@@ -737,6 +738,10 @@ class ClusterSim:
         :func:`~rallypoint.client.shardevents.list_events`, after the client's vector
         cursor (every page: ``to_end``); events-once on what it returns. False when a
         shard did not answer."""
+        async with self.events_lock:  # (one client: each page after the last one's answer)
+            return await self._events(to_end)
+
+    async def _events(self, to_end: bool) -> bool:
         from ..client.shardevents import list_events
 
         while True:
