@@ -753,7 +753,7 @@ class ClusterSim:
             for ev in page.events:
                 last = self.events_seen.get(ev.shard, 0)
                 if ev.seq <= last or (last and ev.seq != last + 1):
-                    what = "again" if ev.seq <= last else f"after {last} (a gap)"
+                    what = "again" if ev.seq <= last else f"after {last} (a gap, or out of the shard's order)"
                     self.fail("events-once", f"the merged events of space {SPACE!r} gave event {ev.seq} of shard "
                                              f"{ev.shard} {what} (cursor {self.events_cursor})")
                     return True
