@@ -321,6 +321,9 @@ class ShardMember:
         #: ``await probe(point)`` at each step of a takeover and a rejoin (None: nothing;
         #: the simulator crashes the node there)
         self.probe: Callable[[str], Any] | None = None
+        #: opens a connection to another shard's leader (``Connection.open``'s signature;
+        #: None: over TCP): the cluster simulator's in-memory connections
+        self.open_peer: Callable[..., Any] | None = None
         #: a sharded cluster's leader: reservations on home shards (rallypoint.cluster.peers)
         self.reserver = None
         #: the cluster secret (etcd), read at start; the replication link's credentials
@@ -849,6 +852,7 @@ class ShardMember:
         service = node.service
         async with trio.open_nursery() as nursery:
             peers = Peers(address, secret, nursery, cluster=c.cluster, node=c.node)
+            peers.open_connection = self.open_peer
             service.node_secret = secret
             service.node_tokens = TokenVerifier(secret, c.cluster)
             service.remote_runs = RemoteRuns(service, peers, nursery)

@@ -72,6 +72,10 @@ class Peers:
         self.nursery = nursery
         self.timeout_s = timeout_s
         self._conns: dict[int, tuple[str, Any, trio.CancelScope]] = {}
+        #: opens a connection (``Connection.open``'s signature; None: a real one over
+        #: TCP). The cluster simulator (:mod:`rallypoint.testing.clustersim`) sets its
+        #: in-memory connections here (``ShardMember.open_peer``)
+        self.open_connection: Callable[..., Any] | None = None
         self.calls = 0
         self.reconnects = 0
 
@@ -121,7 +125,8 @@ class Peers:
 
         with trio.CancelScope() as scope:
             token = make_token(self.secret, purpose="session", cluster=self.cluster, node=self.node, target=str(shard))
-            conn = await Connection.open(url, api_key=token, client_name="rallypoint-peer", connect_timeout=2.0)
+            opener = self.open_connection or Connection.open
+            conn = await opener(url, api_key=token, client_name="rallypoint-peer", connect_timeout=2.0)
             try:
                 async with conn:
                     task_status.started((conn, scope))

@@ -20,7 +20,8 @@ Each node has its own :class:`FakeEtcdClient`. :meth:`FakeEtcdClient.cut` models
 cut off from etcd (every call waits out its timeout and raises
 ``EtcdUnavailableError``, watches deliver nothing until :meth:`heal`); :meth:`kill` a
 dead process (every call fails at once and changes nothing: a kill -9 revokes no
-lease). The client API is :class:`rallypoint.cluster.etcd.EtcdClient`'s.
+lease); :attr:`FakeEtcdClient.watch_delay_s` delays each watch event it delivers.
+The client API is :class:`rallypoint.cluster.etcd.EtcdClient`'s.
 """
 
 from __future__ import annotations
@@ -234,6 +235,8 @@ class _FakeWatch:
                     if rev >= self._next and self._match(ev.kv.key):
                         self._pos += 1
                         self._next = rev  # (later events of the same revision follow)
+                        if self._client.watch_delay_s:
+                            await trio.sleep(self._client.watch_delay_s)
                         return ev
                     self._pos += 1
             await self._client.changed()
@@ -247,6 +250,9 @@ class FakeEtcdClient:
         self.timeout_s = timeout_s
         self.is_cut = False
         self.dead = False
+        #: each watch event reaches this client this much later (seconds; a slow etcd
+        #: member or a congested link: the cluster simulator's ``watch_lag``)
+        self.watch_delay_s = 0.0
         self._healed = trio.Event()
 
     # ---------------------------------------------------------------- faults

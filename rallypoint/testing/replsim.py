@@ -568,12 +568,27 @@ class ReplSim:
     def _on_coordinator(self, coord) -> None:
         coord.ids = _SeededIds(coord.clock.mono_ms, self.id_rng)
 
+    #: the shard the nodes are of, and the host of a node's client port (the cluster
+    #: simulator, :mod:`rallypoint.testing.clustersim`, runs one of these per shard)
+    shard = 0
+
+    def client_host(self, node: _Node) -> str:
+        return node.name
+
+    def make_server(self, node: _Node):
+        """``make_server`` of ``node``'s member (a subclass keeps what it serves)."""
+        return _Server
+
+    def wire_member(self, node: _Node, member: ShardMember) -> None:
+        """More hooks on a new member (nothing here)."""
+
     def _make_member(self, node: _Node) -> None:
         storage = _Storage(node, self._on_coordinator)
         client = FakeEtcdClient(self.etcd)
         cfg = MemberConfig(
-            etcd=["fake"], node=node.name, data_dir=node.data_dir, cluster="sim", shard=0, durability="fsync",
-            client=(node.name, 7411), replication=(node.name, 7412), ttl_s=2, isr_timeout_s=self.prof.isr_timeout_s,
+            etcd=["fake"], node=node.name, data_dir=node.data_dir, cluster="sim", shard=self.shard,
+            durability="fsync", client=(self.client_host(node), 7411), replication=(node.name, 7412), ttl_s=2,
+            isr_timeout_s=self.prof.isr_timeout_s,
             min_insync=self.prof.min_insync, drain_timeout_s=2.0,
             # the simulated network's hosts are names, not loopback addresses; the link is
             # authenticated by the cluster secret as on a real one (no TLS in the simulator)
@@ -581,11 +596,12 @@ class ReplSim:
             node_options={"storage": storage, "clock": Clock(wall_start=WALL0 + trio.current_time()),
                           "interval_ms": 10},
             serve_options={"snapshot_every_records": 10**9, "snapshot_every_s": 10**6})
-        member = ShardMember(cfg, make_server=_Server, on_role=lambda role, m: self._on_role(node, role))
+        member = ShardMember(cfg, make_server=self.make_server(node), on_role=lambda role, m: self._on_role(node, role))
         member.make_etcd = lambda: client
         member.connect = lambda host, port: self.net.connect(node.name, host)
         member.listen = lambda port, host=None: self.net.listen(node.name)
         member.probe = lambda point: self._probe(node, point)
+        self.wire_member(node, member)
         node.member, node.etcd, node.storage = member, client, storage
         node.scope = trio.CancelScope()
 
@@ -667,7 +683,9 @@ class ReplSim:
                 return
 
     # ----------------------------------------------------------------- clients
-    async def write(self) -> None:
+    async def write(self) -> "Ack | None":
+        """One client write (a new run) to whoever leads now: its :class:`Ack`, or None
+        (no leader, refused, lost with its node)."""
         i = self.next_write
         self.next_write += 1
         self.stats["writes"] += 1
@@ -700,7 +718,7 @@ class ReplSim:
             return
         if isinstance(reply, BaseException):
             self.stats["refused"] += 1
-            self.trace(f"w{i} -> {node.name}: {getattr(reply, 'code', type(reply).__name__)}")
+            self.trace(f"w{i} -> {node.name}: {getattr(reply, 'code', type(reply).__name__)} ({str(reply)[:160]})")
             self.answers.update(b"%d %s;" % (i, str(getattr(reply, "code", "error")).encode()))
             return
         view = msgspec.msgpack.decode(reply, type=REPLY_TYPES[type(op)])
@@ -716,6 +734,7 @@ class ReplSim:
         other = self.epoch_node.setdefault(epoch, node.name)
         if other != node.name:
             self.fail("one-leader-per-epoch", f"epoch {epoch}: writes acknowledged by {other} and by {node.name}")
+        return ack
 
     # ----------------------------------------------------------------- steps
     async def _heal_after(self, s: float, fn) -> None:
