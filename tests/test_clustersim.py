@@ -80,12 +80,13 @@ def test_regression_seed(seed):
     assert res.stats["events"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="a bug found by seed 320, not fixed yet: client/shardevents.list_events merges "
-                   "by (at, shard, seq), but a shard's event instants are not monotonic in seq (a lease's expiry "
-                   "event carries its deadline: seq 15 at 32.971 s after seq 12-14 at 35.6-35.75 s), so a merged "
-                   "page gives one shard's events out of seq order -- and a page cut by the limit then takes a "
-                   "non-prefix of that shard while next_cursor assumes a prefix (events skipped or given twice)")
 def test_seed_320_merged_events_keep_each_shards_order():
+    """A bug seed 320 found: client/shardevents.list_events merged by (at, shard, seq),
+    but a shard's instants are not monotonic in seq (a lease's expiry event carries its
+    deadline: seq 15 at 32.971 s after seqs 12-14 at 35.6-35.75 s), so a merged page gave
+    one shard's events out of seq order, and a page cut by the limit took a non-prefix of
+    that shard while next_cursor assumed a prefix. Each shard's events now keep their seq
+    order in the merge (keyed by the running maximum of their instants)."""
     res = run_seed(320)
     assert res.ok, res.headline()
 

@@ -122,7 +122,8 @@ def _key(e: t.Event, shard: int) -> tuple:
 async def list_events(transport: Any, op: p.EventsList, cursor: Any) -> t.EventPage:
     """``events.list`` over the shards ``transport.event_shards(op)`` (a
     :class:`~rallypoint.client.router.ShardedTransport`) after the vector ``cursor``:
-    up to ``op.limit`` events merged by (instant, shard, seq) -- never past the last
+    up to ``op.limit`` events merged by (instant, shard, seq), each shard's in its seq
+    order (an instant earlier than its predecessor's counts as that one's) -- never past the last
     event of a shard whose page was full, so the next page starts no earlier --, and
     ``next_cursor`` (a vector: per shard, the last event taken or, when every event it
     sent was taken, the position it scanned to). ``oldest``/``newest``: vectors of what
@@ -146,14 +147,26 @@ async def list_events(transport: Any, op: p.EventsList, cursor: Any) -> t.EventP
     for s in shards:
         if isinstance(pages[s], RallypointError):
             raise pages[s]
+    # Each shard's events keyed by the running maximum of their instants: a shard's
+    # instants need not follow its seq (a lease expiry carries its deadline, earlier
+    # than events numbered before it), and the merge must keep each shard's events in
+    # seq order, so that what a page takes of a shard is a prefix and next_cursor
+    # (which assumes one) skips and repeats nothing (seed 320 of the cluster simulator).
+    keyed: dict[int, list[tuple]] = {}
+    for s in shards:
+        rows, top = [], None
+        for e in pages[s].events:
+            top = e.at if top is None or e.at > top else top
+            rows.append(((top, s, e.seq), s, e))
+        keyed[s] = rows
     cut = None
     for s in shards:
         pg = pages[s]
         if pg.events and (len(pg.events) >= op.limit or pg.next_cursor < pg.newest):
-            k = _key(pg.events[-1], s)
+            k = keyed[s][-1][0]
             cut = k if cut is None or k < cut else cut
-    merged = sorted(((_key(e, s), s, e) for s in shards for e in pages[s].events
-                     if cut is None or _key(e, s) <= cut), key=lambda x: x[0])[: op.limit]
+    merged = sorted((row for s in shards for row in keyed[s] if cut is None or row[0] <= cut),
+                    key=lambda x: x[0])[: op.limit]
     taken: dict[int, int] = {}
     for _k, s, e in merged:
         taken[s] = taken.get(s, 0) + 1
