@@ -621,6 +621,18 @@ _TLS_HINTS = {
 # -- the client ----------------------------------------------------------------------
 
 
+def plaintext_hint(last_error: str, endpoint: str) -> str:
+    """The hint for an etcd that closed a plaintext request unanswered (it serves TLS):
+    " (... give https://)" when ``last_error`` is such a close -- a FIN ("disconnected
+    without sending a response") or an RST while the request was still unread
+    ("Connection reset by peer", seen on a loaded machine) -- and ``endpoint`` is
+    ``http://``; else ""."""
+    closed = "disconnected without sending a response" in last_error or "Connection reset by peer" in last_error
+    if closed and not endpoint.startswith("https"):
+        return " (an etcd serving TLS closes a plain http:// connection like this: give https://)"
+    return ""
+
+
 class EtcdClient:
     """A client of one etcd cluster through its members' JSON gateways.
 
@@ -735,13 +747,7 @@ class EtcdClient:
                 raise self._tls_error(tls_failures)
             remaining = deadline - trio.current_time()
             if remaining <= 0:
-                hint = ""
-                # an etcd serving TLS closes a plaintext connection unanswered: a FIN, or an
-                # RST when the request is still unread (seen on a loaded machine)
-                closed = ("disconnected without sending a response" in last_error
-                          or "Connection reset by peer" in last_error)
-                if closed and not self.endpoints[0].startswith("https"):
-                    hint = " (an etcd serving TLS closes a plain http:// connection like this: give https://)"
+                hint = plaintext_hint(last_error, self.endpoints[0])
                 raise EtcdUnavailableError(
                     f"etcd did not answer {path} within {timeout:g} s at {', '.join(self.endpoints)} "
                     f"(last: {last_error}){hint}; check that etcd runs and the endpoints are right",
