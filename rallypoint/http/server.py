@@ -83,7 +83,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
 from ..logutil import printable
-from ..transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, drop, peer_address, spread
+from ..transport.guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, peer_address, spread
 from .app import UNCOUNT_KEY, HttpApi, reject_body
 from .guard import HostCheck, HttpGuard
 
@@ -654,21 +654,11 @@ class HttpListener:
     def _refuse(self, nursery: trio.Nursery, stream: trio.SocketStream, addr: str, why: str | None = None) -> None:
         """Refuse ``stream`` (from ``addr``): a 503 at once, or after the pacer's hold for
         an address refused again, or a reset at once when the hold is full
-        (:class:`~rallypoint.transport.guard.RefusalPacer`)."""
-        hold = self.pacer.hold(addr, trio.current_time())
-        if hold is None:
-            drop(stream)
-            return
-        nursery.start_soon(self._reject, stream, why, hold)
+        (:meth:`~rallypoint.transport.guard.RefusalPacer.refuse`)."""
+        self.pacer.refuse(nursery, stream, addr, self._reject, why)
 
-    async def _reject(self, stream: trio.SocketStream, why: str | None = None, hold: float = 0.0) -> None:
-        """Answer 503 UNAVAILABLE (``Retry-After: 1``) after ``hold`` seconds (nothing is
-        read meanwhile) and close; at most ~2 s more."""
-        if hold:
-            try:
-                await trio.sleep(hold)
-            finally:
-                self.pacer.release()
+    async def _reject(self, stream: trio.SocketStream, why: str | None = None) -> None:
+        """Answer 503 UNAVAILABLE (``Retry-After: 1``) and close; at most ~2 s."""
         body = reject_body(why or f"the server has reached its limit of {self.max_connections} HTTP connections "
                            "(--max-connections); retry shortly")
         head = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"

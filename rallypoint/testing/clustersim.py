@@ -1175,41 +1175,10 @@ def run_seeds(seeds, *, processes: int = 1, n_steps: int = DEFAULT_STEPS, shards
               mutant_name: str | None = None, chunk: int = 10, stop_after: int = 1) -> dict:
     """Run many seeds on ``processes`` worker processes (``PYTHONHASHSEED=0``); stops
     after ``stop_after`` failures. Returns ``{"run", "failures": [(seed, invariant,
-    message, step)], "wall_s", "cpu_s"}``."""
-    import multiprocessing as mp
-
+    message, step)], "wall_s", "cpu_s"}`` (:func:`rallypoint.testing.replsim.run_chunks`)."""
     seeds = list(seeds)
     chunks = [(seeds[i:i + chunk], n_steps, shards, mutant_name) for i in range(0, len(seeds), chunk)]
-    t0 = time.perf_counter()
-    out = {"run": 0, "failures": [], "cpu_s": 0.0}
-    old = os.environ.get("PYTHONHASHSEED")
-    os.environ["PYTHONHASHSEED"] = "0"
-    try:
-        if processes <= 1:
-            results = map(_run_chunk, chunks)
-            pool = None
-        else:
-            pool = mp.get_context("spawn").Pool(processes)
-            results = pool.imap_unordered(_run_chunk, chunks)
-        try:
-            for n, fails, cpu in results:
-                out["run"] += n
-                out["cpu_s"] += cpu
-                out["failures"].extend(fails)
-                if len(out["failures"]) >= stop_after:
-                    break
-        finally:
-            if pool is not None:
-                pool.terminate()
-                pool.join()
-    finally:
-        if old is None:
-            os.environ.pop("PYTHONHASHSEED", None)
-        else:
-            os.environ["PYTHONHASHSEED"] = old
-    out["failures"].sort()
-    out["wall_s"] = time.perf_counter() - t0
-    return out
+    return _rs.run_chunks(_run_chunk, chunks, processes=processes, stop_after=stop_after)
 
 
 def main(argv: list[str] | None = None) -> int:

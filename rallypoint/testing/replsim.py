@@ -1122,21 +1122,30 @@ def run_seeds(seeds, *, processes: int = 2, n_steps: int = DEFAULT_STEPS, mutant
     """Run many seeds on ``processes`` worker processes (``PYTHONHASHSEED=0``); stops
     after ``stop_after`` failures. Returns ``{"run", "failures": [(seed, invariant,
     message, step)], "wall_s", "cpu_s"}``."""
-    import multiprocessing as mp
-
     seeds = list(seeds)
     chunks = [(seeds[i:i + chunk], n_steps, mutant_name) for i in range(0, len(seeds), chunk)]
+    return run_chunks(_run_chunk, chunks, processes=processes, stop_after=stop_after)
+
+
+def run_chunks(run_chunk, chunks: list, *, processes: int, stop_after: int) -> dict:
+    """``run_chunk(chunk) -> (seeds run, failures, CPU seconds)`` over ``chunks``, on
+    ``processes`` spawned worker processes (``PYTHONHASHSEED=0``, so a seed replays
+    alike in each; ``run_chunk`` a module-level function), until ``stop_after``
+    failures: ``{"run", "failures" (sorted), "cpu_s", "wall_s"}``. Shared by this
+    simulator and :mod:`rallypoint.testing.clustersim`."""
+    import multiprocessing as mp
+
     t0 = time.perf_counter()
     out = {"run": 0, "failures": [], "cpu_s": 0.0}
     old = os.environ.get("PYTHONHASHSEED")
     os.environ["PYTHONHASHSEED"] = "0"
     try:
         if processes <= 1:
-            results = map(_run_chunk, chunks)
+            results = map(run_chunk, chunks)
             pool = None
         else:
             pool = mp.get_context("spawn").Pool(processes)
-            results = pool.imap_unordered(_run_chunk, chunks)
+            results = pool.imap_unordered(run_chunk, chunks)
         try:
             for n, fails, cpu in results:
                 out["run"] += n

@@ -36,7 +36,7 @@ import math
 import random
 import socket
 import struct
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -321,6 +321,26 @@ class RefusalPacer:
     def release(self) -> None:
         """A connection :meth:`hold` held is answered (or gone)."""
         self.held -= 1
+
+    def refuse(self, nursery: trio.Nursery, stream: Any, addr: str,
+               answer: Callable[[Any, str | None], Awaitable[None]], why: str | None = None) -> None:
+        """Refuse ``stream`` (accepted from ``addr``): ``await answer(stream, why)`` (the
+        listener's refusal, which closes it) at once, or in a task after the hold for
+        an address refused again (nothing read meanwhile), or a reset at once when
+        ``max_held`` are held (:func:`drop`)."""
+        hold = self.hold(addr, trio.current_time())
+        if hold is None:
+            drop(stream)
+            return
+        nursery.start_soon(self._answer, answer, stream, why, hold)
+
+    async def _answer(self, answer, stream: Any, why: str | None, hold: float) -> None:
+        if hold:
+            try:
+                await trio.sleep(hold)
+            finally:
+                self.release()
+        await answer(stream, why)
 
     def statistics(self) -> dict[str, int]:
         """``refusals_held`` (held now), ``refusals_held_total``, ``refusals_dropped``

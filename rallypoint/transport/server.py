@@ -87,7 +87,7 @@ from .connstate import (
     ConnState,
     Reading,
 )
-from .guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, drop, peer_address, spread
+from .guard import AcceptFailures, Evictable, PeerSlots, RefusalPacer, peer_address, spread
 from .sockio import receive_plain
 
 HANDLING = Reading.HANDLING
@@ -1140,19 +1140,10 @@ class Server:
     def _refuse(self, nursery: trio.Nursery, stream: trio.SocketStream, addr: str, why: str | None = None) -> None:
         """Refuse ``stream`` (from ``addr``): ``Err(0, UNAVAILABLE)`` at once, or after the
         pacer's hold for an address refused again, or a reset at once when the hold is
-        full (:class:`~rallypoint.transport.guard.RefusalPacer`)."""
-        hold = self.pacer.hold(addr, trio.current_time())
-        if hold is None:
-            drop(stream)
-            return
-        nursery.start_soon(self._reject, stream, why, hold)
+        full (:meth:`~rallypoint.transport.guard.RefusalPacer.refuse`)."""
+        self.pacer.refuse(nursery, stream, addr, self._reject, why)
 
-    async def _reject(self, stream: trio.SocketStream, why: str | None = None, hold: float = 0.0) -> None:
-        if hold:  # (nothing read meanwhile)
-            try:
-                await trio.sleep(hold)
-            finally:
-                self.pacer.release()
+    async def _reject(self, stream: trio.SocketStream, why: str | None = None) -> None:
         err = wire.Err(
             0,
             "UNAVAILABLE",
