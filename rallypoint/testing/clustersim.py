@@ -1121,27 +1121,7 @@ def run_seed(seed: int, *, trace: bool = False, n_steps: int = DEFAULT_STEPS, sh
     trio.to_thread.run_sync = _rs._inline
     try:
         with mutant(mutant_name):
-            clock = trio.testing.MockClock(autojump_threshold=0)
-            trio._core._run._r.seed(sim.trio_seed)
-            try:
-                trio.run(sim.run, clock=clock)
-                res = Result(seed, not sim.failures, sim.failures[0] if sim.failures else None)
-            except BaseException as exc:  # noqa: BLE001 - a crash of the simulated system is a finding too
-                inner = exc
-                while isinstance(inner, BaseExceptionGroup) and inner.exceptions:
-                    vs = [e for e in inner.exceptions if isinstance(e, Violation)]
-                    inner = vs[0] if vs else inner.exceptions[0]
-                if isinstance(inner, KeyboardInterrupt):
-                    raise
-                if sim.failures:
-                    res = Result(seed, False, sim.failures[0])
-                elif isinstance(inner, Violation):
-                    res = Result(seed, False, inner)
-                else:
-                    import traceback
-
-                    tb = "".join(traceback.format_exception(inner))
-                    res = Result(seed, False, Violation("crash", f"the simulation raised {inner!r}\n{tb}", sim.step_no))
+            res = _rs.judge_run(sim, seed, Result)
     finally:
         trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = det
         _claim_mod.new_token = _pool_mod.new_token = real_token

@@ -1022,6 +1022,34 @@ MUTANTS = {
 }
 
 
+def judge_run(sim, seed: int, result_cls):
+    """Run ``sim.run`` on a MockClock (autojump) under ``sim.trio_seed``'s deterministic
+    scheduling and judge it: ``result_cls(seed, ok, violation)`` -- its first recorded
+    failure, a :class:`Violation` it raised, or a crash of the simulated system (a
+    finding too, with its traceback). Shared by this simulator and
+    :mod:`rallypoint.testing.clustersim`."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    trio._core._run._r.seed(sim.trio_seed)
+    try:
+        trio.run(sim.run, clock=clock)
+        return result_cls(seed, not sim.failures, sim.failures[0] if sim.failures else None)
+    except BaseException as exc:  # noqa: BLE001 - a crash of the simulated system is a finding too
+        inner = exc
+        while isinstance(inner, BaseExceptionGroup) and inner.exceptions:
+            vs = [e for e in inner.exceptions if isinstance(e, Violation)]
+            inner = vs[0] if vs else inner.exceptions[0]
+        if isinstance(inner, KeyboardInterrupt):
+            raise
+        if sim.failures:
+            return result_cls(seed, False, sim.failures[0])
+        if isinstance(inner, Violation):
+            return result_cls(seed, False, inner)
+        import traceback
+
+        tb = "".join(traceback.format_exception(inner))
+        return result_cls(seed, False, Violation("crash", f"the simulation raised {inner!r}\n{tb}", sim.step_no))
+
+
 @contextlib.contextmanager
 def mutant(name: str | None):
     """Apply mutant ``name`` (None: nothing) for the block."""
@@ -1072,27 +1100,7 @@ def run_seed(seed: int, *, trace: bool = False, n_steps: int = DEFAULT_STEPS, st
     trio.to_thread.run_sync = _inline  # (snapshot copies, journal reads: on the loop)
     try:
         with mutant(mutant_name):
-            clock = trio.testing.MockClock(autojump_threshold=0)
-            trio._core._run._r.seed(sim.trio_seed)
-            try:
-                trio.run(sim.run, clock=clock)
-                res = Result(seed, not sim.failures, sim.failures[0] if sim.failures else None)
-            except BaseException as exc:  # noqa: BLE001 - a crash of the simulated system is a finding too
-                inner = exc
-                while isinstance(inner, BaseExceptionGroup) and inner.exceptions:
-                    vs = [e for e in inner.exceptions if isinstance(e, Violation)]
-                    inner = vs[0] if vs else inner.exceptions[0]
-                if isinstance(inner, KeyboardInterrupt):
-                    raise
-                if sim.failures:
-                    res = Result(seed, False, sim.failures[0])
-                elif isinstance(inner, Violation):
-                    res = Result(seed, False, inner)
-                else:
-                    import traceback
-
-                    tb = "".join(traceback.format_exception(inner))
-                    res = Result(seed, False, Violation("crash", f"the simulation raised {inner!r}\n{tb}", sim.step_no))
+            res = judge_run(sim, seed, Result)
     finally:
         trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = det
         _claim_mod.new_token = _pool_mod.new_token = real_token
