@@ -2199,6 +2199,115 @@ class SimMessages(SimKind):
         return None
 
 
+# ============================================================================ schedules
+class SimSchedules(SimKind):
+    """Schedules: fire-once (no (schedule, time) fired twice, no spec time at or before
+    the cursor fired), no-miss (at quiescence nothing due is left undealt with), the
+    cursor never moves back, through crashes and time zones."""
+
+    name = "schedules"
+    facts = ("sched_actions",)
+    _ZONES = ("UTC", "Europe/Berlin", "America/New_York")
+
+    def fallbacks(self, world):
+        return ["schedule.create"]
+
+    def ops(self):
+        def sch(g: Gen):
+            return g.world.pick(g.rng, "sch")
+
+        def create(g: Gen):
+            rng = g.rng
+            name = f"sim-s{rng.randrange(4)}"
+            kw = dict(overlap=rng.choice(("skip", "buffer_one", "buffer_all", "cancel_other", "allow_all")),
+                      jitter_ms=rng.choice((0, 0, 300)), catchup_window_ms=rng.choice((1000, 5000, 60000)),
+                      remaining_actions=rng.choice((None, None, 3)), timezone=rng.choice(self._ZONES))
+            if rng.random() < 0.5:
+                return p.ScheduleCreate(name=name, interval_ms=rng.choice((1000, 2000, 5000)), **kw)
+            return p.ScheduleCreate(name=name, cron=[rng.choice(("*/2 * * * * *", "*/5 * * * * *"))], **kw)
+
+        def trigger(g: Gen):
+            x = sch(g)
+            return x and p.ScheduleTrigger(schedule=x)
+
+        def pause(g: Gen):
+            x = sch(g)
+            return x and p.SchedulePause(schedule=x, paused=g.rng.random() < 0.5, note="sim")
+
+        def backfill(g: Gen):
+            x = sch(g)
+            return x and p.ScheduleBackfill(schedule=x, start=to_iso(g.now_ms - 20_000), end=to_iso(g.now_ms - 1000),
+                                            overlap=g.rng.choice((None, "allow_all")))
+
+        def describe(g: Gen):
+            x = sch(g)
+            return x and p.ScheduleGet(schedule=x)
+
+        return {"schedule.create": (0.3, create), "schedule.trigger": (0.3, trigger), "schedule.pause": (0.2, pause),
+                "schedule.backfill": (0.1, backfill), "schedule.describe": (0.3, describe)}
+
+    def observe(self, obs, op, reply, err):
+        if isinstance(reply, p.ScheduleView):
+            obs.world.add(reply.id)
+            obs.fact("sched_actions", reply.id, reply.actions)
+
+    def check_fact(self, coord, fact):
+        sc = coord.schedules.table.get(fact[1])
+        if sc is None:
+            return f"schedule {fact[1]} is missing"
+        if sc.actions < fact[2]:
+            return f"schedule {sc.id} was seen with {fact[2]} actions, has {sc.actions}"
+        return None
+
+    def quiescent(self, chk, coord):
+        from ..actors.schedule import spec_times
+
+        k = coord.schedules
+        now = coord.now_ms()
+        for sc in k.table.values():
+            if sc.paused or sc.remaining == 0:
+                continue
+            for t in spec_times(sc.config, sc.cursor_ms):
+                late = now - k.fire_ms(sc, t)
+                if late > SLACK_MS:
+                    chk.fail("timeliness", f"schedule {sc.id}: the time {to_iso(t)} is {late} ms past its fire "
+                                           "instant and was neither fired nor skipped")
+                break
+
+    def monotone(self, coord):
+        return {sc.id: sc.cursor_ms for sc in coord.schedules.table.values()}
+
+    def regressed(self, eid, old, new):
+        if new < old:
+            return f"schedule {eid}'s cursor moved back from {old} to {new}"
+        return None
+
+    def audits(self):
+        def fired(chk, m, rec: r.ScheduleFired, now, mono):
+            k = m.schedules
+            sc = k.table.get(rec.schedule_id)
+            if sc is None:
+                chk.fail("audit", f"schedule {rec.schedule_id} fired while missing")
+                return
+            if (sc.id, rec.scheduled_ms) in k.by_key:
+                chk.fail("fire-once", f"schedule {sc.id} fired {to_iso(rec.scheduled_ms)} a second time")
+            if rec.advance:
+                if rec.scheduled_ms <= sc.cursor_ms:
+                    chk.fail("fire-once", f"schedule {sc.id} fired {to_iso(rec.scheduled_ms)}, at or before its "
+                                          f"cursor {to_iso(sc.cursor_ms)}")
+                early = k.fire_ms(sc, rec.scheduled_ms) - now
+                if early > SLACK_MS:
+                    chk.fail("timeliness", f"schedule {sc.id} fired {to_iso(rec.scheduled_ms)} {early} ms early")
+
+        def skipped(chk, m, rec: r.ScheduleSkipped, now, mono):
+            sc = m.schedules.table.get(rec.schedule_id)
+            if sc is not None and rec.advance and rec.scheduled_ms <= sc.cursor_ms:
+                chk.fail("fire-once", f"schedule {sc.id} skipped {to_iso(rec.scheduled_ms)}, at or before its cursor")
+
+        return {r.ScheduleFired: fired, r.ScheduleSkipped: skipped}
+
+
 #: Every kind the simulator drives, in the order their checks run.
 KINDS: list[SimKind] = [SimRuns(), SimQueues(), SimGroups(), SimBarriers(), SimTimers(), SimJoinSets(),
-                        SimClaims(), SimPools(), SimQuotas(), SimBudgets(), SimMessages()]
+                        SimClaims(), SimPools(), SimQuotas(), SimBudgets(), SimMessages(),
+                        SimSchedules()]
