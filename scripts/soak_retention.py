@@ -2,11 +2,12 @@
 """Soak: memory and snapshot size stay flat when finished work is purged.
 
     python scripts/soak_retention.py                      # the issue's form: 10 min, --retain-finished 30s
-    python scripts/soak_retention.py --minutes 1.4 --retain 10s --rate 800 --retain-events 20000 \
-        --snapshot-every-s 2 --reference-s 42 --window-s 12 --every 1                  # the short (CI) form
+    python scripts/soak_retention.py --minutes 0.85 --retain 5s --rate 800 --retain-events 20000 \
+        --snapshot-every-s 2 --lease-seconds 8 --reference-s 28 --window-s 8 --every 1   # the short (CI) form
 
-(The short form's reference is at 42 s, after the bench workers' 30 s leases have
-filled the activity heap once; before that memory is still warming up.)
+(The short form's reference is at 28 s, after the bench workers' 8 s leases and the 5 s
+retention have filled the activity heap and the purge queue more than twice; before that
+memory is still warming up. The long form keeps the bench's default 30 s leases.)
 
 Starts ``rallypoint serve --durability fsync --retain-finished RETAIN`` on a fresh data
 dir, drives it with ``rallypoint bench --scenario lifecycle`` at a fixed open-loop rate
@@ -100,6 +101,9 @@ def main() -> int:
     ap.add_argument("--retain-events", default="100000", help="--retain-events of the daemon (default %(default)s)")
     ap.add_argument("--snapshot-every-s", type=float, default=10.0,
                     help="--snapshot-every-s of the daemon (default %(default)s)")
+    ap.add_argument("--lease-seconds", type=float, default=30.0,
+                    help="the lease of the bench workers' receives (default %(default)s): the activity heap fills "
+                         "for this long before memory can be flat")
     ap.add_argument("--json", help="write samples and verdict here")
     args = ap.parse_args()
 
@@ -113,7 +117,8 @@ def main() -> int:
     bench = subprocess.Popen(
         [sys.executable, "-m", "rallypoint", "bench", "--connect", url, "--scenario", "lifecycle",
          "--rate", str(args.rate), "--duration", str(duration), "--warmup", "0", "--producers", "1",
-         "--workers", "1", "--max-messages", "100", "--worker-concurrency", "4", "--progress-every", "60"],
+         "--workers", "1", "--max-messages", "100", "--worker-concurrency", "4", "--progress-every", "60",
+         "--lease-seconds", str(args.lease_seconds)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True)
     samples: list[dict] = []

@@ -211,7 +211,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
             "warmup": args.warmup, "duration": args.duration, "rate": args.rate, "producers": args.producers,
             "workers": args.workers, "batch": args.batch, "pipeline": args.pipeline,
             "max_messages": args.max_messages, "worker_concurrency": args.worker_concurrency,
-            "group_size": args.group_size, "accept_n": args.accept_n, "barrier_n": args.barrier_n,
+            "lease_seconds": args.lease_seconds, "group_size": args.group_size, "accept_n": args.accept_n, "barrier_n": args.barrier_n,
             "joinset_size": args.joinset_size, "coalesce_ms": args.coalesce_ms,
         }
         from .scenarios import child_main
@@ -355,6 +355,8 @@ def add_arguments(b) -> None:
     b.add_argument("--pipeline", type=int, default=2,
                    help="concurrent batches (lifecycle) or rounds (others) per producer (default %(default)s)")
     b.add_argument("--max-messages", type=int, default=32, help="deliveries per receive (default %(default)s)")
+    b.add_argument("--lease-seconds", type=float, default=30.0,
+                   help="lifecycle: the lease each receive asks for, seconds (default %(default)s)")
     b.add_argument("--worker-concurrency", type=int, default=2,
                    help="receive loops per worker process (default %(default)s)")
     b.add_argument("--group-size", type=int, default=12, help="groups scenario: members per group (default %(default)s)")
@@ -387,6 +389,8 @@ def cmd_bench(args) -> int:
         bad.append(f"--batch must be 1 to 1000 tasks (one submit_many; got {args.batch})")
     if not 1 <= args.max_messages <= 100:
         bad.append(f"--max-messages must be 1 to 100 (one receive; got {args.max_messages})")
+    if not 1 <= args.lease_seconds <= 3600:
+        bad.append(f"--lease-seconds must be 1 to 3600 (got {args.lease_seconds:g})")
     if args.rate < 0 or args.coalesce_ms < 0:
         bad.append("--rate and --coalesce-ms must be >= 0 (--rate 0: closed loop)")
     if args.pipeline < 1 or args.worker_concurrency < 1:

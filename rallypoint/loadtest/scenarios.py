@@ -392,7 +392,7 @@ async def worker(ctx: Ctx, stop) -> None:
         while not stop.is_set():
             try:
                 ds = await ctx.timed(
-                    "receive", mbx.receive, run, lease_seconds=30, wait=RECEIVE_WAIT_S, max_messages=spec["max_messages"]
+                    "receive", mbx.receive, run, lease_seconds=spec.get("lease_seconds", 30), wait=RECEIVE_WAIT_S, max_messages=spec["max_messages"]
                 )
             except RallypointError:
                 await trio.sleep(0.05)
