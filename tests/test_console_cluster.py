@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 
 import httpx
@@ -173,6 +174,16 @@ def _page(browser):
     return ctx, page, errors
 
 
+def _wait_page(page, pred, what: str, timeout_s: float = 30.0) -> None:
+    """Let the page run (its callbacks come in) until ``pred()`` holds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        page.wait_for_timeout(50)
+
+
 def _live(page) -> None:
     page.wait_for_selector("body[data-live=on]", timeout=15_000)
 
@@ -252,13 +263,22 @@ async def _events_kept(c: Cluster, after: dict[int, int]) -> dict[int, list[int]
 
 
 async def _submit(c: Cluster, n: int, tag: str) -> list[str]:
+    """``n`` tasks on each shard's root (keyed: one the failover cut off is sent again,
+    not made twice)."""
+    from rallypoint.errors import UnavailableError
+
     ids = []
     async with rallypoint.connect(c.url) as rs:
         jobs = await rs.mailboxes.ensure("jobs")
         for i in range(n):
             for s, rid in sorted(c.ids["roots"].items()):
-                root = rs.scope(rid)
-                ids.append((await jobs.submit({"tag": tag, "i": i}, scope=root)).id)
+                for _ in range(100):
+                    try:
+                        ids.append((await jobs.submit({"tag": tag, "i": i}, key=f"{tag}-{s}-{i}",
+                                                      scope=rs.scope(rid))).id)
+                        break
+                    except UnavailableError:
+                        await trio.sleep(0.1)
     return ids
 
 
@@ -278,13 +298,19 @@ def test_a_failover_while_the_live_page_is_open_misses_and_doubles_no_event(chro
         before = trio.run(_submit, c, 3, "before")
         page.wait_for_selector(f'#events tr >> text={before[-1]}')
         health_before = trio.run(shard_leader, c.etcd.endpoints, c.name, 1)
-        c.nodes[1][0].kill()  # kill -9 shard 1's leader while the page streams
+        during: list[str] = []  # tasks submitted on every shard across the kill
+        t = threading.Thread(target=lambda: during.extend(trio.run(_submit, c, 15, "during")))
+        n0 = len(seen)
+        t.start()
+        _wait_page(page, lambda: len(seen) >= n0 + 6, "the page shows tasks submitted across the kill")
+        c.nodes[1][0].kill()  # kill -9 shard 1's leader while the page streams and tasks are submitted
         trio.run(c.nodes[1][1].wait_role, "leader")
+        t.join(120)
         after = trio.run(_submit, c, 3, "after")  # on every shard; shard 1's to its new leader
-        for tid in after:
+        for tid in during + after:
             page.wait_for_selector(f'#events tr >> text={tid}', timeout=30_000)
         # the page said what happened: the failover, then the resume at the new leader
-        page.wait_for_selector("#cluster-notes li.resumed", timeout=15_000)
+        page.wait_for_selector("#cluster-notes li.resumed[data-shard=\"1\"]", timeout=15_000)
         notes = page.inner_text("#cluster-notes")
         assert "shard 1: n1a" in notes and "→ n1b" in notes, notes
         _shot(page, "cluster-live")
@@ -383,7 +409,7 @@ def test_sign_in_needs_a_key_of_the_clusters_and_a_revoke_in_etcd_signs_out(chro
         return r.stdout.strip()
 
     viewer = keys("create", "--space", "default", "--permission", "coordination_read", "--name", "viewer",
-                  "--secret-only")
+                  "--secret-only", "--force")  # (a first key that is not admin: open mode ends)
     ctx, page, errors = _page(chromium)
     try:
         async def closed():  # open mode ended on the console: sign in

@@ -188,6 +188,7 @@ class ClusterState:
         self.replicas: dict[int, Any] = {}  # shard -> Replicas
         self.failovers: list[Failover] = []
         self.seen = False  # the first full read happened
+        self._gone: dict[int, Any] = {}  # shard -> its leader record whose key went (until one takes over)
         self._changed = trio.Event()
 
     def apply(self, shard: int, what: str, record: Any, *, now: float | None = None) -> Failover | None:
@@ -203,6 +204,10 @@ class ClusterState:
                 self.leaders[shard] = record
             same = (old is None and record is None) or (old is not None and record is not None
                                                        and old.epoch == record.epoch)
+            if record is None and old is not None:
+                self._gone[shard] = old
+            elif record is not None and old is None:
+                old = self._gone.pop(shard, None)  # a takeover after the key went: from whom
             if self.seen and not same:
                 out = Failover(at=time.time() if now is None else now, shard=shard,
                                old=old.info.node if old else None, old_epoch=old.epoch if old else None,
@@ -413,9 +418,7 @@ class ClusterConsoleService:
         now). VALIDATION_FAILED for a cursor that is not this cluster's."""
         t = await self.transport(session)
         keys_revoked = self.keys.revoked(session.key_id) if session.key_id is not None else None
-        from ..client.shardevents import MergedWatch
-
-        w = MergedWatch(t, op, resume or None, STREAM_BUFFER)
+        w = _ReopenCounting(t, op, resume or None, STREAM_BUFFER)
         sink = MergedSink(w, self, keys_revoked)
         await w.open()
         return sink
@@ -484,6 +487,28 @@ def merge_recent(by_shard: dict[int, list], n: int) -> list:
     return [x[3] for x in every[-n:]] if n > 0 else []
 
 
+def _merged_watch():
+    from ..client.shardevents import MergedWatch
+
+    return MergedWatch
+
+
+class _ReopenCounting(_merged_watch()):
+    """A :class:`~rallypoint.client.shardevents.MergedWatch` that notes each shard
+    subscribed *again* (after its subscription ended: a failover, a slow consumer) and
+    the position it went on after (``reopened``: ``[(shard, seq)]``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reopened: list[tuple[int, int | None]] = []
+
+    async def _open_one(self, w) -> None:
+        again = w.backlog != -1  # subscribed before
+        await super()._open_one(w)
+        if again:
+            self.reopened.append((w.shard, w.recv))
+
+
 class MergedSink:
     """The console stream's subscription on a cluster: ``next_batch()`` -> the next
     events (encoded EventViews, merge order), ``cursor`` (the vector position after the
@@ -496,7 +521,6 @@ class MergedSink:
         self.watch = watch
         self.service = service
         self.revoked = revoked
-        self._resumed_seen = 0
 
     @property
     def cursor(self) -> str | None:
@@ -536,11 +560,11 @@ class MergedSink:
             got.append(e)
         return [_encode(event_view(e)) for e in got]
 
-    def resumes(self) -> int:
-        """Per-shard re-subscriptions not reported yet (and marks them reported)."""
-        n = self.watch.resumed - self._resumed_seen
-        self._resumed_seen = self.watch.resumed
-        return n
+    def resumes(self) -> list[tuple[int, int | None]]:
+        """Shards subscribed again (at their leader of now) since the last call, each
+        with the position it went on after: ``[(shard, seq)]``."""
+        out, self.watch.reopened = self.watch.reopened, []
+        return out
 
     async def watch_cluster(self, emit) -> None:
         """Send a ``cluster`` message at each failover etcd shows, and one each time a
@@ -556,11 +580,12 @@ class MergedSink:
             for f in new:
                 await emit("cluster", {"text": f.text(), "shard": f.shard, "leader": f.new, "epoch": f.new_epoch,
                                        "at": f.at, "cursor": self.cursor})
-            n = self.resumes()
-            if n:
-                await emit("cluster", {"text": f"the live stream resumed at the new leader(s) from {self.cursor} "
-                                               "(each shard from its own position: nothing missed, nothing twice)",
-                                       "resumed": n, "cursor": self.cursor})
+            for shard, pos in self.resumes():
+                rec = state.leaders.get(shard)
+                at = f"{rec.info.node} (epoch {rec.epoch})" if rec is not None else "its leader"
+                await emit("cluster", {"text": f"shard {shard}: the live stream resumed at {at} after event "
+                                               f"{shard}:{pos} (from its own position: nothing missed, nothing twice)",
+                                       "resumed": shard, "cursor": self.cursor})
 
     def close(self) -> None:
         self.watch.close()

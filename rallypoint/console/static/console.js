@@ -235,7 +235,7 @@
       }
       var li = document.createElement("li");
       li.textContent = new Date().toISOString().slice(11, 19) + " " + d.text;
-      if (d.resumed) { li.className = "resumed"; }
+      if (d.resumed !== undefined) { li.className = "resumed"; li.dataset.shard = String(d.resumed); }
       box.insertBefore(li, box.firstChild);
       while (box.children.length > 5) { box.removeChild(box.lastChild); }
       schedule("changed");
