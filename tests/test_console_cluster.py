@@ -288,6 +288,7 @@ def test_a_failover_while_the_live_page_is_open_misses_and_doubles_no_event(chro
     try:
         page.goto(c.console("n0b") + "/live")
         _live(page)
+        page.wait_for_selector("body[data-charted=yes]")  # the stats of every shard's queues, each second
         seen: list[str] = []
         page.expose_function("rpSeen", lambda ids: seen.extend(ids))
         page.evaluate("""() => new MutationObserver(ms => {
