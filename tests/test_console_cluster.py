@@ -18,9 +18,9 @@ Screenshots go to ``$RALLYPOINT_SCREENSHOTS`` when set (the docs' are made by
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -389,6 +389,44 @@ def test_a_stream_resumes_after_its_last_event_id_exactly(cluster):
             assert all(any(t == e["id"] for e in again) for t in more)
             r = await http.get("/stream?mode=events", headers={"last-event-id": "7:1"})
             assert r.status_code == 400  # a cursor of another cluster
+
+    trio.run(main)
+
+
+def test_the_host_check_and_the_open_mode_rule_are_the_single_nodes(cluster, etcd):
+    """A Host the console was not named by is refused, as on one node; a cluster with
+    no key in etcd gets no console on a non-loopback address without --insecure."""
+    from rallypoint.cluster.etcd import EtcdAccess
+    from rallypoint.console.clusterview import serve_cluster_console
+    from rallypoint.errors import ValidationError
+
+    r = httpx.get(cluster.console("n0b") + "/runs", headers={"host": "evil.example"})
+    assert r.status_code in (400, 421), r.status_code
+    assert httpx.get(cluster.console("n0b") + "/runs").status_code == 200
+
+    class Member:  # what the console reads of a node: its etcd, its cluster's name
+        config = type("C", (), {"cluster": f"nokeys-{uuid.uuid4().hex[:8]}", "shard": 0, "node": "x"})()
+        slotmap = None
+        leaders: dict = {}
+
+        def make_etcd(self):
+            return EtcdAccess(tuple(etcd.endpoints)).client()
+
+    async def main():
+        refused = []
+        try:
+            async with trio.open_nursery() as n:
+                await n.start(functools.partial(serve_cluster_console, Member(), "0.0.0.0", 0, loopback=False))
+        except* ValidationError as eg:
+            while isinstance(eg, BaseExceptionGroup):
+                eg = eg.exceptions[0]
+            refused.append(eg)
+        assert refused and "without API keys" in refused[0].message, refused
+        async with trio.open_nursery() as n:  # --insecure: served
+            _app, urls = await n.start(functools.partial(serve_cluster_console, Member(), "127.0.0.1", 0,
+                                                         loopback=False, insecure=True))
+            assert urls
+            n.cancel_scope.cancel()
 
     trio.run(main)
 
