@@ -119,7 +119,7 @@ class Cluster:
 async def _workload(c: Cluster) -> dict:
     """A root run on every shard (named ``root-S``), each with two children and a task;
     a queue ``jobs``."""
-    out: dict = {"roots": {}, "children": {}, "tasks": {}}
+    out: dict = {"roots": {}, "children": {}, "tasks": {}, "groups": {}, "joinsets": {}}
     async with rallypoint.connect(c.url) as rs:
         jobs = await rs.mailboxes.ensure("jobs")
         while len(out["roots"]) < 3:
@@ -132,6 +132,8 @@ async def _workload(c: Cluster) -> dict:
             kids = [await root.child(name=f"child-{s}-{i}") for i in range(2)]
             out["children"][s] = [k.id for k in kids]
             out["tasks"][s] = (await jobs.submit({"shard": s}, scope=root)).id
+            out["groups"][s] = (await root.groups.create(jobs, "FIRST_ACCEPTED")).id
+            out["joinsets"][s] = (await root.join_sets.create(name=f"js-{s}")).id
     return out
 
 
@@ -212,6 +214,17 @@ def test_a_standbys_console_shows_the_runs_tree_of_every_shard_and_who_serves_it
         # the queue's counts summed over the shards
         page.goto(c.console("n0b") + "/queues")
         assert "jobs" in page.inner_text("main")
+        page.goto(c.console("n0b") + "/queues/jobs")
+        assert "NOT_FOUND" not in page.inner_text("h1") and "jobs" in page.inner_text("h1")
+        # groups and join sets: every shard's in one list, each page read from its shard
+        page.goto(c.console("n0b") + "/groups")
+        assert all(gid in page.inner_text("main") for gid in c.ids["groups"].values())
+        page.goto(c.console("n0b") + "/joinsets")
+        assert all(f"js-{s}" in page.inner_text("main") for s in range(3))
+        page.goto(c.console("n0b") + f"/groups/{c.ids['groups'][1]}")
+        assert "FIRST_ACCEPTED" in page.inner_text("main")
+        page.goto(c.console("n0b") + f"/joinsets/{c.ids['joinsets'][2]}")
+        assert "js-2" in page.inner_text("h1")
         # another node's console (a leader of shard 2) shows the same
         page.goto(c.console("n2a") + "/runs")
         assert all(page.locator(f'tr[data-run="{r}"]').count() == 1 for r in c.ids["roots"].values())

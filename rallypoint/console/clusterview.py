@@ -243,7 +243,6 @@ def _shard_key(prefix: str, key: bytes) -> tuple[int, str] | None:
 async def watch_shards(client, cluster: str, state: ClusterState, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Keep ``state`` as etcd's ``/rallypoint/<cluster>/shards/`` prefix says: one read,
     then one watch (read again after a compaction or a lost watch)."""
-    from .. import cluster as _c  # noqa: F401
     from ..cluster.etcd import EtcdCompactedError, EtcdError
     from ..cluster.leader import _leader_record, _replicas_record
 
@@ -362,6 +361,8 @@ class ClusterConsoleService:
                 task_status.started()
         finally:
             with trio.CancelScope(shield=True):
+                for one in self._single.values():
+                    await one.link.aclose()
                 await self.router.aclose()
 
     # ------------------------------------------------------------------ routing
@@ -389,7 +390,11 @@ class ClusterConsoleService:
         if one is None:
             from ..cluster.httproute import _ShardLink
 
+            from ..cluster.httproute import MAX_KEYS
+
             shard = st.map.shards[0].shard if st.map is not None and st.map.shards else self.member.config.shard
+            while len(self._single) >= MAX_KEYS:  # (as the router's pools: the oldest key's link goes)
+                await self._single.pop(next(iter(self._single))).link.aclose()
             one = self._single[k] = _OneShard(_ShardLink(self.router, secret, shard, session.space), shard)
         return one
 
