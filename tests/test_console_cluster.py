@@ -491,3 +491,45 @@ def test_sign_in_needs_a_key_of_the_clusters_and_a_revoke_in_etcd_signs_out(chro
         errors.clear()
     finally:
         ctx.close()
+
+
+def test_a_cluster_of_one_replicated_shard_gets_the_console_too(etcd, tmp_path):
+    """No slot map (no ``cluster init --shards``): the console reads the one shard's
+    leader, from its standby too, and its stream resumes per the shard's cursor."""
+    name = f"one-{uuid.uuid4().hex[:10]}"
+    port = free_ports(1)[0]
+    nodes = [ClusterNode("a", str(tmp_path), etcd.endpoints[0], name, extra=["--sync-helper", "thread"]),
+             ClusterNode("b", str(tmp_path), etcd.endpoints[0], name,
+                         extra=["--sync-helper", "thread", "--console", f"127.0.0.1:{port}"])]
+    base = f"http://127.0.0.1:{port}"
+
+    async def main():
+        nodes[0].start()
+        await nodes[0].wait_ready()
+        await nodes[0].wait_role("leader")
+        nodes[1].start()
+        await nodes[1].wait_ready()
+        await nodes[1].wait_role("standby")
+        async with rallypoint.connect("tcp://" + ",".join(n.address for n in nodes)) as rs:
+            run = await rs.scopes.create(name="solo")
+            jobs = await rs.mailboxes.ensure("jobs")
+            task = await jobs.submit({"x": 1}, scope=run)
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            page = (await http.get("/runs")).text
+            assert run.id in page and "shard 0 · a" in page
+            assert task.id in (await http.get(f"/runs/{run.id}")).text
+            assert "task.submitted" in (await http.get(f"/tasks/{task.id}")).text
+            health = (await http.get("/cluster")).text
+            assert 'data-shard="0" data-leader="a"' in health and "a, b" in health
+            live = (await http.get("/live")).text
+            assert task.id in live  # the recent events, from the shard's leader
+            async with http.stream("GET", "/stream?mode=events", headers={"last-event-id": "0:0"}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and task.id in line:
+                        break  # from the shard's first event on: its history, then live
+
+    try:
+        trio.run(main)
+    finally:
+        stop_all(nodes)
