@@ -613,6 +613,18 @@ async def _serve_cluster(args) -> int:
                 **_http_listener_options(args)))
             member.config.http = (hhost, int(urls[0].rsplit(":", 1)[1]))
         await nursery.start(member.run)
+        console_url = None
+        if args.console:  # every shard's pages, from any node (rallypoint.console.clusterview)
+            from .console.clusterview import serve_cluster_console
+
+            chost, cport = _parse_listen(args.console)
+            _console, curls = await nursery.start(functools.partial(
+                serve_cluster_console, member, chost, cport, insecure=args.insecure, loopback=_is_loopback(chost),
+                certfile=args.tls_cert, keyfile=args.tls_key, max_connections=args.max_connections,
+                first_request_s=args.handshake_timeout, graceful_s=args.drain_timeout,
+                hosts=[*(args.http_host or ()), *([args.advertise] if args.advertise else [])],
+                listener_options=_http_listener_options(args)))
+            console_url = curls[0] if curls else f"http://{chost}:{cport}"
         scheme = "tls" if ssl_context is not None else "tcp"
         log.info("rallypoint %s node %s of shard %d (cluster %r, etcd %s) listening on %s://%s:%d, replication on "
                  "%s:%d", __version__, args.node, args.shard, args.cluster_name, ",".join(endpoints), scheme, host,
@@ -626,6 +638,8 @@ async def _serve_cluster(args) -> int:
                   f"{_url_host(rhost)}:{member.replication_port}"
                   + (f" HTTP http://{_url_host(_parse_listen(args.http)[0])}:{member.http_port}" if args.http else ""),
                   flush=True)
+            if console_url:
+                print(f"CONSOLE {console_url}", flush=True)
             n = 0
             async for signum in signals:
                 n += 1
@@ -1000,8 +1014,6 @@ def cmd_serve(args) -> int:
                 HostCheck(args.http_host)
             except ValueError as e:
                 raise ValidationError(f"--http-host: {e}") from None
-        if args.console and args.cluster:
-            raise ValidationError("--console is not served with --cluster yet; run it on a single node")
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
             if path is not None and not os.path.isfile(path):
                 raise ValidationError(f"{flag}: no such file {path}")
@@ -2653,7 +2665,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--console", metavar="HOST:PORT", default=None,
                    help="also serve the web console for operators (read-only pages: runs, queues, groups, join "
                         "sets, live events, resources) on HOST:PORT: same keys (a key sees its space) and TLS "
-                        "(off by default; not with --cluster)")
+                        "(off by default; with --cluster: every shard's pages and the cluster's health, from any node)")
     s.add_argument("--http-host", metavar="NAME", action="append", default=None,
                    help="a name (or address) clients reach --http and --console by, besides localhost and the "
                         "listen address; repeat for more. A request whose Host header names anything else is "

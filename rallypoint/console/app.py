@@ -182,7 +182,8 @@ class ConsoleApp:
         #: set on shutdown: open streams end at once
         self.stopping = trio.Event()
         self._static: dict[str, tuple[bytes, str, str]] = {}  # name -> (bytes, type, etag)
-        self.routes = pages.routes()
+        #: the single node's pages, and those the service adds (a cluster's: /cluster)
+        self.routes = pages.routes() + list(getattr(service, "routes", ()))
 
     def flush_logs(self) -> None:
         self.log_limiter.flush()
@@ -464,10 +465,14 @@ class ConsoleApp:
             await self._finish(self._plain(503, f"this client (its address or its key) has {self.max_streams_per_client} "
                                                 "console streams open already; close a page"), scope, receive, send)
             return
+        # a cluster's merged stream goes on after the vector cursor it gave (the SSE id a
+        # reconnecting browser sends back as Last-Event-ID)
+        resume = {"resume": q.get("cursor") or ctx.request.headers.get("last-event-id") or None} \
+            if getattr(self.service, "merged", False) else {}
         try:
             sink = await self.service.subscribe(ctx.session, p.EventsWatch(start="now", types=types, scope_id=run,
                                                                             aggregate=aggregate),
-                                                max_bytes=1 << 20)
+                                                max_bytes=1 << 20, **resume)
         except RallypointError as e:
             status = {"NOT_FOUND": 404, "VALIDATION_FAILED": 400}.get(e.code, 503)
             await self._finish(self._plain(status, e.message or str(e)), scope, receive, send)
@@ -479,11 +484,11 @@ class ConsoleApp:
         headers += [(k.encode(), v.encode()) for k, v in _HEADERS.items()]
         lock = trio.Lock()
 
-        async def emit(event: str, data: Any) -> None:
+        async def emit(event: str, data: Any, event_id: str | None = None) -> None:
+            head = b"id: %s\n" % event_id.encode() if event_id else b""
             async with lock:
-                await send({"type": "http.response.body", "body": b"event: %s\ndata: %s\n\n" % (event.encode(),
-                                                                                                _json(data)),
-                            "more_body": True})
+                await send({"type": "http.response.body", "body": head + b"event: %s\ndata: %s\n\n" % (
+                    event.encode(), _json(data)), "more_body": True})
 
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -507,6 +512,8 @@ class ConsoleApp:
                 counter = [0]
                 if want_stats:
                     nursery.start_soon(self._stats_loop, ctx, emit, counter)
+                if hasattr(sink, "watch_cluster"):  # a cluster's: failovers and resumes
+                    nursery.start_soon(sink.watch_cluster, emit)
                 ended = await self._events_loop(sink, mode, emit, counter)
                 if ended is not None and ended.code == "UNAUTHENTICATED":  # its key revoked
                     await emit("gone", {"reason": ended.message, "signedOut": True})
@@ -540,7 +547,11 @@ class ConsoleApp:
             counter[0] += len(batch)
             if mode == "events":
                 evs = [_event_decode(bytes(b)) for b in batch[-MAX_EVENTS_MESSAGE:]]
-                await emit("events", {"events": evs, "skipped": max(0, len(batch) - MAX_EVENTS_MESSAGE)})
+                msg = {"events": evs, "skipped": max(0, len(batch) - MAX_EVENTS_MESSAGE)}
+                cursor = getattr(sink, "cursor", None)  # a cluster's vector cursor: also the SSE id
+                if cursor is not None:
+                    msg["cursor"] = cursor
+                await emit("events", msg, cursor)
             else:
                 wait = last_notify + 0.5 - trio.current_time()
                 if wait > 0:  # coalesce: what arrives meanwhile is part of this signal

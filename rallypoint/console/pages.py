@@ -22,6 +22,7 @@ import msgspec
 from .. import protocol as p
 from ..errors import RallypointError, ValidationError
 from ..money import format_minor
+from .clusterview import where_html
 
 __all__ = ["Page", "Part", "routes", "layout", "login_page", "error_page", "queue_rows", "PAGE"]
 
@@ -242,7 +243,8 @@ async def runs_list(ctx) -> Page:
     async def rows() -> str:
         v = await ctx.call(p.ScopeList(roots_only=not all_runs, state=state, name=name, before=before, order="desc",
                                        limit=PAGE))
-        body = [tr(a(run_url(s.id), run_label(s)) + (f' <span class="muted id">{h(s.id)}</span>' if s.name else ""),
+        body = [tr(a(run_url(s.id), run_label(s)) + (f' <span class="muted id">{h(s.id)}</span>' if s.name else "")
+                   + where_html(ctx, s.id),
                    run_state(s), counts(s.tasks), h(s.children), when(s.created_at), left(s.deadline),
                    attrs=f' data-run="{h(s.id)}"') for s in v.scopes]
         return (table(["Run", "State", "Tasks by state", "Children", "Created", "Deadline"], body,
@@ -273,7 +275,8 @@ async def run_page(ctx) -> Page:
 
     async def summary() -> str:
         s, ops = await gather(ctx, p.ScopeStatus(scope_id=rid), p.OpsRun(scope_id=rid))
-        facts = [("id", f"<code>{h(s.id)}</code>"), ("name", h(s.name) or '<span class="muted">—</span>'),
+        facts = [("id", f"<code>{h(s.id)}</code>{where_html(ctx, s.id)}"),
+                 ("name", h(s.name) or '<span class="muted">—</span>'),
                  ("state", run_state(s)), ("created", when(s.created_at)), ("ended", when(s.ended_at)),
                  ("deadline", left(s.deadline)), ("tasks", counts(s.tasks)),
                  ("children", f"{s.children} (of at most {s.child_limit}); {ops.runs} runs in its subtree")]
@@ -337,7 +340,7 @@ async def children_html(ctx, run_id: str, before: str | None) -> str:
         else:
             toggle = '<span class="toggle-spacer"></span>'
         rows.append(f'<li data-run="{h(s.id)}">{toggle}<span class="node">{a(run_url(s.id), run_label(s))} '
-                    f'{run_state(s)} {counts(s.tasks)}'
+                    f'{run_state(s)} {counts(s.tasks)}{where_html(ctx, s.id)}'
                     f'{f" <span class=muted>{s.children} children</span>" if s.children else ""}</span>'
                     f'<ul class="tree" hidden></ul></li>')
     if len(v.scopes) >= PAGE:
@@ -633,7 +636,9 @@ async def live_page(ctx) -> Page:
 
     async def events() -> str:
         recent = await _recent_events(ctx, flt, 50)
-        rows = [tr(h(e.seq), when(e.at), badge(e.type), h(f"{e.kind}:{e.id}"), _run_cell(e.run), h(_brief(e.data)))
+        rows = [tr(h(e.seq if e.shard is None else f"{e.shard}:{e.seq}"), when(e.at), badge(e.type),
+                   h(f"{e.kind}:{e.id}"), _run_cell(e.run), h(_brief(e.data)),
+                   attrs=f' data-id="{h(e.seq if e.shard is None else f"{e.shard}:{e.seq}")}"')
                 for e in reversed(recent)]
         return ('<table class="events"><thead><tr><th>#</th><th>At</th><th>Event</th><th>About</th><th>Run</th>'
                 f'<th>Data</th></tr></thead><tbody id="events">{"".join(rows)}</tbody></table>')
@@ -648,7 +653,11 @@ def _run_cell(run: str | None) -> str:
 
 
 async def _recent_events(ctx, flt: dict, n: int) -> list:
-    """The last events of the space that match (among the last 2,000 kept)."""
+    """The last events of the space that match (among the last 2,000 kept; on a
+    cluster, each shard's, merged: ``ClusterConsoleService.recent_events``)."""
+    merged = getattr(ctx.app.service, "recent_events", None)
+    if merged is not None:
+        return await merged(ctx.session, flt, n)
     head = await ctx.call(p.EventsList(limit=1, cursor=None))
     start = max(head.oldest - 1, head.newest - 2000, 0)
     page = await ctx.call(p.EventsList(cursor=start, limit=2000, **flt))
@@ -726,9 +735,9 @@ def _head(title: str) -> str:
             '<script src="/static/console.js" defer></script></head>')
 
 
-def _header(nav: str | None, login) -> str:
+def _header(nav: str | None, login, more: tuple = ()) -> str:
     links = "".join(f'<a href="{href}"{" aria-current=page" if key == nav else ""}>{h(text)}</a>'
-                    for key, href, text in NAV)
+                    for key, href, text in NAV + tuple(more))
     who = ""
     if login is not None:
         who = f'<span class="space">space <b>{h(login.space)}</b></span>'
@@ -752,7 +761,8 @@ def layout(page: Page, ctx, rendered: list[str]) -> str:
         sections.append(f'<section class="part part-{h(part.name)}" data-part="{h(part.name)}" data-src="{h(src)}"'
                         f'{refresh}>{html}</section>')
     stream = f' data-stream="/stream?{h(page.stream)}"' if page.stream is not None else ""
-    return (_head(page.title) + f'<body data-page="{h(page.nav)}"{stream}>' + _header(page.nav, ctx.login)
+    return (_head(page.title) + f'<body data-page="{h(page.nav)}"{stream}>'
+            + _header(page.nav, ctx.login, getattr(ctx.app.service, "nav", ()))
             + f'<main><h1>{h(page.title)}</h1>{"".join(sections)}</main></body></html>')
 
 

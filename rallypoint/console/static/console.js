@@ -139,7 +139,10 @@
       var tr = document.createElement("tr");
       tr.dataset.type = e.type;
       if (e.run) { tr.dataset.run = e.run; }
-      cell(tr, String(e.seq));
+      // on a cluster each shard numbers its own events: "shard:seq"
+      var id = (e.shard !== undefined && e.shard !== null ? e.shard + ":" : "") + e.seq;
+      tr.dataset.id = id;
+      cell(tr, id);
       cell(tr, String(e.at).slice(0, 19).replace("T", " "), "when");
       cell(tr, e.type, "badge s-" + e.type.replace(/[^a-z0-9_-]/gi, "-"));
       cell(tr, e.kind + ":" + e.id);
@@ -221,6 +224,22 @@
     es.addEventListener("changed", function () { schedule("changed"); });
     es.addEventListener("stats", function (e) { schedule("tick"); onStats(JSON.parse(e.data)); });
     es.addEventListener("events", function (e) { addEvents(JSON.parse(e.data)); });
+    // a cluster's: a shard's leader changed, or the stream resumed at the new one
+    es.addEventListener("cluster", function (e) {
+      var d = JSON.parse(e.data || "{}");
+      var box = document.getElementById("cluster-notes");
+      if (!box) {
+        box = document.createElement("ul"); box.id = "cluster-notes"; box.setAttribute("role", "status");
+        var main = document.querySelector("main");
+        if (main) { main.insertBefore(box, main.firstChild); }
+      }
+      var li = document.createElement("li");
+      li.textContent = new Date().toISOString().slice(11, 19) + " " + d.text;
+      if (d.resumed !== undefined) { li.className = "resumed"; li.dataset.shard = String(d.resumed); }
+      box.insertBefore(li, box.firstChild);
+      while (box.children.length > 5) { box.removeChild(box.lastChild); }
+      schedule("changed");
+    });
     es.addEventListener("gone", function (e) {
       setLive(false);
       var d = JSON.parse(e.data || "{}");
