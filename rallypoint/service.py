@@ -25,7 +25,7 @@ import trio
 
 from ._version import __version__
 from .actors.opmark import ANY_KEY, LOCAL, NODE
-from .actors.outbox import REMOTE_RUN_OPS as _REMOTE_RUN_OPS
+from .actors.remote_runs import REMOTE_RUN_OPS as _REMOTE_RUN_OPS
 from .ids import is_id, slot_of
 from .actors.runtime import ReplySink
 from .cluster.peerauth import is_token as is_node_token
