@@ -455,9 +455,10 @@ class Service:
                 retry_after=1.0, details={"maybe_applied": True},
             ) from exc
 
-    def connection_count(self, fn) -> None:
-        """Let the server status report live connections (``fn() -> int``)."""
-        self.coordinator.connections_fn = fn
+    def connection_count(self, source) -> None:
+        """Let the server status report live connections: ``source`` has
+        ``connection_count() -> int`` (a :class:`~rallypoint.actors.coordinator.ConnectionSource`)."""
+        self.coordinator.connections = source
 
 
 def encode_op(op: msgspec.Struct) -> bytes:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import msgspec
 import trio
@@ -99,6 +99,14 @@ class FatalError(RuntimeError):
 _FatalMarker.fatal_type = FatalError
 
 
+class ConnectionSource(Protocol):
+    """What counts a node's live client connections (:class:`rallypoint.transport.server.Server`)."""
+
+    def connection_count(self) -> int:
+        """The client connections open now."""
+        ...
+
+
 class Coordinator:
     """The whole coordinator: one object per kind, the runtime, commit and time.
 
@@ -142,7 +150,9 @@ class Coordinator:
         self.journal = journal if journal is not None else MemoryJournal()
         self.durability = durability
         self.started_at = time.monotonic()
-        self.connections_fn: Callable[[], int] = lambda: 0
+        #: what counts the live client connections (the server's status): the TCP
+        #: server, set by :func:`rallypoint.nodeconfig.start_serving`; None: none
+        self.connections: ConnectionSource | None = None
         self.heartbeat: Callable[[int, int], None] | None = None
         self.background: list[Callable] = []
         #: ids of entities changed since the last snapshot, as the keys of dicts of
@@ -941,7 +951,7 @@ class Coordinator:
         return {
             "version": __version__,
             "uptime_s": time.monotonic() - self.started_at,
-            "connections": self.connections_fn(),
+            "connections": self.connection_count(),
             "durability": self.durability,
             "entities": self.entity_count(),
             "last_lsn": self.journal.last_lsn,
@@ -973,6 +983,11 @@ class Coordinator:
                 table = self._tables[k.prefix][0]
                 out[k.name]["passive"] = max(0, len(table) - out[k.name]["active"])
         return out
+
+    def connection_count(self) -> int:
+        """The live client connections of the server that serves this coordinator (0:
+        none, an embedded or simulated one)."""
+        return 0 if self.connections is None else self.connections.connection_count()
 
     def statistics(self) -> dict:
         return {
