@@ -7,7 +7,9 @@ a single node (:func:`rallypoint.node.open_node`) and a node of a replicated sha
 whichever comes to serve clients -- the single node at start, a cluster node each time
 it wins its shard's leadership -- is set up by :func:`start_serving`, the one place that
 gives a coordinator its limits, watch stall, idempotency TTL, live-connection count and
-metrics.
+metrics. A coordinator asks its surroundings through typed interfaces, not injected
+functions: its live connections through ``coordinator.ConnectionSource`` (the server),
+its cluster status and slot map through ``coordinator.ClusterNode`` (the member).
 
 No option dicts: every field is named and typed here, with its unit. This module
 imports nothing heavy (the CLI reads it before binding its ports).

@@ -99,6 +99,19 @@ class FatalError(RuntimeError):
 _FatalMarker.fatal_type = FatalError
 
 
+class ClusterNode(Protocol):
+    """What a coordinator asks of the cluster node it runs in
+    (:class:`rallypoint.cluster.member.ShardMember`)."""
+
+    def status(self) -> Any:
+        """This node as a ``protocol.ClusterView`` (the server status carries it)."""
+        ...
+
+    def cluster_map_view(self) -> Any:
+        """The slot map and every shard's leader, a ``protocol.ClusterMapView``."""
+        ...
+
+
 class ConnectionSource(Protocol):
     """What counts a node's live client connections (:class:`rallypoint.transport.server.Server`)."""
 
@@ -209,10 +222,11 @@ class Coordinator:
         self.epochs = Epochs(self)  # a replicated shard's leader terms (rallypoint.cluster)
         self.outbox = Outbox(self)  # a sharded cluster's remote runs, links and outbox
         self.schedules = Schedules(self)  # recurring actions (rallypoint.actors.schedule)
-        #: on a replicated shard's leader: () -> protocol.ClusterView (server status)
-        self.cluster_status_fn: Callable[[], Any] | None = None
-        #: on a node of a sharded cluster: () -> protocol.ClusterMapView (cluster.map)
-        self.cluster_map_fn: Callable[[], Any] | None = None
+        #: on a replicated shard's leader: the node (``rallypoint.cluster.member.
+        #: ShardMember``): its status in the server status, its slot map in
+        #: ``cluster.map`` (a sharded cluster's, once ``sharding`` is set); None: a
+        #: single node
+        self.cluster: ClusterNode | None = None
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
                       self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs,

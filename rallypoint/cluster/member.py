@@ -762,7 +762,6 @@ class ShardMember:
             if self.slotmap is not None:  # a sharded cluster: ids name slots, requests are checked
                 coord.sharding = Sharding(c.shard, self.slotmap.owners, self.slotmap.version,
                                           released=coord.epochs.released)
-            coord.cluster_map_fn = self.cluster_map_view
             coord.keys.store = (self._store_url(), c.cluster)  # keys are made in etcd, not over the wire
             # without a leader's beat to continue from (this node led last, or nobody
             # led since it recovered: an etcd outage), the gap is every moment since a
@@ -794,7 +793,7 @@ class ShardMember:
             await self._probe("takeover.epoch_synced")
             node.service.shard = c.shard
             node.service.epoch = lead.epoch
-            node.coordinator.cluster_status_fn = self.status
+            node.coordinator.cluster = self  # its status, its slot map (coordinator.ClusterNode)
             listeners = await self.listen(self.replication_port, host=c.replication[0])
             server = self.make_server(_Fenced(node.service, lead, self))
             self.server = server
