@@ -26,7 +26,13 @@ import signal
 import sys
 import time
 
+from typing import TYPE_CHECKING
+
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from .cluster.member import MemberConfig
+    from .nodeconfig import NodeConfig
 
 
 class _LazyTrio:
@@ -358,14 +364,67 @@ def _raise_descriptor_limit() -> None:
                  extra={"event": "nofile", "before": before, "after": after})
 
 
+def node_config(args) -> "NodeConfig":
+    """``rallypoint serve``'s flags as one typed :class:`~rallypoint.nodeconfig.NodeConfig`
+    (``args``: the parsed flags, after :func:`cmd_serve` turned ``--retain-*`` and
+    ``--limit`` into ``args.retention`` and ``args.limits``); with ``--cluster`` its
+    ``member`` too (:func:`_member_config`, VALIDATION_FAILED as it says)."""
+    from .nodeconfig import NodeConfig, RetentionOptions, ServingOptions, SnapshotOptions, StorageOptions
+
+    storage = StorageOptions(
+        interval_ms=args.interval_ms, retention=RetentionOptions(**args.retention),
+        min_free_bytes=int(args.min_free_mb * (1 << 20)), ballast_bytes=int(args.ballast_mb * (1 << 20)),
+        preallocate_bytes=int(args.preallocate_kb * 1024), sync_helper=args.sync_helper,
+        slow_sync_s=args.slow_fsync_s)
+    snapshots = SnapshotOptions(every_records=args.snapshot_every_records, every_s=args.snapshot_every_s,
+                                retry_s=args.snapshot_retry_s)
+    return NodeConfig(
+        storage=storage, snapshots=snapshots,
+        serving=ServingOptions(limits=args.limits, watch_stall_s=args.watch_stall,
+                               idempotency_ttl_ms=int(args.http_idempotency_hours * 3600 * 1000),
+                               slow_request_s=args.slow_request_ms / 1000),
+        data_dir=None if args.durability == "memory" else args.data_dir, durability=args.durability,
+        member=_member_config(args, storage, snapshots) if args.cluster else None)
+
+
+def _member_config(args, storage, snapshots) -> "MemberConfig":
+    """``serve --cluster``'s flags as the shard replica's
+    :class:`~rallypoint.cluster.member.MemberConfig` (with the node's ``storage`` and
+    ``snapshots`` options). VALIDATION_FAILED: the ``memory`` durability (a replica
+    needs a data dir), no ``--node``, a bad address or etcd flag."""
+    from .cluster.member import MemberConfig
+    from .errors import ValidationError
+
+    if args.durability == "memory":
+        raise ValidationError("--cluster needs a data dir: --durability fsync (default) or interval")
+    if not args.node:
+        raise ValidationError("--cluster needs --node NAME (this node's name, unique in its shard)")
+    host, port = _parse_listen(args.listen, "--listen")
+    rhost, rport = _parse_listen(args.replication, "--replication")
+    access = _etcd_access(args)
+    return MemberConfig(
+        etcd=list(access.endpoints), etcd_access=access, node=args.node, data_dir=args.data_dir,
+        cluster=args.cluster_name, shard=args.shard, durability=args.durability, client=(host, port),
+        replication=(rhost, rport), http=_parse_listen(args.http) if args.http else None,
+        advertise_host=args.advertise, advertise_replication=_advertised(args.advertise_replication),
+        ttl_s=args.lease_ttl, isr_timeout_s=args.isr_timeout, min_insync=args.min_insync,
+        replicas=args.replicas, drain_timeout_s=args.drain_timeout, peer_tls=_peer_tls(args),
+        insecure=args.insecure, storage=storage, snapshots=snapshots)
+
+
 async def _serve(args) -> int:
+    """``serve``: build the node's :class:`~rallypoint.nodeconfig.NodeConfig` from the
+    flags and start it -- a single node here, one replica of a shard with
+    ``--cluster`` (:func:`_serve_cluster`)."""
     from .errors import ValidationError
     from .node import open_node
+    from .nodeconfig import start_serving
 
+    cfg = node_config(args)
     if args.cluster:
-        return await _serve_cluster(args)
+        return await _serve_cluster(args, cfg)
     host, port = _parse_listen(args.listen)
-    data_dir = None if args.durability == "memory" else args.data_dir
+    data_dir = cfg.data_dir
     pre_bound = getattr(args, "bound", {})  # (cmd_serve's sockets, bound before the imports)
     if args.http:
         # imported before the recovery: the clock resumes after it, so a restart's
@@ -375,24 +434,9 @@ async def _serve(args) -> int:
         from .console import serve_console
     from .transport import server as _transport_server  # noqa: F401  (the same: before the clock)
 
-    async with open_node(
-        data_dir,
-        args.durability,
-        interval_ms=args.interval_ms,
-        snapshot_every_records=args.snapshot_every_records,
-        snapshot_every_s=args.snapshot_every_s,
-        retention=args.retention,
-        snapshot_retry_s=args.snapshot_retry_s,
-        min_free_bytes=int(args.min_free_mb * (1 << 20)),
-        ballast_bytes=int(args.ballast_mb * (1 << 20)),
-        preallocate_bytes=int(args.preallocate_kb * 1024),
-        sync_helper=args.sync_helper,
-        slow_sync_s=args.slow_fsync_s,
-    ) as node:
+    async with open_node(data_dir, cfg.durability, **cfg.storage.recovered_kwargs(),
+                         **cfg.snapshots.serving_kwargs()) as node:
         coord = node.coordinator
-        coord.limits.configure(args.limits)
-        coord.watchers.stall_s = args.watch_stall
-        coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
         if coord.keys.open_mode and not _is_loopback(host) and not args.insecure:
             raise ValidationError(
                 f"refusing to listen on {host} without API keys: create one with "
@@ -401,12 +445,9 @@ async def _serve(args) -> int:
             )
         ssl_context = _ssl_context(args)
         server = _server_factory(args, ssl_context)(node.service)
-        node.coordinator.connections_fn = lambda: server.statistics()["connections"]
-        metrics = None
-        from .metrics import Metrics, serve_metrics
+        from .metrics import serve_metrics
 
-        metrics = Metrics(coord, server, getattr(node, "snapshotter", None), slow_s=args.slow_request_ms / 1000)
-        server.metrics = metrics  # (also the slow-request log)
+        metrics = start_serving(node, server, cfg.serving)
         http_stop = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve, _trio_listeners(pre_bound.get("--listen")), host, port)
@@ -518,37 +559,21 @@ async def _serve(args) -> int:
     return 0
 
 
-async def _serve_cluster(args) -> int:
+async def _serve_cluster(args, cfg: "NodeConfig") -> int:
     """``serve --cluster``: this node is one replica of a shard (rallypoint.cluster.member):
-    a standby until etcd makes it the leader. SIGTERM/SIGINT: a leader hands over to its
-    in-sync standby, then exits; a second one exits at once."""
-    from .cluster.member import MemberConfig, ShardMember
-    from .errors import ValidationError
+    a standby until etcd makes it the leader, each leadership set up by
+    :func:`~rallypoint.nodeconfig.start_serving` from ``cfg`` as a single node is.
+    SIGTERM/SIGINT: a leader hands over to its in-sync standby, then exits; a second one
+    exits at once."""
+    from .cluster.member import ShardMember
+    from .nodeconfig import start_serving
 
-    if args.durability == "memory":
-        raise ValidationError("--cluster needs a data dir: --durability fsync (default) or interval")
-    if not args.node:
-        raise ValidationError("--cluster needs --node NAME (this node's name, unique in its shard)")
-    host, port = _parse_listen(args.listen, "--listen")
-    rhost, rport = _parse_listen(args.replication, "--replication")
-    access = _etcd_access(args)
-    endpoints = list(access.endpoints)
+    config = cfg.member
+    host, _port = config.client
+    rhost, _rport = config.replication
+    access = config.etcd_access
+    endpoints = list(config.etcd)
     ssl_context = _ssl_context(args)
-    config = MemberConfig(
-        etcd=endpoints, etcd_access=access, node=args.node, data_dir=args.data_dir, cluster=args.cluster_name, shard=args.shard,
-        durability=args.durability, client=(host, port), replication=(rhost, rport),
-        http=_parse_listen(args.http) if args.http else None, advertise_host=args.advertise,
-        advertise_replication=_advertised(args.advertise_replication),
-        ttl_s=args.lease_ttl, isr_timeout_s=args.isr_timeout, min_insync=args.min_insync,
-        replicas=args.replicas, drain_timeout_s=args.drain_timeout, peer_tls=_peer_tls(args),
-        insecure=args.insecure,
-        node_options=dict(interval_ms=args.interval_ms, retention=args.retention,
-                          min_free_bytes=int(args.min_free_mb * (1 << 20)),
-                          ballast_bytes=int(args.ballast_mb * (1 << 20)),
-                          preallocate_bytes=int(args.preallocate_kb * 1024), sync_helper=args.sync_helper,
-                          slow_sync_s=args.slow_fsync_s),
-        serve_options=dict(snapshot_every_records=args.snapshot_every_records, snapshot_every_s=args.snapshot_every_s,
-                           snapshot_retry_s=args.snapshot_retry_s))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per etcd request otherwise
     if not _is_loopback(host) and not args.insecure:
         log.warning("cluster mode on %s: make sure API keys are configured (open mode serves without "
@@ -557,19 +582,12 @@ async def _serve_cluster(args) -> int:
     def on_role(role, member):
         print(f"ROLE {role} epoch={member.epoch or member.last_epoch_seen}", flush=True)
 
-    from .metrics import ClusterMetrics, Metrics, serve_metrics
+    from .metrics import ClusterMetrics, serve_metrics
 
     cluster_metrics = None
 
     def on_leader(node, member):
-        coord = node.coordinator
-        coord.limits.configure(args.limits)
-        coord.watchers.stall_s = args.watch_stall
-        coord.idempotency.ttl_ms = int(args.http_idempotency_hours * 3600 * 1000)
-        server = member.server
-        coord.connections_fn = lambda: server.statistics()["connections"]
-        metrics = Metrics(coord, server, getattr(node, "snapshotter", None), slow_s=args.slow_request_ms / 1000)
-        server.metrics = metrics  # (also the slow-request log)
+        metrics = start_serving(node, member.server, cfg.serving)
         if cluster_metrics is not None:
             cluster_metrics.leader_metrics = metrics
         return None

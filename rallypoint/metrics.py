@@ -291,7 +291,7 @@ class Metrics:
         g.add_metric([], coord.entity_count())
         yield g
         g = GaugeMetricFamily(p + "connections", "Open TCP connections")
-        g.add_metric([], len(self.server._conns) if self.server is not None else coord.connections_fn())
+        g.add_metric([], len(self.server._conns) if self.server is not None else coord.connection_count())
         yield g
         if self.http is not None:
             hs = self.http.statistics()

@@ -27,6 +27,7 @@ from .actors import Coordinator
 from .clock import Clock
 from .errors import ValidationError
 from .persistence.snapshot import PutBatch, packed_items
+from .nodeconfig import DEFAULT_MIN_FREE_BYTES  # (the default free-space reserve: one definition)
 from .service import Service
 
 log = logging.getLogger("rallypoint.node")
@@ -34,8 +35,6 @@ log = logging.getLogger("rallypoint.node")
 __all__ = ["Node", "Storage", "open_node", "DURABILITY_MODES"]
 
 DURABILITY_MODES = ("memory", "interval", "fsync")
-#: Default free-space reserve of the journal's filesystem: below it, writes are refused.
-DEFAULT_MIN_FREE_BYTES = 64 << 20
 
 
 class Node:

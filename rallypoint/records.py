@@ -65,7 +65,7 @@ class ScopeDeadlinePassed(_Rec, tag="scope_deadline"):
 class RemoteRequirements(msgspec.Struct, gc=False, omit_defaults=True):
     """A sharded cluster: requirements of a task whose run is not on its space's home
     ``shard``, by *name* (the pools and budgets live there): a delivery of the task first
-    holds a reservation made on that shard (``actors/outbox.py``)."""
+    holds a reservation made on that shard (``actors/admission_holds.py``)."""
 
     shard: int
     pools: dict[str, int] = {}

@@ -25,7 +25,7 @@ import trio
 
 from ._version import __version__
 from .actors.opmark import ANY_KEY, LOCAL, NODE
-from .actors.outbox import REMOTE_RUN_OPS as _REMOTE_RUN_OPS
+from .actors.remote_runs import REMOTE_RUN_OPS as _REMOTE_RUN_OPS
 from .ids import is_id, slot_of
 from .actors.runtime import ReplySink
 from .cluster.peerauth import is_token as is_node_token
@@ -455,9 +455,10 @@ class Service:
                 retry_after=1.0, details={"maybe_applied": True},
             ) from exc
 
-    def connection_count(self, fn) -> None:
-        """Let the server status report live connections (``fn() -> int``)."""
-        self.coordinator.connections_fn = fn
+    def connection_count(self, source) -> None:
+        """Let the server status report live connections: ``source`` has
+        ``connection_count() -> int`` (a :class:`~rallypoint.actors.coordinator.ConnectionSource`)."""
+        self.coordinator.connections = source
 
 
 def encode_op(op: msgspec.Struct) -> bytes:

@@ -49,6 +49,7 @@ from _etcd import BenchEtcd, add_bench_etcd_arguments  # noqa: E402
 import rallypoint  # noqa: E402
 from rallypoint.actors.sharding import home_slot  # noqa: E402
 from rallypoint.cluster.member import MemberConfig, ShardMember  # noqa: E402
+from rallypoint.nodeconfig import StorageOptions  # noqa: E402
 from rallypoint.cluster.shardmap import init_cluster  # noqa: E402
 from rallypoint.errors import ScopeCancelledError  # noqa: E402
 from rallypoint.ids import slot_of  # noqa: E402
@@ -82,7 +83,7 @@ async def run(access, root: str, n: int, out: str | None) -> None:
         for s in (0, 1):
             cfg = MemberConfig(etcd=list(access.endpoints), etcd_access=access, node=f"n{s}", data_dir=os.path.join(root, f"n{s}"),
                                cluster=cluster, shard=s, client=("127.0.0.1", 0), replication=("127.0.0.1", 0),
-                               node_options={"sync_helper": "thread"})
+                               storage=StorageOptions(sync_helper="thread"))
             m = ShardMember(cfg, make_server=lambda d: Server(d))
             await nursery.start(m.run)
             members.append(m)

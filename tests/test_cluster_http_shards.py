@@ -26,6 +26,7 @@ from rallypoint.actors.sharding import named_slot
 from rallypoint.cluster import keystore
 from rallypoint.cluster.etcd import EtcdClient
 from rallypoint.cluster.forward import ClusterHttpApp
+from rallypoint.nodeconfig import StorageOptions
 from rallypoint.cluster.member import MemberConfig, ShardMember
 from rallypoint.cluster.shardmap import init_cluster
 from rallypoint.http import serve_http
@@ -59,7 +60,7 @@ async def start_http_cluster(etcd, tmp_path, cluster, nursery, shards=3, nodes=1
             nm = f"h{s}{'abc'[i]}"
             cfg = MemberConfig(etcd=etcd.endpoints, node=nm, data_dir=str(tmp_path / nm), cluster=cluster,
                                shard=s, client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                               node_options={"sync_helper": "thread"})
+                               storage=StorageOptions(sync_helper="thread"))
             m = ShardMember(cfg, make_server=lambda d: Server(d))
             app = ClusterHttpApp(m, lambda node: HttpApi(node.service))
             if i == 0:

@@ -209,6 +209,7 @@ async def test_a_key_made_in_etcd_works_on_every_shard_and_its_revocation_everyw
 async def test_a_new_leader_takes_the_keys_before_it_serves(etcd, tmp_path, cluster_name, monkeypatch):
     import test_cluster_shards as tcs
     from rallypoint.cluster.member import MemberConfig, ShardMember
+    from rallypoint.nodeconfig import StorageOptions
     from rallypoint.transport.server import Server
 
     serving_with: dict[int, int] = {}  # shard -> keys its coordinator held when its client port opened
@@ -223,7 +224,7 @@ async def test_a_new_leader_takes_the_keys_before_it_serves(etcd, tmp_path, clus
     def member(etcd, tmp_path, name, cluster, shard):
         cfg = MemberConfig(etcd=etcd.endpoints, node=name, data_dir=str(tmp_path / name), cluster=cluster,
                            shard=shard, client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                           node_options={"sync_helper": "thread"})
+                           storage=StorageOptions(sync_helper="thread"))
         return ShardMember(cfg, make_server=lambda d: Watched(d))
 
     monkeypatch.setattr(tcs, "member", member)

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 import rallypoint
+from rallypoint.nodeconfig import StorageOptions
 from rallypoint.cluster.member import MemberConfig, ShardMember
 from rallypoint.errors import NotLeaderError, UnavailableError
 from rallypoint.persistence.journal import read_journal
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(90)
 def member(etcd, tmp_path, name, cluster, **kw):
     cfg = MemberConfig(etcd=etcd.endpoints, node=name, data_dir=str(tmp_path / name), cluster=cluster,
                        client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                       node_options={"sync_helper": "thread"}, **kw)
+                       storage=StorageOptions(sync_helper="thread"), **kw)
     return ShardMember(cfg, make_server=lambda d: Server(d))
 
 
@@ -263,7 +264,7 @@ async def test_a_leader_past_its_self_fence_deadline_answers_not_leader_before_i
         pport = await n.start(proxy.run)
         cfg = MemberConfig(etcd=[f"http://127.0.0.1:{pport}"], node="a", data_dir=str(tmp_path / "a"),
                            cluster=cluster_name, client=("127.0.0.1", 0), replication=("127.0.0.1", 0),
-                           node_options={"sync_helper": "thread"})
+                           storage=StorageOptions(sync_helper="thread"))
         a = ShardMember(cfg, make_server=lambda d: Server(d))
         await n.start(a.run)
         await a.wait_role("leader")
@@ -299,7 +300,7 @@ async def test_a_client_refused_not_leader_by_a_fenced_leader_sends_the_request_
         pport = await n.start(proxy.run)
         cfg = MemberConfig(etcd=[f"http://127.0.0.1:{pport}"], node="a", data_dir=str(tmp_path / "a"),
                            cluster=cluster_name, client=("127.0.0.1", 0), replication=("127.0.0.1", 0),
-                           isr_timeout_s=0.5, node_options={"sync_helper": "thread"})
+                           isr_timeout_s=0.5, storage=StorageOptions(sync_helper="thread"))
         a = ShardMember(cfg, make_server=lambda d: Server(d))
         b = member(etcd, tmp_path, "b", cluster_name)
         await n.start(a.run)
@@ -411,7 +412,7 @@ async def test_a_graceful_stop_answers_parked_waits_without_the_grace(etcd, tmp_
 
     cfg = MemberConfig(etcd=etcd.endpoints, node="a", data_dir=str(tmp_path / "a"), cluster=cluster_name,
                        client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                       node_options={"sync_helper": "thread"})
+                       storage=StorageOptions(sync_helper="thread"))
     a = ShardMember(cfg, make_server=lambda d: Recording(d, drain_wait_grace=30.0))
     async with trio.open_nursery() as n:
         await n.start(a.run)

@@ -27,6 +27,7 @@ import trio.testing
 
 from rallypoint.cluster.etcd import Compare, EtcdClient, Put
 from rallypoint.cluster.leader import NotAMemberError, Replicas, ShardElection
+from rallypoint.nodeconfig import StorageOptions
 from rallypoint.cluster.member import MemberConfig, ShardMember, StaleDataError
 from rallypoint.cluster.presence import DuplicateNodeError, NodeInstance, NodePresence, presence_key
 from rallypoint.cluster.shardmap import ClusterExistsError, create_cluster, inventory, read_config
@@ -48,7 +49,7 @@ def cluster_name():
 def member(etcd, tmp_path, name, cluster, *, data_dir=None, **kw) -> ShardMember:
     cfg = MemberConfig(etcd=etcd.endpoints, node=name, data_dir=str(data_dir or tmp_path / name), cluster=cluster,
                        client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                       node_options={"sync_helper": "thread"}, **kw)
+                       storage=StorageOptions(sync_helper="thread"), **kw)
     return ShardMember(cfg, make_server=lambda d: Server(d))
 
 

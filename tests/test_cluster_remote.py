@@ -497,3 +497,78 @@ async def test_no_clients_key_makes_a_call_between_shards_not_even_an_operators(
                                                           secret_sha256="x" * 64, created_at_ms=0)):
         with pytest.raises(ForbiddenError, match="made only by its nodes|a step the node takes itself"):
             await service.call(operator, op)
+
+
+class _SpyKind:
+    """A requirement kind standing in for another (every call passes through to it),
+    with its own limit of names and a switch for ``requirement_fits``: what a new
+    requirement type would be to the admission registry."""
+
+    requirement_max_names = 1
+
+    def __init__(self, real):
+        self.real = real
+        self.calls: list[str] = []
+        self.fits = True
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def requirement_prepare(self, space, value):
+        self.calls.append("prepare")
+        return self.real.requirement_prepare(space, value)
+
+    def requirement_fits(self, value, pending, task=None):
+        self.calls.append("fits")
+        return self.fits and self.real.requirement_fits(value, pending, task)
+
+    def requirement_records(self, task, value, at_ms):
+        self.calls.append("records")
+        return self.real.requirement_records(task, value, at_ms)
+
+
+def test_every_requirement_type_has_its_cross_shard_fields():
+    # a new requirement type (a line in REQUIREMENT_KINDS) that the cross-shard Structs
+    # do not carry could not be admitted for a run of another shard than its space's home
+    from rallypoint.actors.admission import REQUIREMENT_KINDS
+    from rallypoint.actors.coordinator import Coordinator
+    from rallypoint.records import RemoteRequirements, TaskRequirements
+
+    coord = Coordinator()
+    for field, attr in REQUIREMENT_KINDS.items():
+        for struct in (p.Requirements, TaskRequirements, RemoteRequirements, p.AdmissionReserve):
+            assert field in struct.__struct_fields__, (field, struct.__name__)
+        assert isinstance(getattr(coord, attr).requirement_max_names, int), field
+
+
+async def test_cross_shard_admission_decides_through_the_requirement_registry(two, monkeypatch):
+    # issue 43: admission.reserve hard-coded pools and budgets and re-declared their
+    # limits; every requirement type now goes through the registry local admission uses
+    # (its kind's prepare, fits and records on the home shard, its limit of names on the
+    # run's shard), so a type swapped in the registry is the one consulted
+    from rallypoint.actors.admission import REQUIREMENT_KINDS
+
+    await jobs_on_both(two)
+    await two.call(0, p.BudgetEnsure(name="spend", limit_minor=100))
+    await two.call(0, p.BudgetEnsure(name="other", limit_minor=100))
+    home, run_shard = two.coord(0), two.coord(1)
+    spies = {0: _SpyKind(home.budgets), 1: _SpyKind(run_shard.budgets)}
+    for shard, spy in spies.items():
+        monkeypatch.setattr(two.coord(shard), "spy_budgets", spy, raising=False)
+    monkeypatch.setitem(REQUIREMENT_KINDS, "budgets", "spy_budgets")
+    r1 = await new_run(two)
+    with pytest.raises(RallypointError) as e:  # the spy's limit (1 name), not the budgets' own (2)
+        await two.call(1, p.TaskSubmit(mailbox="jobs", scope_id=r1, requirements=p.Requirements(
+            budgets={"spend": 1, "other": 1})))
+    assert e.value.code == "VALIDATION_FAILED" and "at most 1" in e.value.message
+
+    op = p.AdmissionReserve(space="default", scope_id=r1, task_id="tsk_spy", token=1, budgets={"spend": 30})
+    spies[0].fits = False
+    v = msgspec.msgpack.decode(await two.nodes[0].service.call(Session(node=True), op), type=p.AdmissionReserveView)
+    assert v.status == "WAITING" and spies[0].calls == ["prepare", "fits"]
+    assert home.budgets.get("default", "spend").reserved_minor == 0  # nothing taken
+    spies[0].fits = True
+    spies[0].calls.clear()
+    v = msgspec.msgpack.decode(await two.nodes[0].service.call(Session(node=True), op), type=p.AdmissionReserveView)
+    assert v.status == "GRANTED" and spies[0].calls == ["prepare", "fits", "records"]
+    assert len(v.reservations) == 1 and home.budgets.get("default", "spend").reserved_minor == 30

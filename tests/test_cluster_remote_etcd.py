@@ -22,6 +22,7 @@ import trio
 import rallypoint
 from rallypoint.actors.sharding import home_slot
 from rallypoint.cluster.etcd import EtcdClient
+from rallypoint.nodeconfig import StorageOptions
 from rallypoint.cluster.member import MemberConfig, ShardMember
 from rallypoint.cluster.shardmap import init_cluster
 from rallypoint.errors import ScopeCancelledError, UnavailableError
@@ -42,7 +43,7 @@ def test_the_home_shard_of_the_default_space_is_0():
 def member(etcd, tmp_path, name, cluster, shard):
     cfg = MemberConfig(etcd=etcd.endpoints, node=name, data_dir=str(tmp_path / name), cluster=cluster, shard=shard,
                        client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                       node_options={"sync_helper": "thread"})
+                       storage=StorageOptions(sync_helper="thread"))
     return ShardMember(cfg, make_server=lambda d: Server(d))
 
 

@@ -18,6 +18,7 @@ import trio
 
 import rallypoint
 from rallypoint.cluster.member import MemberConfig, ShardMember
+from rallypoint.nodeconfig import RetentionOptions, StorageOptions
 from rallypoint.errors import CursorExpiredError, ValidationError
 from rallypoint.transport.server import Server
 
@@ -134,10 +135,10 @@ async def test_a_watch_over_the_space_merges_every_shard_and_resumes_exactly_per
         n.cancel_scope.cancel()
 
 
-def member_with(etcd, tmp_path, name, cluster, shard, **node_options):
+def member_with(etcd, tmp_path, name, cluster, shard, **storage):
     cfg = MemberConfig(etcd=etcd.endpoints, node=name, data_dir=str(tmp_path / name), cluster=cluster, shard=shard,
                        client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                       node_options={"sync_helper": "thread", **node_options})
+                       storage=StorageOptions(**{"sync_helper": "thread", **storage}))
     return ShardMember(cfg, make_server=lambda d: Server(d))
 
 
@@ -147,7 +148,7 @@ async def test_a_list_over_the_space_pages_by_a_vector_cursor_and_errors_name_th
 
     # one node per shard, keeping 40 events each (retention: CURSOR_EXPIRED below)
     monkeypatch.setattr(tcs, "member", lambda e, tp, name, c, s: member_with(e, tp, name, c, s,
-                                                                             retention={"retain_events": 40}))
+                                                                             retention=RetentionOptions(retain_events=40)))
     async with trio.open_nursery() as n:
         members = await start_cluster(etcd, tmp_path, cluster_name, n, nodes=1)
         async with rallypoint.connect(urls(members)) as rs:

@@ -17,6 +17,7 @@ import trio
 
 import rallypoint
 from rallypoint.cluster.etcd import EtcdClient
+from rallypoint.nodeconfig import StorageOptions
 from rallypoint.cluster.member import MemberConfig, ShardMember
 from rallypoint.cluster.shardmap import init_cluster, read_map
 from rallypoint.errors import ValidationError, WrongShardError
@@ -32,7 +33,7 @@ SLOTS = 64
 def member(etcd, tmp_path, name, cluster, shard):
     cfg = MemberConfig(etcd=etcd.endpoints, node=name, data_dir=str(tmp_path / name), cluster=cluster, shard=shard,
                        client=("127.0.0.1", 0), replication=("127.0.0.1", 0), isr_timeout_s=0.5,
-                       node_options={"sync_helper": "thread"})
+                       storage=StorageOptions(sync_helper="thread"))
     return ShardMember(cfg, make_server=lambda d: Server(d))
 
 

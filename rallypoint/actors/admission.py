@@ -45,13 +45,20 @@ to the coordinator attribute of the kind implementing it, which provides::
     requirement_views(task) -> dict                       # extra DeliveryView fields (e.g. grants)
     requirement_describe(stored) -> wire value            # stored (ids) back to names: a mailbox's
                                                           #   default requirements in its view
+    requirement_max_names: int                            # most names one task's requirements give
 
 Two kinds implement it: pools (``"pools"``: pool id -> units, held as grants) and
 budgets (``"budgets"``: budget id -> minor units, a reservation per delivery, settled or
 voided by ``new_state``; :mod:`rallypoint.actors.budget`). A new type needs (1) a field in
-both Requirements Structs, (2) a line here, (3) those methods on its kind, and (4) what
-its ``requirement_views`` returns as a field of ``DeliveryView`` (pools: ``grants``,
-budgets: ``reservations``).
+both Requirements Structs and in the two cross-shard ones (``records.RemoteRequirements``,
+``protocol.AdmissionReserve``), (2) a line here, (3) those methods on its kind, and (4)
+what its ``requirement_views`` returns as a field of ``DeliveryView`` (pools: ``grants``,
+budgets: ``reservations``). The same registry admits across shards: a task whose run is
+not on its space's home shard keeps its requirements by name (:meth:`Admission.named`,
+each kind's ``requirement_max_names``), and the home shard's ``admission.reserve``
+resolves and takes them through the same methods (:meth:`Admission.prepare_named`,
+:meth:`Admission.take_now`, :meth:`Admission.release_remote`;
+``tests/test_cluster_remote.py`` fails for a type left out).
 
 **Mailbox defaults.** A WORK mailbox may hold default requirements
 (``mailbox.ensure(..., requirements=)``, resolved by :meth:`Admission.prepare` like a
@@ -84,13 +91,31 @@ from .common import applies, check_name, check_range, short
 from .kind import Kind, Links
 from .opmark import ALWAYS, C, R, by_run, op, run_or_space
 
-__all__ = ["Admission", "WorkLimitState", "REQUIREMENT_KINDS"]
+__all__ = ["Admission", "RemoteDelivery", "WorkLimitState", "REQUIREMENT_KINDS"]
 
 #: Requirement type (a field of Requirements / TaskRequirements) -> the Coordinator
 #: attribute of the kind that implements it (see the module docstring).
 REQUIREMENT_KINDS: dict[str, str] = {"pools": "pools", "budgets": "budgets"}
 
 _TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"})
+
+
+class RemoteDelivery:
+    """A delivery of a task of another shard, as the requirement kinds see it on the
+    space's home shard (the task itself is not there): ``id`` (the task's), ``space``,
+    ``scope_id`` (its run: a remote run here), ``token`` as the task's own would be at
+    that moment (the one before the delivery when it is taken, the delivery's when it
+    is released) and ``grant_holder`` (what its pool grants show as their holder)."""
+
+    __slots__ = ("id", "space", "scope_id", "token", "grant_holder")
+
+    def __init__(self, task_id: str, token: int, space: str = "", scope_id: str = "",
+                 grant_holder: str | None = None) -> None:
+        self.id = task_id
+        self.token = token
+        self.space = space
+        self.scope_id = scope_id
+        self.grant_holder = grant_holder
 
 
 class WorkLimitState(msgspec.Struct, gc=False, omit_defaults=True):
@@ -249,24 +274,69 @@ class Admission(Kind):
         requirements are kept by name (the pools and budgets live on the home shard,
         which resolves and checks them when a delivery reserves them; one it can never
         grant cancels the task, reason ``requirements_refused``). Here only their shape
-        is checked: VALIDATION_FAILED for more than 4 pools or 2 budgets, or an amount
-        that is not a positive integer."""
-        from ..errors import ValidationError
+        is checked (:meth:`named`), by the same limits as on the home shard."""
         from ..records import RemoteRequirements
 
-        pools, budgets = dict(req.pools or {}), dict(req.budgets or {})
-        if len(pools) > 4 or len(budgets) > 2:
-            raise ValidationError("requirements name at most 4 pools and 2 budgets",
-                                  details={"field": "requirements"})
-        for field, d in (("pools", pools), ("budgets", budgets)):
+        named = self.named(req)
+        if not any(named.values()):
+            return None
+        return TaskRequirements(remote=RemoteRequirements(shard=home, **named))
+
+    def named(self, req) -> dict[str, dict[str, int]]:
+        """Requirements by name -- ``req``: any Struct with one field per requirement
+        type (``Requirements``, ``RemoteRequirements``, ``AdmissionReserve``) -- as
+        ``{type: {name: amount}}``, one entry per :data:`REQUIREMENT_KINDS` type, their
+        shape checked without looking anything up: VALIDATION_FAILED for more names
+        than the type's kind allows (``requirement_max_names``), a bad name, or an
+        amount that is not a positive integer."""
+        from ..errors import ValidationError
+
+        out: dict[str, dict[str, int]] = {}
+        for field, kind in self._kinds():
+            d = dict(getattr(req, field) or {})
+            most = kind.requirement_max_names
+            if len(d) > most:
+                raise ValidationError(f"requirements.{field} names {len(d)}; at most {most}",
+                                      details={"field": f"requirements.{field}"})
             for name, v in d.items():
                 check_name(f"requirements.{field}", name)
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ValidationError(f"requirements.{field}[{name}] must be a positive integer",
                                           details={"field": f"requirements.{field}[{name}]"})
-        if not pools and not budgets:
+            out[field] = d
+        return out
+
+    def prepare_named(self, space: str, req) -> dict:
+        """The home shard of a sharded cluster: the requirements by name of ``req`` (any
+        Struct with one field per requirement type: ``AdmissionReserve``) to their stored
+        form, each by its kind's ``requirement_prepare`` -- the checks and limits of a
+        submission on one node (VALIDATION_FAILED, NOT_FOUND); empty types left out."""
+        return {field: kind.requirement_prepare(space, getattr(req, field)) for field, kind in self._kinds()
+                if getattr(req, field)}
+
+    def take_now(self, delivery, stored: dict, at_ms: int) -> list | None:
+        """The home shard of a sharded cluster: the records that take every stored
+        requirement (:meth:`prepare_named`) for ``delivery`` (a :class:`RemoteDelivery`)
+        now, all or nothing, as :meth:`try_take` does for a local task (the same
+        ``requirement_fits`` / ``requirement_hold`` / ``requirement_records``); None when
+        one does not fit now (nothing taken). ``requirement_fits`` is asked with no task:
+        a request younger than every task in a pool's admission line."""
+        parts = [(kind, stored[field]) for field, kind in self._kinds() if stored.get(field)]
+        pending: dict = {}
+        if not all(kind.requirement_fits(value, pending, None) for kind, value in parts):
             return None
-        return TaskRequirements(remote=RemoteRequirements(shard=home, pools=pools, budgets=budgets))
+        out: list = []
+        for kind, value in parts:
+            kind.requirement_hold(value, pending)
+            out.extend(kind.requirement_records(delivery, value, at_ms))
+        return out
+
+    def release_remote(self, delivery, at_ms: int, new_state: str) -> None:
+        """Apply, on the home shard: what was taken for ``delivery`` (a
+        :class:`RemoteDelivery` whose ``token`` is the delivery's) goes back or settles,
+        by each kind's ``requirement_release`` (stored value None: all it holds for it)."""
+        for _field, kind in self._kinds():
+            kind.requirement_release(delivery, None, at_ms, new_state)
 
     def describe(self, stored: TaskRequirements | None) -> Requirements | None:
         """Stored requirements (by id) -> the wire form (by name), or None when there are

@@ -37,3 +37,57 @@ REPLY_TYPES: dict[type, type] = TABLE.reply_types
 #: the tagged union (tag field ``op``) a request body is decoded against
 Op = TABLE.union
 op_decoder = TABLE.decoder
+
+
+
+def render_opfacts(table: OpTable = TABLE) -> str:
+    """The text of :mod:`rallypoint.opfacts`: the client's facts of every op (shard,
+    merge, re-send rule) as ``table``'s marks declare them, written with
+    :mod:`rallypoint.opdecl`'s names. RuntimeError for a rule that cannot be written
+    so (a ``Resend`` built by hand)."""
+    lines = [
+        '"""GENERATED from the ``@op`` marks by ``python -m rallypoint.actors.api --write-opfacts``:',
+        "do not edit (``tests/test_client_imports.py`` fails when it differs from the marks).",
+        "",
+        "The facts of every operation the client needs -- its shard (the router), how every",
+        "shard's answers merge (fan-out ops) and its re-send rule (the reconnecting transport)",
+        "-- so that ``rallypoint.client`` imports no server module. The declaration is the",
+        "op's ``@op`` mark (:mod:`rallypoint.actors.opmark`).",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from . import protocol as p",
+        "from .opdecl import (  # noqa: F401  (the names the facts are written with)",
+        "    ALWAYS, NEVER, FactTable, OpFacts, Shard, at_explicit_index_or_step, every_item_keyed, fenced, keyed,",
+        "    resend_if,",
+        ")",
+        "",
+        '__all__ = ["TABLE"]',
+        "",
+        "#: request Struct -> its :class:`~rallypoint.opdecl.OpFacts`, in the protocol's order",
+        "TABLE = FactTable({",
+    ]
+    from .. import protocol as p
+
+    for t, d in table.decls.items():
+        if getattr(p, t.__name__, None) is not t:
+            raise RuntimeError(f"{t.__name__} is not a name of rallypoint.protocol")
+        if d.resend.expr is None:
+            raise RuntimeError(f"op {d.tag!r}: its re-send rule {d.resend!r} cannot be written for the client "
+                               "(build it with rallypoint.opdecl's ALWAYS, NEVER, keyed, fenced or resend_if)")
+        lines.append(f"    p.{t.__name__}: OpFacts({d.shard.expr}, {d.merge!r}, {d.resend.expr}),")
+    lines += ["})", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m rallypoint.actors.api --write-opfacts
+    import os
+    import sys
+
+    if sys.argv[1:] != ["--write-opfacts"]:
+        sys.exit("usage: python -m rallypoint.actors.api --write-opfacts")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "opfacts.py")
+    with open(path, "w") as f:
+        f.write(render_opfacts())
+    print(f"wrote {path}")

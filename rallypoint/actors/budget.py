@@ -408,6 +408,8 @@ class Budgets(Kind):
         ]
 
     # ================================================================ admission requirements
+    requirement_max_names = MAX_BUDGETS_PER_TASK
+
     def requirement_prepare(self, space: str, value) -> dict[str, int]:
         """At submission: ``{budget name or id: amount_minor}`` -> ``{budget id:
         amount_minor}``. VALIDATION_FAILED: more than 2 budgets, an amount not an integer

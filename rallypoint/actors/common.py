@@ -14,13 +14,13 @@ import msgspec
 import trio
 
 from ..clock import from_iso
-from ..errors import ValidationError
+from ..errors import ForbiddenError, ValidationError
 from ..wire import MAX_FRAME_BYTES, MAX_PAYLOAD_BYTES, too_large_message
 
 __all__ = [
     "MemoryJournal", "applies", "check_holder", "check_name", "check_payload", "check_range", "check_key", "clamp_wait",
     "parse_instant", "short", "data", "check_label", "did_you_mean", "MAX_WAIT_MS", "MAX_KEY_LEN", "REPLY_BUDGET_BYTES",
-    "fit_count",
+    "fit_count", "require_node", "require_local",
 ]
 
 #: Longest server-side wait in one request, ms (SPEC §13); the SDK re-issues longer ones.
@@ -228,3 +228,19 @@ class MemoryJournal:
         return {"mode": "memory", "last_lsn": self.last_lsn}
 
 
+
+
+def require_node(session, tag: str) -> None:
+    """FORBIDDEN unless ``session`` is another node's (authenticated by the cluster's
+    node secret: ``Session.node``) or the node's own (``Session.local``): the calls
+    between the shards of a sharded cluster (``tag``: the op's tag, for the message)."""
+    if not (getattr(session, "node", False) or getattr(session, "local", False)):
+        raise ForbiddenError(f"{tag} is a call between the nodes of a sharded cluster, authenticated by the "
+                             "cluster's node secret; clients do not make it")
+
+
+def require_local(session, tag: str) -> None:
+    """FORBIDDEN unless ``session`` is the node's own (``Session.local``): an in-process
+    step of the node, never taken over the wire."""
+    if not getattr(session, "local", False):
+        raise ForbiddenError(f"{tag} is a node's own step (in-process); it is not taken over the wire")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import msgspec
 import trio
@@ -99,6 +99,27 @@ class FatalError(RuntimeError):
 _FatalMarker.fatal_type = FatalError
 
 
+class ClusterNode(Protocol):
+    """What a coordinator asks of the cluster node it runs in
+    (:class:`rallypoint.cluster.member.ShardMember`)."""
+
+    def status(self) -> Any:
+        """This node as a ``protocol.ClusterView`` (the server status carries it)."""
+        ...
+
+    def cluster_map_view(self) -> Any:
+        """The slot map and every shard's leader, a ``protocol.ClusterMapView``."""
+        ...
+
+
+class ConnectionSource(Protocol):
+    """What counts a node's live client connections (:class:`rallypoint.transport.server.Server`)."""
+
+    def connection_count(self) -> int:
+        """The client connections open now."""
+        ...
+
+
 class Coordinator:
     """The whole coordinator: one object per kind, the runtime, commit and time.
 
@@ -142,7 +163,9 @@ class Coordinator:
         self.journal = journal if journal is not None else MemoryJournal()
         self.durability = durability
         self.started_at = time.monotonic()
-        self.connections_fn: Callable[[], int] = lambda: 0
+        #: what counts the live client connections (the server's status): the TCP
+        #: server, set by :func:`rallypoint.nodeconfig.start_serving`; None: none
+        self.connections: ConnectionSource | None = None
         self.heartbeat: Callable[[int, int], None] | None = None
         self.background: list[Callable] = []
         #: ids of entities changed since the last snapshot, as the keys of dicts of
@@ -199,10 +222,11 @@ class Coordinator:
         self.epochs = Epochs(self)  # a replicated shard's leader terms (rallypoint.cluster)
         self.outbox = Outbox(self)  # a sharded cluster's remote runs, links and outbox
         self.schedules = Schedules(self)  # recurring actions (rallypoint.actors.schedule)
-        #: on a replicated shard's leader: () -> protocol.ClusterView (server status)
-        self.cluster_status_fn: Callable[[], Any] | None = None
-        #: on a node of a sharded cluster: () -> protocol.ClusterMapView (cluster.map)
-        self.cluster_map_fn: Callable[[], Any] | None = None
+        #: on a replicated shard's leader: the node (``rallypoint.cluster.member.
+        #: ShardMember``): its status in the server status, its slot map in
+        #: ``cluster.map`` (a sharded cluster's, once ``sharding`` is set); None: a
+        #: single node
+        self.cluster: ClusterNode | None = None
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
                       self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs,
@@ -941,7 +965,7 @@ class Coordinator:
         return {
             "version": __version__,
             "uptime_s": time.monotonic() - self.started_at,
-            "connections": self.connections_fn(),
+            "connections": self.connection_count(),
             "durability": self.durability,
             "entities": self.entity_count(),
             "last_lsn": self.journal.last_lsn,
@@ -973,6 +997,11 @@ class Coordinator:
                 table = self._tables[k.prefix][0]
                 out[k.name]["passive"] = max(0, len(table) - out[k.name]["active"])
         return out
+
+    def connection_count(self) -> int:
+        """The live client connections of the server that serves this coordinator (0:
+        none, an embedded or simulated one)."""
+        return 0 if self.connections is None else self.connections.connection_count()
 
     def statistics(self) -> dict:
         return {

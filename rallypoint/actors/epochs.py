@@ -123,10 +123,10 @@ class Epochs(Kind):
         """The slot map and every shard's leader, as this node watches them in etcd (a
         single node: an empty map). Answered at once (etcd's, not the journal's: no wait
         for durability, so a client can route while a shard's writes wait)."""
-        fn = self.coord.cluster_map_fn
-        if fn is None:
+        coord = self.coord
+        if coord.cluster is None or coord.sharding is None:  # a single node, or a shard without a slot map
             return AtOnce(ClusterMapView(cluster="", version=0, owners=[], shards=[]))
-        return AtOnce(fn())
+        return AtOnce(coord.cluster.cluster_map_view())
 
     @op(ClusterReleaseSlots, route=SPACE, permission="operator", resend=NEVER, shard=ALL, merge="any")
     def op_cluster_release_slots(self, actor, session, op: ClusterReleaseSlots) -> SlotsReleasedView:

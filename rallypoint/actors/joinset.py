@@ -89,6 +89,7 @@ from ..records import JoinSetChildDone, JoinSetClosing, JoinSetDone
 from .common import applies, check_range, clamp_wait, data, parse_instant, short
 from .kind import Kind
 from .opmark import ALWAYS, NEVER, R, W, asked, by, by_op, by_run, in_slot, keyed, op, resend_if, waits_if
+from ..opdecl import at_explicit_index_or_step
 from .queue import TERMINAL
 from .runtime import Park
 
@@ -499,7 +500,7 @@ class JoinSets(Kind):
         return JoinNextView(status="pending", index=e.index, step=step, replayed=True)
 
     @op(JoinNext, route=by("joinset_id"), permission=W, reply=JoinNextView,
-        resend=resend_if(lambda op: op.index is not None or op.step is not None, "at an explicit index or step",
+        resend=resend_if(at_explicit_index_or_step, "at an explicit index or step",
                          fields=("index", "step")),
         waits=waits_if(lambda op: op.wait_ms > 0 and not op.try_only, "wait_ms > 0 and not try_only",
                        ("wait_ms", "try_only")))

@@ -49,6 +49,11 @@ from typing import Any, Callable, NamedTuple, Union
 
 import msgspec
 
+from ..opdecl import (  # (the declarations the client shares: defined there)
+    ALL, ALWAYS, HERE, HOME, NEVER, NEW_ROOT, PEER, RECONCILE_RULES, FactTable, OpFacts, Resend, Shard, fans_out,
+    fenced, in_slot, in_slots, keyed, named, resend_if,
+)
+
 __all__ = [
     "op", "Route", "SPACE", "by_run", "run_or_space", "by", "by_op", "Resend", "ALWAYS", "NEVER", "keyed", "fenced",
     "RECONCILE_RULES",
@@ -165,84 +170,6 @@ def by_op(method: str) -> Route:
 
 # ---------------------------------------------------------------------------- re-send
 
-class Resend:
-    """Whether applying a request twice has the effect of applying it once, so that a
-    client may send it again after its connection dropped with it in flight.
-
-    ``safe``: True, False, or ``fn(op) -> bool``; ``describe``: the rule in words;
-    ``advice``: what the client's UNAVAILABLE (``maybe_applied``) says to do when it is
-    not safe; ``fields``: the request fields the rule reads."""
-
-    __slots__ = ("describe", "safe", "advice", "fields", "fenced", "reconcile")
-
-    def __init__(self, describe: str, safe: bool | Callable[[Any], bool], advice: str | None = None,
-                 fields: tuple[str, ...] = (), *, fenced: bool = False, reconcile: str | None = None) -> None:
-        self.describe = describe
-        self.safe = safe
-        self.advice = advice
-        self.fields = fields
-        #: a write fenced by a token or a state, whose second sending is refused when
-        #: the first was applied (STALE_CLAIM, CONFLICT...): it must name how the client
-        #: turns that refusal back into the first one's answer (``reconcile``)
-        self.fenced = fenced
-        #: the name of that rule (:data:`RECONCILE_RULES`; implemented by
-        #: ``rallypoint.client.reconnect.RECONCILERS``), or None
-        self.reconcile = reconcile
-
-    def __call__(self, op: Any) -> bool:
-        s = self.safe
-        return s if s is True or s is False else bool(s(op))
-
-    def __repr__(self) -> str:
-        return f"Resend({self.describe})"
-
-
-#: Always safe to send again: a read, a server-side wait, or an idempotent or fenced write.
-ALWAYS = Resend("always", True)
-#: Never sent again: the client answers UNAVAILABLE with ``maybe_applied``.
-NEVER = Resend("never", False)
-
-
-#: How a client reconciles a fenced op it sent again (after a dropped connection) whose
-#: second sending was refused because the first was applied: name -> what it does. The
-#: client implements each (``rallypoint.client.reconnect.RECONCILERS``; tests/test_op_facts.py
-#: checks both sides agree).
-RECONCILE_RULES: dict[str, str] = {
-    "task_settled": "refused STALE_CLAIM (the task SUCCEEDED) or the run inactive: the task's status, if it "
-                    "SUCCEEDED with this outcome",
-    "tasks_settled": "per item of a batch, as task_settled",
-    "task_requeued": "refused STALE_CLAIM with the task QUEUED again: the task's status",
-    "run_completed": "refused CONFLICT: the run's status, if it is COMPLETED",
-}
-
-
-def fenced(reconcile: str, describe: str = "fenced") -> Resend:
-    """Always safe to send again (a token or a state fences it), and a second sending
-    refused because the first was applied is reconciled by the rule ``reconcile`` (a
-    name of :data:`RECONCILE_RULES`).
-
-    Raises:
-        ValueError: ``reconcile`` is not a rule of :data:`RECONCILE_RULES`.
-    """
-    if reconcile not in RECONCILE_RULES:
-        raise ValueError(f"no reconcile rule {reconcile!r}: one of {sorted(RECONCILE_RULES)} (add a rule there and "
-                         "its implementation in rallypoint/client/reconnect.py RECONCILERS)")
-    return Resend(f"{describe}, reconciled by {reconcile}", True, fenced=True, reconcile=reconcile)
-
-
-def keyed(field: str = "key", advice: str | None = None) -> Resend:
-    """Safe when ``op.<field>`` is set: the server finds the first one by it (an
-    idempotency key, a request id, a name unique in its run)."""
-    get = attrgetter(field)
-    return Resend(f"with {field}", lambda op: get(op) is not None, advice, (field,))
-
-
-def resend_if(pred: Callable[[Any], bool], describe: str, advice: str | None = None,
-              fields: tuple[str, ...] = ()) -> Resend:
-    """Safe when ``pred(op)`` (``describe`` says when, in words)."""
-    return Resend(describe, pred, advice, fields)
-
-
 # ---------------------------------------------------------------------------- waits
 
 class Waits:
@@ -279,74 +206,6 @@ def waits_if(pred: Callable[[Any], bool], describe: str, fields: tuple[str, ...]
 
 
 # ---------------------------------------------------------------------------- shards
-
-class Shard:
-    """Which shard of a sharded cluster an op belongs to: the client's router sends it
-    there, and a node refuses one that is not its own (WRONG_SHARD). Derived from the
-    route when not given (:func:`shard_of_route`).
-
-    ``kind``:
-    - ``"slot"``: the slot of ``op.<field>`` -- an id names its slot
-      (:func:`rallypoint.ids.slot_of`), a name (a work queue's, a pool's...) its space's
-      home slot; when the field is None, ``if_none`` (``"home"``, ``"all"`` or
-      ``"new_root"``) decides;
-    - ``"slots"``: ``op.<field>`` is a list of ids (or of items with ``task_id``): the
-      router splits it by shard, a node takes only its own;
-    - ``"home"``: the space's home slot; ``"named"``: the slot ``op.<field>`` (a root
-      run's name) hashes to; ``"new_root"``: any shard (the router spreads new root runs);
-      ``"all"``: every shard (the router merges the answers, as the op's ``merge=``
-      names); ``"here"``: whichever shard the request reaches (a store each shard keeps
-      of its own: the HTTP layer's idempotency answers, which live on the shard that
-      applied the request); ``"peer"``: a call between shards, sent by a node point to
-      point to the shard it chose (the outbox, cross-shard admission, adopted runs and
-      keys): accepted by the shard it reaches, never fanned out, nothing to merge."""
-
-    __slots__ = ("describe", "kind", "field", "if_none", "fields")
-
-    def __init__(self, kind: str, field: str | None = None, if_none: str = "home") -> None:
-        if kind not in ("slot", "slots", "home", "named", "new_root", "all", "here", "peer"):
-            raise ValueError(f"unknown shard kind {kind!r}")
-        self.kind = kind
-        self.field = field
-        self.if_none = if_none
-        self.fields = (field,) if field else ()
-        self.describe = kind if field is None else f"{kind}({field})"
-
-    def __repr__(self) -> str:
-        return f"Shard({self.describe})"
-
-
-#: The space's home shard (its space-wide entities).
-HOME = Shard("home")
-#: Any shard: a new root run (the router spreads them over the shards).
-NEW_ROOT = Shard("new_root")
-#: Every shard: the answers are merged (lists, status, events).
-ALL = Shard("all")
-#: The shard the request reaches: a per-shard store (the HTTP idempotency answers).
-HERE = Shard("here")
-#: A call between shards: the node that makes it sends it to the shard it chose.
-PEER = Shard("peer")
-
-
-def fans_out(shard: Shard) -> bool:
-    """Whether an op of this shard fact may be answered by every shard (merged)."""
-    return shard.kind == "all" or (shard.kind == "slot" and shard.if_none == "all")
-
-
-def in_slot(field: str, if_none: str = "home") -> Shard:
-    """The shard of ``op.<field>``'s slot (an id's; a name's: the home slot)."""
-    return Shard("slot", field, if_none)
-
-
-def in_slots(field: str) -> Shard:
-    """``op.<field>`` lists ids (or items with ``task_id``): split by shard."""
-    return Shard("slots", field)
-
-
-def named(field: str = "name") -> Shard:
-    """The slot a root run named ``op.<field>`` hashes to."""
-    return Shard("named", field)
-
 
 def shard_of_route(route: "Route") -> Shard:
     """The default shard fact of a route: the slot of the field it routes by (an id's
@@ -413,8 +272,10 @@ class BoundOp(NamedTuple):
     decl: OpDecl
 
 
-class OpTable:
-    """Every operation's declaration, built from the ``@op`` marks (:func:`build_table`).
+class OpTable(FactTable):
+    """Every operation's declaration, built from the ``@op`` marks (:func:`build_table`);
+    its re-send, shard and merge facts (:class:`~rallypoint.opdecl.FactTable`) are the
+    ones the client reads from :mod:`rallypoint.opfacts`.
 
     Attributes:
         decls: request Struct -> :class:`OpDecl`, in the protocol's order.
@@ -425,30 +286,12 @@ class OpTable:
     """
 
     def __init__(self, decls: dict[type, OpDecl]) -> None:
+        super().__init__({t: OpFacts(d.shard, d.merge, d.resend) for t, d in decls.items()})
         self.decls = decls
         self.reply_types: dict[type, type] = {t: d.reply for t, d in decls.items()}
         self.union = Union[tuple(decls)]  # type: ignore[valid-type]
         self.decoder = msgspec.msgpack.Decoder(self.union)
-        self._resend = {t: d.resend for t, d in decls.items()}
         self._waits = {t: d.waits for t, d in decls.items()}
-        self.shards: dict[type, Shard] = {t: d.shard for t, d in decls.items()}
-        self.merges: dict[type, str | None] = {t: d.merge for t, d in decls.items()}
-
-    def resend_safe(self, op: Any) -> bool:
-        """Whether ``op`` may be sent again after a dropped connection (False for
-        anything that is not a request Struct of the table, e.g. pre-encoded bytes)."""
-        r = self._resend.get(type(op))
-        return False if r is None else r(op)
-
-    def reconcile_rule(self, op: Any) -> str | None:
-        """The reconcile rule of a fenced op (:func:`fenced`), or None."""
-        r = self._resend.get(type(op))
-        return None if r is None else r.reconcile
-
-    def resend_advice(self, op: Any) -> str | None:
-        """What to do instead, when ``op`` may not be sent again (None: no advice)."""
-        r = self._resend.get(type(op))
-        return None if r is None else r.advice
 
     def asked_wait(self, op: Any) -> bool:
         """Whether ``op`` is a server-side wait its client asked for."""

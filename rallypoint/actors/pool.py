@@ -667,6 +667,8 @@ class Pools(Kind):
             self._kick(pool.id)
 
     # ================================================================ admission ("pools" requirement)
+    requirement_max_names = MAX_POOLS_PER_TASK
+
     def requirement_prepare(self, space: str, value: dict) -> dict[str, int]:
         """At submission: pool name -> units, to pool id -> units. VALIDATION_FAILED for
         more than 4 pools or units outside 1..units_total, NOT_FOUND for a pool."""
@@ -748,11 +750,14 @@ class Pools(Kind):
             pending[pid] = pending.get(pid, 0) + units
 
     def requirement_records(self, task, value: dict[str, int], at_ms: int) -> list:
-        """The grants, committed with the delivery (``TaskDelivered``)."""
+        """The grants, committed with the delivery (``TaskDelivered``; on a space's home
+        shard, with ``AdmissionHeld``: ``task`` a ``RemoteDelivery``, whose
+        ``grant_holder`` the grants show)."""
         new_id = self.coord.new_id
+        holder = getattr(task, "grant_holder", None)
         return [
             PoolGranted(id=new_id("grt", space=task.space), pool_id=pid, space=task.space, scope_id=task.scope_id, units=units,
-                        token=new_token(), at_ms=at_ms, task_id=task.id)
+                        token=new_token(), at_ms=at_ms, holder=holder, task_id=task.id)
             for pid, units in value.items()
         ]
 

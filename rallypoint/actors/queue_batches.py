@@ -10,6 +10,7 @@ from ..protocol import (DeliveryCompleteMany, ItemError, SettledListView, Settle
 from ..records import TaskSubmitted
 from .common import REPLY_BUDGET_BYTES, fit_count
 from .opmark import W, by, by_run, fenced, in_slots, op, resend_if
+from ..opdecl import every_item_keyed
 from .queue_state import (
     MAX_BATCH, task_view_bytes, TaskState,
 )
@@ -23,7 +24,7 @@ class Batches:
     attributes it uses are made there)."""
 
     @op(TaskSubmitMany, route=by_run(), permission=W,
-        resend=resend_if(lambda op: all(i.key is not None for i in op.items), "every item has a key",
+        resend=resend_if(every_item_keyed, "every item has a key",
                          "give every item a `key` to make the batch safe to retry", ("items",)))
     def op_task_submit_many(self, actor, session, op: TaskSubmitMany) -> TaskListView:
         """All or nothing: every item is validated first, then one commit for all. The

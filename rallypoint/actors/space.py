@@ -100,7 +100,7 @@ class Spaces(Kind):
             fsync_seconds=st["fsync_seconds"],
             actors=st["actors"],
             tree_depth=st["tree_depth"],
-            cluster=coord.cluster_status_fn() if coord.cluster_status_fn is not None else None,
+            cluster=coord.cluster.status() if coord.cluster is not None else None,
             view="server",
             limits=limits.wire_values(),
             space_use=limits.report(),

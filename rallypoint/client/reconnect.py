@@ -129,11 +129,12 @@ _table: Any = None
 
 
 def _op_table() -> Any:
-    """The operation table (the ``@op`` marks: :mod:`rallypoint.actors.api`), imported
-    at the first dropped connection, not with ``rallypoint`` (it imports every kind)."""
+    """The facts of every op (:mod:`rallypoint.opfacts`, generated from the ``@op``
+    marks: the client imports no server module), imported at the first dropped
+    connection."""
     global _table
     if _table is None:
-        from ..actors.api import TABLE
+        from ..opfacts import TABLE
 
         _table = TABLE
     return _table
@@ -153,7 +154,7 @@ def _call_bound(op: Any) -> float:
 def reissue_safe(op: Any) -> bool:
     """Whether ``op`` may be sent again after a connection dropped with it in flight
     (applying it twice has the effect of applying it once): the ``resend`` rule of the
-    op's ``@op`` mark (:class:`rallypoint.actors.opmark.Resend`). False for anything
+    op's ``@op`` mark (:class:`rallypoint.opdecl.Resend`, read from :mod:`rallypoint.opfacts`). False for anything
     else (a pre-encoded body). See the module docstring."""
     return _op_table().resend_safe(op)
 

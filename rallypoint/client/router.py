@@ -5,7 +5,8 @@ shards; every id names its slot (:func:`rallypoint.ids.slot_of`) and the slot ma
 which shard owns each slot. :class:`ShardedTransport` keeps that map and one connection
 per shard (each a :class:`~rallypoint.client.reconnect.ReconnectingTransport` that
 follows that shard's leader, :mod:`rallypoint.client.follow`), and sends each request
-where its declaration says (``@op(..., shard=...)``, :class:`rallypoint.actors.opmark.Shard`):
+where its declaration says (``@op(..., shard=...)``, :class:`rallypoint.opdecl.Shard`, read from
+:mod:`rallypoint.opfacts`):
 
 - an op about an id (a run, a task, a group...) to the shard of the id's slot; one
   about a space-wide entity by name (a work queue, a pool, a quota...) to the space's
@@ -53,7 +54,9 @@ _TRIES = 4
 
 
 def _table():
-    from ..actors.api import TABLE
+    """The facts of every op (:mod:`rallypoint.opfacts`, generated from the ``@op`` marks:
+    the client imports no server module)."""
+    from ..opfacts import TABLE
 
     return TABLE
 
@@ -186,7 +189,7 @@ class ShardedTransport:
     def event_shards(self, op: Any) -> list[int]:
         """The shards whose events ``op`` (``events.list`` / ``events.watch``) reads: the
         shard of its run (``scope_id``), else every shard, in order."""
-        from ..actors.sharding import EVERY, target
+        from ..slots import EVERY, target
 
         if self.map is None:
             return [self._any_shard()]
@@ -215,7 +218,7 @@ class ShardedTransport:
     async def _route(self, op: Any) -> Any:
         if not self.sharded:
             return await self._transport(self._any_shard()).call(op)
-        from ..actors.sharding import EVERY, HERE, NEW_ROOT, item_slots, target
+        from ..slots import EVERY, HERE, NEW_ROOT, item_slots, target
 
         decl = _table().shards[type(op)]
         slots = len(self.map.owners)
@@ -237,7 +240,7 @@ class ShardedTransport:
         return await self._transport(self._shard_of_slot(slot)).call(op)
 
     async def _mailbox_ensure(self, op: p.MailboxEnsure) -> bytes:
-        from ..actors.sharding import home_slot
+        from ..slots import home_slot
 
         home = self._shard_of_slot(home_slot(self.space, len(self.map.owners)))
         raw = await self._transport(home).call(op)
@@ -257,7 +260,7 @@ class ShardedTransport:
         only the tasks of its own runs, so ``queued`` and ``running`` are summed; the
         definition is the home shard's, whose NOT_FOUND is the answer (a shard that never
         adopted the queue -- one added later -- has none of its tasks)."""
-        from ..actors.sharding import home_slot
+        from ..slots import home_slot
 
         home = self._shard_of_slot(home_slot(self.space, len(self.map.owners)))
         parts: dict[int, bytes | None] = {}

@@ -38,6 +38,7 @@ from ..backoff import Backoff
 from ..errors import ConflictError, NotLeaderError, RallypointError, UnavailableError, ValidationError
 from ..logutil import RateLimitedLogger
 from ..node import recovered, serving
+from ..nodeconfig import SnapshotOptions, StorageOptions
 from ..replication import (
     LinkClosed,
     Rebuild,
@@ -93,9 +94,9 @@ class MemberConfig:
     ``replicas``: how many nodes the shard has (1 or 2), given only to the node that
     creates the shard (None: the cluster's ``cluster init --replicas``, else 2; a value
     that differs from the one the shard records refuses the node);
-    ``node_options``: the keyword arguments of :func:`rallypoint.node.recovered`
-    (journal and disk-space options); ``serve_options``: those of
-    :func:`rallypoint.node.serving` (snapshot triggers)."""
+    ``storage``: how the data dir and journal are opened, ``snapshots``: when a leader
+    snapshots (:class:`~rallypoint.nodeconfig.StorageOptions`,
+    :class:`~rallypoint.nodeconfig.SnapshotOptions`: the same as a single node's)."""
 
     etcd: list[str]
     node: str
@@ -120,9 +121,8 @@ class MemberConfig:
     #: ``--insecure``: a plaintext replication link on a non-loopback address
     insecure: bool = False
     etcd_access: EtcdAccess | None = None
-    node_options: dict = field(default_factory=dict)
-    serve_options: dict = field(default_factory=lambda: {"snapshot_every_records": 100_000,
-                                                         "snapshot_every_s": 60.0})
+    storage: StorageOptions = field(default_factory=StorageOptions)
+    snapshots: SnapshotOptions = field(default_factory=SnapshotOptions)
 
 
 class EtcdIsr:
@@ -464,9 +464,7 @@ class ShardMember:
 
     def _recovered(self):
         c = self.config
-        return recovered(c.data_dir, c.durability, clock=c.node_options.get("clock"),
-                         interval_ms=c.node_options.get("interval_ms", 10),
-                         **{k: v for k, v in c.node_options.items() if k not in ("interval_ms", "clock")})
+        return recovered(c.data_dir, c.durability, **c.storage.recovered_kwargs())
 
     def _check_not_stale(self, epoch: int) -> None:
         """StaleDataError if ``epoch`` (the data dir's newest) predates the last
@@ -675,10 +673,7 @@ class ShardMember:
                     done.set()
 
     def _snap_opts(self) -> dict:
-        o = self.config.serve_options
-        return {"snapshot_every_records": o.get("snapshot_every_records", 100_000),
-                "snapshot_every_s": o.get("snapshot_every_s", 60.0),
-                "snapshot_retry_s": o.get("snapshot_retry_s", 5.0),
+        return {**self.config.snapshots.serving_kwargs(),
                 # a silent link ends (and is opened again) after twice the ISR timeout
                 "silence_s": max(2.0, 2 * self.config.isr_timeout_s)}
 
@@ -767,7 +762,6 @@ class ShardMember:
             if self.slotmap is not None:  # a sharded cluster: ids name slots, requests are checked
                 coord.sharding = Sharding(c.shard, self.slotmap.owners, self.slotmap.version,
                                           released=coord.epochs.released)
-            coord.cluster_map_fn = self.cluster_map_view
             coord.keys.store = (self._store_url(), c.cluster)  # keys are made in etcd, not over the wire
             # without a leader's beat to continue from (this node led last, or nobody
             # led since it recovered: an etcd outage), the gap is every moment since a
@@ -782,7 +776,7 @@ class ShardMember:
 
         # the ISR becomes this node alone (fenced) before anything is acknowledged: the
         # old leader is gone, and a standby joins again once it has caught up
-        async with serving(rec, before_rearm=before, gap_ms=None, **c.serve_options) as node:
+        async with serving(rec, before_rearm=before, gap_ms=None, **c.snapshots.serving_kwargs()) as node:
             repl = box["repl"]
             self.replication = repl
             self.epoch = lead.epoch
@@ -799,7 +793,7 @@ class ShardMember:
             await self._probe("takeover.epoch_synced")
             node.service.shard = c.shard
             node.service.epoch = lead.epoch
-            node.coordinator.cluster_status_fn = self.status
+            node.coordinator.cluster = self  # its status, its slot map (coordinator.ClusterNode)
             listeners = await self.listen(self.replication_port, host=c.replication[0])
             server = self.make_server(_Fenced(node.service, lead, self))
             self.server = server

@@ -312,8 +312,8 @@ class Reserver:
                     hold = AdmissionHold(task_id=t.id, token=token, shard=req.shard)
                     try:
                         raw = await self.peers.call(req.shard, AdmissionReserve(
-                            space=t.space, scope_id=t.scope_id, task_id=t.id, token=token, pools=dict(req.pools),
-                            budgets=dict(req.budgets), lease_ms=self.lease_ms))
+                            space=t.space, scope_id=t.scope_id, task_id=t.id, token=token, lease_ms=self.lease_ms,
+                            **coord.admission.named(req)))
                         got = msgspec.msgpack.decode(raw, type=AdmissionReserveView)
                     except RallypointError as e:
                         if e.code in _REFUSED:

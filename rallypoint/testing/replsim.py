@@ -76,6 +76,7 @@ from ..cluster import peerauth as _peerauth
 from ..actors.api import REPLY_TYPES
 from ..clock import Clock
 from ..cluster.member import MemberConfig, ShardMember
+from ..nodeconfig import SnapshotOptions, StorageOptions
 from ..errors import RallypointError
 from ..persistence.journal import read_journal, snapshot_lsn_of
 from ..service import CallSink, Session
@@ -593,9 +594,9 @@ class ReplSim:
             # the simulated network's hosts are names, not loopback addresses; the link is
             # authenticated by the cluster secret as on a real one (no TLS in the simulator)
             insecure=True,
-            node_options={"storage": storage, "clock": Clock(wall_start=WALL0 + trio.current_time()),
-                          "interval_ms": 10},
-            serve_options={"snapshot_every_records": 10**9, "snapshot_every_s": 10**6})
+            storage=StorageOptions(storage=storage, clock=Clock(wall_start=WALL0 + trio.current_time()),
+                                   interval_ms=10),
+            snapshots=SnapshotOptions(every_records=10**9, every_s=10**6))
         member = ShardMember(cfg, make_server=self.make_server(node), on_role=lambda role, m: self._on_role(node, role))
         member.make_etcd = lambda: client
         member.connect = lambda host, port: self.net.connect(node.name, host)

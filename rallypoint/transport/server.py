@@ -1011,6 +1011,10 @@ class Server:
         if self._serve_scope is not None:
             await self._stopped.wait()
 
+    def connection_count(self) -> int:
+        """The connections open now (``statistics()["connections"]``)."""
+        return len(self._conns)
+
     def statistics(self) -> dict[str, Any]:
         """Counters: connections (open), connections_total, rejected_connections,
         requests, errors, internal_errors, bytes_in, bytes_out, inflight (now),
