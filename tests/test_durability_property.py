@@ -25,7 +25,7 @@ from rallypoint.actors import Coordinator
 from rallypoint.clock import Clock
 from rallypoint.errors import RallypointError
 from rallypoint.node import recover_coordinator
-from conftest import direct
+from conftest import SLOW, direct  # SLOW (RALLYPOINT_SLOW=1): the long form's examples
 
 # ----------------------------------------------------------------------------- compare
 
@@ -229,7 +229,7 @@ async def run_sequence(ops) -> None:
                 "record_types": seen}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=200 if SLOW else 30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(OPS, min_size=10, max_size=80))
 def test_recovered_state_equals_live_state(ops):
     trio.run(run_sequence, PREAMBLE + ops)

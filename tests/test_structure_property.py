@@ -27,6 +27,7 @@ import rallypoint
 from rallypoint.clock import Clock
 from rallypoint.errors import RallypointError
 
+from conftest import SLOW  # RALLYPOINT_SLOW=1: the long form's examples
 from test_durability_property import assert_same, recover_copy
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"}
@@ -177,7 +178,7 @@ async def run_sequence(ops) -> dict:
         return done
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=300 if SLOW else 50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(OPS, min_size=10, max_size=60))
 def test_structure_holds_and_replays(ops):
     trio.run(run_sequence, PREAMBLE + ops)
