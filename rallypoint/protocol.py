@@ -1616,10 +1616,22 @@ class OverviewRun(_View):
 
 
 class OverviewQueue(_View):
+    """A work queue in the overview. Issue 44: ``ready_by_priority`` (priority as a
+    string -> ready tasks), ``ready_keys`` (fairness keys with ready tasks; summed over
+    shards in a sharded cluster: an upper bound there) and ``ready_top_keys`` (the
+    :data:`OVERVIEW_TOP_KEYS` largest keys' ready tasks; "" is no key)."""
+
     name: str
     queued: int
     running: int
     done: int  # tasks finished since the server started (a rate is its difference)
+    ready_by_priority: dict[str, int] = msgspec.field(default_factory=dict)
+    ready_keys: int = 0
+    ready_top_keys: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+#: the largest fairness keys per queue the overview (``rallypoint top``) carries
+OVERVIEW_TOP_KEYS = 3
 
 
 class OverviewGroup(_View):
