@@ -342,3 +342,19 @@ def test_http_and_cli_take_priority_and_key_and_status_shows_the_backlog(tmp_pat
         assert "mailbox     prio-http: ready p1 1  p4 1; by key tenant-a 1  tenant-b 1" in st.stdout, st.stdout
     finally:
         d.stop()
+
+
+async def test_events_carry_the_priority_and_the_fairness_key(autojump_clock, ers):
+    """``task.submitted``, ``task.priority_set`` and ``task.delivered`` carry the task's
+    priority and fairness key as they were at that moment."""
+    m = await ers.mailboxes.ensure("prio-events")
+    run = await ers.scopes.create(priority=4)
+    tk = await m.submit("x", scope=run, fair_key="tenant-a")
+    await tk.set_priority(2)
+    d = await m.receive(run, wait=0)
+    assert d.priority == 2
+    evs = [e for e in (await ers.events.list(limit=1000)).events if e.id == tk.id]
+    got = {e.type: (e.data["priority"], e.data["fair_key"]) for e in evs
+           if e.type in ("task.submitted", "task.priority_set", "task.delivered")}
+    assert got == {"task.submitted": (4, "tenant-a"), "task.priority_set": (2, "tenant-a"),
+                   "task.delivered": (2, "tenant-a")}
