@@ -245,8 +245,10 @@ class ShardedTransport:
         # the home shard's definition (an ensure may have left settings out: `checked`)
         adopt = msgspec.structs.replace(op, id=view.id, mode=view.mode, max_attempts=view.max_attempts,
                                         backlog_limit=view.backlog_limit, checked=None,
-                                        # issue 44: the home shard's aging and weights on every shard
-                                        aging_ms=view.aging_ms or 0, weights=dict(view.weights))
+                                        # issue 44: the home shard's aging, weights and rate limits
+                                        # on every shard (a rate limit counts per shard)
+                                        aging_ms=view.aging_ms or 0, weights=dict(view.weights),
+                                        rate_limits=dict(view.rate_limits))
         for s in sorted(self.shards):
             if s != home:
                 await self._transport(s).call(adopt)
