@@ -23,6 +23,13 @@ heap by ``seq`` (only on an aging queue) and the level whose oldest task is most
 (effective priority, then the older task: FIFO among equal effective levels) is served; a task that aged past its level is
 served first in line, else the level's stride turn is taken.
 
+**Rate limits** (per queue and fairness key, ``MailboxState.rate_limits``): :meth:`ReadyIndex.pop`
+takes ``key_room(key)`` (how many more of the key may be delivered now); a key at 0 is
+passed over for the pop -- its turn (and on an aging level its oldest entries, at most
+:data:`MAX_PARKED` a pick) set aside and put back at the end, its pass unchanged, so it
+keeps its place -- and :attr:`ReadyIndex.rate_blocked` tells the caller to wake the
+receivers when the key's window turns.
+
 Entries are dropped lazily: ``members`` maps every ready task to the generation of its
 entry (a new one at each :meth:`ReadyIndex.add`: a priority change, a requeue), and an
 entry whose generation is not the current one is stale and skipped. Rebuilt after
