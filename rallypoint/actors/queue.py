@@ -331,7 +331,7 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
         q = self.table[r.id]
         q.aging_ms, q.weights, q.rate_limits = r.aging_ms, r.weights, r.rate_limits
         if q.rate_used and not q.rate_limits:
-            q.rate_used = None
+            q.rate_window = q.rate_used = None
         self.coord.touch(q.id)
         if not self.coord.replaying:
             self.ready_index.reindex_queue(q.id)

@@ -109,10 +109,12 @@ class MailboxState(msgspec.Struct, gc=False, omit_defaults=True):
     weights: dict[str, int] | None = None
     #: fairness key ("*": every key without its own) -> deliveries per second (1..MAX_RATE)
     rate_limits: dict[str, int] | None = None
-    #: fairness key -> ``[window, delivered]``: the deliveries of the key's last 1-second
-    #: window of server time (``window = at_ms // 1000``), kept from the ``TaskDelivered``
-    #: records (so replay needs no clock); only keys a rate limit applies to
-    rate_used: dict[str, list[int]] | None = None
+    #: the 1-second window (``at_ms // 1000`` of server wall ms) of the last delivery of a
+    #: rate-limited key, and fairness key -> its deliveries in that window: counted from
+    #: the ``TaskDelivered`` records (so replay needs no clock); only the current window
+    #: limits, so a delivery in a new window starts the counts again
+    rate_window: int | None = None
+    rate_used: dict[str, int] | None = None
 
 
 class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
@@ -287,28 +289,21 @@ def rate_room(q: MailboxState, key: str | None, now_ms: int) -> int | None:
     limit = limits.get(key, limits.get("*"))
     if limit is None:
         return None
-    used = q.rate_used.get(key) if q.rate_used else None
-    if used is None or used[0] != now_ms // RATE_WINDOW_MS:
+    if q.rate_window != now_ms // RATE_WINDOW_MS or not q.rate_used:
         return limit
-    return max(0, limit - used[1])
+    return max(0, limit - q.rate_used.get(key, 0))
 
 
 def count_rate(q: MailboxState, key: str, at_ms: int) -> None:
     """Count one delivery of fairness key ``key`` at ``at_ms`` (server ms, the
-    ``TaskDelivered`` record's) in the queue's rate windows; keys whose window is over
-    are dropped as the table grows (only the current window limits)."""
+    ``TaskDelivered`` record's) in the queue's current rate window; the first delivery
+    of a new window starts the counts again (O(1): only the current window limits)."""
     window = at_ms // RATE_WINDOW_MS
     used = q.rate_used
-    if used is None:
+    if used is None or q.rate_window != window:
+        q.rate_window = window
         used = q.rate_used = {}
-    cur = used.get(key)
-    if cur is not None and cur[0] == window:
-        cur[1] += 1
-        return
-    if len(used) >= 64 and cur is None:  # (a new key: sweep the windows that are over)
-        for k in [k for k, (w, _n) in used.items() if w != window]:
-            del used[k]
-    used[key] = [window, 1]
+    used[key] = used.get(key, 0) + 1
 
 
 def check_weights(weights: dict) -> dict[str, int]:
