@@ -236,11 +236,12 @@ def test_ready_index_stride_keeps_a_rejoining_key_at_virtual_time():
 
 async def seed_scheduling(rs) -> dict:
     """Three queues on a daemon for a restart or failover to keep (issue 44): ``kill-prio``
-    (weights big:3 on the queue, aging, a run of priority 4, an urgent task, one moved by
-    ``set_priority``), ``kill-111`` (keys a/b/c of weight 1 with uneven backlogs, a few
+    (weights big:3 on the queue, aging, rate limits that do not bind, a run of priority 4,
+    an urgent task, one moved by ``set_priority``), ``kill-111`` (keys a/b/c of weight 1 with uneven backlogs, a few
     received before), ``kill-burst`` (a 2,000-task key, 5 received, then two one-task
     keys). Returns the ids :func:`check_scheduling` needs."""
-    m = await rs.mailboxes.ensure("kill-prio", weights={"big": 3}, aging_seconds=3600)
+    m = await rs.mailboxes.ensure("kill-prio", weights={"big": 3}, aging_seconds=3600,
+                                  rate_limits={"tenant-x": 5, "*": 1000})
     run = await rs.scopes.create(priority=4)
     await m.submit_many([f"b{i}" for i in range(40)], scope=run, fair_key="big", details=False)
     await m.submit_many([f"s{i}" for i in range(40)], scope=run, fair_key="small", details=False)
@@ -272,6 +273,7 @@ async def check_scheduling(rs, ids: dict) -> None:
     shares; the one-task keys within one round of the burst."""
     m = await rs.mailboxes.get("kill-prio")
     assert (m.info.weights, m.info.aging_ms) == ({"big": 3}, 3_600_000)
+    assert m.info.rate_limits == {"*": 1000, "tenant-x": 5}
     assert m.info.ready_by_priority == {"1": 1, "2": 1, "4": 81}
     assert m.info.ready_by_key == {"small": 41, "big": 40, "": 2}
     assert (await Run(rs, ids["run"]).status()).priority == 4
