@@ -147,3 +147,30 @@ def test_the_overview_sums_a_queues_ready_backlog_over_the_shards_and_recuts_its
     assert (q.queued, q.running, q.done, q.ready_keys) == (11, 1, 3, 5)
     assert q.ready_by_priority == {"1": 1, "3": 10}
     assert q.ready_top_keys == {"d": 4, "a": 3, "b": 3}
+
+
+class EnsureShard:
+    """A shard answering ``mailbox.ensure`` with the settings it was given (the home
+    shard: its own aging, weights and rate limits, whatever the ensure said)."""
+
+    def __init__(self, home: bool):
+        self.home = home
+        self.calls = []
+
+    async def call(self, op):
+        assert isinstance(op, p.MailboxEnsure)
+        self.calls.append(op)
+        extra = dict(aging_ms=60_000, weights={"a": 3}, rate_limits={"a": 5, "*": 50}) if self.home else {}
+        return p.encoder.encode(p.MailboxView(id="mbx_1", name=op.name, mode="WORK", max_attempts=5,
+                                              backlog_limit=None, created_at="2026-01-01T00:00:00Z", queued=0,
+                                              running=0, **extra))
+
+
+async def test_an_ensure_gives_every_shard_the_home_shards_aging_weights_and_rate_limits():
+    """Issue 44: the router adopts the queue on the other shards with the home shard's
+    scheduling settings (a rate limit then counts per shard)."""
+    st = router({0: EnsureShard(home=False), 1: EnsureShard(home=True)})  # "default"'s home is shard 1
+    await st.call(p.MailboxEnsure(name="jobs"))
+    (adopt,) = st.shards[0].calls
+    assert (adopt.id, adopt.aging_ms, adopt.weights, adopt.rate_limits) == ("mbx_1", 60_000, {"a": 3},
+                                                                              {"a": 5, "*": 50})
