@@ -1938,6 +1938,18 @@ def cmd_watch(args) -> int:
     return _run_live(main, args)
 
 
+def _top_backlog(q) -> tuple[str, str]:
+    """``top``'s two backlog cells of a work queue (issue 44): its ready tasks per
+    priority (``p1 2  p3 40``) and its largest fairness keys (``a 30  b 10 +3``: three
+    more keys with ready tasks; ``-`` is no key); ``-`` when none is ready."""
+    prios = "  ".join(f"p{p} {n:,}" for p, n in sorted(q.ready_by_priority.items(), key=lambda kv: int(kv[0])))
+    keys = "  ".join(f"{k or '-'} {n:,}" for k, n in q.ready_top_keys.items())
+    named = sum(1 for k in q.ready_top_keys if k)
+    if q.ready_keys > named:
+        keys += f" +{q.ready_keys - named}"
+    return prios or "-", keys or "-"
+
+
 def _top_frame(ov, st, url: str, rates: dict, limit: int):
     """One frame of ``top``: a rich Group of tables."""
     import datetime as _dt
@@ -1981,8 +1993,18 @@ def _top_frame(ov, st, url: str, rates: dict, limit: int):
             queues.add_column(col, no_wrap=True, overflow="ellipsis", ratio=1)
         else:
             queues.add_column(col, justify="right", no_wrap=True)
-    for q in sorted(ov.queues, key=lambda q: (-(q.queued + q.running), -rates.get(q.name, 0.0), q.name)):
+    busiest = sorted(ov.queues, key=lambda q: (-(q.queued + q.running), -rates.get(q.name, 0.0), q.name))
+    for q in busiest:
         queues.add_row(q.name, str(q.queued), str(q.running), f"{rates.get(q.name, 0.0):,.0f}", str(q.done))
+    # issue 44: the queues with ready tasks, their backlog per priority and largest keys
+    ready = Table(title="ready backlog (per priority; largest fairness keys, - no key)", title_justify="left",
+                  expand=True)
+    ready.add_column("queue", no_wrap=True, overflow="ellipsis", ratio=1)
+    ready.add_column("by priority", no_wrap=True, overflow="ellipsis", ratio=1)
+    ready.add_column("largest keys", no_wrap=True, overflow="ellipsis", ratio=2)
+    for q in busiest:
+        if q.ready_by_priority:
+            ready.add_row(q.name, *_top_backlog(q))
     groups = Table(title=f"open groups ({ov.groups_open})", title_justify="left", expand=True)
     for col in ("group", "condition", "state", "members", "accepted", "age"):
         if col == "group":
@@ -1997,13 +2019,14 @@ def _top_frame(ov, st, url: str, rates: dict, limit: int):
     for kind, a in sorted(ov.waits.items()):
         waits.add_row(kind, str(a.get("active", 0)), str(a.get("passive", 0)), str(a.get("inbox", 0)),
                       str(a.get("waiters", 0)))
-    return Group(head, runs, queues, groups, waits)
+    return Group(head, runs, queues, ready, groups, waits)
 
 
 def cmd_top(args) -> int:
     """``top``: a live, refreshing view of the space: active runs (full ids; names are
     shortened to fit), work queues (busiest first: depth + in flight, then completions
-    per second; "done since start" counts since the daemon started), open groups, actors
+    per second; "done since start" counts since the daemon started; the ready backlog per
+    priority and the largest fairness keys), open groups, actors
     and parked waits. ``--once`` prints one frame (the default when stdout is not a
     terminal). ``q`` (on a terminal) or Ctrl-C ends it."""
     import rallypoint

@@ -105,9 +105,9 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     "scope.deadline": ("scope", "the run passed its deadline (its subtree stops)", "deadline"),
     # work queues and tasks
     "mailbox.created": ("mailbox", "a work queue was created", "name, max_attempts, backlog_limit, requirements, aging_ms, "
-                        "weights"),
-    "mailbox.scheduling_set": ("mailbox", "an ensure changed the queue's aging or fair-share weights",
-                               "name, aging_ms, weights"),
+                        "weights, rate_limits"),
+    "mailbox.scheduling_set": ("mailbox", "an ensure changed the queue's aging, fair-share weights or "
+                               "rate limits per fairness key", "name, aging_ms, weights, rate_limits"),
     "mailbox.requirements_set": ("mailbox", "an ensure replaced the queue's default requirements", "name, requirements"),
     "task.submitted": ("task", "a task was queued", "mailbox, key, group, joinset, deadline, priority, fair_key"),
     "task.priority_set": ("task", "a queued task's priority changed (task.set_priority)", "priority, fair_key"),

@@ -33,6 +33,18 @@ snapshots_total                                counter
 actors                                         gauge      kind, state (active, passive)
 actor_waiters, actor_inbox                     gauge      kind
 tasks                                          gauge      state (QUEUED, RUNNING, SUCCEEDED, ...)
+ready_tasks                                    gauge      space, mailbox, priority: a work
+                                                          queue's ready backlog per priority
+ready_fair_keys                                gauge      space, mailbox: fairness keys with
+                                                          ready tasks (no key not counted)
+ready_tasks_by_fair_key                        gauge      space, mailbox, fair_key, bucket: the
+                                                          ready backlog of the queue's
+                                                          :data:`METRIC_TOP_KEYS` largest keys
+                                                          (bucket "key"), the rest summed
+                                                          (bucket "other", fair_key ""), no key
+                                                          (bucket "none", fair_key ""): at most
+                                                          12 series a queue, whatever the
+                                                          tenants (bounded cardinality)
 runs                                           gauge      state
 entities                                       gauge
 connections                                    gauge      open TCP connections
@@ -51,6 +63,7 @@ space_limit_refused_total                      counter    limit: operations refu
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from bisect import bisect_left
@@ -68,6 +81,28 @@ LATENCY_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.
 LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 SNAPSHOT_BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 STALL_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+#: the fairness keys per work queue that get their own ``ready_tasks_by_fair_key`` series
+#: (the largest backlogs; the rest are summed as bucket "other")
+METRIC_TOP_KEYS = 10
+
+
+def top_fair_keys(by_key: dict[str | None, int], n: int = METRIC_TOP_KEYS) -> list[tuple[str, str, int]]:
+    """A queue's ready backlog per fairness key (``key -> tasks``; None: no key) as at
+    most ``n + 2`` ``(bucket, fair_key, tasks)`` rows: the ``n`` largest keys (ties by
+    name) as ``("key", key, tasks)``, then the other keys summed as ``("other", "",
+    tasks)`` and the tasks without a key as ``("none", "", tasks)`` (each only when
+    not 0). The rows' tasks add up to the queue's ready tasks."""
+    keyed = [(k, c) for k, c in by_key.items() if k is not None]
+    top = heapq.nsmallest(n, keyed, key=lambda kc: (-kc[1], kc[0]))
+    out = [("key", k, c) for k, c in top]
+    rest = sum(c for _k, c in keyed) - sum(c for _k, c in top)
+    if rest:
+        out.append(("other", "", rest))
+    if by_key.get(None):
+        out.append(("none", "", by_key[None]))
+    return out
 
 
 class _Hist:
@@ -262,13 +297,18 @@ class Metrics:
         for state in ("QUEUED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED"):
             g.add_metric([state], tasks.get(state, 0))
         yield g
-        # issue 44: each work queue's ready backlog per priority, and how many fairness
-        # keys have ready tasks (per key would be a label per tenant: unbounded)
+        # issue 44: each work queue's ready backlog per priority, how many fairness keys
+        # have ready tasks, and the backlog of its METRIC_TOP_KEYS largest keys with the
+        # rest summed (a series per key would be one per tenant: unbounded)
         qs = coord.queues
         g = GaugeMetricFamily(p + "ready_tasks", "Ready tasks per work queue and priority (1 most urgent)",
                               labels=["space", "mailbox", "priority"])
         gk = GaugeMetricFamily(p + "ready_fair_keys", "Fairness keys with ready tasks per work queue",
                                labels=["space", "mailbox"])
+        gt = GaugeMetricFamily(p + "ready_tasks_by_fair_key",
+                               f"Ready tasks of a work queue's {METRIC_TOP_KEYS} largest fairness keys "
+                               "(bucket key), the other keys summed (bucket other) and no key (bucket none)",
+                               labels=["space", "mailbox", "fair_key", "bucket"])
         for qid in sorted(qs.ready_index.by_prio):
             q = qs.table.get(qid)
             if q is None:
@@ -276,9 +316,12 @@ class Metrics:
             by_prio, by_key = qs.ready_index.backlog(qid)
             for prio, n in sorted(by_prio.items()):
                 g.add_metric([q.space, q.name, str(prio)], n)
-            gk.add_metric([q.space, q.name], len(by_key))
+            gk.add_metric([q.space, q.name], sum(1 for k in by_key if k is not None))
+            for bucket, key, n in top_fair_keys(by_key):
+                gt.add_metric([q.space, q.name, key, bucket], n)
         yield g
         yield gk
+        yield gt
         runs: dict[str, int] = {}
         for counts in coord.runs.counts.values():
             for state, n in counts.items():

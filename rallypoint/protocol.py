@@ -417,6 +417,10 @@ class MailboxEnsure(_Op, tag="mailbox.ensure"):
     #: fair-share weights: fairness key -> weight (1 .. 1000), over the tasks' own; None
     #: leaves them as they are, given REPLACES them ({}: none). At most 10,000 keys.
     weights: dict[str, int] | None = None
+    #: rate limits per fairness key: key -> deliveries per second (1 .. 100,000) in fixed
+    #: 1-second windows of server time; "*" limits every key without its own; None leaves
+    #: them as they are, given REPLACES them ({}: none). At most 10,000 keys.
+    rate_limits: dict[str, int] | None = None
 
 
 class MailboxGet(_Op, tag="mailbox.get"):
@@ -442,6 +446,7 @@ class MailboxView(_View):
     requirements: Requirements | None = None
     aging_ms: int | None = None  # None: no aging
     weights: dict[str, int] = msgspec.field(default_factory=dict)
+    rate_limits: dict[str, int] = msgspec.field(default_factory=dict)  # key -> deliveries a second
     #: ready tasks per priority ("1".."5") and per fairness key ("" : no key; the 100
     #: largest backlogs)
     ready_by_priority: dict[str, int] = msgspec.field(default_factory=dict)
@@ -1616,10 +1621,22 @@ class OverviewRun(_View):
 
 
 class OverviewQueue(_View):
+    """A work queue in the overview. Issue 44: ``ready_by_priority`` (priority as a
+    string -> ready tasks), ``ready_keys`` (fairness keys with ready tasks; summed over
+    shards in a sharded cluster: an upper bound there) and ``ready_top_keys`` (the
+    :data:`OVERVIEW_TOP_KEYS` largest keys' ready tasks; "" is no key)."""
+
     name: str
     queued: int
     running: int
     done: int  # tasks finished since the server started (a rate is its difference)
+    ready_by_priority: dict[str, int] = msgspec.field(default_factory=dict)
+    ready_keys: int = 0
+    ready_top_keys: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+#: the largest fairness keys per queue the overview (``rallypoint top``) carries
+OVERVIEW_TOP_KEYS = 3
 
 
 class OverviewGroup(_View):

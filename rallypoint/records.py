@@ -100,16 +100,19 @@ class MailboxCreated(_Rec, tag="mailbox_created"):
     requirements: TaskRequirements | None = None
     aging_ms: int | None = None  # None: no aging
     weights: dict[str, int] | None = None  # fairness key -> weight
+    rate_limits: dict[str, int] | None = None  # fairness key ("*": any other) -> deliveries a second
 
 
 class MailboxSchedulingSet(_Rec, tag="mailbox_scheduling_set"):
-    """A ``mailbox.ensure`` changed the queue's aging (``aging_ms``, None: off) and/or its
-    fair-share weights (``weights``, None: none); both are the queue's settings after it."""
+    """A ``mailbox.ensure`` changed the queue's aging (``aging_ms``, None: off), its
+    fair-share weights (``weights``, None: none) and/or its rate limits per fairness key
+    (``rate_limits``, None: none); all are the queue's settings after it."""
 
     id: str
     at_ms: int
     aging_ms: int | None = None
     weights: dict[str, int] | None = None
+    rate_limits: dict[str, int] | None = None
 
 
 class TaskPrioritySet(_Rec, tag="task_priority_set"):

@@ -109,3 +109,22 @@ def test_top_off_a_terminal_draws_wide_and_width_sets_the_columns(daemon):
     bad = subprocess.run([sys.executable, "-m", "rallypoint", "top", "--connect", daemon.url, "--width", "10"],
                          capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "--width" in bad.stderr, bad.stderr
+
+
+def test_top_shows_each_queues_ready_backlog_per_priority_and_its_largest_keys(daemon):
+    """Issue 44: a queue's ready tasks per priority and its three largest fairness keys
+    (``-``: no key), with how many more keys have ready tasks."""
+    with rallypoint.sync.connect(daemon.url) as rs:
+        run = rs.scopes.create(name="fair")
+        m = rs.mailboxes.ensure("fair-top")
+        for key, n in (("tenant-a", 4), ("tenant-b", 3), ("tenant-c", 2), ("tenant-d", 1)):
+            m.submit_many(list(range(n)), scope=run, fair_key=key, priority=2)
+        m.submit("urgent", scope=run, priority=1)
+    out = subprocess.run([sys.executable, "-m", "rallypoint", "top", "--connect", daemon.url, "--once"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "ready backlog" in text, text
+    line = [x for x in text[text.index("ready backlog"):].splitlines() if "fair-top" in x][0]
+    assert "p1 1  p2 10" in line, line
+    assert "tenant-a 4  tenant-b 3  tenant-c 2 +1" in line, line

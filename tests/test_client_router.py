@@ -127,3 +127,50 @@ async def test_clients_that_each_make_one_root_run_spread_it_over_the_shards():
     for _ in range(10):
         await one.call(p.ScopeCreate())
     assert [s.created - b for s, b in zip(shards.values(), before)] == [5, 5]
+
+
+def test_the_overview_sums_a_queues_ready_backlog_over_the_shards_and_recuts_its_largest_keys():
+    """Issue 44 (``rallypoint top`` on a sharded cluster): per priority and per key the
+    shards' ready tasks add up; the largest keys are cut again to three."""
+    from rallypoint.client.router import _merge_overview
+
+    def part(q: p.OverviewQueue) -> bytes:
+        return p.encoder.encode(p.OverviewView(runs=[], runs_active=0, queues=[q], groups=[], groups_open=0,
+                                               waits={}, events={}, entities=0, tasks={}, retention={}))
+
+    a = p.OverviewQueue(name="jobs", queued=5, running=1, done=2, ready_by_priority={"1": 1, "3": 4}, ready_keys=3,
+                        ready_top_keys={"a": 3, "b": 1, "c": 1})
+    b = p.OverviewQueue(name="jobs", queued=6, running=0, done=1, ready_by_priority={"3": 6}, ready_keys=2,
+                        ready_top_keys={"d": 4, "b": 2})
+    v = msgspec.msgpack.decode(_merge_overview(p.OpsOverview(), [part(a), part(b)]), type=p.OverviewView)
+    (q,) = v.queues
+    assert (q.queued, q.running, q.done, q.ready_keys) == (11, 1, 3, 5)
+    assert q.ready_by_priority == {"1": 1, "3": 10}
+    assert q.ready_top_keys == {"d": 4, "a": 3, "b": 3}
+
+
+class EnsureShard:
+    """A shard answering ``mailbox.ensure`` with the settings it was given (the home
+    shard: its own aging, weights and rate limits, whatever the ensure said)."""
+
+    def __init__(self, home: bool):
+        self.home = home
+        self.calls = []
+
+    async def call(self, op):
+        assert isinstance(op, p.MailboxEnsure)
+        self.calls.append(op)
+        extra = dict(aging_ms=60_000, weights={"a": 3}, rate_limits={"a": 5, "*": 50}) if self.home else {}
+        return p.encoder.encode(p.MailboxView(id="mbx_1", name=op.name, mode="WORK", max_attempts=5,
+                                              backlog_limit=None, created_at="2026-01-01T00:00:00Z", queued=0,
+                                              running=0, **extra))
+
+
+async def test_an_ensure_gives_every_shard_the_home_shards_aging_weights_and_rate_limits():
+    """Issue 44: the router adopts the queue on the other shards with the home shard's
+    scheduling settings (a rate limit then counts per shard)."""
+    st = router({0: EnsureShard(home=False), 1: EnsureShard(home=True)})  # "default"'s home is shard 1
+    await st.call(p.MailboxEnsure(name="jobs"))
+    (adopt,) = st.shards[0].calls
+    assert (adopt.id, adopt.aging_ms, adopt.weights, adopt.rate_limits) == ("mbx_1", 60_000, {"a": 3},
+                                                                              {"a": 5, "*": 50})

@@ -562,3 +562,24 @@ def test_serve_console_flag_is_checked_before_start(tmp_path):
         assert r.returncode == 2 and "--console" in r.stderr and "already in use" in r.stderr, r.stderr
     finally:
         busy.close()
+
+async def test_a_queues_page_shows_its_ready_backlog_per_priority_and_per_key():
+    """Issue 44: the queue's page has a table of its ready tasks per priority, then per
+    fairness key (largest first, ties by name: no key first) with the key's weight on
+    the queue; keys are escaped."""
+    async with rallypoint.open_embedded() as rs:
+        app, client = await _console(rs)
+        run = await rs.scopes.create(name="fair")
+        jobs = await rs.mailboxes.ensure("fair-jobs", weights={"tenant-a": 3})
+        await jobs.submit_many([1, 2, 3], scope=run, fair_key="tenant-a", priority=2)
+        await jobs.submit("b", scope=run, fair_key="<b>")
+        await jobs.submit("plain", scope=run, priority=1)
+        r = await client.get("/queues/fair-jobs?part=backlog")
+        assert r.status_code == 200
+        rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>", r.text)
+        assert rows == [("priority 1", "1", ""), ("priority 2", "3", ""), ("priority 3", "1", ""),
+                        ("key tenant-a", "3", "3"), ("no key", "1", ""), ("key &lt;b&gt;", "1", "")], r.text
+        got = await jobs.receive(run, wait=0, max_messages=5)
+        assert len(got) == 5
+        r = await client.get("/queues/fair-jobs?part=backlog")
+        assert "no task ready" in r.text, r.text

@@ -53,6 +53,10 @@ async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
             # issue 44: the ready backlog per priority and the keys with ready tasks
             await mbx.submit_many([1, 2], scope=run, priority=1, fair_key="a")
             await mbx.submit(3, scope=run, fair_key="b")
+            # 12 more keys and a task without one: the 10 largest get a series, the rest one
+            for i in range(12):
+                await mbx.submit(i, scope=run, priority=5, fair_key=f"k{i:02}")
+            await mbx.submit("no key", scope=run, priority=5)
             with pytest.raises(NotFoundError):
                 await rs.scope("scp_01m8p6k63gq5b40a5mf0wxyjsz").status()
             fams: dict = {}
@@ -82,7 +86,13 @@ async def test_the_metrics_endpoint_parses_and_counts(tmp_path):
     assert _value(fams["rallypoint_tasks"], state="SUCCEEDED") == 10
     assert _value(fams["rallypoint_ready_tasks"], mailbox="m", priority="1") == 2
     assert _value(fams["rallypoint_ready_tasks"], mailbox="m", priority="3") == 1
-    assert _value(fams["rallypoint_ready_fair_keys"], mailbox="m") == 2
+    assert _value(fams["rallypoint_ready_tasks"], mailbox="m", priority="5") == 13
+    assert _value(fams["rallypoint_ready_fair_keys"], mailbox="m") == 14  # (no key is not a key)
+    by_key = {(s.labels["bucket"], s.labels["fair_key"]): s.value
+              for s in fams["rallypoint_ready_tasks_by_fair_key"].samples if s.labels["mailbox"] == "m"}
+    # the 10 largest keys (ties by name), the other 4 summed, the task without a key
+    assert by_key == {("key", "a"): 2, ("key", "b"): 1, **{("key", f"k{i:02}"): 1 for i in range(8)},
+                      ("other", ""): 4, ("none", ""): 1}
     assert _value(fams["rallypoint_actors"], kind="runs", state="active") + \
         _value(fams["rallypoint_actors"], kind="runs", state="passive") == 1
     assert _value(fams["rallypoint_connections"]) >= 0
@@ -204,3 +214,21 @@ async def test_a_wait_the_client_asked_for_is_never_a_slow_request(caplog):
     for tag in ("task.results", "claim.acquire", "pool.acquire", "task.result"):
         h = metrics.latency[tag]
         assert sum(h.counts) == 1 and h.sum > metrics.slow_s, tag  # answered, and slower than the threshold
+
+
+def test_top_fair_keys_bounds_the_series_and_keeps_the_sum():
+    """Any number of tenants gives at most ``n + 2`` rows, largest first, adding up to
+    the queue's ready backlog."""
+    from rallypoint.metrics import METRIC_TOP_KEYS, top_fair_keys
+
+    by_key = {f"t{i:05}": i % 7 + 1 for i in range(10_000)}
+    by_key[None] = 5
+    rows = top_fair_keys(by_key)
+    assert len(rows) == METRIC_TOP_KEYS + 2
+    assert [b for b, _k, _n in rows] == ["key"] * METRIC_TOP_KEYS + ["other", "none"]
+    assert [n for b, _k, n in rows if b == "key"] == [7] * METRIC_TOP_KEYS
+    assert [k for b, k, _n in rows if b == "key"][:2] == ["t00006", "t00013"]  # ties by name
+    assert sum(n for _b, _k, n in rows) == sum(by_key.values())
+    assert top_fair_keys({"a": 3, "b": 1}, n=1) == [("key", "a", 3), ("other", "", 1)]
+    assert top_fair_keys({None: 2}) == [("none", "", 2)]
+    assert top_fair_keys({}) == []

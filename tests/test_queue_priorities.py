@@ -234,32 +234,76 @@ def test_ready_index_stride_keeps_a_rejoining_key_at_virtual_time():
     assert Counter(t.fair_key for t in got) == {"a": 10, "b": 10}
 
 
+async def seed_scheduling(rs) -> dict:
+    """Three queues on a daemon for a restart or failover to keep (issue 44): ``kill-prio``
+    (weights big:3 on the queue, aging, rate limits that do not bind, a run of priority 4,
+    an urgent task, one moved by ``set_priority``), ``kill-111`` (keys a/b/c of weight 1 with uneven backlogs, a few
+    received before), ``kill-burst`` (a 2,000-task key, 5 received, then two one-task
+    keys). Returns the ids :func:`check_scheduling` needs."""
+    m = await rs.mailboxes.ensure("kill-prio", weights={"big": 3}, aging_seconds=3600,
+                                  rate_limits={"tenant-x": 5, "*": 1000})
+    run = await rs.scopes.create(priority=4)
+    await m.submit_many([f"b{i}" for i in range(40)], scope=run, fair_key="big", details=False)
+    await m.submit_many([f"s{i}" for i in range(40)], scope=run, fair_key="small", details=False)
+    await m.submit("urgent", scope=run, priority=1)
+    moved = await m.submit("moved", scope=run)  # the run's 4
+    await moved.set_priority(2)
+    inherited = await m.submit("inherited", scope=run, fair_key="small")
+    m3 = await rs.mailboxes.ensure("kill-111")
+    run3 = await rs.scopes.create()
+    for key, n in (("a", 70), ("b", 25), ("c", 45)):
+        await m3.submit_many([f"{key}{i}" for i in range(n)], scope=run3, fair_key=key, details=False)
+    before = await m3.receive(run3, wait=0, max_messages=6)  # turns taken before the stop
+    assert Counter(d.fair_key for d in before) == {"a": 2, "b": 2, "c": 2}
+    mb = await rs.mailboxes.ensure("kill-burst")
+    runb = await rs.scopes.create()
+    for i in range(2):
+        await mb.submit_many([i * 1000 + j for j in range(1000)], scope=runb, fair_key="burst", details=False)
+    first = await mb.receive(runb, wait=0, max_messages=5)
+    assert {d.fair_key for d in first} == {"burst"}
+    await mb.submit("mine", scope=runb, fair_key="tenant-1")
+    await mb.submit("theirs", scope=runb, fair_key="tenant-2")
+    return {"run": run.id, "moved": moved.id, "inherited": inherited.id, "run3": run3.id, "runb": runb.id}
+
+
+async def check_scheduling(rs, ids: dict) -> None:
+    """What :func:`seed_scheduling` set is all there after a restart or failover: the
+    queue's weights and aging, the backlog per priority and key, the run's and the tasks'
+    priorities, and the order: urgent first, then the moved task, then 3:1 shares; 1:1:1
+    shares; the one-task keys within one round of the burst."""
+    m = await rs.mailboxes.get("kill-prio")
+    assert (m.info.weights, m.info.aging_ms) == ({"big": 3}, 3_600_000)
+    assert m.info.rate_limits == {"*": 1000, "tenant-x": 5}
+    assert m.info.ready_by_priority == {"1": 1, "2": 1, "4": 81}
+    assert m.info.ready_by_key == {"small": 41, "big": 40, "": 2}
+    assert (await Run(rs, ids["run"]).status()).priority == 4
+    assert (await Ticket(rs, ids["moved"]).status()).priority == 2
+    assert (await Ticket(rs, ids["inherited"]).status()).priority == 4
+    first = await m.receive(ids["run"], wait=0, max_messages=2)
+    assert [x.input for x in first] == ["urgent", "moved"]
+    got = await m.receive(ids["run"], wait=0, max_messages=40)
+    assert Counter(x.fair_key for x in got) == {"big": 30, "small": 10}
+    assert [x.input for x in got if x.fair_key == "big"][:3] == ["b0", "b1", "b2"]  # FIFO within a key
+    m3 = await rs.mailboxes.get("kill-111")
+    assert m3.info.ready_by_key == {"a": 68, "c": 43, "b": 23}
+    got = await m3.receive(ids["run3"], wait=0, max_messages=60)
+    assert Counter(x.fair_key for x in got) == {"a": 20, "b": 20, "c": 20}
+    assert [x.input for x in got if x.fair_key == "b"][:2] == ["b2", "b3"]
+    mb = await rs.mailboxes.get("kill-burst")
+    got = await mb.receive(ids["runb"], wait=0, max_messages=3)  # one round: each key once
+    assert Counter(d.fair_key for d in got) == {"burst": 1, "tenant-1": 1, "tenant-2": 1}
+    assert [d.input for d in got if d.fair_key == "burst"] == [5]
+
+
 async def test_priorities_keys_and_weights_survive_a_sigkill(tmp_path):
     d = Daemon(str(tmp_path / "data"), durability="fsync").start()
     try:
         async with rallypoint.connect(d.url) as rs:
-            m = await rs.mailboxes.ensure("kill-prio", weights={"big": 3}, aging_seconds=3600)
-            run = await rs.scopes.create(priority=4)
-            await m.submit_many([f"b{i}" for i in range(40)], scope=run, fair_key="big", details=False)
-            await m.submit_many([f"s{i}" for i in range(40)], scope=run, fair_key="small", details=False)
-            await m.submit("urgent", scope=run, priority=1)
-            moved = await m.submit("moved", scope=run)  # the run's 4
-            await moved.set_priority(2)
-            inherited = await m.submit("inherited", scope=run, fair_key="small")
-            run_id, moved_id, inherited_id = run.id, moved.id, inherited.id
+            ids = await seed_scheduling(rs)
         assert d.stop(signal.SIGKILL) == -signal.SIGKILL
         d.start()
         async with rallypoint.connect(d.url) as rs:
-            m = await rs.mailboxes.get("kill-prio")
-            assert (m.info.weights, m.info.aging_ms) == ({"big": 3}, 3_600_000)
-            assert m.info.ready_by_priority == {"1": 1, "2": 1, "4": 81}
-            assert (await Run(rs, run_id).status()).priority == 4
-            assert (await Ticket(rs, moved_id).status()).priority == 2
-            assert (await Ticket(rs, inherited_id).status()).priority == 4
-            first = await m.receive(run_id, wait=0, max_messages=2)
-            assert [x.input for x in first] == ["urgent", "moved"]
-            got = await m.receive(run_id, wait=0, max_messages=40)
-            assert Counter(x.fair_key for x in got) == {"big": 30, "small": 10}
+            await check_scheduling(rs, ids)
     finally:
         d.stop()
 
@@ -300,3 +344,19 @@ def test_http_and_cli_take_priority_and_key_and_status_shows_the_backlog(tmp_pat
         assert "mailbox     prio-http: ready p1 1  p4 1; by key tenant-a 1  tenant-b 1" in st.stdout, st.stdout
     finally:
         d.stop()
+
+
+async def test_events_carry_the_priority_and_the_fairness_key(autojump_clock, ers):
+    """``task.submitted``, ``task.priority_set`` and ``task.delivered`` carry the task's
+    priority and fairness key as they were at that moment."""
+    m = await ers.mailboxes.ensure("prio-events")
+    run = await ers.scopes.create(priority=4)
+    tk = await m.submit("x", scope=run, fair_key="tenant-a")
+    await tk.set_priority(2)
+    d = await m.receive(run, wait=0)
+    assert d.priority == 2
+    evs = [e for e in (await ers.events.list(limit=1000)).events if e.id == tk.id]
+    got = {e.type: (e.data["priority"], e.data["fair_key"]) for e in evs
+           if e.type in ("task.submitted", "task.priority_set", "task.delivered")}
+    assert got == {"task.submitted": (4, "tenant-a"), "task.priority_set": (2, "tenant-a"),
+                   "task.delivered": (2, "tenant-a")}

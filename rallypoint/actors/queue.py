@@ -71,7 +71,7 @@ from .common import applies, check_name, check_range, data, did_you_mean, short
 from .kind import Kind
 from .opmark import ALL, ALWAYS, C, R, SPACE, by, op
 from .queue_state import (
-    MIN_AGING_MS, MAX_AGING_MS, check_weights,
+    MIN_AGING_MS, MAX_AGING_MS, check_weights, check_rate_limits,
     TERMINAL, MODES, _ENSURE_SETTINGS, MIN_LEASE_MS, MAX_LEASE_MS, MAX_BATCH, MailboxState, TaskState,
     _Submitted, _Attempt, _Delivered, TaskPhase, DeliveryState,
 )
@@ -123,6 +123,7 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
         self.run_tasks: dict[str, set[str]] = {}  # run -> every task of it (retention)
         self.space_counts: dict[str, dict[str, int]] = {}
         self.queue_done: dict[str, int] = {}  # queue -> tasks finished since start (rates in `top`)
+        self.rate_wakes: dict[str, int] = {}  # queue -> the rate window a wake-up is armed for
 
     def _weight_of(self, t: TaskState) -> int:
         """The weight of ``t``'s fairness key: the queue's for the key, else the task's
@@ -188,7 +189,9 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
         ``aging_ms`` (0: off) and ``weights`` (issue 44): None leaves them as they are;
         given, they replace the queue's (in ``MailboxCreated``, else one
         ``MailboxSchedulingSet`` when either differs). VALIDATION_FAILED: ``aging_ms``
-        outside 1,000 .. 604,800,000 (and not 0); weights as :func:`check_weights`."""
+        outside 1,000 .. 604,800,000 (and not 0); weights as :func:`check_weights`.
+        ``rate_limits`` (deliveries a second per fairness key) the same way
+        (:func:`check_rate_limits`); a change keeps the deliveries counted in the window."""
         check_name("name", op.name)
         if op.mode not in MODES:
             raise ValidationError(f"mode must be WORK (tasks) or INBOX (messages) (got {short(op.mode)})",
@@ -204,6 +207,7 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
         if op.aging_ms is not None and op.aging_ms != 0:
             check_range("aging_ms", op.aging_ms, MIN_AGING_MS, MAX_AGING_MS, " ms (0: no aging)")
         weights = check_weights(op.weights) if op.weights is not None else None
+        rates = check_rate_limits(op.rate_limits) if op.rate_limits is not None else None
         coord = self.coord
         self._check_adopt(session.space, op)
         qid = self.by_name.get((session.space, op.name))
@@ -230,19 +234,23 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
         if weights is None:
             weights = q.weights if q is not None else None
         weights = weights or None
+        if rates is None:
+            rates = q.rate_limits if q is not None else None
+        rates = rates or None
         if q is not None:
             recs: list = []
             if op.requirements is not None and reqs != q.requirements:
                 recs.append(MailboxRequirementsSet(id=q.id, at_ms=coord.now_ms(), requirements=reqs))
-            if aging != q.aging_ms or weights != q.weights:
-                recs.append(MailboxSchedulingSet(id=q.id, at_ms=coord.now_ms(), aging_ms=aging, weights=weights))
+            if aging != q.aging_ms or weights != q.weights or rates != q.rate_limits:
+                recs.append(MailboxSchedulingSet(id=q.id, at_ms=coord.now_ms(), aging_ms=aging, weights=weights,
+                                                 rate_limits=rates))
             if recs:
                 coord.commit(recs)
             return self.queue_view(q)
         rec = MailboxCreated(
             id=op.id or coord.new_id("mbx", space=session.space), space=session.space, name=op.name, mode=mode,
             max_attempts=op.max_attempts, backlog_limit=op.backlog_limit, at_ms=coord.now_ms(), requirements=reqs,
-            aging_ms=aging, weights=weights,
+            aging_ms=aging, weights=weights, rate_limits=rates,
         )
         coord.commit([rec])
         return self.queue_view(self.table[rec.id])
@@ -302,7 +310,7 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
             id=q.id, name=q.name, mode=q.mode, max_attempts=q.max_attempts, backlog_limit=q.backlog_limit,
             created_at=to_iso(q.created_at_ms), queued=queued, running=running,
             requirements=self.coord.admission.describe(q.requirements),
-            aging_ms=q.aging_ms, weights=dict(q.weights or {}),
+            aging_ms=q.aging_ms, weights=dict(q.weights or {}), rate_limits=dict(q.rate_limits or {}),
             ready_by_priority={str(p): n for p, n in sorted(by_prio.items())},
             ready_by_key={(k or ""): n for k, n in keys},
         )
@@ -311,7 +319,7 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
     def _apply_queue_created(self, r: MailboxCreated) -> None:
         q = MailboxState(id=r.id, space=r.space, name=r.name, mode=r.mode, max_attempts=r.max_attempts,
                          backlog_limit=r.backlog_limit, created_at_ms=r.at_ms, requirements=r.requirements,
-                         aging_ms=r.aging_ms, weights=r.weights)
+                         aging_ms=r.aging_ms, weights=r.weights, rate_limits=r.rate_limits)
         self.table[q.id] = q
         self.by_name[(q.space, q.name)] = q.id
         self.coord.touch(q.id)
@@ -321,7 +329,9 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
         """The queue's aging and weights change: its ready tasks are indexed again (the
         aging heaps, the keys' weights) -- not in replay (recovery rebuilds the index)."""
         q = self.table[r.id]
-        q.aging_ms, q.weights = r.aging_ms, r.weights
+        q.aging_ms, q.weights, q.rate_limits = r.aging_ms, r.weights, r.rate_limits
+        if q.rate_used and not q.rate_limits:
+            q.rate_window = q.rate_used = None
         self.coord.touch(q.id)
         if not self.coord.replaying:
             self.ready_index.reindex_queue(q.id)
@@ -387,13 +397,14 @@ class WorkQueues(Tasks, Deliveries, Batches, Kind):
         return ev(r.space, "mailbox.created", "mailbox", r.id, None, r.at_ms,
                   data(name=r.name, max_attempts=r.max_attempts, backlog_limit=r.backlog_limit,
                        requirements=self._requirements_data(r.requirements), aging_ms=r.aging_ms,
-                       weights=r.weights))
+                       weights=r.weights, rate_limits=r.rate_limits))
 
     @emits(MailboxSchedulingSet)
     def _ev_scheduling_set(self, r: MailboxSchedulingSet):
         q = self.table[r.id]
         return ev(q.space, "mailbox.scheduling_set", "mailbox", q.id, None, r.at_ms,
-                  {"name": q.name, "aging_ms": r.aging_ms, "weights": r.weights or {}})
+                  {"name": q.name, "aging_ms": r.aging_ms, "weights": r.weights or {},
+                   "rate_limits": r.rate_limits or {}})
 
     @emits(TaskPrioritySet)
     def _ev_priority_set(self, r: TaskPrioritySet):

@@ -21,6 +21,7 @@ from .opmark import ALWAYS, W, asked, by, by_run, fenced, op
 from .runtime import Park
 from .queue_state import (
     _NIL_BYTES, delivery_bytes, DELIVERY_MOVES, delivery_state, DeliveryState, MailboxState, MAX_LEASE_MS, MIN_LEASE_MS, TaskState, TERMINAL,
+    RATE_WINDOW_MS, count_rate, rate_room,
 )
 
 __all__ = ['Deliveries']
@@ -122,7 +123,44 @@ class Deliveries:
                 return False
             return True
 
-        return self.ready_index.pop(queue_id, cands, n, self.coord.now_ms(), eligible, room, size)
+        q = self.table[queue_id]
+        now = self.coord.now_ms()
+        key_room = None
+        if q.rate_limits:
+            def key_room(key):
+                return rate_room(q, key, now)
+        idx = self.ready_index
+        got = idx.pop(queue_id, cands, n, now, eligible, room, size, key_room)
+        if idx.rate_blocked:
+            self._arm_rate_window(q, now)
+        return got
+
+    def _arm_rate_window(self, q: MailboxState, now_ms: int) -> None:
+        """A receive passed over a rate-limited key: at the start of the next 1-second
+        window re-check the receives parked on the queue (once per queue and window)."""
+        window = now_ms // RATE_WINDOW_MS + 1
+        if self.rate_wakes.get(q.id) == window:
+            return
+        self.rate_wakes[q.id] = window
+        coord = self.coord
+        coord.arm_mono(coord.mono_ms() + window * RATE_WINDOW_MS - now_ms, self._on_rate_window, (q.id, window))
+
+    def _on_rate_window(self, arg) -> None:
+        """A rate window turned: wake the receives parked on the queue's runs with ready
+        tasks (and their ancestors)."""
+        queue_id, window = arg
+        if self.rate_wakes.get(queue_id) == window:
+            del self.rate_wakes[queue_id]
+        coord = self.coord
+        table = coord.runs.table
+        key = ("recv", queue_id)
+        seen: set = set()
+        for rid in list(self.ready_index.runs(queue_id)):
+            s = table.get(rid)
+            while s is not None and s.id not in seen:
+                seen.add(s.id)
+                coord.notify(s.id, key)
+                s = table.get(s.parent_id) if s.parent_id else None
 
     @op(Receive, route=by_run(), permission=W, resend=ALWAYS, waits=asked("wait_ms"), reply=ReceiveView)
     def op_receive(self, actor, session, op: Receive):
@@ -206,6 +244,10 @@ class Deliveries:
         self._set_state(t, "RUNNING")
         coord = self.coord
         coord.touch(t.id)
+        q = self.table[t.mailbox_id]
+        if q.rate_limits and t.fair_key is not None and (t.fair_key in q.rate_limits or "*" in q.rate_limits):
+            count_rate(q, t.fair_key, r.at_ms)  # (from the record's instant: replay needs no clock)
+            coord.touch(q.id)
         if coord.replaying:
             return  # rearm() arms the leases after recovery
         # The deliveries of one commit with the same expiry (a receive's batch) share ONE

@@ -23,6 +23,13 @@ heap by ``seq`` (only on an aging queue) and the level whose oldest task is most
 (effective priority, then the older task: FIFO among equal effective levels) is served; a task that aged past its level is
 served first in line, else the level's stride turn is taken.
 
+**Rate limits** (per queue and fairness key, ``MailboxState.rate_limits``): :meth:`ReadyIndex.pop`
+takes ``key_room(key)`` (how many more of the key may be delivered now); a key at 0 is
+passed over for the pop -- its turn (and on an aging level its oldest entries, at most
+:data:`MAX_PARKED` a pick) set aside and put back at the end, its pass unchanged, so it
+keeps its place -- and :attr:`ReadyIndex.rate_blocked` tells the caller to wake the
+receivers when the key's window turns.
+
 Entries are dropped lazily: ``members`` maps every ready task to the generation of its
 entry (a new one at each :meth:`ReadyIndex.add`: a priority change, a requeue), and an
 entry whose generation is not the current one is stale and skipped. Rebuilt after
@@ -48,7 +55,7 @@ _heappush, _heappop, _heapreplace = heapq.heappush, heapq.heappop, heapq.heaprep
 class _Level:
     """One priority level of one run's index: the keys with ready tasks and their turns."""
 
-    __slots__ = ("keys", "turns", "passes", "weights", "vtime", "order", "all")
+    __slots__ = ("keys", "turns", "passes", "weights", "vtime", "order", "all", "parked")
 
     def __init__(self, aging: bool) -> None:
         self.keys: dict[str | None, list] = {}  # key -> heap of (seq, gen, task id)
@@ -58,6 +65,7 @@ class _Level:
         self.vtime = 0  # the pass of the key served last
         self.order = 0  # tie-break: the order keys joined in
         self.all: list | None = [] if aging else None  # aging: heap of (seq, gen, task id)
+        self.parked = 0  # turns / aging entries set aside by the pop under way (rate-limited keys)
 
 
 class _RunReady:
@@ -87,6 +95,14 @@ class ReadyIndex:
         self.by_key: dict[str, dict[str | None, int]] = {}  # queue -> key -> ready tasks
         self.gen = 0
         self.aside: set[str] = set()  # tasks set aside by the pop under way (see pop)
+        # the pop under way: whether a key is rate-limited now (None: no limits), and what
+        # it set aside for them: (level, turn) / (level, aging entry) / (run index, priority)
+        self._blocked: Callable[[str | None], bool] | None = None
+        self._parked_turns: list = []
+        self._parked_all: list = []
+        self._parked_prios: list = []
+        #: the last pop skipped a ready key because of its rate limit
+        self.rate_blocked = False
 
     # ------------------------------------------------------------------ membership
     def __contains__(self, task_id: str) -> bool:
@@ -207,16 +223,39 @@ class ReadyIndex:
         """``(entry, key, from_all)`` of the level's next task by stride turn, None when
         the level has no ready task (emptied keys leave the turns)."""
         turns = lv.turns
+        blocked = self._blocked
         while turns:
             _pass, _order, key = turns[0]
             h = lv.keys.get(key)
             e = self._head(h) if h is not None else None
             if e is not None:
+                if blocked is not None and blocked(key):  # rate-limited: its turn waits
+                    self._parked_turns.append((lv, _heappop(turns)))
+                    lv.parked += 1
+                    continue
                 return e, key
             _heappop(turns)
             lv.passes.pop(key, None)
             lv.keys.pop(key, None)
         return None
+
+    def _oldest_free(self, lv: _Level):
+        """An aging level's oldest entry whose key is not rate-limited now (the limited
+        ones before it set aside for this pop), None when there is none, ``_CAPPED`` when
+        more than :data:`MAX_PARKED` had to be set aside (the level is then served by
+        its turns alone in this pop)."""
+        h = lv.all
+        blocked = self._blocked
+        n = 0
+        while True:
+            e = self._head(h)
+            if e is None or blocked is None or not blocked(self.members[e[2]][4]):
+                return e
+            if n >= MAX_PARKED:
+                return _CAPPED
+            self._parked_all.append((lv, _heappop(h)))
+            lv.parked += 1
+            n += 1
 
     def _run_pick(self, rr: _RunReady, queue_id: str, now_ms: int):
         """The run's next task: ``(rank, entry, level priority, key or _OLDEST)``, None
@@ -231,15 +270,24 @@ class ReadyIndex:
                 if got is not None:
                     return (p, got[0][0]), got[0], p, got[1]
                 _heappop(prios)
-                del rr.levels[p]
+                if lv.parked:  # only rate-limited keys left: back after this pop
+                    self._parked_prios.append((rr, p))
+                else:
+                    del rr.levels[p]
             return None
         best = None
         empty = []
         for p in prios:
             lv = rr.levels[p]
-            oldest = self._head(lv.all)
+            oldest = self._oldest_free(lv)
+            if oldest is _CAPPED:  # (too many rate-limited ahead: its turns, no aging, this pop)
+                got = self._level_pick(lv)
+                if got is not None and (best is None or (p, got[0][0]) < best[0]):
+                    best = ((p, got[0][0]), lv, None, p)
+                continue
             if oldest is None:
-                empty.append(p)
+                if not lv.parked:
+                    empty.append(p)
                 continue
             age = max(0, now_ms - self.tasks[oldest[2]].created_at_ms)
             eff = max(1, p - age // aging)
@@ -253,9 +301,11 @@ class ReadyIndex:
         if best is None:
             return None
         (eff, _seq), lv, oldest, p = best
-        if eff < p:  # aged past its level: first in line
+        if oldest is not None and eff < p:  # aged past its level: first in line
             return (eff, oldest[0]), oldest, p, _OLDEST
         got = self._level_pick(lv)
+        if got is None:  # (its free keys were all rate-limited: the level waits this pop)
+            return None
         return (eff, got[0][0]), got[0], p, got[1]
 
     def _take(self, rr: _RunReady, entry, p: int, key, served: bool = True) -> None:
@@ -285,17 +335,65 @@ class ReadyIndex:
 
     def pop(self, queue_id: str, cands: Iterable[tuple[str, _RunReady]], n: int, now_ms: int,
             eligible: Callable[[TaskState], bool], room: int | None = None,
-            size: Callable[[TaskState], int] | None = None) -> list[TaskState]:
+            size: Callable[[TaskState], int] | None = None,
+            key_room: Callable[[str | None], int | None] | None = None) -> list[TaskState]:
         """Take up to ``n`` ready tasks of the runs ``cands`` (``(run id, _RunReady)``),
         most urgent first (see the module's docstring). ``eligible(task)`` False: the
         task is set aside for this call and put back where it was (at most
         :data:`MAX_SKIPPED` of them). With ``room`` (bytes) and ``size(task)``, taking
         stops before the first task that would not fit (the first is always taken).
-        ``now_ms``: the wall instant aging is judged at (ms)."""
+        ``now_ms``: the wall instant aging is judged at (ms). ``key_room(key)``: how
+        many more tasks of a fairness key may be delivered now (its rate limit; None: no
+        limit); a key at 0 is passed over -- its turn and its place kept -- and
+        :attr:`rate_blocked` tells the caller one was (to wake receivers when the
+        key's window turns)."""
         cands = list(cands)
         out: list[TaskState] = []
         tasks = self.tasks
         skipped: list = []  # (task) set aside: re-added at the end
+        rooms: dict = {}
+        self.rate_blocked = False
+        if key_room is not None:
+            def blocked(key) -> bool:
+                r = rooms[key] if key in rooms else rooms.setdefault(key, key_room(key))
+                if r is not None and r <= 0:
+                    self.rate_blocked = True
+                    return True
+                return False
+
+            self._blocked = blocked
+        try:
+            self._pop_loop(queue_id, cands, n, now_ms, eligible, room, size, out, skipped, rooms)
+        finally:
+            self._blocked = None
+            self._unpark()
+        self.aside.clear()
+        for t in skipped:  # back first in line (same seq: the same FIFO place)
+            self.add(t)
+        per_run = self.queues.get(queue_id)
+        if per_run is not None:
+            for rid, rr in cands:
+                if not rr.prios:
+                    per_run.pop(rid, None)
+        return out
+
+    def _unpark(self) -> None:
+        """Put back what the pop set aside for rate-limited keys (their turns, their
+        aging entries, the levels they alone kept)."""
+        for lv, turn in self._parked_turns:
+            _heappush(lv.turns, turn)
+            lv.parked -= 1
+        for lv, e in self._parked_all:
+            _heappush(lv.all, e)
+            lv.parked -= 1
+        for rr, p in self._parked_prios:
+            _heappush(rr.prios, p)
+        self._parked_turns.clear()
+        self._parked_all.clear()
+        self._parked_prios.clear()
+
+    def _pop_loop(self, queue_id, cands, n, now_ms, eligible, room, size, out, skipped, rooms) -> None:
+        tasks = self.tasks
         while len(out) < n:
             best = None
             for _rid, rr in cands:
@@ -321,17 +419,11 @@ class ReadyIndex:
             self._take(rr, entry, p, key)
             self.discard(t.id)
             out.append(t)
+            left = rooms.get(t.fair_key)
+            if left is not None:
+                rooms[t.fair_key] = left - 1
             if room is not None:
                 room -= need
-        self.aside.clear()
-        for t in skipped:  # back first in line (same seq: the same FIFO place)
-            self.add(t)
-        per_run = self.queues.get(queue_id)
-        if per_run is not None:
-            for rid, rr in cands:
-                if not rr.prios:
-                    per_run.pop(rid, None)
-        return out
 
     def entries(self) -> dict[str, dict[str, list[str]]]:
         """queue id -> run id -> the task ids of the current (not stale) entries of its
@@ -351,3 +443,7 @@ class ReadyIndex:
 
 
 _OLDEST = object()  # a pick from a level's aging heap (not a key's turn)
+_CAPPED = object()  # an aging level with more than MAX_PARKED rate-limited entries ahead
+
+#: how many aging entries of rate-limited keys one pop sets aside per level at most
+MAX_PARKED = 256

@@ -18,7 +18,7 @@ from ..records import TaskRequirements
 
 __all__ = [
     'PRIORITY_MIN', 'PRIORITY_MAX', 'DEFAULT_PRIORITY', 'MAX_WEIGHT', 'MAX_FAIR_KEY', 'MAX_QUEUE_WEIGHTS',
-    'MIN_AGING_MS', 'MAX_AGING_MS', 'TERMINAL', 'MODES', 'MIN_LEASE_MS', 'MAX_LEASE_MS', 'MAX_BATCH', 'MAX_SKIPPED', 'delivery_bytes', 'task_view_bytes', 'outcome_view_bytes', 'MailboxState', 'TaskState', 'TaskPhase', 'TASK_MOVES', 'DeliveryState', 'DELIVERY_MOVES', 'delivery_state', 'check_task_move', 'check_fair_key', 'check_scheduling', 'check_weights',
+    'MIN_AGING_MS', 'MAX_AGING_MS', 'TERMINAL', 'MODES', 'MIN_LEASE_MS', 'MAX_LEASE_MS', 'MAX_BATCH', 'MAX_SKIPPED', 'delivery_bytes', 'task_view_bytes', 'outcome_view_bytes', 'MailboxState', 'TaskState', 'TaskPhase', 'TASK_MOVES', 'DeliveryState', 'DELIVERY_MOVES', 'delivery_state', 'check_task_move', 'check_fair_key', 'check_scheduling', 'check_weights', 'check_rate_limits', 'rate_room', 'count_rate', 'MAX_RATE', 'RATE_WINDOW_MS',
 ]
 
 #: task priorities: 1 (most urgent) .. PRIORITY_MAX; a task without one (and whose run
@@ -26,6 +26,9 @@ __all__ = [
 PRIORITY_MIN, PRIORITY_MAX, DEFAULT_PRIORITY = 1, 5, 3
 #: a fairness key's weight: 1 .. MAX_WEIGHT (a key without one weighs 1)
 MAX_WEIGHT = 1000
+#: the largest rate limit of a fairness key (deliveries a second) and its window (ms)
+MAX_RATE = 100_000
+RATE_WINDOW_MS = 1000
 #: a fairness key: 1 .. MAX_FAIR_KEY characters
 MAX_FAIR_KEY = 128
 #: how many fairness keys a queue's weight table holds at most
@@ -104,6 +107,14 @@ class MailboxState(msgspec.Struct, gc=False, omit_defaults=True):
     aging_ms: int | None = None
     #: fairness key -> weight (1..MAX_WEIGHT) for the key's tasks (over a task's own weight)
     weights: dict[str, int] | None = None
+    #: fairness key ("*": every key without its own) -> deliveries per second (1..MAX_RATE)
+    rate_limits: dict[str, int] | None = None
+    #: the 1-second window (``at_ms // 1000`` of server wall ms) of the last delivery of a
+    #: rate-limited key, and fairness key -> its deliveries in that window: counted from
+    #: the ``TaskDelivered`` records (so replay needs no clock); only the current window
+    #: limits, so a delivery in a new window starts the counts again
+    rate_window: int | None = None
+    rate_used: dict[str, int] | None = None
 
 
 class TaskState(msgspec.Struct, gc=False, omit_defaults=True):
@@ -253,6 +264,46 @@ def check_scheduling(prefix: str, priority: int | None, fair_key: str | None, fa
                                   details={"field": prefix + "fair_weight"})
         check_range(prefix + "fair_weight", fair_weight, 1, MAX_WEIGHT)
     return priority
+
+
+def check_rate_limits(limits: dict) -> dict[str, int]:
+    """A queue's rate limits per fairness key: at most :data:`MAX_QUEUE_WEIGHTS` keys
+    (``"*"``: every key without its own), each 1 .. :data:`MAX_RATE` deliveries per
+    second (VALIDATION_FAILED naming the field)."""
+    if len(limits) > MAX_QUEUE_WEIGHTS:
+        raise ValidationError(f"rate_limits holds at most {MAX_QUEUE_WEIGHTS} keys (got {len(limits)})",
+                              details={"field": "rate_limits"})
+    for k, n in limits.items():
+        check_fair_key("rate_limits", k)
+        check_range(f"rate_limits[{k!r}]", n, 1, MAX_RATE, " deliveries a second")
+    return dict(sorted(limits.items()))
+
+
+def rate_room(q: MailboxState, key: str | None, now_ms: int) -> int | None:
+    """How many more tasks of fairness key ``key`` the queue ``q`` may deliver in the
+    1-second window of ``now_ms`` (server ms); None: no limit applies (no key, or no
+    limit for it nor ``"*"``)."""
+    limits = q.rate_limits
+    if not limits or key is None:
+        return None
+    limit = limits.get(key, limits.get("*"))
+    if limit is None:
+        return None
+    if q.rate_window != now_ms // RATE_WINDOW_MS or not q.rate_used:
+        return limit
+    return max(0, limit - q.rate_used.get(key, 0))
+
+
+def count_rate(q: MailboxState, key: str, at_ms: int) -> None:
+    """Count one delivery of fairness key ``key`` at ``at_ms`` (server ms, the
+    ``TaskDelivered`` record's) in the queue's current rate window; the first delivery
+    of a new window starts the counts again (O(1): only the current window limits)."""
+    window = at_ms // RATE_WINDOW_MS
+    used = q.rate_used
+    if used is None or q.rate_window != window:
+        q.rate_window = window
+        used = q.rate_used = {}
+    used[key] = used.get(key, 0) + 1
 
 
 def check_weights(weights: dict) -> dict[str, int]:

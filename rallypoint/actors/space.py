@@ -8,6 +8,7 @@ creates belongs to the runs, work-queue and keys kinds.
 
 from __future__ import annotations
 
+import heapq
 import time
 
 import msgspec
@@ -24,6 +25,7 @@ from ..protocol import (
     OpsOverview,
     OverviewGroup,
     OverviewQueue,
+    OVERVIEW_TOP_KEYS,
     OverviewRun,
     OverviewView,
     ServerStatus,
@@ -182,7 +184,12 @@ class Spaces(Kind):
             if q.space != space:
                 continue
             queued, running = queues.queue_counts.get(q.id, (0, 0))
-            qs.append(OverviewQueue(name=q.name, queued=queued, running=running, done=queues.queue_done.get(q.id, 0)))
+            by_prio, by_key = queues.ready_index.backlog(q.id)
+            top = heapq.nsmallest(OVERVIEW_TOP_KEYS, by_key.items(), key=lambda kc: (-kc[1], kc[0] or ""))
+            qs.append(OverviewQueue(name=q.name, queued=queued, running=running, done=queues.queue_done.get(q.id, 0),
+                                    ready_by_priority={str(p): n for p, n in sorted(by_prio.items())},
+                                    ready_keys=sum(1 for k in by_key if k is not None),
+                                    ready_top_keys={(k or ""): n for k, n in top}))
         groups: list[OverviewGroup] = []
         open_groups = 0
         scanned = 0

@@ -635,6 +635,7 @@ class Mailboxes:
     async def ensure(
         self, name: str, mode: str | None = None, max_attempts: int | None = None, backlog_limit: int | None = None,
         *, requirements: dict | None = None, aging_seconds: float | None = None, weights: dict[str, int] | None = None,
+        rate_limits: dict[str, int] | None = None,
     ) -> "Mailbox":
         """Create the mailbox, or check it exists with the settings given (CONFLICT
         naming the differing one of ``mode``, ``max_attempts``, ``backlog_limit``).
@@ -663,7 +664,11 @@ class Mailboxes:
         ``aging_seconds`` (issue 44): a waiting task gains one priority level per this
         many seconds (1 .. 604,800; 0 turns aging off); ``weights``: fairness key ->
         weight (1 .. 1000) of the mailbox's fair shares (over the tasks' own
-        ``fair_weight``). None leaves each as the mailbox has it; given, it replaces it."""
+        ``fair_weight``); ``rate_limits``: fairness key -> deliveries per second (1 ..
+        100,000; ``"*"``: every key without its own), counted in fixed 1-second windows
+        of server time -- a key at its limit is passed over (its turn and its tasks'
+        places kept) until its next window, and a waiting receive is woken then. None
+        leaves each as the mailbox has it; given, it replaces it."""
         given = {"mode": mode, "max_attempts": max_attempts, "backlog_limit": backlog_limit}
         checked = [k for k, v in given.items() if v is not None]
         info = await self._rs._call(
@@ -671,6 +676,7 @@ class Mailboxes:
                             max_attempts=5 if max_attempts is None else max_attempts, backlog_limit=backlog_limit,
                             requirements=_requirements(requirements),
                             aging_ms=None if aging_seconds is None else round(aging_seconds * 1000), weights=weights,
+                            rate_limits=rate_limits,
                             checked=None if len(checked) == 3 else checked),  # (None: all, as before the field)
             t.MailboxInfo,
         )

@@ -248,8 +248,10 @@ class ShardedTransport:
         # the home shard's definition (an ensure may have left settings out: `checked`)
         adopt = msgspec.structs.replace(op, id=view.id, mode=view.mode, max_attempts=view.max_attempts,
                                         backlog_limit=view.backlog_limit, checked=None,
-                                        # issue 44: the home shard's aging and weights on every shard
-                                        aging_ms=view.aging_ms or 0, weights=dict(view.weights))
+                                        # issue 44: the home shard's aging, weights and rate limits
+                                        # on every shard (a rate limit counts per shard)
+                                        aging_ms=view.aging_ms or 0, weights=dict(view.weights),
+                                        rate_limits=dict(view.rate_limits))
         for s in sorted(self.shards):
             if s != home:
                 await self._transport(s).call(adopt)
@@ -438,7 +440,16 @@ def _merge_overview(op: p.OpsOverview, parts: list[bytes]) -> bytes:
     for v in vs:
         for q in v.queues:
             cur = queues.get(q.name)
-            queues[q.name] = q if cur is None else _sum_struct(cur, q)
+            if cur is None:
+                queues[q.name] = q
+                continue
+            # issue 44: the backlogs add up; the largest keys are re-cut from the shards'
+            # (each shard's own largest: a key large only when summed may be missed)
+            keys = _add_counts(cur.ready_top_keys, q.ready_top_keys)
+            top = dict(sorted(keys.items(), key=lambda kc: (-kc[1], kc[0]))[:p.OVERVIEW_TOP_KEYS])
+            queues[q.name] = msgspec.structs.replace(
+                _sum_struct(cur, q), ready_by_priority=_add_counts(cur.ready_by_priority, q.ready_by_priority),
+                ready_top_keys=top)
     return p.encoder.encode(msgspec.structs.replace(
         first, runs=runs_, runs_active=sum(v.runs_active for v in vs), queues=list(queues.values()),
         groups=[g for v in vs for g in v.groups], groups_open=sum(v.groups_open for v in vs), waits=waits,
@@ -520,6 +531,14 @@ def _merge_every(op: Any, parts: list[bytes]) -> bytes:
     if merge is None:
         raise ValidationError(f"{op.__struct_config__.tag} cannot be merged over shards")
     return merge(op, parts)
+
+
+def _add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Two ``name -> count`` maps summed key by key (a's order, then b's new keys)."""
+    out = dict(a)
+    for k, n in b.items():
+        out[k] = out.get(k, 0) + n
+    return out
 
 
 def _sum_struct(a: Any, b: Any) -> Any:

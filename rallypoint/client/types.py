@@ -479,7 +479,8 @@ class OverviewRun(_Info, view=p.OverviewRun):
 
 
 class OverviewQueue(_Info, view=p.OverviewQueue):
-    """A work queue in the overview; ``done``: tasks finished since the server started."""
+    """A work queue in the overview; ``done``: tasks finished since the server started;
+    ``ready_by_priority``, ``ready_keys``, ``ready_top_keys``: its ready backlog (issue 44)."""
 
 
 class OverviewGroup(_Info, view=p.OverviewGroup):

@@ -488,7 +488,14 @@ async def queues_page(ctx) -> Page:
                 stream=urlencode({"types": "mailbox.*", "stats": "1"}))
 
 
+#: the largest fairness keys a queue's page lists in its ready backlog
+BACKLOG_KEYS = 20
+
+
 async def queue_page(ctx) -> Page:
+    """A work queue: its definition, its ready backlog (per priority, then its
+    :data:`BACKLOG_KEYS` largest fairness keys with their weights on the queue), its
+    tasks (filtered by state, paged)."""
     name = ctx.params["name"]
     q = await ctx.call(p.MailboxGet(name=name))
     state = choice(ctx.query, "state", TASK_STATES)
@@ -505,11 +512,19 @@ async def queue_page(ctx) -> Page:
                 + f'<form class="filters" method="get">{select("state", TASK_STATES, state, "state")}'
                   f'<button>Filter</button></form>')
 
+    async def backlog() -> str:  # issue 44: the ready tasks per priority and per fairness key
+        v = await ctx.call(p.MailboxGet(name=name))
+        rows = [tr(h(f"priority {k}"), h(n), "") for k, n in sorted(v.ready_by_priority.items(), key=lambda kv: int(kv[0]))]
+        rows += [tr(h(f"key {k}") if k else "no key", h(n), h(v.weights.get(k, "")) if k else "")
+                 for k, n in list(v.ready_by_key.items())[:BACKLOG_KEYS]]
+        return table(["Ready", "Tasks", "Weight"], rows, "no task ready", "backlog")
+
     async def tasks() -> str:
         v = await ctx.call(p.OpsItems(kinds=["tasks"], mailbox=name, state=state, before=before, limit=PAGE))
         return task_table(v.tasks, "no tasks match") + pager(ctx, v.tasks, lambda t: t.id)
 
-    return Page(f"Queue {name}", "queues", [Part("head", head), Part("tasks", tasks, "changed")],
+    return Page(f"Queue {name}", "queues", [Part("head", head), Part("backlog", backlog, "changed"),
+                                            Part("tasks", tasks, "changed")],
                 stream=urlencode({"types": "task.*"}))
 
 
