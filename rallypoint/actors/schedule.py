@@ -304,7 +304,8 @@ class Schedules(Kind):
         #: the instant (wall ms) this process recovered: a fire of a time due before it is
         #: a catch-up
         self.started_ms = 0
-        #: fire lag (seconds: the real instant of the fire's commit minus its fire time),
+        #: fire lag (seconds: the real instant the fire's group commit was journaled minus
+        #: its fire time),
         #: the most recent samples (metrics: ``rallypoint_schedule_fire_lag_seconds``)
         self.lag_samples: list[float] = []
         self.lag_counts = [0] * (len(LAG_BOUNDS_S) + 1)  # histogram over LAG_BOUNDS_S (+Inf last)
