@@ -139,3 +139,70 @@ async def test_grouped_applies_each_commit_at_once_and_journals_them_as_one_entr
     assert [type(r) for r in commits[1]] == [ScopeCreated, ScheduleFired]
     assert c._deferred is None
     await trio.sleep(0)
+
+
+async def test_a_group_commit_is_bounded_by_bytes(autojump_clock, ers, monkeypatch):
+    """Fires whose tasks carry large inputs: a new group (journal entry) once the
+    estimate passes GROUP_BYTES, so an entry stays far below the journal's and a
+    replication message's bound."""
+    monkeypatch.setattr(schedule_mod, "GROUP_BYTES", 100_000)
+    c = coord(ers)
+    await ers.mailboxes.ensure("jobs")
+    ids = []
+    for i in range(5):
+        s = await ers.schedules.create(f"big{i}", cron="* * * * *", overlap="allow_all", mailbox="jobs",
+                                       input={"blob": "x" * 40_000})
+        ids.append(s.info.id)
+    t = c.schedules.next_due[ids[0]][0]
+    commits = capture_commits(ers)
+    await sleep_to(ms_to_datetime(t), ers)
+    await until(lambda: len(fires_at(c, t)) == 5)
+    groups = [n for n in (sum(type(r) is ScheduleFired for r in recs) for recs in commits) if n]
+    assert groups == [3, 2]  # 3 x ~40.5 KB passes 100,000 bytes: the 4th starts a new entry
+    assert fires_at(c, t) == {i: 1 for i in ids}
+
+
+async def test_one_schedule_catching_up_many_times_spreads_over_bounded_groups(
+        tmp_path, autojump_clock, monkeypatch):
+    """Down for 27 s with two 1-second schedules: their 54 catch-up fires go in entries
+    of at most STEP_FIRES commits -- a schedule that starts in a group part-full stops
+    there too and takes the rest of its times in its next step, at once --, each time
+    fired once."""
+    import rallypoint
+    from rallypoint.clock import Clock
+
+    from test_durability_restart import controlled_time
+    from test_schedules import actions_of
+
+    monkeypatch.setattr(schedule_mod, "STEP_FIRES", STEP)
+    d = str(tmp_path / "data")
+    clock = Clock()
+    async with controlled_time() as tc:
+        async with rallypoint.open_embedded(d, durability="fsync", clock=clock) as rs:
+            s = await rs.schedules.create("sec", every=1, catchup_window=3600, overlap="allow_all")
+            await rs.schedules.create("sec2", every=1, catchup_window=3600, overlap="allow_all")
+            first = s.info.next_fires[0]
+            await tc.advance((first - ms_to_datetime(coord(rs).now_ms())).total_seconds() + 0.01)
+            assert [len(actions_of(rs, n)) for n in ("sec", "sec2")] == [1, 1]
+        await tc.advance(27)
+        from rallypoint.persistence.journal import Journal
+        from rallypoint.records import decode_commit
+
+        commits: list = []
+        orig = Journal.append
+
+        def append(self, payload):  # from recovery on: the catch-up fires at once
+            commits.append(decode_commit(payload))
+            return orig(self, payload)
+
+        monkeypatch.setattr(Journal, "append", append)
+        async with rallypoint.open_embedded(d, durability="fsync", clock=clock) as rs:
+            await until(lambda: min(len(actions_of(rs, n)) for n in ("sec", "sec2")) >= 28, timeout=5)
+            total = 0
+            for n in ("sec", "sec2"):
+                times = [a.scheduled_ms for a in actions_of(rs, n)]
+                assert len(times) == len(set(times))  # none twice
+                assert times == list(range(times[0], times[-1] + 1, 1000))  # none missed
+                total += len(times) - 1
+            groups = [n for n in (sum(type(r) is ScheduleFired for r in recs) for recs in commits) if n]
+            assert sum(groups) == total and max(groups) <= STEP and len(groups) >= 5

@@ -119,6 +119,12 @@ MAX_NOTE = 1_024
 #: scheduled times one activity step deals with (the rest in the next step, at once)
 STEP_TIMES = 10_000
 STEP_FIRES = 1_000
+#: one group commit of a bucket (:meth:`Schedules._on_bucket`, ONE journal entry) holds at
+#: most :data:`STEP_FIRES` commits (fires, skips, buffers) and about this many bytes
+#: (estimated: 512 a fire plus its task's input): far below a journal entry's and a
+#: replication message's bound (256 / 64 MiB) even when every fire carries a 64 KiB input
+#: or one schedule catches up a thousand times
+GROUP_BYTES = 4 << 20
 #: the fire-lag histogram's bucket bounds, seconds (rallypoint_schedule_fire_lag_seconds)
 LAG_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
@@ -301,6 +307,9 @@ class Schedules(Kind):
         #: fire instants (wall ms) of the fires applied but not yet journaled: their lag
         #: is taken once their group commit is journaled (:meth:`_note_lags`)
         self._lag_due: list[int] = []
+        #: commits and estimated bytes in the current group commit (:meth:`_group_full`)
+        self._group_n = 0
+        self._group_bytes = 0
         #: the instant (wall ms) this process recovered: a fire of a time due before it is
         #: a catch-up
         self.started_ms = 0
@@ -724,25 +733,33 @@ class Schedules(Kind):
         due = [(sid, d) for sid in bucket if (d := nd.get(sid)) is not None and d[1] == fire_ms]
         on_due = self._on_due
         grouped = self.coord.grouped
-        i = 0
+        i = 0  # the schedule being dealt with (those before it are done)
+
+        def decide():
+            nonlocal i
+            self._group_n = self._group_bytes = 0
+            while i < len(due) and not self._group_full():
+                on_due(due[i])
+                i += 1
+
         try:
             while i < len(due):
-                part = due[i:i + STEP_FIRES]
-
-                def decide(part=part):
-                    for x in part:
-                        on_due(x)
-
                 try:
                     grouped(decide)
                 finally:
                     self._note_lags()
-                i += len(part)
         except UnavailableError:
             left = self.buckets.setdefault(fire_ms, {})
             for sid, _d in due[i:]:
                 left[sid] = None
             raise
+
+    def _group_full(self) -> bool:
+        """The current group commit holds :data:`STEP_FIRES` commits or
+        :data:`GROUP_BYTES` (estimated): the next goes in another group (another
+        schedule: the bucket's next group; more times of the same schedule: its next step,
+        at once)."""
+        return self._group_n >= STEP_FIRES or self._group_bytes >= GROUP_BYTES
 
     def _note_lags(self) -> None:
         """The fires applied since the last call are journaled now: their lag (this
@@ -786,6 +803,8 @@ class Schedules(Kind):
             if pend is not None:
                 coord.commit([ScheduleSkipped(schedule_id=sid, scheduled_ms=pend[0], last_ms=pend[1], count=pend[2],
                                               reason=pend[3], at_ms=now)])
+                self._group_n += 1
+                self._group_bytes += 128
                 pend = None
 
         for t in spec_times(c, s.cursor_ms):
@@ -793,7 +812,7 @@ class Schedules(Kind):
             if f > now:
                 upcoming = (t, f)
                 break
-            if seen >= STEP_TIMES or fires >= STEP_FIRES:
+            if seen >= STEP_TIMES or fires >= STEP_FIRES or self._group_full():
                 more = True
                 break
             seen += 1
@@ -825,6 +844,8 @@ class Schedules(Kind):
                                         reason=e.code.lower(), at_ms=now)]
             coord.commit(recs)
             fires += 1
+            self._group_n += 1
+            self._group_bytes += 512 + (len(c.input) if c.mailbox is not None and c.input is not None else 0)
             if type(recs[-1]) is ScheduleFired:
                 self._lag_due.append(f)  # (its lag once journaled: _note_lags)
         flush()
