@@ -13,7 +13,12 @@ fire's group commit was journaled minus its due instant
 (``rallypoint_schedule_fire_lag_seconds``); the schedules due at one instant are one
 heap entry, fired in group commits of 1,000.
 Memory: resident set size before and after the schedules, and after their first fires
-(each fire keeps a run and an action). Prints one figure per line.
+(each fire keeps a run and an action). The collector is set as ``rallypoint serve``
+sets it once recovery has loaded the schedules (``tune_gc``: collect, freeze, rarer full
+collections; ``--no-tune-gc`` leaves Python's default, as the bench did before).
+``--floor`` then builds one action per schedule (its run and ``ScheduleFired``) before
+starting the clock and times only their commit: the cost of the effect alone, what any
+design that creates the runs at the fire still pays. Prints one figure per line.
 """
 
 from __future__ import annotations
