@@ -256,7 +256,7 @@ class Metrics:
             from .actors.schedule import LAG_BOUNDS_S
 
             h = HistogramMetricFamily(p + "schedule_fire_lag_seconds",
-                                      "A schedule's fire: its commit's real instant minus the time it was due")
+                                      "A schedule's fire: the real instant its group commit was journaled minus the time it was due")
             h.add_metric([], _buckets(LAG_BOUNDS_S, sch.lag_counts), sch.lag_sum_s)
             yield h
         g = GaugeMetricFamily(p + "journal_last_lsn", "The journal's last LSN")

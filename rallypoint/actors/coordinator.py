@@ -643,6 +643,30 @@ class Coordinator:
         self._journal_deferred(deferred, answer)
         return result
 
+    def grouped(self, decide: Callable[[], Any]) -> Any:
+        """Run ``decide`` with its commits applied at once (each :meth:`commit` applies
+        its records and reactions, so what ``decide`` reads next sees them) but journaled
+        together as ONE entry when it returns or raises (what it applied is journaled all
+        the same; a :class:`FatalError` journals nothing). Returns what ``decide``
+        returns. The entry is atomic on recovery and on a standby: all its commits or
+        none. Inside a keyed step (or another group) it joins that entry. Used by the
+        schedules to fire every schedule due at one instant in a few group commits."""
+        if self._deferred is not None:
+            return decide()
+        deferred = self._deferred = []
+        try:
+            result = decide()
+        except FatalError:
+            self._deferred = None
+            raise
+        except BaseException:
+            self._deferred = None
+            self._journal_deferred(deferred, None)
+            raise
+        self._deferred = None
+        self._journal_deferred(deferred, None)
+        return result
+
     def _journal_deferred(self, records: list, answer) -> None:
         """Journal a keyed step's applied ``records`` (and its stored ``answer``, a
         record applied here) as one entry."""

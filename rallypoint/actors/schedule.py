@@ -59,8 +59,12 @@ next buffered time, and pauses the schedule (pause on failure) on failed or time
 
 **Where things live.** The schedule is a space-level entity (its home shard); each
 action is an entity of its run (the run's nursery, retention purges it with the run).
-Every schedule is one entry of the coordinator's activity heap at its next fire time
-(no task per schedule).
+Every schedule sits in the *bucket* of its next fire instant (wall ms), and each bucket
+is one entry of the coordinator's activity heap (no task per schedule, one heap entry
+for all the schedules due at the same instant). A bucket fires its schedules in group
+commits of :data:`STEP_FIRES` (one journal entry each, every fire with its effect in
+it); the fire lag (``rallypoint_schedule_fire_lag_seconds``) is the instant a fire's
+group is journaled minus its fire instant.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ import msgspec
 import trio
 
 from ..clock import to_iso
-from ..errors import ConflictError, NotFoundError, RallypointError, ValidationError
+from ..errors import ConflictError, NotFoundError, RallypointError, UnavailableError, ValidationError
 from ..events import emits, ev
 from ..ids import is_id
 from ..protocol import (
@@ -115,6 +119,12 @@ MAX_NOTE = 1_024
 #: scheduled times one activity step deals with (the rest in the next step, at once)
 STEP_TIMES = 10_000
 STEP_FIRES = 1_000
+#: one group commit of a bucket (:meth:`Schedules._on_bucket`, ONE journal entry) holds at
+#: most :data:`STEP_FIRES` commits (fires, skips, buffers) and about this many bytes
+#: (estimated: 512 a fire plus its task's input): far below a journal entry's and a
+#: replication message's bound (256 / 64 MiB) even when every fire carries a 64 KiB input
+#: or one schedule catches up a thousand times
+GROUP_BYTES = 4 << 20
 #: the fire-lag histogram's bucket bounds, seconds (rallypoint_schedule_fire_lag_seconds)
 LAG_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
@@ -254,11 +264,18 @@ def jitter_ms_of(schedule_id: str, scheduled_ms: int, jitter_ms: int) -> int:
     return int.from_bytes(h, "big") % jitter_ms
 
 
+@functools.lru_cache(maxsize=4096)
+def _time_strings(scheduled_ms: int, tz_name: str) -> tuple[str, str]:
+    """(ISO UTC, ISO in ``tz_name``) of one scheduled time: computed once for every
+    schedule of that zone due at that time (100,000 at the top of a minute)."""
+    return to_iso(scheduled_ms), datetime.fromtimestamp(scheduled_ms / 1000, _zone(tz_name)).isoformat()
+
+
 def render_run_name(template: str, schedule: str, scheduled_ms: int, tz_name: str) -> str:
     """The run name of one action: ``template`` with ``{schedule}``, ``{time}`` (ISO UTC)
     and ``{local}`` (ISO in ``tz_name``); cut to 256 characters."""
-    local = datetime.fromtimestamp(scheduled_ms / 1000, _zone(tz_name)).isoformat()
-    out = template.format_map({"schedule": schedule, "time": to_iso(scheduled_ms), "local": local})
+    utc, local = _time_strings(scheduled_ms, tz_name)
+    out = template.format_map({"schedule": schedule, "time": utc, "local": local})
     return out[:256] or schedule
 
 
@@ -282,10 +299,22 @@ class Schedules(Kind):
         self.to_check: set[str] = set()
         #: schedule id -> (scheduled ms, fire ms) of the heap entry that is current
         self.next_due: dict[str, tuple[int, int]] = {}
+        #: fire instant (wall ms) -> the schedules armed at it (in arm order): ONE heap
+        #: entry per instant, so 100,000 schedules due at the top of a minute are one
+        #: entry, dealt with in group commits of :data:`STEP_FIRES` (:meth:`_on_bucket`);
+        #: a schedule whose ``next_due`` moved elsewhere is stale in its old bucket
+        self.buckets: dict[int, dict[str, None]] = {}
+        #: fire instants (wall ms) of the fires applied but not yet journaled: their lag
+        #: is taken once their group commit is journaled (:meth:`_note_lags`)
+        self._lag_due: list[int] = []
+        #: commits and estimated bytes in the current group commit (:meth:`_group_full`)
+        self._group_n = 0
+        self._group_bytes = 0
         #: the instant (wall ms) this process recovered: a fire of a time due before it is
         #: a catch-up
         self.started_ms = 0
-        #: fire lag (seconds: the real instant of the fire's commit minus its fire time),
+        #: fire lag (seconds: the real instant the fire's group commit was journaled minus
+        #: its fire time),
         #: the most recent samples (metrics: ``rallypoint_schedule_fire_lag_seconds``)
         self.lag_samples: list[float] = []
         self.lag_counts = [0] * (len(LAG_BOUNDS_S) + 1)  # histogram over LAG_BOUNDS_S (+Inf last)
@@ -677,10 +706,76 @@ class Schedules(Kind):
         if self.next_due.get(s.id) == nxt:
             return
         self.next_due[s.id] = nxt
-        self.coord.arm_wall(nxt[1], self._on_due, (s.id, nxt))
+        self._put(s.id, nxt[1])
+
+    def _put(self, sid: str, fire_ms: int) -> None:
+        """Put schedule ``sid`` in the bucket of ``fire_ms`` (its ``next_due`` says so
+        already); the first of a bucket arms its one heap entry."""
+        b = self.buckets.get(fire_ms)
+        if b is None:
+            self.buckets[fire_ms] = {sid: None}
+            self.coord.arm_wall(fire_ms, self._on_bucket, fire_ms)
+        else:
+            b[sid] = None
+
+    def _on_bucket(self, fire_ms: int) -> None:
+        """The heap entry of the instant ``fire_ms`` came due: deal with every schedule
+        still armed at it (:meth:`_on_due`, in arm order), :data:`STEP_FIRES` schedules
+        per group commit (:meth:`Coordinator.grouped`: each fire applied with its effect
+        at once, the group journaled as one entry, so a fire is in the journal with its
+        run or not at all). The fire lag is taken when a group is journaled. A group
+        refused (UNAVAILABLE: disk full, no in-sync standby) puts the schedules not yet
+        dealt with back in the bucket; the heap tries the entry again."""
+        bucket = self.buckets.pop(fire_ms, None)
+        if not bucket:
+            return
+        nd = self.next_due
+        due = [(sid, d) for sid in bucket if (d := nd.get(sid)) is not None and d[1] == fire_ms]
+        on_due = self._on_due
+        grouped = self.coord.grouped
+        i = 0  # the schedule being dealt with (those before it are done)
+
+        def decide():
+            nonlocal i
+            self._group_n = self._group_bytes = 0
+            while i < len(due) and not self._group_full():
+                on_due(due[i])
+                i += 1
+
+        try:
+            while i < len(due):
+                try:
+                    grouped(decide)
+                finally:
+                    self._note_lags()
+        except UnavailableError:
+            left = self.buckets.setdefault(fire_ms, {})
+            for sid, _d in due[i:]:
+                left[sid] = None
+            raise
+
+    def _group_full(self) -> bool:
+        """The current group commit holds :data:`STEP_FIRES` commits or
+        :data:`GROUP_BYTES` (estimated): the next goes in another group (another
+        schedule: the bucket's next group; more times of the same schedule: its next step,
+        at once)."""
+        return self._group_n >= STEP_FIRES or self._group_bytes >= GROUP_BYTES
+
+    def _note_lags(self) -> None:
+        """The fires applied since the last call are journaled now: their lag (this
+        instant minus each fire instant) into the histogram and the samples."""
+        fs = self._lag_due
+        if not fs:
+            return
+        self._lag_due = []
+        now = trio.current_time()
+        base = self.coord.clock.trio_time_at(fs[0]) - fs[0] / 1000  # (wall ms -> trio s is linear)
+        note = self._note_lag
+        for f in fs:
+            note(now - (base + f / 1000))
 
     def _on_due(self, arg) -> None:
-        """The heap entry of a schedule came due: deal with every spec time whose fire
+        """A schedule's bucket came due (:meth:`_on_bucket`): deal with every spec time whose fire
         instant has come (at most :data:`STEP_TIMES` / :data:`STEP_FIRES` per step; the
         rest at once in the next), each in its own commit: fired (or buffered / skipped
         by the overlap policy), skipped as ``paused`` (up to the unpause) or
@@ -708,6 +803,8 @@ class Schedules(Kind):
             if pend is not None:
                 coord.commit([ScheduleSkipped(schedule_id=sid, scheduled_ms=pend[0], last_ms=pend[1], count=pend[2],
                                               reason=pend[3], at_ms=now)])
+                self._group_n += 1
+                self._group_bytes += 128
                 pend = None
 
         for t in spec_times(c, s.cursor_ms):
@@ -715,7 +812,7 @@ class Schedules(Kind):
             if f > now:
                 upcoming = (t, f)
                 break
-            if seen >= STEP_TIMES or fires >= STEP_FIRES:
+            if seen >= STEP_TIMES or fires >= STEP_FIRES or self._group_full():
                 more = True
                 break
             seen += 1
@@ -747,21 +844,22 @@ class Schedules(Kind):
                                         reason=e.code.lower(), at_ms=now)]
             coord.commit(recs)
             fires += 1
+            self._group_n += 1
+            self._group_bytes += 512 + (len(c.input) if c.mailbox is not None and c.input is not None else 0)
             if type(recs[-1]) is ScheduleFired:
-                lag = trio.current_time() - coord.clock.trio_time_at(f)
-                self._note_lag(lag)
+                self._lag_due.append(f)  # (its lag once journaled: _note_lags)
         flush()
         self._due_now = None
         if sid not in self.table:
             return
         if more:  # the rest in the next step, at once
             self.next_due[sid] = (s.cursor_ms, now)
-            coord.arm_wall(now, self._on_due, (sid, (s.cursor_ms, now)))
+            self._put(sid, now)
         elif upcoming is not None and not s.paused and s.remaining != 0:
             # every time before ``upcoming`` was dealt with (each moved the cursor): it is next
             if self.next_due.get(sid) != upcoming:
                 self.next_due[sid] = upcoming
-                coord.arm_wall(upcoming[1], self._on_due, (sid, upcoming))
+                self._put(sid, upcoming[1])
         else:
             self._arm(s)
 
@@ -961,6 +1059,7 @@ class Schedules(Kind):
         their reaction could not run (never, with one commit per step: a safety net)."""
         self.started_ms = self.coord.now_ms()
         self.next_due = {}
+        self.buckets = {}
         for s in self.table.values():
             self._arm(s)
 
