@@ -54,7 +54,7 @@ from ..actors.api import OPS, REPLY_TYPES
 from ..errors import ForbiddenError, RallypointError, UnauthenticatedError, ValidationError
 from ..logutil import RateLimitedLogger, printable
 from ..service import Session
-from . import pages
+from . import actions, pages
 
 log = logging.getLogger("rallypoint.console")
 
@@ -96,6 +96,9 @@ class Login:
     key_id: str | None
     key_name: str | None
     last_seen: float
+    #: the key's permissions (fixed when a key is made), what the console's actions run
+    #: under (:mod:`rallypoint.console.actions`); None in open mode
+    permissions: frozenset[str] | None = None
 
 
 class Ctx:
@@ -181,6 +184,8 @@ class ConsoleApp:
         self.rates = _QueueRates()
         #: set on shutdown: open streams end at once
         self.stopping = trio.Event()
+        #: the key of the actions' CSRF tokens (actions.csrf_token): new each process
+        self.csrf_secret = secrets.token_bytes(32)
         self._static: dict[str, tuple[bytes, str, str]] = {}  # name -> (bytes, type, etag)
         self.routes = pages.routes()
 
@@ -258,6 +263,8 @@ class ConsoleApp:
                 return await self._login_post(request) if method == "POST" else self._login_form(request)
             if path == "/logout" and method == "POST":
                 return self._logout(request)
+            if raw_path.startswith("/actions/"):  # the only writes: forms with a CSRF token (actions.py)
+                return await actions.handle(self, request, raw_path)
             if method not in ("GET", "HEAD"):
                 return self._plain(405, "the console is read-only: GET only")
             if path == "/":
@@ -386,7 +393,7 @@ class ConsoleApp:
         while len(self.logins) >= self.max_sessions:
             self.logins.pop(next(iter(self.logins)))
         self.logins[_digest(token)] = Login(space=key.space, key_id=key.id, key_name=key.name,
-                                            last_seen=time.monotonic())
+                                            last_seen=time.monotonic(), permissions=frozenset(key.permissions))
         log.info("console: key %s signed in (space %s)", key.id, key.space,
                  extra={"event": "console_login", "key_id": key.id, "space": key.space})
         resp = _redirect(nxt)
