@@ -55,6 +55,7 @@ from ..errors import ForbiddenError, RallypointError, UnauthenticatedError, Vali
 from ..logutil import RateLimitedLogger, printable
 from ..service import Session
 from . import actions, pages
+from .trends import Trends
 
 log = logging.getLogger("rallypoint.console")
 
@@ -186,8 +187,15 @@ class ConsoleApp:
         self.stopping = trio.Event()
         #: the key of the actions' CSRF tokens (actions.csrf_token): new each process
         self.csrf_secret = secrets.token_bytes(32)
+        #: the queue trends' ring (rallypoint.console.trends), sampled by serve_console
+        self.trends = Trends(self.call, self._trend_spaces)
         self._static: dict[str, tuple[bytes, str, str]] = {}  # name -> (bytes, type, etag)
         self.routes = pages.routes()
+
+    def _trend_spaces(self) -> list[str]:
+        """The spaces the trends sample: ``default`` and every live key's."""
+        keys = self.coordinator.keys
+        return ["default"] + sorted({k.space for k in keys.table.values() if k.revoked_at_ms is None} - {"default"})
 
     def flush_logs(self) -> None:
         self.log_limiter.flush()
@@ -434,7 +442,7 @@ class ConsoleApp:
             if _STATIC_NAME.fullmatch(name) is None or ext not in types:  # (a NUL, a "..", a slash: no file)
                 return self._plain(404, "no such file")
             try:
-                data = resources.files(__package__).joinpath("static", name).read_bytes()
+                data = resources.files(__package__).joinpath("static", *name.split("/")).read_bytes()
             except (FileNotFoundError, OSError):
                 return self._plain(404, "no such file")
             got = self._static[name] = (data, types[ext], '"%s"' % hashlib.sha256(data).hexdigest()[:16])
@@ -665,8 +673,9 @@ def _safe_next(nxt: str | None) -> str:
 
 #: a ``next`` path: printable ASCII but the backslash, from a single "/"
 _SAFE_NEXT = re.compile(r"/[\x21-\x5b\x5d-\x7e]*")
-#: a static file's name: no dot first, no slash, NUL or other control
-_STATIC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+#: a static file's name: no dot first, no slash (but the vendored files' ``vendor/``), NUL
+#: or other control
+_STATIC_NAME = re.compile(r"(?:vendor/)?[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
 
 def _local_next(request: Request) -> str:
@@ -688,7 +697,7 @@ def _redirect(location: str) -> Response:
 async def serve_console(service, host: str, port: int, *, shutdown: trio.Event | None = None, certfile=None,
                         keyfile=None, max_connections: int = 1024, first_request_s: float = 10.0,
                         graceful_s: float = 5.0, metrics: Any = None, hosts=(),
-                        listener_options: dict | None = None,
+                        listener_options: dict | None = None, trend_period_s: float | None = None,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the console on ``host:port`` (0: a free port) until ``shutdown`` is set: the
     HTTP listener of the API (:func:`rallypoint.http.serve_http`: its accept loop,
@@ -698,13 +707,22 @@ async def serve_console(service, host: str, port: int, *, shutdown: trio.Event |
     and the Live page's chart reads it); ``hosts``: the names it is reached by besides
     ``localhost`` and its address (``--http-host``: :mod:`rallypoint.http.guard`).
     ``listener_options``: more keyword arguments of ``serve_http``
-    (``max_connections_per_peer``, ``header_s``, ``body_s``, ``keep_alive_s``). Raises
-    OSError if the address cannot be bound."""
+    (``max_connections_per_peer``, ``header_s``, ``body_s``, ``keep_alive_s``).
+    ``trend_period_s``: seconds between two samples of the queue trends
+    (:mod:`rallypoint.console.trends`; default ``$RALLYPOINT_CONSOLE_TREND_S``, else 10).
+    Raises OSError if the address cannot be bound."""
     import functools
 
     from ..http.server import serve_http
 
+    import os
+
+    from .trends import PERIOD_S
+
     app = ConsoleApp(service, secure_cookie=certfile is not None)
+    if trend_period_s is None:
+        trend_period_s = float(os.environ.get("RALLYPOINT_CONSOLE_TREND_S") or PERIOD_S)
+    app.trends.period_s = trend_period_s
     stop = shutdown if shutdown is not None else trio.Event()
     async with trio.open_nursery() as nursery:
         _api, urls = await nursery.start(functools.partial(
@@ -712,9 +730,17 @@ async def serve_console(service, host: str, port: int, *, shutdown: trio.Event |
             first_request_s=first_request_s, graceful_s=graceful_s, metrics=metrics, shutdown=stop, api=app,
             hosts=hosts, **(listener_options or {})))
 
+        trends_scope = trio.CancelScope()
+
         async def end_streams():
             await stop.wait()
             app.stop()
+            trends_scope.cancel()
+
+        async def sample_trends():
+            with trends_scope:
+                await app.trends.run()
 
         nursery.start_soon(end_streams)
+        nursery.start_soon(sample_trends)
         task_status.started((app, urls))

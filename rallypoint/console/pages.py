@@ -512,7 +512,13 @@ async def queue_page(ctx) -> Page:
         v = await ctx.call(p.OpsItems(kinds=["tasks"], mailbox=name, state=state, before=before, limit=PAGE))
         return task_table(v.tasks, "no tasks match") + pager(ctx, v.tasks, lambda t: t.id)
 
-    return Page(f"Queue {name}", "queues", [Part("head", head), Part("tasks", tasks, "changed")],
+    async def trend() -> str:
+        from .trends import render_queue_trend
+
+        return render_queue_trend(ctx, name)
+
+    return Page(f"Queue {name}", "queues", [Part("head", head), Part("trend", trend, "changed"),
+                                            Part("tasks", tasks, "changed")],
                 stream=urlencode({"types": "task.*"}))
 
 
