@@ -323,8 +323,14 @@ async def run_page(ctx) -> Page:
         out += ["<h3>Pool units held</h3>", grant_table(v.grants)]
         return "".join(out)
 
+    async def timeline() -> str:
+        from .timeline import render_timeline
+
+        return await render_timeline(ctx, rid)
+
     return Page(f"Run {run_label(run)}", "runs", [
-        Part("crumbs", crumbs), Part("summary", summary, "changed"), Part("tree", tree), Part("items", items, "changed"),
+        Part("crumbs", crumbs), Part("summary", summary, "changed"), Part("timeline", timeline, "changed"),
+        Part("tree", tree), Part("items", items, "changed"),
     ], stream=urlencode({"run": rid}))
 
 
