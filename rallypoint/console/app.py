@@ -83,6 +83,9 @@ MAX_FORM = 4096
 WAIT_OPS = frozenset(d.tag for d in OPS.values() if d.waits.waits is not False) | {"events.watch"}
 #: Events one ``events`` message of the stream carries at most (the rest are counted).
 MAX_EVENTS_MESSAGE = 500
+#: An ``events`` message is sent at most this often (seconds): under load a stream costs
+#: at most 1/EVENTS_EVERY_S messages of MAX_EVENTS_MESSAGE events a second (issue 46).
+EVENTS_EVERY_S = 0.2
 
 _json = msgspec.json.Encoder().encode
 _event_decode = msgspec.msgpack.Decoder(p.EventView).decode
@@ -554,6 +557,19 @@ class ConsoleApp:
                 return e
             counter[0] += len(batch)
             if mode == "events":
+                wait = last_notify + EVENTS_EVERY_S - trio.current_time()
+                if wait > 0:  # paced: what arrives meanwhile joins this message (its oldest counted, not sent)
+                    await trio.sleep(wait)
+                    more = None
+                    try:
+                        with trio.move_on_after(0):  # what is buffered now, without waiting for more
+                            more = await sink.next_batch()
+                    except RallypointError as e:
+                        return e
+                    if more:
+                        counter[0] += len(more)
+                        batch = batch + more
+                last_notify = trio.current_time()
                 evs = [_event_decode(bytes(b)) for b in batch[-MAX_EVENTS_MESSAGE:]]
                 await emit("events", {"events": evs, "skipped": max(0, len(batch) - MAX_EVENTS_MESSAGE)})
             else:
