@@ -10,7 +10,14 @@ event table and the chart) and server-sent events for what changes.
   durable" -- exactly as a TCP or HTTP request. Nothing reads the coordinator's tables.
   :meth:`ConsoleApp.call` runs only operations whose permission is
   ``coordination_read`` (else INTERNAL: a bug in a page), and a login's session holds
-  only that permission: the console cannot change anything, in open mode neither.
+  only that permission: a page cannot change anything, in open mode neither.
+- **Actions** (:mod:`rallypoint.console.actions`): ``/actions/<name>``, a confirmation
+  page and a POST with the session's CSRF token, run the wire's operation under the
+  login's key and its own permissions (checked by ``Service.call``), then journal
+  ``console.acted`` (the event ``console.action`` with the key id).
+- **Trends** (:mod:`rallypoint.console.trends`): :attr:`ConsoleApp.trends`, a ring of
+  queue samples (depth, in flight, completions/s, p50/p99 lifecycle latency) that
+  ``serve_console`` samples every 10 s.
 - **Login** (:mod:`rallypoint.console.auth`): the API key is typed once into a form and
   POSTed (never in a URL, never logged); the server keeps ``sha256(token) -> login``
   and the browser an opaque random token in an ``HttpOnly``, ``SameSite=Strict`` cookie
@@ -28,7 +35,7 @@ event table and the chart) and server-sent events for what changes.
 - **Hardening**: every answer carries a Content-Security-Policy that allows only this
   origin's script and style (no inline script: every value is HTML-escaped, event data
   is inserted as text), ``frame-ancestors 'none'``, ``no-referrer`` and ``no-store``; a
-  POST (login, logout) from another origin is refused (FORBIDDEN).
+  POST (login, logout, an action) from another origin is refused (FORBIDDEN).
 """
 
 from __future__ import annotations
