@@ -114,3 +114,23 @@ async def test_pending_submissions_are_bounded(autojump_clock, ers, monkeypatch)
         await call(ers, p.TaskSubmit(mailbox="jobs", scope_id=run.id))
     await app.trends.sample(now_s=2.0)
     assert app.trends.statistics()["pending"] == 3
+
+
+async def test_the_sampler_survives_a_failing_sample_and_keeps_its_period(autojump_clock, ers, monkeypatch):
+    app = ConsoleApp(ers.node.service)
+    app.trends.period_s = 10.0
+    seen: list[float] = []
+    real = app.trends.sample
+
+    async def flaky(now_s=None):
+        seen.append(trio.current_time())
+        if len(seen) == 1:
+            raise ValueError("a bug in a sample")
+        await real(now_s)
+
+    monkeypatch.setattr(app.trends, "sample", flaky)
+    await call(ers, p.MailboxEnsure(name="jobs"))
+    with trio.move_on_after(35):
+        await app.trends.run()
+    assert len(seen) == 4 and [round(b - a) for a, b in zip(seen, seen[1:])] == [10, 10, 10]
+    assert app.trends.failures == 1 and app.trends.samples == 3

@@ -143,6 +143,7 @@ class Trends:
         self.series: dict[tuple[str, str], Series] = {}  # (space, queue name) -> series
         self.cursors: dict[str, _SpaceCursor] = {}
         self.samples = 0
+        self.failures = 0
 
     def get(self, space: str, queue: str) -> Series | None:
         """The series of ``queue`` in ``space`` (None: not sampled yet)."""
@@ -150,13 +151,18 @@ class Trends:
 
     async def run(self) -> None:
         """Sample every :attr:`period_s` seconds until cancelled; a sample that fails is
-        logged and the next one tried."""
+        logged (an internal error: its first three, counted in ``failures``) and the next
+        one tried: the sampler never takes the console down."""
         period_s = self.period_s
         while True:
             try:
                 await self.sample()
             except RallypointError as e:
                 log.warning("console trends: a sample failed: %s", e)
+            except Exception:  # a bug: the console keeps serving, the next sample is tried
+                self.failures += 1
+                if self.failures <= 3:
+                    log.exception("console trends: a sample failed (internal error)")
             await trio.sleep(period_s)
 
     async def sample(self, now_s: float | None = None) -> None:
