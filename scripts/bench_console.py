@@ -30,6 +30,14 @@ medians of each side and their ratio end it (the goal: within 5 %).
 
     python3 scripts/bench_console.py --cost --rounds 3 --bench-duration 20
 
+With ``--subscriptions``: where the console's cost on the daemon comes from, in process
+(an embedded coordinator, no browser, no network): the coordinator's CPU per lifecycle
+(submit, receive, complete; ``time.process_time``) with 0, 1 and 5 event subscriptions
+open (the filters of the 5 pages of ``--cost``), each drained as the console's stream
+drains it (a batch, then 0.2 s).
+
+    python3 scripts/bench_console.py --subscriptions --lifecycles 5000
+
 Prints one line per measurement (median and p95, ms) and a Markdown table.
 """
 
@@ -255,6 +263,50 @@ def run_bench(url: str, seconds: float) -> float | None:
     return res["throughput"]["lifecycles_per_s"]
 
 
+#: the event filters of the 5 pages of --cost: Live, Runs, a queue's page, Queues, Resources
+PAGE_FILTERS = [None, ["scope.*", "task.*"], ["task.*"], ["mailbox.*"],
+                ["quota.created", "pool.created", "budget.created", "schedule.fired", "schedule.skipped"]]
+
+
+async def subscription_cost(subscriptions: int, lifecycles: int) -> float:
+    """CPU microseconds per lifecycle of an embedded coordinator with ``subscriptions``
+    event subscriptions open (the first of :data:`PAGE_FILTERS`), each drained as the
+    console's stream does (a batch, then 0.2 s)."""
+    import msgspec
+
+    from rallypoint.actors.api import REPLY_TYPES
+    from rallypoint.service import Session
+
+    s = Session()
+    async with rallypoint.open_embedded() as rs:
+        svc = rs.node.service
+
+        async def c(op):
+            return msgspec.msgpack.decode(await svc.call(s, op), type=REPLY_TYPES[type(op)])
+
+        await c(p.MailboxEnsure(name="q"))
+        run = await c(p.ScopeCreate())
+        async with trio.open_nursery() as nursery:
+            for types in PAGE_FILTERS[:subscriptions]:
+                sink = await svc.subscribe(s, p.EventsWatch(start="now", types=types))
+
+                async def drain(sink=sink):
+                    while True:
+                        await sink.next_batch()
+                        await trio.sleep(0.2)
+
+                nursery.start_soon(drain)
+            t0 = time.process_time()
+            for _ in range(lifecycles // 50):
+                for _ in range(50):
+                    await c(p.TaskSubmit(mailbox="q", scope_id=run.id))
+                for d in (await c(p.Receive(mailbox="q", scope_id=run.id, max_messages=50))).deliveries:
+                    await c(p.DeliveryComplete(task_id=d.task_id, token=d.token))
+            spent = time.process_time() - t0
+            nursery.cancel_scope.cancel()
+    return spent / lifecycles * 1e6
+
+
 async def ensure_queue(url: str, name: str) -> None:
     async with rallypoint.connect(url) as rs:
         await rs.mailboxes.ensure(name, max_attempts=5)
@@ -341,12 +393,20 @@ def main() -> int:
                     help="the console's cost: lifecycle throughput with the console and 5 live pages vs without")
     ap.add_argument("--rounds", type=int, default=3, help="--cost: rounds of each side (default %(default)s)")
     ap.add_argument("--pages", type=int, default=5, help="--cost: live pages open (default %(default)s)")
+    ap.add_argument("--subscriptions", action="store_true",
+                    help="in process: CPU per lifecycle with 0, 1 and 5 event subscriptions open")
+    ap.add_argument("--lifecycles", type=int, default=5000, help="--subscriptions: per measurement")
     args = ap.parse_args()
     if args.in_process:
         trio.run(in_process, args.descendants, args.fanout, args.samples)
         return 0
     if args.cost:
         return console_cost(args)
+    if args.subscriptions:
+        for k in (0, 1, 5, 0, 1, 5):
+            us = trio.run(subscription_cost, k, args.lifecycles)
+            print(f"in process: {k} subscriptions open: {us:6.1f} us CPU per lifecycle", flush=True)
+        return 0
 
     daemon = SpawnedDaemon(args.durability, ["--console", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
     url = daemon.start()
