@@ -116,7 +116,8 @@ async def agent_run(url: str) -> str:
             await c(p.DeliveryComplete(task_id=dd.task_id, token=dd.token))
         for k in range(2):  # the first rejected, the second accepted: the group decides
             await trio.sleep(0.3)
-            await c(p.GroupVerdictOp(group_id=g.id, task_id=members[k].id, verdict="REJECTED" if k == 0 else "ACCEPTED"))
+            verdict = "REJECTED" if k == 0 else "ACCEPTED"
+            await c(p.GroupVerdictOp(group_id=g.id, task_id=members[k].id, verdict=verdict))
         sub = await c(p.ScopeCreate(parent_id=run.id, name="side quest"))
         await c(p.TaskSubmit(mailbox="tools", scope_id=sub.id, input=enc("dig")))
         await trio.sleep(0.5)

@@ -19,7 +19,7 @@ import rallypoint
 from rallypoint import protocol as p
 from rallypoint.actors.api import REPLY_TYPES
 
-from test_console import ConsoleDaemon, _create_key, _live, _page, chromium, shots  # noqa: F401 (fixtures)
+from test_console import ConsoleDaemon, _create_key, _page, chromium, shots  # noqa: F401 (fixtures)
 
 
 def enc(v) -> msgspec.Raw:

@@ -201,7 +201,8 @@ ACTIONS: dict[str, Action] = {x.name: x for x in (
            _describe_task("Release the worker's lease: the task is QUEUED again at once, the attempt not counted."),
            _build_release),
     Action("close-joinset", "Close…", p.JoinSetClose, "join set", _describe_close, _build_close),
-    Action("pause-schedule", "Pause…", p.SchedulePause, "schedule", _describe_pause(True), _build_pause(True), "note"),
+    Action("pause-schedule", "Pause…", p.SchedulePause, "schedule", _describe_pause(True), _build_pause(True),
+           "note"),
     Action("unpause-schedule", "Unpause…", p.SchedulePause, "schedule", _describe_pause(False), _build_pause(False),
            "note"),
 )}

@@ -131,7 +131,8 @@ def lanes_of(events: list, run_id: str) -> list[Lane]:
             if ln is None:
                 continue
             if t == "group.verdict":
-                ln.ticks.append((at, f"{d.get('verdict')} {d.get('task') or ''}" + (" (late)" if d.get("late") else "")))
+                late = " (late)" if d.get("late") else ""
+                ln.ticks.append((at, f"{d.get('verdict')} {d.get('task') or ''}{late}"))
             elif t == "group.finalized":
                 ln.close(at)
                 ln.outcome = str(d.get("outcome") or "decided")
@@ -192,7 +193,7 @@ async def render_timeline(ctx, run_id: str) -> str:
         ms = t0 + (t1 - t0) * k / 4
         parts.append(f'<line x1="{x(ms):.1f}" y1="14" x2="{x(ms):.1f}" y2="{height}" stroke="#dfe3e8"/>'
                      f'<text x="{x(ms):.1f}" y="11" font-size="10" fill="#6b7480" '
-                     f'text-anchor="{"start" if k == 0 else "end" if k == 4 else "middle"}">+{h(_span(ms - t0))}</text>')
+                     f'text-anchor="{("start", "middle", "middle", "middle", "end")[k]}">+{h(_span(ms - t0))}</text>')
     for i, ln in enumerate(shown):
         y = 20 + i * row
         href = hrefs[ln.kind] + quote(ln.id, safe="")
