@@ -134,3 +134,46 @@ async def test_the_sampler_survives_a_failing_sample_and_keeps_its_period(autoju
         await app.trends.run()
     assert len(seen) == 4 and [round(b - a) for a, b in zip(seen, seen[1:])] == [10, 10, 10]
     assert app.trends.failures == 1 and app.trends.samples == 3
+
+
+async def test_the_live_streams_events_messages_are_paced(autojump_clock, ers):
+    """Issue 46 (the console's cost): an ``events`` stream sends at most one message per
+    EVENTS_EVERY_S (0.2 s); what arrives meanwhile joins the next message, none lost
+    from the count."""
+    from rallypoint.console import app as console_app
+
+    app = ConsoleApp(ers.node.service)
+
+    class Sink:  # an event every 10 ms
+        def __init__(self):
+            self.buf: list = []
+
+        async def next_batch(self):
+            while not self.buf:
+                await trio.sleep(0.001)
+            out, self.buf = self.buf, []
+            return out
+
+    sink = Sink()
+    raw = msgspec.msgpack.encode(p.EventView(seq=1, type="task.submitted", kind="task", id="tsk_x",
+                                             at="2026-12-07T00:00:00.000Z"))
+    sent: list = []
+
+    async def emit(event, data):
+        sent.append((trio.current_time(), len(data["events"]) + data["skipped"]))
+
+    counter = [0]
+    async with trio.open_nursery() as n:
+        async def produce():
+            for _ in range(300):
+                sink.buf.append(raw)
+                await trio.sleep(0.01)
+
+        n.start_soon(produce)
+        n.start_soon(app._events_loop, sink, "events", emit, counter)
+        await trio.sleep(2.0)
+        n.cancel_scope.cancel()
+    assert counter[0] == 200 and sum(k for _, k in sent) <= 200
+    assert len(sent) <= 2.0 / console_app.EVENTS_EVERY_S + 1  # (unpaced: one message per event, 200)
+    gaps = [b - a for (a, _), (b, _) in zip(sent, sent[1:])]
+    assert min(gaps) >= console_app.EVENTS_EVERY_S - 1e-6
