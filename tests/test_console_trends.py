@@ -1,7 +1,8 @@
 """The console's queue trends (issue 46): the ring sampled from operations (depth, in
-flight, completions/s, p50/p99 lifecycle latency from the events), its bound, and the
-queue page's chart data and table. Embedded, under MockClock (autojump): the latencies
-are the mock clock's. The chart drawn in a browser: ``tests/test_console.py``."""
+flight, completions/s, p50/p99 lifecycle latency from the events), its bound, the queue
+page's chart data and table, and the pacing of the Live stream's messages. Embedded,
+under MockClock (autojump): the latencies are the mock clock's. The chart drawn in a
+browser: ``tests/test_console_acts_browser.py``."""
 
 from __future__ import annotations
 
