@@ -2704,8 +2704,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the HTTP API (the runstate SDK's, /v1/spaces/{spaceId}/...) on HOST:PORT (or http://HOST:PORT) "
                         "over the same coordinator: same keys, spaces and TLS (off by default)")
     s.add_argument("--console", metavar="HOST:PORT", default=None,
-                   help="also serve the web console for operators (read-only pages: runs, queues, groups, join "
-                        "sets, live events, resources) on HOST:PORT: same keys (a key sees its space) and TLS "
+                   help="also serve the web console for operators (runs, queues with trends, groups, join "
+                        "sets, live events, resources; actions for a key that may write) on HOST:PORT: same keys "
+                        "(a key sees its space) and TLS "
                         "(off by default; with --cluster: every shard's pages and the cluster's health, from any node)")
     s.add_argument("--http-host", metavar="NAME", action="append", default=None,
                    help="a name (or address) clients reach --http and --console by, besides localhost and the "

@@ -224,6 +224,9 @@ CATALOGUE: dict[str, tuple[str, str, str]] = {
     # retention
     "retention.purged": ("space", "finished runs and tasks were deleted (--retain-finished)",
                          "runs, tasks, entities"),
+    # operators
+    "console.action": ("console", "an operator acted from the web console (its own operation's events tell the "
+                       "effect); key: the key id that did it (none: open mode)", "action, key, note"),
 }
 
 #: Record types that change state but make no event, and why (a test checks that every

@@ -134,6 +134,7 @@ TABLE = FactTable({
     p.OnceFail: OpFacts(Shard('slot', 'scope_id', 'home'), None, NEVER),
     p.IdempotencyLookup: OpFacts(Shard('here', None, 'home'), None, ALWAYS),
     p.IdempotencyRecord: OpFacts(Shard('here', None, 'home'), None, ALWAYS),
+    p.OperatorActed: OpFacts(Shard('here', None, 'home'), None, ALWAYS),
     p.OpsRun: OpFacts(Shard('slot', 'scope_id', 'home'), None, ALWAYS),
     p.OpsWaits: OpFacts(Shard('all', None, 'home'), 'ops.waits', ALWAYS),
     p.OpsItems: OpFacts(Shard('slot', 'scope_id', 'all'), 'ops.items', ALWAYS),

@@ -2002,6 +2002,30 @@ class IdempotencyView(_View):
     body: bytes = b""
 
 
+# --- operator actions (the web console's audit trail) ----------------------------------------
+
+
+class OperatorActed(_Op, tag="console.acted"):
+    """Record that an operator acted from the web console (node-local: only the console,
+    in process, under ``Session.as_local`` of the acting login, which names its key):
+    ``action`` (``cancel-run``, ``retry-task``, ``fail-task``, ``release-lease``,
+    ``close-joinset``, ``pause-schedule``, ``unpause-schedule``), ``target`` (the id acted
+    on), ``run`` (the run it belongs to, None for a schedule), ``note`` (at most 1024
+    characters). Made once the action's own operation succeeded; the event
+    ``console.action`` carries the session's key id. Reply: :class:`OperatorActedView`."""
+
+    action: str
+    target: str
+    run: str | None = None
+    note: str | None = None
+
+
+class OperatorActedView(_View):
+    """``at``: when the action was recorded."""
+
+    at: Instant
+
+
 # --- diagnostics (read-only, never a source of authority) ----------------------------------
 
 

@@ -935,6 +935,23 @@ class JoinSetDone(_Fact):
     at_ms: int
 
 
+# --- operator actions (the console's audit trail) --------------------------------------
+
+
+class OperatorActionRecorded(_Rec, tag="operator_acted"):
+    """An operator acted from the web console: ``action`` on ``target`` (in ``run``), by
+    the key ``key_id`` (None: open mode). Changes no state: the action's own records did;
+    this one is its audit line (the event ``console.action``)."""
+
+    space: str
+    action: str
+    target: str
+    at_ms: int
+    run: str | None = None
+    key_id: str | None = None
+    note: str | None = None
+
+
 IMPLIED_FACTS: tuple[type, ...] = (BarrierCancelled, JoinSetChildDone, JoinSetClosing, JoinSetDone)
 
 
@@ -1306,6 +1323,7 @@ Record = Union[
     ScheduleSkipped,
     ScheduleBuffered,
     ScheduleActionEnded,
+    OperatorActionRecorded,
 ]
 
 ALL_RECORD_TYPES: tuple[type, ...] = Record.__args__  # type: ignore[attr-defined]

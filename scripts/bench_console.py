@@ -20,6 +20,24 @@ again while it runs; the bench's own throughput is printed with them.
     python3 scripts/bench_console.py --descendants 10000 --samples 20 --bench-duration 90
     python3 scripts/bench_console.py --descendants 10000 --samples 20 --in-process
 
+With ``--cost`` (issue 46): the console's cost on the daemon instead. Rounds alternate a
+daemon without the console and one with ``--console`` and 5 live pages open in Chromium
+(Live with its per-second samples, Queues, the bench queue's page with its trend, Runs,
+Resources: each subscribed to its stream; the trends' sampler running at its 10 s); each
+round runs ``rallypoint bench --scenario lifecycle`` for ``--bench-duration`` seconds on a
+fresh daemon and prints its lifecycles/s with the machine's load (``uptime``); the
+medians of each side and their ratio end it (the goal: within 5 %).
+
+    python3 scripts/bench_console.py --cost --rounds 3 --bench-duration 20
+
+With ``--subscriptions``: where the console's cost on the daemon comes from, in process
+(an embedded coordinator, no browser, no network): the coordinator's CPU per lifecycle
+(submit, receive, complete; ``time.process_time``) with 0, 1 and 5 event subscriptions
+open (the filters of the 5 pages of ``--cost``), each drained as the console's stream
+drains it (a batch, then 0.2 s).
+
+    python3 scripts/bench_console.py --subscriptions --lifecycles 5000
+
 Prints one line per measurement (median and p95, ms) and a Markdown table.
 """
 
@@ -217,6 +235,149 @@ async def in_process(descendants: int, fanout: int, samples: int) -> None:
                   flush=True)
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (``uptime``'s), e.g. ``2.31 2.05 1.90``."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` used so far (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_bench(url: str, seconds: float) -> float | None:
+    """``rallypoint bench --scenario lifecycle`` against ``url``: lifecycles per second."""
+    out = tempfile.mktemp(suffix=".json")
+    rc = subprocess.run([sys.executable, "-m", "rallypoint", "bench", "--connect", url, "--scenario", "lifecycle",
+                         "--duration", str(seconds), "--warmup", "2", "--json", out],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=seconds + 180)
+    if rc.returncode != 0 or not os.path.exists(out):
+        print(rc.stderr, file=sys.stderr)
+        return None
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    return res["throughput"]["lifecycles_per_s"]
+
+
+#: the event filters of the 5 pages of --cost: Live, Runs, a queue's page, Queues, Resources
+PAGE_FILTERS = [None, ["scope.*", "task.*"], ["task.*"], ["mailbox.*"],
+                ["quota.created", "pool.created", "budget.created", "schedule.fired", "schedule.skipped"]]
+
+
+async def subscription_cost(subscriptions: int, lifecycles: int) -> float:
+    """CPU microseconds per lifecycle of an embedded coordinator with ``subscriptions``
+    event subscriptions open (the first of :data:`PAGE_FILTERS`), each drained as the
+    console's stream does (a batch, then 0.2 s)."""
+    import msgspec
+
+    from rallypoint.actors.api import REPLY_TYPES
+    from rallypoint.service import Session
+
+    s = Session()
+    async with rallypoint.open_embedded() as rs:
+        svc = rs.node.service
+
+        async def c(op):
+            return msgspec.msgpack.decode(await svc.call(s, op), type=REPLY_TYPES[type(op)])
+
+        await c(p.MailboxEnsure(name="q"))
+        run = await c(p.ScopeCreate())
+        async with trio.open_nursery() as nursery:
+            for types in PAGE_FILTERS[:subscriptions]:
+                sink = await svc.subscribe(s, p.EventsWatch(start="now", types=types))
+
+                async def drain(sink=sink):
+                    while True:
+                        await sink.next_batch()
+                        await trio.sleep(0.2)
+
+                nursery.start_soon(drain)
+            t0 = time.process_time()
+            for _ in range(lifecycles // 50):
+                for _ in range(50):
+                    await c(p.TaskSubmit(mailbox="q", scope_id=run.id))
+                for d in (await c(p.Receive(mailbox="q", scope_id=run.id, max_messages=50))).deliveries:
+                    await c(p.DeliveryComplete(task_id=d.task_id, token=d.token))
+            spent = time.process_time() - t0
+            nursery.cancel_scope.cancel()
+    return spent / lifecycles * 1e6
+
+
+async def ensure_queue(url: str, name: str) -> None:
+    async with rallypoint.connect(url) as rs:
+        await rs.mailboxes.ensure(name, max_attempts=5)
+
+
+def console_cost(args) -> int:
+    """Rounds of (no console, console + live pages); prints each and the medians."""
+    from rallypoint.loadtest.runner import MAILBOX
+
+    paths = ["/live", "/queues", "/queues/" + MAILBOX, "/runs", "/resources"][:args.pages]
+    results: dict[str, list[float]] = {"without the console": [], f"console + {len(paths)} live pages": []}
+    #: the daemon's CPU ms per lifecycle, each round (a figure less bent by the other
+    #: processes of a busy machine than the throughput is)
+    cpu: dict[str, list[float]] = {k: [] for k in results}
+    browser = Browser()
+    try:
+        for rnd in range(args.rounds):
+            for side in results:
+                with_console = side != "without the console"
+                extra = ["--console", "127.0.0.1:0"] if with_console else []
+                daemon = SpawnedDaemon(args.durability, extra)
+                url = daemon.start()
+                ctx = None
+                try:
+                    if with_console:
+                        console = None
+                        while console is None:
+                            line = daemon.proc.stdout.readline()
+                            if not line:
+                                raise RuntimeError("the daemon printed no CONSOLE line")
+                            if line.startswith("CONSOLE "):
+                                console = line.split()[1]
+                        trio.run(ensure_queue, url, MAILBOX)  # (its page needs it; the bench ensures it the same)
+                        ctx = browser.browser.new_context()
+                        for path in paths:
+                            page = ctx.new_page()
+                            page.goto(console + path, wait_until="load")
+                            page.wait_for_selector("body[data-live=on]", timeout=30_000)
+                    load = load_average()
+                    c0, t0 = cpu_s(daemon.pid), time.perf_counter()
+                    rate = run_bench(url, args.bench_duration)
+                    c1, t1 = cpu_s(daemon.pid), time.perf_counter()
+                    if with_console:  # the pages were live all along
+                        assert all(pg.evaluate("document.body.dataset.live") == "on" for pg in ctx.pages)
+                finally:
+                    if ctx is not None:
+                        ctx.close()
+                    daemon.stop()
+                # (the bench's run includes its start and warm-up: CPU over its measured lifecycles)
+                per = (c1 - c0) * 1000 / (rate * args.bench_duration) if rate else None
+                print(f"round {rnd + 1}: {side:28s} {rate} lifecycles/s, daemon CPU {c1 - c0:.1f} s in "
+                      f"{t1 - t0:.1f} s ({per and round(per, 3)} ms per lifecycle)   (load before: {load}; after: "
+                      f"{load_average()})", flush=True)
+                if rate is not None:
+                    results[side].append(rate)
+                    cpu[side].append(per)
+    finally:
+        browser.close()
+    base, withc = (statistics.median(v) if v else None for v in results.values())
+    print(f"\n| daemon ({args.durability}, lifecycle bench {args.bench_duration:g} s, {args.rounds} rounds) "
+          "| median lifecycles/s | rounds | daemon CPU ms per lifecycle (median) |\n|---|---|---|---|")
+    for side, v in results.items():
+        print(f"| {side} | {statistics.median(v) if v else float('nan'):.0f} | {', '.join(f'{x:.0f}' for x in v)} "
+              f"| {statistics.median(cpu[side]) if cpu[side] else float('nan'):.3f} |")
+    if base and withc:
+        print(f"\nwith the console: {100 * (withc / base - 1):+.1f} % throughput (goal: within 5 %)")
+        a, b = (statistics.median(v) for v in cpu.values())
+        print(f"with the console: {100 * (b / a - 1):+.1f} % daemon CPU per lifecycle")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--descendants", type=int, default=10_000)
@@ -228,9 +389,23 @@ def main() -> int:
     ap.add_argument("--no-browser", action="store_true", help="server-side times only")
     ap.add_argument("--in-process", action="store_true",
                     help="only the run page rendered in process (embedded coordinator), and its reads")
+    ap.add_argument("--cost", action="store_true",
+                    help="the console's cost: lifecycle throughput with the console and 5 live pages vs without")
+    ap.add_argument("--rounds", type=int, default=3, help="--cost: rounds of each side (default %(default)s)")
+    ap.add_argument("--pages", type=int, default=5, help="--cost: live pages open (default %(default)s)")
+    ap.add_argument("--subscriptions", action="store_true",
+                    help="in process: CPU per lifecycle with 0, 1 and 5 event subscriptions open")
+    ap.add_argument("--lifecycles", type=int, default=5000, help="--subscriptions: per measurement")
     args = ap.parse_args()
     if args.in_process:
         trio.run(in_process, args.descendants, args.fanout, args.samples)
+        return 0
+    if args.cost:
+        return console_cost(args)
+    if args.subscriptions:
+        for k in (0, 1, 5, 0, 1, 5):
+            us = trio.run(subscription_cost, k, args.lifecycles)
+            print(f"in process: {k} subscriptions open: {us:6.1f} us CPU per lifecycle", flush=True)
         return 0
 
     daemon = SpawnedDaemon(args.durability, ["--console", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])

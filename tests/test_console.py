@@ -563,6 +563,7 @@ def test_serve_console_flag_is_checked_before_start(tmp_path):
     finally:
         busy.close()
 
+
 async def test_a_queues_page_shows_its_ready_backlog_per_priority_and_per_key():
     """Issue 44: the queue's page has a table of its ready tasks per priority, then per
     fairness key (largest first, ties by name: no key first) with the key's weight on

@@ -69,6 +69,7 @@ from .watch import Watchers
 from .space import Spaces
 from .timer import Timers
 from .schedule import Schedules
+from .operator_log import OperatorLog
 
 log = logging.getLogger("rallypoint.coordinator")
 
@@ -79,7 +80,7 @@ __all__ = ["Coordinator", "FatalError", "STALL_S", "TICK_S", "KIND_CLASSES"]
 #: :data:`rallypoint.actors.api.TABLE`) is built from these classes' ``@op`` marks;
 #: ``tests/test_op_table.py`` checks a coordinator holds exactly these.
 KIND_CLASSES = (Runs, WorkQueues, Groups, Barriers, Timers, JoinSets, Keys, Spaces, Quotas, Budgets, Inboxes, Claims,
-                Pools, Admission, Onces, Idempotency, Diagnostics, Retention, Epochs, Outbox, Schedules)
+                Pools, Admission, Onces, Idempotency, Diagnostics, Retention, Epochs, Outbox, Schedules, OperatorLog)
 
 #: A gap longer than this (seconds) between two looks at the clock is an event-loop
 #: stall: outstanding leases are extended by it.
@@ -222,6 +223,7 @@ class Coordinator:
         self.epochs = Epochs(self)  # a replicated shard's leader terms (rallypoint.cluster)
         self.outbox = Outbox(self)  # a sharded cluster's remote runs, links and outbox
         self.schedules = Schedules(self)  # recurring actions (rallypoint.actors.schedule)
+        self.operator_log = OperatorLog(self)  # the console's actions, audited (rallypoint.actors.operator_log)
         #: on a replicated shard's leader: the node (``rallypoint.cluster.member.
         #: ShardMember``): its status in the server status, its slot map in
         #: ``cluster.map`` (a sharded cluster's, once ``sharding`` is set); None: a
@@ -230,7 +232,7 @@ class Coordinator:
         self.kinds = (self.runs, self.queues, self.groups, self.barriers, self.timers, self.joinsets, self.keys,
                       self.spaces, self.quotas, self.budgets, self.inboxes, self.claims, self.pools, self.admission,
                       self.onces, self.idempotency, self.diagnostics, self.retention, self.epochs,
-                      self.outbox, self.schedules)
+                      self.outbox, self.schedules, self.operator_log)
         self.task_linked_kinds = (self.pools, self.budgets)  # Kind.purge_task_links
         self._tables: dict[str, tuple[dict, type]] = {}
         self._kind_by_prefix: dict[str, Any] = {}

@@ -10,7 +10,14 @@ event table and the chart) and server-sent events for what changes.
   durable" -- exactly as a TCP or HTTP request. Nothing reads the coordinator's tables.
   :meth:`ConsoleApp.call` runs only operations whose permission is
   ``coordination_read`` (else INTERNAL: a bug in a page), and a login's session holds
-  only that permission: the console cannot change anything, in open mode neither.
+  only that permission: a page cannot change anything, in open mode neither.
+- **Actions** (:mod:`rallypoint.console.actions`): ``/actions/<name>``, a confirmation
+  page and a POST with the session's CSRF token, run the wire's operation under the
+  login's key and its own permissions (checked by ``Service.call``), then journal
+  ``console.acted`` (the event ``console.action`` with the key id).
+- **Trends** (:mod:`rallypoint.console.trends`): :attr:`ConsoleApp.trends`, a ring of
+  queue samples (depth, in flight, completions/s, p50/p99 lifecycle latency) that
+  ``serve_console`` samples every 10 s.
 - **Login** (:mod:`rallypoint.console.auth`): the API key is typed once into a form and
   POSTed (never in a URL, never logged); the server keeps ``sha256(token) -> login``
   and the browser an opaque random token in an ``HttpOnly``, ``SameSite=Strict`` cookie
@@ -28,7 +35,7 @@ event table and the chart) and server-sent events for what changes.
 - **Hardening**: every answer carries a Content-Security-Policy that allows only this
   origin's script and style (no inline script: every value is HTML-escaped, event data
   is inserted as text), ``frame-ancestors 'none'``, ``no-referrer`` and ``no-store``; a
-  POST (login, logout) from another origin is refused (FORBIDDEN).
+  POST (login, logout, an action) from another origin is refused (FORBIDDEN).
 """
 
 from __future__ import annotations
@@ -54,7 +61,8 @@ from ..actors.api import OPS, REPLY_TYPES
 from ..errors import ForbiddenError, RallypointError, UnauthenticatedError, ValidationError
 from ..logutil import RateLimitedLogger, printable
 from ..service import Session
-from . import pages
+from . import actions, pages
+from .trends import Trends
 
 log = logging.getLogger("rallypoint.console")
 
@@ -82,6 +90,9 @@ MAX_FORM = 4096
 WAIT_OPS = frozenset(d.tag for d in OPS.values() if d.waits.waits is not False) | {"events.watch"}
 #: Events one ``events`` message of the stream carries at most (the rest are counted).
 MAX_EVENTS_MESSAGE = 500
+#: An ``events`` message is sent at most this often (seconds): under load a stream costs
+#: at most 1/EVENTS_EVERY_S messages of MAX_EVENTS_MESSAGE events a second (issue 46).
+EVENTS_EVERY_S = 0.2
 
 _json = msgspec.json.Encoder().encode
 _event_decode = msgspec.msgpack.Decoder(p.EventView).decode
@@ -96,6 +107,9 @@ class Login:
     key_id: str | None
     key_name: str | None
     last_seen: float
+    #: the key's permissions (fixed when a key is made), what the console's actions run
+    #: under (:mod:`rallypoint.console.actions`); None in open mode
+    permissions: frozenset[str] | None = None
 
 
 class Ctx:
@@ -181,9 +195,18 @@ class ConsoleApp:
         self.rates = _QueueRates()
         #: set on shutdown: open streams end at once
         self.stopping = trio.Event()
+        #: the key of the actions' CSRF tokens (actions.csrf_token): new each process
+        self.csrf_secret = secrets.token_bytes(32)
+        #: the queue trends' ring (rallypoint.console.trends), sampled by serve_console
+        self.trends = Trends(self.call, self._trend_spaces)
         self._static: dict[str, tuple[bytes, str, str]] = {}  # name -> (bytes, type, etag)
         #: the single node's pages, and those the service adds (a cluster's: /cluster)
         self.routes = pages.routes() + list(getattr(service, "routes", ()))
+
+    def _trend_spaces(self) -> list[str]:
+        """The spaces the trends sample: ``default`` and every live key's."""
+        keys = self.coordinator.keys
+        return ["default"] + sorted({k.space for k in keys.table.values() if k.revoked_at_ms is None} - {"default"})
 
     def flush_logs(self) -> None:
         self.log_limiter.flush()
@@ -259,6 +282,8 @@ class ConsoleApp:
                 return await self._login_post(request) if method == "POST" else self._login_form(request)
             if path == "/logout" and method == "POST":
                 return self._logout(request)
+            if raw_path.startswith("/actions/"):  # the only writes: forms with a CSRF token (actions.py)
+                return await actions.handle(self, request, raw_path)
             if method not in ("GET", "HEAD"):
                 return self._plain(405, "the console is read-only: GET only")
             if path == "/":
@@ -387,7 +412,7 @@ class ConsoleApp:
         while len(self.logins) >= self.max_sessions:
             self.logins.pop(next(iter(self.logins)))
         self.logins[_digest(token)] = Login(space=key.space, key_id=key.id, key_name=key.name,
-                                            last_seen=time.monotonic())
+                                            last_seen=time.monotonic(), permissions=frozenset(key.permissions))
         log.info("console: key %s signed in (space %s)", key.id, key.space,
                  extra={"event": "console_login", "key_id": key.id, "space": key.space})
         resp = _redirect(nxt)
@@ -428,7 +453,7 @@ class ConsoleApp:
             if _STATIC_NAME.fullmatch(name) is None or ext not in types:  # (a NUL, a "..", a slash: no file)
                 return self._plain(404, "no such file")
             try:
-                data = resources.files(__package__).joinpath("static", name).read_bytes()
+                data = resources.files(__package__).joinpath("static", *name.split("/")).read_bytes()
             except (FileNotFoundError, OSError):
                 return self._plain(404, "no such file")
             got = self._static[name] = (data, types[ext], '"%s"' % hashlib.sha256(data).hexdigest()[:16])
@@ -546,6 +571,19 @@ class ConsoleApp:
                 return e
             counter[0] += len(batch)
             if mode == "events":
+                wait = last_notify + EVENTS_EVERY_S - trio.current_time()
+                if wait > 0:  # paced: what arrives meanwhile joins this message (its oldest counted, not sent)
+                    await trio.sleep(wait)
+                    more = None
+                    try:
+                        with trio.move_on_after(0):  # what is buffered now, without waiting for more
+                            more = await sink.next_batch()
+                    except RallypointError as e:
+                        return e
+                    if more:
+                        counter[0] += len(more)
+                        batch = batch + more
+                last_notify = trio.current_time()
                 evs = [_event_decode(bytes(b)) for b in batch[-MAX_EVENTS_MESSAGE:]]
                 msg = {"events": evs, "skipped": max(0, len(batch) - MAX_EVENTS_MESSAGE)}
                 cursor = getattr(sink, "cursor", None)  # a cluster's vector cursor: also the SSE id
@@ -669,8 +707,9 @@ def _safe_next(nxt: str | None) -> str:
 
 #: a ``next`` path: printable ASCII but the backslash, from a single "/"
 _SAFE_NEXT = re.compile(r"/[\x21-\x5b\x5d-\x7e]*")
-#: a static file's name: no dot first, no slash, NUL or other control
-_STATIC_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+#: a static file's name: no dot first, no slash (but the vendored files' ``vendor/``), NUL
+#: or other control
+_STATIC_NAME = re.compile(r"(?:vendor/)?[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
 
 def _local_next(request: Request) -> str:
@@ -692,7 +731,7 @@ def _redirect(location: str) -> Response:
 async def serve_console(service, host: str, port: int, *, shutdown: trio.Event | None = None, certfile=None,
                         keyfile=None, max_connections: int = 1024, first_request_s: float = 10.0,
                         graceful_s: float = 5.0, metrics: Any = None, hosts=(),
-                        listener_options: dict | None = None,
+                        listener_options: dict | None = None, trend_period_s: float | None = None,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the console on ``host:port`` (0: a free port) until ``shutdown`` is set: the
     HTTP listener of the API (:func:`rallypoint.http.serve_http`: its accept loop,
@@ -702,13 +741,22 @@ async def serve_console(service, host: str, port: int, *, shutdown: trio.Event |
     and the Live page's chart reads it); ``hosts``: the names it is reached by besides
     ``localhost`` and its address (``--http-host``: :mod:`rallypoint.http.guard`).
     ``listener_options``: more keyword arguments of ``serve_http``
-    (``max_connections_per_peer``, ``header_s``, ``body_s``, ``keep_alive_s``). Raises
-    OSError if the address cannot be bound."""
+    (``max_connections_per_peer``, ``header_s``, ``body_s``, ``keep_alive_s``).
+    ``trend_period_s``: seconds between two samples of the queue trends
+    (:mod:`rallypoint.console.trends`; default ``$RALLYPOINT_CONSOLE_TREND_S``, else 10).
+    Raises OSError if the address cannot be bound."""
     import functools
 
     from ..http.server import serve_http
 
+    import os
+
+    from .trends import PERIOD_S
+
     app = ConsoleApp(service, secure_cookie=certfile is not None)
+    if trend_period_s is None:
+        trend_period_s = float(os.environ.get("RALLYPOINT_CONSOLE_TREND_S") or PERIOD_S)
+    app.trends.period_s = trend_period_s
     stop = shutdown if shutdown is not None else trio.Event()
     async with trio.open_nursery() as nursery:
         _api, urls = await nursery.start(functools.partial(
@@ -716,9 +764,17 @@ async def serve_console(service, host: str, port: int, *, shutdown: trio.Event |
             first_request_s=first_request_s, graceful_s=graceful_s, metrics=metrics, shutdown=stop, api=app,
             hosts=hosts, **(listener_options or {})))
 
+        trends_scope = trio.CancelScope()
+
         async def end_streams():
             await stop.wait()
             app.stop()
+            trends_scope.cancel()
+
+        async def sample_trends():
+            with trends_scope:
+                await app.trends.run()
 
         nursery.start_soon(end_streams)
+        nursery.start_soon(sample_trends)
         task_status.started((app, urls))

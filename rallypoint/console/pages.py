@@ -289,8 +289,11 @@ async def run_page(ctx) -> Page:
                       when(w.earliest_lease_expiry), attrs=f' data-holder="{h(w.holder)}"') for w in ops.workers]
         waiting = [tr(h(w.kind), h(w.name), h(w.units), h(w.holder or "—"), a(run_url(w.scope_id), w.scope_id))
                    for w in ops.waiting]
+        from .actions import buttons
+
+        acts = buttons(ctx, ("cancel-run", s.id)) if s.stored_state == "ACTIVE" else ""
         return (f'<div class="state-line" data-state="{h(s.stored_state)}" data-effective="{h(s.effective)}">'
-                + dl(facts) + "</div>"
+                + dl(facts) + "</div>" + acts
                 + "<h3>Lease holders in the subtree (claims, onces, deliveries)</h3>"
                 + table(["Holder", "Keys", "Leased tasks", "Earliest lease expiry"], holders, "nobody holds a lease")
                 + "<h3>Waiting in the subtree (pools, quotas)</h3>"
@@ -323,8 +326,14 @@ async def run_page(ctx) -> Page:
         out += ["<h3>Pool units held</h3>", grant_table(v.grants)]
         return "".join(out)
 
+    async def timeline() -> str:
+        from .timeline import render_timeline
+
+        return await render_timeline(ctx, rid)
+
     return Page(f"Run {run_label(run)}", "runs", [
-        Part("crumbs", crumbs), Part("summary", summary, "changed"), Part("tree", tree), Part("items", items, "changed"),
+        Part("crumbs", crumbs), Part("summary", summary, "changed"), Part("timeline", timeline, "changed"),
+        Part("tree", tree), Part("items", items, "changed"),
     ], stream=urlencode({"run": rid}))
 
 
@@ -427,6 +436,9 @@ async def task_page(ctx) -> Page:
                            ("reservations", h(", ".join(d.reservations)) or "—")]))
             if d.grants:
                 out.append(grant_table(d.grants))
+            from .actions import buttons
+
+            out.append(buttons(ctx, ("retry-task", t.id), ("fail-task", t.id), ("release-lease", t.id)))
         out += ["<h3>Input</h3>", payload(t.input), "<h3>Outcome</h3>", payload(t.outcome),
                 "<h3>Last error</h3>", payload(t.error)]
         return "".join(out)
@@ -523,7 +535,13 @@ async def queue_page(ctx) -> Page:
         v = await ctx.call(p.OpsItems(kinds=["tasks"], mailbox=name, state=state, before=before, limit=PAGE))
         return task_table(v.tasks, "no tasks match") + pager(ctx, v.tasks, lambda t: t.id)
 
-    return Page(f"Queue {name}", "queues", [Part("head", head), Part("backlog", backlog, "changed"),
+    async def trend() -> str:
+        from .trends import render_queue_trend
+
+        return render_queue_trend(ctx, name)
+
+    return Page(f"Queue {name}", "queues", [Part("head", head), Part("trend", trend, "changed"),
+                                            Part("backlog", backlog, "changed"),
                                             Part("tasks", tasks, "changed")],
                 stream=urlencode({"types": "task.*"}))
 
@@ -613,7 +631,10 @@ async def joinset_page(ctx) -> Page:
                 for c in j.children[:MAX_JOINSET_CHILDREN]]
         more = (f'<p class="muted">… and {len(j.children) - MAX_JOINSET_CHILDREN} more children</p>'
                 if len(j.children) > MAX_JOINSET_CHILDREN else "")
-        return (f'<div class="state-line" data-state="{h(j.state)}">' + dl(facts) + "</div>"
+        from .actions import buttons
+
+        acts = buttons(ctx, ("close-joinset", j.id)) if j.state == "OPEN" else ""
+        return (f'<div class="state-line" data-state="{h(j.state)}">' + dl(facts) + "</div>" + acts
                 + "<h3>Completion records (completion order: what join_next returns)</h3>"
                 + table(["#", "Child", "Kind", "Result", "Consumed"], records, "no child finished yet")
                 + "<h3>Steps (the journaled answers a replaying client follows)</h3>"
@@ -720,8 +741,11 @@ async def resources_page(ctx) -> Page:
             nxt = "<br>".join(left(f) for f in d.next_fires) or "—"
             recent = "<br>".join(f"{when(r.scheduled_at)} {h(r.origin)} {_run_cell(r.run_id)} "
                                  f"{badge(r.state if r.outcome is None else r.outcome.upper())}" for r in d.recent) or "—"
-            out.append(tr(h(d.name), h(f"{spec} ({d.timezone})"), state, h(d.overlap), h(d.actions), h(d.skipped),
-                          nxt, recent))
+            from .actions import button
+
+            act = button(ctx, "unpause-schedule" if d.paused else "pause-schedule", d.id)
+            out.append(tr(h(d.name), h(f"{spec} ({d.timezone})"), state + act, h(d.overlap), h(d.actions),
+                          h(d.skipped), nxt, recent, attrs=f' data-schedule="{h(d.name)}"'))
         more = f'<p class="muted">the first 50 of {len(v.schedules)}</p>' if len(v.schedules) > 50 else ""
         return "<h2>Schedules</h2>" + more + table(["Schedule", "Spec", "State", "Overlap", "Actions", "Skipped",
                                              "Next fires", "Recent actions (run, outcome)"], out, "no schedules")

@@ -49,7 +49,7 @@
     }
     s.busy = true; s.pending = false; s.last = Date.now();
     var jobs = Array.prototype.map.call(parts, function (part) {
-      return fetchHtml(part.dataset.src).then(function (html) { part.innerHTML = html; });
+      return fetchHtml(part.dataset.src).then(function (html) { part.innerHTML = html; drawTrends(part); });
     });
     Promise.all(jobs).catch(function () {}).then(function () {
       s.busy = false;
@@ -209,6 +209,56 @@
     if (samples.length >= 3) { body.dataset.charted = "yes"; }
   }
 
+  // ------------------------------------------------------------------ queue trends (uPlot)
+  // A [data-trend] figure holds the last hour's samples as JSON columns (t, depth,
+  // in_flight, done_per_s, p50_ms, p99_ms); uPlot (vendored: static/vendor/) is loaded
+  // on the first such figure and draws three charts; the table beside them stays (for
+  // a page without JavaScript it is the only view).
+  var uplotLoading = null;
+  function loadUplot() {
+    if (window.uPlot) { return Promise.resolve(); }
+    if (uplotLoading) { return uplotLoading; }
+    var css = document.createElement("link");
+    css.rel = "stylesheet"; css.href = "/static/vendor/uPlot.min.css";
+    document.head.appendChild(css);
+    uplotLoading = new Promise(function (resolve, reject) {
+      var s = document.createElement("script");
+      s.src = "/static/vendor/uPlot.iife.min.js"; s.onload = resolve; s.onerror = reject;
+      document.head.appendChild(s);
+    });
+    return uplotLoading;
+  }
+  var CHARTS = [
+    {title: "Depth and in flight (tasks)", series: [["depth", "depth", "#2457c5"], ["in_flight", "in flight", "#9a6700"]]},
+    {title: "Completions per second", series: [["done_per_s", "done / s", "#1f7a3d"]]},
+    {title: "Lifecycle latency (ms, submission to end)", series: [["p50_ms", "p50", "#2457c5"], ["p99_ms", "p99", "#b42318"]]}
+  ];
+  function drawTrends(root) {
+    var figs = (root || document).querySelectorAll("[data-trend]");
+    if (!figs.length) { return; }
+    loadUplot().then(function () {
+      figs.forEach(function (fig) {
+        var cols = JSON.parse(fig.dataset.trend);
+        var box = fig.querySelector(".trend-charts");
+        while (box.firstChild) { box.removeChild(box.firstChild); }
+        var width = Math.max(320, Math.min(1300, box.clientWidth || 900));
+        CHARTS.forEach(function (c) {
+          var el = document.createElement("div");
+          el.className = "trend-chart";
+          box.appendChild(el);
+          var series = [{}].concat(c.series.map(function (s) { return {label: s[1], stroke: s[2], width: 2, spanGaps: false}; }));
+          var data = [cols.t].concat(c.series.map(function (s) { return cols[s[0]]; }));
+          new window.uPlot({title: c.title, width: width, height: 170, series: series,
+                            scales: {x: {time: true}}, axes: [{}, {size: 56}]}, data, el);
+        });
+        var table = fig.querySelector("details");
+        if (table) { table.open = false; }
+        fig.dataset.drawn = "yes";
+      });
+      body.dataset.trend = "drawn";
+    }).catch(function () { body.dataset.trend = "failed"; });
+  }
+
   // ------------------------------------------------------------------ the stream
   function connect() {
     var src = body.dataset.stream;
@@ -251,5 +301,6 @@
 
   countdown();
   setLive(false);
+  drawTrends(document);
   connect();
 })();
