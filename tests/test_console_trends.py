@@ -160,7 +160,7 @@ async def test_the_live_streams_events_messages_are_paced(autojump_clock, ers):
                                              at="2026-12-07T00:00:00.000Z"))
     sent: list = []
 
-    async def emit(event, data):
+    async def emit(event, data, cursor=None):  # the cursor: a cluster stream's resume point
         sent.append((trio.current_time(), len(data["events"]) + data["skipped"]))
 
     counter = [0]
