@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run, Scopes, Ticket
+from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, NextDeliveries, Run, Scopes, Ticket
 
 __all__ = ["connect", "consume", "SyncClient"]
 
@@ -229,6 +229,8 @@ class SyncClient(_Proxy):
             return _Proxy(value, self)
         if hasattr(value, "__aenter__") and hasattr(value, "__aexit__"):
             return _SyncContext(value, self)
+        if isinstance(value, NextDeliveries):  # (complete_and_next: the list keeps its task and stopped)
+            return NextDeliveries([_Proxy(v, self) for v in value], value.task, value.stopped)
         if isinstance(value, list) and value and isinstance(value[0], _HANDLES):
             return [_Proxy(v, self) for v in value]
         return value

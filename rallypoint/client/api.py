@@ -43,7 +43,7 @@ from ..errors import (
 from . import types as t
 
 __all__ = [
-    "Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes", "Message",
+    "Client", "Run", "Mailbox", "Ticket", "Delivery", "NextDeliveries", "Group", "Scopes", "Mailboxes", "Message",
     "Quotas", "Quota", "QuotaWaiter", "Budgets", "Budget", "Reservation", "Claims", "ClaimLease",
     "SpaceClaims", "Pools", "Pool", "RunPools", "Grant", "WorkLimits", "Events", "EventStream",
 ]
@@ -891,7 +891,7 @@ class Mailbox:
             remaining -= chunk
             if reply.deliveries or remaining <= 0:
                 break
-        ds = [Delivery(self._rs, d, lease_seconds) for d in reply.deliveries]
+        ds = [Delivery(self._rs, d, lease_seconds, received_for=sid) for d in reply.deliveries]
         if max_messages == 1:
             return ds[0] if ds else None
         return ds
@@ -1014,6 +1014,19 @@ class Ticket:
         return self.info
 
 
+class NextDeliveries(list):
+    """What :meth:`Delivery.complete_and_next` (and ``retry_and_next``,
+    ``reject_and_next``) return: the new :class:`Delivery` handles (a list, possibly
+    empty), with ``task``: the settled task (TaskInfo; None when asked without
+    details) and ``stopped``: None, or SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run
+    stopped while the receive half waited (the settle was recorded)."""
+
+    def __init__(self, deliveries: "Iterable[Delivery]", task: "t.TaskInfo | None", stopped: str | None) -> None:
+        super().__init__(deliveries)
+        self.task = task
+        self.stopped = stopped
+
+
 class Delivery:
     """A leased delivery of a task. Every method carries the fencing ``token``; a stale
     one raises LeaseLostError (STALE_CLAIM). ``lost`` is set once the lease is known lost.
@@ -1031,8 +1044,12 @@ class Delivery:
     delivery's view), ``lost``.
     """
 
-    def __init__(self, rs: Client, info: t.DeliveryInfo, lease_seconds: float) -> None:
+    def __init__(self, rs: Client, info: t.DeliveryInfo, lease_seconds: float, *,
+                 received_for: str | None = None) -> None:
         self._rs = rs
+        #: the run the receive that leased it was for (the task's run or an ancestor):
+        #: where :meth:`complete_and_next` receives by default
+        self.received_for = received_for or info.scope_id
         #: the delivery as received (every field of its view)
         self.info = info
         self.id = info.id
@@ -1155,6 +1172,75 @@ class Delivery:
         return await self._settle(
             p.DeliveryReject(task_id=self.task_id, token=self.token, error=encode_payload(error, "error")), t.TaskInfo
         )
+
+    async def complete_and_next(self, outcome: Any = None, *, scope: "Run | str | None" = None,
+                                max_messages: int = 1, lease_seconds: float | None = None, wait: float = 0,
+                                holder: str | None = None, details: bool = True) -> "NextDeliveries":
+        """Complete this delivery and receive the next deliveries of the same mailbox in
+        ONE request (``delivery.complete_next``): the complete is judged and journaled
+        exactly as :meth:`complete` (durable before the answer), then up to
+        ``max_messages`` (1-100) ready tasks of ``scope`` (default: the run the receive
+        that leased this was for; the task's run or an ancestor of it) are leased for
+        ``lease_seconds`` (default: this delivery's) as :meth:`Mailbox.receive` leases
+        them, waiting on the server up to ``wait`` seconds when none is ready
+        (re-issuing plain receives past 60 s). ``holder`` as for receive.
+
+        Returns :class:`NextDeliveries`: a list of the new deliveries (possibly empty),
+        with ``task`` (the completed task's TaskInfo; None with ``details=False``) and
+        ``stopped`` (SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run stopped while it
+        waited: the complete was recorded, nothing more comes). Raises as
+        :meth:`complete` (LeaseLostError STALE_CLAIM, ScopeInactiveError; both set
+        ``lost``; nothing is received then). Re-sent after a dropped connection: if
+        the first sending was applied, the answer is the task as completed and the
+        deliveries of a fresh receive (those the lost reply carried come back once
+        their leases end)."""
+        return await self._and_next("complete", encode_payload(outcome, "outcome"), None, 0, scope, max_messages,
+                                    lease_seconds, wait, holder, details)
+
+    async def retry_and_next(self, error: Any = None, delay: float = 0, *, scope: "Run | str | None" = None,
+                             max_messages: int = 1, lease_seconds: float | None = None, wait: float = 0,
+                             holder: str | None = None, details: bool = True) -> "NextDeliveries":
+        """:meth:`retry` (after ``delay`` seconds, ``error`` recorded; FAILED after
+        max_attempts) and the next deliveries in one request, as
+        :meth:`complete_and_next`. Unlike a plain retry, a stopped run refuses it
+        (ScopeInactiveError: nothing to retry, nothing to receive)."""
+        return await self._and_next("retry", None, encode_payload(error, "error"), _ms(delay, "delay"), scope,
+                                    max_messages, lease_seconds, wait, holder, details)
+
+    async def reject_and_next(self, error: Any = None, *, scope: "Run | str | None" = None, max_messages: int = 1,
+                              lease_seconds: float | None = None, wait: float = 0, holder: str | None = None,
+                              details: bool = True) -> "NextDeliveries":
+        """:meth:`reject` (FAILED, reason ``rejected``) and the next deliveries in one
+        request, as :meth:`retry_and_next`."""
+        return await self._and_next("reject", None, encode_payload(error, "error"), 0, scope, max_messages,
+                                    lease_seconds, wait, holder, details)
+
+    async def _and_next(self, settle: str, outcome, error, delay_ms: int, scope, max_messages: int,
+                        lease_seconds: float | None, wait: float, holder: str | None,
+                        details: bool) -> "NextDeliveries":
+        sid = _id_of(scope) if scope is not None else self.received_for
+        ls = self.lease_seconds if lease_seconds is None else lease_seconds
+        lease_ms = _ms(ls, "lease_seconds")
+        remaining = wait if wait is not None else math.inf
+        chunk = min(remaining, _MAX_WAIT_S)
+        reply = await self._settle(p.DeliveryCompleteNext(
+            task_id=self.task_id, token=self.token, scope_id=sid, settle=settle,
+            **({"outcome": outcome} if outcome is not None else {}), **({"error": error} if error is not None else {}),
+            delay_ms=delay_ms, lease_ms=lease_ms, wait_ms=_ms(chunk, "wait"), max_messages=max_messages,
+            holder=holder, brief=not details), t._CompleteNext)
+        remaining -= chunk
+        raw_ds = list(reply.deliveries)
+        stopped = reply.stopped
+        if not raw_ds and stopped is None and remaining > 0:  # a wait past one request's: plain receives
+            try:
+                more = await Mailbox(self._rs, self.mailbox).receive(sid, lease_seconds=ls, wait=remaining,
+                                                                     max_messages=max_messages, holder=holder)
+            except ScopeInactiveError as e:
+                stopped = e.code
+            else:
+                return NextDeliveries(more if isinstance(more, list) else ([more] if more else []), reply.task,
+                                      stopped)
+        return NextDeliveries([Delivery(self._rs, d, ls, received_for=sid) for d in raw_ds], reply.task, stopped)
 
     async def release(self) -> t.TaskInfo:
         """Give the task back unfinished **without counting an attempt**: QUEUED again

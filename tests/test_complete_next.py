@@ -1,0 +1,204 @@
+"""Complete-and-next (issue 47): ``delivery.complete_next`` settles a delivery and
+receives the next ones of its queue in one request, with the fencing, lease and
+durability semantics of the complete (or retry / reject) and the receive it replaces.
+
+Under the MockClock (embedded); the re-send after a dropped connection is in
+tests/test_reconnect.py, kill -9 of a daemon in tests/test_reconnect_daemon.py, a
+failover in tests/test_cluster_daemon.py.
+"""
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from rallypoint import protocol as p
+from rallypoint.errors import LeaseLostError, ScopeInactiveError, ValidationError
+
+from conftest import wait_parked
+
+
+def _leased(coord) -> set:
+    return set(coord.queues.leased)
+
+
+async def test_complete_and_next_completes_then_leases_the_next(autojump_clock, ers):
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-basic")
+    run = await ers.scopes.create()
+    first, second, third = await m.submit_many(["a", "b", "c"], scope=run)
+    d = await m.receive(run, lease_seconds=10, wait=0)
+    assert d.task_id == first.id
+    commits = coord.commits
+    nxt = await d.complete_and_next("A", max_messages=2)
+    assert [x.task_id for x in nxt] == [second.id, third.id]
+    assert (nxt.task.state, nxt.task.outcome, nxt.stopped) == ("SUCCEEDED", "A", None)
+    assert coord.commits == commits + 2  # the settle, then the deliveries
+    assert all(x.lease_seconds == 10 and x.received_for == run.id for x in nxt)
+    res = await first.result(timeout=0)
+    assert (res.state, res.outcome) == ("SUCCEEDED", "A")
+    # the next ones are leased like a receive's: fenced, renewable, completable
+    assert _leased(coord) == {second.id, third.id}
+    brief = await nxt[0].complete_and_next("B", details=False)
+    assert brief == [] and brief.task is None and brief.stopped is None
+    assert (await nxt[1].complete("C")).state == "SUCCEEDED"
+
+
+async def test_the_receive_half_parks_until_work_comes_or_returns_empty_after_its_wait(autojump_clock, ers):
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-park")
+    run = await ers.scopes.create()
+    t = await m.submit("a", scope=run)
+    d = await m.receive(run, wait=0)
+    got = {}
+
+    async def worker():
+        got["next"] = await d.complete_and_next("A", wait=30)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(worker)
+        await wait_parked(coord, 1)
+        # the settle is applied (and durable) while the receive half waits
+        assert (await t.result(timeout=0)).state == "SUCCEEDED"
+        later = await m.submit("b", scope=run)
+    assert [x.task_id for x in got["next"]] == [later.id]
+    # nothing ready within the wait: the settled task, no deliveries
+    t0 = trio.current_time()
+    empty = await got["next"][0].complete_and_next("B", wait=2)
+    assert empty == [] and empty.task.state == "SUCCEEDED" and trio.current_time() - t0 >= 1.99
+
+
+async def test_lease_expired_before_the_settle_is_refused_and_receives_nothing(autojump_clock, ers):
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-expired")
+    run = await ers.scopes.create()
+    t, other = await m.submit_many(["a", "b"], scope=run)
+    d = await m.receive(run, lease_seconds=5, wait=0)
+    await trio.sleep(5.01)  # the lease runs out: the task is QUEUED again, attempt 2
+    assert (await t.status()).state == "QUEUED"
+    commits = coord.commits
+    with pytest.raises(LeaseLostError) as ei:
+        await d.complete_and_next("late", max_messages=10, wait=5)
+    assert ei.value.code == "STALE_CLAIM" and d.lost
+    # nothing settled, nothing leased: both tasks are still waiting for a receive
+    assert coord.commits == commits and not _leased(coord)
+    assert {(await x.status()).state for x in (t, other)} == {"QUEUED"}
+    # and the same code as a plain complete
+    with pytest.raises(LeaseLostError) as ej:
+        await d.complete("late")
+    assert ej.value.code == ei.value.code
+
+
+async def test_a_stale_token_is_fenced_off_and_receives_nothing(autojump_clock, ers):
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-stale")
+    run = await ers.scopes.create()
+    t = await m.submit("a", scope=run)
+    a = await m.receive(run, lease_seconds=5, wait=0)
+    await trio.sleep(5.01)
+    b = await m.receive(run, lease_seconds=30, wait=0)  # B took it over
+    assert b.task_id == a.task_id and b.token > a.token
+    other = await m.submit("b", scope=run)
+    for settle in (lambda: a.complete_and_next("A"), lambda: a.retry_and_next("A"),
+                   lambda: a.reject_and_next("A")):
+        with pytest.raises(LeaseLostError) as ei:
+            await settle()
+        assert ei.value.code == "STALE_CLAIM"
+    assert (await other.status()).state == "QUEUED" and _leased(coord) == {t.id}
+    nxt = await b.complete_and_next("B")
+    assert [x.task_id for x in nxt] == [other.id]
+    assert (await t.result(timeout=0)).outcome == "B"
+
+
+async def test_a_cancelled_run_refuses_the_whole_request(autojump_clock, ers):
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-cancel")
+    run = await ers.scopes.create()
+    t, _ = await m.submit_many(["a", "b"], scope=run)
+    d = await m.receive(run, wait=0)
+    await run.cancel()
+    commits = coord.commits
+    for settle in (lambda: d.complete_and_next("A"), lambda: d.retry_and_next("A")):
+        with pytest.raises(ScopeInactiveError) as ei:
+            await settle()
+        assert ei.value.code == "SCOPE_CANCELLED"
+    assert coord.commits == commits
+    with pytest.raises(ScopeInactiveError) as ej:
+        await d.complete("A")
+    assert ej.value.code == ei.value.code
+    assert (await t.status()).state == "CANCELLED"
+
+
+async def test_a_run_stopped_while_the_receive_half_waits_answers_the_settle(autojump_clock, ers):
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-stop")
+    parent = await ers.scopes.create()
+    t = await m.submit("a", scope=parent)
+    d = await m.receive(parent, wait=0)
+    got = {}
+
+    async def worker():
+        got["next"] = await d.complete_and_next("A", wait=30)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(worker)
+        await wait_parked(coord, 1)
+        await parent.cancel()
+    assert got["next"] == [] and got["next"].stopped == "SCOPE_CANCELLED"
+    assert (await t.result(timeout=0)).outcome == "A"  # the settle stands
+
+
+async def test_retry_and_reject_then_next(autojump_clock, ers):
+    m = await ers.mailboxes.ensure("cn-retry", max_attempts=2)
+    run = await ers.scopes.create()
+    t, u = await m.submit_many(["a", "b"], scope=run)
+    d = await m.receive(run, wait=0)
+    nxt = await d.retry_and_next("boom", max_messages=2)
+    # the retried task is QUEUED again at its FIFO place: it comes in the same receive, first
+    assert nxt.task.state == "QUEUED" and [x.task_id for x in nxt] == [t.id, u.id]
+    assert nxt[0].attempt == 2
+    after = await nxt[1].reject_and_next("no")
+    assert after.task.state == "FAILED" and after.task.outcome_reason == "rejected" and after == []
+    final = await nxt[0].retry_and_next("x")  # its last attempt: FAILED
+    assert final.task.state == "FAILED" and final.task.outcome_reason == "max_attempts" and final == []
+    v = await m.submit("c", scope=run)
+    e = await m.receive(run, wait=0)
+    later = await e.retry_and_next("y", delay=60)
+    assert later.task.state == "QUEUED" and later == []  # its delay: not ready yet
+    assert v.id == e.task_id
+
+
+async def test_the_request_is_validated_before_anything_changes(autojump_clock, ers):
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-valid")
+    a = await ers.scopes.create()
+    b = await ers.scopes.create()
+    child = await a.child()
+    t = await m.submit("a", scope=a)
+    d = await m.receive(a, wait=0)
+    commits = coord.commits
+    with pytest.raises(ValidationError) as ei:
+        await d.complete_and_next("A", scope=b)  # not the task's run nor an ancestor
+    assert ei.value.details["field"] == "scope_id"
+    with pytest.raises(ValidationError):
+        await d.complete_and_next("A", max_messages=101)
+    with pytest.raises(ValidationError) as ei:
+        await ers._call(p.DeliveryCompleteNext(task_id=d.task_id, token=d.token, scope_id=a.id, settle="maybe"),
+                        p.CompleteNextView)
+    assert ei.value.details["field"] == "settle"
+    assert coord.commits == commits and (await t.status()).state == "RUNNING"
+    with pytest.raises(ValidationError):
+        await d.complete_and_next("A", scope=child)  # a descendant of the task's run
+    assert (await d.complete_and_next("A", scope=a)).task.state == "SUCCEEDED"
+
+
+async def test_an_ancestor_receives_its_subtree(autojump_clock, ers):
+    m = await ers.mailboxes.ensure("cn-tree")
+    root = await ers.scopes.create()
+    kid = await root.child()
+    t = await m.submit("a", scope=kid)
+    u = await m.submit("b", scope=root)
+    d = await m.receive(root, wait=0)
+    assert d.task_id == t.id and d.received_for == root.id
+    nxt = await d.complete_and_next("A")
+    assert [x.task_id for x in nxt] == [u.id]
