@@ -202,3 +202,121 @@ async def test_an_ancestor_receives_its_subtree(autojump_clock, ers):
     assert d.task_id == t.id and d.received_for == root.id
     nxt = await d.complete_and_next("A")
     assert [x.task_id for x in nxt] == [u.id]
+
+
+# ------------------------------------------------------------------ consume() uses it
+
+class _OpCounter:
+    """Counts the requests a client sends, by op tag (wraps its transport's call)."""
+
+    def __init__(self, rs) -> None:
+        self.counts: dict[str, int] = {}
+        tr = rs._transport
+        inner_call, inner_many = tr.call, tr.call_many
+
+        async def call(op):
+            tag = type(op).__struct_config__.tag
+            self.counts[tag] = self.counts.get(tag, 0) + 1
+            return await inner_call(op)
+
+        async def call_many(ops):
+            for op in ops:
+                tag = type(op).__struct_config__.tag
+                self.counts[tag] = self.counts.get(tag, 0) + 1
+            return await inner_many(ops)
+
+        tr.call, tr.call_many = call, call_many
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_consume_completes_and_receives_in_one_request(autojump_clock, ers, concurrency):
+    import rallypoint
+
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure(f"cn-consume-{concurrency}")
+    run = await ers.scopes.create()
+    n_tasks = 12
+    counter = _OpCounter(ers)
+    seen = []
+
+    async def handler(d):
+        seen.append(d.input)
+        await trio.sleep(0.01 * (d.input % 3))
+        return d.input * 2
+
+    out = {}
+
+    async def worker():
+        out["stats"] = await rallypoint.consume(ers, m, run, handler, concurrency=concurrency, wait=30,
+                                                handle_signals=False)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(worker)
+        tickets = []
+        for i in range(n_tasks):  # one at a time: the worker is waiting in a complete_next
+            tickets.append(await m.submit(i, scope=run))
+            await trio.testing.wait_all_tasks_blocked()
+        infos = await ers.results(tickets)
+        await run.cancel()
+    s = out["stats"]
+    assert [(i.state, i.outcome) for i in infos] == [("SUCCEEDED", 2 * k) for k in range(n_tasks)]
+    assert (s.completed, s.lost, s.received) == (n_tasks, 0, n_tasks)
+    c = counter.counts
+    # every complete rode with a receive; receives alone only before the first and
+    # while a complete_next was already on its way
+    assert c.get("delivery.complete_next", 0) + c.get("delivery.complete_many", 0) >= n_tasks
+    if concurrency == 1:
+        assert c.get("delivery.complete_next") == n_tasks and "delivery.complete_many" not in c
+        assert c.get("delivery.receive") == 1
+    else:
+        assert c.get("delivery.complete_next", 0) >= 1
+    assert not coord.queues.leased
+
+
+async def test_consume_without_complete_and_next_keeps_two_requests(autojump_clock, ers):
+    import rallypoint
+
+    m = await ers.mailboxes.ensure("cn-consume-off")
+    run = await ers.scopes.create()
+    counter = _OpCounter(ers)
+    out = {}
+
+    async def worker():
+        out["stats"] = await rallypoint.consume(ers, m, run, lambda d: d.input, wait=30, handle_signals=False,
+                                                complete_and_next=False)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(worker)
+        tickets = [await m.submit(i, scope=run) for i in range(3)]
+        await ers.results(tickets)
+        await run.cancel()
+    assert out["stats"].completed == 3 and "delivery.complete_next" not in counter.counts
+
+
+async def test_a_drain_while_the_receive_half_waits_counts_the_complete_once(autojump_clock, ers):
+    # SIGINT (a _Stopper here) while the last complete_next waits for work: the wait is
+    # cancelled, the task's status shows the complete was applied, and it is counted
+    # completed once (not lost, not completed again).
+    import rallypoint
+    from rallypoint.client.consume import _Stopper
+
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-drain")
+    run = await ers.scopes.create()
+    stop = _Stopper()
+    counter = _OpCounter(ers)
+    out = {}
+
+    async def worker():
+        out["stats"] = await rallypoint.consume(ers, m, run, lambda d: d.input + 1, wait=30, _stop=stop,
+                                                handle_signals=False)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(worker)
+        t = await m.submit(1, scope=run)
+        assert (await t.result(timeout=10)).outcome == 2
+        await wait_parked(coord, 1)  # the complete_next's receive half
+        stop.request("SIGINT")
+    s = out["stats"]
+    assert (s.completed, s.lost, s.received, s.stop_reason) == (1, 0, 1, "SIGINT")
+    assert counter.counts.get("delivery.complete_next") == 1 and "delivery.complete_many" not in counter.counts
