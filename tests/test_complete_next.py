@@ -320,3 +320,61 @@ async def test_a_drain_while_the_receive_half_waits_counts_the_complete_once(aut
     s = out["stats"]
     assert (s.completed, s.lost, s.received, s.stop_reason) == (1, 0, 1, "SIGINT")
     assert counter.counts.get("delivery.complete_next") == 1 and "delivery.complete_many" not in counter.counts
+
+
+# ------------------------------------------------------------------ the blocking and asyncio clients
+
+def test_the_blocking_client_completes_and_receives_in_one_call(daemon):
+    import rallypoint.sync
+
+    with rallypoint.sync.connect(daemon.url) as rs:
+        m = rs.mailboxes.ensure("cn-sync")
+        run = rs.scopes.create()
+        a, b = m.submit_many(["a", "b"], scope=run)
+        d = m.receive(run, wait=0)
+        nxt = d.complete_and_next("A")
+        assert [x.task_id for x in nxt] == [b.id] and nxt.task.outcome == "A" and nxt.stopped is None
+        last = nxt[0].retry_and_next("boom", max_messages=3)  # b comes back for attempt 2
+        assert [(x.task_id, x.attempt) for x in last] == [(b.id, 2)]
+        assert last[0].complete("B").state == "SUCCEEDED"
+        with pytest.raises(LeaseLostError):
+            d.complete_and_next("again")
+
+
+def test_the_asyncio_client_completes_and_receives_in_one_call(daemon):
+    import asyncio
+
+    import rallypoint
+
+    async def main():
+        asyncio.get_running_loop()  # really asyncio
+        async with rallypoint.connect(daemon.url) as rs:
+            m = await rs.mailboxes.ensure("cn-asyncio")
+            run = await rs.scopes.create()
+            a, b = await m.submit_many(["a", "b"], scope=run)
+            d = await m.receive(run, wait=0)
+            nxt = await d.complete_and_next({"x": 1}, max_messages=2)
+            assert [x.task_id for x in nxt] == [b.id] and nxt.task.outcome == {"x": 1}
+            assert (await nxt[0].complete_and_next("B", wait=0.2)) == []
+
+    asyncio.run(main())
+
+
+async def test_the_next_deliveries_share_one_frame_with_the_settled_task(autojump_clock, ers):
+    # A batch of large inputs: the receive half leases only what fits in the reply next
+    # to the settled task's view (its input and outcome, up to 64 KiB each); the rest
+    # stays ready, first in line.
+    from rallypoint.wire import MAX_FRAME_BYTES
+
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-frame")
+    run = await ers.scopes.create()
+    big = "x" * 60_000
+    tickets = await m.submit_many([big] * 30, scope=run)
+    d = await m.receive(run, wait=0)
+    nxt = await d.complete_and_next("y" * 60_000, max_messages=100)
+    assert 1 <= len(nxt) < 29
+    views = p.CompleteNextView(deliveries=[coord.queues.delivery_view(coord.queues.tasks[x.task_id]) for x in nxt])
+    assert len(p.encoder.encode(views)) + 2 * 60_000 < MAX_FRAME_BYTES  # (+ the task's input and outcome)
+    states = [(await t.status()).state for t in tickets[1:]]
+    assert states.count("RUNNING") == len(nxt) and states.count("QUEUED") == 29 - len(nxt)

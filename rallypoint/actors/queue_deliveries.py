@@ -20,7 +20,7 @@ from .common import REPLY_BUDGET_BYTES, applies, check_holder, check_payload, ch
 from .opmark import ALWAYS, W, asked, by, by_run, fenced, op
 from .runtime import Park
 from .queue_state import (
-    _NIL_BYTES, delivery_bytes, DELIVERY_MOVES, delivery_state, DeliveryState, MailboxState, MAX_LEASE_MS, MIN_LEASE_MS, TaskState, TERMINAL,
+    _NIL_BYTES, delivery_bytes, DELIVERY_MOVES, task_view_bytes, delivery_state, DeliveryState, MailboxState, MAX_LEASE_MS, MIN_LEASE_MS, TaskState, TERMINAL,
 )
 
 __all__ = ['Deliveries']
@@ -199,10 +199,12 @@ class Deliveries:
         if recs:
             coord.commit(recs)
         view = None if op.brief else self.task_view(t)
+        # the deliveries share the reply's frame with the settled task's view
+        room = REPLY_BUDGET_BYTES - (0 if view is None else task_view_bytes(t)) - 64
 
         def deliver() -> list:
             try:
-                return self._deliver(q, run.id, op.lease_ms, op.max_messages, holder)
+                return self._deliver(q, run.id, op.lease_ms, op.max_messages, holder, room)
             except RallypointError:
                 # the settle is applied: a refused receive (a full disk...) answers it
                 # with no deliveries rather than hiding it behind an error
@@ -222,9 +224,11 @@ class Deliveries:
         return Park(("recv", q.id), check, wait_ms, lambda: CompleteNextView(task=view))
 
     def _deliver(self, q: MailboxState, run_id: str, lease_ms: int, n: int,
-                 holder: str | None = None) -> list[DeliveryView]:
+                 holder: str | None = None, room: int = REPLY_BUDGET_BYTES) -> list[DeliveryView]:
+        """Lease up to ``n`` ready tasks of ``q`` in ``run_id``'s subtree, as many as
+        ``room`` bytes of reply carry (one commit); their views."""
         self.coord.journal.check_writable()  # before the pop: a refused commit must not drop tasks
-        picked = self._pop_ready(q.id, run_id, n, REPLY_BUDGET_BYTES, lambda t: delivery_bytes(t, q, holder))
+        picked = self._pop_ready(q.id, run_id, n, room, lambda t: delivery_bytes(t, q, holder))
         if not picked:
             return []
         coord = self.coord
