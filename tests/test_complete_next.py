@@ -378,3 +378,35 @@ async def test_the_next_deliveries_share_one_frame_with_the_settled_task(autojum
     assert len(p.encoder.encode(views)) + 2 * 60_000 < MAX_FRAME_BYTES  # (+ the task's input and outcome)
     states = [(await t.status()).state for t in tickets[1:]]
     assert states.count("RUNNING") == len(nxt) and states.count("QUEUED") == 29 - len(nxt)
+
+
+async def test_a_batch_completes_and_receives_in_one_round_trip(autojump_clock, ers):
+    from rallypoint.client.api import complete_many_and_next
+
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-batch")
+    run = await ers.scopes.create()
+    tickets = await m.submit_many(list(range(8)), scope=run)
+    ds = await m.receive(run, wait=0, max_messages=4)
+    counter = _OpCounter(ers)
+    commits = coord.commits
+    out, nxt = await m.complete_many_and_next([(d, d.input * 10) for d in ds], max_messages=4)
+    assert out == [None] * 4 and [x.task_id for x in nxt] == [t.id for t in tickets[4:]]
+    # one frame: the complete_many of the first three, the complete_next of the last
+    assert counter.counts == {"delivery.complete_many": 1, "delivery.complete_next": 1}
+    assert coord.commits == commits + 3  # the three, the last, the deliveries
+    assert [(await t.result(timeout=0)).outcome for t in tickets[:4]] == [0, 10, 20, 30]
+    # a refused last item receives nothing; the others are judged on their own
+    stale = nxt[3]
+    await stale.complete("first")
+    out, after = await complete_many_and_next(ers, [(d, "x") for d in nxt])
+    assert out[:3] == [None] * 3 and out[3].code == "STALE_CLAIM" and after == [] and stale.lost
+    # items of several runs: complete_many, then the last one's complete_and_next
+    other = await ers.scopes.create()
+    t1 = await m.submit("r1", scope=run)
+    t2 = await m.submit("r2", scope=other)
+    d1 = await m.receive(run, wait=0)
+    d2 = await m.receive(other, wait=0)
+    out, more = await complete_many_and_next(ers, [(d1, 1), (d2, 2)])
+    assert out == [None, None] and more == []
+    assert [(await t.result(timeout=0)).outcome for t in (t1, t2)] == [1, 2]

@@ -852,6 +852,15 @@ class Mailbox:
         with ``details=False``) or the error for each, in order (see :func:`complete_many`)."""
         return await complete_many(self._rs, items, details=details)
 
+    async def complete_many_and_next(self, items: "Iterable[tuple[Delivery, Any]]", *,
+                                     scope: "Run | str | None" = None, max_messages: int = 1,
+                                     lease_seconds: float | None = None, wait: float = 0,
+                                     holder: str | None = None) -> "tuple[list, NextDeliveries]":
+        """Complete ``[(delivery, outcome), ...]`` and receive the next deliveries in one
+        round trip (see :func:`complete_many_and_next`)."""
+        return await complete_many_and_next(self._rs, items, scope=scope, max_messages=max_messages,
+                                            lease_seconds=lease_seconds, wait=wait, holder=holder)
+
     async def receive(
         self,
         scope: "Run | str",
@@ -960,6 +969,84 @@ async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]", *
         if isinstance(r, (LeaseLostError, ScopeInactiveError)):
             d.lost = True
     return out
+
+
+_settled_list_decode = msgspec.msgpack.Decoder(t._SettledList).decode
+_complete_next_decode = msgspec.msgpack.Decoder(t._CompleteNext).decode
+
+
+async def complete_many_and_next(rs: "Client", items: "Iterable[tuple[Delivery, Any]]", *,
+                                 scope: "Run | str | None" = None, max_messages: int = 1,
+                                 lease_seconds: float | None = None, wait: float = 0,
+                                 holder: str | None = None) -> "tuple[list, NextDeliveries]":
+    """Complete a batch of deliveries and receive the next ones in ONE round trip:
+    ``[(delivery, outcome), ...]`` -> ``(answers, next)``. ``answers``: per item,
+    None (completed) or the RallypointError that refused it, in order; ``next``: a
+    :class:`NextDeliveries` of up to ``max_messages`` (1-100) new deliveries of the
+    last item's mailbox for ``scope`` (default: the run the last delivery was
+    received for), waiting up to ``wait`` seconds on the server when none is ready.
+
+    One batch frame: a ``delivery.complete_many`` of all items but the last
+    (brief) and a ``delivery.complete_next`` of the last, on the same run's actor,
+    in that order (one fsync round for both). When the last item's complete is
+    refused (STALE_CLAIM, SCOPE_CANCELLED...), nothing is received (``next`` is
+    empty). Items of several runs, or outcomes past one frame, go as
+    :func:`complete_many` first and the last item alone with
+    :meth:`Delivery.complete_and_next`. VALIDATION_FAILED for no items or an
+    outcome that cannot be encoded (before anything is sent)."""
+    items = list(items)
+    if not items:
+        raise ValidationError("complete_many_and_next takes 1 or more (delivery, outcome) items",
+                              details={"field": "items"})
+    encoded = [encode_payload(o, "outcome") for _, o in items]
+    last, rest = items[-1][0], items[:-1]
+    same_run = all(d.scope_id == last.scope_id for d, _ in rest)
+    if not same_run or len(rest) > 1000 or sum(len(e) + 96 for e in encoded) + 512 > _FRAME_BUDGET:
+        out = await complete_many(rs, [(d, e) for (d, _), e in zip(rest, encoded)], details=False) if rest else []
+        out = [r if isinstance(r, Exception) else None for r in out]
+        try:
+            nxt = await last.complete_and_next(encoded[-1], scope=scope, max_messages=max_messages,
+                                               lease_seconds=lease_seconds, wait=wait, holder=holder,
+                                               details=False)
+        except RallypointError as e:
+            return out + [e], NextDeliveries([], None, None)
+        return out + [None], nxt
+    sid = _id_of(scope) if scope is not None else last.received_for
+    ls = last.lease_seconds if lease_seconds is None else lease_seconds
+    chunk = min(wait if wait is not None else math.inf, _MAX_WAIT_S)
+    ops: list = []
+    if rest:
+        ops.append(p.DeliveryCompleteMany(items=[p.CompleteItem(task_id=d.task_id, token=d.token, outcome=e)
+                                                 for (d, _), e in zip(rest, encoded)], brief=True))
+    ops.append(p.DeliveryCompleteNext(task_id=last.task_id, token=last.token, scope_id=sid, outcome=encoded[-1],
+                                      lease_ms=_ms(ls, "lease_seconds"), wait_ms=_ms(chunk, "wait"),
+                                      max_messages=max_messages, holder=holder, brief=True))
+    replies = await rs._transport.call_many(ops)
+    out: list = []
+    if rest:
+        r = replies[0]
+        if isinstance(r, Exception):
+            out = [r] * len(rest)
+        else:
+            out = [None if x.error is None else
+                   error_from_wire(x.error.code, x.error.message, x.error.retry_after, x.error.details)
+                   for x in _settled_list_decode(r).items]
+    r = replies[-1]
+    if isinstance(r, Exception):
+        out.append(r)
+        nxt = NextDeliveries([], None, None)
+    else:
+        v = _complete_next_decode(r)
+        out.append(None)
+        nxt = NextDeliveries([Delivery(rs, d, ls, received_for=sid) for d in v.deliveries], None, v.stopped)
+        if not nxt and v.stopped is None and wait is not None and wait > chunk:  # the rest of a long wait
+            more = await Mailbox(rs, last.mailbox).receive(sid, lease_seconds=ls, wait=wait - chunk,
+                                                           max_messages=max_messages, holder=holder)
+            nxt = NextDeliveries(more if isinstance(more, list) else ([more] if more else []), None, None)
+    for (d, _), r in zip(items, out):
+        if isinstance(r, (LeaseLostError, ScopeInactiveError)):
+            d.lost = True
+    return out, nxt
 
 
 async def _task_infos(rs: "Client", task_ids: list[str]) -> list:
