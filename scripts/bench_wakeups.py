@@ -108,7 +108,7 @@ def one_run(a, settle: str) -> dict:
             "cpu_ms": cpu_ms,
             "switches_per_lifecycle": round(switches / lifecycles, 4) if lifecycles else None,
             "cpu_us_per_lifecycle": round(1000 * cpu_ms / lifecycles, 2) if lifecycles else None,
-            "requests_per_s": r["throughput"].get("requests_per_s"), "how": how, "load_1m": round(load, 2),
+            "requests_per_s": r["throughput"].get("ops_per_s"), "how": how, "load_1m": round(load, 2),
             "daemon_pids": pids}
 
 
