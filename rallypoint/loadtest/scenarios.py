@@ -393,7 +393,8 @@ async def worker(ctx: Ctx, stop) -> None:
     async def complete_next(ds):
         """The batch's completes and the next receive in one round trip."""
         out, nxt = await ctx.timed("complete_next", mbx.complete_many_and_next, [(d, {"w": ctx.index}) for d in ds],
-                                   scope=run, max_messages=spec["max_messages"], lease_seconds=30, wait=RECEIVE_WAIT_S)
+                                   scope=run, max_messages=spec["max_messages"], lease_seconds=spec.get("lease_seconds", 30),
+                                   wait=RECEIVE_WAIT_S)
         for r in out:
             if isinstance(r, RallypointError):
                 ctx.errors[r.code] += 1
@@ -405,7 +406,7 @@ async def worker(ctx: Ctx, stop) -> None:
             if not ds:
                 try:
                     ds = await ctx.timed(
-                        "receive", mbx.receive, run, lease_seconds=30, wait=RECEIVE_WAIT_S,
+                        "receive", mbx.receive, run, lease_seconds=spec.get("lease_seconds", 30), wait=RECEIVE_WAIT_S,
                         max_messages=spec["max_messages"]
                     )
                 except RallypointError:
