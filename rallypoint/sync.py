@@ -287,10 +287,12 @@ def consume(
     drain_timeout: float = 30,
     handle_signals: bool = True,
     holder: str | None = None,
+    complete_and_next: bool = True,
 ):
     """Serve ``mailbox`` for ``scope`` (a run, or its id) until the run becomes inactive,
     blocking: :func:`rallypoint.consume` for plain scripts, with the same semantics
-    (``holder``: the worker's name recorded with each delivery).
+    (``holder``: the worker's name recorded with each delivery; ``complete_and_next``:
+    a handler's complete and the next receive in one request, the default).
 
     ``handler(delivery) -> outcome`` is a plain function, called in a worker thread of
     the client (``concurrency`` at once), with a blocking delivery: ``delivery.input``,
@@ -334,7 +336,7 @@ def consume(
             aconsume, rs._obj, mailbox._obj if isinstance(mailbox, _Proxy) else mailbox,
             scope._obj if isinstance(scope, _Proxy) else scope, plain, concurrency=concurrency,
             lease_seconds=lease_seconds, wait=wait, drain_timeout=drain_timeout, handle_signals=False, holder=holder,
-            _stop=stop,
+            complete_and_next=complete_and_next, _stop=stop,
         )
     finally:
         _INTERRUPTS.unregister(token)

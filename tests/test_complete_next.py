@@ -410,3 +410,32 @@ async def test_a_batch_completes_and_receives_in_one_round_trip(autojump_clock, 
     out, more = await complete_many_and_next(ers, [(d1, 1), (d2, 2)])
     assert out == [None, None] and more == []
     assert [(await t.result(timeout=0)).outcome for t in (t1, t2)] == [1, 2]
+
+
+def test_the_blocking_consume_completes_and_receives_in_one_request(daemon):
+    import threading
+
+    import rallypoint.sync
+
+    with rallypoint.sync.connect(daemon.url) as rs:
+        m = rs.mailboxes.ensure("cn-sync-consume")
+        run = rs.scopes.create()
+        tickets = m.submit_many([1, 2, 3], scope=run)
+        seen = []
+        counter = _OpCounter(rs._obj)
+
+        def handler(d):  # (a plain function: called in a worker thread with a blocking delivery)
+            seen.append(d.input)
+            return d.input * 10
+
+        def stop_when_done():
+            for t in tickets:
+                rs.task(t.id).result(timeout=30)
+            run.cancel()
+
+        th = threading.Thread(target=stop_when_done)
+        th.start()
+        stats = rallypoint.sync.consume(rs, m, run, handler, wait=5, handle_signals=False)
+        th.join()
+    assert stats.completed == 3 and sorted(seen) == [1, 2, 3]
+    assert counter.counts.get("delivery.complete_next", 0) >= 1
