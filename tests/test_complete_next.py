@@ -439,3 +439,34 @@ def test_the_blocking_consume_completes_and_receives_in_one_request(daemon):
         th.join()
     assert stats.completed == 3 and sorted(seen) == [1, 2, 3]
     assert counter.counts.get("delivery.complete_next", 0) >= 1
+
+
+async def test_a_waiting_producer_gets_the_result_from_the_complete_next_itself(autojump_clock, ers):
+    # Results pushed: a producer parked on task.result / task.results is answered by
+    # the step that applies the worker's complete_next (no poll, no second request).
+    coord = ers.node.coordinator
+    m = await ers.mailboxes.ensure("cn-push")
+    run = await ers.scopes.create()
+    one, *batch = await m.submit_many(["a", "b", "c"], scope=run)
+    d = await m.receive(run, wait=0)
+    counter = _OpCounter(ers)
+    got = {}
+
+    async def producer():
+        got["one"] = await one.result(timeout=30)
+        got["at"] = trio.current_time()
+
+    async def batch_producer():
+        got["batch"] = await ers.results(batch, timeout=30)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(producer)
+        n.start_soon(batch_producer)
+        await wait_parked(coord, 2)
+        t0 = trio.current_time()
+        nxt = await d.complete_and_next("A", max_messages=2)
+        await nxt[0].complete_and_next("B")
+        await nxt[1].complete("C")
+    assert got["one"].outcome == "A" and got["at"] == t0  # answered by that step: no time passed
+    assert [i.outcome for i in got["batch"]] == ["B", "C"]
+    assert counter.counts["task.result"] == 1 and counter.counts["task.results"] == 1
