@@ -7,7 +7,6 @@ tests/test_reconnect.py, kill -9 of a daemon in tests/test_reconnect_daemon.py, 
 failover in tests/test_cluster_daemon.py.
 """
 
-import msgspec
 import pytest
 import trio
 import trio.testing
