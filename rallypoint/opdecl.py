@@ -72,6 +72,9 @@ RECONCILE_RULES: dict[str, str] = {
                     "SUCCEEDED with this outcome",
     "tasks_settled": "per item of a batch, as task_settled",
     "task_requeued": "refused STALE_CLAIM with the task QUEUED again: the task's status",
+    "task_settled_next": "the settle half as task_settled (complete) or task_requeued (retry); when the first "
+                         "sending was applied, the receive half is made alone (delivery.receive) and both "
+                         "answered together",
     "run_completed": "refused CONFLICT: the run's status, if it is COMPLETED",
 }
 

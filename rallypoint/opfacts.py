@@ -50,6 +50,7 @@ TABLE = FactTable({
     p.DeliveryRenew: OpFacts(Shard('slot', 'task_id', 'home'), None, ALWAYS),
     p.DeliveryComplete: OpFacts(Shard('slot', 'task_id', 'home'), None, fenced('task_settled', 'fenced')),
     p.DeliveryCompleteMany: OpFacts(Shard('slots', 'items', 'home'), None, fenced('tasks_settled', 'fenced')),
+    p.DeliveryCompleteNext: OpFacts(Shard('slot', 'scope_id', 'home'), None, fenced('task_settled_next', 'fenced')),
     p.DeliveryRetry: OpFacts(Shard('slot', 'task_id', 'home'), None, fenced('task_requeued', 'fenced')),
     p.DeliveryReject: OpFacts(Shard('slot', 'task_id', 'home'), None, ALWAYS),
     p.DeliveryRelease: OpFacts(Shard('slot', 'task_id', 'home'), None, fenced('task_requeued', 'fenced')),

@@ -719,6 +719,43 @@ class SettledListView(_View):
     items: list[SettledView]
 
 
+class DeliveryCompleteNext(_Op, tag="delivery.complete_next"):
+    """Settle ONE delivery and receive the next deliveries of the same queue in one
+    request (issue 47): the settle half is ``delivery.complete`` (``settle``
+    ``"complete"``, with ``outcome``), ``delivery.retry`` (``"retry"``, with ``error``
+    and ``delay_ms``) or ``delivery.reject`` (``"reject"``, with ``error``), judged and
+    journaled as that op is; the receive half is ``delivery.receive`` for run
+    ``scope_id`` (the task's run or an ancestor of it) of the task's queue, with
+    ``lease_ms``, ``wait_ms``, ``max_messages`` and ``holder`` as there. A refused
+    settle (STALE_CLAIM, SCOPE_CANCELLED / DEADLINE_EXCEEDED) is the answer and
+    receives nothing. ``brief``: the reply carries no task view. Reply:
+    :class:`CompleteNextView`."""
+
+    task_id: str
+    token: int
+    scope_id: str
+    settle: str = "complete"
+    outcome: msgspec.Raw = NIL
+    error: msgspec.Raw = NIL
+    delay_ms: int = 0
+    lease_ms: int = 30_000
+    wait_ms: int = 0
+    max_messages: int = 1
+    holder: str | None = None
+    brief: bool = False
+
+
+class CompleteNextView(_View):
+    """The answer of ``delivery.complete_next``: the settled task (None when ``brief``),
+    the next deliveries (possibly none, after the wait), and ``stopped``: the code
+    (SCOPE_CANCELLED / DEADLINE_EXCEEDED) when the receive's run stopped while the
+    receive half waited (the settle was applied; nothing more will be delivered)."""
+
+    task: TaskView | None = None
+    deliveries: list[DeliveryView] = msgspec.field(default_factory=list)
+    stopped: str | None = None
+
+
 class DeliveryRetry(_Op, tag="delivery.retry"):
     task_id: str
     token: int

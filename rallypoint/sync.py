@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, Run, Scopes, Ticket
+from .client.api import Client, Delivery, Group, Groups, Mailbox, Mailboxes, NextDeliveries, Run, Scopes, Ticket
 
 __all__ = ["connect", "consume", "SyncClient"]
 
@@ -229,6 +229,8 @@ class SyncClient(_Proxy):
             return _Proxy(value, self)
         if hasattr(value, "__aenter__") and hasattr(value, "__aexit__"):
             return _SyncContext(value, self)
+        if isinstance(value, NextDeliveries):  # (complete_and_next: the list keeps its task and stopped)
+            return NextDeliveries([_Proxy(v, self) for v in value], value.task, value.stopped)
         if isinstance(value, list) and value and isinstance(value[0], _HANDLES):
             return [_Proxy(v, self) for v in value]
         return value
@@ -285,10 +287,12 @@ def consume(
     drain_timeout: float = 30,
     handle_signals: bool = True,
     holder: str | None = None,
+    complete_and_next: bool = True,
 ):
     """Serve ``mailbox`` for ``scope`` (a run, or its id) until the run becomes inactive,
     blocking: :func:`rallypoint.consume` for plain scripts, with the same semantics
-    (``holder``: the worker's name recorded with each delivery).
+    (``holder``: the worker's name recorded with each delivery; ``complete_and_next``:
+    a handler's complete and the next receive in one request, the default).
 
     ``handler(delivery) -> outcome`` is a plain function, called in a worker thread of
     the client (``concurrency`` at once), with a blocking delivery: ``delivery.input``,
@@ -332,7 +336,7 @@ def consume(
             aconsume, rs._obj, mailbox._obj if isinstance(mailbox, _Proxy) else mailbox,
             scope._obj if isinstance(scope, _Proxy) else scope, plain, concurrency=concurrency,
             lease_seconds=lease_seconds, wait=wait, drain_timeout=drain_timeout, handle_signals=False, holder=holder,
-            _stop=stop,
+            complete_and_next=complete_and_next, _stop=stop,
         )
     finally:
         _INTERRUPTS.unregister(token)

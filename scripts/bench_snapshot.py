@@ -22,6 +22,11 @@ A/B against another checkout in the same run: ``--code DIR`` imports rallypoint 
 (this script and its measurements stay the same), e.g. a ``git worktree`` of the commit
 before a change; run both alternately.
 
+The report (``--json``: ONE file) also holds ``goals``: issue 47's two floor-bound
+goals read from this one run (:func:`tail_goals`): the snapshot stall against the
+empty loop's lateness measured in the same process, and the journal replay against
+``scripts/bench_replay_floor.py``'s floor measured on the same journal.
+
 Usage::
 
     python scripts/bench_snapshot.py               # 1M
@@ -238,6 +243,45 @@ def _recover_in_subprocess(d: Path, code: str | None) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+#: the floor-bound tail goals (issue 47), judged against floors measured in the same run
+STALL_STEP_CPU_MS = 2.0  # the longest loop step of the snapshot, CPU ms
+STALL_SLACK_MS = 1.0  # a 1 ms sleeper's worst lateness over the empty loop's worst
+REPLAY_FLOOR_RATIO = 1.2  # replay CPU over the Python replay floor's
+
+
+def replay_floor_cpu_s(journal_dir: Path, code: str | None = None) -> float:
+    """The CPU seconds of ``scripts/bench_replay_floor.py``'s full floor (read, check,
+    decode, one state and three dict inserts per record) on ``journal_dir``, in a
+    process of its own (as recovery is measured)."""
+    cmd = [sys.executable, str(Path(__file__).with_name("bench_replay_floor.py")), str(journal_dir)]
+    env = {**os.environ, **({"PYTHONPATH": str(Path(code).resolve())} if code else {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    last = [line for line in out.splitlines() if "(inline)" in line][-1]
+    return float(last.rsplit(" s CPU", 1)[0].split()[-1])
+
+
+def tail_goals(report: dict, floor_cpu_s: float) -> dict:
+    """The two floor-bound goals of issue 47 read from one run's ``report``: the
+    snapshot stall (the longest loop step's CPU ms <= :data:`STALL_STEP_CPU_MS`, and the
+    1 ms sleeper's worst lateness <= the empty loop's worst + :data:`STALL_SLACK_MS`, both
+    lateness figures in ms from the same process) and recovery (the journal replay's CPU
+    seconds <= :data:`REPLAY_FLOOR_RATIO` x ``floor_cpu_s``, the floor measured on the
+    same journal)."""
+    step_cpu = report["snapshot_steps"]["max_step_cpu_ms"]
+    sleeper, empty = report["snapshot_stall"]["max_ms"], report["baseline_stall"]["max_ms"]
+    replay = report["recovery_journal"]["recover_cpu_s"]
+    ratio = replay / floor_cpu_s if floor_cpu_s > 0 else float("inf")
+    stall_ok = step_cpu <= STALL_STEP_CPU_MS and sleeper <= empty + STALL_SLACK_MS
+    return {
+        "stall": {"longest_step_cpu_ms": step_cpu, "sleeper_worst_late_ms": sleeper,
+                  "empty_loop_worst_late_ms": empty, "goal": f"step CPU <= {STALL_STEP_CPU_MS} ms and sleeper <= "
+                  f"empty loop + {STALL_SLACK_MS} ms", "ok": stall_ok},
+        "recovery": {"replay_cpu_s": replay, "replay_wall_s": report["recovery_journal"]["recover_s"],
+                     "floor_cpu_s": floor_cpu_s, "ratio": round(ratio, 3),
+                     "goal": f"replay CPU <= {REPLAY_FLOOR_RATIO} x floor", "ok": ratio <= REPLAY_FLOOR_RATIO},
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="snapshot stall / recovery benchmark")
     ap.add_argument("--n", type=int, default=1_000_000, help="entities / journal records (default 1M)")
@@ -283,6 +327,13 @@ def main(argv=None) -> int:
         report["recovery_snapshot"] = r2
         print(f"recovery from the snapshot: {r2['snapshot_entities']:,} entities loaded, {r2['replayed']} replayed, "
               f"in {r2['recover_s']} s (CPU {r2['recover_cpu_s']} s), RSS {r2['rss_mb']} MB", flush=True)
+        floor = replay_floor_cpu_s(copy, args.code)
+        goals = report["goals"] = tail_goals(report, floor)
+        st, rc = goals["stall"], goals["recovery"]
+        print(f"goals (issue 47, one run): stall: longest step CPU {st['longest_step_cpu_ms']} ms, sleeper worst "
+              f"{st['sleeper_worst_late_ms']} ms vs empty loop {st['empty_loop_worst_late_ms']} ms: "
+              f"{'OK' if st['ok'] else 'MISSED'}; recovery: replay CPU {rc['replay_cpu_s']} s vs floor "
+              f"{rc['floor_cpu_s']} s = {rc['ratio']}x: {'OK' if rc['ok'] else 'MISSED'}", flush=True)
         ok_stall = report["snapshot_stall"]["max_ms"] <= 2
         ok_rec = r1["recover_s"] <= 2 * max(1, args.n / 1_000_000)
         report["targets"] = {"stall_le_2ms": ok_stall, "recovery_le_2s_per_1M": ok_rec}

@@ -35,8 +35,23 @@ Systems:
 The Python extras (``redis``, ``distributed``: the ``compare`` extra in pyproject.toml)
 are installed on demand (their requirements only, so an editable install stays).
 
-    python scripts/compare_baselines.py [--duration 10] [--producers 1] [--workers 1] [--only redis,dask]
-        [--rate 5000] [--repeat 3]
+    python scripts/compare_baselines.py --pairs 0 [--duration 10] [--producers 1] [--workers 1]
+        [--only redis,dask] [--rate 5000] [--repeat 3]
+
+**Interleaved pairs** (the default, ``--pairs 5``; issue 47): the machine is shared and
+its load moves more between two runs than the gap being measured, so rallypoint and
+Redis run alternately, A B A B ..., ``--pairs`` times per configuration (``--configs``:
+``closed:PxW`` a closed loop of P producers and W workers, ``open:RATE`` an open loop
+at RATE lifecycles/s with ``--producers`` / ``--workers``), and each pair gives one
+ratio: closed loop, rallypoint's lifecycles/s over Redis's; open loop, Redis's p99 over
+rallypoint's (both: > 1 means rallypoint is ahead). Reported per configuration: every
+pair's ratio, the median ratio and its range (min-max), each system's median figures,
+and the 1-minute load average before every run (``os.getloadavg``); ``--json`` keeps
+every pair. ``--root`` benches another rallypoint checkout (e.g. main, for a "before"
+figure); ``--settle`` is passed to ``rallypoint bench`` (next / separate).
+
+    python scripts/compare_baselines.py --pairs 5 --duration 6 --json out.json \
+        [--configs closed:2x2,closed:1x1,open:5000,open:10000] [--root /path/to/checkout]
 """
 
 from __future__ import annotations
@@ -90,6 +105,7 @@ def free_port() -> int:
 def run_rallypoint(a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
+        root = getattr(a, "root", None) or ROOT
         cmd = [sys.executable, "-m", "rallypoint", "bench", "--scenario", "lifecycle", "--spawn",
                "--durability", a.durability, "--duration", str(a.duration), "--warmup", str(a.warmup),
                "--producers", str(a.producers), "--workers", str(a.workers), "--batch", str(a.batch),
@@ -98,7 +114,10 @@ def run_rallypoint(a) -> dict:
             cmd += ["--sync-helper", a.sync_helper]
         if getattr(a, "open_rate", 0):
             cmd += ["--rate", str(a.open_rate), "--coalesce-ms", str(a.coalesce_ms)]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if getattr(a, "settle", None):
+            cmd += ["--settle", a.settle]
+        env = {**os.environ, "PYTHONPATH": root}
+        p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env)
         if p.returncode not in (0, 1) or not os.path.exists(out):
             raise RuntimeError(f"rallypoint bench failed: {p.stderr[-2000:]}")
         r = json.load(open(out))
@@ -318,6 +337,93 @@ def _table(title: str, results: dict, base_key: str = "rallypoint") -> None:
             print(f"{'':<12}runs: {', '.join(f'{x:,.0f}' for x in r['all_lifecycles_per_s'])} (median shown)")
 
 
+def _load() -> float:
+    """The machine's 1-minute load average (a shared machine: say how busy it was)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - not on this platform
+        return float("nan")
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+
+
+def parse_configs(text: str) -> list[dict]:
+    """``closed:2x2,open:5000`` -> ``[{"mode": "closed", "producers": 2, "workers": 2}, {"mode": "open",
+    "rate": 5000.0}]``. ValueError for anything else."""
+    out = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        mode, _, arg = part.partition(":")
+        if mode == "closed":
+            pr, _, wk = arg.partition("x")
+            out.append({"name": part, "mode": "closed", "producers": int(pr), "workers": int(wk)})
+        elif mode == "open":
+            out.append({"name": part, "mode": "open", "rate": float(arg)})
+        else:
+            raise ValueError(f"a config is closed:PxW or open:RATE (got {part!r})")
+    return out
+
+
+def pair_ratio(cfg: dict, rp: dict, rd: dict) -> float:
+    """One pair's ratio, > 1 when rallypoint is ahead: closed loop, its lifecycles/s over
+    Redis's; open loop, Redis's p99 over its p99."""
+    if cfg["mode"] == "closed":
+        return rp["lifecycles_per_s"] / rd["lifecycles_per_s"] if rd["lifecycles_per_s"] else float("nan")
+    return rd["latency"]["p99_ms"] / rp["latency"]["p99_ms"] if rp["latency"]["p99_ms"] else float("nan")
+
+
+def summarize_pairs(cfg: dict, pairs: list[dict]) -> dict:
+    """The median ratio and its range over ``pairs``, each system's median figures and
+    the load seen."""
+    ratios = [p["ratio"] for p in pairs]
+    out = {"config": cfg, "pairs": pairs, "median_ratio": round(_median(ratios), 3),
+           "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+           "load_1m": [p[k]["load_1m"] for p in pairs for k in ("rallypoint", "redis")]}
+    for k in ("rallypoint", "redis"):
+        out[k] = {"lifecycles_per_s": _median([p[k]["lifecycles_per_s"] for p in pairs]),
+                  "p50_ms": _median([p[k]["latency"]["p50_ms"] for p in pairs]),
+                  "p99_ms": _median([p[k]["latency"]["p99_ms"] for p in pairs])}
+    return out
+
+
+def run_pairs(a) -> list[dict]:
+    """Every configuration of ``a.configs``: ``a.pairs`` interleaved rallypoint / Redis
+    runs; the summaries (:func:`summarize_pairs`), printed as they come."""
+    results = []
+    for cfg in parse_configs(a.configs):
+        if cfg["mode"] == "closed":
+            a.producers, a.workers, a.open_rate = cfg["producers"], cfg["workers"], 0
+        else:
+            a.producers, a.workers, a.open_rate = a.open_producers, a.open_workers, cfg["rate"]
+        pairs = []
+        for k in range(a.pairs):
+            pair: dict = {}
+            for name, fn in (("rallypoint", run_rallypoint), ("redis", run_redis)):
+                load = _load()
+                r = fn(a)
+                r["load_1m"] = load
+                pair[name] = r
+            pair["ratio"] = round(pair_ratio(cfg, pair["rallypoint"], pair["redis"]), 3)
+            pairs.append(pair)
+            rp, rd = pair["rallypoint"], pair["redis"]
+            print(f"{cfg['name']:<14} pair {k + 1}/{a.pairs}: rallypoint {rp['lifecycles_per_s']:>9,.0f}/s "
+                  f"p99 {rp['latency']['p99_ms']:6.1f} ms (load {rp['load_1m']:.2f}) | redis "
+                  f"{rd['lifecycles_per_s']:>9,.0f}/s p99 {rd['latency']['p99_ms']:6.1f} ms (load {rd['load_1m']:.2f})"
+                  f" | ratio {pair['ratio']:.2f}", flush=True)
+        sm = summarize_pairs(cfg, pairs)
+        results.append(sm)
+        ratios = [p["ratio"] for p in pairs]
+        what = "throughput rallypoint/redis" if cfg["mode"] == "closed" else "p99 redis/rallypoint"
+        print(f"{cfg['name']:<14} median ratio ({what}) {sm['median_ratio']:.2f}x, range "
+              f"{sm['ratio_range'][0]:.2f}-{sm['ratio_range'][1]:.2f}; pairs "
+              f"{', '.join(f'{r:.2f}' for r in ratios)}; load {min(sm['load_1m']):.2f}-"
+              f"{max(sm['load_1m']):.2f} (nproc {os.cpu_count()})", flush=True)
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=10.0)
@@ -338,7 +444,30 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="closed-loop runs back to back per system, rotating the order; the median is shown")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--pairs", type=int, default=5,
+                    help="interleaved rallypoint/Redis pairs per configuration (default %(default)s; 0: the "
+                         "single table of --only systems)")
+    ap.add_argument("--configs", default="closed:2x2,closed:1x1,open:5000,open:10000",
+                    help="pairs mode: closed:PxW and open:RATE configurations (default %(default)s)")
+    ap.add_argument("--open-producers", type=int, default=2, help="pairs mode: producers of an open loop")
+    ap.add_argument("--open-workers", type=int, default=2, help="pairs mode: workers of an open loop")
+    ap.add_argument("--root", default=None, help="the rallypoint checkout to bench (default: this one)")
+    ap.add_argument("--settle", choices=["next", "separate"], default=None,
+                    help="passed to rallypoint bench --settle (default: the bench's own)")
     a = ap.parse_args()
+    if a.pairs > 0:
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "redis"])
+        started = time.time()
+        results = run_pairs(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"args": vars(a), "root": a.root or ROOT, "nproc": os.cpu_count(),
+                           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+                           "configs": results}, f, indent=2)
+        return 0
     ensure_extras()
     systems = {"rallypoint": run_rallypoint, "redis": run_redis, "dask": run_dask}
     names = a.only.split(",")

@@ -786,3 +786,46 @@ async def test_a_failover_logs_one_reconnect_warning_with_two_addresses(nodes, e
     lost = [r for r in caplog.records if "connection lost" in r.getMessage()]
     back = [r for r in caplog.records if "reconnected after" in r.getMessage()]
     assert len(lost) == 1 and len(back) == 1, [r.getMessage() for r in caplog.records]
+
+
+# ============================================================================ 8. complete-and-next through a failover
+async def test_complete_next_across_a_kill_9_of_the_leader_between_its_halves(nodes, etcd, cluster_name):
+    # Complete-and-next (issue 47): the settle half applied on the leader, the receive
+    # half parked, when the leader is killed (-9). The client follows the new leader and
+    # sends the request again: whether the settle reached the standby (then the re-sent
+    # settle is refused STALE_CLAIM and reconciled) or not (then it is applied there),
+    # the task is completed once, with this outcome, on its first attempt; the receive
+    # half parks on the new leader and gets the task submitted after the failover; the
+    # delivery held across the failover keeps its lease and token; journals agree.
+    from conftest import wait_parked_remote
+
+    a, b = await leader_pair(nodes, etcd, cluster_name)
+    async with rallypoint.connect(f"tcp://{a.address},{b.address}", reconnect=rallypoint.Reconnect(timeout=60)) as rs:
+        jobs = await rs.mailboxes.ensure("cn-jobs")
+        run = await rs.scopes.create(name="cn-failover")
+        first, held_t = await jobs.submit_many(["a", "held"], scope=run, keys=["a", "held"])
+        d, held = await jobs.receive(run, wait=0, max_messages=2, lease_seconds=60)
+        got = {}
+
+        async def worker():
+            got["next"] = await d.complete_and_next("A", wait=30)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(worker)
+            await wait_parked_remote(rs, 1)
+            before = len(b.role_lines(b.starts))
+            a.kill()
+            await b.wait_role("leader", after=before)
+            nxt_t = await jobs.submit("b", scope=run, key="b")
+        nxt = got["next"]
+        assert [x.task_id for x in nxt] == [nxt_t.id] and nxt[0].attempt == 1
+        assert (nxt.task.state, nxt.task.outcome) == ("SUCCEEDED", "A") and not d.lost
+        res = await first.result(timeout=0)
+        assert (res.state, res.outcome, res.attempt) == ("SUCCEEDED", "A", 1)
+        assert (await held.complete("H")).state == "SUCCEEDED"
+        assert (await nxt[0].complete("B")).state == "SUCCEEDED"
+    a.start()
+    await a.wait_ready()
+    await a.wait_role("standby")
+    await wait_isr(etcd, cluster_name, ["a", "b"])
+    journals_agree(a, b)

@@ -20,10 +20,12 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_bench_lifecycle_spawned_memory(tmp_path):
+@pytest.mark.parametrize("settle", ["next", "separate"])
+def test_bench_lifecycle_spawned_memory(tmp_path, settle):
     out = tmp_path / "out.json"
     p = _run(["-m", "rallypoint", "bench", "--scenario", "lifecycle", "--spawn", "--durability", "memory",
-              "--duration", "3", "--warmup", "1", "--producers", "1", "--workers", "1", "--json", str(out)], 90)
+              "--duration", "3", "--warmup", "1", "--producers", "1", "--workers", "1", "--settle", settle,
+              "--json", str(out)], 90)
     assert p.returncode == 0, p.stdout + p.stderr
     rep = json.loads(out.read_text())
     assert validate_report(rep) == []
@@ -33,6 +35,14 @@ def test_bench_lifecycle_spawned_memory(tmp_path):
     assert rep["config"]["durability"] == "memory"
     assert "bench --scenario lifecycle" in rep["command"]
     assert "lifecycles/s" in p.stdout and "p99.9" in p.stdout
+    # issue 47: the worker completes a batch and receives the next in one round trip
+    # (delivery.complete_next), or, with --settle separate, in two requests
+    ops = set(rep["latency_ms"])
+    if settle == "next":
+        assert "complete_next" in ops and "complete_many" not in ops
+    else:
+        assert {"complete_many", "receive"} <= ops and "complete_next" not in ops
+    assert rep["config"]["settle"] == settle
 
 
 def test_bench_spawns_its_daemon_with_the_sync_helper_asked_for(tmp_path):

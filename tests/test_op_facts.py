@@ -30,6 +30,7 @@ def test_every_reconcile_rule_is_implemented_by_the_client_and_used_by_an_op():
     assert declared == set(RECONCILE_RULES), "a reconcile rule no op declares"
     fenced_ops = {d.tag: d.resend.reconcile for d in TABLE.decls.values() if d.resend.fenced}
     assert fenced_ops == {"delivery.complete": "task_settled", "delivery.complete_many": "tasks_settled",
+                          "delivery.complete_next": "task_settled_next",
                           "delivery.retry": "task_requeued", "delivery.release": "task_requeued",
                           "scope.complete": "run_completed"}, fenced_ops
 

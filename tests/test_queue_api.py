@@ -683,3 +683,21 @@ async def test_a_name_too_long_is_reported_with_its_own_length(rs):
     with pytest.raises(ValidationError) as ei:
         await rs.scopes.create(name="b" * 300)
     assert "(300 chars)" in ei.value.message
+
+
+async def test_complete_and_next_in_one_request(rs):
+    # Complete-and-next (issue 47) embedded, over TCP and through a sharded cluster's
+    # router: the settle and the next deliveries in one answer; a refused settle
+    # receives nothing.
+    m = await rs.mailboxes.ensure(uniq("cn"))
+    run = await rs.scopes.create()
+    a, b, c = await m.submit_many(["a", "b", "c"], scope=run)
+    d = await m.receive(run, wait=0)
+    nxt = await d.complete_and_next("A", max_messages=5)
+    assert [x.task_id for x in nxt] == [b.id, c.id] and nxt.task.outcome == "A"
+    with pytest.raises(LeaseLostError):
+        await d.complete_and_next("again")
+    last = await nxt[0].complete_and_next("B")
+    assert last == [] and last.task.state == "SUCCEEDED"
+    assert (await nxt[1].reject_and_next("no")).task.state == "FAILED"
+    assert [(await t.status()).state for t in (a, b, c)] == ["SUCCEEDED", "SUCCEEDED", "FAILED"]

@@ -78,7 +78,8 @@ ASYNC_WORKER = textwrap.dedent(
             return {"worker": name, "y": d.input["x"] * 2}
 
         async with rallypoint.connect(url) as rs:
-            # consume() completes in batches (complete_many): record the accepted items
+            # consume() completes in batches (complete_many) or with its next receive
+            # (complete_and_next): record the accepted items
             import rallypoint.client.consume as c
             orig = c.complete_many
 
@@ -89,6 +90,16 @@ ASYNC_WORKER = textwrap.dedent(
                 return out
 
             c.complete_many = complete_many
+            # ... and the complete that rides with the next receive (delivery.complete_next)
+            from rallypoint.client.api import Delivery
+            orig_next = Delivery.complete_and_next
+
+            async def complete_and_next(self, outcome=None, **kw):
+                got = await orig_next(self, outcome, **kw)  # (a refused complete raises)
+                done.append(self.task_id)
+                return got
+
+            Delivery.complete_and_next = complete_and_next
             stats = await rallypoint.consume(rs, mbx, run_id, handler, concurrency=3, wait=1)
         print(json.dumps(done), flush=True)
 

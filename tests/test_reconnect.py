@@ -309,6 +309,57 @@ async def test_complete_many_applied_but_reply_lost_returns_every_result(node):
         n.cancel_scope.cancel()
 
 
+async def test_complete_next_applied_but_reply_lost_is_answered_once(node):
+    # Complete-and-next (issue 47) whose reply was lost after both halves ran: the
+    # re-sent request's settle is refused STALE_CLAIM (the task SUCCEEDED with this
+    # outcome); the SDK answers with the task and a fresh receive. Nothing is completed
+    # twice, and the delivery the lost reply carried is not handed out again while its
+    # lease runs (it stays RUNNING, attempt 1, with the first sending's token).
+    async with trio.open_nursery() as n:
+        srv, sw = await serve(n, node, p.DeliveryCompleteNext)
+        async with rallypoint.connect(srv.url, reconnect=FAST) as rs:
+            mbx = await rs.mailboxes.ensure("rc-complete-next")
+            run = await rs.scopes.create()
+            a, b = await mbx.submit_many(["a", "b"], scope=run)
+            d = await mbx.receive(run, wait=0)
+            later = Later(n, lambda: d.complete_and_next("A", max_messages=5))
+            await sw.applied.wait()
+            await srv.kill()
+            await srv.start()
+            nxt = await later.get()
+            assert nxt == [] and (nxt.task.state, nxt.task.outcome) == ("SUCCEEDED", "A") and not d.lost
+            st = await b.status()
+            assert (st.state, st.attempt) == ("RUNNING", 1)
+            assert (await a.result(timeout=0)).outcome == "A"
+            tasks = node.node.coordinator.queues.tasks
+            assert tasks[b.id].token == 1  # leased once (by the lost reply), never twice
+        n.cancel_scope.cancel()
+
+
+async def test_complete_next_parked_in_its_receive_half_across_a_drop(node):
+    # The settle half applied (durable), the receive half parked when the connection
+    # drops: the request is sent again, its settle reconciled, its receive parks anew
+    # and gets the task submitted after the restart.
+    async with trio.open_nursery() as n:
+        srv, _ = await serve(n, node)
+        async with rallypoint.connect(srv.url, reconnect=FAST) as rs:
+            mbx = await rs.mailboxes.ensure("rc-complete-next-park")
+            run = await rs.scopes.create()
+            a = await mbx.submit("a", scope=run)
+            d = await mbx.receive(run, wait=0)
+            later = Later(n, lambda: d.complete_and_next("A", wait=30))
+            await trio.testing.wait_all_tasks_blocked()
+            assert (await a.result(timeout=0)).outcome == "A"
+            await srv.kill()
+            await srv.start()
+            nxt_task = await mbx.submit("b", scope=run)
+            nxt = await later.get()
+            assert [x.task_id for x in nxt] == [nxt_task.id] and nxt[0].attempt == 1
+            assert nxt.task.outcome == "A" and not d.lost
+            assert (await nxt[0].complete("B")).state == "SUCCEEDED"
+        n.cancel_scope.cancel()
+
+
 async def test_complete_refused_for_another_outcome_stays_refused(node):
     # The reconciliation checks the outcome: a re-sent complete whose task SUCCEEDED
     # with a different outcome (not ours) is still STALE_CLAIM.

@@ -133,3 +133,47 @@ def test_reconnecting_consume_under_asyncio(tmp_path):
     finally:
         for d in daemons:
             d.kill()
+
+
+async def test_complete_next_across_a_sigkill_between_its_halves(tmp_path):
+    # Complete-and-next (issue 47) against a real daemon killed with SIGKILL between the
+    # halves: the settle was journaled (fsync) and the receive half parked when the
+    # daemon dies. After the restart the re-sent request finds the task SUCCEEDED with
+    # its outcome (recovered from the journal: completed once, attempt 1), receives
+    # anew, and gets the task submitted after the restart; the delivery held across
+    # the kill keeps its lease and completes with its token.
+    from conftest import wait_parked_remote
+
+    data, port = str(tmp_path / "data"), free_port()
+    args = (data, "fsync", ["--listen", f"127.0.0.1:{port}"])
+    daemons = [Daemon(*args).start()]
+    try:
+        async with rallypoint.connect(daemons[0].url, reconnect=rallypoint.Reconnect(timeout=30)) as rs:
+            mbx = await rs.mailboxes.ensure("cn-kill")
+            run = await rs.scopes.create(name="cn-kill")
+            a, held_t = await mbx.submit_many(["a", "held"], scope=run, keys=["a", "held"])
+            d, held = await mbx.receive(run, wait=0, max_messages=2)
+            got = {}
+
+            async def worker():
+                got["next"] = await d.complete_and_next("A", wait=30)
+
+            async with trio.open_nursery() as n:
+                n.start_soon(worker)
+                with trio.fail_after(20):
+                    await wait_parked_remote(rs, 1)
+                    rc = await trio.to_thread.run_sync(daemons[0].stop, signal.SIGKILL)
+                    assert rc == -signal.SIGKILL
+                    daemons.append(await trio.to_thread.run_sync(Daemon(*args).start))
+                    b = await mbx.submit("b", scope=run, key="b")
+            nxt = got["next"]
+            assert [x.task_id for x in nxt] == [b.id] and nxt[0].attempt == 1
+            assert (nxt.task.state, nxt.task.outcome) == ("SUCCEEDED", "A") and not d.lost
+            res = await a.result(timeout=0)
+            assert (res.state, res.outcome, res.attempt) == ("SUCCEEDED", "A", 1)
+            assert (await held.complete("H")).state == "SUCCEEDED"  # its lease survived
+            assert (await nxt[0].complete("B")).outcome == "B"
+            assert rs._transport.reconnects >= 1
+    finally:
+        for dm in daemons:
+            dm.kill()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import msgspec
 
 from ..clock import to_iso
-from ..errors import ConflictError, LeaseLostError
+from ..errors import ConflictError, LeaseLostError, RallypointError, ValidationError
 from ..protocol import (
-    DeliveryComplete, DeliveryReject, DeliveryRelease, DeliveryRenew, DeliveryRetry, DeliveryRun, DeliveryView,
+    CompleteNextView, DeliveryComplete, DeliveryCompleteNext, DeliveryReject, DeliveryRelease, DeliveryRenew, DeliveryRetry, DeliveryRun, DeliveryView,
     LeaseView, Receive, ReceiveView, ScopeView, TaskView,
 )
 from ..records import (
@@ -20,11 +20,14 @@ from .common import REPLY_BUDGET_BYTES, applies, check_holder, check_payload, ch
 from .opmark import ALWAYS, W, asked, by, by_run, fenced, op
 from .runtime import Park
 from .queue_state import (
-    _NIL_BYTES, delivery_bytes, DELIVERY_MOVES, delivery_state, DeliveryState, MailboxState, MAX_LEASE_MS, MIN_LEASE_MS, TaskState, TERMINAL,
+    _NIL_BYTES, delivery_bytes, DELIVERY_MOVES, task_view_bytes, delivery_state, DeliveryState, MailboxState, MAX_LEASE_MS, MIN_LEASE_MS, TaskState, TERMINAL,
     RATE_WINDOW_MS, count_rate, rate_room,
 )
 
 __all__ = ['Deliveries']
+
+#: the settle halves of ``delivery.complete_next``
+_SETTLES = ("complete", "retry", "reject")
 
 
 class Deliveries:
@@ -190,10 +193,80 @@ class Deliveries:
 
         return Park(("recv", q.id), check, wait_ms, lambda: ReceiveView(deliveries=[]))
 
+    @op(DeliveryCompleteNext, route=by_run(), permission=W, resend=fenced("task_settled_next"),
+        waits=asked("wait_ms"), reply=CompleteNextView)
+    def op_delivery_complete_next(self, actor, session, op: DeliveryCompleteNext):
+        """Settle one delivery and receive the next ones of its queue, in one request
+        (issue 47). Everything is judged before anything changes: VALIDATION_FAILED for
+        a bad ``settle``, range or holder, or a task outside run ``scope_id``'s subtree;
+        SCOPE_CANCELLED / DEADLINE_EXCEEDED when the receive's run (or the task's) is
+        stopped; then the settle half is judged exactly as ``delivery.complete`` /
+        ``retry`` / ``reject`` judge it (STALE_CLAIM for a stale token or a lost lease)
+        and a refusal is the answer: nothing is received. An accepted settle is
+        committed first (its records, then the deliveries, each its own commit: the
+        reply leaves once both are durable), then up to ``max_messages`` ready tasks of
+        the task's queue in ``scope_id``'s subtree are leased as ``delivery.receive``
+        leases them; with none ready the request parks on the run's actor for up to
+        ``wait_ms`` (the answer then has no deliveries). If the run stops while it waits,
+        the answer is the settled task with ``stopped`` set to the run's code."""
+        check_holder(op.holder)
+        holder = op.holder or session.holder
+        runs = self.coord.runs
+        run = runs.get(session.space, op.scope_id)
+        check_range("lease_ms", op.lease_ms, MIN_LEASE_MS, MAX_LEASE_MS, " ms")
+        check_range("max_messages", op.max_messages, 1, 100)
+        if op.settle not in _SETTLES:
+            raise ValidationError(f"settle must be one of {', '.join(_SETTLES)} (got {op.settle!r})",
+                                  details={"field": "settle"})
+        wait_ms = clamp_wait(op.wait_ms)
+        t = self.get_task(session.space, op.task_id)
+        if not runs.is_descendant_or_self(t.scope_id, run.id):
+            raise ValidationError(f"task {t.id} is in run {t.scope_id}, not in run {run.id}'s subtree: receive for "
+                                  "the task's run or an ancestor of it", details={"field": "scope_id"})
+        q = self.table[t.mailbox_id]
+        # a stopped run refuses the whole request, as delivery.complete refuses on it
+        runs.require_active(run.id)
+        runs.require_active(t.scope_id)
+        coord = self.coord
+        if op.settle == "complete":
+            t, recs = self._complete_records(session, op.task_id, op.token, op.outcome, coord.now_ms())
+        elif op.settle == "retry":
+            t, recs = self._retry_records(session, op.task_id, op.token, op.error, op.delay_ms)
+        else:
+            t, recs = self._reject_records(session, op.task_id, op.token, op.error)
+        if recs:
+            coord.commit(recs)
+        view = None if op.brief else self.task_view(t)
+        # the deliveries share the reply's frame with the settled task's view
+        room = REPLY_BUDGET_BYTES - (0 if view is None else task_view_bytes(t)) - 64
+
+        def deliver() -> list:
+            try:
+                return self._deliver(q, run.id, op.lease_ms, op.max_messages, holder, room)
+            except RallypointError:
+                # the settle is applied: a refused receive (a full disk...) answers it
+                # with no deliveries rather than hiding it behind an error
+                return []
+
+        got = deliver()
+        if got or wait_ms == 0:
+            return CompleteNextView(task=view, deliveries=got)
+
+        def check():
+            err = runs.inactive_error(run.id)
+            if err is not None:
+                return CompleteNextView(task=view, stopped=err.code)
+            got = deliver()
+            return CompleteNextView(task=view, deliveries=got) if got else None
+
+        return Park(("recv", q.id), check, wait_ms, lambda: CompleteNextView(task=view))
+
     def _deliver(self, q: MailboxState, run_id: str, lease_ms: int, n: int,
-                 holder: str | None = None) -> list[DeliveryView]:
+                 holder: str | None = None, room: int = REPLY_BUDGET_BYTES) -> list[DeliveryView]:
+        """Lease up to ``n`` ready tasks of ``q`` in ``run_id``'s subtree, as many as
+        ``room`` bytes of reply carry (one commit); their views."""
         self.coord.journal.check_writable()  # before the pop: a refused commit must not drop tasks
-        picked = self._pop_ready(q.id, run_id, n, REPLY_BUDGET_BYTES, lambda t: delivery_bytes(t, q, holder))
+        picked = self._pop_ready(q.id, run_id, n, room, lambda t: delivery_bytes(t, q, holder))
         if not picked:
             return []
         coord = self.coord
@@ -449,24 +522,31 @@ class Deliveries:
     def op_delivery_retry(self, actor, session, op: DeliveryRetry) -> TaskView:
         """Back to the queue after ``delay_ms`` (server time), or FAILED once
         ``max_attempts`` attempts were made. Allowed (a no-op) on a stopped run."""
-        t = self._holder(session, op.task_id, op.token)
-        error = check_payload("error", op.error)
-        check_range("delay_ms", op.delay_ms, 0, 7 * 24 * 3600 * 1000, " ms")
+        t, recs = self._retry_records(session, op.task_id, op.token, op.error, op.delay_ms)
+        if recs:
+            self.coord.commit(recs)
+        return self.task_view(t)
+
+    def _retry_records(self, session, task_id: str, token: int, error_raw, delay_ms: int) -> tuple[TaskState, list]:
+        """The records of a retry of ``task_id`` (none on a stopped run or a finished
+        task: a no-op). Raises as :meth:`op_delivery_retry` does."""
+        t = self._holder(session, task_id, token)
+        error = check_payload("error", error_raw)
+        check_range("delay_ms", delay_ms, 0, 7 * 24 * 3600 * 1000, " ms")
         if self._settle_inactive(t):
-            return self.task_view(t)
+            return t, []
         if not self._lease_live(t):
             raise self._lost(t)
         coord = self.coord
         final = t.attempt >= self.table[t.mailbox_id].max_attempts
         mono = coord.mono_ms()
-        coord.commit([
+        return t, [
             TaskRetried(
                 task_id=t.id, token=t.token, at_ms=coord.now_ms(),
-                available_at_ms=mono + op.delay_ms if op.delay_ms > 0 else 0,
+                available_at_ms=mono + delay_ms if delay_ms > 0 else 0,
                 error=None if error == _NIL_BYTES else error, final=final,
             )
-        ])
-        return self.task_view(t)
+        ]
 
     @applies(TaskRetried)
     def _apply_retried(self, r: TaskRetried) -> None:
@@ -484,17 +564,22 @@ class Deliveries:
     @op(DeliveryReject, route=by("task_id", "route_task"), permission=W, resend=ALWAYS)
     def op_delivery_reject(self, actor, session, op: DeliveryReject) -> TaskView:
         """FAILED, no retry. Allowed (a no-op) on a stopped run."""
-        t = self._holder(session, op.task_id, op.token)
-        error = check_payload("error", op.error)
+        t, recs = self._reject_records(session, op.task_id, op.token, op.error)
+        if recs:
+            self.coord.commit(recs)
+        return self.task_view(t)
+
+    def _reject_records(self, session, task_id: str, token: int, error_raw) -> tuple[TaskState, list]:
+        """The records of a reject of ``task_id`` (none on a stopped run or a finished
+        task: a no-op). Raises as :meth:`op_delivery_reject` does."""
+        t = self._holder(session, task_id, token)
+        error = check_payload("error", error_raw)
         if self._settle_inactive(t):
-            return self.task_view(t)
+            return t, []
         if not self._lease_live(t):
             raise self._lost(t)
-        self.coord.commit([
-            TaskRejected(task_id=t.id, token=t.token, at_ms=self.coord.now_ms(),
-                         error=None if error == _NIL_BYTES else error)
-        ])
-        return self.task_view(t)
+        return t, [TaskRejected(task_id=t.id, token=t.token, at_ms=self.coord.now_ms(),
+                                error=None if error == _NIL_BYTES else error)]
 
     @applies(TaskRejected)
     def _apply_rejected(self, r: TaskRejected) -> None:

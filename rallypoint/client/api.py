@@ -43,7 +43,7 @@ from ..errors import (
 from . import types as t
 
 __all__ = [
-    "Client", "Run", "Mailbox", "Ticket", "Delivery", "Group", "Scopes", "Mailboxes", "Message",
+    "Client", "Run", "Mailbox", "Ticket", "Delivery", "NextDeliveries", "Group", "Scopes", "Mailboxes", "Message",
     "Quotas", "Quota", "QuotaWaiter", "Budgets", "Budget", "Reservation", "Claims", "ClaimLease",
     "SpaceClaims", "Pools", "Pool", "RunPools", "Grant", "WorkLimits", "Events", "EventStream",
 ]
@@ -858,6 +858,15 @@ class Mailbox:
         with ``details=False``) or the error for each, in order (see :func:`complete_many`)."""
         return await complete_many(self._rs, items, details=details)
 
+    async def complete_many_and_next(self, items: "Iterable[tuple[Delivery, Any]]", *,
+                                     scope: "Run | str | None" = None, max_messages: int = 1,
+                                     lease_seconds: float | None = None, wait: float = 0,
+                                     holder: str | None = None) -> "tuple[list, NextDeliveries]":
+        """Complete ``[(delivery, outcome), ...]`` and receive the next deliveries in one
+        round trip (see :func:`complete_many_and_next`)."""
+        return await complete_many_and_next(self._rs, items, scope=scope, max_messages=max_messages,
+                                            lease_seconds=lease_seconds, wait=wait, holder=holder)
+
     async def receive(
         self,
         scope: "Run | str",
@@ -897,7 +906,7 @@ class Mailbox:
             remaining -= chunk
             if reply.deliveries or remaining <= 0:
                 break
-        ds = [Delivery(self._rs, d, lease_seconds) for d in reply.deliveries]
+        ds = [Delivery(self._rs, d, lease_seconds, received_for=sid) for d in reply.deliveries]
         if max_messages == 1:
             return ds[0] if ds else None
         return ds
@@ -968,6 +977,84 @@ async def complete_many(rs: "Client", items: "Iterable[tuple[Delivery, Any]]", *
     return out
 
 
+_settled_list_decode = msgspec.msgpack.Decoder(t._SettledList).decode
+_complete_next_decode = msgspec.msgpack.Decoder(t._CompleteNext).decode
+
+
+async def complete_many_and_next(rs: "Client", items: "Iterable[tuple[Delivery, Any]]", *,
+                                 scope: "Run | str | None" = None, max_messages: int = 1,
+                                 lease_seconds: float | None = None, wait: float = 0,
+                                 holder: str | None = None) -> "tuple[list, NextDeliveries]":
+    """Complete a batch of deliveries and receive the next ones in ONE round trip:
+    ``[(delivery, outcome), ...]`` -> ``(answers, next)``. ``answers``: per item,
+    None (completed) or the RallypointError that refused it, in order; ``next``: a
+    :class:`NextDeliveries` of up to ``max_messages`` (1-100) new deliveries of the
+    last item's mailbox for ``scope`` (default: the run the last delivery was
+    received for), waiting up to ``wait`` seconds on the server when none is ready.
+
+    One batch frame: a ``delivery.complete_many`` of all items but the last
+    (brief) and a ``delivery.complete_next`` of the last, on the same run's actor,
+    in that order (one fsync round for both). When the last item's complete is
+    refused (STALE_CLAIM, SCOPE_CANCELLED...), nothing is received (``next`` is
+    empty). Items of several runs, or outcomes past one frame, go as
+    :func:`complete_many` first and the last item alone with
+    :meth:`Delivery.complete_and_next`. VALIDATION_FAILED for no items or an
+    outcome that cannot be encoded (before anything is sent)."""
+    items = list(items)
+    if not items:
+        raise ValidationError("complete_many_and_next takes 1 or more (delivery, outcome) items",
+                              details={"field": "items"})
+    encoded = [encode_payload(o, "outcome") for _, o in items]
+    last, rest = items[-1][0], items[:-1]
+    same_run = all(d.scope_id == last.scope_id for d, _ in rest)
+    if not same_run or len(rest) > 1000 or sum(len(e) + 96 for e in encoded) + 512 > _FRAME_BUDGET:
+        out = await complete_many(rs, [(d, e) for (d, _), e in zip(rest, encoded)], details=False) if rest else []
+        out = [r if isinstance(r, Exception) else None for r in out]
+        try:
+            nxt = await last.complete_and_next(encoded[-1], scope=scope, max_messages=max_messages,
+                                               lease_seconds=lease_seconds, wait=wait, holder=holder,
+                                               details=False)
+        except RallypointError as e:
+            return out + [e], NextDeliveries([], None, None)
+        return out + [None], nxt
+    sid = _id_of(scope) if scope is not None else last.received_for
+    ls = last.lease_seconds if lease_seconds is None else lease_seconds
+    chunk = min(wait if wait is not None else math.inf, _MAX_WAIT_S)
+    ops: list = []
+    if rest:
+        ops.append(p.DeliveryCompleteMany(items=[p.CompleteItem(task_id=d.task_id, token=d.token, outcome=e)
+                                                 for (d, _), e in zip(rest, encoded)], brief=True))
+    ops.append(p.DeliveryCompleteNext(task_id=last.task_id, token=last.token, scope_id=sid, outcome=encoded[-1],
+                                      lease_ms=_ms(ls, "lease_seconds"), wait_ms=_ms(chunk, "wait"),
+                                      max_messages=max_messages, holder=holder, brief=True))
+    replies = await rs._transport.call_many(ops)
+    out: list = []
+    if rest:
+        r = replies[0]
+        if isinstance(r, Exception):
+            out = [r] * len(rest)
+        else:
+            out = [None if x.error is None else
+                   error_from_wire(x.error.code, x.error.message, x.error.retry_after, x.error.details)
+                   for x in _settled_list_decode(r).items]
+    r = replies[-1]
+    if isinstance(r, Exception):
+        out.append(r)
+        nxt = NextDeliveries([], None, None)
+    else:
+        v = _complete_next_decode(r)
+        out.append(None)
+        nxt = NextDeliveries([Delivery(rs, d, ls, received_for=sid) for d in v.deliveries], None, v.stopped)
+        if not nxt and v.stopped is None and wait is not None and wait > chunk:  # the rest of a long wait
+            more = await Mailbox(rs, last.mailbox).receive(sid, lease_seconds=ls, wait=wait - chunk,
+                                                           max_messages=max_messages, holder=holder)
+            nxt = NextDeliveries(more if isinstance(more, list) else ([more] if more else []), None, None)
+    for (d, _), r in zip(items, out):
+        if isinstance(r, (LeaseLostError, ScopeInactiveError)):
+            d.lost = True
+    return out, nxt
+
+
 async def _task_infos(rs: "Client", task_ids: list[str]) -> list:
     """The TaskInfo of each task now (no wait), in order: ``task.results`` pages of as
     many as fit in a frame."""
@@ -1020,6 +1107,19 @@ class Ticket:
         return self.info
 
 
+class NextDeliveries(list):
+    """What :meth:`Delivery.complete_and_next` (and ``retry_and_next``,
+    ``reject_and_next``) return: the new :class:`Delivery` handles (a list, possibly
+    empty), with ``task``: the settled task (TaskInfo; None when asked without
+    details) and ``stopped``: None, or SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run
+    stopped while the receive half waited (the settle was recorded)."""
+
+    def __init__(self, deliveries: "Iterable[Delivery]", task: "t.TaskInfo | None", stopped: str | None) -> None:
+        super().__init__(deliveries)
+        self.task = task
+        self.stopped = stopped
+
+
 class Delivery:
     """A leased delivery of a task. Every method carries the fencing ``token``; a stale
     one raises LeaseLostError (STALE_CLAIM). ``lost`` is set once the lease is known lost.
@@ -1037,8 +1137,12 @@ class Delivery:
     delivery's view), ``lost``.
     """
 
-    def __init__(self, rs: Client, info: t.DeliveryInfo, lease_seconds: float) -> None:
+    def __init__(self, rs: Client, info: t.DeliveryInfo, lease_seconds: float, *,
+                 received_for: str | None = None) -> None:
         self._rs = rs
+        #: the run the receive that leased it was for (the task's run or an ancestor):
+        #: where :meth:`complete_and_next` receives by default
+        self.received_for = received_for or info.scope_id
         #: the delivery as received (every field of its view)
         self.info = info
         self.id = info.id
@@ -1161,6 +1265,75 @@ class Delivery:
         return await self._settle(
             p.DeliveryReject(task_id=self.task_id, token=self.token, error=encode_payload(error, "error")), t.TaskInfo
         )
+
+    async def complete_and_next(self, outcome: Any = None, *, scope: "Run | str | None" = None,
+                                max_messages: int = 1, lease_seconds: float | None = None, wait: float = 0,
+                                holder: str | None = None, details: bool = True) -> "NextDeliveries":
+        """Complete this delivery and receive the next deliveries of the same mailbox in
+        ONE request (``delivery.complete_next``): the complete is judged and journaled
+        exactly as :meth:`complete` (durable before the answer), then up to
+        ``max_messages`` (1-100) ready tasks of ``scope`` (default: the run the receive
+        that leased this was for; the task's run or an ancestor of it) are leased for
+        ``lease_seconds`` (default: this delivery's) as :meth:`Mailbox.receive` leases
+        them, waiting on the server up to ``wait`` seconds when none is ready
+        (re-issuing plain receives past 60 s). ``holder`` as for receive.
+
+        Returns :class:`NextDeliveries`: a list of the new deliveries (possibly empty),
+        with ``task`` (the completed task's TaskInfo; None with ``details=False``) and
+        ``stopped`` (SCOPE_CANCELLED / DEADLINE_EXCEEDED when the run stopped while it
+        waited: the complete was recorded, nothing more comes). Raises as
+        :meth:`complete` (LeaseLostError STALE_CLAIM, ScopeInactiveError; both set
+        ``lost``; nothing is received then). Re-sent after a dropped connection: if
+        the first sending was applied, the answer is the task as completed and the
+        deliveries of a fresh receive (those the lost reply carried come back once
+        their leases end)."""
+        return await self._and_next("complete", encode_payload(outcome, "outcome"), None, 0, scope, max_messages,
+                                    lease_seconds, wait, holder, details)
+
+    async def retry_and_next(self, error: Any = None, delay: float = 0, *, scope: "Run | str | None" = None,
+                             max_messages: int = 1, lease_seconds: float | None = None, wait: float = 0,
+                             holder: str | None = None, details: bool = True) -> "NextDeliveries":
+        """:meth:`retry` (after ``delay`` seconds, ``error`` recorded; FAILED after
+        max_attempts) and the next deliveries in one request, as
+        :meth:`complete_and_next`. Unlike a plain retry, a stopped run refuses it
+        (ScopeInactiveError: nothing to retry, nothing to receive)."""
+        return await self._and_next("retry", None, encode_payload(error, "error"), _ms(delay, "delay"), scope,
+                                    max_messages, lease_seconds, wait, holder, details)
+
+    async def reject_and_next(self, error: Any = None, *, scope: "Run | str | None" = None, max_messages: int = 1,
+                              lease_seconds: float | None = None, wait: float = 0, holder: str | None = None,
+                              details: bool = True) -> "NextDeliveries":
+        """:meth:`reject` (FAILED, reason ``rejected``) and the next deliveries in one
+        request, as :meth:`retry_and_next`."""
+        return await self._and_next("reject", None, encode_payload(error, "error"), 0, scope, max_messages,
+                                    lease_seconds, wait, holder, details)
+
+    async def _and_next(self, settle: str, outcome, error, delay_ms: int, scope, max_messages: int,
+                        lease_seconds: float | None, wait: float, holder: str | None,
+                        details: bool) -> "NextDeliveries":
+        sid = _id_of(scope) if scope is not None else self.received_for
+        ls = self.lease_seconds if lease_seconds is None else lease_seconds
+        lease_ms = _ms(ls, "lease_seconds")
+        remaining = wait if wait is not None else math.inf
+        chunk = min(remaining, _MAX_WAIT_S)
+        reply = await self._settle(p.DeliveryCompleteNext(
+            task_id=self.task_id, token=self.token, scope_id=sid, settle=settle,
+            **({"outcome": outcome} if outcome is not None else {}), **({"error": error} if error is not None else {}),
+            delay_ms=delay_ms, lease_ms=lease_ms, wait_ms=_ms(chunk, "wait"), max_messages=max_messages,
+            holder=holder, brief=not details), t._CompleteNext)
+        remaining -= chunk
+        raw_ds = list(reply.deliveries)
+        stopped = reply.stopped
+        if not raw_ds and stopped is None and remaining > 0:  # a wait past one request's: plain receives
+            try:
+                more = await Mailbox(self._rs, self.mailbox).receive(sid, lease_seconds=ls, wait=remaining,
+                                                                     max_messages=max_messages, holder=holder)
+            except ScopeInactiveError as e:
+                stopped = e.code
+            else:
+                return NextDeliveries(more if isinstance(more, list) else ([more] if more else []), reply.task,
+                                      stopped)
+        return NextDeliveries([Delivery(self._rs, d, ls, received_for=sid) for d in raw_ds], reply.task, stopped)
 
     async def release(self) -> t.TaskInfo:
         """Give the task back unfinished **without counting an attempt**: QUEUED again

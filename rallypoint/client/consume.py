@@ -44,7 +44,16 @@ import anyio
 
 from ..errors import LeaseLostError, RallypointError, ScopeInactiveError, ValidationError, is_transient_refusal
 from ..logutil import RateLimitedLogger
+from .. import protocol as p
 from .api import Client, Delivery, Mailbox, _id_of, _mailbox_name, _ms, complete_many, encode_payload
+from .types import TaskInfo
+
+
+def _decoded(raw: Any) -> Any:
+    """An encoded payload (msgspec.Raw) as the value the SDK's views decode it to."""
+    import msgspec
+
+    return msgspec.msgpack.decode(bytes(raw))
 
 log = logging.getLogger("rallypoint.consume")
 
@@ -282,6 +291,7 @@ async def consume(
     drain_timeout: float = 30,
     handle_signals: bool = True,
     holder: str | None = None,
+    complete_and_next: bool = True,
     _stop: _Stopper | None = None,
 ) -> ConsumeStats:
     """Serve ``mailbox`` for ``scope`` (a run or its id) until the run becomes inactive.
@@ -303,6 +313,13 @@ async def consume(
         holder: this worker's name (1-128 characters), recorded with each delivery
             (the task's ``holder``, the ``task.delivered`` event, the console); None:
             the server records the connection's ``client_name@host:port``.
+        complete_and_next: a handler that returns while no other one is completing
+            that way records its outcome and takes the next deliveries (for its own
+            slot and the free ones) in ONE request (``delivery.complete_next``,
+            waiting up to ``wait`` seconds for work), instead of a complete and a
+            receive (issue 47); the handlers that finish meanwhile are completed
+            together (``complete_many``). False: every complete is a
+            ``complete_many`` and only the receiver receives.
 
     What happens to each delivery:
 
@@ -374,6 +391,7 @@ async def consume(
     running: dict[int, tuple[anyio.CancelScope, dict]] = {}  # handlers now: id(box) -> (scope, box)
     stopping = False
     drain_asked = anyio.Event()
+    next_busy = False  # a complete_next (a settle and a receive) is on its way
 
     def stop_serving(reason: str) -> None:
         nonlocal stopping
@@ -544,7 +562,56 @@ async def consume(
             if entry[6]:
                 tg.start_soon(renew_one, entry)
 
-    async def run_one(d: Delivery) -> None:
+    async def settle_next(d: Delivery, outcome: Any, tg: anyio.abc.TaskGroup) -> Any:
+        """Complete ``d`` and receive, in one request, the next deliveries for its slot
+        and the free ones (reserved meanwhile: the receiver never leases past
+        ``concurrency``); the new deliveries start here. Answers as :func:`complete`.
+        A drain (SIGINT/SIGTERM) cancels the wait of its receive half: the task's
+        status then tells whether the complete was applied, else it is made alone."""
+        nonlocal free, next_busy
+        next_busy = True
+        want = min(free, 99) + 1
+        free -= want - 1
+        scope = anyio.CancelScope()
+        receiving.add(scope)
+        got = None
+        err = None
+        try:
+            with scope:
+                try:
+                    got = await _ridden(lambda: d.complete_and_next(outcome, scope=scope_id, max_messages=want,
+                                                                    lease_seconds=lease_seconds, wait=wait,
+                                                                    holder=holder, details=False),
+                                        "a complete", "complete", stats)
+                except (LeaseLostError, ScopeInactiveError, ValidationError) as e:
+                    err = e
+        finally:
+            receiving.discard(scope)
+            free += want - 1
+            next_busy = False
+        if got is None and err is None:  # cancelled by a drain: was the complete applied?
+            with anyio.CancelScope(shield=True):
+                try:
+                    st = await rs._call(p.TaskStatus(task_id=d.task_id), TaskInfo)
+                except RallypointError as e:
+                    st, err = None, e
+                if st is not None and not (st.state in ("SUCCEEDED", "ACKED") and st.outcome == _decoded(outcome)):
+                    err = await complete(d, outcome)
+            if free > 0:
+                slot_freed.set()
+            return err
+        if got is not None:
+            for nd in got:
+                stats.received += 1
+                free -= 1
+                tg.start_soon(handle, nd, tg)  # (a drain asked meanwhile: run_one releases it at once)
+            if got.stopped is not None:
+                stop_serving(got.stopped)
+        if free > 0:
+            slot_freed.set()
+        return err
+
+    async def run_one(d: Delivery, tg: anyio.abc.TaskGroup) -> None:
         box: dict[str, Any] = {}
         handler_scope = anyio.CancelScope()
         if stopping:  # (the run stopped, or a signal came, while this delivery was on its way)
@@ -579,7 +646,10 @@ async def consume(
             except ValidationError as e:
                 await give_back(d, f"the handler's result could not be encoded: {e}")
                 return
-            err = await complete(d, outcome)
+            if complete_and_next and not next_busy and not stopping:
+                err = await settle_next(d, outcome, tg)
+            else:
+                err = await complete(d, outcome)
             if isinstance(err, (LeaseLostError, ScopeInactiveError)):
                 lost(d)
                 return
@@ -613,7 +683,7 @@ async def consume(
     async def handle(d: Delivery, tg: anyio.abc.TaskGroup) -> None:
         nonlocal free
         try:
-            await guarded(tg, run_one, d)
+            await guarded(tg, run_one, d, tg)
         finally:
             free += 1
             slot_freed.set()
@@ -640,14 +710,17 @@ async def consume(
             ds: list[Delivery] = []
             try:
                 with recv_scope:
+                    n = min(free, 100)
+                    free -= n  # reserved: a complete_next meanwhile receives only for the other slots
                     try:
-                        n = min(free, 100)
                         got = await _ridden(lambda: mbx.receive(scope_id, lease_seconds=lease_seconds, wait=wait,
                                                                 max_messages=n, holder=holder), "a receive", "receive", stats)
                         ds = got if isinstance(got, list) else ([got] if got is not None else [])
                     except ScopeInactiveError as e:
                         stop_serving(e.code)
                         return
+                    finally:
+                        free += n
             finally:
                 active.discard(recv_scope)
                 receiving.discard(recv_scope)

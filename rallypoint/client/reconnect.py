@@ -476,6 +476,31 @@ async def _task_requeued(conn: Any, op: Any, e: RallypointError) -> Any:
     return None
 
 
+async def _task_settled_next(conn: Any, op: Any, e: RallypointError) -> Any:
+    """A re-sent ``delivery.complete_next`` refused because its first sending settled
+    the task (the settle half judged as ``task_settled`` / ``task_requeued``): the
+    receive half alone (``delivery.receive`` for the same run, queue, lease and wait),
+    answered with the settled task as the first sending would have been. Deliveries
+    the first sending's lost reply carried are not seen again: their leases end and
+    the tasks are delivered again then (as for a re-sent receive)."""
+    if op.settle == "complete":
+        raw = await _task_settled(conn, op, e)
+    elif op.settle == "retry":
+        raw = await _task_requeued(conn, op, e)
+    else:
+        raw = None
+    if raw is None:
+        return None
+    task = msgspec.msgpack.decode(raw, type=p.TaskView)
+    try:
+        got = await conn.call(p.Receive(mailbox=task.mailbox, scope_id=op.scope_id, lease_ms=op.lease_ms,
+                                        wait_ms=op.wait_ms, max_messages=op.max_messages, holder=op.holder))
+    except ScopeInactiveError as stop:
+        return p.encoder.encode(p.CompleteNextView(task=None if op.brief else task, stopped=stop.code))
+    deliveries = msgspec.msgpack.decode(got, type=p.ReceiveView).deliveries
+    return p.encoder.encode(p.CompleteNextView(task=None if op.brief else task, deliveries=deliveries))
+
+
 async def _run_completed(conn: Any, op: Any, e: RallypointError) -> Any:
     if isinstance(e, ConflictError):
         raw = await conn.call(p.ScopeStatus(scope_id=op.scope_id))
@@ -513,6 +538,7 @@ RECONCILERS: dict[str, tuple[Callable | None, Callable | None]] = {
     "task_settled": (_task_settled, None),
     "tasks_settled": (None, _tasks_settled_answer),
     "task_requeued": (_task_requeued, None),
+    "task_settled_next": (_task_settled_next, None),
     "run_completed": (_run_completed, None),
 }
 

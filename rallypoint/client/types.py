@@ -267,6 +267,7 @@ _LeaseReply = sdk_type(p.LeaseView, "_LeaseReply")
 _ItemError = sdk_type(p.ItemError, "_ItemError")
 _Settled = sdk_type(p.SettledView, "_Settled")
 _SettledList = sdk_type(p.SettledListView, "_SettledList")
+_CompleteNext = sdk_type(p.CompleteNextView, "_CompleteNext")
 
 
 class MessageInfo(_Info, view=p.MessageView):

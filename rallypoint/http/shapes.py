@@ -501,6 +501,8 @@ NOT_SERVED: dict[type, str] = {
     p.ItemError: "batch settles (delivery.complete_many) are the native client's",
     p.SettledView: "batch settles (delivery.complete_many) are the native client's",
     p.SettledListView: "batch settles (delivery.complete_many) are the native client's",
+    p.CompleteNextView: "complete-and-next (delivery.complete_next) is the native client's: runstate's HTTP "
+                        "complete and receive stay two calls",
     p.JoinSetChildView: "join sets are the native client's",
     p.JoinSetView: "join sets are the native client's",
     p.JoinSetChildAdded: "join sets are the native client's",

@@ -212,7 +212,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
             "workers": args.workers, "batch": args.batch, "pipeline": args.pipeline,
             "max_messages": args.max_messages, "worker_concurrency": args.worker_concurrency,
             "lease_seconds": args.lease_seconds, "group_size": args.group_size, "accept_n": args.accept_n, "barrier_n": args.barrier_n,
-            "joinset_size": args.joinset_size, "coalesce_ms": args.coalesce_ms,
+            "joinset_size": args.joinset_size, "coalesce_ms": args.coalesce_ms, "settle": args.settle,
         }
         from .scenarios import child_main
 
@@ -299,7 +299,7 @@ def run_bench(args, argv: list[str] | None = None) -> int:
             "producers": args.producers, "workers": args.workers, "durability": durability,
             "warmup_s": args.warmup, "url": url, "spawned": bool(args.spawn),
             "batch": args.batch, "pipeline": args.pipeline, "max_messages": args.max_messages,
-            "worker_concurrency": args.worker_concurrency, "group_size": args.group_size,
+            "worker_concurrency": args.worker_concurrency, "settle": args.settle, "group_size": args.group_size,
             "accept_n": args.accept_n, "barrier_n": args.barrier_n, "joinset_size": args.joinset_size,
             "coalesce_ms": args.coalesce_ms, "daemon_pid": daemon.proc.pid if daemon else None, "runs": args.runs,
             # where the daemon's fdatasync runs, from its status: process, thread, inline ("" in memory)
@@ -357,6 +357,9 @@ def add_arguments(b) -> None:
     b.add_argument("--max-messages", type=int, default=32, help="deliveries per receive (default %(default)s)")
     b.add_argument("--lease-seconds", type=float, default=30.0,
                    help="lifecycle: the lease each receive asks for, seconds (default %(default)s)")
+    b.add_argument("--settle", choices=["next", "separate"], default="next",
+                   help="how a worker completes a batch: next (default: its completes and the next receive in one "
+                        "round trip, delivery.complete_next) or separate (complete_many, then a receive)")
     b.add_argument("--worker-concurrency", type=int, default=2,
                    help="receive loops per worker process (default %(default)s)")
     b.add_argument("--group-size", type=int, default=12, help="groups scenario: members per group (default %(default)s)")

@@ -388,19 +388,43 @@ async def worker(ctx: Ctx, stop) -> None:
             if isinstance(r, RallypointError):
                 ctx.errors[r.code] += 1
 
+    together = spec.get("settle", "next") == "next"
+
+    async def complete_next(ds):
+        """The batch's completes and the next receive in one round trip."""
+        out, nxt = await ctx.timed("complete_next", mbx.complete_many_and_next, [(d, {"w": ctx.index}) for d in ds],
+                                   scope=run, max_messages=spec["max_messages"], lease_seconds=spec.get("lease_seconds", 30),
+                                   wait=RECEIVE_WAIT_S)
+        for r in out:
+            if isinstance(r, RallypointError):
+                ctx.errors[r.code] += 1
+        return nxt
+
     async def loop():
+        ds = []
         while not stop.is_set():
-            try:
-                ds = await ctx.timed(
-                    "receive", mbx.receive, run, lease_seconds=spec.get("lease_seconds", 30), wait=RECEIVE_WAIT_S, max_messages=spec["max_messages"]
-                )
-            except RallypointError:
-                await trio.sleep(0.05)
-                continue
             if not ds:
-                continue
+                try:
+                    ds = await ctx.timed(
+                        "receive", mbx.receive, run, lease_seconds=spec.get("lease_seconds", 30), wait=RECEIVE_WAIT_S,
+                        max_messages=spec["max_messages"]
+                    )
+                except RallypointError:
+                    await trio.sleep(0.05)
+                    continue
+                if not ds:
+                    continue
             plain = [d for d in ds if d.group_id is None and not _is_arrival(d)]
             others = [d for d in ds if d.group_id is not None or _is_arrival(d)]
+            ds = []
+            if together and plain and not others:
+                try:
+                    ds = await complete_next(plain)
+                except RallypointError:
+                    await trio.sleep(0.05)
+                except Exception as e:  # noqa: BLE001
+                    ctx.error(e)
+                continue
             async with trio.open_nursery() as n:
                 if plain:  # one batch frame for the plain lifecycle completes
                     n.start_soon(_guard, ctx, complete_batch, plain)
