@@ -627,6 +627,18 @@ class Coordinator:
         commits are journaled all the same."""
         if self._deferred is not None:  # (never nested: a handler does not run another)
             return decide()
+        result, deferred = self._deferring(decide)
+        answer = None
+        if deferred and isinstance(result, msgspec.Struct) and type(result) not in (Park, Subscribe):
+            result = encoder.encode(result)
+            answer = self.idempotency.step_record(session, op, result, self.now_ms())
+        self._journal_deferred(deferred, answer)
+        return result
+
+    def _deferring(self, decide: Callable[[], Any]) -> tuple[Any, list]:
+        """Run ``decide`` with its commits deferred; returns ``(its result, the deferred
+        records)`` for the caller to journal. If it raises, what it applied is journaled
+        (no answer) and the exception goes on; a :class:`FatalError` journals nothing."""
         deferred = self._deferred = []
         try:
             result = decide()
@@ -638,12 +650,7 @@ class Coordinator:
             self._journal_deferred(deferred, None)
             raise
         self._deferred = None
-        answer = None
-        if deferred and isinstance(result, msgspec.Struct) and type(result) not in (Park, Subscribe):
-            result = encoder.encode(result)
-            answer = self.idempotency.step_record(session, op, result, self.now_ms())
-        self._journal_deferred(deferred, answer)
-        return result
+        return result, deferred
 
     def grouped(self, decide: Callable[[], Any]) -> Any:
         """Run ``decide`` with its commits applied at once (each :meth:`commit` applies
@@ -655,17 +662,7 @@ class Coordinator:
         schedules to fire every schedule due at one instant in a few group commits."""
         if self._deferred is not None:
             return decide()
-        deferred = self._deferred = []
-        try:
-            result = decide()
-        except FatalError:
-            self._deferred = None
-            raise
-        except BaseException:
-            self._deferred = None
-            self._journal_deferred(deferred, None)
-            raise
-        self._deferred = None
+        result, deferred = self._deferring(decide)
         self._journal_deferred(deferred, None)
         return result
 
