@@ -487,6 +487,7 @@ EVENT_PAGE = Shape(
 #: Views the HTTP API does not show, and why (every other view has a shape above).
 NOT_SERVED: dict[type, str] = {
     p.ServerStatusView: "server status is the operator's (TCP, rallypoint status, /metrics)",
+    p.OperatorActedView: "the console's audit of its own actions (a node-local op, LOCAL permission)",
     p.ClusterView: "part of the server status (rallypoint status, rallypoint cluster status)",
     p.ClusterMapView: "the native SDK's router reads the slot map (HTTP routes inside the node)",
     p.ShardView: "the native SDK's router reads the slot map (HTTP routes inside the node)",
