@@ -471,6 +471,14 @@ def test_sign_in_needs_a_key_of_the_clusters_and_a_revoke_in_etcd_signs_out(chro
                 return (await http.get(c.console("n0b") + "/runs")).status_code == 303
 
         trio.run(wait_until, closed)
+
+        async def strangers_stream():  # no session: refused before its Last-Event-ID is read
+            async with httpx.AsyncClient(timeout=10) as http:
+                r = await http.get(c.console("n0b") + "/stream?mode=events", headers={"last-event-id": "0:0"})
+                return r.status_code, r.text
+
+        status, body = trio.run(strangers_stream)
+        assert status == 401 and "event:" not in body, (status, body)
         page.goto(c.console("n0b") + "/runs")
         assert "/login" in page.url
         page.fill("input[name=key]", "rpk_not_a_key")

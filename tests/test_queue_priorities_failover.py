@@ -8,36 +8,15 @@ order (:func:`test_queue_priorities.check_scheduling`)."""
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 
 import rallypoint
 
-from _cluster import ClusterNode
-from test_cluster_daemon import leader_pair
+from test_cluster_daemon import cluster_name, leader_pair, nodes  # noqa: F401 (fixtures)
 from test_queue_priorities import check_scheduling, seed_scheduling
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def cluster_name():
-    return f"p-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def nodes(etcd, tmp_path, cluster_name):
-    made: list[ClusterNode] = []
-
-    def make(name: str, **kw) -> ClusterNode:
-        n = ClusterNode(name, str(tmp_path), etcd.endpoints[0], cluster_name, **kw)
-        made.append(n)
-        return n
-
-    yield make
-    for n in made:
-        n.kill()
 
 
 async def test_priorities_keys_weights_and_order_survive_a_failover(nodes, etcd, cluster_name):

@@ -6,36 +6,15 @@ none missing (the takeover is inside the catch-up window), no run without its re
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 import trio
 
 import rallypoint
 
-from _cluster import ClusterNode
-from test_cluster_daemon import leader_pair, wait_isr
+from test_cluster_daemon import cluster_name, leader_pair, nodes, wait_isr  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def cluster_name():
-    return f"s-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-def nodes(etcd, tmp_path, cluster_name):
-    made: list[ClusterNode] = []
-
-    def make(name: str, **kw) -> ClusterNode:
-        n = ClusterNode(name, str(tmp_path), etcd.endpoints[0], cluster_name, **kw)
-        made.append(n)
-        return n
-
-    yield make
-    for n in made:
-        n.kill()
 
 
 async def _describe(rs):
