@@ -33,3 +33,36 @@ def test_entities_and_rss_stay_flat_under_load_with_retention(tmp_path):
 
     report = json.load(open(tmp_path / "soak.json"))
     assert report["samples"][-1]["purged"] > 10_000  # retention did the work
+
+
+def _judge():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("soak_retention", os.path.join(ROOT, "scripts", "soak_retention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.judge
+
+
+def _samples(entities_at, rss_at):
+    return [{"t": float(t), "entities": entities_at(t), "rss": rss_at(t), "rss_anon": 1, "rss_file": 1,
+             "snapshot_bytes": 1} for t in range(1, 55)]
+
+
+@pytest.mark.quick
+def test_the_soak_verdict_fails_on_growth_and_passes_a_fall():
+    judge = _judge()
+    flat = lambda t: 4000  # noqa: E731
+    # Entities grow 20 % after the reference: a leak.
+    _, ok, lines = judge(_samples(lambda t: 4000 if t < 40 else 4800, flat), 28, 8, 0.10)
+    assert not ok and "GREW MORE THAN 10%" in lines[0]
+    # RSS grows 15 %: a leak too.
+    _, ok, _ = judge(_samples(flat, lambda t: 100 if t < 40 else 115), 28, 8, 0.10)
+    assert not ok
+    # Entities fall 14 % after a purge sweep (the CI run that failed on this): not a leak.
+    verdict, ok, lines = judge(_samples(lambda t: 4736 if t < 35 else 4078, flat), 28, 8, 0.10)
+    assert ok and "fell" in lines[0]
+    assert verdict["entities"]["change"] < -0.10
+    # Within the tolerance either way.
+    _, ok, _ = judge(_samples(lambda t: 4000 + (t % 3) * 50, flat), 28, 8, 0.10)
+    assert ok
