@@ -322,7 +322,18 @@ def test_a_failover_while_the_live_page_is_open_misses_and_doubles_no_event(chro
         t.join(120)
         after = trio.run(_submit, c, 3, "after")  # on every shard; shard 1's to its new leader
         for tid in during + after:
-            page.wait_for_selector(f'#events tr >> text={tid}', timeout=30_000)
+            try:
+                page.wait_for_selector(f'#events tr >> text={tid}', timeout=60_000)
+            except Exception as e:  # say which task, and what the page had shown per shard
+                per_shard = {}
+                for x in seen:
+                    s, q = x.split(":")
+                    per_shard.setdefault(s, []).append(int(q))
+                notes = page.inner_text("#cluster-notes")
+                raise AssertionError(
+                    f"task {tid} ({'during' if tid in during else 'after'} the kill) never shown; "
+                    f"event ids shown per shard: { {s: (min(v), max(v), len(v)) for s, v in per_shard.items()} }; "
+                    f"notes: {notes!r}") from e
         # the page said what happened: the failover, then the resume at the new leader
         page.wait_for_selector("#cluster-notes li.resumed[data-shard=\"1\"]", timeout=15_000)
         notes = page.inner_text("#cluster-notes")
