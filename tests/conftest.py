@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
     # the files that hold a ``slow`` test first (each file's order kept): under
-    # ``-n 4 --dist loadfile`` the long ones (the seed run, the soak) start at once
+    # ``-n 2 --dist loadfile`` the long ones (the seed run, the soak) start at once
     # instead of leaving one worker alone with them at the end
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     longest = ("test_sim.py", "test_soak.py")  # the two longest, each on its own worker first

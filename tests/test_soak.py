@@ -15,8 +15,14 @@ from conftest import SLOW
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: The short form's bound is 30 %, not the issue's 10 % (which the long form keeps): in 50 s
+#: beside three other test processes the entity count swings with each purge sweep and with
+#: the backlog a starved worker leaves (-13.9 % and +11.2 % in two CI runs of the same code).
+#: It still catches a leak: with nothing purged the count grows by 800 a second, from ~4,000
+#: to ~20,000 over the run (+400 %).
 SHORT = ["--minutes", "0.85", "--retain", "5s", "--rate", "800", "--retain-events", "20000",
-         "--snapshot-every-s", "2", "--lease-seconds", "8", "--reference-s", "28", "--window-s", "8", "--every", "1"]
+         "--snapshot-every-s", "2", "--lease-seconds", "8", "--reference-s", "28", "--window-s", "8", "--every", "1",
+         "--tolerance", "0.30"]
 LONG = ["--minutes", "10", "--retain", "30s"]
 
 
