@@ -30,7 +30,7 @@ REGRESSION_SEEDS = {
         "same events",
 }
 
-#: the default batch (about 0.5 s of CPU a seed); RALLYPOINT_SLOW=1 runs the long one (10,000 seeds;
+#: the default batch (0.8-1.6 s a seed: 10 seeds took 8-16 s, 2026-12-07); RALLYPOINT_SLOW=1 runs the long one (10,000 seeds;
 #: RALLYPOINT_CLUSTERSIM_PROCESSES=2 spreads it over two processes)
 CI_SEEDS = 10
 
@@ -60,7 +60,7 @@ def test_a_few_seeds_over_three_shards_hold_every_invariant():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (os.environ.get("RALLYPOINT_SLOW") or os.environ.get("RALLYPOINT_CLUSTERSIM_SEEDS")),
-                    reason="the long batch (10,000 seeds, about 80 min of CPU at 0.5 s a seed): RALLYPOINT_SLOW=1 or "
+                    reason="the long batch (10,000 seeds, several hours of one core: a run of seeds 0-2,499 had used 107 CPU-minutes unfinished): RALLYPOINT_SLOW=1 or "
                            "RALLYPOINT_CLUSTERSIM_SEEDS=N")
 @pytest.mark.timeout(6 * 3600)
 def test_a_long_batch_of_seeds_holds_every_invariant():
