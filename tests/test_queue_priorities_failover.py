@@ -8,7 +8,6 @@ order (:func:`test_queue_priorities.check_scheduling`)."""
 
 from __future__ import annotations
 
-
 import pytest
 
 import rallypoint

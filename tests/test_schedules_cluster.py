@@ -6,7 +6,6 @@ none missing (the takeover is inside the catch-up window), no run without its re
 
 from __future__ import annotations
 
-
 import pytest
 import trio
 
