@@ -15,6 +15,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from urllib.parse import urlsplit
 
 import msgspec
@@ -41,12 +42,31 @@ def logged_daemon(*extra: str):
     t = threading.Thread(target=lambda: lines.extend(d.proc.stderr), daemon=True)
     t.start()
     try:
+        startup_drained(d, lines)
         yield d, lines
         assert d.proc.poll() is None, "the daemon died:\n" + "".join(lines)
     finally:
         rc = d.stop()
         t.join(5)
     assert rc == 0, "".join(lines)
+
+
+#: The last line the daemon logs at startup (before it prints READY on stdout): which of
+#: the two depends on whether API keys are configured.
+_LAST_STARTUP_LINE = ("open mode: no API keys", "API keys required")
+
+
+def startup_drained(d: Daemon, lines: list[str], timeout: float = 30.0) -> None:
+    """Wait until the reader thread has taken the startup lines off the pipe.
+
+    The daemon wrote them before READY, but the thread that drains stderr may not have
+    read them yet on a loaded machine; a test that takes ``len(lines)`` as its base before
+    that would count the startup banner as lines its storm caused (CI saw exactly this)."""
+    deadline = time.monotonic() + timeout
+    while not any(m in ln for ln in list(lines) for m in _LAST_STARTUP_LINE):
+        assert d.proc.poll() is None, "the daemon died:\n" + "".join(lines)
+        assert time.monotonic() < deadline, "no startup line logged:\n" + "".join(lines)
+        time.sleep(0.01)
 
 
 def port_of(d: Daemon) -> int:
