@@ -166,6 +166,65 @@ async def test_the_sink_ends_at_once_when_the_key_is_revoked(autojump_clock):
             await sink.next_batch()
 
 
+async def test_a_cancelled_next_batch_loses_no_event_of_any_shard(autojump_clock):
+    """The live page's stream takes what is buffered with ``move_on_after(0)`` around
+    ``next_batch()``. CI saw the page miss one event of each shard that did not fail over:
+    a cancelled call had taken events (from the shards' subscriptions, or from the merge)
+    and dropped them, and the cursor had moved past them. Cancelled at every point of the
+    wait, it takes nothing: every event comes out of the next calls, once, in order."""
+    n_ev = MergedSink.MAX_BATCH + 100
+    router = FakeRouter({0: [(1, 10)], 1: [(1, 20)]})
+    w = _ReopenCounting(router, p.EventsWatch(start="now"), "0:1,1:1", 10_000)
+    sink = MergedSink(w, _Service(), None)
+    await w.open()
+    for s in (0, 1):
+        router.logs[s] += [(q, 10 * q + 5 * s) for q in range(2, n_ev + 2)]
+    want = [(s, q) for s in (0, 1) for q in range(2, n_ev + 2)]
+    got: list = []
+
+    async def cancelled_call() -> None:  # what it returns, if it returns, counts too
+        with trio.move_on_after(0):
+            got.extend(_ids(await sink.next_batch()))
+
+    # (1) one shard's batch arrives as a call is cancelled while the other has sent
+    # nothing: nothing may be dropped (this is what CI saw: the merge's wait on both was
+    # cancelled after shard 0's subscription had handed its batch over)
+    router.send(0, n_ev + 1, frm=1)
+    await cancelled_call()
+    router.send(1, n_ev + 1, frm=1)
+    await cancelled_call()
+    if not got:
+        got += _ids(await sink.next_batch())
+    assert len(got) == MergedSink.MAX_BATCH  # (2) more than a batch is left in the merge ...
+    await cancelled_call()  # ... and a cancelled call must not drop any of it
+    while len(got) < len(want):
+        got += _ids(await sink.next_batch())
+        await cancelled_call()
+    # once each (live, a shard that has sent nothing does not hold back another's: the
+    # order across shards is arrival's), and each shard's in its own order
+    assert len(got) == len(set(got)) and sorted(got) == sorted(want)
+    for s in (0, 1):
+        assert [q for t, q in got if t == s] == list(range(2, n_ev + 2))
+    assert sink.cursor == f"0:{n_ev + 1},1:{n_ev + 1}"
+    sink.close()
+
+
+async def test_the_sink_refuses_at_once_once_revoked_even_with_events_waiting(autojump_clock):
+    router = FakeRouter({0: [(1, 10)], 1: [(1, 20)]})
+    revoked = trio.Event()
+    w = _ReopenCounting(router, p.EventsWatch(start="now"), "0:1,1:1", 100)
+    sink = MergedSink(w, _Service(), revoked)
+    await w.open()
+    router.logs[0] += [(2, 30), (3, 40)]
+    router.send(0, 3, frm=1)
+    assert _ids(await sink.next_batch()) == [(0, 2), (0, 3)]
+    router.logs[0] += [(4, 50)]
+    router.send(0, 4, frm=3)
+    revoked.set()
+    with pytest.raises(UnauthenticatedError):
+        await sink.next_batch()
+
+
 async def test_the_stream_is_told_of_each_failover_and_each_resume(autojump_clock):
     router = FakeRouter({0: [(1, 1)], 1: [(1, 1)]})
     svc = _Service()

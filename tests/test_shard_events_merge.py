@@ -37,7 +37,12 @@ class FakeSub:
         self._send.send_nowait(("error", error, None))
 
     async def next_batch(self) -> list:
-        kind, value, scanned = await self._recv.receive()
+        # Like the real subscriptions (rallypoint/service.py, transport/connection.py): a
+        # batch already buffered is returned without a checkpoint; only the wait is one.
+        try:
+            kind, value, scanned = self._recv.receive_nowait()
+        except trio.WouldBlock:
+            kind, value, scanned = await self._recv.receive()
         if kind == "error":
             raise value
         if scanned is not None:
@@ -258,3 +263,21 @@ async def test_a_single_node_keeps_its_integer_cursor_and_its_events_name_no_sha
             await rs.events.list(cursor="0:1,1:2")
         with pytest.raises(ValidationError):
             rs.events.watch(cursor="0:1")
+
+
+async def test_a_next_cancelled_after_a_shard_answered_keeps_that_shards_events():
+    """``MergedWatch.next()`` waits on every shard at once; one answers (its subscription
+    has handed over the batch and will not send it again) as the caller's deadline
+    passes. The batch must be kept: the next call returns it. (It was dropped: the
+    results were taken only after the task group, which the cancellation skipped.)"""
+    router = FakeRouter({0: [(1, 10)], 1: [(1, 20)]})
+    w = MergedWatch(router, p.EventsWatch(start="now"), "0:1,1:1", 100)
+    await w.open()
+    router.logs[0] += [(2, 30), (3, 40)]
+    router.send(0, 3, frm=1)
+    with trio.move_on_after(0) as scope:
+        await w.next()
+    assert scope.cancelled_caught
+    got = await pull(w, 2)
+    assert [(e.shard, e.seq) for e in got] == [(0, 2), (0, 3)]
+    assert w.cursor == "0:3,1:1"

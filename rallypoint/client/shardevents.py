@@ -314,18 +314,35 @@ class MergedWatch:
 
     async def _fill(self) -> None:
         """Wait for any shard's next batch, (re)opening the shards that need it first; a
-        shard out of reach is tried again every 0.1 s meanwhile."""
+        shard out of reach is tried again every 0.1 s meanwhile.
+
+        Cancel-safe: a shard's batch is taken into its ``pending`` in the same step as its
+        ``next_batch`` returns it (no checkpoint between), so a caller cancelled while
+        this waits -- a time-out, a ``move_on_after(0)`` to take what is buffered --
+        loses nothing: the subscription will not send those events again."""
         if any(w.sub is None for w in self._shards):
             await self.open()
         ready = [w for w in self._shards if w.sub is not None and len(w.pending) < self._buffer]
         retry = any(w.sub is None for w in self._shards)
-        results: dict[int, Any] = {}
+        errors: list[RallypointError] = []
 
         async def one(w: _ShardWatch, scope) -> None:
+            sub = w.sub
             try:
-                results[w.shard] = (await w.sub.next_batch(), getattr(w.sub, "scanned", None))
+                raws = await sub.next_batch()
+            except SlowConsumerError:
+                w.sub = None  # cut off (server) or its buffer filled: on from what it received
+                self.resumed += 1
+            except UnavailableError as e:
+                w.sub = None
+                if self._closed or self._transport.shard_closed(w.shard):
+                    errors.append(on_shard(w.shard, e))
+                else:
+                    self.resumed += 1
             except RallypointError as e:
-                results[w.shard] = e
+                errors.append(on_shard(w.shard, e))
+            else:
+                self._received(w, raws, getattr(sub, "scanned", None))
             scope.cancel()  # (next_batch only waits before it takes anything: safe to cancel the others)
 
         async def later(scope) -> None:
@@ -337,22 +354,22 @@ class MergedWatch:
                 tg.start_soon(one, w, tg.cancel_scope)
             if retry or not ready:
                 tg.start_soon(later, tg.cancel_scope)
-        for w in ready:
-            r = results.get(w.shard)
-            if r is None:
-                continue
-            if isinstance(r, SlowConsumerError):
-                w.sub = None  # cut off (server) or its buffer filled: on from what it received
-                self.resumed += 1
-            elif isinstance(r, UnavailableError):
-                w.sub = None
-                if self._closed or self._transport.shard_closed(w.shard):
-                    raise on_shard(w.shard, r)
-                self.resumed += 1
-            elif isinstance(r, RallypointError):
-                raise on_shard(w.shard, r)
-            else:
-                self._received(w, *r)
+        if errors:
+            raise errors[0]
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    async def fill(self) -> None:
+        """Wait until some shard has sent more (events, a scanned position, or its
+        subscription ended and was re-opened), at most about 0.1 s while a shard is out
+        of reach. Cancel-safe (see :meth:`_fill`); for a caller that takes events with
+        :meth:`ready` itself and must not lose one taken to a cancellation. Raises
+        CURSOR_EXPIRED naming its shard, UnavailableError once a shard's transport gave
+        up reconnecting."""
+        await self._fill()
 
     def ready(self) -> t.Event | None:
         """The next event in merge order if one can be returned without waiting, else

@@ -532,32 +532,42 @@ class MergedSink:
         return self.watch.cursor
 
     async def next_batch(self) -> list[bytes]:
-        """Wait for the next event(s); UNAUTHENTICATED once the key is revoked, the
-        merge's error (naming its shard) otherwise."""
-        got: list = []
-        err: list = []
+        """Wait for the next event(s); UNAUTHENTICATED once the key is revoked (even with
+        events waiting), the merge's error (naming its shard) otherwise.
 
-        async with trio.open_nursery() as nursery:
-            async def events() -> None:
-                try:
-                    got.append(await self.watch.next())
-                except (RallypointError, StopAsyncIteration) as e:
-                    err.append(e)
-                nursery.cancel_scope.cancel()
-
-            async def revoked() -> None:
-                await self.revoked.wait()
-                err.append(UnauthenticatedError("the key was revoked", details={"reason": "key_revoked"}))
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(events)
-            if self.revoked is not None:
-                nursery.start_soon(revoked)
-        if err:
-            e = err[0]
-            if isinstance(e, StopAsyncIteration):
+        Cancel-safe: only the wait is done in the nursery that also watches for the
+        revocation; the events are taken after it, with no checkpoint between taking them
+        and returning them, so a call cancelled (the stream's ``move_on_after(0)`` for
+        what is buffered, a time-out) takes nothing. (It used to take an event inside the
+        nursery: cancelled at the nursery's exit, that event was lost, and the cursor had
+        moved past it.)"""
+        while True:
+            if self.revoked is not None and self.revoked.is_set():
+                raise UnauthenticatedError("the key was revoked", details={"reason": "key_revoked"})
+            first = self.watch.ready()
+            if first is not None:
+                break
+            if self.watch.closed:
                 raise UnavailableError("the stream was closed")
-            raise e
+            err: list = []
+            async with trio.open_nursery() as nursery:
+                async def fill() -> None:
+                    try:
+                        await self.watch.fill()
+                    except RallypointError as e:
+                        err.append(e)
+                    nursery.cancel_scope.cancel()
+
+                async def revoked() -> None:
+                    await self.revoked.wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(fill)
+                if self.revoked is not None:
+                    nursery.start_soon(revoked)
+            if err:
+                raise err[0]
+        got = [first]
         while len(got) < self.MAX_BATCH:
             e = self.watch.ready()
             if e is None:
