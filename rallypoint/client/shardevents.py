@@ -312,14 +312,18 @@ class MergedWatch:
         if not w.pending and w.pos is not None and last > w.pos:
             w.pos = last  # nothing new passed the filter up to there
 
-    async def _fill(self) -> None:
-        """Wait for any shard's next batch, (re)opening the shards that need it first; a
-        shard out of reach is tried again every 0.1 s meanwhile.
+    async def fill(self) -> None:
+        """Wait until some shard has sent more (events, a scanned position, or its
+        subscription ended and is to be re-opened), (re)opening the shards that need it
+        first; a shard out of reach is tried again every 0.1 s meanwhile. Raises
+        CURSOR_EXPIRED naming its shard, UnavailableError once a shard's transport gave
+        up reconnecting.
 
         Cancel-safe: a shard's batch is taken into its ``pending`` in the same step as its
         ``next_batch`` returns it (no checkpoint between), so a caller cancelled while
         this waits -- a time-out, a ``move_on_after(0)`` to take what is buffered --
-        loses nothing: the subscription will not send those events again."""
+        loses nothing: the subscription will not send those events again. For a caller
+        that takes events with :meth:`ready` itself (the console's stream)."""
         if any(w.sub is None for w in self._shards):
             await self.open()
         ready = [w for w in self._shards if w.sub is not None and len(w.pending) < self._buffer]
@@ -362,15 +366,6 @@ class MergedWatch:
         """True once :meth:`close` was called."""
         return self._closed
 
-    async def fill(self) -> None:
-        """Wait until some shard has sent more (events, a scanned position, or its
-        subscription ended and was re-opened), at most about 0.1 s while a shard is out
-        of reach. Cancel-safe (see :meth:`_fill`); for a caller that takes events with
-        :meth:`ready` itself and must not lose one taken to a cancellation. Raises
-        CURSOR_EXPIRED naming its shard, UnavailableError once a shard's transport gave
-        up reconnecting."""
-        await self._fill()
-
     def ready(self) -> t.Event | None:
         """The next event in merge order if one can be returned without waiting, else
         None (nothing received, or a shard still catching up has nothing to compare)."""
@@ -386,7 +381,7 @@ class MergedWatch:
                 return e
             if self._closed:
                 raise StopAsyncIteration
-            await self._fill()
+            await self.fill()
 
     def close(self) -> None:
         """End every shard's subscription (events received and not returned are dropped)."""

@@ -538,9 +538,7 @@ class MergedSink:
         Cancel-safe: only the wait is done in the nursery that also watches for the
         revocation; the events are taken after it, with no checkpoint between taking them
         and returning them, so a call cancelled (the stream's ``move_on_after(0)`` for
-        what is buffered, a time-out) takes nothing. (It used to take an event inside the
-        nursery: cancelled at the nursery's exit, that event was lost, and the cursor had
-        moved past it.)"""
+        what is buffered, a time-out) takes nothing."""
         while True:
             if self.revoked is not None and self.revoked.is_set():
                 raise UnauthenticatedError("the key was revoked", details={"reason": "key_revoked"})
